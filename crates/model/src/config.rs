@@ -1,0 +1,177 @@
+//! Model hyper-parameters: the `[model]` section of a training config.
+
+use serde::{Deserialize, Serialize};
+
+/// Which feed-forward block each transformer layer uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MlpKind {
+    /// `proj(silu(x W_gate) * (x W_up))`, as in LLaMA.
+    Swiglu,
+    /// `proj(gelu(x W_fc))` with the tanh approximation, as in GPT-2.
+    Gelu,
+}
+
+/// How attention is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKind {
+    /// Plain Burn ops: scores, causal mask, softmax, weighted sum. Materialises [B, H, T, T].
+    Plain,
+}
+
+/// Which implementation the memory-bound ops (norms, activations, RoPE, loss) use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelsKind {
+    /// Ordinary Burn tensor ops.
+    Reference,
+}
+
+/// Shape and details of the GPT-style decoder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GptConfig {
+    /// Vocabulary size of the embedding and LM head. 0 takes the tokenizer's size; a larger value pads
+    /// the vocabulary (e.g. 50304 for GPT-2's 50257, a multiple of 64 for faster matmuls).
+    pub vocab_size: usize,
+    /// Number of transformer blocks.
+    pub n_layer: usize,
+    /// Number of attention heads; must divide `d_model`, and `d_model / n_head` must be even (RoPE).
+    pub n_head: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Longest sequence the model is trained on (tokens per window).
+    pub context: usize,
+    /// Feed-forward block: "swiglu" or "gelu".
+    pub mlp: MlpKind,
+    /// Hidden width of the feed-forward block; 0 picks 4 * d_model for GELU and
+    /// 8/3 * d_model rounded up to a multiple of 64 for SwiGLU (the same parameter count).
+    pub d_ff: usize,
+    /// Dropout probability on attention weights and on each residual branch (0 disables it).
+    pub dropout: f64,
+    /// Share the token-embedding matrix with the LM head.
+    pub tie_embeddings: bool,
+    /// Add biases to the linear layers.
+    pub bias: bool,
+    /// RoPE base frequency.
+    pub rope_theta: f64,
+    /// Epsilon of RMSNorm.
+    pub norm_eps: f64,
+    /// Standard deviation of the normal initialisation (residual projections are further scaled by
+    /// 1/sqrt(2 * n_layer), as in GPT-2).
+    pub init_std: f64,
+    /// Attention implementation: "plain".
+    pub attention: AttentionKind,
+    /// Implementation of the memory-bound ops: "reference".
+    pub kernels: KernelsKind,
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 0,
+            n_layer: 2,
+            n_head: 4,
+            d_model: 64,
+            context: 64,
+            mlp: MlpKind::Swiglu,
+            d_ff: 0,
+            dropout: 0.0,
+            tie_embeddings: true,
+            bias: false,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+            init_std: 0.02,
+            attention: AttentionKind::Plain,
+            kernels: KernelsKind::Reference,
+        }
+    }
+}
+
+impl GptConfig {
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_head.max(1)
+    }
+
+    /// Resolved hidden width of the feed-forward block.
+    pub fn ff_width(&self) -> usize {
+        if self.d_ff > 0 {
+            return self.d_ff;
+        }
+        match self.mlp {
+            MlpKind::Gelu => 4 * self.d_model,
+            MlpKind::Swiglu => (8 * self.d_model / 3).div_ceil(64) * 64,
+        }
+    }
+
+    /// Checks the configuration; each error names the `model.*` key and what would be valid.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("model.n_layer", self.n_layer),
+            ("model.n_head", self.n_head),
+            ("model.d_model", self.d_model),
+            ("model.context", self.context),
+        ];
+        for (key, v) in positive {
+            if v == 0 {
+                return Err(format!("{key} must be at least 1, got 0"));
+            }
+        }
+        if self.d_model % self.n_head != 0 {
+            return Err(format!(
+                "model.n_head = {} does not divide model.d_model = {}; choose a head count that divides the width (e.g. {})",
+                self.n_head,
+                self.d_model,
+                divisors(self.d_model)
+            ));
+        }
+        if self.head_dim() % 2 != 0 {
+            return Err(format!(
+                "model.d_model / model.n_head = {} must be even for rotary embeddings",
+                self.head_dim()
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(format!("model.dropout must be in [0, 1), got {}", self.dropout));
+        }
+        if !(self.rope_theta > 1.0) {
+            return Err(format!("model.rope_theta must be > 1, got {}", self.rope_theta));
+        }
+        if !(self.norm_eps > 0.0) {
+            return Err(format!("model.norm_eps must be > 0, got {}", self.norm_eps));
+        }
+        if !(self.init_std > 0.0) {
+            return Err(format!("model.init_std must be > 0, got {}", self.init_std));
+        }
+        Ok(())
+    }
+
+    /// Number of trainable parameters (the tied LM head counted once).
+    pub fn num_params(&self, vocab: usize) -> usize {
+        let d = self.d_model;
+        let ff = self.ff_width();
+        let b = self.bias as usize;
+        let attn = d * 3 * d + 3 * d * b + d * d + d * b;
+        let mlp = match self.mlp {
+            MlpKind::Gelu => d * ff + ff * b + ff * d + d * b,
+            MlpKind::Swiglu => d * 2 * ff + 2 * ff * b + ff * d + d * b,
+        };
+        let block = attn + mlp + 2 * d;
+        let head = if self.tie_embeddings { 0 } else { d * vocab };
+        vocab * d + self.n_layer * block + d + head
+    }
+
+    /// Training FLOPs per token by the standard estimate (PaLM appendix B, nanoGPT):
+    /// 6 per parameter plus 12 * layers * width * context for attention.
+    pub fn flops_per_token(&self, vocab: usize) -> f64 {
+        6.0 * self.num_params(vocab) as f64
+            + 12.0 * (self.n_layer * self.d_model * self.context) as f64
+    }
+}
+
+fn divisors(n: usize) -> String {
+    let list: Vec<String> = (1..=n.min(64)).filter(|h| n % h == 0).map(|h| h.to_string()).collect();
+    list.join(", ")
+}

@@ -1,0 +1,213 @@
+//! The GPT-style decoder: embedding, N pre-norm blocks, final norm, LM head.
+
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig};
+use burn::tensor::activation::{gelu, log_softmax, silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Int, Tensor};
+
+use crate::config::{GptConfig, MlpKind};
+use crate::layers::{apply_rope, rope_tables, Embedding, Linear, RmsNorm};
+
+/// Score given to masked (future) positions: finite, because WGSL has no infinity literal, and far
+/// enough below any real score that its softmax weight is exactly 0 in f32.
+const MASKED: f32 = -1e9;
+
+/// Causal multi-head self-attention with rotary position embeddings.
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// [d_model, 3 * d_model]: the q, k and v projections side by side.
+    pub qkv: Linear<B>,
+    /// [d_model, d_model]: the output (residual) projection.
+    pub proj: Linear<B>,
+    pub attn_dropout: Dropout,
+    pub resid_dropout: Dropout,
+    #[module(skip)]
+    pub n_head: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    fn new(cfg: &GptConfig, device: &B::Device) -> Self {
+        let d = cfg.d_model;
+        let resid_std = cfg.init_std / (2.0 * cfg.n_layer as f64).sqrt();
+        Self {
+            qkv: Linear::new(d, 3 * d, cfg.bias, cfg.init_std, device),
+            proj: Linear::new(d, d, cfg.bias, resid_std, device),
+            attn_dropout: DropoutConfig::new(cfg.dropout).init(),
+            resid_dropout: DropoutConfig::new(cfg.dropout).init(),
+            n_head: cfg.n_head,
+        }
+    }
+
+    /// x: [B, T, d] -> [B, T, d]
+    fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let h = self.n_head;
+        let hd = d / h;
+        // [B, T, 3d] -> [B, T, 3H, hd] -> [B, 3H, T, hd]; heads 0..H are q, H..2H k, 2H..3H v.
+        let qkv = self.qkv.forward(x).reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+        let mut parts = qkv.chunk(3, 1);
+        let v = parts.pop().expect("v");
+        let k = parts.pop().expect("k");
+        let q = parts.pop().expect("q");
+        let q = apply_rope(q, &rope.cos, &rope.sin);
+        let k = apply_rope(k, &rope.cos, &rope.sin);
+
+        // [B, H, T, T] scores; the additive mask is 0 on and below the diagonal, MASKED above.
+        let scale = (hd as f64).powf(-0.5);
+        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale) + rope.causal_mask.clone();
+        let probs = self.attn_dropout.forward(softmax(scores, 3));
+        let y = probs.matmul(v); // [B, H, T, hd]
+        let y = y.swap_dims(1, 2).reshape([b, t, d]);
+        self.resid_dropout.forward(self.proj.forward(y))
+    }
+}
+
+/// Feed-forward block, SwiGLU or GELU.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// GELU: [d, ff]. SwiGLU: [d, 2 * ff], gate then up.
+    pub fc: Linear<B>,
+    /// [ff, d]: the residual projection.
+    pub proj: Linear<B>,
+    pub dropout: Dropout,
+    #[module(skip)]
+    pub kind: MlpKind,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn new(cfg: &GptConfig, device: &B::Device) -> Self {
+        let (d, ff) = (cfg.d_model, cfg.ff_width());
+        let fc_out = match cfg.mlp {
+            MlpKind::Gelu => ff,
+            MlpKind::Swiglu => 2 * ff,
+        };
+        let resid_std = cfg.init_std / (2.0 * cfg.n_layer as f64).sqrt();
+        Self {
+            fc: Linear::new(d, fc_out, cfg.bias, cfg.init_std, device),
+            proj: Linear::new(ff, d, cfg.bias, resid_std, device),
+            dropout: DropoutConfig::new(cfg.dropout).init(),
+            kind: cfg.mlp,
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let h = self.fc.forward(x);
+        let h = match self.kind {
+            MlpKind::Gelu => gelu(h),
+            MlpKind::Swiglu => {
+                let mut gu = h.chunk(2, 2);
+                let up = gu.pop().expect("up");
+                let gate = gu.pop().expect("gate");
+                silu(gate) * up
+            }
+        };
+        self.dropout.forward(self.proj.forward(h))
+    }
+}
+
+/// Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub norm1: RmsNorm<B>,
+    pub attn: Attention<B>,
+    pub norm2: RmsNorm<B>,
+    pub mlp: Mlp<B>,
+}
+
+impl<B: Backend> Block<B> {
+    fn new(cfg: &GptConfig, device: &B::Device) -> Self {
+        Self {
+            norm1: RmsNorm::new(cfg.d_model, cfg.norm_eps, device),
+            attn: Attention::new(cfg, device),
+            norm2: RmsNorm::new(cfg.d_model, cfg.norm_eps, device),
+            mlp: Mlp::new(cfg, device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>) -> Tensor<B, 3> {
+        let x = x.clone() + self.attn.forward(self.norm1.forward(x), rope);
+        x.clone() + self.mlp.forward(self.norm2.forward(x))
+    }
+}
+
+/// Per-forward constants shared by every layer: RoPE tables and the causal mask.
+struct Rope<B: Backend> {
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+    /// [1, 1, T, T]: 0 where a query may attend, MASKED where it may not.
+    causal_mask: Tensor<B, 4>,
+}
+
+/// The decoder-only transformer.
+#[derive(Module, Debug)]
+pub struct Gpt<B: Backend> {
+    pub wte: Embedding<B>,
+    pub drop: Dropout,
+    pub blocks: Vec<Block<B>>,
+    pub norm_f: RmsNorm<B>,
+    /// Absent when the LM head shares the embedding matrix.
+    pub lm_head: Option<Linear<B>>,
+    #[module(skip)]
+    pub config: GptConfig,
+}
+
+impl<B: Backend> Gpt<B> {
+    /// A freshly initialised model with `vocab` tokens (the resolved vocabulary size). Weights are
+    /// drawn from the backend's RNG: seed it first (`B::seed`) for a reproducible initialisation.
+    pub fn new(cfg: &GptConfig, vocab: usize, device: &B::Device) -> Self {
+        let mut config = cfg.clone();
+        config.vocab_size = vocab;
+        let blocks = (0..cfg.n_layer).map(|_| Block::new(cfg, device)).collect();
+        let lm_head =
+            (!cfg.tie_embeddings).then(|| Linear::new(cfg.d_model, vocab, false, cfg.init_std, device));
+        Self {
+            wte: Embedding::new(vocab, cfg.d_model, cfg.init_std, device),
+            drop: DropoutConfig::new(cfg.dropout).init(),
+            blocks,
+            norm_f: RmsNorm::new(cfg.d_model, cfg.norm_eps, device),
+            lm_head,
+            config,
+        }
+    }
+
+    /// Token ids [B, T] (T <= context) -> logits [B, T, vocab].
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [_, t] = ids.dims();
+        assert!(
+            t <= self.config.context,
+            "sequence of {t} tokens is longer than model.context = {}",
+            self.config.context
+        );
+        let device = ids.device();
+        let (cos, sin) = rope_tables::<B>(t, self.config.head_dim(), self.config.rope_theta, &device);
+        // Burn's tril_mask is true outside the lower triangle, i.e. at the future keys (j > i).
+        let above = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
+        let causal_mask =
+            Tensor::<B, 2>::zeros([t, t], &device).mask_fill(above, MASKED).reshape([1, 1, t, t]);
+        let rope = Rope { cos, sin, causal_mask };
+
+        let mut x = self.drop.forward(self.wte.forward(ids));
+        for block in &self.blocks {
+            x = block.forward(x, &rope);
+        }
+        let x = self.norm_f.forward(x);
+        match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => x.matmul(self.wte.weight.val().transpose().unsqueeze()),
+        }
+    }
+
+    /// Mean next-token cross-entropy (natural log) of `logits` [B, T, V] against `targets` [B, T].
+    pub fn loss(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let [b, t, v] = logits.dims();
+        let logp = log_softmax(logits.reshape([b * t, v]), 1);
+        let picked = logp.gather(1, targets.reshape([b * t, 1]));
+        picked.mean().neg()
+    }
+
+    /// Forward and loss in one call: ids and targets [B, T] -> scalar loss [1].
+    pub fn forward_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        Self::loss(self.forward(ids), targets)
+    }
+}

@@ -1,0 +1,102 @@
+//! The building blocks of the decoder: linear, embedding, RMSNorm, rotary embedding.
+//!
+//! Each is written with plain Burn ops so that the fused kernels of `kernels` can replace one op at a
+//! time behind the model's `kernels` switch.
+
+use burn::module::{Module, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Int, Tensor};
+
+/// `y = x W + b` with `W` stored as [d_in, d_out].
+#[derive(Module, Debug)]
+pub struct Linear<B: Backend> {
+    /// [d_in, d_out]
+    pub weight: Param<Tensor<B, 2>>,
+    /// [d_out]
+    pub bias: Option<Param<Tensor<B, 1>>>,
+}
+
+impl<B: Backend> Linear<B> {
+    /// Weights drawn from N(0, std^2), bias zero.
+    pub fn new(d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
+        let weight = Tensor::random([d_in, d_out], Distribution::Normal(0.0, std), device);
+        let bias = bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device)));
+        Self { weight: Param::from_tensor(weight), bias }
+    }
+
+    /// [.., d_in] -> [.., d_out]
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        burn::tensor::module::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+    }
+}
+
+/// Token embedding table.
+#[derive(Module, Debug)]
+pub struct Embedding<B: Backend> {
+    /// [vocab, d_model]
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> Embedding<B> {
+    pub fn new(vocab: usize, d_model: usize, std: f64, device: &B::Device) -> Self {
+        let weight = Tensor::random([vocab, d_model], Distribution::Normal(0.0, std), device);
+        Self { weight: Param::from_tensor(weight) }
+    }
+
+    /// [B, T] token ids -> [B, T, d_model]
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        burn::tensor::module::embedding(self.weight.val(), ids)
+    }
+}
+
+/// Root-mean-square normalisation with a learned gain (no bias, no mean subtraction).
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: Backend> {
+    /// [d_model], initialised to ones.
+    pub weight: Param<Tensor<B, 1>>,
+    #[module(skip)]
+    pub eps: f64,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    pub fn new(d_model: usize, eps: f64, device: &B::Device) -> Self {
+        Self { weight: Param::from_tensor(Tensor::ones([d_model], device)), eps }
+    }
+
+    /// [.., d] -> [.., d]: `x / sqrt(mean(x^2) + eps) * w`
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let ms = x.clone().powi_scalar(2).mean_dim(D - 1);
+        let x = x * (ms + self.eps).sqrt().recip();
+        x * self.weight.val().unsqueeze()
+    }
+}
+
+/// Cosine and sine tables of the rotary position embedding for `t` positions, each
+/// [1, 1, t, head_dim / 2], built on the device from the positions and inverse frequencies.
+pub fn rope_tables<B: Backend>(
+    t: usize,
+    head_dim: usize,
+    theta: f64,
+    device: &B::Device,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let half = head_dim / 2;
+    let inv_freq: Vec<f32> =
+        (0..half).map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32).collect();
+    let inv_freq = Tensor::<B, 1>::from_floats(inv_freq.as_slice(), device).reshape([1, half]);
+    let pos = Tensor::<B, 1, Int>::arange(0..t as i64, device).float().reshape([t, 1]);
+    let angles = pos * inv_freq; // [t, half]
+    let cos = angles.clone().cos().reshape([1, 1, t, half]);
+    let sin = angles.sin().reshape([1, 1, t, half]);
+    (cos, sin)
+}
+
+/// Rotates each (x[i], x[i + half]) pair of the last dimension by its position's angle (the
+/// "rotate half" layout of GPT-NeoX and LLaMA). x: [B, H, T, head_dim].
+pub fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
+    let mut halves = x.chunk(2, 3);
+    let x2 = halves.pop().expect("two halves");
+    let x1 = halves.pop().expect("two halves");
+    let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
+    let r2 = x1 * sin.clone() + x2 * cos.clone();
+    Tensor::cat(vec![r1, r2], 3)
+}

@@ -1,0 +1,26 @@
+//! A GPT-style decoder-only transformer in Burn.
+//!
+//! Token embedding, rotary position embedding, `n_layer` pre-norm blocks (RMSNorm, causal multi-head
+//! self-attention, SwiGLU or GELU MLP), a final RMSNorm and an LM head, optionally tied to the
+//! embedding. Initialisation follows GPT-2: N(0, 0.02) everywhere, residual projections scaled by
+//! 1/sqrt(2 * n_layer).
+//!
+//! ```no_run
+//! use burn::backend::{Autodiff, Wgpu};
+//! use burn::tensor::{Int, Tensor};
+//! use model::{Gpt, GptConfig};
+//!
+//! type B = Autodiff<Wgpu>;
+//! let device = Default::default();
+//! let cfg = GptConfig::default();
+//! let gpt = Gpt::<B>::new(&cfg, 65, &device);
+//! let ids = Tensor::<B, 2, Int>::zeros([2, 16], &device);
+//! let logits = gpt.forward(ids); // [2, 16, 65]
+//! ```
+
+pub mod config;
+pub mod gpt;
+pub mod layers;
+
+pub use config::{AttentionKind, GptConfig, KernelsKind, MlpKind};
+pub use gpt::Gpt;

@@ -1,0 +1,382 @@
+//! Checkpoints: the model, the optimizer state and the run's position in one self-checking file.
+//!
+//! Layout of `checkpoints/step_NNNNNNNN.ckpt`:
+//!
+//! ```text
+//! b"BMXCKPT1" | header length: u64 LE | header: JSON | tensors: f32 LE, in header order | CRC32 of all before: u32 LE
+//! ```
+//!
+//! A checkpoint is written to a hidden temporary file, flushed to disk, then renamed into place, so a
+//! file with the final name is always complete; a crash leaves at most a stray temporary file, which
+//! the next save removes. Loading verifies the CRC and refuses a damaged file or one whose model
+//! shape differs from the config, saying which.
+//!
+//! Batches, dropout masks and the learning rate are pure functions of (seed, step), so `step` is all
+//! the data-loader and RNG position a resumed run needs.
+
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+use model::GptConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::optim::{AdamW, Moments};
+
+const MAGIC: &[u8; 8] = b"BMXCKPT1";
+const FORMAT_VERSION: u32 = 1;
+
+/// One parameter as stored.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ParamEntry {
+    /// Module path, e.g. `blocks.0.attn.qkv.weight`.
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Whether AdamW moments (m, v) follow the value.
+    pub has_moments: bool,
+}
+
+/// Everything in a checkpoint besides the tensor payload.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Header {
+    pub format_version: u32,
+    /// Optimizer steps completed.
+    pub step: u64,
+    pub seed: u64,
+    pub model: GptConfig,
+    pub vocab_size: usize,
+    /// AdamW's bias-correction step counter.
+    pub optimizer_step: u64,
+    pub best_val_loss: Option<f64>,
+    /// Training wall time so far, seconds.
+    pub elapsed_s: f64,
+    pub params: Vec<ParamEntry>,
+}
+
+/// Run position restored from a checkpoint.
+#[derive(Debug, Clone)]
+pub struct Restored {
+    pub step: u64,
+    pub best_val_loss: Option<f64>,
+    pub elapsed_s: f64,
+    pub path: PathBuf,
+}
+
+/// `checkpoints/` inside a run directory.
+pub fn dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("checkpoints")
+}
+
+/// File name of the checkpoint after `step` steps.
+pub fn file_name(step: u64) -> String {
+    format!("step_{step:08}.ckpt")
+}
+
+/// Complete checkpoints in a run directory, oldest first.
+pub fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let d = dir(run_dir);
+    let mut out = Vec::new();
+    if !d.exists() {
+        return Ok(out);
+    }
+    for entry in fs::read_dir(&d).with_context(|| format!("cannot list {}", d.display()))? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        if let Some(step) = name.strip_prefix("step_").and_then(|s| s.strip_suffix(".ckpt")) {
+            if let Ok(step) = step.parse::<u64>() {
+                out.push((step, entry.path()));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Collects parameter names, shapes and values in module order.
+struct Collect<'a, B: Backend> {
+    path: Vec<String>,
+    opt: &'a AdamW<B>,
+    entries: Vec<ParamEntry>,
+    payload: Vec<u8>,
+}
+
+fn push_f32(buf: &mut Vec<u8>, data: TensorData) {
+    let v: Vec<f32> = data.convert::<f32>().into_vec::<f32>().expect("f32 tensor data");
+    buf.reserve(v.len() * 4);
+    for x in v {
+        buf.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+fn param_name(path: &[String], field: &str) -> String {
+    let mut p = path.to_vec();
+    p.push(field.to_string());
+    p.join(".")
+}
+
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collect<'_, AB::InnerBackend> {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        // The path's last element is the field holding this parameter.
+        let name = self.path.join(".");
+        let value = param.val().inner();
+        let shape = value.dims().to_vec();
+        push_f32(&mut self.payload, value.into_data());
+        let moments = self.opt.moments.get(&param.id);
+        if let Some(m) = moments {
+            push_f32(&mut self.payload, Tensor::<AB::InnerBackend, D>::from_primitive(burn::tensor::TensorPrimitive::Float(m.m.clone())).into_data());
+            push_f32(&mut self.payload, Tensor::<AB::InnerBackend, D>::from_primitive(burn::tensor::TensorPrimitive::Float(m.v.clone())).into_data());
+        }
+        self.entries.push(ParamEntry { name: if name.is_empty() { param_name(&[], "param") } else { name }, shape, has_moments: moments.is_some() });
+    }
+}
+
+/// Writes a checkpoint atomically and keeps only the newest `keep` complete ones.
+#[allow(clippy::too_many_arguments)]
+pub fn save<AB, M>(
+    run_dir: &Path,
+    module: &M,
+    opt: &AdamW<AB::InnerBackend>,
+    model_cfg: &GptConfig,
+    vocab_size: usize,
+    step: u64,
+    seed: u64,
+    best_val_loss: Option<f64>,
+    elapsed_s: f64,
+    keep: usize,
+) -> Result<PathBuf>
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+{
+    let d = dir(run_dir);
+    fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
+    let mut c = Collect::<AB::InnerBackend> { path: Vec::new(), opt, entries: Vec::new(), payload: Vec::new() };
+    module.visit(&mut c);
+    let header = Header {
+        format_version: FORMAT_VERSION,
+        step,
+        seed,
+        model: model_cfg.clone(),
+        vocab_size,
+        optimizer_step: opt.step,
+        best_val_loss,
+        elapsed_s,
+        params: c.entries,
+    };
+    let header_json = serde_json::to_vec(&header)?;
+    let mut bytes = Vec::with_capacity(c.payload.len() + header_json.len() + 24);
+    bytes.extend_from_slice(MAGIC);
+    bytes.extend_from_slice(&(header_json.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&header_json);
+    bytes.extend_from_slice(&c.payload);
+    let crc = crc32fast::hash(&bytes);
+    bytes.extend_from_slice(&crc.to_le_bytes());
+
+    let final_path = d.join(file_name(step));
+    let tmp = d.join(format!(".{}.tmp", file_name(step)));
+    {
+        let mut f = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        f.write_all(&bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, &final_path).with_context(|| format!("cannot move checkpoint into {}", final_path.display()))?;
+    if let Ok(dirf) = File::open(&d) {
+        let _ = dirf.sync_all();
+    }
+    // Remove stray temporaries of crashed saves and checkpoints beyond `keep`.
+    for entry in fs::read_dir(&d)?.flatten() {
+        let n = entry.file_name().to_string_lossy().to_string();
+        if n.starts_with('.') && n.ends_with(".tmp") && entry.path() != tmp {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+    let all = list(run_dir)?;
+    if all.len() > keep {
+        for (_, p) in &all[..all.len() - keep] {
+            let _ = fs::remove_file(p);
+        }
+    }
+    Ok(final_path)
+}
+
+/// Reads and verifies a checkpoint file; returns its header and tensor payload.
+pub fn read(path: &Path) -> Result<(Header, Vec<f32>)> {
+    let mut bytes = Vec::new();
+    File::open(path)
+        .and_then(|mut f| f.read_to_end(&mut bytes))
+        .with_context(|| format!("cannot read checkpoint {}", path.display()))?;
+    let bad = |why: &str| anyhow!("checkpoint {} is damaged: {why}", path.display());
+    if bytes.len() < 8 + 8 + 4 || &bytes[..8] != MAGIC {
+        return Err(bad("it does not start with the checkpoint signature (not a checkpoint, or truncated)"));
+    }
+    let body_len = bytes.len() - 4;
+    let stored = u32::from_le_bytes(bytes[body_len..].try_into().expect("4 bytes"));
+    let actual = crc32fast::hash(&bytes[..body_len]);
+    if stored != actual {
+        return Err(bad(&format!("checksum mismatch (stored {stored:08x}, computed {actual:08x}): the file was truncated or altered")));
+    }
+    let hlen = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")) as usize;
+    if 16 + hlen > body_len {
+        return Err(bad("header length runs past the end of the file"));
+    }
+    let header: Header = serde_json::from_slice(&bytes[16..16 + hlen]).map_err(|e| bad(&format!("unreadable header: {e}")))?;
+    if header.format_version != FORMAT_VERSION {
+        bail!(
+            "checkpoint {} has format version {}, this build reads version {FORMAT_VERSION}",
+            path.display(),
+            header.format_version
+        );
+    }
+    let payload = &bytes[16 + hlen..body_len];
+    if payload.len() % 4 != 0 {
+        return Err(bad("tensor payload is not a whole number of f32 values"));
+    }
+    let expected: usize = header
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<usize>() * if p.has_moments { 3 } else { 1 })
+        .sum();
+    if expected * 4 != payload.len() {
+        return Err(bad(&format!("header lists {expected} values but the payload holds {}", payload.len() / 4)));
+    }
+    let values = payload.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+    Ok((header, values))
+}
+
+/// Writes values from a checkpoint into the module's parameters, in module order, checking each
+/// name and shape; returns the parameter ids in that order and the moments read.
+struct Restore<'a, B: Backend> {
+    path: Vec<String>,
+    header: &'a Header,
+    values: &'a [f32],
+    cursor: usize,
+    index: usize,
+    moments: Vec<(ParamId, Moments<B>)>,
+    error: Option<String>,
+}
+
+impl<B: Backend> Restore<'_, B> {
+    fn take<const D: usize>(&mut self, shape: &[usize], device: &B::Device) -> Tensor<B, D> {
+        let n: usize = shape.iter().product();
+        let v = self.values[self.cursor..self.cursor + n].to_vec();
+        self.cursor += n;
+        Tensor::from_data(TensorData::new(v, shape.to_vec()), device)
+    }
+}
+
+impl<AB: AutodiffBackend> ModuleMapper<AB> for Restore<'_, AB::InnerBackend> {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.pop();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+        if self.error.is_some() {
+            return param;
+        }
+        let name = self.path.join(".");
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.dims().to_vec();
+        let Some(entry) = self.header.params.get(self.index) else {
+            self.error = Some(format!("the model has more parameters than the checkpoint's {}", self.header.params.len()));
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        if entry.name != name || entry.shape != shape {
+            self.error = Some(format!(
+                "parameter {} is `{}` {:?} in the checkpoint but `{}` {:?} in the model",
+                self.index, entry.name, entry.shape, name, shape
+            ));
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        self.index += 1;
+        let device = tensor.clone().inner().device();
+        let value = self.take::<D>(&shape, &device);
+        if entry.has_moments {
+            let m = self.take::<D>(&shape, &device).into_primitive().tensor();
+            let v = self.take::<D>(&shape, &device).into_primitive().tensor();
+            self.moments.push((id, Moments { m, v }));
+        }
+        let require_grad = tensor.is_require_grad();
+        let mut out = Tensor::<AB, D>::from_inner(value);
+        if require_grad {
+            out = out.require_grad();
+        }
+        Param::from_mapped_value(id, out, mapper)
+    }
+}
+
+/// Loads the checkpoint at `path` into `module` and `opt`, after checking that it belongs to a model
+/// of the same configuration.
+pub fn load<AB, M>(
+    path: &Path,
+    module: M,
+    opt: &mut AdamW<AB::InnerBackend>,
+    model_cfg: &GptConfig,
+    vocab_size: usize,
+) -> Result<(M, Restored)>
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+{
+    let (header, values) = read(path)?;
+    let incompatible = |why: String| anyhow!("checkpoint {} does not fit this run: {why}", path.display());
+    let mut saved = header.model.clone();
+    saved.vocab_size = 0;
+    let mut ours = model_cfg.clone();
+    ours.vocab_size = 0;
+    if saved != ours {
+        let a = toml::to_string(&saved).unwrap_or_default();
+        let b = toml::to_string(&ours).unwrap_or_default();
+        let diff: Vec<String> = a
+            .lines()
+            .zip(b.lines())
+            .filter(|(x, y)| x != y)
+            .map(|(x, y)| format!("checkpoint `{x}` vs config `{y}`"))
+            .collect();
+        return Err(incompatible(format!("the [model] section differs: {}", diff.join("; "))));
+    }
+    if header.vocab_size != vocab_size {
+        return Err(incompatible(format!(
+            "vocabulary of {} tokens in the checkpoint, {vocab_size} in this run",
+            header.vocab_size
+        )));
+    }
+    let mut r = Restore::<AB::InnerBackend> {
+        path: Vec::new(),
+        header: &header,
+        values: &values,
+        cursor: 0,
+        index: 0,
+        moments: Vec::new(),
+        error: None,
+    };
+    let module = module.map(&mut r);
+    if let Some(e) = r.error {
+        return Err(incompatible(e));
+    }
+    if r.index != header.params.len() {
+        return Err(incompatible(format!(
+            "the checkpoint holds {} parameters, the model {}",
+            header.params.len(),
+            r.index
+        )));
+    }
+    opt.moments = r.moments.into_iter().collect();
+    opt.step = header.optimizer_step;
+    Ok((
+        module,
+        Restored { step: header.step, best_val_loss: header.best_val_loss, elapsed_s: header.elapsed_s, path: path.to_path_buf() },
+    ))
+}
+

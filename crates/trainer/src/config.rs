@@ -1,0 +1,352 @@
+//! Training configuration: one TOML file, then `--set key=value` overrides, checked strictly.
+//!
+//! Every section and key is optional (missing keys take the defaults below, which together are the
+//! built-in default run); unknown keys, wrong types and impossible values are errors that name the key.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use model::GptConfig;
+use serde::{Deserialize, Serialize};
+
+/// The built-in default configuration, identical to `configs/default.toml`.
+pub const DEFAULT_TOML: &str = include_str!("../../../configs/default.toml");
+
+/// Where the run computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// CUDA when an NVIDIA GPU and driver are usable, otherwise wgpu.
+    Auto,
+    /// NVIDIA GPU through CUDA (kernels compiled at run time by NVRTC).
+    Cuda,
+    /// Any Vulkan/Metal/DX12 device through wgpu (Mesa's lavapipe on a machine without a GPU).
+    Wgpu,
+}
+
+/// Where the training text comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TextSource {
+    /// A synthetic corpus generated in process from the seed (needs no file).
+    Embedded,
+    /// The UTF-8 text file at `data.path`.
+    File,
+}
+
+/// How text becomes tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// One token per character seen in the corpus.
+    Char,
+    /// Byte-level BPE trained on the training split with `data.bpe_vocab_size` tokens.
+    Bpe,
+    /// A Hugging Face `tokenizer.json` at `data.tokenizer_path`.
+    File,
+}
+
+/// `[data]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// "embedded" (generated in process) or "file".
+    pub source: TextSource,
+    /// Text file when `source = "file"`; relative paths are resolved against the current directory.
+    pub path: String,
+    /// Characters of embedded corpus to generate.
+    pub embedded_chars: usize,
+    /// "char", "bpe" or "file".
+    pub tokenizer: TokenizerKind,
+    /// Vocabulary size of the BPE tokenizer trained when `tokenizer = "bpe"` (at least 260).
+    pub bpe_vocab_size: usize,
+    /// `tokenizer.json` to load when `tokenizer = "file"`.
+    pub tokenizer_path: String,
+    /// Share of the tokens (taken from the end of the text) held out for validation.
+    pub val_fraction: f64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            source: TextSource::Embedded,
+            path: String::new(),
+            embedded_chars: 400_000,
+            tokenizer: TokenizerKind::Char,
+            bpe_vocab_size: 1024,
+            tokenizer_path: String::new(),
+            val_fraction: 0.1,
+        }
+    }
+}
+
+/// `[optimizer]`: AdamW with decoupled weight decay and global-norm gradient clipping.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    /// Peak learning rate (reached at the end of warm-up).
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Decoupled weight decay, applied to matrices (not to norm gains or biases).
+    pub weight_decay: f64,
+    /// Also decay the embedding matrix (and the tied LM head).
+    pub decay_embeddings: bool,
+    /// Clip the global gradient norm to this value; 0 disables clipping.
+    pub grad_clip: f64,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            decay_embeddings: false,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+/// `[schedule]`: linear warm-up from 0, then cosine decay to `min_lr`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScheduleConfig {
+    /// Steps of linear warm-up.
+    pub warmup_steps: usize,
+    /// Learning rate at the end of the decay (and after it).
+    pub min_lr: f64,
+    /// Step at which the cosine reaches `min_lr`; 0 means `training.steps`.
+    pub decay_steps: usize,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        Self { warmup_steps: 20, min_lr: 3e-4, decay_steps: 0 }
+    }
+}
+
+/// `[training]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingConfig {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches accumulated per optimizer step.
+    pub grad_accum: usize,
+    /// Evaluate every this many steps (and at the last step); 0 evaluates only at the end.
+    pub eval_interval: usize,
+    /// Validation batches per evaluation.
+    pub eval_batches: usize,
+    /// Print a log line every this many steps.
+    pub log_interval: usize,
+    /// Write a checkpoint every this many steps (and at the last step); 0 writes only the last.
+    pub checkpoint_interval: usize,
+    /// Complete checkpoints kept on disk (older ones are deleted); at least 1.
+    pub keep_checkpoints: usize,
+    /// Peak dense BF16 TFLOP/s of the device, for MFU; 0 looks the GPU up by name.
+    pub peak_tflops: f64,
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        Self {
+            steps: 150,
+            batch_size: 16,
+            grad_accum: 1,
+            eval_interval: 50,
+            eval_batches: 8,
+            log_interval: 10,
+            checkpoint_interval: 50,
+            keep_checkpoints: 2,
+            peak_tflops: 0.0,
+        }
+    }
+}
+
+/// A whole training run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Seeds the initialisation, the data windows and dropout.
+    pub seed: u64,
+    /// "auto", "cuda" or "wgpu".
+    pub device: DeviceKind,
+    pub model: GptConfig,
+    pub data: DataConfig,
+    pub optimizer: OptimizerConfig,
+    pub schedule: ScheduleConfig,
+    pub training: TrainingConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            seed: 1337,
+            device: DeviceKind::Auto,
+            model: GptConfig::default(),
+            data: DataConfig::default(),
+            optimizer: OptimizerConfig::default(),
+            schedule: ScheduleConfig::default(),
+            training: TrainingConfig::default(),
+        }
+    }
+}
+
+impl Config {
+    /// The built-in default run.
+    pub fn builtin() -> Self {
+        Self::from_toml_str(DEFAULT_TOML, &[], "built-in default").expect("the built-in default config is valid")
+    }
+
+    /// Reads a config file and applies `key=value` overrides.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config file {}", path.display()))?;
+        Self::from_toml_str(&text, overrides, &path.display().to_string())
+    }
+
+    /// Parses TOML text (`origin` names it in errors), applies overrides, validates.
+    pub fn from_toml_str(text: &str, overrides: &[String], origin: &str) -> Result<Self> {
+        let mut value: toml::Table =
+            toml::from_str(text).map_err(|e| anyhow!("{origin} is not valid TOML: {e}"))?;
+        for ov in overrides {
+            apply_override(&mut value, ov)?;
+        }
+        let de = toml::Value::Table(value);
+        let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if path == "." || path.is_empty() {
+                anyhow!("{origin}: {inner}")
+            } else {
+                anyhow!("{origin}: key `{path}`: {inner}")
+            }
+        })?;
+        cfg.validate().map_err(|e| anyhow!("{origin}: {e}"))?;
+        Ok(cfg)
+    }
+
+    /// The config as TOML text (every key, resolved).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("config serialises to TOML")
+    }
+
+    /// Checks values that parse but cannot work; errors name the key and what is allowed.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.model.validate()?;
+        let d = &self.data;
+        if d.source == TextSource::File && d.path.is_empty() {
+            return Err("data.source = \"file\" needs data.path, the text file to train on".into());
+        }
+        if d.source == TextSource::Embedded && d.embedded_chars < 10_000 {
+            return Err(format!("data.embedded_chars must be at least 10000, got {}", d.embedded_chars));
+        }
+        if d.tokenizer == TokenizerKind::File && d.tokenizer_path.is_empty() {
+            return Err("data.tokenizer = \"file\" needs data.tokenizer_path, a tokenizer.json".into());
+        }
+        if d.tokenizer == TokenizerKind::Bpe && !(260..=1_000_000).contains(&d.bpe_vocab_size) {
+            return Err(format!(
+                "data.bpe_vocab_size must be between 260 (the 256 bytes plus a few merges) and 1000000, got {}",
+                d.bpe_vocab_size
+            ));
+        }
+        if !(d.val_fraction > 0.0 && d.val_fraction < 0.5) {
+            return Err(format!("data.val_fraction must be in (0, 0.5), got {}", d.val_fraction));
+        }
+        let o = &self.optimizer;
+        if !(o.lr > 0.0 && o.lr.is_finite()) {
+            return Err(format!("optimizer.lr must be a positive number, got {}", o.lr));
+        }
+        for (key, b) in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(format!("{key} must be in [0, 1), got {b}"));
+            }
+        }
+        if !(o.eps > 0.0) {
+            return Err(format!("optimizer.eps must be > 0, got {}", o.eps));
+        }
+        if !(o.weight_decay >= 0.0) {
+            return Err(format!("optimizer.weight_decay must be >= 0, got {}", o.weight_decay));
+        }
+        if !(o.grad_clip >= 0.0) {
+            return Err(format!("optimizer.grad_clip must be >= 0 (0 disables clipping), got {}", o.grad_clip));
+        }
+        let s = &self.schedule;
+        if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
+            return Err(format!(
+                "schedule.min_lr must be between 0 and optimizer.lr = {}, got {}",
+                o.lr, s.min_lr
+            ));
+        }
+        let t = &self.training;
+        for (key, v) in [
+            ("training.steps", t.steps),
+            ("training.batch_size", t.batch_size),
+            ("training.grad_accum", t.grad_accum),
+            ("training.eval_batches", t.eval_batches),
+            ("training.log_interval", t.log_interval),
+            ("training.keep_checkpoints", t.keep_checkpoints),
+        ] {
+            if v == 0 {
+                return Err(format!("{key} must be at least 1, got 0"));
+            }
+        }
+        if !(t.peak_tflops >= 0.0) {
+            return Err(format!("training.peak_tflops must be >= 0 (0 looks it up), got {}", t.peak_tflops));
+        }
+        Ok(())
+    }
+
+    /// Step at which the cosine decay ends.
+    pub fn decay_steps(&self) -> usize {
+        if self.schedule.decay_steps == 0 {
+            self.training.steps
+        } else {
+            self.schedule.decay_steps
+        }
+    }
+
+    /// Tokens consumed by one optimizer step.
+    pub fn tokens_per_step(&self) -> usize {
+        self.training.batch_size * self.training.grad_accum * self.model.context
+    }
+
+    /// Resolves a path from the config relative to the current directory.
+    pub fn resolve_path(p: &str) -> PathBuf {
+        PathBuf::from(p)
+    }
+}
+
+/// Applies one `section.key=value` override to the TOML tree. The value is read as a TOML value
+/// (`3e-4`, `true`, `"gelu"`, `[1, 2]`); anything that is not valid TOML is taken as a string, so
+/// `--set model.mlp=gelu` works without quotes.
+pub fn apply_override(root: &mut toml::Table, ov: &str) -> Result<()> {
+    let (key, raw) = ov
+        .split_once('=')
+        .ok_or_else(|| anyhow!("--set {ov:?}: expected key=value, e.g. --set training.steps=100"))?;
+    let key = key.trim();
+    if key.is_empty() {
+        bail!("--set {ov:?}: the key is empty");
+    }
+    let raw = raw.trim();
+    let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t.remove("v").expect("parsed key v"),
+        Err(_) => toml::Value::String(raw.to_string()),
+    };
+    let parts: Vec<&str> = key.split('.').collect();
+    let mut table = root;
+    for part in &parts[..parts.len() - 1] {
+        let entry = table.entry(part.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
+        table = entry
+            .as_table_mut()
+            .ok_or_else(|| anyhow!("--set {key}: `{part}` is a value, not a section"))?;
+    }
+    table.insert(parts[parts.len() - 1].to_string(), value);
+    Ok(())
+}

@@ -1,0 +1,49 @@
+//! The training engine: TOML configs, data and tokenizers, AdamW, the training loop, metrics,
+//! checkpoints and device selection. The `train` binary is a thin command line over [`run`].
+
+pub mod checkpoint;
+pub mod config;
+pub mod corpus;
+pub mod data;
+pub mod device;
+pub mod metrics;
+pub mod optim;
+pub mod rng;
+pub mod schedule;
+pub mod tokenizer;
+pub mod train;
+
+use anyhow::Result;
+use burn::backend::cuda::CudaDevice;
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Autodiff, Cuda, Wgpu};
+
+pub use config::Config;
+pub use train::{RunOptions, Summary};
+
+/// Training backend on NVIDIA GPUs: f32 by default, kernels compiled at run time by NVRTC.
+pub type CudaBackend = Autodiff<Cuda>;
+/// Training backend on everything else (Vulkan, Metal, DX12; lavapipe on a CPU-only machine).
+pub type WgpuBackend = Autodiff<Wgpu>;
+
+/// Trains on the selected device.
+pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result<Summary> {
+    match device {
+        device::Selected::Cuda { index, .. } => train::train::<CudaBackend>(cfg, CudaDevice::new(*index), opts),
+        device::Selected::Wgpu => train::train::<WgpuBackend>(cfg, WgpuDevice::DefaultDevice, opts),
+    }
+}
+
+/// Body of the CUDA probe child process: make a tensor on CUDA and read it back.
+pub fn cuda_probe() -> i32 {
+    use burn::tensor::Tensor;
+    let device = CudaDevice::new(0);
+    let t = Tensor::<Cuda, 1>::from_floats([1.0, 2.0, 3.0], &device);
+    let s: f32 = (t.clone() * t).sum().into_scalar();
+    if (s - 14.0).abs() < 1e-4 {
+        0
+    } else {
+        eprintln!("CUDA probe computed {s} instead of 14");
+        1
+    }
+}

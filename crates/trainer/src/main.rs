@@ -1,0 +1,124 @@
+//! `train`: trains a GPT from a TOML config.
+//!
+//! ```text
+//! train [CONFIG.toml] [--set key=value]... [--out DIR] [--resume DIR] [--print-config]
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use trainer::config::Config;
+use trainer::{device, RunOptions};
+
+/// Train a GPT-style transformer with Burn.
+///
+/// With no CONFIG, trains the built-in default (configs/default.toml): a tiny model on an embedded
+/// corpus, about a minute on a CPU.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    /// TOML config file (default: the built-in configs/default.toml).
+    config: Option<PathBuf>,
+    /// Override one config key, e.g. --set training.steps=100 --set model.mlp=gelu (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Run directory (default: runs/<config name>-<UTC time>).
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Continue the run in DIR from its newest checkpoint (uses DIR/config.toml plus any --set).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["config", "out"])]
+    resume: Option<PathBuf>,
+    /// Stop (with a checkpoint) once the run has completed this many steps; continue later with
+    /// --resume. The schedule still runs to training.steps.
+    #[arg(long, value_name = "STEP")]
+    stop_at: Option<u64>,
+    /// Print the resolved config as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+fn utc_stamp() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+fn real_main() -> Result<()> {
+    let cli = Cli::parse();
+    let (cfg, run_dir, resume) = match &cli.resume {
+        Some(dir) => {
+            let path = dir.join("config.toml");
+            if !path.exists() {
+                bail!("--resume {}: no config.toml there; is it a run directory?", dir.display());
+            }
+            (Config::load(&path, &cli.set)?, dir.clone(), true)
+        }
+        None => {
+            let (cfg, name) = match &cli.config {
+                Some(p) => {
+                    let stem = p.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or("run".into());
+                    (Config::load(p, &cli.set)?, stem)
+                }
+                None => (Config::from_toml_str(trainer::config::DEFAULT_TOML, &cli.set, "built-in default config")?, "default".into()),
+            };
+            let dir = cli.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("{name}-{}", utc_stamp())));
+            (cfg, dir, false)
+        }
+    };
+    if cli.print_config {
+        print!("{}", cfg.to_toml());
+        return Ok(());
+    }
+
+    let (selected, note) = device::select(cfg.device)?;
+    if let Some(n) = note {
+        println!("device: {n}");
+    }
+    let peak = if cfg.training.peak_tflops > 0.0 {
+        Some(cfg.training.peak_tflops)
+    } else {
+        selected.gpu_name().and_then(device::peak_bf16_tflops)
+    };
+    println!("device: {}{}", selected.describe(), peak.map_or(String::new(), |p| format!(", MFU against {p} TFLOP/s")));
+    println!("run directory: {}", run_dir.display());
+    let opts = RunOptions { run_dir: run_dir.clone(), resume, device_name: selected.describe(), peak_tflops: peak, verbose: true, stop_at: cli.stop_at };
+    let s = trainer::run(&cfg, &selected, &opts).with_context(|| format!("run {}", run_dir.display()))?;
+    println!(
+        "done: {} steps in {:.1}s | final loss {:.4} | best val_loss {} | median {:.0} tokens/s",
+        s.steps,
+        s.wall_s,
+        s.final_loss,
+        s.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
+        s.median_tokens_per_s
+    );
+    println!("metrics: {0}/metrics.jsonl, plot: {0}/loss.svg, checkpoints: {0}/checkpoints/", run_dir.display());
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    if std::env::var_os(device::CUDA_PROBE_ENV).is_some() {
+        return ExitCode::from(trainer::cuda_probe() as u8);
+    }
+    match real_main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! `metrics.jsonl` (one JSON object per step, plus one per evaluation) and the loss-curve plot.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use plotters::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// One training step.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StepRecord {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub step_ms: f64,
+    /// Model FLOPs utilisation against the device's peak; absent when the peak is unknown.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub mfu: Option<f64>,
+    /// Validation loss, on steps that end with an evaluation.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub val_loss: Option<f64>,
+}
+
+/// Appends step records to `metrics.jsonl` and keeps the curves for the plot.
+pub struct Metrics {
+    path: PathBuf,
+    file: File,
+    pub train: Vec<(u64, f64)>,
+    pub val: Vec<(u64, f64)>,
+}
+
+impl Metrics {
+    /// Opens `run_dir/metrics.jsonl`. When resuming from step `keep_up_to`, records of later steps
+    /// (written after that checkpoint by the interrupted run) are dropped so that the file reads as
+    /// one uninterrupted run.
+    pub fn open(run_dir: &Path, keep_up_to: Option<u64>) -> Result<Self> {
+        let path = run_dir.join("metrics.jsonl");
+        let mut train = Vec::new();
+        let mut val = Vec::new();
+        if let Some(limit) = keep_up_to {
+            let mut kept = String::new();
+            if path.exists() {
+                let f = File::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
+                for line in BufReader::new(f).lines() {
+                    let line = line?;
+                    let Ok(rec) = serde_json::from_str::<StepRecord>(&line) else { continue };
+                    if rec.step <= limit {
+                        train.push((rec.step, rec.loss));
+                        if let Some(v) = rec.val_loss {
+                            val.push((rec.step, v));
+                        }
+                        kept.push_str(&line);
+                        kept.push('\n');
+                    }
+                }
+            }
+            let tmp = run_dir.join(".metrics.jsonl.tmp");
+            fs::write(&tmp, kept)?;
+            fs::rename(&tmp, &path)?;
+        } else {
+            File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+        }
+        let file = OpenOptions::new().append(true).open(&path)?;
+        Ok(Self { path, file, train, val })
+    }
+
+    pub fn record(&mut self, rec: &StepRecord) -> Result<()> {
+        let line = serde_json::to_string(rec)?;
+        writeln!(self.file, "{line}").with_context(|| format!("cannot append to {}", self.path.display()))?;
+        self.file.flush()?;
+        self.train.push((rec.step, rec.loss));
+        if let Some(v) = rec.val_loss {
+            self.val.push((rec.step, v));
+        }
+        Ok(())
+    }
+
+    /// Writes `loss.svg`: training loss per step and validation loss per evaluation.
+    pub fn plot(&self, run_dir: &Path, title: &str) -> Result<()> {
+        let path = run_dir.join("loss.svg");
+        let tmp = run_dir.join(".loss.svg.tmp");
+        plot_curves(&tmp, title, &self.train, &self.val)?;
+        fs::rename(&tmp, &path)?;
+        Ok(())
+    }
+}
+
+fn plot_curves(path: &Path, title: &str, train: &[(u64, f64)], val: &[(u64, f64)]) -> Result<()> {
+    let finite = |v: &&(u64, f64)| v.1.is_finite();
+    let all: Vec<&(u64, f64)> = train.iter().chain(val).filter(finite).collect();
+    let max_step = all.iter().map(|p| p.0).max().unwrap_or(1).max(1);
+    let (mut lo, mut hi) = all.iter().fold((f64::MAX, f64::MIN), |(l, h), p| (l.min(p.1), h.max(p.1)));
+    if all.is_empty() {
+        (lo, hi) = (0.0, 1.0);
+    }
+    let pad = ((hi - lo) * 0.05).max(1e-3);
+    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0u64..max_step, (lo - pad)..(hi + pad))
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("loss (nats/token)")
+        .draw()
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    let blue = RGBColor(70, 110, 200);
+    chart
+        .draw_series(LineSeries::new(train.iter().filter(finite).copied(), blue.stroke_width(1)))
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?
+        .label("train")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], blue));
+    let red = RGBColor(210, 60, 40);
+    chart
+        .draw_series(LineSeries::new(val.iter().filter(finite).copied(), red.stroke_width(2)))
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?
+        .label("validation")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], red));
+    chart
+        .draw_series(val.iter().filter(finite).map(|&(s, v)| Circle::new((s, v), 3, red.filled())))
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    root.present().map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! AdamW with decoupled weight decay (PyTorch semantics), global-norm gradient clipping and a
+//! per-parameter decay mask.
+//!
+//! Burn's own AdamW clips each tensor separately, decays every parameter and uses other defaults, so
+//! the trainer carries its own: the global gradient norm is reduced on the device, the clip factor
+//! stays on the device, and the only host round trip per step is the trainer's read of the loss and
+//! the norm for logging.
+
+use std::collections::{HashMap, HashSet};
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::config::OptimizerConfig;
+
+/// First and second moments of one parameter, rank-erased.
+#[derive(Clone)]
+pub struct Moments<B: Backend> {
+    pub m: FloatTensor<B>,
+    pub v: FloatTensor<B>,
+}
+
+fn to_tensor<B: Backend, const D: usize>(p: &FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p.clone()))
+}
+
+fn to_prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+/// The optimizer and its state. `B` is the inner (non-autodiff) backend.
+pub struct AdamW<B: Backend> {
+    pub cfg: OptimizerConfig,
+    /// Optimizer steps taken (the bias-correction counter).
+    pub step: u64,
+    pub moments: HashMap<ParamId, Moments<B>>,
+    /// Parameters that weight decay skips besides the vectors (norm gains, biases).
+    pub no_decay: HashSet<ParamId>,
+}
+
+impl<B: Backend> AdamW<B> {
+    pub fn new(cfg: OptimizerConfig, no_decay: HashSet<ParamId>) -> Self {
+        Self { cfg, step: 0, moments: HashMap::new(), no_decay }
+    }
+
+    /// Global L2 norm of all gradients, as a device tensor of shape [1].
+    pub fn grad_norm<AB, M>(module: &M, grads: &GradientsParams) -> Tensor<B, 1>
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        let mut v = NormVisitor::<AB> { grads, acc: None };
+        module.visit(&mut v);
+        match v.acc {
+            Some(sq) => sq.sqrt(),
+            None => panic!("no parameter received a gradient"),
+        }
+    }
+
+    /// One AdamW step at learning rate `lr`. Returns the updated module and the global gradient
+    /// norm before clipping (shape [1], on the device).
+    pub fn step<AB, M>(&mut self, lr: f64, module: M, mut grads: GradientsParams) -> (M, Tensor<B, 1>)
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        let norm = Self::grad_norm::<AB, M>(&module, &grads);
+        // Clip factor min(1, clip / norm), kept on the device.
+        let coef = if self.cfg.grad_clip > 0.0 {
+            Some((norm.clone() + 1e-6).recip().mul_scalar(self.cfg.grad_clip).clamp_max(1.0))
+        } else {
+            None
+        };
+        self.step += 1;
+        let mut upd = Updater::<AB> { opt: self, grads: &mut grads, lr, coef };
+        let module = module.map(&mut upd);
+        (module, norm)
+    }
+}
+
+struct NormVisitor<'a, AB: AutodiffBackend> {
+    grads: &'a GradientsParams,
+    acc: Option<Tensor<AB::InnerBackend, 1>>,
+}
+
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for NormVisitor<'_, AB> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
+            let sq = g.powi_scalar(2).sum();
+            self.acc = Some(match self.acc.take() {
+                Some(a) => a + sq,
+                None => sq,
+            });
+        }
+    }
+}
+
+struct Updater<'a, AB: AutodiffBackend> {
+    opt: &'a mut AdamW<AB::InnerBackend>,
+    grads: &'a mut GradientsParams,
+    lr: f64,
+    coef: Option<Tensor<AB::InnerBackend, 1>>,
+}
+
+impl<AB: AutodiffBackend> ModuleMapper<AB> for Updater<'_, AB> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(grad) = self.grads.remove::<AB::InnerBackend, D>(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let require_grad = tensor.is_require_grad();
+        let cfg = &self.opt.cfg;
+        let mut x = tensor.inner();
+        let g = match &self.coef {
+            Some(c) => grad * c.clone().reshape([1; D]),
+            None => grad,
+        };
+        let (m, v) = match self.opt.moments.get(&id) {
+            Some(s) => (to_tensor::<_, D>(&s.m), to_tensor::<_, D>(&s.v)),
+            None => (g.zeros_like(), g.zeros_like()),
+        };
+        let m = m.mul_scalar(cfg.beta1) + g.clone().mul_scalar(1.0 - cfg.beta1);
+        let v = v.mul_scalar(cfg.beta2) + g.powi_scalar(2).mul_scalar(1.0 - cfg.beta2);
+        let t = self.opt.step as i32;
+        let bc1 = 1.0 - cfg.beta1.powi(t);
+        let bc2 = 1.0 - cfg.beta2.powi(t);
+        let decays = D >= 2 && !self.opt.no_decay.contains(&id);
+        if decays && cfg.weight_decay > 0.0 {
+            x = x.mul_scalar(1.0 - self.lr * cfg.weight_decay);
+        }
+        // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
+        let denom = v.clone().sqrt().div_scalar(bc2.sqrt()).add_scalar(cfg.eps);
+        x = x - (m.clone() / denom).mul_scalar(self.lr / bc1);
+        self.opt.moments.insert(id, Moments { m: to_prim(m), v: to_prim(v) });
+        let mut out = Tensor::from_inner(x);
+        if require_grad {
+            out = out.require_grad();
+        }
+        Param::from_mapped_value(id, out, mapper)
+    }
+}

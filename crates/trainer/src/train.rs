@@ -1,0 +1,344 @@
+//! The training loop, generic over the autodiff backend.
+
+use std::collections::HashSet;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::Tensor;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use model::Gpt;
+use serde::Serialize;
+
+use crate::checkpoint;
+use crate::config::Config;
+use crate::data::Dataset;
+use crate::metrics::{Metrics, StepRecord};
+use crate::optim::AdamW;
+use crate::rng::SplitMix64;
+use crate::schedule::lr_at;
+
+/// What the caller chose besides the config.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Run directory: config, tokenizer, metrics, plot, checkpoints.
+    pub run_dir: PathBuf,
+    /// Continue from the newest checkpoint in `run_dir`.
+    pub resume: bool,
+    /// Human-readable device, for the log and summary.
+    pub device_name: String,
+    /// Peak TFLOP/s for MFU, if known.
+    pub peak_tflops: Option<f64>,
+    /// Print log lines (tests turn this off).
+    pub verbose: bool,
+    /// Stop after this many completed steps (with a checkpoint) although the schedule runs to
+    /// `training.steps`; `--resume` continues from there. `None` runs to the end.
+    pub stop_at: Option<u64>,
+}
+
+/// What a finished run reports (also written to `summary.json`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub steps: u64,
+    pub final_loss: f64,
+    pub best_val_loss: Option<f64>,
+    pub final_val_loss: Option<f64>,
+    /// Training wall time, evaluations and checkpoints included, over all sessions of the run.
+    pub wall_s: f64,
+    /// Median tokens/s over this session's steps (the first few excluded as warm-up).
+    pub median_tokens_per_s: f64,
+    pub params: usize,
+    pub device: String,
+    pub resumed_from: Option<u64>,
+}
+
+/// Console output that does not tear the progress bar.
+struct Console {
+    bar: Option<ProgressBar>,
+    verbose: bool,
+}
+
+impl Console {
+    fn line(&self, s: &str) {
+        if !self.verbose {
+            return;
+        }
+        match &self.bar {
+            Some(b) => b.println(s),
+            None => println!("{s}"),
+        }
+    }
+}
+
+fn human(x: f64) -> String {
+    if x >= 1e6 {
+        format!("{:.2}M", x / 1e6)
+    } else if x >= 1e3 {
+        format!("{:.1}k", x / 1e3)
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+/// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
+pub fn evaluate<B: AutodiffBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Config, device: &B::Device) -> f64 {
+    let m = model.valid();
+    let inner_device = m.wte.weight.val().device();
+    let _ = device;
+    let mut total: Option<Tensor<B::InnerBackend, 1>> = None;
+    for i in 0..cfg.training.eval_batches {
+        let (x, y) = data.val_batch::<B::InnerBackend>(
+            cfg.seed,
+            i as u64,
+            cfg.training.batch_size,
+            cfg.model.context,
+            &inner_device,
+        );
+        let l = m.forward_loss(x, y);
+        total = Some(match total {
+            Some(t) => t + l,
+            None => l,
+        });
+    }
+    let sum: f64 = total.expect("eval_batches >= 1").into_data().convert::<f64>().into_vec::<f64>().expect("f64")[0];
+    sum / cfg.training.eval_batches as f64
+}
+
+/// Parameter ids that weight decay skips besides vectors: the embedding (and so the tied head)
+/// unless `optimizer.decay_embeddings`.
+fn no_decay_ids<B: Backend>(model: &Gpt<B>, cfg: &Config) -> HashSet<burn::module::ParamId> {
+    let mut s = HashSet::new();
+    if !cfg.optimizer.decay_embeddings {
+        s.insert(model.wte.weight.id);
+    }
+    s
+}
+
+/// Trains as configured. Writes `config.toml`, `tokenizer.json`, `metrics.jsonl`, `loss.svg`,
+/// `checkpoints/` and `summary.json` into the run directory.
+pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOptions) -> Result<Summary> {
+    let run_dir = &opts.run_dir;
+    std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    let existing = checkpoint::list(run_dir)?;
+    if !opts.resume && !existing.is_empty() {
+        bail!(
+            "{} already holds checkpoints of a run; continue it with --resume {0} or choose another --out",
+            run_dir.display()
+        );
+    }
+    let tok_path = run_dir.join("tokenizer.json");
+    let console = Console { bar: None, verbose: opts.verbose };
+
+    // Data and tokenizer. A resumed run reuses its saved tokenizer.
+    let t_data = Instant::now();
+    let reuse = (opts.resume && tok_path.exists()).then_some(tok_path.as_path());
+    let data = Dataset::build(cfg, reuse)?;
+    if reuse.is_none() {
+        crate::tokenizer::save(&data.tokenizer, &tok_path)?;
+    }
+    let tok_vocab = data.vocab_size().max(data.max_id_bound());
+    let vocab = if cfg.model.vocab_size == 0 { tok_vocab } else { cfg.model.vocab_size };
+    if vocab < tok_vocab {
+        bail!(
+            "model.vocab_size = {} is smaller than the tokenizer's {tok_vocab} tokens; use 0 (take the tokenizer's) or at least {tok_vocab}",
+            cfg.model.vocab_size
+        );
+    }
+    write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+    console.line(&format!(
+        "data: {} -> {} train / {} val tokens, vocabulary {} (model {vocab}), {:.1}s",
+        data.description,
+        data.train.len(),
+        data.val.len(),
+        data.vocab_size(),
+        t_data.elapsed().as_secs_f64()
+    ));
+
+    // Model and optimizer, from the seed; then the checkpoint if resuming.
+    B::seed(&device, cfg.seed);
+    let mut model = Gpt::<B>::new(&cfg.model, vocab, &device);
+    let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
+    let mut start_step = 0u64;
+    let mut best_val: Option<f64> = None;
+    let mut elapsed_before = 0.0;
+    let mut resumed_from = None;
+    if opts.resume {
+        let Some((_, path)) = existing.last() else {
+            bail!("--resume {}: no checkpoint in {}", run_dir.display(), checkpoint::dir(run_dir).display());
+        };
+        let (m, restored) = checkpoint::load::<B, _>(path, model, &mut opt, &cfg.model, vocab)?;
+        model = m;
+        start_step = restored.step;
+        best_val = restored.best_val_loss;
+        elapsed_before = restored.elapsed_s;
+        resumed_from = Some(restored.step);
+        console.line(&format!("resumed from {} (step {})", restored.path.display(), restored.step));
+    }
+    let mut metrics = Metrics::open(run_dir, opts.resume.then_some(start_step))?;
+
+    let params = cfg.model.num_params(vocab);
+    let flops_per_token = cfg.model.flops_per_token(vocab);
+    let tokens_per_step = cfg.tokens_per_step();
+    let steps = cfg.training.steps as u64;
+    console.line(&format!(
+        "model: {} parameters ({} layers, {} heads, width {}, context {}, {:?} MLP); {} tokens/step; device {}",
+        human(params as f64),
+        cfg.model.n_layer,
+        cfg.model.n_head,
+        cfg.model.d_model,
+        cfg.model.context,
+        cfg.model.mlp,
+        tokens_per_step,
+        opts.device_name
+    ));
+    if start_step >= steps {
+        console.line(&format!("nothing to do: the run already has {start_step} of {steps} steps"));
+    }
+
+    let bar = if opts.verbose && std::io::stderr().is_terminal() {
+        let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
+        b.set_style(
+            ProgressStyle::with_template("{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}")
+                .expect("valid template"),
+        );
+        b.set_position(start_step);
+        Some(b)
+    } else {
+        None
+    };
+    let console = Console { bar, verbose: opts.verbose };
+
+    let session_start = Instant::now();
+    let mut tok_rates = Vec::new();
+    let mut last_loss = f64::NAN;
+    let mut last_val = None;
+    let accum = cfg.training.grad_accum;
+    let end = opts.stop_at.map_or(steps, |s| s.min(steps));
+    for step in start_step..end {
+        let t0 = Instant::now();
+        let lr = lr_at(cfg, step as usize);
+        // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats them.
+        B::seed(&device, SplitMix64::for_stream(cfg.seed, 3, step).next_u64());
+
+        let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
+        let grads = if accum == 1 {
+            let (x, y) = data.train_batch::<B>(cfg.seed, step, cfg.training.batch_size, cfg.model.context, &device);
+            let loss = model.forward_loss(x, y);
+            loss_sum = Some(loss.clone().inner());
+            GradientsParams::from_grads(loss.backward(), &model)
+        } else {
+            let mut acc = GradientsAccumulator::<Gpt<B>>::new();
+            for micro in 0..accum {
+                let index = step * accum as u64 + micro as u64;
+                let (x, y) = data.train_batch::<B>(cfg.seed, index, cfg.training.batch_size, cfg.model.context, &device);
+                let loss = model.forward_loss(x, y);
+                let l = loss.clone().inner();
+                loss_sum = Some(match loss_sum.take() {
+                    Some(s) => s + l,
+                    None => l,
+                });
+                let g = (loss / accum as f64).backward();
+                acc.accumulate(&model, GradientsParams::from_grads(g, &model));
+            }
+            acc.grads()
+        };
+        let (m, norm) = opt.step::<B, _>(lr, model, grads);
+        model = m;
+
+        // One read-back per step: [mean loss, grad norm]. It also synchronises, so the timing is real.
+        let loss_mean = loss_sum.expect("at least one micro-batch").div_scalar(accum as f64);
+        let stats = Tensor::cat(vec![loss_mean, norm], 0).into_data().convert::<f64>();
+        let stats: Vec<f64> = stats.into_vec().expect("f64 stats");
+        let (loss, grad_norm) = (stats[0], stats[1]);
+        if !loss.is_finite() {
+            bail!(
+                "training diverged at step {}: loss is {loss} (grad norm {grad_norm}); lower optimizer.lr or check the data",
+                step + 1
+            );
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        let tps = tokens_per_step as f64 / dt;
+        if step >= start_step + 3 {
+            tok_rates.push(tps);
+        }
+        let mfu = opts.peak_tflops.map(|p| flops_per_token * tps / (p * 1e12));
+        last_loss = loss;
+        let done = step + 1;
+
+        let is_last = done == steps;
+        let session_end = done == end;
+        let eval_now = is_last || (cfg.training.eval_interval > 0 && done % cfg.training.eval_interval as u64 == 0);
+        let val_loss = eval_now.then(|| evaluate(&model, &data, cfg, &device));
+        if let Some(v) = val_loss {
+            best_val = Some(best_val.map_or(v, |b: f64| b.min(v)));
+            last_val = Some(v);
+        }
+        metrics.record(&StepRecord { step: done, loss, lr, grad_norm, tokens_per_s: tps, step_ms: dt * 1e3, mfu, val_loss })?;
+
+        if done % cfg.training.log_interval as u64 == 0 || is_last || done == start_step + 1 {
+            let mfu_s = mfu.map_or("-".to_string(), |m| format!("{:.1}%", m * 100.0));
+            console.line(&format!(
+                "step {done:>6}/{steps} | loss {loss:.4} | lr {lr:.2e} | grad-norm {grad_norm:.3} | {} tok/s | MFU {mfu_s} | {:.0} ms/step",
+                human(tps),
+                dt * 1e3
+            ));
+        }
+        if let Some(v) = val_loss {
+            console.line(&format!("eval  {done:>6}/{steps} | val_loss {v:.4} | best {:.4}", best_val.unwrap_or(v)));
+            metrics.plot(run_dir, &format!("{} ({})", run_dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default(), opts.device_name))?;
+        }
+        let ckpt_now =
+            is_last || session_end || (cfg.training.checkpoint_interval > 0 && done % cfg.training.checkpoint_interval as u64 == 0);
+        if ckpt_now {
+            let elapsed = elapsed_before + session_start.elapsed().as_secs_f64();
+            checkpoint::save::<B, _>(
+                run_dir,
+                &model,
+                &opt,
+                &cfg.model,
+                vocab,
+                done,
+                cfg.seed,
+                best_val,
+                elapsed,
+                cfg.training.keep_checkpoints,
+            )?;
+        }
+        if let Some(b) = &console.bar {
+            b.set_position(done);
+            b.set_message(format!("loss {loss:.4}"));
+        }
+    }
+    if let Some(b) = &console.bar {
+        b.finish_and_clear();
+    }
+    metrics.plot(run_dir, &format!("{} ({})", run_dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default(), opts.device_name))?;
+
+    tok_rates.sort_by(|a, b| a.partial_cmp(b).expect("finite rates"));
+    let summary = Summary {
+        steps: steps.max(start_step),
+        final_loss: last_loss,
+        best_val_loss: best_val,
+        final_val_loss: last_val,
+        wall_s: elapsed_before + session_start.elapsed().as_secs_f64(),
+        median_tokens_per_s: tok_rates.get(tok_rates.len() / 2).copied().unwrap_or(f64::NAN),
+        params,
+        device: opts.device_name.clone(),
+        resumed_from,
+    };
+    write_atomic(&run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    Ok(summary)
+}
+
+/// Writes a file so that readers see the old or the new content, never a mix.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}

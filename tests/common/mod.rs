@@ -1,0 +1,57 @@
+//! Shared helpers for the integration tests. They run on wgpu: Mesa's lavapipe on a CPU-only machine.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Autodiff, Wgpu};
+use trainer::Config;
+
+pub type B = Autodiff<Wgpu>;
+pub type Inner = Wgpu;
+
+pub fn device() -> WgpuDevice {
+    WgpuDevice::DefaultDevice
+}
+
+/// A model and run small enough for a test: 1-2 seconds of lavapipe per few steps.
+pub fn tiny_config(steps: usize) -> Config {
+    let mut cfg = Config::default();
+    cfg.device = trainer::config::DeviceKind::Wgpu;
+    cfg.model.n_layer = 2;
+    cfg.model.n_head = 2;
+    cfg.model.d_model = 32;
+    cfg.model.context = 16;
+    cfg.data.embedded_chars = 40_000;
+    cfg.optimizer.lr = 3e-3;
+    cfg.schedule.warmup_steps = 2;
+    cfg.schedule.min_lr = 3e-4;
+    cfg.training.steps = steps;
+    cfg.training.batch_size = 8;
+    cfg.training.eval_interval = 0;
+    cfg.training.eval_batches = 2;
+    cfg.training.log_interval = 1000;
+    cfg.training.checkpoint_interval = 0;
+    cfg
+}
+
+/// A fresh, empty directory under the target dir for one test's run.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create scratch dir");
+    dir
+}
+
+pub fn opts(dir: PathBuf, resume: bool) -> trainer::RunOptions {
+    trainer::RunOptions { run_dir: dir, resume, device_name: "wgpu (test)".into(), peak_tflops: None, verbose: false, stop_at: None }
+}
+
+/// Reads metrics.jsonl.
+pub fn read_metrics(dir: &std::path::Path) -> Vec<trainer::metrics::StepRecord> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("valid JSON line"))
+        .collect()
+}

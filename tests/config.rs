@@ -1,0 +1,81 @@
+//! Config parsing: defaults, overrides, and errors that name the key.
+
+use trainer::config::{Config, DEFAULT_TOML};
+
+fn err(text: &str, sets: &[&str]) -> String {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    format!("{:#}", Config::from_toml_str(text, &sets, "test.toml").unwrap_err())
+}
+
+#[test]
+fn builtin_default_matches_the_struct_defaults() {
+    // configs/default.toml spells out every key; it must equal the defaults of the structs, so a
+    // config that leaves a key out gets what the default file documents.
+    assert_eq!(Config::builtin(), Config::default());
+    let empty = Config::from_toml_str("", &[], "empty").unwrap();
+    assert_eq!(empty, Config::default());
+}
+
+#[test]
+fn shipped_configs_parse() {
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            Config::load(&path, &[]).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+        }
+    }
+}
+
+#[test]
+fn resolved_config_round_trips() {
+    let cfg = Config::from_toml_str(DEFAULT_TOML, &["model.mlp=gelu".into(), "training.steps=7".into()], "x").unwrap();
+    let again = Config::from_toml_str(&cfg.to_toml(), &[], "resolved").unwrap();
+    assert_eq!(cfg, again);
+    assert_eq!(again.training.steps, 7);
+    assert_eq!(again.model.mlp, model::MlpKind::Gelu);
+}
+
+#[test]
+fn overrides_take_toml_values_and_bare_strings() {
+    let cfg = Config::from_toml_str(
+        "",
+        &["optimizer.lr=1e-4".into(), "schedule.min_lr=1e-5".into(), "device=wgpu".into(), "model.bias=true".into()],
+        "x",
+    )
+    .unwrap();
+    assert_eq!(cfg.optimizer.lr, 1e-4);
+    assert_eq!(cfg.device, trainer::config::DeviceKind::Wgpu);
+    assert!(cfg.model.bias);
+}
+
+#[test]
+fn unknown_key_is_named() {
+    let e = err("[model]\nn_layers = 4\n", &[]);
+    assert!(e.contains("n_layers") && e.contains("n_layer"), "{e}");
+    let e = err("", &["trainig.steps=3"]);
+    assert!(e.contains("trainig"), "{e}");
+}
+
+#[test]
+fn wrong_type_is_named() {
+    let e = err("[training]\nsteps = \"many\"\n", &[]);
+    assert!(e.contains("training.steps"), "{e}");
+    let e = err("", &["model.mlp=relu"]);
+    assert!(e.contains("model.mlp") && e.contains("swiglu"), "{e}");
+}
+
+#[test]
+fn impossible_values_are_explained() {
+    let e = err("[model]\nd_model = 100\nn_head = 3\n", &[]);
+    assert!(e.contains("model.n_head") && e.contains("model.d_model"), "{e}");
+    let e = err("", &["training.batch_size=0"]);
+    assert!(e.contains("training.batch_size"), "{e}");
+    let e = err("", &["data.source=file"]);
+    assert!(e.contains("data.path"), "{e}");
+    let e = err("", &["schedule.min_lr=1.0"]);
+    assert!(e.contains("schedule.min_lr"), "{e}");
+    let e = err("", &["data.val_fraction=0.9"]);
+    assert!(e.contains("data.val_fraction"), "{e}");
+    let e = err("", &["nonsense"]);
+    assert!(e.contains("key=value"), "{e}");
+}

@@ -1,0 +1,120 @@
+//! Tokenizers, the train/validation split and the data windows.
+
+use trainer::config::{Config, TokenizerKind};
+use trainer::data::{split_point, window_starts, Dataset};
+use trainer::rng::SplitMix64;
+use trainer::{corpus, tokenizer};
+
+fn shakespeare() -> Option<String> {
+    let dir = std::env::var("SHARED_DATA").unwrap_or_else(|_| "../shared/data".into());
+    let p = std::path::Path::new(&dir).join("tinyshakespeare.txt");
+    let alt = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
+    std::fs::read_to_string(&p).or_else(|_| std::fs::read_to_string(alt)).ok()
+}
+
+#[test]
+fn char_tokenizer_round_trips() {
+    let text = "Hello, world!\n\n  Tabs\tand ünïcödé — fine.\n";
+    let tok = tokenizer::char_level(text).unwrap();
+    let ids = tokenizer::encode_corpus(&tok, text).unwrap();
+    assert_eq!(ids.len(), text.chars().count());
+    assert_eq!(tokenizer::decode(&tok, &ids).unwrap(), text);
+    // Unseen characters map to <unk> (id 0) rather than failing.
+    let unk = tokenizer::encode_corpus(&tok, "Z").unwrap();
+    assert_eq!(unk, vec![0]);
+}
+
+#[test]
+fn bpe_tokenizer_trains_and_round_trips() {
+    let text = corpus::generate(1, 60_000);
+    let tok = tokenizer::train_bpe(&text, 400).unwrap();
+    assert!(tok.get_vocab_size(true) <= 400 && tok.get_vocab_size(true) > 256);
+    let sample = &text[..5000];
+    let ids = tokenizer::encode_corpus(&tok, sample).unwrap();
+    assert!(ids.len() < sample.len() / 2, "BPE should compress: {} ids for {} bytes", ids.len(), sample.len());
+    assert_eq!(tokenizer::decode(&tok, &ids).unwrap(), sample);
+    // Byte-level: text it never saw still round-trips.
+    let other = "Völlig neue Wörter — 日本語 ✓\n";
+    let ids = tokenizer::encode_corpus(&tok, other).unwrap();
+    assert_eq!(tokenizer::decode(&tok, &ids).unwrap(), other);
+}
+
+#[test]
+fn chunked_encoding_equals_whole_encoding() {
+    let text = corpus::generate(3, 200_000);
+    for tok in [tokenizer::char_level(&text).unwrap(), tokenizer::train_bpe(&text, 300).unwrap()] {
+        let whole = tok.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(tokenizer::encode_corpus(&tok, &text).unwrap(), whole);
+    }
+}
+
+#[test]
+fn saved_tokenizer_loads_back() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tok_save");
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = corpus::generate(2, 20_000);
+    let tok = tokenizer::char_level(&text).unwrap();
+    let p = dir.join("tokenizer.json");
+    tokenizer::save(&tok, &p).unwrap();
+    let back = tokenizer::load(&p).unwrap();
+    assert_eq!(tokenizer::encode_corpus(&back, &text).unwrap(), tokenizer::encode_corpus(&tok, &text).unwrap());
+}
+
+#[test]
+fn embedded_corpus_has_structure_below_unigram_entropy() {
+    let text = corpus::generate(trainer::data::EMBEDDED_CORPUS_SEED, 100_000);
+    let mut counts = std::collections::HashMap::new();
+    for c in text.chars() {
+        *counts.entry(c).or_insert(0usize) += 1;
+    }
+    let n = text.chars().count() as f64;
+    let h: f64 = counts.values().map(|&k| -(k as f64 / n) * (k as f64 / n).ln()).sum();
+    assert!(h > 2.5 && h < 3.5, "unigram entropy {h} nats");
+    // Repeated words: the 16 subjects occur over and over.
+    assert!(text.matches("the old king").count() > 50);
+}
+
+#[test]
+fn split_is_90_10_and_windows_stay_inside() {
+    let mut cfg = Config::default();
+    cfg.data.embedded_chars = 50_000;
+    cfg.model.context = 32;
+    let ds = Dataset::build(&cfg, None).unwrap();
+    let total = (ds.train.len() + ds.val.len()) as f64;
+    assert!((ds.val.len() as f64 / total - 0.1).abs() < 0.01);
+    // Windows: in range, deterministic per index, different between indices.
+    let a = window_starts(SplitMix64::for_stream(5, 1, 10), ds.train.len(), 64, 32);
+    let b = window_starts(SplitMix64::for_stream(5, 1, 10), ds.train.len(), 64, 32);
+    let c = window_starts(SplitMix64::for_stream(5, 1, 11), ds.train.len(), 64, 32);
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    assert!(a.iter().all(|&s| s + 32 < ds.train.len()));
+    // Targets are the inputs shifted by one token.
+    let dev = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+    let (x, y) = ds.train_batch::<burn::backend::Wgpu>(5, 0, 4, 32, &dev);
+    let x: Vec<i64> = x.into_data().convert::<i64>().into_vec().unwrap();
+    let y: Vec<i64> = y.into_data().convert::<i64>().into_vec().unwrap();
+    for row in 0..4 {
+        assert_eq!(&x[row * 32 + 1..(row + 1) * 32], &y[row * 32..(row + 1) * 32 - 1]);
+    }
+    assert_eq!(split_point("abcdefghij", 0.1), 9);
+}
+
+#[test]
+fn shakespeare_char_vocabulary_is_65() {
+    let Some(text) = shakespeare() else {
+        eprintln!("tinyshakespeare.txt not found (SHARED_DATA); skipping");
+        return;
+    };
+    let tok = tokenizer::char_level(&text).unwrap();
+    // 65 characters plus <unk>, as in nanoGPT's shakespeare_char.
+    assert_eq!(tok.get_vocab_size(true), 66);
+    let mut cfg = Config::default();
+    cfg.data.source = trainer::config::TextSource::File;
+    cfg.data.tokenizer = TokenizerKind::Char;
+    cfg.data.path = std::env::var("SHARED_DATA").map(|d| format!("{d}/tinyshakespeare.txt")).unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data/tinyshakespeare.txt").to_string()
+    });
+    let ds = Dataset::build(&cfg, None).unwrap();
+    assert_eq!(ds.train.len() + ds.val.len(), text.chars().count());
+}

@@ -1,0 +1,97 @@
+//! Model shapes, causality and parameter count, on wgpu.
+
+mod common;
+
+use burn::module::Module;
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use common::{device, Inner};
+use model::{Gpt, GptConfig, MlpKind};
+
+fn random_ids(b: usize, t: usize, vocab: usize, seed: u64) -> Vec<i64> {
+    let mut r = trainer::rng::SplitMix64::new(seed);
+    (0..b * t).map(|_| r.below(vocab) as i64).collect()
+}
+
+fn small(mlp: MlpKind, tie: bool) -> GptConfig {
+    GptConfig { n_layer: 2, n_head: 4, d_model: 32, context: 24, mlp, tie_embeddings: tie, ..GptConfig::default() }
+}
+
+#[test]
+fn logits_have_batch_time_vocab_shape() {
+    let dev = device();
+    for (mlp, tie) in [(MlpKind::Swiglu, true), (MlpKind::Gelu, false)] {
+        let cfg = small(mlp, tie);
+        let gpt = Gpt::<Inner>::new(&cfg, 37, &dev);
+        let ids = Tensor::<Inner, 2, Int>::from_data(TensorData::new(random_ids(3, 11, 37, 1), [3, 11]), &dev);
+        let logits = gpt.forward(ids);
+        assert_eq!(logits.dims(), [3, 11, 37]);
+        let v: Vec<f32> = logits.into_data().into_vec().unwrap();
+        assert!(v.iter().all(|x| x.is_finite()));
+        // The parameter count the MFU estimate uses is the model's real one.
+        assert_eq!(gpt.num_params(), cfg.num_params(37), "{mlp:?} tie={tie}");
+    }
+}
+
+#[test]
+fn a_future_token_cannot_change_an_earlier_logit() {
+    let dev = device();
+    let cfg = small(MlpKind::Swiglu, true);
+    let gpt = Gpt::<Inner>::new(&cfg, 50, &dev);
+    let t = 20;
+    let ids = random_ids(2, t, 50, 7);
+    for k in [0usize, 7, 19] {
+        let mut changed = ids.clone();
+        for b in 0..2 {
+            changed[b * t + k] = (changed[b * t + k] + 13) % 50;
+        }
+        let run = |v: Vec<i64>| -> Vec<f32> {
+            let x = Tensor::<Inner, 2, Int>::from_data(TensorData::new(v, [2, t]), &dev);
+            gpt.forward(x).into_data().into_vec().unwrap()
+        };
+        let a = run(ids.clone());
+        let c = run(changed);
+        for b in 0..2 {
+            for pos in 0..t {
+                let row = |v: &Vec<f32>| v[(b * t + pos) * 50..(b * t + pos + 1) * 50].to_vec();
+                let diff = row(&a).iter().zip(row(&c)).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                if pos < k {
+                    assert!(diff < 1e-5, "position {pos} changed by {diff} when token {k} changed");
+                } else if pos == k {
+                    assert!(diff > 1e-4, "position {k}'s own logits did not change");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn residual_projections_get_scaled_init() {
+    let dev = device();
+    let cfg = GptConfig { n_layer: 8, n_head: 2, d_model: 64, ..GptConfig::default() };
+    <Inner as burn::tensor::backend::Backend>::seed(&dev, 3);
+    let gpt = Gpt::<Inner>::new(&cfg, 40, &dev);
+    let std_of = |t: Tensor<Inner, 2>| -> f64 {
+        let v: Vec<f32> = t.into_data().into_vec().unwrap();
+        let n = v.len() as f64;
+        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+        (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt()
+    };
+    let qkv = std_of(gpt.blocks[0].attn.qkv.weight.val());
+    let proj = std_of(gpt.blocks[0].attn.proj.weight.val());
+    assert!((qkv - 0.02).abs() < 0.002, "qkv std {qkv}");
+    let want = 0.02 / (16f64).sqrt();
+    assert!((proj - want).abs() < 0.1 * want, "proj std {proj}, want {want}");
+    let _ = Tensor::<Inner, 1>::random([4], Distribution::Default, &dev);
+    assert_eq!(gpt.num_params(), cfg.num_params(40));
+}
+
+#[test]
+fn longer_than_context_is_refused_with_the_key() {
+    let dev = device();
+    let cfg = small(MlpKind::Gelu, true);
+    let gpt = Gpt::<Inner>::new(&cfg, 10, &dev);
+    let ids = Tensor::<Inner, 2, Int>::zeros([1, 25], &dev);
+    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gpt.forward(ids))).unwrap_err();
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("model.context"), "{msg}");
+}
