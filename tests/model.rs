@@ -66,6 +66,7 @@ fn a_future_token_cannot_change_an_earlier_logit() {
 
 #[test]
 fn residual_projections_get_scaled_init() {
+    let _guard = common::serial();
     let dev = device();
     let cfg = GptConfig { n_layer: 8, n_head: 2, d_model: 64, ..GptConfig::default() };
     <Inner as burn::tensor::backend::Backend>::seed(&dev, 3);

@@ -8,6 +8,7 @@ use trainer::checkpoint;
 
 #[test]
 fn loss_decreases_on_a_short_run() {
+    let _guard = common::serial();
     let dir = scratch("loss_decreases");
     let mut cfg = tiny_config(60);
     cfg.training.eval_interval = 30;
@@ -36,6 +37,7 @@ fn loss_decreases_on_a_short_run() {
 
 #[test]
 fn resumed_run_matches_uninterrupted_run() {
+    let _guard = common::serial();
     let mut cfg = tiny_config(12);
     cfg.model.dropout = 0.1; // dropout masks must be reproduced too
     cfg.training.grad_accum = 2;
@@ -76,6 +78,7 @@ fn resumed_run_matches_uninterrupted_run() {
 
 #[test]
 fn fresh_run_refuses_a_directory_with_checkpoints() {
+    let _guard = common::serial();
     let dir = scratch("refuse_existing");
     let cfg = tiny_config(2);
     trainer::run(&cfg, &trainer::device::Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
@@ -85,6 +88,7 @@ fn fresh_run_refuses_a_directory_with_checkpoints() {
 
 #[test]
 fn checkpoints_are_complete_or_refused() {
+    let _guard = common::serial();
     let dir = scratch("ckpt_atomic");
     let mut cfg = tiny_config(6);
     cfg.training.checkpoint_interval = 2;

@@ -14,6 +14,13 @@ pub fn device() -> WgpuDevice {
     WgpuDevice::DefaultDevice
 }
 
+/// Burn's backend RNG (initialisation, dropout) is global per device, so tests that depend on it
+/// for reproducibility take this lock to keep other tests from drawing numbers in between.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A model and run small enough for a test: 1-2 seconds of lavapipe per few steps.
 pub fn tiny_config(steps: usize) -> Config {
     let mut cfg = Config::default();
