@@ -96,12 +96,19 @@ fn real_main() -> Result<()> {
     };
     println!("device: {}{}", selected.describe(), peak.map_or(String::new(), |p| format!(", MFU against {p} TFLOP/s")));
     println!("run directory: {}", run_dir.display());
+    if matches!(selected, device::Selected::Cuda { .. }) {
+        println!(
+            "note: CUDA kernels are compiled and matmuls autotuned at the first use of each shape; on a new GPU the \
+             first step can take minutes. Both are cached (under target/ when run inside the repository, see cubecl.toml)."
+        );
+    }
     let opts = RunOptions { run_dir: run_dir.clone(), resume, device_name: selected.describe(), peak_tflops: peak, verbose: true, stop_at: cli.stop_at };
     let s = trainer::run(&cfg, &selected, &opts).with_context(|| format!("run {}", run_dir.display()))?;
     println!(
-        "done: {} steps in {:.1}s | final loss {:.4} | best val_loss {} | median {:.0} tokens/s",
+        "done: {} steps in {:.1}s (first step {:.1}s) | final loss {:.4} | best val_loss {} | median {:.0} tokens/s",
         s.steps,
         s.wall_s,
+        s.first_step_s,
         s.final_loss,
         s.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
         s.median_tokens_per_s

@@ -51,6 +51,9 @@ pub struct Summary {
     pub wall_s: f64,
     /// Median tokens/s over this session's steps (the first few excluded as warm-up).
     pub median_tokens_per_s: f64,
+    /// Duration of this session's first step, which includes compiling (and on CUDA autotuning)
+    /// every kernel the step uses unless they were cached by an earlier run.
+    pub first_step_s: f64,
     pub params: usize,
     pub device: String,
     pub resumed_from: Option<u64>,
@@ -214,6 +217,7 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
 
     let session_start = Instant::now();
     let mut tok_rates = Vec::new();
+    let mut first_step_s = f64::NAN;
     let mut last_loss = f64::NAN;
     let mut last_val = None;
     let accum = cfg.training.grad_accum;
@@ -261,6 +265,9 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
             );
         }
         let dt = t0.elapsed().as_secs_f64();
+        if step == start_step {
+            first_step_s = dt;
+        }
         let tps = tokens_per_step as f64 / dt;
         if step >= start_step + 3 {
             tok_rates.push(tps);
@@ -326,6 +333,7 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         final_val_loss: last_val,
         wall_s: elapsed_before + session_start.elapsed().as_secs_f64(),
         median_tokens_per_s: tok_rates.get(tok_rates.len() / 2).copied().unwrap_or(f64::NAN),
+        first_step_s,
         params,
         device: opts.device_name.clone(),
         resumed_from,
