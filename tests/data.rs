@@ -90,6 +90,11 @@ fn split_is_90_10_and_windows_stay_inside() {
     assert_eq!(a, b);
     assert_ne!(a, c);
     assert!(a.iter().all(|&s| s + 32 < ds.train.len()));
+    // At the edge: a stream of exactly context + 1 tokens has one window, starting at 0; one token
+    // more allows starts 0 and 1, and both occur.
+    assert!(window_starts(SplitMix64::new(1), 33, 1000, 32).iter().all(|&s| s == 0));
+    let two = window_starts(SplitMix64::new(2), 34, 1000, 32);
+    assert!(two.iter().all(|&s| s <= 1) && two.contains(&0) && two.contains(&1));
     // Targets are the inputs shifted by one token.
     let dev = burn::backend::wgpu::WgpuDevice::DefaultDevice;
     let (x, y) = ds.train_batch::<burn::backend::Wgpu>(5, 0, 4, 32, &dev);

@@ -3,7 +3,7 @@
 mod common;
 
 use burn::module::Module;
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use common::{device, Inner};
 use model::{Gpt, GptConfig, MlpKind};
 
@@ -82,7 +82,6 @@ fn residual_projections_get_scaled_init() {
     assert!((qkv - 0.02).abs() < 0.002, "qkv std {qkv}");
     let want = 0.02 / (16f64).sqrt();
     assert!((proj - want).abs() < 0.1 * want, "proj std {proj}, want {want}");
-    let _ = Tensor::<Inner, 1>::random([4], Distribution::Default, &dev);
     assert_eq!(gpt.num_params(), cfg.num_params(40));
 }
 
@@ -95,4 +94,35 @@ fn longer_than_context_is_refused_with_the_key() {
     let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gpt.forward(ids))).unwrap_err();
     let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(msg.contains("model.context"), "{msg}");
+}
+
+#[test]
+fn rope_scores_depend_only_on_relative_position() {
+    // The same q at every position and the same k at every position: after RoPE, q_i . k_j must be
+    // a function of i - j alone, and for i = j equal to the plain dot product.
+    let dev = device();
+    let (t, hd) = (12, 8);
+    let mut r = trainer::rng::SplitMix64::new(4);
+    let mut vecn = || -> Vec<f32> { (0..hd).map(|_| r.below(1000) as f32 / 500.0 - 1.0).collect() };
+    let (q0, k0) = (vecn(), vecn());
+    let tile = |v: &Vec<f32>| -> Tensor<Inner, 4> {
+        let data: Vec<f32> = (0..t).flat_map(|_| v.clone()).collect();
+        Tensor::from_data(TensorData::new(data, [1, 1, t, hd]), &dev)
+    };
+    let (cos, sin) = model::layers::rope_tables::<Inner>(t, hd, 10000.0, &dev);
+    let q = model::layers::apply_rope(tile(&q0), &cos, &sin);
+    let k = model::layers::apply_rope(tile(&k0), &cos, &sin);
+    let s: Vec<f32> = q.matmul(k.swap_dims(2, 3)).into_data().into_vec().unwrap(); // [t, t]
+    let plain: f32 = q0.iter().zip(&k0).map(|(a, b)| a * b).sum();
+    for i in 0..t {
+        assert!((s[i * t + i] - plain).abs() < 1e-4, "q_{i}.k_{i} = {} but q.k = {plain}", s[i * t + i]);
+        for j in 0..t {
+            if i >= 1 && j >= 1 {
+                let d = (s[i * t + j] - s[(i - 1) * t + (j - 1)]).abs();
+                assert!(d < 1e-4, "score({i},{j}) differs from score({},{}) by {d}", i - 1, j - 1);
+            }
+        }
+    }
+    // And it does depend on the offset (RoPE is not the identity).
+    assert!((s[5] - s[0]).abs() > 1e-3);
 }

@@ -74,6 +74,15 @@ fn resumed_run_matches_uninterrupted_run() {
             other => panic!("step {}: evaluations differ {other:?}", x.step),
         }
     }
+    // The final weights and AdamW moments agree too.
+    let last = checkpoint::file_name(12);
+    let (ha, va) = checkpoint::read(&full.join("checkpoints").join(&last)).unwrap();
+    let (hb, vb) = checkpoint::read(&split.join("checkpoints").join(&last)).unwrap();
+    assert_eq!(ha.params, hb.params);
+    assert_eq!(ha.optimizer_step, 12);
+    assert_eq!(hb.optimizer_step, 12);
+    let worst = va.iter().zip(&vb).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst <= 1e-5, "weights or moments differ by up to {worst}");
 }
 
 #[test]
@@ -98,7 +107,7 @@ fn checkpoints_are_complete_or_refused() {
     assert_eq!(list.iter().map(|c| c.0).collect::<Vec<_>>(), vec![4, 6], "only the newest two are kept");
 
     // A temporary file from a save that crashed midway is never taken for a checkpoint.
-    let stray = dir.join("checkpoints").join(format!(".{}.tmp", checkpoint::file_name(8)));
+    let stray = dir.join("checkpoints").join(format!(".{}.tmp", checkpoint::file_name(99)));
     std::fs::write(&stray, b"half a checkpoint").unwrap();
     assert_eq!(checkpoint::list(&dir).unwrap().len(), 2);
 
@@ -120,13 +129,25 @@ fn checkpoints_are_complete_or_refused() {
     std::fs::write(&newest, &good[..good.len() / 3]).unwrap();
     assert!(format!("{:#}", checkpoint::read(&newest).unwrap_err()).contains("damaged"));
 
+    // With the newest damaged, the error names the older complete checkpoint to fall back on.
+    assert!(e.contains(&checkpoint::file_name(4)), "{e}");
+
     // Intact again, but for a different model: refused, naming what differs.
     std::fs::write(&newest, &good).unwrap();
+    let saved_config = std::fs::read_to_string(dir.join("config.toml")).unwrap();
     let mut other = cfg.clone();
     other.model.d_model = 48;
     other.training.steps = 8;
     let e = format!("{:#}", trainer::run(&other, &trainer::device::Selected::Wgpu, &opts(dir.clone(), true)).unwrap_err());
     assert!(e.contains("does not fit") && e.contains("d_model"), "{e}");
+    // Another seed or batch size would read other batches: refused too.
+    let mut other = cfg.clone();
+    other.seed += 1;
+    other.training.batch_size = 4;
+    let e = format!("{:#}", trainer::run(&other, &trainer::device::Selected::Wgpu, &opts(dir.clone(), true)).unwrap_err());
+    assert!(e.contains("seed") && e.contains("training.batch_size"), "{e}");
+    // A refused resume leaves the run's config.toml as it was.
+    assert_eq!(std::fs::read_to_string(dir.join("config.toml")).unwrap(), saved_config);
 
     // And the intact checkpoint resumes: two more steps.
     let mut more = cfg.clone();

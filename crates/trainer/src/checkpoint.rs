@@ -25,6 +25,7 @@ use burn::tensor::{Tensor, TensorData};
 use model::GptConfig;
 use serde::{Deserialize, Serialize};
 
+use crate::config::{Config, DataConfig};
 use crate::optim::{AdamW, Moments};
 
 const MAGIC: &[u8; 8] = b"BMXCKPT1";
@@ -47,6 +48,10 @@ pub struct Header {
     /// Optimizer steps completed.
     pub step: u64,
     pub seed: u64,
+    /// What decides the batch stream besides the seed; a resumed run must use the same.
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub data: DataConfig,
     pub model: GptConfig,
     pub vocab_size: usize,
     /// AdamW's bias-correction step counter.
@@ -146,10 +151,9 @@ pub fn save<AB, M>(
     run_dir: &Path,
     module: &M,
     opt: &AdamW<AB::InnerBackend>,
-    model_cfg: &GptConfig,
+    cfg: &Config,
     vocab_size: usize,
     step: u64,
-    seed: u64,
     best_val_loss: Option<f64>,
     elapsed_s: f64,
     keep: usize,
@@ -165,8 +169,11 @@ where
     let header = Header {
         format_version: FORMAT_VERSION,
         step,
-        seed,
-        model: model_cfg.clone(),
+        seed: cfg.seed,
+        batch_size: cfg.training.batch_size,
+        grad_accum: cfg.training.grad_accum,
+        data: cfg.data.clone(),
+        model: cfg.model.clone(),
         vocab_size,
         optimizer_step: opt.step,
         best_val_loss,
@@ -322,7 +329,7 @@ pub fn load<AB, M>(
     path: &Path,
     module: M,
     opt: &mut AdamW<AB::InnerBackend>,
-    model_cfg: &GptConfig,
+    cfg: &Config,
     vocab_size: usize,
 ) -> Result<(M, Restored)>
 where
@@ -333,6 +340,7 @@ where
     let incompatible = |why: String| anyhow!("checkpoint {} does not fit this run: {why}", path.display());
     let mut saved = header.model.clone();
     saved.vocab_size = 0;
+    let model_cfg = &cfg.model;
     let mut ours = model_cfg.clone();
     ours.vocab_size = 0;
     if saved != ours {
@@ -345,6 +353,27 @@ where
             .map(|(x, y)| format!("checkpoint `{x}` vs config `{y}`"))
             .collect();
         return Err(incompatible(format!("the [model] section differs: {}", diff.join("; "))));
+    }
+    // The batches and dropout masks of a resumed run are functions of these; changing them would
+    // silently continue a different run.
+    let mut stream = Vec::new();
+    if header.seed != cfg.seed {
+        stream.push(format!("seed = {} (this run: {})", header.seed, cfg.seed));
+    }
+    if header.batch_size != cfg.training.batch_size {
+        stream.push(format!("training.batch_size = {} (this run: {})", header.batch_size, cfg.training.batch_size));
+    }
+    if header.grad_accum != cfg.training.grad_accum {
+        stream.push(format!("training.grad_accum = {} (this run: {})", header.grad_accum, cfg.training.grad_accum));
+    }
+    if header.data != cfg.data {
+        stream.push("the [data] section".to_string());
+    }
+    if !stream.is_empty() {
+        return Err(incompatible(format!(
+            "it was trained with {}; resuming with other values would not continue the same run",
+            stream.join(", ")
+        )));
     }
     if header.vocab_size != vocab_size {
         return Err(incompatible(format!(

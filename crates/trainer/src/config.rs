@@ -284,6 +284,12 @@ impl Config {
                 o.lr, s.min_lr
             ));
         }
+        if s.decay_steps != 0 && s.decay_steps <= s.warmup_steps {
+            return Err(format!(
+                "schedule.decay_steps = {} must be above schedule.warmup_steps = {} (or 0 for training.steps)",
+                s.decay_steps, s.warmup_steps
+            ));
+        }
         let t = &self.training;
         for (key, v) in [
             ("training.steps", t.steps),

@@ -40,6 +40,14 @@ impl Dataset {
             }
             TextSource::File => {
                 let path = Config::resolve_path(&d.path);
+                if !path.is_file() {
+                    let cwd = std::env::current_dir().map(|p| p.display().to_string()).unwrap_or_default();
+                    bail!(
+                        "data.path = {:?}: no such file (relative paths start from the current directory, {cwd}); \
+                         point it at a UTF-8 text file with --set data.path=FILE",
+                        d.path
+                    );
+                }
                 let text = std::fs::read_to_string(&path).with_context(|| {
                     format!("data.path = {:?}: cannot read it as UTF-8 text", d.path)
                 })?;
@@ -63,9 +71,14 @@ impl Dataset {
         let val = tokenizer::encode_corpus(&tok, &text[cut..])?;
         let need = cfg.model.context + 1;
         if train.len() < need || val.len() < need {
+            let (short, advice) = if train.len() < need {
+                ("training", "use more text or a shorter model.context")
+            } else {
+                ("validation", "use more text, a shorter model.context or a larger data.val_fraction")
+            };
             bail!(
-                "{description} gives {} training and {} validation tokens, but a window needs model.context + 1 = {need}; \
-                 use more text, a shorter model.context or a larger data.val_fraction",
+                "{description} gives {} training and {} validation tokens; the {short} split is shorter than one window \
+                 (model.context + 1 = {need} tokens): {advice}",
                 train.len(),
                 val.len()
             );

@@ -28,8 +28,15 @@ impl SplitMix64 {
     /// Uniform in [0, n).
     pub fn below(&mut self, n: usize) -> usize {
         assert!(n > 0, "below(0)");
-        // Multiply-shift; the bias is below 2^-32 for the sizes used here.
-        ((self.next_u64() >> 32) * n as u64 >> 32) as usize
+        let x = self.next_u64();
+        if (n as u64) < 1 << 32 {
+            // Multiply-shift on the top 32 bits; bias below n / 2^32. (Kept as is: the embedded
+            // corpus and every data window depend on these exact values.)
+            ((x >> 32) * n as u64 >> 32) as usize
+        } else {
+            // Streams of 2^32 tokens or more: the same idea in 128 bits.
+            ((x as u128 * n as u128) >> 64) as usize
+        }
     }
 
     pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {

@@ -43,6 +43,7 @@ pub struct RunOptions {
 /// What a finished run reports (also written to `summary.json`).
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
+    /// Steps completed when this session ended.
     pub steps: u64,
     pub final_loss: f64,
     pub best_val_loss: Option<f64>,
@@ -88,10 +89,9 @@ fn human(x: f64) -> String {
 }
 
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
-pub fn evaluate<B: AutodiffBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Config, device: &B::Device) -> f64 {
+pub fn evaluate<B: AutodiffBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Config) -> f64 {
     let m = model.valid();
     let inner_device = m.wte.weight.val().device();
-    let _ = device;
     let mut total: Option<Tensor<B::InnerBackend, 1>> = None;
     for i in 0..cfg.training.eval_batches {
         let (x, y) = data.val_batch::<B::InnerBackend>(
@@ -151,7 +151,6 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
             cfg.model.vocab_size
         );
     }
-    write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
     console.line(&format!(
         "data: {} -> {} train / {} val tokens, vocabulary {} (model {vocab}), {:.1}s",
         data.description,
@@ -171,9 +170,21 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
     let mut resumed_from = None;
     if opts.resume {
         let Some((_, path)) = existing.last() else {
-            bail!("--resume {}: no checkpoint in {}", run_dir.display(), checkpoint::dir(run_dir).display());
+            bail!(
+                "--resume {}: no checkpoint in {}; the run stopped before its first checkpoint, start it again",
+                run_dir.display(),
+                checkpoint::dir(run_dir).display()
+            );
         };
-        let (m, restored) = checkpoint::load::<B, _>(path, model, &mut opt, &cfg.model, vocab)?;
+        let (m, restored) = checkpoint::load::<B, _>(path, model, &mut opt, cfg, vocab).map_err(|e| {
+            match existing.len().checked_sub(2).map(|i| &existing[i]) {
+                Some((step, older)) => e.context(format!(
+                    "the previous checkpoint (step {step}) is {}; move the newest one away to resume from it",
+                    older.display()
+                )),
+                None => e,
+            }
+        })?;
         model = m;
         start_step = restored.step;
         best_val = restored.best_val_loss;
@@ -181,6 +192,9 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         resumed_from = Some(restored.step);
         console.line(&format!("resumed from {} (step {})", restored.path.display(), restored.step));
     }
+    // Written once the checkpoint (if any) has been accepted, so a refused --set never replaces the
+    // run's config.
+    write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
     let mut metrics = Metrics::open(run_dir, opts.resume.then_some(start_step))?;
 
     let params = cfg.model.num_params(vocab);
@@ -220,6 +234,7 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
     let mut first_step_s = f64::NAN;
     let mut last_loss = f64::NAN;
     let mut last_val = None;
+    let mut completed = start_step;
     let accum = cfg.training.grad_accum;
     let end = opts.stop_at.map_or(steps, |s| s.min(steps));
     for step in start_step..end {
@@ -258,9 +273,10 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         let stats = Tensor::cat(vec![loss_mean, norm], 0).into_data().convert::<f64>();
         let stats: Vec<f64> = stats.into_vec().expect("f64 stats");
         let (loss, grad_norm) = (stats[0], stats[1]);
-        if !loss.is_finite() {
+        if !loss.is_finite() || !grad_norm.is_finite() {
             bail!(
-                "training diverged at step {}: loss is {loss} (grad norm {grad_norm}); lower optimizer.lr or check the data",
+                "training diverged at step {}: loss {loss}, gradient norm {grad_norm}; no checkpoint was written for it. \
+                 Lower optimizer.lr or check the data",
                 step + 1
             );
         }
@@ -275,11 +291,12 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         let mfu = opts.peak_tflops.map(|p| flops_per_token * tps / (p * 1e12));
         last_loss = loss;
         let done = step + 1;
+        completed = done;
 
         let is_last = done == steps;
         let session_end = done == end;
         let eval_now = is_last || (cfg.training.eval_interval > 0 && done % cfg.training.eval_interval as u64 == 0);
-        let val_loss = eval_now.then(|| evaluate(&model, &data, cfg, &device));
+        let val_loss = eval_now.then(|| evaluate(&model, &data, cfg));
         if let Some(v) = val_loss {
             best_val = Some(best_val.map_or(v, |b: f64| b.min(v)));
             last_val = Some(v);
@@ -306,10 +323,9 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
                 run_dir,
                 &model,
                 &opt,
-                &cfg.model,
+                cfg,
                 vocab,
                 done,
-                cfg.seed,
                 best_val,
                 elapsed,
                 cfg.training.keep_checkpoints,
@@ -327,7 +343,7 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
 
     tok_rates.sort_by(|a, b| a.partial_cmp(b).expect("finite rates"));
     let summary = Summary {
-        steps: steps.max(start_step),
+        steps: completed,
         final_loss: last_loss,
         best_val_loss: best_val,
         final_val_loss: last_val,
