@@ -323,10 +323,12 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Restore<'_, AB::InnerBackend> {
     }
 }
 
-/// Loads the checkpoint at `path` into `module` and `opt`, after checking that it belongs to a model
-/// of the same configuration.
-pub fn load<AB, M>(
+/// Writes a checkpoint read by [`read`] (from `path`) into `module` and `opt`, after checking that
+/// it belongs to a model of the same configuration and the same batch stream.
+pub fn apply<AB, M>(
     path: &Path,
+    header: Header,
+    values: Vec<f32>,
     module: M,
     opt: &mut AdamW<AB::InnerBackend>,
     cfg: &Config,
@@ -336,7 +338,6 @@ where
     AB: AutodiffBackend,
     M: AutodiffModule<AB>,
 {
-    let (header, values) = read(path)?;
     let incompatible = |why: String| anyhow!("checkpoint {} does not fit this run: {why}", path.display());
     let mut saved = header.model.clone();
     saved.vocab_size = 0;

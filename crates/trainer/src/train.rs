@@ -176,15 +176,17 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
                 checkpoint::dir(run_dir).display()
             );
         };
-        let (m, restored) = checkpoint::load::<B, _>(path, model, &mut opt, cfg, vocab).map_err(|e| {
+        let (header, values) = checkpoint::read(path).map_err(|e| {
+            // A damaged newest checkpoint: say where the previous complete one is.
             match existing.len().checked_sub(2).map(|i| &existing[i]) {
                 Some((step, older)) => e.context(format!(
-                    "the previous checkpoint (step {step}) is {}; move the newest one away to resume from it",
+                    "the previous checkpoint (step {step}) is {}; move the damaged one away to resume from it",
                     older.display()
                 )),
                 None => e,
             }
         })?;
+        let (m, restored) = checkpoint::apply::<B, _>(path, header, values, model, &mut opt, cfg, vocab)?;
         model = m;
         start_step = restored.step;
         best_val = restored.best_val_loss;
