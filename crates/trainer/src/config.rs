@@ -221,7 +221,7 @@ impl Config {
         let de = toml::Value::Table(value);
         let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
-            let inner = e.into_inner();
+            let inner = e.into_inner().message().trim().to_string();
             if path == "." || path.is_empty() {
                 anyhow!("{origin}: {inner}")
             } else {

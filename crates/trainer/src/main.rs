@@ -105,13 +105,13 @@ fn real_main() -> Result<()> {
     let opts = RunOptions { run_dir: run_dir.clone(), resume, device_name: selected.describe(), peak_tflops: peak, verbose: true, stop_at: cli.stop_at };
     let s = trainer::run(&cfg, &selected, &opts).with_context(|| format!("run {}", run_dir.display()))?;
     println!(
-        "done: {} steps in {:.1}s (first step {:.1}s) | final loss {:.4} | best val_loss {} | median {:.0} tokens/s",
+        "done: {} steps in {:.1}s (first step {:.1}s) | final loss {:.4} | best val_loss {} | median {} tokens/s",
         s.steps,
         s.wall_s,
         s.first_step_s,
         s.final_loss,
         s.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
-        s.median_tokens_per_s
+        if s.median_tokens_per_s.is_finite() { format!("{:.0}", s.median_tokens_per_s) } else { "-".into() }
     );
     println!("metrics: {0}/metrics.jsonl, plot: {0}/loss.svg, checkpoints: {0}/checkpoints/", run_dir.display());
     Ok(())

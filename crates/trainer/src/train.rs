@@ -125,7 +125,6 @@ fn no_decay_ids<B: Backend>(model: &Gpt<B>, cfg: &Config) -> HashSet<burn::modul
 /// `checkpoints/` and `summary.json` into the run directory.
 pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOptions) -> Result<Summary> {
     let run_dir = &opts.run_dir;
-    std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
     let existing = checkpoint::list(run_dir)?;
     if !opts.resume && !existing.is_empty() {
         bail!(
@@ -140,6 +139,8 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
     let t_data = Instant::now();
     let reuse = (opts.resume && tok_path.exists()).then_some(tok_path.as_path());
     let data = Dataset::build(cfg, reuse)?;
+    // Created once the data is usable, so a bad data path leaves no empty run directory behind.
+    std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
     if reuse.is_none() {
         crate::tokenizer::save(&data.tokenizer, &tok_path)?;
     }
