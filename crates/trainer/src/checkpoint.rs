@@ -26,7 +26,7 @@ use model::GptConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, DataConfig};
-use crate::optim::{AdamW, Moments};
+use crate::optim::{to_prim, to_tensor, AdamW, Moments};
 
 const MAGIC: &[u8; 8] = b"BMXCKPT1";
 const FORMAT_VERSION: u32 = 1;
@@ -117,12 +117,6 @@ fn push_f32(buf: &mut Vec<u8>, data: TensorData) {
     }
 }
 
-fn param_name(path: &[String], field: &str) -> String {
-    let mut p = path.to_vec();
-    p.push(field.to_string());
-    p.join(".")
-}
-
 impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collect<'_, AB::InnerBackend> {
     fn enter_module(&mut self, name: &str, _container: &str) {
         self.path.push(name.to_string());
@@ -138,10 +132,10 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collect<'_, AB::InnerBackend> {
         push_f32(&mut self.payload, value.into_data());
         let moments = self.opt.moments.get(&param.id);
         if let Some(m) = moments {
-            push_f32(&mut self.payload, Tensor::<AB::InnerBackend, D>::from_primitive(burn::tensor::TensorPrimitive::Float(m.m.clone())).into_data());
-            push_f32(&mut self.payload, Tensor::<AB::InnerBackend, D>::from_primitive(burn::tensor::TensorPrimitive::Float(m.v.clone())).into_data());
+            push_f32(&mut self.payload, to_tensor::<AB::InnerBackend, D>(&m.m).into_data());
+            push_f32(&mut self.payload, to_tensor::<AB::InnerBackend, D>(&m.v).into_data());
         }
-        self.entries.push(ParamEntry { name: if name.is_empty() { param_name(&[], "param") } else { name }, shape, has_moments: moments.is_some() });
+        self.entries.push(ParamEntry { name, shape, has_moments: moments.is_some() });
     }
 }
 
@@ -310,8 +304,8 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Restore<'_, AB::InnerBackend> {
         let device = tensor.clone().inner().device();
         let value = self.take::<D>(&shape, &device);
         if entry.has_moments {
-            let m = self.take::<D>(&shape, &device).into_primitive().tensor();
-            let v = self.take::<D>(&shape, &device).into_primitive().tensor();
+            let m = to_prim(self.take::<D>(&shape, &device));
+            let v = to_prim(self.take::<D>(&shape, &device));
             self.moments.push((id, Moments { m, v }));
         }
         let require_grad = tensor.is_require_grad();
@@ -341,8 +335,7 @@ where
     let incompatible = |why: String| anyhow!("checkpoint {} does not fit this run: {why}", path.display());
     let mut saved = header.model.clone();
     saved.vocab_size = 0;
-    let model_cfg = &cfg.model;
-    let mut ours = model_cfg.clone();
+    let mut ours = cfg.model.clone();
     ours.vocab_size = 0;
     if saved != ours {
         let a = toml::to_string(&saved).unwrap_or_default();

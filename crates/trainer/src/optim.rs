@@ -23,11 +23,13 @@ pub struct Moments<B: Backend> {
     pub v: FloatTensor<B>,
 }
 
-fn to_tensor<B: Backend, const D: usize>(p: &FloatTensor<B>) -> Tensor<B, D> {
+/// A rank-erased moment as a tensor of rank `D`.
+pub(crate) fn to_tensor<B: Backend, const D: usize>(p: &FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(p.clone()))
 }
 
-fn to_prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+/// A tensor as a rank-erased primitive.
+pub(crate) fn to_prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
 }
 

@@ -232,6 +232,11 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
     };
     let console = Console { bar, verbose: opts.verbose };
 
+    let plot_title = format!(
+        "{} ({})",
+        run_dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default(),
+        opts.device_name
+    );
     let session_start = Instant::now();
     let mut tok_rates = Vec::new();
     let mut first_step_s = f64::NAN;
@@ -316,7 +321,7 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         }
         if let Some(v) = val_loss {
             console.line(&format!("eval  {done:>6}/{steps} | val_loss {v:.4} | best {:.4}", best_val.unwrap_or(v)));
-            metrics.plot(run_dir, &format!("{} ({})", run_dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default(), opts.device_name))?;
+            metrics.plot(run_dir, &plot_title)?;
         }
         let ckpt_now =
             is_last || session_end || (cfg.training.checkpoint_interval > 0 && done % cfg.training.checkpoint_interval as u64 == 0);
@@ -342,7 +347,7 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
     if let Some(b) = &console.bar {
         b.finish_and_clear();
     }
-    metrics.plot(run_dir, &format!("{} ({})", run_dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default(), opts.device_name))?;
+    metrics.plot(run_dir, &plot_title)?;
 
     tok_rates.sort_by(|a, b| a.partial_cmp(b).expect("finite rates"));
     let summary = Summary {
