@@ -51,7 +51,7 @@ pub fn scratch(name: &str) -> PathBuf {
 }
 
 pub fn opts(dir: PathBuf, resume: bool) -> trainer::RunOptions {
-    trainer::RunOptions { run_dir: dir, resume, device_name: "wgpu (test)".into(), peak_tflops: None, verbose: false, stop_at: None }
+    trainer::RunOptions { run_dir: dir, resume, device_name: "wgpu (test)".into(), peak_tflops: None, verbose: false, stop_at: None, poison_steps: Vec::new() }
 }
 
 /// Reads metrics.jsonl.

@@ -4,9 +4,10 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig};
 use burn::tensor::activation::{gelu, log_softmax, silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Int, Tensor};
+use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
 use crate::config::{GptConfig, MlpKind};
+use crate::dtype::debug_assert_dtype;
 use crate::layers::{apply_rope, rope_tables, Embedding, Linear, RmsNorm};
 
 /// Score given to masked (future) positions: finite, because WGSL has no infinity literal, and far
@@ -53,10 +54,11 @@ impl<B: Backend> Attention<B> {
         let q = apply_rope(q, &rope.cos, &rope.sin);
         let k = apply_rope(k, &rope.cos, &rope.sin);
 
-        // [B, H, T, T] scores; the additive mask is 0 on and below the diagonal, MASKED above.
+        // [B, H, T, T] scores, scaled, masked and normalised in f32; the additive mask is 0 on and
+        // below the diagonal, MASKED above. The probabilities return to the compute dtype for P V.
         let scale = (hd as f64).powf(-0.5);
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale) + rope.causal_mask.clone();
-        let probs = self.attn_dropout.forward(softmax(scores, 3));
+        let scores = q.matmul(k.swap_dims(2, 3)).cast(FloatDType::F32).mul_scalar(scale) + rope.causal_mask.clone();
+        let probs = self.attn_dropout.forward(softmax(scores, 3)).cast(v.dtype());
         let y = probs.matmul(v); // [B, H, T, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, d]);
         self.resid_dropout.forward(self.proj.forward(y))
@@ -133,9 +135,10 @@ impl<B: Backend> Block<B> {
 
 /// Per-forward constants shared by every layer: RoPE tables and the causal mask.
 struct Rope<B: Backend> {
+    /// In the compute dtype.
     cos: Tensor<B, 4>,
     sin: Tensor<B, 4>,
-    /// [1, 1, T, T]: 0 where a query may attend, MASKED where it may not.
+    /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not.
     causal_mask: Tensor<B, 4>,
 }
 
@@ -150,6 +153,10 @@ pub struct Gpt<B: Backend> {
     pub lm_head: Option<Linear<B>>,
     #[module(skip)]
     pub config: GptConfig,
+    /// Dtype of the matmuls and activations: F32 for a model made by [`Gpt::new`], BF16 or F16 for
+    /// a [`Gpt::compute_copy`].
+    #[module(skip)]
+    pub compute_dtype: FloatDType,
 }
 
 impl<B: Backend> Gpt<B> {
@@ -168,10 +175,35 @@ impl<B: Backend> Gpt<B> {
             norm_f: RmsNorm::new(cfg.d_model, cfg.norm_eps, device),
             lm_head,
             config,
+            compute_dtype: FloatDType::F32,
         }
     }
 
-    /// Token ids [B, T] (T <= context) -> logits [B, T, vocab].
+    /// A copy that computes in `dtype` (BF16 or F16; F32 returns a plain clone).
+    ///
+    /// The weights of every linear layer (and an untied LM head) are cast once, here, into new leaf
+    /// tensors that keep their parameter ids, so `GradientsParams::from_grads(grads, &copy)` holds
+    /// their gradients (in `dtype`) under the ids of `self`'s master weights. The embedding and the
+    /// RMSNorm gains are shared with `self` and stay f32: the lookup and the norms run in f32, and
+    /// their gradients are f32. A tied LM head casts the embedding to `dtype` once per forward.
+    pub fn compute_copy(&self, dtype: FloatDType) -> Self {
+        if dtype == FloatDType::F32 {
+            return self.clone();
+        }
+        let mut copy = self.clone();
+        for block in &mut copy.blocks {
+            block.attn.qkv = block.attn.qkv.compute_copy(dtype);
+            block.attn.proj = block.attn.proj.compute_copy(dtype);
+            block.mlp.fc = block.mlp.fc.compute_copy(dtype);
+            block.mlp.proj = block.mlp.proj.compute_copy(dtype);
+        }
+        copy.lm_head = copy.lm_head.as_ref().map(|h| h.compute_copy(dtype));
+        copy.compute_dtype = dtype;
+        copy
+    }
+
+    /// Token ids [B, T] (T <= context) -> logits [B, T, vocab], always f32 (the LM head's matmul
+    /// runs in the compute dtype, its output is cast to f32 for the softmax).
     pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let [_, t] = ids.dims();
         assert!(
@@ -180,26 +212,34 @@ impl<B: Backend> Gpt<B> {
             self.config.context
         );
         let device = ids.device();
+        let dt = self.compute_dtype;
         let (cos, sin) = rope_tables::<B>(t, self.config.head_dim(), self.config.rope_theta, &device);
+        let (cos, sin) = (cos.cast(dt), sin.cast(dt));
         // Burn's tril_mask is true outside the lower triangle, i.e. at the future keys (j > i).
         let above = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
         let causal_mask =
             Tensor::<B, 2>::zeros([t, t], &device).mask_fill(above, MASKED).reshape([1, 1, t, t]);
         let rope = Rope { cos, sin, causal_mask };
 
-        let mut x = self.drop.forward(self.wte.forward(ids));
+        // The lookup reads the f32 table; the residual stream then runs in the compute dtype.
+        let mut x = self.drop.forward(self.wte.forward(ids).cast(dt));
         for block in &self.blocks {
             x = block.forward(x, &rope);
+            debug_assert_dtype(&x, dt, "residual stream after a block");
         }
         let x = self.norm_f.forward(x);
-        match &self.lm_head {
+        let logits = match &self.lm_head {
             Some(head) => head.forward(x),
-            None => x.matmul(self.wte.weight.val().transpose().unsqueeze()),
-        }
+            None => x.matmul(self.wte.weight.val().cast(dt).transpose().unsqueeze()),
+        };
+        debug_assert_dtype(&logits, dt, "LM head output");
+        logits.cast(FloatDType::F32)
     }
 
     /// Mean next-token cross-entropy (natural log) of `logits` [B, T, V] against `targets` [B, T].
+    /// Computed in f32: the logits are cast first if they are not.
     pub fn loss(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let logits = logits.cast(FloatDType::F32);
         let [b, t, v] = logits.dims();
         let logp = log_softmax(logits.reshape([b * t, v]), 1);
         let picked = logp.gather(1, targets.reshape([b * t, 1]));

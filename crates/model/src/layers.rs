@@ -5,7 +5,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor};
+use burn::tensor::{Distribution, FloatDType, Int, Tensor};
 
 /// `y = x W + b` with `W` stored as [d_in, d_out].
 #[derive(Module, Debug)]
@@ -24,9 +24,19 @@ impl<B: Backend> Linear<B> {
         Self { weight: Param::from_tensor(weight), bias }
     }
 
-    /// [.., d_in] -> [.., d_out]
+    /// [.., d_in] -> [.., d_out], in the dtype of the weight (`x` must have it too).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         burn::tensor::module::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+    }
+
+    /// The same layer with its weight and bias cast to `dtype` as new leaf tensors (same parameter
+    /// ids, detached from `self`): gradients of a forward through the copy land on the copy.
+    pub fn compute_copy(&self, dtype: FloatDType) -> Self {
+        let cast = |t: Tensor<B, 2>| t.cast(dtype).detach().require_grad();
+        Self {
+            weight: self.weight.clone().map(cast),
+            bias: self.bias.clone().map(|b| b.map(|t| t.cast(dtype).detach().require_grad())),
+        }
     }
 }
 
@@ -63,11 +73,14 @@ impl<B: Backend> RmsNorm<B> {
         Self { weight: Param::from_tensor(Tensor::ones([d_model], device)), eps }
     }
 
-    /// [.., d] -> [.., d]: `x / sqrt(mean(x^2) + eps) * w`
+    /// [.., d] -> [.., d]: `x / sqrt(mean(x^2) + eps) * w`, computed in f32 (statistics, scaling
+    /// and gain) and returned in the dtype of `x`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dt = x.dtype();
+        let x = x.cast(FloatDType::F32);
         let ms = x.clone().powi_scalar(2).mean_dim(D - 1);
         let x = x * (ms + self.eps).sqrt().recip();
-        x * self.weight.val().unsqueeze()
+        (x * self.weight.val().cast(FloatDType::F32).unsqueeze()).cast(dt)
     }
 }
 

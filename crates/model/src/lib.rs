@@ -17,8 +17,16 @@
 //! let ids = Tensor::<B, 2, Int>::zeros([2, 16], &device);
 //! let logits = gpt.forward(ids); // [2, 16, 65]
 //! ```
+//!
+//! ## Mixed precision
+//!
+//! [`Gpt::compute_copy`] returns a copy whose linear layers hold BF16 or F16 weights; its forward
+//! runs the matmuls and the activations in that dtype and keeps the numerically sensitive parts in
+//! f32: the embedding lookup, RMSNorm statistics (with f32 gains), attention softmax, the logits and
+//! the loss. The model that created the copy keeps the f32 master weights.
 
 pub mod config;
+pub mod dtype;
 pub mod gpt;
 pub mod layers;
 

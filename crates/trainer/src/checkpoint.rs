@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, DataConfig};
 use crate::optim::{to_prim, to_tensor, AdamW, Moments};
+use crate::precision::{Recipe, ScalerState};
 
 const MAGIC: &[u8; 8] = b"BMXCKPT1";
 const FORMAT_VERSION: u32 = 1;
@@ -59,7 +60,20 @@ pub struct Header {
     pub best_val_loss: Option<f64>,
     /// Training wall time so far, seconds.
     pub elapsed_s: f64,
+    /// Precision recipe of the run (absent in checkpoints written before recipes existed: fp32).
+    #[serde(default)]
+    pub precision: Option<Recipe>,
+    /// Loss-scaler state after `step` steps.
+    #[serde(default)]
+    pub loss_scaler: Option<ScalerState>,
     pub params: Vec<ParamEntry>,
+}
+
+impl Header {
+    /// Name of the precision recipe the checkpoint was trained with.
+    pub fn precision_name(&self) -> &'static str {
+        self.precision.as_ref().map_or("fp32", Recipe::name)
+    }
 }
 
 /// Run position restored from a checkpoint.
@@ -68,6 +82,7 @@ pub struct Restored {
     pub step: u64,
     pub best_val_loss: Option<f64>,
     pub elapsed_s: f64,
+    pub loss_scaler: Option<ScalerState>,
     pub path: PathBuf,
 }
 
@@ -151,6 +166,7 @@ pub fn save<AB, M>(
     best_val_loss: Option<f64>,
     elapsed_s: f64,
     keep: usize,
+    precision: (&Recipe, &ScalerState),
 ) -> Result<PathBuf>
 where
     AB: AutodiffBackend,
@@ -172,6 +188,8 @@ where
         optimizer_step: opt.step,
         best_val_loss,
         elapsed_s,
+        precision: Some(precision.0.clone()),
+        loss_scaler: Some(precision.1.clone()),
         params: c.entries,
     };
     let header_json = serde_json::to_vec(&header)?;
@@ -363,6 +381,11 @@ where
     if header.data != cfg.data {
         stream.push("the [data] section".to_string());
     }
+    // Master weights are f32 whatever the recipe, but a recipe switched mid-run is a different
+    // experiment; say so rather than mixing two recipes in one run directory.
+    if header.precision_name() != cfg.precision.name() {
+        stream.push(format!("precision = \"{}\" (this run: \"{}\")", header.precision_name(), cfg.precision.name()));
+    }
     if !stream.is_empty() {
         return Err(incompatible(format!(
             "it was trained with {}; resuming with other values would not continue the same run",
@@ -399,7 +422,13 @@ where
     opt.step = header.optimizer_step;
     Ok((
         module,
-        Restored { step: header.step, best_val_loss: header.best_val_loss, elapsed_s: header.elapsed_s, path: path.to_path_buf() },
+        Restored {
+            step: header.step,
+            best_val_loss: header.best_val_loss,
+            elapsed_s: header.elapsed_s,
+            loss_scaler: header.loss_scaler.clone(),
+            path: path.to_path_buf(),
+        },
     ))
 }
 

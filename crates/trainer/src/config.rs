@@ -169,6 +169,87 @@ impl Default for TrainingConfig {
     }
 }
 
+/// Compute precision of a run (`precision = "..."`); see [`crate::precision::Recipe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrecisionKind {
+    /// f32 everywhere.
+    Fp32,
+    /// bf16 matmuls and activations, f32 master weights.
+    Bf16,
+    /// f16 matmuls and activations, f32 master weights, dynamic loss scaling by default.
+    Fp16,
+}
+
+impl PrecisionKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            PrecisionKind::Fp32 => "fp32",
+            PrecisionKind::Bf16 => "bf16",
+            PrecisionKind::Fp16 => "fp16",
+        }
+    }
+}
+
+/// `loss_scale.mode`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LossScaleMode {
+    /// Dynamic for fp16, off for fp32 and bf16.
+    Auto,
+    Off,
+    /// A fixed scale, `loss_scale.init`.
+    Static,
+    /// Back off on overflow, grow after `growth_interval` clean steps.
+    Dynamic,
+}
+
+impl LossScaleMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            LossScaleMode::Auto => "auto",
+            LossScaleMode::Off => "off",
+            LossScaleMode::Static => "static",
+            LossScaleMode::Dynamic => "dynamic",
+        }
+    }
+}
+
+/// `[loss_scale]`: defaults are PyTorch `GradScaler`'s.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossScaleConfig {
+    pub mode: LossScaleMode,
+    /// Dynamic: the first step's scale. Static: the scale.
+    pub init: f64,
+    /// Dynamic: multiply the scale by this after `growth_interval` clean steps in a row.
+    pub growth_factor: f64,
+    /// Dynamic: multiply the scale by this on overflow.
+    pub backoff_factor: f64,
+    pub growth_interval: u64,
+    /// Dynamic: floor of the scale; an overflow with the scale at the floor stops the run.
+    pub min: f64,
+    /// Dynamic: ceiling of the scale.
+    pub max: f64,
+    /// Stop when this many steps in a row overflow.
+    pub max_consecutive_skips: u64,
+}
+
+impl Default for LossScaleConfig {
+    fn default() -> Self {
+        Self {
+            mode: LossScaleMode::Auto,
+            init: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            min: 1.0,
+            max: 16_777_216.0,
+            max_consecutive_skips: 50,
+        }
+    }
+}
+
 /// A whole training run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -177,11 +258,14 @@ pub struct Config {
     pub seed: u64,
     /// "auto", "cuda" or "wgpu".
     pub device: DeviceKind,
+    /// "fp32", "bf16" or "fp16".
+    pub precision: PrecisionKind,
     pub model: GptConfig,
     pub data: DataConfig,
     pub optimizer: OptimizerConfig,
     pub schedule: ScheduleConfig,
     pub training: TrainingConfig,
+    pub loss_scale: LossScaleConfig,
 }
 
 impl Default for Config {
@@ -189,11 +273,13 @@ impl Default for Config {
         Self {
             seed: 1337,
             device: DeviceKind::Auto,
+            precision: PrecisionKind::Fp32,
             model: GptConfig::default(),
             data: DataConfig::default(),
             optimizer: OptimizerConfig::default(),
             schedule: ScheduleConfig::default(),
             training: TrainingConfig::default(),
+            loss_scale: LossScaleConfig::default(),
         }
     }
 }
@@ -306,7 +392,14 @@ impl Config {
         if !(t.peak_tflops >= 0.0) {
             return Err(format!("training.peak_tflops must be >= 0 (0 looks it up), got {}", t.peak_tflops));
         }
+        crate::precision::Recipe::from_config(self.precision, &self.loss_scale)?;
         Ok(())
+    }
+
+    /// The resolved precision recipe (the config has been validated, so this cannot fail).
+    pub fn recipe(&self) -> crate::precision::Recipe {
+        crate::precision::Recipe::from_config(self.precision, &self.loss_scale)
+            .expect("a validated config has a valid precision recipe")
     }
 
     /// Step at which the cosine decay ends.

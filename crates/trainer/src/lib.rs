@@ -8,6 +8,7 @@ pub mod data;
 pub mod device;
 pub mod metrics;
 pub mod optim;
+pub mod precision;
 pub mod rng;
 pub mod schedule;
 pub mod tokenizer;
@@ -30,7 +31,14 @@ pub type WgpuBackend = Autodiff<Wgpu>;
 pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result<Summary> {
     match device {
         device::Selected::Cuda { index, .. } => train::train::<CudaBackend>(cfg, CudaDevice::new(*index), opts),
-        device::Selected::Wgpu => train::train::<WgpuBackend>(cfg, WgpuDevice::DefaultDevice, opts),
+        device::Selected::Wgpu => {
+            if cfg.precision == config::PrecisionKind::Bf16 {
+                anyhow::bail!(
+                    "precision = \"bf16\" needs CUDA: wgpu has no bf16 type. Use precision = \"fp16\" or \"fp32\" here, or device = \"cuda\""
+                );
+            }
+            train::train::<WgpuBackend>(cfg, WgpuDevice::DefaultDevice, opts)
+        }
     }
 }
 

@@ -102,7 +102,7 @@ fn real_main() -> Result<()> {
              first step can take minutes. Both are cached (under target/ when run inside the repository, see cubecl.toml)."
         );
     }
-    let opts = RunOptions { run_dir: run_dir.clone(), resume, device_name: selected.describe(), peak_tflops: peak, verbose: true, stop_at: cli.stop_at };
+    let opts = RunOptions { run_dir: run_dir.clone(), resume, device_name: selected.describe(), peak_tflops: peak, verbose: true, stop_at: cli.stop_at, poison_steps: Vec::new() };
     let s = trainer::run(&cfg, &selected, &opts).with_context(|| format!("run {}", run_dir.display()))?;
     println!(
         "done: {} steps in {:.1}s (first step {:.1}s) | final loss {:.4} | best val_loss {} | median {} tokens/s",

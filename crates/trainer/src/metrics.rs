@@ -12,9 +12,26 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct StepRecord {
     pub step: u64,
+    /// Mean training loss of the step's micro-batches (unscaled); `null` in the file when not finite.
+    #[serde(with = "nullable_f64")]
     pub loss: f64,
     pub lr: f64,
+    /// Global gradient norm before clipping, with the loss scale divided out; `null` in the file
+    /// when not finite (an overflowed, skipped step).
+    #[serde(with = "nullable_f64")]
     pub grad_norm: f64,
+    /// Precision recipe: "fp32", "bf16" or "fp16".
+    #[serde(default)]
+    pub precision: String,
+    /// Factor the loss was multiplied by before this step's backward (1 without loss scaling).
+    #[serde(default = "one")]
+    pub loss_scale: f64,
+    /// This step's gradients overflowed, so the weights and optimizer state were left unchanged.
+    #[serde(default)]
+    pub skipped: bool,
+    /// Skipped (overflowed) steps in the run up to and including this one.
+    #[serde(default)]
+    pub overflows: u64,
     pub tokens_per_s: f64,
     pub step_ms: f64,
     /// Model FLOPs utilisation against the device's peak; absent when the peak is unknown.
@@ -23,6 +40,27 @@ pub struct StepRecord {
     /// Validation loss, on steps that end with an evaluation.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f64>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// `f64` written as `null` when not finite (JSON has no inf or NaN) and read back as NaN.
+mod nullable_f64 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if v.is_finite() {
+            s.serialize_f64(*v)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
 }
 
 /// Appends step records to `metrics.jsonl` and keeps the curves for the plot.

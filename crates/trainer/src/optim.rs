@@ -2,9 +2,9 @@
 //! per-parameter decay mask.
 //!
 //! Burn's own AdamW clips each tensor separately, decays every parameter and uses other defaults, so
-//! the trainer carries its own: the global gradient norm is reduced on the device, the clip factor
-//! stays on the device, and the only host round trip per step is the trainer's read of the loss and
-//! the norm for logging.
+//! the trainer carries its own: the global gradient norm is reduced on the device (in f32), the clip
+//! factor and the loss-scale division stay on the device, and the only host round trip per step is
+//! the trainer's read of the loss and the norm (which also tells it whether the gradients are finite).
 
 use std::collections::{HashMap, HashSet};
 
@@ -12,7 +12,7 @@ use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 
 use crate::config::OptimizerConfig;
 
@@ -62,25 +62,75 @@ impl<B: Backend> AdamW<B> {
         }
     }
 
-    /// One AdamW step at learning rate `lr`. Returns the updated module and the global gradient
-    /// norm before clipping (shape [1], on the device).
-    pub fn step<AB, M>(&mut self, lr: f64, module: M, mut grads: GradientsParams) -> (M, Tensor<B, 1>)
+    /// One AdamW step at learning rate `lr` on gradients that are `loss_scale` times the true ones
+    /// (1 without loss scaling). `scaled_norm` is [`AdamW::grad_norm`] of those gradients (shape [1],
+    /// on the device). The gradients are divided by the scale before clipping; both factors are
+    /// applied in the update itself, without a pass of their own.
+    pub fn step<AB, M>(&mut self, lr: f64, module: M, mut grads: GradientsParams, scaled_norm: Tensor<B, 1>, loss_scale: f64) -> M
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        let norm = Self::grad_norm::<AB, M>(&module, &grads);
-        // Clip factor min(1, clip / norm), kept on the device.
+        let inv_scale = 1.0 / loss_scale;
+        // Gradient factor (1 / scale) * min(1, clip / true_norm), kept on the device.
         let coef = if self.cfg.grad_clip > 0.0 {
-            Some((norm.clone() + 1e-6).recip().mul_scalar(self.cfg.grad_clip).clamp_max(1.0))
+            let norm = scaled_norm.mul_scalar(inv_scale);
+            Some(Factor::Tensor((norm + 1e-6).recip().mul_scalar(self.cfg.grad_clip).clamp_max(1.0).mul_scalar(inv_scale)))
+        } else if loss_scale != 1.0 {
+            Some(Factor::Scalar(inv_scale))
         } else {
             None
         };
         self.step += 1;
         let mut upd = Updater::<AB> { opt: self, grads: &mut grads, lr, coef };
-        let module = module.map(&mut upd);
-        (module, norm)
+        module.map(&mut upd)
     }
+}
+
+/// Casts every gradient of `module`'s parameters to f32 in place (gradients of low-precision compute
+/// copies arrive in bf16 or f16); f32 gradients are left untouched.
+pub fn grads_to_f32<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads: &mut GradientsParams) {
+    struct ToF32<'a> {
+        grads: &'a mut GradientsParams,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for ToF32<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
+                if g.dtype() != FloatDType::F32.into() {
+                    self.grads.register::<AB::InnerBackend, D>(param.id, g.cast(FloatDType::F32));
+                }
+            }
+        }
+    }
+    module.visit(&mut ToF32 { grads });
+}
+
+/// Overwrites the first parameter's gradient with non-finite values (inf where it was non-zero, NaN
+/// where it was zero), as an overflowing low-precision backward would: a fault-injection aid for
+/// checking how a run handles overflow.
+pub fn poison_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads: &mut GradientsParams) {
+    struct Poison<'a> {
+        grads: &'a mut GradientsParams,
+        done: bool,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Poison<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if self.done {
+                return;
+            }
+            if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
+                self.grads.register::<AB::InnerBackend, D>(param.id, g.mul_scalar(f64::INFINITY));
+                self.done = true;
+            }
+        }
+    }
+    module.visit(&mut Poison { grads, done: false });
+}
+
+/// A gradient factor: a device scalar (when it depends on the norm) or a host constant.
+enum Factor<B: Backend> {
+    Tensor(Tensor<B, 1>),
+    Scalar(f64),
 }
 
 struct NormVisitor<'a, AB: AutodiffBackend> {
@@ -91,6 +141,7 @@ struct NormVisitor<'a, AB: AutodiffBackend> {
 impl<AB: AutodiffBackend> ModuleVisitor<AB> for NormVisitor<'_, AB> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
         if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
+            model::dtype::debug_assert_dtype(&g, FloatDType::F32, "gradient reaching the optimizer");
             let sq = g.powi_scalar(2).sum();
             self.acc = Some(match self.acc.take() {
                 Some(a) => a + sq,
@@ -104,7 +155,7 @@ struct Updater<'a, AB: AutodiffBackend> {
     opt: &'a mut AdamW<AB::InnerBackend>,
     grads: &'a mut GradientsParams,
     lr: f64,
-    coef: Option<Tensor<AB::InnerBackend, 1>>,
+    coef: Option<Factor<AB::InnerBackend>>,
 }
 
 impl<AB: AutodiffBackend> ModuleMapper<AB> for Updater<'_, AB> {
@@ -117,7 +168,8 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Updater<'_, AB> {
         let cfg = &self.opt.cfg;
         let mut x = tensor.inner();
         let g = match &self.coef {
-            Some(c) => grad * c.clone().reshape([1; D]),
+            Some(Factor::Tensor(c)) => grad * c.clone().reshape([1; D]),
+            Some(Factor::Scalar(c)) => grad.mul_scalar(*c),
             None => grad,
         };
         let (m, v) = match self.opt.moments.get(&id) {

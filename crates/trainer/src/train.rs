@@ -18,7 +18,8 @@ use crate::checkpoint;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::metrics::{Metrics, StepRecord};
-use crate::optim::AdamW;
+use crate::optim::{grads_to_f32, poison_grads, AdamW};
+use crate::precision::{LossScaler, Recipe, Verdict};
 use crate::rng::SplitMix64;
 use crate::schedule::lr_at;
 
@@ -38,6 +39,9 @@ pub struct RunOptions {
     /// Stop after this many completed steps (with a checkpoint) although the schedule runs to
     /// `training.steps`; `--resume` continues from there. `None` runs to the end.
     pub stop_at: Option<u64>,
+    /// Fault injection: after the backward of these steps (1-based), one parameter's gradient is
+    /// overwritten with inf/NaN, as an overflowing FP16 backward would. Empty for normal runs.
+    pub poison_steps: Vec<u64>,
 }
 
 /// What a finished run reports (also written to `summary.json`).
@@ -58,6 +62,12 @@ pub struct Summary {
     pub params: usize,
     pub device: String,
     pub resumed_from: Option<u64>,
+    /// The resolved precision recipe.
+    pub precision: Recipe,
+    /// Steps skipped because their gradients overflowed, over the whole run.
+    pub skipped_steps: u64,
+    /// Loss scale after the last step (1 without loss scaling).
+    pub final_loss_scale: f64,
 }
 
 /// Console output that does not tear the progress bar.
@@ -165,6 +175,9 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
     B::seed(&device, cfg.seed);
     let mut model = Gpt::<B>::new(&cfg.model, vocab, &device);
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
+    let recipe = cfg.recipe();
+    let compute_dtype = recipe.compute_dtype();
+    let mut scaler = LossScaler::new(recipe.loss_scaling().clone());
     let mut start_step = 0u64;
     let mut best_val: Option<f64> = None;
     let mut elapsed_before = 0.0;
@@ -193,11 +206,15 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         best_val = restored.best_val_loss;
         elapsed_before = restored.elapsed_s;
         resumed_from = Some(restored.step);
+        if let Some(state) = restored.loss_scaler {
+            scaler.state = state;
+        }
         console.line(&format!("resumed from {} (step {})", restored.path.display(), restored.step));
     }
     // Written once the checkpoint (if any) has been accepted, so a refused --set never replaces the
     // run's config.
     write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+    write_atomic(&run_dir.join("precision.json"), serde_json::to_string_pretty(&recipe)?.as_bytes())?;
     let mut metrics = Metrics::open(run_dir, opts.resume.then_some(start_step))?;
 
     let params = cfg.model.num_params(vocab);
@@ -215,6 +232,7 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         tokens_per_step,
         opts.device_name
     ));
+    console.line(&format!("precision: {}", recipe.describe()));
     if start_step >= steps {
         console.line(&format!("nothing to do: the run already has {start_step} of {steps} steps"));
     }
@@ -251,43 +269,69 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats them.
         B::seed(&device, SplitMix64::for_stream(cfg.seed, 3, step).next_u64());
 
+        // The compute copy (weights cast to the compute dtype once per step; the master itself
+        // for fp32) runs forward and backward; its gradients arrive under the master's ids.
+        let compute = model.compute_copy(compute_dtype);
+        let scale = scaler.scale();
         let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
-        let grads = if accum == 1 {
-            let (x, y) = data.train_batch::<B>(cfg.seed, step, cfg.training.batch_size, cfg.model.context, &device);
-            let loss = model.forward_loss(x, y);
-            loss_sum = Some(loss.clone().inner());
-            GradientsParams::from_grads(loss.backward(), &model)
+        let mut micro_grads = |index: u64| {
+            let (x, y) = data.train_batch::<B>(cfg.seed, index, cfg.training.batch_size, cfg.model.context, &device);
+            let loss = compute.forward_loss(x, y);
+            model::dtype::debug_assert_dtype(&loss, burn::tensor::FloatDType::F32, "loss");
+            let l = loss.clone().inner();
+            loss_sum = Some(match loss_sum.take() {
+                Some(s) => s + l,
+                None => l,
+            });
+            let factor = scale / accum as f64;
+            let loss = if factor == 1.0 { loss } else { loss.mul_scalar(factor) };
+            let mut g = GradientsParams::from_grads(loss.backward(), &compute);
+            grads_to_f32::<B, _>(&model, &mut g);
+            g
+        };
+        let mut grads = if accum == 1 {
+            micro_grads(step)
         } else {
             let mut acc = GradientsAccumulator::<Gpt<B>>::new();
             for micro in 0..accum {
-                let index = step * accum as u64 + micro as u64;
-                let (x, y) = data.train_batch::<B>(cfg.seed, index, cfg.training.batch_size, cfg.model.context, &device);
-                let loss = model.forward_loss(x, y);
-                let l = loss.clone().inner();
-                loss_sum = Some(match loss_sum.take() {
-                    Some(s) => s + l,
-                    None => l,
-                });
-                let g = (loss / accum as f64).backward();
-                acc.accumulate(&model, GradientsParams::from_grads(g, &model));
+                acc.accumulate(&model, micro_grads(step * accum as u64 + micro as u64));
             }
             acc.grads()
         };
-        let (m, norm) = opt.step::<B, _>(lr, model, grads);
-        model = m;
-
-        // One read-back per step: [mean loss, grad norm]. It also synchronises, so the timing is real.
-        let loss_mean = loss_sum.expect("at least one micro-batch").div_scalar(accum as f64);
-        let stats = Tensor::cat(vec![loss_mean, norm], 0).into_data().convert::<f64>();
-        let stats: Vec<f64> = stats.into_vec().expect("f64 stats");
-        let (loss, grad_norm) = (stats[0], stats[1]);
-        if !loss.is_finite() || !grad_norm.is_finite() {
-            bail!(
-                "training diverged at step {}: loss {loss}, gradient norm {grad_norm}; no checkpoint was written for it. \
-                 Lower optimizer.lr or check the data",
-                step + 1
-            );
+        drop(compute);
+        if opts.poison_steps.contains(&(step + 1)) {
+            poison_grads::<B, _>(&model, &mut grads);
         }
+        let scaled_norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
+
+        // One read-back per step: [mean loss, scaled grad norm]. It tells whether the gradients are
+        // finite (a single inf or NaN makes the norm non-finite), and it synchronises, so the
+        // timing is real.
+        let loss_mean = loss_sum.expect("at least one micro-batch").div_scalar(accum as f64);
+        let stats = Tensor::cat(vec![loss_mean, scaled_norm.clone()], 0).into_data().convert::<f64>();
+        let stats: Vec<f64> = stats.into_vec().expect("f64 stats");
+        let (loss, grad_norm) = (stats[0], stats[1] / scale);
+        let finite = loss.is_finite() && grad_norm.is_finite();
+        let skipped = match scaler.update(finite, step + 1) {
+            Verdict::Apply => {
+                model = opt.step::<B, _>(lr, model, grads, scaled_norm, scale);
+                false
+            }
+            Verdict::Skip => true,
+            Verdict::Stop(why) if scaler.setting.is_off() => {
+                let hint = if recipe.name() == "fp16" {
+                    "; FP16 without loss scaling overflows easily: set loss_scale.mode = \"dynamic\""
+                } else {
+                    ""
+                };
+                bail!(
+                    "training diverged at step {}: loss {loss}, gradient norm {grad_norm} ({why}); no checkpoint was written for it. \
+                     Lower optimizer.lr or check the data{hint}",
+                    step + 1
+                );
+            }
+            Verdict::Stop(why) => bail!("{why}; no checkpoint was written for step {}", step + 1),
+        };
         let dt = t0.elapsed().as_secs_f64();
         if step == start_step {
             first_step_s = dt;
@@ -304,17 +348,35 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         let is_last = done == steps;
         let session_end = done == end;
         let eval_now = is_last || (cfg.training.eval_interval > 0 && done % cfg.training.eval_interval as u64 == 0);
-        let val_loss = eval_now.then(|| evaluate(&model, &data, cfg));
+        let val_loss = eval_now.then(|| evaluate(&model.compute_copy(compute_dtype), &data, cfg));
         if let Some(v) = val_loss {
             best_val = Some(best_val.map_or(v, |b: f64| b.min(v)));
             last_val = Some(v);
         }
-        metrics.record(&StepRecord { step: done, loss, lr, grad_norm, tokens_per_s: tps, step_ms: dt * 1e3, mfu, val_loss })?;
+        metrics.record(&StepRecord {
+            step: done,
+            loss,
+            lr,
+            grad_norm,
+            precision: recipe.name().to_string(),
+            loss_scale: scale,
+            skipped,
+            overflows: scaler.state.overflows,
+            tokens_per_s: tps,
+            step_ms: dt * 1e3,
+            mfu,
+            val_loss,
+        })?;
 
         if done % cfg.training.log_interval as u64 == 0 || is_last || done == start_step + 1 {
             let mfu_s = mfu.map_or("-".to_string(), |m| format!("{:.1}%", m * 100.0));
+            let scaling = if scaler.setting.is_off() {
+                String::new()
+            } else {
+                format!(" | scale {scale} | skipped {}", scaler.state.overflows)
+            };
             console.line(&format!(
-                "step {done:>6}/{steps} | loss {loss:.4} | lr {lr:.2e} | grad-norm {grad_norm:.3} | {} tok/s | MFU {mfu_s} | {:.0} ms/step",
+                "step {done:>6}/{steps} | loss {loss:.4} | lr {lr:.2e} | grad-norm {grad_norm:.3}{scaling} | {} tok/s | MFU {mfu_s} | {:.0} ms/step",
                 human(tps),
                 dt * 1e3
             ));
@@ -337,6 +399,7 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
                 best_val,
                 elapsed,
                 cfg.training.keep_checkpoints,
+                (&recipe, &scaler.state),
             )?;
         }
         if let Some(b) = &console.bar {
@@ -361,6 +424,9 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         params,
         device: opts.device_name.clone(),
         resumed_from,
+        precision: recipe.clone(),
+        skipped_steps: scaler.state.overflows,
+        final_loss_scale: scaler.scale(),
     };
     write_atomic(&run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
     Ok(summary)

@@ -1,0 +1,435 @@
+//! Precision recipes and loss scaling.
+//!
+//! A recipe says in which dtype a run computes. Whatever the recipe, the master weights, the AdamW
+//! moments, the gradients the optimizer sees, gradient accumulation and norms, the logits and the
+//! loss are f32; see the README's precision table for every op.
+//!
+//! | recipe | matmuls and activations | loss scaling by default |
+//! |--------|-------------------------|-------------------------|
+//! | `fp32` | f32                     | off (not allowed)       |
+//! | `bf16` | bf16                    | off (dynamic or static allowed) |
+//! | `fp16` | f16                     | dynamic                 |
+//!
+//! Loss scaling multiplies the loss by `S` before backward so that small gradients do not flush to
+//! zero in f16, and divides by `S` (exactly, `S` being a power of two by default) before clipping and
+//! the update. [`LossScaler`] decides per step, from the one host read of the gradient norm, whether
+//! the step's gradients are finite; a step whose gradients overflowed is skipped: weights, AdamW
+//! moments and AdamW's step counter stay as they were, the batch is consumed and the learning-rate
+//! schedule moves on (as PyTorch's `GradScaler` does).
+
+use burn::tensor::FloatDType;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{LossScaleConfig, LossScaleMode, PrecisionKind};
+
+/// How the loss is scaled before backward.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "lowercase")]
+pub enum LossScaling {
+    /// No scaling: a non-finite gradient stops the run as divergence.
+    Off,
+    /// A fixed scale; overflowing steps are skipped.
+    Static { scale: f64, max_consecutive_skips: u64 },
+    /// PyTorch `GradScaler` semantics: back off on overflow, grow after `growth_interval` clean steps.
+    Dynamic {
+        init: f64,
+        growth_factor: f64,
+        backoff_factor: f64,
+        growth_interval: u64,
+        min: f64,
+        max: f64,
+        max_consecutive_skips: u64,
+    },
+}
+
+impl LossScaling {
+    /// The explicit setting from the `[loss_scale]` section (`mode = "auto"` resolved by the recipe).
+    fn from_section(c: &LossScaleConfig, mode: LossScaleMode) -> Self {
+        match mode {
+            LossScaleMode::Off | LossScaleMode::Auto => LossScaling::Off,
+            LossScaleMode::Static => {
+                LossScaling::Static { scale: c.init, max_consecutive_skips: c.max_consecutive_skips }
+            }
+            LossScaleMode::Dynamic => LossScaling::Dynamic {
+                init: c.init,
+                growth_factor: c.growth_factor,
+                backoff_factor: c.backoff_factor,
+                growth_interval: c.growth_interval,
+                min: c.min,
+                max: c.max,
+                max_consecutive_skips: c.max_consecutive_skips,
+            },
+        }
+    }
+
+    /// Checks the values; errors name the `[loss_scale]` key and what is allowed.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = |key: &str, v: f64| {
+            if v > 0.0 && v.is_finite() {
+                Ok(())
+            } else {
+                Err(format!("loss_scale.{key} must be a positive finite number, got {v}"))
+            }
+        };
+        match *self {
+            LossScaling::Off => Ok(()),
+            LossScaling::Static { scale, max_consecutive_skips } => {
+                positive("init", scale)?;
+                if max_consecutive_skips == 0 {
+                    return Err("loss_scale.max_consecutive_skips must be at least 1, got 0".into());
+                }
+                Ok(())
+            }
+            LossScaling::Dynamic { init, growth_factor, backoff_factor, growth_interval, min, max, max_consecutive_skips } => {
+                positive("init", init)?;
+                positive("min", min)?;
+                positive("max", max)?;
+                if !(growth_factor > 1.0 && growth_factor.is_finite()) {
+                    return Err(format!("loss_scale.growth_factor must be above 1, got {growth_factor}"));
+                }
+                if !(backoff_factor > 0.0 && backoff_factor < 1.0) {
+                    return Err(format!("loss_scale.backoff_factor must be in (0, 1), got {backoff_factor}"));
+                }
+                if growth_interval == 0 {
+                    return Err("loss_scale.growth_interval must be at least 1, got 0".into());
+                }
+                if !(min <= init && init <= max) {
+                    return Err(format!(
+                        "loss_scale needs min <= init <= max, got min = {min}, init = {init}, max = {max}"
+                    ));
+                }
+                if max_consecutive_skips == 0 {
+                    return Err("loss_scale.max_consecutive_skips must be at least 1, got 0".into());
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The scale of the first step.
+    pub fn initial_scale(&self) -> f64 {
+        match *self {
+            LossScaling::Off => 1.0,
+            LossScaling::Static { scale, .. } => scale,
+            LossScaling::Dynamic { init, .. } => init,
+        }
+    }
+
+    pub fn is_off(&self) -> bool {
+        matches!(self, LossScaling::Off)
+    }
+
+    /// One-line description for the log.
+    pub fn describe(&self) -> String {
+        match *self {
+            LossScaling::Off => "no loss scaling".into(),
+            LossScaling::Static { scale, .. } => format!("static loss scale {scale}"),
+            LossScaling::Dynamic { init, growth_factor, backoff_factor, growth_interval, min, max, .. } => format!(
+                "dynamic loss scale from {init} (x{growth_factor} after {growth_interval} clean steps, x{backoff_factor} on overflow, within [{min}, {max}])"
+            ),
+        }
+    }
+}
+
+/// FP32 everywhere: the reference recipe.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fp32Recipe;
+
+impl Fp32Recipe {
+    pub fn validate(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// BF16 matmuls and activations over FP32 master weights. BF16 has f32's exponent range, so loss
+/// scaling is off unless asked for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Bf16Recipe {
+    pub loss_scaling: LossScaling,
+}
+
+impl Bf16Recipe {
+    pub fn validate(&self) -> Result<(), String> {
+        self.loss_scaling.validate()
+    }
+}
+
+/// FP16 matmuls and activations over FP32 master weights, with dynamic loss scaling by default:
+/// without it, gradients below f16's smallest subnormal (6e-8) become zero.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fp16Recipe {
+    pub loss_scaling: LossScaling,
+}
+
+impl Fp16Recipe {
+    pub fn validate(&self) -> Result<(), String> {
+        self.loss_scaling.validate()
+    }
+}
+
+/// The resolved precision recipe of a run (saved as `precision.json`, in `summary.json`, in each
+/// checkpoint and, by name, in every metrics record).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "recipe", rename_all = "lowercase")]
+pub enum Recipe {
+    Fp32(Fp32Recipe),
+    Bf16(Bf16Recipe),
+    Fp16(Fp16Recipe),
+}
+
+impl Recipe {
+    /// Builds the recipe from the config's `precision` key and `[loss_scale]` section, resolving
+    /// `loss_scale.mode = "auto"`, and validates it.
+    pub fn from_config(kind: PrecisionKind, ls: &LossScaleConfig) -> Result<Self, String> {
+        let recipe = match kind {
+            PrecisionKind::Fp32 => {
+                if !matches!(ls.mode, LossScaleMode::Auto | LossScaleMode::Off) {
+                    return Err(format!(
+                        "loss_scale.mode = \"{}\" needs precision = \"fp16\" or \"bf16\"; fp32 gradients do not underflow, use \"auto\" or \"off\"",
+                        ls.mode.name()
+                    ));
+                }
+                Recipe::Fp32(Fp32Recipe)
+            }
+            PrecisionKind::Bf16 => {
+                let mode = if ls.mode == LossScaleMode::Auto { LossScaleMode::Off } else { ls.mode };
+                Recipe::Bf16(Bf16Recipe { loss_scaling: LossScaling::from_section(ls, mode) })
+            }
+            PrecisionKind::Fp16 => {
+                let mode = if ls.mode == LossScaleMode::Auto { LossScaleMode::Dynamic } else { ls.mode };
+                Recipe::Fp16(Fp16Recipe { loss_scaling: LossScaling::from_section(ls, mode) })
+            }
+        };
+        recipe.validate()?;
+        Ok(recipe)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        match self {
+            Recipe::Fp32(r) => r.validate(),
+            Recipe::Bf16(r) => r.validate(),
+            Recipe::Fp16(r) => r.validate(),
+        }
+    }
+
+    /// `fp32`, `bf16` or `fp16`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Recipe::Fp32(_) => "fp32",
+            Recipe::Bf16(_) => "bf16",
+            Recipe::Fp16(_) => "fp16",
+        }
+    }
+
+    /// Dtype of the matmuls and activations.
+    pub fn compute_dtype(&self) -> FloatDType {
+        match self {
+            Recipe::Fp32(_) => FloatDType::F32,
+            Recipe::Bf16(_) => FloatDType::BF16,
+            Recipe::Fp16(_) => FloatDType::F16,
+        }
+    }
+
+    pub fn loss_scaling(&self) -> &LossScaling {
+        match self {
+            Recipe::Fp32(_) => &LossScaling::Off,
+            Recipe::Bf16(r) => &r.loss_scaling,
+            Recipe::Fp16(r) => &r.loss_scaling,
+        }
+    }
+
+    /// One-line description for the log.
+    pub fn describe(&self) -> String {
+        match self {
+            Recipe::Fp32(_) => "fp32 (f32 compute and weights)".into(),
+            _ => format!(
+                "{} ({} matmuls and activations; f32 master weights, optimizer, norms, softmax and loss; {})",
+                self.name(),
+                model::dtype::name(self.compute_dtype()),
+                self.loss_scaling().describe()
+            ),
+        }
+    }
+}
+
+/// Loss-scaler state that a checkpoint keeps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScalerState {
+    /// Scale for the next step.
+    pub scale: f64,
+    /// Clean steps since the scale last changed (dynamic growth counter).
+    pub clean_steps: u64,
+    /// Steps skipped because their gradients were not finite, over the whole run.
+    pub overflows: u64,
+    /// Skipped steps in a row up to now.
+    pub consecutive_overflows: u64,
+}
+
+/// What to do with a step's gradients.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// Finite: update the weights.
+    Apply,
+    /// Overflowed: leave weights and optimizer state as they are.
+    Skip,
+    /// Cannot go on; the message says why.
+    Stop(String),
+}
+
+/// Dynamic or static loss scaling driven by one finiteness flag per step.
+#[derive(Debug, Clone)]
+pub struct LossScaler {
+    pub setting: LossScaling,
+    pub state: ScalerState,
+}
+
+impl LossScaler {
+    pub fn new(setting: LossScaling) -> Self {
+        let state =
+            ScalerState { scale: setting.initial_scale(), clean_steps: 0, overflows: 0, consecutive_overflows: 0 };
+        Self { setting, state }
+    }
+
+    /// The factor to multiply this step's loss by.
+    pub fn scale(&self) -> f64 {
+        self.state.scale
+    }
+
+    /// Records whether the gradients of the step were all finite and says what to do with them.
+    /// `step` (1-based) only names the step in messages.
+    pub fn update(&mut self, finite: bool, step: u64) -> Verdict {
+        let s = &mut self.state;
+        match self.setting {
+            LossScaling::Off => {
+                if finite {
+                    Verdict::Apply
+                } else {
+                    Verdict::Stop(format!("gradients are not finite at step {step} and loss scaling is off"))
+                }
+            }
+            LossScaling::Static { scale, max_consecutive_skips } => {
+                if finite {
+                    s.consecutive_overflows = 0;
+                    s.clean_steps += 1;
+                    return Verdict::Apply;
+                }
+                s.overflows += 1;
+                s.consecutive_overflows += 1;
+                if s.consecutive_overflows >= max_consecutive_skips {
+                    return Verdict::Stop(format!(
+                        "gradients overflowed on {} consecutive steps (up to step {step}) with the static loss scale {scale} \
+                         (loss_scale.max_consecutive_skips = {max_consecutive_skips}); lower loss_scale.init or use mode = \"dynamic\"",
+                        s.consecutive_overflows
+                    ));
+                }
+                Verdict::Skip
+            }
+            LossScaling::Dynamic { growth_factor, backoff_factor, growth_interval, min, max, max_consecutive_skips, .. } => {
+                if finite {
+                    s.consecutive_overflows = 0;
+                    s.clean_steps += 1;
+                    if s.clean_steps >= growth_interval {
+                        s.scale = (s.scale * growth_factor).min(max);
+                        s.clean_steps = 0;
+                    }
+                    return Verdict::Apply;
+                }
+                s.overflows += 1;
+                s.consecutive_overflows += 1;
+                s.clean_steps = 0;
+                if s.scale <= min {
+                    return Verdict::Stop(format!(
+                        "gradients overflowed at step {step} with the loss scale already at its floor loss_scale.min = {min}: \
+                         the loss scale has collapsed, so the run is producing inf/NaN gradients that scaling cannot fix \
+                         (lower optimizer.lr, or use precision = \"bf16\" or \"fp32\")"
+                    ));
+                }
+                s.scale = (s.scale * backoff_factor).max(min);
+                if s.consecutive_overflows >= max_consecutive_skips {
+                    return Verdict::Stop(format!(
+                        "gradients overflowed on {} consecutive steps (up to step {step}); the loss scale is now {} \
+                         (loss_scale.max_consecutive_skips = {max_consecutive_skips})",
+                        s.consecutive_overflows, s.scale
+                    ));
+                }
+                Verdict::Skip
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dynamic(interval: u64) -> LossScaling {
+        LossScaling::Dynamic {
+            init: 1024.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: interval,
+            min: 256.0,
+            max: 4096.0,
+            max_consecutive_skips: 50,
+        }
+    }
+
+    #[test]
+    fn dynamic_scale_grows_backs_off_and_stops_at_the_floor() {
+        let mut s = LossScaler::new(dynamic(3));
+        for step in 1..=3 {
+            assert_eq!(s.update(true, step), Verdict::Apply);
+        }
+        assert_eq!(s.scale(), 2048.0);
+        assert_eq!(s.update(false, 4), Verdict::Skip);
+        assert_eq!((s.scale(), s.state.overflows, s.state.clean_steps), (1024.0, 1, 0));
+        // Growth is capped at max.
+        for step in 5..=10 {
+            s.update(true, step);
+        }
+        assert_eq!(s.scale(), 4096.0);
+        for step in 11..=12 {
+            s.update(true, step);
+        }
+        assert_eq!(s.scale(), 4096.0);
+        // Back off to the floor, then an overflow at the floor stops the run.
+        assert_eq!(s.update(false, 13), Verdict::Skip);
+        assert_eq!(s.update(false, 14), Verdict::Skip);
+        assert_eq!(s.update(false, 15), Verdict::Skip);
+        assert_eq!(s.scale(), 256.0);
+        match s.update(false, 16) {
+            Verdict::Stop(m) => assert!(m.contains("floor") && m.contains("step 16"), "{m}"),
+            v => panic!("expected a stop, got {v:?}"),
+        }
+    }
+
+    #[test]
+    fn static_and_off_scaling() {
+        let mut s = LossScaler::new(LossScaling::Static { scale: 8.0, max_consecutive_skips: 2 });
+        assert_eq!(s.update(false, 1), Verdict::Skip);
+        assert_eq!(s.update(true, 2), Verdict::Apply);
+        assert_eq!(s.update(false, 3), Verdict::Skip);
+        assert!(matches!(s.update(false, 4), Verdict::Stop(_)));
+        assert_eq!(s.scale(), 8.0);
+        let mut off = LossScaler::new(LossScaling::Off);
+        assert_eq!(off.scale(), 1.0);
+        assert_eq!(off.update(true, 1), Verdict::Apply);
+        assert!(matches!(off.update(false, 2), Verdict::Stop(_)));
+    }
+
+    #[test]
+    fn recipes_resolve_auto_and_refuse_scaling_for_fp32() {
+        let ls = LossScaleConfig::default();
+        let fp16 = Recipe::from_config(PrecisionKind::Fp16, &ls).unwrap();
+        assert!(matches!(fp16.loss_scaling(), LossScaling::Dynamic { init, .. } if *init == 65536.0));
+        assert_eq!(fp16.compute_dtype(), FloatDType::F16);
+        let bf16 = Recipe::from_config(PrecisionKind::Bf16, &ls).unwrap();
+        assert!(bf16.loss_scaling().is_off());
+        let dynamic = LossScaleConfig { mode: LossScaleMode::Dynamic, ..LossScaleConfig::default() };
+        let e = Recipe::from_config(PrecisionKind::Fp32, &dynamic).unwrap_err();
+        assert!(e.contains("loss_scale.mode") && e.contains("fp16"), "{e}");
+        let bad = LossScaleConfig { mode: LossScaleMode::Dynamic, backoff_factor: 2.0, ..LossScaleConfig::default() };
+        let e = Recipe::from_config(PrecisionKind::Fp16, &bad).unwrap_err();
+        assert!(e.contains("loss_scale.backoff_factor"), "{e}");
+    }
+}
