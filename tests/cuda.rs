@@ -7,7 +7,7 @@ use burn::backend::Cuda;
 use burn::tensor::{Int, Tensor, TensorData};
 use common::{opts, read_metrics, scratch, tiny_config};
 use model::{Gpt, GptConfig};
-use trainer::config::DeviceKind;
+use trainer::config::{DeviceKind, LossScaleMode, PrecisionKind};
 use trainer::device::Selected;
 
 fn cuda() -> Selected {
@@ -69,5 +69,101 @@ fn cuda_training_loss_decreases_and_resume_matches() {
     for (x, y) in a.iter().zip(&b) {
         let tol = 1e-4 * x.loss.abs().max(1.0);
         assert!((x.loss - y.loss).abs() <= tol, "step {}: {} vs resumed {}", x.step, x.loss, y.loss);
+    }
+}
+
+/// Mean loss of the last five steps of a run's metrics.
+fn tail_loss(dir: &std::path::Path) -> f64 {
+    let m = read_metrics(dir);
+    m[m.len() - 5..].iter().map(|r| r.loss).sum::<f64>() / 5.0
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_bf16_and_fp16_train_like_fp32_over_f32_master_weights() {
+    use burn::backend::Autodiff;
+    use burn::optim::GradientsParams;
+    use burn::tensor::{DType, FloatDType};
+    type AB = Autodiff<Cuda>;
+    let _guard = common::serial();
+
+    // The BF16 compute copy: linear weights bf16, embedding and norm gains f32, master all f32;
+    // gradients come back bf16 under the master's ids and reach the optimizer as f32.
+    let dev = CudaDevice::new(0);
+    let cfg = tiny_config(40);
+    let master = Gpt::<AB>::new(&cfg.model, 40, &dev);
+    let copy = master.compute_copy(FloatDType::BF16);
+    assert!(common::param_dtypes(&master).iter().all(|(_, d)| *d == DType::F32));
+    let low = common::param_dtypes(&copy).iter().filter(|(_, d)| *d == DType::BF16).count();
+    assert_eq!(low, 4 * cfg.model.n_layer, "qkv, attn proj, fc and mlp proj of every block");
+    let x = Tensor::<AB, 2, Int>::from_ints([[1, 5, 9, 2, 33, 7, 0, 12]], &dev);
+    let y = Tensor::<AB, 2, Int>::from_ints([[5, 9, 2, 33, 7, 0, 12, 6]], &dev);
+    let loss = copy.forward_loss(x.clone(), y.clone());
+    assert_eq!(loss.dtype(), DType::F32);
+    let l32: f32 = master.forward_loss(x, y).into_scalar();
+    let l16: f32 = loss.clone().into_scalar();
+    assert!((l16 - l32).abs() < 2e-2 * l32.abs(), "bf16 loss {l16} vs f32 {l32}");
+    let mut grads = GradientsParams::from_grads(loss.backward(), &copy);
+    let qkv = master.blocks[0].attn.qkv.weight.id;
+    assert_eq!(grads.get::<Cuda, 2>(qkv).unwrap().dtype(), DType::BF16);
+    trainer::optim::grads_to_f32::<AB, _>(&master, &mut grads);
+    assert_eq!(grads.get::<Cuda, 2>(qkv).unwrap().dtype(), DType::F32);
+
+    // The three recipes train the tiny model to about the same loss.
+    let mut tails = Vec::new();
+    for p in [PrecisionKind::Fp32, PrecisionKind::Bf16, PrecisionKind::Fp16] {
+        let mut c = tiny_config(40);
+        c.device = DeviceKind::Cuda;
+        c.precision = p;
+        let dir = scratch(&format!("cuda_recipe_{}", p.name()));
+        let s = trainer::run(&c, &cuda(), &opts(dir.clone(), false)).unwrap();
+        assert_eq!((s.precision.name(), s.skipped_steps), (p.name(), 0));
+        tails.push(tail_loss(&dir));
+    }
+    let (f32_tail, bf16_tail, fp16_tail) = (tails[0], tails[1], tails[2]);
+    assert!(f32_tail < 3.2, "fp32 did not train: {f32_tail}");
+    assert!((bf16_tail - f32_tail).abs() < 0.1, "bf16 {bf16_tail} vs fp32 {f32_tail}");
+    assert!((fp16_tail - f32_tail).abs() < 0.1, "fp16 {fp16_tail} vs fp32 {f32_tail}");
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_bf16_overflow_skips_and_scaler_round_trips() {
+    use trainer::checkpoint;
+    let _guard = common::serial();
+    let mut cfg = tiny_config(8);
+    cfg.device = DeviceKind::Cuda;
+    cfg.precision = PrecisionKind::Bf16;
+    cfg.loss_scale.mode = LossScaleMode::Dynamic;
+    cfg.loss_scale.init = 1024.0;
+    cfg.loss_scale.growth_interval = 3;
+    cfg.training.checkpoint_interval = 1;
+    cfg.training.keep_checkpoints = 20;
+    let poison = vec![4];
+
+    let full = scratch("cuda_bf16_skip_full");
+    let mut o = opts(full.clone(), false);
+    o.poison_steps = poison.clone();
+    trainer::run(&cfg, &cuda(), &o).unwrap();
+    let ck = |step| checkpoint::read(&full.join("checkpoints").join(checkpoint::file_name(step))).unwrap();
+    let ((h3, v3), (h4, v4)) = (ck(3), ck(4));
+    assert!(v3.iter().zip(&v4).all(|(a, b)| a.to_bits() == b.to_bits()), "the skipped step changed the state");
+    assert_eq!((h3.optimizer_step, h4.optimizer_step), (3, 3));
+    assert_eq!(h4.loss_scaler.as_ref().unwrap().scale, 1024.0, "grew to 2048 after step 3, halved at 4");
+    let scales: Vec<f64> = read_metrics(&full).iter().map(|r| r.loss_scale).collect();
+    assert_eq!(scales, vec![1024.0, 1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 1024.0, 2048.0]);
+
+    let split = scratch("cuda_bf16_skip_split");
+    let mut first = opts(split.clone(), false);
+    first.poison_steps = poison.clone();
+    first.stop_at = Some(5);
+    trainer::run(&cfg, &cuda(), &first).unwrap();
+    let mut second = opts(split.clone(), true);
+    second.poison_steps = poison;
+    trainer::run(&cfg, &cuda(), &second).unwrap();
+    let (a, b) = (read_metrics(&full), read_metrics(&split));
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((x.loss_scale, x.skipped, x.overflows), (y.loss_scale, y.skipped, y.overflows), "step {}", x.step);
+        assert!((x.loss - y.loss).abs() <= 1e-4 * x.loss.abs().max(1.0), "step {}: {} vs {}", x.step, x.loss, y.loss);
     }
 }

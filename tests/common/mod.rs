@@ -4,6 +4,10 @@
 use std::path::PathBuf;
 
 use burn::backend::wgpu::WgpuDevice;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor};
+use model::Gpt;
 use burn::backend::{Autodiff, Wgpu};
 use trainer::Config;
 
@@ -61,4 +65,26 @@ pub fn read_metrics(dir: &std::path::Path) -> Vec<trainer::metrics::StepRecord> 
         .lines()
         .map(|l| serde_json::from_str(l).expect("valid JSON line"))
         .collect()
+}
+
+/// Parameter path -> dtype, for every float parameter of a model.
+pub fn param_dtypes<AB: AutodiffBackend>(m: &Gpt<AB>) -> Vec<(String, DType)> {
+    struct V {
+        path: Vec<String>,
+        out: Vec<(String, DType)>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for V {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+            self.out.push((self.path.join("."), p.val().dtype()));
+        }
+    }
+    let mut v = V { path: Vec::new(), out: Vec::new() };
+    m.visit(&mut v);
+    v.out
 }

@@ -1,0 +1,255 @@
+//! Precision recipes on wgpu (lavapipe runs f16; it has no bf16, see tests/cuda.rs for BF16):
+//! FP16 trains, master weights stay f32 while the compute copy is f16, overflowing steps are skipped
+//! with the weights and optimizer state untouched, the loss scale backs off and grows, and
+//! checkpoints carry the scaler state.
+
+mod common;
+
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, FloatDType, Int, Tensor};
+use common::{opts, param_dtypes, read_metrics, scratch, tiny_config, B};
+use model::Gpt;
+use trainer::checkpoint;
+use trainer::config::{LossScaleMode, PrecisionKind};
+use trainer::device::Selected;
+
+fn fp16_config(steps: usize) -> trainer::Config {
+    let mut cfg = tiny_config(steps);
+    cfg.precision = PrecisionKind::Fp16;
+    cfg
+}
+
+#[test]
+fn master_weights_stay_f32_while_the_compute_copy_is_f16() {
+    let _guard = common::serial();
+    let cfg = tiny_config(1);
+    let device = common::device();
+    <B as burn::tensor::backend::Backend>::seed(&device, 7);
+    let master = Gpt::<B>::new(&cfg.model, 40, &device);
+    let copy = master.compute_copy(FloatDType::F16);
+
+    assert!(param_dtypes(&master).iter().all(|(_, d)| *d == DType::F32));
+    let copy_types = param_dtypes(&copy);
+    for (name, d) in &copy_types {
+        let low = name.contains("qkv") || name.contains("proj") || name.contains("fc");
+        let want = if low { DType::F16 } else { DType::F32 };
+        assert_eq!(*d, want, "{name}");
+    }
+    assert!(copy_types.iter().any(|(_, d)| *d == DType::F16));
+
+    // Same parameter ids, so the copy's gradients address the master's parameters.
+    let ids = |m: &Gpt<B>| m.blocks[0].attn.qkv.weight.id;
+    assert_eq!(ids(&master), ids(&copy));
+
+    // Forward: f32 logits and loss, close to the f32 model's.
+    let x = Tensor::<B, 2, Int>::from_ints([[1, 5, 9, 2, 33, 7, 0, 12], [3, 3, 8, 1, 39, 20, 11, 4]], &device);
+    let y = Tensor::<B, 2, Int>::from_ints([[5, 9, 2, 33, 7, 0, 12, 6], [3, 8, 1, 39, 20, 11, 4, 2]], &device);
+    let logits = copy.forward(x.clone());
+    assert_eq!(logits.dtype(), DType::F32);
+    let loss16 = Gpt::<B>::loss(logits, y.clone());
+    let loss32 = master.forward_loss(x, y);
+    let (l16, l32): (f32, f32) = (loss16.clone().into_scalar(), loss32.into_scalar());
+    assert!((l16 - l32).abs() < 5e-3 * l32.abs(), "f16 loss {l16} vs f32 loss {l32}");
+
+    // Backward: the linear weights' gradients come back f16 under the master ids, the embedding's
+    // and the norm gains' f32; after the cast every gradient the optimizer sees is f32.
+    let mut grads = GradientsParams::from_grads(loss16.backward(), &copy);
+    let qkv = master.blocks[0].attn.qkv.weight.id;
+    assert_eq!(grads.get::<common::Inner, 2>(qkv).unwrap().dtype(), DType::F16);
+    assert_eq!(grads.get::<common::Inner, 2>(master.wte.weight.id).unwrap().dtype(), DType::F32);
+    trainer::optim::grads_to_f32::<B, _>(&master, &mut grads);
+    assert_eq!(grads.get::<common::Inner, 2>(qkv).unwrap().dtype(), DType::F32);
+    assert_eq!(grads.len(), param_dtypes(&master).len(), "every parameter gets a gradient");
+}
+
+#[test]
+fn fp16_run_trains_with_dynamic_loss_scaling() {
+    let _guard = common::serial();
+    let dir = scratch("fp16_trains");
+    let cfg = fp16_config(60);
+    let s = trainer::run(&cfg, &Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
+    let m = read_metrics(&dir);
+    assert_eq!(m.len(), 60);
+    let first: f64 = m[..5].iter().map(|r| r.loss).sum::<f64>() / 5.0;
+    let last: f64 = m[55..].iter().map(|r| r.loss).sum::<f64>() / 5.0;
+    assert!(last < first - 0.8, "fp16 loss went from {first} to {last}");
+    assert!(m.iter().all(|r| r.precision == "fp16" && r.loss_scale == 65536.0 && !r.skipped));
+    assert_eq!(s.precision.name(), "fp16");
+    assert_eq!((s.skipped_steps, s.final_loss_scale), (0, 65536.0));
+    let saved: trainer::precision::Recipe =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("precision.json")).unwrap()).unwrap();
+    assert_eq!(saved, cfg.recipe());
+    // The checkpoint's master weights are f32 values, and it records the recipe and the scaler.
+    let (h, _) = checkpoint::read(&dir.join("checkpoints").join(checkpoint::file_name(60))).unwrap();
+    assert_eq!(h.precision_name(), "fp16");
+    assert_eq!(h.loss_scaler.unwrap().scale, 65536.0);
+}
+
+#[test]
+fn overflowing_step_is_skipped_with_weights_and_moments_untouched() {
+    let _guard = common::serial();
+    let dir = scratch("fp16_skip");
+    let mut cfg = fp16_config(6);
+    cfg.loss_scale.init = 1024.0;
+    cfg.training.checkpoint_interval = 1;
+    cfg.training.keep_checkpoints = 10;
+    let mut o = opts(dir.clone(), false);
+    o.poison_steps = vec![4];
+    trainer::run(&cfg, &Selected::Wgpu, &o).unwrap();
+
+    let ck = |step| checkpoint::read(&dir.join("checkpoints").join(checkpoint::file_name(step))).unwrap();
+    let (h3, v3) = ck(3);
+    let (h4, v4) = ck(4);
+    let (h5, v5) = ck(5);
+    // Step 4 changed nothing: weights and moments bit-identical, AdamW's counter unchanged.
+    assert_eq!(v3.len(), v4.len());
+    assert!(v3.iter().zip(&v4).all(|(a, b)| a.to_bits() == b.to_bits()), "step 4 changed the state");
+    assert_eq!((h3.optimizer_step, h4.optimizer_step, h5.optimizer_step), (3, 3, 4));
+    assert_ne!(v4, v5, "step 5 trained");
+    // The scale halved and the overflow was counted.
+    let (s3, s4) = (h3.loss_scaler.unwrap(), h4.loss_scaler.unwrap());
+    assert_eq!((s3.scale, s3.overflows), (1024.0, 0));
+    assert_eq!((s4.scale, s4.overflows), (512.0, 1));
+
+    let m = read_metrics(&dir);
+    let skipped: Vec<u64> = m.iter().filter(|r| r.skipped).map(|r| r.step).collect();
+    assert_eq!(skipped, vec![4]);
+    assert!(m[3].grad_norm.is_nan(), "the skipped step's norm is recorded as null");
+    let scales: Vec<f64> = m.iter().map(|r| r.loss_scale).collect();
+    assert_eq!(scales, vec![1024.0, 1024.0, 1024.0, 1024.0, 512.0, 512.0]);
+    let overflows: Vec<u64> = m.iter().map(|r| r.overflows).collect();
+    assert_eq!(overflows, vec![0, 0, 0, 1, 1, 1]);
+    let raw = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    assert!(raw.lines().nth(3).unwrap().contains("\"grad_norm\":null"));
+}
+
+#[test]
+fn loss_scale_grows_after_clean_steps_and_backs_off_from_natural_overflow() {
+    let _guard = common::serial();
+    // Growth: x2 after every 3 clean steps.
+    let dir = scratch("fp16_growth");
+    let mut cfg = fp16_config(8);
+    cfg.loss_scale.init = 256.0;
+    cfg.loss_scale.growth_interval = 3;
+    trainer::run(&cfg, &Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
+    let scales: Vec<f64> = read_metrics(&dir).iter().map(|r| r.loss_scale).collect();
+    assert_eq!(scales, vec![256.0, 256.0, 256.0, 512.0, 512.0, 512.0, 1024.0, 1024.0]);
+
+    // A scale far too large for f16 (2^40): the f16 backward overflows, the steps are skipped and
+    // the scale halves until the gradients fit, then training proceeds.
+    let dir = scratch("fp16_backoff");
+    let mut cfg = fp16_config(40);
+    cfg.loss_scale.init = 2f64.powi(40);
+    cfg.loss_scale.max = 2f64.powi(40);
+    let s = trainer::run(&cfg, &Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
+    let m = read_metrics(&dir);
+    assert!(m[0].skipped && m[0].loss_scale == 2f64.powi(40));
+    let n_skipped = m.iter().filter(|r| r.skipped).count();
+    assert!((5..40).contains(&n_skipped), "{n_skipped} skipped");
+    // Skips come first and halve the scale each time; once it fits, the steps apply.
+    let first_clean = m.iter().position(|r| !r.skipped).unwrap();
+    assert!(m[..first_clean].iter().all(|r| r.skipped));
+    for w in m[..=first_clean].windows(2) {
+        assert_eq!(w[1].loss_scale, w[0].loss_scale / 2.0);
+    }
+    assert_eq!(s.skipped_steps as usize, n_skipped);
+    assert!(m.last().unwrap().loss < m[first_clean].loss - 0.3, "trained after backing off");
+}
+
+#[test]
+fn scaler_state_round_trips_through_checkpoints() {
+    let _guard = common::serial();
+    let mut cfg = fp16_config(10);
+    cfg.loss_scale.init = 512.0;
+    cfg.loss_scale.growth_interval = 3;
+    cfg.training.checkpoint_interval = 3;
+    let poison = vec![2, 8];
+
+    let full = scratch("fp16_resume_full");
+    let mut o = opts(full.clone(), false);
+    o.poison_steps = poison.clone();
+    trainer::run(&cfg, &Selected::Wgpu, &o).unwrap();
+
+    let split = scratch("fp16_resume_split");
+    let mut first = opts(split.clone(), false);
+    first.poison_steps = poison.clone();
+    first.stop_at = Some(6);
+    trainer::run(&cfg, &Selected::Wgpu, &first).unwrap();
+    let mut second = opts(split.clone(), true);
+    second.poison_steps = poison;
+    trainer::run(&cfg, &Selected::Wgpu, &second).unwrap();
+
+    let (a, b) = (read_metrics(&full), read_metrics(&split));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((x.step, x.loss_scale, x.skipped, x.overflows), (y.step, y.loss_scale, y.skipped, y.overflows));
+        assert!((x.loss - y.loss).abs() < 1e-5, "step {}: {} vs {}", x.step, x.loss, y.loss);
+    }
+    // Scale path: 512 at step 1; the overflow at step 2 halves it; three clean steps (3, 4, 5)
+    // double it from step 6; the overflow at step 8 halves it again before growth is due.
+    let scales: Vec<f64> = a.iter().map(|r| r.loss_scale).collect();
+    assert_eq!(scales, vec![512.0, 512.0, 256.0, 256.0, 256.0, 512.0, 512.0, 512.0, 256.0, 256.0]);
+    let last = |d: &std::path::Path| checkpoint::read(&d.join("checkpoints").join(checkpoint::file_name(10))).unwrap();
+    let ((ha, va), (hb, vb)) = (last(&full), last(&split));
+    assert_eq!(ha.loss_scaler, hb.loss_scaler);
+    assert_eq!(ha.optimizer_step, 8);
+    let max_diff = va.iter().zip(&vb).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(max_diff < 1e-5, "final weights differ by {max_diff}");
+}
+
+#[test]
+fn overflow_without_scaling_or_at_the_floor_stops_the_run() {
+    let _guard = common::serial();
+    // Loss scaling off: a non-finite gradient is divergence.
+    let dir = scratch("fp16_off_poison");
+    let mut cfg = fp16_config(4);
+    cfg.loss_scale.mode = LossScaleMode::Off;
+    let mut o = opts(dir.clone(), false);
+    o.poison_steps = vec![2];
+    let e = trainer::run(&cfg, &Selected::Wgpu, &o).unwrap_err().to_string();
+    assert!(e.contains("diverged at step 2") && e.contains("loss_scale.mode"), "{e}");
+
+    // Dynamic scaling already at its floor: the scale has collapsed, stop.
+    let dir = scratch("fp16_floor");
+    let mut cfg = fp16_config(4);
+    cfg.loss_scale.init = 4.0;
+    cfg.loss_scale.min = 2.0;
+    let mut o = opts(dir.clone(), false);
+    o.poison_steps = vec![2, 3];
+    let e = trainer::run(&cfg, &Selected::Wgpu, &o).unwrap_err().to_string();
+    assert!(e.contains("step 3") && e.contains("floor") && e.contains("loss_scale.min = 2"), "{e}");
+    // The last checkpoint was not replaced by the failed steps' state: metrics stop at the skip.
+    assert_eq!(read_metrics(&dir).len(), 2);
+}
+
+#[test]
+fn precision_config_errors_name_the_key() {
+    let e = trainer::Config::from_toml_str("precision = \"fp8\"", &[], "t.toml").unwrap_err().to_string();
+    assert!(e.contains("precision") && e.contains("fp16"), "{e}");
+    let e = trainer::Config::from_toml_str("[loss_scale]\nmode = \"dynamic\"", &[], "t.toml").unwrap_err().to_string();
+    assert!(e.contains("loss_scale.mode") && e.contains("fp16"), "{e}");
+    let e = trainer::Config::from_toml_str("precision = \"fp16\"\n[loss_scale]\ngrowth_interval = 0", &[], "t.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("loss_scale.growth_interval"), "{e}");
+    let e = trainer::Config::from_toml_str("precision = \"fp16\"\n[loss_scale]\ninit = 1e9", &[], "t.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("min <= init <= max"), "{e}");
+    // bf16 on wgpu is refused before anything is written.
+    let dir = scratch("bf16_wgpu");
+    let mut cfg = tiny_config(2);
+    cfg.precision = PrecisionKind::Bf16;
+    let e = trainer::run(&cfg, &Selected::Wgpu, &opts(dir.join("run"), false)).unwrap_err().to_string();
+    assert!(e.contains("bf16") && e.contains("CUDA"), "{e}");
+    assert!(!dir.join("run").exists());
+    // Resuming with another recipe is refused.
+    let dir = scratch("precision_switch");
+    let cfg = tiny_config(2);
+    trainer::run(&cfg, &Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
+    let mut other = cfg.clone();
+    other.precision = PrecisionKind::Fp16;
+    other.training.steps = 4;
+    let e = trainer::run(&other, &Selected::Wgpu, &opts(dir, true)).unwrap_err().to_string();
+    assert!(e.contains("precision = \"fp32\"") && e.contains("this run: \"fp16\""), "{e}");
+}
