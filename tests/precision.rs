@@ -253,3 +253,31 @@ fn precision_config_errors_name_the_key() {
     let e = trainer::run(&other, &Selected::Wgpu, &opts(dir, true)).unwrap_err().to_string();
     assert!(e.contains("precision = \"fp32\"") && e.contains("this run: \"fp16\""), "{e}");
 }
+
+#[test]
+fn f16_gelu_gradient_stays_finite_at_large_inputs() {
+    use burn::tensor::activation::gelu;
+    let device = common::device();
+    let xs = [-60.0f32, -41.0, -5.0, -0.5, 0.0, 0.7, 3.0, 41.0, 60.0];
+    let grad_of = |f: &dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>, dt: FloatDType| -> Vec<f32> {
+        let x = Tensor::<B, 1>::from_floats(xs, &device).cast(dt).require_grad();
+        let g = f(x.clone()).cast(FloatDType::F32).sum().backward();
+        x.grad(&g).unwrap().cast(FloatDType::F32).into_data().into_vec::<f32>().unwrap()
+    };
+    let reference = grad_of(&|x| gelu(x), FloatDType::F32);
+    // The hazard: Burn's GELU backward in f16 gives NaN where x^3 overflows (|x| > 40).
+    let raw = grad_of(&|x| gelu(x), FloatDType::F16);
+    assert!(raw[7].is_nan() || raw[8].is_nan(), "Burn's f16 GELU backward no longer overflows: {raw:?}");
+    // The model's GELU: finite everywhere and within f16 rounding of the f32 gradient.
+    let safe = grad_of(&|x| model::layers::gelu_range_safe(x), FloatDType::F16);
+    for ((s, r), x) in safe.iter().zip(&reference).zip(xs) {
+        assert!(s.is_finite() && (s - r).abs() <= 2e-3 * r.abs().max(1.0), "x = {x}: {s} vs f32 {r}");
+    }
+    // SiLU (the SwiGLU gate) has no such hazard in f16.
+    let silu = burn::tensor::activation::silu;
+    let reference = grad_of(&|x| silu(x), FloatDType::F32);
+    let half = grad_of(&|x| silu(x), FloatDType::F16);
+    for ((s, r), x) in half.iter().zip(&reference).zip(xs) {
+        assert!(s.is_finite() && (s - r).abs() <= 2e-3 * r.abs().max(1.0), "silu x = {x}: {s} vs f32 {r}");
+    }
+}

@@ -2,13 +2,13 @@
 
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig};
-use burn::tensor::activation::{gelu, log_softmax, silu, softmax};
+use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
 use crate::config::{GptConfig, MlpKind};
 use crate::dtype::debug_assert_dtype;
-use crate::layers::{apply_rope, rope_tables, Embedding, Linear, RmsNorm};
+use crate::layers::{apply_rope, gelu_range_safe, rope_tables, Embedding, Linear, RmsNorm};
 
 /// Score given to masked (future) positions: finite, because WGSL has no infinity literal, and far
 /// enough below any real score that its softmax weight is exactly 0 in f32.
@@ -96,7 +96,7 @@ impl<B: Backend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = self.fc.forward(x);
         let h = match self.kind {
-            MlpKind::Gelu => gelu(h),
+            MlpKind::Gelu => gelu_range_safe(h),
             MlpKind::Swiglu => {
                 let mut gu = h.chunk(2, 2);
                 let up = gu.pop().expect("up");

@@ -5,7 +5,8 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, FloatDType, Int, Tensor};
+use burn::tensor::activation::gelu;
+use burn::tensor::{DType, Distribution, FloatDType, Int, Tensor};
 
 /// `y = x W + b` with `W` stored as [d_in, d_out].
 #[derive(Module, Debug)]
@@ -112,4 +113,16 @@ pub fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<
     let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
     let r2 = x1 * sin.clone() + x2 * cos.clone();
     Tensor::cat(vec![r1, r2], 3)
+}
+
+/// GELU that is safe in f16: Burn's GELU backward evaluates `x^3` in the input dtype, which
+/// overflows f16 for |x| > 40 and turns the gradient into NaN (`inf * 0`) whatever the loss scale.
+/// F16 inputs are therefore computed in f32 and cast back; other dtypes (f32, and bf16 with f32's
+/// range) use Burn's GELU directly.
+pub fn gelu_range_safe<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    if x.dtype() == DType::F16 {
+        gelu(x.cast(FloatDType::F32)).cast(FloatDType::F16)
+    } else {
+        gelu(x)
+    }
 }
