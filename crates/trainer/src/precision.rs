@@ -396,9 +396,10 @@ mod tests {
         assert_eq!(s.update(false, 13), Verdict::Skip);
         assert_eq!(s.update(false, 14), Verdict::Skip);
         assert_eq!(s.update(false, 15), Verdict::Skip);
+        assert_eq!(s.update(false, 16), Verdict::Skip);
         assert_eq!(s.scale(), 256.0);
-        match s.update(false, 16) {
-            Verdict::Stop(m) => assert!(m.contains("floor") && m.contains("step 16"), "{m}"),
+        match s.update(false, 17) {
+            Verdict::Stop(m) => assert!(m.contains("floor") && m.contains("step 17"), "{m}"),
             v => panic!("expected a stop, got {v:?}"),
         }
     }
