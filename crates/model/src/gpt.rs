@@ -57,7 +57,8 @@ impl<B: Backend> Attention<B> {
         // [B, H, T, T] scores, scaled, masked and normalised in f32; the additive mask is 0 on and
         // below the diagonal, MASKED above. The probabilities return to the compute dtype for P V.
         let scale = (hd as f64).powf(-0.5);
-        let scores = q.matmul(k.swap_dims(2, 3)).cast(FloatDType::F32).mul_scalar(scale) + rope.causal_mask.clone();
+        // q is scaled before the product so that large scores cannot overflow f16 in the matmul.
+        let scores = q.mul_scalar(scale).matmul(k.swap_dims(2, 3)).cast(FloatDType::F32) + rope.causal_mask.clone();
         let probs = self.attn_dropout.forward(softmax(scores, 3)).cast(v.dtype());
         let y = probs.matmul(v); // [B, H, T, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, d]);

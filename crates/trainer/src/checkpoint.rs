@@ -83,6 +83,8 @@ pub struct Restored {
     pub best_val_loss: Option<f64>,
     pub elapsed_s: f64,
     pub loss_scaler: Option<ScalerState>,
+    /// The recipe the checkpoint was trained with.
+    pub precision: Option<Recipe>,
     pub path: PathBuf,
 }
 
@@ -427,6 +429,7 @@ where
             best_val_loss: header.best_val_loss,
             elapsed_s: header.elapsed_s,
             loss_scaler: header.loss_scaler.clone(),
+            precision: header.precision.clone(),
             path: path.to_path_buf(),
         },
     ))

@@ -290,6 +290,24 @@ impl LossScaler {
         Self { setting, state }
     }
 
+    /// Continues from a checkpoint's scaler `state`, saved under the recipe `saved` (absent in
+    /// checkpoints older than recipes). With the same loss-scaling settings the state is taken as
+    /// is, so the resumed run repeats the uninterrupted one. If `[loss_scale]` changed since, the
+    /// new settings start afresh from their initial scale (the overflow count is kept), and the
+    /// returned line says so.
+    pub fn restore(&mut self, state: ScalerState, saved: Option<&Recipe>) -> Option<String> {
+        if saved.map(|r| r.loss_scaling()) == Some(&self.setting) {
+            self.state = state;
+            return None;
+        }
+        self.state.overflows = state.overflows;
+        Some(format!(
+            "loss scaling differs from the checkpoint's; it restarts as {} (the checkpoint's scale was {})",
+            self.setting.describe(),
+            state.scale
+        ))
+    }
+
     /// The factor to multiply this step's loss by.
     pub fn scale(&self) -> f64 {
         self.state.scale
@@ -307,7 +325,7 @@ impl LossScaler {
                     Verdict::Stop(format!("gradients are not finite at step {step} and loss scaling is off"))
                 }
             }
-            LossScaling::Static { scale, max_consecutive_skips } => {
+            LossScaling::Static { max_consecutive_skips, .. } => {
                 if finite {
                     s.consecutive_overflows = 0;
                     s.clean_steps += 1;
@@ -317,9 +335,9 @@ impl LossScaler {
                 s.consecutive_overflows += 1;
                 if s.consecutive_overflows >= max_consecutive_skips {
                     return Verdict::Stop(format!(
-                        "gradients overflowed on {} consecutive steps (up to step {step}) with the static loss scale {scale} \
+                        "gradients overflowed on {} consecutive steps (up to step {step}) with the static loss scale {} \
                          (loss_scale.max_consecutive_skips = {max_consecutive_skips}); lower loss_scale.init or use mode = \"dynamic\"",
-                        s.consecutive_overflows
+                        s.consecutive_overflows, s.scale
                     ));
                 }
                 Verdict::Skip
@@ -416,6 +434,22 @@ mod tests {
         assert_eq!(off.scale(), 1.0);
         assert_eq!(off.update(true, 1), Verdict::Apply);
         assert!(matches!(off.update(false, 2), Verdict::Stop(_)));
+    }
+
+    #[test]
+    fn restore_takes_the_state_only_under_the_same_settings() {
+        let ls = LossScaleConfig::default();
+        let fp16 = Recipe::from_config(PrecisionKind::Fp16, &ls).unwrap();
+        let saved = ScalerState { scale: 512.0, clean_steps: 7, overflows: 3, consecutive_overflows: 0 };
+        let mut same = LossScaler::new(fp16.loss_scaling().clone());
+        assert_eq!(same.restore(saved.clone(), Some(&fp16)), None);
+        assert_eq!(same.state, saved);
+        // Scaling switched on after an fp16 run without it: start from init, keep the count.
+        let off = Recipe::from_config(PrecisionKind::Fp16, &LossScaleConfig { mode: LossScaleMode::Off, ..ls.clone() }).unwrap();
+        let mut changed = LossScaler::new(fp16.loss_scaling().clone());
+        let note = changed.restore(ScalerState { scale: 1.0, ..saved.clone() }, Some(&off)).unwrap();
+        assert!(note.contains("restarts"), "{note}");
+        assert_eq!((changed.scale(), changed.state.clean_steps, changed.state.overflows), (65536.0, 0, 3));
     }
 
     #[test]

@@ -207,7 +207,9 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
         elapsed_before = restored.elapsed_s;
         resumed_from = Some(restored.step);
         if let Some(state) = restored.loss_scaler {
-            scaler.state = state;
+            if let Some(note) = scaler.restore(state, restored.precision.as_ref()) {
+                console.line(&note);
+            }
         }
         console.line(&format!("resumed from {} (step {})", restored.path.display(), restored.step));
     }
