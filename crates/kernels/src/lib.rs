@@ -1,23 +1,316 @@
-//! CubeCL kernels for transformer training on Burn.
+//! Fused CubeCL kernels for transformer training on Burn, each with its backward pass and a
+//! plain-Burn reference.
 //!
-//! Every kernel comes with a plain-Burn reference that computes the same function with ordinary
-//! tensor ops, and is exposed through the [`Backend`] extension trait, implemented for Burn's
-//! `CubeBackend` (CUDA, wgpu) and for `Autodiff` over it. Models that do not use the kernels run on
-//! any Burn backend through the references.
+//! | op | function | reference |
+//! |---|---|---|
+//! | RMSNorm | [`rms_norm`] | [`rms_norm::reference`] |
+//! | residual add + RMSNorm | [`add_rms_norm`] | [`rms_norm::add_reference`] |
+//! | SwiGLU (two tensors / packed) | [`swiglu`], [`swiglu_packed`] | [`activation::swiglu_reference`], [`activation::swiglu_packed_reference`] |
+//! | exact GELU | [`gelu`] | [`activation::gelu_reference`] |
+//! | rotary embedding | [`rope`] (tables: [`rope::tables`]) | [`rope::reference`] |
+//! | softmax cross-entropy + z-loss | [`cross_entropy`] | [`cross_entropy::reference`] |
+//! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
 //!
-//! Kernels are added op by op (fused norms and activations, RoPE, the loss, the optimizer step,
-//! FlashAttention, FP8 GEMMs); this crate currently holds the extension traits they hang from.
+//! The functions take ordinary Burn tensors of any backend that implements [`Backend`]:
+//! - `CubeBackend` (Burn's `Cuda` and `Wgpu` without the `fusion` feature) runs the kernels;
+//! - `Autodiff` over it records their backward kernels, so `loss.backward()` uses them;
+//! - any other backend can opt in with an empty `impl kernels::Backend for MyBackend {}`, which
+//!   runs the references.
+//!
+//! All kernels compute in f32 and store in the input's dtype (f32, f16 or bf16; bf16 needs CUDA).
+//! Inputs of any shape and strides are accepted (non-contiguous ones are copied first, except where
+//! an op says it reads strides); vector loads are used when the row length allows. Bad arguments
+//! panic with a message naming the op, the argument, what was given and what is supported.
+//!
+//! ```no_run
+//! use burn::backend::{Autodiff, Wgpu};
+//! use burn::tensor::{Distribution, Tensor};
+//!
+//! type B = Autodiff<Wgpu>;
+//! let dev = Default::default();
+//! let x = Tensor::<B, 3>::random([2, 16, 64], Distribution::Normal(0.0, 1.0), &dev).require_grad();
+//! let w = Tensor::<B, 1>::ones([64], &dev).require_grad();
+//! let y = kernels::rms_norm(x.clone(), w.clone(), 1e-5);
+//! let grads = y.sum().backward();
+//! let (dx, dw) = (x.grad(&grads).unwrap(), w.grad(&grads).unwrap());
+//! ```
+
+pub mod activation;
+pub mod adamw;
+mod check;
+pub mod cross_entropy;
+mod launch;
+pub mod rms_norm;
+pub mod rope;
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{FloatDType, Int, Shape, Tensor, TensorMetadata, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-/// A Burn backend that our kernels are implemented for.
-pub trait Backend: BurnBackend {}
+pub use adamw::{AdamWOutput, AdamWStep};
 
-/// The autodiff version of [`Backend`]: kernels with their backward passes.
+/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`, f32 inside, output in
+/// `x`'s dtype; `weight` is `[x.dims()[D - 1]]` in any float dtype.
+pub fn rms_norm<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
+    tensor(B::fused_rms_norm(prim(x), prim(weight), eps))
+}
+
+/// Residual add fused with RMSNorm: returns `(s, rms_norm(s))` with `s = x + residual` (in `x`'s
+/// dtype, the new residual stream), reading `x` and `residual` once.
+pub fn add_rms_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    let (s, y) = B::fused_add_rms_norm(prim(x), prim(residual), prim(weight), eps);
+    (tensor(s), tensor(y))
+}
+
+/// `silu(gate) * up` for two tensors of the same shape and dtype.
+pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    tensor(B::fused_swiglu(prim(gate), prim(up)))
+}
+
+/// `silu(gate) * up` with gate and up packed in one `[.., 2 * F]` tensor (gate half first, as a
+/// single fused projection produces them) -> `[.., F]`. The gradient is one packed tensor too.
+pub fn swiglu_packed<B: Backend, const D: usize>(gate_up: Tensor<B, D>) -> Tensor<B, D> {
+    tensor(B::fused_swiglu_packed(prim(gate_up)))
+}
+
+/// Exact (erf) GELU, computed in f32 (safe in f16, unlike a GELU whose backward cubes `x` in f16).
+pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    tensor(B::fused_gelu(prim(x)))
+}
+
+/// Rotary embedding of `x` [batch, heads, seq, head_dim] with tables `cos`, `sin`
+/// [positions >= seq, head_dim / 2] (see [`rope::tables`]); "rotate half" pairing.
+pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 4> {
+    tensor(B::fused_rope(prim(x), prim(cos), prim(sin)))
+}
+
+/// Per-row softmax cross-entropy (f32 [rows]) of `logits` [rows, classes] against class indices
+/// `targets` [rows], plus `z_loss * lse^2` when `z_loss > 0`; negative targets are ignored (0).
+/// Take `.mean()` (or a masked mean) for the usual scalar loss.
+pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>, z_loss: f64) -> Tensor<B, 1> {
+    tensor(B::fused_cross_entropy(prim(logits), targets.into_primitive(), z_loss))
+}
+
+/// One fused AdamW step (see [`adamw`]): f32 `param`, `m`, `v`; `grad` in any float dtype;
+/// `factor` a one-element device tensor multiplying the gradient; `copy_dtype` asks for the new
+/// weight in that dtype too. Works on non-autodiff tensors (the optimizer's side).
+pub fn adamw_step<B: Backend, const D: usize>(
+    param: Tensor<B, D>,
+    grad: Tensor<B, D>,
+    m: Tensor<B, D>,
+    v: Tensor<B, D>,
+    factor: Tensor<B, 1>,
+    hp: &AdamWStep,
+    copy_dtype: Option<FloatDType>,
+) -> AdamWOutput<B, D> {
+    let (p, m, v, c) = B::fused_adamw_step(prim(param), prim(grad), prim(m), prim(v), prim(factor), hp, copy_dtype);
+    AdamWOutput { param: tensor(p), m: tensor(m), v: tensor(v), copy: c.map(tensor) }
+}
+
+fn prim<B: BurnBackend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn tensor<B: BurnBackend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+/// A rank-erased primitive as a 2-D tensor [rows, last dim], with its original shape.
+fn as_2d<B: BurnBackend>(p: FloatTensor<B>) -> (Tensor<B, 2>, Shape) {
+    let shape = p.shape();
+    let cols = *shape.as_slice().last().unwrap_or(&1);
+    let rows = shape.num_elements().checked_div(cols).unwrap_or(0);
+    (Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(p, Shape::new([rows, cols])))), shape)
+}
+
+fn from_2d<B: BurnBackend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
+    B::float_reshape(prim(t), shape)
+}
+
+/// A Burn backend that the fused ops are available on.
+///
+/// Every method has a default that runs the plain-Burn reference, so any backend can implement
+/// this trait with an empty `impl`; `CubeBackend` overrides them with the kernels and `Autodiff`
+/// with the kernels and their backward passes. Call the free functions ([`rms_norm`], ...) rather
+/// than these methods.
+pub trait Backend: BurnBackend {
+    fn fused_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        let (x, shape) = as_2d::<Self>(x);
+        from_2d(rms_norm::reference(x, tensor(weight), eps), shape)
+    }
+
+    fn fused_add_rms_norm(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (x, shape) = as_2d::<Self>(x);
+        let (r, _) = as_2d::<Self>(residual);
+        let (s, y) = rms_norm::add_reference(x, r, tensor(weight), eps);
+        (from_2d(s, shape.clone()), from_2d(y, shape))
+    }
+
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (g, shape) = as_2d::<Self>(gate);
+        let (u, _) = as_2d::<Self>(up);
+        from_2d(activation::swiglu_reference(g, u), shape)
+    }
+
+    fn fused_swiglu_packed(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (gu, shape) = as_2d::<Self>(gate_up);
+        let mut dims = shape.as_slice().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last /= 2;
+        }
+        from_2d(activation::swiglu_packed_reference(gu), Shape::from(dims))
+    }
+
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (x, shape) = as_2d::<Self>(x);
+        from_2d(activation::gelu_reference(x), shape)
+    }
+
+    fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
+        prim(rope::reference::<Self>(tensor(x), tensor(cos), tensor(sin)))
+    }
+
+    fn fused_cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> FloatTensor<Self> {
+        prim(cross_entropy::reference::<Self>(tensor(logits), Tensor::from_primitive(targets), z_loss))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn fused_adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        factor: FloatTensor<Self>,
+        hp: &AdamWStep,
+        copy_dtype: Option<FloatDType>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let (p, shape) = as_2d::<Self>(param);
+        let (g, _) = as_2d::<Self>(grad);
+        let (m, _) = as_2d::<Self>(m);
+        let (v, _) = as_2d::<Self>(v);
+        let out = adamw::reference(p, g, m, v, tensor(factor), hp, copy_dtype);
+        (
+            from_2d(out.param, shape.clone()),
+            from_2d(out.m, shape.clone()),
+            from_2d(out.v, shape.clone()),
+            out.copy.map(|c| from_2d(c, shape)),
+        )
+    }
+}
+
+/// The kernels' forward and backward launches, without autodiff: implemented by `CubeBackend`
+/// and used by the `Autodiff` implementation of [`Backend`].
+pub trait KernelOps: Backend {
+    /// `(x + residual if given, y, 1 / rms per row in f32)`
+    fn rms_norm_forward(
+        x: FloatTensor<Self>,
+        residual: Option<FloatTensor<Self>>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>, FloatTensor<Self>);
+    /// `(dx, dweight)` from the normalised input, the gain, the saved `1 / rms` and `dy`.
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+    /// SwiGLU of `gate` and `up`, or of the packed `gate` when `up` is `None`.
+    fn swiglu_forward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>) -> FloatTensor<Self>;
+    /// Gradients of [`KernelOps::swiglu_forward`], packed `[.., 2 * F]` (gate half, up half).
+    fn swiglu_backward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>, dy: FloatTensor<Self>) -> FloatTensor<Self>;
+    fn gelu_erf_forward(x: FloatTensor<Self>) -> FloatTensor<Self>;
+    fn gelu_erf_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// Rotary embedding, or its inverse (the backward).
+    fn rope_rotate(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>, inverse: bool) -> FloatTensor<Self>;
+    /// `(per-row loss, per-row log-sum-exp)`, both f32.
+    fn cross_entropy_forward(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> (FloatTensor<Self>, FloatTensor<Self>);
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        z_loss: f64,
+    ) -> FloatTensor<Self>;
+}
+
+/// The autodiff version of [`Backend`].
 pub trait AutodiffBackend: Backend + burn::tensor::backend::AutodiffBackend {}
+
+impl<R, F, I, BT> KernelOps for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn rms_norm_forward(
+        x: FloatTensor<Self>,
+        residual: Option<FloatTensor<Self>>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>, FloatTensor<Self>) {
+        rms_norm::forward::forward(x, residual, weight, eps)
+    }
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        rms_norm::forward::backward(x, weight, rstd, dy)
+    }
+    fn swiglu_forward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+        activation::forward::swiglu_forward(gate_up(gate, up))
+    }
+    fn swiglu_backward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        activation::forward::swiglu_backward(gate_up(gate, up), dy)
+    }
+    fn gelu_erf_forward(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        activation::forward::gelu_forward(x)
+    }
+    fn gelu_erf_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        activation::forward::gelu_backward(x, dy)
+    }
+    fn rope_rotate(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>, inverse: bool) -> FloatTensor<Self> {
+        rope::forward::rope(x, cos, sin, inverse)
+    }
+    fn cross_entropy_forward(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        cross_entropy::forward::forward(logits, targets, z_loss)
+    }
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+        z_loss: f64,
+    ) -> FloatTensor<Self> {
+        cross_entropy::forward::backward(logits, targets, lse, dloss, z_loss)
+    }
+}
+
+fn gate_up<R: CubeRuntime>(
+    gate: burn_cubecl::tensor::CubeTensor<R>,
+    up: Option<burn_cubecl::tensor::CubeTensor<R>>,
+) -> activation::forward::GateUp<R> {
+    match up {
+        Some(up) => activation::forward::GateUp::Split { gate, up },
+        None => activation::forward::GateUp::Packed(gate),
+    }
+}
 
 impl<R, F, I, BT> Backend for CubeBackend<R, F, I, BT>
 where
@@ -26,7 +319,72 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn fused_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        Self::rms_norm_forward(x, None, weight, eps).1
+    }
+    fn fused_add_rms_norm(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (s, y, _) = Self::rms_norm_forward(x, Some(residual), weight, eps);
+        (s.expect("the fused forward returns the sum"), y)
+    }
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::swiglu_forward(gate, Some(up))
+    }
+    fn fused_swiglu_packed(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::swiglu_forward(gate_up, None)
+    }
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::gelu_erf_forward(x)
+    }
+    fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::rope_rotate(x, cos, sin, false)
+    }
+    fn fused_cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> FloatTensor<Self> {
+        Self::cross_entropy_forward(logits, targets, z_loss).0
+    }
+    fn fused_adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        factor: FloatTensor<Self>,
+        hp: &AdamWStep,
+        copy_dtype: Option<FloatDType>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        adamw::forward::step(param, grad, m, v, factor, hp, copy_dtype.map(Into::into))
+    }
 }
 
-impl<B: Backend, C: CheckpointStrategy> Backend for Autodiff<B, C> {}
-impl<B: Backend, C: CheckpointStrategy> AutodiffBackend for Autodiff<B, C> {}
+impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
+    fn fused_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        rms_norm::backward::rms_norm::<B, C>(x, weight, eps)
+    }
+    fn fused_add_rms_norm(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        rms_norm::backward::add_rms_norm::<B, C>(x, residual, weight, eps)
+    }
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        activation::backward::swiglu::<B, C>(gate, up)
+    }
+    fn fused_swiglu_packed(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
+        activation::backward::swiglu_packed::<B, C>(gate_up)
+    }
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        activation::backward::gelu::<B, C>(x)
+    }
+    fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
+        rope::backward::rope::<B, C>(x, cos, sin)
+    }
+    fn fused_cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> FloatTensor<Self> {
+        cross_entropy::backward::cross_entropy::<B, C>(logits, targets, z_loss)
+    }
+}
+impl<B: KernelOps, C: CheckpointStrategy> AutodiffBackend for Autodiff<B, C> {}

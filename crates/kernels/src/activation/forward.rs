@@ -1,0 +1,179 @@
+//! Launches of the activation kernels on `CubeBackend` tensors.
+
+use burn::tensor::TensorMetadata;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::*;
+use cubecl::calculate_cube_count_elemwise;
+
+use super::kernel::{gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd};
+use crate::check::{check_float, check_same_dtype, fail};
+use crate::launch::{contiguous, empty, vector_width};
+use crate::rms_norm::forward::rows_cols;
+
+/// Where the gate and up halves live: two dense tensors, or one packed `[.., 2 * cols]` tensor.
+pub(crate) enum GateUp<R: CubeRuntime> {
+    Split { gate: CubeTensor<R>, up: CubeTensor<R> },
+    Packed(CubeTensor<R>),
+}
+
+struct Layout<R: CubeRuntime> {
+    gate: CubeTensor<R>,
+    up: CubeTensor<R>,
+    out_shape: Vec<usize>,
+    rows: usize,
+    cols: usize,
+    /// Element offsets of the halves and the row stride of their storage.
+    gate_offset: usize,
+    up_offset: usize,
+    row_stride: usize,
+}
+
+fn layout<R: CubeRuntime>(op: &str, gu: GateUp<R>) -> Layout<R> {
+    match gu {
+        GateUp::Split { gate, up } => {
+            check_float(op, "gate", gate.dtype);
+            check_same_dtype(op, "gate", gate.dtype, "up", up.dtype);
+            if gate.shape() != up.shape() {
+                fail(op, format!("gate has shape {:?} but up has {:?}; they must match", gate.shape().as_slice(), up.shape().as_slice()));
+            }
+            let shape = gate.shape();
+            let (rows, cols) = rows_cols(&shape);
+            Layout {
+                gate: contiguous(gate),
+                up: contiguous(up),
+                out_shape: shape.as_slice().to_vec(),
+                rows,
+                cols,
+                gate_offset: 0,
+                up_offset: 0,
+                row_stride: cols,
+            }
+        }
+        GateUp::Packed(gu) => {
+            check_float(op, "input", gu.dtype);
+            let shape = gu.shape();
+            let (rows, width) = rows_cols(&shape);
+            if width % 2 != 0 {
+                fail(op, format!("packed input has shape {:?}; its last dimension must be even (gate half, then up half)", shape.as_slice()));
+            }
+            let mut out_shape = shape.as_slice().to_vec();
+            *out_shape.last_mut().expect("rank >= 1") = width / 2;
+            let gu = contiguous(gu);
+            Layout { gate: gu.clone(), up: gu, out_shape, rows, cols: width / 2, gate_offset: 0, up_offset: width / 2, row_stride: width }
+        }
+    }
+}
+
+fn grid<R: CubeRuntime>(t: &CubeTensor<R>, total: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new_1d(256);
+    (calculate_cube_count_elemwise(&t.client, total.max(1), dim), dim)
+}
+
+/// `silu(gate) * up`, `[.., cols]`.
+pub(crate) fn swiglu_forward<R: CubeRuntime>(gu: GateUp<R>) -> CubeTensor<R> {
+    let l = layout("swiglu", gu);
+    let out = empty(&l.gate, l.out_shape.clone(), l.gate.dtype);
+    let n = vector_width(&l.gate, &[l.gate.dtype], &[l.cols]);
+    let total = l.rows * l.cols / n;
+    if total == 0 {
+        return out;
+    }
+    let (count, dim) = grid(&l.gate, total);
+    let dtype = l.gate.dtype;
+    swiglu_fwd::launch::<R>(
+        &l.gate.client.clone(),
+        count,
+        dim,
+        n,
+        l.gate.into_tensor_arg(),
+        l.up.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        l.cols / n,
+        l.gate_offset / n,
+        l.up_offset / n,
+        l.row_stride / n,
+        total,
+        dtype.into(),
+    );
+    out
+}
+
+/// Gradients of [`swiglu_forward`] as one dense `[.., 2 * cols]` tensor (gate half, up half).
+pub(crate) fn swiglu_backward<R: CubeRuntime>(gu: GateUp<R>, dy: CubeTensor<R>) -> CubeTensor<R> {
+    let l = layout("swiglu backward", gu);
+    let dtype = l.gate.dtype;
+    let dy = contiguous(burn_cubecl::kernel::cast(dy, dtype));
+    let mut shape = l.out_shape.clone();
+    *shape.last_mut().expect("rank >= 1") *= 2;
+    let d = empty(&l.gate, shape, dtype);
+    let n = vector_width(&l.gate, &[dtype], &[l.cols]);
+    let total = l.rows * l.cols / n;
+    if total == 0 {
+        return d;
+    }
+    let (count, dim) = grid(&l.gate, total);
+    swiglu_bwd::launch::<R>(
+        &l.gate.client.clone(),
+        count,
+        dim,
+        n,
+        l.gate.into_tensor_arg(),
+        l.up.into_tensor_arg(),
+        dy.into_tensor_arg(),
+        d.clone().into_tensor_arg(),
+        l.cols / n,
+        l.gate_offset / n,
+        l.up_offset / n,
+        l.row_stride / n,
+        total,
+        dtype.into(),
+    );
+    d
+}
+
+fn flat_width<R: CubeRuntime>(x: &CubeTensor<R>) -> (usize, usize) {
+    let (_, cols) = rows_cols(&x.shape());
+    let n = vector_width(x, &[x.dtype], &[cols]);
+    (n, x.shape().num_elements() / n)
+}
+
+/// Exact GELU.
+pub(crate) fn gelu_forward<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+    check_float("gelu", "x", x.dtype);
+    let x = contiguous(x);
+    let out = empty(&x, x.shape().as_slice().to_vec(), x.dtype);
+    let (n, total) = flat_width(&x);
+    if total == 0 {
+        return out;
+    }
+    let (count, dim) = grid(&x, total);
+    let dtype = x.dtype;
+    gelu_fwd::launch::<R>(&x.client.clone(), count, dim, n, x.into_tensor_arg(), out.clone().into_tensor_arg(), total, dtype.into());
+    out
+}
+
+/// Gradient of exact GELU.
+pub(crate) fn gelu_backward<R: CubeRuntime>(x: CubeTensor<R>, dy: CubeTensor<R>) -> CubeTensor<R> {
+    let x = contiguous(x);
+    let dy = contiguous(burn_cubecl::kernel::cast(dy, x.dtype));
+    let dx = empty(&x, x.shape().as_slice().to_vec(), x.dtype);
+    let (n, total) = flat_width(&x);
+    if total == 0 {
+        return dx;
+    }
+    let (count, dim) = grid(&x, total);
+    let dtype = x.dtype;
+    gelu_bwd::launch::<R>(
+        &x.client.clone(),
+        count,
+        dim,
+        n,
+        x.into_tensor_arg(),
+        dy.into_tensor_arg(),
+        dx.clone().into_tensor_arg(),
+        total,
+        dtype.into(),
+    );
+    dx
+}

@@ -1,0 +1,99 @@
+//! Elementwise activation kernels, f32 inside whatever the storage dtype.
+
+use cubecl::prelude::*;
+
+/// `silu(g) = g * sigmoid(g)`, in f32.
+#[cube]
+fn sigmoid<N: Size>(g: Vector<f32, N>) -> Vector<f32, N> {
+    Vector::new(1.0) / (Vector::new(1.0) + (-g).exp())
+}
+
+/// `out[r, j] = silu(gate[r, j]) * up[r, j]` for `r < rows`, `j < cols` (in vectors). `gate` and
+/// `up` are addressed as `offset + r * row_stride + j` (in vectors), so both can be halves of one
+/// packed `[rows, 2 * cols]` tensor; `out` is dense.
+#[cube(launch)]
+pub(crate) fn swiglu_fwd<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    out: &mut Tensor<Vector<F, N>>,
+    cols: usize,
+    gate_offset: usize,
+    up_offset: usize,
+    row_stride: usize,
+    total: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        let r = i / cols;
+        let j = i % cols;
+        let g = Vector::<f32, N>::cast_from(gate[gate_offset + r * row_stride + j]);
+        let u = Vector::<f32, N>::cast_from(up[up_offset + r * row_stride + j]);
+        out[i] = Vector::cast_from(g * sigmoid(g) * u);
+    }
+}
+
+/// Gradients of [`swiglu_fwd`] into one dense `[rows, 2 * cols]` tensor, gate half then up half:
+/// `d_gate = dy * u * s * (1 + g * (1 - s))`, `d_up = dy * g * s` with `s = sigmoid(g)`.
+#[cube(launch)]
+pub(crate) fn swiglu_bwd<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    d_packed: &mut Tensor<Vector<F, N>>,
+    cols: usize,
+    gate_offset: usize,
+    up_offset: usize,
+    row_stride: usize,
+    total: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        let r = i / cols;
+        let j = i % cols;
+        let g = Vector::<f32, N>::cast_from(gate[gate_offset + r * row_stride + j]);
+        let u = Vector::<f32, N>::cast_from(up[up_offset + r * row_stride + j]);
+        let d = Vector::<f32, N>::cast_from(dy[i]);
+        let s = sigmoid(g);
+        let one = Vector::<f32, N>::new(1.0);
+        let out = r * 2 * cols + j;
+        d_packed[out] = Vector::cast_from(d * u * s * (one + g * (one - s)));
+        d_packed[out + cols] = Vector::cast_from(d * g * s);
+    }
+}
+
+/// Exact (erf) GELU: `x * Phi(x)`, in f32.
+#[cube(launch)]
+pub(crate) fn gelu_fwd<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    out: &mut Tensor<Vector<F, N>>,
+    total: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        let v = Vector::<f32, N>::cast_from(x[i]);
+        let phi = Vector::new(0.5) * (Vector::new(1.0) + (v * Vector::new(core::f32::consts::FRAC_1_SQRT_2)).erf());
+        out[i] = Vector::cast_from(v * phi);
+    }
+}
+
+/// `dx = dy * (Phi(x) + x * phi(x))`, in f32 (no `x^3` in a narrow dtype, so no f16 overflow).
+#[cube(launch)]
+pub(crate) fn gelu_bwd<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    dx: &mut Tensor<Vector<F, N>>,
+    total: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        let v = Vector::<f32, N>::cast_from(x[i]);
+        let cdf = Vector::new(0.5) * (Vector::new(1.0) + (v * Vector::new(core::f32::consts::FRAC_1_SQRT_2)).erf());
+        // 1 / sqrt(2 pi)
+        let pdf = Vector::new(0.398_942_3) * (Vector::new(-0.5) * v * v).exp();
+        dx[i] = Vector::cast_from(Vector::<f32, N>::cast_from(dy[i]) * (cdf + v * pdf));
+    }
+}

@@ -1,0 +1,37 @@
+//! Activations: SwiGLU (`silu(gate) * up`, gate and up as two tensors or packed in one) and exact
+//! (erf) GELU. Computed in f32 whatever the storage dtype; outputs and gradients in the input's.
+
+pub(crate) mod backward;
+pub(crate) mod forward;
+pub(crate) mod kernel;
+
+use burn::tensor::activation::silu;
+use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::{FloatDType, Tensor};
+
+/// Plain-Burn SwiGLU, `silu(gate) * up` computed in f32, returned in `gate`'s dtype.
+pub fn swiglu_reference<B: BurnBackend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    let dt = gate.dtype();
+    (silu(gate.cast(FloatDType::F32)) * up.cast(FloatDType::F32)).cast(dt)
+}
+
+/// Plain-Burn SwiGLU of a packed `[.., 2 * F]` tensor (gate half first) -> `[.., F]`.
+pub fn swiglu_packed_reference<B: BurnBackend, const D: usize>(gate_up: Tensor<B, D>) -> Tensor<B, D> {
+    let mut halves = gate_up.chunk(2, D - 1);
+    let up = halves.pop().expect("two halves");
+    let gate = halves.pop().expect("two halves");
+    swiglu_reference(gate, up)
+}
+
+/// Plain-Burn exact GELU, `x * (1 + erf(x / sqrt 2)) / 2`, computed in f32 and returned in `x`'s
+/// dtype, written with `erf` so that autodiff differentiates the function itself.
+///
+/// Burn's own `gelu` is not used: in Burn 0.21 its forward is the erf form but its backward is
+/// the derivative of the tanh approximation (about 1e-3 off), and that backward cubes `x` in the
+/// input dtype, which overflows f16 beyond |x| = 40.
+pub fn gelu_reference<B: BurnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let dt = x.dtype();
+    let x = x.cast(FloatDType::F32);
+    let cdf = (x.clone() * core::f64::consts::FRAC_1_SQRT_2).erf().add_scalar(1.0).mul_scalar(0.5);
+    (x * cdf).cast(dt)
+}

@@ -1,0 +1,91 @@
+//! Launch of the fused AdamW kernel on `CubeBackend` tensors.
+
+use burn::tensor::{DType, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
+
+use super::kernel::{adamw_kernel, AdamWScalarsLaunch};
+use super::AdamWStep;
+use crate::check::{check_float, fail};
+use crate::launch::{contiguous, empty, vector_width};
+
+/// `(param, m, v, copy)` after one step; see [`super::reference`].
+pub(crate) fn step<R: CubeRuntime>(
+    param: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    m: CubeTensor<R>,
+    v: CubeTensor<R>,
+    factor: CubeTensor<R>,
+    hp: &AdamWStep,
+    copy_dtype: Option<DType>,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
+    let op = "adamw_step";
+    let shape = param.shape();
+    for (name, t) in [("param", &param), ("m", &m), ("v", &v)] {
+        if t.dtype != DType::F32 {
+            fail(op, format!("{name} has dtype {:?}; master weights and moments must be F32", t.dtype));
+        }
+    }
+    check_float(op, "grad", grad.dtype);
+    for (name, t) in [("grad", &grad), ("m", &m), ("v", &v)] {
+        if t.shape() != shape {
+            fail(op, format!("{name} has shape {:?} but param has {:?}", t.shape().as_slice(), shape.as_slice()));
+        }
+    }
+    if factor.shape().num_elements() != 1 {
+        fail(op, format!("factor has shape {:?}; expected one element", factor.shape().as_slice()));
+    }
+    if let Some(dt) = copy_dtype {
+        check_float(op, "copy dtype", dt);
+    }
+    let (param, grad, m, v) = (contiguous(param), contiguous(grad), contiguous(m), contiguous(v));
+    let factor = contiguous(burn_cubecl::kernel::cast(factor, DType::F32));
+    let dims = shape.as_slice().to_vec();
+    let p_out = empty(&param, dims.clone(), DType::F32);
+    let m_out = empty(&param, dims.clone(), DType::F32);
+    let v_out = empty(&param, dims.clone(), DType::F32);
+    let copy = copy_dtype.map(|dt| empty(&param, dims.clone(), dt));
+    // Without a copy the kernel never touches that argument: a one-element stand-in fills it.
+    let copy_arg = copy.clone().unwrap_or_else(|| empty(&param, vec![1], DType::F32));
+    let numel = shape.num_elements();
+    let last = *dims.last().unwrap_or(&1);
+    let n = vector_width(&param, &[DType::F32, grad.dtype, copy_arg.dtype], &[last, numel]);
+    let total = numel / n;
+    if total == 0 {
+        return (p_out, m_out, v_out, copy);
+    }
+    let (bc1, bc2) = hp.bias_corrections();
+    let scalars = AdamWScalarsLaunch::new(
+        hp.beta1 as f32,
+        hp.beta2 as f32,
+        hp.eps as f32,
+        (hp.lr / bc1) as f32,
+        (1.0 / bc2.sqrt()) as f32,
+        (1.0 - hp.lr * hp.weight_decay) as f32,
+    );
+    let dim = CubeDim::new_1d(256);
+    let count = calculate_cube_count_elemwise(&param.client, total, dim);
+    let dtypes = [grad.dtype.into(), copy_arg.dtype.into()];
+    adamw_kernel::launch::<R>(
+        &param.client.clone(),
+        count,
+        dim,
+        n,
+        param.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        m.into_tensor_arg(),
+        v.into_tensor_arg(),
+        factor.into_tensor_arg(),
+        p_out.clone().into_tensor_arg(),
+        m_out.clone().into_tensor_arg(),
+        v_out.clone().into_tensor_arg(),
+        copy_arg.into_tensor_arg(),
+        scalars,
+        total,
+        copy.is_some(),
+        dtypes,
+    );
+    (p_out, m_out, v_out, copy)
+}

@@ -1,0 +1,24 @@
+//! Argument checks shared by the launchers: what was given, what is supported.
+
+use burn::tensor::DType;
+
+/// Panics with a message naming the op: `kernels::<op>: <msg>`.
+#[track_caller]
+pub(crate) fn fail(op: &str, msg: String) -> ! {
+    panic!("kernels::{op}: {msg}")
+}
+
+/// The kernels read and write f32, f16 and bf16 (bf16 only where the device has it: CUDA).
+#[track_caller]
+pub(crate) fn check_float(op: &str, what: &str, dtype: DType) {
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        fail(op, format!("{what} has dtype {dtype:?}; supported: F32, F16, BF16"));
+    }
+}
+
+#[track_caller]
+pub(crate) fn check_same_dtype(op: &str, a: &str, da: DType, b: &str, db: DType) {
+    if da != db {
+        fail(op, format!("{a} is {da:?} but {b} is {db:?}; they must have the same dtype (cast one first)"));
+    }
+}

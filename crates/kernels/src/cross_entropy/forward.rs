@@ -1,0 +1,105 @@
+//! Launches of the cross-entropy kernels on `CubeBackend` tensors.
+
+use burn::tensor::{DType, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
+
+use super::kernel::{ce_bwd, ce_fwd};
+use crate::check::{check_float, fail};
+use crate::launch::{contiguous, empty, has_plane_ops, max_cubes_x, max_units, reduce_slots, vector_width};
+
+fn check<R: CubeRuntime>(op: &str, logits: &CubeTensor<R>, targets: &CubeTensor<R>) -> (usize, usize) {
+    check_float(op, "logits", logits.dtype);
+    let ls = logits.shape();
+    let ts = targets.shape();
+    if ls.num_dims() != 2 {
+        fail(op, format!("logits have shape {:?}; expected [rows, classes]", ls.as_slice()));
+    }
+    if ts.as_slice() != [ls[0]] {
+        fail(op, format!("targets have shape {:?}; expected [{}], one class index per row of logits {:?}", ts.as_slice(), ls[0], ls.as_slice()));
+    }
+    if !matches!(targets.dtype, DType::I32 | DType::I64 | DType::U32 | DType::U64) {
+        fail(op, format!("targets have dtype {:?}; expected an integer dtype", targets.dtype));
+    }
+    (ls[0], ls[1])
+}
+
+/// Per-row `(loss, lse)`, both f32 [rows].
+pub(crate) fn forward<R: CubeRuntime>(logits: CubeTensor<R>, targets: CubeTensor<R>, z_loss: f64) -> (CubeTensor<R>, CubeTensor<R>) {
+    let (rows, cols) = check("cross_entropy", &logits, &targets);
+    let logits = contiguous(logits);
+    let targets = contiguous(targets);
+    let loss = empty(&logits, vec![rows], DType::F32);
+    let lse = empty(&logits, vec![rows], DType::F32);
+    if rows == 0 {
+        return (loss, lse);
+    }
+    if cols == 0 {
+        fail("cross_entropy", "logits have 0 classes".into());
+    }
+    let n = vector_width(&logits, &[logits.dtype], &[cols]);
+    // One cube per row: 256 units stream a 50k-wide row in ~25 vector loads each; short rows use
+    // smaller cubes so that few units idle.
+    let units = (cols / n).next_power_of_two().clamp(32, 256.min(max_units(&logits)));
+    let plane = has_plane_ops(&logits);
+    let cubes = rows.min(max_cubes_x(&logits));
+    let dtypes = [logits.dtype.into(), targets.dtype.into()];
+    ce_fwd::launch::<R>(
+        &logits.client.clone(),
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(units as u32),
+        n,
+        logits.into_tensor_arg(),
+        targets.into_tensor_arg(),
+        loss.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        rows,
+        cols / n,
+        z_loss as f32,
+        reduce_slots(units, plane),
+        plane,
+        dtypes,
+    );
+    (loss, lse)
+}
+
+/// Gradient of the per-row losses with respect to the logits, in the logits' dtype.
+pub(crate) fn backward<R: CubeRuntime>(
+    logits: CubeTensor<R>,
+    targets: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    dloss: CubeTensor<R>,
+    z_loss: f64,
+) -> CubeTensor<R> {
+    let (rows, cols) = check("cross_entropy backward", &logits, &targets);
+    let logits = contiguous(logits);
+    let targets = contiguous(targets);
+    let dloss = contiguous(burn_cubecl::kernel::cast(dloss, DType::F32));
+    let d = empty(&logits, vec![rows, cols], logits.dtype);
+    let n = vector_width(&logits, &[logits.dtype], &[cols]);
+    let total = rows * cols / n;
+    if total == 0 {
+        return d;
+    }
+    let dim = CubeDim::new_1d(256);
+    let count = calculate_cube_count_elemwise(&logits.client, total, dim);
+    let dtypes = [logits.dtype.into(), targets.dtype.into()];
+    ce_bwd::launch::<R>(
+        &logits.client.clone(),
+        count,
+        dim,
+        n,
+        logits.into_tensor_arg(),
+        targets.into_tensor_arg(),
+        lse.into_tensor_arg(),
+        dloss.into_tensor_arg(),
+        d.clone().into_tensor_arg(),
+        cols / n,
+        total,
+        z_loss as f32,
+        dtypes,
+    );
+    d
+}

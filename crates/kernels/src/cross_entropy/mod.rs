@@ -1,0 +1,41 @@
+//! Softmax cross-entropy from logits, with the log-sum-exp kept per row and an optional z-loss.
+//!
+//! Per row `r` of `logits` [rows, classes] with class index `targets[r]`:
+//! `loss_r = lse_r - logits[r, target_r] + z_loss * lse_r^2`, `lse_r = log sum_j exp(logits[r, j])`,
+//! computed in f32 whatever the logits' dtype. Rows with a negative target are ignored (loss 0,
+//! gradient 0). The forward keeps only `lse` (f32, one per row) beside the logits themselves; the
+//! backward rebuilds the probabilities from it, so no [rows, classes] f32 tensor lives from the
+//! forward to the backward.
+
+pub(crate) mod backward;
+pub(crate) mod forward;
+pub(crate) mod kernel;
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::{FloatDType, Int, Tensor};
+
+/// Plain-Burn per-row cross-entropy with z-loss, in f32 (see the module docs).
+pub fn reference<B: BurnBackend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>, z_loss: f64) -> Tensor<B, 1> {
+    let logits = logits.cast(FloatDType::F32);
+    let [rows, _] = logits.dims();
+    let valid = targets.clone().greater_equal_elem(0);
+    let safe = targets.clamp_min(0).reshape([rows, 1]);
+    // log-sum-exp, stably: max + log(sum(exp(x - max)))
+    let max = logits.clone().max_dim(1);
+    let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max; // [rows, 1]
+    let picked = logits.gather(1, safe);
+    let mut loss = lse.clone() - picked;
+    if z_loss != 0.0 {
+        loss = loss + lse.powi_scalar(2).mul_scalar(z_loss);
+    }
+    let loss: Tensor<B, 1> = loss.reshape([rows]);
+    loss.mask_fill(valid.bool_not(), 0.0)
+}
+
+/// Plain-Burn mean cross-entropy as a training loop usually writes it: `log_softmax` and `gather`.
+pub fn reference_log_softmax<B: BurnBackend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+    let [rows, _] = logits.dims();
+    let logp = log_softmax(logits.cast(FloatDType::F32), 1);
+    logp.gather(1, targets.reshape([rows, 1])).mean().neg()
+}

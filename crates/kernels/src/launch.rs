@@ -1,0 +1,194 @@
+//! Shared launch helpers: contiguous inputs, output allocation, vector widths, cube reductions.
+
+use burn::tensor::DType;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::features::Plane;
+use cubecl::prelude::*;
+
+/// The tensor with exact row-major strides (a no-op when it already has them; CUDA's pitched
+/// allocations of odd row lengths are copied).
+pub(crate) fn contiguous<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
+    into_contiguous(t)
+}
+
+/// A new dense row-major tensor on `like`'s device.
+pub(crate) fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Vec<usize>, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape.into(), dtype)
+}
+
+/// Widest vector (elements per load) the device supports for `dtype` that divides every length
+/// in `lens`: 128-bit loads on CUDA (4 x f32, 8 x bf16), at most 4 on wgpu, 1 when nothing else fits.
+pub(crate) fn vector_width<R: CubeRuntime>(t: &CubeTensor<R>, dtypes: &[DType], lens: &[usize]) -> usize {
+    let mut best = 1;
+    let widest = dtypes
+        .iter()
+        .map(|d| t.client.io_optimized_vector_sizes(d.size()).max().unwrap_or(1))
+        .min()
+        .unwrap_or(1);
+    let mut n = 2;
+    while n <= widest {
+        if lens.iter().all(|l| l % n == 0) {
+            best = n;
+        }
+        n *= 2;
+    }
+    best
+}
+
+/// Whether plane (warp) reductions are available: on CUDA yes; on lavapipe no.
+pub(crate) fn has_plane_ops<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
+    t.client.properties().features.plane.contains(Plane::Ops)
+}
+
+/// Most units the device runs in one cube.
+pub(crate) fn max_units<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
+    t.client.properties().hardware.max_units_per_cube as usize
+}
+
+/// Most cubes along x of a launch grid.
+pub(crate) fn max_cubes_x<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
+    t.client.properties().hardware.max_cube_count.0 as usize
+}
+
+/// Streaming multiprocessors (or a guess of 64 when the device does not say).
+pub(crate) fn num_sms<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
+    t.client.properties().hardware.num_streaming_multiprocessors.unwrap_or(64) as usize
+}
+
+/// Units per cube and vectors per unit for a row-per-cube kernel over `row_vecs` vectors: the cube
+/// is a power of two between 32 and the device's limit, large enough that each unit holds at most
+/// `max_per_unit` vectors of the row in registers. `None` if the row is too long for that.
+pub(crate) fn row_split(row_vecs: usize, max_units: usize, max_per_unit: usize) -> Option<(usize, usize)> {
+    let max_units = max_units.min(1024).max(32);
+    let mut units = 32;
+    while units < max_units && units * max_per_unit < row_vecs {
+        units *= 2;
+    }
+    // Prefer fewer vectors per unit while the cube stays at most 256 units.
+    while units < 256.min(max_units) && units < row_vecs {
+        units *= 2;
+    }
+    let per_unit = row_vecs.div_ceil(units).max(1);
+    (per_unit <= max_per_unit).then_some((units, per_unit))
+}
+
+/// Sum of `value` over all units of the cube, returned to every unit. `smem` needs one slot per
+/// unit (tree) or per plane (`plane`). The cube size must be a power of two.
+#[cube]
+pub(crate) fn cube_sum(value: f32, smem: &mut SharedMemory<f32>, #[comptime] plane: bool) -> f32 {
+    let unit = UNIT_POS as usize;
+    let mut result = 0.0f32;
+    if comptime!(plane) {
+        let partial = plane_sum(value);
+        if UNIT_POS_PLANE == 0 {
+            smem[unit / PLANE_DIM as usize] = partial;
+        }
+        sync_cube();
+        let planes = (CUBE_DIM / PLANE_DIM) as usize;
+        for i in 0..planes {
+            result += smem[i];
+        }
+        sync_cube();
+    } else {
+        smem[unit] = value;
+        sync_cube();
+        let mut stride = CUBE_DIM as usize / 2;
+        while stride > 0 {
+            if unit < stride {
+                smem[unit] += smem[unit + stride];
+            }
+            sync_cube();
+            stride /= 2;
+        }
+        result = smem[0];
+        sync_cube();
+    }
+    result
+}
+
+/// Maximum of `value` over all units of the cube, returned to every unit (see [`cube_sum`]).
+#[cube]
+pub(crate) fn cube_max(value: f32, smem: &mut SharedMemory<f32>, #[comptime] plane: bool) -> f32 {
+    let unit = UNIT_POS as usize;
+    let mut result = value;
+    if comptime!(plane) {
+        let partial = plane_max(value);
+        if UNIT_POS_PLANE == 0 {
+            smem[unit / PLANE_DIM as usize] = partial;
+        }
+        sync_cube();
+        let planes = (CUBE_DIM / PLANE_DIM) as usize;
+        for i in 0..planes {
+            result = f32::max(result, smem[i]);
+        }
+        sync_cube();
+    } else {
+        smem[unit] = value;
+        sync_cube();
+        let mut stride = CUBE_DIM as usize / 2;
+        while stride > 0 {
+            if unit < stride {
+                smem[unit] = f32::max(smem[unit], smem[unit + stride]);
+            }
+            sync_cube();
+            stride /= 2;
+        }
+        result = smem[0];
+        sync_cube();
+    }
+    result
+}
+
+/// Sum of the lanes of a vector.
+#[cube]
+pub(crate) fn lanes_sum<N: Size>(v: Vector<f32, N>) -> f32 {
+    let mut s = 0.0f32;
+    #[unroll]
+    for i in 0..v.size() {
+        s += v[i];
+    }
+    s
+}
+
+/// Shared-memory slots [`cube_sum`] / [`cube_max`] need for a cube of `units`.
+pub(crate) fn reduce_slots(units: usize, plane: bool) -> usize {
+    if plane { units.div_ceil(8) } else { units }
+}
+
+/// Column sums of a dense f32 `[rows, cols]` tensor: one unit per vector of columns, looping down.
+#[cube(launch)]
+fn column_sum<N: Size>(input: &Tensor<Vector<f32, N>>, output: &mut Tensor<Vector<f32, N>>, rows: usize, row_vecs: usize) {
+    let c = ABSOLUTE_POS;
+    if c < row_vecs {
+        let mut acc = Vector::<f32, N>::new(0.0);
+        for r in 0..rows {
+            acc += input[r * row_vecs + c];
+        }
+        output[c] = acc;
+    }
+}
+
+/// `t.sum_dim(0)` of a dense f32 `[rows, cols]` tensor, as a `[cols]` tensor.
+pub(crate) fn sum_rows<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
+    let dims = t.meta.shape().as_slice().to_vec();
+    let (rows, cols) = (dims[0], dims[1]);
+    let out = empty(&t, vec![cols], DType::F32);
+    let n = vector_width(&t, &[DType::F32], &[cols]);
+    let units = (cols / n).min(256).max(1);
+    let cubes = (cols / n).div_ceil(units);
+    let client = t.client.clone();
+    column_sum::launch::<R>(
+        &client,
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(units as u32),
+        n,
+        t.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        rows,
+        cols / n,
+    );
+    out
+}

@@ -1,0 +1,88 @@
+//! RMSNorm under `Autodiff`: the forward kernel saves `1 / rms` per row, the backward kernel
+//! recomputes the normalised row from it and the saved input.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::tensor::ops::FloatTensor;
+
+use crate::KernelOps;
+
+#[derive(Debug)]
+struct RmsNormBackward;
+
+impl<B: KernelOps> Backward<B, 2> for RmsNormBackward {
+    /// (normalised input, gain, 1 / rms per row)
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w, rstd) = ops.state;
+        let (dx, dw) = B::rms_norm_backward(x, w, rstd, dy);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_w {
+            grads.register::<B>(node.id, dw);
+        }
+    }
+}
+
+/// The sum `x + residual` of the fused op: its gradient goes unchanged to both addends.
+#[derive(Debug)]
+struct AddBackward;
+
+impl<B: KernelOps> Backward<B, 2> for AddBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_r] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        match (node_x, node_r) {
+            (Some(a), Some(b)) => {
+                grads.register::<B>(a.id, g.clone());
+                grads.register::<B>(b.id, g);
+            }
+            (Some(a), None) | (None, Some(a)) => grads.register::<B>(a.id, g),
+            (None, None) => {}
+        }
+    }
+}
+
+/// The normalisation node over an input that is already an autodiff tensor.
+fn norm_node<B: KernelOps, C: CheckpointStrategy>(
+    input: FloatTensor<Autodiff<B, C>>,
+    w: FloatTensor<Autodiff<B, C>>,
+    y: FloatTensor<B>,
+    rstd: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match RmsNormBackward.prepare::<C>([input.node.clone(), w.node.clone()]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish((input.primitive, w.primitive, rstd), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
+pub(crate) fn rms_norm<B: KernelOps, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    w: FloatTensor<Autodiff<B, C>>,
+    eps: f64,
+) -> FloatTensor<Autodiff<B, C>> {
+    let (_, y, rstd) = B::rms_norm_forward(x.primitive.clone(), None, w.primitive.clone(), eps);
+    norm_node::<B, C>(x, w, y, rstd)
+}
+
+pub(crate) fn add_rms_norm<B: KernelOps, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    r: FloatTensor<Autodiff<B, C>>,
+    w: FloatTensor<Autodiff<B, C>>,
+    eps: f64,
+) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>) {
+    let (sum, y, rstd) = B::rms_norm_forward(x.primitive.clone(), Some(r.primitive.clone()), w.primitive.clone(), eps);
+    let sum = sum.expect("the fused forward returns the sum");
+    let sum = AddBackward.prepare::<C>([x.node.clone(), r.node.clone()]).compute_bound().stateless(sum);
+    let y = norm_node::<B, C>(sum.clone(), w, y, rstd);
+    (sum, y)
+}

@@ -1,0 +1,150 @@
+//! Launches of the RMSNorm kernels on `CubeBackend` tensors.
+
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::*;
+
+use super::kernel::{rms_norm_bwd, rms_norm_fwd};
+use crate::check::{check_float, check_same_dtype, fail};
+use crate::launch::{
+    contiguous, empty, has_plane_ops, max_cubes_x, max_units, num_sms, reduce_slots, row_split, vector_width,
+};
+
+/// Most vectors of a row one unit keeps in registers. With 1024 units this bounds rows at
+/// 16384 vectors: 65536 f32 or 131072 bf16 elements on CUDA, 16384 when the length is odd.
+const MAX_PER_UNIT: usize = 16;
+
+/// Rows and row length of a `[.., cols]` tensor.
+pub(crate) fn rows_cols(shape: &Shape) -> (usize, usize) {
+    let cols = *shape.as_slice().last().unwrap_or(&1);
+    let rows = if cols == 0 { 0 } else { shape.num_elements() / cols };
+    (rows, cols)
+}
+
+fn plan<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>, cols: usize) -> (usize, usize, usize) {
+    let n = vector_width(x, &[x.dtype, w.dtype], &[cols]);
+    let row_vecs = cols / n;
+    let Some((units, per_unit)) = row_split(row_vecs, max_units(x), MAX_PER_UNIT) else {
+        fail(op, format!(
+            "rows of {cols} elements are longer than this kernel supports ({} elements at vector width {n}); \
+             use the reference implementation for such rows",
+            MAX_PER_UNIT * max_units(x).min(1024) * n
+        ))
+    };
+    (n, units, per_unit)
+}
+
+fn check_weight<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>) {
+    check_float(op, "x", x.dtype);
+    check_float(op, "weight", w.dtype);
+    let (_, cols) = rows_cols(&x.shape());
+    if w.shape().as_slice() != [cols] {
+        fail(op, format!("weight has shape {:?}; it must be [{cols}], the last dimension of x {:?}", w.shape().as_slice(), x.shape().as_slice()));
+    }
+}
+
+/// Forward: `(sum, y, rstd)`; `sum` is `Some` when `residual` is given. `rstd` is f32 [rows].
+pub(crate) fn forward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    residual: Option<CubeTensor<R>>,
+    w: CubeTensor<R>,
+    eps: f64,
+) -> (Option<CubeTensor<R>>, CubeTensor<R>, CubeTensor<R>) {
+    let op = if residual.is_some() { "add_rms_norm" } else { "rms_norm" };
+    check_weight(op, &x, &w);
+    if let Some(r) = &residual {
+        check_same_dtype(op, "x", x.dtype, "residual", r.dtype);
+        if r.shape() != x.shape() {
+            fail(op, format!("residual has shape {:?} but x has {:?}; they must match", r.shape().as_slice(), x.shape().as_slice()));
+        }
+    }
+    let shape = x.shape();
+    let (rows, cols) = rows_cols(&shape);
+    let x = contiguous(x);
+    let w = contiguous(w);
+    let y = empty(&x, shape.as_slice().to_vec(), x.dtype);
+    let rstd = empty(&x, vec![rows], DType::F32);
+    let sum = residual.as_ref().map(|_| empty(&x, shape.as_slice().to_vec(), x.dtype));
+    if rows == 0 {
+        return (sum, y, rstd);
+    }
+    let (n, units, per_unit) = plan(op, &x, &w, cols);
+    let plane = has_plane_ops(&x);
+    let cubes = rows.min(max_cubes_x(&x));
+    let client = x.client.clone();
+    let dtypes = [x.dtype.into(), w.dtype.into()];
+    // Without a residual the kernel never touches `r` and `sum`: x stands in for r (read-only) and
+    // a one-element tensor for sum.
+    let r = residual.map(contiguous).unwrap_or_else(|| x.clone());
+    let sum_arg = sum.clone().unwrap_or_else(|| empty(&x, vec![1], x.dtype));
+    rms_norm_fwd::launch::<R>(
+        &client,
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(units as u32),
+        n,
+        x.into_tensor_arg(),
+        r.into_tensor_arg(),
+        w.into_tensor_arg(),
+        y.clone().into_tensor_arg(),
+        sum_arg.into_tensor_arg(),
+        rstd.clone().into_tensor_arg(),
+        rows,
+        cols / n,
+        eps as f32,
+        per_unit,
+        reduce_slots(units, plane),
+        sum.is_some(),
+        plane,
+        dtypes,
+    );
+    (sum, y, rstd)
+}
+
+/// Backward: `(dx, dw)` from the normalised input `x`, the gain, the saved `rstd` and `dy`.
+pub(crate) fn backward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    w: CubeTensor<R>,
+    rstd: CubeTensor<R>,
+    dy: CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let shape = x.shape();
+    let (rows, cols) = rows_cols(&shape);
+    let x = contiguous(x);
+    let w = contiguous(w);
+    let w_dtype = w.dtype;
+    // The gradient may arrive in another dtype than x (e.g. f32 into a bf16 norm): bring it to x's.
+    let dy = contiguous(burn_cubecl::kernel::cast(dy, x.dtype));
+    let dx = empty(&x, shape.as_slice().to_vec(), x.dtype);
+    if rows == 0 {
+        let dw = burn_cubecl::ops::numeric::zeros_client(x.client.clone(), x.device.clone(), vec![cols].into(), w_dtype);
+        return (dx, dw);
+    }
+    let (n, units, per_unit) = plan("rms_norm backward", &x, &w, cols);
+    let plane = has_plane_ops(&x);
+    // A few cubes per SM keep the partial weight gradients small ([cubes, cols] f32, summed after).
+    let cubes = rows.min(4 * num_sms(&x)).min(max_cubes_x(&x));
+    let dw_part = empty(&x, vec![cubes, cols], DType::F32);
+    let client = x.client.clone();
+    let dtypes = [x.dtype.into(), w.dtype.into()];
+    rms_norm_bwd::launch::<R>(
+        &client,
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(units as u32),
+        n,
+        x.into_tensor_arg(),
+        w.into_tensor_arg(),
+        rstd.into_tensor_arg(),
+        dy.into_tensor_arg(),
+        dx.clone().into_tensor_arg(),
+        dw_part.clone().into_tensor_arg(),
+        rows,
+        cols / n,
+        per_unit,
+        reduce_slots(units, plane),
+        plane,
+        dtypes,
+    );
+    let dw = crate::launch::sum_rows(dw_part);
+    (dx, burn_cubecl::kernel::cast(dw, w_dtype))
+}

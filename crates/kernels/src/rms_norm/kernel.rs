@@ -1,0 +1,137 @@
+//! RMSNorm kernels: one cube per row (grid-stride over rows), the row held in registers so `x` is
+//! read once; statistics, gain and gradients in f32 whatever the storage dtypes.
+
+use cubecl::prelude::*;
+
+use crate::launch::{cube_sum, lanes_sum};
+
+/// `y = x * rstd * w` with `rstd = 1 / sqrt(mean(x^2) + eps)` per row. With `residual`, the
+/// normalised row is `s = x + r` (rounded to `F`, as the residual stream stores it), written to
+/// `sum`; otherwise `r` and `sum` are not touched.
+#[cube(launch)]
+pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    r: &Tensor<Vector<F, N>>,
+    w: &Tensor<Vector<W, N>>,
+    y: &mut Tensor<Vector<F, N>>,
+    sum: &mut Tensor<Vector<F, N>>,
+    rstd: &mut Tensor<f32>,
+    rows: usize,
+    row_vecs: usize,
+    eps: f32,
+    #[comptime] per_unit: usize,
+    #[comptime] slots: usize,
+    #[comptime] residual: bool,
+    #[comptime] plane: bool,
+    #[define(F, W)] _dtypes: [StorageType; 2],
+) {
+    let unit = UNIT_POS as usize;
+    let units = CUBE_DIM as usize;
+    let mut smem = SharedMemory::<f32>::new(slots);
+    let mut regs = Array::<Vector<f32, N>>::new(per_unit);
+    let cols = (row_vecs * x.vector_size()) as f32;
+    let mut row = CUBE_POS;
+    while row < rows {
+        let base = row * row_vecs;
+        let mut sq = 0.0f32;
+        #[unroll]
+        for i in 0..per_unit {
+            let c = unit + i * units;
+            let mut v = Vector::<f32, N>::new(0.0);
+            if c < row_vecs {
+                v = Vector::cast_from(x[base + c]);
+                if comptime!(residual) {
+                    let s = Vector::<F, N>::cast_from(v + Vector::cast_from(r[base + c]));
+                    sum[base + c] = s;
+                    v = Vector::cast_from(s);
+                }
+            }
+            regs[i] = v;
+            sq += lanes_sum(v * v);
+        }
+        let total = cube_sum(sq, &mut smem, plane);
+        let inv = f32::inverse_sqrt(total / cols + eps);
+        if unit == 0 {
+            rstd[row] = inv;
+        }
+        #[unroll]
+        for i in 0..per_unit {
+            let c = unit + i * units;
+            if c < row_vecs {
+                let g = Vector::<f32, N>::cast_from(w[c]);
+                y[base + c] = Vector::cast_from(regs[i] * g * Vector::new(inv));
+            }
+        }
+        row += CUBE_COUNT;
+    }
+}
+
+/// Gradients of `y = x * rstd * w` for the rows `CUBE_POS, CUBE_POS + CUBE_COUNT, ...`:
+/// `dx = rstd * (g - x * rstd^2 * mean(g * x))` with `g = dy * w`, in `F`; the cube's share of
+/// `dw = sum_rows dy * x * rstd` goes, in f32, to row `CUBE_POS` of `dw_part` [cubes, cols].
+#[cube(launch)]
+pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    w: &Tensor<Vector<W, N>>,
+    rstd: &Tensor<f32>,
+    dy: &Tensor<Vector<F, N>>,
+    dx: &mut Tensor<Vector<F, N>>,
+    dw_part: &mut Tensor<Vector<f32, N>>,
+    rows: usize,
+    row_vecs: usize,
+    #[comptime] per_unit: usize,
+    #[comptime] slots: usize,
+    #[comptime] plane: bool,
+    #[define(F, W)] _dtypes: [StorageType; 2],
+) {
+    let unit = UNIT_POS as usize;
+    let units = CUBE_DIM as usize;
+    let mut smem = SharedMemory::<f32>::new(slots);
+    let mut xs = Array::<Vector<f32, N>>::new(per_unit);
+    let mut gs = Array::<Vector<f32, N>>::new(per_unit);
+    let mut dws = Array::<Vector<f32, N>>::new(per_unit);
+    #[unroll]
+    for i in 0..per_unit {
+        dws[i] = Vector::new(0.0);
+    }
+    let cols = (row_vecs * x.vector_size()) as f32;
+    let mut row = CUBE_POS;
+    while row < rows {
+        let base = row * row_vecs;
+        let inv = rstd[row];
+        let mut dot = 0.0f32;
+        #[unroll]
+        for i in 0..per_unit {
+            let c = unit + i * units;
+            let mut xv = Vector::<f32, N>::new(0.0);
+            let mut gv = Vector::<f32, N>::new(0.0);
+            if c < row_vecs {
+                xv = Vector::cast_from(x[base + c]);
+                let d = Vector::<f32, N>::cast_from(dy[base + c]);
+                gv = d * Vector::cast_from(w[c]);
+                dws[i] += d * xv * Vector::new(inv);
+            }
+            xs[i] = xv;
+            gs[i] = gv;
+            dot += lanes_sum(gv * xv);
+        }
+        let total = cube_sum(dot, &mut smem, plane);
+        let k = inv * inv * inv * total / cols;
+        #[unroll]
+        for i in 0..per_unit {
+            let c = unit + i * units;
+            if c < row_vecs {
+                dx[base + c] = Vector::cast_from(gs[i] * Vector::new(inv) - xs[i] * Vector::new(k));
+            }
+        }
+        row += CUBE_COUNT;
+    }
+    let out = CUBE_POS * row_vecs;
+    #[unroll]
+    for i in 0..per_unit {
+        let c = unit + i * units;
+        if c < row_vecs {
+            dw_part[out + c] = dws[i];
+        }
+    }
+}

@@ -1,0 +1,34 @@
+//! RMSNorm and fused residual add + RMSNorm.
+//!
+//! `y = x / sqrt(mean(x^2) + eps) * w` over the last dimension. The statistics, the scaling and the
+//! gain are computed in f32 whatever the storage dtype of `x` (f32, f16, bf16) and of `w` (often an
+//! f32 master gain beside bf16 activations); `y` has `x`'s dtype. The backward gives `dx` in `x`'s
+//! dtype and `dw` in `w`'s, from the per-row `1 / rms` saved by the forward (f32, one per row).
+
+pub(crate) mod backward;
+pub(crate) mod forward;
+pub(crate) mod kernel;
+
+use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::{FloatDType, Tensor};
+
+/// Plain-Burn RMSNorm: what the kernel computes, with ordinary tensor ops (f32 inside, output in
+/// `x`'s dtype). Runs on any Burn backend.
+pub fn reference<B: BurnBackend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
+    let dt = x.dtype();
+    let x = x.cast(FloatDType::F32);
+    let ms = x.clone().powi_scalar(2).mean_dim(D - 1);
+    let x = x * (ms + eps).sqrt().recip();
+    (x * weight.cast(FloatDType::F32).unsqueeze()).cast(dt)
+}
+
+/// Plain-Burn residual add + RMSNorm: `(s, reference(s))` with `s = x + residual` in `x`'s dtype.
+pub fn add_reference<B: BurnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    let s = x + residual;
+    (s.clone(), reference(s, weight, eps))
+}

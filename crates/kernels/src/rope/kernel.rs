@@ -1,0 +1,46 @@
+//! Rotary embedding kernel: each unit rotates a vector of (x[i], x[i + half]) pairs.
+
+use cubecl::prelude::*;
+
+/// `out[b, h, t, i] = x1 cos - x2 sin`, `out[b, h, t, i + half] = x1 sin + x2 cos` with
+/// `x1 = x[b, h, t, i]`, `x2 = x[b, h, t, i + half]` and the angle of position `t`, pair `i`.
+/// `x` is read through its strides (in vectors), so a transposed view of a fused qkv projection
+/// needs no copy; `out` is dense `[B, H, T, head_dim]`. `inverse` rotates by the opposite angle,
+/// which is the backward (the rotation is orthogonal).
+#[cube(launch)]
+pub(crate) fn rope_kernel<F: Float, W: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    cos: &Tensor<Vector<W, N>>,
+    sin: &Tensor<Vector<W, N>>,
+    out: &mut Tensor<Vector<F, N>>,
+    heads: usize,
+    seq: usize,
+    half: usize,
+    stride_b: usize,
+    stride_h: usize,
+    stride_t: usize,
+    total: usize,
+    #[comptime] inverse: bool,
+    #[define(F, W)] _dtypes: [StorageType; 2],
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        let j = i % half;
+        let rest = i / half;
+        let t = rest % seq;
+        let bh = rest / seq;
+        let h = bh % heads;
+        let b = bh / heads;
+        let src = b * stride_b + h * stride_h + t * stride_t + j;
+        let x1 = Vector::<f32, N>::cast_from(x[src]);
+        let x2 = Vector::<f32, N>::cast_from(x[src + half]);
+        let c = Vector::<f32, N>::cast_from(cos[t * half + j]);
+        let mut s = Vector::<f32, N>::cast_from(sin[t * half + j]);
+        if comptime!(inverse) {
+            s = -s;
+        }
+        let dst = rest * 2 * half + j;
+        out[dst] = Vector::cast_from(x1 * c - x2 * s);
+        out[dst + half] = Vector::cast_from(x1 * s + x2 * c);
+    }
+}

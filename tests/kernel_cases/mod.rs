@@ -1,0 +1,293 @@
+//! Kernel-versus-reference cases shared by the wgpu tests (`tests/kernels.rs`) and the CUDA tests
+//! (`tests/cuda_kernels.rs`).
+//!
+//! Each case draws fresh random inputs in f32 and rounds them to the dtype under test. Three runs
+//! of the op then see the same values:
+//! - `kernel`: the fused kernel in the dtype under test;
+//! - `baseline`: the plain-Burn reference in the same dtype;
+//! - `exact`: the reference on the same values held in f32.
+//!
+//! The output and every gradient must satisfy `err(kernel) <= 2 * err(baseline) + atol`, errors
+//! measured as the largest absolute difference from `exact` and `atol = 1e-5 * max|exact| + floor`
+//! (f32 reduction-order and cancellation noise on O(1) values; `floor` is `FLOOR` = 2e-6 except
+//! where a case says why), so the kernel may be no worse than plain Burn in the same precision.
+//! Gradients come from `sum(out * probe)` with a random `probe`.
+#![allow(dead_code)]
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Distribution, FloatDType, Int, Tensor, TensorData};
+
+/// An input of a case: its f32 values and whether it takes the dtype under test (activations)
+/// or stays f32 (master gains, RoPE tables).
+pub struct Input<B: AutodiffBackend> {
+    pub values: Tensor<B, 2>,
+    pub low_precision: bool,
+    pub needs_grad: bool,
+}
+
+impl<B: AutodiffBackend> Input<B> {
+    pub fn act(shape: [usize; 2], dev: &B::Device) -> Self {
+        Self { values: randn(shape, dev), low_precision: true, needs_grad: true }
+    }
+    pub fn master(values: Tensor<B, 2>) -> Self {
+        Self { values, low_precision: false, needs_grad: true }
+    }
+    pub fn constant(values: Tensor<B, 2>) -> Self {
+        Self { values, low_precision: false, needs_grad: false }
+    }
+}
+
+pub fn randn<B: AutodiffBackend>(shape: [usize; 2], dev: &B::Device) -> Tensor<B, 2> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), dev)
+}
+
+fn max_abs<B: AutodiffBackend>(t: Tensor<B::InnerBackend, 2>) -> f32 {
+    t.abs().max().into_scalar().to_string().parse::<f32>().expect("a number")
+}
+
+fn to2<B: AutodiffBackend, const D: usize>(t: Tensor<B::InnerBackend, D>) -> Tensor<B::InnerBackend, 2> {
+    let n = t.shape().num_elements();
+    t.cast(FloatDType::F32).reshape([1, n])
+}
+
+/// Runs `op` three ways on `inputs` (see the module docs) and checks output and gradients.
+/// `op` maps the inputs (in their run dtype) to an output of rank 2.
+pub fn check<B: AutodiffBackend>(
+    name: &str,
+    dtype: FloatDType,
+    floor: f32,
+    inputs: Vec<Input<B>>,
+    kernel: impl Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>,
+    reference: impl Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>,
+) {
+    let dev = inputs[0].values.device();
+    // Round once to the dtype under test, so that every run sees the same values.
+    let values: Vec<Tensor<B, 2>> = inputs
+        .iter()
+        .map(|i| if i.low_precision { i.values.clone().cast(dtype).cast(FloatDType::F32) } else { i.values.clone() })
+        .collect();
+    let leaves = |run_dtype: FloatDType| -> Vec<Tensor<B, 2>> {
+        values
+            .iter()
+            .zip(&inputs)
+            .map(|(v, i)| {
+                let t = if i.low_precision { v.clone().cast(run_dtype) } else { v.clone() };
+                let t = t.detach();
+                if i.needs_grad { t.require_grad() } else { t }
+            })
+            .collect()
+    };
+    let run = |f: &dyn Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>, run_dtype: FloatDType, probe: Option<&Tensor<B, 2>>| {
+        let xs = leaves(run_dtype);
+        let out = f(xs.clone()).cast(FloatDType::F32);
+        let probe = probe.cloned().unwrap_or_else(|| randn(out.dims(), &dev));
+        let grads = (out.clone() * probe.clone()).sum().backward();
+        let gs: Vec<Option<Tensor<B::InnerBackend, 2>>> =
+            xs.iter().map(|x| x.grad(&grads).map(|g| g.cast(FloatDType::F32))).collect();
+        (out.inner(), gs, probe)
+    };
+    let (exact_out, exact_grads, probe) = run(&reference, FloatDType::F32, None);
+    let (k_out, k_grads, _) = run(&kernel, dtype, Some(&probe));
+    let (b_out, b_grads, _) = run(&reference, dtype, Some(&probe));
+
+    let compare = |what: &str, exact: Tensor<B::InnerBackend, 2>, k: Tensor<B::InnerBackend, 2>, b: Tensor<B::InnerBackend, 2>| {
+        assert_eq!(exact.dims(), k.dims(), "{name}: {what} has shape {:?}, expected {:?}", k.dims(), exact.dims());
+        let scale = max_abs::<B>(exact.clone());
+        let err_k = max_abs::<B>(k - exact.clone());
+        let err_b = max_abs::<B>(b - exact);
+        let atol = 1e-5 * scale + floor;
+        assert!(
+            err_k.is_finite() && err_k <= 2.0 * err_b + atol,
+            "{name} ({dtype:?}): {what} error {err_k:e} exceeds 2 x baseline {err_b:e} + {atol:e} (max |exact| {scale:e})"
+        );
+    };
+    compare("output", to2::<B, 2>(exact_out), to2::<B, 2>(k_out), to2::<B, 2>(b_out));
+    for (i, ((e, k), b)) in exact_grads.into_iter().zip(k_grads).zip(b_grads).enumerate() {
+        match (e, k, b) {
+            (Some(e), Some(k), Some(b)) => compare(&format!("gradient of input {i}"), e, k, b),
+            (None, None, None) => {}
+            (e, k, _) => panic!("{name}: gradient of input {i} present in exact: {}, kernel: {}", e.is_some(), k.is_some()),
+        }
+    }
+}
+
+/// Row lengths every row-wise op is tested on: 1, odd, not a multiple of the vector width, large.
+/// Absolute error allowed on top of the relative 1e-5.
+pub const FLOOR: f32 = 2e-6;
+
+pub const WIDTHS: [usize; 5] = [1, 7, 123, 1000, 4096];
+
+fn rows_for(width: usize) -> usize {
+    if width >= 1000 { 5 } else { 37 }
+}
+
+pub fn rms_norm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    for c in WIDTHS {
+        let w = (randn::<B>([1, c], dev) * 0.5).add_scalar(1.0);
+        check::<B>(
+            &format!("rms_norm [{}, {c}]", rows_for(c)),
+            dtype,
+            // With one column dx = rstd * g * eps / (x^2 + eps): two terms of size |g| / |x|
+            // cancel to ~0, so f32 leaves an absolute error of a few ulp of |g| / |x|.
+            if c == 1 { 1e-5 } else { FLOOR },
+            vec![Input::act([rows_for(c), c], dev), Input::master(w)],
+            |v| kernels::rms_norm(v[0].clone(), v[1].clone().reshape([c]), 1e-5),
+            |v| kernels::rms_norm::reference(v[0].clone(), v[1].clone().reshape([c]), 1e-5),
+        );
+    }
+}
+
+pub fn add_rms_norm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    for c in WIDTHS {
+        let w = (randn::<B>([1, c], dev) * 0.5).add_scalar(1.0);
+        let rows = rows_for(c);
+        // Both outputs at once: [sum | normed] side by side, so both gradients paths are checked.
+        let both = |s: Tensor<B, 2>, y: Tensor<B, 2>| Tensor::cat(vec![s, y], 1);
+        check::<B>(
+            &format!("add_rms_norm [{rows}, {c}]"),
+            dtype,
+            FLOOR,
+            vec![Input::act([rows, c], dev), Input::act([rows, c], dev), Input::master(w)],
+            |v| {
+                let (s, y) = kernels::add_rms_norm(v[0].clone(), v[1].clone(), v[2].clone().reshape([c]), 1e-5);
+                both(s, y)
+            },
+            |v| {
+                let (s, y) = kernels::rms_norm::add_reference(v[0].clone(), v[1].clone(), v[2].clone().reshape([c]), 1e-5);
+                both(s, y)
+            },
+        );
+    }
+}
+
+pub fn swiglu<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    for c in WIDTHS {
+        let rows = rows_for(c);
+        check::<B>(
+            &format!("swiglu [{rows}, {c}] x 2"),
+            dtype,
+            FLOOR,
+            vec![Input::act([rows, c], dev), Input::act([rows, c], dev)],
+            |v| kernels::swiglu(v[0].clone(), v[1].clone()),
+            |v| kernels::activation::swiglu_reference(v[0].clone(), v[1].clone()),
+        );
+        check::<B>(
+            &format!("swiglu_packed [{rows}, 2 x {c}]"),
+            dtype,
+            FLOOR,
+            vec![Input::act([rows, 2 * c], dev)],
+            |v| kernels::swiglu_packed(v[0].clone()),
+            |v| kernels::activation::swiglu_packed_reference(v[0].clone()),
+        );
+    }
+}
+
+pub fn gelu<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    for c in WIDTHS {
+        let rows = rows_for(c);
+        check::<B>(
+            &format!("gelu [{rows}, {c}]"),
+            dtype,
+            FLOOR,
+            vec![Input::act([rows, c], dev)],
+            |v| kernels::gelu(v[0].clone() * 3.0),
+            |v| kernels::activation::gelu_reference(v[0].clone() * 3.0),
+        );
+    }
+}
+
+/// RoPE on [2, 3, T, head_dim], and on q and k sliced out of a packed [B, T, 3H, hd] projection
+/// (a strided view, as a model produces them).
+pub fn rope<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    for (t, hd) in [(1, 2), (7, 8), (33, 64), (5, 6), (17, 128)] {
+        let (cos, sin) = kernels::rope::tables::<B>(t + 3, hd, 10_000.0, dev);
+        let (b, h) = (2, 3);
+        check::<B>(
+            &format!("rope [{b}, {h}, {t}, {hd}]"),
+            dtype,
+            FLOOR,
+            vec![Input::act([b * h * t, hd], dev), Input::constant(cos.clone()), Input::constant(sin.clone())],
+            |v| kernels::rope(v[0].clone().reshape([b, h, t, hd]), v[1].clone(), v[2].clone()).reshape([b * h * t, hd]),
+            |v| kernels::rope::reference(v[0].clone().reshape([b, h, t, hd]), v[1].clone(), v[2].clone()).reshape([b * h * t, hd]),
+        );
+        let strided = move |v: Vec<Tensor<B, 2>>, f: &dyn Fn(Tensor<B, 4>) -> Tensor<B, 4>| {
+            // [B, T, 3H, hd] -> [B, 3H, T, hd] -> q and k heads [B, 2H, T, hd], a strided view.
+            let qkv = v[0].clone().reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+            let qk = qkv.slice([0..b, 0..2 * h, 0..t, 0..hd]);
+            f(qk).reshape([b * 2 * h * t, hd])
+        };
+        let (c2, s2) = (cos.clone(), sin.clone());
+        check::<B>(
+            &format!("rope on a strided view [{b}, {}, {t}, {hd}]", 2 * h),
+            dtype,
+            FLOOR,
+            vec![Input::act([b * t, 3 * h * hd], dev)],
+            |v| strided(v, &|x| kernels::rope(x, c2.clone(), s2.clone())),
+            |v| strided(v, &|x| kernels::rope::reference(x, cos.clone(), sin.clone())),
+        );
+    }
+}
+
+/// Random class indices in [0, classes), with row 1 ignored (-1) when there are 2+ rows.
+fn targets<B: AutodiffBackend>(rows: usize, classes: usize, dev: &B::Device) -> Tensor<B, 1, Int> {
+    let mut state = 0x9e37_79b9_u64 ^ (rows * 31 + classes) as u64;
+    let ids: Vec<i64> = (0..rows)
+        .map(|r| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            if r == 1 { -1 } else { ((state >> 33) % classes as u64) as i64 }
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [rows]), dev)
+}
+
+pub fn cross_entropy<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    for v in WIDTHS {
+        for z in [0.0, 1e-4] {
+            let rows = rows_for(v);
+            let tg = targets::<B>(rows, v, dev);
+            let tg2 = tg.clone();
+            check::<B>(
+                &format!("cross_entropy [{rows}, {v}] z_loss {z}"),
+                dtype,
+                FLOOR,
+                vec![Input::act([rows, v], dev)],
+                // Logits spread like a trained model's (std 4), so the softmax is not flat.
+                |x| kernels::cross_entropy(x[0].clone() * 4.0, tg.clone(), z).reshape([rows, 1]),
+                |x| kernels::cross_entropy::reference(x[0].clone() * 4.0, tg2.clone(), z).reshape([rows, 1]),
+            );
+        }
+    }
+}
+
+/// The fused AdamW step against the reference arithmetic (f32 master weights; gradient in f32
+/// and in `dtype`; compute copy in `dtype`).
+pub fn adamw<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
+where
+    B::InnerBackend: kernels::Backend,
+{
+    type I<B> = <B as AutodiffBackend>::InnerBackend;
+    for n in [1usize, 7, 123, 4096 + 3] {
+        let r = |s: f64| randn::<B>([3, n], dev).inner().mul_scalar(s);
+        let (p, g, m) = (r(1.0), r(1e-2), r(1e-3));
+        let v = r(1e-3).powi_scalar(2);
+        let factor = Tensor::<I<B>, 1>::from_floats([0.5], dev);
+        for (wd, t) in [(0.0, 1u64), (0.1, 17)] {
+            let hp = kernels::AdamWStep { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: wd, t };
+            for g in [g.clone(), g.clone().cast(dtype)] {
+                let k = kernels::adamw_step(p.clone(), g.clone(), m.clone(), v.clone(), factor.clone(), &hp, Some(dtype));
+                let e = kernels::adamw::reference(p.clone(), g.clone(), m.clone(), v.clone(), factor.clone(), &hp, Some(dtype));
+                for (what, a, b) in [("param", k.param, e.param), ("m", k.m, e.m), ("v", k.v, e.v)] {
+                    let scale = max_abs::<B>(b.clone()).max(1e-12);
+                    let err = max_abs::<B>(a - b);
+                    assert!(err <= 1e-6 * scale, "adamw [3, {n}] {what}: error {err:e} (scale {scale:e})");
+                }
+                let (kc, ec) = (k.copy.expect("copy asked for"), e.copy.expect("copy asked for"));
+                assert_eq!(kc.dtype(), dtype.into(), "adamw copy dtype");
+                let err = max_abs::<B>(kc.cast(FloatDType::F32) - ec.cast(FloatDType::F32));
+                // The copy is the new f32 weight rounded once: at most one ulp of `dtype` apart.
+                let ulp = match dtype { FloatDType::BF16 => 1.0 / 128.0, FloatDType::F16 => 1.0 / 1024.0, _ => 1e-6 };
+                assert!(err <= ulp * 4.0, "adamw [3, {n}] copy: error {err:e}");
+            }
+        }
+    }
+}
