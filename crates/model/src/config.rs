@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 pub enum MlpKind {
     /// `proj(silu(x W_gate) * (x W_up))`, as in LLaMA.
     Swiglu,
-    /// `proj(gelu(x W_fc))` with the tanh approximation, as in GPT-2.
+    /// `proj(gelu(x W_fc))` with the exact (erf) GELU.
     Gelu,
 }
 
@@ -24,8 +24,11 @@ pub enum AttentionKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KernelsKind {
-    /// Ordinary Burn tensor ops.
+    /// Ordinary Burn tensor ops (the references of `crates/kernels`).
     Reference,
+    /// The fused CubeCL kernels of `crates/kernels`: RMSNorm with the residual add, SwiGLU/GELU,
+    /// RoPE, cross-entropy from low-precision logits (and, in the trainer, the fused AdamW step).
+    Fused,
 }
 
 /// Shape and details of the GPT-style decoder.
@@ -63,8 +66,11 @@ pub struct GptConfig {
     pub init_std: f64,
     /// Attention implementation: "plain".
     pub attention: AttentionKind,
-    /// Implementation of the memory-bound ops: "reference".
+    /// Implementation of the memory-bound ops: "reference" (plain Burn) or "fused" (CubeCL kernels).
     pub kernels: KernelsKind,
+    /// Weight of the z-loss term `z_loss * log(Z)^2` added to each token's cross-entropy, which keeps
+    /// the softmax normaliser near 1 (PaLM uses 1e-4); 0 disables it.
+    pub z_loss: f64,
 }
 
 impl Default for GptConfig {
@@ -85,6 +91,7 @@ impl Default for GptConfig {
             init_std: 0.02,
             attention: AttentionKind::Plain,
             kernels: KernelsKind::Reference,
+            z_loss: 0.0,
         }
     }
 }
@@ -141,6 +148,9 @@ impl GptConfig {
         }
         if !(self.norm_eps > 0.0) {
             return Err(format!("model.norm_eps must be > 0, got {}", self.norm_eps));
+        }
+        if !(self.z_loss >= 0.0 && self.z_loss.is_finite()) {
+            return Err(format!("model.z_loss must be >= 0, got {}", self.z_loss));
         }
         if !(self.init_std > 0.0) {
             return Err(format!("model.init_std must be > 0, got {}", self.init_std));

@@ -1,14 +1,15 @@
 //! The GPT-style decoder: embedding, N pre-norm blocks, final norm, LM head.
 
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::nn::{Dropout, DropoutConfig};
-use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
-use crate::config::{GptConfig, MlpKind};
+use crate::config::{GptConfig, KernelsKind, MlpKind};
 use crate::dtype::debug_assert_dtype;
-use crate::layers::{apply_rope, gelu_range_safe, rope_tables, Embedding, Linear, RmsNorm};
+use crate::layers::{apply_rope, rope_tables, Embedding, Linear, RmsNorm};
 
 /// Score given to masked (future) positions: finite, because WGSL has no infinity literal, and far
 /// enough below any real score that its softmax weight is exactly 0 in f32.
@@ -40,6 +41,9 @@ impl<B: Backend> Attention<B> {
         }
     }
 
+}
+
+impl<B: kernels::Backend> Attention<B> {
     /// x: [B, T, d] -> [B, T, d]
     fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
@@ -47,12 +51,23 @@ impl<B: Backend> Attention<B> {
         let hd = d / h;
         // [B, T, 3d] -> [B, T, 3H, hd] -> [B, 3H, T, hd]; heads 0..H are q, H..2H k, 2H..3H v.
         let qkv = self.qkv.forward(x).reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
-        let mut parts = qkv.chunk(3, 1);
-        let v = parts.pop().expect("v");
-        let k = parts.pop().expect("k");
-        let q = parts.pop().expect("q");
-        let q = apply_rope(q, &rope.cos, &rope.sin);
-        let k = apply_rope(k, &rope.cos, &rope.sin);
+        let (q, k, v) = match &rope.tables {
+            RopeTables::Reference { cos, sin } => {
+                let mut parts = qkv.chunk(3, 1);
+                let v = parts.pop().expect("v");
+                let k = parts.pop().expect("k");
+                let q = parts.pop().expect("q");
+                (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+            }
+            RopeTables::Fused { cos, sin } => {
+                // One kernel rotates q and k together, reading them strided out of the projection.
+                let qk = qkv.clone().slice([0..b, 0..2 * h, 0..t, 0..hd]);
+                let mut qk = kernels::rope(qk, cos.clone(), sin.clone()).chunk(2, 1);
+                let k = qk.pop().expect("k");
+                let q = qk.pop().expect("q");
+                (q, k, qkv.slice([0..b, 2 * h..3 * h, 0..t, 0..hd]))
+            }
+        };
 
         // [B, H, T, T] scores, scaled, masked and normalised in f32; the additive mask is 0 on and
         // below the diagonal, MASKED above. The probabilities return to the compute dtype for P V.
@@ -94,16 +109,16 @@ impl<B: Backend> Mlp<B> {
         }
     }
 
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+}
+
+impl<B: kernels::Backend> Mlp<B> {
+    fn forward(&self, x: Tensor<B, 3>, kind: KernelsKind) -> Tensor<B, 3> {
         let h = self.fc.forward(x);
-        let h = match self.kind {
-            MlpKind::Gelu => gelu_range_safe(h),
-            MlpKind::Swiglu => {
-                let mut gu = h.chunk(2, 2);
-                let up = gu.pop().expect("up");
-                let gate = gu.pop().expect("gate");
-                silu(gate) * up
-            }
+        let h = match (self.kind, kind) {
+            (MlpKind::Gelu, KernelsKind::Reference) => kernels::activation::gelu_reference(h),
+            (MlpKind::Gelu, KernelsKind::Fused) => kernels::gelu(h),
+            (MlpKind::Swiglu, KernelsKind::Reference) => kernels::activation::swiglu_packed_reference(h),
+            (MlpKind::Swiglu, KernelsKind::Fused) => kernels::swiglu_packed(h),
         };
         self.dropout.forward(self.proj.forward(h))
     }
@@ -128,17 +143,39 @@ impl<B: Backend> Block<B> {
         }
     }
 
+}
+
+impl<B: kernels::Backend> Block<B> {
+    /// Plain Burn: `x + attn(norm1(x))`, then `x + mlp(norm2(x))`.
     fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>) -> Tensor<B, 3> {
         let x = x.clone() + self.attn.forward(self.norm1.forward(x), rope);
-        x.clone() + self.mlp.forward(self.norm2.forward(x))
+        x.clone() + self.mlp.forward(self.norm2.forward(x), KernelsKind::Reference)
     }
+
+    /// Fused kernels: each residual add happens inside the following norm's kernel. Takes the
+    /// residual stream and the previous block's MLP output not yet added to it; returns the same
+    /// pair for the next block (or the final norm).
+    fn forward_fused(&self, x: Tensor<B, 3>, pending: Option<Tensor<B, 3>>, rope: &Rope<B>) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let (x, h) = match pending {
+            Some(delta) => self.norm1.forward_add(delta, x),
+            None => (x.clone(), self.norm1.forward_fused(x)),
+        };
+        let (x, h) = self.norm2.forward_add(self.attn.forward(h, rope), x);
+        (x, self.mlp.forward(h, KernelsKind::Fused))
+    }
+}
+
+/// RoPE tables in the layout each implementation takes.
+enum RopeTables<B: Backend> {
+    /// [1, 1, T, head_dim / 2] each, in the compute dtype.
+    Reference { cos: Tensor<B, 4>, sin: Tensor<B, 4> },
+    /// [T, head_dim / 2] each, f32 (the kernel rotates in f32).
+    Fused { cos: Tensor<B, 2>, sin: Tensor<B, 2> },
 }
 
 /// Per-forward constants shared by every layer: RoPE tables and the causal mask.
 struct Rope<B: Backend> {
-    /// In the compute dtype.
-    cos: Tensor<B, 4>,
-    sin: Tensor<B, 4>,
+    tables: RopeTables<B>,
     /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not.
     causal_mask: Tensor<B, 4>,
 }
@@ -188,24 +225,52 @@ impl<B: Backend> Gpt<B> {
     /// RMSNorm gains are shared with `self` and stay f32: the lookup and the norms run in f32, and
     /// their gradients are f32. A tied LM head casts the embedding to `dtype` once per forward.
     pub fn compute_copy(&self, dtype: FloatDType) -> Self {
+        self.compute_copy_with(dtype, &|_| None)
+    }
+
+    /// [`Gpt::compute_copy`], taking each weight's copy from `cached` when it has one (already in
+    /// `dtype`: the fused AdamW step writes them) instead of casting it again.
+    pub fn compute_copy_with(&self, dtype: FloatDType, cached: &dyn Fn(ParamId) -> Option<FloatTensor<B>>) -> Self {
         if dtype == FloatDType::F32 {
             return self.clone();
         }
         let mut copy = self.clone();
         for block in &mut copy.blocks {
-            block.attn.qkv = block.attn.qkv.compute_copy(dtype);
-            block.attn.proj = block.attn.proj.compute_copy(dtype);
-            block.mlp.fc = block.mlp.fc.compute_copy(dtype);
-            block.mlp.proj = block.mlp.proj.compute_copy(dtype);
+            block.attn.qkv = block.attn.qkv.compute_copy_with(dtype, cached);
+            block.attn.proj = block.attn.proj.compute_copy_with(dtype, cached);
+            block.mlp.fc = block.mlp.fc.compute_copy_with(dtype, cached);
+            block.mlp.proj = block.mlp.proj.compute_copy_with(dtype, cached);
         }
-        copy.lm_head = copy.lm_head.as_ref().map(|h| h.compute_copy(dtype));
+        copy.lm_head = copy.lm_head.as_ref().map(|h| h.compute_copy_with(dtype, cached));
         copy.compute_dtype = dtype;
         copy
     }
 
+    /// Ids of the parameters [`Gpt::compute_copy`] casts to the compute dtype.
+    pub fn compute_copy_ids(&self) -> std::collections::HashSet<ParamId> {
+        let mut ids = std::collections::HashSet::new();
+        for block in &self.blocks {
+            for l in [&block.attn.qkv, &block.attn.proj, &block.mlp.fc, &block.mlp.proj] {
+                ids.extend(l.param_ids());
+            }
+        }
+        if let Some(h) = &self.lm_head {
+            ids.extend(h.param_ids());
+        }
+        ids
+    }
+
+}
+
+impl<B: kernels::Backend> Gpt<B> {
     /// Token ids [B, T] (T <= context) -> logits [B, T, vocab], always f32 (the LM head's matmul
-    /// runs in the compute dtype, its output is cast to f32 for the softmax).
+    /// runs in the compute dtype, its output is cast to f32).
     pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.logits(ids).cast(FloatDType::F32)
+    }
+
+    /// Token ids [B, T] -> logits [B, T, vocab] in the compute dtype.
+    fn logits(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let [_, t] = ids.dims();
         assert!(
             t <= self.config.context,
@@ -214,27 +279,47 @@ impl<B: Backend> Gpt<B> {
         );
         let device = ids.device();
         let dt = self.compute_dtype;
-        let (cos, sin) = rope_tables::<B>(t, self.config.head_dim(), self.config.rope_theta, &device);
-        let (cos, sin) = (cos.cast(dt), sin.cast(dt));
+        let (hd, theta) = (self.config.head_dim(), self.config.rope_theta);
+        let fused = self.config.kernels == KernelsKind::Fused;
+        let tables = if fused {
+            let (cos, sin) = kernels::rope::tables::<B>(t, hd, theta, &device);
+            RopeTables::Fused { cos, sin }
+        } else {
+            let (cos, sin) = rope_tables::<B>(t, hd, theta, &device);
+            RopeTables::Reference { cos: cos.cast(dt), sin: sin.cast(dt) }
+        };
         // Burn's tril_mask is true outside the lower triangle, i.e. at the future keys (j > i).
         let above = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
         let causal_mask =
             Tensor::<B, 2>::zeros([t, t], &device).mask_fill(above, MASKED).reshape([1, 1, t, t]);
-        let rope = Rope { cos, sin, causal_mask };
+        let rope = Rope { tables, causal_mask };
 
         // The lookup reads the f32 table; the residual stream then runs in the compute dtype.
         let mut x = self.drop.forward(self.wte.forward(ids).cast(dt));
-        for block in &self.blocks {
-            x = block.forward(x, &rope);
-            debug_assert_dtype(&x, dt, "residual stream after a block");
-        }
-        let x = self.norm_f.forward(x);
+        let x = if fused {
+            let mut pending = None;
+            for block in &self.blocks {
+                let (next, delta) = block.forward_fused(x, pending, &rope);
+                debug_assert_dtype(&next, dt, "residual stream after a block");
+                (x, pending) = (next, Some(delta));
+            }
+            match pending {
+                Some(delta) => self.norm_f.forward_add(delta, x).1,
+                None => self.norm_f.forward_fused(x),
+            }
+        } else {
+            for block in &self.blocks {
+                x = block.forward(x, &rope);
+                debug_assert_dtype(&x, dt, "residual stream after a block");
+            }
+            self.norm_f.forward(x)
+        };
         let logits = match &self.lm_head {
             Some(head) => head.forward(x),
             None => x.matmul(self.wte.weight.val().cast(dt).transpose().unsqueeze()),
         };
         debug_assert_dtype(&logits, dt, "LM head output");
-        logits.cast(FloatDType::F32)
+        logits
     }
 
     /// Mean next-token cross-entropy (natural log) of `logits` [B, T, V] against `targets` [B, T].
@@ -247,8 +332,21 @@ impl<B: Backend> Gpt<B> {
         picked.mean().neg()
     }
 
-    /// Forward and loss in one call: ids and targets [B, T] -> scalar loss [1].
+    /// Forward and loss in one call: ids and targets [B, T] -> scalar loss [1], the mean
+    /// cross-entropy plus `model.z_loss * log(Z)^2` per token when that is set.
+    ///
+    /// With `kernels = "fused"` the logits stay in the compute dtype and the fused cross-entropy
+    /// reads them directly (f32 inside), keeping only a per-token log-sum-exp for the backward.
     pub fn forward_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        Self::loss(self.forward(ids), targets)
+        let logits = self.logits(ids);
+        let [b, t, v] = logits.dims();
+        let z = self.config.z_loss;
+        match self.config.kernels {
+            KernelsKind::Fused => kernels::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]), z).mean(),
+            KernelsKind::Reference if z > 0.0 => {
+                kernels::cross_entropy::reference(logits.reshape([b * t, v]), targets.reshape([b * t]), z).mean()
+            }
+            KernelsKind::Reference => Self::loss(logits, targets),
+        }
     }
 }

@@ -3,10 +3,10 @@
 //! Each is written with plain Burn ops so that the fused kernels of `kernels` can replace one op at a
 //! time behind the model's `kernels` switch.
 
-use burn::module::{Module, Param};
+use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
-use burn::tensor::activation::gelu;
-use burn::tensor::{DType, Distribution, FloatDType, Int, Tensor};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Distribution, FloatDType, Int, Tensor, TensorPrimitive};
 
 /// `y = x W + b` with `W` stored as [d_in, d_out].
 #[derive(Module, Debug)]
@@ -33,11 +33,29 @@ impl<B: Backend> Linear<B> {
     /// The same layer with its weight and bias cast to `dtype` as new leaf tensors (same parameter
     /// ids, detached from `self`): gradients of a forward through the copy land on the copy.
     pub fn compute_copy(&self, dtype: FloatDType) -> Self {
-        let cast = |t: Tensor<B, 2>| t.cast(dtype).detach().require_grad();
-        Self {
-            weight: self.weight.clone().map(cast),
-            bias: self.bias.clone().map(|b| b.map(|t| t.cast(dtype).detach().require_grad())),
+        self.compute_copy_with(dtype, &|_| None)
+    }
+
+    /// [`Linear::compute_copy`], taking a parameter's copy from `cached` when it has one (already
+    /// in `dtype`, e.g. written by a fused optimizer step) instead of casting.
+    pub fn compute_copy_with(&self, dtype: FloatDType, cached: &dyn Fn(ParamId) -> Option<FloatTensor<B>>) -> Self {
+        fn copy<B: Backend, const D: usize>(
+            p: &Param<Tensor<B, D>>,
+            dtype: FloatDType,
+            cached: &dyn Fn(ParamId) -> Option<FloatTensor<B>>,
+        ) -> Param<Tensor<B, D>> {
+            let id = p.id;
+            p.clone().map(|t| match cached(id) {
+                Some(c) => Tensor::<B, D>::from_primitive(TensorPrimitive::Float(c)).detach().require_grad(),
+                None => t.cast(dtype).detach().require_grad(),
+            })
         }
+        Self { weight: copy(&self.weight, dtype, cached), bias: self.bias.as_ref().map(|b| copy(b, dtype, cached)) }
+    }
+
+    /// Ids of the parameters [`Linear::compute_copy`] casts.
+    pub fn param_ids(&self) -> Vec<ParamId> {
+        std::iter::once(self.weight.id).chain(self.bias.as_ref().map(|b| b.id)).collect()
     }
 }
 
@@ -75,13 +93,21 @@ impl<B: Backend> RmsNorm<B> {
     }
 
     /// [.., d] -> [.., d]: `x / sqrt(mean(x^2) + eps) * w`, computed in f32 (statistics, scaling
-    /// and gain) and returned in the dtype of `x`.
+    /// and gain) and returned in the dtype of `x`; plain Burn ops.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let dt = x.dtype();
-        let x = x.cast(FloatDType::F32);
-        let ms = x.clone().powi_scalar(2).mean_dim(D - 1);
-        let x = x * (ms + self.eps).sqrt().recip();
-        (x * self.weight.val().cast(FloatDType::F32).unsqueeze()).cast(dt)
+        kernels::rms_norm::reference(x, self.weight.val(), self.eps)
+    }
+}
+
+impl<B: kernels::Backend> RmsNorm<B> {
+    /// [`RmsNorm::forward`] through the fused kernel.
+    pub fn forward_fused<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        kernels::rms_norm(x, self.weight.val(), self.eps)
+    }
+
+    /// `(x + residual, norm(x + residual))` in one fused kernel.
+    pub fn forward_add<const D: usize>(&self, x: Tensor<B, D>, residual: Tensor<B, D>) -> (Tensor<B, D>, Tensor<B, D>) {
+        kernels::add_rms_norm(x, residual, self.weight.val(), self.eps)
     }
 }
 
@@ -113,16 +139,4 @@ pub fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<
     let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
     let r2 = x1 * sin.clone() + x2 * cos.clone();
     Tensor::cat(vec![r1, r2], 3)
-}
-
-/// GELU that is safe in f16: Burn's GELU backward evaluates `x^3` in the input dtype, which
-/// overflows f16 for |x| > 40 and turns the gradient into NaN (`inf * 0`) whatever the loss scale.
-/// F16 inputs are therefore computed in f32 and cast back; other dtypes (f32, and bf16 with f32's
-/// range) use Burn's GELU directly.
-pub fn gelu_range_safe<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    if x.dtype() == DType::F16 {
-        gelu(x.cast(FloatDType::F32)).cast(FloatDType::F16)
-    } else {
-        gelu(x)
-    }
 }

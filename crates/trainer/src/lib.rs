@@ -24,6 +24,17 @@ pub use train::{RunOptions, Summary};
 
 /// Training backend on NVIDIA GPUs: f32 by default, kernels compiled at run time by NVRTC.
 pub type CudaBackend = Autodiff<Cuda>;
+
+/// What the trainer needs of a backend: autodiff, and the fused kernels (or their references) on
+/// it and on its inner backend (where the optimizer runs).
+pub trait TrainBackend: burn::tensor::backend::AutodiffBackend<InnerBackend: kernels::Backend> + kernels::Backend {}
+
+impl<B> TrainBackend for B
+where
+    B: burn::tensor::backend::AutodiffBackend + kernels::Backend,
+    B::InnerBackend: kernels::Backend,
+{
+}
 /// Training backend on everything else (Vulkan, Metal, DX12; lavapipe on a CPU-only machine).
 pub type WgpuBackend = Autodiff<Wgpu>;
 

@@ -41,11 +41,24 @@ pub struct AdamW<B: Backend> {
     pub moments: HashMap<ParamId, Moments<B>>,
     /// Parameters that weight decay skips besides the vectors (norm gains, biases).
     pub no_decay: HashSet<ParamId>,
+    /// Use the fused AdamW kernel (`model.kernels = "fused"`) instead of plain Burn ops.
+    pub fused: bool,
+    /// With `fused`: the parameters whose low-precision compute copy the kernel also writes, and
+    /// its dtype. The copies land in `copies` for the next step's [`model::Gpt::compute_copy_with`].
+    pub copy: Option<(FloatDType, HashSet<ParamId>)>,
+    pub copies: HashMap<ParamId, FloatTensor<B>>,
 }
 
 impl<B: Backend> AdamW<B> {
     pub fn new(cfg: OptimizerConfig, no_decay: HashSet<ParamId>) -> Self {
-        Self { cfg, step: 0, moments: HashMap::new(), no_decay }
+        Self { cfg, step: 0, moments: HashMap::new(), no_decay, fused: false, copy: None, copies: HashMap::new() }
+    }
+
+    /// Switches to the fused kernel; with `copy`, it also writes those parameters in that dtype.
+    pub fn with_fused(mut self, copy: Option<(FloatDType, HashSet<ParamId>)>) -> Self {
+        self.fused = true;
+        self.copy = copy;
+        self
     }
 
     /// Global L2 norm of all gradients, as a device tensor of shape [1].
@@ -69,8 +82,10 @@ impl<B: Backend> AdamW<B> {
     pub fn step<AB, M>(&mut self, lr: f64, module: M, mut grads: GradientsParams, scaled_norm: Tensor<B, 1>, loss_scale: f64) -> M
     where
         AB: AutodiffBackend<InnerBackend = B>,
+        B: kernels::Backend,
         M: AutodiffModule<AB>,
     {
+        let device = scaled_norm.device();
         let inv_scale = 1.0 / loss_scale;
         // Gradient factor (1 / scale) * min(1, clip / true_norm), kept on the device.
         let coef = if self.cfg.grad_clip > 0.0 {
@@ -82,6 +97,16 @@ impl<B: Backend> AdamW<B> {
             None
         };
         self.step += 1;
+        // The fused kernel takes the factor as a device scalar, made once for all parameters.
+        let coef = match coef {
+            Some(Factor::Scalar(c)) if self.fused => Some(Factor::Tensor(Tensor::from_data(
+                burn::tensor::TensorData::new(vec![c as f32], [1]),
+                (&device, burn::tensor::DType::F32),
+            ))),
+            None if self.fused => Some(Factor::Tensor(Tensor::ones([1], (&device, burn::tensor::DType::F32)))),
+            c => c,
+        };
+        self.copies.clear();
         let mut upd = Updater::<AB> { opt: self, grads: &mut grads, lr, coef };
         module.map(&mut upd)
     }
@@ -158,13 +183,24 @@ struct Updater<'a, AB: AutodiffBackend> {
     coef: Option<Factor<AB::InnerBackend>>,
 }
 
-impl<AB: AutodiffBackend> ModuleMapper<AB> for Updater<'_, AB> {
+impl<AB: AutodiffBackend> ModuleMapper<AB> for Updater<'_, AB>
+where
+    AB::InnerBackend: kernels::Backend,
+{
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
         let (id, tensor, mapper) = param.consume();
         let Some(grad) = self.grads.remove::<AB::InnerBackend, D>(id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
         let require_grad = tensor.is_require_grad();
+        if self.opt.fused {
+            let x = self.fused_update(id, tensor.inner(), grad);
+            let mut out = Tensor::from_inner(x);
+            if require_grad {
+                out = out.require_grad();
+            }
+            return Param::from_mapped_value(id, out, mapper);
+        }
         let cfg = &self.opt.cfg;
         let mut x = tensor.inner();
         let g = match &self.coef {
@@ -194,5 +230,44 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Updater<'_, AB> {
             out = out.require_grad();
         }
         Param::from_mapped_value(id, out, mapper)
+    }
+}
+
+impl<AB: AutodiffBackend> Updater<'_, AB>
+where
+    AB::InnerBackend: kernels::Backend,
+{
+    /// One parameter through the fused AdamW kernel (same arithmetic as the plain path above).
+    fn fused_update<const D: usize>(
+        &mut self,
+        id: ParamId,
+        x: Tensor<AB::InnerBackend, D>,
+        grad: Tensor<AB::InnerBackend, D>,
+    ) -> Tensor<AB::InnerBackend, D> {
+        let cfg = &self.opt.cfg;
+        let decays = D >= 2 && !self.opt.no_decay.contains(&id);
+        let hp = kernels::AdamWStep {
+            lr: self.lr,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay: if decays { cfg.weight_decay } else { 0.0 },
+            t: self.opt.step,
+        };
+        let (m, v) = match self.opt.moments.get(&id) {
+            Some(s) => (to_tensor::<_, D>(&s.m), to_tensor::<_, D>(&s.v)),
+            None => (x.zeros_like(), x.zeros_like()),
+        };
+        let factor = match &self.coef {
+            Some(Factor::Tensor(c)) => c.clone(),
+            _ => unreachable!("the fused path always has a device factor"),
+        };
+        let copy_dtype = self.opt.copy.as_ref().and_then(|(dt, ids)| ids.contains(&id).then_some(*dt));
+        let out = kernels::adamw_step(x, grad, m, v, factor, &hp, copy_dtype);
+        self.opt.moments.insert(id, Moments { m: to_prim(out.m), v: to_prim(out.v) });
+        if let Some(c) = out.copy {
+            self.opt.copies.insert(id, to_prim(c));
+        }
+        out.param
     }
 }

@@ -8,7 +8,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
+use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use model::Gpt;
@@ -99,7 +100,7 @@ fn human(x: f64) -> String {
 }
 
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
-pub fn evaluate<B: AutodiffBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Config) -> f64 {
+pub fn evaluate<B: crate::TrainBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Config) -> f64 {
     let m = model.valid();
     let inner_device = m.wte.weight.val().device();
     let mut total: Option<Tensor<B::InnerBackend, 1>> = None;
@@ -133,7 +134,7 @@ fn no_decay_ids<B: Backend>(model: &Gpt<B>, cfg: &Config) -> HashSet<burn::modul
 
 /// Trains as configured. Writes `config.toml`, `tokenizer.json`, `metrics.jsonl`, `loss.svg`,
 /// `checkpoints/` and `summary.json` into the run directory.
-pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOptions) -> Result<Summary> {
+pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &RunOptions) -> Result<Summary> {
     let run_dir = &opts.run_dir;
     let existing = checkpoint::list(run_dir)?;
     if !opts.resume && !existing.is_empty() {
@@ -174,9 +175,14 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
     // Model and optimizer, from the seed; then the checkpoint if resuming.
     B::seed(&device, cfg.seed);
     let mut model = Gpt::<B>::new(&cfg.model, vocab, &device);
-    let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
     let recipe = cfg.recipe();
     let compute_dtype = recipe.compute_dtype();
+    let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
+    if cfg.model.kernels == model::config::KernelsKind::Fused {
+        // The fused step also writes the next step's compute copy of the cast weights.
+        let copy = (compute_dtype != FloatDType::F32).then(|| (compute_dtype, model.compute_copy_ids()));
+        opt = opt.with_fused(copy);
+    }
     let mut scaler = LossScaler::new(recipe.loss_scaling().clone());
     let mut start_step = 0u64;
     let mut best_val: Option<f64> = None;
@@ -273,13 +279,15 @@ pub fn train<B: AutodiffBackend>(cfg: &Config, device: B::Device, opts: &RunOpti
 
         // The compute copy (weights cast to the compute dtype once per step; the master itself
         // for fp32) runs forward and backward; its gradients arrive under the master's ids.
-        let compute = model.compute_copy(compute_dtype);
+        // With the fused optimizer the copies written by the last step are reused (a resumed or
+        // first step, or one after a skipped step with no copies, casts).
+        let compute = model.compute_copy_with(compute_dtype, &|id| opt.copies.get(&id).map(|c| B::from_inner(c.clone())));
         let scale = scaler.scale();
         let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
         let mut micro_grads = |index: u64| {
             let (x, y) = data.train_batch::<B>(cfg.seed, index, cfg.training.batch_size, cfg.model.context, &device);
             let loss = compute.forward_loss(x, y);
-            model::dtype::debug_assert_dtype(&loss, burn::tensor::FloatDType::F32, "loss");
+            model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
             let l = loss.clone().inner();
             loss_sum = Some(match loss_sum.take() {
                 Some(s) => s + l,
