@@ -1,0 +1,299 @@
+//! Benchmark of the fused kernels against their plain-Burn references on CUDA.
+//!
+//! For each op and dtype it prints the median time of the fused kernel and of the reference, the
+//! fused kernel's achieved bandwidth (bytes the op must move / time) as a share of the 3.0 TB/s
+//! device-to-device copy of an H100 (TARGETS.md), and the speed-up over the reference.
+//!
+//! - `fwd` rows run the op on the plain CUDA backend.
+//! - `fwd+bwd` rows run it under `Autodiff` and call `backward()` on `sum(output)` (on the mean of
+//!   the per-row losses for cross-entropy). That sum and the gradient it seeds cost the same in
+//!   both columns and are not counted in the bytes, so the GB/s figure there is a lower bound.
+//!
+//! Timing: warm-up, then the median over `--reps` batches of `--iters` calls, each batch bounded
+//! by device synchronisations.
+//!
+//! `cargo run --release --bin kernel_bench -- [--dtypes bf16,f16,f32] [--ops rms_norm,...]`
+
+use std::time::Instant;
+
+use burn::backend::cuda::CudaDevice;
+use burn::backend::{Autodiff, Cuda};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, FloatDType, Int, Tensor, TensorData};
+use clap::Parser;
+
+type C = Cuda;
+type A = Autodiff<Cuda>;
+
+/// Copy bandwidth of the H100 in TARGETS.md (bytes read + written per second).
+const COPY_BW: f64 = 3.0e12;
+
+#[derive(Parser)]
+#[command(about = "Fused kernels versus plain Burn on CUDA: time, GB/s, share of copy bandwidth, speed-up")]
+struct Args {
+    /// Comma-separated dtypes among f32, f16, bf16.
+    #[arg(long, default_value = "bf16,f32")]
+    dtypes: String,
+    /// Comma-separated ops (default: all): rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw.
+    #[arg(long, default_value = "rms_norm,add_rms_norm,swiglu,gelu,rope,cross_entropy,adamw")]
+    ops: String,
+    /// Calls per timed batch.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Timed batches (the median is reported).
+    #[arg(long, default_value_t = 15)]
+    reps: usize,
+}
+
+fn dtype_of(s: &str) -> FloatDType {
+    match s {
+        "f32" => FloatDType::F32,
+        "f16" => FloatDType::F16,
+        "bf16" => FloatDType::BF16,
+        _ => panic!("unknown dtype {s}; use f32, f16 or bf16"),
+    }
+}
+
+fn bytes_of(dt: FloatDType) -> f64 {
+    if dt == FloatDType::F32 { 4.0 } else { 2.0 }
+}
+
+/// Median seconds per call of `f`.
+fn time<Bk: Backend>(dev: &Bk::Device, args: &Args, f: &mut dyn FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    Bk::sync(dev).expect("sync");
+    let mut samples: Vec<f64> = (0..args.reps)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..args.iters {
+                f();
+            }
+            Bk::sync(dev).expect("sync");
+            t.elapsed().as_secs_f64() / args.iters as f64
+        })
+        .collect();
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    samples[samples.len() / 2]
+}
+
+fn row(op: &str, shape: &str, dt: FloatDType, pass: &str, bytes: f64, fused: f64, reference: f64) {
+    let gbs = bytes / fused / 1e9;
+    println!(
+        "| {op} | {shape} | {} | {pass} | {:.1} | {:.1} | {:.0} | {:.2} | {:.2}x |",
+        model::dtype::name(dt),
+        fused * 1e6,
+        reference * 1e6,
+        gbs,
+        gbs * 1e9 / COPY_BW,
+        reference / fused
+    );
+}
+
+fn randn<Bk: Backend, const D: usize>(shape: [usize; D], dt: FloatDType, dev: &Bk::Device) -> Tensor<Bk, D> {
+    Tensor::<Bk, D>::random(shape, Distribution::Normal(0.0, 1.0), dev).cast(dt)
+}
+
+/// Times `fused` and `reference` forward on the plain backend and forward+backward under autodiff;
+/// `make` builds the inputs (leaves requiring gradients under autodiff).
+fn fwd_bwd<const N: usize>(
+    args: &Args,
+    dev: &CudaDevice,
+    op: &str,
+    shape: &str,
+    dt: FloatDType,
+    bytes: (f64, f64),
+    make_c: &dyn Fn() -> [Tensor<C, 2>; N],
+    make_a: &dyn Fn() -> [Tensor<A, 2>; N],
+    fused_c: &dyn Fn([Tensor<C, 2>; N]) -> Tensor<C, 2>,
+    reference_c: &dyn Fn([Tensor<C, 2>; N]) -> Tensor<C, 2>,
+    fused_a: &dyn Fn([Tensor<A, 2>; N]) -> Tensor<A, 2>,
+    reference_a: &dyn Fn([Tensor<A, 2>; N]) -> Tensor<A, 2>,
+) {
+    let inputs = make_c();
+    let tf = time::<C>(dev, args, &mut || drop(fused_c(inputs.clone())));
+    let tr = time::<C>(dev, args, &mut || drop(reference_c(inputs.clone())));
+    row(op, shape, dt, "fwd", bytes.0, tf, tr);
+    let inputs = make_a();
+    let tf = time::<A>(dev, args, &mut || drop(fused_a(inputs.clone()).sum().backward()));
+    let tr = time::<A>(dev, args, &mut || drop(reference_a(inputs.clone()).sum().backward()));
+    row(op, shape, dt, "fwd+bwd", bytes.0 + bytes.1, tf, tr);
+}
+
+fn main() {
+    let args = Args::parse();
+    let dev = CudaDevice::default();
+    println!("| op | shape | dtype | pass | fused µs | Burn µs | fused GB/s | of 3.0 TB/s | speed-up |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for dts in args.dtypes.split(',') {
+        let dt = dtype_of(dts.trim());
+        let eb = bytes_of(dt);
+        for op in args.ops.split(',').map(str::trim) {
+            match op {
+                "rms_norm" => {
+                    let (r, c) = (16384, 4096);
+                    let n = (r * c) as f64;
+                    let w = |d: &CudaDevice| Tensor::<C, 1>::ones([c], d);
+                    let wa = Tensor::<A, 1>::ones([c], &dev).require_grad();
+                    let (wa1, wa2) = (wa.clone(), wa.clone());
+                    let wc = w(&dev);
+                    let (wc1, wc2) = (wc.clone(), wc.clone());
+                    fwd_bwd::<1>(
+                        &args, &dev, "rms_norm", "16384x4096", dt,
+                        // fwd: read x, write y; bwd: read x, dy, write dx (the f32 gain is noise).
+                        (2.0 * n * eb, 3.0 * n * eb),
+                        &|| [randn([r, c], dt, &dev)],
+                        &|| [randn::<A, 2>([r, c], dt, &dev).require_grad()],
+                        &move |[x]| kernels::rms_norm(x, wc1.clone(), 1e-5),
+                        &move |[x]| kernels::rms_norm::reference(x, wc2.clone(), 1e-5),
+                        &move |[x]| kernels::rms_norm(x, wa1.clone(), 1e-5),
+                        &move |[x]| kernels::rms_norm::reference(x, wa2.clone(), 1e-5),
+                    );
+                }
+                "add_rms_norm" => {
+                    let (r, c) = (16384, 4096);
+                    let n = (r * c) as f64;
+                    let wc = Tensor::<C, 1>::ones([c], &dev);
+                    let wa = Tensor::<A, 1>::ones([c], &dev).require_grad();
+                    let (wc1, wc2, wa1, wa2) = (wc.clone(), wc, wa.clone(), wa);
+                    fwd_bwd::<2>(
+                        &args, &dev, "add_rms_norm", "16384x4096", dt,
+                        // fwd: read x, r, write sum, y; bwd: read sum, dy, write dx (the add's
+                        // gradient fan-out is free).
+                        (4.0 * n * eb, 3.0 * n * eb),
+                        &|| [randn([r, c], dt, &dev), randn([r, c], dt, &dev)],
+                        &|| [randn::<A, 2>([r, c], dt, &dev).require_grad(), randn::<A, 2>([r, c], dt, &dev).require_grad()],
+                        &move |[x, res]| kernels::add_rms_norm(x, res, wc1.clone(), 1e-5).1,
+                        &move |[x, res]| kernels::rms_norm::add_reference(x, res, wc2.clone(), 1e-5).1,
+                        &move |[x, res]| kernels::add_rms_norm(x, res, wa1.clone(), 1e-5).1,
+                        &move |[x, res]| kernels::rms_norm::add_reference(x, res, wa2.clone(), 1e-5).1,
+                    );
+                }
+                "swiglu" => {
+                    let (r, f) = (16384, 4096);
+                    let n = (r * f) as f64;
+                    fwd_bwd::<1>(
+                        &args, &dev, "swiglu (packed)", "16384x(2x4096)", dt,
+                        // fwd: read gate, up, write out; bwd: read gate, up, dy, write both grads.
+                        (3.0 * n * eb, 5.0 * n * eb),
+                        &|| [randn([r, 2 * f], dt, &dev)],
+                        &|| [randn::<A, 2>([r, 2 * f], dt, &dev).require_grad()],
+                        &|[x]| kernels::swiglu_packed(x),
+                        &|[x]| kernels::activation::swiglu_packed_reference(x),
+                        &|[x]| kernels::swiglu_packed(x),
+                        &|[x]| kernels::activation::swiglu_packed_reference(x),
+                    );
+                }
+                "gelu" => {
+                    let (r, f) = (16384, 4096);
+                    let n = (r * f) as f64;
+                    fwd_bwd::<1>(
+                        &args, &dev, "gelu", "16384x4096", dt,
+                        (2.0 * n * eb, 3.0 * n * eb),
+                        &|| [randn([r, f], dt, &dev)],
+                        &|| [randn::<A, 2>([r, f], dt, &dev).require_grad()],
+                        &|[x]| kernels::gelu(x),
+                        &|[x]| kernels::activation::gelu_reference(x),
+                        &|[x]| kernels::gelu(x),
+                        &|[x]| kernels::activation::gelu_reference(x),
+                    );
+                }
+                "rope" => {
+                    let (b, h, t, hd) = (16, 32, 1024, 128);
+                    let n = (b * h * t * hd) as f64;
+                    let (cc, sc) = kernels::rope::tables::<C>(t, hd, 10_000.0, &dev);
+                    let (ca, sa) = kernels::rope::tables::<A>(t, hd, 10_000.0, &dev);
+                    let (cc1, sc1, cc2, sc2) = (cc.clone(), sc.clone(), cc, sc);
+                    let (ca1, sa1, ca2, sa2) = (ca.clone(), sa.clone(), ca, sa);
+                    let shape4 = [b, h, t, hd];
+                    fwd_bwd::<1>(
+                        &args, &dev, "rope", "16x32x1024x128", dt,
+                        (2.0 * n * eb, 2.0 * n * eb),
+                        &|| [randn([b * h * t, hd], dt, &dev)],
+                        &|| [randn::<A, 2>([b * h * t, hd], dt, &dev).require_grad()],
+                        &move |[x]| kernels::rope(x.reshape(shape4), cc1.clone(), sc1.clone()).reshape([b * h * t, hd]),
+                        &move |[x]| kernels::rope::reference(x.reshape(shape4), cc2.clone(), sc2.clone()).reshape([b * h * t, hd]),
+                        &move |[x]| kernels::rope(x.reshape(shape4), ca1.clone(), sa1.clone()).reshape([b * h * t, hd]),
+                        &move |[x]| kernels::rope::reference(x.reshape(shape4), ca2.clone(), sa2.clone()).reshape([b * h * t, hd]),
+                    );
+                }
+                "cross_entropy" => cross_entropy(&args, &dev, dt),
+                "adamw" => adamw(&args, &dev, dt),
+                other => panic!("unknown op {other}"),
+            }
+        }
+    }
+}
+
+fn targets<Bk: Backend>(rows: usize, classes: usize, dev: &Bk::Device) -> Tensor<Bk, 1, Int> {
+    let v: Vec<i64> = (0..rows).map(|i| ((i * 7919) % classes) as i64).collect();
+    Tensor::from_data(TensorData::new(v, [rows]), dev)
+}
+
+/// Cross-entropy [8192, 50304]: the forward reads the logits once; the backward reads them and
+/// writes their gradient. Also reports the device memory held between forward and backward.
+fn cross_entropy(args: &Args, dev: &CudaDevice, dt: FloatDType) {
+    let (r, v) = (8192, 50304);
+    let n = (r * v) as f64;
+    let eb = bytes_of(dt);
+    let tc = targets::<C>(r, v, dev);
+    let ta = targets::<A>(r, v, dev);
+    let x = randn::<C, 2>([r, v], dt, dev);
+    let tf = time::<C>(dev, args, &mut || drop(kernels::cross_entropy(x.clone(), tc.clone(), 0.0)));
+    let tr = time::<C>(dev, args, &mut || drop(kernels::cross_entropy::reference_log_softmax(x.clone(), tc.clone())));
+    row("cross_entropy", "8192x50304", dt, "fwd", n * eb, tf, tr);
+    let xa = randn::<A, 2>([r, v], dt, dev).require_grad();
+    let fused = || kernels::cross_entropy(xa.clone(), ta.clone(), 0.0).mean();
+    let reference = || kernels::cross_entropy::reference_log_softmax(xa.clone(), ta.clone());
+    let tf = time::<A>(dev, args, &mut || drop(fused().backward()));
+    let tr = time::<A>(dev, args, &mut || drop(reference().backward()));
+    row("cross_entropy", "8192x50304", dt, "fwd+bwd", 3.0 * n * eb, tf, tr);
+    // Memory held from the forward to the backward: the graph's saved tensors.
+    let held = |f: &dyn Fn() -> Tensor<A, 1>| {
+        A::sync(dev).expect("sync");
+        A::memory_cleanup(dev);
+        let before = in_use(dev);
+        let loss = f();
+        A::sync(dev).expect("sync");
+        let after = in_use(dev);
+        drop(loss.backward());
+        after.saturating_sub(before)
+    };
+    let (hf, hr) = (held(&fused), held(&reference));
+    println!(
+        "| cross_entropy | 8192x50304 | {} | held fwd->bwd | fused {:.1} MiB | Burn {:.1} MiB | | | {:.0}x less |",
+        model::dtype::name(dt),
+        hf as f64 / 1048576.0,
+        hr as f64 / 1048576.0,
+        hr as f64 / hf.max(1) as f64
+    );
+}
+
+fn in_use(dev: &CudaDevice) -> u64 {
+    use cubecl::Runtime;
+    let client = <cubecl::cuda::CudaRuntime as Runtime>::client(dev);
+    client.memory_usage().map(|m| m.bytes_in_use).unwrap_or(0)
+}
+
+/// AdamW over 64M f32 parameters with gradients in `dt`, writing a `dt` compute copy when `dt` is
+/// not f32: reads p, g, m, v and writes p, m, v (and the copy).
+fn adamw(args: &Args, dev: &CudaDevice, dt: FloatDType) {
+    let (r, c) = (16384, 4096);
+    let n = (r * c) as f64;
+    let p = randn::<C, 2>([r, c], FloatDType::F32, dev);
+    let g = randn::<C, 2>([r, c], dt, dev).mul_scalar(1e-2);
+    let m = p.clone().mul_scalar(1e-3);
+    let v = p.clone().powi_scalar(2).mul_scalar(1e-6);
+    let factor = Tensor::<C, 1>::from_floats([0.5], dev);
+    let hp = kernels::AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, t: 10 };
+    let copy = (dt != FloatDType::F32).then_some(dt);
+    let tf = time::<C>(dev, args, &mut || {
+        drop(kernels::adamw_step(p.clone(), g.clone(), m.clone(), v.clone(), factor.clone(), &hp, copy))
+    });
+    let tr = time::<C>(dev, args, &mut || {
+        drop(kernels::adamw::reference(p.clone(), g.clone(), m.clone(), v.clone(), factor.clone(), &hp, copy))
+    });
+    let bytes = n * (4.0 * 3.0 + bytes_of(dt) + 4.0 * 3.0 + copy.map_or(0.0, bytes_of));
+    row("adamw (+copy)", "64M params", dt, "step", bytes, tf, tr);
+}
