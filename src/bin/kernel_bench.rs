@@ -139,6 +139,24 @@ fn main() {
                     let (wa1, wa2) = (wa.clone(), wa.clone());
                     let wc = w(&dev);
                     let (wc1, wc2) = (wc.clone(), wc.clone());
+                    // The backward kernel alone, on the plain backend.
+                    {
+                        use kernels::KernelOps;
+                        let prim = |t: Tensor<C, 2>| t.into_primitive().tensor();
+                        let x = randn::<C, 2>([r, c], dt, &dev);
+                        let dy = randn::<C, 2>([r, c], dt, &dev);
+                        let (_, _, rstd) = C::rms_norm_forward(prim(x.clone()), None, wc.clone().into_primitive().tensor(), 1e-5);
+                        let tb = time::<C>(&dev, &args, &mut || {
+                            drop(C::rms_norm_backward(prim(x.clone()), wc.clone().into_primitive().tensor(), rstd.clone(), prim(dy.clone())))
+                        });
+                        let gbs = 3.0 * n * eb / tb / 1e9;
+                        println!(
+                            "| rms_norm | 16384x4096 | {} | bwd kernel | {:.1} | | {gbs:.0} | {:.2} | |",
+                            model::dtype::name(dt),
+                            tb * 1e6,
+                            gbs * 1e9 / COPY_BW
+                        );
+                    }
                     fwd_bwd::<1>(
                         &args, &dev, "rms_norm", "16384x4096", dt,
                         // fwd: read x, write y; bwd: read x, dy, write dx (the f32 gain is noise).

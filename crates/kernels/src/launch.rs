@@ -14,8 +14,13 @@ pub(crate) fn contiguous<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
     into_contiguous(t)
 }
 
-/// A new dense row-major tensor on `like`'s device.
+/// A new dense row-major tensor on `like`'s device. The kernels index with 32 bits, so larger
+/// tensors are refused.
 pub(crate) fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Vec<usize>, dtype: DType) -> CubeTensor<R> {
+    let n: usize = shape.iter().product();
+    if n > u32::MAX as usize {
+        panic!("kernels: a tensor of shape {shape:?} has {n} elements; the kernels support at most 2^32 - 1");
+    }
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape.into(), dtype)
 }
 
@@ -38,9 +43,13 @@ pub(crate) fn vector_width<R: CubeRuntime>(t: &CubeTensor<R>, dtypes: &[DType], 
     best
 }
 
-/// Whether plane (warp) reductions are available: on CUDA yes; on lavapipe no.
-pub(crate) fn has_plane_ops<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
-    t.client.properties().features.plane.contains(Plane::Ops)
+/// Whether a cube of `units` can reduce with plane (warp) operations: the device has them (CUDA
+/// yes, lavapipe no) and a fixed plane size of at least 8 that divides the cube. Otherwise the
+/// reductions use the shared-memory tree.
+pub(crate) fn use_planes<R: CubeRuntime>(t: &CubeTensor<R>, units: usize) -> bool {
+    let props = t.client.properties();
+    let (min, max) = (props.hardware.plane_size_min as usize, props.hardware.plane_size_max as usize);
+    props.features.plane.contains(Plane::Ops) && min == max && min >= 8 && units % min == 0
 }
 
 /// Most units the device runs in one cube.
@@ -87,7 +96,7 @@ pub(crate) fn cube_sum(value: f32, smem: &mut SharedMemory<f32>, #[comptime] pla
             smem[unit / PLANE_DIM as usize] = partial;
         }
         sync_cube();
-        let planes = (CUBE_DIM / PLANE_DIM) as usize;
+        let planes = CUBE_DIM.div_ceil(PLANE_DIM) as usize;
         for i in 0..planes {
             result += smem[i];
         }
@@ -120,7 +129,7 @@ pub(crate) fn cube_max(value: f32, smem: &mut SharedMemory<f32>, #[comptime] pla
             smem[unit / PLANE_DIM as usize] = partial;
         }
         sync_cube();
-        let planes = (CUBE_DIM / PLANE_DIM) as usize;
+        let planes = CUBE_DIM.div_ceil(PLANE_DIM) as usize;
         for i in 0..planes {
             result = f32::max(result, smem[i]);
         }

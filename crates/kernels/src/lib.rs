@@ -93,7 +93,8 @@ pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -
 }
 
 /// Per-row softmax cross-entropy (f32 [rows]) of `logits` [rows, classes] against class indices
-/// `targets` [rows], plus `z_loss * lse^2` when `z_loss > 0`; negative targets are ignored (0).
+/// `targets` [rows], plus `z_loss * lse^2` when `z_loss > 0`; negative targets are ignored (0);
+/// targets >= classes give NaN.
 /// Take `.mean()` (or a masked mean) for the usual scalar loss.
 pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>, z_loss: f64) -> Tensor<B, 1> {
     tensor(B::fused_cross_entropy(prim(logits), targets.into_primitive(), z_loss))

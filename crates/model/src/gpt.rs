@@ -338,9 +338,14 @@ impl<B: kernels::Backend> Gpt<B> {
     /// With `kernels = "fused"` the logits stay in the compute dtype and the fused cross-entropy
     /// reads them directly (f32 inside), keeping only a per-token log-sum-exp for the backward.
     pub fn forward_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        self.forward_loss_with(ids, targets, self.config.z_loss)
+    }
+
+    /// [`Gpt::forward_loss`] with the z-loss weight `z` (0 gives the plain cross-entropy, as
+    /// evaluation reports it).
+    pub fn forward_loss_with(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>, z: f64) -> Tensor<B, 1> {
         let logits = self.logits(ids);
         let [b, t, v] = logits.dims();
-        let z = self.config.z_loss;
         match self.config.kernels {
             KernelsKind::Fused => kernels::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]), z).mean(),
             KernelsKind::Reference if z > 0.0 => {

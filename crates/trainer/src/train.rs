@@ -112,7 +112,8 @@ pub fn evaluate<B: crate::TrainBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Co
             cfg.model.context,
             &inner_device,
         );
-        let l = m.forward_loss(x, y);
+        // Plain cross-entropy, without the z-loss term, so that runs compare whatever their z_loss.
+        let l = m.forward_loss_with(x, y, 0.0);
         total = Some(match total {
             Some(t) => t + l,
             None => l,

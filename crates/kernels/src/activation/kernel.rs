@@ -2,10 +2,11 @@
 
 use cubecl::prelude::*;
 
-/// `silu(g) = g * sigmoid(g)`, in f32.
+/// `sigmoid(g)`, in f32. (`0 - g` rather than `-g`: CubeCL's CUDA back end has no unary minus on
+/// vectors.)
 #[cube]
 fn sigmoid<N: Size>(g: Vector<f32, N>) -> Vector<f32, N> {
-    Vector::new(1.0) / (Vector::new(1.0) + (-g).exp())
+    Vector::new(1.0) / (Vector::new(1.0) + (Vector::new(0.0) - g).exp())
 }
 
 /// `out[r, j] = silu(gate[r, j]) * up[r, j]` for `r < rows`, `j < cols` (in vectors). `gate` and

@@ -8,7 +8,7 @@ use cubecl::prelude::*;
 
 use super::kernel::{ce_bwd, ce_fwd};
 use crate::check::{check_float, fail};
-use crate::launch::{contiguous, empty, has_plane_ops, max_cubes_x, max_units, reduce_slots, vector_width};
+use crate::launch::{contiguous, empty, use_planes, max_cubes_x, max_units, reduce_slots, vector_width};
 
 fn check<R: CubeRuntime>(op: &str, logits: &CubeTensor<R>, targets: &CubeTensor<R>) -> (usize, usize) {
     check_float(op, "logits", logits.dtype);
@@ -43,7 +43,7 @@ pub(crate) fn forward<R: CubeRuntime>(logits: CubeTensor<R>, targets: CubeTensor
     // One cube per row: 256 units stream a 50k-wide row in ~25 vector loads each; short rows use
     // smaller cubes so that few units idle.
     let units = (cols / n).next_power_of_two().clamp(32, 256.min(max_units(&logits)));
-    let plane = has_plane_ops(&logits);
+    let plane = use_planes(&logits, units);
     let cubes = rows.min(max_cubes_x(&logits));
     let dtypes = [logits.dtype.into(), targets.dtype.into()];
     ce_fwd::launch::<R>(

@@ -57,8 +57,14 @@ pub(crate) fn ce_fwd<F: Float, I: Int, N: Size>(
             let mut out = 0.0f32;
             if t >= 0 {
                 let tu = usize::cast_from(t);
-                let picked = f32::cast_from(logits[base + tu / width][tu % width]);
-                out = l - picked + z_loss * l * l;
+                if tu < row_vecs * width {
+                    let picked = f32::cast_from(logits[base + tu / width][tu % width]);
+                    out = l - picked + z_loss * l * l;
+                } else {
+                    // A class index past the row: NaN, so the error cannot pass unnoticed (sqrt of
+                    // a negative number; WGSL has no NaN literal).
+                    out = f32::sqrt(-1.0 - l * l);
+                }
             }
             loss[row] = out;
         }
@@ -95,6 +101,10 @@ pub(crate) fn ce_bwd<F: Float, I: Int, N: Size>(
             let tu = usize::cast_from(t);
             if tu >= col0 && tu < col0 + width {
                 out[tu - col0] -= g;
+            }
+            if tu >= row_vecs * width {
+                // Class index past the row (the forward's loss is NaN): NaN gradient too.
+                out = Vector::new(f32::sqrt(-1.0 - l * l));
             }
         }
         dlogits[i] = Vector::cast_from(out);

@@ -8,7 +8,7 @@ use cubecl::prelude::*;
 use super::kernel::{rms_norm_bwd, rms_norm_fwd};
 use crate::check::{check_float, check_same_dtype, fail};
 use crate::launch::{
-    contiguous, empty, has_plane_ops, max_cubes_x, max_units, num_sms, reduce_slots, row_split, vector_width,
+    contiguous, empty, use_planes, max_cubes_x, max_units, num_sms, reduce_slots, row_split, vector_width,
 };
 
 /// Most vectors of a row one unit keeps in registers. With 1024 units this bounds rows at
@@ -70,7 +70,7 @@ pub(crate) fn forward<R: CubeRuntime>(
         return (sum, y, rstd);
     }
     let (n, units, per_unit) = plan(op, &x, &w, cols);
-    let plane = has_plane_ops(&x);
+    let plane = use_planes(&x, units);
     let cubes = rows.min(max_cubes_x(&x));
     let client = x.client.clone();
     let dtypes = [x.dtype.into(), w.dtype.into()];
@@ -121,7 +121,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         return (dx, dw);
     }
     let (n, units, per_unit) = plan("rms_norm backward", &x, &w, cols);
-    let plane = has_plane_ops(&x);
+    let plane = use_planes(&x, units);
     // A few cubes per SM keep the partial weight gradients small ([cubes, cols] f32, summed after).
     let cubes = rows.min(4 * num_sms(&x)).min(max_cubes_x(&x));
     let dw_part = empty(&x, vec![cubes, cols], DType::F32);

@@ -37,7 +37,8 @@ pub(crate) fn rope_kernel<F: Float, W: Float, N: Size>(
         let c = Vector::<f32, N>::cast_from(cos[t * half + j]);
         let mut s = Vector::<f32, N>::cast_from(sin[t * half + j]);
         if comptime!(inverse) {
-            s = -s;
+            // `0 - s`: CubeCL's CUDA back end has no unary minus on vectors.
+            s = Vector::new(0.0) - s;
         }
         let dst = rest * 2 * half + j;
         out[dst] = Vector::cast_from(x1 * c - x2 * s);
