@@ -25,7 +25,7 @@ case "$mode" in
 all)
   steps=${1:-30}
   setsid bash -c '
-    ./run.sh > logs/tests.log 2>&1
+    [ "${NOTESTS:-0}" = 1 ] || ./run.sh > logs/tests.log 2>&1
     ./bin/kernel_bench --dtypes bf16,f16,f32 > logs/bench.md 2> logs/bench.err
     for k in reference fused; do
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > logs/g2_${k}_mem.csv &

@@ -256,6 +256,18 @@ pub fn cross_entropy<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, d
                 |x| kernels::cross_entropy::reference(x[0].clone() * 4.0, tg2.clone(), z).reshape([rows, 1]),
             );
         }
+        // Logits whose rows are further apart than their length: a column slice of a wider tensor.
+        let rows = rows_for(v);
+        let tg = targets::<B>(rows, v, dev);
+        let tg2 = tg.clone();
+        check::<B>(
+            &format!("cross_entropy on a column slice [{rows}, {v}] of [{rows}, {}]", v + 8),
+            dtype,
+            FLOOR,
+            vec![Input::act([rows, v + 8], dev)],
+            |x| kernels::cross_entropy((x[0].clone() * 4.0).slice([0..rows, 0..v]), tg.clone(), 0.0).reshape([rows, 1]),
+            |x| kernels::cross_entropy::reference((x[0].clone() * 4.0).slice([0..rows, 0..v]), tg2.clone(), 0.0).reshape([rows, 1]),
+        );
     }
 }
 

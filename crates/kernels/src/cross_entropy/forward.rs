@@ -26,10 +26,25 @@ fn check<R: CubeRuntime>(op: &str, logits: &CubeTensor<R>, targets: &CubeTensor<
     (ls[0], ls[1])
 }
 
+/// Logits whose rows are dense (unit column stride) are read in place, whatever their row stride:
+/// CUDA pads the rows of large allocations (a bf16 row of 50304 to 50432 elements), and copying
+/// such a tensor to dense costs more than the loss itself. Anything else is copied first.
+fn rows_in_place<R: CubeRuntime>(logits: CubeTensor<R>) -> (CubeTensor<R>, usize) {
+    let strides = logits.meta.strides().iter().copied().collect::<Vec<usize>>();
+    if strides.len() == 2 && strides[1] == 1 && strides[0] >= logits.meta.shape()[1] {
+        let s = strides[0];
+        (logits, s)
+    } else {
+        let l = contiguous(logits);
+        let s = l.meta.shape()[1];
+        (l, s)
+    }
+}
+
 /// Per-row `(loss, lse)`, both f32 [rows].
 pub(crate) fn forward<R: CubeRuntime>(logits: CubeTensor<R>, targets: CubeTensor<R>, z_loss: f64) -> (CubeTensor<R>, CubeTensor<R>) {
     let (rows, cols) = check("cross_entropy", &logits, &targets);
-    let logits = contiguous(logits);
+    let (logits, stride) = rows_in_place(logits);
     let targets = contiguous(targets);
     let loss = empty(&logits, vec![rows], DType::F32);
     let lse = empty(&logits, vec![rows], DType::F32);
@@ -39,7 +54,7 @@ pub(crate) fn forward<R: CubeRuntime>(logits: CubeTensor<R>, targets: CubeTensor
     if cols == 0 {
         fail("cross_entropy", "logits have 0 classes".into());
     }
-    let n = vector_width(&logits, &[logits.dtype], &[cols]);
+    let n = vector_width(&logits, &[logits.dtype], &[cols, stride]);
     // One cube per row: 256 units stream a 50k-wide row in ~25 vector loads each; short rows use
     // smaller cubes so that few units idle.
     let units = (cols / n).next_power_of_two().clamp(32, 256.min(max_units(&logits)));
@@ -57,6 +72,7 @@ pub(crate) fn forward<R: CubeRuntime>(logits: CubeTensor<R>, targets: CubeTensor
         lse.clone().into_tensor_arg(),
         rows,
         cols / n,
+        stride / n,
         z_loss as f32,
         reduce_slots(units, plane),
         plane,
@@ -74,11 +90,11 @@ pub(crate) fn backward<R: CubeRuntime>(
     z_loss: f64,
 ) -> CubeTensor<R> {
     let (rows, cols) = check("cross_entropy backward", &logits, &targets);
-    let logits = contiguous(logits);
+    let (logits, stride) = rows_in_place(logits);
     let targets = contiguous(targets);
     let dloss = contiguous(burn_cubecl::kernel::cast(dloss, DType::F32));
     let d = empty(&logits, vec![rows, cols], logits.dtype);
-    let n = vector_width(&logits, &[logits.dtype], &[cols]);
+    let n = vector_width(&logits, &[logits.dtype], &[cols, stride]);
     let total = rows * cols / n;
     if total == 0 {
         return d;
@@ -97,6 +113,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         dloss.into_tensor_arg(),
         d.clone().into_tensor_arg(),
         cols / n,
+        stride / n,
         total,
         z_loss as f32,
         dtypes,

@@ -6,7 +6,7 @@ use cubecl::prelude::*;
 use crate::launch::{cube_max, cube_sum};
 
 /// Per row: `lse = log(sum_j exp(x_j))`, `loss = lse - x[target] + z_loss * lse^2`. Rows whose
-/// target is negative are ignored (loss 0).
+/// target is negative are ignored (loss 0). Rows of `logits` are `row_stride` vectors apart.
 #[cube(launch)]
 pub(crate) fn ce_fwd<F: Float, I: Int, N: Size>(
     logits: &Tensor<Vector<F, N>>,
@@ -15,6 +15,7 @@ pub(crate) fn ce_fwd<F: Float, I: Int, N: Size>(
     lse: &mut Tensor<f32>,
     rows: usize,
     row_vecs: usize,
+    row_stride: usize,
     z_loss: f32,
     #[comptime] slots: usize,
     #[comptime] plane: bool,
@@ -26,7 +27,7 @@ pub(crate) fn ce_fwd<F: Float, I: Int, N: Size>(
     let mut smem = SharedMemory::<f32>::new(slots);
     let mut row = CUBE_POS;
     while row < rows {
-        let base = row * row_vecs;
+        let base = row * row_stride;
         // Running maximum and sum of exp(x - max) over this unit's share of the row. The start
         // value stands in for -infinity (WGSL has no infinity literal): exp(-3e38 - m) is 0.
         let mut m = f32::new(-3.0e38);
@@ -73,7 +74,8 @@ pub(crate) fn ce_fwd<F: Float, I: Int, N: Size>(
 }
 
 /// `dlogits[r, j] = dloss[r] * (exp(x_j - lse_r) * (1 + 2 z_loss lse_r) - [j == target_r])`, zero for
-/// ignored rows; one unit per vector of logits.
+/// ignored rows; one unit per vector of logits. `dlogits` is dense; `logits` rows are
+/// `row_stride` vectors apart (CUDA pads the rows of large allocations).
 #[cube(launch)]
 pub(crate) fn ce_bwd<F: Float, I: Int, N: Size>(
     logits: &Tensor<Vector<F, N>>,
@@ -82,6 +84,7 @@ pub(crate) fn ce_bwd<F: Float, I: Int, N: Size>(
     dloss: &Tensor<f32>,
     dlogits: &mut Tensor<Vector<F, N>>,
     row_vecs: usize,
+    row_stride: usize,
     total: usize,
     z_loss: f32,
     #[define(F, I)] _dtypes: [StorageType; 2],
@@ -96,7 +99,8 @@ pub(crate) fn ce_bwd<F: Float, I: Int, N: Size>(
         if t >= 0 {
             let l = lse[row];
             let g = dloss[row];
-            let p = (Vector::<f32, N>::cast_from(logits[i]) - Vector::new(l)).exp();
+            let src = row * row_stride + i % row_vecs;
+            let p = (Vector::<f32, N>::cast_from(logits[src]) - Vector::new(l)).exp();
             out = p * Vector::new(g * (1.0 + 2.0 * z_loss * l));
             let tu = usize::cast_from(t);
             if tu >= col0 && tu < col0 + width {
