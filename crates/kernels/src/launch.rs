@@ -69,15 +69,15 @@ pub(crate) fn num_sms<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
 
 /// Units per cube and vectors per unit for a row-per-cube kernel over `row_vecs` vectors: the cube
 /// is a power of two between 32 and the device's limit, large enough that each unit holds at most
-/// `max_per_unit` vectors of the row in registers, and grown further (up to 256 units) while units
-/// would hold more than `target_per_unit`. `None` if the row is too long.
-pub(crate) fn row_split(row_vecs: usize, max_units: usize, max_per_unit: usize, target_per_unit: usize) -> Option<(usize, usize)> {
+/// `max_per_unit` vectors of the row in registers. `None` if the row is too long for that.
+pub(crate) fn row_split(row_vecs: usize, max_units: usize, max_per_unit: usize) -> Option<(usize, usize)> {
     let max_units = max_units.min(1024).max(32);
     let mut units = 32;
     while units < max_units && units * max_per_unit < row_vecs {
         units *= 2;
     }
-    while units < 256.min(max_units) && units * target_per_unit < row_vecs {
+    // Prefer fewer vectors per unit while the cube stays at most 256 units.
+    while units < 256.min(max_units) && units < row_vecs {
         units *= 2;
     }
     let per_unit = row_vecs.div_ceil(units).max(1);

@@ -22,13 +22,10 @@ pub(crate) fn rows_cols(shape: &Shape) -> (usize, usize) {
     (rows, cols)
 }
 
-/// Vector width, units per cube and vectors per unit. `target_per_unit` trades cube size for loads
-/// in flight per unit: the forward (a fresh cube per row) keeps 1-2, the backward (each cube walks
-/// many rows) takes 4 so that each unit has several loads in flight per row.
-fn plan<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>, cols: usize, target_per_unit: usize) -> (usize, usize, usize) {
+fn plan<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>, cols: usize) -> (usize, usize, usize) {
     let n = vector_width(x, &[x.dtype, w.dtype], &[cols]);
     let row_vecs = cols / n;
-    let Some((units, per_unit)) = row_split(row_vecs, max_units(x), MAX_PER_UNIT, target_per_unit) else {
+    let Some((units, per_unit)) = row_split(row_vecs, max_units(x), MAX_PER_UNIT) else {
         fail(op, format!(
             "rows of {cols} elements are longer than this kernel supports ({} elements at vector width {n}); \
              use the reference implementation for such rows",
@@ -72,7 +69,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     if rows == 0 {
         return (sum, y, rstd);
     }
-    let (n, units, per_unit) = plan(op, &x, &w, cols, 1);
+    let (n, units, per_unit) = plan(op, &x, &w, cols);
     let plane = use_planes(&x, units);
     let cubes = rows.min(max_cubes_x(&x));
     let client = x.client.clone();
@@ -123,11 +120,10 @@ pub(crate) fn backward<R: CubeRuntime>(
         let dw = burn_cubecl::ops::numeric::zeros_client(x.client.clone(), x.device.clone(), vec![cols].into(), w_dtype);
         return (dx, dw);
     }
-    let (n, units, per_unit) = plan("rms_norm backward", &x, &w, cols, 4);
+    let (n, units, per_unit) = plan("rms_norm backward", &x, &w, cols);
     let plane = use_planes(&x, units);
-    // 8 cubes per SM: enough to fill the SMs with 128-unit cubes, few enough that the partial
-    // weight gradients ([cubes, cols] f32, summed after) stay a small share of the traffic.
-    let cubes = rows.min(8 * num_sms(&x)).min(max_cubes_x(&x));
+    // A few cubes per SM keep the partial weight gradients small ([cubes, cols] f32, summed after).
+    let cubes = rows.min(4 * num_sms(&x)).min(max_cubes_x(&x));
     let dw_part = empty(&x, vec![cubes, cols], DType::F32);
     let client = x.client.clone();
     let dtypes = [x.dtype.into(), w.dtype.into()];
