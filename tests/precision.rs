@@ -73,16 +73,23 @@ fn fp16_run_trains_with_dynamic_loss_scaling() {
     let first: f64 = m[..5].iter().map(|r| r.loss).sum::<f64>() / 5.0;
     let last: f64 = m[55..].iter().map(|r| r.loss).sum::<f64>() / 5.0;
     assert!(last < first - 0.8, "fp16 loss went from {first} to {last}");
-    assert!(m.iter().all(|r| r.precision == "fp16" && r.loss_scale == 65536.0 && !r.skipped));
+    // The scale starts at 2^16 and has no time to grow (growth_interval 2000). A step whose scaled
+    // gradient overflows f16 is skipped and halves the scale; in this tiny model that can happen
+    // once or twice early on, depending on the rounding of the f16 path.
+    let skipped: Vec<u64> = m.iter().filter(|r| r.skipped).map(|r| r.step).collect();
+    assert!(skipped.len() <= 2, "skipped steps {skipped:?}");
+    assert!(m.iter().all(|r| r.precision == "fp16"));
+    let expected_scale = 65536.0 / 2f64.powi(skipped.len() as i32);
+    assert_eq!(m.last().unwrap().loss_scale, expected_scale, "scale after skips at {skipped:?}");
     assert_eq!(s.precision.name(), "fp16");
-    assert_eq!((s.skipped_steps, s.final_loss_scale), (0, 65536.0));
+    assert_eq!((s.skipped_steps, s.final_loss_scale), (skipped.len() as u64, expected_scale));
     let saved: trainer::precision::Recipe =
         serde_json::from_str(&std::fs::read_to_string(dir.join("precision.json")).unwrap()).unwrap();
     assert_eq!(saved, cfg.recipe());
     // The checkpoint's master weights are f32 values, and it records the recipe and the scaler.
     let (h, _) = checkpoint::read(&dir.join("checkpoints").join(checkpoint::file_name(60))).unwrap();
     assert_eq!(h.precision_name(), "fp16");
-    assert_eq!(h.loss_scaler.unwrap().scale, 65536.0);
+    assert_eq!(h.loss_scaler.unwrap().scale, expected_scale);
 }
 
 #[test]
