@@ -2,7 +2,7 @@
 
 use burn::module::{Module, ParamId};
 use burn::nn::{Dropout, DropoutConfig};
-use burn::tensor::activation::{log_softmax, softmax};
+use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
@@ -325,11 +325,8 @@ impl<B: kernels::Backend> Gpt<B> {
     /// Mean next-token cross-entropy (natural log) of `logits` [B, T, V] against `targets` [B, T].
     /// Computed in f32: the logits are cast first if they are not.
     pub fn loss(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let logits = logits.cast(FloatDType::F32);
         let [b, t, v] = logits.dims();
-        let logp = log_softmax(logits.reshape([b * t, v]), 1);
-        let picked = logp.gather(1, targets.reshape([b * t, 1]));
-        picked.mean().neg()
+        kernels::cross_entropy::reference_log_softmax(logits.reshape([b * t, v]), targets.reshape([b * t]))
     }
 
     /// Forward and loss in one call: ids and targets [B, T] -> scalar loss [1], the mean

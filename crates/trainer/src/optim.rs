@@ -85,29 +85,19 @@ impl<B: Backend> AdamW<B> {
         B: kernels::Backend,
         M: AutodiffModule<AB>,
     {
-        let device = scaled_norm.device();
         let inv_scale = 1.0 / loss_scale;
-        // Gradient factor (1 / scale) * min(1, clip / true_norm), kept on the device.
-        let coef = if self.cfg.grad_clip > 0.0 {
+        // Gradient factor (1 / scale) * min(1, clip / true_norm), kept on the device as one scalar
+        // shared by every parameter's update.
+        let factor = if self.cfg.grad_clip > 0.0 {
             let norm = scaled_norm.mul_scalar(inv_scale);
-            Some(Factor::Tensor((norm + 1e-6).recip().mul_scalar(self.cfg.grad_clip).clamp_max(1.0).mul_scalar(inv_scale)))
-        } else if loss_scale != 1.0 {
-            Some(Factor::Scalar(inv_scale))
+            (norm + 1e-6).recip().mul_scalar(self.cfg.grad_clip).clamp_max(1.0).mul_scalar(inv_scale)
         } else {
-            None
+            let device = scaled_norm.device();
+            Tensor::from_data(burn::tensor::TensorData::new(vec![inv_scale as f32], [1]), (&device, burn::tensor::DType::F32))
         };
         self.step += 1;
-        // The fused kernel takes the factor as a device scalar, made once for all parameters.
-        let coef = match coef {
-            Some(Factor::Scalar(c)) if self.fused => Some(Factor::Tensor(Tensor::from_data(
-                burn::tensor::TensorData::new(vec![c as f32], [1]),
-                (&device, burn::tensor::DType::F32),
-            ))),
-            None if self.fused => Some(Factor::Tensor(Tensor::ones([1], (&device, burn::tensor::DType::F32)))),
-            c => c,
-        };
         self.copies.clear();
-        let mut upd = Updater::<AB> { opt: self, grads: &mut grads, lr, coef };
+        let mut upd = Updater::<AB> { opt: self, grads: &mut grads, lr, factor };
         module.map(&mut upd)
     }
 }
@@ -152,12 +142,6 @@ pub fn poison_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grad
     module.visit(&mut Poison { grads, done: false });
 }
 
-/// A gradient factor: a device scalar (when it depends on the norm) or a host constant.
-enum Factor<B: Backend> {
-    Tensor(Tensor<B, 1>),
-    Scalar(f64),
-}
-
 struct NormVisitor<'a, AB: AutodiffBackend> {
     grads: &'a GradientsParams,
     acc: Option<Tensor<AB::InnerBackend, 1>>,
@@ -180,70 +164,23 @@ struct Updater<'a, AB: AutodiffBackend> {
     opt: &'a mut AdamW<AB::InnerBackend>,
     grads: &'a mut GradientsParams,
     lr: f64,
-    coef: Option<Factor<AB::InnerBackend>>,
+    /// [1] f32: multiplies every gradient before the update.
+    factor: Tensor<AB::InnerBackend, 1>,
 }
 
 impl<AB: AutodiffBackend> ModuleMapper<AB> for Updater<'_, AB>
 where
     AB::InnerBackend: kernels::Backend,
 {
+    /// One parameter's update: the fused AdamW kernel (which may also write the compute copy), or
+    /// the same arithmetic in plain Burn ops (`kernels::adamw::reference`).
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
         let (id, tensor, mapper) = param.consume();
         let Some(grad) = self.grads.remove::<AB::InnerBackend, D>(id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
         let require_grad = tensor.is_require_grad();
-        if self.opt.fused {
-            let x = self.fused_update(id, tensor.inner(), grad);
-            let mut out = Tensor::from_inner(x);
-            if require_grad {
-                out = out.require_grad();
-            }
-            return Param::from_mapped_value(id, out, mapper);
-        }
-        let cfg = &self.opt.cfg;
-        let mut x = tensor.inner();
-        let g = match &self.coef {
-            Some(Factor::Tensor(c)) => grad * c.clone().reshape([1; D]),
-            Some(Factor::Scalar(c)) => grad.mul_scalar(*c),
-            None => grad,
-        };
-        let (m, v) = match self.opt.moments.get(&id) {
-            Some(s) => (to_tensor::<_, D>(&s.m), to_tensor::<_, D>(&s.v)),
-            None => (g.zeros_like(), g.zeros_like()),
-        };
-        let m = m.mul_scalar(cfg.beta1) + g.clone().mul_scalar(1.0 - cfg.beta1);
-        let v = v.mul_scalar(cfg.beta2) + g.powi_scalar(2).mul_scalar(1.0 - cfg.beta2);
-        let t = self.opt.step as i32;
-        let bc1 = 1.0 - cfg.beta1.powi(t);
-        let bc2 = 1.0 - cfg.beta2.powi(t);
-        let decays = D >= 2 && !self.opt.no_decay.contains(&id);
-        if decays && cfg.weight_decay > 0.0 {
-            x = x.mul_scalar(1.0 - self.lr * cfg.weight_decay);
-        }
-        // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
-        let denom = v.clone().sqrt().div_scalar(bc2.sqrt()).add_scalar(cfg.eps);
-        x = x - (m.clone() / denom).mul_scalar(self.lr / bc1);
-        self.opt.moments.insert(id, Moments { m: to_prim(m), v: to_prim(v) });
-        let mut out = Tensor::from_inner(x);
-        if require_grad {
-            out = out.require_grad();
-        }
-        Param::from_mapped_value(id, out, mapper)
-    }
-}
-
-impl<AB: AutodiffBackend> Updater<'_, AB>
-where
-    AB::InnerBackend: kernels::Backend,
-{
-    /// One parameter through the fused AdamW kernel (same arithmetic as the plain path above).
-    fn fused_update<const D: usize>(
-        &mut self,
-        id: ParamId,
-        x: Tensor<AB::InnerBackend, D>,
-        grad: Tensor<AB::InnerBackend, D>,
-    ) -> Tensor<AB::InnerBackend, D> {
+        let x = tensor.inner();
         let cfg = &self.opt.cfg;
         let decays = D >= 2 && !self.opt.no_decay.contains(&id);
         let hp = kernels::AdamWStep {
@@ -258,16 +195,21 @@ where
             Some(s) => (to_tensor::<_, D>(&s.m), to_tensor::<_, D>(&s.v)),
             None => (x.zeros_like(), x.zeros_like()),
         };
-        let factor = match &self.coef {
-            Some(Factor::Tensor(c)) => c.clone(),
-            _ => unreachable!("the fused path always has a device factor"),
+        let factor = self.factor.clone();
+        let out = if self.opt.fused {
+            let copy_dtype = self.opt.copy.as_ref().and_then(|(dt, ids)| ids.contains(&id).then_some(*dt));
+            kernels::adamw_step(x, grad, m, v, factor, &hp, copy_dtype)
+        } else {
+            kernels::adamw::reference(x, grad, m, v, factor, &hp, None)
         };
-        let copy_dtype = self.opt.copy.as_ref().and_then(|(dt, ids)| ids.contains(&id).then_some(*dt));
-        let out = kernels::adamw_step(x, grad, m, v, factor, &hp, copy_dtype);
         self.opt.moments.insert(id, Moments { m: to_prim(out.m), v: to_prim(out.v) });
         if let Some(c) = out.copy {
             self.opt.copies.insert(id, to_prim(c));
         }
-        out.param
+        let mut out = Tensor::from_inner(out.param);
+        if require_grad {
+            out = out.require_grad();
+        }
+        Param::from_mapped_value(id, out, mapper)
     }
 }
