@@ -33,3 +33,43 @@ cases!(
     cross_entropy => cuda_cross_entropy,
     adamw => cuda_adamw
 );
+
+/// FlashAttention at every sequence length of the spec (1, 17, 128, 1000, 2048) and head dims 64
+/// and 128, batch and heads above 1: tensor cores in f16/bf16, the portable kernels in f32.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention() {
+    let shapes = [
+        (2, 3, 1, 64),
+        (2, 3, 1, 128),
+        (2, 3, 17, 64),
+        (2, 3, 17, 128),
+        (2, 2, 128, 64),
+        (2, 2, 128, 128),
+        (2, 2, 1000, 64),
+        (2, 2, 1000, 128),
+        (1, 2, 2048, 64),
+        (1, 2, 2048, 128),
+        (1, 1, 300, 96),
+    ];
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes);
+        kernel_cases::flash_attention_strided::<B>(dtype, &CudaDevice::default());
+        kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default());
+    }
+}
+
+/// The f16/bf16 inputs above do run on tensor cores (a fallback would pass the numeric checks).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_uses_tensor_cores() {
+    let dev = CudaDevice::default();
+    for dtype in [FloatDType::F16, FloatDType::BF16] {
+        for hd in [64, 128] {
+            let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, hd], &dev).cast(dtype);
+            assert_eq!(kernels::flash_attention_path(&q), Some(kernels::FlashPath::TensorCores), "{dtype:?} hd {hd}");
+        }
+    }
+    let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 64], &dev);
+    assert_eq!(kernels::flash_attention_path(&q), Some(kernels::FlashPath::Portable));
+}

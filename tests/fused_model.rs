@@ -103,3 +103,43 @@ fn fused_and_reference_runs_train_to_the_same_losses() {
         assert!((tail(r) - tail(f)).abs() <= 0.05, "{precision:?}: final losses {} (fused) vs {} (reference)", tail(f), tail(r));
     }
 }
+
+/// `attention = "flash"` against `"plain"`: the same loss and gradients for the same weights, with
+/// either kernel setting, in f32 and f16.
+#[test]
+fn flash_and_plain_attention_give_the_same_loss_and_gradients() {
+    use model::config::AttentionKind;
+    let _guard = common::serial();
+    let mut cfg = tiny_config(1).model;
+    cfg.n_layer = 2;
+    let vocab = 61;
+    let plain = Gpt::<B>::new(&cfg, vocab, &device());
+    let (x, y) = (ids(2, 37, vocab, 3), ids(2, 37, vocab, 4));
+    for kernels in [KernelsKind::Reference, KernelsKind::Fused] {
+        let mut plain = plain.clone();
+        plain.config.kernels = kernels;
+        let mut flash = plain.clone();
+        flash.config.attention = AttentionKind::Flash;
+        for dtype in [FloatDType::F32, FloatDType::F16] {
+            let run = |m: &Gpt<B>| {
+                let c = m.compute_copy(dtype);
+                let loss = c.forward_loss(x.clone(), y.clone());
+                let value = loss.clone().into_scalar().to_string().parse::<f64>().unwrap();
+                let g = GradientsParams::from_grads(loss.backward(), &c);
+                (value, grads_of(&c, &g))
+            };
+            let (lp, gp) = run(&plain);
+            let (lf, gf) = run(&flash);
+            let tol = if dtype == FloatDType::F32 { 1e-5 } else { 2e-2 };
+            assert!((lp - lf).abs() <= tol * lp.abs(), "{kernels:?} {dtype:?}: loss {lf} (flash) vs {lp} (plain)");
+            assert_eq!(gp.len(), gf.len(), "same parameters get gradients");
+            for ((id, a), (id2, b)) in gp.iter().zip(&gf) {
+                assert_eq!(id, id2);
+                let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+                let err = a.iter().zip(b).fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+                let gtol = if dtype == FloatDType::F32 { 1e-4 } else { 3e-2 };
+                assert!(err <= gtol * scale, "{kernels:?} {dtype:?}: gradient of {id} differs by {err} (scale {scale})");
+            }
+        }
+    }
+}

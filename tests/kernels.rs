@@ -20,7 +20,26 @@ macro_rules! cases {
     };
 }
 
-cases!(rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw);
+cases!(rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw, flash_attention_strided, flash_attention_lse);
+
+/// Sequence lengths 1, 17, 128, 1000, 2048 at head dims 64 and 128; batch and heads above 1 where
+/// lavapipe's speed allows.
+#[test]
+fn flash_attention() {
+    let shapes = [(2, 3, 1, 64), (2, 3, 17, 128), (2, 2, 128, 64), (1, 2, 128, 128), (1, 2, 1000, 64), (1, 1, 1000, 128), (1, 1, 2048, 64)];
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        kernel_cases::flash_attention::<B>(dtype, &device(), &shapes);
+    }
+}
+
+#[test]
+#[should_panic(expected = "kernels::flash_attention: q, k, v have shapes [1, 2, 8, 16], [1, 2, 8, 32], [1, 2, 8, 32]")]
+fn flash_attention_refuses_mismatched_head_dims() {
+    let dev = device();
+    let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
+    let k = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 32], &dev);
+    let _ = kernels::flash_attention(q, k.clone(), k, false, None);
+}
 
 #[test]
 #[should_panic(expected = "kernels::rms_norm: weight has shape [5]; it must be [8]")]

@@ -303,3 +303,78 @@ where
         }
     }
 }
+
+/// FlashAttention output and dQ, dK, dV against the naive formula, full and causal, for every
+/// `(batch, heads, seq, head_dim)` in `shapes`, plus a case with fewer queries than keys. Full
+/// attention uses a custom scale (0.3), causal the default `1 / sqrt(head_dim)`. The floor is
+/// 1e-5: in f32 the baseline *is* the exact run, and summing seq terms in another order (online
+/// softmax, blocks) leaves a few ulp of the O(1) outputs.
+pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, shapes: &[(usize, usize, usize, usize)]) {
+    let mut cases: Vec<(usize, usize, usize, usize, usize)> = shapes.iter().map(|&(b, h, s, hd)| (b, h, s, s, hd)).collect();
+    cases.push((1, 2, 17, 40, 64));
+    for (b, h, sq, sk, hd) in cases {
+        for causal in [false, true] {
+            let scale = if causal { None } else { Some(0.3) };
+            let (rq, rk) = (b * h * sq, b * h * sk);
+            check::<B>(
+                &format!("flash_attention q [{b}, {h}, {sq}, {hd}] k/v seq {sk} causal {causal}"),
+                dtype,
+                1e-5,
+                vec![Input::act([rq, hd], dev), Input::act([rk, hd], dev), Input::act([rk, hd], dev)],
+                |v| {
+                    let q = v[0].clone().reshape([b, h, sq, hd]);
+                    let k = v[1].clone().reshape([b, h, sk, hd]);
+                    let val = v[2].clone().reshape([b, h, sk, hd]);
+                    kernels::flash_attention(q, k, val, causal, scale).reshape([rq, hd])
+                },
+                |v| {
+                    let q = v[0].clone().reshape([b, h, sq, hd]);
+                    let k = v[1].clone().reshape([b, h, sk, hd]);
+                    let val = v[2].clone().reshape([b, h, sk, hd]);
+                    kernels::attention::reference(q, k, val, causal, scale).reshape([rq, hd])
+                },
+            );
+        }
+    }
+}
+
+/// FlashAttention on q, k, v sliced out of one packed `[B, S, 3H, hd]` projection (strided views,
+/// as the model produces them).
+pub fn flash_attention_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    let (b, h, s, hd) = (2, 3, 77, 64);
+    let heads = move |v: &Tensor<B, 2>, i: usize| {
+        v.clone().reshape([b, s, 3 * h, hd]).swap_dims(1, 2).slice([0..b, i * h..(i + 1) * h, 0..s, 0..hd])
+    };
+    for causal in [false, true] {
+        check::<B>(
+            &format!("flash_attention on strided q/k/v [{b}, {h}, {s}, {hd}] causal {causal}"),
+            dtype,
+            1e-5,
+            vec![Input::act([b * s, 3 * h * hd], dev)],
+            |v| kernels::flash_attention(heads(&v[0], 0), heads(&v[0], 1), heads(&v[0], 2), causal, None).reshape([b * h * s, hd]),
+            |v| kernels::attention::reference(heads(&v[0], 0), heads(&v[0], 1), heads(&v[0], 2), causal, None).reshape([b * h * s, hd]),
+        );
+    }
+}
+
+/// The forward's log-sum-exp against the naive one on the same (rounded) values in f32.
+pub fn flash_attention_lse<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
+where
+    B::InnerBackend: kernels::KernelOps,
+{
+    for (b, h, s, hd) in [(2, 3, 1, 64), (2, 3, 17, 128), (1, 2, 1000, 64)] {
+        for causal in [false, true] {
+            let r = || randn::<B>([b * h * s, hd], dev).inner().reshape([b, h, s, hd]).cast(dtype).cast(FloatDType::F32);
+            let (q, k, v) = (r(), r(), r());
+            let (_, lse) = kernels::flash_attention_with_lse(q.clone().cast(dtype), k.clone().cast(dtype), v.cast(dtype), causal, None);
+            let exact = kernels::attention::reference_lse(q, k, causal, None);
+            let n = b * h * s;
+            let scale = max_abs::<B>(exact.clone().reshape([1, n]));
+            let err = max_abs::<B>((lse - exact).reshape([1, n]));
+            assert!(
+                err <= 1e-5 * scale + 1e-5,
+                "flash_attention lse [{b}, {h}, {s}, {hd}] causal {causal} ({dtype:?}): error {err:e} (max |lse| {scale:e})"
+            );
+        }
+    }
+}

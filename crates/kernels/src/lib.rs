@@ -10,6 +10,7 @@
 //! | rotary embedding | [`rope`] (tables: [`rope::tables`]) | [`rope::reference`] |
 //! | softmax cross-entropy + z-loss | [`cross_entropy`] | [`cross_entropy::reference`] |
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
+//! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
 //!
 //! The functions take ordinary Burn tensors of any backend that implements [`Backend`]:
 //! - `CubeBackend` (Burn's `Cuda` and `Wgpu` without the `fusion` feature) runs the kernels;
@@ -37,6 +38,7 @@
 
 pub mod activation;
 pub mod adamw;
+pub mod attention;
 mod check;
 pub mod cross_entropy;
 mod launch;
@@ -51,6 +53,7 @@ use burn::tensor::{FloatDType, Int, Shape, Tensor, TensorMetadata, TensorPrimiti
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 pub use adamw::{AdamWOutput, AdamWStep};
+pub use attention::FlashPath;
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`, f32 inside, output in
 /// `x`'s dtype; `weight` is `[x.dims()[D - 1]]` in any float dtype.
@@ -114,6 +117,49 @@ pub fn adamw_step<B: Backend, const D: usize>(
 ) -> AdamWOutput<B, D> {
     let (p, m, v, c) = B::fused_adamw_step(prim(param), prim(grad), prim(m), prim(v), prim(factor), hp, copy_dtype);
     AdamWOutput { param: tensor(p), m: tensor(m), v: tensor(v), copy: c.map(tensor) }
+}
+
+/// FlashAttention (see [`attention`]): `softmax(scale * q k^T + mask) v` for `q` [batch, heads,
+/// seq_q, head_dim] and `k`, `v` [batch, heads, seq_k, head_dim] of one float dtype, without
+/// materialising the scores; `causal` lets query `i` see keys `j <= i`; `scale` defaults to
+/// `1 / sqrt(head_dim)`. Under `Autodiff` the backward recomputes the probabilities from the saved
+/// log-sum-exp. The output is laid out as `[batch, seq_q, heads, head_dim]` in memory, so
+/// `.swap_dims(1, 2).reshape([batch, seq_q, heads * head_dim])` needs no copy.
+///
+/// ```no_run
+/// use burn::backend::{Autodiff, Wgpu};
+/// use burn::tensor::{Distribution, Tensor};
+///
+/// type B = Autodiff<Wgpu>;
+/// let dev = Default::default();
+/// let q = Tensor::<B, 4>::random([2, 4, 100, 64], Distribution::Normal(0.0, 1.0), &dev).require_grad();
+/// let k = Tensor::<B, 4>::random([2, 4, 100, 64], Distribution::Normal(0.0, 1.0), &dev);
+/// let v = Tensor::<B, 4>::random([2, 4, 100, 64], Distribution::Normal(0.0, 1.0), &dev);
+/// let o = kernels::flash_attention(q.clone(), k, v, true, None);
+/// let dq = q.grad(&o.sum().backward()).unwrap();
+/// ```
+pub fn flash_attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, causal: bool, scale: Option<f64>) -> Tensor<B, 4> {
+    let scale = scale.unwrap_or_else(|| attention::default_scale(q.dims()[3]));
+    tensor(B::fused_flash_attention(prim(q), prim(k), prim(v), causal, scale))
+}
+
+/// The forward of [`flash_attention`] on a backend without autodiff, also returning the f32
+/// log-sum-exp of the scaled, masked scores per query row, `[batch, heads, seq_q]`.
+pub fn flash_attention_with_lse<B: KernelOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+) -> (Tensor<B, 4>, Tensor<B, 3>) {
+    let scale = scale.unwrap_or_else(|| attention::default_scale(q.dims()[3]));
+    let (o, lse) = B::flash_attention_forward(prim(q), prim(k), prim(v), causal, scale as f32);
+    (tensor(o), tensor(lse))
+}
+
+/// Which FlashAttention kernels `q` would run on (tensor cores or the portable kernels).
+pub fn flash_attention_path<B: Backend>(q: &Tensor<B, 4>) -> Option<FlashPath> {
+    B::flash_path(&q.clone().into_primitive().tensor())
 }
 
 fn prim<B: BurnBackend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
@@ -188,6 +234,21 @@ pub trait Backend: BurnBackend {
         prim(cross_entropy::reference::<Self>(tensor(logits), Tensor::from_primitive(targets), z_loss))
     }
 
+    fn fused_flash_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        prim(attention::reference::<Self>(tensor(q), tensor(k), tensor(v), causal, Some(scale)))
+    }
+
+    /// The FlashAttention kernels `q` would run on; `None` where the reference runs.
+    fn flash_path(_q: &FloatTensor<Self>) -> Option<FlashPath> {
+        None
+    }
+
     #[allow(clippy::type_complexity)]
     fn fused_adamw_step(
         param: FloatTensor<Self>,
@@ -246,6 +307,26 @@ pub trait KernelOps: Backend {
         dloss: FloatTensor<Self>,
         z_loss: f64,
     ) -> FloatTensor<Self>;
+    /// `(out, lse)` of FlashAttention (lse f32 `[batch, heads, seq_q]`).
+    fn flash_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+    /// `(dq, dk, dv)` of FlashAttention from the forward's output and log-sum-exp.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 }
 
 /// The autodiff version of [`Backend`].
@@ -301,6 +382,27 @@ where
     ) -> FloatTensor<Self> {
         cross_entropy::forward::backward(logits, targets, lse, dloss, z_loss)
     }
+    fn flash_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention::forward::forward(q, k, v, causal, scale)
+    }
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        attention::forward::backward(q, k, v, out, lse, grad, causal, scale)
+    }
 }
 
 fn gate_up<R: CubeRuntime>(
@@ -347,6 +449,18 @@ where
     fn fused_cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> FloatTensor<Self> {
         Self::cross_entropy_forward(logits, targets, z_loss).0
     }
+    fn fused_flash_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        Self::flash_attention_forward(q, k, v, causal, scale as f32).0
+    }
+    fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
+        Some(attention::forward::path(q))
+    }
     fn fused_adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
@@ -386,6 +500,18 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
     }
     fn fused_cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> FloatTensor<Self> {
         cross_entropy::backward::cross_entropy::<B, C>(logits, targets, z_loss)
+    }
+    fn fused_flash_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        attention::backward::flash_attention::<B, C>(q, k, v, causal, scale as f32)
+    }
+    fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
+        B::flash_path(&q.primitive)
     }
 }
 impl<B: KernelOps, C: CheckpointStrategy> AutodiffBackend for Autodiff<B, C> {}

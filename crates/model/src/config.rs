@@ -18,6 +18,9 @@ pub enum MlpKind {
 pub enum AttentionKind {
     /// Plain Burn ops: scores, causal mask, softmax, weighted sum. Materialises [B, H, T, T].
     Plain,
+    /// `kernels::flash_attention`: tiled, online softmax, backward recomputing the probabilities;
+    /// memory linear in T. Needs `dropout = 0`.
+    Flash,
 }
 
 /// Which implementation the memory-bound ops (norms, activations, RoPE, loss) use.
@@ -64,7 +67,7 @@ pub struct GptConfig {
     /// Standard deviation of the normal initialisation (residual projections are further scaled by
     /// 1/sqrt(2 * n_layer), as in GPT-2).
     pub init_std: f64,
-    /// Attention implementation: "plain".
+    /// Attention implementation: "plain" or "flash".
     pub attention: AttentionKind,
     /// Implementation of the memory-bound ops: "reference" (plain Burn) or "fused" (CubeCL kernels).
     pub kernels: KernelsKind,
@@ -142,6 +145,12 @@ impl GptConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(format!("model.dropout must be in [0, 1), got {}", self.dropout));
+        }
+        if self.attention == AttentionKind::Flash && self.dropout > 0.0 {
+            return Err(format!(
+                "model.attention = \"flash\" has no dropout on attention weights, but model.dropout is {}; set model.dropout = 0 or model.attention = \"plain\"",
+                self.dropout
+            ));
         }
         if !(self.rope_theta > 1.0) {
             return Err(format!("model.rope_theta must be > 1, got {}", self.rope_theta));

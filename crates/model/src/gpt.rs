@@ -7,7 +7,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
-use crate::config::{GptConfig, KernelsKind, MlpKind};
+use crate::config::{AttentionKind, GptConfig, KernelsKind, MlpKind};
 use crate::dtype::debug_assert_dtype;
 use crate::layers::{apply_rope, rope_tables, Embedding, Linear, RmsNorm};
 
@@ -69,9 +69,16 @@ impl<B: kernels::Backend> Attention<B> {
             }
         };
 
+        let scale = (hd as f64).powf(-0.5);
+        if rope.attention == AttentionKind::Flash {
+            // f32 softmax statistics inside the kernel; the output is laid out [B, T, H, hd], so the
+            // reshape below is free.
+            let y = kernels::flash_attention(q, k, v, true, Some(scale));
+            let y = y.swap_dims(1, 2).reshape([b, t, d]);
+            return self.resid_dropout.forward(self.proj.forward(y));
+        }
         // [B, H, T, T] scores, scaled, masked and normalised in f32; the additive mask is 0 on and
         // below the diagonal, MASKED above. The probabilities return to the compute dtype for P V.
-        let scale = (hd as f64).powf(-0.5);
         // q is scaled before the product so that large scores cannot overflow f16 in the matmul.
         let scores = q.mul_scalar(scale).matmul(k.swap_dims(2, 3)).cast(FloatDType::F32) + rope.causal_mask.clone();
         let probs = self.attn_dropout.forward(softmax(scores, 3)).cast(v.dtype());
@@ -178,6 +185,7 @@ struct Rope<B: Backend> {
     tables: RopeTables<B>,
     /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not.
     causal_mask: Tensor<B, 4>,
+    attention: AttentionKind,
 }
 
 /// The decoder-only transformer.
@@ -292,7 +300,7 @@ impl<B: kernels::Backend> Gpt<B> {
         let above = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
         let causal_mask =
             Tensor::<B, 2>::zeros([t, t], &device).mask_fill(above, MASKED).reshape([1, 1, t, t]);
-        let rope = Rope { tables, causal_mask };
+        let rope = Rope { tables, causal_mask, attention: self.config.attention };
 
         // The lookup reads the f32 table; the residual stream then runs in the compute dtype.
         let mut x = self.drop.forward(self.wte.forward(ids).cast(dt));

@@ -1,0 +1,71 @@
+//! FlashAttention: `softmax(scale * q k^T + mask) v` without a `seq x seq` tensor, forward and
+//! backward, on tensors `[batch, heads, seq, head_dim]`.
+//!
+//! **Forward** (FlashAttention-2 order): a cube owns a block of query rows and walks the key/value
+//! blocks, keeping the running row maximum and sum and rescaling its f32 output accumulator when the
+//! maximum grows (online softmax). Scores live in registers only. With `causal`, key blocks above
+//! the diagonal are skipped (query `i` sees keys `j <= i`, aligned at the first position as in
+//! PyTorch's `is_causal`). Besides the output it returns the f32 log-sum-exp of every query row.
+//!
+//! **Backward**: a pre-pass computes `delta = rowsum(dO * O)`; then one kernel walks key blocks per
+//! query block for dQ, and another walks query blocks per key block for dK and dV. Both recompute
+//! `P = exp(scale * q k^T - lse)` block by block from the saved log-sum-exp, so nothing of size
+//! `seq x seq` is stored between forward and backward or rebuilt in memory. Splitting dQ from dK/dV
+//! costs a second recomputation of `q k^T` and `dO v^T` but needs no atomics, so gradients are
+//! deterministic and the same code runs on every runtime.
+//!
+//! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores
+//! (warp-level `mma.sync` m16n8k16, f32 accumulation, see `mma.rs`); everything else (f32, wgpu,
+//! other head dims up to [`MAX_HEAD_DIM`]) runs the portable kernels, one unit per row with f32
+//! arithmetic. [`flash_attention_path`](crate::flash_attention_path) says which one a tensor gets.
+//! Gradients and outputs are in the input dtype; any sequence length works (partial blocks are
+//! masked); `k`/`v` may have a different length from `q`.
+
+pub(crate) mod backward;
+pub(crate) mod forward;
+pub(crate) mod kernel;
+pub(crate) mod mma;
+
+pub use forward::{FlashPath, MAX_HEAD_DIM};
+
+use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::{Bool, Int, Tensor};
+
+/// The softmax scale used when none is given: `1 / sqrt(head_dim)`.
+pub fn default_scale(head_dim: usize) -> f64 {
+    1.0 / (head_dim as f64).sqrt()
+}
+
+/// Scaled scores `scale * q k^T` with the causal mask applied (-inf above the diagonal).
+fn masked_scores<B: BurnBackend>(q: Tensor<B, 4>, k: Tensor<B, 4>, causal: bool, scale: f64) -> Tensor<B, 4> {
+    let [_, _, sq, _] = q.dims();
+    let sk = k.dims()[2];
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+    if causal {
+        let dev = scores.device();
+        let rows = Tensor::<B, 1, Int>::arange(0..sq as i64, &dev).reshape([sq, 1]);
+        let cols = Tensor::<B, 1, Int>::arange(0..sk as i64, &dev).reshape([1, sk]);
+        let mask: Tensor<B, 2, Bool> = cols.greater(rows);
+        scores.mask_fill(mask.reshape([1, 1, sq, sk]), f32::NEG_INFINITY)
+    } else {
+        scores
+    }
+}
+
+/// Plain-Burn attention by the naive formula, computed in the inputs' dtype (it materialises the
+/// `[batch, heads, seq_q, seq_k]` scores). `scale` defaults to `1 / sqrt(head_dim)`.
+pub fn reference<B: BurnBackend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, causal: bool, scale: Option<f64>) -> Tensor<B, 4> {
+    let scale = scale.unwrap_or_else(|| default_scale(q.dims()[3]));
+    let p = burn::tensor::activation::softmax(masked_scores(q, k, causal, scale), 3);
+    p.matmul(v)
+}
+
+/// Log-sum-exp over keys of the scaled, masked scores, `[batch, heads, seq_q]`, by the naive
+/// formula in the inputs' dtype.
+pub fn reference_lse<B: BurnBackend>(q: Tensor<B, 4>, k: Tensor<B, 4>, causal: bool, scale: Option<f64>) -> Tensor<B, 3> {
+    let scale = scale.unwrap_or_else(|| default_scale(q.dims()[3]));
+    let s = masked_scores(q, k, causal, scale);
+    let m = s.clone().max_dim(3);
+    let lse = (s - m.clone()).exp().sum_dim(3).log() + m;
+    lse.squeeze_dim::<3>(3)
+}

@@ -1,0 +1,230 @@
+//! FlashAttention benchmark on CUDA: our kernels beside Burn's own `attention`, with ratios to the
+//! PyTorch SDPA (FlashAttention-2) figures of TARGETS.md.
+//!
+//! Shapes follow the FlashAttention benchmark convention: batch * seq = 16384 tokens and
+//! heads * head_dim = 2048. FLOPs: forward `4 * b * h * s^2 * hd` (halved when causal), backward
+//! 2.5x the forward, forward+backward 3.5x.
+//!
+//! Columns:
+//! - `fwd`: `kernels::flash_attention_with_lse` on the plain CUDA backend;
+//! - `bwd`: the backward kernels alone (delta pre-pass, dQ, dK/dV) from a saved forward;
+//! - `fwd+bwd`: `kernels::flash_attention(..).sum().backward()` under `Autodiff`;
+//! - `Burn fwd`, `Burn fwd+bwd`: `burn::tensor::module::attention` the same ways (under `Autodiff`
+//!   Burn materialises the `s x s` scores);
+//! - `/SDPA`: our fwd (bwd) TFLOP/s over TARGETS.md's PyTorch SDPA figure for the same shape.
+//!
+//! `--memory` instead runs forward+backward at B=1, H=16, S=16384, hd=128 and reports device memory.
+//!
+//! `cargo run --release --bin attention_bench -- [--dtype bf16] [--seqs 1024,2048,4096,8192]
+//!  [--head-dims 64,128] [--no-burn] [--memory]`
+
+use std::time::Instant;
+
+use burn::backend::cuda::CudaDevice;
+use burn::backend::{Autodiff, Cuda};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Distribution, FloatDType, Tensor};
+use clap::Parser;
+use kernels::KernelOps;
+
+type C = Cuda;
+type A = Autodiff<Cuda>;
+
+#[derive(Parser)]
+#[command(about = "FlashAttention kernels versus Burn's attention on CUDA: TFLOP/s and ratios to PyTorch SDPA")]
+struct Args {
+    /// Input dtype: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Comma-separated sequence lengths.
+    #[arg(long, default_value = "1024,2048,4096,8192")]
+    seqs: String,
+    /// Comma-separated head dims.
+    #[arg(long, default_value = "64,128")]
+    head_dims: String,
+    /// Skip Burn's attention (it is slow and memory-hungry at long sequences).
+    #[arg(long)]
+    no_burn: bool,
+    /// Calls per timed batch.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Timed batches (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Report memory of forward+backward at B=1, H=16, S=16384, hd=128 instead.
+    #[arg(long)]
+    memory: bool,
+}
+
+/// PyTorch SDPA flash (bf16) forward / backward TFLOP/s on the same GPU, from TARGETS.md.
+fn sdpa(hd: usize, causal: bool, s: usize) -> Option<(f64, f64)> {
+    let col = match s {
+        1024 => 0,
+        2048 => 1,
+        4096 => 2,
+        8192 => 3,
+        _ => return None,
+    };
+    let table: [[(f64, f64); 4]; 4] = [
+        [(278.0, 210.0), (301.0, 248.0), (305.0, 264.0), (312.0, 287.0)],
+        [(219.0, 151.0), (269.0, 198.0), (282.0, 228.0), (298.0, 257.0)],
+        [(339.0, 226.0), (357.0, 256.0), (352.0, 286.0), (365.0, 306.0)],
+        [(252.0, 165.0), (291.0, 213.0), (304.0, 251.0), (317.0, 278.0)],
+    ];
+    let row = match (hd, causal) {
+        (64, false) => 0,
+        (64, true) => 1,
+        (128, false) => 2,
+        (128, true) => 3,
+        _ => return None,
+    };
+    Some(table[row][col])
+}
+
+fn time<Bk: Backend>(dev: &Bk::Device, iters: usize, reps: usize, f: &mut dyn FnMut()) -> f64 {
+    f();
+    Bk::sync(dev).expect("sync");
+    let mut samples: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            Bk::sync(dev).expect("sync");
+            t.elapsed().as_secs_f64() / iters as f64
+        })
+        .collect();
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    samples[samples.len() / 2]
+}
+
+fn randn<Bk: Backend>(shape: [usize; 4], dt: FloatDType, dev: &Bk::Device) -> Tensor<Bk, 4> {
+    Tensor::<Bk, 4>::random(shape, Distribution::Normal(0.0, 1.0), dev).cast(dt)
+}
+
+fn prim<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> burn::tensor::ops::FloatTensor<Bk> {
+    t.into_primitive().tensor()
+}
+
+fn burn_attention<Bk: Backend>(q: Tensor<Bk, 4>, k: Tensor<Bk, 4>, v: Tensor<Bk, 4>, causal: bool) -> Tensor<Bk, 4> {
+    burn::tensor::module::attention(q, k, v, None, None, AttentionModuleOptions { scale: None, softcap: None, is_causal: causal })
+}
+
+fn in_use(dev: &CudaDevice) -> (u64, u64) {
+    use cubecl::Runtime;
+    let client = <cubecl::cuda::CudaRuntime as Runtime>::client(dev);
+    client.memory_usage().map(|m| (m.bytes_in_use, m.bytes_reserved)).unwrap_or((0, 0))
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / 1048576.0
+}
+
+fn main() {
+    let args = Args::parse();
+    let dev = CudaDevice::default();
+    let dt = match args.dtype.as_str() {
+        "bf16" => FloatDType::BF16,
+        "f16" => FloatDType::F16,
+        "f32" => FloatDType::F32,
+        other => panic!("--dtype {other}: use bf16, f16 or f32"),
+    };
+    if args.memory {
+        memory(&dev, dt);
+        return;
+    }
+    let list = |s: &str| -> Vec<usize> { s.split(',').map(|x| x.trim().parse().expect("a number")).collect() };
+    println!("FlashAttention, {}, batch * seq = 16384, heads * head_dim = 2048; TFLOP/s (median of {} x {} calls)\n", args.dtype, args.reps, args.iters);
+    println!("| hd | mask | S | B x H | path | fwd | bwd | fwd+bwd | Burn fwd | Burn fwd+bwd | fwd vs Burn | fwd+bwd vs Burn | fwd/SDPA | bwd/SDPA |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for hd in list(&args.head_dims) {
+        for causal in [false, true] {
+            for s in list(&args.seqs) {
+                let (b, h) = ((16384 / s).max(1), (2048 / hd).max(1));
+                let fwd_flops = 4.0 * (b * h * s * s * hd) as f64 * if causal { 0.5 } else { 1.0 };
+                let shape = [b, h, s, hd];
+                let (q, k, v) = (randn::<C>(shape, dt, &dev), randn::<C>(shape, dt, &dev), randn::<C>(shape, dt, &dev));
+                let path = kernels::flash_attention_path(&q).map(|p| p.to_string()).unwrap_or_default();
+                let t_fwd = time::<C>(&dev, args.iters, args.reps, &mut || {
+                    drop(kernels::flash_attention_with_lse(q.clone(), k.clone(), v.clone(), causal, None))
+                });
+                let (o, lse) = kernels::flash_attention_with_lse(q.clone(), k.clone(), v.clone(), causal, None);
+                let g = randn::<C>(shape, dt, &dev);
+                let scale = kernels::attention::default_scale(hd) as f32;
+                let t_bwd = time::<C>(&dev, args.iters, args.reps, &mut || {
+                    drop(C::flash_attention_backward(
+                        prim(q.clone()),
+                        prim(k.clone()),
+                        prim(v.clone()),
+                        prim(o.clone()),
+                        prim(lse.clone()),
+                        prim(g.clone()),
+                        causal,
+                        scale,
+                    ))
+                });
+                let leaf = |t: &Tensor<C, 4>| Tensor::<A, 4>::from_inner(t.clone()).require_grad();
+                let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
+                let t_fb = time::<A>(&dev, args.iters, args.reps, &mut || {
+                    drop(kernels::flash_attention(qa.clone(), ka.clone(), va.clone(), causal, None).sum().backward())
+                });
+                let (burn_f, burn_fb) = if args.no_burn {
+                    (f64::NAN, f64::NAN)
+                } else {
+                    let tf = time::<C>(&dev, 1, 3, &mut || drop(burn_attention(q.clone(), k.clone(), v.clone(), causal)));
+                    let tfb = time::<A>(&dev, 1, 3, &mut || drop(burn_attention(qa.clone(), ka.clone(), va.clone(), causal).sum().backward()));
+                    (tf, tfb)
+                };
+                let tf = |t: f64, mult: f64| fwd_flops * mult / t / 1e12;
+                let (sf, sb) = sdpa(hd, causal, s).unwrap_or((f64::NAN, f64::NAN));
+                println!(
+                    "| {hd} | {} | {s} | {b} x {h} | {path} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1}x | {:.1}x | {:.2} | {:.2} |",
+                    if causal { "causal" } else { "full" },
+                    tf(t_fwd, 1.0),
+                    tf(t_bwd, 2.5),
+                    tf(t_fb, 3.5),
+                    tf(burn_f, 1.0),
+                    tf(burn_fb, 3.5),
+                    burn_f / t_fwd,
+                    burn_fb / t_fb,
+                    tf(t_fwd, 1.0) / sf,
+                    tf(t_bwd, 2.5) / sb,
+                );
+            }
+        }
+    }
+}
+
+/// Device memory of forward+backward at B=1, H=16, S=16384, hd=128: in use after the inputs, after
+/// the forward (output and log-sum-exp kept for the backward), and with the three gradients.
+fn memory(dev: &CudaDevice, dt: FloatDType) {
+    let (b, h, s, hd) = (1, 16, 16384, 128);
+    let shape = [b, h, s, hd];
+    let leaf = || randn::<A>(shape, dt, dev).detach().require_grad();
+    let (q, k, v) = (leaf(), leaf(), leaf());
+    A::sync(dev).expect("sync");
+    let (base, base_res) = in_use(dev);
+    let t = Instant::now();
+    let o = kernels::flash_attention(q.clone(), k.clone(), v.clone(), true, None);
+    A::sync(dev).expect("sync");
+    let (after_fwd, _) = in_use(dev);
+    let grads = (o * randn::<A>(shape, dt, dev)).sum().backward();
+    let (dq, dk, dv) = (q.grad(&grads).expect("dq"), k.grad(&grads).expect("dk"), v.grad(&grads).expect("dv"));
+    A::sync(dev).expect("sync");
+    let secs = t.elapsed().as_secs_f64();
+    let (after_bwd, after_res) = in_use(dev);
+    let nan = |t: Tensor<C, 4>| t.is_nan().any().into_scalar() != 0;
+    let has_nan = nan(dq) || nan(dk) || nan(dv);
+    let input = (3 * b * h * s * hd) as f64 * if dt == FloatDType::F32 { 4.0 } else { 2.0 } / 1048576.0;
+    println!("FlashAttention fwd+bwd, causal, B={b} H={h} S={s} hd={hd} {dt:?}: {secs:.2} s (first call, includes compilation)");
+    println!("| what | MiB |");
+    println!("|---|---|");
+    println!("| q, k, v | {input:.1} |");
+    println!("| in use before | {:.1} |", mib(base));
+    println!("| in use after forward (+ output, lse, probe) | {:.1} |", mib(after_fwd));
+    println!("| in use after backward (+ dq, dk, dv, probe) | {:.1} |", mib(after_bwd));
+    println!("| reserved by the allocator: before / after | {:.1} / {:.1} |", mib(base_res), mib(after_res));
+    println!("| one f32 S x S score matrix per head, for comparison | {:.1} |", (h * s * s * 4) as f64 / 1048576.0);
+    println!("gradients contain NaN: {has_nan}");
+}
