@@ -53,7 +53,7 @@ fn cuda_flash_attention() {
         (1, 1, 300, 96),
     ];
     for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
-        kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes);
+        kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes, true);
         kernel_cases::flash_attention_strided::<B>(dtype, &CudaDevice::default());
         kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default());
     }

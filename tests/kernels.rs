@@ -28,7 +28,7 @@ cases!(rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw, flash_a
 fn flash_attention() {
     let shapes = [(2, 3, 1, 64), (2, 3, 17, 128), (2, 2, 128, 64), (1, 2, 128, 128), (1, 2, 1000, 64), (1, 1, 1000, 128), (1, 1, 2048, 64)];
     for dtype in [FloatDType::F32, FloatDType::F16] {
-        kernel_cases::flash_attention::<B>(dtype, &device(), &shapes);
+        kernel_cases::flash_attention::<B>(dtype, &device(), &shapes, false);
     }
 }
 

@@ -211,7 +211,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let p_steps = comptime!(block_k / 16);
     let mut o_acc = Array::<Vector<f32, NC>>::new(comptime!(o_tiles * vc));
     #[unroll]
-    for i in 0..o_tiles * vc {
+    for i in 0..comptime!(o_tiles * vc) {
         o_acc[i] = Vector::new(0.0);
     }
     let mut m_lo = neg_big();
@@ -240,7 +240,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
         // S = Q K^T for this warp's 16 rows and the block's keys.
         let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
         #[unroll]
-        for i in 0..s_tiles * vc {
+        for i in 0..comptime!(s_tiles * vc) {
             s_acc[i] = Vector::new(0.0);
         }
         #[unroll]
@@ -469,7 +469,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let p_steps = comptime!(block_k / 16);
     let mut dq_acc = Array::<Vector<f32, NC>>::new(comptime!(o_tiles * vc));
     #[unroll]
-    for i in 0..o_tiles * vc {
+    for i in 0..comptime!(o_tiles * vc) {
         dq_acc[i] = Vector::new(0.0);
     }
 
@@ -494,7 +494,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
         let mut dp_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
         #[unroll]
-        for i in 0..s_tiles * vc {
+        for i in 0..comptime!(s_tiles * vc) {
             s_acc[i] = Vector::new(0.0);
             dp_acc[i] = Vector::new(0.0);
         }
@@ -625,7 +625,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     let mut dk_acc = Array::<Vector<f32, NC>>::new(comptime!(o_tiles * vc));
     let mut dv_acc = Array::<Vector<f32, NC>>::new(comptime!(o_tiles * vc));
     #[unroll]
-    for i in 0..o_tiles * vc {
+    for i in 0..comptime!(o_tiles * vc) {
         dk_acc[i] = Vector::new(0.0);
         dv_acc[i] = Vector::new(0.0);
     }
@@ -657,7 +657,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
         let mut dp_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
         #[unroll]
-        for i in 0..s_tiles * vc {
+        for i in 0..comptime!(s_tiles * vc) {
             s_acc[i] = Vector::new(0.0);
             dp_acc[i] = Vector::new(0.0);
         }
