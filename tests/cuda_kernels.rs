@@ -52,7 +52,7 @@ fn cuda_flash_attention() {
         (1, 2, 2048, 128),
         (1, 1, 300, 96),
     ];
-    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+    for dtype in [FloatDType::BF16, FloatDType::F16, FloatDType::F32] {
         kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes, true);
         kernel_cases::flash_attention_strided::<B>(dtype, &CudaDevice::default());
         kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default());
