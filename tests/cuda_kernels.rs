@@ -55,7 +55,7 @@ fn cuda_flash_attention() {
     for dtype in [FloatDType::BF16, FloatDType::F16, FloatDType::F32] {
         kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes, true);
         kernel_cases::flash_attention_strided::<B>(dtype, &CudaDevice::default());
-        kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default());
+        kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default(), true);
     }
 }
 

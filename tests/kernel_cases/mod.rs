@@ -325,6 +325,7 @@ pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(
     cases.push((1, 2, 17, 40, 64));
     for (b, h, sq, sk, hd) in cases {
         for causal in [false, true] {
+            let started = std::time::Instant::now();
             let scale = if causal { None } else { Some(0.3) };
             let (rq, rk) = (b * h * sq, b * h * sk);
             check::<B>(
@@ -349,6 +350,7 @@ pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(
                     }
                 },
             );
+            eprintln!("flash_attention [{b}, {h}, {sq}/{sk}, {hd}] causal {causal} {dtype:?}: {:.1?}", started.elapsed());
         }
     }
 }
@@ -397,9 +399,9 @@ pub fn flash_attention_strided<B: AutodiffBackend + kernels::Backend>(dtype: Flo
     }
 }
 
-/// The forward's log-sum-exp against the naive one on the same (rounded) values, computed in f32
-/// with broadcast products and sums (no matmul, see [`flash_attention`]).
-pub fn flash_attention_lse<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
+/// The forward's log-sum-exp against the naive one on the same (rounded) values in f32
+/// (`exact_by_sums`: with broadcast products and sums instead of matmuls, see [`flash_attention`]).
+pub fn flash_attention_lse<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device, exact_by_sums: bool)
 where
     B::InnerBackend: kernels::KernelOps,
 {
@@ -410,7 +412,11 @@ where
             let (q, k, v) = (r(), r(), r());
             let (_, lse) = kernels::flash_attention_with_lse(q.clone().cast(dtype), k.clone().cast(dtype), v.cast(dtype), causal, None);
             let scale = kernels::attention::default_scale(hd);
-            let mut scores: Tensor<I<B>, 4> = (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2)).sum_dim(4).reshape([b, h, s, s]) * scale;
+            let mut scores: Tensor<I<B>, 4> = if exact_by_sums {
+                (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2)).sum_dim(4).reshape([b, h, s, s]) * scale
+            } else {
+                q.matmul(k.swap_dims(2, 3)) * scale
+            };
             if causal {
                 let rows = Tensor::<I<B>, 1, Int>::arange(0..s as i64, dev).reshape([s, 1]);
                 let cols = Tensor::<I<B>, 1, Int>::arange(0..s as i64, dev).reshape([1, s]);

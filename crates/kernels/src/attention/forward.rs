@@ -104,9 +104,10 @@ fn empty_bshd<R: CubeRuntime>(like: &CubeTensor<R>, d: &Dims, seq: usize) -> Cub
 }
 
 /// Units per row of the portable kernels: the fewest (up to 8) that divide head_dim into parts of
-/// at most 64 columns (1 if none does).
+/// at most 32 columns (1 if none does). Each unit's columns are unrolled; wider parts made
+/// llvmpipe's shader compiler slow (200 s for one kernel at 128 columns).
 fn portable_split(hd: usize) -> usize {
-    (1..=8).find(|s| hd % s == 0 && hd / s <= 64).unwrap_or(1)
+    (1..=8).find(|s| hd % s == 0 && hd / s <= 32).unwrap_or(1)
 }
 
 /// `(rows per block, units per row)` of the portable kernels: 32 rows, fewer when the staged f32
@@ -190,7 +191,7 @@ pub(crate) fn forward<R: CubeRuntime>(
                     split,
                     block,
                     block,
-                    causal,
+                    causal as u32,
                     dtype,
                 );
             }
@@ -235,11 +236,13 @@ pub(crate) fn backward<R: CubeRuntime>(
     let (q, k, v) = (rows_readable(q), rows_readable(k), rows_readable(v));
     let (out, grad, lse) = (rows_readable(out), rows_readable(grad), contiguous(lse));
     let dq = empty_bshd(&q, &d, d.seq_q);
+    if d.seq_q == 0 || d.batch * d.heads == 0 {
+        // No queries: k and v received no attention, so their gradients are zero.
+        let zeros = |t: &CubeTensor<R>| burn_cubecl::ops::numeric::zeros::<R>(t.device.clone(), t.shape(), t.dtype);
+        return (dq, zeros(&k), zeros(&v));
+    }
     let dk = empty_bshd(&k, &d, d.seq_k);
     let dv = empty_bshd(&v, &d, d.seq_k);
-    if d.seq_q == 0 || d.batch * d.heads == 0 {
-        return (dq, dk, dv);
-    }
     let client = q.client.clone();
     let dtype: StorageType = q.dtype.into();
     let bh = (d.batch * d.heads) as u32;
@@ -341,7 +344,7 @@ pub(crate) fn backward<R: CubeRuntime>(
                     split,
                     block,
                     block,
-                    causal,
+                    causal as u32,
                     dtype,
                 );
             }
@@ -363,7 +366,7 @@ pub(crate) fn backward<R: CubeRuntime>(
                     split,
                     block,
                     block,
-                    causal,
+                    causal as u32,
                     dtype,
                 );
             }

@@ -3,12 +3,12 @@
 //! `split` units own one query row (forward, dQ) or one key row (dK/dV), each holding `hd / split`
 //! of its columns, its accumulators and the softmax statistics in registers; the cube stages the
 //! other operand's tiles through shared memory. The `split` partial dot products of a score meet
-//! in shared memory (`split` is 1 up to head_dim 64). Scores never leave the cube. These kernels run everywhere
+//! in shared memory (`split` is 1 up to head_dim 32). Scores never leave the cube. These kernels run everywhere
 //! (lavapipe in CI, f32 on CUDA); f16/bf16 on CUDA take the tensor-core kernels in `mma.rs`.
 //!
 //! Loops over a unit's columns are unrolled (a compile-time length), so the rows stay in registers:
 //! on lavapipe runtime-indexed local arrays were ~20x slower, and unrolling 128 columns made
-//! llvmpipe compile one kernel for 200 s, hence the split. Unrolling also matters for correctness
+//! llvmpipe compile one kernel for 200 s, hence the split into parts of at most 32 columns. Unrolling also matters for correctness
 //! there: llvmpipe silently ends a shader invocation's loops after 65535 iterations in total; an
 //! invocation here iterates about `3 * seq + 2 * seq * head_dim / units` times, within that for the
 //! sequence lengths CI runs (a few thousand).
@@ -24,6 +24,13 @@ use cubecl::prelude::*;
 #[cube]
 pub(crate) fn neg_big() -> f32 {
     f32::new(-1.0e30)
+}
+
+/// Whether key `j` is visible from query `i`, with the mask a runtime flag (1: causal), so that
+/// one compiled kernel serves both masks.
+#[cube]
+fn visible_rt(i: usize, j: usize, seq_k: usize, causal: u32) -> bool {
+    j < seq_k && (causal == 0 || j <= i)
 }
 
 /// Whether key `j` is visible from query `i`.
@@ -95,7 +102,7 @@ pub(crate) fn flash_forward<F: Float>(
     #[comptime] split: usize,
     #[comptime] block_q: usize,
     #[comptime] block_k: usize,
-    #[comptime] causal: bool,
+    causal: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let part = comptime!(hd / split);
@@ -133,7 +140,7 @@ pub(crate) fn flash_forward<F: Float>(
     let mut scores = Array::<f32>::new(block_k);
 
     let mut key_blocks = seq_k.div_ceil(block_k);
-    if comptime!(causal) {
+    if causal == 1 {
         // Blocks entirely above the diagonal of this query block are skipped.
         let mut last = (qb + 1) * block_q;
         if seq_q < last {
@@ -163,7 +170,7 @@ pub(crate) fn flash_forward<F: Float>(
         let mut m_new = m;
         for c in 0..block_k {
             let mut s = gather(&partials, row, c, split, block_k);
-            if !visible(i, j0 + c, seq_k, causal) {
+            if !visible_rt(i, j0 + c, seq_k, causal) {
                 s = neg_big();
             }
             scores[c] = s;
@@ -177,7 +184,7 @@ pub(crate) fn flash_forward<F: Float>(
         }
         for c in 0..block_k {
             let mut p = 0.0f32;
-            if visible(i, j0 + c, seq_k, causal) {
+            if visible_rt(i, j0 + c, seq_k, causal) {
                 p = (scores[c] - m_new).exp();
             }
             l += p;
@@ -246,7 +253,7 @@ pub(crate) fn flash_backward_dq<F: Float>(
     #[comptime] split: usize,
     #[comptime] block_q: usize,
     #[comptime] block_k: usize,
-    #[comptime] causal: bool,
+    causal: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let part = comptime!(hd / split);
@@ -291,7 +298,7 @@ pub(crate) fn flash_backward_dq<F: Float>(
     let mut ps = SharedMemory::<f32>::new(block_q * split * block_k);
     let mut pdp = SharedMemory::<f32>::new(block_q * split * block_k);
     let mut key_blocks = seq_k.div_ceil(block_k);
-    if comptime!(causal) {
+    if causal == 1 {
         let mut last = (qb + 1) * block_q;
         if seq_q < last {
             last = seq_q;
@@ -320,7 +327,7 @@ pub(crate) fn flash_backward_dq<F: Float>(
         }
         sync_cube();
         for c in 0..block_k {
-            if active && visible(i, j0 + c, seq_k, causal) {
+            if active && visible_rt(i, j0 + c, seq_k, causal) {
                 let s = gather(&ps, row, c, split, block_k);
                 let dp = gather(&pdp, row, c, split, block_k);
                 let p = (s - row_lse).exp();
@@ -360,7 +367,7 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
     #[comptime] split: usize,
     #[comptime] block_q: usize,
     #[comptime] block_k: usize,
-    #[comptime] causal: bool,
+    causal: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let part = comptime!(hd / split);
@@ -404,7 +411,7 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
     let mut pdp = SharedMemory::<f32>::new(block_k * split * block_q);
     let query_blocks = seq_q.div_ceil(block_q);
     let mut first = 0usize;
-    if comptime!(causal) {
+    if causal == 1 {
         // Query blocks entirely before this key block see none of its keys.
         first = (kb * block_k) / block_q;
     }
@@ -440,7 +447,7 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
         sync_cube();
         for r in 0..block_q {
             let i = i0 + r;
-            if active && i < seq_q && visible(i, j, seq_k, causal) {
+            if active && i < seq_q && visible_rt(i, j, seq_k, causal) {
                 let s = gather(&ps, row, r, split, block_q);
                 let dp = gather(&pdp, row, r, split, block_q);
                 let p = (s - lse_t[r]).exp();
