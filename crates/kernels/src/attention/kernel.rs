@@ -3,15 +3,16 @@
 //! `split` units own one query row (forward, dQ) or one key row (dK/dV), each holding `hd / split`
 //! of its columns, its accumulators and the softmax statistics in registers; the cube stages the
 //! other operand's tiles through shared memory. The `split` partial dot products of a score meet
-//! in shared memory (`split` is 1 up to head_dim 32). Scores never leave the cube. These kernels run everywhere
-//! (lavapipe in CI, f32 on CUDA); f16/bf16 on CUDA take the tensor-core kernels in `mma.rs`.
+//! in shared memory (`split` is 1 up to head_dim 32). Scores never leave the cube. These kernels
+//! run everywhere (lavapipe in CI, f32 on CUDA); f16/bf16 on CUDA take the tensor-core kernels in
+//! `mma.rs`. The causal mask is a runtime flag, so one compiled kernel serves both masks.
 //!
 //! Loops over a unit's columns are unrolled (a compile-time length), so the rows stay in registers:
 //! on lavapipe runtime-indexed local arrays were ~20x slower, and unrolling 128 columns made
-//! llvmpipe compile one kernel for 200 s, hence the split into parts of at most 32 columns. Unrolling also matters for correctness
-//! there: llvmpipe silently ends a shader invocation's loops after 65535 iterations in total; an
-//! invocation here iterates about `3 * seq + 2 * seq * head_dim / units` times, within that for the
-//! sequence lengths CI runs (a few thousand).
+//! llvmpipe compile one kernel for 200 s, hence parts of at most 32 columns. Unrolling also matters
+//! for correctness there: llvmpipe silently ends a shader invocation's loops after 65535 iterations
+//! in total; an invocation here iterates about `3 * seq + 2 * seq * head_dim / units` times, within
+//! that for the sequence lengths CI runs (a few thousand).
 //!
 //! Layout: every 4-D tensor is `[batch, heads, seq, head_dim]` read through its strides (the last
 //! stride is 1); `lse` and `delta` are dense f32 `[batch * heads, seq_q]`. The cube grid is
