@@ -35,6 +35,32 @@ fn grads_of(model: &Gpt<B>, grads: &GradientsParams) -> Vec<(ParamId, Vec<f32>)>
     v.out
 }
 
+/// Loss and gradients of `a` and `b` (compute copies in `dtype`) on the same batch: the losses
+/// within 1e-5 (f32) / 2e-2 (f16) relative, every gradient within 1e-4 / 3e-2 of its largest value.
+fn assert_same_loss_and_gradients(what: &str, a: &Gpt<B>, b: &Gpt<B>, x: &Tensor<B, 2, Int>, y: &Tensor<B, 2, Int>, dtype: FloatDType) {
+    let run = |m: &Gpt<B>| {
+        let c = m.compute_copy(dtype);
+        let loss = c.forward_loss(x.clone(), y.clone());
+        let value = loss.clone().into_scalar().to_string().parse::<f64>().unwrap();
+        let g = GradientsParams::from_grads(loss.backward(), &c);
+        (value, grads_of(&c, &g))
+    };
+    let (la, ga) = run(a);
+    let (lb, gb) = run(b);
+    let tol = if dtype == FloatDType::F32 { 1e-5 } else { 2e-2 };
+    assert!((la - lb).abs() <= tol * la.abs(), "{what} {dtype:?}: loss {lb} vs {la}");
+    assert_eq!(ga.len(), gb.len(), "same parameters get gradients");
+    for ((id, p), (id2, q)) in ga.iter().zip(&gb) {
+        assert_eq!(id, id2);
+        let scale = p.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let err = p.iter().zip(q).fold(0.0f32, |m, (u, w)| m.max((u - w).abs()));
+        // f32: reduction order only. f16: the kernels keep RoPE, SwiGLU, the loss and the softmax
+        // statistics in f32 where the references round, so they may differ by a few f16 ulps.
+        let gtol = if dtype == FloatDType::F32 { 1e-4 } else { 3e-2 };
+        assert!(err <= gtol * scale, "{what} {dtype:?}: gradient of {id} differs by {err} (scale {scale})");
+    }
+}
+
 #[test]
 fn fused_and_reference_models_give_the_same_loss_and_gradients() {
     let _guard = common::serial();
@@ -49,27 +75,7 @@ fn fused_and_reference_models_give_the_same_loss_and_gradients() {
         fused.config.kernels = KernelsKind::Fused;
         let (x, y) = (ids(3, 13, vocab, 1), ids(3, 13, vocab, 2));
         for dtype in [FloatDType::F32, FloatDType::F16] {
-            let run = |m: &Gpt<B>| {
-                let c = m.compute_copy(dtype);
-                let loss = c.forward_loss(x.clone(), y.clone());
-                let value = loss.clone().into_scalar().to_string().parse::<f64>().unwrap();
-                let g = GradientsParams::from_grads(loss.backward(), &c);
-                (value, grads_of(&c, &g))
-            };
-            let (lr, gr) = run(&reference);
-            let (lf, gf) = run(&fused);
-            let tol = if dtype == FloatDType::F32 { 1e-5 } else { 2e-2 };
-            assert!((lr - lf).abs() <= tol * lr.abs(), "{mlp:?} {dtype:?}: loss {lf} (fused) vs {lr} (reference)");
-            assert_eq!(gr.len(), gf.len(), "same parameters get gradients");
-            for ((id, a), (id2, b)) in gr.iter().zip(&gf) {
-                assert_eq!(id, id2);
-                let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-                let err = a.iter().zip(b).fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
-                // f32: reduction order only. f16: the fused path keeps RoPE, SwiGLU and the loss in
-                // f32 where the reference rounds, so it may differ by a few f16 ulps of the scale.
-                let gtol = if dtype == FloatDType::F32 { 1e-4 } else { 3e-2 };
-                assert!(err <= gtol * scale, "{mlp:?} {dtype:?}: gradient of {id} differs by {err} (scale {scale})");
-            }
+            assert_same_loss_and_gradients(&format!("{mlp:?} reference vs fused"), &reference, &fused, &x, &y, dtype);
         }
     }
 }
@@ -123,25 +129,7 @@ fn flash_and_plain_attention_give_the_same_loss_and_gradients() {
         let mut flash = plain.clone();
         flash.config.attention = AttentionKind::Flash;
         for dtype in [FloatDType::F32, FloatDType::F16] {
-            let run = |m: &Gpt<B>| {
-                let c = m.compute_copy(dtype);
-                let loss = c.forward_loss(x.clone(), y.clone());
-                let value = loss.clone().into_scalar().to_string().parse::<f64>().unwrap();
-                let g = GradientsParams::from_grads(loss.backward(), &c);
-                (value, grads_of(&c, &g))
-            };
-            let (lp, gp) = run(&plain);
-            let (lf, gf) = run(&flash);
-            let tol = if dtype == FloatDType::F32 { 1e-5 } else { 2e-2 };
-            assert!((lp - lf).abs() <= tol * lp.abs(), "{kernels:?} {dtype:?}: loss {lf} (flash) vs {lp} (plain)");
-            assert_eq!(gp.len(), gf.len(), "same parameters get gradients");
-            for ((id, a), (id2, b)) in gp.iter().zip(&gf) {
-                assert_eq!(id, id2);
-                let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-                let err = a.iter().zip(b).fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
-                let gtol = if dtype == FloatDType::F32 { 1e-4 } else { 3e-2 };
-                assert!(err <= gtol * scale, "{kernels:?} {dtype:?}: gradient of {id} differs by {err} (scale {scale})");
-            }
+            assert_same_loss_and_gradients(&format!("{kernels:?} plain vs flash"), &plain, &flash, &x, &y, dtype);
         }
     }
 }
