@@ -38,7 +38,25 @@ cases!(
 /// and 128, batch and heads above 1: tensor cores in f16/bf16, the portable kernels in f32.
 #[test]
 #[ignore = "needs CUDA"]
-fn cuda_flash_attention() {
+fn cuda_flash_attention_bf16() {
+    flash_attention_cases(FloatDType::BF16);
+}
+
+/// As above in f16.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_f16() {
+    flash_attention_cases(FloatDType::F16);
+}
+
+/// As above in f32 (portable kernels; the reference avoids TF32 matmuls).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_f32() {
+    flash_attention_cases(FloatDType::F32);
+}
+
+fn flash_attention_cases(dtype: FloatDType) {
     let shapes = [
         (2, 3, 1, 64),
         (2, 3, 1, 128),
@@ -52,11 +70,9 @@ fn cuda_flash_attention() {
         (1, 2, 2048, 128),
         (1, 1, 300, 96),
     ];
-    for dtype in [FloatDType::BF16, FloatDType::F16, FloatDType::F32] {
-        kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes, true);
-        kernel_cases::flash_attention_strided::<B>(dtype, &CudaDevice::default());
-        kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default(), true);
-    }
+    kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes, true);
+    kernel_cases::flash_attention_strided::<B>(dtype, &CudaDevice::default());
+    kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default(), true);
 }
 
 /// The f16/bf16 inputs above do run on tensor cores (a fallback would pass the numeric checks).

@@ -14,8 +14,72 @@ use crate::launch::{contiguous, empty, vector_width};
 
 /// Largest head dimension the kernels accept (the portable kernels keep a row in registers).
 pub const MAX_HEAD_DIM: usize = 256;
-/// Warps per cube of the tensor-core kernels: 4 warps x 16 rows = 64 rows per block.
+/// Warps per cube of the tensor-core kernels.
 const PLANES: usize = 4;
+
+/// Tile shapes of the tensor-core kernels: row tiles of 16 per warp (`mt`, so a cube owns
+/// `PLANES * mt * 16` rows) and the depth of the blocks streamed past them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MmaTiles {
+    /// Forward: query row tiles per warp, keys per block.
+    pub fwd: (usize, usize),
+    /// dQ: query row tiles per warp, keys per block.
+    pub dq: (usize, usize),
+    /// dK/dV: key row tiles per warp, queries per block.
+    pub dkdv: (usize, usize),
+}
+
+/// Environment variable that overrides [`MmaTiles`] for tuning (read by `attention_bench`
+/// sweeps): `fwd=MTxBLOCK,dq=MTxBLOCK,dkdv=MTxBLOCK`, any subset, e.g. `fwd=2x64,dkdv=1x32`.
+pub const TILES_ENV: &str = "BURNMIX_FLASH_TILES";
+
+impl MmaTiles {
+    /// Defaults for the H100, per head_dim, from `attention_bench` sweeps at S = 4096 (see
+    /// docs/results.md). Two row tiles per warp halve the shared-memory reads per MMA (see
+    /// `mma.rs`). The block depths are set by registers: the forward keeps O (2 x 16 x hd f32)
+    /// and only 16 keys of S per block, because with 32 keys at hd 128 the kernel hit 255
+    /// registers and spilled (Nsight Compute: local-memory stalls on half of all cycles), and
+    /// 16 was faster at hd 64 as well. dQ and dK/dV hold two accumulators the size of O (or dQ
+    /// and S, dP), so they take one row tile where two would spill.
+    fn for_head_dim(hd: usize) -> Self {
+        if hd > 64 {
+            MmaTiles { fwd: (2, 16), dq: (1, 64), dkdv: (1, 32) }
+        } else {
+            MmaTiles { fwd: (2, 16), dq: (1, 32), dkdv: (2, 32) }
+        }
+    }
+
+    /// The defaults, with any override from [`TILES_ENV`].
+    pub(crate) fn get(hd: usize) -> Self {
+        let mut tiles = Self::for_head_dim(hd);
+        if let Ok(spec) = std::env::var(TILES_ENV) {
+            if let Err(e) = tiles.apply(&spec) {
+                panic!("{TILES_ENV}={spec:?}: {e}");
+            }
+        }
+        tiles
+    }
+
+    /// Applies `fwd=2x64,dq=1x32,...`: row tiles 1, 2 or 4; block depth a multiple of 16 from 16 to 128.
+    fn apply(&mut self, spec: &str) -> Result<(), String> {
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (name, value) = item.split_once('=').ok_or_else(|| format!("`{item}` is not NAME=MTxBLOCK"))?;
+            let (mt, block) = value.split_once('x').ok_or_else(|| format!("`{value}` is not MTxBLOCK (e.g. 2x64)"))?;
+            let mt: usize = mt.parse().map_err(|_| format!("row tiles `{mt}` is not a number"))?;
+            let block: usize = block.parse().map_err(|_| format!("block `{block}` is not a number"))?;
+            if ![1, 2, 4].contains(&mt) || block % 16 != 0 || !(16..=128).contains(&block) {
+                return Err(format!("`{item}`: row tiles must be 1, 2 or 4 and the block a multiple of 16 from 16 to 128"));
+            }
+            match name {
+                "fwd" => self.fwd = (mt, block),
+                "dq" => self.dq = (mt, block),
+                "dkdv" => self.dkdv = (mt, block),
+                _ => return Err(format!("unknown kernel `{name}`; expected fwd, dq or dkdv")),
+            }
+        }
+        Ok(())
+    }
+}
 
 /// Which kernels run for a given input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,11 +209,12 @@ pub(crate) fn forward<R: CubeRuntime>(
     let bh = (d.batch * d.heads) as u32;
     match path(&q) {
         FlashPath::TensorCores => {
+            // Tiles are copied with cp.async, which moves 4, 8 or 16 bytes: rows whose strides
+            // are odd (in elements) are copied to a contiguous layout first.
+            let (q, k, v) = if mma_width(&q, &k, &v, None, &d) < 2 { (contiguous(q), contiguous(k), contiguous(v)) } else { (q, k, v) };
             let width = mma_width(&q, &k, &v, None, &d);
-            let block_q = PLANES * 16;
-            // 64 keys per block: S (16 x 64) and O (16 x hd) accumulators stay within the register
-            // budget of 4 warps at hd = 128; shared memory holds K, V (64 x (hd + 8) each) and P.
-            let block_k = 64;
+            let (mt, block_k) = MmaTiles::get(d.hd).fwd;
+            let block_q = PLANES * mt * 16;
             unsafe {
                 flash_forward_mma::launch_unchecked::<R>(
                     &client,
@@ -167,6 +232,7 @@ pub(crate) fn forward<R: CubeRuntime>(
                     scale,
                     d.hd,
                     PLANES,
+                    mt,
                     block_k,
                     width,
                     causal,
@@ -266,15 +332,18 @@ pub(crate) fn backward<R: CubeRuntime>(
 
     match path(&q) {
         FlashPath::TensorCores => {
+            let (q, k, v, grad) = if mma_width(&q, &k, &v, Some(&grad), &d) < 2 {
+                (contiguous(q), contiguous(k), contiguous(v), contiguous(grad))
+            } else {
+                (q, k, v, grad)
+            };
             let width = mma_width(&q, &k, &v, Some(&grad), &d);
-            let block = PLANES * 16;
-            // dQ keeps q, dO fragments and the dQ accumulator in registers: 32 keys per block at
-            // hd = 128 (S and dP tiles 16 x 32), 64 below.
-            let block_k = if d.hd > 64 { 32 } else { 64 };
+            let tiles = MmaTiles::get(d.hd);
+            let (mt, block_k) = tiles.dq;
             unsafe {
                 flash_backward_dq_mma::launch_unchecked::<R>(
                     &client,
-                    CubeCount::Static(d.seq_q.div_ceil(block) as u32, bh, 1),
+                    CubeCount::Static(d.seq_q.div_ceil(PLANES * mt * 16) as u32, bh, 1),
                     CubeDim::new_2d(32, PLANES as u32),
                     width,
                     q.clone().into_tensor_arg(),
@@ -290,18 +359,18 @@ pub(crate) fn backward<R: CubeRuntime>(
                     scale,
                     d.hd,
                     PLANES,
+                    mt,
                     block_k,
                     width,
                     causal,
                     dtype,
                 );
             }
-            // dK/dV keeps two hd-wide accumulators per warp: 32 queries per block at hd = 128.
-            let block_q = if d.hd > 64 { 32 } else { 64 };
+            let (mt, block_q) = tiles.dkdv;
             unsafe {
                 flash_backward_dkdv_mma::launch_unchecked::<R>(
                     &client,
-                    CubeCount::Static(d.seq_k.div_ceil(block) as u32, bh, 1),
+                    CubeCount::Static(d.seq_k.div_ceil(PLANES * mt * 16) as u32, bh, 1),
                     CubeDim::new_2d(32, PLANES as u32),
                     width,
                     q.into_tensor_arg(),
@@ -318,6 +387,7 @@ pub(crate) fn backward<R: CubeRuntime>(
                     scale,
                     d.hd,
                     PLANES,
+                    mt,
                     block_q,
                     width,
                     causal,
@@ -373,4 +443,20 @@ pub(crate) fn backward<R: CubeRuntime>(
         }
     }
     (dq, dk, dv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MmaTiles;
+
+    #[test]
+    fn tile_override_parses_and_rejects_bad_specs() {
+        let mut t = MmaTiles::for_head_dim(128);
+        t.apply("fwd=1x64, dkdv=2x16").unwrap();
+        assert_eq!(t, MmaTiles { fwd: (1, 64), dkdv: (2, 16), ..MmaTiles::for_head_dim(128) });
+        for bad in ["fwd=3x64", "fwd=2x24", "fwd=2x256", "fwd=2", "bwd=1x64", "fwd"] {
+            let err = MmaTiles::for_head_dim(64).apply(bad).unwrap_err();
+            assert!(!err.is_empty(), "{bad}");
+        }
+    }
 }

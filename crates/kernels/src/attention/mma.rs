@@ -1,119 +1,182 @@
 //! Tensor-core FlashAttention kernels (CUDA, f16/bf16 inputs, f32 accumulation).
 //!
-//! Every cube has `planes` warps; each warp owns 16 rows (queries in the forward and dQ kernels,
-//! keys in the dK/dV kernel) and runs the block products with the warp-level
+//! Every cube has `planes` warps; each warp owns `mt` tiles of 16 rows (queries in the forward
+//! and dQ kernels, keys in the dK/dV kernel) and runs the block products with the warp-level
 //! `mma.sync.m16n8k16` instruction (CubeCL's manual MMA), holding accumulators in registers.
-//! Operands are staged in shared memory: K/V (or Q/dO) tiles are loaded by the whole cube with
-//! 128-bit global loads; the probabilities P and dS go through a small per-warp buffer to become
-//! the A operand of the next product (values cast to the input dtype, as FlashAttention-2 does).
-//! Rows of shared tiles are padded by 8 elements (16 bytes) so that the fragment loads of the
-//! eight row groups of a warp fall in different banks.
 //!
-//! Fragment positions come from `MmaDefinition::position_of_nth`. The forward's row statistics use
-//! the m16n8 accumulator layout of PTX: the lanes sharing a row are the four lanes of a quad
-//! (`lane ^ 1`, `lane ^ 2`), and a lane's elements lie in rows `r` and `r + 8`.
+//! - **Staging:** tiles of q, k, v, dO are copied from global memory by the whole cube with
+//!   vector loads and stored whole into shared memory, rows padded by 8 elements (16 bytes) so
+//!   that the eight row addresses of an `ldmatrix` phase fall in different banks.
+//! - **Fragments:** A and B operands come out of shared memory with `ldmatrix` (`.x4`: one
+//!   instruction gives a 16x16 A fragment or the B fragments of two 8-column tiles; `.trans` when
+//!   the tile is stored with the reduction dimension along its rows, as v in `P v`).
+//! - **P and dS stay in registers:** the m16n8 accumulator layout of two neighbouring 8-column
+//!   tiles is the m16k16 A-operand layout, so a score tile becomes the A operand of the next
+//!   product by a cast to the input dtype (as FlashAttention-2 does), with no shared-memory trip.
+//! - **Why `mt` row tiles per warp:** a B fragment loaded from shared memory feeds `mt` MMAs. With
+//!   one tile per warp, a cube reads `1/16` byte of shared memory per flop, which at the H100's
+//!   tensor rate (about 2048 dense f16 flops per SM per clock) is the whole shared-memory
+//!   bandwidth (128 bytes per clock); two tiles halve that.
+//!
+//! Register layout (PTX m16n8k16, lane = 4 * g + t): an accumulator tile holds rows `g` (vector 0)
+//! and `g + 8` (vector 1), columns `2t, 2t + 1`; an A fragment holds (row, columns) `(g, 2t..)`,
+//! `(g + 8, 2t..)`, `(g, 8 + 2t..)`, `(g + 8, 8 + 2t..)` in its four vectors. The lanes sharing a
+//! row are the four of a quad (`lane ^ 1`, `lane ^ 2`).
+//!
+//! Accumulator arrays are indexed `((m * tiles + t) * 2 + half)` for row tile `m`, 8-column tile
+//! `t` and row half `half` (rows `g` or `g + 8`); every index is a compile-time constant after
+//! unrolling, so they live in registers.
 
 use cubecl::prelude::*;
+use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::kernel::{neg_big, visible};
 
-/// Loads `rows` rows of `hd` elements starting at sequence row `row0` from `t` (base offset
-/// `base` and row stride `row_stride`, both in vectors of `width`) into `tile` with row pitch
-/// `pitch` (elements); rows past `seq` are zero.
+/// Shared-memory alignment of the staged tiles (`ldmatrix` reads 16-byte rows).
+const ALIGN: usize = 16;
+
+/// Copies rows `row0 .. row0 + rows` of `t` (base offset `base`, row stride `row_stride`, both in
+/// vectors) into `tile`, whose rows are `pitch` vectors apart; rows past `seq` are zero.
+/// `per_row` vectors make one row of head_dim.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_rows<F: Float, N: Size>(
     t: &Tensor<Vector<F, N>>,
-    tile: &mut SharedMemory<F>,
+    tile: &mut SharedMemory<Vector<F, N>>,
     base: usize,
     row_stride: usize,
     row0: usize,
     seq: usize,
     #[comptime] rows: usize,
-    #[comptime] hd: usize,
-    #[comptime] width: usize,
+    #[comptime] per_row: usize,
     #[comptime] pitch: usize,
 ) {
-    let per_row = comptime!(hd / width);
     let mut idx = UNIT_POS as usize;
-    while idx < rows * per_row {
+    while idx < comptime!(rows * per_row) {
         let r = idx / per_row;
         let c = idx % per_row;
         let s = row0 + r;
-        let dst = r * pitch + c * width;
+        let mut x = Vector::new(F::new(0.0));
         if s < seq {
-            let x = t[base + s * row_stride + c];
-            #[unroll]
-            for e in 0..width {
-                tile[dst + e] = x[e];
-            }
+            x = t[base + s * row_stride + c];
+        }
+        tile[r * pitch + c] = x;
+        idx += CUBE_DIM as usize;
+    }
+}
+
+/// Starts asynchronous copies (`cp.async`, one vector of `width` elements each) of rows
+/// `row0 .. row0 + rows` of `t` into `tile` from vector `off` on (rows `pitch` vectors apart);
+/// rows past `seq` are zeroed with plain stores. Completion is tracked by [`commit`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_rows<F: Float, N: Size>(
+    t: &Tensor<Vector<F, N>>,
+    tile: &mut SharedMemory<Vector<F, N>>,
+    off: usize,
+    base: usize,
+    row_stride: usize,
+    row0: usize,
+    seq: usize,
+    #[comptime] rows: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) {
+    let mut idx = UNIT_POS as usize;
+    while idx < comptime!(rows * per_row) {
+        let r = idx / per_row;
+        let c = idx % per_row;
+        let s = row0 + r;
+        let dst = off + r * pitch + c;
+        if s < seq {
+            let src = base + s * row_stride + c;
+            copy_async::<Vector<F, N>>(&t.slice(src, src + 1), &mut tile.slice_mut(dst, dst + 1), comptime!(width as u32));
         } else {
-            #[unroll]
-            for e in 0..width {
-                tile[dst + e] = F::new(0.0);
-            }
+            tile[dst] = Vector::new(F::new(0.0));
         }
         idx += CUBE_DIM as usize;
     }
 }
 
-/// A-operand fragment (16 x 16, row-major in `tile`) with its top-left corner at (`row0`, `col0`).
+/// Makes this unit's pending copies and stores count towards barrier `which` (0 or 1) of the
+/// pair, and arrives on it: its phase completes when every unit has arrived and every copy landed.
 #[cube]
-fn frag_a<F: Float, NA: Size>(tile: &SharedMemory<F>, row0: usize, col0: usize, #[comptime] pitch: usize) -> Array<Vector<F, NA>> {
-    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let lane = UNIT_POS_PLANE;
-    let count = def.elems_per_lane(cmma::MatrixIdent::A);
-    let width = def.vector_size(cmma::MatrixIdent::A);
-    let vectors = comptime!(count / width);
-    let mut regs = Array::<Vector<F, NA>>::new(vectors);
-    #[unroll]
-    for i in 0..vectors {
-        let mut reg = Vector::empty();
-        #[unroll]
-        for e in 0..width {
-            let (r, c) = def.position_of_nth(lane, (i * width + e) as u32, cmma::MatrixIdent::A);
-            reg[e] = tile[(row0 + usize::cast_from(r)) * pitch + col0 + usize::cast_from(c)];
-        }
-        regs[i] = reg;
+fn commit(bar0: &Shared<Barrier>, bar1: &Shared<Barrier>, which: usize) {
+    if which == 0 {
+        bar0.commit_copy_async();
+        let _token = bar0.arrive();
+    } else {
+        bar1.commit_copy_async();
+        let _token = bar1.arrive();
     }
-    regs
 }
 
-/// B-operand fragment (16 x 8). `transposed`: B[k][n] = tile[n0 + n][k0 + k] (a row-major tile
-/// of the rows being multiplied against, like K in `q k^T`); otherwise B[k][n] = tile[k0 + k][n0 + n].
+/// Waits for the copies of block `index`, committed to barrier `index % 2`: its
+/// `(index / 2)`-th phase.
 #[cube]
-fn frag_b<F: Float, NB: Size>(
-    tile: &SharedMemory<F>,
+fn wait_block(bar0: &Shared<Barrier>, bar1: &Shared<Barrier>, index: usize) {
+    let parity = ((index / 2) % 2) as u32;
+    if index % 2 == 0 {
+        bar0.wait_parity(parity);
+    } else {
+        bar1.wait_parity(parity);
+    }
+}
+
+/// A fragment (16 x 16) of a row-major tile, top-left corner at (`row0`, `col0`), by one
+/// `ldmatrix.x4`: lane `l` gives the address of row `l % 16`, columns `8 * (l / 16) ..`.
+#[cube]
+fn load_a<F: Float, N: Size, NA: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    col0: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) -> Array<Vector<F, NA>> {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE as usize;
+    let at = (row0 + lane % 16) * pitch + (col0 + (lane / 16) * 8) / width;
+    def.load_matrix::<Vector<F, N>, NA>(&tile.slice(at, at + 1), cmma::MatrixIdent::A, 4usize, false)
+}
+
+/// B fragments (16 x 8) of the two 8-column tiles `n0 ..` and `n0 + 8 ..` of the product's
+/// columns, reduction rows `k0 .. k0 + 16`, of the tile starting at vector `off`, by one `ldmatrix.x4`; vectors 0-1 are the first tile's,
+/// 2-3 the second's. `n_rows`: the tile stores B transposed (`B[k][n] = tile[n][k]`, like k in
+/// `q k^T`), read as is; otherwise `B[k][n] = tile[k][n]` (like v in `P v`), read with `.trans`.
+#[cube]
+fn load_b2<F: Float, N: Size, NB: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    off: usize,
     k0: usize,
     n0: usize,
     #[comptime] pitch: usize,
-    #[comptime] transposed: bool,
+    #[comptime] width: usize,
+    #[comptime] n_rows: bool,
 ) -> Array<Vector<F, NB>> {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let lane = UNIT_POS_PLANE;
-    let count = def.elems_per_lane(cmma::MatrixIdent::B);
-    let width = def.vector_size(cmma::MatrixIdent::B);
-    let vectors = comptime!(count / width);
-    let mut regs = Array::<Vector<F, NB>>::new(vectors);
-    #[unroll]
-    for i in 0..vectors {
-        let mut reg = Vector::empty();
-        #[unroll]
-        for e in 0..width {
-            let (r, c) = def.position_of_nth(lane, (i * width + e) as u32, cmma::MatrixIdent::B);
-            let (r, c) = (usize::cast_from(r), usize::cast_from(c));
-            if comptime!(transposed) {
-                reg[e] = tile[(n0 + c) * pitch + k0 + r];
-            } else {
-                reg[e] = tile[(k0 + r) * pitch + n0 + c];
-            }
-        }
-        regs[i] = reg;
+    let lane = UNIT_POS_PLANE as usize;
+    // Lanes 8i .. 8i + 7 address the rows of 8 x 8 matrix i: (n tile i / 2, k half i % 2).
+    let (r8, i) = (lane % 8, lane / 8);
+    let mut at = off + (k0 + (i % 2) * 8 + r8) * pitch + (n0 + (i / 2) * 8) / width;
+    if comptime!(n_rows) {
+        at = off + (n0 + (i / 2) * 8 + r8) * pitch + (k0 + (i % 2) * 8) / width;
     }
-    regs
+    def.load_matrix::<Vector<F, N>, NB>(&tile.slice(at, at + 1), cmma::MatrixIdent::B, 4usize, comptime!(!n_rows))
 }
 
-/// `acc[tile] += a * b` for the accumulator tile starting at vector `offset`.
+/// Vectors `index * vectors ..` of a flat array of fragments.
+#[cube]
+fn part<E: Scalar, NA: Size>(all: &Array<Vector<E, NA>>, index: usize, #[comptime] vectors: usize) -> Array<Vector<E, NA>> {
+    let mut out = Array::<Vector<E, NA>>::new(vectors);
+    #[unroll]
+    for i in 0..vectors {
+        out[i] = all[index * vectors + i];
+    }
+    out
+}
+
+/// `acc[offset .. offset + 2] += a * b` (one m16n8k16 product).
 #[cube]
 fn mma<F: Float, NA: Size, NB: Size, NC: Size>(
     a: &Array<Vector<F, NA>>,
@@ -122,33 +185,299 @@ fn mma<F: Float, NA: Size, NB: Size, NC: Size>(
     offset: usize,
 ) {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let vectors = def.vectors_per_lane(cmma::MatrixIdent::Accumulator);
-    let mut c = Array::<Vector<f32, NC>>::new(vectors);
-    #[unroll]
-    for i in 0..vectors {
-        c[i] = acc[offset + i];
-    }
+    let mut c = Array::<Vector<f32, NC>>::new(2usize);
+    c[0] = acc[offset];
+    c[1] = acc[offset + 1];
     let d = def.execute(a, b, &c);
+    acc[offset] = d[0];
+    acc[offset + 1] = d[1];
+}
+
+/// Zeroed accumulators: `len` vectors.
+#[cube]
+fn zeros<NC: Size>(#[comptime] len: usize) -> Array<Vector<f32, NC>> {
+    let mut acc = Array::<Vector<f32, NC>>::new(len);
     #[unroll]
-    for i in 0..vectors {
-        acc[offset + i] = d[i];
+    for i in 0..len {
+        acc[i] = Vector::new(0.0);
+    }
+    acc
+}
+
+/// `acc += a_m * B` over a 16-deep reduction step for every row tile `m` and the two column
+/// tiles `pair * 2, pair * 2 + 1` whose B fragments are `b` (from [`load_b2`]). `a` holds the
+/// `mt` A fragments (4 vectors each), `tiles` column tiles per row tile in `acc`.
+#[cube]
+fn mma_pair<F: Float, NA: Size, NB: Size, NC: Size>(
+    a: &Array<Vector<F, NA>>,
+    b: &Array<Vector<F, NB>>,
+    acc: &mut Array<Vector<f32, NC>>,
+    pair: usize,
+    #[comptime] mt: usize,
+    #[comptime] tiles: usize,
+) {
+    #[unroll]
+    for half in 0..2usize {
+        let bf = part::<F, NB>(b, half, 2usize);
+        #[unroll]
+        for m in 0..mt {
+            let af = part::<F, NA>(a, m, 4usize);
+            mma::<F, NA, NB, NC>(&af, &bf, acc, ((m * tiles) + pair * 2 + half) * 2);
+        }
     }
 }
 
-/// Copies fragment `index` (of `vectors` vectors) out of a flat array of fragments.
+/// The A fragments (for every row tile) of reduction step `kk` taken from f32 score tiles
+/// `2 kk` and `2 kk + 1` in registers, cast to the input dtype.
 #[cube]
-fn part<F: Float, NA: Size>(all: &Array<Vector<F, NA>>, index: usize, #[comptime] vectors: usize) -> Array<Vector<F, NA>> {
-    let mut out = Array::<Vector<F, NA>>::new(vectors);
+fn scores_as_a<F: Float, NA: Size, NC: Size>(
+    s: &Array<Vector<f32, NC>>,
+    kk: usize,
+    #[comptime] mt: usize,
+    #[comptime] tiles: usize,
+) -> Array<Vector<F, NA>> {
+    let mut out = Array::<Vector<F, NA>>::new(comptime!(mt * 4));
     #[unroll]
-    for i in 0..vectors {
-        out[i] = all[index * vectors + i];
+    for m in 0..mt {
+        #[unroll]
+        for j in 0..4usize {
+            // A vectors 0, 1: rows g, g + 8 of tile 2 kk; 2, 3: of tile 2 kk + 1.
+            let x = s[(m * tiles + 2 * kk + j / 2) * 2 + j % 2];
+            let mut y = Vector::<F, NA>::empty();
+            y[0] = F::cast_from(x[0]);
+            y[1] = F::cast_from(x[1]);
+            out[m * 4 + j] = y;
+        }
     }
     out
 }
 
+/// The `mt` A fragments of reduction step `kk` of this warp's rows (`row0 ..`) of a staged tile.
+#[cube]
+fn rows_as_a<F: Float, N: Size, NA: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    kk: usize,
+    #[comptime] mt: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) -> Array<Vector<F, NA>> {
+    let mut out = Array::<Vector<F, NA>>::new(comptime!(mt * 4));
+    #[unroll]
+    for m in 0..mt {
+        let f = load_a::<F, N, NA>(tile, row0 + m * 16, kk * 16, pitch, width);
+        #[unroll]
+        for i in 0..4usize {
+            out[m * 4 + i] = f[i];
+        }
+    }
+    out
+}
+
+/// `acc += A B` over `steps` 16-deep reduction steps for `mt` row tiles and `tiles` column tiles,
+/// A from this warp's rows of `a_tile`, B from the tile at vector `b_off` of `b_tile` (see
+/// [`load_b2`] for `n_rows`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn block_product<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
+    a_tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    b_tile: &SharedMemory<Vector<F, N>>,
+    b_off: usize,
+    acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] steps: usize,
+    #[comptime] tiles: usize,
+    #[comptime] mt: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] n_rows: bool,
+) {
+    #[unroll]
+    for kk in 0..steps {
+        let a = rows_as_a::<F, N, NA>(a_tile, row0, kk, mt, pitch, width);
+        #[unroll]
+        for pair in 0..comptime!(tiles / 2) {
+            let b = load_b2::<F, N, NB>(b_tile, b_off, kk * 16, pair * 16, pitch, width, n_rows);
+            mma_pair::<F, NA, NB, NC>(&a, &b, acc, pair, mt, tiles);
+        }
+    }
+}
+
+/// `acc += S B` where the A operand S is `s` (f32 score tiles in registers, `s_tiles` per row
+/// tile), and B comes from the tile at vector `b_off` of `b_tile`, with the reduction along its
+/// rows (`.trans` loads).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn scores_product<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
+    s: &Array<Vector<f32, NC>>,
+    b_tile: &SharedMemory<Vector<F, N>>,
+    b_off: usize,
+    acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] s_tiles: usize,
+    #[comptime] tiles: usize,
+    #[comptime] mt: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) {
+    #[unroll]
+    for kk in 0..comptime!(s_tiles / 2) {
+        let a = scores_as_a::<F, NA, NC>(s, kk, mt, s_tiles);
+        #[unroll]
+        for pair in 0..comptime!(tiles / 2) {
+            let b = load_b2::<F, N, NB>(b_tile, b_off, kk * 16, pair * 16, pitch, width, false);
+            mma_pair::<F, NA, NB, NC>(&a, &b, acc, pair, mt, tiles);
+        }
+    }
+}
+
+/// Writes accumulators (`mt` row tiles of `hd / 8` column tiles) times `factor` to rows
+/// `row0 ..` of `out` (element strides), rows below `seq`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_rows<F: Float, NC: Size>(
+    acc: &Array<Vector<f32, NC>>,
+    out: &mut Tensor<F>,
+    base: usize,
+    row0: usize,
+    seq: usize,
+    factor: f32,
+    #[comptime] mt: usize,
+    #[comptime] hd: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    let tiles = comptime!(hd / 8);
+    let rs = out.stride(2);
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let row = row0 + m * 16 + half * 8 + g;
+            if row < seq {
+                #[unroll]
+                for t in 0..tiles {
+                    let x = acc[(m * tiles + t) * 2 + half];
+                    let at = base + row * rs + t * 8 + t4 * 2;
+                    out[at] = F::cast_from(x[0] * factor);
+                    out[at + 1] = F::cast_from(x[1] * factor);
+                }
+            }
+        }
+    }
+}
+
+/// Starts the copies of query block rows `i0 ..` into buffer `which` (0 or 1) of the dK/dV
+/// kernel: q and dO rows, and the log-sum-exp and delta of those rows (`rows0` is the first row of
+/// this batch and head in `lse` and `delta`); rows past `seq_q` are zero.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_query_block<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    qt: &mut SharedMemory<Vector<F, N>>,
+    gt: &mut SharedMemory<Vector<F, N>>,
+    lse_t: &mut SharedMemory<f32>,
+    delta_t: &mut SharedMemory<f32>,
+    which: usize,
+    qbase: usize,
+    qstride: usize,
+    gbase: usize,
+    gstride: usize,
+    rows0: usize,
+    i0: usize,
+    seq_q: usize,
+    #[comptime] block_q: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) {
+    let off = which * comptime!(block_q * pitch);
+    issue_rows(q, qt, off, qbase, qstride, i0, seq_q, block_q, per_row, pitch, width);
+    issue_rows(grad, gt, off, gbase, gstride, i0, seq_q, block_q, per_row, pitch, width);
+    let mut r = UNIT_POS as usize;
+    while r < block_q {
+        let dst = which * block_q + r;
+        if i0 + r < seq_q {
+            let src = rows0 + i0 + r;
+            copy_async::<f32>(&lse.slice(src, src + 1), &mut lse_t.slice_mut(dst, dst + 1), 1u32);
+            copy_async::<f32>(&delta.slice(src, src + 1), &mut delta_t.slice_mut(dst, dst + 1), 1u32);
+        } else {
+            lse_t[dst] = 0.0;
+            delta_t[dst] = 0.0;
+        }
+        r += CUBE_DIM as usize;
+    }
+}
+
+/// Whether the keys `j0 .. j0 + block_k` meet a masked position for query rows from `row0` on:
+/// keys past `seq_k`, or (causal) keys past the first row. Uniform across a warp.
+#[cube]
+fn edge_block(row0: usize, j0: usize, seq_k: usize, #[comptime] block_k: usize, #[comptime] causal: bool) -> bool {
+    let mut edge = j0 + block_k > seq_k;
+    if comptime!(causal) {
+        edge = edge || j0 + block_k > row0 + 1;
+    }
+    edge
+}
+
+/// Sets the (scaled) scores `s` of rows `row0 ..` and keys `j0 ..` that are not visible to a
+/// large negative value (`exp` of it minus any row maximum is 0). `s_tiles` key tiles per row tile.
+#[cube]
+fn mask_scores<NC: Size>(
+    s: &mut Array<Vector<f32, NC>>,
+    row0: usize,
+    j0: usize,
+    seq_k: usize,
+    #[comptime] mt: usize,
+    #[comptime] s_tiles: usize,
+    #[comptime] causal: bool,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let row = row0 + m * 16 + half * 8 + g;
+            #[unroll]
+            for t in 0..s_tiles {
+                let at = (m * s_tiles + t) * 2 + half;
+                let mut x = s[at];
+                #[unroll]
+                for e in 0..2usize {
+                    if !visible(row, j0 + t * 8 + t4 * 2 + e, seq_k, causal) {
+                        x[e] = neg_big();
+                    }
+                }
+                s[at] = x;
+            }
+        }
+    }
+}
+
+/// Number of key blocks a query block starting at `q0` (of `block_q` rows) visits.
+#[cube]
+fn key_blocks(q0: usize, seq_q: usize, seq_k: usize, #[comptime] block_q: usize, #[comptime] block_k: usize, #[comptime] causal: bool) -> usize {
+    let mut blocks = seq_k.div_ceil(block_k);
+    if comptime!(causal) {
+        let mut last = q0 + block_q;
+        if seq_q < last {
+            last = seq_q;
+        }
+        let needed = last.div_ceil(block_k);
+        if needed < blocks {
+            blocks = needed;
+        }
+    }
+    blocks
+}
+
 /// Tensor-core forward. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp
-/// owns 16 query rows. Strides of q/k/v are in vectors of `width`, those of `out` in elements.
-#[cube(launch_unchecked)]
+/// owns `16 * mt` query rows. Strides of q/k/v are in vectors of `width`, those of `out` in
+/// elements. Query blocks run last-first so that causal's longest rows start first.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_forward_mma<F: Float, N: Size>(
@@ -163,6 +492,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     scale: f32,
     #[comptime] hd: usize,
     #[comptime] planes: usize,
+    #[comptime] mt: usize,
     #[comptime] block_k: usize,
     #[comptime] width: usize,
     #[comptime] causal: bool,
@@ -172,214 +502,140 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
     let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
     let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
-    let va = def.vectors_per_lane(cmma::MatrixIdent::A);
-    let vc = def.vectors_per_lane(cmma::MatrixIdent::Accumulator);
-    let nc = def.vector_size(cmma::MatrixIdent::Accumulator);
 
-    let lane = UNIT_POS_PLANE;
-    let plane = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
-    let block_q = comptime!(planes * 16);
-    let qb = CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize;
-    let q0 = qb * block_q;
-    let my0 = q0 + plane * 16;
-
-    let pitch = comptime!(hd + 8);
-    let ppitch = comptime!(block_k + 8);
-    let rows_kt = comptime!(if block_k > block_q { block_k } else { block_q });
-    let mut kt = SharedMemory::<F>::new(comptime!(rows_kt * pitch));
-    let mut vt = SharedMemory::<F>::new(comptime!(block_k * pitch));
-    let mut pt = SharedMemory::<F>::new(comptime!(planes * 16 * ppitch));
-
-    // This warp's Q rows as A fragments, one per 16 columns of head_dim, kept in registers.
-    let ksteps = comptime!(hd / 16);
-    stage_rows(q, &mut kt, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, hd, width, pitch);
-    sync_cube();
-    let mut qa = Array::<Vector<F, NA>>::new(comptime!(ksteps * va));
-    #[unroll]
-    for kk in 0..ksteps {
-        let f = frag_a::<F, NA>(&kt, plane * 16, kk * 16, pitch);
-        #[unroll]
-        for i in 0..va {
-            qa[kk * va + i] = f[i];
-        }
-    }
+    let block_q = comptime!(planes * mt * 16);
+    let q0 = (CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize) * block_q;
+    let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
+    let pitch = comptime!((hd + 8) / width);
+    let per_row = comptime!(hd / width);
+    // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
+    let tile = comptime!(block_k * pitch);
+    let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    stage_rows(q, &mut qt, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, per_row, pitch);
+    let (kbase, kstride) = ((b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width);
+    let (vbase, vstride) = ((b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width);
 
     let s_tiles = comptime!(block_k / 8);
     let o_tiles = comptime!(hd / 8);
-    let p_steps = comptime!(block_k / 16);
-    let mut o_acc = Array::<Vector<f32, NC>>::new(comptime!(o_tiles * vc));
+    let mut o_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
+    let mut m_run = Array::<f32>::new(comptime!(mt * 2));
+    let mut l_run = Array::<f32>::new(comptime!(mt * 2));
     #[unroll]
-    for i in 0..comptime!(o_tiles * vc) {
-        o_acc[i] = Vector::new(0.0);
+    for i in 0..comptime!(mt * 2) {
+        m_run[i] = neg_big();
+        l_run[i] = 0.0;
     }
-    let mut m_lo = neg_big();
-    let mut m_hi = neg_big();
-    let mut l_lo = 0.0f32;
-    let mut l_hi = 0.0f32;
 
-    let mut key_blocks = seq_k.div_ceil(block_k);
-    if comptime!(causal) {
-        let mut last = q0 + block_q;
-        if seq_q < last {
-            last = seq_q;
-        }
-        let needed = last.div_ceil(block_k);
-        if needed < key_blocks {
-            key_blocks = needed;
-        }
+    let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
+    sync_cube();
+    if blocks > 0 {
+        issue_rows(k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width);
+        issue_rows(v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width);
+        commit(&bar0, &bar1, 0);
     }
-    for kb in 0..key_blocks {
+    for kb in 0..blocks {
         let j0 = kb * block_k;
+        let cur = (kb % 2) * tile;
+        if kb + 1 < blocks {
+            let next = ((kb + 1) % 2) * tile;
+            issue_rows(k, &mut kt, next, kbase, kstride, j0 + block_k, seq_k, block_k, per_row, pitch, width);
+            issue_rows(v, &mut vt, next, vbase, vstride, j0 + block_k, seq_k, block_k, per_row, pitch, width);
+            commit(&bar0, &bar1, (kb + 1) % 2);
+        }
+        wait_block(&bar0, &bar1, kb);
+
+        // S = q k^T for this warp's rows and the block's keys.
+        let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        block_product::<F, N, NA, NB, NC>(&qt, w0, &kt, cur, &mut s, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
+
+        // Scaled scores; the mask only where this warp's rows meet the block's edge (past seq_k
+        // or, causal, above the diagonal): the test is uniform across the warp.
+        #[unroll]
+        for i in 0..comptime!(mt * s_tiles * 2) {
+            s[i] = s[i] * Vector::new(scale);
+        }
+        if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
+            mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
+        }
+
+        // Online softmax, one register row (half of a row tile) at a time.
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for half in 0..2usize {
+                let r = m * 2 + half;
+                let mut mx = m_run[r];
+                #[unroll]
+                for t in 0..s_tiles {
+                    let x = s[(m * s_tiles + t) * 2 + half];
+                    mx = f32::max(mx, f32::max(x[0], x[1]));
+                }
+                mx = f32::max(mx, plane_shuffle_xor(mx, 1));
+                mx = f32::max(mx, plane_shuffle_xor(mx, 2));
+                let mut sum = 0.0f32;
+                #[unroll]
+                for t in 0..s_tiles {
+                    let at = (m * s_tiles + t) * 2 + half;
+                    let mut x = s[at];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let p = (x[e] - mx).exp();
+                        x[e] = p;
+                        sum += p;
+                    }
+                    s[at] = x;
+                }
+                sum += plane_shuffle_xor(sum, 1);
+                sum += plane_shuffle_xor(sum, 2);
+                let alpha = (m_run[r] - mx).exp();
+                l_run[r] = l_run[r] * alpha + sum;
+                m_run[r] = mx;
+                #[unroll]
+                for t in 0..o_tiles {
+                    let at = (m * o_tiles + t) * 2 + half;
+                    o_acc[at] = o_acc[at] * Vector::new(alpha);
+                }
+            }
+        }
+
+        // O += P v, P from registers.
+        scores_product::<F, N, NA, NB, NC>(&s, &vt, cur, &mut o_acc, s_tiles, o_tiles, mt, pitch, width);
+        // Every warp is done with this buffer before the next iteration refills it.
         sync_cube();
-        stage_rows(k, &mut kt, (b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width, j0, seq_k, block_k, hd, width, pitch);
-        stage_rows(v, &mut vt, (b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width, j0, seq_k, block_k, hd, width, pitch);
-        sync_cube();
+    }
 
-        // S = Q K^T for this warp's 16 rows and the block's keys.
-        let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
+    // O / l and the log-sum-exp.
+    #[unroll]
+    for m in 0..mt {
         #[unroll]
-        for i in 0..comptime!(s_tiles * vc) {
-            s_acc[i] = Vector::new(0.0);
-        }
-        #[unroll]
-        for kk in 0..ksteps {
-            let a = part::<F, NA>(&qa, kk, va);
-            #[unroll]
-            for t in 0..s_tiles {
-                let bf = frag_b::<F, NB>(&kt, kk * 16, t * 8, pitch, true);
-                mma::<F, NA, NB, NC>(&a, &bf, &mut s_acc, t * vc);
-            }
-        }
-
-        // Masked, scaled scores and the new row maxima.
-        let mut mx_lo = m_lo;
-        let mut mx_hi = m_hi;
-        #[unroll]
-        for t in 0..s_tiles {
-            #[unroll]
-            for i in 0..vc {
-                let mut x = s_acc[t * vc + i];
-                #[unroll]
-                for e in 0..nc {
-                    let (r, c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-                    let (r, c) = (usize::cast_from(r), usize::cast_from(c));
-                    let mut s = x[e] * scale;
-                    if !visible(my0 + r, j0 + t * 8 + c, seq_k, causal) {
-                        s = neg_big();
-                    }
-                    x[e] = s;
-                    if r < 8 {
-                        mx_lo = f32::max(mx_lo, s);
-                    } else {
-                        mx_hi = f32::max(mx_hi, s);
-                    }
-                }
-                s_acc[t * vc + i] = x;
-            }
-        }
-        mx_lo = f32::max(mx_lo, plane_shuffle_xor(mx_lo, 1));
-        mx_lo = f32::max(mx_lo, plane_shuffle_xor(mx_lo, 2));
-        mx_hi = f32::max(mx_hi, plane_shuffle_xor(mx_hi, 1));
-        mx_hi = f32::max(mx_hi, plane_shuffle_xor(mx_hi, 2));
-
-        // P = exp(S - max) into the warp's staging rows; row sums.
-        let mut sum_lo = 0.0f32;
-        let mut sum_hi = 0.0f32;
-        #[unroll]
-        for t in 0..s_tiles {
-            #[unroll]
-            for i in 0..vc {
-                let x = s_acc[t * vc + i];
-                #[unroll]
-                for e in 0..nc {
-                    let (r, c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-                    let (r, c) = (usize::cast_from(r), usize::cast_from(c));
-                    let p = (x[e] - select(r < 8, mx_lo, mx_hi)).exp();
-                    if r < 8 {
-                        sum_lo += p;
-                    } else {
-                        sum_hi += p;
-                    }
-                    pt[(plane * 16 + r) * ppitch + t * 8 + c] = F::cast_from(p);
-                }
-            }
-        }
-        sum_lo += plane_shuffle_xor(sum_lo, 1);
-        sum_lo += plane_shuffle_xor(sum_lo, 2);
-        sum_hi += plane_shuffle_xor(sum_hi, 1);
-        sum_hi += plane_shuffle_xor(sum_hi, 2);
-        let alpha_lo = (m_lo - mx_lo).exp();
-        let alpha_hi = (m_hi - mx_hi).exp();
-        l_lo = l_lo * alpha_lo + sum_lo;
-        l_hi = l_hi * alpha_hi + sum_hi;
-        m_lo = mx_lo;
-        m_hi = mx_hi;
-        #[unroll]
-        for t in 0..o_tiles {
-            #[unroll]
-            for i in 0..vc {
-                let mut x = o_acc[t * vc + i];
-                #[unroll]
-                for e in 0..nc {
-                    let (r, _c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-                    x[e] *= select(r < 8, alpha_lo, alpha_hi);
-                }
-                o_acc[t * vc + i] = x;
-            }
-        }
-        sync_plane();
-
-        // O += P V.
-        let mut pa = Array::<Vector<F, NA>>::new(comptime!(p_steps * va));
-        #[unroll]
-        for kk in 0..p_steps {
-            let f = frag_a::<F, NA>(&pt, plane * 16, kk * 16, ppitch);
-            #[unroll]
-            for i in 0..va {
-                pa[kk * va + i] = f[i];
-            }
-        }
-        #[unroll]
-        for kk in 0..p_steps {
-            let a = part::<F, NA>(&pa, kk, va);
+        for half in 0..2usize {
+            let r = m * 2 + half;
+            let inv = 1.0f32 / l_run[r];
             #[unroll]
             for t in 0..o_tiles {
-                let bf = frag_b::<F, NB>(&vt, kk * 16, t * 8, pitch, false);
-                mma::<F, NA, NB, NC>(&a, &bf, &mut o_acc, t * vc);
+                let at = (m * o_tiles + t) * 2 + half;
+                o_acc[at] = o_acc[at] * Vector::new(inv);
+            }
+            let row = q0 + w0 + m * 16 + half * 8 + g;
+            if t4 == 0 && row < seq_q {
+                lse[bh * seq_q + row] = m_run[r] + l_run[r].ln();
             }
         }
     }
-
-    let inv_lo = 1.0f32 / l_lo;
-    let inv_hi = 1.0f32 / l_hi;
-    let obase = b * out.stride(0) + h * out.stride(1);
-    let os = out.stride(2);
-    #[unroll]
-    for t in 0..o_tiles {
-        #[unroll]
-        for i in 0..vc {
-            let x = o_acc[t * vc + i];
-            #[unroll]
-            for e in 0..nc {
-                let (r, c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-                let (r, c) = (usize::cast_from(r), usize::cast_from(c));
-                let row = my0 + r;
-                if row < seq_q {
-                    out[obase + row * os + t * 8 + c] = F::cast_from(x[e] * select(r < 8, inv_lo, inv_hi));
-                    if t == 0 && c == 0 {
-                        lse[bh * seq_q + row] = select(r < 8, m_lo + l_lo.ln(), m_hi + l_hi.ln());
-                    }
-                }
-            }
-        }
-    }
+    store_rows::<F, NC>(&o_acc, out, b * out.stride(0) + h * out.stride(1), q0 + w0, seq_q, 1.0, mt, hd);
 }
 
-/// Tensor-core dQ. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp owns 16
-/// query rows and keeps their q and dO fragments in registers.
-#[cube(launch_unchecked)]
+/// Tensor-core dQ. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp owns
+/// `16 * mt` query rows; q and dO stay staged in shared memory, k/v blocks stream through.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
@@ -396,6 +652,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     scale: f32,
     #[comptime] hd: usize,
     #[comptime] planes: usize,
+    #[comptime] mt: usize,
     #[comptime] block_k: usize,
     #[comptime] width: usize,
     #[comptime] causal: bool,
@@ -405,168 +662,117 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
     let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
     let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
-    let va = def.vectors_per_lane(cmma::MatrixIdent::A);
-    let vc = def.vectors_per_lane(cmma::MatrixIdent::Accumulator);
-    let nc = def.vector_size(cmma::MatrixIdent::Accumulator);
 
-    let lane = UNIT_POS_PLANE;
-    let plane = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_PLANE as usize;
+    let g = lane / 4;
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
-    let block_q = comptime!(planes * 16);
-    let qb = CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize;
-    let q0 = qb * block_q;
-    let my0 = q0 + plane * 16;
+    let block_q = comptime!(planes * mt * 16);
+    let q0 = (CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize) * block_q;
+    let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
+    let pitch = comptime!((hd + 8) / width);
+    let per_row = comptime!(hd / width);
+    // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
+    let tile = comptime!(block_k * pitch);
+    let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
+    let mut gt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let (kbase, kstride) = ((b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width);
+    let (vbase, vstride) = ((b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width);
+    stage_rows(q, &mut qt, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, per_row, pitch);
+    stage_rows(grad, &mut gt, (b * grad.stride(0) + h * grad.stride(1)) / width, grad.stride(2) / width, q0, seq_q, block_q, per_row, pitch);
 
-    let pitch = comptime!(hd + 8);
-    let ppitch = comptime!(block_k + 8);
-    let rows_kt = comptime!(if block_k > block_q { block_k } else { block_q });
-    let mut kt = SharedMemory::<F>::new(comptime!(rows_kt * pitch));
-    let mut vt = SharedMemory::<F>::new(comptime!(rows_kt * pitch));
-    let mut pt = SharedMemory::<F>::new(comptime!(planes * 16 * ppitch));
-
-    let ksteps = comptime!(hd / 16);
-    stage_rows(q, &mut kt, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, hd, width, pitch);
-    stage_rows(grad, &mut vt, (b * grad.stride(0) + h * grad.stride(1)) / width, grad.stride(2) / width, q0, seq_q, block_q, hd, width, pitch);
-    sync_cube();
-    let mut qa = Array::<Vector<F, NA>>::new(comptime!(ksteps * va));
-    let mut ga = Array::<Vector<F, NA>>::new(comptime!(ksteps * va));
+    // The log-sum-exp and delta of this lane's rows.
+    let mut lse_r = Array::<f32>::new(comptime!(mt * 2));
+    let mut d_r = Array::<f32>::new(comptime!(mt * 2));
     #[unroll]
-    for kk in 0..ksteps {
-        let f = frag_a::<F, NA>(&kt, plane * 16, kk * 16, pitch);
-        let g = frag_a::<F, NA>(&vt, plane * 16, kk * 16, pitch);
+    for m in 0..mt {
         #[unroll]
-        for i in 0..va {
-            qa[kk * va + i] = f[i];
-            ga[kk * va + i] = g[i];
-        }
-    }
-    // This lane's two rows: their log-sum-exp and delta.
-    let mut lse_lo = 0.0f32;
-    let mut lse_hi = 0.0f32;
-    let mut d_lo = 0.0f32;
-    let mut d_hi = 0.0f32;
-    #[unroll]
-    for i in 0..vc {
-        #[unroll]
-        for e in 0..nc {
-            let (r, _c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-            let row = my0 + usize::cast_from(r);
+        for half in 0..2usize {
+            let row = q0 + w0 + m * 16 + half * 8 + g;
+            let mut x = 0.0f32;
+            let mut y = 0.0f32;
             if row < seq_q {
-                if r < 8 {
-                    lse_lo = lse[bh * seq_q + row];
-                    d_lo = delta[bh * seq_q + row];
-                } else {
-                    lse_hi = lse[bh * seq_q + row];
-                    d_hi = delta[bh * seq_q + row];
-                }
+                x = lse[bh * seq_q + row];
+                y = delta[bh * seq_q + row];
             }
+            lse_r[m * 2 + half] = x;
+            d_r[m * 2 + half] = y;
         }
     }
 
     let s_tiles = comptime!(block_k / 8);
     let o_tiles = comptime!(hd / 8);
-    let p_steps = comptime!(block_k / 16);
-    let mut dq_acc = Array::<Vector<f32, NC>>::new(comptime!(o_tiles * vc));
-    #[unroll]
-    for i in 0..comptime!(o_tiles * vc) {
-        dq_acc[i] = Vector::new(0.0);
-    }
+    let mut dq_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
 
-    let mut key_blocks = seq_k.div_ceil(block_k);
-    if comptime!(causal) {
-        let mut last = q0 + block_q;
-        if seq_q < last {
-            last = seq_q;
-        }
-        let needed = last.div_ceil(block_k);
-        if needed < key_blocks {
-            key_blocks = needed;
-        }
+    let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
+    sync_cube();
+    if blocks > 0 {
+        issue_rows(k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width);
+        issue_rows(v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width);
+        commit(&bar0, &bar1, 0);
     }
-    for kb in 0..key_blocks {
+    for kb in 0..blocks {
         let j0 = kb * block_k;
-        sync_cube();
-        stage_rows(k, &mut kt, (b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width, j0, seq_k, block_k, hd, width, pitch);
-        stage_rows(v, &mut vt, (b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width, j0, seq_k, block_k, hd, width, pitch);
-        sync_cube();
+        let cur = (kb % 2) * tile;
+        if kb + 1 < blocks {
+            let next = ((kb + 1) % 2) * tile;
+            issue_rows(k, &mut kt, next, kbase, kstride, j0 + block_k, seq_k, block_k, per_row, pitch, width);
+            issue_rows(v, &mut vt, next, vbase, vstride, j0 + block_k, seq_k, block_k, per_row, pitch, width);
+            commit(&bar0, &bar1, (kb + 1) % 2);
+        }
+        wait_block(&bar0, &bar1, kb);
 
-        let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
-        let mut dp_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
+        // S = q k^T and dP = dO v^T.
+        let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        block_product::<F, N, NA, NB, NC>(&qt, w0, &kt, cur, &mut s, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
+        block_product::<F, N, NA, NB, NC>(&gt, w0, &vt, cur, &mut dp, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
+
+        // dS = P * (dP - delta), P = exp(scale * S - lse), in place of S; masked scores become a
+        // large negative value, so P and dS are 0 there.
         #[unroll]
-        for i in 0..comptime!(s_tiles * vc) {
-            s_acc[i] = Vector::new(0.0);
-            dp_acc[i] = Vector::new(0.0);
+        for i in 0..comptime!(mt * s_tiles * 2) {
+            s[i] = s[i] * Vector::new(scale);
+        }
+        if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
+            mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
         }
         #[unroll]
-        for kk in 0..ksteps {
-            let a = part::<F, NA>(&qa, kk, va);
-            let g = part::<F, NA>(&ga, kk, va);
+        for m in 0..mt {
             #[unroll]
-            for t in 0..s_tiles {
-                let bk = frag_b::<F, NB>(&kt, kk * 16, t * 8, pitch, true);
-                mma::<F, NA, NB, NC>(&a, &bk, &mut s_acc, t * vc);
-                let bv = frag_b::<F, NB>(&vt, kk * 16, t * 8, pitch, true);
-                mma::<F, NA, NB, NC>(&g, &bv, &mut dp_acc, t * vc);
-            }
-        }
-        // dS = P * (dP - delta), P = exp(scale * S - lse), into the warp's staging rows.
-        #[unroll]
-        for t in 0..s_tiles {
-            #[unroll]
-            for i in 0..vc {
-                let x = s_acc[t * vc + i];
-                let y = dp_acc[t * vc + i];
+            for half in 0..2usize {
+                let r = m * 2 + half;
                 #[unroll]
-                for e in 0..nc {
-                    let (r, c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-                    let (r, c) = (usize::cast_from(r), usize::cast_from(c));
-                    let mut ds = 0.0f32;
-                    if visible(my0 + r, j0 + t * 8 + c, seq_k, causal) {
-                        let p = (x[e] * scale - select(r < 8, lse_lo, lse_hi)).exp();
-                        ds = p * (y[e] - select(r < 8, d_lo, d_hi));
+                for t in 0..s_tiles {
+                    let at = (m * s_tiles + t) * 2 + half;
+                    let mut x = s[at];
+                    let y = dp[at];
+                    #[unroll]
+                    for e in 0..2usize {
+                        x[e] = (x[e] - lse_r[r]).exp() * (y[e] - d_r[r]);
                     }
-                    pt[(plane * 16 + r) * ppitch + t * 8 + c] = F::cast_from(ds);
+                    s[at] = x;
                 }
             }
         }
-        sync_plane();
-        // dQ += dS K.
-        #[unroll]
-        for kk in 0..p_steps {
-            let a = frag_a::<F, NA>(&pt, plane * 16, kk * 16, ppitch);
-            #[unroll]
-            for t in 0..o_tiles {
-                let bk = frag_b::<F, NB>(&kt, kk * 16, t * 8, pitch, false);
-                mma::<F, NA, NB, NC>(&a, &bk, &mut dq_acc, t * vc);
-            }
-        }
+
+        // dQ += dS k.
+        scores_product::<F, N, NA, NB, NC>(&s, &kt, cur, &mut dq_acc, s_tiles, o_tiles, mt, pitch, width);
+        sync_cube();
     }
 
-    let obase = b * dq.stride(0) + h * dq.stride(1);
-    let os = dq.stride(2);
-    #[unroll]
-    for t in 0..o_tiles {
-        #[unroll]
-        for i in 0..vc {
-            let x = dq_acc[t * vc + i];
-            #[unroll]
-            for e in 0..nc {
-                let (r, c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-                let (r, c) = (usize::cast_from(r), usize::cast_from(c));
-                let row = my0 + r;
-                if row < seq_q {
-                    dq[obase + row * os + t * 8 + c] = F::cast_from(x[e] * scale);
-                }
-            }
-        }
-    }
+    store_rows::<F, NC>(&dq_acc, dq, b * dq.stride(0) + h * dq.stride(1), q0 + w0, seq_q, scale, mt, hd);
 }
 
 /// Tensor-core dK and dV. Grid `(key blocks, batch * heads)`, cube `(32, planes)`; each warp owns
-/// 16 key rows (K and V stay in shared memory) and walks the query blocks, computing the
-/// transposed products `S^T = K q^T`, `dP^T = V dO^T`, then `dV += P^T dO`, `dK += dS^T q`.
-#[cube(launch_unchecked)]
+/// `16 * mt` key rows (k and v stay staged) and walks the query blocks, computing the transposed
+/// products `S^T = k q^T`, `dP^T = v dO^T`, then `dV += P^T dO`, `dK += dS^T q` with P^T and
+/// dS^T taken from registers.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
@@ -584,6 +790,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     scale: f32,
     #[comptime] hd: usize,
     #[comptime] planes: usize,
+    #[comptime] mt: usize,
     #[comptime] block_q: usize,
     #[comptime] width: usize,
     #[comptime] causal: bool,
@@ -593,166 +800,128 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
     let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
     let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
-    let vc = def.vectors_per_lane(cmma::MatrixIdent::Accumulator);
-    let nc = def.vector_size(cmma::MatrixIdent::Accumulator);
 
-    let lane = UNIT_POS_PLANE;
-    let plane = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
-    let block_k = comptime!(planes * 16);
-    let kb = CUBE_POS_X as usize;
-    let k0 = kb * block_k;
-    let my0 = k0 + plane * 16;
+    let block_k = comptime!(planes * mt * 16);
+    let k0 = CUBE_POS_X as usize * block_k;
+    let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
+    let pitch = comptime!((hd + 8) / width);
+    let per_row = comptime!(hd / width);
+    // q, dO and their rows' lse, delta are double-buffered: block qb + 1 is copied (cp.async)
+    // while block qb is used.
+    let tile = comptime!(block_q * pitch);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
+    let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut gt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut lse_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
+    let mut delta_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let (qbase, qstride) = ((b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width);
+    let (gbase, gstride) = ((b * grad.stride(0) + h * grad.stride(1)) / width, grad.stride(2) / width);
+    stage_rows(k, &mut kt, (b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width, k0, seq_k, block_k, per_row, pitch);
+    stage_rows(v, &mut vt, (b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width, k0, seq_k, block_k, per_row, pitch);
 
-    let pitch = comptime!(hd + 8);
-    let spitch = comptime!(block_q + 8);
-    let mut kt = SharedMemory::<F>::new(comptime!(block_k * pitch));
-    let mut vt = SharedMemory::<F>::new(comptime!(block_k * pitch));
-    let mut qt = SharedMemory::<F>::new(comptime!(block_q * pitch));
-    let mut gt = SharedMemory::<F>::new(comptime!(block_q * pitch));
-    let mut st = SharedMemory::<F>::new(comptime!(planes * 16 * spitch));
-    let mut lse_t = SharedMemory::<f32>::new(block_q);
-    let mut delta_t = SharedMemory::<f32>::new(block_q);
-
-    stage_rows(k, &mut kt, (b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width, k0, seq_k, block_k, hd, width, pitch);
-    stage_rows(v, &mut vt, (b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width, k0, seq_k, block_k, hd, width, pitch);
-
-    let ksteps = comptime!(hd / 16);
     let s_tiles = comptime!(block_q / 8);
     let o_tiles = comptime!(hd / 8);
-    let p_steps = comptime!(block_q / 16);
-    let mut dk_acc = Array::<Vector<f32, NC>>::new(comptime!(o_tiles * vc));
-    let mut dv_acc = Array::<Vector<f32, NC>>::new(comptime!(o_tiles * vc));
-    #[unroll]
-    for i in 0..comptime!(o_tiles * vc) {
-        dk_acc[i] = Vector::new(0.0);
-        dv_acc[i] = Vector::new(0.0);
-    }
+    let mut dk_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
+    let mut dv_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
 
     let query_blocks = seq_q.div_ceil(block_q);
     let mut first = 0usize;
     if comptime!(causal) {
         first = k0 / block_q;
     }
+    sync_cube();
+    if first < query_blocks {
+        issue_query_block(q, grad, lse, delta, &mut qt, &mut gt, &mut lse_t, &mut delta_t, 0, qbase, qstride, gbase, gstride, bh * seq_q, first * block_q, seq_q, block_q, per_row, pitch, width);
+        commit(&bar0, &bar1, 0);
+    }
     for qb in first..query_blocks {
         let i0 = qb * block_q;
-        sync_cube();
-        stage_rows(q, &mut qt, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, i0, seq_q, block_q, hd, width, pitch);
-        stage_rows(grad, &mut gt, (b * grad.stride(0) + h * grad.stride(1)) / width, grad.stride(2) / width, i0, seq_q, block_q, hd, width, pitch);
-        let mut r = UNIT_POS as usize;
-        while r < block_q {
-            let mut x = 0.0f32;
-            let mut y = 0.0f32;
-            if i0 + r < seq_q {
-                x = lse[bh * seq_q + i0 + r];
-                y = delta[bh * seq_q + i0 + r];
-            }
-            lse_t[r] = x;
-            delta_t[r] = y;
-            r += CUBE_DIM as usize;
+        let n = qb - first;
+        let cur = n % 2;
+        if qb + 1 < query_blocks {
+            issue_query_block(q, grad, lse, delta, &mut qt, &mut gt, &mut lse_t, &mut delta_t, (n + 1) % 2, qbase, qstride, gbase, gstride, bh * seq_q, i0 + block_q, seq_q, block_q, per_row, pitch, width);
+            commit(&bar0, &bar1, (n + 1) % 2);
         }
-        sync_cube();
+        wait_block(&bar0, &bar1, n);
+        let lrow = cur * block_q;
 
-        let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
-        let mut dp_acc = Array::<Vector<f32, NC>>::new(comptime!(s_tiles * vc));
+        // S^T = k q^T and dP^T = v dO^T (rows: keys, columns: queries).
+        let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        block_product::<F, N, NA, NB, NC>(&kt, w0, &qt, cur * tile, &mut s, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
+        block_product::<F, N, NA, NB, NC>(&vt, w0, &gt, cur * tile, &mut dp, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
+
+        // P^T in place of S^T, dS^T in place of dP^T. Scores of (query, key) pairs past either
+        // length or above the diagonal become a large negative value (P = 0), tested only in
+        // blocks that meet such a pair (uniform across the warp).
         #[unroll]
-        for i in 0..comptime!(s_tiles * vc) {
-            s_acc[i] = Vector::new(0.0);
-            dp_acc[i] = Vector::new(0.0);
+        for i in 0..comptime!(mt * s_tiles * 2) {
+            s[i] = s[i] * Vector::new(scale);
         }
-        #[unroll]
-        for kk in 0..ksteps {
-            let a = frag_a::<F, NA>(&kt, plane * 16, kk * 16, pitch);
-            let g = frag_a::<F, NA>(&vt, plane * 16, kk * 16, pitch);
-            #[unroll]
-            for t in 0..s_tiles {
-                let bq = frag_b::<F, NB>(&qt, kk * 16, t * 8, pitch, true);
-                mma::<F, NA, NB, NC>(&a, &bq, &mut s_acc, t * vc);
-                let bg = frag_b::<F, NB>(&gt, kk * 16, t * 8, pitch, true);
-                mma::<F, NA, NB, NC>(&g, &bg, &mut dp_acc, t * vc);
-            }
+        let last_key = k0 + w0 + comptime!(mt * 16);
+        let mut edge = i0 + block_q > seq_q || last_key > seq_k;
+        if comptime!(causal) {
+            edge = edge || last_key > i0 + 1;
         }
-        // P^T (into the staging rows) and dS^T (kept in dp_acc); rows are keys, columns queries.
-        #[unroll]
-        for t in 0..s_tiles {
+        if edge {
             #[unroll]
-            for i in 0..vc {
-                let x = s_acc[t * vc + i];
-                let mut y = dp_acc[t * vc + i];
+            for m in 0..mt {
                 #[unroll]
-                for e in 0..nc {
-                    let (r, c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-                    let (r, c) = (usize::cast_from(r), usize::cast_from(c));
-                    let col = t * 8 + c;
-                    let mut p = 0.0f32;
-                    if i0 + col < seq_q && visible(i0 + col, my0 + r, seq_k, causal) {
-                        p = (x[e] * scale - lse_t[col]).exp();
+                for half in 0..2usize {
+                    let key = k0 + w0 + m * 16 + half * 8 + g;
+                    #[unroll]
+                    for t in 0..s_tiles {
+                        let at = (m * s_tiles + t) * 2 + half;
+                        let mut x = s[at];
+                        #[unroll]
+                        for e in 0..2usize {
+                            let qi = i0 + t * 8 + t4 * 2 + e;
+                            if qi >= seq_q || !visible(qi, key, seq_k, causal) {
+                                x[e] = neg_big();
+                            }
+                        }
+                        s[at] = x;
                     }
-                    y[e] = p * (y[e] - delta_t[col]);
-                    st[(plane * 16 + r) * spitch + col] = F::cast_from(p);
                 }
-                dp_acc[t * vc + i] = y;
             }
         }
-        sync_plane();
-        // dV += P^T dO.
-        #[unroll]
-        for kk in 0..p_steps {
-            let a = frag_a::<F, NA>(&st, plane * 16, kk * 16, spitch);
-            #[unroll]
-            for t in 0..o_tiles {
-                let bg = frag_b::<F, NB>(&gt, kk * 16, t * 8, pitch, false);
-                mma::<F, NA, NB, NC>(&a, &bg, &mut dv_acc, t * vc);
-            }
-        }
-        sync_plane();
         #[unroll]
         for t in 0..s_tiles {
             #[unroll]
-            for i in 0..vc {
-                let y = dp_acc[t * vc + i];
+            for e in 0..2usize {
+                let col = t * 8 + t4 * 2 + e;
+                let l = lse_t[lrow + col];
+                let d = delta_t[lrow + col];
                 #[unroll]
-                for e in 0..nc {
-                    let (r, c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-                    let (r, c) = (usize::cast_from(r), usize::cast_from(c));
-                    st[(plane * 16 + r) * spitch + t * 8 + c] = F::cast_from(y[e]);
+                for m in 0..mt {
+                    #[unroll]
+                    for half in 0..2usize {
+                        let at = (m * s_tiles + t) * 2 + half;
+                        let mut x = s[at];
+                        let mut y = dp[at];
+                        let p = (x[e] - l).exp();
+                        x[e] = p;
+                        y[e] = p * (y[e] - d);
+                        s[at] = x;
+                        dp[at] = y;
+                    }
                 }
             }
         }
-        sync_plane();
-        // dK += dS^T q.
-        #[unroll]
-        for kk in 0..p_steps {
-            let a = frag_a::<F, NA>(&st, plane * 16, kk * 16, spitch);
-            #[unroll]
-            for t in 0..o_tiles {
-                let bq = frag_b::<F, NB>(&qt, kk * 16, t * 8, pitch, false);
-                mma::<F, NA, NB, NC>(&a, &bq, &mut dk_acc, t * vc);
-            }
-        }
+
+        // dV += P^T dO, dK += dS^T q.
+        scores_product::<F, N, NA, NB, NC>(&s, &gt, cur * tile, &mut dv_acc, s_tiles, o_tiles, mt, pitch, width);
+        scores_product::<F, N, NA, NB, NC>(&dp, &qt, cur * tile, &mut dk_acc, s_tiles, o_tiles, mt, pitch, width);
+        sync_cube();
     }
 
-    let kbase = b * dk.stride(0) + h * dk.stride(1);
-    let ks = dk.stride(2);
-    let vbase = b * dv.stride(0) + h * dv.stride(1);
-    let vs = dv.stride(2);
-    #[unroll]
-    for t in 0..o_tiles {
-        #[unroll]
-        for i in 0..vc {
-            let x = dk_acc[t * vc + i];
-            let y = dv_acc[t * vc + i];
-            #[unroll]
-            for e in 0..nc {
-                let (r, c) = def.position_of_nth(lane, (i * nc + e) as u32, cmma::MatrixIdent::Accumulator);
-                let (r, c) = (usize::cast_from(r), usize::cast_from(c));
-                let row = my0 + r;
-                if row < seq_k {
-                    dk[kbase + row * ks + t * 8 + c] = F::cast_from(x[e] * scale);
-                    dv[vbase + row * vs + t * 8 + c] = F::cast_from(y[e]);
-                }
-            }
-        }
-    }
+    store_rows::<F, NC>(&dk_acc, dk, b * dk.stride(0) + h * dk.stride(1), k0 + w0, seq_k, scale, mt, hd);
+    store_rows::<F, NC>(&dv_acc, dv, b * dv.stride(0) + h * dv.stride(1), k0 + w0, seq_k, 1.0, mt, hd);
 }

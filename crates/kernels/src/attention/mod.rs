@@ -26,7 +26,7 @@ pub(crate) mod forward;
 pub(crate) mod kernel;
 pub(crate) mod mma;
 
-pub use forward::{FlashPath, MAX_HEAD_DIM};
+pub use forward::{FlashPath, MAX_HEAD_DIM, TILES_ENV};
 
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{Bool, Int, Tensor};
