@@ -56,6 +56,33 @@ fn cuda_flash_attention_f32() {
     flash_attention_cases(FloatDType::F32);
 }
 
+/// Queries and keys of different lengths, q/k/v as strided views of one packed projection, and
+/// the forward's log-sum-exp, in each dtype (separate tests so that they run in parallel).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_layouts_bf16() {
+    flash_attention_layouts(FloatDType::BF16);
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_layouts_f16() {
+    flash_attention_layouts(FloatDType::F16);
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_layouts_f32() {
+    flash_attention_layouts(FloatDType::F32);
+}
+
+fn flash_attention_layouts(dtype: FloatDType) {
+    // No shapes of its own: `flash_attention` always adds q of 17 rows against 40 keys.
+    kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &[], true);
+    kernel_cases::flash_attention_strided::<B>(dtype, &CudaDevice::default());
+    kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default(), true);
+}
+
 fn flash_attention_cases(dtype: FloatDType) {
     let shapes = [
         (2, 3, 1, 64),
@@ -71,8 +98,6 @@ fn flash_attention_cases(dtype: FloatDType) {
         (1, 1, 300, 96),
     ];
     kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes, true);
-    kernel_cases::flash_attention_strided::<B>(dtype, &CudaDevice::default());
-    kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default(), true);
 }
 
 /// The f16/bf16 inputs above do run on tensor cores (a fallback would pass the numeric checks).

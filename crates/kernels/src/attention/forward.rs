@@ -40,12 +40,13 @@ impl MmaTiles {
     /// and only 16 keys of S per block, because with 32 keys at hd 128 the kernel hit 255
     /// registers and spilled (Nsight Compute: local-memory stalls on half of all cycles), and
     /// 16 was faster at hd 64 as well. dQ and dK/dV hold two accumulators the size of O (or dQ
-    /// and S, dP), so they take one row tile where two would spill.
+    /// and S, dP): shallow blocks (16) keep them in registers, and the row tiles are the best
+    /// measured pair per head_dim.
     fn for_head_dim(hd: usize) -> Self {
         if hd > 64 {
-            MmaTiles { fwd: (2, 16), dq: (1, 64), dkdv: (1, 32) }
+            MmaTiles { fwd: (2, 16), dq: (2, 16), dkdv: (1, 64) }
         } else {
-            MmaTiles { fwd: (2, 16), dq: (1, 32), dkdv: (2, 32) }
+            MmaTiles { fwd: (2, 16), dq: (1, 16), dkdv: (2, 16) }
         }
     }
 
