@@ -36,41 +36,12 @@ use super::kernel::{neg_big, visible};
 const ALIGN: usize = 16;
 
 /// Copies rows `row0 .. row0 + rows` of `t` (base offset `base`, row stride `row_stride`, both in
-/// vectors) into `tile`, whose rows are `pitch` vectors apart; rows past `seq` are zero.
-/// `per_row` vectors make one row of head_dim.
+/// vectors; `per_row` vectors make one row of head_dim) into `tile` from vector `off` on, rows
+/// `pitch` vectors apart; rows past `seq` are zero. `asynchronous`: with `cp.async` (one vector of
+/// `width` elements each), completion tracked by [`commit`]; otherwise with plain loads and stores.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_rows<F: Float, N: Size>(
-    t: &Tensor<Vector<F, N>>,
-    tile: &mut SharedMemory<Vector<F, N>>,
-    base: usize,
-    row_stride: usize,
-    row0: usize,
-    seq: usize,
-    #[comptime] rows: usize,
-    #[comptime] per_row: usize,
-    #[comptime] pitch: usize,
-) {
-    let mut idx = UNIT_POS as usize;
-    while idx < comptime!(rows * per_row) {
-        let r = idx / per_row;
-        let c = idx % per_row;
-        let s = row0 + r;
-        let mut x = Vector::new(F::new(0.0));
-        if s < seq {
-            x = t[base + s * row_stride + c];
-        }
-        tile[r * pitch + c] = x;
-        idx += CUBE_DIM as usize;
-    }
-}
-
-/// Starts asynchronous copies (`cp.async`, one vector of `width` elements each) of rows
-/// `row0 .. row0 + rows` of `t` into `tile` from vector `off` on (rows `pitch` vectors apart);
-/// rows past `seq` are zeroed with plain stores. Completion is tracked by [`commit`].
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn issue_rows<F: Float, N: Size>(
+fn copy_rows<F: Float, N: Size>(
     t: &Tensor<Vector<F, N>>,
     tile: &mut SharedMemory<Vector<F, N>>,
     off: usize,
@@ -82,6 +53,7 @@ fn issue_rows<F: Float, N: Size>(
     #[comptime] per_row: usize,
     #[comptime] pitch: usize,
     #[comptime] width: usize,
+    #[comptime] asynchronous: bool,
 ) {
     let mut idx = UNIT_POS as usize;
     while idx < comptime!(rows * per_row) {
@@ -91,7 +63,11 @@ fn issue_rows<F: Float, N: Size>(
         let dst = off + r * pitch + c;
         if s < seq {
             let src = base + s * row_stride + c;
-            copy_async::<Vector<F, N>>(&t.slice(src, src + 1), &mut tile.slice_mut(dst, dst + 1), comptime!(width as u32));
+            if comptime!(asynchronous) {
+                copy_async::<Vector<F, N>>(&t.slice(src, src + 1), &mut tile.slice_mut(dst, dst + 1), comptime!(width as u32));
+            } else {
+                tile[dst] = t[src];
+            }
         } else {
             tile[dst] = Vector::new(F::new(0.0));
         }
@@ -394,8 +370,8 @@ fn issue_query_block<F: Float, N: Size>(
     #[comptime] width: usize,
 ) {
     let off = which * comptime!(block_q * pitch);
-    issue_rows(q, qt, off, qbase, qstride, i0, seq_q, block_q, per_row, pitch, width);
-    issue_rows(grad, gt, off, gbase, gstride, i0, seq_q, block_q, per_row, pitch, width);
+    copy_rows(q, qt, off, qbase, qstride, i0, seq_q, block_q, per_row, pitch, width, true);
+    copy_rows(grad, gt, off, gbase, gstride, i0, seq_q, block_q, per_row, pitch, width, true);
     let mut r = UNIT_POS as usize;
     while r < block_q {
         let dst = which * block_q + r;
@@ -519,7 +495,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    stage_rows(q, &mut qt, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, per_row, pitch);
+    copy_rows(q, &mut qt, 0, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, per_row, pitch, width, false);
     let (kbase, kstride) = ((b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width);
     let (vbase, vstride) = ((b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width);
 
@@ -537,8 +513,8 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
     sync_cube();
     if blocks > 0 {
-        issue_rows(k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width);
-        issue_rows(v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width);
+        copy_rows(k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true);
+        copy_rows(v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true);
         commit(&bar0, &bar1, 0);
     }
     for kb in 0..blocks {
@@ -546,8 +522,8 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
         let cur = (kb % 2) * tile;
         if kb + 1 < blocks {
             let next = ((kb + 1) % 2) * tile;
-            issue_rows(k, &mut kt, next, kbase, kstride, j0 + block_k, seq_k, block_k, per_row, pitch, width);
-            issue_rows(v, &mut vt, next, vbase, vstride, j0 + block_k, seq_k, block_k, per_row, pitch, width);
+            copy_rows(k, &mut kt, next, kbase, kstride, j0 + block_k, seq_k, block_k, per_row, pitch, width, true);
+            copy_rows(v, &mut vt, next, vbase, vstride, j0 + block_k, seq_k, block_k, per_row, pitch, width, true);
             commit(&bar0, &bar1, (kb + 1) % 2);
         }
         wait_block(&bar0, &bar1, kb);
@@ -682,8 +658,8 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let (kbase, kstride) = ((b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width);
     let (vbase, vstride) = ((b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width);
-    stage_rows(q, &mut qt, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, per_row, pitch);
-    stage_rows(grad, &mut gt, (b * grad.stride(0) + h * grad.stride(1)) / width, grad.stride(2) / width, q0, seq_q, block_q, per_row, pitch);
+    copy_rows(q, &mut qt, 0, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, per_row, pitch, width, false);
+    copy_rows(grad, &mut gt, 0, (b * grad.stride(0) + h * grad.stride(1)) / width, grad.stride(2) / width, q0, seq_q, block_q, per_row, pitch, width, false);
 
     // The log-sum-exp and delta of this lane's rows.
     let mut lse_r = Array::<f32>::new(comptime!(mt * 2));
@@ -711,8 +687,8 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
     sync_cube();
     if blocks > 0 {
-        issue_rows(k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width);
-        issue_rows(v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width);
+        copy_rows(k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true);
+        copy_rows(v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true);
         commit(&bar0, &bar1, 0);
     }
     for kb in 0..blocks {
@@ -720,8 +696,8 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         let cur = (kb % 2) * tile;
         if kb + 1 < blocks {
             let next = ((kb + 1) % 2) * tile;
-            issue_rows(k, &mut kt, next, kbase, kstride, j0 + block_k, seq_k, block_k, per_row, pitch, width);
-            issue_rows(v, &mut vt, next, vbase, vstride, j0 + block_k, seq_k, block_k, per_row, pitch, width);
+            copy_rows(k, &mut kt, next, kbase, kstride, j0 + block_k, seq_k, block_k, per_row, pitch, width, true);
+            copy_rows(v, &mut vt, next, vbase, vstride, j0 + block_k, seq_k, block_k, per_row, pitch, width, true);
             commit(&bar0, &bar1, (kb + 1) % 2);
         }
         wait_block(&bar0, &bar1, kb);
@@ -823,8 +799,8 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let (qbase, qstride) = ((b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width);
     let (gbase, gstride) = ((b * grad.stride(0) + h * grad.stride(1)) / width, grad.stride(2) / width);
-    stage_rows(k, &mut kt, (b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width, k0, seq_k, block_k, per_row, pitch);
-    stage_rows(v, &mut vt, (b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width, k0, seq_k, block_k, per_row, pitch);
+    copy_rows(k, &mut kt, 0, (b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width, k0, seq_k, block_k, per_row, pitch, width, false);
+    copy_rows(v, &mut vt, 0, (b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width, k0, seq_k, block_k, per_row, pitch, width, false);
 
     let s_tiles = comptime!(block_q / 8);
     let o_tiles = comptime!(hd / 8);
