@@ -2,6 +2,7 @@
 //! as `tests/kernels.rs`, which runs f32 and f16 on wgpu). CUDA allocates odd row lengths pitched,
 //! so these also check the kernels' handling of strides.
 
+mod fp8_cases;
 mod kernel_cases;
 
 use burn::backend::cuda::CudaDevice;
@@ -113,4 +114,32 @@ fn cuda_flash_attention_uses_tensor_cores() {
     }
     let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 64], &dev);
     assert_eq!(kernels::flash_attention_path(&q), Some(kernels::FlashPath::Portable));
+}
+
+/// FP8 quantizer payload and scales bit-identical to the CPU reference (inputs f32, f16, bf16).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_quantizer() {
+    let shapes = [(1, 1), (37, 300), (130, 128), (257, 129), (1000, 768)];
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        fp8_cases::quantizer_bit_identical::<Cuda>(dtype, &CudaDevice::default(), &shapes);
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_gemm() {
+    let shapes = [(1, 1, 1), (33, 17, 300), (130, 70, 256), (256, 384, 768)];
+    for out in [FloatDType::F32, FloatDType::BF16] {
+        fp8_cases::gemm_against_dequantized::<Cuda>(&CudaDevice::default(), out, &shapes);
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_linear() {
+    let shapes = [(64, 256, 96), (100, 130, 200), (512, 768, 2304)];
+    for dtype in [FloatDType::F32, FloatDType::BF16] {
+        fp8_cases::linear::<B>(dtype, &CudaDevice::default(), &shapes);
+    }
 }

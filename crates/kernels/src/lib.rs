@@ -11,6 +11,8 @@
 //! | softmax cross-entropy + z-loss | [`cross_entropy`] | [`cross_entropy::reference`] |
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
+//! | FP8 quantizer (1x128, 128x128, per tensor) | [`fp8_quantize`] | [`fp8::reference`] |
+//! | FP8 GEMM and linear layer (experimental) | [`fp8_gemm`], [`fp8_linear`] | dequantize, then matmul |
 //!
 //! The functions take ordinary Burn tensors of any backend that implements [`Backend`]:
 //! - `CubeBackend` (Burn's `Cuda` and `Wgpu` without the `fusion` feature) runs the kernels;
@@ -41,6 +43,7 @@ pub mod adamw;
 pub mod attention;
 mod check;
 pub mod cross_entropy;
+pub mod fp8;
 mod launch;
 pub mod rms_norm;
 pub mod rope;
@@ -49,11 +52,15 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{FloatDType, Int, Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 pub use adamw::{AdamWOutput, AdamWStep};
 pub use attention::FlashPath;
+pub use fp8::{
+    fp8_gemm, fp8_gemm_path, fp8_health, fp8_linear, fp8_quantize, Fp8Format, Fp8Health, Fp8GemmPath, Fp8Granularity, Fp8LinearConfig, Fp8Tensor,
+    QuantSpec,
+};
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`, f32 inside, output in
 /// `x`'s dtype; `weight` is `[x.dims()[D - 1]]` in any float dtype.
@@ -247,6 +254,46 @@ pub trait Backend: BurnBackend {
     /// The FlashAttention kernels `q` would run on; `None` where the reference runs.
     fn flash_path(_q: &FloatTensor<Self>) -> Option<FlashPath> {
         None
+    }
+
+    /// `(payload, scales)` of [`fp8_quantize`] for a 2-D `x` (the CPU reference by default).
+    fn fp8_quantize(x: FloatTensor<Self>, spec: &QuantSpec) -> (IntTensor<Self>, FloatTensor<Self>) {
+        let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
+        let [r, c] = t.dims();
+        let device = t.device();
+        let data = t.cast(FloatDType::F32).into_data().to_vec::<f32>().expect("f32 data");
+        let (words, scales) = fp8::reference::quantize(&data, r, c, spec);
+        let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
+        let width = k.div_ceil(fp8::TILE) * fp8::TILE / 4;
+        let words: Vec<i32> = words.into_iter().map(|w| w as i32).collect();
+        let payload = Tensor::<Self, 2, Int>::from_data(TensorData::new(words, [rows, width]), &device);
+        let shape = [spec.scale_rows(rows), spec.scale_cols(k)];
+        let scales = Tensor::<Self, 2>::from_data(TensorData::new(scales, shape), (&device, DType::F32));
+        (payload.into_primitive(), prim(scales))
+    }
+
+    /// `[rows, k_out]` values of an FP8 payload in `dtype` (the CPU reference by default).
+    fn fp8_dequantize(
+        payload: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        rows: usize,
+        k_out: usize,
+        spec: &QuantSpec,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
+        let payload = Tensor::<Self, 2, Int>::from_primitive(payload);
+        let device = payload.device();
+        let width = payload.dims()[1];
+        let words = fp8::words_of(payload.into_data());
+        let scales = tensor::<Self, 2>(scales).cast(FloatDType::F32).into_data().to_vec::<f32>().expect("f32 scales");
+        let full = fp8::reference::dequantize(&words, &scales, rows, width * 4, spec);
+        let values: Vec<f32> = full.chunks(width * 4).flat_map(|row| row[..k_out].iter().copied()).collect();
+        prim(Tensor::<Self, 2>::from_data(TensorData::new(values, [rows, k_out]), (&device, DType::F32)).cast(dtype))
+    }
+
+    /// [`fp8_linear`]; by default its forward only (backends without autodiff).
+    fn fp8_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, cfg: &Fp8LinearConfig) -> FloatTensor<Self> {
+        prim(fp8::linear::fprop::<Self>(tensor(x), tensor(w), cfg))
     }
 
     #[allow(clippy::type_complexity)]
@@ -461,6 +508,19 @@ where
     fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
         Some(attention::forward::path(q))
     }
+    fn fp8_quantize(x: FloatTensor<Self>, spec: &QuantSpec) -> (IntTensor<Self>, FloatTensor<Self>) {
+        fp8::forward::quantize(x, spec)
+    }
+    fn fp8_dequantize(
+        payload: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        rows: usize,
+        k_out: usize,
+        spec: &QuantSpec,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
+        fp8::forward::dequantize(payload, scales, rows, k_out, spec, dtype)
+    }
     fn fused_adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
@@ -512,6 +572,24 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
     }
     fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
         B::flash_path(&q.primitive)
+    }
+    fn fp8_quantize(x: FloatTensor<Self>, spec: &QuantSpec) -> (IntTensor<Self>, FloatTensor<Self>) {
+        let (payload, scales) = B::fp8_quantize(x.primitive, spec);
+        (payload, <Self as burn::tensor::backend::AutodiffBackend>::from_inner(scales))
+    }
+    fn fp8_dequantize(
+        payload: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        rows: usize,
+        k_out: usize,
+        spec: &QuantSpec,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
+        let out = B::fp8_dequantize(payload, scales.primitive, rows, k_out, spec, dtype);
+        <Self as burn::tensor::backend::AutodiffBackend>::from_inner(out)
+    }
+    fn fp8_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, cfg: &Fp8LinearConfig) -> FloatTensor<Self> {
+        fp8::linear::fp8_linear::<B, C>(x, w, cfg)
     }
 }
 impl<B: KernelOps, C: CheckpointStrategy> AutodiffBackend for Autodiff<B, C> {}

@@ -50,7 +50,7 @@ impl<B: kernels::Backend> Attention<B> {
         let h = self.n_head;
         let hd = d / h;
         // [B, T, 3d] -> [B, T, 3H, hd] -> [B, 3H, T, hd]; heads 0..H are q, H..2H k, 2H..3H v.
-        let qkv = self.qkv.forward(x).reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+        let qkv = self.qkv.forward_mixed(x).reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
         let (q, k, v) = match &rope.tables {
             RopeTables::Reference { cos, sin } => {
                 let mut parts = qkv.chunk(3, 1);
@@ -75,7 +75,7 @@ impl<B: kernels::Backend> Attention<B> {
             // reshape below is free.
             let y = kernels::flash_attention(q, k, v, true, Some(scale));
             let y = y.swap_dims(1, 2).reshape([b, t, d]);
-            return self.resid_dropout.forward(self.proj.forward(y));
+            return self.resid_dropout.forward(self.proj.forward_mixed(y));
         }
         // [B, H, T, T] scores, scaled, masked and normalised in f32; the additive mask is 0 on and
         // below the diagonal, MASKED above. The probabilities return to the compute dtype for P V.
@@ -84,7 +84,7 @@ impl<B: kernels::Backend> Attention<B> {
         let probs = self.attn_dropout.forward(softmax(scores, 3)).cast(v.dtype());
         let y = probs.matmul(v); // [B, H, T, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, d]);
-        self.resid_dropout.forward(self.proj.forward(y))
+        self.resid_dropout.forward(self.proj.forward_mixed(y))
     }
 }
 
@@ -120,14 +120,14 @@ impl<B: Backend> Mlp<B> {
 
 impl<B: kernels::Backend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>, kind: KernelsKind) -> Tensor<B, 3> {
-        let h = self.fc.forward(x);
+        let h = self.fc.forward_mixed(x);
         let h = match (self.kind, kind) {
             (MlpKind::Gelu, KernelsKind::Reference) => kernels::activation::gelu_reference(h),
             (MlpKind::Gelu, KernelsKind::Fused) => kernels::gelu(h),
             (MlpKind::Swiglu, KernelsKind::Reference) => kernels::activation::swiglu_packed_reference(h),
             (MlpKind::Swiglu, KernelsKind::Fused) => kernels::swiglu_packed(h),
         };
-        self.dropout.forward(self.proj.forward(h))
+        self.dropout.forward(self.proj.forward_mixed(h))
     }
 }
 
@@ -252,6 +252,18 @@ impl<B: Backend> Gpt<B> {
         copy.lm_head = copy.lm_head.as_ref().map(|h| h.compute_copy_with(dtype, cached));
         copy.compute_dtype = dtype;
         copy
+    }
+
+    /// The same model with the attention and MLP projections running their GEMMs in FP8 (or back to
+    /// the compute dtype with `None`); embedding, LM head, norms and attention are unchanged.
+    pub fn with_fp8(mut self, cfg: Option<kernels::Fp8LinearConfig>) -> Self {
+        for block in self.blocks.iter_mut() {
+            block.attn.qkv.fp8 = cfg;
+            block.attn.proj.fp8 = cfg;
+            block.mlp.fc.fp8 = cfg;
+            block.mlp.proj.fp8 = cfg;
+        }
+        self
     }
 
     /// Ids of the parameters [`Gpt::compute_copy`] casts to the compute dtype.

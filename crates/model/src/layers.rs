@@ -15,6 +15,10 @@ pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     /// [d_out]
     pub bias: Option<Param<Tensor<B, 1>>>,
+    /// Run the layer's GEMMs in FP8 ([`Linear::forward_mixed`]); set on a compute copy by the FP8
+    /// recipe, never saved.
+    #[module(skip)]
+    pub fp8: Option<kernels::Fp8LinearConfig>,
 }
 
 impl<B: Backend> Linear<B> {
@@ -22,7 +26,7 @@ impl<B: Backend> Linear<B> {
     pub fn new(d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
         let weight = Tensor::random([d_in, d_out], Distribution::Normal(0.0, std), device);
         let bias = bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device)));
-        Self { weight: Param::from_tensor(weight), bias }
+        Self { weight: Param::from_tensor(weight), bias, fp8: None }
     }
 
     /// [.., d_in] -> [.., d_out], in the dtype of the weight (`x` must have it too).
@@ -50,12 +54,39 @@ impl<B: Backend> Linear<B> {
                 None => t.cast(dtype).detach().require_grad(),
             })
         }
-        Self { weight: copy(&self.weight, dtype, cached), bias: self.bias.as_ref().map(|b| copy(b, dtype, cached)) }
+        Self {
+            weight: copy(&self.weight, dtype, cached),
+            bias: self.bias.as_ref().map(|b| copy(b, dtype, cached)),
+            fp8: self.fp8,
+        }
     }
 
     /// Ids of the parameters [`Linear::compute_copy`] casts.
     pub fn param_ids(&self) -> Vec<ParamId> {
         std::iter::once(self.weight.id).chain(self.bias.as_ref().map(|b| b.id)).collect()
+    }
+}
+
+impl<B: kernels::Backend> Linear<B> {
+    /// [`Linear::forward`], or with the GEMMs in FP8 when [`Linear::fp8`] is set (the bias is added
+    /// in the weight's dtype).
+    pub fn forward_mixed<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let Some(cfg) = &self.fp8 else {
+            return self.forward(x);
+        };
+        let dims = x.dims();
+        let d_in = dims[D - 1];
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let w = self.weight.val();
+        let d_out = w.dims()[1];
+        let y = kernels::fp8_linear(x.reshape([rows, d_in]), w, cfg);
+        let y = match &self.bias {
+            Some(b) => y + b.val().unsqueeze::<2>(),
+            None => y,
+        };
+        let mut out = dims;
+        out[D - 1] = d_out;
+        y.reshape(out)
     }
 }
 

@@ -179,6 +179,9 @@ pub enum PrecisionKind {
     Bf16,
     /// f16 matmuls and activations, f32 master weights, dynamic loss scaling by default.
     Fp16,
+    /// Experimental: the attention and MLP projections' GEMMs in FP8 with fine-grained scales
+    /// (`[fp8]`), bf16 elsewhere, f32 master weights.
+    Fp8,
 }
 
 impl PrecisionKind {
@@ -187,6 +190,7 @@ impl PrecisionKind {
             PrecisionKind::Fp32 => "fp32",
             PrecisionKind::Bf16 => "bf16",
             PrecisionKind::Fp16 => "fp16",
+            PrecisionKind::Fp8 => "fp8",
         }
     }
 }
@@ -211,6 +215,96 @@ impl LossScaleMode {
             LossScaleMode::Off => "off",
             LossScaleMode::Static => "static",
             LossScaleMode::Dynamic => "dynamic",
+        }
+    }
+}
+
+/// `fp8.format`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8FormatKind {
+    /// E4M3 for every operand.
+    E4m3,
+    /// E4M3 for activations and weights, E5M2 (wider range) for output gradients.
+    Hybrid,
+}
+
+/// `fp8.scaling`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8ScalingKind {
+    /// One scale per 1x`tile` slice of activations and gradients, per `tile`x`tile` weight block.
+    Tile,
+    /// One scale per tensor (current scaling), for comparison.
+    Tensor,
+}
+
+/// `fp8.compute`: the dtype of everything that is not an FP8 GEMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8ComputeKind {
+    Bf16,
+    /// f32: for devices without bf16 (wgpu) and for isolating the FP8 GEMMs' effect.
+    F32,
+}
+
+/// `[fp8]`: settings of `precision = "fp8"` (experimental).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Fp8Config {
+    pub format: Fp8FormatKind,
+    pub scaling: Fp8ScalingKind,
+    /// Tile length along the reduction axis (and weight block side). Only 128 is implemented.
+    pub tile: usize,
+    /// Round scales down to powers of two (exact scaling).
+    pub pow2_scales: bool,
+    /// Which GEMMs of each projection run in FP8: y = x W, dx = dy W^T, dW = x^T dy.
+    pub fprop: bool,
+    pub dgrad: bool,
+    pub wgrad: bool,
+    pub compute: Fp8ComputeKind,
+    /// Log FP8 health (per projection weight: amax, underflow and saturation shares) to
+    /// `metrics.jsonl` every this many steps; 0 turns it off.
+    pub health_interval: u64,
+}
+
+impl Default for Fp8Config {
+    fn default() -> Self {
+        Self {
+            format: Fp8FormatKind::E4m3,
+            scaling: Fp8ScalingKind::Tile,
+            tile: 128,
+            pow2_scales: true,
+            fprop: true,
+            dgrad: true,
+            wgrad: true,
+            compute: Fp8ComputeKind::Bf16,
+            health_interval: 100,
+        }
+    }
+}
+
+impl Fp8Config {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.tile != kernels::fp8::TILE {
+            return Err(format!("fp8.tile = {} is not supported; the FP8 kernels use tiles of {}", self.tile, kernels::fp8::TILE));
+        }
+        Ok(())
+    }
+
+    /// The layer settings the model takes.
+    pub fn linear(&self) -> kernels::Fp8LinearConfig {
+        kernels::Fp8LinearConfig {
+            fprop: self.fprop,
+            dgrad: self.dgrad,
+            wgrad: self.wgrad,
+            forward_format: kernels::Fp8Format::E4M3,
+            grad_format: match self.format {
+                Fp8FormatKind::E4m3 => kernels::Fp8Format::E4M3,
+                Fp8FormatKind::Hybrid => kernels::Fp8Format::E5M2,
+            },
+            per_tensor: self.scaling == Fp8ScalingKind::Tensor,
+            pow2: self.pow2_scales,
         }
     }
 }
@@ -266,6 +360,8 @@ pub struct Config {
     pub schedule: ScheduleConfig,
     pub training: TrainingConfig,
     pub loss_scale: LossScaleConfig,
+    /// Settings of `precision = "fp8"`.
+    pub fp8: Fp8Config,
 }
 
 impl Default for Config {
@@ -280,6 +376,7 @@ impl Default for Config {
             schedule: ScheduleConfig::default(),
             training: TrainingConfig::default(),
             loss_scale: LossScaleConfig::default(),
+            fp8: Fp8Config::default(),
         }
     }
 }
@@ -392,13 +489,19 @@ impl Config {
         if !(t.peak_tflops >= 0.0) {
             return Err(format!("training.peak_tflops must be >= 0 (0 looks it up), got {}", t.peak_tflops));
         }
-        crate::precision::Recipe::from_config(self.precision, &self.loss_scale)?;
+        if self.precision != PrecisionKind::Fp8 && self.fp8 != Fp8Config::default() {
+            return Err(format!(
+                "the [fp8] section only applies to precision = \"fp8\" (precision is \"{}\"); remove it or set precision = \"fp8\"",
+                self.precision.name()
+            ));
+        }
+        crate::precision::Recipe::from_config_with(self.precision, &self.loss_scale, &self.fp8)?;
         Ok(())
     }
 
     /// The resolved precision recipe (the config has been validated, so this cannot fail).
     pub fn recipe(&self) -> crate::precision::Recipe {
-        crate::precision::Recipe::from_config(self.precision, &self.loss_scale)
+        crate::precision::Recipe::from_config_with(self.precision, &self.loss_scale, &self.fp8)
             .expect("a validated config has a valid precision recipe")
     }
 

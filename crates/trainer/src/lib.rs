@@ -43,6 +43,12 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
     match device {
         device::Selected::Cuda { index, .. } => train::train::<CudaBackend>(cfg, CudaDevice::new(*index), opts),
         device::Selected::Wgpu => {
+            if cfg.precision == config::PrecisionKind::Fp8 && cfg.fp8.compute == config::Fp8ComputeKind::Bf16 {
+                anyhow::bail!(
+                    "precision = \"fp8\" computes outside the FP8 GEMMs in bf16, which needs CUDA: wgpu has no bf16 type. \
+                     Set fp8.compute = \"f32\" here, or device = \"cuda\""
+                );
+            }
             if cfg.precision == config::PrecisionKind::Bf16 {
                 anyhow::bail!(
                     "precision = \"bf16\" needs CUDA: wgpu has no bf16 type. Use precision = \"fp16\" or \"fp32\" here, or device = \"cuda\""

@@ -40,6 +40,21 @@ pub struct StepRecord {
     /// Validation loss, on steps that end with an evaluation.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f64>,
+    /// FP8 recipe, on the first step and every `fp8.health_interval` steps: per projection weight.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub fp8: Option<Vec<Fp8LayerHealth>>,
+}
+
+/// How one projection's weight fits FP8 (see `kernels::Fp8Health`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fp8LayerHealth {
+    pub layer: String,
+    /// Largest finite |w|.
+    pub amax: f64,
+    /// Share of nonzero values that quantize to zero.
+    pub underflow: f64,
+    /// Share of values clipped at the format's max.
+    pub saturated: f64,
 }
 
 fn one() -> f64 {

@@ -20,7 +20,7 @@
 use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{LossScaleConfig, LossScaleMode, PrecisionKind};
+use crate::config::{Fp8ComputeKind, Fp8Config, LossScaleConfig, LossScaleMode, PrecisionKind};
 
 /// How the loss is scaled before backward.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -167,6 +167,23 @@ impl Fp16Recipe {
     }
 }
 
+/// Experimental FP8: the attention and MLP projections run their GEMMs in FP8 with fine-grained
+/// scales (see `[fp8]` and `kernels::fp8`); embedding, LM head, norms, attention and the loss stay
+/// in the compute dtype (bf16 by default) or f32; f32 master weights. Loss scaling is off unless
+/// asked for: the per-tile scales already adapt to the gradients' range.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fp8Recipe {
+    pub loss_scaling: LossScaling,
+    pub fp8: Fp8Config,
+}
+
+impl Fp8Recipe {
+    pub fn validate(&self) -> Result<(), String> {
+        self.loss_scaling.validate()?;
+        self.fp8.validate()
+    }
+}
+
 /// The resolved precision recipe of a run (saved as `precision.json`, in `summary.json`, in each
 /// checkpoint and, by name, in every metrics record).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -175,12 +192,18 @@ pub enum Recipe {
     Fp32(Fp32Recipe),
     Bf16(Bf16Recipe),
     Fp16(Fp16Recipe),
+    Fp8(Fp8Recipe),
 }
 
 impl Recipe {
     /// Builds the recipe from the config's `precision` key and `[loss_scale]` section, resolving
     /// `loss_scale.mode = "auto"`, and validates it.
     pub fn from_config(kind: PrecisionKind, ls: &LossScaleConfig) -> Result<Self, String> {
+        Self::from_config_with(kind, ls, &Fp8Config::default())
+    }
+
+    /// [`Recipe::from_config`] with the `[fp8]` section (used by `precision = "fp8"`).
+    pub fn from_config_with(kind: PrecisionKind, ls: &LossScaleConfig, fp8: &Fp8Config) -> Result<Self, String> {
         let recipe = match kind {
             PrecisionKind::Fp32 => {
                 if !matches!(ls.mode, LossScaleMode::Auto | LossScaleMode::Off) {
@@ -199,6 +222,10 @@ impl Recipe {
                 let mode = if ls.mode == LossScaleMode::Auto { LossScaleMode::Dynamic } else { ls.mode };
                 Recipe::Fp16(Fp16Recipe { loss_scaling: LossScaling::from_section(ls, mode) })
             }
+            PrecisionKind::Fp8 => {
+                let mode = if ls.mode == LossScaleMode::Auto { LossScaleMode::Off } else { ls.mode };
+                Recipe::Fp8(Fp8Recipe { loss_scaling: LossScaling::from_section(ls, mode), fp8: fp8.clone() })
+            }
         };
         recipe.validate()?;
         Ok(recipe)
@@ -209,6 +236,7 @@ impl Recipe {
             Recipe::Fp32(r) => r.validate(),
             Recipe::Bf16(r) => r.validate(),
             Recipe::Fp16(r) => r.validate(),
+            Recipe::Fp8(r) => r.validate(),
         }
     }
 
@@ -218,6 +246,7 @@ impl Recipe {
             Recipe::Fp32(_) => "fp32",
             Recipe::Bf16(_) => "bf16",
             Recipe::Fp16(_) => "fp16",
+            Recipe::Fp8(_) => "fp8",
         }
     }
 
@@ -227,6 +256,18 @@ impl Recipe {
             Recipe::Fp32(_) => FloatDType::F32,
             Recipe::Bf16(_) => FloatDType::BF16,
             Recipe::Fp16(_) => FloatDType::F16,
+            Recipe::Fp8(r) => match r.fp8.compute {
+                Fp8ComputeKind::Bf16 => FloatDType::BF16,
+                Fp8ComputeKind::F32 => FloatDType::F32,
+            },
+        }
+    }
+
+    /// The projections' FP8 settings (`None` outside the FP8 recipe).
+    pub fn fp8_linear(&self) -> Option<kernels::Fp8LinearConfig> {
+        match self {
+            Recipe::Fp8(r) => Some(r.fp8.linear()),
+            _ => None,
         }
     }
 
@@ -235,6 +276,7 @@ impl Recipe {
             Recipe::Fp32(_) => &LossScaling::Off,
             Recipe::Bf16(r) => &r.loss_scaling,
             Recipe::Fp16(r) => &r.loss_scaling,
+            Recipe::Fp8(r) => &r.loss_scaling,
         }
     }
 
@@ -242,6 +284,22 @@ impl Recipe {
     pub fn describe(&self) -> String {
         match self {
             Recipe::Fp32(_) => "fp32 (f32 compute and weights)".into(),
+            Recipe::Fp8(r) => {
+                let passes: Vec<&str> = [(r.fp8.fprop, "fprop"), (r.fp8.dgrad, "dgrad"), (r.fp8.wgrad, "wgrad")]
+                    .iter()
+                    .filter(|p| p.0)
+                    .map(|p| p.1)
+                    .collect();
+                format!(
+                    "fp8, experimental (projection GEMMs {} in FP8: {:?}, {:?} scales{}, {} elsewhere; f32 master weights; {})",
+                    if passes.is_empty() { "none".to_string() } else { passes.join("+") },
+                    r.fp8.format,
+                    r.fp8.scaling,
+                    if r.fp8.pow2_scales { " (powers of two)" } else { "" },
+                    model::dtype::name(self.compute_dtype()),
+                    self.loss_scaling().describe()
+                )
+            }
             _ => format!(
                 "{} ({} matmuls and activations; f32 master weights, optimizer, norms, softmax and loss; {})",
                 self.name(),

@@ -100,6 +100,29 @@ fn human(x: f64) -> String {
 }
 
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
+/// FP8 health of every projection weight as the fprop GEMM quantizes it (128x128 blocks, or per
+/// tensor), from the master weights cast to the compute dtype.
+fn fp8_weight_health<B: crate::TrainBackend>(
+    model: &Gpt<B>,
+    dtype: FloatDType,
+    cfg: &kernels::Fp8LinearConfig,
+) -> Vec<crate::metrics::Fp8LayerHealth> {
+    let mut out = Vec::new();
+    for (i, block) in model.blocks.iter().enumerate() {
+        for (name, lin) in [("attn.qkv", &block.attn.qkv), ("attn.proj", &block.attn.proj), ("mlp.fc", &block.mlp.fc), ("mlp.proj", &block.mlp.proj)] {
+            let w = lin.weight.val().inner().cast(dtype);
+            let h = kernels::fp8_health(w, cfg.weight_spec(true));
+            out.push(crate::metrics::Fp8LayerHealth {
+                layer: format!("blocks.{i}.{name}.weight"),
+                amax: h.amax,
+                underflow: h.underflow,
+                saturated: h.saturated,
+            });
+        }
+    }
+    out
+}
+
 pub fn evaluate<B: crate::TrainBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Config) -> f64 {
     let m = model.valid();
     let inner_device = m.wte.weight.val().device();
@@ -178,6 +201,7 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
     let mut model = Gpt::<B>::new(&cfg.model, vocab, &device);
     let recipe = cfg.recipe();
     let compute_dtype = recipe.compute_dtype();
+    let fp8_linear = recipe.fp8_linear();
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
     if cfg.model.kernels == model::config::KernelsKind::Fused {
         // The fused step also writes the next step's compute copy of the cast weights.
@@ -282,7 +306,9 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         // for fp32) runs forward and backward; its gradients arrive under the master's ids.
         // With the fused optimizer the copies written by the last step are reused (a resumed or
         // first step, or one after a skipped step with no copies, casts).
-        let compute = model.compute_copy_with(compute_dtype, &|id| opt.copies.get(&id).map(|c| B::from_inner(c.clone())));
+        let compute = model
+            .compute_copy_with(compute_dtype, &|id| opt.copies.get(&id).map(|c| B::from_inner(c.clone())))
+            .with_fp8(fp8_linear);
         let scale = scaler.scale();
         let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
         let mut micro_grads = |index: u64| {
@@ -359,7 +385,13 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         let is_last = done == steps;
         let session_end = done == end;
         let eval_now = is_last || (cfg.training.eval_interval > 0 && done % cfg.training.eval_interval as u64 == 0);
-        let val_loss = eval_now.then(|| evaluate(&model.compute_copy(compute_dtype), &data, cfg));
+        let val_loss = eval_now.then(|| evaluate(&model.compute_copy(compute_dtype).with_fp8(fp8_linear), &data, cfg));
+        let fp8_health = match (&recipe, fp8_linear) {
+            (Recipe::Fp8(r), Some(lin)) if r.fp8.health_interval > 0 && (done % r.fp8.health_interval == 0 || done == 1) => {
+                Some(fp8_weight_health(&model, compute_dtype, &lin))
+            }
+            _ => None,
+        };
         if let Some(v) = val_loss {
             best_val = Some(best_val.map_or(v, |b: f64| b.min(v)));
             last_val = Some(v);
@@ -377,6 +409,7 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
             step_ms: dt * 1e3,
             mfu,
             val_loss,
+            fp8: fp8_health,
         })?;
 
         if done % cfg.training.log_interval as u64 == 0 || is_last || done == start_step + 1 {

@@ -1,0 +1,142 @@
+//! Launches of the FP8 kernels on `CubeBackend` tensors.
+
+use burn::tensor::{DType, FloatDType, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::*;
+
+use super::kernel::{block_amax, dequantize as dequantize_kernel, quantize as quantize_kernel};
+use super::{Fp8Granularity, QuantSpec, TILE};
+use crate::check::{check_float, fail};
+use crate::launch::empty;
+
+/// Most cubes along y of a launch grid (rows / 8 for 1x128 tiles).
+const MAX_CUBES_Y: usize = 65535;
+
+/// `(rows, k, stride_i, stride_j)` of the logical matrix `spec` quantizes.
+fn view<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, spec: &QuantSpec) -> (usize, usize, usize, usize) {
+    let shape = x.shape();
+    let dims = shape.as_slice();
+    if dims.len() != 2 {
+        fail(op, format!("x has shape {dims:?}; expected a 2-D [rows, cols] tensor (flatten leading dimensions first)"));
+    }
+    let strides = x.meta.strides();
+    if spec.transpose {
+        (dims[1], dims[0], strides[1], strides[0])
+    } else {
+        (dims[0], dims[1], strides[0], strides[1])
+    }
+}
+
+/// `(payload [rows, k_pad / 4] as I32 words, f32 dequantization scales)`.
+pub(crate) fn quantize<R: CubeRuntime>(x: CubeTensor<R>, spec: &QuantSpec) -> (CubeTensor<R>, CubeTensor<R>) {
+    let op = "fp8_quantize";
+    check_float(op, "x", x.dtype);
+    let (rows, k, stride_i, stride_j) = view(op, &x, spec);
+    let k_tiles = k.div_ceil(TILE);
+    let words = k_tiles * TILE / 4;
+    let payload = empty(&x, vec![rows, words], DType::I32);
+    let scales = empty(&x, vec![spec.scale_rows(rows), spec.scale_cols(k)], DType::F32);
+    if rows == 0 || k == 0 {
+        return (payload, scales);
+    }
+    let block = spec.granularity == Fp8Granularity::Block128;
+    let row_groups = match spec.granularity {
+        Fp8Granularity::Block128 => rows.div_ceil(TILE),
+        _ => rows.div_ceil(8),
+    };
+    let tensor_scale = spec.granularity == Fp8Granularity::Tensor;
+    if row_groups > MAX_CUBES_Y || k_tiles > crate::launch::max_cubes_x(&x) {
+        fail(op, format!("a [{rows}, {k}] matrix is larger than the quantizer's launch grid supports"));
+    }
+    let client = x.client.clone();
+    let amax = if tensor_scale {
+        // Per-tensor: the amax of every 128x128 block, then their max.
+        let blocks = empty(&x, vec![rows.div_ceil(TILE), k_tiles], DType::F32);
+        block_amax::launch::<R>(
+            &client,
+            CubeCount::Static(k_tiles as u32, rows.div_ceil(TILE) as u32, 1),
+            CubeDim::new_2d(32, 8),
+            x.clone().into_tensor_arg(),
+            blocks.clone().into_tensor_arg(),
+            rows,
+            k,
+            stride_i,
+            stride_j,
+            x.dtype.into(),
+        );
+        let blocks = burn::tensor::Tensor::<burn_cubecl::CubeBackend<R, f32, i32, u32>, 2>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(blocks),
+        );
+        blocks.max().into_primitive().tensor()
+    } else {
+        empty(&x, vec![1], DType::F32)
+    };
+    quantize_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(k_tiles as u32, row_groups as u32, 1),
+        CubeDim::new_2d(32, 8),
+        x.clone().into_tensor_arg(),
+        amax.into_tensor_arg(),
+        payload.clone().into_tensor_arg(),
+        scales.clone().into_tensor_arg(),
+        rows,
+        k,
+        stride_i,
+        stride_j,
+        words,
+        block,
+        tensor_scale,
+        spec.pow2,
+        spec.format.consts(),
+        x.dtype.into(),
+    );
+    (payload, scales)
+}
+
+/// `[rows, k_out]` values of a payload in `dtype` (`k_out` <= the padded width).
+pub(crate) fn dequantize<R: CubeRuntime>(
+    payload: CubeTensor<R>,
+    scales: CubeTensor<R>,
+    rows: usize,
+    k_out: usize,
+    spec: &QuantSpec,
+    dtype: FloatDType,
+) -> CubeTensor<R> {
+    let op = "fp8_dequantize";
+    let words = payload.shape().as_slice().get(1).copied().unwrap_or(0);
+    if payload.shape().as_slice() != [rows, words] || k_out > words * 4 {
+        fail(op, format!("payload has shape {:?}; expected [{rows}, >= {}]", payload.shape().as_slice(), k_out.div_ceil(4)));
+    }
+    let payload = crate::launch::contiguous(payload);
+    let scales = crate::launch::contiguous(scales);
+    let dtype: DType = dtype.into();
+    let out = empty(&payload, vec![rows, k_out], dtype);
+    let n = rows * words;
+    if n == 0 {
+        return out;
+    }
+    let granularity = match spec.granularity {
+        Fp8Granularity::Tile1x128 => 0u32,
+        Fp8Granularity::Block128 => 1,
+        Fp8Granularity::Tensor => 2,
+    };
+    let client = payload.client.clone();
+    let cubes = n.div_ceil(256);
+    let (cx, cy) = if cubes > crate::launch::max_cubes_x(&payload) { (65535, cubes.div_ceil(65535)) } else { (cubes, 1) };
+    dequantize_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(cx as u32, cy as u32, 1),
+        CubeDim::new_1d(256),
+        payload.into_tensor_arg(),
+        scales.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        rows,
+        k_out,
+        words,
+        granularity,
+        spec.format.consts(),
+        dtype.into(),
+    );
+    out
+}

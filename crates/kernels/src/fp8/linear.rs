@@ -1,0 +1,101 @@
+//! The FP8 linear layer: fprop, dgrad and wgrad GEMMs, and its `Autodiff` node.
+//!
+//! For `y = x w` with `x [t, in]`, `w [in, out]`, each GEMM quantizes its operands along its own
+//! reduction axis:
+//! - fprop `y = x w`: `x` per row per 128 of `in`, `w^T` per 128 x 128 block;
+//! - dgrad `dx = dy w^T`: `dy` per row per 128 of `out`, `w` per block (the same codes as fprop's,
+//!   transposed);
+//! - wgrad `dw = x^T dy`: `x^T` and `dy^T` per row per 128 tokens.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
+
+use super::{fp8_gemm, fp8_quantize, Fp8LinearConfig};
+use crate::{Backend, KernelOps};
+
+/// The float dtype of a float tensor.
+pub(crate) fn float_dtype(d: DType) -> FloatDType {
+    match d {
+        DType::F64 => FloatDType::F64,
+        DType::F16 => FloatDType::F16,
+        DType::BF16 => FloatDType::BF16,
+        _ => FloatDType::F32,
+    }
+}
+
+/// `y = x w` (fprop), in FP8 when `cfg.fprop`.
+pub(crate) fn fprop<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cfg: &Fp8LinearConfig) -> Tensor<B, 2> {
+    if !cfg.fprop {
+        return x.matmul(w);
+    }
+    let out = float_dtype(x.dtype());
+    let a = fp8_quantize(x, cfg.act_spec(false));
+    let b = fp8_quantize(w, cfg.weight_spec(true));
+    fp8_gemm(&a, &b, out)
+}
+
+/// `(dx, dw)` of `y = x w` (dgrad, wgrad), each in FP8 when configured.
+pub(crate) fn backward<B: Backend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    dy: Tensor<B, 2>,
+    cfg: &Fp8LinearConfig,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let (x_dtype, w_dtype) = (float_dtype(x.dtype()), float_dtype(w.dtype()));
+    let dy = dy.cast(x_dtype);
+    let dx = if cfg.dgrad {
+        let a = fp8_quantize(dy.clone(), cfg.grad_spec(false));
+        let b = fp8_quantize(w.clone(), cfg.weight_spec(false));
+        fp8_gemm(&a, &b, x_dtype)
+    } else {
+        dy.clone().matmul(w.transpose())
+    };
+    let dw = if cfg.wgrad {
+        let a = fp8_quantize(x, cfg.act_spec(true));
+        let b = fp8_quantize(dy, cfg.grad_spec(true));
+        fp8_gemm(&a, &b, w_dtype)
+    } else {
+        x.transpose().matmul(dy).cast(w_dtype)
+    };
+    (dx, dw)
+}
+
+#[derive(Debug)]
+struct Fp8LinearBackward;
+
+impl<B: KernelOps> Backward<B, 2> for Fp8LinearBackward {
+    /// (x, w, config)
+    type State = (FloatTensor<B>, FloatTensor<B>, Fp8LinearConfig);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w, cfg) = ops.state;
+        let t = |p: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
+        let (dx, dw) = backward(t(x), t(w), t(dy), &cfg);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx.into_primitive().tensor());
+        }
+        if let Some(node) = node_w {
+            grads.register::<B>(node.id, dw.into_primitive().tensor());
+        }
+    }
+}
+
+pub(crate) fn fp8_linear<B: KernelOps, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    w: FloatTensor<Autodiff<B, C>>,
+    cfg: &Fp8LinearConfig,
+) -> FloatTensor<Autodiff<B, C>> {
+    let t = |p: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
+    let y = fprop(t(x.primitive.clone()), t(w.primitive.clone()), cfg).into_primitive().tensor();
+    match Fp8LinearBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, *cfg), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}

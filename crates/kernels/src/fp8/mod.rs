@@ -1,0 +1,354 @@
+//! FP8 quantization with fine-grained scales, FP8 GEMM and an FP8 linear layer (experimental).
+//!
+//! **Quantizer** ([`fp8_quantize`]): a 2-D matrix (or its transpose) is quantized along its
+//! reduction axis `k` with one scale per tile:
+//! - [`Fp8Granularity::Tile1x128`]: per row per 128 columns (activations and gradients);
+//! - [`Fp8Granularity::Block128`]: per 128 x 128 block (weights: the same codes serve the matrix and
+//!   its transpose);
+//! - [`Fp8Granularity::Tensor`]: one scale for the whole tensor (per-tensor current scaling).
+//!
+//! The scale comes from the tile's amax (the largest finite |x|): `s = max / amax`, by default
+//! rounded down to a power of two so that scaling is exact. Codes are rounded to nearest-even and
+//! saturate at the format's largest finite value. On purpose:
+//! - an all-zero tile gets scale 1 and zero codes;
+//! - NaN inputs give NaN codes and infinities give +-inf (E5M2) or NaN (E4M3, which has no inf),
+//!   so a non-finite value shows up in the GEMM output instead of being clipped; they do not enter
+//!   the amax, so the rest of the tile keeps its resolution;
+//! - f32 subnormal inputs (|x| < 1.2e-38) quantize to zero, on every device.
+//!
+//! The payload is stored as an Int tensor `[rows, k_pad / 4]` whose elements hold four codes in
+//! little-endian byte order (Burn has no FP8 dtype; `k_pad` is `k` rounded up to 128, padded with
+//! zero codes), the scales as an f32 tensor of *dequantization* factors (`1 / s`). The kernels
+//! encode with integer operations on the f32 bits, so every backend produces the same bytes as the
+//! CPU [`reference`].
+//!
+//! **GEMM** ([`fp8_gemm`]): `a [m, k] x b [n, k]^T -> [m, n]`, both operands quantized along `k`.
+//! [`Fp8GemmPath::Dequantize`] (the path on every backend today) expands the codes times their
+//! scales into bf16 (when the output is bf16) or f32, exactly, and multiplies with Burn's matmul
+//! (f32 accumulation). The products are therefore the FP8 products; the speed is not FP8
+//! tensor-core speed.
+//!
+//! **Linear** ([`fp8_linear`]): `x [t, in] w [in, out]` with the fprop, dgrad and wgrad GEMMs in FP8,
+//! each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
+
+pub(crate) mod forward;
+pub(crate) mod kernel;
+pub(crate) mod linear;
+pub mod reference;
+
+use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
+
+use crate::Backend;
+
+/// Scales cover 128 elements of the reduction axis (and 128 rows for blocks).
+pub const TILE: usize = 128;
+
+/// An FP8 encoding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Format {
+    /// 4 exponent bits, 3 mantissa bits, max 448, no infinity (forward operands).
+    E4M3,
+    /// 5 exponent bits, 2 mantissa bits, max 57344 (wider range: gradients in the hybrid setting).
+    E5M2,
+}
+
+impl Fp8Format {
+    /// Largest finite value.
+    pub fn max(self) -> f32 {
+        kernel::max_value(self.consts())
+    }
+    /// Smallest positive (subnormal) value.
+    pub fn smallest_subnormal(self) -> f32 {
+        f32::from_bits((128 - self.bias() - self.mantissa_bits()) << 23)
+    }
+    pub(crate) fn mantissa_bits(self) -> u32 {
+        self.consts().mant
+    }
+    pub(crate) fn bias(self) -> u32 {
+        self.consts().bias
+    }
+    pub(crate) fn max_code(self) -> u8 {
+        self.consts().max_code as u8
+    }
+    pub(crate) fn inf_code(self) -> u8 {
+        self.consts().inf_code as u8
+    }
+    pub(crate) fn max_exponent(self) -> i32 {
+        self.consts().max_exp as i32
+    }
+    pub(crate) fn consts(self) -> kernel::FormatConsts {
+        match self {
+            Fp8Format::E4M3 => kernel::FormatConsts { mant: 3, bias: 7, max_code: 0x7E, inf_code: 0x7F, max_exp: 8 },
+            Fp8Format::E5M2 => kernel::FormatConsts { mant: 2, bias: 15, max_code: 0x7B, inf_code: 0x7C, max_exp: 15 },
+        }
+    }
+}
+
+/// Which elements share a scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Granularity {
+    /// One scale per row per 128 elements of `k`: scales `[rows, k_tiles]`.
+    Tile1x128,
+    /// One scale per 128 x 128 block: scales `[ceil(rows / 128), k_tiles]`.
+    Block128,
+    /// One scale for the tensor: scales `[1, 1]`.
+    Tensor,
+}
+
+/// How to quantize a matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuantSpec {
+    pub format: Fp8Format,
+    pub granularity: Fp8Granularity,
+    /// Round scales down to powers of two (exact scaling; the default).
+    pub pow2: bool,
+    /// Quantize the transpose of the input: `[r, c]` becomes `[c, r]` quantized along `r`.
+    pub transpose: bool,
+}
+
+impl QuantSpec {
+    pub fn new(format: Fp8Format, granularity: Fp8Granularity) -> Self {
+        Self { format, granularity, pow2: true, transpose: false }
+    }
+    pub fn transposed(mut self, transpose: bool) -> Self {
+        self.transpose = transpose;
+        self
+    }
+    pub fn with_pow2(mut self, pow2: bool) -> Self {
+        self.pow2 = pow2;
+        self
+    }
+    /// Rows of the scale tensor for a quantized matrix of `rows` rows.
+    pub fn scale_rows(&self, rows: usize) -> usize {
+        match self.granularity {
+            Fp8Granularity::Tile1x128 => rows,
+            Fp8Granularity::Block128 => rows.div_ceil(TILE),
+            Fp8Granularity::Tensor => 1,
+        }
+    }
+    /// Columns of the scale tensor for a reduction length `k`.
+    pub fn scale_cols(&self, k: usize) -> usize {
+        match self.granularity {
+            Fp8Granularity::Tensor => 1,
+            _ => k.div_ceil(TILE),
+        }
+    }
+}
+
+/// A quantized matrix `[rows, k]` (see the module docs for the layout).
+#[derive(Clone, Debug)]
+pub struct Fp8Tensor<B: BurnBackend> {
+    /// `[rows, k_pad / 4]`: four little-endian codes per element.
+    pub payload: Tensor<B, 2, Int>,
+    /// f32 dequantization factors (see [`QuantSpec::scale_rows`], [`QuantSpec::scale_cols`]).
+    pub scales: Tensor<B, 2>,
+    pub rows: usize,
+    pub k: usize,
+    pub spec: QuantSpec,
+}
+
+impl<B: Backend> Fp8Tensor<B> {
+    /// `k` rounded up to a multiple of 128 (the payload's width in codes).
+    pub fn k_padded(&self) -> usize {
+        self.k.div_ceil(TILE) * TILE
+    }
+
+    /// The values the codes stand for, `[rows, k]`, in `dtype` (exact in f32 and bf16).
+    pub fn dequantize(&self, dtype: FloatDType) -> Tensor<B, 2> {
+        self.dequantize_to(self.k, dtype)
+    }
+
+    fn dequantize_to(&self, k_out: usize, dtype: FloatDType) -> Tensor<B, 2> {
+        let p = B::fp8_dequantize(
+            self.payload.clone().into_primitive(),
+            self.scales.clone().into_primitive().tensor(),
+            self.rows,
+            k_out,
+            &self.spec,
+            dtype,
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(p))
+    }
+
+    /// The codes on the host, row-major `[rows, k_pad]`.
+    pub fn codes(&self) -> Vec<u8> {
+        words_of_tensor(&self.payload).iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+}
+
+/// The payload words of a payload tensor, on the host.
+pub fn words_of_tensor<B: BurnBackend>(payload: &Tensor<B, 2, Int>) -> Vec<u32> {
+    words_of(payload.clone().into_data())
+}
+
+/// The payload words of an Int tensor's data, whatever its integer dtype.
+pub(crate) fn words_of(data: TensorData) -> Vec<u32> {
+    match data.dtype {
+        DType::U32 => data.to_vec::<u32>().expect("u32 payload"),
+        DType::I32 => data.to_vec::<i32>().expect("i32 payload").into_iter().map(|w| w as u32).collect(),
+        DType::I64 => data.to_vec::<i64>().expect("i64 payload").into_iter().map(|w| w as u32).collect(),
+        other => panic!("kernels::fp8: a payload tensor has dtype {other:?}; expected a 32-bit integer tensor"),
+    }
+}
+
+/// Quantizes the 2-D `x` (f32, f16 or bf16) as `spec` says.
+pub fn fp8_quantize<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Tensor<B> {
+    let [r, c] = x.dims();
+    let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
+    let (payload, scales) = B::fp8_quantize(x.into_primitive().tensor(), &spec);
+    Fp8Tensor {
+        payload: Tensor::from_primitive(payload),
+        scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
+        rows,
+        k,
+        spec,
+    }
+}
+
+/// How [`fp8_gemm`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8GemmPath {
+    /// Codes times scales expanded exactly to bf16 or f32, then Burn's matmul (f32 accumulation).
+    Dequantize,
+}
+
+/// The path [`fp8_gemm`] takes on this backend.
+pub fn fp8_gemm_path<B: Backend>(_a: &Fp8Tensor<B>) -> Fp8GemmPath {
+    Fp8GemmPath::Dequantize
+}
+
+/// `a [m, k] x b [n, k]^T -> [m, n]` in `out` dtype, from two matrices quantized along the same `k`.
+pub fn fp8_gemm<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDType) -> Tensor<B, 2> {
+    if a.k != b.k {
+        panic!(
+            "kernels::fp8_gemm: a is [{}, {}] and b is [{}, {}] (both [rows, k]); their reduction lengths k must match",
+            a.rows, a.k, b.rows, b.k
+        );
+    }
+    let compute = if out == FloatDType::BF16 { FloatDType::BF16 } else { FloatDType::F32 };
+    let k_pad = a.k_padded();
+    let da = a.dequantize_to(k_pad, compute);
+    let db = b.dequantize_to(k_pad, compute);
+    da.matmul(db.transpose()).cast(out)
+}
+
+/// Which GEMMs of an FP8 linear layer run in FP8, and how operands are scaled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fp8LinearConfig {
+    /// `y = x w`.
+    pub fprop: bool,
+    /// `dx = dy w^T`.
+    pub dgrad: bool,
+    /// `dw = x^T dy`.
+    pub wgrad: bool,
+    /// Format of `x` and `w`.
+    pub forward_format: Fp8Format,
+    /// Format of `dy` (E5M2 in the "hybrid" setting).
+    pub grad_format: Fp8Format,
+    /// Tiles (1x128 activations and gradients, 128x128 weights) or one scale per tensor.
+    pub per_tensor: bool,
+    /// Power-of-two scales.
+    pub pow2: bool,
+}
+
+impl Default for Fp8LinearConfig {
+    fn default() -> Self {
+        Self {
+            fprop: true,
+            dgrad: true,
+            wgrad: true,
+            forward_format: Fp8Format::E4M3,
+            grad_format: Fp8Format::E4M3,
+            per_tensor: false,
+            pow2: true,
+        }
+    }
+}
+
+impl Fp8LinearConfig {
+    /// Spec of an activation (`x`) operand.
+    pub fn act_spec(&self, transpose: bool) -> QuantSpec {
+        self.spec(self.forward_format, Fp8Granularity::Tile1x128, transpose)
+    }
+    /// Spec of the weight operand.
+    pub fn weight_spec(&self, transpose: bool) -> QuantSpec {
+        self.spec(self.forward_format, Fp8Granularity::Block128, transpose)
+    }
+    /// Spec of an output-gradient (`dy`) operand.
+    pub fn grad_spec(&self, transpose: bool) -> QuantSpec {
+        self.spec(self.grad_format, Fp8Granularity::Tile1x128, transpose)
+    }
+    fn spec(&self, format: Fp8Format, tiles: Fp8Granularity, transpose: bool) -> QuantSpec {
+        let granularity = if self.per_tensor { Fp8Granularity::Tensor } else { tiles };
+        QuantSpec { format, granularity, pow2: self.pow2, transpose }
+    }
+}
+
+/// `x [t, in] w [in, out] -> [t, out]` with the GEMMs `cfg` selects in FP8 (output in `x`'s dtype;
+/// `x` and `w` must share a dtype). Under `Autodiff` the backward runs dgrad and wgrad as configured.
+pub fn fp8_linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cfg: &Fp8LinearConfig) -> Tensor<B, 2> {
+    let [t, d_in] = x.dims();
+    let [w_in, _] = w.dims();
+    if d_in != w_in {
+        panic!("kernels::fp8_linear: x is [{t}, {d_in}] but w is {:?}; w must be [{d_in}, out]", w.dims());
+    }
+    if x.dtype() != w.dtype() {
+        panic!("kernels::fp8_linear: x is {:?} but w is {:?}; cast one first", x.dtype(), w.dtype());
+    }
+    Tensor::from_primitive(TensorPrimitive::Float(B::fp8_linear(x.into_primitive().tensor(), w.into_primitive().tensor(), cfg)))
+}
+
+/// How well a tensor fits its FP8 format under a quantization spec.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fp8Health {
+    /// Largest finite |x|.
+    pub amax: f64,
+    /// Share of the nonzero finite values that quantize to zero.
+    pub underflow: f64,
+    /// Share of the finite values beyond the largest code of their tile (clipped).
+    pub saturated: f64,
+}
+
+/// [`Fp8Health`] of the 2-D `x` quantized as `spec` says, computed on the device (a few reductions
+/// of the tensor's size; sample it every few steps).
+pub fn fp8_health<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Health {
+    let x = if spec.transpose { x.transpose() } else { x };
+    let spec = spec.transposed(false);
+    let [rows, k] = x.dims();
+    let n = (rows * k).max(1) as f64;
+    let q = fp8_quantize(x.clone(), spec);
+    let deq = q.dequantize(FloatDType::F32);
+    let x = x.cast(FloatDType::F32);
+    let finite = x.clone().is_finite();
+    // Per-element dequantization scale: scales expanded over their tiles.
+    let kt = spec.scale_cols(k);
+    let k_pad = kt * TILE;
+    let d = match spec.granularity {
+        Fp8Granularity::Tensor => q.scales.clone().expand([rows, k]),
+        Fp8Granularity::Tile1x128 => {
+            q.scales.clone().reshape([rows, kt, 1]).expand([rows, kt, TILE]).reshape([rows, k_pad]).slice([0..rows, 0..k])
+        }
+        Fp8Granularity::Block128 => {
+            let br = spec.scale_rows(rows);
+            q.scales
+                .clone()
+                .reshape([br, 1, kt, 1])
+                .expand([br, TILE, kt, TILE])
+                .reshape([br * TILE, k_pad])
+                .slice([0..rows, 0..k])
+        }
+    };
+    let abs = x.clone().abs().mask_fill(finite.clone().bool_not(), 0.0);
+    let amax = scalar(abs.clone().max());
+    let nonzero = abs.clone().greater_elem(0.0);
+    let underflow = nonzero.clone().bool_and(deq.equal_elem(0.0));
+    let saturated = abs.greater(d.mul_scalar(spec.format.max() as f64));
+    let count = |b: Tensor<B, 2, burn::tensor::Bool>| scalar(b.int().sum().float());
+    let nz = count(nonzero).max(1.0);
+    Fp8Health { amax, underflow: count(underflow) / nz, saturated: count(saturated) / n }
+}
+
+fn scalar<B: BurnBackend>(t: Tensor<B, 1>) -> f64 {
+    t.cast(FloatDType::F32).into_data().to_vec::<f32>().map(|v| v[0] as f64).unwrap_or(f64::NAN)
+}

@@ -1,0 +1,136 @@
+//! FP8 GEMM and quantizer benchmark.
+//!
+//! For each `m x n x k` it prints TFLOP/s (2mnk / time) of:
+//! - `fp8 gemm`: [`kernels::fp8_gemm`] on operands already quantized (1x128 tiles for `a`,
+//!   128x128 blocks for `b`), bf16 output, on the path that [`kernels::fp8_gemm_path`] names;
+//! - `fp8 q+gemm`: the same including quantizing both bf16 operands (what a linear layer pays);
+//! - `bf16`: Burn's bf16 matmul (our bf16 GEMM path); `f32`: Burn's f32 matmul;
+//!
+//! with ratios to cuBLAS in TARGETS.md (FP8 1446, BF16 799 TFLOP/s on an H100), and the
+//! quantizer's GB/s (bytes read + written).
+//!
+//! Shapes: 4096^3, 8192^3 and GPT-2 small's projections at 16 x 1024 tokens (qkv 768 -> 2304,
+//! proj 768 -> 768, fc 768 -> 3072, mlp proj 3072 -> 768).
+//!
+//! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--shapes 4096x4096x4096,...]`
+
+use std::time::Instant;
+
+use burn::backend::cuda::CudaDevice;
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Cuda, Wgpu};
+use burn::tensor::{Distribution, FloatDType, Tensor};
+use clap::Parser;
+use kernels::{fp8_gemm, fp8_gemm_path, fp8_quantize, Fp8Format, Fp8Granularity, QuantSpec};
+
+const CUBLAS_FP8: f64 = 1446.0;
+const CUBLAS_BF16: f64 = 799.0;
+
+#[derive(Parser)]
+#[command(about = "FP8 GEMM and quantizer throughput against bf16 / f32 matmul")]
+struct Args {
+    /// cuda or wgpu.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Comma-separated MxNxK shapes (default: 4096^3, 8192^3 and the GPT-2 small projections).
+    #[arg(long)]
+    shapes: Option<String>,
+    /// Calls per timed batch.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Timed batches (the median is reported).
+    #[arg(long, default_value_t = 7)]
+    reps: usize,
+}
+
+fn time<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, f: &mut dyn FnMut()) -> f64 {
+    for _ in 0..2 {
+        f();
+    }
+    Bk::sync(dev).expect("sync");
+    let mut samples: Vec<f64> = (0..args.reps)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..args.iters {
+                f();
+            }
+            Bk::sync(dev).expect("sync");
+            t.elapsed().as_secs_f64() / args.iters as f64
+        })
+        .collect();
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    samples[samples.len() / 2]
+}
+
+fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, usize, usize)], compute: FloatDType) {
+    println!("| m x n x k | fp8 path | fp8 gemm | fp8 q+gemm | {compute:?} matmul | f32 matmul | fp8 / {compute:?} | fp8 / cuBLAS FP8 | {compute:?} / cuBLAS BF16 | quantize GB/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for &(m, n, k) in shapes {
+        let flop = 2.0 * m as f64 * n as f64 * k as f64;
+        let tf = |s: f64| flop / s / 1e12;
+        let a = Tensor::<Bk, 2>::random([m, k], Distribution::Normal(0.0, 1.0), dev).cast(compute);
+        let b = Tensor::<Bk, 2>::random([n, k], Distribution::Normal(0.0, 1.0), dev).cast(compute);
+        let sa = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Tile1x128);
+        let sb = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Block128);
+        let qa = fp8_quantize(a.clone(), sa);
+        let qb = fp8_quantize(b.clone(), sb);
+        let path = fp8_gemm_path(&qa);
+        let t_gemm = time::<Bk>(dev, args, &mut || {
+            let _ = fp8_gemm(&qa, &qb, compute);
+        });
+        let t_qgemm = time::<Bk>(dev, args, &mut || {
+            let qa = fp8_quantize(a.clone(), sa);
+            let qb = fp8_quantize(b.clone(), sb);
+            let _ = fp8_gemm(&qa, &qb, compute);
+        });
+        let bt = b.clone().transpose();
+        let t_c = time::<Bk>(dev, args, &mut || {
+            let _ = a.clone().matmul(bt.clone());
+        });
+        let (a32, b32) = (a.clone().cast(FloatDType::F32), bt.clone().cast(FloatDType::F32));
+        let t_32 = time::<Bk>(dev, args, &mut || {
+            let _ = a32.clone().matmul(b32.clone());
+        });
+        let t_q = time::<Bk>(dev, args, &mut || {
+            let _ = fp8_quantize(a.clone(), sa);
+        });
+        let elem = if compute == FloatDType::F32 { 4.0 } else { 2.0 };
+        let q_bytes = m as f64 * k as f64 * (elem + 1.0) + (m * k.div_ceil(128)) as f64 * 4.0;
+        println!(
+            "| {m}x{n}x{k} | {path:?} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.3} | {:.3} | {:.0} |",
+            tf(t_gemm),
+            tf(t_qgemm),
+            tf(t_c),
+            tf(t_32),
+            t_c / t_gemm,
+            tf(t_gemm) / CUBLAS_FP8,
+            tf(t_c) / CUBLAS_BF16,
+            q_bytes / t_q / 1e9
+        );
+    }
+}
+
+fn parse_shapes(s: &str) -> Vec<(usize, usize, usize)> {
+    s.split(',')
+        .map(|t| {
+            let v: Vec<usize> = t.split('x').map(|x| x.trim().parse().unwrap_or_else(|_| panic!("bad shape {t}: use MxNxK"))).collect();
+            match v[..] {
+                [m, n, k] => (m, n, k),
+                _ => panic!("bad shape {t}: use MxNxK"),
+            }
+        })
+        .collect()
+}
+
+fn main() {
+    let args = Args::parse();
+    let shapes = match &args.shapes {
+        Some(s) => parse_shapes(s),
+        None => vec![(4096, 4096, 4096), (8192, 8192, 8192), (16384, 2304, 768), (16384, 768, 768), (16384, 3072, 768), (16384, 768, 3072)],
+    };
+    match args.device.as_str() {
+        "cuda" => run::<Cuda>(&CudaDevice::default(), &args, &shapes, FloatDType::BF16),
+        "wgpu" => run::<Wgpu>(&WgpuDevice::DefaultDevice, &args, &shapes, FloatDType::F32),
+        other => panic!("--device {other}: use cuda or wgpu"),
+    }
+}

@@ -1,0 +1,230 @@
+//! FP8 cases shared by `tests/fp8.rs` (wgpu / lavapipe) and `tests/cuda_kernels.rs` (CUDA).
+#![allow(dead_code)]
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
+use kernels::fp8::reference;
+use kernels::{fp8_gemm, fp8_linear, fp8_quantize, Fp8Format, Fp8Granularity, Fp8LinearConfig, QuantSpec};
+
+/// A deterministic pseudo-random stream (xorshift), so that failures reproduce.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next_u32(&mut self) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 32) as u32
+    }
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u32() >> 8) as f32 / (1u32 << 24) as f32
+    }
+    /// Roughly normal (sum of uniforms).
+    pub fn normal(&mut self) -> f32 {
+        (0..4).map(|_| self.unit()).sum::<f32>() * 1.732 - 3.464
+    }
+}
+
+/// Matrices that exercise the quantizer: per-row magnitudes spanning many octaves, outliers, an
+/// all-zero tile, f32 subnormals, NaN and +-inf (when `nonfinite`), values exactly at code ties.
+pub fn adversarial(rows: usize, cols: usize, seed: u64, nonfinite: bool) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    let mut v = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        let mag = 2f32.powi((rng.next_u32() % 40) as i32 - 20);
+        for c in 0..cols {
+            v[r * cols + c] = rng.normal() * mag;
+        }
+    }
+    let mut put = |i: usize, x: f32| {
+        if i < v.len() {
+            v[i] = x;
+        }
+    };
+    // outliers
+    put(3, 3.0e4);
+    put(cols + 5, -7.5e3);
+    // subnormals and tiny normals
+    put(1, 1.0e-39);
+    put(2, -3.0e-41);
+    put(7, f32::MIN_POSITIVE);
+    // ties of the E4M3 grid at scale 1 (1 + 1/16 lies halfway between 1 and 1.125)
+    put(9, 1.0625);
+    put(10, -1.1875);
+    if nonfinite {
+        put(11, f32::NAN);
+        put(12, f32::INFINITY);
+        put(2 * cols + 1, f32::NEG_INFINITY);
+    }
+    // Row 3: amax 256 gives the power-of-two E4M3 scale 1, so exact ties of the E4M3 grid stay
+    // ties: 1 + 1/16 (between 1 and 1.125), 2 + 1/8, and 3.5 subnormal units (2^-9 each).
+    if rows > 3 && cols >= 5 {
+        for c in 0..cols {
+            v[3 * cols + c] = rng.normal() * 0.1;
+        }
+        for (c, t) in [256.0, 1.0625, -1.1875, 2.125, 0.006_835_937_5].into_iter().enumerate() {
+            v[3 * cols + c] = t;
+        }
+    }
+    // an all-zero 1x128 tile (row 1, columns 128..256) and an all-zero row
+    if rows > 1 && cols > 128 {
+        for c in 128..cols.min(256) {
+            v[cols + c] = 0.0;
+        }
+    }
+    if rows > 4 {
+        for c in 0..cols {
+            v[4 * cols + c] = 0.0;
+        }
+    }
+    v
+}
+
+pub fn specs() -> Vec<QuantSpec> {
+    let mut out = Vec::new();
+    for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+        for granularity in [Fp8Granularity::Tile1x128, Fp8Granularity::Block128, Fp8Granularity::Tensor] {
+            for pow2 in [true, false] {
+                for transpose in [false, true] {
+                    out.push(QuantSpec { format, granularity, pow2, transpose });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Payload and scales of the quantizer kernels, bit for bit against the CPU reference, for every
+/// format, granularity, scale rounding and orientation; input in `dtype` (the reference gets the
+/// same dtype-rounded values).
+pub fn quantizer_bit_identical<B: kernels::Backend>(dtype: FloatDType, dev: &B::Device, shapes: &[(usize, usize)]) {
+    for (n, &(rows, cols)) in shapes.iter().enumerate() {
+        let nonfinite = dtype == FloatDType::F32;
+        let data = adversarial(rows, cols, 11 + n as u64, nonfinite);
+        let x = Tensor::<B, 2>::from_data(TensorData::new(data, [rows, cols]), (dev, burn::tensor::DType::F32)).cast(dtype);
+        let rounded = x.clone().cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+        for spec in specs() {
+            let q = fp8_quantize(x.clone(), spec);
+            let (words, scales) = reference::quantize(&rounded, rows, cols, &spec);
+            let got_words = kernels::fp8::words_of_tensor(&q.payload);
+            let got_scales = q.scales.clone().into_data().to_vec::<f32>().unwrap();
+            let ctx = format!("{dtype:?} [{rows}, {cols}] {spec:?}");
+            assert_eq!(got_scales.len(), scales.len(), "{ctx}: scale count");
+            for (i, (g, r)) in got_scales.iter().zip(&scales).enumerate() {
+                assert_eq!(g.to_bits(), r.to_bits(), "{ctx}: scale {i}: kernel {g:e}, reference {r:e}");
+            }
+            assert_eq!(got_words.len(), words.len(), "{ctx}: payload words");
+            if let Some(i) = got_words.iter().zip(&words).position(|(g, r)| g != r) {
+                panic!("{ctx}: payload word {i} (row {}, codes {}..): kernel {:08x}, reference {:08x}", i / (words.len() / q.rows.max(1)), 4 * (i % (words.len() / q.rows.max(1))), got_words[i], words[i]);
+            }
+            // Dequantization: kernel against reference, exact.
+            let deq = q.dequantize(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+            let want = reference::dequantize(&words, &scales, q.rows, q.k, &spec);
+            for (i, (g, r)) in deq.iter().zip(&want).enumerate() {
+                assert!(g.to_bits() == r.to_bits() || (g.is_nan() && r.is_nan()), "{ctx}: dequantized {i}: kernel {g:e}, reference {r:e}");
+            }
+        }
+    }
+}
+
+/// `fp8_gemm` against the dequantized operands multiplied in f64 on the host.
+pub fn gemm_against_dequantized<B: kernels::Backend>(dev: &B::Device, out: FloatDType, shapes: &[(usize, usize, usize)]) {
+    for &(m, n, k) in shapes {
+        let a = Tensor::<B, 2>::random([m, k], Distribution::Normal(0.0, 1.0), dev);
+        let b = Tensor::<B, 2>::random([n, k], Distribution::Normal(0.0, 3.0), dev);
+        for (fa, fb) in [(Fp8Format::E4M3, Fp8Format::E4M3), (Fp8Format::E5M2, Fp8Format::E4M3)] {
+            let qa = fp8_quantize(a.clone(), QuantSpec::new(fa, Fp8Granularity::Tile1x128));
+            let qb = fp8_quantize(b.clone(), QuantSpec::new(fb, Fp8Granularity::Block128));
+            let y = fp8_gemm(&qa, &qb, out).cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+            let da = qa.dequantize(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+            let db = qb.dequantize(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+            // Tolerance: f32 accumulation of k exact products (|err| <= k * eps * sum|a||b|), plus
+            // the output rounding (bf16: 2^-8 relative).
+            let round = if out == FloatDType::BF16 { 2f64.powi(-8) } else if out == FloatDType::F16 { 2f64.powi(-11) } else { 0.0 };
+            for i in 0..m {
+                for j in 0..n {
+                    let (mut s, mut sa) = (0f64, 0f64);
+                    for t in 0..k {
+                        let p = da[i * k + t] as f64 * db[j * k + t] as f64;
+                        s += p;
+                        sa += p.abs();
+                    }
+                    let tol = k as f64 * 1.2e-7 * sa + round * s.abs() + 1e-30;
+                    let g = y[i * n + j] as f64;
+                    assert!((g - s).abs() <= tol, "fp8_gemm [{m}, {n}, {k}] {fa:?}x{fb:?} -> {out:?} at ({i}, {j}): {g} vs {s} (tol {tol:e})");
+                }
+            }
+        }
+    }
+}
+
+fn host<Bk: burn::tensor::backend::Backend>(t: Tensor<Bk, 2>) -> Vec<f32> {
+    t.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(g, w)| ((*g - *w) as f64).powi(2)).sum();
+    let den: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// The FP8 linear layer under autodiff:
+/// 1. wiring: y, dx and dw equal the FP8 GEMMs of the operands quantized as documented (exact);
+/// 2. quality: against the same layer in f32, relative RMS error of y, dx, dw below a bound from
+///    the formats' rounding: a code's relative error is at most 2^-(m+1) (2^-4 for E4M3, 2^-3 for
+///    E5M2) and about a third of that in RMS; a product of two quantized operands about 1.5x; for
+///    sums of many terms of random sign the relative RMS error stays near that: ~0.04 with E4M3
+///    operands, ~0.06 with E5M2 gradients (measured on lavapipe: 0.037-0.038 and 0.058-0.060), so
+///    the bounds 0.06 and 0.12 leave 1.5-2x headroom;
+/// 3. passes switched off use the plain matmul exactly.
+pub fn linear<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, shapes: &[(usize, usize, usize)])
+where
+    B::InnerBackend: kernels::Backend,
+{
+    for &(t, d_in, d_out) in shapes {
+        let x0 = Tensor::<B, 2>::random([t, d_in], Distribution::Normal(0.0, 1.0), dev);
+        let w0 = Tensor::<B, 2>::random([d_in, d_out], Distribution::Normal(0.0, 0.02), dev);
+        let dy0 = Tensor::<B::InnerBackend, 2>::random([t, d_out], Distribution::Normal(0.0, 1e-3), dev);
+        // f32 baseline
+        let (xf, wf) = (x0.clone().require_grad(), w0.clone().require_grad());
+        let yf = xf.clone().matmul(wf.clone());
+        let gf = (yf.clone() * Tensor::from_inner(dy0.clone())).sum().backward();
+        let (yf, dxf, dwf) = (host(yf.inner()), host(xf.grad(&gf).unwrap()), host(wf.grad(&gf).unwrap()));
+        for hybrid in [false, true] {
+            let cfg = Fp8LinearConfig { grad_format: if hybrid { Fp8Format::E5M2 } else { Fp8Format::E4M3 }, ..Default::default() };
+            let x = x0.clone().cast(dtype).detach().require_grad();
+            let w = w0.clone().cast(dtype).detach().require_grad();
+            let y = fp8_linear(x.clone(), w.clone(), &cfg);
+            let dy = Tensor::<B, 2>::from_inner(dy0.clone().cast(dtype));
+            let g = (y.clone() * dy).sum().backward();
+            let (dx, dw) = (x.grad(&g).unwrap(), w.grad(&g).unwrap());
+            let ctx = format!("fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] hybrid={hybrid}");
+            // 1. wiring, on the inner backend
+            let (xi, wi, dyi) = (x.clone().inner(), w.clone().inner(), dy0.clone().cast(dtype));
+            let want_y = fp8_gemm(&fp8_quantize(xi.clone(), cfg.act_spec(false)), &fp8_quantize(wi.clone(), cfg.weight_spec(true)), dtype);
+            let want_dx = fp8_gemm(&fp8_quantize(dyi.clone(), cfg.grad_spec(false)), &fp8_quantize(wi.clone(), cfg.weight_spec(false)), dtype);
+            let want_dw = fp8_gemm(&fp8_quantize(xi.clone(), cfg.act_spec(true)), &fp8_quantize(dyi.clone(), cfg.grad_spec(true)), dtype);
+            assert_eq!(host(y.clone().inner()), host(want_y), "{ctx}: y is not the FP8 fprop GEMM");
+            assert_eq!(host(dx.clone()), host(want_dx), "{ctx}: dx is not the FP8 dgrad GEMM");
+            assert_eq!(host(dw.clone()), host(want_dw), "{ctx}: dw is not the FP8 wgrad GEMM");
+            // 2. quality against f32
+            let (ey, edx, edw) = (rel_err(&host(y.inner()), &yf), rel_err(&host(dx), &dxf), rel_err(&host(dw), &dwf));
+            let bound_g = if hybrid { 0.12 } else { 0.06 };
+            eprintln!("{ctx}: relative RMS error vs f32: y {ey:.4}, dx {edx:.4}, dw {edw:.4}");
+            assert!(ey <= 0.06, "{ctx}: y relative RMS error {ey:.4} > 0.06");
+            assert!(edx <= bound_g, "{ctx}: dx relative RMS error {edx:.4} > {bound_g}");
+            assert!(edw <= bound_g, "{ctx}: dw relative RMS error {edw:.4} > {bound_g}");
+        }
+        // 3. all passes off: plain matmuls
+        let off = Fp8LinearConfig { fprop: false, dgrad: false, wgrad: false, ..Default::default() };
+        let x = x0.clone().cast(dtype).detach().require_grad();
+        let w = w0.clone().cast(dtype).detach().require_grad();
+        let y = fp8_linear(x.clone(), w.clone(), &off);
+        let plain = x.clone().inner().matmul(w.clone().inner());
+        assert_eq!(host(y.inner()), host(plain), "fp8_linear with every pass off must be the plain matmul");
+    }
+}
