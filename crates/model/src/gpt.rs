@@ -266,6 +266,22 @@ impl<B: Backend> Gpt<B> {
         self
     }
 
+    /// The same model with each FP8 projection recording the FP8 health of its input into `sink`
+    /// (as `blocks.N.attn.qkv.input`, ...), or not with `None`.
+    pub fn with_fp8_probe(mut self, sink: Option<std::sync::Arc<std::sync::Mutex<Vec<(String, kernels::Fp8Health)>>>>) -> Self {
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            for (name, lin) in [
+                ("attn.qkv", &mut block.attn.qkv),
+                ("attn.proj", &mut block.attn.proj),
+                ("mlp.fc", &mut block.mlp.fc),
+                ("mlp.proj", &mut block.mlp.proj),
+            ] {
+                lin.fp8_probe = sink.clone().map(|sink| crate::layers::Fp8Probe { name: format!("blocks.{i}.{name}.input"), sink });
+            }
+        }
+        self
+    }
+
     /// Ids of the parameters [`Gpt::compute_copy`] casts to the compute dtype.
     pub fn compute_copy_ids(&self) -> std::collections::HashSet<ParamId> {
         let mut ids = std::collections::HashSet::new();

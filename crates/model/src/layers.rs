@@ -19,6 +19,16 @@ pub struct Linear<B: Backend> {
     /// recipe, never saved.
     #[module(skip)]
     pub fp8: Option<kernels::Fp8LinearConfig>,
+    /// When set (with [`Linear::fp8`]), each forward records the FP8 health of its input here.
+    #[module(skip)]
+    pub fp8_probe: Option<Fp8Probe>,
+}
+
+/// Where a layer records the FP8 health of its inputs: `(layer name, health)` entries.
+#[derive(Clone, Debug, Default)]
+pub struct Fp8Probe {
+    pub name: String,
+    pub sink: std::sync::Arc<std::sync::Mutex<Vec<(String, kernels::Fp8Health)>>>,
 }
 
 impl<B: Backend> Linear<B> {
@@ -26,7 +36,7 @@ impl<B: Backend> Linear<B> {
     pub fn new(d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
         let weight = Tensor::random([d_in, d_out], Distribution::Normal(0.0, std), device);
         let bias = bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device)));
-        Self { weight: Param::from_tensor(weight), bias, fp8: None }
+        Self { weight: Param::from_tensor(weight), bias, fp8: None, fp8_probe: None }
     }
 
     /// [.., d_in] -> [.., d_out], in the dtype of the weight (`x` must have it too).
@@ -58,6 +68,7 @@ impl<B: Backend> Linear<B> {
             weight: copy(&self.weight, dtype, cached),
             bias: self.bias.as_ref().map(|b| copy(b, dtype, cached)),
             fp8: self.fp8,
+            fp8_probe: self.fp8_probe.clone(),
         }
     }
 
@@ -79,7 +90,14 @@ impl<B: kernels::Backend> Linear<B> {
         let rows = dims[..D - 1].iter().product::<usize>();
         let w = self.weight.val();
         let d_out = w.dims()[1];
-        let y = kernels::fp8_linear(x.reshape([rows, d_in]), w, cfg);
+        let x = x.reshape([rows, d_in]);
+        if let Some(probe) = &self.fp8_probe {
+            let health = kernels::fp8_health(x.clone().detach(), cfg.act_spec(false));
+            if let Ok(mut sink) = probe.sink.lock() {
+                sink.push((probe.name.clone(), health));
+            }
+        }
+        let y = kernels::fp8_linear(x, w, cfg);
         let y = match &self.bias {
             Some(b) => y + b.val().unsqueeze::<2>(),
             None => y,

@@ -40,12 +40,14 @@ pub struct StepRecord {
     /// Validation loss, on steps that end with an evaluation.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f64>,
-    /// FP8 recipe, on the first step and every `fp8.health_interval` steps: per projection weight.
+    /// FP8 recipe, on the first step and every `fp8.health_interval` steps: per projection, its
+    /// weight (`blocks.N.mlp.fc.weight`) and its input in the step's first micro-batch
+    /// (`blocks.N.mlp.fc.input`).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub fp8: Option<Vec<Fp8LayerHealth>>,
 }
 
-/// How one projection's weight fits FP8 (see `kernels::Fp8Health`).
+/// How one projection's weight or input fits FP8 (see `kernels::Fp8Health`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Fp8LayerHealth {
     pub layer: String,

@@ -101,7 +101,7 @@ fn human(x: f64) -> String {
 
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
 /// FP8 health of every projection weight as the fprop GEMM quantizes it (128x128 blocks, or per
-/// tensor), from the master weights cast to the compute dtype.
+/// tensor), from the master weights cast to the compute dtype (`blocks.N.attn.qkv.weight`, ...).
 fn fp8_weight_health<B: crate::TrainBackend>(
     model: &Gpt<B>,
     dtype: FloatDType,
@@ -306,9 +306,16 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         // for fp32) runs forward and backward; its gradients arrive under the master's ids.
         // With the fused optimizer the copies written by the last step are reused (a resumed or
         // first step, or one after a skipped step with no copies, casts).
+        // FP8 health steps: the projections also record their inputs' FP8 health.
+        let health_step = match &recipe {
+            Recipe::Fp8(r) => r.fp8.health_interval > 0 && ((step + 1) % r.fp8.health_interval == 0 || step == 0),
+            _ => false,
+        };
+        let probe = health_step.then(|| std::sync::Arc::new(std::sync::Mutex::new(Vec::new())));
         let compute = model
             .compute_copy_with(compute_dtype, &|id| opt.copies.get(&id).map(|c| B::from_inner(c.clone())))
-            .with_fp8(fp8_linear);
+            .with_fp8(fp8_linear)
+            .with_fp8_probe(probe.clone());
         let scale = scaler.scale();
         let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
         let mut micro_grads = |index: u64| {
@@ -386,9 +393,18 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         let session_end = done == end;
         let eval_now = is_last || (cfg.training.eval_interval > 0 && done % cfg.training.eval_interval as u64 == 0);
         let val_loss = eval_now.then(|| evaluate(&model.compute_copy(compute_dtype).with_fp8(fp8_linear), &data, cfg));
-        let fp8_health = match (&recipe, fp8_linear) {
-            (Recipe::Fp8(r), Some(lin)) if r.fp8.health_interval > 0 && (done % r.fp8.health_interval == 0 || done == 1) => {
-                Some(fp8_weight_health(&model, compute_dtype, &lin))
+        let fp8_health = match (health_step, fp8_linear) {
+            (true, Some(lin)) => {
+                let mut all = fp8_weight_health(&model, compute_dtype, &lin);
+                // Inputs: the first micro-batch's entry per layer.
+                let recorded = probe.map(|p| std::mem::take(&mut *p.lock().unwrap_or_else(|e| e.into_inner()))).unwrap_or_default();
+                let mut seen = HashSet::new();
+                for (layer, h) in recorded {
+                    if seen.insert(layer.clone()) {
+                        all.push(crate::metrics::Fp8LayerHealth { layer, amax: h.amax, underflow: h.underflow, saturated: h.saturated });
+                    }
+                }
+                Some(all)
             }
             _ => None,
         };
