@@ -238,7 +238,7 @@ fn overflow_without_scaling_or_at_the_floor_stops_the_run() {
 
 #[test]
 fn precision_config_errors_name_the_key() {
-    let e = trainer::Config::from_toml_str("precision = \"fp8\"", &[], "t.toml").unwrap_err().to_string();
+    let e = trainer::Config::from_toml_str("precision = \"fp4\"", &[], "t.toml").unwrap_err().to_string();
     assert!(e.contains("precision") && e.contains("fp16"), "{e}");
     let e = trainer::Config::from_toml_str("[loss_scale]\nmode = \"dynamic\"", &[], "t.toml").unwrap_err().to_string();
     assert!(e.contains("loss_scale.mode") && e.contains("fp16"), "{e}");
