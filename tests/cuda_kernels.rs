@@ -131,7 +131,17 @@ fn cuda_fp8_quantizer() {
 fn cuda_fp8_gemm() {
     let shapes = [(1, 1, 1), (33, 17, 300), (130, 70, 256), (256, 384, 768)];
     for out in [FloatDType::F32, FloatDType::BF16] {
-        fp8_cases::gemm_against_dequantized::<Cuda>(&CudaDevice::default(), out, &shapes);
+        fp8_cases::gemm_against_dequantized::<Cuda>(&CudaDevice::default(), out, &shapes, kernels::Fp8GemmPath::Dequantize);
+    }
+}
+
+/// The FP8 tensor-core GEMM (opt-in in `fp8_gemm`, forced here) against the dequantized operands.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_gemm_mma() {
+    let shapes = [(1, 1, 1), (33, 17, 300), (130, 70, 256), (256, 384, 768), (200, 1000, 129)];
+    for out in [FloatDType::F32, FloatDType::BF16] {
+        fp8_cases::gemm_against_dequantized::<Cuda>(&CudaDevice::default(), out, &shapes, kernels::Fp8GemmPath::TensorCores);
     }
 }
 

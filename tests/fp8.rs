@@ -103,7 +103,7 @@ fn quantizer_bit_identical() {
 fn gemm_against_dequantized() {
     let shapes = [(1, 1, 1), (33, 17, 300), (130, 70, 256)];
     for out in [FloatDType::F32, FloatDType::F16] {
-        fp8_cases::gemm_against_dequantized::<Inner>(&device(), out, &shapes);
+        fp8_cases::gemm_against_dequantized::<Inner>(&device(), out, &shapes, kernels::Fp8GemmPath::Dequantize);
     }
 }
 
@@ -144,9 +144,11 @@ fn fp8_recipe_trains() {
     let health: Vec<_> = m.iter().filter(|r| r.fp8.is_some()).map(|r| r.step).collect();
     assert_eq!(health, vec![1, 10, 20, 30]);
     let h = m[0].fp8.as_ref().unwrap();
-    assert_eq!(h.len(), 8 * fp8.model.n_layer, "one entry per projection weight and input");
-    assert_eq!(h.iter().filter(|l| l.layer.ends_with(".input")).count(), 4 * fp8.model.n_layer);
-    assert!(h.iter().any(|l| l.layer == "blocks.1.mlp.proj.input"), "{h:?}");
+    assert_eq!(h.len(), 12 * fp8.model.n_layer, "one entry per projection weight, input and output gradient");
+    for kind in [".weight", ".input", ".grad_output"] {
+        assert_eq!(h.iter().filter(|l| l.layer.ends_with(kind)).count(), 4 * fp8.model.n_layer, "{kind}: {h:?}");
+    }
+    assert!(h.iter().any(|l| l.layer == "blocks.1.mlp.proj.grad_output"), "{h:?}");
     assert!(h.iter().all(|l| l.amax > 0.0 && (0.0..0.5).contains(&l.underflow) && l.saturated == 0.0), "{h:?}");
     assert_eq!(s8.precision.name(), "fp8");
 }

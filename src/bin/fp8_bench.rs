@@ -1,8 +1,9 @@
 //! FP8 GEMM and quantizer benchmark.
 //!
 //! For each `m x n x k` it prints TFLOP/s (2mnk / time) of:
-//! - `fp8 gemm`: [`kernels::fp8_gemm`] on operands already quantized (1x128 tiles for `a`,
-//!   128x128 blocks for `b`), bf16 output, on the path that [`kernels::fp8_gemm_path`] names;
+//! - `fp8 gemm`: the FP8 GEMM on operands already quantized (E4M3, 1x128 tiles for `a`, 128x128
+//!   blocks for `b`), bf16 output, on each path the device has: `Dequantize`, and `TensorCores`
+//!   (the opt-in `mma.sync` kernel) where E4M3 MMA exists;
 //! - `fp8 q+gemm`: the same including quantizing both bf16 operands (what a linear layer pays);
 //! - `bf16`: Burn's bf16 matmul (our bf16 GEMM path); `f32`: Burn's f32 matmul;
 //!
@@ -21,7 +22,7 @@ use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Cuda, Wgpu};
 use burn::tensor::{Distribution, FloatDType, Tensor};
 use clap::Parser;
-use kernels::{fp8_gemm, fp8_gemm_path, fp8_quantize, Fp8Format, Fp8Granularity, QuantSpec};
+use kernels::{fp8_gemm_on, fp8_quantize, Fp8Format, Fp8GemmPath, Fp8Granularity, QuantSpec};
 
 const CUBLAS_FP8: f64 = 1446.0;
 const CUBLAS_BF16: f64 = 799.0;
@@ -74,15 +75,6 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
         let sb = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Block128);
         let qa = fp8_quantize(a.clone(), sa);
         let qb = fp8_quantize(b.clone(), sb);
-        let path = fp8_gemm_path(&qa);
-        let t_gemm = time::<Bk>(dev, args, &mut || {
-            let _ = fp8_gemm(&qa, &qb, compute);
-        });
-        let t_qgemm = time::<Bk>(dev, args, &mut || {
-            let qa = fp8_quantize(a.clone(), sa);
-            let qb = fp8_quantize(b.clone(), sb);
-            let _ = fp8_gemm(&qa, &qb, compute);
-        });
         let bt = b.clone().transpose();
         let t_c = time::<Bk>(dev, args, &mut || {
             let _ = a.clone().matmul(bt.clone());
@@ -96,17 +88,30 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
         });
         let elem = if compute == FloatDType::F32 { 4.0 } else { 2.0 };
         let q_bytes = m as f64 * k as f64 * (elem + 1.0) + (m * k.div_ceil(128)) as f64 * 4.0;
-        println!(
-            "| {m}x{n}x{k} | {path:?} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.3} | {:.3} | {:.0} |",
-            tf(t_gemm),
-            tf(t_qgemm),
-            tf(t_c),
-            tf(t_32),
-            t_c / t_gemm,
-            tf(t_gemm) / CUBLAS_FP8,
-            tf(t_c) / CUBLAS_BF16,
-            q_bytes / t_q / 1e9
-        );
+        for path in [Fp8GemmPath::Dequantize, Fp8GemmPath::TensorCores] {
+            if fp8_gemm_on(&qa, &qb, compute, path).is_none() {
+                continue; // not available on this device
+            }
+            let t_gemm = time::<Bk>(dev, args, &mut || {
+                let _ = fp8_gemm_on(&qa, &qb, compute, path);
+            });
+            let t_qgemm = time::<Bk>(dev, args, &mut || {
+                let qa = fp8_quantize(a.clone(), sa);
+                let qb = fp8_quantize(b.clone(), sb);
+                let _ = fp8_gemm_on(&qa, &qb, compute, path);
+            });
+            println!(
+                "| {m}x{n}x{k} | {path:?} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} | {:.1} |",
+                tf(t_gemm),
+                tf(t_qgemm),
+                tf(t_c),
+                tf(t_32),
+                t_c / t_gemm,
+                tf(t_gemm) / CUBLAS_FP8,
+                tf(t_c) / CUBLAS_BF16,
+                q_bytes / t_q / 1e9
+            );
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
 use kernels::fp8::reference;
-use kernels::{fp8_gemm, fp8_linear, fp8_quantize, Fp8Format, Fp8Granularity, Fp8LinearConfig, QuantSpec};
+use kernels::{fp8_gemm, fp8_gemm_on, fp8_linear, fp8_quantize, Fp8Format, Fp8GemmPath, Fp8Granularity, Fp8LinearConfig, QuantSpec};
 
 /// A deterministic pseudo-random stream (xorshift), so that failures reproduce.
 pub struct Rng(u64);
@@ -131,15 +131,26 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(dtype: FloatDType, dev: &B::
     }
 }
 
-/// `fp8_gemm` against the dequantized operands multiplied in f64 on the host.
-pub fn gemm_against_dequantized<B: kernels::Backend>(dev: &B::Device, out: FloatDType, shapes: &[(usize, usize, usize)]) {
+/// The FP8 GEMM on `path` against the dequantized operands multiplied in f64 on the host, for
+/// E4M3 and E5M2 left operands, tile and per-tensor scales (the tensor-core path takes the E4M3
+/// pairs only).
+pub fn gemm_against_dequantized<B: kernels::Backend>(dev: &B::Device, out: FloatDType, shapes: &[(usize, usize, usize)], path: Fp8GemmPath) {
     for &(m, n, k) in shapes {
         let a = Tensor::<B, 2>::random([m, k], Distribution::Normal(0.0, 1.0), dev);
         let b = Tensor::<B, 2>::random([n, k], Distribution::Normal(0.0, 3.0), dev);
-        for (fa, fb) in [(Fp8Format::E4M3, Fp8Format::E4M3), (Fp8Format::E5M2, Fp8Format::E4M3)] {
-            let qa = fp8_quantize(a.clone(), QuantSpec::new(fa, Fp8Granularity::Tile1x128));
-            let qb = fp8_quantize(b.clone(), QuantSpec::new(fb, Fp8Granularity::Block128));
-            let y = fp8_gemm(&qa, &qb, out).cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+        let cases = [
+            (Fp8Format::E4M3, Fp8Format::E4M3, Fp8Granularity::Tile1x128, Fp8Granularity::Block128),
+            (Fp8Format::E5M2, Fp8Format::E4M3, Fp8Granularity::Tile1x128, Fp8Granularity::Block128),
+            (Fp8Format::E4M3, Fp8Format::E4M3, Fp8Granularity::Tensor, Fp8Granularity::Tensor),
+        ];
+        for (fa, fb, ga, gb) in cases {
+            let qa = fp8_quantize(a.clone(), QuantSpec::new(fa, ga));
+            let qb = fp8_quantize(b.clone(), QuantSpec::new(fb, gb));
+            let Some(y) = fp8_gemm_on(&qa, &qb, out, path) else {
+                assert!(path == Fp8GemmPath::TensorCores && fa != Fp8Format::E4M3, "{path:?} does not apply to {fa:?} x {fb:?}");
+                continue;
+            };
+            let y = y.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
             let da = qa.dequantize(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
             let db = qb.dequantize(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
             // Tolerance: f32 accumulation of k exact products (|err| <= k * eps * sum|a||b|), plus
@@ -155,7 +166,7 @@ pub fn gemm_against_dequantized<B: kernels::Backend>(dev: &B::Device, out: Float
                     }
                     let tol = k as f64 * 1.2e-7 * sa + round * s.abs() + 1e-30;
                     let g = y[i * n + j] as f64;
-                    assert!((g - s).abs() <= tol, "fp8_gemm [{m}, {n}, {k}] {fa:?}x{fb:?} -> {out:?} at ({i}, {j}): {g} vs {s} (tol {tol:e})");
+                    assert!((g - s).abs() <= tol, "fp8_gemm {path:?} [{m}, {n}, {k}] {fa:?}x{fb:?} {ga:?}/{gb:?} -> {out:?} at ({i}, {j}): {g} vs {s} (tol {tol:e})");
                 }
             }
         }
@@ -178,7 +189,7 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 ///    the formats' rounding: a code's relative error is at most 2^-(m+1) (2^-4 for E4M3, 2^-3 for
 ///    E5M2) and about a third of that in RMS; a product of two quantized operands about 1.5x; for
 ///    sums of many terms of random sign the relative RMS error stays near that: ~0.04 with E4M3
-///    operands, ~0.06 with E5M2 gradients (measured on lavapipe: 0.037-0.038 and 0.058-0.060), so
+///    operands, ~0.06 with E5M2 gradients (measured on lavapipe: 0.037-0.038 and 0.058-0.061), so
 ///    the bounds 0.06 and 0.12 leave 1.5-2x headroom;
 /// 3. passes switched off use the plain matmul exactly.
 pub fn linear<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, shapes: &[(usize, usize, usize)])

@@ -58,7 +58,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 pub use adamw::{AdamWOutput, AdamWStep};
 pub use attention::FlashPath;
 pub use fp8::{
-    fp8_gemm, fp8_gemm_path, fp8_health, fp8_linear, fp8_quantize, Fp8Format, Fp8Health, Fp8GemmPath, Fp8Granularity, Fp8LinearConfig, Fp8Tensor,
+    fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health, fp8_linear, fp8_linear_probed, fp8_quantize, Fp8Format, Fp8Health, Fp8Probe, Fp8GemmPath, Fp8Granularity, Fp8LinearConfig, Fp8Tensor,
     QuantSpec,
 };
 
@@ -291,8 +291,30 @@ pub trait Backend: BurnBackend {
         prim(Tensor::<Self, 2>::from_data(TensorData::new(values, [rows, k_out]), (&device, DType::F32)).cast(dtype))
     }
 
-    /// [`fp8_linear`]; by default its forward only (backends without autodiff).
-    fn fp8_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, cfg: &Fp8LinearConfig) -> FloatTensor<Self> {
+    /// Whether the device has the FP8 tensor-core GEMM.
+    fn fp8_mma_supported(_payload: &IntTensor<Self>) -> bool {
+        false
+    }
+
+    /// The FP8 tensor-core GEMM `[m, k] x [n, k]^T`, or `None` where it does not apply.
+    #[allow(clippy::too_many_arguments)]
+    fn fp8_gemm_mma(
+        _a: IntTensor<Self>,
+        _sa: FloatTensor<Self>,
+        _a_spec: &QuantSpec,
+        _b: IntTensor<Self>,
+        _sb: FloatTensor<Self>,
+        _b_spec: &QuantSpec,
+        _m: usize,
+        _n: usize,
+        _out: FloatDType,
+    ) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// [`fp8_linear`]; by default its forward only (backends without autodiff). Under `Autodiff`,
+    /// `probe` receives the output gradient's health in the backward.
+    fn fp8_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, cfg: &Fp8LinearConfig, _probe: Option<fp8::Fp8Probe>) -> FloatTensor<Self> {
         prim(fp8::linear::fprop::<Self>(tensor(x), tensor(w), cfg))
     }
 
@@ -521,6 +543,22 @@ where
     ) -> FloatTensor<Self> {
         fp8::forward::dequantize(payload, scales, rows, k_out, spec, dtype)
     }
+    fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
+        fp8::forward::mma_supported(payload)
+    }
+    fn fp8_gemm_mma(
+        a: IntTensor<Self>,
+        sa: FloatTensor<Self>,
+        a_spec: &QuantSpec,
+        b: IntTensor<Self>,
+        sb: FloatTensor<Self>,
+        b_spec: &QuantSpec,
+        m: usize,
+        n: usize,
+        out: FloatDType,
+    ) -> Option<FloatTensor<Self>> {
+        fp8::forward::gemm_mma(a, sa, a_spec, b, sb, b_spec, m, n, out)
+    }
     fn fused_adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
@@ -588,8 +626,25 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
         let out = B::fp8_dequantize(payload, scales.primitive, rows, k_out, spec, dtype);
         <Self as burn::tensor::backend::AutodiffBackend>::from_inner(out)
     }
-    fn fp8_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, cfg: &Fp8LinearConfig) -> FloatTensor<Self> {
-        fp8::linear::fp8_linear::<B, C>(x, w, cfg)
+    fn fp8_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, cfg: &Fp8LinearConfig, probe: Option<fp8::Fp8Probe>) -> FloatTensor<Self> {
+        fp8::linear::fp8_linear::<B, C>(x, w, cfg, probe)
+    }
+    fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
+        B::fp8_mma_supported(payload)
+    }
+    fn fp8_gemm_mma(
+        a: IntTensor<Self>,
+        sa: FloatTensor<Self>,
+        a_spec: &QuantSpec,
+        b: IntTensor<Self>,
+        sb: FloatTensor<Self>,
+        b_spec: &QuantSpec,
+        m: usize,
+        n: usize,
+        out: FloatDType,
+    ) -> Option<FloatTensor<Self>> {
+        B::fp8_gemm_mma(a, sa.primitive, a_spec, b, sb.primitive, b_spec, m, n, out)
+            .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
     }
 }
 impl<B: KernelOps, C: CheckpointStrategy> AutodiffBackend for Autodiff<B, C> {}

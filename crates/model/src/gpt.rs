@@ -266,9 +266,10 @@ impl<B: Backend> Gpt<B> {
         self
     }
 
-    /// The same model with each FP8 projection recording the FP8 health of its input into `sink`
-    /// (as `blocks.N.attn.qkv.input`, ...), or not with `None`.
-    pub fn with_fp8_probe(mut self, sink: Option<std::sync::Arc<std::sync::Mutex<Vec<(String, kernels::Fp8Health)>>>>) -> Self {
+    /// The same model with each FP8 projection recording the FP8 health of its input and output
+    /// gradient into `sink` (as `blocks.N.attn.qkv.input`, `blocks.N.attn.qkv.grad_output`, ...),
+    /// or not with `None`.
+    pub fn with_fp8_probe(mut self, sink: Option<kernels::fp8::HealthSink>) -> Self {
         for (i, block) in self.blocks.iter_mut().enumerate() {
             for (name, lin) in [
                 ("attn.qkv", &mut block.attn.qkv),
@@ -276,7 +277,7 @@ impl<B: Backend> Gpt<B> {
                 ("mlp.fc", &mut block.mlp.fc),
                 ("mlp.proj", &mut block.mlp.proj),
             ] {
-                lin.fp8_probe = sink.clone().map(|sink| crate::layers::Fp8Probe { name: format!("blocks.{i}.{name}.input"), sink });
+                lin.fp8_probe = sink.clone().map(|sink| kernels::Fp8Probe { name: format!("blocks.{i}.{name}"), sink });
             }
         }
         self

@@ -19,16 +19,10 @@ pub struct Linear<B: Backend> {
     /// recipe, never saved.
     #[module(skip)]
     pub fp8: Option<kernels::Fp8LinearConfig>,
-    /// When set (with [`Linear::fp8`]), each forward records the FP8 health of its input here.
+    /// When set (with [`Linear::fp8`]), the FP8 health of the layer's input and output gradient is
+    /// recorded there (see `kernels::fp8_linear_probed`).
     #[module(skip)]
-    pub fp8_probe: Option<Fp8Probe>,
-}
-
-/// Where a layer records the FP8 health of its inputs: `(layer name, health)` entries.
-#[derive(Clone, Debug, Default)]
-pub struct Fp8Probe {
-    pub name: String,
-    pub sink: std::sync::Arc<std::sync::Mutex<Vec<(String, kernels::Fp8Health)>>>,
+    pub fp8_probe: Option<kernels::Fp8Probe>,
 }
 
 impl<B: Backend> Linear<B> {
@@ -90,14 +84,7 @@ impl<B: kernels::Backend> Linear<B> {
         let rows = dims[..D - 1].iter().product::<usize>();
         let w = self.weight.val();
         let d_out = w.dims()[1];
-        let x = x.reshape([rows, d_in]);
-        if let Some(probe) = &self.fp8_probe {
-            let health = kernels::fp8_health(x.clone().detach(), cfg.act_spec(false));
-            if let Ok(mut sink) = probe.sink.lock() {
-                sink.push((probe.name.clone(), health));
-            }
-        }
-        let y = kernels::fp8_linear(x, w, cfg);
+        let y = kernels::fp8_linear_probed(x.reshape([rows, d_in]), w, cfg, self.fp8_probe.as_ref());
         let y = match &self.bias {
             Some(b) => y + b.val().unsqueeze::<2>(),
             None => y,

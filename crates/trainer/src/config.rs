@@ -263,8 +263,8 @@ pub struct Fp8Config {
     pub dgrad: bool,
     pub wgrad: bool,
     pub compute: Fp8ComputeKind,
-    /// Log FP8 health (per projection weight: amax, underflow and saturation shares) to
-    /// `metrics.jsonl` every this many steps; 0 turns it off.
+    /// Log FP8 health (per projection weight, input and output gradient: amax, underflow and
+    /// saturation shares) to `metrics.jsonl` on step 1 and every this many steps; 0 turns it off.
     pub health_interval: u64,
 }
 

@@ -41,13 +41,13 @@ pub struct StepRecord {
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f64>,
     /// FP8 recipe, on the first step and every `fp8.health_interval` steps: per projection, its
-    /// weight (`blocks.N.mlp.fc.weight`) and its input in the step's first micro-batch
-    /// (`blocks.N.mlp.fc.input`).
+    /// weight (`blocks.N.mlp.fc.weight`), and its input and output gradient in the step's first
+    /// micro-batch (`blocks.N.mlp.fc.input`, `blocks.N.mlp.fc.grad_output`).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub fp8: Option<Vec<Fp8LayerHealth>>,
 }
 
-/// How one projection's weight or input fits FP8 (see `kernels::Fp8Health`).
+/// How one projection's weight, input or output gradient fits FP8 (see `kernels::Fp8Health`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Fp8LayerHealth {
     pub layer: String,

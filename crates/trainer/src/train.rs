@@ -396,7 +396,7 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         let fp8_health = match (health_step, fp8_linear) {
             (true, Some(lin)) => {
                 let mut all = fp8_weight_health(&model, compute_dtype, &lin);
-                // Inputs: the first micro-batch's entry per layer.
+                // Inputs and output gradients: the first micro-batch's entry per layer.
                 let recorded = probe.map(|p| std::mem::take(&mut *p.lock().unwrap_or_else(|e| e.into_inner()))).unwrap_or_default();
                 let mut seen = HashSet::new();
                 for (layer, h) in recorded {

@@ -140,3 +140,72 @@ pub(crate) fn dequantize<R: CubeRuntime>(
     );
     out
 }
+
+/// Whether the device runs `mma.sync` m16n8k32 on E4M3 (CUDA sm_89+).
+pub(crate) fn mma_supported<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
+    use cubecl::ir::features::MmaConfig;
+    use cubecl::ir::{ElemType, FloatKind, StorageType as St};
+    let props = t.client.properties();
+    let e4m3 = St::Scalar(ElemType::Float(FloatKind::E4M3));
+    props.hardware.plane_size_min == 32
+        && props.hardware.plane_size_max == 32
+        && props.features.matmul.mma.contains(&MmaConfig { a_type: e4m3, b_type: e4m3, cd_type: DType::F32.into(), m: 16, n: 8, k: 32 })
+}
+
+/// `a [m, k] x b [n, k]^T` on tensor cores, or `None` where that path does not apply (device
+/// without E4M3 MMA, or operands other than E4M3 with 1x128 / 128x128 / per-tensor scales).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_mma<R: CubeRuntime>(
+    a: CubeTensor<R>,
+    sa: CubeTensor<R>,
+    a_spec: &QuantSpec,
+    b: CubeTensor<R>,
+    sb: CubeTensor<R>,
+    b_spec: &QuantSpec,
+    m: usize,
+    n: usize,
+    out: FloatDType,
+) -> Option<CubeTensor<R>> {
+    use super::Fp8Format;
+    let fits = a_spec.format == Fp8Format::E4M3
+        && b_spec.format == Fp8Format::E4M3
+        && matches!(a_spec.granularity, Fp8Granularity::Tile1x128 | Fp8Granularity::Tensor)
+        && matches!(b_spec.granularity, Fp8Granularity::Block128 | Fp8Granularity::Tensor);
+    if !fits || !mma_supported(&a) {
+        return None;
+    }
+    let words = a.shape().as_slice()[1];
+    let k_tiles = words * 4 / TILE;
+    let (a, b, sa, sb) = (
+        crate::launch::contiguous(a),
+        crate::launch::contiguous(b),
+        crate::launch::contiguous(sa),
+        crate::launch::contiguous(sb),
+    );
+    let dtype: DType = out.into();
+    let c = empty(&a, vec![m, n], dtype);
+    if m == 0 || n == 0 {
+        return Some(c);
+    }
+    let client = a.client.clone();
+    unsafe {
+        super::mma::gemm_mma::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1),
+            CubeDim::new_2d(32, 4),
+            8,
+            a.into_tensor_arg(),
+            b.into_tensor_arg(),
+            sa.into_tensor_arg(),
+            sb.into_tensor_arg(),
+            c.clone().into_tensor_arg(),
+            m,
+            n,
+            k_tiles,
+            a_spec.granularity == Fp8Granularity::Tensor,
+            b_spec.granularity == Fp8Granularity::Tensor,
+            dtype.into(),
+        );
+    }
+    Some(c)
+}

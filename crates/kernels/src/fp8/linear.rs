@@ -15,7 +15,7 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
-use super::{fp8_gemm, fp8_quantize, Fp8LinearConfig};
+use super::{fp8_gemm, fp8_quantize, Fp8LinearConfig, Fp8Probe};
 use crate::{Backend, KernelOps};
 
 /// The float dtype of a float tensor.
@@ -69,15 +69,19 @@ pub(crate) fn backward<B: Backend>(
 struct Fp8LinearBackward;
 
 impl<B: KernelOps> Backward<B, 2> for Fp8LinearBackward {
-    /// (x, w, config)
-    type State = (FloatTensor<B>, FloatTensor<B>, Fp8LinearConfig);
+    /// (x, w, config, health probe)
+    type State = (FloatTensor<B>, FloatTensor<B>, Fp8LinearConfig, Option<Fp8Probe>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_w] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
-        let (x, w, cfg) = ops.state;
+        let (x, w, cfg, probe) = ops.state;
         let t = |p: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
-        let (dx, dw) = backward(t(x), t(w), t(dy), &cfg);
+        let dy = t(dy);
+        if let Some(p) = &probe {
+            p.record("grad_output", dy.clone(), cfg.grad_spec(false));
+        }
+        let (dx, dw) = backward(t(x), t(w), dy, &cfg);
         if let Some(node) = node_x {
             grads.register::<B>(node.id, dx.into_primitive().tensor());
         }
@@ -91,11 +95,12 @@ pub(crate) fn fp8_linear<B: KernelOps, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     w: FloatTensor<Autodiff<B, C>>,
     cfg: &Fp8LinearConfig,
+    probe: Option<Fp8Probe>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let t = |p: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
     let y = fprop(t(x.primitive.clone()), t(w.primitive.clone()), cfg).into_primitive().tensor();
     match Fp8LinearBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, *cfg), y),
+        OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, *cfg, probe), y),
         OpsKind::UnTracked(prep) => prep.finish(y),
     }
 }

@@ -23,10 +23,12 @@
 //! CPU [`reference`].
 //!
 //! **GEMM** ([`fp8_gemm`]): `a [m, k] x b [n, k]^T -> [m, n]`, both operands quantized along `k`.
-//! [`Fp8GemmPath::Dequantize`] (the path on every backend today) expands the codes times their
+//! [`Fp8GemmPath::Dequantize`] (the default on every backend) expands the codes times their
 //! scales into bf16 (when the output is bf16) or f32, exactly, and multiplies with Burn's matmul
 //! (f32 accumulation). The products are therefore the FP8 products; the speed is not FP8
-//! tensor-core speed.
+//! tensor-core speed. [`Fp8GemmPath::TensorCores`] (`mma.sync` m16n8k32 on E4M3, CUDA sm_89+) is
+//! opt-in with `BURNMIX_FP8_GEMM=mma` until it has been validated on a GPU; [`fp8_gemm_path`] says
+//! which path a pair of operands takes and [`fp8_gemm_on`] forces one.
 //!
 //! **Linear** ([`fp8_linear`]): `x [t, in] w [in, out]` with the fprop, dgrad and wgrad GEMMs in FP8,
 //! each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
@@ -34,6 +36,7 @@
 pub(crate) mod forward;
 pub(crate) mod kernel;
 pub(crate) mod linear;
+mod mma;
 pub mod reference;
 
 use burn::tensor::backend::Backend as BurnBackend;
@@ -43,6 +46,10 @@ use crate::Backend;
 
 /// Scales cover 128 elements of the reduction axis (and 128 rows for blocks).
 pub const TILE: usize = 128;
+
+/// Set to `mma` to run [`fp8_gemm`] on FP8 tensor cores where the device has them (CUDA sm_89+,
+/// E4M3 operands). Opt-in while that kernel awaits validation on a GPU.
+pub const GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
 
 /// An FP8 encoding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -211,26 +218,62 @@ pub fn fp8_quantize<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Tensor<B
 pub enum Fp8GemmPath {
     /// Codes times scales expanded exactly to bf16 or f32, then Burn's matmul (f32 accumulation).
     Dequantize,
+    /// `mma.sync` m16n8k32 on E4M3 codes, f32 accumulation, scales applied every 128 of K
+    /// (opt-in: [`GEMM_ENV`]).
+    TensorCores,
 }
 
-/// The path [`fp8_gemm`] takes on this backend.
-pub fn fp8_gemm_path<B: Backend>(_a: &Fp8Tensor<B>) -> Fp8GemmPath {
-    Fp8GemmPath::Dequantize
+/// The path [`fp8_gemm`] takes for these operands on this backend: tensor cores when requested
+/// with [`GEMM_ENV`]` = mma`, supported by the device, and both operands E4M3 with 1x128 (or
+/// per-tensor) scales for `a` and 128x128 (or per-tensor) for `b`.
+pub fn fp8_gemm_path<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> Fp8GemmPath {
+    let requested = std::env::var(GEMM_ENV).map(|v| v == "mma").unwrap_or(false);
+    if requested && mma_applies(a, b) { Fp8GemmPath::TensorCores } else { Fp8GemmPath::Dequantize }
 }
 
-/// `a [m, k] x b [n, k]^T -> [m, n]` in `out` dtype, from two matrices quantized along the same `k`.
+fn mma_applies<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> bool {
+    let e4m3 = a.spec.format == Fp8Format::E4M3 && b.spec.format == Fp8Format::E4M3;
+    let tiles = matches!(a.spec.granularity, Fp8Granularity::Tile1x128 | Fp8Granularity::Tensor)
+        && matches!(b.spec.granularity, Fp8Granularity::Block128 | Fp8Granularity::Tensor);
+    e4m3 && tiles && B::fp8_mma_supported(&a.payload.clone().into_primitive())
+}
+
+/// `a [m, k] x b [n, k]^T -> [m, n]` in `out` dtype, from two matrices quantized along the same `k`,
+/// on the path [`fp8_gemm_path`] names.
 pub fn fp8_gemm<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDType) -> Tensor<B, 2> {
+    let path = fp8_gemm_path(a, b);
+    fp8_gemm_on(a, b, out, path).expect("fp8_gemm_path names a path that applies")
+}
+
+/// [`fp8_gemm`] on a given path; `None` when the path does not apply to these operands here.
+pub fn fp8_gemm_on<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDType, path: Fp8GemmPath) -> Option<Tensor<B, 2>> {
     if a.k != b.k {
         panic!(
             "kernels::fp8_gemm: a is [{}, {}] and b is [{}, {}] (both [rows, k]); their reduction lengths k must match",
             a.rows, a.k, b.rows, b.k
         );
     }
-    let compute = if out == FloatDType::BF16 { FloatDType::BF16 } else { FloatDType::F32 };
-    let k_pad = a.k_padded();
-    let da = a.dequantize_to(k_pad, compute);
-    let db = b.dequantize_to(k_pad, compute);
-    da.matmul(db.transpose()).cast(out)
+    match path {
+        Fp8GemmPath::TensorCores => B::fp8_gemm_mma(
+            a.payload.clone().into_primitive(),
+            a.scales.clone().into_primitive().tensor(),
+            &a.spec,
+            b.payload.clone().into_primitive(),
+            b.scales.clone().into_primitive().tensor(),
+            &b.spec,
+            a.rows,
+            b.rows,
+            out,
+        )
+        .map(|c| Tensor::from_primitive(TensorPrimitive::Float(c))),
+        Fp8GemmPath::Dequantize => {
+            let compute = if out == FloatDType::BF16 { FloatDType::BF16 } else { FloatDType::F32 };
+            let k_pad = a.k_padded();
+            let da = a.dequantize_to(k_pad, compute);
+            let db = b.dequantize_to(k_pad, compute);
+            Some(da.matmul(db.transpose()).cast(out))
+        }
+    }
 }
 
 /// Which GEMMs of an FP8 linear layer run in FP8, and how operands are scaled.
@@ -285,9 +328,36 @@ impl Fp8LinearConfig {
     }
 }
 
+/// Where FP8 health samples go: `(name, health)` entries, appended as they are measured.
+pub type HealthSink = std::sync::Arc<std::sync::Mutex<Vec<(String, Fp8Health)>>>;
+
+/// A layer's handle on a [`HealthSink`]: [`fp8_linear_probed`] records its input as `{name}.input`
+/// and, under `Autodiff`, its output gradient as `{name}.grad_output`, each as the GEMM that
+/// consumes it quantizes it.
+#[derive(Clone, Debug)]
+pub struct Fp8Probe {
+    pub name: String,
+    pub sink: HealthSink,
+}
+
+impl Fp8Probe {
+    pub(crate) fn record<B: Backend>(&self, what: &str, x: Tensor<B, 2>, spec: QuantSpec) {
+        let health = fp8_health(x, spec);
+        if let Ok(mut sink) = self.sink.lock() {
+            sink.push((format!("{}.{what}", self.name), health));
+        }
+    }
+}
+
 /// `x [t, in] w [in, out] -> [t, out]` with the GEMMs `cfg` selects in FP8 (output in `x`'s dtype;
 /// `x` and `w` must share a dtype). Under `Autodiff` the backward runs dgrad and wgrad as configured.
 pub fn fp8_linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cfg: &Fp8LinearConfig) -> Tensor<B, 2> {
+    fp8_linear_probed(x, w, cfg, None)
+}
+
+/// [`fp8_linear`], recording the FP8 health of the input (and, under `Autodiff`, of the output
+/// gradient) into `probe` when given. Each sample costs a quantization and a few reductions.
+pub fn fp8_linear_probed<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cfg: &Fp8LinearConfig, probe: Option<&Fp8Probe>) -> Tensor<B, 2> {
     let [t, d_in] = x.dims();
     let [w_in, _] = w.dims();
     if d_in != w_in {
@@ -296,7 +366,15 @@ pub fn fp8_linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cfg: &Fp8LinearC
     if x.dtype() != w.dtype() {
         panic!("kernels::fp8_linear: x is {:?} but w is {:?}; cast one first", x.dtype(), w.dtype());
     }
-    Tensor::from_primitive(TensorPrimitive::Float(B::fp8_linear(x.into_primitive().tensor(), w.into_primitive().tensor(), cfg)))
+    if let Some(p) = probe {
+        p.record("input", x.clone().detach(), cfg.act_spec(false));
+    }
+    Tensor::from_primitive(TensorPrimitive::Float(B::fp8_linear(
+        x.into_primitive().tensor(),
+        w.into_primitive().tensor(),
+        cfg,
+        probe.cloned(),
+    )))
 }
 
 /// How well a tensor fits its FP8 format under a quantization spec.
