@@ -291,10 +291,16 @@ impl Recipe {
                     .map(|p| p.1)
                     .collect();
                 format!(
-                    "fp8, experimental (projection GEMMs {} in FP8: {:?}, {:?} scales{}, {} elsewhere; f32 master weights; {})",
+                    "fp8, experimental (projection GEMMs {} in FP8: {}, {} scales{}, {} elsewhere; f32 master weights; {})",
                     if passes.is_empty() { "none".to_string() } else { passes.join("+") },
-                    r.fp8.format,
-                    r.fp8.scaling,
+                    match r.fp8.format {
+                        crate::config::Fp8FormatKind::E4m3 => "E4M3",
+                        crate::config::Fp8FormatKind::Hybrid => "hybrid (E4M3, E5M2 output gradients)",
+                    },
+                    match r.fp8.scaling {
+                        crate::config::Fp8ScalingKind::Tile => "1x128 / 128x128 tile",
+                        crate::config::Fp8ScalingKind::Tensor => "per-tensor",
+                    },
                     if r.fp8.pow2_scales { " (powers of two)" } else { "" },
                     model::dtype::name(self.compute_dtype()),
                     self.loss_scaling().describe()

@@ -100,6 +100,22 @@ fn human(x: f64) -> String {
 }
 
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
+/// One log line on an FP8 health step: the worst underflow and saturation shares and where.
+fn fp8_health_line(done: u64, steps: u64, h: &[crate::metrics::Fp8LayerHealth]) -> String {
+    let worst = |f: fn(&crate::metrics::Fp8LayerHealth) -> f64| {
+        match h.iter().max_by(|a, b| f(a).total_cmp(&f(b))) {
+            Some(l) if f(l) > 0.0 => format!("{:.3}% ({})", 100.0 * f(l), l.layer),
+            _ => "0".to_string(),
+        }
+    };
+    format!(
+        "fp8   {done:>6}/{steps} | worst underflow {} | worst saturation {} | {} tensors (metrics.jsonl)",
+        worst(|l| l.underflow),
+        worst(|l| l.saturated),
+        h.len()
+    )
+}
+
 /// FP8 health of every projection weight as the fprop GEMM quantizes it (128x128 blocks, or per
 /// tensor), from the master weights cast to the compute dtype (`blocks.N.attn.qkv.weight`, ...).
 fn fp8_weight_health<B: crate::TrainBackend>(
@@ -425,7 +441,7 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
             step_ms: dt * 1e3,
             mfu,
             val_loss,
-            fp8: fp8_health,
+            fp8: fp8_health.clone(),
         })?;
 
         if done % cfg.training.log_interval as u64 == 0 || is_last || done == start_step + 1 {
@@ -440,6 +456,9 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
                 human(tps),
                 dt * 1e3
             ));
+        }
+        if let Some(h) = &fp8_health {
+            console.line(&fp8_health_line(done, steps, h));
         }
         if let Some(v) = val_loss {
             console.line(&format!("eval  {done:>6}/{steps} | val_loss {v:.4} | best {:.4}", best_val.unwrap_or(v)));
