@@ -91,6 +91,26 @@ fn reference_scales() {
     }
 }
 
+/// Empty matrices quantize to empty payloads; a per-tensor scale of nothing is 1. The clip
+/// thresholds are the max plus half an ulp of the top binade.
+#[test]
+fn quantizer_empty_inputs_and_clip_thresholds() {
+    use burn::tensor::Tensor;
+    use kernels::{fp8_quantize, Fp8Granularity, QuantSpec};
+    for shape in [[0, 5], [3, 0]] {
+        for granularity in [Fp8Granularity::Tile1x128, Fp8Granularity::Block128, Fp8Granularity::Tensor] {
+            let x = Tensor::<Inner, 2>::zeros(shape, &device());
+            let q = fp8_quantize(x, QuantSpec::new(Fp8Format::E4M3, granularity));
+            assert_eq!(q.payload.dims()[0], q.rows);
+            if granularity == Fp8Granularity::Tensor {
+                assert_eq!(q.scales.into_data().to_vec::<f32>().unwrap(), vec![1.0], "{shape:?}");
+            }
+        }
+    }
+    assert_eq!(Fp8Format::E4M3.clip_threshold(), 464.0);
+    assert_eq!(Fp8Format::E5M2.clip_threshold(), 61440.0);
+}
+
 #[test]
 fn quantizer_bit_identical() {
     let shapes = [(1, 1), (37, 300), (130, 128), (257, 129)];

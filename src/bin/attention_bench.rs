@@ -87,20 +87,7 @@ fn sdpa(hd: usize, causal: bool, s: usize) -> Option<(f64, f64)> {
 }
 
 fn time<Bk: Backend>(dev: &Bk::Device, iters: usize, reps: usize, f: &mut dyn FnMut()) -> f64 {
-    f();
-    Bk::sync(dev).expect("sync");
-    let mut samples: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..iters {
-                f();
-            }
-            Bk::sync(dev).expect("sync");
-            t.elapsed().as_secs_f64() / iters as f64
-        })
-        .collect();
-    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    samples[samples.len() / 2]
+    burnmix::bench::median_seconds::<Bk>(dev, 1, iters, reps, f)
 }
 
 fn randn<Bk: Backend>(shape: [usize; 4], dt: FloatDType, dev: &Bk::Device) -> Tensor<Bk, 4> {

@@ -15,7 +15,6 @@
 //!
 //! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--shapes 4096x4096x4096,...]`
 
-use std::time::Instant;
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::wgpu::WgpuDevice;
@@ -45,22 +44,7 @@ struct Args {
 }
 
 fn time<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, f: &mut dyn FnMut()) -> f64 {
-    for _ in 0..2 {
-        f();
-    }
-    Bk::sync(dev).expect("sync");
-    let mut samples: Vec<f64> = (0..args.reps)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..args.iters {
-                f();
-            }
-            Bk::sync(dev).expect("sync");
-            t.elapsed().as_secs_f64() / args.iters as f64
-        })
-        .collect();
-    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    samples[samples.len() / 2]
+    burnmix::bench::median_seconds::<Bk>(dev, 2, args.iters, args.reps, f)
 }
 
 fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, usize, usize)], compute: FloatDType) {

@@ -14,7 +14,6 @@
 //!
 //! `cargo run --release --bin kernel_bench -- [--dtypes bf16,f16,f32] [--ops rms_norm,...]`
 
-use std::time::Instant;
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
@@ -60,22 +59,7 @@ fn bytes_of(dt: FloatDType) -> f64 {
 
 /// Median seconds per call of `f`.
 fn time<Bk: Backend>(dev: &Bk::Device, args: &Args, f: &mut dyn FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    Bk::sync(dev).expect("sync");
-    let mut samples: Vec<f64> = (0..args.reps)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..args.iters {
-                f();
-            }
-            Bk::sync(dev).expect("sync");
-            t.elapsed().as_secs_f64() / args.iters as f64
-        })
-        .collect();
-    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    samples[samples.len() / 2]
+    burnmix::bench::median_seconds::<Bk>(dev, 3, args.iters, args.reps, f)
 }
 
 fn row(op: &str, shape: &str, dt: FloatDType, pass: &str, bytes: f64, fused: f64, reference: f64) {

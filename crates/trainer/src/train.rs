@@ -99,7 +99,6 @@ fn human(x: f64) -> String {
     }
 }
 
-/// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
 /// One log line on an FP8 health step: the worst underflow and saturation shares and where.
 fn fp8_health_line(done: u64, steps: u64, h: &[crate::metrics::Fp8LayerHealth]) -> String {
     let worst = |f: fn(&crate::metrics::Fp8LayerHealth) -> f64| {
@@ -139,6 +138,7 @@ fn fp8_weight_health<B: crate::TrainBackend>(
     out
 }
 
+/// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
 pub fn evaluate<B: crate::TrainBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Config) -> f64 {
     let m = model.valid();
     let inner_device = m.wte.weight.val().device();

@@ -38,7 +38,12 @@ pub(crate) fn quantize<R: CubeRuntime>(x: CubeTensor<R>, spec: &QuantSpec) -> (C
     let payload = empty(&x, vec![rows, words], DType::I32);
     let scales = empty(&x, vec![spec.scale_rows(rows), spec.scale_cols(k)], DType::F32);
     if rows == 0 || k == 0 {
-        return (payload, scales);
+        // Nothing to scale: the per-tensor scale is 1, as for an all-zero tensor.
+        let ones = burn::tensor::Tensor::<burn_cubecl::CubeBackend<R, f32, i32, u32>, 2>::ones(
+            [spec.scale_rows(rows), spec.scale_cols(k)],
+            (&x.device, DType::F32),
+        );
+        return (payload, ones.into_primitive().tensor());
     }
     let block = spec.granularity == Fp8Granularity::Block128;
     let row_groups = match spec.granularity {
@@ -171,7 +176,7 @@ pub(crate) fn gemm_mma<R: CubeRuntime>(
         && b_spec.format == Fp8Format::E4M3
         && matches!(a_spec.granularity, Fp8Granularity::Tile1x128 | Fp8Granularity::Tensor)
         && matches!(b_spec.granularity, Fp8Granularity::Block128 | Fp8Granularity::Tensor);
-    if !fits || !mma_supported(&a) {
+    if !fits || !mma_supported(&a) || n.div_ceil(64) > MAX_CUBES_Y {
         return None;
     }
     let words = a.shape().as_slice()[1];
@@ -191,7 +196,7 @@ pub(crate) fn gemm_mma<R: CubeRuntime>(
     unsafe {
         super::mma::gemm_mma::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1),
+            CubeCount::Static(m.div_ceil(64) as u32, n.div_ceil(64) as u32, 1),
             CubeDim::new_2d(32, 4),
             8,
             a.into_tensor_arg(),

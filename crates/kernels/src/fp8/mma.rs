@@ -51,8 +51,8 @@ pub(crate) fn gemm_mma<O: Float, NV: Size>(
     let lane = UNIT_POS_PLANE as usize;
     let warp = UNIT_POS_Y as usize;
     let tid = warp * 32 + lane;
-    let m0 = CUBE_POS_Y as usize * TILE_ROWS;
-    let n0 = CUBE_POS_X as usize * TILE_ROWS;
+    let m0 = CUBE_POS_X as usize * TILE_ROWS;
+    let n0 = CUBE_POS_Y as usize * TILE_ROWS;
     let row_vecs = k_tiles * ROW_VECS;
 
     let mut sa_tile = SharedMemory::<Vector<f16, NV>>::new_aligned(comptime!(TILE_ROWS * PITCH), 16usize);

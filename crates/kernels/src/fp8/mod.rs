@@ -20,11 +20,12 @@
 //! little-endian byte order (Burn has no FP8 dtype; `k_pad` is `k` rounded up to 128, padded with
 //! zero codes), the scales as an f32 tensor of *dequantization* factors (`1 / s`). The kernels
 //! encode with integer operations on the f32 bits, so every backend produces the same bytes as the
-//! CPU [`reference`].
+//! CPU [`reference`]. (With `pow2 = false` the scale is `max / amax`, a division: bit-identical
+//! where division is correctly rounded, as on CUDA and lavapipe; WGSL allows 2.5 ulp.)
 //!
 //! **GEMM** ([`fp8_gemm`]): `a [m, k] x b [n, k]^T -> [m, n]`, both operands quantized along `k`.
 //! [`Fp8GemmPath::Dequantize`] (the default on every backend) expands the codes times their
-//! scales into bf16 (when the output is bf16) or f32, exactly, and multiplies with Burn's matmul
+//! scales into bf16 (bf16 output, power-of-two scales) or f32, exactly, and multiplies with Burn's matmul
 //! (f32 accumulation). The products are therefore the FP8 products; the speed is not FP8
 //! tensor-core speed. [`Fp8GemmPath::TensorCores`] (`mma.sync` m16n8k32 on E4M3, CUDA sm_89+) is
 //! opt-in with `BURNMIX_FP8_GEMM=mma` until it has been validated on a GPU; [`fp8_gemm_path`] says
@@ -64,6 +65,12 @@ impl Fp8Format {
     /// Largest finite value.
     pub fn max(self) -> f32 {
         kernel::max_value(self.consts())
+    }
+    /// Magnitude above which a scaled value is clipped rather than rounded to the largest code:
+    /// the max plus half an ulp of the top binade (E4M3 464, E5M2 61440).
+    pub fn clip_threshold(self) -> f32 {
+        let c = self.consts();
+        self.max() + 2f32.powi(c.max_exp as i32 - c.mant as i32 - 1)
     }
     /// Smallest positive (subnormal) value.
     pub fn smallest_subnormal(self) -> f32 {
@@ -267,7 +274,9 @@ pub fn fp8_gemm_on<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDTy
         )
         .map(|c| Tensor::from_primitive(TensorPrimitive::Float(c))),
         Fp8GemmPath::Dequantize => {
-            let compute = if out == FloatDType::BF16 { FloatDType::BF16 } else { FloatDType::F32 };
+            // Code x power-of-two scale is exact in bf16; other scales need f32.
+            let bf16 = out == FloatDType::BF16 && a.spec.pow2 && b.spec.pow2;
+            let compute = if bf16 { FloatDType::BF16 } else { FloatDType::F32 };
             let k_pad = a.k_padded();
             let da = a.dequantize_to(k_pad, compute);
             let db = b.dequantize_to(k_pad, compute);
@@ -384,7 +393,9 @@ pub struct Fp8Health {
     pub amax: f64,
     /// Share of the nonzero finite values that quantize to zero.
     pub underflow: f64,
-    /// Share of the finite values beyond the largest code of their tile (clipped).
+    /// Share of the finite values clipped at the largest code of their tile (beyond the max by more
+    /// than half an ulp). Zero by construction under current (amax) scaling, which maps the amax to
+    /// at most the max; nonzero only from non-finite inputs' neighbours or future delayed scaling.
     pub saturated: f64,
 }
 
@@ -421,7 +432,7 @@ pub fn fp8_health<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Health {
     let amax = scalar(abs.clone().max());
     let nonzero = abs.clone().greater_elem(0.0);
     let underflow = nonzero.clone().bool_and(deq.equal_elem(0.0));
-    let saturated = abs.greater(d.mul_scalar(spec.format.max() as f64));
+    let saturated = abs.greater(d.mul_scalar(spec.format.clip_threshold() as f64));
     let count = |b: Tensor<B, 2, burn::tensor::Bool>| scalar(b.int().sum().float());
     let nz = count(nonzero).max(1.0);
     Fp8Health { amax, underflow: count(underflow) / nz, saturated: count(saturated) / n }
