@@ -155,6 +155,53 @@ fn load<F: Float>(x: &Tensor<F>, i: usize, j: usize, rows: usize, k: usize, stri
     v
 }
 
+/// The amax of this unit's tile, for a 32 x 8 cube: unit (x, y) reads codes `j0 .. j0 + 4` of rows
+/// `row0` (1x128: one row per y) or `row0, row0 + 8, ..., row0 + 120` (128x128 `block`); then a
+/// shared-memory tree over the 32 units of a row, or over all 256 units of the block.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn tile_amax_of<F: Float>(
+    x: &Tensor<F>,
+    row0: usize,
+    j0: usize,
+    rows: usize,
+    k: usize,
+    stride_i: usize,
+    stride_j: usize,
+    #[comptime] block: bool,
+) -> f32 {
+    let x_unit = UNIT_POS_X as usize;
+    let y_unit = UNIT_POS_Y as usize;
+    let reps = comptime!(if block { 16usize } else { 1usize });
+    let mut smem = SharedMemory::<f32>::new(256usize);
+    let mut local = 0.0f32;
+    for r in 0..reps {
+        #[unroll]
+        for e in 0..4u32 {
+            local = f32::max(local, amax_term(load::<F>(x, row0 + r * 8, j0 + e as usize, rows, k, stride_i, stride_j)));
+        }
+    }
+    let slot = y_unit * 32 + x_unit;
+    smem[slot] = local;
+    sync_cube();
+    let mut stride = 16usize;
+    let mut base = y_unit * 32;
+    let mut pos = x_unit;
+    if comptime!(block) {
+        stride = 128usize;
+        base = 0usize;
+        pos = slot;
+    }
+    while stride > 0usize {
+        if pos < stride {
+            smem[base + pos] = f32::max(smem[base + pos], smem[base + pos + stride]);
+        }
+        sync_cube();
+        stride /= 2usize;
+    }
+    smem[base]
+}
+
 /// Quantizes the logical `[rows, k]` view `x[i * stride_i + j * stride_j]` (strides select the
 /// matrix or its transpose) into `payload` `[rows, words]` and dequantization `scales`
 /// (1x128: `[rows, k_tiles]`; 128x128: `[ceil(rows / 128), k_tiles]`; given amax: `[1]`).
@@ -183,38 +230,10 @@ pub(crate) fn quantize<F: Float>(
     let reps = comptime!(if block { 16usize } else { 1usize });
     let rows_per_cube = comptime!(if block { 128usize } else { 8usize });
     let row0 = CUBE_POS_Y as usize * rows_per_cube + y_unit;
-    let mut smem = SharedMemory::<f32>::new(256usize);
 
     let mut tile_amax = amax[0usize];
     if !comptime!(given_amax) {
-        let mut local = 0.0f32;
-        for r in 0..reps {
-            let i = row0 + r * 8;
-            #[unroll]
-            for e in 0..4u32 {
-                local = f32::max(local, amax_term(load::<F>(x, i, j0 + e as usize, rows, k, stride_i, stride_j)));
-            }
-        }
-        let slot = y_unit * 32 + x_unit;
-        smem[slot] = local;
-        sync_cube();
-        // Tree over the 32 units of a row (1x128) or over all 256 units (block).
-        let mut stride = 16usize;
-        let mut base = y_unit * 32;
-        let mut pos = x_unit;
-        if comptime!(block) {
-            stride = 128usize;
-            base = 0usize;
-            pos = slot;
-        }
-        while stride > 0usize {
-            if pos < stride {
-                smem[base + pos] = f32::max(smem[base + pos], smem[base + pos + stride]);
-            }
-            sync_cube();
-            stride /= 2usize;
-        }
-        tile_amax = smem[base];
+        tile_amax = tile_amax_of::<F>(x, row0, j0, rows, k, stride_i, stride_j, block);
     }
     let s = multiplier(tile_amax, f, pow2);
     let d = dequant_scale(s, pow2);
@@ -257,31 +276,11 @@ pub(crate) fn block_amax<F: Float>(
     stride_j: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let x_unit = UNIT_POS_X as usize;
-    let y_unit = UNIT_POS_Y as usize;
-    let j0 = CUBE_POS_X as usize * 128 + x_unit * 4;
-    let row0 = CUBE_POS_Y as usize * 128 + y_unit;
-    let mut smem = SharedMemory::<f32>::new(256usize);
-    let mut local = 0.0f32;
-    for r in 0..16usize {
-        #[unroll]
-        for e in 0..4u32 {
-            local = f32::max(local, amax_term(load::<F>(x, row0 + r * 8, j0 + e as usize, rows, k, stride_i, stride_j)));
-        }
-    }
-    let slot = y_unit * 32 + x_unit;
-    smem[slot] = local;
-    sync_cube();
-    let mut stride = 128usize;
-    while stride > 0usize {
-        if slot < stride {
-            smem[slot] = f32::max(smem[slot], smem[slot + stride]);
-        }
-        sync_cube();
-        stride /= 2usize;
-    }
-    if slot == 0 {
-        out[CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize] = smem[0usize];
+    let j0 = CUBE_POS_X as usize * 128 + UNIT_POS_X as usize * 4;
+    let row0 = CUBE_POS_Y as usize * 128 + UNIT_POS_Y as usize;
+    let tile = tile_amax_of::<F>(x, row0, j0, rows, k, stride_i, stride_j, true);
+    if UNIT_POS == 0 {
+        out[CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize] = tile;
     }
 }
 
