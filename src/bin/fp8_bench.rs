@@ -8,7 +8,8 @@
 //! - `bf16`: Burn's bf16 matmul (our bf16 GEMM path); `f32`: Burn's f32 matmul;
 //!
 //! with ratios to cuBLAS in TARGETS.md (FP8 1446, BF16 799 TFLOP/s on an H100), and the
-//! quantizer's GB/s (bytes read + written).
+//! quantizer's GB/s (bytes read + written), and each path's largest difference from the dequantize
+//! path's output relative to that output's largest magnitude.
 //!
 //! Shapes: 4096^3, 8192^3 and GPT-2 small's projections at 16 x 1024 tokens (qkv 768 -> 2304,
 //! proj 768 -> 768, fc 768 -> 3072, mlp proj 3072 -> 768).
@@ -19,7 +20,7 @@
 use burn::backend::cuda::CudaDevice;
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Cuda, Wgpu};
-use burn::tensor::{Distribution, FloatDType, Tensor};
+use burn::tensor::{Distribution, ElementConversion, FloatDType, Tensor};
 use clap::Parser;
 use kernels::{fp8_gemm_on, fp8_quantize, Fp8Format, Fp8GemmPath, Fp8Granularity, QuantSpec};
 
@@ -41,6 +42,10 @@ struct Args {
     /// Timed batches (the median is reported).
     #[arg(long, default_value_t = 7)]
     reps: usize,
+    /// Tensor-core cube shapes to compare, `wm,wn,mt,nt` separated by `;` (default: the
+    /// kernel's default or `BURNMIX_FP8_MMA_SHAPE`).
+    #[arg(long)]
+    mma_shapes: Option<String>,
 }
 
 fn time<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, f: &mut dyn FnMut()) -> f64 {
@@ -48,8 +53,8 @@ fn time<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, f: &mut dyn FnMut()
 }
 
 fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, usize, usize)], compute: FloatDType) {
-    println!("| m x n x k | fp8 path | fp8 gemm | fp8 q+gemm | {compute:?} matmul | f32 matmul | fp8 / {compute:?} | fp8 / cuBLAS FP8 | {compute:?} / cuBLAS BF16 | quantize GB/s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| m x n x k | fp8 path | fp8 gemm | fp8 q+gemm | {compute:?} matmul | f32 matmul | fp8 / {compute:?} | fp8 / cuBLAS FP8 | {compute:?} / cuBLAS BF16 | quantize GB/s | max err vs Dequantize |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for &(m, n, k) in shapes {
         let flop = 2.0 * m as f64 * n as f64 * k as f64;
         let tf = |s: f64| flop / s / 1e12;
@@ -72,10 +77,31 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
         });
         let elem = if compute == FloatDType::F32 { 4.0 } else { 2.0 };
         let q_bytes = m as f64 * k as f64 * (elem + 1.0) + (m * k.div_ceil(128)) as f64 * 4.0;
-        for path in [Fp8GemmPath::Dequantize, Fp8GemmPath::TensorCores] {
-            if fp8_gemm_on(&qa, &qb, compute, path).is_none() {
-                continue; // not available on this device
+        let shapes: Vec<Option<String>> = match &args.mma_shapes {
+            Some(list) => list.split(';').map(|x| Some(x.trim().to_string())).collect(),
+            None => vec![None],
+        };
+        // Every path's output against the dequantize path's: max |diff| / max |reference|.
+        let reference = fp8_gemm_on(&qa, &qb, compute, Fp8GemmPath::Dequantize).map(|c| c.cast(FloatDType::F32));
+        let ref_max = reference.as_ref().map(|r| r.clone().abs().max().into_scalar().elem::<f64>());
+        let mut runs = vec![(Fp8GemmPath::Dequantize, None)];
+        runs.extend(shapes.into_iter().map(|s| (Fp8GemmPath::TensorCores, s)));
+        for (path, shape) in runs {
+            if let Some(shape) = &shape {
+                // Single-threaded here; the kernel reads the variable at each launch.
+                std::env::set_var(kernels::fp8::MMA_SHAPE_ENV, shape);
             }
+            let Some(c) = fp8_gemm_on(&qa, &qb, compute, path) else {
+                continue; // not available on this device
+            };
+            let err = match (&reference, ref_max) {
+                (Some(r), Some(rm)) => (c.cast(FloatDType::F32) - r.clone()).abs().max().into_scalar().elem::<f64>() / rm,
+                _ => f64::NAN,
+            };
+            let label = match (&path, &shape) {
+                (Fp8GemmPath::TensorCores, Some(s)) => format!("TensorCores {s}"),
+                _ => format!("{path:?}"),
+            };
             let t_gemm = time::<Bk>(dev, args, &mut || {
                 let _ = fp8_gemm_on(&qa, &qb, compute, path);
             });
@@ -85,7 +111,7 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
                 let _ = fp8_gemm_on(&qa, &qb, compute, path);
             });
             println!(
-                "| {m}x{n}x{k} | {path:?} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} | {:.1} |",
+                "| {m}x{n}x{k} | {label} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} | {:.1} | {err:.1e} |",
                 tf(t_gemm),
                 tf(t_qgemm),
                 tf(t_c),

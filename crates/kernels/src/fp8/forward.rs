@@ -176,7 +176,8 @@ pub(crate) fn gemm_mma<R: CubeRuntime>(
         && b_spec.format == Fp8Format::E4M3
         && matches!(a_spec.granularity, Fp8Granularity::Tile1x128 | Fp8Granularity::Tensor)
         && matches!(b_spec.granularity, Fp8Granularity::Block128 | Fp8Granularity::Tensor);
-    if !fits || !mma_supported(&a) || n.div_ceil(64) > MAX_CUBES_Y {
+    let shape = super::mma_shape();
+    if !fits || !mma_supported(&a) || n.div_ceil(shape.block_n()) > MAX_CUBES_Y {
         return None;
     }
     let words = a.shape().as_slice()[1];
@@ -196,8 +197,8 @@ pub(crate) fn gemm_mma<R: CubeRuntime>(
     unsafe {
         super::mma::gemm_mma::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(m.div_ceil(64) as u32, n.div_ceil(64) as u32, 1),
-            CubeDim::new_2d(32, 4),
+            CubeCount::Static(m.div_ceil(shape.block_m()) as u32, n.div_ceil(shape.block_n()) as u32, 1),
+            CubeDim::new_2d(32, (shape.wm * shape.wn) as u32),
             8,
             a.into_tensor_arg(),
             b.into_tensor_arg(),
@@ -207,6 +208,10 @@ pub(crate) fn gemm_mma<R: CubeRuntime>(
             m,
             n,
             k_tiles,
+            shape.wm,
+            shape.wn,
+            shape.mt,
+            shape.nt,
             a_spec.granularity == Fp8Granularity::Tensor,
             b_spec.granularity == Fp8Granularity::Tensor,
             dtype.into(),

@@ -88,18 +88,18 @@ pub(crate) fn decode(code: u32, #[comptime] f: FormatConsts) -> f32 {
         bits = select(mm == 0, 0x7F80_0000u32, 0x7FC0_0000u32);
     } else if e == 0 {
         // mm * 2^(1 - bias - m): an exact small integer times a power of two.
-        bits = u32::reinterpret(f32::cast_from(mm) * f32::reinterpret(comptime!((128 - f.bias - m) << 23)));
+        bits = u32::reinterpret(f32::cast_from(mm) * f32::new(comptime!(f32::from_bits((128 - f.bias - m) << 23))));
     } else {
         bits = ((e + comptime!(127 - f.bias)) << 23) | (mm << comptime!(23 - m));
     }
     f32::reinterpret(bits | ((code & 0x80u32) << 24))
 }
 
-/// `|x|` if finite and normal, else 0.
+/// `|x|` if finite and normal, else 0 (decided on the bits: CUDA cannot bitcast a constant).
 #[cube]
 fn amax_term(x: f32) -> f32 {
-    let a = f32::abs(x);
-    select(a >= f32::reinterpret(0x80_0000u32) && a <= f32::reinterpret(0x7F7F_FFFFu32), a, 0.0f32)
+    let a = u32::reinterpret(x) & 0x7FFF_FFFFu32;
+    select(a >= 0x80_0000u32 && a <= 0x7F7F_FFFFu32, f32::reinterpret(a), 0.0f32)
 }
 
 /// The quantization multiplier for a tile amax (see `reference::scales_for`).
@@ -124,7 +124,7 @@ fn multiplier(amax: f32, #[comptime] f: FormatConsts, #[comptime] pow2: bool) ->
             s = f32::reinterpret(kb << 23);
         } else {
             s = f32::new(comptime!(max_value(f))) / amax;
-            s = f32::min(f32::max(s, f32::reinterpret(0x80_0000u32)), f32::reinterpret(253u32 << 23));
+            s = f32::min(f32::max(s, f32::new(comptime!(f32::MIN_POSITIVE))), f32::new(comptime!(f32::from_bits(253 << 23))));
         }
     }
     s

@@ -38,6 +38,7 @@ pub(crate) mod forward;
 pub(crate) mod kernel;
 pub(crate) mod linear;
 mod mma;
+pub use mma::MmaShape;
 pub mod reference;
 
 use burn::tensor::backend::Backend as BurnBackend;
@@ -51,6 +52,18 @@ pub const TILE: usize = 128;
 /// Set to `mma` to run [`fp8_gemm`] on FP8 tensor cores where the device has them (CUDA sm_89+,
 /// E4M3 operands). Opt-in while that kernel awaits validation on a GPU.
 pub const GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
+
+/// Overrides the tensor-core FP8 GEMM's cube shape: `wm,wn,mt,nt` (see [`MmaShape`]; default
+/// [`MmaShape::DEFAULT`]). An invalid value is an error, not a silent fallback.
+pub const MMA_SHAPE_ENV: &str = "BURNMIX_FP8_MMA_SHAPE";
+
+/// The tensor-core GEMM's cube shape: [`MMA_SHAPE_ENV`] if set, else [`MmaShape::DEFAULT`].
+pub(crate) fn mma_shape() -> MmaShape {
+    match std::env::var(MMA_SHAPE_ENV) {
+        Ok(v) => MmaShape::parse(&v).unwrap_or_else(|e| panic!("{MMA_SHAPE_ENV}={e}")),
+        Err(_) => MmaShape::DEFAULT,
+    }
+}
 
 /// An FP8 encoding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
