@@ -3,7 +3,12 @@
 //!
 //! Opt-in: it runs with `BURNMIX_FP8_GEMM=mma` (see [`super::GEMM_ENV`]) or
 //! [`crate::fp8_gemm_on`]; `tests/cuda_kernels.rs::cuda_fp8_gemm_mma` checks it against the
-//! dequantize path.
+//! dequantize path (passes on an H100).
+//!
+//! **Speed:** on Hopper (sm_90) `mma.sync` with E4M3 operands is emulated by the compiler
+//! (operands converted to FP16, FP16 MMAs), so this kernel is ALU-bound at ~120 TFLOP/s on an H100
+//! (0.44x Burn's bf16 matmul at 8192^3; `docs/results.md`). Hopper's FP8 tensor cores need
+//! `wgmma`, which CubeCL 0.10 does not expose. The instruction is native on Ada (sm_89).
 //!
 //! **Cube shape** ([`MmaShape`]): `wm x wn` warps; each warp computes `16 mt` rows by `8 nt`
 //! columns, so a cube computes `BM = 16 mt wm` rows by `BN = 8 nt wn` columns. The default for the
@@ -17,7 +22,7 @@
 //!   4 x 8 per warp would need 256 for the accumulators alone;
 //! - the staged K tiles (`BM + BN` rows x 128 codes, rows padded to 144 bytes, two buffers) take
 //!   74 KB at 128 x 128, so the 228 KB of an SM would hold three cubes; registers (256 threads x
-//!   ~170) allow one, and the `cp.async` double buffer hides the global loads behind the MMAs of
+//!   255, as measured) allow one, and the `cp.async` double buffer hides the global loads behind the MMAs of
 //!   the previous tile instead.
 //!
 //! **Pipeline:** per 128-wide K tile, both operand tiles are copied with `cp.async` into one of
