@@ -45,6 +45,7 @@ mod check;
 pub mod cross_entropy;
 pub mod fp8;
 mod launch;
+mod pipeline;
 pub mod rms_norm;
 pub mod rope;
 

@@ -31,6 +31,7 @@ use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::kernel::{neg_big, visible};
+use crate::pipeline::{commit, wait_block};
 
 /// Shared-memory alignment of the staged tiles (`ldmatrix` reads 16-byte rows).
 const ALIGN: usize = 16;
@@ -72,31 +73,6 @@ fn copy_rows<F: Float, N: Size>(
             tile[dst] = Vector::new(F::new(0.0));
         }
         idx += CUBE_DIM as usize;
-    }
-}
-
-/// Makes this unit's pending copies and stores count towards barrier `which` (0 or 1) of the
-/// pair, and arrives on it: its phase completes when every unit has arrived and every copy landed.
-#[cube]
-fn commit(bar0: &Shared<Barrier>, bar1: &Shared<Barrier>, which: usize) {
-    if which == 0 {
-        bar0.commit_copy_async();
-        let _token = bar0.arrive();
-    } else {
-        bar1.commit_copy_async();
-        let _token = bar1.arrive();
-    }
-}
-
-/// Waits for the copies of block `index`, committed to barrier `index % 2`: its
-/// `(index / 2)`-th phase.
-#[cube]
-fn wait_block(bar0: &Shared<Barrier>, bar1: &Shared<Barrier>, index: usize) {
-    let parity = ((index / 2) % 2) as u32;
-    if index % 2 == 0 {
-        bar0.wait_parity(parity);
-    } else {
-        bar1.wait_parity(parity);
     }
 }
 

@@ -40,6 +40,8 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 use half::f16;
 
+use crate::pipeline::{commit, wait_block};
+
 /// Vectors (16 bytes = 16 codes) per staged tile row: 128 codes.
 const ROW_VECS: usize = 8;
 /// Padded row pitch of the staged tiles, in vectors: the 8 rows an `ldmatrix` phase reads fall
@@ -144,31 +146,6 @@ fn stage<NV: Size>(
     }
 }
 
-/// Makes this unit's pending copies and stores count towards barrier `which` (0 or 1) and
-/// arrives on it.
-#[cube]
-fn commit(bar0: &Shared<Barrier>, bar1: &Shared<Barrier>, which: usize) {
-    if which == 0 {
-        bar0.commit_copy_async();
-        let _token = bar0.arrive();
-    } else {
-        bar1.commit_copy_async();
-        let _token = bar1.arrive();
-    }
-}
-
-/// Waits for the copies of K tile `index`, committed to barrier `index % 2` (its
-/// `(index / 2)`-th phase).
-#[cube]
-fn wait_tile(bar0: &Shared<Barrier>, bar1: &Shared<Barrier>, index: usize) {
-    let parity = ((index / 2) % 2) as u32;
-    if index % 2 == 0 {
-        bar0.wait_parity(parity);
-    } else {
-        bar1.wait_parity(parity);
-    }
-}
-
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_mma<O: Float, NV: Size>(
@@ -246,7 +223,7 @@ pub(crate) fn gemm_mma<O: Float, NV: Size>(
             stage::<NV>(b, &mut bt, nxt * b_size, n0, n, row_vecs, kt + 1, bn, threads);
             commit(&bar0, &bar1, nxt);
         }
-        wait_tile(&bar0, &bar1, kt);
+        wait_block(&bar0, &bar1, kt);
         let a_off = (kt % 2) * a_size;
         let b_off = (kt % 2) * b_size;
 
