@@ -80,7 +80,7 @@ fn cuda_flash_attention_layouts_f32() {
 fn flash_attention_layouts(dtype: FloatDType) {
     // No shapes of its own: `flash_attention` always adds q of 17 rows against 40 keys.
     kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &[], true);
-    kernel_cases::flash_attention_strided::<B>(dtype, &CudaDevice::default());
+    kernel_cases::flash_attention_strided_with::<B>(dtype, &CudaDevice::default(), true);
     kernel_cases::flash_attention_lse::<B>(dtype, &CudaDevice::default(), true);
 }
 

@@ -391,8 +391,14 @@ pub fn attention_by_sums<B: burn::tensor::backend::Backend>(
 }
 
 /// FlashAttention on q, k, v sliced out of one packed `[B, S, 3H, hd]` projection (strided views,
-/// as the model produces them).
+/// as the model produces them). `exact_by_sums`: as in [`flash_attention`] (the f32 reference on
+/// CUDA must not go through TF32 matmuls).
 pub fn flash_attention_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    flash_attention_strided_with::<B>(dtype, dev, false)
+}
+
+/// [`flash_attention_strided`] with the choice of exact reference.
+pub fn flash_attention_strided_with<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, exact_by_sums: bool) {
     let (b, h, s, hd) = (2, 3, 77, 64);
     let heads = move |v: &Tensor<B, 2>, i: usize| {
         v.clone().reshape([b, s, 3 * h, hd]).swap_dims(1, 2).slice([0..b, i * h..(i + 1) * h, 0..s, 0..hd])
@@ -404,7 +410,14 @@ pub fn flash_attention_strided<B: AutodiffBackend + kernels::Backend>(dtype: Flo
             1e-5,
             vec![Input::act([b * s, 3 * h * hd], dev)],
             |v| kernels::flash_attention(heads(&v[0], 0), heads(&v[0], 1), heads(&v[0], 2), causal, None).reshape([b * h * s, hd]),
-            |v| kernels::attention::reference(heads(&v[0], 0), heads(&v[0], 1), heads(&v[0], 2), causal, None).reshape([b * h * s, hd]),
+            |v| {
+                let (q, k, val) = (heads(&v[0], 0), heads(&v[0], 1), heads(&v[0], 2));
+                if exact_by_sums && q.dtype() == burn::tensor::DType::F32 {
+                    attention_by_sums(q, k, val, causal, None).reshape([b * h * s, hd])
+                } else {
+                    kernels::attention::reference(q, k, val, causal, None).reshape([b * h * s, hd])
+                }
+            },
         );
     }
 }
