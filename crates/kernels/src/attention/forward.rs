@@ -8,7 +8,7 @@ use cubecl::ir::features::MmaConfig;
 use cubecl::prelude::*;
 
 use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta, flash_forward};
-use super::mma::{flash_backward_dkdv_mma, flash_backward_dq_mma, flash_forward_mma};
+use super::mma::{dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_forward_mma};
 use crate::check::{check_float, check_same_dtype, fail};
 use crate::launch::{contiguous, empty, vector_width};
 
@@ -27,26 +27,36 @@ pub(crate) struct MmaTiles {
     pub dq: (usize, usize),
     /// dK/dV: key row tiles per warp, queries per block.
     pub dkdv: (usize, usize),
+    /// Warps per cube of the forward, dQ and dK/dV kernels (a cube owns `planes * mt * 16` rows).
+    pub fwd_planes: usize,
+    pub dq_planes: usize,
+    pub dkdv_planes: usize,
+    /// dQ inside the dK/dV kernel (`dS k` from a shared-memory dS, added to an f32 buffer with
+    /// atomics) instead of the separate dQ kernel, which recomputes `q k^T` and `dO v^T`.
+    pub fused_dq: bool,
 }
 
 /// Environment variable that overrides [`MmaTiles`] for tuning (read by `attention_bench`
-/// sweeps): `fwd=MTxBLOCK,dq=MTxBLOCK,dkdv=MTxBLOCK`, any subset, e.g. `fwd=2x64,dkdv=1x32`.
+/// sweeps): `fwd=MTxBLOCK[xWARPS],dq=MTxBLOCK[xWARPS],dkdv=MTxBLOCK[xWARPS]`, any subset, e.g.
+/// `fwd=2x64,dkdv=1x32`; `dq=fused` computes dQ inside the dK/dV kernel (f32 atomics).
 pub const TILES_ENV: &str = "BURNMIX_FLASH_TILES";
 
 impl MmaTiles {
     /// Defaults for the H100, per head_dim, from `attention_bench` sweeps at S = 4096 (see
-    /// docs/results.md). Two row tiles per warp halve the shared-memory reads per MMA (see
-    /// `mma.rs`). The block depths are set by registers: the forward keeps O (2 x 16 x hd f32)
-    /// and only 16 keys of S per block, because with 32 keys at hd 128 the kernel hit 255
-    /// registers and spilled (Nsight Compute: local-memory stalls on half of all cycles), and
-    /// 16 was faster at hd 64 as well. dQ and dK/dV hold two accumulators the size of O (or dQ
-    /// and S, dP): shallow blocks (16) keep them in registers, and the row tiles are the best
-    /// measured pair per head_dim.
+    /// docs/results.md, 2026-11-23). Two row tiles per warp halve the shared-memory reads per MMA
+    /// (see `mma.rs`); 32-key forward blocks beat 16 (hd 128: 222 against 178 TFLOP/s) and
+    /// matched 48 and 64 within the run-to-run spread. Backward at hd 128: the separate dQ kernel
+    /// (2 x 32) with an 8-warp dK/dV cube of 128 keys (one row tile per warp, 64-query blocks),
+    /// 194 TFLOP/s; the fused dQ reached 172 there, as its extra dS tile and atomics compete with
+    /// dK and dV (128 f32 accumulators per lane) for registers. At hd 64 the fused dQ wins (193
+    /// against 177): 8 warps x 2 row tiles = 256 keys per cube, 32-query blocks. Other head
+    /// dims (not measured) take the hd 128 shapes, which hold for any multiple of 16.
     fn for_head_dim(hd: usize) -> Self {
-        if hd > 64 {
-            MmaTiles { fwd: (2, 16), dq: (2, 16), dkdv: (1, 64) }
+        let fwd = (2, 32);
+        if hd == 64 {
+            MmaTiles { fwd, dq: (2, 32), dkdv: (2, 32), fwd_planes: PLANES, dq_planes: PLANES, dkdv_planes: 8, fused_dq: true }
         } else {
-            MmaTiles { fwd: (2, 16), dq: (1, 16), dkdv: (2, 16) }
+            MmaTiles { fwd, dq: (2, 32), dkdv: (1, 64), fwd_planes: PLANES, dq_planes: PLANES, dkdv_planes: 8, fused_dq: false }
         }
     }
 
@@ -61,24 +71,57 @@ impl MmaTiles {
         tiles
     }
 
-    /// Applies `fwd=2x64,dq=1x32,...`: row tiles 1, 2 or 4; block depth a multiple of 16 from 16 to 128.
+    /// Applies `fwd=2x64,dq=1x32,...`: row tiles 1, 2 or 4; block depth a multiple of 16 from 16
+    /// to 128; `NAME=MTxBLOCKxWARPS` also sets the kernel's warps per cube (4 or 8); `dq=fused` or
+    /// `dq=separate` chooses where dQ is computed.
     fn apply(&mut self, spec: &str) -> Result<(), String> {
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (name, value) = item.split_once('=').ok_or_else(|| format!("`{item}` is not NAME=MTxBLOCK"))?;
-            let (mt, block) = value.split_once('x').ok_or_else(|| format!("`{value}` is not MTxBLOCK (e.g. 2x64)"))?;
-            let mt: usize = mt.parse().map_err(|_| format!("row tiles `{mt}` is not a number"))?;
-            let block: usize = block.parse().map_err(|_| format!("block `{block}` is not a number"))?;
+            if name == "dq" && (value == "fused" || value == "separate") {
+                self.fused_dq = value == "fused";
+                continue;
+            }
+            let parts: Vec<&str> = value.split('x').collect();
+            if parts.len() != 2 && parts.len() != 3 {
+                let fused = if name == "dq" { ", `fused` or `separate`" } else { "" };
+                return Err(format!("`{value}` is not MTxBLOCK or MTxBLOCKxWARPS (e.g. 2x64 or 1x64x8){fused}"));
+            }
+            let num = |what: &str, x: &str| x.parse::<usize>().map_err(|_| format!("{what} `{x}` is not a number"));
+            let (mt, block) = (num("row tiles", parts[0])?, num("block", parts[1])?);
             if ![1, 2, 4].contains(&mt) || block % 16 != 0 || !(16..=128).contains(&block) {
                 return Err(format!("`{item}`: row tiles must be 1, 2 or 4 and the block a multiple of 16 from 16 to 128"));
             }
+            let warps = match parts.get(2) {
+                Some(w) => {
+                    let w = num("warps", w)?;
+                    if w != 4 && w != 8 {
+                        return Err(format!("`{item}`: warps must be 4 or 8"));
+                    }
+                    w
+                }
+                None => PLANES,
+            };
             match name {
-                "fwd" => self.fwd = (mt, block),
-                "dq" => self.dq = (mt, block),
-                "dkdv" => self.dkdv = (mt, block),
+                "fwd" => (self.fwd, self.fwd_planes) = ((mt, block), warps),
+                "dq" => (self.dq, self.dq_planes) = ((mt, block), warps),
+                "dkdv" => (self.dkdv, self.dkdv_planes) = ((mt, block), warps),
                 _ => return Err(format!("unknown kernel `{name}`; expected fwd, dq or dkdv")),
             }
         }
         Ok(())
+    }
+
+    /// Why the fused dQ cannot run with these dK/dV tiles at `hd`, if it cannot: its warps split
+    /// the query block's 16-row tiles and head_dim into column groups of a multiple of 16.
+    pub(crate) fn fused_dq_problem(&self, hd: usize) -> Option<String> {
+        let (row_tiles, planes) = (self.dkdv.1 / 16, self.dkdv_planes);
+        let ok = if row_tiles >= planes { row_tiles % planes == 0 } else { planes % row_tiles == 0 && (hd / (planes / row_tiles)) % 16 == 0 };
+        (!ok).then(|| {
+            format!(
+                "dq=fused needs the dK/dV query block's {row_tiles} row tiles of 16 and its {planes} warps to divide one another, \
+                 with head_dim {hd} split into column groups of a multiple of 16"
+            )
+        })
     }
 }
 
@@ -214,13 +257,14 @@ pub(crate) fn forward<R: CubeRuntime>(
             // are odd (in elements) are copied to a contiguous layout first.
             let (q, k, v) = if mma_width(&q, &k, &v, None, &d) < 2 { (contiguous(q), contiguous(k), contiguous(v)) } else { (q, k, v) };
             let width = mma_width(&q, &k, &v, None, &d);
-            let (mt, block_k) = MmaTiles::get(d.hd).fwd;
-            let block_q = PLANES * mt * 16;
+            let tiles = MmaTiles::get(d.hd);
+            let ((mt, block_k), planes) = (tiles.fwd, tiles.fwd_planes);
+            let block_q = planes * mt * 16;
             unsafe {
                 flash_forward_mma::launch_unchecked::<R>(
                     &client,
                     CubeCount::Static(d.seq_q.div_ceil(block_q) as u32, bh, 1),
-                    CubeDim::new_2d(32, PLANES as u32),
+                    CubeDim::new_2d(32, planes as u32),
                     width,
                     q.into_tensor_arg(),
                     k.into_tensor_arg(),
@@ -232,7 +276,7 @@ pub(crate) fn forward<R: CubeRuntime>(
                     d.seq_k,
                     scale,
                     d.hd,
-                    PLANES,
+                    planes,
                     mt,
                     block_k,
                     width,
@@ -340,39 +384,53 @@ pub(crate) fn backward<R: CubeRuntime>(
             };
             let width = mma_width(&q, &k, &v, Some(&grad), &d);
             let tiles = MmaTiles::get(d.hd);
+            if tiles.fused_dq {
+                if let Some(problem) = tiles.fused_dq_problem(d.hd) {
+                    fail(op, format!("{TILES_ENV}: {problem} (tiles {tiles:?})"));
+                }
+            }
+            // Fused: dQ accumulates in f32 through atomics from every key block's cube.
+            let dq_acc = if tiles.fused_dq {
+                burn_cubecl::ops::numeric::zeros::<R>(q.device.clone(), [d.batch, d.heads, d.seq_q, d.hd].into(), DType::F32)
+            } else {
+                empty(&q, vec![1], DType::F32)
+            };
             let (mt, block_k) = tiles.dq;
-            unsafe {
-                flash_backward_dq_mma::launch_unchecked::<R>(
-                    &client,
-                    CubeCount::Static(d.seq_q.div_ceil(PLANES * mt * 16) as u32, bh, 1),
-                    CubeDim::new_2d(32, PLANES as u32),
-                    width,
-                    q.clone().into_tensor_arg(),
-                    k.clone().into_tensor_arg(),
-                    v.clone().into_tensor_arg(),
-                    grad.clone().into_tensor_arg(),
-                    lse.clone().into_tensor_arg(),
-                    delta.clone().into_tensor_arg(),
-                    dq.clone().into_tensor_arg(),
-                    d.heads,
-                    d.seq_q,
-                    d.seq_k,
-                    scale,
-                    d.hd,
-                    PLANES,
-                    mt,
-                    block_k,
-                    width,
-                    causal,
-                    dtype,
-                );
+            if !tiles.fused_dq {
+                unsafe {
+                    flash_backward_dq_mma::launch_unchecked::<R>(
+                        &client,
+                        CubeCount::Static(d.seq_q.div_ceil(tiles.dq_planes * mt * 16) as u32, bh, 1),
+                        CubeDim::new_2d(32, tiles.dq_planes as u32),
+                        width,
+                        q.clone().into_tensor_arg(),
+                        k.clone().into_tensor_arg(),
+                        v.clone().into_tensor_arg(),
+                        grad.clone().into_tensor_arg(),
+                        lse.clone().into_tensor_arg(),
+                        delta.clone().into_tensor_arg(),
+                        dq.clone().into_tensor_arg(),
+                        d.heads,
+                        d.seq_q,
+                        d.seq_k,
+                        scale,
+                        d.hd,
+                        tiles.dq_planes,
+                        mt,
+                        block_k,
+                        width,
+                        causal,
+                        dtype,
+                    );
+                }
             }
             let (mt, block_q) = tiles.dkdv;
+            let planes = tiles.dkdv_planes;
             unsafe {
                 flash_backward_dkdv_mma::launch_unchecked::<R>(
                     &client,
-                    CubeCount::Static(d.seq_k.div_ceil(PLANES * mt * 16) as u32, bh, 1),
-                    CubeDim::new_2d(32, PLANES as u32),
+                    CubeCount::Static(d.seq_k.div_ceil(planes * mt * 16) as u32, bh, 1),
+                    CubeDim::new_2d(32, planes as u32),
                     width,
                     q.into_tensor_arg(),
                     k.into_tensor_arg(),
@@ -382,18 +440,36 @@ pub(crate) fn backward<R: CubeRuntime>(
                     delta.into_tensor_arg(),
                     dk.clone().into_tensor_arg(),
                     dv.clone().into_tensor_arg(),
+                    dq_acc.clone().into_tensor_arg(),
                     d.heads,
                     d.seq_q,
                     d.seq_k,
                     scale,
                     d.hd,
-                    PLANES,
+                    planes,
                     mt,
                     block_q,
                     width,
                     causal,
+                    tiles.fused_dq,
                     dtype,
                 );
+            }
+            if tiles.fused_dq {
+                let n = d.batch * d.heads * d.seq_q * d.hd;
+                unsafe {
+                    dq_from_f32::launch_unchecked::<R>(
+                        &client,
+                        CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
+                        CubeDim::new_1d(256),
+                        dq_acc.into_tensor_arg(),
+                        dq.clone().into_tensor_arg(),
+                        d.heads,
+                        d.seq_q,
+                        d.hd,
+                        dtype,
+                    );
+                }
             }
         }
         FlashPath::Portable => {
@@ -451,11 +527,31 @@ mod tests {
     use super::MmaTiles;
 
     #[test]
+    fn default_tiles_can_run_at_every_tensor_core_head_dim() {
+        for hd in (16..=128).step_by(16) {
+            let t = MmaTiles::for_head_dim(hd);
+            assert!(!t.fused_dq || t.fused_dq_problem(hd).is_none(), "hd {hd}: {t:?}");
+        }
+    }
+
+    #[test]
     fn tile_override_parses_and_rejects_bad_specs() {
         let mut t = MmaTiles::for_head_dim(128);
         t.apply("fwd=1x64, dkdv=2x16").unwrap();
-        assert_eq!(t, MmaTiles { fwd: (1, 64), dkdv: (2, 16), ..MmaTiles::for_head_dim(128) });
-        for bad in ["fwd=3x64", "fwd=2x24", "fwd=2x256", "fwd=2", "bwd=1x64", "fwd"] {
+        assert_eq!(t, MmaTiles { fwd: (1, 64), dkdv: (2, 16), dkdv_planes: 4, ..MmaTiles::for_head_dim(128) });
+        t.apply("dq=fused,dkdv=1x64x8").unwrap();
+        assert!(t.fused_dq);
+        assert_eq!((t.dkdv, t.dkdv_planes), ((1, 64), 8));
+        assert_eq!(t.fused_dq_problem(128), None);
+        // 8 warps over one 16-row tile: column groups of 8 at head_dim 64.
+        t.apply("dkdv=1x16x8").unwrap();
+        assert!(t.fused_dq_problem(64).is_some());
+        assert_eq!(t.fused_dq_problem(128), None);
+        t.apply("dq=separate").unwrap();
+        assert!(!t.fused_dq);
+        t.apply("fwd=1x32x8").unwrap();
+        assert_eq!((t.fwd, t.fwd_planes, t.dq_planes), ((1, 32), 8, 4));
+        for bad in ["fwd=3x64", "fwd=2x24", "fwd=2x256", "fwd=2", "bwd=1x64", "fwd", "fwd=1x64x6", "dkdv=1x64x8x2", "dq=atomic"] {
             let err = MmaTiles::for_head_dim(64).apply(bad).unwrap_err();
             assert!(!err.is_empty(), "{bad}");
         }

@@ -92,6 +92,24 @@ fn load_a<F: Float, N: Size, NA: Size>(
     def.load_matrix::<Vector<F, N>, NA>(&tile.slice(at, at + 1), cmma::MatrixIdent::A, 4usize, false)
 }
 
+/// A fragment (16 x 16) of a tile that stores A transposed (`A[m][k] = tile[k][m]`, like dS^T in
+/// the fused dQ product), top-left corner of A at (`row0`, `col0`), by one `ldmatrix.x4.trans`:
+/// lanes `8i .. 8i + 7` address the rows (k) of 8 x 8 matrix `i` = (m half `i % 2`, k half `i / 2`).
+#[cube]
+fn load_a_t<F: Float, N: Size, NA: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    col0: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) -> Array<Vector<F, NA>> {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE as usize;
+    let (r8, i) = (lane % 8, lane / 8);
+    let at = (col0 + (i / 2) * 8 + r8) * pitch + (row0 + (i % 2) * 8) / width;
+    def.load_matrix::<Vector<F, N>, NA>(&tile.slice(at, at + 1), cmma::MatrixIdent::A, 4usize, true)
+}
+
 /// B fragments (16 x 8) of the two 8-column tiles `n0 ..` and `n0 + 8 ..` of the product's
 /// columns, reduction rows `k0 .. k0 + 16`, of the tile starting at vector `off`, by one `ldmatrix.x4`; vectors 0-1 are the first tile's,
 /// 2-3 the second's. `n_rows`: the tile stores B transposed (`B[k][n] = tile[n][k]`, like k in
@@ -720,6 +738,124 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     store_rows::<F, NC>(&dq_acc, dq, b * dq.stride(0) + h * dq.stride(1), q0 + w0, seq_q, scale, mt, hd);
 }
 
+/// Writes this warp's dS^T tiles (`dp`: rows = its keys from `w0`, columns = the block's queries)
+/// to `ds_t` in the input dtype, one A-fragment register (two columns) per store.
+#[cube]
+fn store_ds_t<F: Float, NA: Size, NC: Size>(
+    dp: &Array<Vector<f32, NC>>,
+    ds_t: &mut SharedMemory<Vector<F, NA>>,
+    w0: usize,
+    #[comptime] ds_pitch: usize,
+    #[comptime] mt: usize,
+    #[comptime] s_tiles: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let row = w0 + m * 16 + half * 8 + g;
+            #[unroll]
+            for t in 0..s_tiles {
+                let x = dp[(m * s_tiles + t) * 2 + half];
+                let mut y = Vector::<F, NA>::empty();
+                y[0] = F::cast_from(x[0]);
+                y[1] = F::cast_from(x[1]);
+                ds_t[row * ds_pitch + t * 4 + t4] = y;
+            }
+        }
+    }
+}
+
+/// Fused dQ of one query block: `dq_acc[i0 + r] += scale * dS k` over the cube's `block_k` keys,
+/// added with f32 atomics (other key blocks add theirs). The `block_q / 16` row tiles and the
+/// head_dim columns are split over the warps: `planes / row_tiles` column groups when there are
+/// more warps than row tiles, else `row_tiles / planes` row tiles per warp; columns go in chunks
+/// of up to 32 so that the accumulators stay small next to dK and dV.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
+    ds_t: &SharedMemory<Vector<F, NA>>,
+    kt: &SharedMemory<Vector<F, N>>,
+    dq_acc: &mut Tensor<Atomic<f32>>,
+    base: usize,
+    i0: usize,
+    seq_q: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] planes: usize,
+    #[comptime] block_q: usize,
+    #[comptime] block_k: usize,
+    #[comptime] ds_pitch: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    let row_tiles = comptime!(block_q / 16);
+    let qm = comptime!(if row_tiles > planes { row_tiles / planes } else { 1 });
+    let row_slots = comptime!(row_tiles / qm);
+    let group_cols = comptime!(hd / (planes / row_slots));
+    let chunk = comptime!(if group_cols > 32 { 32 } else { group_cols });
+    let ctiles = comptime!(chunk / 8);
+    let warp = UNIT_POS_Y as usize;
+    let r0 = (warp % row_slots) * comptime!(qm * 16);
+    let c0 = (warp / row_slots) * group_cols;
+    for c in 0..comptime!(group_cols / chunk) {
+        let col0 = c0 + c * chunk;
+        let mut acc = zeros::<NC>(comptime!(qm * ctiles * 2));
+        #[unroll]
+        for kk in 0..comptime!(block_k / 16) {
+            let mut a = Array::<Vector<F, NA>>::new(comptime!(qm * 4));
+            #[unroll]
+            for m in 0..qm {
+                let f = load_a_t::<F, NA, NA>(ds_t, r0 + m * 16, kk * 16, ds_pitch, 2usize);
+                #[unroll]
+                for i in 0..4usize {
+                    a[m * 4 + i] = f[i];
+                }
+            }
+            #[unroll]
+            for pair in 0..comptime!(ctiles / 2) {
+                let bf = load_b2::<F, N, NB>(kt, 0, kk * 16, col0 + pair * 16, pitch, width, false);
+                mma_pair::<F, NA, NB, NC>(&a, &bf, &mut acc, pair, qm, ctiles);
+            }
+        }
+        #[unroll]
+        for m in 0..qm {
+            #[unroll]
+            for half in 0..2usize {
+                let row = i0 + r0 + m * 16 + half * 8 + g;
+                if row < seq_q {
+                    #[unroll]
+                    for t in 0..ctiles {
+                        let x = acc[(m * ctiles + t) * 2 + half];
+                        let at = base + row * hd + col0 + t * 8 + t4 * 2;
+                        dq_acc[at].fetch_add(x[0] * scale);
+                        dq_acc[at + 1].fetch_add(x[1] * scale);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `dq[b, h, s, :] = acc[b, h, s, :]` in the output dtype (`acc`: contiguous f32, `dq`: any
+/// strides with unit last stride). One unit per element.
+#[cube(launch_unchecked)]
+pub(crate) fn dq_from_f32<F: Float>(acc: &Tensor<f32>, dq: &mut Tensor<F>, heads: usize, seq: usize, #[comptime] hd: usize, #[define(F)] _dtype: StorageType) {
+    let i = ABSOLUTE_POS;
+    if i < acc.len() {
+        let d = i % hd;
+        let row = i / hd;
+        let s = row % seq;
+        let bh = row / seq;
+        let (b, h) = (bh / heads, bh % heads);
+        dq[b * dq.stride(0) + h * dq.stride(1) + s * dq.stride(2) + d] = F::cast_from(acc[i]);
+    }
+}
+
 /// Tensor-core dK and dV. Grid `(key blocks, batch * heads)`, cube `(32, planes)`; each warp owns
 /// `16 * mt` key rows (k and v stay staged) and walks the query blocks, computing the transposed
 /// products `S^T = k q^T`, `dP^T = v dO^T`, then `dV += P^T dO`, `dK += dS^T q` with P^T and
@@ -736,6 +872,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<Atomic<f32>>,
     heads: usize,
     seq_q: usize,
     seq_k: usize,
@@ -746,6 +883,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     #[comptime] block_q: usize,
     #[comptime] width: usize,
     #[comptime] causal: bool,
+    #[comptime] fuse_dq: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -771,6 +909,10 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     let mut gt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
     let mut lse_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
     let mut delta_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
+    // Fused dQ: this block's dS^T (keys x queries, in the input dtype, pairs of columns per
+    // vector as in an A fragment register), rows padded by 8 elements as the other tiles.
+    let ds_pitch = comptime!((block_q + 8) / 2);
+    let mut ds_t = SharedMemory::<Vector<F, NA>>::new_aligned(comptime!(if fuse_dq { block_k * ds_pitch } else { 1 }), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let (qbase, qstride) = ((b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width);
@@ -871,6 +1013,11 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         // dV += P^T dO, dK += dS^T q.
         scores_product::<F, N, NA, NB, NC>(&s, &gt, cur * tile, &mut dv_acc, s_tiles, o_tiles, mt, pitch, width);
         scores_product::<F, N, NA, NB, NC>(&dp, &qt, cur * tile, &mut dk_acc, s_tiles, o_tiles, mt, pitch, width);
+        if comptime!(fuse_dq) {
+            store_ds_t::<F, NA, NC>(&dp, &mut ds_t, w0, ds_pitch, mt, s_tiles);
+            sync_cube();
+            dq_block_atomic::<F, N, NA, NB, NC>(&ds_t, &kt, dq_acc, bh * seq_q * hd, i0, seq_q, scale, hd, planes, block_q, block_k, ds_pitch, pitch, width);
+        }
         sync_cube();
     }
 

@@ -14,6 +14,13 @@
 //! costs a second recomputation of `q k^T` and `dO v^T` but needs no atomics, so gradients are
 //! deterministic and the same code runs on every runtime.
 //!
+//! On tensor cores at head_dim 64 the dK/dV kernel also computes dQ (FlashAttention-2's scheme):
+//! each cube stages its dS tile in shared memory, multiplies it by its keys and adds the partial dQ
+//! to an f32 buffer with atomics, which saves the two recomputed products (1.25x faster backward on
+//! the H100, docs/results.md). The order of those f32 additions varies from run to run, so dQ can
+//! differ in its last bits between identical runs; `BURNMIX_FLASH_TILES=dq=separate`
+//! ([`TILES_ENV`]) selects the deterministic kernels. Other head dims use the separate kernels.
+//!
 //! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores
 //! (warp-level `mma.sync` m16n8k16, f32 accumulation, see `mma.rs`); everything else (f32, wgpu,
 //! other head dims up to [`MAX_HEAD_DIM`]) runs the portable kernels, one unit per row with f32
