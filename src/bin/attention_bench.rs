@@ -16,8 +16,9 @@
 //! `--memory` instead runs forward+backward at B=1, H=16, S=16384, hd=128 and reports device memory.
 //!
 //! Tile sweeps: the environment variable `BURNMIX_FLASH_TILES` (`kernels::attention::TILES_ENV`)
-//! overrides the tensor-core kernels' tile shapes, e.g. `BURNMIX_FLASH_TILES=fwd=2x64,dkdv=1x32`
-//! (row tiles of 16 per warp x block depth, per kernel: `fwd`, `dq`, `dkdv`).
+//! overrides the tensor-core kernels' tile shapes, e.g. `BURNMIX_FLASH_TILES=fwd=2x64,dkdv=1x32x8`
+//! (row tiles of 16 per warp x block depth [x warps per cube], per kernel: `fwd`, `dq`, `dkdv`),
+//! and `dq=fused` / `dq=separate` chooses whether the dK/dV kernel also computes dQ.
 //!
 //! `cargo run --release --bin attention_bench -- [--dtype bf16] [--seqs 1024,2048,4096,8192]
 //!  [--head-dims 64,128] [--no-burn] [--memory]`

@@ -16,8 +16,8 @@
 //!
 //! On tensor cores at head_dim 64 the dK/dV kernel also computes dQ (FlashAttention-2's scheme):
 //! each cube stages its dS tile in shared memory, multiplies it by its keys and adds the partial dQ
-//! to an f32 buffer with atomics, which saves the two recomputed products (1.25x faster backward on
-//! the H100, docs/results.md). The order of those f32 additions varies from run to run, so dQ can
+//! to an f32 buffer with atomics, which saves the two recomputed products (backward 193 against 177
+//! TFLOP/s for the best separate kernels on an H100 at S = 4096, docs/results.md). The order of those f32 additions varies from run to run, so dQ can
 //! differ in its last bits between identical runs; `BURNMIX_FLASH_TILES=dq=separate`
 //! ([`TILES_ENV`]) selects the deterministic kernels. Other head dims use the separate kernels.
 //!
