@@ -14,11 +14,12 @@ use crate::launch::{contiguous, empty, vector_width};
 
 /// Largest head dimension the kernels accept (the portable kernels keep a row in registers).
 pub const MAX_HEAD_DIM: usize = 256;
-/// Warps per cube of the tensor-core kernels.
+/// Warps per cube of the tensor-core kernels unless [`MmaTiles`] says otherwise.
 const PLANES: usize = 4;
 
 /// Tile shapes of the tensor-core kernels: row tiles of 16 per warp (`mt`, so a cube owns
-/// `PLANES * mt * 16` rows) and the depth of the blocks streamed past them.
+/// `planes * mt * 16` rows), the depth of the blocks streamed past them, the warps per cube, and
+/// where dQ is computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct MmaTiles {
     /// Forward: query row tiles per warp, keys per block.
@@ -43,7 +44,7 @@ pub const TILES_ENV: &str = "BURNMIX_FLASH_TILES";
 
 impl MmaTiles {
     /// Defaults for the H100, per head_dim, from `attention_bench` sweeps at S = 4096 (see
-    /// docs/results.md, 2026-11-23). Two row tiles per warp halve the shared-memory reads per MMA
+    /// docs/results.md, 2026-11-23 (later)). Two row tiles per warp halve the shared-memory reads per MMA
     /// (see `mma.rs`); 32-key forward blocks beat 16 (hd 128: 222 against 178 TFLOP/s) and
     /// matched 48 and 64 within the run-to-run spread. Backward at hd 128: the separate dQ kernel
     /// (2 x 32) with an 8-warp dK/dV cube of 128 keys (one row tile per warp, 64-query blocks),
