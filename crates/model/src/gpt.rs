@@ -60,11 +60,12 @@ impl<B: kernels::Backend> Attention<B> {
                 (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
             }
             RopeTables::Fused { cos, sin } => {
-                // One kernel rotates q and k together, reading them strided out of the projection.
-                let qk = qkv.clone().slice([0..b, 0..2 * h, 0..t, 0..hd]);
-                let mut qk = kernels::rope(qk, cos.clone(), sin.clone()).chunk(2, 1);
-                let k = qk.pop().expect("k");
-                let q = qk.pop().expect("q");
+                // The kernel reads q and k strided out of the projection and writes each to its own
+                // dense tensor. Rotating both in one launch and chunking the result would hand the
+                // attention matmuls views with a gap between batch entries, which Burn 0.21's CUDA
+                // matmul multiplies wrongly (docs/results.md, 2026-11-23, the fused + plain fault).
+                let q = kernels::rope(qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]), cos.clone(), sin.clone());
+                let k = kernels::rope(qkv.clone().slice([0..b, h..2 * h, 0..t, 0..hd]), cos.clone(), sin.clone());
                 (q, k, qkv.slice([0..b, 2 * h..3 * h, 0..t, 0..hd]))
             }
         };

@@ -2,8 +2,8 @@
 //! as `tests/kernels.rs`, which runs f32 and f16 on wgpu). CUDA allocates odd row lengths pitched,
 //! so these also check the kernels' handling of strides.
 
-mod fp8_cases;
-mod kernel_cases;
+use crate::fp8_cases;
+use crate::kernel_cases;
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};

@@ -1,6 +1,6 @@
 //! The same end-to-end checks on CUDA. Run on a GPU machine with `cargo test -- --include-ignored`.
 
-mod common;
+use crate::common;
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::Cuda;

@@ -1,0 +1,95 @@
+//! The model-equivalence matrix on CUDA (see `tests/model_cases`): every `kernels` x `attention`
+//! combination with either MLP against the reference model in f32, bf16 and f16, loss and every
+//! gradient, at an awkward shape and at `shakespeare_char`'s, and 50 training steps of each
+//! tracking the reference run.
+
+use crate::common;
+use crate::kernel_cases::{check, Input, FLOOR};
+use crate::model_cases::{self, AWKWARD, SHAKESPEARE};
+
+use burn::backend::cuda::CudaDevice;
+use burn::backend::{Autodiff, Cuda};
+use burn::tensor::FloatDType;
+use model::config::MlpKind;
+use trainer::config::{DeviceKind, PrecisionKind};
+
+type B = Autodiff<Cuda>;
+
+/// Unit roundoff of CUDA's f32 matmuls, which run on TF32 tensor cores (10 explicit mantissa bits).
+const TF32_UNIT_ROUNDOFF: f64 = 1.0 / 2048.0;
+
+macro_rules! equivalence {
+    ($($test:ident => $dtype:ident, $mlp:ident, $shape:ident;)*) => {
+        $(
+            #[test]
+            #[ignore = "needs CUDA"]
+            fn $test() {
+                let _guard = common::serial();
+                model_cases::equivalence::<B>(FloatDType::$dtype, TF32_UNIT_ROUNDOFF, MlpKind::$mlp, $shape, &CudaDevice::default());
+            }
+        )*
+    };
+}
+
+equivalence! {
+    cuda_model_equivalence_f32_gelu => F32, Gelu, AWKWARD;
+    cuda_model_equivalence_f32_swiglu => F32, Swiglu, AWKWARD;
+    cuda_model_equivalence_bf16_gelu => BF16, Gelu, AWKWARD;
+    cuda_model_equivalence_bf16_swiglu => BF16, Swiglu, AWKWARD;
+    cuda_model_equivalence_f16_gelu => F16, Gelu, AWKWARD;
+    cuda_model_equivalence_f16_swiglu => F16, Swiglu, AWKWARD;
+    cuda_model_equivalence_bf16_gelu_shakespeare_shape => BF16, Gelu, SHAKESPEARE;
+}
+
+macro_rules! tracks {
+    ($($test:ident => $precision:ident, $mlp:ident;)*) => {
+        $(
+            #[test]
+            #[ignore = "needs CUDA"]
+            fn $test() {
+                let _guard = common::serial();
+                let device = trainer::device::Selected::Cuda { index: 0, name: "test".into() };
+                model_cases::training_tracks(
+                    MlpKind::$mlp,
+                    PrecisionKind::$precision,
+                    &[PrecisionKind::Bf16, PrecisionKind::Fp16],
+                    DeviceKind::Cuda,
+                    &device,
+                    &|name| common::scratch(&format!("cuda_{name}")),
+                );
+            }
+        )*
+    };
+}
+
+tracks! {
+    cuda_model_training_tracks_fp32_gelu => Fp32, Gelu;
+    cuda_model_training_tracks_fp32_swiglu => Fp32, Swiglu;
+    cuda_model_training_tracks_bf16_gelu => Bf16, Gelu;
+    cuda_model_training_tracks_bf16_swiglu => Bf16, Swiglu;
+    cuda_model_training_tracks_fp16_gelu => Fp16, Gelu;
+    cuda_model_training_tracks_fp16_swiglu => Fp16, Swiglu;
+}
+
+/// The model's plain attention on q and k rotated by the fused RoPE kernel against the same with
+/// the reference RoPE, output and the packed projection's gradient; the shapes of the model cases
+/// and of `shakespeare_char` (6 heads of 64, 256 positions, batch 64).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_plain_attention_after_fused_rope() {
+    let dev = CudaDevice::default();
+    for dtype in [FloatDType::BF16, FloatDType::F16] {
+        for [b, h, t, hd] in [[2, 3, 67, 64], [64, 6, 256, 64]] {
+            let (cos, sin) = kernels::rope::tables::<B>(t, hd, 10_000.0, &dev);
+            let (c2, s2) = (cos.clone(), sin.clone());
+            check::<B>(
+                &format!("plain attention after RoPE [{b}, {h}, {t}, {hd}]"),
+                dtype,
+                FLOOR,
+                vec![Input::act([b * t, 3 * h * hd], &dev)],
+                |v| model_cases::plain_attention_after_rope(v[0].clone(), [b, h, t, hd], c2.clone(), s2.clone(), true),
+                |v| model_cases::plain_attention_after_rope(v[0].clone(), [b, h, t, hd], cos.clone(), sin.clone(), false),
+            );
+        }
+    }
+}
