@@ -133,3 +133,28 @@ fn flash_and_plain_attention_give_the_same_loss_and_gradients() {
         }
     }
 }
+
+mod model_cases;
+
+/// The model-equivalence matrix of `tests/model_cases` (which the CUDA suite runs in f32, bf16 and
+/// f16): every `kernels` x `attention` combination against the reference model at an awkward
+/// shape, loss and every gradient, in f32 and f16 (wgpu has no bf16).
+macro_rules! equivalence {
+    ($($test:ident => $dtype:ident, $mlp:ident;)*) => {
+        $(
+            #[test]
+            fn $test() {
+                let _guard = common::serial();
+                // lavapipe's f32 matmuls are true f32.
+                model_cases::equivalence::<B>(FloatDType::$dtype, f64::powi(2.0, -24), MlpKind::$mlp, model_cases::AWKWARD, &device());
+            }
+        )*
+    };
+}
+
+equivalence! {
+    model_equivalence_f32_gelu => F32, Gelu;
+    model_equivalence_f32_swiglu => F32, Swiglu;
+    model_equivalence_f16_gelu => F16, Gelu;
+    model_equivalence_f16_swiglu => F16, Swiglu;
+}

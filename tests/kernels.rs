@@ -22,6 +22,34 @@ macro_rules! cases {
 
 cases!(rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw, flash_attention_strided);
 
+/// The portable GEMM path (`Gemm::Auto` resolves to Burn's matmul on wgpu) and its backward: the
+/// transpose flags and the gradient formulas. Few sizes, because Burn autotunes its matmul for
+/// every new shape and layout, which takes seconds each on lavapipe; the CUDA suite runs them all.
+#[test]
+fn gemm() {
+    kernel_cases::gemm::<B>(FloatDType::F32, &device(), kernels::Gemm::Auto, &[[7, 13, 5], [123, 64, 77]]);
+    kernel_cases::gemm::<B>(FloatDType::F16, &device(), kernels::Gemm::Auto, &[[7, 13, 5]]);
+    kernel_cases::gemm_strided::<B>(FloatDType::F32, &device(), kernels::Gemm::Auto);
+    let probe = burn::tensor::Tensor::<B, 2>::zeros([1, 1], &device());
+    assert_eq!(kernels::gemm::gemm_path(&probe, kernels::Gemm::Auto), kernels::GemmPath::Burn);
+}
+
+#[test]
+#[should_panic(expected = "kernels::gemm: Gemm::CublasLt needs CUDA tensors")]
+fn gemm_cublaslt_refuses_wgpu_tensors() {
+    let dev = device();
+    let a = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
+    let _ = kernels::gemm(a.clone(), a, false, true, kernels::Gemm::CublasLt);
+}
+
+#[test]
+#[should_panic(expected = "kernels::gemm: op(a) is [3, 8] and op(b) is [3, 8]: their inner dimensions 8 and 3 differ")]
+fn gemm_refuses_mismatched_inner_dimensions() {
+    let dev = device();
+    let a = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
+    let _ = kernels::gemm(a.clone(), a, false, false, kernels::Gemm::Auto);
+}
+
 #[test]
 fn flash_attention_lse() {
     for dtype in [FloatDType::F32, FloatDType::F16] {

@@ -153,3 +153,66 @@ fn cuda_fp8_linear() {
         fp8_cases::linear::<B>(dtype, &CudaDevice::default(), &shapes);
     }
 }
+
+/// cuBLASLt GEMMs and their backward against an f32 reference free of TF32: every transpose
+/// combination at odd sizes, pitched rows, column slices, transposed views and a non-unit inner
+/// stride, in each dtype (separate tests so that they run in parallel).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_bf16() {
+    gemm_cases(FloatDType::BF16);
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_f16() {
+    gemm_cases(FloatDType::F16);
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_f32() {
+    gemm_cases(FloatDType::F32);
+}
+
+fn gemm_cases(dtype: FloatDType) {
+    let dev = CudaDevice::default();
+    kernel_cases::gemm::<B>(dtype, &dev, kernels::Gemm::CublasLt, &kernel_cases::GEMM_SIZES);
+    kernel_cases::gemm_strided::<B>(dtype, &dev, kernels::Gemm::CublasLt);
+}
+
+/// The GEMMs above do run on cuBLASLt (a fallback to Burn's matmul would pass the numeric checks),
+/// and so does `Gemm::Auto` on CUDA.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_uses_cublaslt() {
+    let dev = CudaDevice::default();
+    kernels::gemm::cublaslt_status().expect("libcublasLt loads");
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        let a = burn::tensor::Tensor::<B, 2>::zeros([4, 8], &dev).cast(dtype);
+        for engine in [kernels::Gemm::CublasLt, kernels::Gemm::Auto] {
+            assert_eq!(kernels::gemm::gemm_path(&a, engine), kernels::GemmPath::CublasLtHostSync, "{dtype:?} {engine:?}");
+        }
+        assert_eq!(kernels::gemm::gemm_path(&a, kernels::Gemm::Burn), kernels::GemmPath::Burn);
+    }
+}
+
+/// The LM head's shape in bf16: logits rows of 50304 bf16 values are pitched on CUDA (100608 bytes,
+/// not a multiple of 512). Output, dgrad and wgrad against the f32 reference.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_lm_head_shape() {
+    use crate::kernel_cases::{check_exact, gemm_exact, Input, FLOOR};
+    let dev = CudaDevice::default();
+    let (m, k, n) = (8, 768, 50304);
+    // The tied head: x [m, k] times the embedding [n, k] transposed.
+    check_exact::<B>(
+        "gemm LM head [8, 768] x [50304, 768]^T",
+        FloatDType::BF16,
+        FLOOR,
+        vec![Input::act([m, k], &dev), Input::act([n, k], &dev)],
+        |v| kernels::gemm(v[0].clone(), v[1].clone(), false, true, kernels::Gemm::CublasLt),
+        &|v| kernels::gemm::reference(v[0].clone(), v[1].clone(), false, true),
+        &|v| gemm_exact(v[0].clone(), v[1].clone(), false, true),
+    );
+}

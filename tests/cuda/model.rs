@@ -10,7 +10,7 @@ use crate::model_cases::{self, AWKWARD, SHAKESPEARE};
 use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
 use burn::tensor::FloatDType;
-use model::config::MlpKind;
+use model::config::{GemmKind, MlpKind};
 use trainer::config::{DeviceKind, PrecisionKind};
 
 type B = Autodiff<Cuda>;
@@ -39,6 +39,35 @@ equivalence! {
     cuda_model_equivalence_f16_gelu => F16, Gelu, AWKWARD;
     cuda_model_equivalence_f16_swiglu => F16, Swiglu, AWKWARD;
     cuda_model_equivalence_bf16_gelu_shakespeare_shape => BF16, Gelu, SHAKESPEARE;
+}
+
+macro_rules! equivalence_cublaslt {
+    ($($test:ident => $dtype:ident, $mlp:ident, $shape:ident;)*) => {
+        $(
+            /// Every `kernels` x `attention` combination with the GEMMs on cuBLASLt against the
+            /// reference model on Burn's matmul.
+            #[test]
+            #[ignore = "needs CUDA"]
+            fn $test() {
+                let _guard = common::serial();
+                model_cases::equivalence_of::<B>(
+                    &model_cases::combos_on(GemmKind::Cublaslt),
+                    FloatDType::$dtype,
+                    TF32_UNIT_ROUNDOFF,
+                    MlpKind::$mlp,
+                    $shape,
+                    &CudaDevice::default(),
+                );
+            }
+        )*
+    };
+}
+
+equivalence_cublaslt! {
+    cuda_model_equivalence_cublaslt_f32_swiglu => F32, Swiglu, AWKWARD;
+    cuda_model_equivalence_cublaslt_bf16_gelu => BF16, Gelu, AWKWARD;
+    cuda_model_equivalence_cublaslt_bf16_swiglu => BF16, Swiglu, AWKWARD;
+    cuda_model_equivalence_cublaslt_f16_gelu => F16, Gelu, AWKWARD;
 }
 
 macro_rules! tracks {

@@ -60,6 +60,20 @@ pub fn check<B: AutodiffBackend>(
     kernel: impl Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>,
     reference: impl Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>,
 ) {
+    check_exact(name, dtype, floor, inputs, kernel, &reference, &reference)
+}
+
+/// [`check`] with the exact run computed by `exact` (in f32) instead of `reference`: for ops whose
+/// reference is not exact in f32 on every device (Burn's f32 matmul runs on TF32 on CUDA).
+pub fn check_exact<B: AutodiffBackend>(
+    name: &str,
+    dtype: FloatDType,
+    floor: f32,
+    inputs: Vec<Input<B>>,
+    kernel: impl Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>,
+    reference: &dyn Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>,
+    exact: &dyn Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>,
+) {
     let dev = inputs[0].values.device();
     // Round once to the dtype under test, so that every run sees the same values.
     let values: Vec<Tensor<B, 2>> = inputs
@@ -86,9 +100,9 @@ pub fn check<B: AutodiffBackend>(
             xs.iter().map(|x| x.grad(&grads).map(|g| g.cast(FloatDType::F32))).collect();
         (out.inner(), gs, probe)
     };
-    let (exact_out, exact_grads, probe) = run(&reference, FloatDType::F32, None);
+    let (exact_out, exact_grads, probe) = run(exact, FloatDType::F32, None);
     let (k_out, k_grads, _) = run(&kernel, dtype, Some(&probe));
-    let (b_out, b_grads, _) = run(&reference, dtype, Some(&probe));
+    let (b_out, b_grads, _) = run(reference, dtype, Some(&probe));
 
     let compare = |what: &str, exact: Tensor<B::InnerBackend, 2>, k: Tensor<B::InnerBackend, 2>, b: Tensor<B::InnerBackend, 2>| {
         assert_eq!(exact.dims(), k.dims(), "{name}: {what} has shape {:?}, expected {:?}", k.dims(), exact.dims());
@@ -456,4 +470,76 @@ where
             );
         }
     }
+}
+
+/// `op(a) op(b)` as broadcast products summed in f32: exact up to f32 summation on every device.
+pub fn gemm_exact<B: AutodiffBackend>(a: Tensor<B, 2>, b: Tensor<B, 2>, trans_a: bool, trans_b: bool) -> Tensor<B, 2> {
+    let a = if trans_a { a.transpose() } else { a };
+    let b = if trans_b { b.transpose() } else { b };
+    let [m, k] = a.dims();
+    let n = b.dims()[1];
+    (a.reshape([m, k, 1]) * b.reshape([1, k, n])).sum_dim(1).reshape([m, n])
+}
+
+/// Problem sizes `[m, k, n]` of the GEMM cases: 1, odd, not multiples of any tile, a long K, and
+/// rows whose byte length is not a multiple of 512 (pitched on CUDA).
+pub const GEMM_SIZES: [[usize; 3]; 6] = [[1, 1, 1], [7, 13, 5], [123, 64, 77], [64, 1000, 33], [300, 128, 257], [17, 96, 1]];
+
+/// [`kernels::gemm`] on `engine` against Burn's matmul, for every transpose combination and each
+/// of `sizes` (such as [`GEMM_SIZES`]); operands are stored as the flags say (`a` is [k, m] when
+/// transposed).
+pub fn gemm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, engine: kernels::Gemm, sizes: &[[usize; 3]]) {
+    for &[m, k, n] in sizes {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let sa = if ta { [k, m] } else { [m, k] };
+            let sb = if tb { [n, k] } else { [k, n] };
+            check_exact::<B>(
+                &format!("gemm [m, k, n] = [{m}, {k}, {n}], trans ({ta}, {tb}), {engine:?}"),
+                dtype,
+                FLOOR,
+                vec![Input::act(sa, dev), Input::act(sb, dev)],
+                |v| kernels::gemm(v[0].clone(), v[1].clone(), ta, tb, engine),
+                &|v| kernels::gemm::reference(v[0].clone(), v[1].clone(), ta, tb),
+                &|v| gemm_exact(v[0].clone(), v[1].clone(), ta, tb),
+            );
+        }
+    }
+}
+
+/// [`kernels::gemm`] on operands that are views: a column slice of a wider matrix (leading
+/// dimension larger than the row), a transposed view read with the opposite flag, and a view with
+/// a non-unit inner stride (copied first); plus [`kernels::linear`] on a rank-3 input.
+pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, engine: kernels::Gemm) {
+    let (m, k, n) = (37, 70, 45);
+    // a = wide[:, 3..3 + k], b = (stored [n, k])^T used with trans_b = false.
+    check_exact::<B>(
+        &format!("gemm of a column slice and a transposed view, {engine:?}"),
+        dtype,
+        FLOOR,
+        vec![Input::act([m, k + 9], dev), Input::act([n, k], dev)],
+        |v| kernels::gemm(v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false, engine),
+        &|v| kernels::gemm::reference(v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false),
+        &|v| gemm_exact(v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false),
+    );
+    // Every other column of a [m, 2k] matrix: inner stride 2.
+    let every_other = |t: Tensor<B, 2>| t.reshape([m, k, 2]).slice([0..m, 0..k, 0..1]).reshape([m, k]);
+    check_exact::<B>(
+        &format!("gemm of a view with inner stride 2, {engine:?}"),
+        dtype,
+        FLOOR,
+        vec![Input::act([m, 2 * k], dev), Input::act([k, n], dev)],
+        |v| kernels::gemm(every_other(v[0].clone()), v[1].clone(), false, false, engine),
+        &|v| kernels::gemm::reference(every_other(v[0].clone()), v[1].clone(), false, false),
+        &|v| gemm_exact(every_other(v[0].clone()), v[1].clone(), false, false),
+    );
+    // linear over [2, 19, k] -> [2, 19, n], compared as [38, n].
+    check_exact::<B>(
+        &format!("linear of a rank-3 input, {engine:?}"),
+        dtype,
+        FLOOR,
+        vec![Input::act([38, k], dev), Input::act([k, n], dev)],
+        |v| kernels::linear(v[0].clone().reshape([2, 19, k]), v[1].clone(), engine).reshape([38, n]),
+        &|v| kernels::gemm::reference(v[0].clone(), v[1].clone(), false, false),
+        &|v| gemm_exact(v[0].clone(), v[1].clone(), false, false),
+    );
 }

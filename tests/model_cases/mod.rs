@@ -26,7 +26,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
-use model::config::{AttentionKind, KernelsKind, MlpKind};
+use model::config::{AttentionKind, GemmKind, KernelsKind, MlpKind};
 use model::{Gpt, GptConfig};
 
 /// Batch, sequence length, heads (of 64) and vocabulary of a case.
@@ -51,6 +51,7 @@ pub const SHAKESPEARE: Shape = Shape { batch: 8, seq: 256, heads: 6, vocab: 66 }
 pub struct Combo {
     pub kernels: KernelsKind,
     pub attention: AttentionKind,
+    pub gemm: GemmKind,
 }
 
 /// Every `kernels` x `attention` combination except the reference itself.
@@ -59,10 +60,17 @@ pub fn combos() -> Vec<Combo> {
     for kernels in [KernelsKind::Reference, KernelsKind::Fused] {
         for attention in [AttentionKind::Plain, AttentionKind::Flash] {
             if (kernels, attention) != (KernelsKind::Reference, AttentionKind::Plain) {
-                out.push(Combo { kernels, attention });
+                out.push(Combo { kernels, attention, gemm: GemmKind::Burn });
             }
         }
     }
+    out
+}
+
+/// Every `kernels` x `attention` combination, the reference's too, with the GEMMs on `gemm`.
+pub fn combos_on(gemm: GemmKind) -> Vec<Combo> {
+    let mut out = vec![Combo { kernels: KernelsKind::Reference, attention: AttentionKind::Plain, gemm }];
+    out.extend(combos().into_iter().map(|c| Combo { gemm, ..c }));
     out
 }
 
@@ -91,6 +99,7 @@ pub fn with_combo<B: AutodiffBackend>(model: &Gpt<B>, combo: Combo) -> Gpt<B> {
     let mut m = model.clone();
     m.config.kernels = combo.kernels;
     m.config.attention = combo.attention;
+    m.config.gemm = combo.gemm;
     m
 }
 
@@ -174,6 +183,18 @@ impl Compared {
 /// Prints one line per combination (its worst quantity), then fails listing every quantity out of
 /// tolerance.
 pub fn equivalence<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, u: f64, mlp: MlpKind, shape: Shape, dev: &B::Device) {
+    equivalence_of::<B>(&combos(), dtype, u, mlp, shape, dev)
+}
+
+/// [`equivalence`] for the combinations `candidates`.
+pub fn equivalence_of<B: AutodiffBackend + kernels::Backend>(
+    candidates: &[Combo],
+    dtype: FloatDType,
+    u: f64,
+    mlp: MlpKind,
+    shape: Shape,
+    dev: &B::Device,
+) {
     let mut failures = Vec::new();
     {
         let cfg = model_config(mlp, shape);
@@ -182,9 +203,9 @@ pub fn equivalence<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, u: 
         let (x, y) = (ids::<B>(shape.batch, shape.seq, shape.vocab, seed, dev), ids::<B>(shape.batch, shape.seq, shape.vocab, seed + 1, dev));
         let (exact_loss, exact) = loss_and_grads(&reference, FloatDType::F32, &x, &y);
         let (base_loss, base) = loss_and_grads(&reference, dtype, &x, &y);
-        for combo in combos() {
+        for &combo in candidates {
             let (cand_loss, cand) = loss_and_grads(&with_combo(&reference, combo), dtype, &x, &y);
-            let name = format!("{mlp:?} {:?}+{:?} {dtype:?}", combo.kernels, combo.attention);
+            let name = format!("{mlp:?} {:?}+{:?} gemm {:?} {dtype:?}", combo.kernels, combo.attention, combo.gemm);
             let mut rows = vec![Compared {
                 what: "loss".into(),
                 err_c: (cand_loss - exact_loss).abs(),
@@ -225,9 +246,9 @@ pub fn equivalence<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, u: 
     assert!(failures.is_empty(), "{} quantities out of tolerance:\n{}", failures.len(), failures.join("\n"));
 }
 
-/// The training config of the 50-step runs: the case's model shape on the embedded text.
+/// The training config of the 50-step runs: the tests' tiny run with the case's model shape.
 pub fn training_config(mlp: MlpKind, combo: Combo, precision: trainer::config::PrecisionKind, device: trainer::config::DeviceKind) -> trainer::Config {
-    let mut cfg = trainer::Config::default();
+    let mut cfg = crate::common::tiny_config(50);
     cfg.device = device;
     cfg.precision = precision;
     cfg.model = model_config(mlp, AWKWARD);
@@ -235,37 +256,18 @@ pub fn training_config(mlp: MlpKind, combo: Combo, precision: trainer::config::P
     cfg.model.vocab_size = AWKWARD.vocab;
     cfg.model.kernels = combo.kernels;
     cfg.model.attention = combo.attention;
-    cfg.data.embedded_chars = 40_000;
+    cfg.model.gemm = combo.gemm;
     cfg.optimizer.lr = 1e-3;
     cfg.schedule.warmup_steps = 10;
     cfg.schedule.min_lr = 1e-4;
-    cfg.training.steps = 50;
     cfg.training.batch_size = 4;
-    cfg.training.eval_interval = 0;
-    cfg.training.log_interval = 1000;
-    cfg.training.checkpoint_interval = 0;
     cfg
 }
 
-/// Losses of a 50-step run of `cfg` in a fresh directory `dir`.
+/// Losses of a 50-step run of `cfg` in the fresh directory `dir`.
 pub fn train_losses(cfg: &trainer::Config, device: &trainer::device::Selected, dir: std::path::PathBuf) -> Vec<f64> {
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create scratch dir");
-    let opts = trainer::RunOptions {
-        run_dir: dir.clone(),
-        resume: false,
-        device_name: "test".into(),
-        peak_tflops: None,
-        verbose: false,
-        stop_at: None,
-        poison_steps: Vec::new(),
-    };
-    trainer::run(cfg, device, &opts).unwrap_or_else(|e| panic!("training run failed: {e:#}"));
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .expect("metrics.jsonl")
-        .lines()
-        .map(|l| serde_json::from_str::<trainer::metrics::StepRecord>(l).expect("a metrics line").loss)
-        .collect()
+    trainer::run(cfg, device, &crate::common::opts(dir.clone(), false)).unwrap_or_else(|e| panic!("training run failed: {e:#}"));
+    crate::common::read_metrics(&dir).iter().map(|r| r.loss).collect()
 }
 
 /// 50 training steps of every combination with `mlp` in `precision` against the reference run of
@@ -281,7 +283,7 @@ pub fn training_tracks(
     scratch: &dyn Fn(&str) -> std::path::PathBuf,
 ) {
     use trainer::config::PrecisionKind;
-    let reference = Combo { kernels: KernelsKind::Reference, attention: AttentionKind::Plain };
+    let reference = Combo { kernels: KernelsKind::Reference, attention: AttentionKind::Plain, gemm: GemmKind::Burn };
     let run = |combo: Combo, p: PrecisionKind| {
         let dir = scratch(&format!("track_{mlp:?}_{:?}_{:?}_{}_{}", combo.kernels, combo.attention, p.name(), precision.name()));
         train_losses(&training_config(mlp, combo, p, device_kind), device, dir)

@@ -12,6 +12,7 @@
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
 //! | FP8 quantizer (1x128, 128x128, per tensor) | [`fp8_quantize`] | [`fp8::reference`] |
+//! | GEMM with transpose flags, linear layer (cuBLASLt on CUDA) | [`gemm()`], [`linear`] | [`gemm::reference`] (Burn's matmul) |
 //! | FP8 GEMM and linear layer (experimental) | [`fp8_gemm`], [`fp8_linear`] | dequantize, then matmul |
 //!
 //! The functions take ordinary Burn tensors of any backend that implements [`Backend`]:
@@ -44,6 +45,7 @@ pub mod attention;
 mod check;
 pub mod cross_entropy;
 pub mod fp8;
+pub mod gemm;
 mod launch;
 mod pipeline;
 pub mod rms_norm;
@@ -58,6 +60,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 pub use adamw::{AdamWOutput, AdamWStep};
 pub use attention::FlashPath;
+pub use gemm::{gemm, linear, Gemm, GemmPath};
 pub use fp8::{
     fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health, fp8_linear, fp8_linear_probed, fp8_quantize, Fp8Format, Fp8Health, Fp8Probe, Fp8GemmPath, Fp8Granularity, Fp8LinearConfig, Fp8Tensor,
     QuantSpec,
@@ -250,6 +253,17 @@ pub trait Backend: BurnBackend {
         scale: f64,
     ) -> FloatTensor<Self> {
         prim(attention::reference::<Self>(tensor(q), tensor(k), tensor(v), causal, Some(scale)))
+    }
+
+    /// `op(a) op(b)` of [`gemm()`]; Burn's matmul by default.
+    fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>, trans_a: bool, trans_b: bool, engine: Gemm) -> FloatTensor<Self> {
+        gemm::burn_only(engine, a.dtype());
+        prim(gemm::reference::<Self>(tensor(a), tensor(b), trans_a, trans_b))
+    }
+
+    /// The engine a GEMM on tensors like `a` runs on with `engine`.
+    fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> GemmPath {
+        gemm::burn_only(engine, a.dtype())
     }
 
     /// The FlashAttention kernels `q` would run on; `None` where the reference runs.
@@ -531,6 +545,12 @@ where
     fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
         Some(attention::forward::path(q))
     }
+    fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>, trans_a: bool, trans_b: bool, engine: Gemm) -> FloatTensor<Self> {
+        gemm::cube::<R, F, I, BT>(a, b, trans_a, trans_b, engine)
+    }
+    fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> GemmPath {
+        gemm::cube_path(a, engine)
+    }
     fn fp8_quantize(x: FloatTensor<Self>, spec: &QuantSpec) -> (IntTensor<Self>, FloatTensor<Self>) {
         fp8::forward::quantize(x, spec)
     }
@@ -611,6 +631,12 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
     }
     fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
         B::flash_path(&q.primitive)
+    }
+    fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>, trans_a: bool, trans_b: bool, engine: Gemm) -> FloatTensor<Self> {
+        gemm::backward::gemm::<B, C>(a, b, trans_a, trans_b, engine)
+    }
+    fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> GemmPath {
+        B::gemm_path(&a.primitive, engine)
     }
     fn fp8_quantize(x: FloatTensor<Self>, spec: &QuantSpec) -> (IntTensor<Self>, FloatTensor<Self>) {
         let (payload, scales) = B::fp8_quantize(x.primitive, spec);

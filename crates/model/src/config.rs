@@ -34,6 +34,29 @@ pub enum KernelsKind {
     Fused,
 }
 
+/// Which engine runs the linear layers' GEMMs (see `kernels::gemm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GemmKind {
+    /// cuBLASLt on CUDA (when the library loads), Burn's matmul elsewhere.
+    Auto,
+    /// cuBLASLt; needs CUDA and libcublasLt.
+    Cublaslt,
+    /// Burn's matmul on every backend.
+    Burn,
+}
+
+impl GemmKind {
+    /// The engine of `kernels::gemm`.
+    pub fn engine(self) -> kernels::Gemm {
+        match self {
+            GemmKind::Auto => kernels::Gemm::Auto,
+            GemmKind::Cublaslt => kernels::Gemm::CublasLt,
+            GemmKind::Burn => kernels::Gemm::Burn,
+        }
+    }
+}
+
 /// Shape and details of the GPT-style decoder.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -74,6 +97,9 @@ pub struct GptConfig {
     /// Weight of the z-loss term `z_loss * log(Z)^2` added to each token's cross-entropy, which keeps
     /// the softmax normaliser near 1 (PaLM uses 1e-4); 0 disables it.
     pub z_loss: f64,
+    /// Engine of the linear layers' and the LM head's GEMMs: "burn" (Burn's matmul), "cublaslt"
+    /// (NVIDIA cuBLASLt, CUDA only) or "auto" (cuBLASLt on CUDA, Burn's matmul elsewhere).
+    pub gemm: GemmKind,
 }
 
 impl Default for GptConfig {
@@ -95,6 +121,7 @@ impl Default for GptConfig {
             attention: AttentionKind::Plain,
             kernels: KernelsKind::Reference,
             z_loss: 0.0,
+            gemm: GemmKind::Burn,
         }
     }
 }

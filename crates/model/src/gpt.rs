@@ -45,13 +45,13 @@ impl<B: Backend> Attention<B> {
 
 impl<B: kernels::Backend> Attention<B> {
     /// x: [B, T, d] -> [B, T, d]
-    fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>) -> Tensor<B, 3> {
+    fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let h = self.n_head;
         let hd = d / h;
         // [B, T, 3d] -> [B, T, 3H, hd] -> [B, 3H, T, hd]; heads 0..H are q, H..2H k, 2H..3H v.
-        let qkv = self.qkv.forward_mixed(x).reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
-        let (q, k, v) = match &rope.tables {
+        let qkv = self.qkv.forward_mixed(x, ctx.gemm).reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+        let (q, k, v) = match &ctx.tables {
             RopeTables::Reference { cos, sin } => {
                 let mut parts = qkv.chunk(3, 1);
                 let v = parts.pop().expect("v");
@@ -71,21 +71,21 @@ impl<B: kernels::Backend> Attention<B> {
         };
 
         let scale = (hd as f64).powf(-0.5);
-        if rope.attention == AttentionKind::Flash {
+        if ctx.attention == AttentionKind::Flash {
             // f32 softmax statistics inside the kernel; the output is laid out [B, T, H, hd], so the
             // reshape below is free.
             let y = kernels::flash_attention(q, k, v, true, Some(scale));
             let y = y.swap_dims(1, 2).reshape([b, t, d]);
-            return self.resid_dropout.forward(self.proj.forward_mixed(y));
+            return self.resid_dropout.forward(self.proj.forward_mixed(y, ctx.gemm));
         }
         // [B, H, T, T] scores, scaled, masked and normalised in f32; the additive mask is 0 on and
         // below the diagonal, MASKED above. The probabilities return to the compute dtype for P V.
         // q is scaled before the product so that large scores cannot overflow f16 in the matmul.
-        let scores = q.mul_scalar(scale).matmul(k.swap_dims(2, 3)).cast(FloatDType::F32) + rope.causal_mask.clone();
+        let scores = q.mul_scalar(scale).matmul(k.swap_dims(2, 3)).cast(FloatDType::F32) + ctx.causal_mask.clone();
         let probs = self.attn_dropout.forward(softmax(scores, 3)).cast(v.dtype());
         let y = probs.matmul(v); // [B, H, T, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, d]);
-        self.resid_dropout.forward(self.proj.forward_mixed(y))
+        self.resid_dropout.forward(self.proj.forward_mixed(y, ctx.gemm))
     }
 }
 
@@ -120,15 +120,15 @@ impl<B: Backend> Mlp<B> {
 }
 
 impl<B: kernels::Backend> Mlp<B> {
-    fn forward(&self, x: Tensor<B, 3>, kind: KernelsKind) -> Tensor<B, 3> {
-        let h = self.fc.forward_mixed(x);
+    fn forward(&self, x: Tensor<B, 3>, kind: KernelsKind, gemm: kernels::Gemm) -> Tensor<B, 3> {
+        let h = self.fc.forward_mixed(x, gemm);
         let h = match (self.kind, kind) {
             (MlpKind::Gelu, KernelsKind::Reference) => kernels::activation::gelu_reference(h),
             (MlpKind::Gelu, KernelsKind::Fused) => kernels::gelu(h),
             (MlpKind::Swiglu, KernelsKind::Reference) => kernels::activation::swiglu_packed_reference(h),
             (MlpKind::Swiglu, KernelsKind::Fused) => kernels::swiglu_packed(h),
         };
-        self.dropout.forward(self.proj.forward_mixed(h))
+        self.dropout.forward(self.proj.forward_mixed(h, gemm))
     }
 }
 
@@ -155,21 +155,21 @@ impl<B: Backend> Block<B> {
 
 impl<B: kernels::Backend> Block<B> {
     /// Plain Burn: `x + attn(norm1(x))`, then `x + mlp(norm2(x))`.
-    fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>) -> Tensor<B, 3> {
-        let x = x.clone() + self.attn.forward(self.norm1.forward(x), rope);
-        x.clone() + self.mlp.forward(self.norm2.forward(x), KernelsKind::Reference)
+    fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+        let x = x.clone() + self.attn.forward(self.norm1.forward(x), ctx);
+        x.clone() + self.mlp.forward(self.norm2.forward(x), KernelsKind::Reference, ctx.gemm)
     }
 
     /// Fused kernels: each residual add happens inside the following norm's kernel. Takes the
     /// residual stream and the previous block's MLP output not yet added to it; returns the same
     /// pair for the next block (or the final norm).
-    fn forward_fused(&self, x: Tensor<B, 3>, pending: Option<Tensor<B, 3>>, rope: &Rope<B>) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    fn forward_fused(&self, x: Tensor<B, 3>, pending: Option<Tensor<B, 3>>, ctx: &Ctx<B>) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let (x, h) = match pending {
             Some(delta) => self.norm1.forward_add(delta, x),
             None => (x.clone(), self.norm1.forward_fused(x)),
         };
-        let (x, h) = self.norm2.forward_add(self.attn.forward(h, rope), x);
-        (x, self.mlp.forward(h, KernelsKind::Fused))
+        let (x, h) = self.norm2.forward_add(self.attn.forward(h, ctx), x);
+        (x, self.mlp.forward(h, KernelsKind::Fused, ctx.gemm))
     }
 }
 
@@ -181,12 +181,14 @@ enum RopeTables<B: Backend> {
     Fused { cos: Tensor<B, 2>, sin: Tensor<B, 2> },
 }
 
-/// Per-forward constants shared by every layer: RoPE tables and the causal mask.
-struct Rope<B: Backend> {
+/// What every layer of one forward shares: RoPE tables, the causal mask, the attention kind and
+/// the GEMM engine.
+struct Ctx<B: Backend> {
     tables: RopeTables<B>,
     /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not.
     causal_mask: Tensor<B, 4>,
     attention: AttentionKind,
+    gemm: kernels::Gemm,
 }
 
 /// The decoder-only transformer.
@@ -330,14 +332,14 @@ impl<B: kernels::Backend> Gpt<B> {
         let above = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
         let causal_mask =
             Tensor::<B, 2>::zeros([t, t], &device).mask_fill(above, MASKED).reshape([1, 1, t, t]);
-        let rope = Rope { tables, causal_mask, attention: self.config.attention };
+        let ctx = Ctx { tables, causal_mask, attention: self.config.attention, gemm: self.config.gemm.engine() };
 
         // The lookup reads the f32 table; the residual stream then runs in the compute dtype.
         let mut x = self.drop.forward(self.wte.forward(ids).cast(dt));
         let x = if fused {
             let mut pending = None;
             for block in &self.blocks {
-                let (next, delta) = block.forward_fused(x, pending, &rope);
+                let (next, delta) = block.forward_fused(x, pending, &ctx);
                 debug_assert_dtype(&next, dt, "residual stream after a block");
                 (x, pending) = (next, Some(delta));
             }
@@ -347,14 +349,20 @@ impl<B: kernels::Backend> Gpt<B> {
             }
         } else {
             for block in &self.blocks {
-                x = block.forward(x, &rope);
+                x = block.forward(x, &ctx);
                 debug_assert_dtype(&x, dt, "residual stream after a block");
             }
             self.norm_f.forward(x)
         };
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(x),
-            None => x.matmul(self.wte.weight.val().cast(dt).transpose().unsqueeze()),
+        let logits = match (&self.lm_head, ctx.gemm) {
+            (Some(head), gemm) => head.forward_mixed(x, gemm),
+            (None, kernels::Gemm::Burn) => x.matmul(self.wte.weight.val().cast(dt).transpose().unsqueeze()),
+            (None, gemm) => {
+                // x [B, T, d] times the embedding [V, d] transposed, read in place by the GEMM.
+                let [b, t, d] = x.dims();
+                let v = self.wte.weight.dims()[0];
+                kernels::gemm(x.reshape([b * t, d]), self.wte.weight.val().cast(dt), false, true, gemm).reshape([b, t, v])
+            }
         };
         debug_assert_dtype(&logits, dt, "LM head output");
         logits

@@ -73,11 +73,18 @@ impl<B: Backend> Linear<B> {
 }
 
 impl<B: kernels::Backend> Linear<B> {
-    /// [`Linear::forward`], or with the GEMMs in FP8 when [`Linear::fp8`] is set (the bias is added
-    /// in the weight's dtype).
-    pub fn forward_mixed<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+    /// [`Linear::forward`] with its GEMMs on `gemm` (`Burn` is exactly [`Linear::forward`]), or in
+    /// FP8 when [`Linear::fp8`] is set. The bias is added in the weight's dtype.
+    pub fn forward_mixed<const D: usize>(&self, x: Tensor<B, D>, gemm: kernels::Gemm) -> Tensor<B, D> {
         let Some(cfg) = &self.fp8 else {
-            return self.forward(x);
+            if gemm == kernels::Gemm::Burn {
+                return self.forward(x);
+            }
+            let y = kernels::linear(x, self.weight.val(), gemm);
+            return match &self.bias {
+                Some(b) => y + b.val().unsqueeze(),
+                None => y,
+            };
         };
         let dims = x.dims();
         let d_in = dims[D - 1];

@@ -41,8 +41,18 @@ pub type WgpuBackend = Autodiff<Wgpu>;
 /// Trains on the selected device.
 pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result<Summary> {
     match device {
-        device::Selected::Cuda { index, .. } => train::train::<CudaBackend>(cfg, CudaDevice::new(*index), opts),
+        device::Selected::Cuda { index, .. } => {
+            if cfg.model.gemm == model::GemmKind::Cublaslt {
+                if let Err(why) = kernels::gemm::cublaslt_status() {
+                    anyhow::bail!("model.gemm = \"cublaslt\" but {why}. Use model.gemm = \"auto\" or \"burn\" to run on Burn's matmul");
+                }
+            }
+            train::train::<CudaBackend>(cfg, CudaDevice::new(*index), opts)
+        }
         device::Selected::Wgpu => {
+            if cfg.model.gemm == model::GemmKind::Cublaslt {
+                anyhow::bail!("model.gemm = \"cublaslt\" needs CUDA, but this run is on wgpu. Use model.gemm = \"auto\" or \"burn\" here, or device = \"cuda\"");
+            }
             if cfg.precision == config::PrecisionKind::Fp8 && cfg.fp8.compute == config::Fp8ComputeKind::Bf16 {
                 anyhow::bail!(
                     "precision = \"fp8\" computes outside the FP8 GEMMs in bf16, which needs CUDA: wgpu has no bf16 type. \

@@ -1,0 +1,375 @@
+//! cuBLASLt on the device pointers of CubeCL's CUDA buffers.
+//!
+//! Row-major `C [m, n] = op(A) [m, k] op(B) [k, n]` is, read column-major, `C^T = op(B)^T op(A)^T`:
+//! cuBLASLt is called with B's buffer as its first operand and A's as its second, each with its own
+//! transpose flag, and writes C^T column-major with leading dimension `n`, which is C row-major.
+//!
+//! Per device this keeps one cuBLASLt handle, one stream, a 32 MiB workspace (what cuBLAS uses on
+//! Hopper) and the heuristic's algorithm per problem (shape, layouts, alignments); they live as long
+//! as the process.
+
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
+use std::ffi::c_void;
+use std::sync::{Mutex, OnceLock};
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::cuda::CudaRuntime;
+use cudarc::cublaslt::{result as lt, sys};
+use cudarc::driver::{result as drv, sys as dsys};
+
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Why a GEMM did not run on cuBLASLt.
+#[derive(Debug)]
+pub(crate) enum Refused {
+    /// Not a CUDA tensor, or a dtype cuBLASLt is not used for here: the caller uses Burn's matmul.
+    NotApplicable,
+    /// cuBLASLt has no algorithm for this problem (alignment, size): Burn's matmul, with a warning.
+    Unsupported(String),
+}
+
+/// `Ok(version)` if libcublasLt loads.
+pub(crate) fn library() -> Result<usize, String> {
+    static STATUS: OnceLock<Result<usize, String>> = OnceLock::new();
+    STATUS
+        .get_or_init(|| {
+            // cudarc loads the library on first use and panics if it is missing; keep that panic's
+            // message off the terminal and report it as one line instead.
+            let hook = std::panic::take_hook();
+            std::panic::set_hook(Box::new(|_| {}));
+            // SAFETY: cublasLtGetVersion takes no arguments and has no preconditions.
+            let version = std::panic::catch_unwind(|| unsafe { sys::cublasLtGetVersion() });
+            std::panic::set_hook(hook);
+            version.map_err(|e| {
+                let why = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown error".into());
+                format!("libcublasLt could not be loaded ({}); install the CUDA toolkit's cuBLAS or put its lib directory on LD_LIBRARY_PATH", why.lines().next().unwrap_or(""))
+            })
+        })
+        .clone()
+}
+
+/// `t` as a CUDA tensor, if it is one.
+pub(crate) fn as_cuda<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<&CubeTensor<CudaRuntime>> {
+    (t as &dyn Any).downcast_ref::<CubeTensor<CudaRuntime>>()
+}
+
+/// A CUDA tensor back as `CubeTensor<R>` (`R` is `CudaRuntime`).
+pub(crate) fn from_cuda<R: CubeRuntime>(t: CubeTensor<CudaRuntime>) -> CubeTensor<R> {
+    *(Box::new(t) as Box<dyn Any>).downcast::<CubeTensor<R>>().expect("the runtime is CUDA")
+}
+
+/// A row-major matrix as cuBLASLt reads it: `rows x cols` with leading dimension `ld`, transposed
+/// by the GEMM when `trans`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Layout {
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    trans: bool,
+}
+
+/// The layout of a 2-D tensor with the GEMM's flag, if its strides are a row-major or a
+/// column-major (transposed view) matrix; `None` if it needs a copy first.
+fn layout(shape: [usize; 2], strides: [usize; 2], trans: bool) -> Option<Layout> {
+    let [r, c] = shape;
+    let [s0, s1] = strides;
+    // One row or one column: the stride along the length-1 axis is never used.
+    if r == 1 && (s1 == 1 || c == 1) {
+        return Some(Layout { rows: 1, cols: c, ld: c, trans });
+    }
+    if c == 1 && r > 1 && s0 >= 1 {
+        return Some(Layout { rows: r, cols: 1, ld: s0, trans });
+    }
+    if s1 == 1 && s0 >= c {
+        return Some(Layout { rows: r, cols: c, ld: s0, trans });
+    }
+    // A transposed view: the storage is row-major [c, r], read with the opposite flag.
+    if s0 == 1 && s1 >= r {
+        return Some(Layout { rows: c, cols: r, ld: s1, trans: !trans });
+    }
+    None
+}
+
+fn dims2(t: &CubeTensor<CudaRuntime>) -> ([usize; 2], [usize; 2]) {
+    let (s, st) = (t.meta.shape(), t.meta.strides());
+    ([s[0], s[1]], [st[0], st[1]])
+}
+
+/// The operand's layout, copying it to contiguous rows first if its strides are neither layout.
+fn operand(t: CubeTensor<CudaRuntime>, trans: bool) -> (CubeTensor<CudaRuntime>, Layout) {
+    let (shape, strides) = dims2(&t);
+    if let Some(l) = layout(shape, strides, trans) {
+        return (t, l);
+    }
+    let t = into_contiguous(t);
+    let (shape, strides) = dims2(&t);
+    let l = layout(shape, strides, trans).expect("a contiguous matrix is row-major");
+    (t, l)
+}
+
+/// Everything that selects an algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Problem {
+    dtype: u8,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Layout,
+    b: Layout,
+    /// Largest power of two (<= 256 bytes) dividing each of the pointers of A, B and C.
+    align: [u32; 3],
+}
+
+/// Per-device state. The raw handles are only used with the device's lock held.
+struct Device {
+    ctx: dsys::CUcontext,
+    handle: sys::cublasLtHandle_t,
+    stream: dsys::CUstream,
+    workspace: dsys::CUdeviceptr,
+    algos: HashMap<Problem, Option<sys::cublasLtMatmulAlgo_t>>,
+}
+
+// SAFETY: the handles are plain CUDA objects usable from any thread once the device's context is
+// current; every use goes through the `DEVICES` mutex.
+unsafe impl Send for Device {}
+
+static DEVICES: Mutex<Vec<Option<Device>>> = Mutex::new(Vec::new());
+
+impl Device {
+    fn new(index: usize) -> Result<Self, String> {
+        // SAFETY: the driver was initialised by CubeCL's client (the tensors exist); the primary
+        // context is the one CubeCL uses, so pointers from its allocations are valid in it.
+        unsafe {
+            let dev = drv::device::get(index as i32).map_err(|e| format!("cuDeviceGet({index}): {e:?}"))?;
+            let ctx = drv::primary_ctx::retain(dev).map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
+            drv::ctx::set_current(ctx).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+            let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
+            let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(|e| format!("cuStreamCreate: {e:?}"))?;
+            let workspace = drv::malloc_sync(WORKSPACE_BYTES).map_err(|e| format!("cuMemAlloc({WORKSPACE_BYTES}): {e:?}"))?;
+            Ok(Self { ctx, handle, stream, workspace, algos: HashMap::new() })
+        }
+    }
+}
+
+fn data_type(dtype: DType) -> Option<(sys::cudaDataType, sys::cublasComputeType_t, u8)> {
+    use sys::cublasComputeType_t::*;
+    use sys::cudaDataType::*;
+    match dtype {
+        DType::BF16 => Some((CUDA_R_16BF, CUBLAS_COMPUTE_32F, 0)),
+        DType::F16 => Some((CUDA_R_16F, CUBLAS_COMPUTE_32F, 1)),
+        // As Burn's CUDA matmul: f32 inputs on TF32 tensor cores, f32 accumulation.
+        DType::F32 => Some((CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, 2)),
+        _ => None,
+    }
+}
+
+fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        256
+    } else {
+        (1u64 << ptr.trailing_zeros().min(8)) as u32
+    }
+}
+
+/// `op(a) op(b)` on cuBLASLt, or why not.
+pub(crate) fn gemm(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    trans_a: bool,
+    trans_b: bool,
+) -> Result<CubeTensor<CudaRuntime>, Refused> {
+    let Some((dt, compute, dtype_key)) = data_type(a.dtype) else {
+        return Err(Refused::NotApplicable);
+    };
+    let (ad, _) = dims2(&a);
+    let (bd, _) = dims2(&b);
+    let ([m, k, n], _) = super::dims(ad, bd, trans_a, trans_b);
+    if m == 0 || n == 0 || k == 0 || library().is_err() {
+        return Err(Refused::NotApplicable);
+    }
+    let (a, la) = operand(a, trans_a);
+    let (b, lb) = operand(b, trans_b);
+    let out = empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), Shape::new([m, n]), a.dtype);
+
+    let index = a.device.index;
+    let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    if devices.len() <= index {
+        devices.resize_with(index + 1, || None);
+    }
+    if devices[index].is_none() {
+        devices[index] = Some(Device::new(index).map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?);
+    }
+    let dev = devices[index].as_mut().expect("just created");
+
+    // The resources keep the allocations alive until the GEMM has finished.
+    let res = |t: &CubeTensor<CudaRuntime>| {
+        t.client.get_resource(t.handle.clone()).map_err(|e| Refused::Unsupported(format!("CubeCL resource: {e:?}")))
+    };
+    let (ra, rb, rc) = (res(&a)?, res(&b)?, res(&out)?);
+    let (pa, pb, pc) = (ra.resource().ptr, rb.resource().ptr, rc.resource().ptr);
+    let problem = Problem { dtype: dtype_key, m, n, k, a: la, b: lb, align: [alignment(pa), alignment(pb), alignment(pc)] };
+
+    // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the output's
+    // memory) has finished once its stream is synchronised.
+    cubecl::future::block_on(a.client.sync()).map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
+
+    // SAFETY: the pointers come from live CubeCL allocations of the sizes the layouts describe
+    // (rows, cols and ld are the tensors' own shapes and strides); the descriptors are created and
+    // destroyed here; the stream is synchronised before the resources are released.
+    unsafe {
+        drv::ctx::set_current(dev.ctx).map_err(|e| Refused::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
+        let call = Call::new(dt, compute, &problem).map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
+        let algo = match dev.algos.get(&problem) {
+            Some(algo) => *algo,
+            None => {
+                let algo = call.heuristic(dev.handle, &problem).ok();
+                dev.algos.insert(problem, algo);
+                algo
+            }
+        };
+        let Some(algo) = algo else {
+            return Err(Refused::Unsupported(format!(
+                "cuBLASLt has no algorithm for {} [m, k, n] = [{m}, {k}, {n}] (leading dimensions {}, {}; alignments {:?} bytes)",
+                dtype_name(a.dtype),
+                la.ld,
+                lb.ld,
+                problem.align
+            )));
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        lt::matmul(
+            dev.handle,
+            call.desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            pb as *const c_void,
+            call.first,
+            pa as *const c_void,
+            call.second,
+            pc as *const c_void,
+            call.out,
+            pc as *mut c_void,
+            call.out,
+            &algo,
+            dev.workspace as *mut c_void,
+            WORKSPACE_BYTES,
+            dev.stream as sys::cudaStream_t,
+        )
+        .map_err(|e| Refused::Unsupported(format!("cublasLtMatmul: {e:?}")))?;
+        drv::stream::synchronize(dev.stream).map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?;
+    }
+    drop((ra, rb, rc));
+    Ok(out)
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32 (TF32)",
+        _ => "?",
+    }
+}
+
+/// The descriptors of one call, destroyed on drop.
+struct Call {
+    desc: sys::cublasLtMatmulDesc_t,
+    /// B's buffer (cuBLASLt's A), A's buffer (cuBLASLt's B), and C.
+    first: sys::cublasLtMatrixLayout_t,
+    second: sys::cublasLtMatrixLayout_t,
+    out: sys::cublasLtMatrixLayout_t,
+}
+
+impl Call {
+    /// # Safety
+    /// Plain descriptor creation; the caller destroys `Call` before the handle.
+    unsafe fn new(dt: sys::cudaDataType, compute: sys::cublasComputeType_t, p: &Problem) -> Result<Self, lt::CublasError> {
+        let desc = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F)?;
+        let mut call = Self { desc, first: std::ptr::null_mut(), second: std::ptr::null_mut(), out: std::ptr::null_mut() };
+        let set_op = |attr, trans: bool| {
+            let op: i32 = trans as i32; // CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
+            lt::set_matmul_desc_attribute(desc, attr, &op as *const i32 as *const c_void, std::mem::size_of::<i32>())
+        };
+        set_op(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, p.b.trans)?;
+        set_op(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, p.a.trans)?;
+        // A row-major [rows, cols] matrix with leading dimension ld is column-major [cols, rows].
+        call.first = lt::create_matrix_layout(dt, p.b.cols as u64, p.b.rows as u64, p.b.ld as i64)?;
+        call.second = lt::create_matrix_layout(dt, p.a.cols as u64, p.a.rows as u64, p.a.ld as i64)?;
+        call.out = lt::create_matrix_layout(dt, p.n as u64, p.m as u64, p.n as i64)?;
+        Ok(call)
+    }
+
+    /// cuBLASLt's first choice for this problem within the workspace and alignments.
+    unsafe fn heuristic(&self, handle: sys::cublasLtHandle_t, p: &Problem) -> Result<sys::cublasLtMatmulAlgo_t, lt::CublasError> {
+        let pref = lt::create_matmul_pref()?;
+        let result = (|| {
+            use sys::cublasLtMatmulPreferenceAttributes_t::*;
+            let ws = WORKSPACE_BYTES as u64;
+            lt::set_matmul_pref_attribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const u64 as *const c_void, 8)?;
+            // cuBLASLt's A is B's buffer and its B is A's.
+            for (attr, align) in [
+                (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.align[1]),
+                (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p.align[0]),
+                (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.align[2]),
+                (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p.align[2]),
+            ] {
+                lt::set_matmul_pref_attribute(pref, attr, &align as *const u32 as *const c_void, 4)?;
+            }
+            lt::get_matmul_algo_heuristic(handle, self.desc, self.first, self.second, self.out, self.out, pref).map(|r| r.algo)
+        })();
+        let _ = lt::destroy_matmul_pref(pref);
+        result
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created by `Call::new` and is destroyed once.
+        unsafe {
+            for l in [self.first, self.second, self.out] {
+                if !l.is_null() {
+                    let _ = lt::destroy_matrix_layout(l);
+                }
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// Prints `msg` once per distinct message.
+pub(crate) fn warn_once(msg: String) {
+    static SEEN: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    if seen.get_or_insert_with(HashSet::new).insert(msg.clone()) {
+        eprintln!("warning: {msg}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{layout, Layout};
+
+    #[test]
+    fn layouts_of_strided_matrices() {
+        // Row-major with pitched rows: ld is the row stride.
+        assert_eq!(layout([3, 5], [8, 1], false), Some(Layout { rows: 3, cols: 5, ld: 8, trans: false }));
+        // A transposed view of a row-major [5, 3] matrix: read the storage with the flag flipped.
+        assert_eq!(layout([3, 5], [1, 3], false), Some(Layout { rows: 5, cols: 3, ld: 3, trans: true }));
+        assert_eq!(layout([3, 5], [1, 4], true), Some(Layout { rows: 5, cols: 3, ld: 4, trans: false }));
+        // One row or one column.
+        assert_eq!(layout([1, 5], [0, 1], false), Some(Layout { rows: 1, cols: 5, ld: 5, trans: false }));
+        assert_eq!(layout([4, 1], [2, 7], true), Some(Layout { rows: 4, cols: 1, ld: 2, trans: true }));
+        // Broadcast rows or a non-unit inner stride need a copy.
+        assert_eq!(layout([3, 5], [0, 1], false), None);
+        assert_eq!(layout([3, 5], [10, 2], false), None);
+    }
+}

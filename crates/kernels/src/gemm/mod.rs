@@ -1,0 +1,205 @@
+//! GEMMs: `op(a) op(b)` with transpose flags, on cuBLASLt where the tensors live on CUDA and on
+//! Burn's matmul everywhere else.
+//!
+//! A linear layer `y = x W` (`x` [rows, K], `W` [K, N]) needs three products, and each is one call
+//! with flags, never a transposed copy:
+//! - fprop `y = x W`: `gemm(x, w, false, false)`;
+//! - dgrad `dx = dy W^T`: `gemm(dy, w, false, true)`;
+//! - wgrad `dW = x^T dy`: `gemm(x, dy, true, false)`.
+//!
+//! [`gemm`] is differentiable: under `Autodiff` its backward runs these products through the same
+//! engine. [`linear`] applies it to the last dimension of a tensor of any rank.
+//!
+//! Engines ([`Gemm`]):
+//! - `Burn`: Burn's matmul (the portable path, and the reference: [`reference`]).
+//! - `CublasLt`: NVIDIA's cuBLASLt on the device pointers of CubeCL's CUDA buffers. Half types
+//!   accumulate in f32; f32 runs on TF32 tensor cores, as Burn's CUDA matmul does. Each operand's
+//!   real leading dimension is passed (CUDA pitches rows that are not a multiple of 512 bytes);
+//!   transposed views are read as the other layout; other strides are copied once. The algorithm is
+//!   cuBLASLt's heuristic choice, cached per shape, layout and alignment: no autotuning. The call is
+//!   ordered with CubeCL's work by synchronising CubeCL's stream before it and the GEMM's own
+//!   stream after it (CubeCL 0.10 does not expose its `CUstream`).
+//! - `Auto`: `CublasLt` for CUDA tensors when the library loads, `Burn` otherwise.
+//!
+//! A shape cuBLASLt refuses (no algorithm for its alignment) runs on Burn's matmul with a one-line
+//! warning per shape, never silently. An explicit `CublasLt` on a backend that is not CUDA, or
+//! without the library, is an error: check with [`cublaslt_status`] first.
+
+pub(crate) mod backward;
+pub(crate) mod cublaslt;
+
+use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::{DType, Tensor};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use crate::check::{check_float, check_same_dtype, fail};
+use crate::Backend;
+
+/// Which engine runs the GEMMs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Gemm {
+    /// cuBLASLt on CUDA when the library loads, Burn's matmul elsewhere.
+    #[default]
+    Auto,
+    /// cuBLASLt; CUDA tensors only.
+    CublasLt,
+    /// Burn's matmul.
+    Burn,
+}
+
+/// The engine a GEMM actually ran on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmPath {
+    /// Burn's matmul.
+    Burn,
+    /// cuBLASLt, ordered with CubeCL's stream by host synchronisation.
+    CublasLtHostSync,
+}
+
+impl std::fmt::Display for GemmPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GemmPath::Burn => "Burn matmul",
+            GemmPath::CublasLtHostSync => "cuBLASLt (host-synchronised with CubeCL's stream)",
+        })
+    }
+}
+
+/// `op(a) op(b)` for 2-D `a`, `b` of one float dtype, where `op` transposes when its flag is set:
+/// `[m, k] x [k, n] -> [m, n]` in the inputs' dtype (f32 accumulation). Differentiable.
+///
+/// ```no_run
+/// use burn::backend::{Autodiff, Wgpu};
+/// use burn::tensor::{Distribution, Tensor};
+/// use kernels::Gemm;
+///
+/// type B = Autodiff<Wgpu>;
+/// let dev = Default::default();
+/// let x = Tensor::<B, 2>::random([32, 64], Distribution::Normal(0.0, 1.0), &dev).require_grad();
+/// let w = Tensor::<B, 2>::random([48, 64], Distribution::Normal(0.0, 1.0), &dev).require_grad();
+/// let y = kernels::gemm(x.clone(), w.clone(), false, true, Gemm::Auto); // x w^T: [32, 48]
+/// let grads = y.sum().backward();
+/// ```
+pub fn gemm<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>, trans_a: bool, trans_b: bool, engine: Gemm) -> Tensor<B, 2> {
+    check_operands("gemm", &a, &b, trans_a, trans_b);
+    crate::tensor(B::gemm(crate::prim(a), crate::prim(b), trans_a, trans_b, engine))
+}
+
+/// `x W` over the last dimension: `x` [.., k], `w` [k, n] -> [.., n], through [`gemm`].
+pub fn linear<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, engine: Gemm) -> Tensor<B, D> {
+    let dims = x.dims();
+    let k = dims[D - 1];
+    let [wk, n] = w.dims();
+    if wk != k {
+        fail("linear", format!("x is {dims:?} and w is [{wk}, {n}]; w must be [{k}, n] (x's last dimension first)"));
+    }
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let y = gemm(x.reshape([rows, k]), w, false, false, engine);
+    let mut out = dims;
+    out[D - 1] = n;
+    y.reshape(out)
+}
+
+/// `[m, k, n]` of `op(a) op(b)`.
+pub(crate) fn dims(a: [usize; 2], b: [usize; 2], trans_a: bool, trans_b: bool) -> ([usize; 3], usize) {
+    let (m, k) = if trans_a { (a[1], a[0]) } else { (a[0], a[1]) };
+    let (kb, n) = if trans_b { (b[1], b[0]) } else { (b[0], b[1]) };
+    ([m, k, n], kb)
+}
+
+#[track_caller]
+fn check_operands<B: BurnBackend>(op: &str, a: &Tensor<B, 2>, b: &Tensor<B, 2>, trans_a: bool, trans_b: bool) {
+    check_float(op, "a", a.dtype());
+    check_same_dtype(op, "a", a.dtype(), "b", b.dtype());
+    let ([_, k, _], kb) = dims(a.dims(), b.dims(), trans_a, trans_b);
+    if k != kb {
+        fail(
+            op,
+            format!(
+                "op(a) is {:?}{} and op(b) is {:?}{}: their inner dimensions {k} and {kb} differ",
+                a.dims(),
+                if trans_a { "^T" } else { "" },
+                b.dims(),
+                if trans_b { "^T" } else { "" }
+            ),
+        );
+    }
+}
+
+/// The plain-Burn GEMM: transposed views and Burn's matmul.
+pub fn reference<B: BurnBackend>(a: Tensor<B, 2>, b: Tensor<B, 2>, trans_a: bool, trans_b: bool) -> Tensor<B, 2> {
+    let a = if trans_a { a.transpose() } else { a };
+    let b = if trans_b { b.transpose() } else { b };
+    a.matmul(b)
+}
+
+/// Whether cuBLASLt can run here: `Ok(version)` when the library loads (e.g. 130000 for 13.0),
+/// otherwise the reason in one line.
+pub fn cublaslt_status() -> Result<usize, String> {
+    cublaslt::library()
+}
+
+/// The engine `engine` resolves to for tensors like `a`.
+pub fn gemm_path<B: Backend>(a: &Tensor<B, 2>, engine: Gemm) -> GemmPath {
+    B::gemm_path(&a.clone().into_primitive().tensor(), engine)
+}
+
+/// What the Burn-only backends do with `engine`: `Burn`, or an error for an explicit `CublasLt`.
+#[track_caller]
+pub(crate) fn burn_only(engine: Gemm, dtype: DType) -> GemmPath {
+    if engine == Gemm::CublasLt {
+        fail(
+            "gemm",
+            format!("Gemm::CublasLt needs CUDA tensors (Burn's Cuda backend), but this {dtype:?} tensor is on another backend; use Gemm::Auto or Gemm::Burn"),
+        );
+    }
+    GemmPath::Burn
+}
+
+/// [`Backend::gemm`] on `CubeBackend`: cuBLASLt for CUDA tensors unless `engine` is `Burn`.
+pub(crate) fn cube<R, F, I, BT>(a: CubeTensor<R>, b: CubeTensor<R>, trans_a: bool, trans_b: bool, engine: Gemm) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    if engine != Gemm::Burn {
+        match (cublaslt::as_cuda(&a), cublaslt::as_cuda(&b)) {
+            (Some(ca), Some(cb)) => {
+                if engine == Gemm::CublasLt {
+                    if let Err(why) = cublaslt::library() {
+                        fail("gemm", format!("Gemm::CublasLt: {why}"));
+                    }
+                }
+                match cublaslt::gemm(ca.clone(), cb.clone(), trans_a, trans_b) {
+                    Ok(out) => return cublaslt::from_cuda(out),
+                    Err(cublaslt::Refused::Unsupported(why)) => {
+                        cublaslt::warn_once(format!("kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"))
+                    }
+                    Err(cublaslt::Refused::NotApplicable) => {}
+                }
+            }
+            _ => {
+                burn_only(engine, a.dtype);
+            }
+        }
+    }
+    crate::prim(reference::<CubeBackend<R, F, I, BT>>(crate::tensor(a), crate::tensor(b), trans_a, trans_b))
+}
+
+/// [`Backend::gemm_path`] on `CubeBackend`.
+pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> GemmPath {
+    if engine == Gemm::Burn {
+        return GemmPath::Burn;
+    }
+    if cublaslt::as_cuda(a).is_none() {
+        return burn_only(engine, a.dtype);
+    }
+    match cublaslt::library() {
+        Ok(_) => GemmPath::CublasLtHostSync,
+        Err(why) if engine == Gemm::CublasLt => fail("gemm", format!("Gemm::CublasLt: {why}")),
+        Err(_) => GemmPath::Burn,
+    }
+}
