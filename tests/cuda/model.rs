@@ -70,6 +70,21 @@ equivalence_cublaslt! {
     cuda_model_equivalence_cublaslt_f16_gelu => F16, Gelu, AWKWARD;
 }
 
+/// The model matrix with cuBLASLt ordered on the GPU instead of by host synchronisation.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_model_equivalence_cublaslt_stream_ordered_bf16_gelu() {
+    crate::kernels::stream_ordered_gemms();
+    model_cases::equivalence_of::<B>(
+        &model_cases::combos_on(GemmKind::Cublaslt),
+        FloatDType::BF16,
+        TF32_UNIT_ROUNDOFF,
+        MlpKind::Gelu,
+        AWKWARD,
+        &CudaDevice::default(),
+    );
+}
+
 macro_rules! tracks {
     ($($test:ident => $precision:ident, $mlp:ident;)*) => {
         $(

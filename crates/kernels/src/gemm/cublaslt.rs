@@ -7,11 +7,23 @@
 //! Per device this keeps one cuBLASLt handle, one stream, a 32 MiB workspace (what cuBLAS uses on
 //! Hopper) and the heuristic's algorithm per problem (shape, layouts, alignments); they live as long
 //! as the process.
+//!
+//! Ordering with CubeCL's stream, which CubeCL 0.10 does not expose ([`Order`]):
+//! - `HostSync` (default): CubeCL's stream is synchronised on the host before the GEMM, and the
+//!   GEMM's stream after it.
+//! - `Stream` (`BURNMIX_GEMM_ORDER=stream`): no host waits. A one-thread CubeCL kernel stores a
+//!   sequence number `v` into a flag word after CubeCL's earlier work; the GEMM's stream waits for it
+//!   (`cuStreamWaitValue32`), runs the GEMM and writes `v` into a second flag
+//!   (`cuStreamWriteValue32`, ordered after the GEMM); a one-thread CubeCL kernel spins on that flag
+//!   before CubeCL's later work. Kernels in one stream run in order and a finished kernel's writes
+//!   are visible to later work, so each side sees the other's data; memory CubeCL reuses after the
+//!   call is only touched by work queued behind the spinning kernel. No deadlock: the GEMM's wait
+//!   depends only on work queued on CubeCL's stream before the spinning kernel.
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
@@ -19,10 +31,54 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::{result as drv, sys as dsys};
 
 const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Environment variable choosing the [`Order`]: `host` (default) or `stream`.
+pub const ORDER_ENV: &str = "BURNMIX_GEMM_ORDER";
+
+/// How a cuBLASLt call is ordered with CubeCL's work (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Order {
+    HostSync,
+    Stream,
+}
+
+pub(crate) fn order() -> Order {
+    static ORDER: OnceLock<Order> = OnceLock::new();
+    *ORDER.get_or_init(|| match std::env::var(ORDER_ENV).as_deref() {
+        Err(_) | Ok("") | Ok("host") => Order::HostSync,
+        Ok("stream") => Order::Stream,
+        Ok(other) => {
+            eprintln!("warning: {ORDER_ENV}={other} is not one of host, stream; using host");
+            Order::HostSync
+        }
+    })
+}
+
+/// Stores `value` into `flag[0]` (CubeCL's side of the hand-over to the GEMM's stream).
+#[cube(launch_unchecked)]
+fn gemm_signal(flag: &mut Tensor<Atomic<u32>>, value: u32) {
+    if ABSOLUTE_POS == 0 {
+        flag[0].store(value);
+    }
+}
+
+/// Spins until `flag[1] == value` (the GEMM's stream writes it after the GEMM). The atomic load
+/// is a read-modify-write on CUDA, so it is never hoisted out of the loop.
+#[cube(launch_unchecked)]
+fn gemm_wait(flag: &mut Tensor<Atomic<u32>>, value: u32) {
+    if ABSOLUTE_POS == 0 {
+        loop {
+            if flag[1].load() == value {
+                break;
+            }
+        }
+    }
+}
 
 /// Why a GEMM did not run on cuBLASLt.
 #[derive(Debug)]
@@ -38,21 +94,13 @@ pub(crate) fn library() -> Result<usize, String> {
     static STATUS: OnceLock<Result<usize, String>> = OnceLock::new();
     STATUS
         .get_or_init(|| {
-            // cudarc loads the library on first use and panics if it is missing; keep that panic's
-            // message off the terminal and report it as one line instead.
-            let hook = std::panic::take_hook();
-            std::panic::set_hook(Box::new(|_| {}));
-            // SAFETY: cublasLtGetVersion takes no arguments and has no preconditions.
-            let version = std::panic::catch_unwind(|| unsafe { sys::cublasLtGetVersion() });
-            std::panic::set_hook(hook);
-            version.map_err(|e| {
-                let why = e
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "unknown error".into());
-                format!("libcublasLt could not be loaded ({}); install the CUDA toolkit's cuBLAS or put its lib directory on LD_LIBRARY_PATH", why.lines().next().unwrap_or(""))
-            })
+            // SAFETY: both only load the library (cudarc loads it at run time) and read its version.
+            unsafe {
+                if !sys::is_culib_present() {
+                    return Err("libcublasLt could not be loaded; install the CUDA toolkit's cuBLAS or put its lib directory on LD_LIBRARY_PATH".into());
+                }
+                Ok(sys::cublasLtGetVersion())
+            }
         })
         .clone()
 }
@@ -136,13 +184,43 @@ struct Device {
     stream: dsys::CUstream,
     workspace: dsys::CUdeviceptr,
     algos: HashMap<Problem, Option<sys::cublasLtMatmulAlgo_t>>,
+    /// `Order::Stream`: two u32 flags in a CubeCL buffer ([0]: CubeCL to the GEMM, [1]: back),
+    /// their device addresses, and the last sequence number.
+    flags: Option<Flags>,
+}
+
+struct Flags {
+    /// Holding the tensor keeps its allocation (and so `ptr`) alive.
+    tensor: CubeTensor<CudaRuntime>,
+    ptr: u64,
+    seq: u32,
+}
+
+impl Flags {
+    fn new(like: &CubeTensor<CudaRuntime>) -> Result<Self, String> {
+        let handle = like.client.create_from_slice(&[0u8; 8]);
+        let tensor = CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), Shape::new([2]), handle, DType::U32);
+        let ptr = tensor.client.get_resource(tensor.handle.clone()).map_err(|e| format!("CubeCL resource: {e:?}"))?.resource().ptr;
+        // The flags are written by `create_from_slice` on CubeCL's stream; wait for that once.
+        cubecl::future::block_on(tensor.client.sync()).map_err(|e| format!("CubeCL sync: {e:?}"))?;
+        Ok(Self { tensor, ptr, seq: 0 })
+    }
 }
 
 // SAFETY: the handles are plain CUDA objects usable from any thread once the device's context is
 // current; every use goes through the `DEVICES` mutex.
 unsafe impl Send for Device {}
 
-static DEVICES: Mutex<Vec<Option<Device>>> = Mutex::new(Vec::new());
+/// Per device index: its state, or why it could not be set up (not retried).
+static DEVICES: Mutex<Vec<Option<Arc<Mutex<Result<Device, String>>>>>> = Mutex::new(Vec::new());
+
+fn device(index: usize) -> Arc<Mutex<Result<Device, String>>> {
+    let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    if devices.len() <= index {
+        devices.resize_with(index + 1, || None);
+    }
+    devices[index].get_or_insert_with(|| Arc::new(Mutex::new(Device::new(index)))).clone()
+}
 
 impl Device {
     fn new(index: usize) -> Result<Self, String> {
@@ -155,7 +233,7 @@ impl Device {
             let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
             let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(|e| format!("cuStreamCreate: {e:?}"))?;
             let workspace = drv::malloc_sync(WORKSPACE_BYTES).map_err(|e| format!("cuMemAlloc({WORKSPACE_BYTES}): {e:?}"))?;
-            Ok(Self { ctx, handle, stream, workspace, algos: HashMap::new() })
+            Ok(Self { ctx, handle, stream, workspace, algos: HashMap::new(), flags: None })
         }
     }
 }
@@ -200,15 +278,9 @@ pub(crate) fn gemm(
     let (b, lb) = operand(b, trans_b);
     let out = empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), Shape::new([m, n]), a.dtype);
 
-    let index = a.device.index;
-    let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
-    if devices.len() <= index {
-        devices.resize_with(index + 1, || None);
+    if a.device != b.device {
+        return Err(Refused::NotApplicable);
     }
-    if devices[index].is_none() {
-        devices[index] = Some(Device::new(index).map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?);
-    }
-    let dev = devices[index].as_mut().expect("just created");
 
     // The resources keep the allocations alive until the GEMM has finished.
     let res = |t: &CubeTensor<CudaRuntime>| {
@@ -217,24 +289,29 @@ pub(crate) fn gemm(
     let (ra, rb, rc) = (res(&a)?, res(&b)?, res(&out)?);
     let (pa, pb, pc) = (ra.resource().ptr, rb.resource().ptr, rc.resource().ptr);
     let problem = Problem { dtype: dtype_key, m, n, k, a: la, b: lb, align: [alignment(pa), alignment(pb), alignment(pc)] };
+    debug_assert_eq!(out.meta.strides()[0], n, "a contiguous output has rows of n");
 
-    // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the output's
-    // memory) has finished once its stream is synchronised.
-    cubecl::future::block_on(a.client.sync()).map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
+    let state = device(a.device.index);
+    let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+    let dev = state.as_mut().map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
+    let order = order();
 
     // SAFETY: the pointers come from live CubeCL allocations of the sizes the layouts describe
     // (rows, cols and ld are the tensors' own shapes and strides); the descriptors are created and
-    // destroyed here; the stream is synchronised before the resources are released.
+    // destroyed here; the GEMM is ordered after CubeCL's writes of its inputs and before CubeCL's
+    // next use of its memory (host synchronisation or the flags).
     unsafe {
         drv::ctx::set_current(dev.ctx).map_err(|e| Refused::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
         let call = Call::new(dt, compute, &problem).map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
+        // The algorithm first: a problem cuBLASLt refuses costs no synchronisation.
         let algo = match dev.algos.get(&problem) {
             Some(algo) => *algo,
-            None => {
-                let algo = call.heuristic(dev.handle, &problem).ok();
-                dev.algos.insert(problem, algo);
-                algo
-            }
+            None => match call.heuristic(dev.handle, &problem) {
+                Ok(algo) => *dev.algos.entry(problem).or_insert(Some(algo)),
+                // No algorithm for this problem: remembered, so it is asked once.
+                Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => *dev.algos.entry(problem).or_insert(None),
+                Err(e) => return Err(Refused::Unsupported(format!("cuBLASLt heuristic: {e:?}"))),
+            },
         };
         let Some(algo) = algo else {
             return Err(Refused::Unsupported(format!(
@@ -245,7 +322,35 @@ pub(crate) fn gemm(
                 problem.align
             )));
         };
+        if order == Order::HostSync {
+            // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the
+            // output's memory) has finished once its stream is synchronised.
+            cubecl::future::block_on(a.client.sync()).map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
+        let seq = if order == Order::Stream {
+            if dev.flags.is_none() {
+                dev.flags = Some(Flags::new(&out).map_err(Refused::Unsupported)?);
+            }
+            let flags = dev.flags.as_mut().expect("just created");
+            flags.seq = flags.seq.wrapping_add(1).max(1);
+            let seq = flags.seq;
+            // CubeCL's stream: flag[0] = seq after everything queued so far.
+            gemm_signal::launch_unchecked::<CudaRuntime>(
+                &flags.tensor.client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(1),
+                flags.tensor.clone().into_tensor_arg(),
+                seq,
+            );
+            let eq = dsys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ as u32;
+            dsys::cuStreamWaitValue32_v2(dev.stream, flags.ptr, seq, eq)
+                .result()
+                .map_err(|e| Refused::Unsupported(format!("cuStreamWaitValue32: {e:?}")))?;
+            Some(seq)
+        } else {
+            None
+        };
         lt::matmul(
             dev.handle,
             call.desc,
@@ -265,7 +370,23 @@ pub(crate) fn gemm(
             dev.stream as sys::cudaStream_t,
         )
         .map_err(|e| Refused::Unsupported(format!("cublasLtMatmul: {e:?}")))?;
-        drv::stream::synchronize(dev.stream).map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?;
+        match seq {
+            None => drv::stream::synchronize(dev.stream).map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?,
+            Some(seq) => {
+                let flags = dev.flags.as_ref().expect("created above");
+                // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream waits for it.
+                dsys::cuStreamWriteValue32_v2(dev.stream, flags.ptr + 4, seq, 0)
+                    .result()
+                    .map_err(|e| Refused::Unsupported(format!("cuStreamWriteValue32: {e:?}")))?;
+                gemm_wait::launch_unchecked::<CudaRuntime>(
+                    &flags.tensor.client,
+                    CubeCount::Static(1, 1, 1),
+                    CubeDim::new_1d(1),
+                    flags.tensor.clone().into_tensor_arg(),
+                    seq,
+                );
+            }
+        }
     }
     drop((ra, rb, rc));
     Ok(out)

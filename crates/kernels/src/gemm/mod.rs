@@ -18,7 +18,8 @@
 //!   transposed views are read as the other layout; other strides are copied once. The algorithm is
 //!   cuBLASLt's heuristic choice, cached per shape, layout and alignment: no autotuning. The call is
 //!   ordered with CubeCL's work by synchronising CubeCL's stream before it and the GEMM's own
-//!   stream after it (CubeCL 0.10 does not expose its `CUstream`).
+//!   stream after it (CubeCL 0.10 does not expose its `CUstream`), or, with
+//!   `BURNMIX_GEMM_ORDER=stream`, on the GPU through flags (see `cublaslt.rs`).
 //! - `Auto`: `CublasLt` for CUDA tensors when the library loads, `Burn` otherwise.
 //!
 //! A shape cuBLASLt refuses (no algorithm for its alignment) runs on Burn's matmul with a one-line
@@ -27,6 +28,8 @@
 
 pub(crate) mod backward;
 pub(crate) mod cublaslt;
+
+pub use cublaslt::ORDER_ENV;
 
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{DType, Tensor};
@@ -55,6 +58,9 @@ pub enum GemmPath {
     Burn,
     /// cuBLASLt, ordered with CubeCL's stream by host synchronisation.
     CublasLtHostSync,
+    /// cuBLASLt, ordered with CubeCL's stream on the GPU (stream memory operations and flags),
+    /// chosen with `BURNMIX_GEMM_ORDER=stream`.
+    CublasLtStreamOrdered,
 }
 
 impl std::fmt::Display for GemmPath {
@@ -62,6 +68,7 @@ impl std::fmt::Display for GemmPath {
         f.write_str(match self {
             GemmPath::Burn => "Burn matmul",
             GemmPath::CublasLtHostSync => "cuBLASLt (host-synchronised with CubeCL's stream)",
+            GemmPath::CublasLtStreamOrdered => "cuBLASLt (ordered with CubeCL's stream on the GPU)",
         })
     }
 }
@@ -197,8 +204,14 @@ pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> Gemm
     if cublaslt::as_cuda(a).is_none() {
         return burn_only(engine, a.dtype);
     }
+    if !matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return GemmPath::Burn;
+    }
     match cublaslt::library() {
-        Ok(_) => GemmPath::CublasLtHostSync,
+        Ok(_) => match cublaslt::order() {
+            cublaslt::Order::HostSync => GemmPath::CublasLtHostSync,
+            cublaslt::Order::Stream => GemmPath::CublasLtStreamOrdered,
+        },
         Err(why) if engine == Gemm::CublasLt => fail("gemm", format!("Gemm::CublasLt: {why}")),
         Err(_) => GemmPath::Burn,
     }
