@@ -2,8 +2,9 @@
 //!
 //! For each `m x n x k` it prints TFLOP/s (2mnk / time) of:
 //! - `fp8 gemm`: the FP8 GEMM on operands already quantized (E4M3, 1x128 tiles for `a`, 128x128
-//!   blocks for `b`), bf16 output, on each path the device has: `Dequantize`, and `TensorCores`
-//!   (the opt-in `mma.sync` kernel) where E4M3 MMA exists;
+//!   blocks for `b`), bf16 output, on each path the device has: `Dequantize`, `CublasLt` (cuBLASLt's
+//!   block-scaled FP8 GEMM, CUDA with cuBLASLt >= 12.9), and `TensorCores` (the opt-in `mma.sync`
+//!   kernel) where E4M3 MMA exists;
 //! - `fp8 q+gemm`: the same including quantizing both bf16 operands (what a linear layer pays);
 //! - `bf16`: Burn's bf16 matmul (our bf16 GEMM path); `f32`: Burn's f32 matmul;
 //!
@@ -84,7 +85,7 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
         // Every path's output against the dequantize path's: max |diff| / max |reference|.
         let reference = fp8_gemm_on(&qa, &qb, compute, Fp8GemmPath::Dequantize).map(|c| c.cast(FloatDType::F32));
         let ref_max = reference.as_ref().map(|r| r.clone().abs().max().into_scalar().elem::<f64>());
-        let mut runs = vec![(Fp8GemmPath::Dequantize, None)];
+        let mut runs = vec![(Fp8GemmPath::Dequantize, None), (Fp8GemmPath::CublasLt, None)];
         runs.extend(shapes.into_iter().map(|s| (Fp8GemmPath::TensorCores, s)));
         for (path, shape) in runs {
             if let Some(shape) = &shape {

@@ -145,6 +145,37 @@ fn cuda_fp8_gemm_mma() {
     }
 }
 
+/// The FP8 GEMM on cuBLASLt (1x128 x 128x128 block scales, E5M2 x E4M3, per-tensor scales)
+/// against the dequantized operands; k not a multiple of 128 included; m or n not a multiple of 8
+/// must be refused (the dequantize path takes those).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_gemm_cublaslt() {
+    let shapes = [(7, 16, 128), (32, 64, 300), (128, 256, 256), (96, 1000, 129), (256, 384, 768)];
+    for out in [FloatDType::F32, FloatDType::BF16] {
+        fp8_cases::gemm_against_dequantized::<Cuda>(&CudaDevice::default(), out, &shapes, kernels::Fp8GemmPath::CublasLt);
+    }
+    // The shapes that must run on cuBLASLt do.
+    let dev = CudaDevice::default();
+    let a = burn::tensor::Tensor::<Cuda, 2>::random([128, 256], burn::tensor::Distribution::Default, &dev);
+    let spec = |g| kernels::QuantSpec::new(kernels::Fp8Format::E4M3, g);
+    let qa = kernels::fp8_quantize(a.clone(), spec(kernels::Fp8Granularity::Tile1x128));
+    let qb = kernels::fp8_quantize(a, spec(kernels::Fp8Granularity::Block128));
+    assert!(kernels::fp8_gemm_on(&qa, &qb, FloatDType::BF16, kernels::Fp8GemmPath::CublasLt).is_some(), "cuBLASLt refused a 128 x 256 x 128 E4M3 GEMM");
+}
+
+/// The FP8 linear layer with every GEMM on cuBLASLt (`BURNMIX_FP8_GEMM=cublaslt`): wiring,
+/// quality and the passes switched off, as `cuda_fp8_linear`.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_linear_cublaslt() {
+    std::env::set_var(kernels::fp8::GEMM_ENV, "cublaslt");
+    let shapes = [(64, 256, 96), (128, 768, 2304)];
+    for dtype in [FloatDType::F32, FloatDType::BF16] {
+        fp8_cases::linear::<B>(dtype, &CudaDevice::default(), &shapes);
+    }
+}
+
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_linear() {

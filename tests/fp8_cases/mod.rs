@@ -147,7 +147,11 @@ pub fn gemm_against_dequantized<B: kernels::Backend>(dev: &B::Device, out: Float
             let qa = fp8_quantize(a.clone(), QuantSpec::new(fa, ga));
             let qb = fp8_quantize(b.clone(), QuantSpec::new(fb, gb));
             let Some(y) = fp8_gemm_on(&qa, &qb, out, path) else {
-                assert!(path == Fp8GemmPath::TensorCores && fa != Fp8Format::E4M3, "{path:?} does not apply to {fa:?} x {fb:?}");
+                // The documented refusals: mma.sync takes E4M3 only; cuBLASLt needs m and n
+                // multiples of 8.
+                let mma_refuses = path == Fp8GemmPath::TensorCores && fa != Fp8Format::E4M3;
+                let cublaslt_refuses = path == Fp8GemmPath::CublasLt && (m % 8 != 0 || n % 8 != 0);
+                assert!(mma_refuses || cublaslt_refuses, "{path:?} does not apply to {fa:?} x {fb:?} at [{m}, {n}, {k}]");
                 continue;
             };
             let y = y.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
@@ -166,7 +170,7 @@ pub fn gemm_against_dequantized<B: kernels::Backend>(dev: &B::Device, out: Float
                     }
                     // Tensor cores: FP8 MMA may accumulate with fewer than f32's 24 bits (about 14
                     // on Hopper, DeepSeek-V3 reports) within each 128-wide K tile before promotion.
-                    let mma = if path == Fp8GemmPath::TensorCores { 2f64.powi(-13) * sa } else { 0.0 };
+                    let mma = if matches!(path, Fp8GemmPath::TensorCores | Fp8GemmPath::CublasLt) { 2f64.powi(-13) * sa } else { 0.0 };
                     let tol = k as f64 * 1.2e-7 * sa + mma + round * s.abs() + 1e-30;
                     let g = y[i * n + j] as f64;
                     assert!((g - s).abs() <= tol, "fp8_gemm {path:?} [{m}, {n}, {k}] {fa:?}x{fb:?} {ga:?}/{gb:?} -> {out:?} at ({i}, {j}): {g} vs {s} (tol {tol:e})");

@@ -327,6 +327,22 @@ pub trait Backend: BurnBackend {
         None
     }
 
+    /// The FP8 GEMM `[m, k] x [n, k]^T` on cuBLASLt, or `None` where it does not apply.
+    #[allow(clippy::too_many_arguments)]
+    fn fp8_gemm_cublaslt(
+        _a: IntTensor<Self>,
+        _sa: FloatTensor<Self>,
+        _a_spec: &QuantSpec,
+        _b: IntTensor<Self>,
+        _sb: FloatTensor<Self>,
+        _b_spec: &QuantSpec,
+        _m: usize,
+        _n: usize,
+        _out: FloatDType,
+    ) -> Option<FloatTensor<Self>> {
+        None
+    }
+
     /// [`fp8_linear`]; by default its forward only (backends without autodiff). Under `Autodiff`,
     /// `probe` receives the output gradient's health in the backward.
     fn fp8_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, cfg: &Fp8LinearConfig, _probe: Option<fp8::Fp8Probe>) -> FloatTensor<Self> {
@@ -580,6 +596,19 @@ where
     ) -> Option<FloatTensor<Self>> {
         fp8::forward::gemm_mma(a, sa, a_spec, b, sb, b_spec, m, n, out)
     }
+    fn fp8_gemm_cublaslt(
+        a: IntTensor<Self>,
+        sa: FloatTensor<Self>,
+        a_spec: &QuantSpec,
+        b: IntTensor<Self>,
+        sb: FloatTensor<Self>,
+        b_spec: &QuantSpec,
+        m: usize,
+        n: usize,
+        out: FloatDType,
+    ) -> Option<FloatTensor<Self>> {
+        fp8::forward::gemm_cublaslt::<R, F, I, BT>(a, sa, a_spec, b, sb, b_spec, m, n, out)
+    }
     fn fused_adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
@@ -671,6 +700,20 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
         out: FloatDType,
     ) -> Option<FloatTensor<Self>> {
         B::fp8_gemm_mma(a, sa.primitive, a_spec, b, sb.primitive, b_spec, m, n, out)
+            .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
+    }
+    fn fp8_gemm_cublaslt(
+        a: IntTensor<Self>,
+        sa: FloatTensor<Self>,
+        a_spec: &QuantSpec,
+        b: IntTensor<Self>,
+        sb: FloatTensor<Self>,
+        b_spec: &QuantSpec,
+        m: usize,
+        n: usize,
+        out: FloatDType,
+    ) -> Option<FloatTensor<Self>> {
+        B::fp8_gemm_cublaslt(a, sa.primitive, a_spec, b, sb.primitive, b_spec, m, n, out)
             .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
     }
 }

@@ -219,3 +219,74 @@ pub(crate) fn gemm_mma<R: CubeRuntime>(
     }
     Some(c)
 }
+
+/// The FP8 GEMM `[m, k] x [n, k]^T` on cuBLASLt (CUDA tensors, cuBLASLt >= 12.9 for tile and block
+/// scales), or `None` where it does not apply (another backend or device, shapes or formats
+/// cuBLASLt does not take; a refusal for another reason is also printed once).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_cublaslt<R, F, I, BT>(
+    a: CubeTensor<R>,
+    sa: CubeTensor<R>,
+    a_spec: &QuantSpec,
+    b: CubeTensor<R>,
+    sb: CubeTensor<R>,
+    b_spec: &QuantSpec,
+    m: usize,
+    n: usize,
+    out: FloatDType,
+) -> Option<CubeTensor<R>>
+where
+    R: CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    use crate::gemm::cublaslt::{as_cuda, fp8_gemm, from_cuda, warn_once, Fp8Operand, Fp8Scales, Refused};
+    use burn::tensor::{Tensor, TensorPrimitive};
+    type Cb<R, F, I, BT> = burn_cubecl::CubeBackend<R, F, I, BT>;
+
+    let (ca, cb) = (as_cuda(&a)?.clone(), as_cuda(&b)?.clone());
+    let k_pad = a.shape().as_slice()[1] * 4;
+    let device = a.device.clone();
+    // Scales in the layout cuBLASLt reads (see `Fp8Scales`): 1x128 tiles transposed so that rows
+    // are contiguous; 128x128 blocks with the tile count padded to a multiple of 4.
+    let operand = |payload: CubeTensor<cubecl::cuda::CudaRuntime>, scales: CubeTensor<R>, spec: &QuantSpec, rows: usize| -> Option<Fp8Operand> {
+        let layout = match spec.granularity {
+            Fp8Granularity::Tensor => Fp8Scales::Tensor,
+            Fp8Granularity::Tile1x128 => Fp8Scales::Vec128,
+            Fp8Granularity::Block128 => Fp8Scales::Blk128,
+        };
+        let s = Tensor::<Cb<R, F, I, BT>, 2>::from_primitive(TensorPrimitive::Float(scales)).cast(FloatDType::F32);
+        let s = match layout {
+            Fp8Scales::Tensor => s,
+            Fp8Scales::Vec128 => s.transpose(),
+            Fp8Scales::Blk128 => {
+                let [r, l] = s.dims();
+                let l4 = l.div_ceil(4) * 4;
+                if l4 > l {
+                    Tensor::cat(vec![s, Tensor::zeros([r, l4 - l], (&device, DType::F32))], 1)
+                } else {
+                    s
+                }
+            }
+        };
+        let s = crate::launch::contiguous(s.into_primitive().tensor());
+        Some(Fp8Operand {
+            payload,
+            scales: as_cuda(&s)?.clone(),
+            e5m2: spec.format == super::Fp8Format::E5M2,
+            layout,
+            rows,
+        })
+    };
+    let oa = operand(ca, sa, a_spec, m)?;
+    let ob = operand(cb, sb, b_spec, n)?;
+    match fp8_gemm(oa, ob, k_pad, out.into()) {
+        Ok(c) => Some(from_cuda(c)),
+        Err(Refused::Unsupported(why)) => {
+            warn_once(format!("kernels::fp8_gemm: {why}; this GEMM takes another path"));
+            None
+        }
+        Err(Refused::NotApplicable) => None,
+    }
+}

@@ -49,8 +49,9 @@ use crate::Backend;
 /// Scales cover 128 elements of the reduction axis (and 128 rows for blocks).
 pub const TILE: usize = 128;
 
-/// Set to `mma` to run [`fp8_gemm`] on FP8 tensor cores where the device has them (CUDA sm_89+,
-/// E4M3 operands). Opt-in while that kernel awaits validation on a GPU.
+/// Set to `mma` to run [`fp8_gemm`] on the `mma.sync` FP8 tensor-core kernel where the device has
+/// it (CUDA sm_89+, E4M3 operands), or to `cublaslt` to run it on cuBLASLt's FP8 GEMM
+/// ([`Fp8GemmPath::CublasLt`]). Opt-in while the cuBLASLt path awaits validation on a GPU.
 pub const GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
 
 /// Overrides the tensor-core FP8 GEMM's cube shape: `wm,wn,mt,nt` (see [`MmaShape`]; default
@@ -239,16 +240,24 @@ pub enum Fp8GemmPath {
     /// Codes times scales expanded exactly to bf16 or f32, then Burn's matmul (f32 accumulation).
     Dequantize,
     /// `mma.sync` m16n8k32 on E4M3 codes, f32 accumulation, scales applied every 128 of K
-    /// (opt-in: [`GEMM_ENV`]).
+    /// (opt-in: [`GEMM_ENV`]` = mma`).
     TensorCores,
+    /// NVIDIA cuBLASLt's FP8 GEMM with the 1x128 / 128x128 block scales (or per-tensor scales)
+    /// applied by cuBLASLt (CUDA, cuBLASLt >= 12.9 for block scales, Hopper; opt-in:
+    /// [`GEMM_ENV`]` = cublaslt`). Needs m and n multiples of 8, not both operands E5M2 and not
+    /// both 128x128 blocks; other operands take the dequantize path.
+    CublasLt,
 }
 
 /// The path [`fp8_gemm`] takes for these operands on this backend: tensor cores when requested
 /// with [`GEMM_ENV`]` = mma`, supported by the device, and both operands E4M3 with 1x128 (or
 /// per-tensor) scales for `a` and 128x128 (or per-tensor) for `b`.
 pub fn fp8_gemm_path<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> Fp8GemmPath {
-    let requested = std::env::var(GEMM_ENV).map(|v| v == "mma").unwrap_or(false);
-    if requested && mma_applies(a, b) { Fp8GemmPath::TensorCores } else { Fp8GemmPath::Dequantize }
+    match std::env::var(GEMM_ENV).as_deref() {
+        Ok("mma") if mma_applies(a, b) => Fp8GemmPath::TensorCores,
+        Ok("cublaslt") => Fp8GemmPath::CublasLt,
+        _ => Fp8GemmPath::Dequantize,
+    }
 }
 
 fn mma_applies<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> bool {
@@ -262,7 +271,11 @@ fn mma_applies<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> bool {
 /// on the path [`fp8_gemm_path`] names.
 pub fn fp8_gemm<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDType) -> Tensor<B, 2> {
     let path = fp8_gemm_path(a, b);
-    fp8_gemm_on(a, b, out, path).expect("fp8_gemm_path names a path that applies")
+    // cuBLASLt's constraints (shapes, formats) are checked by trying; what it does not take is
+    // computed on the dequantize path.
+    fp8_gemm_on(a, b, out, path)
+        .or_else(|| fp8_gemm_on(a, b, out, Fp8GemmPath::Dequantize))
+        .expect("the dequantize path applies to every pair of operands")
 }
 
 /// [`fp8_gemm`] on a given path; `None` when the path does not apply to these operands here.
@@ -275,6 +288,18 @@ pub fn fp8_gemm_on<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDTy
     }
     match path {
         Fp8GemmPath::TensorCores => B::fp8_gemm_mma(
+            a.payload.clone().into_primitive(),
+            a.scales.clone().into_primitive().tensor(),
+            &a.spec,
+            b.payload.clone().into_primitive(),
+            b.scales.clone().into_primitive().tensor(),
+            &b.spec,
+            a.rows,
+            b.rows,
+            out,
+        )
+        .map(|c| Tensor::from_primitive(TensorPrimitive::Float(c))),
+        Fp8GemmPath::CublasLt => B::fp8_gemm_cublaslt(
             a.payload.clone().into_primitive(),
             a.scales.clone().into_primitive().tensor(),
             &a.spec,

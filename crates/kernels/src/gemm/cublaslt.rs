@@ -167,7 +167,11 @@ fn operand(t: CubeTensor<CudaRuntime>, trans: bool) -> (CubeTensor<CudaRuntime>,
 /// Everything that selects an algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Problem {
-    dtype: u8,
+    /// cuBLASLt's data types of its A (our `b`), its B (our `a`) and C/D.
+    types: [sys::cudaDataType; 3],
+    compute: sys::cublasComputeType_t,
+    /// Scale modes of cuBLASLt's A and B (FP8).
+    scale_modes: Option<[sys::cublasLtMatmulMatrixScale_t; 2]>,
     m: usize,
     n: usize,
     k: usize,
@@ -238,14 +242,14 @@ impl Device {
     }
 }
 
-fn data_type(dtype: DType) -> Option<(sys::cudaDataType, sys::cublasComputeType_t, u8)> {
+fn data_type(dtype: DType) -> Option<(sys::cudaDataType, sys::cublasComputeType_t)> {
     use sys::cublasComputeType_t::*;
     use sys::cudaDataType::*;
     match dtype {
-        DType::BF16 => Some((CUDA_R_16BF, CUBLAS_COMPUTE_32F, 0)),
-        DType::F16 => Some((CUDA_R_16F, CUBLAS_COMPUTE_32F, 1)),
+        DType::BF16 => Some((CUDA_R_16BF, CUBLAS_COMPUTE_32F)),
+        DType::F16 => Some((CUDA_R_16F, CUBLAS_COMPUTE_32F)),
         // As Burn's CUDA matmul: f32 inputs on TF32 tensor cores, f32 accumulation.
-        DType::F32 => Some((CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, 2)),
+        DType::F32 => Some((CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32)),
         _ => None,
     }
 }
@@ -265,31 +269,59 @@ pub(crate) fn gemm(
     trans_a: bool,
     trans_b: bool,
 ) -> Result<CubeTensor<CudaRuntime>, Refused> {
-    let Some((dt, compute, dtype_key)) = data_type(a.dtype) else {
+    let Some((dt, compute)) = data_type(a.dtype) else {
         return Err(Refused::NotApplicable);
     };
     let (ad, _) = dims2(&a);
     let (bd, _) = dims2(&b);
     let ([m, k, n], _) = super::dims(ad, bd, trans_a, trans_b);
-    if m == 0 || n == 0 || k == 0 || library().is_err() {
+    if m == 0 || n == 0 || k == 0 || library().is_err() || a.device != b.device {
         return Err(Refused::NotApplicable);
     }
     let (a, la) = operand(a, trans_a);
     let (b, lb) = operand(b, trans_b);
     let out = empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), Shape::new([m, n]), a.dtype);
+    let problem = |align| Problem {
+        types: [dt, dt, dt],
+        compute,
+        scale_modes: None,
+        m,
+        n,
+        k,
+        a: la,
+        b: lb,
+        align,
+    };
+    let what = || format!("{} [m, k, n] = [{m}, {k}, {n}] (leading dimensions {}, {})", dtype_name(a.dtype), la.ld, lb.ld);
+    execute(&a, &b, &out, None, problem, what)?;
+    Ok(out)
+}
 
-    if a.device != b.device {
-        return Err(Refused::NotApplicable);
-    }
-
+/// Runs one cuBLASLt call on the buffers of `a`, `b` and `out` (and the scale buffers of FP8),
+/// ordered with CubeCL's stream; `problem` builds the call's description from the pointers'
+/// alignments, `what` describes it for messages.
+fn execute(
+    a: &CubeTensor<CudaRuntime>,
+    b: &CubeTensor<CudaRuntime>,
+    out: &CubeTensor<CudaRuntime>,
+    scales: Option<(&CubeTensor<CudaRuntime>, &CubeTensor<CudaRuntime>)>,
+    problem: impl Fn([u32; 3]) -> Problem,
+    what: impl Fn() -> String,
+) -> Result<(), Refused> {
     // The resources keep the allocations alive until the GEMM has finished.
     let res = |t: &CubeTensor<CudaRuntime>| {
         t.client.get_resource(t.handle.clone()).map_err(|e| Refused::Unsupported(format!("CubeCL resource: {e:?}")))
     };
-    let (ra, rb, rc) = (res(&a)?, res(&b)?, res(&out)?);
+    let (ra, rb, rc) = (res(a)?, res(b)?, res(out)?);
     let (pa, pb, pc) = (ra.resource().ptr, rb.resource().ptr, rc.resource().ptr);
-    let problem = Problem { dtype: dtype_key, m, n, k, a: la, b: lb, align: [alignment(pa), alignment(pb), alignment(pc)] };
-    debug_assert_eq!(out.meta.strides()[0], n, "a contiguous output has rows of n");
+    let rs = match scales {
+        Some((sa, sb)) => Some((res(sa)?, res(sb)?)),
+        None => None,
+    };
+    // cuBLASLt's A scales are `b`'s, its B scales `a`'s.
+    let scale_ptrs = rs.as_ref().map(|(sa, sb)| (sb.resource().ptr, sa.resource().ptr));
+    let problem = problem([alignment(pa), alignment(pb), alignment(pc)]);
+    debug_assert_eq!(out.meta.strides()[0], problem.n, "a contiguous output has rows of n");
 
     let state = device(a.device.index);
     let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
@@ -302,7 +334,7 @@ pub(crate) fn gemm(
     // next use of its memory (host synchronisation or the flags).
     unsafe {
         drv::ctx::set_current(dev.ctx).map_err(|e| Refused::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
-        let call = Call::new(dt, compute, &problem).map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
+        let call = Call::new(&problem, scale_ptrs).map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
         // The algorithm first: a problem cuBLASLt refuses costs no synchronisation.
         let algo = match dev.algos.get(&problem) {
             Some(algo) => *algo,
@@ -310,17 +342,11 @@ pub(crate) fn gemm(
                 Ok(algo) => *dev.algos.entry(problem).or_insert(Some(algo)),
                 // No algorithm for this problem: remembered, so it is asked once.
                 Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => *dev.algos.entry(problem).or_insert(None),
-                Err(e) => return Err(Refused::Unsupported(format!("cuBLASLt heuristic: {e:?}"))),
+                Err(e) => return Err(Refused::Unsupported(format!("cuBLASLt heuristic for {}: {e:?}", what()))),
             },
         };
         let Some(algo) = algo else {
-            return Err(Refused::Unsupported(format!(
-                "cuBLASLt has no algorithm for {} [m, k, n] = [{m}, {k}, {n}] (leading dimensions {}, {}; alignments {:?} bytes)",
-                dtype_name(a.dtype),
-                la.ld,
-                lb.ld,
-                problem.align
-            )));
+            return Err(Refused::Unsupported(format!("cuBLASLt has no algorithm for {} (alignments {:?} bytes)", what(), problem.align)));
         };
         if order == Order::HostSync {
             // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the
@@ -330,7 +356,7 @@ pub(crate) fn gemm(
         let (alpha, beta) = (1.0f32, 0.0f32);
         let seq = if order == Order::Stream {
             if dev.flags.is_none() {
-                dev.flags = Some(Flags::new(&out).map_err(Refused::Unsupported)?);
+                dev.flags = Some(Flags::new(out).map_err(Refused::Unsupported)?);
             }
             let flags = dev.flags.as_mut().expect("just created");
             flags.seq = flags.seq.wrapping_add(1).max(1);
@@ -369,7 +395,7 @@ pub(crate) fn gemm(
             WORKSPACE_BYTES,
             dev.stream as sys::cudaStream_t,
         )
-        .map_err(|e| Refused::Unsupported(format!("cublasLtMatmul: {e:?}")))?;
+        .map_err(|e| Refused::Unsupported(format!("cublasLtMatmul for {}: {e:?}", what())))?;
         match seq {
             None => drv::stream::synchronize(dev.stream).map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?,
             Some(seq) => {
@@ -388,8 +414,8 @@ pub(crate) fn gemm(
             }
         }
     }
-    drop((ra, rb, rc));
-    Ok(out)
+    drop((ra, rb, rc, rs));
+    Ok(())
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -412,20 +438,35 @@ struct Call {
 
 impl Call {
     /// # Safety
-    /// Plain descriptor creation; the caller destroys `Call` before the handle.
-    unsafe fn new(dt: sys::cudaDataType, compute: sys::cublasComputeType_t, p: &Problem) -> Result<Self, lt::CublasError> {
-        let desc = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F)?;
+    /// Plain descriptor creation; the caller destroys `Call` before the handle. `scales` are the
+    /// device addresses of cuBLASLt's A and B scales when `p.scale_modes` is set.
+    unsafe fn new(p: &Problem, scales: Option<(u64, u64)>) -> Result<Self, lt::CublasError> {
+        use sys::cublasLtMatmulDescAttributes_t::*;
+        let desc = lt::create_matmul_desc(p.compute, sys::cudaDataType::CUDA_R_32F)?;
         let mut call = Self { desc, first: std::ptr::null_mut(), second: std::ptr::null_mut(), out: std::ptr::null_mut() };
-        let set_op = |attr, trans: bool| {
-            let op: i32 = trans as i32; // CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
-            lt::set_matmul_desc_attribute(desc, attr, &op as *const i32 as *const c_void, std::mem::size_of::<i32>())
-        };
-        set_op(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, p.b.trans)?;
-        set_op(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, p.a.trans)?;
+        let set = |attr, value: *const c_void, size: usize| lt::set_matmul_desc_attribute(desc, attr, value, size);
+        // CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 (an int32).
+        let (op_a, op_b) = (p.b.trans as i32, p.a.trans as i32);
+        set(CUBLASLT_MATMUL_DESC_TRANSA, &op_a as *const i32 as *const c_void, 4)?;
+        set(CUBLASLT_MATMUL_DESC_TRANSB, &op_b as *const i32 as *const c_void, 4)?;
+        if let Some([mode_a, mode_b]) = p.scale_modes {
+            let (mode_a, mode_b) = (mode_a as i32, mode_b as i32);
+            set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a as *const i32 as *const c_void, 4)?;
+            set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b as *const i32 as *const c_void, 4)?;
+            // f32 accumulation promoted as cuBLASLt's block scaling requires (no fast accumulation).
+            let fast: i8 = 0;
+            set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast as *const i8 as *const c_void, 1)?;
+            if let Some((sa, sb)) = scales {
+                let (sa, sb) = (sa as *const c_void, sb as *const c_void);
+                set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa as *const *const c_void as *const c_void, std::mem::size_of::<*const c_void>())?;
+                set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb as *const *const c_void as *const c_void, std::mem::size_of::<*const c_void>())?;
+            }
+        }
+        let [ta, tb, td] = p.types;
         // A row-major [rows, cols] matrix with leading dimension ld is column-major [cols, rows].
-        call.first = lt::create_matrix_layout(dt, p.b.cols as u64, p.b.rows as u64, p.b.ld as i64)?;
-        call.second = lt::create_matrix_layout(dt, p.a.cols as u64, p.a.rows as u64, p.a.ld as i64)?;
-        call.out = lt::create_matrix_layout(dt, p.n as u64, p.m as u64, p.n as i64)?;
+        call.first = lt::create_matrix_layout(ta, p.b.cols as u64, p.b.rows as u64, p.b.ld as i64)?;
+        call.second = lt::create_matrix_layout(tb, p.a.cols as u64, p.a.rows as u64, p.a.ld as i64)?;
+        call.out = lt::create_matrix_layout(td, p.n as u64, p.m as u64, p.n as i64)?;
         Ok(call)
     }
 
@@ -493,4 +534,98 @@ mod tests {
         assert_eq!(layout([3, 5], [0, 1], false), None);
         assert_eq!(layout([3, 5], [10, 2], false), None);
     }
+}
+
+/// How an FP8 operand's scales are laid out for cuBLASLt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fp8Scales {
+    /// One f32 scale for the matrix (`SCALAR_32F`).
+    Tensor,
+    /// Per row per 128 of k (`VEC128_32F`): f32 `[k_tiles, rows]`, rows contiguous.
+    Vec128,
+    /// Per 128 x 128 block (`BLK128x128_32F`): f32 `[ceil(rows / 128), k_tiles4]`, k contiguous,
+    /// `k_tiles4` the tile count rounded up to a multiple of 4 (zero-padded).
+    Blk128,
+}
+
+/// One FP8 operand in cuBLASLt's terms: payload words `[rows, k_pad / 4]` (four E4M3 or E5M2
+/// codes each, little-endian, so the bytes are the row-major `[rows, k_pad]` codes) and its scales,
+/// already in the layout `scales` names.
+pub(crate) struct Fp8Operand {
+    pub payload: CubeTensor<CudaRuntime>,
+    pub scales: CubeTensor<CudaRuntime>,
+    pub e5m2: bool,
+    pub layout: Fp8Scales,
+    pub rows: usize,
+}
+
+/// The first cuBLASLt version with 1x128 and 128x128 FP8 block scaling (12.9, Hopper).
+const BLOCK_SCALING_VERSION: usize = 120900;
+
+/// `a [m, k] x b [n, k]^T -> [m, n]` in `out` on cuBLASLt's FP8 tensor cores, both operands
+/// quantized along k (padded to `k_pad`, a multiple of 128, with zero codes); or why not.
+///
+/// cuBLASLt's FP8 GEMM on Hopper takes the "TN" form: its A (our `b`) transposed and its B (our
+/// `a`) not, both with k contiguous, which is how the payloads are stored. Its requirements,
+/// checked here: not both operands E5M2; not both 128x128 blocks; either both scaled per tensor or
+/// both by tiles/blocks (cuBLASLt >= 12.9); m and n multiples of 8; rows of 16-byte multiples.
+pub(crate) fn fp8_gemm(a: Fp8Operand, b: Fp8Operand, k_pad: usize, out: DType) -> Result<CubeTensor<CudaRuntime>, Refused> {
+    use sys::cublasLtMatmulMatrixScale_t::*;
+    use sys::cudaDataType::*;
+    let Some((dt_out, _)) = data_type(out) else {
+        return Err(Refused::NotApplicable);
+    };
+    let version = library().map_err(|_| Refused::NotApplicable)?;
+    let (m, n) = (a.rows, b.rows);
+    let block = a.layout != Fp8Scales::Tensor;
+    if (a.e5m2 && b.e5m2)
+        || (a.layout == Fp8Scales::Blk128 && b.layout == Fp8Scales::Blk128)
+        || (a.layout == Fp8Scales::Tensor) != (b.layout == Fp8Scales::Tensor)
+        || (block && version < BLOCK_SCALING_VERSION)
+        || m == 0
+        || n == 0
+        || m % 8 != 0
+        || n % 8 != 0
+        || k_pad % 128 != 0
+        || a.payload.device != b.payload.device
+    {
+        return Err(Refused::NotApplicable);
+    }
+    let codes = |t: &Fp8Operand, trans: bool| -> Result<(CubeTensor<CudaRuntime>, Layout), Refused> {
+        let t_payload = if t.payload.meta.strides()[1] == 1 { t.payload.clone() } else { into_contiguous(t.payload.clone()) };
+        let words = t_payload.meta.strides()[0];
+        if t_payload.meta.shape()[1] * 4 != k_pad || (words * 4) % 16 != 0 || t.payload.dtype.size() != 4 {
+            return Err(Refused::Unsupported(format!(
+                "FP8 payload {:?} of {:?} (strides {:?}) is not [rows, {}] 32-bit words",
+                t.payload.meta.shape(),
+                t.payload.dtype,
+                t.payload.meta.strides(),
+                k_pad / 4
+            )));
+        }
+        Ok((t_payload, Layout { rows: t.rows, cols: k_pad, ld: words * 4, trans }))
+    };
+    let (pa, la) = codes(&a, false)?;
+    let (pb, lb) = codes(&b, true)?;
+    let mode = |l: Fp8Scales| match l {
+        Fp8Scales::Tensor => CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
+        Fp8Scales::Vec128 => CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+        Fp8Scales::Blk128 => CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+    };
+    let format = |e5m2: bool| if e5m2 { CUDA_R_8F_E5M2 } else { CUDA_R_8F_E4M3 };
+    let c = empty_device_contiguous_dtype(pa.client.clone(), pa.device.clone(), Shape::new([m, n]), out);
+    let problem = |align| Problem {
+        types: [format(b.e5m2), format(a.e5m2), dt_out],
+        compute: sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        scale_modes: Some([mode(b.layout), mode(a.layout)]),
+        m,
+        n,
+        k: k_pad,
+        a: la,
+        b: lb,
+        align,
+    };
+    let what = || format!("FP8 [m, k, n] = [{m}, {k_pad}, {n}] (scales {:?} x {:?}, out {})", a.layout, b.layout, dtype_name(out));
+    execute(&pa, &pb, &c, Some((&a.scales, &b.scales)), problem, what)?;
+    Ok(c)
 }
