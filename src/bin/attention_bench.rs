@@ -1,5 +1,5 @@
 //! FlashAttention benchmark on CUDA: our kernels beside Burn's own `attention`, with ratios to the
-//! PyTorch SDPA (FlashAttention-2) figures of TARGETS.md.
+//! PyTorch SDPA (FlashAttention-2) figures of docs/peers.md.
 //!
 //! Shapes follow the FlashAttention benchmark convention: batch * seq = 16384 tokens and
 //! heads * head_dim = 2048. FLOPs: forward `4 * b * h * s^2 * hd` (halved when causal), backward
@@ -11,7 +11,7 @@
 //! - `fwd+bwd`: `kernels::flash_attention(..).sum().backward()` under `Autodiff`;
 //! - `Burn fwd`, `Burn fwd+bwd`: `burn::tensor::module::attention` the same ways (under `Autodiff`
 //!   Burn materialises the `s x s` scores);
-//! - `/SDPA`: our fwd (bwd) TFLOP/s over TARGETS.md's PyTorch SDPA figure for the same shape.
+//! - `/SDPA`: our fwd (bwd) TFLOP/s over docs/peers.md's PyTorch SDPA figure for the same shape.
 //!
 //! `--memory` instead runs forward+backward at B=1, H=16, S=16384, hd=128 and reports device memory.
 //!
@@ -62,7 +62,7 @@ struct Args {
     memory: bool,
 }
 
-/// PyTorch SDPA flash (bf16) forward / backward TFLOP/s on the same GPU, from TARGETS.md.
+/// PyTorch SDPA flash (bf16) forward / backward TFLOP/s on an H100 (docs/peers.md).
 fn sdpa(hd: usize, causal: bool, s: usize) -> Option<(f64, f64)> {
     let col = match s {
         1024 => 0,

@@ -8,8 +8,8 @@
 //!
 //! on the engine `Gemm::Auto` resolves to (cuBLASLt on CUDA) and on Burn's matmul, with their
 //! ratio, the ratio to cuBLASLt called directly on Burn's buffers (bf16 fprop figures measured on
-//! an H100 on 2026-11-23, quoted in docs/results.md), and the largest difference between the two
-//! engines' outputs relative to the largest output magnitude.
+//! an H100 on 2026-11-23, docs/peers.md), and the largest difference between the two engines'
+//! outputs relative to the largest output magnitude.
 //!
 //! `cargo run --release --bin gemm_bench -- [--device cuda|wgpu] [--dtypes bf16,f16,f32] [--shapes MxKxN,...]`
 
@@ -21,7 +21,7 @@ use clap::Parser;
 use kernels::Gemm;
 
 /// cuBLASLt bf16 TFLOP/s on an H100 by `[M, K, N]` (fprop), called directly on Burn's buffers
-/// without synchronisation (docs/results.md, "cuBLASLt on Burn's buffers").
+/// without synchronisation (docs/peers.md).
 const CUBLASLT_BF16: [([usize; 3], f64); 8] = [
     ([8192, 8192, 8192], 786.0),
     ([4096, 4096, 4096], 781.0),

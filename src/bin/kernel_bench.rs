@@ -2,7 +2,7 @@
 //!
 //! For each op and dtype it prints the median time of the fused kernel and of the reference, the
 //! fused kernel's achieved bandwidth (bytes the op must move / time) as a share of the 3.0 TB/s
-//! device-to-device copy of an H100 (TARGETS.md), and the speed-up over the reference.
+//! device-to-device copy of an H100 (docs/peers.md), and the speed-up over the reference.
 //!
 //! - `fwd` rows run the op on the plain CUDA backend.
 //! - `fwd+bwd` rows run it under `Autodiff` and call `backward()` on `sum(output)` (on the mean of
@@ -24,7 +24,7 @@ use clap::Parser;
 type C = Cuda;
 type A = Autodiff<Cuda>;
 
-/// Copy bandwidth of the H100 in TARGETS.md (bytes read + written per second).
+/// Copy bandwidth of the H100 in docs/peers.md (bytes read + written per second).
 const COPY_BW: f64 = 3.0e12;
 
 #[derive(Parser)]

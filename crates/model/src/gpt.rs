@@ -246,11 +246,8 @@ impl<B: Backend> Gpt<B> {
             return self.clone();
         }
         let mut copy = self.clone();
-        for block in &mut copy.blocks {
-            block.attn.qkv = block.attn.qkv.compute_copy_with(dtype, cached);
-            block.attn.proj = block.attn.proj.compute_copy_with(dtype, cached);
-            block.mlp.fc = block.mlp.fc.compute_copy_with(dtype, cached);
-            block.mlp.proj = block.mlp.proj.compute_copy_with(dtype, cached);
+        for (_, lin) in copy.projections_mut() {
+            *lin = lin.compute_copy_with(dtype, cached);
         }
         copy.lm_head = copy.lm_head.as_ref().map(|h| h.compute_copy_with(dtype, cached));
         copy.compute_dtype = dtype;
@@ -260,11 +257,8 @@ impl<B: Backend> Gpt<B> {
     /// The same model with the attention and MLP projections running their GEMMs in FP8 (or back to
     /// the compute dtype with `None`); embedding, LM head, norms and attention are unchanged.
     pub fn with_fp8(mut self, cfg: Option<kernels::Fp8LinearConfig>) -> Self {
-        for block in self.blocks.iter_mut() {
-            block.attn.qkv.fp8 = cfg;
-            block.attn.proj.fp8 = cfg;
-            block.mlp.fc.fp8 = cfg;
-            block.mlp.proj.fp8 = cfg;
+        for (_, lin) in self.projections_mut() {
+            lin.fp8 = cfg;
         }
         self
     }
@@ -273,26 +267,42 @@ impl<B: Backend> Gpt<B> {
     /// gradient into `sink` (as `blocks.N.attn.qkv.input`, `blocks.N.attn.qkv.grad_output`, ...),
     /// or not with `None`.
     pub fn with_fp8_probe(mut self, sink: Option<kernels::fp8::HealthSink>) -> Self {
-        for (i, block) in self.blocks.iter_mut().enumerate() {
-            for (name, lin) in [
-                ("attn.qkv", &mut block.attn.qkv),
-                ("attn.proj", &mut block.attn.proj),
-                ("mlp.fc", &mut block.mlp.fc),
-                ("mlp.proj", &mut block.mlp.proj),
-            ] {
-                lin.fp8_probe = sink.clone().map(|sink| kernels::Fp8Probe { name: format!("blocks.{i}.{name}"), sink });
-            }
+        for (name, lin) in self.projections_mut() {
+            lin.fp8_probe = sink.clone().map(|sink| kernels::Fp8Probe { name, sink });
         }
         self
+    }
+
+    /// The attention and MLP projections of every block with their module paths
+    /// (`blocks.N.attn.qkv`, `blocks.N.attn.proj`, `blocks.N.mlp.fc`, `blocks.N.mlp.proj`): the
+    /// layers the compute copy casts and the FP8 recipe runs in FP8.
+    pub fn projections(&self) -> Vec<(String, &Linear<B>)> {
+        let mut out = Vec::with_capacity(4 * self.blocks.len());
+        for (i, b) in self.blocks.iter().enumerate() {
+            for (name, lin) in [("attn.qkv", &b.attn.qkv), ("attn.proj", &b.attn.proj), ("mlp.fc", &b.mlp.fc), ("mlp.proj", &b.mlp.proj)] {
+                out.push((format!("blocks.{i}.{name}"), lin));
+            }
+        }
+        out
+    }
+
+    /// [`Gpt::projections`], mutable.
+    pub fn projections_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        let mut out = Vec::with_capacity(4 * self.blocks.len());
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            let (attn, mlp) = (&mut b.attn, &mut b.mlp);
+            for (name, lin) in [("attn.qkv", &mut attn.qkv), ("attn.proj", &mut attn.proj), ("mlp.fc", &mut mlp.fc), ("mlp.proj", &mut mlp.proj)] {
+                out.push((format!("blocks.{i}.{name}"), lin));
+            }
+        }
+        out
     }
 
     /// Ids of the parameters [`Gpt::compute_copy`] casts to the compute dtype.
     pub fn compute_copy_ids(&self) -> std::collections::HashSet<ParamId> {
         let mut ids = std::collections::HashSet::new();
-        for block in &self.blocks {
-            for l in [&block.attn.qkv, &block.attn.proj, &block.mlp.fc, &block.mlp.proj] {
-                ids.extend(l.param_ids());
-            }
+        for (_, l) in self.projections() {
+            ids.extend(l.param_ids());
         }
         if let Some(h) = &self.lm_head {
             ids.extend(h.param_ids());

@@ -352,7 +352,7 @@ pub struct Config {
     pub seed: u64,
     /// "auto", "cuda" or "wgpu".
     pub device: DeviceKind,
-    /// "fp32", "bf16" or "fp16".
+    /// "fp32", "bf16", "fp16" or "fp8" (see `precision.rs`).
     pub precision: PrecisionKind,
     pub model: GptConfig,
     pub data: DataConfig,

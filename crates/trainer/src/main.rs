@@ -1,7 +1,7 @@
 //! `train`: trains a GPT from a TOML config.
 //!
 //! ```text
-//! train [CONFIG.toml] [--set key=value]... [--out DIR] [--resume DIR] [--print-config]
+//! train [CONFIG.toml] [--set key=value]... [--out DIR] [--resume DIR] [--stop-at STEP] [--print-config]
 //! ```
 
 use std::path::PathBuf;

@@ -20,7 +20,7 @@ pub struct StepRecord {
     /// when not finite (an overflowed, skipped step).
     #[serde(with = "nullable_f64")]
     pub grad_norm: f64,
-    /// Precision recipe: "fp32", "bf16" or "fp16".
+    /// Precision recipe: "fp32", "bf16", "fp16" or "fp8".
     #[serde(default)]
     pub precision: String,
     /// Factor the loss was multiplied by before this step's backward (1 without loss scaling).

@@ -122,20 +122,14 @@ fn fp8_weight_health<B: crate::TrainBackend>(
     dtype: FloatDType,
     cfg: &kernels::Fp8LinearConfig,
 ) -> Vec<crate::metrics::Fp8LayerHealth> {
-    let mut out = Vec::new();
-    for (i, block) in model.blocks.iter().enumerate() {
-        for (name, lin) in [("attn.qkv", &block.attn.qkv), ("attn.proj", &block.attn.proj), ("mlp.fc", &block.mlp.fc), ("mlp.proj", &block.mlp.proj)] {
-            let w = lin.weight.val().inner().cast(dtype);
-            let h = kernels::fp8_health(w, cfg.weight_spec(true));
-            out.push(crate::metrics::Fp8LayerHealth {
-                layer: format!("blocks.{i}.{name}.weight"),
-                amax: h.amax,
-                underflow: h.underflow,
-                saturated: h.saturated,
-            });
-        }
-    }
-    out
+    model
+        .projections()
+        .into_iter()
+        .map(|(name, lin)| {
+            let h = kernels::fp8_health(lin.weight.val().inner().cast(dtype), cfg.weight_spec(true));
+            crate::metrics::Fp8LayerHealth { layer: format!("{name}.weight"), amax: h.amax, underflow: h.underflow, saturated: h.saturated }
+        })
+        .collect()
 }
 
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.

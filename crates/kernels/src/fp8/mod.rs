@@ -27,9 +27,11 @@
 //! [`Fp8GemmPath::Dequantize`] (the default on every backend) expands the codes times their
 //! scales into bf16 (bf16 output, power-of-two scales) or f32, exactly, and multiplies with Burn's matmul
 //! (f32 accumulation). The products are therefore the FP8 products; the speed is not FP8
-//! tensor-core speed. [`Fp8GemmPath::TensorCores`] (`mma.sync` m16n8k32 on E4M3, CUDA sm_89+) is
-//! opt-in with `BURNMIX_FP8_GEMM=mma` until it has been validated on a GPU; [`fp8_gemm_path`] says
-//! which path a pair of operands takes and [`fp8_gemm_on`] forces one.
+//! tensor-core speed. [`Fp8GemmPath::TensorCores`] (`mma.sync` m16n8k32 on E4M3, CUDA sm_89+;
+//! correct on an H100, but emulated and slower than bf16 there) is opt-in with
+//! `BURNMIX_FP8_GEMM=mma`; [`Fp8GemmPath::CublasLt`] (cuBLASLt's block-scaled FP8 GEMM) with
+//! `BURNMIX_FP8_GEMM=cublaslt`. [`fp8_gemm_path`] says which path a pair of operands takes and
+//! [`fp8_gemm_on`] forces one.
 //!
 //! **Linear** ([`fp8_linear`]): `x [t, in] w [in, out]` with the fprop, dgrad and wgrad GEMMs in FP8,
 //! each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
