@@ -198,6 +198,9 @@ struct Flags {
     tensor: CubeTensor<CudaRuntime>,
     ptr: u64,
     seq: u32,
+    /// CubeCL gives each host thread its own stream, and the hand-over orders one stream only: GEMMs
+    /// from other threads are host-synchronised.
+    thread: std::thread::ThreadId,
 }
 
 impl Flags {
@@ -207,7 +210,7 @@ impl Flags {
         let ptr = tensor.client.get_resource(tensor.handle.clone()).map_err(|e| format!("CubeCL resource: {e:?}"))?.resource().ptr;
         // The flags are written by `create_from_slice` on CubeCL's stream; wait for that once.
         cubecl::future::block_on(tensor.client.sync()).map_err(|e| format!("CubeCL sync: {e:?}"))?;
-        Ok(Self { tensor, ptr, seq: 0 })
+        Ok(Self { tensor, ptr, seq: 0, thread: std::thread::current().id() })
     }
 }
 
@@ -326,7 +329,10 @@ fn execute(
     let state = device(a.device.index);
     let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
     let dev = state.as_mut().map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
-    let order = order();
+    let order = match (order(), &dev.flags) {
+        (Order::Stream, Some(f)) if f.thread != std::thread::current().id() => Order::HostSync,
+        (order, _) => order,
+    };
 
     // SAFETY: the pointers come from live CubeCL allocations of the sizes the layouts describe
     // (rows, cols and ld are the tensors' own shapes and strides); the descriptors are created and
@@ -369,6 +375,9 @@ fn execute(
                 flags.tensor.clone().into_tensor_arg(),
                 seq,
             );
+            // CubeCL queues launches on the host; hand this one to the driver now, so that the
+            // GEMM does not wait for CubeCL's next flush.
+            flags.tensor.client.flush().map_err(|e| Refused::Unsupported(format!("CubeCL flush: {e:?}")))?;
             let eq = dsys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ as u32;
             dsys::cuStreamWaitValue32_v2(dev.stream, flags.ptr, seq, eq)
                 .result()
@@ -377,7 +386,7 @@ fn execute(
         } else {
             None
         };
-        lt::matmul(
+        let done = lt::matmul(
             dev.handle,
             call.desc,
             &alpha as *const f32 as *const c_void,
@@ -395,15 +404,20 @@ fn execute(
             WORKSPACE_BYTES,
             dev.stream as sys::cudaStream_t,
         )
-        .map_err(|e| Refused::Unsupported(format!("cublasLtMatmul for {}: {e:?}", what())))?;
+        .map_err(|e| Refused::Unsupported(format!("cublasLtMatmul for {}: {e:?}", what())));
         match seq {
             None => drv::stream::synchronize(dev.stream).map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?,
             Some(seq) => {
+                // Completed whether or not the GEMM was queued: the GEMM's stream is already
+                // waiting for `seq`, and CubeCL's next hand-over must not overtake it.
                 let flags = dev.flags.as_ref().expect("created above");
                 // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream waits for it.
-                dsys::cuStreamWriteValue32_v2(dev.stream, flags.ptr + 4, seq, 0)
-                    .result()
-                    .map_err(|e| Refused::Unsupported(format!("cuStreamWriteValue32: {e:?}")))?;
+                let written = dsys::cuStreamWriteValue32_v2(dev.stream, flags.ptr + 4, seq, 0).result();
+                if let Err(e) = written {
+                    // Without the flag CubeCL cannot wait on the GPU: wait for both streams here.
+                    let _ = drv::stream::synchronize(dev.stream);
+                    return Err(Refused::Unsupported(format!("cuStreamWriteValue32: {e:?}")));
+                }
                 gemm_wait::launch_unchecked::<CudaRuntime>(
                     &flags.tensor.client,
                     CubeCount::Static(1, 1, 1),
@@ -413,6 +427,7 @@ fn execute(
                 );
             }
         }
+        done?;
     }
     drop((ra, rb, rc, rs));
     Ok(())
@@ -450,9 +465,13 @@ impl Call {
         set(CUBLASLT_MATMUL_DESC_TRANSA, &op_a as *const i32 as *const c_void, 4)?;
         set(CUBLASLT_MATMUL_DESC_TRANSB, &op_b as *const i32 as *const c_void, 4)?;
         if let Some([mode_a, mode_b]) = p.scale_modes {
-            let (mode_a, mode_b) = (mode_a as i32, mode_b as i32);
-            set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a as *const i32 as *const c_void, 4)?;
-            set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b as *const i32 as *const c_void, 4)?;
+            // Per-tensor scales are the default mode (and older cuBLASLt has no mode attribute).
+            let scalar = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+            if (mode_a, mode_b) != (scalar, scalar) {
+                let (mode_a, mode_b) = (mode_a as i32, mode_b as i32);
+                set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a as *const i32 as *const c_void, 4)?;
+                set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b as *const i32 as *const c_void, 4)?;
+            }
             // f32 accumulation promoted as cuBLASLt's block scaling requires (no fast accumulation).
             let fast: i8 = 0;
             set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast as *const i8 as *const c_void, 1)?;
@@ -586,10 +605,34 @@ pub(crate) fn fp8_gemm(a: Fp8Operand, b: Fp8Operand, k_pad: usize, out: DType) -
         || n == 0
         || m % 8 != 0
         || n % 8 != 0
+        || k_pad == 0
         || k_pad % 128 != 0
         || a.payload.device != b.payload.device
     {
         return Err(Refused::NotApplicable);
+    }
+    // The scales must be exactly what cuBLASLt reads for the layout, densely stored.
+    let tiles = k_pad / 128;
+    for t in [&a, &b] {
+        let want = match t.layout {
+            Fp8Scales::Tensor => [1, 1],
+            Fp8Scales::Vec128 => [tiles, t.rows],
+            Fp8Scales::Blk128 => [t.rows.div_ceil(128), tiles.div_ceil(4) * 4],
+        };
+        let (shape, strides) = dims2(&t.scales);
+        // (The stride of a length-1 axis is never used.)
+        let dense = (shape[1] == 1 || strides[1] == 1) && (shape[0] == 1 || strides[0] == want[1]);
+        if t.payload.meta.shape()[0] != t.rows || shape != want || !dense || t.scales.dtype != DType::F32 {
+            return Err(Refused::Unsupported(format!(
+                "FP8 operand of {} rows: payload {:?}, {:?} scales {:?} with strides {:?} ({:?}); expected f32 scales {want:?}, dense",
+                t.rows,
+                t.payload.meta.shape(),
+                t.layout,
+                shape,
+                strides,
+                t.scales.dtype
+            )));
+        }
     }
     let codes = |t: &Fp8Operand, trans: bool| -> Result<(CubeTensor<CudaRuntime>, Layout), Refused> {
         let t_payload = if t.payload.meta.strides()[1] == 1 { t.payload.clone() } else { into_contiguous(t.payload.clone()) };
@@ -597,9 +640,9 @@ pub(crate) fn fp8_gemm(a: Fp8Operand, b: Fp8Operand, k_pad: usize, out: DType) -
         if t_payload.meta.shape()[1] * 4 != k_pad || (words * 4) % 16 != 0 || t.payload.dtype.size() != 4 {
             return Err(Refused::Unsupported(format!(
                 "FP8 payload {:?} of {:?} (strides {:?}) is not [rows, {}] 32-bit words",
-                t.payload.meta.shape(),
-                t.payload.dtype,
-                t.payload.meta.strides(),
+                t_payload.meta.shape(),
+                t_payload.dtype,
+                t_payload.meta.strides(),
                 k_pad / 4
             )));
         }
