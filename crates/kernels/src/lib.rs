@@ -18,6 +18,7 @@
 //! The functions take ordinary Burn tensors of any backend that implements [`Backend`]:
 //! - `CubeBackend` (Burn's `Cuda` and `Wgpu` without the `fusion` feature) runs the kernels;
 //! - `Autodiff` over it records their backward kernels, so `loss.backward()` uses them;
+//! - Burn's `NdArray` (CPU) and `Autodiff<NdArray>` run the references;
 //! - any other backend can opt in with an empty `impl kernels::Backend for MyBackend {}`, which
 //!   runs the references.
 //!
@@ -718,3 +719,8 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
     }
 }
 impl<B: KernelOps, C: CheckpointStrategy> AutodiffBackend for Autodiff<B, C> {}
+
+// Burn's pure-Rust CPU backend: the plain-Burn reference of every op, with and without autodiff.
+impl Backend for burn::backend::NdArray {}
+impl<C: CheckpointStrategy> Backend for Autodiff<burn::backend::NdArray, C> {}
+impl<C: CheckpointStrategy> AutodiffBackend for Autodiff<burn::backend::NdArray, C> {}

@@ -47,6 +47,15 @@ pub enum GemmKind {
 }
 
 impl GemmKind {
+    /// The config value: "auto", "cublaslt" or "burn".
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmKind::Auto => "auto",
+            GemmKind::Cublaslt => "cublaslt",
+            GemmKind::Burn => "burn",
+        }
+    }
+
     /// The engine of `kernels::gemm`.
     pub fn engine(self) -> kernels::Gemm {
         match self {

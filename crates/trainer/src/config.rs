@@ -16,12 +16,16 @@ pub const DEFAULT_TOML: &str = include_str!("../../../configs/default.toml");
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
-    /// CUDA when an NVIDIA GPU and driver are usable, otherwise wgpu.
+    /// CUDA when an NVIDIA GPU and driver are usable, otherwise wgpu when it finds an adapter,
+    /// otherwise the CPU.
     Auto,
     /// NVIDIA GPU through CUDA (kernels compiled at run time by NVRTC).
     Cuda,
     /// Any Vulkan/Metal/DX12 device through wgpu (Mesa's lavapipe on a machine without a GPU).
     Wgpu,
+    /// The CPU through Burn's pure-Rust `ndarray` backend (the plain-Burn reference of every op;
+    /// fp32 only). Slow, but needs no driver.
+    Cpu,
 }
 
 /// Where the training text comes from.

@@ -10,11 +10,15 @@ use crate::config::DeviceKind;
 /// Environment variable that turns the `train` binary into a CUDA probe (used by `auto`).
 pub const CUDA_PROBE_ENV: &str = "BURNMIX_CUDA_PROBE";
 
+/// Environment variable that turns the `train` binary into a wgpu probe (used by `auto`, `wgpu`).
+pub const WGPU_PROBE_ENV: &str = "BURNMIX_WGPU_PROBE";
+
 /// The device a run uses.
 #[derive(Debug, Clone)]
 pub enum Selected {
     Cuda { index: usize, name: String },
     Wgpu,
+    Cpu,
 }
 
 impl Selected {
@@ -22,6 +26,7 @@ impl Selected {
         match self {
             Selected::Cuda { index, name } => format!("CUDA device {index} ({name})"),
             Selected::Wgpu => "wgpu default device".to_string(),
+            Selected::Cpu => "CPU (Burn's ndarray backend, plain-Burn ops)".to_string(),
         }
     }
 
@@ -29,7 +34,7 @@ impl Selected {
     pub fn gpu_name(&self) -> Option<&str> {
         match self {
             Selected::Cuda { name, .. } => Some(name),
-            Selected::Wgpu => None,
+            Selected::Wgpu | Selected::Cpu => None,
         }
     }
 }
@@ -52,13 +57,23 @@ pub fn nvidia_gpu_name() -> Option<String> {
 /// client panics inside the runtime when the driver, device or headers are missing, and a child
 /// process keeps that from touching the run. Returns the child's error output on failure.
 fn probe_cuda() -> std::result::Result<(), String> {
+    probe(CUDA_PROBE_ENV, "CUDA")
+}
+
+/// As [`probe_cuda`] for wgpu: cubecl-wgpu panics when no adapter (Vulkan, Metal, DX12 driver) exists.
+fn probe_wgpu() -> std::result::Result<(), String> {
+    probe(WGPU_PROBE_ENV, "wgpu")
+}
+
+fn probe(env: &str, what: &str) -> std::result::Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot locate the running executable: {e}"))?;
     let mut child = Command::new(exe)
-        .env(CUDA_PROBE_ENV, "1")
+        .env(env, "1")
+        .env("RUST_BACKTRACE", "0")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot start the CUDA probe: {e}"))?;
+        .map_err(|e| format!("cannot start the {what} probe: {e}"))?;
     let start = std::time::Instant::now();
     loop {
         match child.try_wait() {
@@ -77,10 +92,10 @@ fn probe_cuda() -> std::result::Result<(), String> {
             }
             Ok(None) if start.elapsed() > Duration::from_secs(120) => {
                 let _ = child.kill();
-                return Err("the CUDA probe did not finish within 120 s".into());
+                return Err(format!("the {what} probe did not finish within 120 s"));
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => return Err(format!("waiting for the CUDA probe: {e}")),
+            Err(e) => return Err(format!("waiting for the {what} probe: {e}")),
         }
     }
 }
@@ -89,7 +104,15 @@ fn probe_cuda() -> std::result::Result<(), String> {
 /// tensor can be made, and says why not otherwise.
 pub fn select(kind: DeviceKind) -> Result<(Selected, Option<String>)> {
     match kind {
-        DeviceKind::Wgpu => Ok((Selected::Wgpu, None)),
+        DeviceKind::Cpu => Ok((Selected::Cpu, None)),
+        DeviceKind::Wgpu => match probe_wgpu() {
+            Ok(()) => Ok((Selected::Wgpu, None)),
+            Err(e) => bail!(
+                "device = \"wgpu\" but wgpu found no usable adapter ({}). Install a Vulkan driver (on Debian or Ubuntu \
+                 without a GPU: apt install mesa-vulkan-drivers), or use device = \"cpu\" or \"auto\"",
+                one_line(&e)
+            ),
+        },
         DeviceKind::Cuda => {
             let name = nvidia_gpu_name().unwrap_or_else(|| "unknown NVIDIA GPU".into());
             if let Err(e) = probe_cuda() {
@@ -101,14 +124,42 @@ pub fn select(kind: DeviceKind) -> Result<(Selected, Option<String>)> {
             }
             Ok((Selected::Cuda { index: 0, name }, None))
         }
-        DeviceKind::Auto => match nvidia_gpu_name() {
-            None => Ok((Selected::Wgpu, Some("no NVIDIA GPU found (nvidia-smi), using wgpu".into()))),
-            Some(name) => match probe_cuda() {
-                Ok(()) => Ok((Selected::Cuda { index: 0, name }, None)),
-                Err(e) => Ok((Selected::Wgpu, Some(format!("{name} found but CUDA is not usable ({e}); using wgpu")))),
-            },
-        },
+        DeviceKind::Auto => {
+            let why_not_cuda = match nvidia_gpu_name() {
+                None => "no NVIDIA GPU found (nvidia-smi)".to_string(),
+                Some(name) => match probe_cuda() {
+                    Ok(()) => return Ok((Selected::Cuda { index: 0, name }, None)),
+                    Err(e) => format!("{name} found but CUDA is not usable ({})", one_line(&e)),
+                },
+            };
+            match probe_wgpu() {
+                Ok(()) => Ok((Selected::Wgpu, Some(format!("{why_not_cuda}; using wgpu")))),
+                Err(e) => Ok((
+                    Selected::Cpu,
+                    Some(format!(
+                        "{why_not_cuda}, and wgpu found no adapter ({}); using the CPU (slow; a Vulkan driver such as \
+                         Debian's mesa-vulkan-drivers makes wgpu usable)",
+                        one_line(&e)
+                    )),
+                )),
+            }
+        }
     }
+}
+
+/// The last line of a probe's error output that says something (the panic message, not the
+/// backtrace note).
+fn one_line(e: &str) -> String {
+    let line = e
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("note:") && !l.starts_with("stack backtrace"))
+        .find(|l| l.contains("panicked") || l.contains("error") || l.contains("Error") || l.contains("No "))
+        .or_else(|| e.lines().map(str::trim).find(|l| !l.is_empty()))
+        .unwrap_or("no detail");
+    // wgpu appends its internal state (". Falling back ...: NotFound { ... }"): keep the sentence.
+    let line = line.split(". Falling back").next().unwrap_or(line);
+    line.split(": NotFound {").next().unwrap_or(line).trim_end_matches('.').to_string()
 }
 
 /// Peak dense BF16 tensor-core TFLOP/s by GPU name (datasheet figures), for MFU.

@@ -16,8 +16,9 @@ pub mod train;
 
 use anyhow::Result;
 use burn::backend::cuda::CudaDevice;
+use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::wgpu::WgpuDevice;
-use burn::backend::{Autodiff, Cuda, Wgpu};
+use burn::backend::{Autodiff, Cuda, NdArray, Wgpu};
 
 pub use config::Config;
 pub use train::{RunOptions, Summary};
@@ -37,6 +38,9 @@ where
 }
 /// Training backend on everything else (Vulkan, Metal, DX12; lavapipe on a CPU-only machine).
 pub type WgpuBackend = Autodiff<Wgpu>;
+
+/// Training backend on the CPU without any GPU driver: Burn's ndarray, plain-Burn ops.
+pub type CpuBackend = Autodiff<NdArray>;
 
 /// Trains on the selected device.
 pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result<Summary> {
@@ -66,6 +70,31 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
             }
             train::train::<WgpuBackend>(cfg, WgpuDevice::DefaultDevice, opts)
         }
+        device::Selected::Cpu => {
+            if cfg.precision != config::PrecisionKind::Fp32 {
+                anyhow::bail!(
+                    "precision = \"{}\" needs a GPU; the CPU backend trains in fp32. Use precision = \"fp32\" here, or device = \"cuda\" / \"wgpu\"",
+                    cfg.precision.name()
+                );
+            }
+            if cfg.model.gemm == model::GemmKind::Cublaslt {
+                anyhow::bail!("model.gemm = \"cublaslt\" needs CUDA, but this run is on the CPU. Use model.gemm = \"auto\" or \"burn\" here");
+            }
+            train::train::<CpuBackend>(cfg, NdArrayDevice::Cpu, opts)
+        }
+    }
+}
+
+/// Body of the wgpu probe child process: make a tensor on the default wgpu device and read it back.
+pub fn wgpu_probe() -> i32 {
+    use burn::tensor::Tensor;
+    let t = Tensor::<Wgpu, 1>::from_floats([1.0, 2.0, 3.0], &WgpuDevice::DefaultDevice);
+    let s: f32 = (t.clone() * t).sum().into_scalar();
+    if (s - 14.0).abs() < 1e-4 {
+        0
+    } else {
+        eprintln!("wgpu probe computed {s} instead of 14");
+        1
     }
 }
 

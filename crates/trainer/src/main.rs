@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Parser;
 use trainer::config::Config;
 use trainer::{device, RunOptions};
@@ -103,7 +103,20 @@ fn real_main() -> Result<()> {
         );
     }
     let opts = RunOptions { run_dir: run_dir.clone(), resume, device_name: selected.describe(), peak_tflops: peak, verbose: true, stop_at: cli.stop_at, poison_steps: Vec::new() };
-    let s = trainer::run(&cfg, &selected, &opts).with_context(|| format!("run {}", run_dir.display()))?;
+    let existed = run_dir.exists();
+    let s = match trainer::run(&cfg, &selected, &opts) {
+        Ok(s) => s,
+        Err(e) => {
+            // A new run that failed before its first step has nothing worth keeping: remove the
+            // directory rather than leave one that looks like a run.
+            let stepped = std::fs::read_to_string(run_dir.join("metrics.jsonl")).map(|m| !m.trim().is_empty()).unwrap_or(false);
+            if !existed && !stepped && run_dir.exists() {
+                let _ = std::fs::remove_dir_all(&run_dir);
+                return Err(e.context(format!("run {} (removed: it failed before its first step)", run_dir.display())));
+            }
+            return Err(e.context(format!("run {}", run_dir.display())));
+        }
+    };
     println!(
         "done: {} steps in {:.1}s (first step {:.1}s) | final loss {:.4} | best val_loss {} | median {} tokens/s",
         s.steps,
@@ -120,6 +133,9 @@ fn real_main() -> Result<()> {
 fn main() -> ExitCode {
     if std::env::var_os(device::CUDA_PROBE_ENV).is_some() {
         return ExitCode::from(trainer::cuda_probe() as u8);
+    }
+    if std::env::var_os(device::WGPU_PROBE_ENV).is_some() {
+        return ExitCode::from(trainer::wgpu_probe() as u8);
     }
     match real_main() {
         Ok(()) => ExitCode::SUCCESS,

@@ -278,7 +278,7 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
     console.line(&format!("precision: {}", recipe.describe()));
     {
         let probe = burn::tensor::Tensor::<B, 2>::zeros([1, 1], (&device, burn::tensor::DType::from(compute_dtype)));
-        console.line(&format!("GEMMs: {} (model.gemm = {:?})", kernels::gemm::gemm_path(&probe, cfg.model.gemm.engine()), cfg.model.gemm));
+        console.line(&format!("GEMMs: {} (model.gemm = \"{}\")", kernels::gemm::gemm_path(&probe, cfg.model.gemm.engine()), cfg.model.gemm.name()));
     }
     if start_step >= steps {
         console.line(&format!("nothing to do: the run already has {start_step} of {steps} steps"));
