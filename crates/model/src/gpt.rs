@@ -89,6 +89,63 @@ impl<B: kernels::Backend> Attention<B> {
     }
 }
 
+impl<B: kernels::Backend> Attention<B> {
+    /// [`Attention::forward`] on plain Burn ops for new positions `x` [B, T, d] after those whose
+    /// keys and values `slot` holds ([B, H, T_past, hd] each), which it extends. `cos`, `sin` are
+    /// the RoPE tables of the new positions ([1, 1, T, hd / 2]); `mask` [1, 1, T, T_past + T].
+    fn forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        mask: &Tensor<B, 4>,
+        slot: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+    ) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let h = self.n_head;
+        let hd = d / h;
+        let qkv = self.qkv.forward(x).reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+        let mut parts = qkv.chunk(3, 1);
+        let v = parts.pop().expect("v");
+        let k = apply_rope(parts.pop().expect("k"), cos, sin);
+        let q = apply_rope(parts.pop().expect("q"), cos, sin);
+        let (k, v) = match slot.take() {
+            Some((pk, pv)) => (Tensor::cat(vec![pk, k], 2), Tensor::cat(vec![pv, v], 2)),
+            None => (k, v),
+        };
+        *slot = Some((k.clone(), v.clone()));
+        let scale = (hd as f64).powf(-0.5);
+        let scores = q.mul_scalar(scale).matmul(k.swap_dims(2, 3)).cast(FloatDType::F32) + mask.clone();
+        let probs = softmax(scores, 3).cast(v.dtype());
+        let y = probs.matmul(v).swap_dims(1, 2).reshape([b, t, d]);
+        self.proj.forward(y)
+    }
+}
+
+/// Keys and values of the positions seen so far, per layer, for [`Gpt::forward_cached`].
+#[derive(Debug)]
+pub struct KvCache<B: Backend> {
+    /// Per layer: k and v, [B, H, T_seen, head_dim] each.
+    layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+    len: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// An empty cache for a model of `n_layer` blocks.
+    pub fn new(n_layer: usize) -> Self {
+        Self { layers: (0..n_layer).map(|_| None).collect(), len: 0 }
+    }
+
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// Feed-forward block, SwiGLU or GELU.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
@@ -376,6 +433,43 @@ impl<B: kernels::Backend> Gpt<B> {
         };
         debug_assert_dtype(&logits, dt, "LM head output");
         logits
+    }
+
+    /// Logits [B, T, vocab] (f32) of `ids` [B, T] as the continuation of the positions in `cache`,
+    /// whose keys and values it extends: a prompt, then one token at a time, gives the logits
+    /// [`Gpt::forward`] gives on the whole sequence, in time linear in its length. Plain Burn ops
+    /// (the reference path), no dropout: for generation. Panics if the cache would exceed
+    /// `model.context`.
+    pub fn forward_cached(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        let [_, t] = ids.dims();
+        let past = cache.len;
+        assert!(
+            past + t <= self.config.context,
+            "{past} cached and {t} new positions exceed model.context = {}",
+            self.config.context
+        );
+        assert_eq!(cache.layers.len(), self.blocks.len(), "a cache made for {} layers", cache.layers.len());
+        let device = ids.device();
+        let dt = self.compute_dtype;
+        let (hd, theta) = (self.config.head_dim(), self.config.rope_theta);
+        let (cos, sin) = rope_tables::<B>(past + t, hd, theta, &device);
+        let rows = [0..1, 0..1, past..past + t, 0..hd / 2];
+        let (cos, sin) = (cos.slice(rows.clone()).cast(dt), sin.slice(rows).cast(dt));
+        // Query i (position past + i) sees keys 0..=past + i.
+        let above = Tensor::<B, 2, Bool>::tril_mask([t, past + t], past as i64, &device);
+        let mask = Tensor::<B, 2>::zeros([t, past + t], &device).mask_fill(above, MASKED).reshape([1, 1, t, past + t]);
+        let mut x = self.wte.forward(ids).cast(dt);
+        for (block, slot) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            x = x.clone() + block.attn.forward_cached(block.norm1.forward(x), &cos, &sin, &mask, slot);
+            x = x.clone() + block.mlp.forward(block.norm2.forward(x), KernelsKind::Reference, kernels::Gemm::Burn);
+        }
+        cache.len += t;
+        let x = self.norm_f.forward(x);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => x.matmul(self.wte.weight.val().cast(dt).transpose().unsqueeze()),
+        };
+        logits.cast(FloatDType::F32)
     }
 
     /// Mean next-token cross-entropy (natural log) of `logits` [B, T, V] against `targets` [B, T].

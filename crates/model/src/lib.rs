@@ -31,4 +31,4 @@ pub mod gpt;
 pub mod layers;
 
 pub use config::{AttentionKind, GemmKind, GptConfig, KernelsKind, MlpKind};
-pub use gpt::Gpt;
+pub use gpt::{Gpt, KvCache};

@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod optim;
 pub mod precision;
 pub mod rng;
+pub mod sample;
 pub mod schedule;
 pub mod tokenizer;
 pub mod train;

@@ -38,6 +38,41 @@ fn auto_device_falls_back_to_the_cpu_and_learns() {
         .collect();
     assert_eq!(losses.len(), 20);
     assert!(losses[19] < losses[0] - 0.5, "the CPU run learns: {losses:?}");
+
+    // `sample` continues a prompt from the run's checkpoint.
+    let sample = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_sample"))
+            .args(args)
+            .current_dir(&dir)
+            .env("VK_ICD_FILENAMES", "/nonexistent")
+            .env("VK_DRIVER_FILES", "/nonexistent")
+            .env("PATH", "/nonexistent")
+            .output()
+            .expect("run sample")
+    };
+    let out = sample(&["run", "--prompt", "The ", "--max-new-tokens", "40", "--seed", "3"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "sample failed:\n{stdout}\n{stderr}");
+    assert!(stdout.starts_with("The "), "the prompt comes first: {stdout:?}");
+    assert!(stdout.trim_end().chars().count() > "The ".len() + 10, "text was generated: {stdout:?}");
+    assert!(stderr.contains("40 tokens in") && stderr.contains("tokens/s"), "{stderr}");
+    // The same seed gives the same text; greedy decoding is deterministic too.
+    let again = sample(&["run", "--prompt", "The ", "--max-new-tokens", "40", "--seed", "3"]);
+    assert_eq!(String::from_utf8_lossy(&again.stdout), stdout, "same seed, same text");
+
+    // Clear errors: a prompt character the tokenizer never saw, a missing checkpoint, not a run.
+    let out = sample(&["run", "--prompt", "\u{1F600}"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("characters this run's tokenizer never saw"), "{stderr}");
+    let out = sample(&["run", "--checkpoint", "7"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no checkpoint of step 7; the run has steps 20"), "{stderr}");
+    std::fs::create_dir_all(dir.join("empty")).unwrap();
+    let out = sample(&["empty"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no config.toml there; is it a run directory?"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]

@@ -1,0 +1,195 @@
+//! Text generation from a run's checkpoint: the `sample` binary.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use burn::module::AutodiffModule;
+use burn::tensor::{Int, Tensor, TensorData};
+use model::{Gpt, KvCache};
+
+use crate::config::Config;
+use crate::optim::AdamW;
+use crate::{checkpoint, device};
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct SampleOptions {
+    pub run_dir: PathBuf,
+    /// Text the generation continues (encoded with the run's tokenizer).
+    pub prompt: String,
+    pub max_new_tokens: usize,
+    /// Softmax temperature; 0 takes the most likely token every time.
+    pub temperature: f64,
+    /// Sample among the `top_k` most likely tokens only (0: all).
+    pub top_k: usize,
+    pub seed: u64,
+    /// Checkpoint step to load (default: the newest).
+    pub checkpoint: Option<u64>,
+}
+
+/// What a generation produced.
+#[derive(Debug, Clone)]
+pub struct Sampled {
+    pub text: String,
+    pub new_tokens: usize,
+    pub tokens_per_s: f64,
+    pub checkpoint: PathBuf,
+    pub step: u64,
+}
+
+/// The run's config, tokenizer and chosen checkpoint, with clear errors for each missing piece.
+fn locate(opts: &SampleOptions) -> Result<(Config, tokenizers::Tokenizer, u64, PathBuf)> {
+    let dir = &opts.run_dir;
+    if !dir.is_dir() {
+        bail!("{}: no such directory; give the run directory that `train` printed (runs/...)", dir.display());
+    }
+    let cfg_path = dir.join("config.toml");
+    if !cfg_path.exists() {
+        bail!("{}: no config.toml there; is it a run directory?", dir.display());
+    }
+    let cfg = Config::load(&cfg_path, &[])?;
+    let tok_path = dir.join("tokenizer.json");
+    if !tok_path.exists() {
+        bail!("{}: no tokenizer.json there; the run did not get past loading its data", dir.display());
+    }
+    let tok = crate::tokenizer::load(&tok_path)?;
+    let list = checkpoint::list(dir)?;
+    let (step, path) = match opts.checkpoint {
+        None => list.last().cloned().ok_or_else(|| {
+            anyhow!(
+                "{}: no checkpoint yet in {}; train the run further (checkpoints come every training.checkpoint_interval steps and at the end)",
+                dir.display(),
+                checkpoint::dir(dir).display()
+            )
+        })?,
+        Some(s) => list.iter().find(|(st, _)| *st == s).cloned().ok_or_else(|| {
+            let have: Vec<String> = list.iter().map(|(st, _)| st.to_string()).collect();
+            anyhow!(
+                "{}: no checkpoint of step {s}; the run has {}",
+                dir.display(),
+                if have.is_empty() { "none".to_string() } else { format!("steps {}", have.join(", ")) }
+            )
+        })?,
+    };
+    Ok((cfg, tok, step, path))
+}
+
+/// The prompt's token ids, refusing characters a character-level tokenizer does not know.
+fn encode_prompt(tok: &tokenizers::Tokenizer, prompt: &str) -> Result<Vec<u32>> {
+    let enc = tok.encode(prompt, false).map_err(|e| anyhow!("encoding the prompt: {e}"))?;
+    let ids = enc.get_ids().to_vec();
+    if let Some(unk) = tok.token_to_id(crate::tokenizer::UNK) {
+        let unknown: std::collections::BTreeSet<char> =
+            prompt.chars().filter(|c| tok.token_to_id(&c.to_string()).is_none()).collect();
+        if ids.contains(&unk) && !unknown.is_empty() {
+            let list: String = unknown.iter().map(|c| format!("{c:?} ")).collect();
+            bail!("the prompt has characters this run's tokenizer never saw: {}; use characters of its training text", list.trim_end());
+        }
+    }
+    if ids.is_empty() {
+        bail!("the prompt encodes to no tokens; give at least one character (the default is a newline)");
+    }
+    Ok(ids)
+}
+
+/// Next token from `logits` (one row) with temperature and top-k, drawn with `rng`.
+pub fn pick(logits: &[f32], temperature: f64, top_k: usize, rng: &mut crate::rng::SplitMix64) -> u32 {
+    let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+    if temperature <= 0.0 {
+        return argmax();
+    }
+    let mut order: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
+    if order.is_empty() {
+        return argmax();
+    }
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if top_k > 0 {
+        order.truncate(top_k);
+    }
+    let top = logits[order[0]] as f64;
+    let weights: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - top) / temperature).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    // A uniform draw in [0, 1) from the top 53 bits.
+    let mut u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+    for (&i, w) in order.iter().zip(&weights) {
+        if u < *w {
+            return i as u32;
+        }
+        u -= w;
+    }
+    order[order.len() - 1] as u32
+}
+
+/// Generates on the device `cfg.device` selects, printing text to `out` as it comes.
+pub fn sample(opts: &SampleOptions, out: &mut dyn Write) -> Result<Sampled> {
+    let (cfg, _, _, _) = locate(opts)?;
+    let (selected, note) = device::select(cfg.device)?;
+    if let Some(n) = note {
+        eprintln!("device: {n}");
+    }
+    match selected {
+        device::Selected::Cuda { index, .. } => {
+            sample_on::<crate::CudaBackend>(opts, burn::backend::cuda::CudaDevice::new(index), out)
+        }
+        device::Selected::Wgpu => sample_on::<crate::WgpuBackend>(opts, burn::backend::wgpu::WgpuDevice::DefaultDevice, out),
+        device::Selected::Cpu => sample_on::<crate::CpuBackend>(opts, burn::backend::ndarray::NdArrayDevice::Cpu, out),
+    }
+}
+
+/// [`sample`] on a given backend (f32 weights, the model's plain-Burn path).
+pub fn sample_on<B: crate::TrainBackend>(opts: &SampleOptions, device: B::Device, out: &mut dyn Write) -> Result<Sampled> {
+    let (cfg, tok, step, path) = locate(opts)?;
+    let (header, values) = checkpoint::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let vocab = header.vocab_size;
+    let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), Default::default());
+    let (model, _) = checkpoint::apply::<B, _>(&path, header, values, Gpt::<B>::new(&cfg.model, vocab, &device), &mut opt, &cfg, vocab)?;
+    let model = model.valid();
+    let context = cfg.model.context;
+
+    let prompt = encode_prompt(&tok, &opts.prompt)?;
+    let mut rng = crate::rng::SplitMix64::new(opts.seed);
+    let inner = model.wte.weight.val().device();
+    let ids = |v: &[u32]| Tensor::<B::InnerBackend, 2, Int>::from_data(TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [1, v.len()]), &inner);
+    // A prompt longer than the context keeps its end.
+    let mut window: Vec<u32> = prompt[prompt.len().saturating_sub(context)..].to_vec();
+    let mut cache = KvCache::new(cfg.model.n_layer);
+    let mut logits = model.forward_cached(ids(&window), &mut cache);
+    let mut generated = Vec::with_capacity(opts.max_new_tokens);
+    write!(out, "{}", opts.prompt)?;
+    let start = Instant::now();
+    for _ in 0..opts.max_new_tokens {
+        let [_, t, v] = logits.dims();
+        let last: Vec<f32> = logits.slice([0..1, t - 1..t, 0..v]).into_data().convert::<f32>().into_vec::<f32>().map_err(|e| anyhow!("{e:?}"))?;
+        let next = pick(&last, opts.temperature, opts.top_k, &mut rng);
+        generated.push(next);
+        write!(out, "{}", crate::tokenizer::decode(&tok, &[next])?)?;
+        out.flush()?;
+        window.push(next);
+        if cache.len() + 1 > context {
+            // The cache is full: start again from the last half context (rare; each restart
+            // costs one prompt-sized forward).
+            window = window[window.len() - context / 2..].to_vec();
+            cache = KvCache::new(cfg.model.n_layer);
+            logits = model.forward_cached(ids(&window), &mut cache);
+        } else {
+            logits = model.forward_cached(ids(&[next]), &mut cache);
+        }
+    }
+    writeln!(out)?;
+    let secs = start.elapsed().as_secs_f64();
+    let text = crate::tokenizer::decode(&tok, &generated)?;
+    Ok(Sampled {
+        text,
+        new_tokens: generated.len(),
+        tokens_per_s: generated.len() as f64 / secs.max(1e-9),
+        checkpoint: path,
+        step,
+    })
+}
+
+/// The newest checkpoint step of `run_dir`, if any.
+pub fn newest_checkpoint(run_dir: &Path) -> Result<Option<u64>> {
+    Ok(checkpoint::list(run_dir)?.last().map(|(s, _)| *s))
+}

@@ -1,0 +1,80 @@
+//! `sample`: generates text from a run's checkpoint.
+//!
+//! ```text
+//! sample RUN_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--checkpoint STEP]
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use trainer::sample::{sample, SampleOptions};
+
+/// Generate text with a model trained by `train`: loads the run's newest (or given) checkpoint and
+/// tokenizer, continues the prompt one token at a time (keys and values cached, so the cost is
+/// linear in the length), and prints the text as it comes.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    /// The run directory `train` wrote (runs/...).
+    run_dir: PathBuf,
+    /// Text to continue.
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 500)]
+    max_new_tokens: usize,
+    /// Softmax temperature (0 = always the most likely token).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among the K most likely tokens only (0 = all).
+    #[arg(long, default_value_t = 200)]
+    top_k: usize,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// Step of the checkpoint to load (default: the newest).
+    #[arg(long, value_name = "STEP")]
+    checkpoint: Option<u64>,
+}
+
+fn main() -> ExitCode {
+    if std::env::var_os(trainer::device::CUDA_PROBE_ENV).is_some() {
+        return ExitCode::from(trainer::cuda_probe() as u8);
+    }
+    if std::env::var_os(trainer::device::WGPU_PROBE_ENV).is_some() {
+        return ExitCode::from(trainer::wgpu_probe() as u8);
+    }
+    let cli = Cli::parse();
+    if !(cli.temperature >= 0.0 && cli.temperature.is_finite()) {
+        eprintln!("error: --temperature must be a finite number >= 0, got {}", cli.temperature);
+        return ExitCode::FAILURE;
+    }
+    let opts = SampleOptions {
+        run_dir: cli.run_dir,
+        prompt: cli.prompt,
+        max_new_tokens: cli.max_new_tokens,
+        temperature: cli.temperature,
+        top_k: cli.top_k,
+        seed: cli.seed,
+        checkpoint: cli.checkpoint,
+    };
+    let mut stdout = std::io::stdout();
+    match sample(&opts, &mut stdout) {
+        Ok(s) => {
+            eprintln!(
+                "{} tokens in {:.2} s ({:.1} tokens/s) from {} (step {})",
+                s.new_tokens,
+                s.new_tokens as f64 / s.tokens_per_s.max(1e-9),
+                s.tokens_per_s,
+                s.checkpoint.display(),
+                s.step
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
