@@ -7,8 +7,18 @@ pub use kernels;
 pub use model;
 pub use trainer;
 
-/// Timing shared by the benchmark binaries.
+/// Timing and argument parsing shared by the benchmark binaries.
 pub mod bench {
+    /// Comma-separated `AxBxC` triples (`what` names the three, for the message), e.g. `4096x4096x4096,16384x768x2304`.
+    pub fn parse_triples(s: &str, what: &str) -> Vec<[usize; 3]> {
+        s.split(',')
+            .map(|t| {
+                let v: Vec<usize> = t.split('x').map(|x| x.trim().parse().unwrap_or_else(|_| panic!("bad shape {t}: use {what}"))).collect();
+                <[usize; 3]>::try_from(v).unwrap_or_else(|_| panic!("bad shape {t}: use {what}"))
+            })
+            .collect()
+    }
+
     use std::time::Instant;
 
     use burn::tensor::backend::Backend;

@@ -126,22 +126,10 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
     }
 }
 
-fn parse_shapes(s: &str) -> Vec<(usize, usize, usize)> {
-    s.split(',')
-        .map(|t| {
-            let v: Vec<usize> = t.split('x').map(|x| x.trim().parse().unwrap_or_else(|_| panic!("bad shape {t}: use MxNxK"))).collect();
-            match v[..] {
-                [m, n, k] => (m, n, k),
-                _ => panic!("bad shape {t}: use MxNxK"),
-            }
-        })
-        .collect()
-}
-
 fn main() {
     let args = Args::parse();
     let shapes = match &args.shapes {
-        Some(s) => parse_shapes(s),
+        Some(s) => burnmix::bench::parse_triples(s, "MxNxK").into_iter().map(|[m, n, k]| (m, n, k)).collect(),
         None => vec![(4096, 4096, 4096), (8192, 8192, 8192), (16384, 2304, 768), (16384, 768, 768), (16384, 3072, 768), (16384, 768, 3072)],
     };
     match args.device.as_str() {

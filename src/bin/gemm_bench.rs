@@ -91,18 +91,6 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[[usize; 3]
     }
 }
 
-fn parse_shapes(s: &str) -> Vec<[usize; 3]> {
-    s.split(',')
-        .map(|t| {
-            let v: Vec<usize> = t.split('x').map(|x| x.trim().parse().unwrap_or_else(|_| panic!("bad shape {t}: use MxKxN"))).collect();
-            match v[..] {
-                [m, k, n] => [m, k, n],
-                _ => panic!("bad shape {t}: use MxKxN"),
-            }
-        })
-        .collect()
-}
-
 fn parse_dtypes(s: &str) -> Vec<FloatDType> {
     s.split(',')
         .map(|d| match d.trim() {
@@ -117,7 +105,7 @@ fn parse_dtypes(s: &str) -> Vec<FloatDType> {
 fn main() {
     let args = Args::parse();
     let shapes = match &args.shapes {
-        Some(s) => parse_shapes(s),
+        Some(s) => burnmix::bench::parse_triples(s, "MxKxN"),
         None => CUBLASLT_BF16.iter().map(|(s, _)| *s).collect(),
     };
     let dtypes = parse_dtypes(&args.dtypes);

@@ -1,7 +1,7 @@
 //! Text generation from a run's checkpoint: the `sample` binary.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -124,23 +124,31 @@ pub fn pick(logits: &[f32], temperature: f64, top_k: usize, rng: &mut crate::rng
 
 /// Generates on the device `cfg.device` selects, printing text to `out` as it comes.
 pub fn sample(opts: &SampleOptions, out: &mut dyn Write) -> Result<Sampled> {
-    let (cfg, _, _, _) = locate(opts)?;
-    let (selected, note) = device::select(cfg.device)?;
+    let run = locate(opts)?;
+    let (selected, note) = device::select(run.0.device)?;
     if let Some(n) = note {
         eprintln!("device: {n}");
     }
     match selected {
         device::Selected::Cuda { index, .. } => {
-            sample_on::<crate::CudaBackend>(opts, burn::backend::cuda::CudaDevice::new(index), out)
+            generate::<crate::CudaBackend>(opts, run, burn::backend::cuda::CudaDevice::new(index), out)
         }
-        device::Selected::Wgpu => sample_on::<crate::WgpuBackend>(opts, burn::backend::wgpu::WgpuDevice::DefaultDevice, out),
-        device::Selected::Cpu => sample_on::<crate::CpuBackend>(opts, burn::backend::ndarray::NdArrayDevice::Cpu, out),
+        device::Selected::Wgpu => generate::<crate::WgpuBackend>(opts, run, burn::backend::wgpu::WgpuDevice::DefaultDevice, out),
+        device::Selected::Cpu => generate::<crate::CpuBackend>(opts, run, burn::backend::ndarray::NdArrayDevice::Cpu, out),
     }
 }
 
 /// [`sample`] on a given backend (f32 weights, the model's plain-Burn path).
 pub fn sample_on<B: crate::TrainBackend>(opts: &SampleOptions, device: B::Device, out: &mut dyn Write) -> Result<Sampled> {
-    let (cfg, tok, step, path) = locate(opts)?;
+    generate::<B>(opts, locate(opts)?, device, out)
+}
+
+fn generate<B: crate::TrainBackend>(
+    opts: &SampleOptions,
+    (cfg, tok, step, path): (Config, tokenizers::Tokenizer, u64, PathBuf),
+    device: B::Device,
+    out: &mut dyn Write,
+) -> Result<Sampled> {
     let (header, values) = checkpoint::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let vocab = header.vocab_size;
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), Default::default());
@@ -187,9 +195,4 @@ pub fn sample_on<B: crate::TrainBackend>(opts: &SampleOptions, device: B::Device
         checkpoint: path,
         step,
     })
-}
-
-/// The newest checkpoint step of `run_dir`, if any.
-pub fn newest_checkpoint(run_dir: &Path) -> Result<Option<u64>> {
-    Ok(checkpoint::list(run_dir)?.last().map(|(s, _)| *s))
 }

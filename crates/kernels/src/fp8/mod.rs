@@ -269,6 +269,19 @@ fn mma_applies<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> bool {
     e4m3 && tiles && B::fp8_mma_supported(&a.payload.clone().into_primitive())
 }
 
+/// [`Backend::fp8_gemm_mma`] and [`Backend::fp8_gemm_cublaslt`].
+type Fp8GemmFn<B> = fn(
+    burn::tensor::ops::IntTensor<B>,
+    burn::tensor::ops::FloatTensor<B>,
+    &QuantSpec,
+    burn::tensor::ops::IntTensor<B>,
+    burn::tensor::ops::FloatTensor<B>,
+    &QuantSpec,
+    usize,
+    usize,
+    FloatDType,
+) -> Option<burn::tensor::ops::FloatTensor<B>>;
+
 /// `a [m, k] x b [n, k]^T -> [m, n]` in `out` dtype, from two matrices quantized along the same `k`,
 /// on the path [`fp8_gemm_path`] names.
 pub fn fp8_gemm<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDType) -> Tensor<B, 2> {
@@ -288,8 +301,14 @@ pub fn fp8_gemm_on<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDTy
             a.rows, a.k, b.rows, b.k
         );
     }
-    match path {
-        Fp8GemmPath::TensorCores => B::fp8_gemm_mma(
+    // The two FP8 tensor-core paths take the same operands.
+    let fp8_path = match path {
+        Fp8GemmPath::TensorCores => Some(B::fp8_gemm_mma as Fp8GemmFn<B>),
+        Fp8GemmPath::CublasLt => Some(B::fp8_gemm_cublaslt as Fp8GemmFn<B>),
+        Fp8GemmPath::Dequantize => None,
+    };
+    match fp8_path {
+        Some(gemm) => gemm(
             a.payload.clone().into_primitive(),
             a.scales.clone().into_primitive().tensor(),
             &a.spec,
@@ -301,19 +320,7 @@ pub fn fp8_gemm_on<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDTy
             out,
         )
         .map(|c| Tensor::from_primitive(TensorPrimitive::Float(c))),
-        Fp8GemmPath::CublasLt => B::fp8_gemm_cublaslt(
-            a.payload.clone().into_primitive(),
-            a.scales.clone().into_primitive().tensor(),
-            &a.spec,
-            b.payload.clone().into_primitive(),
-            b.scales.clone().into_primitive().tensor(),
-            &b.spec,
-            a.rows,
-            b.rows,
-            out,
-        )
-        .map(|c| Tensor::from_primitive(TensorPrimitive::Float(c))),
-        Fp8GemmPath::Dequantize => {
+        None => {
             // Code x power-of-two scale is exact in bf16; other scales need f32.
             let bf16 = out == FloatDType::BF16 && a.spec.pow2 && b.spec.pow2;
             let compute = if bf16 { FloatDType::BF16 } else { FloatDType::F32 };

@@ -212,6 +212,18 @@ impl Flags {
         cubecl::future::block_on(tensor.client.sync()).map_err(|e| format!("CubeCL sync: {e:?}"))?;
         Ok(Self { tensor, ptr, seq: 0, thread: std::thread::current().id() })
     }
+
+    /// Launches one of the one-thread flag kernels on the flags with `seq`.
+    ///
+    /// # Safety
+    /// `kernel` is `gemm_signal` or `gemm_wait`, which index only the two flags.
+    unsafe fn launch(
+        &self,
+        kernel: unsafe fn(&cubecl::client::ComputeClient<CudaRuntime>, CubeCount, CubeDim, TensorArg<CudaRuntime>, u32),
+        seq: u32,
+    ) {
+        kernel(&self.tensor.client, CubeCount::Static(1, 1, 1), CubeDim::new_1d(1), self.tensor.clone().into_tensor_arg(), seq);
+    }
 }
 
 // SAFETY: the handles are plain CUDA objects usable from any thread once the device's context is
@@ -368,13 +380,7 @@ fn execute(
             flags.seq = flags.seq.wrapping_add(1).max(1);
             let seq = flags.seq;
             // CubeCL's stream: flag[0] = seq after everything queued so far.
-            gemm_signal::launch_unchecked::<CudaRuntime>(
-                &flags.tensor.client,
-                CubeCount::Static(1, 1, 1),
-                CubeDim::new_1d(1),
-                flags.tensor.clone().into_tensor_arg(),
-                seq,
-            );
+            flags.launch(gemm_signal::launch_unchecked::<CudaRuntime>, seq);
             // CubeCL queues launches on the host; hand this one to the driver now, so that the
             // GEMM does not wait for CubeCL's next flush.
             flags.tensor.client.flush().map_err(|e| Refused::Unsupported(format!("CubeCL flush: {e:?}")))?;
@@ -418,13 +424,7 @@ fn execute(
                     let _ = drv::stream::synchronize(dev.stream);
                     return Err(Refused::Unsupported(format!("cuStreamWriteValue32: {e:?}")));
                 }
-                gemm_wait::launch_unchecked::<CudaRuntime>(
-                    &flags.tensor.client,
-                    CubeCount::Static(1, 1, 1),
-                    CubeDim::new_1d(1),
-                    flags.tensor.clone().into_tensor_arg(),
-                    seq,
-                );
+                flags.launch(gemm_wait::launch_unchecked::<CudaRuntime>, seq);
             }
         }
         done?;
