@@ -1,11 +1,12 @@
 //! Fused kernels against their plain-Burn references on wgpu (lavapipe in CI), in f32 and f16.
-//! The same cases run on CUDA in f32, f16 and bf16 in `tests/cuda_kernels.rs`.
+//! The same cases run on CUDA in f32, f16 and bf16 in `tests/cuda/kernels.rs`.
 
 mod common;
 mod kernel_cases;
 
 use burn::tensor::FloatDType;
 use common::{device, B};
+use kernel_cases::GemmBaseline;
 
 macro_rules! cases {
     ($($name:ident),*) => {
@@ -27,9 +28,9 @@ cases!(rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw, flash_a
 /// every new shape and layout, which takes seconds each on lavapipe; the CUDA suite runs them all.
 #[test]
 fn gemm() {
-    kernel_cases::gemm::<B>(FloatDType::F32, &device(), kernels::Gemm::Auto, &[[7, 13, 5], [123, 64, 77]]);
-    kernel_cases::gemm::<B>(FloatDType::F16, &device(), kernels::Gemm::Auto, &[[7, 13, 5]]);
-    kernel_cases::gemm_strided::<B>(FloatDType::F32, &device(), kernels::Gemm::Auto);
+    kernel_cases::gemm::<B>(FloatDType::F32, &device(), kernels::Gemm::Auto, GemmBaseline::BurnMatmul, &[[7, 13, 5], [123, 64, 77]]);
+    kernel_cases::gemm::<B>(FloatDType::F16, &device(), kernels::Gemm::Auto, GemmBaseline::BurnMatmul, &[[7, 13, 5]]);
+    kernel_cases::gemm_strided::<B>(FloatDType::F32, &device(), kernels::Gemm::Auto, GemmBaseline::BurnMatmul);
     let probe = burn::tensor::Tensor::<B, 2>::zeros([1, 1], &device());
     assert_eq!(kernels::gemm::gemm_path(&probe, kernels::Gemm::Auto), kernels::GemmPath::Burn);
 }

@@ -487,10 +487,37 @@ pub fn gemm_exact<B: AutodiffBackend>(a: Tensor<B, 2>, b: Tensor<B, 2>, trans_a:
 /// rows whose byte length is not a multiple of 512 (pitched on CUDA).
 pub const GEMM_SIZES: [[usize; 3]; 6] = [[1, 1, 1], [7, 13, 5], [123, 64, 77], [64, 1000, 33], [300, 128, 257], [17, 96, 1]];
 
-/// [`kernels::gemm`] on `engine` against Burn's matmul, for every transpose combination and each
-/// of `sizes` (such as [`GEMM_SIZES`]); operands are stored as the flags say (`a` is [k, m] when
+/// What the GEMM cases hold a GEMM's error against: it may be at most twice the baseline's error
+/// (both measured against the f32 product), plus the f32 floor of [`check`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmBaseline {
+    /// Burn's matmul (and its backward) in the dtype under test: a GEMM as accurate as Burn's.
+    BurnMatmul,
+    /// The f32 product rounded once to the dtype under test: a GEMM that accumulates in f32 and
+    /// rounds once, as cuBLASLt does. Runs no matmul, so Burn autotunes none either (on CUDA each
+    /// new matmul shape costs seconds of NVRTC compilation in bf16 and f16).
+    ExactRounded,
+}
+
+impl GemmBaseline {
+    pub fn run<B: AutodiffBackend>(self, dtype: FloatDType, a: Tensor<B, 2>, b: Tensor<B, 2>, trans_a: bool, trans_b: bool) -> Tensor<B, 2> {
+        match self {
+            GemmBaseline::BurnMatmul => kernels::gemm::reference(a, b, trans_a, trans_b),
+            GemmBaseline::ExactRounded => gemm_exact(a.cast(FloatDType::F32), b.cast(FloatDType::F32), trans_a, trans_b).cast(dtype),
+        }
+    }
+}
+
+/// [`kernels::gemm`] on `engine` against `baseline`, for every transpose combination and each of
+/// `sizes` (such as [`GEMM_SIZES`]); operands are stored as the flags say (`a` is [k, m] when
 /// transposed).
-pub fn gemm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, engine: kernels::Gemm, sizes: &[[usize; 3]]) {
+pub fn gemm<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    engine: kernels::Gemm,
+    baseline: GemmBaseline,
+    sizes: &[[usize; 3]],
+) {
     for &[m, k, n] in sizes {
         for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
             let sa = if ta { [k, m] } else { [m, k] };
@@ -501,7 +528,7 @@ pub fn gemm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::D
                 FLOOR,
                 vec![Input::act(sa, dev), Input::act(sb, dev)],
                 |v| kernels::gemm(v[0].clone(), v[1].clone(), ta, tb, engine),
-                &|v| kernels::gemm::reference(v[0].clone(), v[1].clone(), ta, tb),
+                &|v| baseline.run(dtype, v[0].clone(), v[1].clone(), ta, tb),
                 &|v| gemm_exact(v[0].clone(), v[1].clone(), ta, tb),
             );
         }
@@ -511,7 +538,7 @@ pub fn gemm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::D
 /// [`kernels::gemm`] on operands that are views: a column slice of a wider matrix (leading
 /// dimension larger than the row), a transposed view read with the opposite flag, and a view with
 /// a non-unit inner stride (copied first); plus [`kernels::linear`] on a rank-3 input.
-pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, engine: kernels::Gemm) {
+pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, engine: kernels::Gemm, baseline: GemmBaseline) {
     let (m, k, n) = (37, 70, 45);
     // a = wide[:, 3..3 + k], b = (stored [n, k])^T used with trans_b = false.
     check_exact::<B>(
@@ -520,7 +547,7 @@ pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, de
         FLOOR,
         vec![Input::act([m, k + 9], dev), Input::act([n, k], dev)],
         |v| kernels::gemm(v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false, engine),
-        &|v| kernels::gemm::reference(v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false),
+        &|v| baseline.run(dtype, v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false),
         &|v| gemm_exact(v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false),
     );
     // Every other column of a [m, 2k] matrix: inner stride 2.
@@ -531,7 +558,7 @@ pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, de
         FLOOR,
         vec![Input::act([m, 2 * k], dev), Input::act([k, n], dev)],
         |v| kernels::gemm(every_other(v[0].clone()), v[1].clone(), false, false, engine),
-        &|v| kernels::gemm::reference(every_other(v[0].clone()), v[1].clone(), false, false),
+        &|v| baseline.run(dtype, every_other(v[0].clone()), v[1].clone(), false, false),
         &|v| gemm_exact(every_other(v[0].clone()), v[1].clone(), false, false),
     );
     // linear over [2, 19, k] -> [2, 19, n], compared as [38, n].
@@ -541,7 +568,7 @@ pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, de
         FLOOR,
         vec![Input::act([38, k], dev), Input::act([k, n], dev)],
         |v| kernels::linear(v[0].clone().reshape([2, 19, k]), v[1].clone(), engine).reshape([38, n]),
-        &|v| kernels::gemm::reference(v[0].clone(), v[1].clone(), false, false),
+        &|v| baseline.run(dtype, v[0].clone(), v[1].clone(), false, false),
         &|v| gemm_exact(v[0].clone(), v[1].clone(), false, false),
     );
 }

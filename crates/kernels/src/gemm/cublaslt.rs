@@ -263,8 +263,9 @@ fn data_type(dtype: DType) -> Option<(sys::cudaDataType, sys::cublasComputeType_
     match dtype {
         DType::BF16 => Some((CUDA_R_16BF, CUBLAS_COMPUTE_32F)),
         DType::F16 => Some((CUDA_R_16F, CUBLAS_COMPUTE_32F)),
-        // As Burn's CUDA matmul: f32 inputs on TF32 tensor cores, f32 accumulation.
-        DType::F32 => Some((CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32)),
+        // True f32 (PyTorch's default for f32 matmuls): the fp32 recipe is the accurate
+        // reference the other recipes are compared with, so its GEMMs take no TF32 shortcut.
+        DType::F32 => Some((CUDA_R_32F, CUBLAS_COMPUTE_32F)),
         _ => None,
     }
 }
@@ -437,7 +438,7 @@ fn dtype_name(d: DType) -> &'static str {
     match d {
         DType::BF16 => "bf16",
         DType::F16 => "f16",
-        DType::F32 => "f32 (TF32)",
+        DType::F32 => "f32",
         _ => "?",
     }
 }

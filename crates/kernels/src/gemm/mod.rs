@@ -13,7 +13,7 @@
 //! Engines ([`Gemm`]):
 //! - `Burn`: Burn's matmul (the portable path, and the reference: [`reference`]).
 //! - `CublasLt`: NVIDIA's cuBLASLt on the device pointers of CubeCL's CUDA buffers. Half types
-//!   accumulate in f32; f32 runs on TF32 tensor cores, as Burn's CUDA matmul does. Each operand's
+//!   accumulate in f32; f32 is true f32 (no TF32), as PyTorch's default. Each operand's
 //!   real leading dimension is passed (CUDA pitches rows that are not a multiple of 512 bytes);
 //!   transposed views are read as the other layout; other strides are copied once. The algorithm is
 //!   cuBLASLt's heuristic choice, cached per shape, layout and alignment: no autotuning. The call is
