@@ -2,6 +2,7 @@
 //! checkpoints and device selection. The `train` binary is a thin command line over [`run`].
 
 pub mod checkpoint;
+pub mod compare;
 pub mod config;
 pub mod corpus;
 pub mod data;

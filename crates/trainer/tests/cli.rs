@@ -97,3 +97,89 @@ fn cpu_device_refuses_low_precision_with_one_line() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("precision = \"bf16\" needs a GPU"), "{stderr}");
 }
+
+/// `compare` on the CPU: two recipes (a built-in one and one defined by overrides) at two learning
+/// rates write every entry as a run, the report (markdown, JSON, plots); a second run of the same
+/// command trains nothing; an entry that lost its end resumes; bad recipes are refused by name.
+#[test]
+fn compare_trains_each_entry_once_and_reports() {
+    let dir = scratch("compare");
+    let compare = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_compare"))
+            .args(args)
+            .current_dir(&dir)
+            .env("VK_ICD_FILENAMES", "/nonexistent")
+            .env("VK_DRIVER_FILES", "/nonexistent")
+            .env("PATH", "/nonexistent")
+            .output()
+            .expect("run compare")
+    };
+    let args = [
+        "--recipes",
+        "fp32,nodecay:optimizer.weight_decay=0",
+        "--lrs",
+        "1e-3,3e-3",
+        "--steps",
+        "6",
+        "--set",
+        "training.eval_interval=3",
+        "--set",
+        "training.eval_batches=2",
+        "--out",
+        "cmp",
+    ];
+    let out = compare(&args);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "compare failed:\n{stdout}\n{stderr}");
+    let entries = ["fp32-lr1e-3", "fp32-lr3e-3", "nodecay-lr1e-3", "nodecay-lr3e-3"];
+    for e in entries {
+        assert!(dir.join("cmp/runs").join(e).join("summary.json").exists(), "entry {e} is a finished run:\n{stdout}");
+    }
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cmp/report.json")).expect("report.json")).expect("json");
+    let rows = report["entries"].as_array().expect("entries");
+    assert_eq!(rows.len(), 4);
+    for r in rows {
+        assert!(r["best_val_loss"].as_f64().is_some_and(|v| v.is_finite()), "{r}");
+        assert!(r["tokens_per_s"].as_f64().is_some_and(|v| v > 0.0), "{r}");
+        assert!(["stable", "unstable", "diverged"].contains(&r["stability"]["verdict"].as_str().expect("verdict")), "{r}");
+    }
+    // The fp32 entries are their own reference; the other recipe is compared with fp32 at its lr.
+    assert_eq!(rows[0]["best_val_vs_fp32"].as_f64(), Some(0.0));
+    assert!(rows[2]["best_val_vs_fp32"].as_f64().is_some());
+    let md = std::fs::read_to_string(dir.join("cmp/report.md")).expect("report.md");
+    for e in entries {
+        assert!(md.contains(e), "report.md lists {e}:\n{md}");
+    }
+    for svg in ["train_loss.svg", "val_loss.svg", "grad_norm.svg", "lr_sensitivity.svg"] {
+        let text = std::fs::read_to_string(dir.join("cmp").join(svg)).unwrap_or_default();
+        assert!(text.contains("<svg"), "{svg} is a plot");
+    }
+
+    // The same command again trains nothing.
+    let metrics = |e: &str| std::fs::read_to_string(dir.join("cmp/runs").join(e).join("metrics.jsonl")).expect("metrics");
+    let before = metrics("fp32-lr1e-3");
+    let out = compare(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert_eq!(stdout.matches("done earlier").count(), 4, "{stdout}");
+    assert!(!stdout.contains("training"), "{stdout}");
+    assert_eq!(metrics("fp32-lr1e-3"), before);
+
+    // An entry whose run did not finish resumes from its checkpoint.
+    std::fs::remove_file(dir.join("cmp/runs/nodecay-lr3e-3/summary.json")).expect("remove summary");
+    let out = compare(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("nodecay-lr3e-3: resuming"), "{stdout}");
+    assert!(dir.join("cmp/runs/nodecay-lr3e-3/summary.json").exists());
+
+    // Bad recipes: one error line naming the recipe or the key, exit code 1, nothing trained.
+    for (recipes, expected) in [("fp32,fp64", "unknown recipe 'fp64'"), ("x:optimizer.lrr=1", "optimizer.lrr")] {
+        let out = compare(&["--recipes", recipes, "--steps", "2", "--out", "bad"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.starts_with("error: ") && stderr.contains(expected), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!dir.join("bad/runs").exists() || std::fs::read_dir(dir.join("bad/runs")).unwrap().next().is_none());
+    }
+}

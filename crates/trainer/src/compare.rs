@@ -1,0 +1,509 @@
+//! `compare`: precision recipes (and learning rates, seeds) trained side by side from one config,
+//! each as an ordinary run directory, then one report: a table with stability verdicts, overlaid
+//! curves and the learning-rate sensitivity plot.
+//!
+//! Layout of a comparison directory:
+//! ```text
+//! DIR/runs/<recipe>[-lr<lr>][-seed<seed>]/   one ordinary run each (resume with `train --resume`)
+//! DIR/report.md, DIR/report.json             the table and the verdicts
+//! DIR/{train_loss,val_loss,grad_norm,loss_scale,lr_sensitivity}.svg
+//! ```
+//! A finished entry (its `summary.json` at the configured step count) is never trained again; an
+//! interrupted one resumes from its newest checkpoint; one that failed keeps its error in
+//! `compare-error.txt` and is reported, not retried (delete that file to retry it).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::metrics::StepRecord;
+
+/// The built-in recipes: name, what it is, and the config overrides it applies.
+pub const RECIPES: &[(&str, &str, &[&str])] = &[
+    ("fp32", "f32 everywhere", &["precision=fp32"]),
+    ("bf16", "bf16 matmuls and activations, f32 master weights (CUDA)", &["precision=bf16"]),
+    ("fp16", "f16 matmuls and activations, f32 master weights, dynamic loss scaling", &["precision=fp16", "loss_scale.mode=dynamic"]),
+    ("fp16-noscale", "fp16 without loss scaling", &["precision=fp16", "loss_scale.mode=off"]),
+    ("fp8", "projection GEMMs in FP8 (E4M3, 1x128 / 128x128 scales), bf16 elsewhere (CUDA)", &["precision=fp8"]),
+    ("fp8-hybrid", "fp8 with E5M2 output gradients", &["precision=fp8", "fp8.format=hybrid"]),
+    ("fp8-tensor", "fp8 with one scale per tensor", &["precision=fp8", "fp8.scaling=tensor"]),
+];
+
+/// One recipe of a comparison: a name and the overrides that make it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RecipeSpec {
+    pub name: String,
+    pub overrides: Vec<String>,
+}
+
+impl RecipeSpec {
+    /// `NAME` (a built-in recipe) or `NAME:key=value,key=value` (a built-in recipe with extra
+    /// overrides, or a new name defined by its overrides alone).
+    pub fn parse(text: &str) -> Result<Self> {
+        let (name, extra) = match text.split_once(':') {
+            Some((n, rest)) => (n.trim(), Some(rest)),
+            None => (text.trim(), None),
+        };
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) {
+            bail!("recipe '{text}': a name is letters, digits, '-', '_' or '.', optionally followed by ':key=value,...'");
+        }
+        let mut overrides: Vec<String> = match RECIPES.iter().find(|r| r.0 == name) {
+            Some(r) => r.2.iter().map(|s| s.to_string()).collect(),
+            None if extra.is_none() => bail!(
+                "unknown recipe '{name}'; built-in recipes: {} (or define one as NAME:key=value,...; `compare --list` shows what each sets)",
+                RECIPES.iter().map(|r| r.0).collect::<Vec<_>>().join(", ")
+            ),
+            None => Vec::new(),
+        };
+        if let Some(extra) = extra {
+            for ov in extra.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                if !ov.contains('=') {
+                    bail!("recipe '{text}': override '{ov}' is not key=value");
+                }
+                overrides.push(ov.to_string());
+            }
+            if overrides.is_empty() {
+                bail!("recipe '{text}': no overrides after ':'");
+            }
+        }
+        Ok(Self { name: name.to_string(), overrides })
+    }
+}
+
+/// What a comparison trains: every recipe at every learning rate and seed.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The config every entry starts from, as TOML text, and where it came from.
+    pub base_toml: String,
+    pub origin: String,
+    /// Overrides applied to every entry (before the recipe's).
+    pub sets: Vec<String>,
+    pub recipes: Vec<RecipeSpec>,
+    /// Empty: the config's learning rate.
+    pub lrs: Vec<f64>,
+    /// Empty: the config's seed.
+    pub seeds: Vec<u64>,
+    pub steps: Option<u64>,
+}
+
+/// One run of a comparison.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub recipe: String,
+    pub lr: f64,
+    pub seed: u64,
+    pub dir_name: String,
+    pub config: Config,
+}
+
+impl Plan {
+    /// Every entry's config (each validated, so that a bad override stops the comparison before
+    /// anything trains).
+    pub fn entries(&self) -> Result<Vec<Entry>> {
+        if self.recipes.is_empty() {
+            bail!("--recipes lists no recipe");
+        }
+        let mut names: Vec<&str> = self.recipes.iter().map(|r| r.name.as_str()).collect();
+        names.sort();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            bail!("recipe '{}' is listed twice", w[0]);
+        }
+        let lrs: Vec<Option<f64>> = if self.lrs.is_empty() { vec![None] } else { self.lrs.iter().copied().map(Some).collect() };
+        let seeds: Vec<Option<u64>> = if self.seeds.is_empty() { vec![None] } else { self.seeds.iter().copied().map(Some).collect() };
+        let mut out = Vec::new();
+        for r in &self.recipes {
+            for &lr in &lrs {
+                for &seed in &seeds {
+                    let mut sets = self.sets.clone();
+                    sets.extend(r.overrides.iter().cloned());
+                    if let Some(lr) = lr {
+                        sets.push(format!("optimizer.lr={lr:e}"));
+                    }
+                    if let Some(seed) = seed {
+                        sets.push(format!("seed={seed}"));
+                    }
+                    if let Some(steps) = self.steps {
+                        sets.push(format!("training.steps={steps}"));
+                    }
+                    let mut dir_name = r.name.clone();
+                    if let Some(lr) = lr {
+                        let _ = write!(dir_name, "-lr{lr:e}");
+                    }
+                    if let Some(seed) = seed {
+                        let _ = write!(dir_name, "-seed{seed}");
+                    }
+                    let config = Config::from_toml_str(&self.base_toml, &sets, &self.origin)
+                        .with_context(|| format!("recipe '{}' (overrides: {})", r.name, r.overrides.join(", ")))?;
+                    out.push(Entry { recipe: r.name.clone(), lr: config.optimizer.lr, seed: config.seed, dir_name, config });
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Where an entry stands on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryState {
+    /// Trained to its configured step count.
+    Done,
+    /// Failed earlier; its error is in `compare-error.txt`.
+    Failed,
+    /// Has a checkpoint to resume from.
+    Resumable,
+    /// Nothing to keep: train from the start.
+    New,
+}
+
+pub const ERROR_FILE: &str = "compare-error.txt";
+
+pub fn entry_state(dir: &Path, cfg: &Config) -> EntryState {
+    if dir.join(ERROR_FILE).exists() {
+        return EntryState::Failed;
+    }
+    let steps = std::fs::read_to_string(dir.join("summary.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        .and_then(|v| v.get("steps").and_then(|s| s.as_u64()));
+    if steps == Some(cfg.training.steps as u64) {
+        return EntryState::Done;
+    }
+    match crate::checkpoint::list(dir) {
+        Ok(list) if !list.is_empty() => EntryState::Resumable,
+        _ => EntryState::New,
+    }
+}
+
+/// Stability verdict of one run (defined in the README's `compare` section).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Stability {
+    /// "stable", "unstable" or "diverged".
+    pub verdict: String,
+    /// Why, in words ("" when stable).
+    pub reason: String,
+    /// The first step that made the verdict.
+    pub first_bad_step: Option<u64>,
+    /// After warm-up: steps whose training loss exceeded 1.5x its running minimum.
+    pub loss_spikes: u64,
+    /// Steps whose gradient norm exceeded 10x the median of the previous 100 steps' norms.
+    pub grad_norm_spikes: u64,
+}
+
+/// Training-loss spike threshold, relative to the running minimum after warm-up.
+pub const LOSS_SPIKE: f64 = 1.5;
+/// Gradient-norm spike threshold, relative to the median of the previous [`GRAD_WINDOW`] norms.
+pub const GRAD_SPIKE: f64 = 10.0;
+pub const GRAD_WINDOW: usize = 100;
+
+/// The verdict of a run from its step records; `failed` is the run's error, if it stopped with one.
+pub fn stability(records: &[StepRecord], warmup_steps: u64, failed: Option<&str>) -> Stability {
+    let mut first_bad: Option<u64> = None;
+    let mut diverged: Option<String> = None;
+    if let Some(r) = records.iter().find(|r| !r.loss.is_finite()) {
+        diverged = Some(format!("non-finite training loss at step {}", r.step));
+        first_bad = Some(r.step);
+    }
+    let vals: Vec<(u64, f64)> = records.iter().filter_map(|r| r.val_loss.map(|v| (r.step, v))).collect();
+    if diverged.is_none() {
+        if let Some(&(_, v0)) = vals.first() {
+            if let Some(&(s, v)) = vals.iter().skip(1).find(|(_, v)| !v.is_finite() || *v > v0) {
+                diverged = Some(format!("validation loss {v:.4} at step {s} above its first value {v0:.4}"));
+                first_bad = Some(s);
+            }
+        }
+    }
+    if diverged.is_none() {
+        if let Some(why) = failed {
+            diverged = Some(format!("the run stopped: {why}"));
+            first_bad = records.last().map(|r| r.step);
+        }
+    }
+    let (mut loss_spikes, mut grad_spikes) = (0u64, 0u64);
+    let mut first_spike: Option<u64> = None;
+    let mut running_min = f64::INFINITY;
+    let mut window: std::collections::VecDeque<f64> = std::collections::VecDeque::new();
+    for r in records {
+        if r.step > warmup_steps && r.loss.is_finite() {
+            if running_min.is_finite() && r.loss > LOSS_SPIKE * running_min {
+                loss_spikes += 1;
+                first_spike.get_or_insert(r.step);
+            }
+            running_min = running_min.min(r.loss);
+        }
+        if r.grad_norm.is_finite() && !r.skipped {
+            if window.len() >= 10 {
+                let mut w: Vec<f64> = window.iter().copied().collect();
+                w.sort_by(|a, b| a.total_cmp(b));
+                let median = w[w.len() / 2];
+                if r.grad_norm > GRAD_SPIKE * median {
+                    grad_spikes += 1;
+                    first_spike.get_or_insert(r.step);
+                }
+            }
+            window.push_back(r.grad_norm);
+            if window.len() > GRAD_WINDOW {
+                window.pop_front();
+            }
+        }
+    }
+    let (verdict, reason) = match diverged {
+        Some(why) => ("diverged", why),
+        None if loss_spikes + grad_spikes > 0 => {
+            first_bad = first_spike;
+            ("unstable", format!("{loss_spikes} training-loss spikes, {grad_spikes} gradient-norm spikes"))
+        }
+        None => ("stable", String::new()),
+    };
+    Stability { verdict: verdict.into(), reason, first_bad_step: first_bad, loss_spikes, grad_norm_spikes: grad_spikes }
+}
+
+/// One row of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct EntryReport {
+    pub name: String,
+    pub recipe: String,
+    pub lr: f64,
+    pub seed: u64,
+    pub steps_done: u64,
+    pub steps: u64,
+    pub best_val_loss: Option<f64>,
+    pub best_val_step: Option<u64>,
+    pub final_val_loss: Option<f64>,
+    /// Best validation loss minus that of the fp32 entry with the same learning rate and seed.
+    pub best_val_vs_fp32: Option<f64>,
+    /// Median tokens/s over the steps after the first three.
+    pub tokens_per_s: Option<f64>,
+    pub tokens_per_s_vs_fp32: Option<f64>,
+    pub skipped_steps: u64,
+    pub loss_scale_min: Option<f64>,
+    pub loss_scale_max: Option<f64>,
+    pub stability: Stability,
+    pub error: Option<String>,
+    #[serde(skip)]
+    pub records: Vec<StepRecord>,
+}
+
+/// Reads one entry's records and makes its row (the fp32 comparisons are filled in later).
+pub fn entry_report(dir: &Path, entry: &Entry) -> Result<EntryReport> {
+    let records = read_records(&dir.join("metrics.jsonl"))?;
+    let error = std::fs::read_to_string(dir.join(ERROR_FILE)).ok().map(|s| s.trim().to_string());
+    let vals: Vec<(u64, f64)> = records.iter().filter_map(|r| r.val_loss.map(|v| (r.step, v))).filter(|v| v.1.is_finite()).collect();
+    let best = vals.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
+    let mut tps: Vec<f64> = records.iter().filter(|r| r.step > 3 && r.tokens_per_s.is_finite() && r.tokens_per_s > 0.0).map(|r| r.tokens_per_s).collect();
+    tps.sort_by(|a, b| a.total_cmp(b));
+    let scales: Vec<f64> = records.iter().map(|r| r.loss_scale).filter(|s| s.is_finite()).collect();
+    let scaled = scales.iter().any(|&s| s != 1.0);
+    Ok(EntryReport {
+        name: entry.dir_name.clone(),
+        recipe: entry.recipe.clone(),
+        lr: entry.lr,
+        seed: entry.seed,
+        steps_done: records.last().map_or(0, |r| r.step),
+        steps: entry.config.training.steps as u64,
+        best_val_loss: best.map(|b| b.1),
+        best_val_step: best.map(|b| b.0),
+        final_val_loss: vals.last().map(|v| v.1),
+        best_val_vs_fp32: None,
+        tokens_per_s: (!tps.is_empty()).then(|| tps[tps.len() / 2]),
+        tokens_per_s_vs_fp32: None,
+        skipped_steps: records.iter().map(|r| r.overflows).max().unwrap_or(0),
+        loss_scale_min: scaled.then(|| scales.iter().copied().fold(f64::INFINITY, f64::min)),
+        loss_scale_max: scaled.then(|| scales.iter().copied().fold(0.0, f64::max)),
+        stability: stability(&records, entry.config.schedule.warmup_steps as u64, error.as_deref()),
+        error,
+        records,
+    })
+}
+
+fn read_records(path: &Path) -> Result<Vec<StepRecord>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    Ok(text.lines().filter_map(|l| serde_json::from_str::<StepRecord>(l).ok()).collect())
+}
+
+/// The whole report, as written to `report.json`.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub config: String,
+    pub recipes: Vec<RecipeSpec>,
+    pub entries: Vec<EntryReport>,
+    pub plots: Vec<String>,
+    pub verdicts: String,
+}
+
+pub const VERDICTS: &str = "diverged: a non-finite training loss, a run stopped by an error (such as a loss scaler at its floor), \
+or a validation loss above the run's first one; unstable: after warm-up, a training loss above 1.5x its running minimum, or a \
+gradient norm above 10x the median of the previous 100 steps' norms (spikes counted); stable: neither.";
+
+/// Fills in the comparisons with fp32 and writes `report.md`, `report.json` and the plots.
+pub fn write_report(dir: &Path, origin: &str, recipes: &[RecipeSpec], mut entries: Vec<EntryReport>) -> Result<Report> {
+    let fp32: Vec<(f64, u64, Option<f64>, Option<f64>)> =
+        entries.iter().filter(|e| e.recipe == "fp32").map(|e| (e.lr, e.seed, e.best_val_loss, e.tokens_per_s)).collect();
+    for e in &mut entries {
+        if let Some(&(_, _, v, t)) = fp32.iter().find(|f| f.0 == e.lr && f.1 == e.seed) {
+            e.best_val_vs_fp32 = e.best_val_loss.zip(v).map(|(a, b)| a - b);
+            e.tokens_per_s_vs_fp32 = e.tokens_per_s.zip(t).map(|(a, b)| a / b);
+        }
+    }
+    let mut plots = Vec::new();
+    let colour = |recipe: &str| palette(recipes.iter().position(|r| r.name == recipe).unwrap_or(0));
+    let series = |f: &dyn Fn(&StepRecord) -> Option<f64>| -> Vec<(String, RGBColor, Vec<(f64, f64)>)> {
+        entries
+            .iter()
+            .map(|e| (e.name.clone(), colour(&e.recipe), e.records.iter().filter_map(|r| f(r).filter(|v| v.is_finite()).map(|v| (r.step as f64, v))).collect()))
+            .collect()
+    };
+    plot(&dir.join("train_loss.svg"), "training loss", "step", "loss (nats/token)", &series(&|r| Some(r.loss)), false)?;
+    plots.push("train_loss.svg".to_string());
+    plot(&dir.join("val_loss.svg"), "validation loss", "step", "loss (nats/token)", &series(&|r| r.val_loss), true)?;
+    plots.push("val_loss.svg".to_string());
+    plot(&dir.join("grad_norm.svg"), "gradient norm (before clipping)", "step", "norm", &series(&|r| Some(r.grad_norm)), false)?;
+    plots.push("grad_norm.svg".to_string());
+    if entries.iter().any(|e| e.loss_scale_max.is_some()) {
+        plot(&dir.join("loss_scale.svg"), "loss scale (log2)", "step", "log2(scale)", &series(&|r| Some(r.loss_scale.log2())), false)?;
+        plots.push("loss_scale.svg".to_string());
+    }
+    let mut lrs: Vec<f64> = entries.iter().map(|e| e.lr).collect();
+    lrs.sort_by(|a, b| a.total_cmp(b));
+    lrs.dedup();
+    if lrs.len() > 1 {
+        // Best validation loss (mean over seeds) against log10(lr), one line per recipe.
+        let lines: Vec<(String, RGBColor, Vec<(f64, f64)>)> = recipes
+            .iter()
+            .map(|r| {
+                let pts = lrs
+                    .iter()
+                    .filter_map(|&lr| {
+                        let v: Vec<f64> = entries.iter().filter(|e| e.recipe == r.name && e.lr == lr).filter_map(|e| e.best_val_loss).collect();
+                        (!v.is_empty()).then(|| (lr.log10(), v.iter().sum::<f64>() / v.len() as f64))
+                    })
+                    .collect();
+                (r.name.clone(), colour(&r.name), pts)
+            })
+            .collect();
+        plot(&dir.join("lr_sensitivity.svg"), "learning-rate sensitivity", "log10(learning rate)", "best validation loss", &lines, true)?;
+        plots.push("lr_sensitivity.svg".to_string());
+    }
+
+    let report = Report { config: origin.to_string(), recipes: recipes.to_vec(), entries, plots, verdicts: VERDICTS.to_string() };
+    write_atomic(&dir.join("report.json"), serde_json::to_string_pretty(&report)?.as_bytes())?;
+    write_atomic(&dir.join("report.md"), markdown(&report).as_bytes())?;
+    Ok(report)
+}
+
+fn markdown(r: &Report) -> String {
+    let f = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
+    let mut s = String::new();
+    let _ = writeln!(s, "# Precision comparison\n\nConfig: {}. Recipes:\n", r.config);
+    for rc in &r.recipes {
+        let _ = writeln!(s, "- `{}`: {}", rc.name, rc.overrides.join(", "));
+    }
+    let _ = writeln!(
+        s,
+        "\n| entry | steps | best val (step) | vs fp32 | final val | tokens/s | vs fp32 | skipped | loss scale | verdict | first bad step |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for e in &r.entries {
+        let scale = match (e.loss_scale_min, e.loss_scale_max) {
+            (Some(a), Some(b)) => format!("{a:.0}-{b:.0}"),
+            _ => "-".into(),
+        };
+        let verdict = if e.stability.reason.is_empty() { e.stability.verdict.clone() } else { format!("{} ({})", e.stability.verdict, e.stability.reason) };
+        let _ = writeln!(
+            s,
+            "| {} | {}/{} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} |",
+            e.name,
+            e.steps_done,
+            e.steps,
+            f(e.best_val_loss, 4),
+            e.best_val_step.map_or("-".into(), |x| x.to_string()),
+            e.best_val_vs_fp32.map_or("-".into(), |d| format!("{d:+.4}")),
+            f(e.final_val_loss, 4),
+            f(e.tokens_per_s, 0),
+            e.tokens_per_s_vs_fp32.map_or("-".into(), |x| format!("{x:.2}x")),
+            e.skipped_steps,
+            scale,
+            verdict,
+            e.stability.first_bad_step.map_or("-".into(), |x| x.to_string()),
+        );
+    }
+    let _ = writeln!(s, "\nVerdicts: {}\n", r.verdicts);
+    for p in &r.plots {
+        let _ = writeln!(s, "![{p}]({p})");
+    }
+    s
+}
+
+fn palette(i: usize) -> RGBColor {
+    const P: [RGBColor; 8] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+    ];
+    P[i % P.len()]
+}
+
+/// Overlaid line plots, one series per entry (points marked when `marks`).
+fn plot(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(String, RGBColor, Vec<(f64, f64)>)], marks: bool) -> Result<()> {
+    let e = |e: DrawingAreaErrorKind<std::io::Error>| anyhow::anyhow!("plot {}: {e}", path.display());
+    let pts = series.iter().flat_map(|s| s.2.iter());
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for &(x, y) in pts {
+        (x0, x1, y0, y1) = (x0.min(x), x1.max(x), y0.min(y), y1.max(y));
+    }
+    if x0 > x1 {
+        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+    }
+    let (px, py) = (((x1 - x0) * 0.03).max(1e-3), ((y1 - y0) * 0.05).max(1e-3));
+    let tmp = path.with_extension("svg.tmp");
+    {
+        let root = SVGBackend::new(&tmp, (900, 540)).into_drawing_area();
+        root.fill(&WHITE).map_err(e)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d((x0 - px)..(x1 + px), (y0 - py)..(y1 + py))
+            .map_err(e)?;
+        chart.configure_mesh().x_desc(x_desc).y_desc(y_desc).draw().map_err(e)?;
+        for (name, c, data) in series {
+            let c = *c;
+            chart
+                .draw_series(LineSeries::new(data.iter().copied(), c.stroke_width(if marks { 2 } else { 1 })))
+                .map_err(e)?
+                .label(name.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+            if marks {
+                chart.draw_series(data.iter().map(|&(x, y)| Circle::new((x, y), 3, c.filled()))).map_err(e)?;
+            }
+        }
+        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw().map_err(e)?;
+        root.present().map_err(e)?;
+    }
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+/// The run directory of an entry.
+pub fn entry_dir(dir: &Path, entry: &Entry) -> PathBuf {
+    dir.join("runs").join(&entry.dir_name)
+}

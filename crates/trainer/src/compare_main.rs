@@ -1,0 +1,244 @@
+//! `compare`: precision recipes side by side from one config, with a report.
+//!
+//! ```text
+//! compare [CONFIG.toml] --recipes fp32,bf16,fp16 [--lrs 3e-4,1e-3] [--seeds 1,2] [--steps N]
+//!         [--set key=value]... [--out DIR]
+//! compare --list
+//! compare --report DIR
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use trainer::compare::{self, EntryState, Plan, RecipeSpec};
+use trainer::{device, RunOptions};
+
+/// Train precision recipes side by side and report their stability and speed.
+///
+/// Every entry is an ordinary run directory under DIR/runs/ (same config, data and schedule; only
+/// the recipe, learning rate and seed differ). Running the same command again trains only what is
+/// missing: finished entries are kept, interrupted ones resume from their newest checkpoint.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    /// TOML config file (default: the built-in configs/default.toml).
+    config: Option<PathBuf>,
+    /// Recipes, comma-separated: built-in names (see --list) or NAME:key=value,... (a built-in
+    /// recipe with extra overrides, or a new one).
+    #[arg(long, value_name = "LIST")]
+    recipes: Option<String>,
+    /// Peak learning rates, comma-separated (default: the config's).
+    #[arg(long, value_delimiter = ',', value_name = "LR,...")]
+    lrs: Vec<f64>,
+    /// Seeds, comma-separated (default: the config's).
+    #[arg(long, value_delimiter = ',', value_name = "SEED,...")]
+    seeds: Vec<u64>,
+    /// Optimizer steps of every entry (default: the config's training.steps).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Override one config key for every entry (repeatable), as for `train`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Comparison directory (default: runs/compare-<config name>).
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// List the built-in recipes and what each sets, and exit.
+    #[arg(long)]
+    list: bool,
+    /// Re-render the report of the comparison in DIR from what is there, training nothing.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["config", "recipes", "lrs", "seeds", "steps", "set", "out"])]
+    report: Option<PathBuf>,
+}
+
+/// Splits a recipe list at the commas that separate recipes (a recipe's own overrides follow ':'
+/// and are separated by commas too: `fp16,mine:precision=fp16,loss_scale.init=1024,bf16`).
+fn split_recipes(list: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for part in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let is_override = part.contains('=') && !part.contains(':');
+        match out.last_mut() {
+            Some(last) if is_override && last.contains(':') => {
+                last.push(',');
+                last.push_str(part);
+            }
+            _ => out.push(part.to_string()),
+        }
+    }
+    out
+}
+
+const PLAN_FILE: &str = "compare.json";
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SavedPlan {
+    base_toml: String,
+    origin: String,
+    sets: Vec<String>,
+    recipes: Vec<String>,
+    lrs: Vec<f64>,
+    seeds: Vec<u64>,
+    steps: Option<u64>,
+}
+
+impl SavedPlan {
+    fn plan(&self) -> Result<Plan> {
+        Ok(Plan {
+            base_toml: self.base_toml.clone(),
+            origin: self.origin.clone(),
+            sets: self.sets.clone(),
+            recipes: self.recipes.iter().map(|r| RecipeSpec::parse(r)).collect::<Result<_>>()?,
+            lrs: self.lrs.clone(),
+            seeds: self.seeds.clone(),
+            steps: self.steps,
+        })
+    }
+}
+
+fn real_main() -> Result<()> {
+    let cli = Cli::parse();
+    if cli.list {
+        println!("built-in recipes (use as --recipes NAME, or NAME:key=value,... to add overrides):");
+        for (name, what, sets) in compare::RECIPES {
+            println!("  {name:<13} {what}\n  {:<13} sets {}", "", sets.join(", "));
+        }
+        return Ok(());
+    }
+    let (dir, saved) = match &cli.report {
+        Some(dir) => {
+            let path = dir.join(PLAN_FILE);
+            let text = std::fs::read_to_string(&path).with_context(|| format!("--report {}: no {PLAN_FILE} there; is it a comparison directory?", dir.display()))?;
+            let saved: SavedPlan = serde_json::from_str(&text).with_context(|| format!("{} is not a comparison plan", path.display()))?;
+            (dir.clone(), saved)
+        }
+        None => {
+            let Some(list) = &cli.recipes else { bail!("--recipes is required (e.g. --recipes fp32,bf16,fp16); `compare --list` shows the built-in recipes") };
+            let (base_toml, origin, name) = match &cli.config {
+                Some(p) => {
+                    let text = std::fs::read_to_string(p).with_context(|| format!("cannot read config {}", p.display()))?;
+                    let stem = p.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or("run".into());
+                    (text, p.display().to_string(), stem)
+                }
+                None => (trainer::config::DEFAULT_TOML.to_string(), "built-in default config".to_string(), "default".to_string()),
+            };
+            let dir = cli.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{name}")));
+            let saved = SavedPlan { base_toml, origin, sets: cli.set.clone(), recipes: split_recipes(list), lrs: cli.lrs.clone(), seeds: cli.seeds.clone(), steps: cli.steps };
+            (dir, saved)
+        }
+    };
+    let plan = saved.plan()?;
+    let entries = plan.entries()?;
+    if let Some(lr) = plan.lrs.iter().find(|lr| !(lr.is_finite() && **lr > 0.0)) {
+        bail!("--lrs: {lr} is not a positive learning rate");
+    }
+
+    if cli.report.is_none() {
+        let path = dir.join(PLAN_FILE);
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let old: SavedPlan = serde_json::from_str(&text).with_context(|| format!("{} is not a comparison plan", path.display()))?;
+            let same = old.base_toml == saved.base_toml && old.sets == saved.sets && old.steps == saved.steps;
+            if !same {
+                bail!(
+                    "{} holds a comparison with another config, --set or --steps; use another --out, or the same arguments to continue it",
+                    dir.display()
+                );
+            }
+        }
+        std::fs::create_dir_all(dir.join("runs")).with_context(|| format!("cannot create {}", dir.display()))?;
+        std::fs::write(&path, serde_json::to_string_pretty(&saved)?).with_context(|| format!("cannot write {}", path.display()))?;
+
+        let (selected, note) = device::select(entries[0].config.device)?;
+        if let Some(n) = note {
+            println!("device: {n}");
+        }
+        println!("device: {}", selected.describe());
+        println!("comparison directory: {} ({} entries)", dir.display(), entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            let run_dir = compare::entry_dir(&dir, e);
+            let state = compare::entry_state(&run_dir, &e.config);
+            let tag = format!("[{}/{}] {}", i + 1, entries.len(), e.dir_name);
+            match state {
+                EntryState::Done => {
+                    println!("{tag}: done earlier");
+                    continue;
+                }
+                EntryState::Failed => {
+                    println!("{tag}: failed earlier (see {}; delete it to retry)", run_dir.join(compare::ERROR_FILE).display());
+                    continue;
+                }
+                EntryState::Resumable => println!("{tag}: resuming"),
+                EntryState::New => {
+                    if run_dir.exists() {
+                        std::fs::remove_dir_all(&run_dir).with_context(|| format!("cannot clear {}", run_dir.display()))?;
+                    }
+                    println!("{tag}: training");
+                }
+            }
+            let opts = RunOptions {
+                run_dir: run_dir.clone(),
+                resume: state == EntryState::Resumable,
+                device_name: selected.describe(),
+                peak_tflops: None,
+                verbose: true,
+                stop_at: None,
+                poison_steps: Vec::new(),
+            };
+            match trainer::run(&e.config, &selected, &opts) {
+                Ok(s) => println!(
+                    "{tag}: {} steps, best val_loss {}, median {} tokens/s",
+                    s.steps,
+                    s.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
+                    if s.median_tokens_per_s.is_finite() { format!("{:.0}", s.median_tokens_per_s) } else { "-".into() }
+                ),
+                Err(err) => {
+                    let msg = format!("{err:#}");
+                    println!("{tag}: failed: {msg}");
+                    std::fs::create_dir_all(&run_dir)?;
+                    std::fs::write(run_dir.join(compare::ERROR_FILE), &msg)?;
+                }
+            }
+        }
+    }
+
+    let reports = entries.iter().map(|e| compare::entry_report(&compare::entry_dir(&dir, e), e)).collect::<Result<Vec<_>>>()?;
+    let report = compare::write_report(&dir, &plan.origin, &plan.recipes, reports)?;
+    for e in &report.entries {
+        println!(
+            "{:<28} best val {:>8} | {:>9} tokens/s | {}",
+            e.name,
+            e.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
+            e.tokens_per_s.map_or("-".into(), |v| format!("{v:.0}")),
+            e.stability.verdict
+        );
+    }
+    println!("report: {0}/report.md, {0}/report.json, plots: {1}", dir.display(), report.plots.join(", "));
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    if std::env::var_os(device::CUDA_PROBE_ENV).is_some() {
+        return ExitCode::from(trainer::cuda_probe() as u8);
+    }
+    if std::env::var_os(device::WGPU_PROBE_ENV).is_some() {
+        return ExitCode::from(trainer::wgpu_probe() as u8);
+    }
+    match real_main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_recipes;
+
+    #[test]
+    fn recipe_lists_split_at_recipes_not_at_their_overrides() {
+        assert_eq!(split_recipes("fp32, bf16"), ["fp32", "bf16"]);
+        assert_eq!(split_recipes("fp16,mine:precision=fp16,loss_scale.init=1024,bf16"), ["fp16", "mine:precision=fp16,loss_scale.init=1024", "bf16"]);
+    }
+}
