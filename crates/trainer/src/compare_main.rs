@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! compare [CONFIG.toml] --recipes fp32,bf16,fp16 [--lrs 3e-4,1e-3] [--seeds 1,2] [--steps N]
-//!         [--set key=value]... [--out DIR]
+//!         [--set key=value]... [--out DIR] [--jobs K]
 //! compare --list
 //! compare --report DIR
 //! ```
@@ -44,11 +44,18 @@ struct Cli {
     /// Comparison directory (default: runs/compare-<config name>).
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// Train K entries at once, each in its own process (on one GPU: they share it, so their
+    /// tokens/s are not speed figures). Each entry's output goes to DIR/logs/<entry>.log.
+    #[arg(long, default_value_t = 1, value_name = "K")]
+    jobs: usize,
+    /// Train only the entry of this name and write no report (what --jobs runs in each process).
+    #[arg(long, hide = true, value_name = "ENTRY")]
+    only: Option<String>,
     /// List the built-in recipes and what each sets, and exit.
     #[arg(long)]
     list: bool,
     /// Re-render the report of the comparison in DIR from what is there, training nothing.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["config", "recipes", "lrs", "seeds", "steps", "set", "out"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["config", "recipes", "lrs", "seeds", "steps", "set", "out", "jobs"])]
     report: Option<PathBuf>,
 }
 
@@ -133,9 +140,19 @@ fn real_main() -> Result<()> {
         bail!("--lrs: {lr} is not a positive learning rate");
     }
 
+    if cli.jobs == 0 {
+        bail!("--jobs must be at least 1");
+    }
+    if let Some(only) = &cli.only {
+        if !entries.iter().any(|e| &e.dir_name == only) {
+            bail!("--only {only}: no such entry");
+        }
+    }
+
     if cli.report.is_none() {
         let path = dir.join(PLAN_FILE);
-        if let Ok(text) = std::fs::read_to_string(&path) {
+        // (An entry's own process, under --jobs, finds the plan its parent wrote.)
+        if let (None, Ok(text)) = (&cli.only, std::fs::read_to_string(&path)) {
             let old: SavedPlan = serde_json::from_str(&text).with_context(|| format!("{} is not a comparison plan", path.display()))?;
             let same = old.base_toml == saved.base_toml && old.sets == saved.sets && old.steps == saved.steps;
             if !same {
@@ -145,16 +162,26 @@ fn real_main() -> Result<()> {
                 );
             }
         }
-        std::fs::create_dir_all(dir.join("runs")).with_context(|| format!("cannot create {}", dir.display()))?;
-        std::fs::write(&path, serde_json::to_string_pretty(&saved)?).with_context(|| format!("cannot write {}", path.display()))?;
+        if cli.only.is_none() {
+            std::fs::create_dir_all(dir.join("runs")).with_context(|| format!("cannot create {}", dir.display()))?;
+            std::fs::write(&path, serde_json::to_string_pretty(&saved)?).with_context(|| format!("cannot write {}", path.display()))?;
+        }
 
         let (selected, note) = device::select(entries[0].config.device)?;
         if let Some(n) = note {
             println!("device: {n}");
         }
         println!("device: {}", selected.describe());
-        println!("comparison directory: {} ({} entries)", dir.display(), entries.len());
+        if cli.only.is_none() {
+            println!("comparison directory: {} ({} entries)", dir.display(), entries.len());
+        }
+        // An entry's own process trains its entry itself.
+        let jobs = if cli.only.is_some() { 1 } else { cli.jobs };
+        let mut pool = Pool::new(&dir, jobs);
         for (i, e) in entries.iter().enumerate() {
+            if cli.only.as_ref().is_some_and(|o| o != &e.dir_name) {
+                continue;
+            }
             let run_dir = compare::entry_dir(&dir, e);
             let state = compare::entry_state(&run_dir, &e.config);
             let tag = format!("[{}/{}] {}", i + 1, entries.len(), e.dir_name);
@@ -174,6 +201,10 @@ fn real_main() -> Result<()> {
                     }
                     println!("{tag}: training");
                 }
+            }
+            if jobs > 1 {
+                pool.spawn(&tag, &e.dir_name, &run_dir)?;
+                continue;
             }
             let opts = RunOptions {
                 run_dir: run_dir.clone(),
@@ -199,6 +230,10 @@ fn real_main() -> Result<()> {
                 }
             }
         }
+        pool.wait_all()?;
+    }
+    if cli.only.is_some() {
+        return Ok(());
     }
 
     let reports = entries.iter().map(|e| compare::entry_report(&compare::entry_dir(&dir, e), e)).collect::<Result<Vec<_>>>()?;
@@ -214,6 +249,77 @@ fn real_main() -> Result<()> {
     }
     println!("report: {0}/report.md, {0}/report.json, plots: {1}", dir.display(), report.plots.join(", "));
     Ok(())
+}
+
+/// Entries trained in child processes, at most `jobs` at once.
+struct Pool {
+    logs: std::path::PathBuf,
+    jobs: usize,
+    running: Vec<(String, std::path::PathBuf, std::process::Child)>,
+}
+
+impl Pool {
+    fn new(dir: &std::path::Path, jobs: usize) -> Self {
+        Self { logs: dir.join("logs"), jobs, running: Vec::new() }
+    }
+
+    /// Starts `compare --only NAME` with this process's arguments, once a slot is free.
+    fn spawn(&mut self, tag: &str, name: &str, run_dir: &std::path::Path) -> Result<()> {
+        while self.running.len() >= self.jobs {
+            self.reap(true)?;
+        }
+        std::fs::create_dir_all(&self.logs)?;
+        let log_path = self.logs.join(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
+        let child = std::process::Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .args(["--only", name])
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("cannot start a compare process")?;
+        println!("{tag}: started in its own process (log: {})", log_path.display());
+        self.running.push((tag.to_string(), run_dir.to_path_buf(), child));
+        Ok(())
+    }
+
+    /// Collects finished children (waiting for one when `block`).
+    fn reap(&mut self, block: bool) -> Result<()> {
+        loop {
+            let mut i = 0;
+            let mut reaped = false;
+            while i < self.running.len() {
+                if let Some(status) = self.running[i].2.try_wait()? {
+                    let (tag, run_dir, _) = self.running.remove(i);
+                    if status.success() {
+                        println!("{tag}: finished");
+                    } else {
+                        // A child that died without recording why (killed, crashed): say so.
+                        let err = run_dir.join(compare::ERROR_FILE);
+                        if !err.exists() && status.code().is_some() {
+                            std::fs::create_dir_all(&run_dir)?;
+                            std::fs::write(&err, format!("the entry's process exited with {status}; see its log"))?;
+                        }
+                        println!("{tag}: failed ({status})");
+                    }
+                    reaped = true;
+                } else {
+                    i += 1;
+                }
+            }
+            if reaped || !block || self.running.is_empty() {
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+
+    fn wait_all(&mut self) -> Result<()> {
+        while !self.running.is_empty() {
+            self.reap(true)?;
+        }
+        Ok(())
+    }
 }
 
 fn main() -> ExitCode {

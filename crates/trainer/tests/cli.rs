@@ -99,8 +99,9 @@ fn cpu_device_refuses_low_precision_with_one_line() {
 }
 
 /// `compare` on the CPU: two recipes (a built-in one and one defined by overrides) at two learning
-/// rates write every entry as a run, the report (markdown, JSON, plots); a second run of the same
-/// command trains nothing; an entry that lost its end resumes; bad recipes are refused by name.
+/// rates, two processes at a time, write every entry as a run, the report (markdown, JSON, plots);
+/// a second run of the same command trains nothing; an entry that lost its end resumes; bad
+/// recipes are refused by name.
 #[test]
 fn compare_trains_each_entry_once_and_reports() {
     let dir = scratch("compare");
@@ -127,6 +128,8 @@ fn compare_trains_each_entry_once_and_reports() {
         "training.eval_batches=2",
         "--out",
         "cmp",
+        "--jobs",
+        "2",
     ];
     let out = compare(&args);
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -134,6 +137,9 @@ fn compare_trains_each_entry_once_and_reports() {
     let entries = ["fp32-lr1e-3", "fp32-lr3e-3", "nodecay-lr1e-3", "nodecay-lr3e-3"];
     for e in entries {
         assert!(dir.join("cmp/runs").join(e).join("summary.json").exists(), "entry {e} is a finished run:\n{stdout}");
+        assert!(stdout.contains(&format!("{e}: finished")), "{stdout}");
+        let log = std::fs::read_to_string(dir.join("cmp/logs").join(format!("{e}.log"))).expect("entry log");
+        assert!(log.contains(&format!("{e}: 6 steps, best val_loss")), "{log}");
     }
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cmp/report.json")).expect("report.json")).expect("json");
     let rows = report["entries"].as_array().expect("entries");
