@@ -13,7 +13,14 @@ pub mod bench {
     pub fn parse_triples(s: &str, what: &str) -> Vec<[usize; 3]> {
         s.split(',')
             .map(|t| {
-                let v: Vec<usize> = t.split('x').map(|x| x.trim().parse().unwrap_or_else(|_| panic!("bad shape {t}: use {what}"))).collect();
+                let v: Vec<usize> = t
+                    .split('x')
+                    .map(|x| {
+                        x.trim()
+                            .parse()
+                            .unwrap_or_else(|_| panic!("bad shape {t}: use {what}"))
+                    })
+                    .collect();
                 <[usize; 3]>::try_from(v).unwrap_or_else(|_| panic!("bad shape {t}: use {what}"))
             })
             .collect()
@@ -25,7 +32,13 @@ pub mod bench {
 
     /// Median seconds per call of `f`: `warmup` calls, then `reps` batches of `iters` calls, each
     /// batch bounded by device synchronisations.
-    pub fn median_seconds<B: Backend>(dev: &B::Device, warmup: usize, iters: usize, reps: usize, f: &mut dyn FnMut()) -> f64 {
+    pub fn median_seconds<B: Backend>(
+        dev: &B::Device,
+        warmup: usize,
+        iters: usize,
+        reps: usize,
+        f: &mut dyn FnMut(),
+    ) -> f64 {
         for _ in 0..warmup {
             f();
         }

@@ -4,7 +4,10 @@ use trainer::config::{Config, DEFAULT_TOML};
 
 fn err(text: &str, sets: &[&str]) -> String {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-    format!("{:#}", Config::from_toml_str(text, &sets, "test.toml").unwrap_err())
+    format!(
+        "{:#}",
+        Config::from_toml_str(text, &sets, "test.toml").unwrap_err()
+    )
 }
 
 #[test]
@@ -28,7 +31,12 @@ fn shipped_configs_parse() {
 
 #[test]
 fn resolved_config_round_trips() {
-    let cfg = Config::from_toml_str(DEFAULT_TOML, &["model.mlp=gelu".into(), "training.steps=7".into()], "x").unwrap();
+    let cfg = Config::from_toml_str(
+        DEFAULT_TOML,
+        &["model.mlp=gelu".into(), "training.steps=7".into()],
+        "x",
+    )
+    .unwrap();
     let again = Config::from_toml_str(&cfg.to_toml(), &[], "resolved").unwrap();
     assert_eq!(cfg, again);
     assert_eq!(again.training.steps, 7);
@@ -39,7 +47,12 @@ fn resolved_config_round_trips() {
 fn overrides_take_toml_values_and_bare_strings() {
     let cfg = Config::from_toml_str(
         "",
-        &["optimizer.lr=1e-4".into(), "schedule.min_lr=1e-5".into(), "device=wgpu".into(), "model.bias=true".into()],
+        &[
+            "optimizer.lr=1e-4".into(),
+            "schedule.min_lr=1e-5".into(),
+            "device=wgpu".into(),
+            "model.bias=true".into(),
+        ],
         "x",
     )
     .unwrap();
@@ -67,7 +80,10 @@ fn wrong_type_is_named() {
 #[test]
 fn impossible_values_are_explained() {
     let e = err("[model]\nd_model = 100\nn_head = 3\n", &[]);
-    assert!(e.contains("model.n_head") && e.contains("model.d_model"), "{e}");
+    assert!(
+        e.contains("model.n_head") && e.contains("model.d_model"),
+        "{e}"
+    );
     let e = err("", &["training.batch_size=0"]);
     assert!(e.contains("training.batch_size"), "{e}");
     let e = err("", &["data.source=file"]);

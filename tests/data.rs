@@ -8,8 +8,11 @@ use trainer::{corpus, tokenizer};
 fn shakespeare() -> Option<String> {
     let dir = std::env::var("SHARED_DATA").unwrap_or_else(|_| "../shared/data".into());
     let p = std::path::Path::new(&dir).join("tinyshakespeare.txt");
-    let alt = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
-    std::fs::read_to_string(&p).or_else(|_| std::fs::read_to_string(alt)).ok()
+    let alt =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
+    std::fs::read_to_string(&p)
+        .or_else(|_| std::fs::read_to_string(alt))
+        .ok()
 }
 
 #[test]
@@ -31,7 +34,12 @@ fn bpe_tokenizer_trains_and_round_trips() {
     assert!(tok.get_vocab_size(true) <= 400 && tok.get_vocab_size(true) > 256);
     let sample = &text[..5000];
     let ids = tokenizer::encode_corpus(&tok, sample).unwrap();
-    assert!(ids.len() < sample.len() / 2, "BPE should compress: {} ids for {} bytes", ids.len(), sample.len());
+    assert!(
+        ids.len() < sample.len() / 2,
+        "BPE should compress: {} ids for {} bytes",
+        ids.len(),
+        sample.len()
+    );
     assert_eq!(tokenizer::decode(&tok, &ids).unwrap(), sample);
     // Byte-level: text it never saw still round-trips.
     let other = "Völlig neue Wörter — 日本語 ✓\n";
@@ -42,7 +50,10 @@ fn bpe_tokenizer_trains_and_round_trips() {
 #[test]
 fn chunked_encoding_equals_whole_encoding() {
     let text = corpus::generate(3, 200_000);
-    for tok in [tokenizer::char_level(&text).unwrap(), tokenizer::train_bpe(&text, 300).unwrap()] {
+    for tok in [
+        tokenizer::char_level(&text).unwrap(),
+        tokenizer::train_bpe(&text, 300).unwrap(),
+    ] {
         let whole = tok.encode(text.as_str(), false).unwrap().get_ids().to_vec();
         assert_eq!(tokenizer::encode_corpus(&tok, &text).unwrap(), whole);
     }
@@ -57,7 +68,10 @@ fn saved_tokenizer_loads_back() {
     let p = dir.join("tokenizer.json");
     tokenizer::save(&tok, &p).unwrap();
     let back = tokenizer::load(&p).unwrap();
-    assert_eq!(tokenizer::encode_corpus(&back, &text).unwrap(), tokenizer::encode_corpus(&tok, &text).unwrap());
+    assert_eq!(
+        tokenizer::encode_corpus(&back, &text).unwrap(),
+        tokenizer::encode_corpus(&tok, &text).unwrap()
+    );
 }
 
 #[test]
@@ -68,7 +82,10 @@ fn embedded_corpus_has_structure_below_unigram_entropy() {
         *counts.entry(c).or_insert(0usize) += 1;
     }
     let n = text.chars().count() as f64;
-    let h: f64 = counts.values().map(|&k| -(k as f64 / n) * (k as f64 / n).ln()).sum();
+    let h: f64 = counts
+        .values()
+        .map(|&k| -(k as f64 / n) * (k as f64 / n).ln())
+        .sum();
     assert!(h > 2.5 && h < 3.5, "unigram entropy {h} nats");
     // Repeated words: the 16 subjects occur over and over.
     let n = text.to_lowercase().matches("the old king").count();
@@ -92,7 +109,9 @@ fn split_is_90_10_and_windows_stay_inside() {
     assert!(a.iter().all(|&s| s + 32 < ds.train.len()));
     // At the edge: a stream of exactly context + 1 tokens has one window, starting at 0; one token
     // more allows starts 0 and 1, and both occur.
-    assert!(window_starts(SplitMix64::new(1), 33, 1000, 32).iter().all(|&s| s == 0));
+    assert!(window_starts(SplitMix64::new(1), 33, 1000, 32)
+        .iter()
+        .all(|&s| s == 0));
     let two = window_starts(SplitMix64::new(2), 34, 1000, 32);
     assert!(two.iter().all(|&s| s <= 1) && two.contains(&0) && two.contains(&1));
     // Targets are the inputs shifted by one token.
@@ -101,7 +120,10 @@ fn split_is_90_10_and_windows_stay_inside() {
     let x: Vec<i64> = x.into_data().convert::<i64>().into_vec().unwrap();
     let y: Vec<i64> = y.into_data().convert::<i64>().into_vec().unwrap();
     for row in 0..4 {
-        assert_eq!(&x[row * 32 + 1..(row + 1) * 32], &y[row * 32..(row + 1) * 32 - 1]);
+        assert_eq!(
+            &x[row * 32 + 1..(row + 1) * 32],
+            &y[row * 32..(row + 1) * 32 - 1]
+        );
     }
     assert_eq!(split_point("abcdefghij", 0.1), 9);
 }
@@ -118,9 +140,15 @@ fn shakespeare_char_vocabulary_is_65() {
     let mut cfg = Config::default();
     cfg.data.source = trainer::config::TextSource::File;
     cfg.data.tokenizer = TokenizerKind::Char;
-    cfg.data.path = std::env::var("SHARED_DATA").map(|d| format!("{d}/tinyshakespeare.txt")).unwrap_or_else(|_| {
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data/tinyshakespeare.txt").to_string()
-    });
+    cfg.data.path = std::env::var("SHARED_DATA")
+        .map(|d| format!("{d}/tinyshakespeare.txt"))
+        .unwrap_or_else(|_| {
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../shared/data/tinyshakespeare.txt"
+            )
+            .to_string()
+        });
     let ds = Dataset::build(&cfg, None).unwrap();
     assert_eq!(ds.train.len() + ds.val.len(), text.chars().count());
 }

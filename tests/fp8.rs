@@ -31,7 +31,10 @@ fn reference_codec_matches_float8_crate() {
                 Fp8Format::E4M3 => F8E4M3::from_bits(code).to_f32(),
                 Fp8Format::E5M2 => F8E5M2::from_bits(code).to_f32(),
             };
-            assert!(v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan()), "{format:?} decode {code:#04x}: {v} vs {want}");
+            assert!(
+                v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan()),
+                "{format:?} decode {code:#04x}: {v} vs {want}"
+            );
             if v.is_finite() {
                 values.push(v);
             }
@@ -40,7 +43,11 @@ fn reference_codec_matches_float8_crate() {
         let mut probes = values.clone();
         for pair in values.windows(2) {
             let mid = ((pair[0] as f64 + pair[1] as f64) / 2.0) as f32;
-            for p in [mid, f32::from_bits(mid.to_bits().wrapping_add(1)), f32::from_bits(mid.to_bits().wrapping_sub(1))] {
+            for p in [
+                mid,
+                f32::from_bits(mid.to_bits().wrapping_add(1)),
+                f32::from_bits(mid.to_bits().wrapping_sub(1)),
+            ] {
                 probes.push(p);
             }
         }
@@ -50,12 +57,24 @@ fn reference_codec_matches_float8_crate() {
             let bits = (rng.next_u32() & 0x807F_FFFF) | ((90 + rng.next_u32() % 60) << 23);
             probes.push(f32::from_bits(bits));
         }
-        probes.extend([format.max() * 1.01, -format.max() * 4.0, 1e30, -1e30, 0.0, -0.0]);
+        probes.extend([
+            format.max() * 1.01,
+            -format.max() * 4.0,
+            1e30,
+            -1e30,
+            0.0,
+            -0.0,
+        ]);
         for x in probes {
             if x.abs() < f32::MIN_POSITIVE && x != 0.0 {
                 continue; // f32 subnormals are flushed on purpose (the oracle keeps their sign)
             }
-            assert_eq!(encode(x, 1.0, format), oracle(x, format), "{format:?} encode {x:e} ({:#010x})", x.to_bits());
+            assert_eq!(
+                encode(x, 1.0, format),
+                oracle(x, format),
+                "{format:?} encode {x:e} ({:#010x})",
+                x.to_bits()
+            );
         }
         // Non-finite inputs, on purpose: NaN -> NaN, inf -> inf (E5M2) or NaN (E4M3).
         assert!(decode(encode(f32::NAN, 1.0, format), format).is_nan());
@@ -64,7 +83,11 @@ fn reference_codec_matches_float8_crate() {
             Fp8Format::E4M3 => assert!(inf.is_nan()),
             Fp8Format::E5M2 => assert_eq!(inf, f32::NEG_INFINITY),
         }
-        assert_eq!(encode(1e-40, 1.0, format), 0, "f32 subnormals quantize to +0");
+        assert_eq!(
+            encode(1e-40, 1.0, format),
+            0,
+            "f32 subnormals quantize to +0"
+        );
     }
 }
 
@@ -76,17 +99,28 @@ fn reference_scales() {
     for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
         assert_eq!(scales_for(0.0, format, true), (1.0, 1.0));
         for _ in 0..100_000 {
-            let amax = f32::from_bits((rng.next_u32() & 0x7F_FFFF) | ((20 + rng.next_u32() % 200) << 23));
+            let amax =
+                f32::from_bits((rng.next_u32() & 0x7F_FFFF) | ((20 + rng.next_u32() % 200) << 23));
             let (s, d) = scales_for(amax, format, true);
             assert_eq!(s.to_bits() & 0x7F_FFFF, 0, "power of two");
             assert_eq!(s as f64 * d as f64, 1.0);
             let k = s.log2();
             if (-126.0..126.0).contains(&k) {
-                assert!(amax as f64 * s as f64 <= format.max() as f64, "{amax:e} * {s:e} exceeds the max");
-                assert!(amax as f64 * 2.0 * s as f64 > format.max() as f64, "{amax:e}: scale {s:e} is not the largest");
+                assert!(
+                    amax as f64 * s as f64 <= format.max() as f64,
+                    "{amax:e} * {s:e} exceeds the max"
+                );
+                assert!(
+                    amax as f64 * 2.0 * s as f64 > format.max() as f64,
+                    "{amax:e}: scale {s:e} is not the largest"
+                );
             }
             let (s2, _) = scales_for(amax, format, false);
-            assert!((amax * s2 - format.max()).abs() <= format.max() * 1e-6 || s2 >= 2f32.powi(126) || s2 <= 2f32.powi(-126));
+            assert!(
+                (amax * s2 - format.max()).abs() <= format.max() * 1e-6
+                    || s2 >= 2f32.powi(126)
+                    || s2 <= 2f32.powi(-126)
+            );
         }
     }
 }
@@ -98,12 +132,20 @@ fn quantizer_empty_inputs_and_clip_thresholds() {
     use burn::tensor::Tensor;
     use kernels::{fp8_quantize, Fp8Granularity, QuantSpec};
     for shape in [[0, 5], [3, 0]] {
-        for granularity in [Fp8Granularity::Tile1x128, Fp8Granularity::Block128, Fp8Granularity::Tensor] {
+        for granularity in [
+            Fp8Granularity::Tile1x128,
+            Fp8Granularity::Block128,
+            Fp8Granularity::Tensor,
+        ] {
             let x = Tensor::<Inner, 2>::zeros(shape, &device());
             let q = fp8_quantize(x, QuantSpec::new(Fp8Format::E4M3, granularity));
             assert_eq!(q.payload.dims()[0], q.rows);
             if granularity == Fp8Granularity::Tensor {
-                assert_eq!(q.scales.into_data().to_vec::<f32>().unwrap(), vec![1.0], "{shape:?}");
+                assert_eq!(
+                    q.scales.into_data().to_vec::<f32>().unwrap(),
+                    vec![1.0],
+                    "{shape:?}"
+                );
             }
         }
     }
@@ -123,7 +165,12 @@ fn quantizer_bit_identical() {
 fn gemm_against_dequantized() {
     let shapes = [(1, 1, 1), (33, 17, 300), (130, 70, 256)];
     for out in [FloatDType::F32, FloatDType::F16] {
-        fp8_cases::gemm_against_dequantized::<Inner>(&device(), out, &shapes, kernels::Fp8GemmPath::Dequantize);
+        fp8_cases::gemm_against_dequantized::<Inner>(
+            &device(),
+            out,
+            &shapes,
+            kernels::Fp8GemmPath::Dequantize,
+        );
     }
 }
 
@@ -157,32 +204,77 @@ fn fp8_recipe_trains() {
     let (v32, v8) = (s32.best_val_loss.unwrap(), s8.best_val_loss.unwrap());
     eprintln!("best validation loss after {steps} steps: fp32 {v32:.4}, fp8 {v8:.4}");
     assert!(s8.final_loss.is_finite() && v8.is_finite());
-    assert!((v8 - v32).abs() <= 0.05 * v32, "fp8 validation loss {v8} vs fp32 {v32}");
+    assert!(
+        (v8 - v32).abs() <= 0.05 * v32,
+        "fp8 validation loss {v8} vs fp32 {v32}"
+    );
     let m = common::read_metrics(&dir8);
-    assert!(m[0].loss > m[steps - 1].loss + 0.3, "fp8 loss did not fall: {} -> {}", m[0].loss, m[steps - 1].loss);
+    assert!(
+        m[0].loss > m[steps - 1].loss + 0.3,
+        "fp8 loss did not fall: {} -> {}",
+        m[0].loss,
+        m[steps - 1].loss
+    );
     assert!(m.iter().all(|r| r.precision == "fp8"));
-    let health: Vec<_> = m.iter().filter(|r| r.fp8.is_some()).map(|r| r.step).collect();
+    let health: Vec<_> = m
+        .iter()
+        .filter(|r| r.fp8.is_some())
+        .map(|r| r.step)
+        .collect();
     assert_eq!(health, vec![1, 10, 20, 30]);
     let h = m[0].fp8.as_ref().unwrap();
-    assert_eq!(h.len(), 12 * fp8.model.n_layer, "one entry per projection weight, input and output gradient");
+    assert_eq!(
+        h.len(),
+        12 * fp8.model.n_layer,
+        "one entry per projection weight, input and output gradient"
+    );
     for kind in [".weight", ".input", ".grad_output"] {
-        assert_eq!(h.iter().filter(|l| l.layer.ends_with(kind)).count(), 4 * fp8.model.n_layer, "{kind}: {h:?}");
+        assert_eq!(
+            h.iter().filter(|l| l.layer.ends_with(kind)).count(),
+            4 * fp8.model.n_layer,
+            "{kind}: {h:?}"
+        );
     }
-    assert!(h.iter().any(|l| l.layer == "blocks.1.mlp.proj.grad_output"), "{h:?}");
-    assert!(h.iter().all(|l| l.amax > 0.0 && (0.0..0.5).contains(&l.underflow) && l.saturated == 0.0), "{h:?}");
+    assert!(
+        h.iter().any(|l| l.layer == "blocks.1.mlp.proj.grad_output"),
+        "{h:?}"
+    );
+    assert!(
+        h.iter()
+            .all(|l| l.amax > 0.0 && (0.0..0.5).contains(&l.underflow) && l.saturated == 0.0),
+        "{h:?}"
+    );
     assert_eq!(s8.precision.name(), "fp8");
 }
 
 /// Config errors name the key and what is valid.
 #[test]
 fn fp8_config_errors() {
-    let e = trainer::Config::from_toml_str("[fp8]\nformat = \"hybrid\"\n", &[], "test").unwrap_err().to_string();
-    assert!(e.contains("[fp8]") && e.contains("precision = \"fp8\""), "{e}");
-    let e = trainer::Config::from_toml_str("precision = \"fp8\"\n[fp8]\ntile = 64\n", &[], "test").unwrap_err().to_string();
+    let e = trainer::Config::from_toml_str("[fp8]\nformat = \"hybrid\"\n", &[], "test")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("[fp8]") && e.contains("precision = \"fp8\""),
+        "{e}"
+    );
+    let e = trainer::Config::from_toml_str("precision = \"fp8\"\n[fp8]\ntile = 64\n", &[], "test")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("fp8.tile = 64") && e.contains("128"), "{e}");
-    let e = trainer::Config::from_toml_str("precision = \"fp8\"\n[fp8]\nformat = \"e5m2\"\n", &[], "test").unwrap_err().to_string();
+    let e = trainer::Config::from_toml_str(
+        "precision = \"fp8\"\n[fp8]\nformat = \"e5m2\"\n",
+        &[],
+        "test",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("e5m2") || e.contains("format"), "{e}");
-    let ok = trainer::Config::from_toml_str("precision = \"fp8\"\n[fp8]\nformat = \"hybrid\"\nscaling = \"tensor\"\n", &[], "test").unwrap();
+    let ok = trainer::Config::from_toml_str(
+        "precision = \"fp8\"\n[fp8]\nformat = \"hybrid\"\nscaling = \"tensor\"\n",
+        &[],
+        "test",
+    )
+    .unwrap();
     let lin = ok.recipe().fp8_linear().unwrap();
     assert_eq!(lin.grad_format, kernels::Fp8Format::E5M2);
     assert!(lin.per_tensor);

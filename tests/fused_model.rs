@@ -13,7 +13,9 @@ use model::config::{KernelsKind, MlpKind};
 use model::Gpt;
 
 fn ids(b: usize, t: usize, vocab: usize, salt: u64) -> Tensor<B, 2, Int> {
-    let v: Vec<i64> = (0..b * t).map(|i| ((i as u64 * 2654435761 + salt * 97) % vocab as u64) as i64).collect();
+    let v: Vec<i64> = (0..b * t)
+        .map(|i| ((i as u64 * 2654435761 + salt * 97) % vocab as u64) as i64)
+        .collect();
     Tensor::from_data(TensorData::new(v, [b, t]), &device())
 }
 
@@ -25,39 +27,73 @@ fn grads_of(model: &Gpt<B>, grads: &GradientsParams) -> Vec<(ParamId, Vec<f32>)>
     }
     impl ModuleVisitor<B> for V<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.grads.get::<<B as AutodiffBackend>::InnerBackend, D>(p.id) {
-                self.out.push((p.id, g.cast(FloatDType::F32).into_data().convert::<f32>().into_vec().unwrap()));
+            if let Some(g) = self
+                .grads
+                .get::<<B as AutodiffBackend>::InnerBackend, D>(p.id)
+            {
+                self.out.push((
+                    p.id,
+                    g.cast(FloatDType::F32)
+                        .into_data()
+                        .convert::<f32>()
+                        .into_vec()
+                        .unwrap(),
+                ));
             }
         }
     }
-    let mut v = V { grads, out: Vec::new() };
+    let mut v = V {
+        grads,
+        out: Vec::new(),
+    };
     model.visit(&mut v);
     v.out
 }
 
 /// Loss and gradients of `a` and `b` (compute copies in `dtype`) on the same batch: the losses
 /// within 1e-5 (f32) / 2e-2 (f16) relative, every gradient within 1e-4 / 3e-2 of its largest value.
-fn assert_same_loss_and_gradients(what: &str, a: &Gpt<B>, b: &Gpt<B>, x: &Tensor<B, 2, Int>, y: &Tensor<B, 2, Int>, dtype: FloatDType) {
+fn assert_same_loss_and_gradients(
+    what: &str,
+    a: &Gpt<B>,
+    b: &Gpt<B>,
+    x: &Tensor<B, 2, Int>,
+    y: &Tensor<B, 2, Int>,
+    dtype: FloatDType,
+) {
     let run = |m: &Gpt<B>| {
         let c = m.compute_copy(dtype);
         let loss = c.forward_loss(x.clone(), y.clone());
-        let value = loss.clone().into_scalar().to_string().parse::<f64>().unwrap();
+        let value = loss
+            .clone()
+            .into_scalar()
+            .to_string()
+            .parse::<f64>()
+            .unwrap();
         let g = GradientsParams::from_grads(loss.backward(), &c);
         (value, grads_of(&c, &g))
     };
     let (la, ga) = run(a);
     let (lb, gb) = run(b);
     let tol = if dtype == FloatDType::F32 { 1e-5 } else { 2e-2 };
-    assert!((la - lb).abs() <= tol * la.abs(), "{what} {dtype:?}: loss {lb} vs {la}");
+    assert!(
+        (la - lb).abs() <= tol * la.abs(),
+        "{what} {dtype:?}: loss {lb} vs {la}"
+    );
     assert_eq!(ga.len(), gb.len(), "same parameters get gradients");
     for ((id, p), (id2, q)) in ga.iter().zip(&gb) {
         assert_eq!(id, id2);
         let scale = p.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-        let err = p.iter().zip(q).fold(0.0f32, |m, (u, w)| m.max((u - w).abs()));
+        let err = p
+            .iter()
+            .zip(q)
+            .fold(0.0f32, |m, (u, w)| m.max((u - w).abs()));
         // f32: reduction order only. f16: the kernels keep RoPE, SwiGLU, the loss and the softmax
         // statistics in f32 where the references round, so they may differ by a few f16 ulps.
         let gtol = if dtype == FloatDType::F32 { 1e-4 } else { 3e-2 };
-        assert!(err <= gtol * scale, "{what} {dtype:?}: gradient of {id} differs by {err} (scale {scale})");
+        assert!(
+            err <= gtol * scale,
+            "{what} {dtype:?}: gradient of {id} differs by {err} (scale {scale})"
+        );
     }
 }
 
@@ -75,7 +111,14 @@ fn fused_and_reference_models_give_the_same_loss_and_gradients() {
         fused.config.kernels = KernelsKind::Fused;
         let (x, y) = (ids(3, 13, vocab, 1), ids(3, 13, vocab, 2));
         for dtype in [FloatDType::F32, FloatDType::F16] {
-            assert_same_loss_and_gradients(&format!("{mlp:?} reference vs fused"), &reference, &fused, &x, &y, dtype);
+            assert_same_loss_and_gradients(
+                &format!("{mlp:?} reference vs fused"),
+                &reference,
+                &fused,
+                &x,
+                &y,
+                dtype,
+            );
         }
     }
 }
@@ -83,30 +126,59 @@ fn fused_and_reference_models_give_the_same_loss_and_gradients() {
 #[test]
 fn fused_and_reference_runs_train_to_the_same_losses() {
     let _guard = common::serial();
-    for precision in [trainer::config::PrecisionKind::Fp32, trainer::config::PrecisionKind::Fp16] {
+    for precision in [
+        trainer::config::PrecisionKind::Fp32,
+        trainer::config::PrecisionKind::Fp16,
+    ] {
         let mut losses = Vec::new();
         for kernels in [KernelsKind::Reference, KernelsKind::Fused] {
             let dir = scratch(&format!("fused_vs_reference_{precision:?}_{kernels:?}"));
             let mut cfg = tiny_config(40);
             cfg.precision = precision;
             cfg.model.kernels = kernels;
-            trainer::run(&cfg, &trainer::device::Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
-            losses.push(read_metrics(&dir).iter().map(|r| r.loss).collect::<Vec<f64>>());
+            trainer::run(
+                &cfg,
+                &trainer::device::Selected::Wgpu,
+                &opts(dir.clone(), false),
+            )
+            .unwrap();
+            losses.push(
+                read_metrics(&dir)
+                    .iter()
+                    .map(|r| r.loss)
+                    .collect::<Vec<f64>>(),
+            );
         }
         let (r, f) = (&losses[0], &losses[1]);
         assert_eq!(r.len(), f.len());
         let first = r[0];
         let tail = |l: &[f64]| l[35..].iter().sum::<f64>() / 5.0;
-        assert!(tail(r) < first - 0.5, "{precision:?}: the reference run did not learn: {r:?}");
+        assert!(
+            tail(r) < first - 0.5,
+            "{precision:?}: the reference run did not learn: {r:?}"
+        );
         // f32: the same run up to reduction order. fp16: the paths round differently, so the
         // curves drift apart a little, but both must learn equally well.
-        let tol = if precision == trainer::config::PrecisionKind::Fp32 { 1e-3 } else { 0.05 };
+        let tol = if precision == trainer::config::PrecisionKind::Fp32 {
+            1e-3
+        } else {
+            0.05
+        };
         for (step, (a, b)) in r.iter().zip(f).enumerate() {
             if step < 10 || precision == trainer::config::PrecisionKind::Fp32 {
-                assert!((a - b).abs() <= tol * a.abs().max(1.0), "{precision:?} step {}: fused {b} vs reference {a}", step + 1);
+                assert!(
+                    (a - b).abs() <= tol * a.abs().max(1.0),
+                    "{precision:?} step {}: fused {b} vs reference {a}",
+                    step + 1
+                );
             }
         }
-        assert!((tail(r) - tail(f)).abs() <= 0.05, "{precision:?}: final losses {} (fused) vs {} (reference)", tail(f), tail(r));
+        assert!(
+            (tail(r) - tail(f)).abs() <= 0.05,
+            "{precision:?}: final losses {} (fused) vs {} (reference)",
+            tail(f),
+            tail(r)
+        );
     }
 }
 
@@ -129,7 +201,14 @@ fn flash_and_plain_attention_give_the_same_loss_and_gradients() {
         let mut flash = plain.clone();
         flash.config.attention = AttentionKind::Flash;
         for dtype in [FloatDType::F32, FloatDType::F16] {
-            assert_same_loss_and_gradients(&format!("{kernels:?} plain vs flash"), &plain, &flash, &x, &y, dtype);
+            assert_same_loss_and_gradients(
+                &format!("{kernels:?} plain vs flash"),
+                &plain,
+                &flash,
+                &x,
+                &y,
+                dtype,
+            );
         }
     }
 }

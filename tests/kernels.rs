@@ -21,18 +21,47 @@ macro_rules! cases {
     };
 }
 
-cases!(rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw, flash_attention_strided);
+cases!(
+    rms_norm,
+    add_rms_norm,
+    swiglu,
+    gelu,
+    rope,
+    cross_entropy,
+    adamw,
+    flash_attention_strided
+);
 
 /// The portable GEMM path (`Gemm::Auto` resolves to Burn's matmul on wgpu) and its backward: the
 /// transpose flags and the gradient formulas. Few sizes, because Burn autotunes its matmul for
 /// every new shape and layout, which takes seconds each on lavapipe; the CUDA suite runs them all.
 #[test]
 fn gemm() {
-    kernel_cases::gemm::<B>(FloatDType::F32, &device(), kernels::Gemm::Auto, GemmBaseline::BurnMatmul, &[[7, 13, 5], [123, 64, 77]]);
-    kernel_cases::gemm::<B>(FloatDType::F16, &device(), kernels::Gemm::Auto, GemmBaseline::BurnMatmul, &[[7, 13, 5]]);
-    kernel_cases::gemm_strided::<B>(FloatDType::F32, &device(), kernels::Gemm::Auto, GemmBaseline::BurnMatmul);
+    kernel_cases::gemm::<B>(
+        FloatDType::F32,
+        &device(),
+        kernels::Gemm::Auto,
+        GemmBaseline::BurnMatmul,
+        &[[7, 13, 5], [123, 64, 77]],
+    );
+    kernel_cases::gemm::<B>(
+        FloatDType::F16,
+        &device(),
+        kernels::Gemm::Auto,
+        GemmBaseline::BurnMatmul,
+        &[[7, 13, 5]],
+    );
+    kernel_cases::gemm_strided::<B>(
+        FloatDType::F32,
+        &device(),
+        kernels::Gemm::Auto,
+        GemmBaseline::BurnMatmul,
+    );
     let probe = burn::tensor::Tensor::<B, 2>::zeros([1, 1], &device());
-    assert_eq!(kernels::gemm::gemm_path(&probe, kernels::Gemm::Auto), kernels::GemmPath::Burn);
+    assert_eq!(
+        kernels::gemm::gemm_path(&probe, kernels::Gemm::Auto),
+        kernels::GemmPath::Burn
+    );
 }
 
 #[test]
@@ -44,7 +73,9 @@ fn gemm_cublaslt_refuses_wgpu_tensors() {
 }
 
 #[test]
-#[should_panic(expected = "kernels::gemm: op(a) is [3, 8] and op(b) is [3, 8]: their inner dimensions 8 and 3 differ")]
+#[should_panic(
+    expected = "kernels::gemm: op(a) is [3, 8] and op(b) is [3, 8]: their inner dimensions 8 and 3 differ"
+)]
 fn gemm_refuses_mismatched_inner_dimensions() {
     let dev = device();
     let a = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
@@ -62,14 +93,24 @@ fn flash_attention_lse() {
 /// lavapipe's speed allows.
 #[test]
 fn flash_attention() {
-    let shapes = [(2, 3, 1, 64), (2, 3, 17, 128), (2, 2, 128, 64), (1, 2, 128, 128), (1, 1, 1000, 64), (1, 1, 1000, 128), (1, 1, 2048, 64)];
+    let shapes = [
+        (2, 3, 1, 64),
+        (2, 3, 17, 128),
+        (2, 2, 128, 64),
+        (1, 2, 128, 128),
+        (1, 1, 1000, 64),
+        (1, 1, 1000, 128),
+        (1, 1, 2048, 64),
+    ];
     for dtype in [FloatDType::F32, FloatDType::F16] {
         kernel_cases::flash_attention::<B>(dtype, &device(), &shapes, false);
     }
 }
 
 #[test]
-#[should_panic(expected = "kernels::flash_attention: q, k, v have shapes [1, 2, 8, 16], [1, 2, 8, 32], [1, 2, 8, 32]")]
+#[should_panic(
+    expected = "kernels::flash_attention: q, k, v have shapes [1, 2, 8, 16], [1, 2, 8, 32], [1, 2, 8, 32]"
+)]
 fn flash_attention_refuses_mismatched_head_dims() {
     let dev = device();
     let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);

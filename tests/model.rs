@@ -13,7 +13,15 @@ fn random_ids(b: usize, t: usize, vocab: usize, seed: u64) -> Vec<i64> {
 }
 
 fn small(mlp: MlpKind, tie: bool) -> GptConfig {
-    GptConfig { n_layer: 2, n_head: 4, d_model: 32, context: 24, mlp, tie_embeddings: tie, ..GptConfig::default() }
+    GptConfig {
+        n_layer: 2,
+        n_head: 4,
+        d_model: 32,
+        context: 24,
+        mlp,
+        tie_embeddings: tie,
+        ..GptConfig::default()
+    }
 }
 
 #[test]
@@ -22,7 +30,10 @@ fn logits_have_batch_time_vocab_shape() {
     for (mlp, tie) in [(MlpKind::Swiglu, true), (MlpKind::Gelu, false)] {
         let cfg = small(mlp, tie);
         let gpt = Gpt::<Inner>::new(&cfg, 37, &dev);
-        let ids = Tensor::<Inner, 2, Int>::from_data(TensorData::new(random_ids(3, 11, 37, 1), [3, 11]), &dev);
+        let ids = Tensor::<Inner, 2, Int>::from_data(
+            TensorData::new(random_ids(3, 11, 37, 1), [3, 11]),
+            &dev,
+        );
         let logits = gpt.forward(ids);
         assert_eq!(logits.dims(), [3, 11, 37]);
         let v: Vec<f32> = logits.into_data().into_vec().unwrap();
@@ -53,9 +64,16 @@ fn a_future_token_cannot_change_an_earlier_logit() {
         for b in 0..2 {
             for pos in 0..t {
                 let row = |v: &Vec<f32>| v[(b * t + pos) * 50..(b * t + pos + 1) * 50].to_vec();
-                let diff = row(&a).iter().zip(row(&c)).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                let diff = row(&a)
+                    .iter()
+                    .zip(row(&c))
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
                 if pos < k {
-                    assert!(diff < 1e-5, "position {pos} changed by {diff} when token {k} changed");
+                    assert!(
+                        diff < 1e-5,
+                        "position {pos} changed by {diff} when token {k} changed"
+                    );
                 } else if pos == k {
                     assert!(diff > 1e-4, "position {k}'s own logits did not change");
                 }
@@ -68,7 +86,12 @@ fn a_future_token_cannot_change_an_earlier_logit() {
 fn residual_projections_get_scaled_init() {
     let _guard = common::serial();
     let dev = device();
-    let cfg = GptConfig { n_layer: 8, n_head: 2, d_model: 64, ..GptConfig::default() };
+    let cfg = GptConfig {
+        n_layer: 8,
+        n_head: 2,
+        d_model: 64,
+        ..GptConfig::default()
+    };
     <Inner as burn::tensor::backend::Backend>::seed(&dev, 3);
     let gpt = Gpt::<Inner>::new(&cfg, 40, &dev);
     let std_of = |t: Tensor<Inner, 2>| -> f64 {
@@ -81,7 +104,10 @@ fn residual_projections_get_scaled_init() {
     let proj = std_of(gpt.blocks[0].attn.proj.weight.val());
     assert!((qkv - 0.02).abs() < 0.002, "qkv std {qkv}");
     let want = 0.02 / (16f64).sqrt();
-    assert!((proj - want).abs() < 0.1 * want, "proj std {proj}, want {want}");
+    assert!(
+        (proj - want).abs() < 0.1 * want,
+        "proj std {proj}, want {want}"
+    );
     assert_eq!(gpt.num_params(), cfg.num_params(40));
 }
 
@@ -91,7 +117,8 @@ fn longer_than_context_is_refused_with_the_key() {
     let cfg = small(MlpKind::Gelu, true);
     let gpt = Gpt::<Inner>::new(&cfg, 10, &dev);
     let ids = Tensor::<Inner, 2, Int>::zeros([1, 25], &dev);
-    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gpt.forward(ids))).unwrap_err();
+    let err =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gpt.forward(ids))).unwrap_err();
     let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(msg.contains("model.context"), "{msg}");
 }
@@ -103,7 +130,11 @@ fn rope_scores_depend_only_on_relative_position() {
     let dev = device();
     let (t, hd) = (12, 8);
     let mut r = trainer::rng::SplitMix64::new(4);
-    let mut vecn = || -> Vec<f32> { (0..hd).map(|_| r.below(1000) as f32 / 500.0 - 1.0).collect() };
+    let mut vecn = || -> Vec<f32> {
+        (0..hd)
+            .map(|_| r.below(1000) as f32 / 500.0 - 1.0)
+            .collect()
+    };
     let (q0, k0) = (vecn(), vecn());
     let tile = |v: &Vec<f32>| -> Tensor<Inner, 4> {
         let data: Vec<f32> = (0..t).flat_map(|_| v.clone()).collect();
@@ -115,11 +146,20 @@ fn rope_scores_depend_only_on_relative_position() {
     let s: Vec<f32> = q.matmul(k.swap_dims(2, 3)).into_data().into_vec().unwrap(); // [t, t]
     let plain: f32 = q0.iter().zip(&k0).map(|(a, b)| a * b).sum();
     for i in 0..t {
-        assert!((s[i * t + i] - plain).abs() < 1e-4, "q_{i}.k_{i} = {} but q.k = {plain}", s[i * t + i]);
+        assert!(
+            (s[i * t + i] - plain).abs() < 1e-4,
+            "q_{i}.k_{i} = {} but q.k = {plain}",
+            s[i * t + i]
+        );
         for j in 0..t {
             if i >= 1 && j >= 1 {
                 let d = (s[i * t + j] - s[(i - 1) * t + (j - 1)]).abs();
-                assert!(d < 1e-4, "score({i},{j}) differs from score({},{}) by {d}", i - 1, j - 1);
+                assert!(
+                    d < 1e-4,
+                    "score({i},{j}) differs from score({},{}) by {d}",
+                    i - 1,
+                    j - 1
+                );
             }
         }
     }
@@ -139,7 +179,11 @@ fn cached_forward_matches_the_full_forward() {
         let t = 13;
         let v: Vec<i64> = (0..2 * t).map(|i| (i * 7 % 37) as i64).collect();
         let ids = Tensor::<NdArray, 2, Int>::from_data(TensorData::new(v, [2, t]), &dev);
-        let full = gpt.forward(ids.clone()).into_data().to_vec::<f32>().unwrap();
+        let full = gpt
+            .forward(ids.clone())
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
         let mut cache = model::KvCache::new(cfg.n_layer);
         let mut parts = vec![gpt.forward_cached(ids.clone().slice([0..2, 0..5]), &mut cache)];
         for i in 5..t {
@@ -148,7 +192,13 @@ fn cached_forward_matches_the_full_forward() {
         assert_eq!(cache.len(), t);
         let cached = Tensor::cat(parts, 1).into_data().to_vec::<f32>().unwrap();
         let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let err = full.iter().zip(&cached).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(err <= 1e-5 * scale.max(1.0), "{mlp:?} tie {tie}: cached logits differ by {err} (scale {scale})");
+        let err = full
+            .iter()
+            .zip(&cached)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= 1e-5 * scale.max(1.0),
+            "{mlp:?} tie {tie}: cached logits differ by {err} (scale {scale})"
+        );
     }
 }

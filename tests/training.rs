@@ -12,7 +12,12 @@ fn loss_decreases_on_a_short_run() {
     let dir = scratch("loss_decreases");
     let mut cfg = tiny_config(60);
     cfg.training.eval_interval = 30;
-    let s = trainer::run(&cfg, &trainer::device::Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
+    let s = trainer::run(
+        &cfg,
+        &trainer::device::Selected::Wgpu,
+        &opts(dir.clone(), false),
+    )
+    .unwrap();
     let m = read_metrics(&dir);
     assert_eq!(m.len(), 60);
     let first: f64 = m[..5].iter().map(|r| r.loss).sum::<f64>() / 5.0;
@@ -22,10 +27,22 @@ fn loss_decreases_on_a_short_run() {
     assert!(last < first - 0.8, "loss went from {first} to {last}");
     assert!(s.best_val_loss.unwrap() < first - 0.5);
     // Every record has the documented fields; evaluations at steps 30 and 60.
-    let evals: Vec<u64> = m.iter().filter(|r| r.val_loss.is_some()).map(|r| r.step).collect();
+    let evals: Vec<u64> = m
+        .iter()
+        .filter(|r| r.val_loss.is_some())
+        .map(|r| r.step)
+        .collect();
     assert_eq!(evals, vec![30, 60]);
-    assert!(m.iter().all(|r| r.lr > 0.0 && r.grad_norm.is_finite() && r.tokens_per_s > 0.0));
-    for f in ["config.toml", "tokenizer.json", "loss.svg", "summary.json", "checkpoints/step_00000060.ckpt"] {
+    assert!(m
+        .iter()
+        .all(|r| r.lr > 0.0 && r.grad_norm.is_finite() && r.tokens_per_s > 0.0));
+    for f in [
+        "config.toml",
+        "tokenizer.json",
+        "loss.svg",
+        "summary.json",
+        "checkpoints/step_00000060.ckpt",
+    ] {
         assert!(dir.join(f).exists(), "{f} missing");
     }
     let svg = std::fs::read_to_string(dir.join("loss.svg")).unwrap();
@@ -45,7 +62,12 @@ fn resumed_run_matches_uninterrupted_run() {
     cfg.training.eval_interval = 6;
 
     let full = scratch("resume_full");
-    trainer::run(&cfg, &trainer::device::Selected::Wgpu, &opts(full.clone(), false)).unwrap();
+    trainer::run(
+        &cfg,
+        &trainer::device::Selected::Wgpu,
+        &opts(full.clone(), false),
+    )
+    .unwrap();
 
     let split = scratch("resume_split");
     let mut first = opts(split.clone(), false);
@@ -55,18 +77,37 @@ fn resumed_run_matches_uninterrupted_run() {
     // metrics.jsonl holds steps the resumed run must replace.
     std::fs::remove_file(split.join("checkpoints").join(checkpoint::file_name(7))).unwrap();
     assert_eq!(read_metrics(&split).len(), 7);
-    let s = trainer::run(&cfg, &trainer::device::Selected::Wgpu, &opts(split.clone(), true)).unwrap();
+    let s = trainer::run(
+        &cfg,
+        &trainer::device::Selected::Wgpu,
+        &opts(split.clone(), true),
+    )
+    .unwrap();
     assert_eq!(s.resumed_from, Some(4));
 
     let a = read_metrics(&full);
     let b = read_metrics(&split);
     assert_eq!(a.len(), 12);
-    assert_eq!(b.len(), 12, "metrics.jsonl of the resumed run should read as one run");
+    assert_eq!(
+        b.len(),
+        12,
+        "metrics.jsonl of the resumed run should read as one run"
+    );
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(x.step, y.step);
         let tol = 1e-5 * x.loss.abs().max(1.0);
-        assert!((x.loss - y.loss).abs() <= tol, "step {}: loss {} vs resumed {}", x.step, x.loss, y.loss);
-        assert!((x.grad_norm - y.grad_norm).abs() <= 1e-4 * x.grad_norm.max(1.0), "step {} grad norm", x.step);
+        assert!(
+            (x.loss - y.loss).abs() <= tol,
+            "step {}: loss {} vs resumed {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
+        assert!(
+            (x.grad_norm - y.grad_norm).abs() <= 1e-4 * x.grad_norm.max(1.0),
+            "step {} grad norm",
+            x.step
+        );
         assert_eq!(x.lr, y.lr);
         match (x.val_loss, y.val_loss) {
             (Some(p), Some(q)) => assert!((p - q).abs() <= tol, "step {}: val {p} vs {q}", x.step),
@@ -81,7 +122,11 @@ fn resumed_run_matches_uninterrupted_run() {
     assert_eq!(ha.params, hb.params);
     assert_eq!(ha.optimizer_step, 12);
     assert_eq!(hb.optimizer_step, 12);
-    let worst = va.iter().zip(&vb).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let worst = va
+        .iter()
+        .zip(&vb)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
     assert!(worst <= 1e-5, "weights or moments differ by up to {worst}");
 }
 
@@ -90,8 +135,21 @@ fn fresh_run_refuses_a_directory_with_checkpoints() {
     let _guard = common::serial();
     let dir = scratch("refuse_existing");
     let cfg = tiny_config(2);
-    trainer::run(&cfg, &trainer::device::Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
-    let e = format!("{:#}", trainer::run(&cfg, &trainer::device::Selected::Wgpu, &opts(dir.clone(), false)).unwrap_err());
+    trainer::run(
+        &cfg,
+        &trainer::device::Selected::Wgpu,
+        &opts(dir.clone(), false),
+    )
+    .unwrap();
+    let e = format!(
+        "{:#}",
+        trainer::run(
+            &cfg,
+            &trainer::device::Selected::Wgpu,
+            &opts(dir.clone(), false)
+        )
+        .unwrap_err()
+    );
     assert!(e.contains("--resume"), "{e}");
 }
 
@@ -102,12 +160,23 @@ fn checkpoints_are_complete_or_refused() {
     let mut cfg = tiny_config(6);
     cfg.training.checkpoint_interval = 2;
     cfg.training.keep_checkpoints = 2;
-    trainer::run(&cfg, &trainer::device::Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
+    trainer::run(
+        &cfg,
+        &trainer::device::Selected::Wgpu,
+        &opts(dir.clone(), false),
+    )
+    .unwrap();
     let list = checkpoint::list(&dir).unwrap();
-    assert_eq!(list.iter().map(|c| c.0).collect::<Vec<_>>(), vec![4, 6], "only the newest two are kept");
+    assert_eq!(
+        list.iter().map(|c| c.0).collect::<Vec<_>>(),
+        vec![4, 6],
+        "only the newest two are kept"
+    );
 
     // A temporary file from a save that crashed midway is never taken for a checkpoint.
-    let stray = dir.join("checkpoints").join(format!(".{}.tmp", checkpoint::file_name(99)));
+    let stray = dir
+        .join("checkpoints")
+        .join(format!(".{}.tmp", checkpoint::file_name(99)));
     std::fs::write(&stray, b"half a checkpoint").unwrap();
     assert_eq!(checkpoint::list(&dir).unwrap().len(), 2);
 
@@ -122,7 +191,15 @@ fn checkpoints_are_complete_or_refused() {
     std::fs::write(&newest, &bad).unwrap();
     let e = format!("{:#}", checkpoint::read(&newest).unwrap_err());
     assert!(e.contains("damaged") && e.contains("checksum"), "{e}");
-    let e = format!("{:#}", trainer::run(&cfg, &trainer::device::Selected::Wgpu, &opts(dir.clone(), true)).unwrap_err());
+    let e = format!(
+        "{:#}",
+        trainer::run(
+            &cfg,
+            &trainer::device::Selected::Wgpu,
+            &opts(dir.clone(), true)
+        )
+        .unwrap_err()
+    );
     assert!(e.contains("damaged"), "{e}");
 
     // Truncated: refused.
@@ -138,21 +215,48 @@ fn checkpoints_are_complete_or_refused() {
     let mut other = cfg.clone();
     other.model.d_model = 48;
     other.training.steps = 8;
-    let e = format!("{:#}", trainer::run(&other, &trainer::device::Selected::Wgpu, &opts(dir.clone(), true)).unwrap_err());
+    let e = format!(
+        "{:#}",
+        trainer::run(
+            &other,
+            &trainer::device::Selected::Wgpu,
+            &opts(dir.clone(), true)
+        )
+        .unwrap_err()
+    );
     assert!(e.contains("does not fit") && e.contains("d_model"), "{e}");
     // Another seed or batch size would read other batches: refused too.
     let mut other = cfg.clone();
     other.seed += 1;
     other.training.batch_size = 4;
-    let e = format!("{:#}", trainer::run(&other, &trainer::device::Selected::Wgpu, &opts(dir.clone(), true)).unwrap_err());
-    assert!(e.contains("seed") && e.contains("training.batch_size"), "{e}");
+    let e = format!(
+        "{:#}",
+        trainer::run(
+            &other,
+            &trainer::device::Selected::Wgpu,
+            &opts(dir.clone(), true)
+        )
+        .unwrap_err()
+    );
+    assert!(
+        e.contains("seed") && e.contains("training.batch_size"),
+        "{e}"
+    );
     // A refused resume leaves the run's config.toml as it was.
-    assert_eq!(std::fs::read_to_string(dir.join("config.toml")).unwrap(), saved_config);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("config.toml")).unwrap(),
+        saved_config
+    );
 
     // And the intact checkpoint resumes: two more steps.
     let mut more = cfg.clone();
     more.training.steps = 8;
-    let s = trainer::run(&more, &trainer::device::Selected::Wgpu, &opts(dir.clone(), true)).unwrap();
+    let s = trainer::run(
+        &more,
+        &trainer::device::Selected::Wgpu,
+        &opts(dir.clone(), true),
+    )
+    .unwrap();
     assert_eq!(s.resumed_from, Some(6));
     assert_eq!(read_metrics(&dir).len(), 8);
     assert!(!stray.exists(), "the next save removes stray temporaries");

@@ -37,7 +37,9 @@ type C = Cuda;
 type A = Autodiff<Cuda>;
 
 #[derive(Parser)]
-#[command(about = "FlashAttention kernels versus Burn's attention on CUDA: TFLOP/s and ratios to PyTorch SDPA")]
+#[command(
+    about = "FlashAttention kernels versus Burn's attention on CUDA: TFLOP/s and ratios to PyTorch SDPA"
+)]
 struct Args {
     /// Input dtype: bf16, f16 or f32.
     #[arg(long, default_value = "bf16")]
@@ -72,10 +74,30 @@ fn sdpa(hd: usize, causal: bool, s: usize) -> Option<(f64, f64)> {
         _ => return None,
     };
     let table: [[(f64, f64); 4]; 4] = [
-        [(278.0, 210.0), (301.0, 248.0), (305.0, 264.0), (312.0, 287.0)],
-        [(219.0, 151.0), (269.0, 198.0), (282.0, 228.0), (298.0, 257.0)],
-        [(339.0, 226.0), (357.0, 256.0), (352.0, 286.0), (365.0, 306.0)],
-        [(252.0, 165.0), (291.0, 213.0), (304.0, 251.0), (317.0, 278.0)],
+        [
+            (278.0, 210.0),
+            (301.0, 248.0),
+            (305.0, 264.0),
+            (312.0, 287.0),
+        ],
+        [
+            (219.0, 151.0),
+            (269.0, 198.0),
+            (282.0, 228.0),
+            (298.0, 257.0),
+        ],
+        [
+            (339.0, 226.0),
+            (357.0, 256.0),
+            (352.0, 286.0),
+            (365.0, 306.0),
+        ],
+        [
+            (252.0, 165.0),
+            (291.0, 213.0),
+            (304.0, 251.0),
+            (317.0, 278.0),
+        ],
     ];
     let row = match (hd, causal) {
         (64, false) => 0,
@@ -99,14 +121,33 @@ fn prim<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> burn::tensor::ops::Flo
     t.into_primitive().tensor()
 }
 
-fn burn_attention<Bk: Backend>(q: Tensor<Bk, 4>, k: Tensor<Bk, 4>, v: Tensor<Bk, 4>, causal: bool) -> Tensor<Bk, 4> {
-    burn::tensor::module::attention(q, k, v, None, None, AttentionModuleOptions { scale: None, softcap: None, is_causal: causal })
+fn burn_attention<Bk: Backend>(
+    q: Tensor<Bk, 4>,
+    k: Tensor<Bk, 4>,
+    v: Tensor<Bk, 4>,
+    causal: bool,
+) -> Tensor<Bk, 4> {
+    burn::tensor::module::attention(
+        q,
+        k,
+        v,
+        None,
+        None,
+        AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: causal,
+        },
+    )
 }
 
 fn in_use(dev: &CudaDevice) -> (u64, u64) {
     use cubecl::Runtime;
     let client = <cubecl::cuda::CudaRuntime as Runtime>::client(dev);
-    client.memory_usage().map(|m| (m.bytes_in_use, m.bytes_reserved)).unwrap_or((0, 0))
+    client
+        .memory_usage()
+        .map(|m| (m.bytes_in_use, m.bytes_reserved))
+        .unwrap_or((0, 0))
 }
 
 fn mib(b: u64) -> f64 {
@@ -126,7 +167,11 @@ fn main() {
         memory(&dev, dt);
         return;
     }
-    let list = |s: &str| -> Vec<usize> { s.split(',').map(|x| x.trim().parse().expect("a number")).collect() };
+    let list = |s: &str| -> Vec<usize> {
+        s.split(',')
+            .map(|x| x.trim().parse().expect("a number"))
+            .collect()
+    };
     println!("FlashAttention, {}, batch * seq = 16384, heads * head_dim = 2048; TFLOP/s (median of {} x {} calls)\n", args.dtype, args.reps, args.iters);
     println!("| hd | mask | S | B x H | path | fwd | bwd | fwd+bwd | Burn fwd | Burn fwd+bwd | fwd vs Burn | fwd+bwd vs Burn | fwd/SDPA | bwd/SDPA |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
@@ -136,12 +181,30 @@ fn main() {
                 let (b, h) = ((16384 / s).max(1), (2048 / hd).max(1));
                 let fwd_flops = 4.0 * (b * h * s * s * hd) as f64 * if causal { 0.5 } else { 1.0 };
                 let shape = [b, h, s, hd];
-                let (q, k, v) = (randn::<C>(shape, dt, &dev), randn::<C>(shape, dt, &dev), randn::<C>(shape, dt, &dev));
-                let path = kernels::flash_attention_path(&q).map(|p| p.to_string()).unwrap_or_default();
+                let (q, k, v) = (
+                    randn::<C>(shape, dt, &dev),
+                    randn::<C>(shape, dt, &dev),
+                    randn::<C>(shape, dt, &dev),
+                );
+                let path = kernels::flash_attention_path(&q)
+                    .map(|p| p.to_string())
+                    .unwrap_or_default();
                 let t_fwd = time::<C>(&dev, args.iters, args.reps, &mut || {
-                    drop(kernels::flash_attention_with_lse(q.clone(), k.clone(), v.clone(), causal, None))
+                    drop(kernels::flash_attention_with_lse(
+                        q.clone(),
+                        k.clone(),
+                        v.clone(),
+                        causal,
+                        None,
+                    ))
                 });
-                let (o, lse) = kernels::flash_attention_with_lse(q.clone(), k.clone(), v.clone(), causal, None);
+                let (o, lse) = kernels::flash_attention_with_lse(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    causal,
+                    None,
+                );
                 let g = randn::<C>(shape, dt, &dev);
                 let scale = kernels::attention::default_scale(hd) as f32;
                 let t_bwd = time::<C>(&dev, args.iters, args.reps, &mut || {
@@ -159,13 +222,25 @@ fn main() {
                 let leaf = |t: &Tensor<C, 4>| Tensor::<A, 4>::from_inner(t.clone()).require_grad();
                 let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
                 let t_fb = time::<A>(&dev, args.iters, args.reps, &mut || {
-                    drop(kernels::flash_attention(qa.clone(), ka.clone(), va.clone(), causal, None).sum().backward())
+                    drop(
+                        kernels::flash_attention(qa.clone(), ka.clone(), va.clone(), causal, None)
+                            .sum()
+                            .backward(),
+                    )
                 });
                 let (burn_f, burn_fb) = if args.no_burn {
                     (f64::NAN, f64::NAN)
                 } else {
-                    let tf = time::<C>(&dev, 1, 3, &mut || drop(burn_attention(q.clone(), k.clone(), v.clone(), causal)));
-                    let tfb = time::<A>(&dev, 1, 3, &mut || drop(burn_attention(qa.clone(), ka.clone(), va.clone(), causal).sum().backward()));
+                    let tf = time::<C>(&dev, 1, 3, &mut || {
+                        drop(burn_attention(q.clone(), k.clone(), v.clone(), causal))
+                    });
+                    let tfb = time::<A>(&dev, 1, 3, &mut || {
+                        drop(
+                            burn_attention(qa.clone(), ka.clone(), va.clone(), causal)
+                                .sum()
+                                .backward(),
+                        )
+                    });
                     (tf, tfb)
                 };
                 let tf = |t: f64, mult: f64| fwd_flops * mult / t / 1e12;
@@ -202,21 +277,39 @@ fn memory(dev: &CudaDevice, dt: FloatDType) {
     A::sync(dev).expect("sync");
     let (after_fwd, _) = in_use(dev);
     let grads = (o * randn::<A>(shape, dt, dev)).sum().backward();
-    let (dq, dk, dv) = (q.grad(&grads).expect("dq"), k.grad(&grads).expect("dk"), v.grad(&grads).expect("dv"));
+    let (dq, dk, dv) = (
+        q.grad(&grads).expect("dq"),
+        k.grad(&grads).expect("dk"),
+        v.grad(&grads).expect("dv"),
+    );
     A::sync(dev).expect("sync");
     let secs = t.elapsed().as_secs_f64();
     let (after_bwd, after_res) = in_use(dev);
     let nan = |t: Tensor<C, 4>| t.is_nan().any().into_scalar() != 0;
     let has_nan = nan(dq) || nan(dk) || nan(dv);
-    let input = (3 * b * h * s * hd) as f64 * if dt == FloatDType::F32 { 4.0 } else { 2.0 } / 1048576.0;
+    let input =
+        (3 * b * h * s * hd) as f64 * if dt == FloatDType::F32 { 4.0 } else { 2.0 } / 1048576.0;
     println!("FlashAttention fwd+bwd, causal, B={b} H={h} S={s} hd={hd} {dt:?}: {secs:.2} s (first call, includes compilation)");
     println!("| what | MiB |");
     println!("|---|---|");
     println!("| q, k, v | {input:.1} |");
     println!("| in use before | {:.1} |", mib(base));
-    println!("| in use after forward (+ output, lse, probe) | {:.1} |", mib(after_fwd));
-    println!("| in use after backward (+ dq, dk, dv, probe) | {:.1} |", mib(after_bwd));
-    println!("| reserved by the allocator: before / after | {:.1} / {:.1} |", mib(base_res), mib(after_res));
-    println!("| one f32 S x S score matrix per head, for comparison | {:.1} |", (h * s * s * 4) as f64 / 1048576.0);
+    println!(
+        "| in use after forward (+ output, lse, probe) | {:.1} |",
+        mib(after_fwd)
+    );
+    println!(
+        "| in use after backward (+ dq, dk, dv, probe) | {:.1} |",
+        mib(after_bwd)
+    );
+    println!(
+        "| reserved by the allocator: before / after | {:.1} / {:.1} |",
+        mib(base_res),
+        mib(after_res)
+    );
+    println!(
+        "| one f32 S x S score matrix per head, for comparison | {:.1} |",
+        (h * s * s * 4) as f64 / 1048576.0
+    );
     println!("gradients contain NaN: {has_nan}");
 }

@@ -17,7 +17,6 @@
 //!
 //! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--shapes 4096x4096x4096,...]`
 
-
 use burn::backend::cuda::CudaDevice;
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Cuda, Wgpu};
@@ -53,7 +52,12 @@ fn time<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, f: &mut dyn FnMut()
     burnmix::bench::median_seconds::<Bk>(dev, 2, args.iters, args.reps, f)
 }
 
-fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, usize, usize)], compute: FloatDType) {
+fn run<Bk: kernels::Backend>(
+    dev: &Bk::Device,
+    args: &Args,
+    shapes: &[(usize, usize, usize)],
+    compute: FloatDType,
+) {
     println!("| m x n x k | fp8 path | fp8 gemm | fp8 q+gemm | {compute:?} matmul | f32 matmul | fp8 / {compute:?} | fp8 / cuBLAS FP8 | {compute:?} / cuBLAS BF16 | quantize GB/s | max err vs Dequantize |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for &(m, n, k) in shapes {
@@ -69,7 +73,10 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
         let t_c = time::<Bk>(dev, args, &mut || {
             let _ = a.clone().matmul(bt.clone());
         });
-        let (a32, b32) = (a.clone().cast(FloatDType::F32), bt.clone().cast(FloatDType::F32));
+        let (a32, b32) = (
+            a.clone().cast(FloatDType::F32),
+            bt.clone().cast(FloatDType::F32),
+        );
         let t_32 = time::<Bk>(dev, args, &mut || {
             let _ = a32.clone().matmul(b32.clone());
         });
@@ -79,13 +86,22 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
         let elem = if compute == FloatDType::F32 { 4.0 } else { 2.0 };
         let q_bytes = m as f64 * k as f64 * (elem + 1.0) + (m * k.div_ceil(128)) as f64 * 4.0;
         let shapes: Vec<Option<String>> = match &args.mma_shapes {
-            Some(list) => list.split(';').map(|x| Some(x.trim().to_string())).collect(),
+            Some(list) => list
+                .split(';')
+                .map(|x| Some(x.trim().to_string()))
+                .collect(),
             None => vec![None],
         };
         // Every path's output against the dequantize path's: max |diff| / max |reference|.
-        let reference = fp8_gemm_on(&qa, &qb, compute, Fp8GemmPath::Dequantize).map(|c| c.cast(FloatDType::F32));
-        let ref_max = reference.as_ref().map(|r| r.clone().abs().max().into_scalar().elem::<f64>());
-        let mut runs = vec![(Fp8GemmPath::Dequantize, None), (Fp8GemmPath::CublasLt, None)];
+        let reference = fp8_gemm_on(&qa, &qb, compute, Fp8GemmPath::Dequantize)
+            .map(|c| c.cast(FloatDType::F32));
+        let ref_max = reference
+            .as_ref()
+            .map(|r| r.clone().abs().max().into_scalar().elem::<f64>());
+        let mut runs = vec![
+            (Fp8GemmPath::Dequantize, None),
+            (Fp8GemmPath::CublasLt, None),
+        ];
         runs.extend(shapes.into_iter().map(|s| (Fp8GemmPath::TensorCores, s)));
         for (path, shape) in runs {
             if let Some(shape) = &shape {
@@ -96,7 +112,14 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
                 continue; // not available on this device
             };
             let err = match (&reference, ref_max) {
-                (Some(r), Some(rm)) => (c.cast(FloatDType::F32) - r.clone()).abs().max().into_scalar().elem::<f64>() / rm,
+                (Some(r), Some(rm)) => {
+                    (c.cast(FloatDType::F32) - r.clone())
+                        .abs()
+                        .max()
+                        .into_scalar()
+                        .elem::<f64>()
+                        / rm
+                }
                 _ => f64::NAN,
             };
             let label = match (&path, &shape) {
@@ -129,8 +152,18 @@ fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[(usize, us
 fn main() {
     let args = Args::parse();
     let shapes = match &args.shapes {
-        Some(s) => burnmix::bench::parse_triples(s, "MxNxK").into_iter().map(|[m, n, k]| (m, n, k)).collect(),
-        None => vec![(4096, 4096, 4096), (8192, 8192, 8192), (16384, 2304, 768), (16384, 768, 768), (16384, 3072, 768), (16384, 768, 3072)],
+        Some(s) => burnmix::bench::parse_triples(s, "MxNxK")
+            .into_iter()
+            .map(|[m, n, k]| (m, n, k))
+            .collect(),
+        None => vec![
+            (4096, 4096, 4096),
+            (8192, 8192, 8192),
+            (16384, 2304, 768),
+            (16384, 768, 768),
+            (16384, 3072, 768),
+            (16384, 768, 3072),
+        ],
     };
     match args.device.as_str() {
         "cuda" => run::<Cuda>(&CudaDevice::default(), &args, &shapes, FloatDType::BF16),

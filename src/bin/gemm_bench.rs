@@ -53,30 +53,58 @@ struct Args {
     reps: usize,
 }
 
-fn run<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, shapes: &[[usize; 3]], dtypes: &[FloatDType]) {
+fn run<Bk: kernels::Backend>(
+    dev: &Bk::Device,
+    args: &Args,
+    shapes: &[[usize; 3]],
+    dtypes: &[FloatDType],
+) {
     println!("| M, K, N | dtype | GEMM | engine | engine TFLOP/s | Burn TFLOP/s | engine / Burn | engine / cuBLASLt (bf16 fprop) | max diff / max |out| |");
     println!("|---|---|---|---|---|---|---|---|---|");
     for &dtype in dtypes {
         for &[m, k, n] in shapes {
             let flop = 2.0 * m as f64 * k as f64 * n as f64;
-            let x = Tensor::<Bk, 2>::random([m, k], Distribution::Normal(0.0, 1.0), dev).cast(dtype);
-            let w = Tensor::<Bk, 2>::random([k, n], Distribution::Normal(0.0, 1.0), dev).cast(dtype);
-            let dy = Tensor::<Bk, 2>::random([m, n], Distribution::Normal(0.0, 1.0), dev).cast(dtype);
-            let peer = CUBLASLT_BF16.iter().find(|(s, _)| *s == [m, k, n]).map(|&(_, t)| t);
-            let gemms: [(&str, &Tensor<Bk, 2>, &Tensor<Bk, 2>, bool, bool); 3] =
-                [("fprop", &x, &w, false, false), ("dgrad", &dy, &w, false, true), ("wgrad", &x, &dy, true, false)];
+            let x =
+                Tensor::<Bk, 2>::random([m, k], Distribution::Normal(0.0, 1.0), dev).cast(dtype);
+            let w =
+                Tensor::<Bk, 2>::random([k, n], Distribution::Normal(0.0, 1.0), dev).cast(dtype);
+            let dy =
+                Tensor::<Bk, 2>::random([m, n], Distribution::Normal(0.0, 1.0), dev).cast(dtype);
+            let peer = CUBLASLT_BF16
+                .iter()
+                .find(|(s, _)| *s == [m, k, n])
+                .map(|&(_, t)| t);
+            let gemms: [(&str, &Tensor<Bk, 2>, &Tensor<Bk, 2>, bool, bool); 3] = [
+                ("fprop", &x, &w, false, false),
+                ("dgrad", &dy, &w, false, true),
+                ("wgrad", &x, &dy, true, false),
+            ];
             for (name, a, b, ta, tb) in gemms {
                 let path = kernels::gemm::gemm_path(a, Gemm::Auto);
-                let ours = kernels::gemm(a.clone(), b.clone(), ta, tb, Gemm::Auto).cast(FloatDType::F32);
-                let burn = kernels::gemm(a.clone(), b.clone(), ta, tb, Gemm::Burn).cast(FloatDType::F32);
+                let ours =
+                    kernels::gemm(a.clone(), b.clone(), ta, tb, Gemm::Auto).cast(FloatDType::F32);
+                let burn =
+                    kernels::gemm(a.clone(), b.clone(), ta, tb, Gemm::Burn).cast(FloatDType::F32);
                 let max = burn.clone().abs().max().into_scalar().elem::<f64>();
                 let diff = (ours - burn).abs().max().into_scalar().elem::<f64>() / max;
-                let t_ours = burnmix::bench::median_seconds::<Bk>(dev, 2, args.iters, args.reps, &mut || {
-                    let _ = kernels::gemm(a.clone(), b.clone(), ta, tb, Gemm::Auto);
-                });
-                let t_burn = burnmix::bench::median_seconds::<Bk>(dev, 2, args.iters, args.reps, &mut || {
-                    let _ = kernels::gemm(a.clone(), b.clone(), ta, tb, Gemm::Burn);
-                });
+                let t_ours = burnmix::bench::median_seconds::<Bk>(
+                    dev,
+                    2,
+                    args.iters,
+                    args.reps,
+                    &mut || {
+                        let _ = kernels::gemm(a.clone(), b.clone(), ta, tb, Gemm::Auto);
+                    },
+                );
+                let t_burn = burnmix::bench::median_seconds::<Bk>(
+                    dev,
+                    2,
+                    args.iters,
+                    args.reps,
+                    &mut || {
+                        let _ = kernels::gemm(a.clone(), b.clone(), ta, tb, Gemm::Burn);
+                    },
+                );
                 let (tf_ours, tf_burn) = (flop / t_ours / 1e12, flop / t_burn / 1e12);
                 let vs_peer = match (peer, name, dtype) {
                     (Some(p), "fprop", FloatDType::BF16) => format!("{:.2}", tf_ours / p),

@@ -14,7 +14,6 @@
 //!
 //! `cargo run --release --bin kernel_bench -- [--dtypes bf16,f16,f32] [--ops rms_norm,...]`
 
-
 use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
 use burn::tensor::backend::Backend;
@@ -28,13 +27,18 @@ type A = Autodiff<Cuda>;
 const COPY_BW: f64 = 3.0e12;
 
 #[derive(Parser)]
-#[command(about = "Fused kernels versus plain Burn on CUDA: time, GB/s, share of copy bandwidth, speed-up")]
+#[command(
+    about = "Fused kernels versus plain Burn on CUDA: time, GB/s, share of copy bandwidth, speed-up"
+)]
 struct Args {
     /// Comma-separated dtypes among f32, f16, bf16.
     #[arg(long, default_value = "bf16,f32")]
     dtypes: String,
     /// Comma-separated ops (default: all): rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw.
-    #[arg(long, default_value = "rms_norm,add_rms_norm,swiglu,gelu,rope,cross_entropy,adamw")]
+    #[arg(
+        long,
+        default_value = "rms_norm,add_rms_norm,swiglu,gelu,rope,cross_entropy,adamw"
+    )]
     ops: String,
     /// Calls per timed batch.
     #[arg(long, default_value_t = 10)]
@@ -54,7 +58,11 @@ fn dtype_of(s: &str) -> FloatDType {
 }
 
 fn bytes_of(dt: FloatDType) -> f64 {
-    if dt == FloatDType::F32 { 4.0 } else { 2.0 }
+    if dt == FloatDType::F32 {
+        4.0
+    } else {
+        2.0
+    }
 }
 
 /// Median seconds per call of `f`.
@@ -75,7 +83,11 @@ fn row(op: &str, shape: &str, dt: FloatDType, pass: &str, bytes: f64, fused: f64
     );
 }
 
-fn randn<Bk: Backend, const D: usize>(shape: [usize; D], dt: FloatDType, dev: &Bk::Device) -> Tensor<Bk, D> {
+fn randn<Bk: Backend, const D: usize>(
+    shape: [usize; D],
+    dt: FloatDType,
+    dev: &Bk::Device,
+) -> Tensor<Bk, D> {
     Tensor::<Bk, D>::random(shape, Distribution::Normal(0.0, 1.0), dev).cast(dt)
 }
 
@@ -100,15 +112,21 @@ fn fwd_bwd<const N: usize>(
     let tr = time::<C>(dev, args, &mut || drop(reference_c(inputs.clone())));
     row(op, shape, dt, "fwd", bytes.0, tf, tr);
     let inputs = make_a();
-    let tf = time::<A>(dev, args, &mut || drop(fused_a(inputs.clone()).sum().backward()));
-    let tr = time::<A>(dev, args, &mut || drop(reference_a(inputs.clone()).sum().backward()));
+    let tf = time::<A>(dev, args, &mut || {
+        drop(fused_a(inputs.clone()).sum().backward())
+    });
+    let tr = time::<A>(dev, args, &mut || {
+        drop(reference_a(inputs.clone()).sum().backward())
+    });
     row(op, shape, dt, "fwd+bwd", bytes.0 + bytes.1, tf, tr);
 }
 
 fn main() {
     let args = Args::parse();
     let dev = CudaDevice::default();
-    println!("| op | shape | dtype | pass | fused µs | Burn µs | fused GB/s | of 3.0 TB/s | speed-up |");
+    println!(
+        "| op | shape | dtype | pass | fused µs | Burn µs | fused GB/s | of 3.0 TB/s | speed-up |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|");
     for dts in args.dtypes.split(',') {
         let dt = dtype_of(dts.trim());
@@ -129,9 +147,19 @@ fn main() {
                         let prim = |t: Tensor<C, 2>| t.into_primitive().tensor();
                         let x = randn::<C, 2>([r, c], dt, &dev);
                         let dy = randn::<C, 2>([r, c], dt, &dev);
-                        let (_, _, rstd) = C::rms_norm_forward(prim(x.clone()), None, wc.clone().into_primitive().tensor(), 1e-5);
+                        let (_, _, rstd) = C::rms_norm_forward(
+                            prim(x.clone()),
+                            None,
+                            wc.clone().into_primitive().tensor(),
+                            1e-5,
+                        );
                         let tb = time::<C>(&dev, &args, &mut || {
-                            drop(C::rms_norm_backward(prim(x.clone()), wc.clone().into_primitive().tensor(), rstd.clone(), prim(dy.clone())))
+                            drop(C::rms_norm_backward(
+                                prim(x.clone()),
+                                wc.clone().into_primitive().tensor(),
+                                rstd.clone(),
+                                prim(dy.clone()),
+                            ))
                         });
                         let gbs = 3.0 * n * eb / tb / 1e9;
                         println!(
@@ -142,7 +170,11 @@ fn main() {
                         );
                     }
                     fwd_bwd::<1>(
-                        &args, &dev, "rms_norm", "16384x4096", dt,
+                        &args,
+                        &dev,
+                        "rms_norm",
+                        "16384x4096",
+                        dt,
                         // fwd: read x, write y; bwd: read x, dy, write dx (the f32 gain is noise).
                         (2.0 * n * eb, 3.0 * n * eb),
                         &|| [randn([r, c], dt, &dev)],
@@ -160,23 +192,40 @@ fn main() {
                     let wa = Tensor::<A, 1>::ones([c], &dev).require_grad();
                     let (wc1, wc2, wa1, wa2) = (wc.clone(), wc, wa.clone(), wa);
                     fwd_bwd::<2>(
-                        &args, &dev, "add_rms_norm", "16384x4096", dt,
+                        &args,
+                        &dev,
+                        "add_rms_norm",
+                        "16384x4096",
+                        dt,
                         // fwd: read x, r, write sum, y; bwd: read sum, dy, write dx (the add's
                         // gradient fan-out is free).
                         (4.0 * n * eb, 3.0 * n * eb),
                         &|| [randn([r, c], dt, &dev), randn([r, c], dt, &dev)],
-                        &|| [randn::<A, 2>([r, c], dt, &dev).require_grad(), randn::<A, 2>([r, c], dt, &dev).require_grad()],
+                        &|| {
+                            [
+                                randn::<A, 2>([r, c], dt, &dev).require_grad(),
+                                randn::<A, 2>([r, c], dt, &dev).require_grad(),
+                            ]
+                        },
                         &move |[x, res]| kernels::add_rms_norm(x, res, wc1.clone(), 1e-5).1,
-                        &move |[x, res]| kernels::rms_norm::add_reference(x, res, wc2.clone(), 1e-5).1,
+                        &move |[x, res]| {
+                            kernels::rms_norm::add_reference(x, res, wc2.clone(), 1e-5).1
+                        },
                         &move |[x, res]| kernels::add_rms_norm(x, res, wa1.clone(), 1e-5).1,
-                        &move |[x, res]| kernels::rms_norm::add_reference(x, res, wa2.clone(), 1e-5).1,
+                        &move |[x, res]| {
+                            kernels::rms_norm::add_reference(x, res, wa2.clone(), 1e-5).1
+                        },
                     );
                 }
                 "swiglu" => {
                     let (r, f) = (16384, 4096);
                     let n = (r * f) as f64;
                     fwd_bwd::<1>(
-                        &args, &dev, "swiglu (packed)", "16384x(2x4096)", dt,
+                        &args,
+                        &dev,
+                        "swiglu (packed)",
+                        "16384x(2x4096)",
+                        dt,
                         // fwd: read gate, up, write out; bwd: read gate, up, dy, write both grads.
                         (3.0 * n * eb, 5.0 * n * eb),
                         &|| [randn([r, 2 * f], dt, &dev)],
@@ -191,7 +240,11 @@ fn main() {
                     let (r, f) = (16384, 4096);
                     let n = (r * f) as f64;
                     fwd_bwd::<1>(
-                        &args, &dev, "gelu", "16384x4096", dt,
+                        &args,
+                        &dev,
+                        "gelu",
+                        "16384x4096",
+                        dt,
                         (2.0 * n * eb, 3.0 * n * eb),
                         &|| [randn([r, f], dt, &dev)],
                         &|| [randn::<A, 2>([r, f], dt, &dev).require_grad()],
@@ -210,14 +263,30 @@ fn main() {
                     let (ca1, sa1, ca2, sa2) = (ca.clone(), sa.clone(), ca, sa);
                     let shape4 = [b, h, t, hd];
                     fwd_bwd::<1>(
-                        &args, &dev, "rope", "16x32x1024x128", dt,
+                        &args,
+                        &dev,
+                        "rope",
+                        "16x32x1024x128",
+                        dt,
                         (2.0 * n * eb, 2.0 * n * eb),
                         &|| [randn([b * h * t, hd], dt, &dev)],
                         &|| [randn::<A, 2>([b * h * t, hd], dt, &dev).require_grad()],
-                        &move |[x]| kernels::rope(x.reshape(shape4), cc1.clone(), sc1.clone()).reshape([b * h * t, hd]),
-                        &move |[x]| kernels::rope::reference(x.reshape(shape4), cc2.clone(), sc2.clone()).reshape([b * h * t, hd]),
-                        &move |[x]| kernels::rope(x.reshape(shape4), ca1.clone(), sa1.clone()).reshape([b * h * t, hd]),
-                        &move |[x]| kernels::rope::reference(x.reshape(shape4), ca2.clone(), sa2.clone()).reshape([b * h * t, hd]),
+                        &move |[x]| {
+                            kernels::rope(x.reshape(shape4), cc1.clone(), sc1.clone())
+                                .reshape([b * h * t, hd])
+                        },
+                        &move |[x]| {
+                            kernels::rope::reference(x.reshape(shape4), cc2.clone(), sc2.clone())
+                                .reshape([b * h * t, hd])
+                        },
+                        &move |[x]| {
+                            kernels::rope(x.reshape(shape4), ca1.clone(), sa1.clone())
+                                .reshape([b * h * t, hd])
+                        },
+                        &move |[x]| {
+                            kernels::rope::reference(x.reshape(shape4), ca2.clone(), sa2.clone())
+                                .reshape([b * h * t, hd])
+                        },
                     );
                 }
                 "cross_entropy" => cross_entropy(&args, &dev, dt),
@@ -242,15 +311,30 @@ fn cross_entropy(args: &Args, dev: &CudaDevice, dt: FloatDType) {
     let tc = targets::<C>(r, v, dev);
     let ta = targets::<A>(r, v, dev);
     let x = randn::<C, 2>([r, v], dt, dev);
-    let tf = time::<C>(dev, args, &mut || drop(kernels::cross_entropy(x.clone(), tc.clone(), 0.0)));
-    let tr = time::<C>(dev, args, &mut || drop(kernels::cross_entropy::reference_log_softmax(x.clone(), tc.clone())));
+    let tf = time::<C>(dev, args, &mut || {
+        drop(kernels::cross_entropy(x.clone(), tc.clone(), 0.0))
+    });
+    let tr = time::<C>(dev, args, &mut || {
+        drop(kernels::cross_entropy::reference_log_softmax(
+            x.clone(),
+            tc.clone(),
+        ))
+    });
     row("cross_entropy", "8192x50304", dt, "fwd", n * eb, tf, tr);
     let xa = randn::<A, 2>([r, v], dt, dev).require_grad();
     let fused = || kernels::cross_entropy(xa.clone(), ta.clone(), 0.0).mean();
     let reference = || kernels::cross_entropy::reference_log_softmax(xa.clone(), ta.clone());
     let tf = time::<A>(dev, args, &mut || drop(fused().backward()));
     let tr = time::<A>(dev, args, &mut || drop(reference().backward()));
-    row("cross_entropy", "8192x50304", dt, "fwd+bwd", 3.0 * n * eb, tf, tr);
+    row(
+        "cross_entropy",
+        "8192x50304",
+        dt,
+        "fwd+bwd",
+        3.0 * n * eb,
+        tf,
+        tr,
+    );
     // Memory held from the forward to the backward: the graph's saved tensors.
     let held = |f: &dyn Fn() -> Tensor<A, 1>| {
         A::sync(dev).expect("sync");
@@ -288,13 +372,36 @@ fn adamw(args: &Args, dev: &CudaDevice, dt: FloatDType) {
     let m = p.clone().mul_scalar(1e-3);
     let v = p.clone().powi_scalar(2).mul_scalar(1e-6);
     let factor = Tensor::<C, 1>::from_floats([0.5], dev);
-    let hp = kernels::AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, t: 10 };
+    let hp = kernels::AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        t: 10,
+    };
     let copy = (dt != FloatDType::F32).then_some(dt);
     let tf = time::<C>(dev, args, &mut || {
-        drop(kernels::adamw_step(p.clone(), g.clone(), m.clone(), v.clone(), factor.clone(), &hp, copy))
+        drop(kernels::adamw_step(
+            p.clone(),
+            g.clone(),
+            m.clone(),
+            v.clone(),
+            factor.clone(),
+            &hp,
+            copy,
+        ))
     });
     let tr = time::<C>(dev, args, &mut || {
-        drop(kernels::adamw::reference(p.clone(), g.clone(), m.clone(), v.clone(), factor.clone(), &hp, copy))
+        drop(kernels::adamw::reference(
+            p.clone(),
+            g.clone(),
+            m.clone(),
+            v.clone(),
+            factor.clone(),
+            &hp,
+            copy,
+        ))
     });
     let bytes = n * (4.0 * 3.0 + bytes_of(dt) + 4.0 * 3.0 + copy.map_or(0.0, bytes_of));
     row("adamw (+copy)", "64M params", dt, "step", bytes, tf, tr);

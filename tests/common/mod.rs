@@ -4,11 +4,11 @@
 use std::path::PathBuf;
 
 use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Autodiff, Wgpu};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
 use model::Gpt;
-use burn::backend::{Autodiff, Wgpu};
 use trainer::Config;
 
 pub type B = Autodiff<Wgpu>;
@@ -55,7 +55,15 @@ pub fn scratch(name: &str) -> PathBuf {
 }
 
 pub fn opts(dir: PathBuf, resume: bool) -> trainer::RunOptions {
-    trainer::RunOptions { run_dir: dir, resume, device_name: "wgpu (test)".into(), peak_tflops: None, verbose: false, stop_at: None, poison_steps: Vec::new() }
+    trainer::RunOptions {
+        run_dir: dir,
+        resume,
+        device_name: "wgpu (test)".into(),
+        peak_tflops: None,
+        verbose: false,
+        stop_at: None,
+        poison_steps: Vec::new(),
+    }
 }
 
 /// Reads metrics.jsonl.
@@ -84,7 +92,10 @@ pub fn param_dtypes<AB: AutodiffBackend>(m: &Gpt<AB>) -> Vec<(String, DType)> {
             self.out.push((self.path.join("."), p.val().dtype()));
         }
     }
-    let mut v = V { path: Vec::new(), out: Vec::new() };
+    let mut v = V {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
     m.visit(&mut v);
     v.out
 }

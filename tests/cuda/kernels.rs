@@ -109,11 +109,18 @@ fn cuda_flash_attention_uses_tensor_cores() {
     for dtype in [FloatDType::F16, FloatDType::BF16] {
         for hd in [64, 128] {
             let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, hd], &dev).cast(dtype);
-            assert_eq!(kernels::flash_attention_path(&q), Some(kernels::FlashPath::TensorCores), "{dtype:?} hd {hd}");
+            assert_eq!(
+                kernels::flash_attention_path(&q),
+                Some(kernels::FlashPath::TensorCores),
+                "{dtype:?} hd {hd}"
+            );
         }
     }
     let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 64], &dev);
-    assert_eq!(kernels::flash_attention_path(&q), Some(kernels::FlashPath::Portable));
+    assert_eq!(
+        kernels::flash_attention_path(&q),
+        Some(kernels::FlashPath::Portable)
+    );
 }
 
 /// FP8 quantizer payload and scales bit-identical to the CPU reference (inputs f32, f16, bf16).
@@ -131,7 +138,12 @@ fn cuda_fp8_quantizer() {
 fn cuda_fp8_gemm() {
     let shapes = [(1, 1, 1), (33, 17, 300), (130, 70, 256), (256, 384, 768)];
     for out in [FloatDType::F32, FloatDType::BF16] {
-        fp8_cases::gemm_against_dequantized::<Cuda>(&CudaDevice::default(), out, &shapes, kernels::Fp8GemmPath::Dequantize);
+        fp8_cases::gemm_against_dequantized::<Cuda>(
+            &CudaDevice::default(),
+            out,
+            &shapes,
+            kernels::Fp8GemmPath::Dequantize,
+        );
     }
 }
 
@@ -139,9 +151,20 @@ fn cuda_fp8_gemm() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_gemm_mma() {
-    let shapes = [(1, 1, 1), (33, 17, 300), (130, 70, 256), (256, 384, 768), (200, 1000, 129)];
+    let shapes = [
+        (1, 1, 1),
+        (33, 17, 300),
+        (130, 70, 256),
+        (256, 384, 768),
+        (200, 1000, 129),
+    ];
     for out in [FloatDType::F32, FloatDType::BF16] {
-        fp8_cases::gemm_against_dequantized::<Cuda>(&CudaDevice::default(), out, &shapes, kernels::Fp8GemmPath::TensorCores);
+        fp8_cases::gemm_against_dequantized::<Cuda>(
+            &CudaDevice::default(),
+            out,
+            &shapes,
+            kernels::Fp8GemmPath::TensorCores,
+        );
     }
 }
 
@@ -151,17 +174,35 @@ fn cuda_fp8_gemm_mma() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_gemm_cublaslt() {
-    let shapes = [(7, 16, 128), (32, 64, 300), (128, 256, 256), (96, 1000, 129), (256, 384, 768)];
+    let shapes = [
+        (7, 16, 128),
+        (32, 64, 300),
+        (128, 256, 256),
+        (96, 1000, 129),
+        (256, 384, 768),
+    ];
     for out in [FloatDType::F32, FloatDType::BF16] {
-        fp8_cases::gemm_against_dequantized::<Cuda>(&CudaDevice::default(), out, &shapes, kernels::Fp8GemmPath::CublasLt);
+        fp8_cases::gemm_against_dequantized::<Cuda>(
+            &CudaDevice::default(),
+            out,
+            &shapes,
+            kernels::Fp8GemmPath::CublasLt,
+        );
     }
     // The shapes that must run on cuBLASLt do.
     let dev = CudaDevice::default();
-    let a = burn::tensor::Tensor::<Cuda, 2>::random([128, 256], burn::tensor::Distribution::Default, &dev);
+    let a = burn::tensor::Tensor::<Cuda, 2>::random(
+        [128, 256],
+        burn::tensor::Distribution::Default,
+        &dev,
+    );
     let spec = |g| kernels::QuantSpec::new(kernels::Fp8Format::E4M3, g);
     let qa = kernels::fp8_quantize(a.clone(), spec(kernels::Fp8Granularity::Tile1x128));
     let qb = kernels::fp8_quantize(a, spec(kernels::Fp8Granularity::Block128));
-    assert!(kernels::fp8_gemm_on(&qa, &qb, FloatDType::BF16, kernels::Fp8GemmPath::CublasLt).is_some(), "cuBLASLt refused a 128 x 256 x 128 E4M3 GEMM");
+    assert!(
+        kernels::fp8_gemm_on(&qa, &qb, FloatDType::BF16, kernels::Fp8GemmPath::CublasLt).is_some(),
+        "cuBLASLt refused a 128 x 256 x 128 E4M3 GEMM"
+    );
 }
 
 /// The FP8 linear layer with every GEMM on cuBLASLt (`BURNMIX_FP8_GEMM=cublaslt`): wiring,
@@ -210,7 +251,13 @@ fn cuda_gemm_f32() {
 fn gemm_cases(dtype: FloatDType) {
     let dev = CudaDevice::default();
     let baseline = kernel_cases::GemmBaseline::ExactRounded;
-    kernel_cases::gemm::<B>(dtype, &dev, kernels::Gemm::CublasLt, baseline, &kernel_cases::GEMM_SIZES);
+    kernel_cases::gemm::<B>(
+        dtype,
+        &dev,
+        kernels::Gemm::CublasLt,
+        baseline,
+        &kernel_cases::GEMM_SIZES,
+    );
     kernel_cases::gemm_strided::<B>(dtype, &dev, kernels::Gemm::CublasLt, baseline);
 }
 
@@ -224,9 +271,16 @@ fn cuda_gemm_uses_cublaslt() {
     for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
         let a = burn::tensor::Tensor::<B, 2>::zeros([4, 8], &dev).cast(dtype);
         for engine in [kernels::Gemm::CublasLt, kernels::Gemm::Auto] {
-            assert_eq!(kernels::gemm::gemm_path(&a, engine), kernels::GemmPath::CublasLtHostSync, "{dtype:?} {engine:?}");
+            assert_eq!(
+                kernels::gemm::gemm_path(&a, engine),
+                kernels::GemmPath::CublasLtHostSync,
+                "{dtype:?} {engine:?}"
+            );
         }
-        assert_eq!(kernels::gemm::gemm_path(&a, kernels::Gemm::Burn), kernels::GemmPath::Burn);
+        assert_eq!(
+            kernels::gemm::gemm_path(&a, kernels::Gemm::Burn),
+            kernels::GemmPath::Burn
+        );
     }
 }
 
@@ -244,8 +298,24 @@ fn cuda_gemm_lm_head_shape() {
         FloatDType::BF16,
         FLOOR,
         vec![Input::act([m, k], &dev), Input::act([n, k], &dev)],
-        |v| kernels::gemm(v[0].clone(), v[1].clone(), false, true, kernels::Gemm::CublasLt),
-        &|v| GemmBaseline::ExactRounded.run(FloatDType::BF16, v[0].clone(), v[1].clone(), false, true),
+        |v| {
+            kernels::gemm(
+                v[0].clone(),
+                v[1].clone(),
+                false,
+                true,
+                kernels::Gemm::CublasLt,
+            )
+        },
+        &|v| {
+            GemmBaseline::ExactRounded.run(
+                FloatDType::BF16,
+                v[0].clone(),
+                v[1].clone(),
+                false,
+                true,
+            )
+        },
         &|v| gemm_exact(v[0].clone(), v[1].clone(), false, true),
     );
 }
@@ -254,7 +324,8 @@ fn cuda_gemm_lm_head_shape() {
 /// read once per process: run these tests in their own process, as `tools/cuda-suite` does).
 pub fn stream_ordered_gemms() {
     std::env::set_var(kernels::gemm::ORDER_ENV, "stream");
-    let a = burn::tensor::Tensor::<B, 2>::zeros([4, 8], &CudaDevice::default()).cast(FloatDType::BF16);
+    let a =
+        burn::tensor::Tensor::<B, 2>::zeros([4, 8], &CudaDevice::default()).cast(FloatDType::BF16);
     assert_eq!(
         kernels::gemm::gemm_path(&a, kernels::Gemm::CublasLt),
         kernels::GemmPath::CublasLtStreamOrdered,

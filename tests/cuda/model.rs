@@ -131,8 +131,24 @@ fn cuda_plain_attention_after_fused_rope() {
                 dtype,
                 FLOOR,
                 vec![Input::act([b * t, 3 * h * hd], &dev)],
-                |v| model_cases::plain_attention_after_rope(v[0].clone(), [b, h, t, hd], c2.clone(), s2.clone(), true),
-                |v| model_cases::plain_attention_after_rope(v[0].clone(), [b, h, t, hd], cos.clone(), sin.clone(), false),
+                |v| {
+                    model_cases::plain_attention_after_rope(
+                        v[0].clone(),
+                        [b, h, t, hd],
+                        c2.clone(),
+                        s2.clone(),
+                        true,
+                    )
+                },
+                |v| {
+                    model_cases::plain_attention_after_rope(
+                        v[0].clone(),
+                        [b, h, t, hd],
+                        cos.clone(),
+                        sin.clone(),
+                        false,
+                    )
+                },
             );
         }
     }

@@ -11,14 +11,23 @@ use trainer::config::{DeviceKind, LossScaleMode, PrecisionKind};
 use trainer::device::Selected;
 
 fn cuda() -> Selected {
-    Selected::Cuda { index: 0, name: "test".into() }
+    Selected::Cuda {
+        index: 0,
+        name: "test".into(),
+    }
 }
 
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_causality_at_awkward_lengths() {
     let dev = CudaDevice::new(0);
-    let cfg = GptConfig { n_layer: 2, n_head: 3, d_model: 48, context: 130, ..GptConfig::default() };
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 3,
+        d_model: 48,
+        context: 130,
+        ..GptConfig::default()
+    };
     let gpt = Gpt::<Cuda>::new(&cfg, 71, &dev);
     let mut r = trainer::rng::SplitMix64::new(9);
     for t in [1usize, 7, 123] {
@@ -34,10 +43,21 @@ fn cuda_causality_at_awkward_lengths() {
         assert!(a.iter().all(|x| x.is_finite()));
         // Row 0 and the first t-1 positions of row 1 are unchanged; the last position changes.
         let cut = (2 * t - 1) * 71;
-        let before = a[..cut].iter().zip(&c[..cut]).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-        let at = a[cut..].iter().zip(&c[cut..]).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let before = a[..cut]
+            .iter()
+            .zip(&c[..cut])
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        let at = a[cut..]
+            .iter()
+            .zip(&c[cut..])
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
         assert!(before < 1e-5, "T={t}: earlier logits moved by {before}");
-        assert!(at > 1e-4, "T={t}: the changed position's logits did not move");
+        assert!(
+            at > 1e-4,
+            "T={t}: the changed position's logits did not move"
+        );
     }
 }
 
@@ -68,7 +88,13 @@ fn cuda_training_loss_decreases_and_resume_matches() {
     assert_eq!(b.len(), 40);
     for (x, y) in a.iter().zip(&b) {
         let tol = 1e-4 * x.loss.abs().max(1.0);
-        assert!((x.loss - y.loss).abs() <= tol, "step {}: {} vs resumed {}", x.step, x.loss, y.loss);
+        assert!(
+            (x.loss - y.loss).abs() <= tol,
+            "step {}: {} vs resumed {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
     }
 }
 
@@ -93,16 +119,28 @@ fn cuda_bf16_and_fp16_train_like_fp32_over_f32_master_weights() {
     let cfg = tiny_config(40);
     let master = Gpt::<AB>::new(&cfg.model, 40, &dev);
     let copy = master.compute_copy(FloatDType::BF16);
-    assert!(common::param_dtypes(&master).iter().all(|(_, d)| *d == DType::F32));
-    let low = common::param_dtypes(&copy).iter().filter(|(_, d)| *d == DType::BF16).count();
-    assert_eq!(low, 4 * cfg.model.n_layer, "qkv, attn proj, fc and mlp proj of every block");
+    assert!(common::param_dtypes(&master)
+        .iter()
+        .all(|(_, d)| *d == DType::F32));
+    let low = common::param_dtypes(&copy)
+        .iter()
+        .filter(|(_, d)| *d == DType::BF16)
+        .count();
+    assert_eq!(
+        low,
+        4 * cfg.model.n_layer,
+        "qkv, attn proj, fc and mlp proj of every block"
+    );
     let x = Tensor::<AB, 2, Int>::from_ints([[1, 5, 9, 2, 33, 7, 0, 12]], &dev);
     let y = Tensor::<AB, 2, Int>::from_ints([[5, 9, 2, 33, 7, 0, 12, 6]], &dev);
     let loss = copy.forward_loss(x.clone(), y.clone());
     assert_eq!(loss.dtype(), DType::F32);
     let l32: f32 = master.forward_loss(x, y).into_scalar();
     let l16: f32 = loss.clone().into_scalar();
-    assert!((l16 - l32).abs() < 2e-2 * l32.abs(), "bf16 loss {l16} vs f32 {l32}");
+    assert!(
+        (l16 - l32).abs() < 2e-2 * l32.abs(),
+        "bf16 loss {l16} vs f32 {l32}"
+    );
     let mut grads = GradientsParams::from_grads(loss.backward(), &copy);
     let qkv = master.blocks[0].attn.qkv.weight.id;
     assert_eq!(grads.get::<Cuda, 2>(qkv).unwrap().dtype(), DType::BF16);
@@ -111,7 +149,11 @@ fn cuda_bf16_and_fp16_train_like_fp32_over_f32_master_weights() {
 
     // The three recipes train the tiny model to about the same loss.
     let mut tails = Vec::new();
-    for p in [PrecisionKind::Fp32, PrecisionKind::Bf16, PrecisionKind::Fp16] {
+    for p in [
+        PrecisionKind::Fp32,
+        PrecisionKind::Bf16,
+        PrecisionKind::Fp16,
+    ] {
         let mut c = tiny_config(40);
         c.device = DeviceKind::Cuda;
         c.precision = p;
@@ -122,8 +164,14 @@ fn cuda_bf16_and_fp16_train_like_fp32_over_f32_master_weights() {
     }
     let (f32_tail, bf16_tail, fp16_tail) = (tails[0], tails[1], tails[2]);
     assert!(f32_tail < 3.2, "fp32 did not train: {f32_tail}");
-    assert!((bf16_tail - f32_tail).abs() < 0.1, "bf16 {bf16_tail} vs fp32 {f32_tail}");
-    assert!((fp16_tail - f32_tail).abs() < 0.1, "fp16 {fp16_tail} vs fp32 {f32_tail}");
+    assert!(
+        (bf16_tail - f32_tail).abs() < 0.1,
+        "bf16 {bf16_tail} vs fp32 {f32_tail}"
+    );
+    assert!(
+        (fp16_tail - f32_tail).abs() < 0.1,
+        "fp16 {fp16_tail} vs fp32 {f32_tail}"
+    );
 }
 
 #[test]
@@ -145,13 +193,25 @@ fn cuda_bf16_overflow_skips_and_scaler_round_trips() {
     let mut o = opts(full.clone(), false);
     o.poison_steps = poison.clone();
     trainer::run(&cfg, &cuda(), &o).unwrap();
-    let ck = |step| checkpoint::read(&full.join("checkpoints").join(checkpoint::file_name(step))).unwrap();
+    let ck = |step| {
+        checkpoint::read(&full.join("checkpoints").join(checkpoint::file_name(step))).unwrap()
+    };
     let ((h3, v3), (h4, v4)) = (ck(3), ck(4));
-    assert!(v3.iter().zip(&v4).all(|(a, b)| a.to_bits() == b.to_bits()), "the skipped step changed the state");
+    assert!(
+        v3.iter().zip(&v4).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the skipped step changed the state"
+    );
     assert_eq!((h3.optimizer_step, h4.optimizer_step), (3, 3));
-    assert_eq!(h4.loss_scaler.as_ref().unwrap().scale, 1024.0, "grew to 2048 after step 3, halved at 4");
+    assert_eq!(
+        h4.loss_scaler.as_ref().unwrap().scale,
+        1024.0,
+        "grew to 2048 after step 3, halved at 4"
+    );
     let scales: Vec<f64> = read_metrics(&full).iter().map(|r| r.loss_scale).collect();
-    assert_eq!(scales, vec![1024.0, 1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 1024.0, 2048.0]);
+    assert_eq!(
+        scales,
+        vec![1024.0, 1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 1024.0, 2048.0]
+    );
 
     let split = scratch("cuda_bf16_skip_split");
     let mut first = opts(split.clone(), false);
@@ -163,7 +223,18 @@ fn cuda_bf16_overflow_skips_and_scaler_round_trips() {
     trainer::run(&cfg, &cuda(), &second).unwrap();
     let (a, b) = (read_metrics(&full), read_metrics(&split));
     for (x, y) in a.iter().zip(&b) {
-        assert_eq!((x.loss_scale, x.skipped, x.overflows), (y.loss_scale, y.skipped, y.overflows), "step {}", x.step);
-        assert!((x.loss - y.loss).abs() <= 1e-4 * x.loss.abs().max(1.0), "step {}: {} vs {}", x.step, x.loss, y.loss);
+        assert_eq!(
+            (x.loss_scale, x.skipped, x.overflows),
+            (y.loss_scale, y.skipped, y.overflows),
+            "step {}",
+            x.step
+        );
+        assert!(
+            (x.loss - y.loss).abs() <= 1e-4 * x.loss.abs().max(1.0),
+            "step {}: {} vs {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
     }
 }

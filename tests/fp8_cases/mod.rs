@@ -4,7 +4,10 @@
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
 use kernels::fp8::reference;
-use kernels::{fp8_gemm, fp8_gemm_on, fp8_linear, fp8_quantize, Fp8Format, Fp8GemmPath, Fp8Granularity, Fp8LinearConfig, QuantSpec};
+use kernels::{
+    fp8_gemm, fp8_gemm_on, fp8_linear, fp8_quantize, Fp8Format, Fp8GemmPath, Fp8Granularity,
+    Fp8LinearConfig, QuantSpec,
+};
 
 /// A deterministic pseudo-random stream (xorshift), so that failures reproduce.
 pub struct Rng(u64);
@@ -66,7 +69,10 @@ pub fn adversarial(rows: usize, cols: usize, seed: u64, nonfinite: bool) -> Vec<
         for c in 0..cols {
             v[3 * cols + c] = rng.normal() * 0.1;
         }
-        for (c, t) in [256.0, 1.0625, -1.1875, 2.125, 0.006_835_937_5].into_iter().enumerate() {
+        for (c, t) in [256.0, 1.0625, -1.1875, 2.125, 0.006_835_937_5]
+            .into_iter()
+            .enumerate()
+        {
             v[3 * cols + c] = t;
         }
     }
@@ -87,10 +93,19 @@ pub fn adversarial(rows: usize, cols: usize, seed: u64, nonfinite: bool) -> Vec<
 pub fn specs() -> Vec<QuantSpec> {
     let mut out = Vec::new();
     for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
-        for granularity in [Fp8Granularity::Tile1x128, Fp8Granularity::Block128, Fp8Granularity::Tensor] {
+        for granularity in [
+            Fp8Granularity::Tile1x128,
+            Fp8Granularity::Block128,
+            Fp8Granularity::Tensor,
+        ] {
             for pow2 in [true, false] {
                 for transpose in [false, true] {
-                    out.push(QuantSpec { format, granularity, pow2, transpose });
+                    out.push(QuantSpec {
+                        format,
+                        granularity,
+                        pow2,
+                        transpose,
+                    });
                 }
             }
         }
@@ -101,12 +116,25 @@ pub fn specs() -> Vec<QuantSpec> {
 /// Payload and scales of the quantizer kernels, bit for bit against the CPU reference, for every
 /// format, granularity, scale rounding and orientation; input in `dtype` (the reference gets the
 /// same dtype-rounded values).
-pub fn quantizer_bit_identical<B: kernels::Backend>(dtype: FloatDType, dev: &B::Device, shapes: &[(usize, usize)]) {
+pub fn quantizer_bit_identical<B: kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize)],
+) {
     for (n, &(rows, cols)) in shapes.iter().enumerate() {
         let nonfinite = dtype == FloatDType::F32;
         let data = adversarial(rows, cols, 11 + n as u64, nonfinite);
-        let x = Tensor::<B, 2>::from_data(TensorData::new(data, [rows, cols]), (dev, burn::tensor::DType::F32)).cast(dtype);
-        let rounded = x.clone().cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+        let x = Tensor::<B, 2>::from_data(
+            TensorData::new(data, [rows, cols]),
+            (dev, burn::tensor::DType::F32),
+        )
+        .cast(dtype);
+        let rounded = x
+            .clone()
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
         for spec in specs() {
             let q = fp8_quantize(x.clone(), spec);
             let (words, scales) = reference::quantize(&rounded, rows, cols, &spec);
@@ -115,17 +143,34 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(dtype: FloatDType, dev: &B::
             let ctx = format!("{dtype:?} [{rows}, {cols}] {spec:?}");
             assert_eq!(got_scales.len(), scales.len(), "{ctx}: scale count");
             for (i, (g, r)) in got_scales.iter().zip(&scales).enumerate() {
-                assert_eq!(g.to_bits(), r.to_bits(), "{ctx}: scale {i}: kernel {g:e}, reference {r:e}");
+                assert_eq!(
+                    g.to_bits(),
+                    r.to_bits(),
+                    "{ctx}: scale {i}: kernel {g:e}, reference {r:e}"
+                );
             }
             assert_eq!(got_words.len(), words.len(), "{ctx}: payload words");
             if let Some(i) = got_words.iter().zip(&words).position(|(g, r)| g != r) {
-                panic!("{ctx}: payload word {i} (row {}, codes {}..): kernel {:08x}, reference {:08x}", i / (words.len() / q.rows.max(1)), 4 * (i % (words.len() / q.rows.max(1))), got_words[i], words[i]);
+                panic!(
+                    "{ctx}: payload word {i} (row {}, codes {}..): kernel {:08x}, reference {:08x}",
+                    i / (words.len() / q.rows.max(1)),
+                    4 * (i % (words.len() / q.rows.max(1))),
+                    got_words[i],
+                    words[i]
+                );
             }
             // Dequantization: kernel against reference, exact.
-            let deq = q.dequantize(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+            let deq = q
+                .dequantize(FloatDType::F32)
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap();
             let want = reference::dequantize(&words, &scales, q.rows, q.k, &spec);
             for (i, (g, r)) in deq.iter().zip(&want).enumerate() {
-                assert!(g.to_bits() == r.to_bits() || (g.is_nan() && r.is_nan()), "{ctx}: dequantized {i}: kernel {g:e}, reference {r:e}");
+                assert!(
+                    g.to_bits() == r.to_bits() || (g.is_nan() && r.is_nan()),
+                    "{ctx}: dequantized {i}: kernel {g:e}, reference {r:e}"
+                );
             }
         }
     }
@@ -134,14 +179,34 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(dtype: FloatDType, dev: &B::
 /// The FP8 GEMM on `path` against the dequantized operands multiplied in f64 on the host, for
 /// E4M3 and E5M2 left operands, tile and per-tensor scales (the tensor-core path takes the E4M3
 /// pairs only).
-pub fn gemm_against_dequantized<B: kernels::Backend>(dev: &B::Device, out: FloatDType, shapes: &[(usize, usize, usize)], path: Fp8GemmPath) {
+pub fn gemm_against_dequantized<B: kernels::Backend>(
+    dev: &B::Device,
+    out: FloatDType,
+    shapes: &[(usize, usize, usize)],
+    path: Fp8GemmPath,
+) {
     for &(m, n, k) in shapes {
         let a = Tensor::<B, 2>::random([m, k], Distribution::Normal(0.0, 1.0), dev);
         let b = Tensor::<B, 2>::random([n, k], Distribution::Normal(0.0, 3.0), dev);
         let cases = [
-            (Fp8Format::E4M3, Fp8Format::E4M3, Fp8Granularity::Tile1x128, Fp8Granularity::Block128),
-            (Fp8Format::E5M2, Fp8Format::E4M3, Fp8Granularity::Tile1x128, Fp8Granularity::Block128),
-            (Fp8Format::E4M3, Fp8Format::E4M3, Fp8Granularity::Tensor, Fp8Granularity::Tensor),
+            (
+                Fp8Format::E4M3,
+                Fp8Format::E4M3,
+                Fp8Granularity::Tile1x128,
+                Fp8Granularity::Block128,
+            ),
+            (
+                Fp8Format::E5M2,
+                Fp8Format::E4M3,
+                Fp8Granularity::Tile1x128,
+                Fp8Granularity::Block128,
+            ),
+            (
+                Fp8Format::E4M3,
+                Fp8Format::E4M3,
+                Fp8Granularity::Tensor,
+                Fp8Granularity::Tensor,
+            ),
         ];
         for (fa, fb, ga, gb) in cases {
             let qa = fp8_quantize(a.clone(), QuantSpec::new(fa, ga));
@@ -151,15 +216,32 @@ pub fn gemm_against_dequantized<B: kernels::Backend>(dev: &B::Device, out: Float
                 // multiples of 8.
                 let mma_refuses = path == Fp8GemmPath::TensorCores && fa != Fp8Format::E4M3;
                 let cublaslt_refuses = path == Fp8GemmPath::CublasLt && (m % 8 != 0 || n % 8 != 0);
-                assert!(mma_refuses || cublaslt_refuses, "{path:?} does not apply to {fa:?} x {fb:?} at [{m}, {n}, {k}]");
+                assert!(
+                    mma_refuses || cublaslt_refuses,
+                    "{path:?} does not apply to {fa:?} x {fb:?} at [{m}, {n}, {k}]"
+                );
                 continue;
             };
             let y = y.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
-            let da = qa.dequantize(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
-            let db = qb.dequantize(FloatDType::F32).into_data().to_vec::<f32>().unwrap();
+            let da = qa
+                .dequantize(FloatDType::F32)
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap();
+            let db = qb
+                .dequantize(FloatDType::F32)
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap();
             // Tolerance: f32 accumulation of k exact products (|err| <= k * eps * sum|a||b|), plus
             // the output rounding (bf16: 2^-8 relative).
-            let round = if out == FloatDType::BF16 { 2f64.powi(-8) } else if out == FloatDType::F16 { 2f64.powi(-11) } else { 0.0 };
+            let round = if out == FloatDType::BF16 {
+                2f64.powi(-8)
+            } else if out == FloatDType::F16 {
+                2f64.powi(-11)
+            } else {
+                0.0
+            };
             for i in 0..m {
                 for j in 0..n {
                     let (mut s, mut sa) = (0f64, 0f64);
@@ -196,7 +278,11 @@ fn host<Bk: burn::tensor::backend::Backend>(t: Tensor<Bk, 2>) -> Vec<f32> {
 }
 
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    let num: f64 = got.iter().zip(want).map(|(g, w)| ((*g - *w) as f64).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| ((*g - *w) as f64).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt()
 }
@@ -210,50 +296,115 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 ///    operands, ~0.06 with E5M2 gradients (measured on lavapipe: 0.037-0.038 and 0.058-0.061), so
 ///    the bounds 0.06 and 0.12 leave 1.5-2x headroom;
 /// 3. passes switched off use the plain matmul exactly.
-pub fn linear<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, shapes: &[(usize, usize, usize)])
-where
+pub fn linear<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize)],
+) where
     B::InnerBackend: kernels::Backend,
 {
     for &(t, d_in, d_out) in shapes {
         let x0 = Tensor::<B, 2>::random([t, d_in], Distribution::Normal(0.0, 1.0), dev);
         let w0 = Tensor::<B, 2>::random([d_in, d_out], Distribution::Normal(0.0, 0.02), dev);
-        let dy0 = Tensor::<B::InnerBackend, 2>::random([t, d_out], Distribution::Normal(0.0, 1e-3), dev);
+        let dy0 =
+            Tensor::<B::InnerBackend, 2>::random([t, d_out], Distribution::Normal(0.0, 1e-3), dev);
         // f32 baseline
         let (xf, wf) = (x0.clone().require_grad(), w0.clone().require_grad());
         let yf = xf.clone().matmul(wf.clone());
-        let gf = (yf.clone() * Tensor::from_inner(dy0.clone())).sum().backward();
-        let (yf, dxf, dwf) = (host(yf.inner()), host(xf.grad(&gf).unwrap()), host(wf.grad(&gf).unwrap()));
+        let gf = (yf.clone() * Tensor::from_inner(dy0.clone()))
+            .sum()
+            .backward();
+        let (yf, dxf, dwf) = (
+            host(yf.inner()),
+            host(xf.grad(&gf).unwrap()),
+            host(wf.grad(&gf).unwrap()),
+        );
         for hybrid in [false, true] {
-            let cfg = Fp8LinearConfig { grad_format: if hybrid { Fp8Format::E5M2 } else { Fp8Format::E4M3 }, ..Default::default() };
+            let cfg = Fp8LinearConfig {
+                grad_format: if hybrid {
+                    Fp8Format::E5M2
+                } else {
+                    Fp8Format::E4M3
+                },
+                ..Default::default()
+            };
             let x = x0.clone().cast(dtype).detach().require_grad();
             let w = w0.clone().cast(dtype).detach().require_grad();
             let y = fp8_linear(x.clone(), w.clone(), &cfg);
             let dy = Tensor::<B, 2>::from_inner(dy0.clone().cast(dtype));
             let g = (y.clone() * dy).sum().backward();
             let (dx, dw) = (x.grad(&g).unwrap(), w.grad(&g).unwrap());
-            let ctx = format!("fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] hybrid={hybrid}");
+            let ctx =
+                format!("fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] hybrid={hybrid}");
             // 1. wiring, on the inner backend
-            let (xi, wi, dyi) = (x.clone().inner(), w.clone().inner(), dy0.clone().cast(dtype));
-            let want_y = fp8_gemm(&fp8_quantize(xi.clone(), cfg.act_spec(false)), &fp8_quantize(wi.clone(), cfg.weight_spec(true)), dtype);
-            let want_dx = fp8_gemm(&fp8_quantize(dyi.clone(), cfg.grad_spec(false)), &fp8_quantize(wi.clone(), cfg.weight_spec(false)), dtype);
-            let want_dw = fp8_gemm(&fp8_quantize(xi.clone(), cfg.act_spec(true)), &fp8_quantize(dyi.clone(), cfg.grad_spec(true)), dtype);
-            assert_eq!(host(y.clone().inner()), host(want_y), "{ctx}: y is not the FP8 fprop GEMM");
-            assert_eq!(host(dx.clone()), host(want_dx), "{ctx}: dx is not the FP8 dgrad GEMM");
-            assert_eq!(host(dw.clone()), host(want_dw), "{ctx}: dw is not the FP8 wgrad GEMM");
+            let (xi, wi, dyi) = (
+                x.clone().inner(),
+                w.clone().inner(),
+                dy0.clone().cast(dtype),
+            );
+            let want_y = fp8_gemm(
+                &fp8_quantize(xi.clone(), cfg.act_spec(false)),
+                &fp8_quantize(wi.clone(), cfg.weight_spec(true)),
+                dtype,
+            );
+            let want_dx = fp8_gemm(
+                &fp8_quantize(dyi.clone(), cfg.grad_spec(false)),
+                &fp8_quantize(wi.clone(), cfg.weight_spec(false)),
+                dtype,
+            );
+            let want_dw = fp8_gemm(
+                &fp8_quantize(xi.clone(), cfg.act_spec(true)),
+                &fp8_quantize(dyi.clone(), cfg.grad_spec(true)),
+                dtype,
+            );
+            assert_eq!(
+                host(y.clone().inner()),
+                host(want_y),
+                "{ctx}: y is not the FP8 fprop GEMM"
+            );
+            assert_eq!(
+                host(dx.clone()),
+                host(want_dx),
+                "{ctx}: dx is not the FP8 dgrad GEMM"
+            );
+            assert_eq!(
+                host(dw.clone()),
+                host(want_dw),
+                "{ctx}: dw is not the FP8 wgrad GEMM"
+            );
             // 2. quality against f32
-            let (ey, edx, edw) = (rel_err(&host(y.inner()), &yf), rel_err(&host(dx), &dxf), rel_err(&host(dw), &dwf));
+            let (ey, edx, edw) = (
+                rel_err(&host(y.inner()), &yf),
+                rel_err(&host(dx), &dxf),
+                rel_err(&host(dw), &dwf),
+            );
             let bound_g = if hybrid { 0.12 } else { 0.06 };
             eprintln!("{ctx}: relative RMS error vs f32: y {ey:.4}, dx {edx:.4}, dw {edw:.4}");
             assert!(ey <= 0.06, "{ctx}: y relative RMS error {ey:.4} > 0.06");
-            assert!(edx <= bound_g, "{ctx}: dx relative RMS error {edx:.4} > {bound_g}");
-            assert!(edw <= bound_g, "{ctx}: dw relative RMS error {edw:.4} > {bound_g}");
+            assert!(
+                edx <= bound_g,
+                "{ctx}: dx relative RMS error {edx:.4} > {bound_g}"
+            );
+            assert!(
+                edw <= bound_g,
+                "{ctx}: dw relative RMS error {edw:.4} > {bound_g}"
+            );
         }
         // 3. all passes off: plain matmuls
-        let off = Fp8LinearConfig { fprop: false, dgrad: false, wgrad: false, ..Default::default() };
+        let off = Fp8LinearConfig {
+            fprop: false,
+            dgrad: false,
+            wgrad: false,
+            ..Default::default()
+        };
         let x = x0.clone().cast(dtype).detach().require_grad();
         let w = w0.clone().cast(dtype).detach().require_grad();
         let y = fp8_linear(x.clone(), w.clone(), &off);
         let plain = x.clone().inner().matmul(w.clone().inner());
-        assert_eq!(host(y.inner()), host(plain), "fp8_linear with every pass off must be the plain matmul");
+        assert_eq!(
+            host(y.inner()),
+            host(plain),
+            "fp8_linear with every pass off must be the plain matmul"
+        );
     }
 }

@@ -27,13 +27,25 @@ pub struct Input<B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> Input<B> {
     pub fn act(shape: [usize; 2], dev: &B::Device) -> Self {
-        Self { values: randn(shape, dev), low_precision: true, needs_grad: true }
+        Self {
+            values: randn(shape, dev),
+            low_precision: true,
+            needs_grad: true,
+        }
     }
     pub fn master(values: Tensor<B, 2>) -> Self {
-        Self { values, low_precision: false, needs_grad: true }
+        Self {
+            values,
+            low_precision: false,
+            needs_grad: true,
+        }
     }
     pub fn constant(values: Tensor<B, 2>) -> Self {
-        Self { values, low_precision: false, needs_grad: false }
+        Self {
+            values,
+            low_precision: false,
+            needs_grad: false,
+        }
     }
 }
 
@@ -42,10 +54,17 @@ pub fn randn<B: AutodiffBackend>(shape: [usize; 2], dev: &B::Device) -> Tensor<B
 }
 
 fn max_abs<B: AutodiffBackend>(t: Tensor<B::InnerBackend, 2>) -> f32 {
-    t.abs().max().into_scalar().to_string().parse::<f32>().expect("a number")
+    t.abs()
+        .max()
+        .into_scalar()
+        .to_string()
+        .parse::<f32>()
+        .expect("a number")
 }
 
-fn to2<B: AutodiffBackend, const D: usize>(t: Tensor<B::InnerBackend, D>) -> Tensor<B::InnerBackend, 2> {
+fn to2<B: AutodiffBackend, const D: usize>(
+    t: Tensor<B::InnerBackend, D>,
+) -> Tensor<B::InnerBackend, 2> {
     let n = t.shape().num_elements();
     t.cast(FloatDType::F32).reshape([1, n])
 }
@@ -78,34 +97,61 @@ pub fn check_exact<B: AutodiffBackend>(
     // Round once to the dtype under test, so that every run sees the same values.
     let values: Vec<Tensor<B, 2>> = inputs
         .iter()
-        .map(|i| if i.low_precision { i.values.clone().cast(dtype).cast(FloatDType::F32) } else { i.values.clone() })
+        .map(|i| {
+            if i.low_precision {
+                i.values.clone().cast(dtype).cast(FloatDType::F32)
+            } else {
+                i.values.clone()
+            }
+        })
         .collect();
     let leaves = |run_dtype: FloatDType| -> Vec<Tensor<B, 2>> {
         values
             .iter()
             .zip(&inputs)
             .map(|(v, i)| {
-                let t = if i.low_precision { v.clone().cast(run_dtype) } else { v.clone() };
+                let t = if i.low_precision {
+                    v.clone().cast(run_dtype)
+                } else {
+                    v.clone()
+                };
                 let t = t.detach();
-                if i.needs_grad { t.require_grad() } else { t }
+                if i.needs_grad {
+                    t.require_grad()
+                } else {
+                    t
+                }
             })
             .collect()
     };
-    let run = |f: &dyn Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>, run_dtype: FloatDType, probe: Option<&Tensor<B, 2>>| {
+    let run = |f: &dyn Fn(Vec<Tensor<B, 2>>) -> Tensor<B, 2>,
+               run_dtype: FloatDType,
+               probe: Option<&Tensor<B, 2>>| {
         let xs = leaves(run_dtype);
         let out = f(xs.clone()).cast(FloatDType::F32);
         let probe = probe.cloned().unwrap_or_else(|| randn(out.dims(), &dev));
         let grads = (out.clone() * probe.clone()).sum().backward();
-        let gs: Vec<Option<Tensor<B::InnerBackend, 2>>> =
-            xs.iter().map(|x| x.grad(&grads).map(|g| g.cast(FloatDType::F32))).collect();
+        let gs: Vec<Option<Tensor<B::InnerBackend, 2>>> = xs
+            .iter()
+            .map(|x| x.grad(&grads).map(|g| g.cast(FloatDType::F32)))
+            .collect();
         (out.inner(), gs, probe)
     };
     let (exact_out, exact_grads, probe) = run(exact, FloatDType::F32, None);
     let (k_out, k_grads, _) = run(&kernel, dtype, Some(&probe));
     let (b_out, b_grads, _) = run(reference, dtype, Some(&probe));
 
-    let compare = |what: &str, exact: Tensor<B::InnerBackend, 2>, k: Tensor<B::InnerBackend, 2>, b: Tensor<B::InnerBackend, 2>| {
-        assert_eq!(exact.dims(), k.dims(), "{name}: {what} has shape {:?}, expected {:?}", k.dims(), exact.dims());
+    let compare = |what: &str,
+                   exact: Tensor<B::InnerBackend, 2>,
+                   k: Tensor<B::InnerBackend, 2>,
+                   b: Tensor<B::InnerBackend, 2>| {
+        assert_eq!(
+            exact.dims(),
+            k.dims(),
+            "{name}: {what} has shape {:?}, expected {:?}",
+            k.dims(),
+            exact.dims()
+        );
         let scale = max_abs::<B>(exact.clone());
         let err_k = max_abs::<B>(k - exact.clone());
         let err_b = max_abs::<B>(b - exact);
@@ -115,12 +161,26 @@ pub fn check_exact<B: AutodiffBackend>(
             "{name} ({dtype:?}): {what} error {err_k:e} exceeds 2 x baseline {err_b:e} + {atol:e} (max |exact| {scale:e})"
         );
     };
-    compare("output", to2::<B, 2>(exact_out), to2::<B, 2>(k_out), to2::<B, 2>(b_out));
-    for (i, ((e, k), b)) in exact_grads.into_iter().zip(k_grads).zip(b_grads).enumerate() {
+    compare(
+        "output",
+        to2::<B, 2>(exact_out),
+        to2::<B, 2>(k_out),
+        to2::<B, 2>(b_out),
+    );
+    for (i, ((e, k), b)) in exact_grads
+        .into_iter()
+        .zip(k_grads)
+        .zip(b_grads)
+        .enumerate()
+    {
         match (e, k, b) {
             (Some(e), Some(k), Some(b)) => compare(&format!("gradient of input {i}"), e, k, b),
             (None, None, None) => {}
-            (e, k, _) => panic!("{name}: gradient of input {i} present in exact: {}, kernel: {}", e.is_some(), k.is_some()),
+            (e, k, _) => panic!(
+                "{name}: gradient of input {i} present in exact: {}, kernel: {}",
+                e.is_some(),
+                k.is_some()
+            ),
         }
     }
 }
@@ -132,7 +192,11 @@ pub const FLOOR: f32 = 2e-6;
 pub const WIDTHS: [usize; 5] = [1, 7, 123, 1000, 4096];
 
 fn rows_for(width: usize) -> usize {
-    if width >= 1000 { 5 } else { 37 }
+    if width >= 1000 {
+        5
+    } else {
+        37
+    }
 }
 
 pub fn rms_norm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
@@ -148,8 +212,13 @@ pub fn rms_norm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &
             vec![
                 if c == 1 {
                     let shape = [rows_for(c), c];
-                    let x = randn::<B>(shape, dev).abs().add_scalar(0.5) * randn::<B>(shape, dev).sign();
-                    Input { values: x, low_precision: true, needs_grad: true }
+                    let x = randn::<B>(shape, dev).abs().add_scalar(0.5)
+                        * randn::<B>(shape, dev).sign();
+                    Input {
+                        values: x,
+                        low_precision: true,
+                        needs_grad: true,
+                    }
                 } else {
                     Input::act([rows_for(c), c], dev)
                 },
@@ -171,13 +240,27 @@ pub fn add_rms_norm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, de
             &format!("add_rms_norm [{rows}, {c}]"),
             dtype,
             FLOOR,
-            vec![Input::act([rows, c], dev), Input::act([rows, c], dev), Input::master(w)],
+            vec![
+                Input::act([rows, c], dev),
+                Input::act([rows, c], dev),
+                Input::master(w),
+            ],
             |v| {
-                let (s, y) = kernels::add_rms_norm(v[0].clone(), v[1].clone(), v[2].clone().reshape([c]), 1e-5);
+                let (s, y) = kernels::add_rms_norm(
+                    v[0].clone(),
+                    v[1].clone(),
+                    v[2].clone().reshape([c]),
+                    1e-5,
+                );
                 both(s, y)
             },
             |v| {
-                let (s, y) = kernels::rms_norm::add_reference(v[0].clone(), v[1].clone(), v[2].clone().reshape([c]), 1e-5);
+                let (s, y) = kernels::rms_norm::add_reference(
+                    v[0].clone(),
+                    v[1].clone(),
+                    v[2].clone().reshape([c]),
+                    1e-5,
+                );
                 both(s, y)
             },
         );
@@ -230,9 +313,27 @@ pub fn rope<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::D
             &format!("rope [{b}, {h}, {t}, {hd}]"),
             dtype,
             FLOOR,
-            vec![Input::act([b * h * t, hd], dev), Input::constant(cos.clone()), Input::constant(sin.clone())],
-            |v| kernels::rope(v[0].clone().reshape([b, h, t, hd]), v[1].clone(), v[2].clone()).reshape([b * h * t, hd]),
-            |v| kernels::rope::reference(v[0].clone().reshape([b, h, t, hd]), v[1].clone(), v[2].clone()).reshape([b * h * t, hd]),
+            vec![
+                Input::act([b * h * t, hd], dev),
+                Input::constant(cos.clone()),
+                Input::constant(sin.clone()),
+            ],
+            |v| {
+                kernels::rope(
+                    v[0].clone().reshape([b, h, t, hd]),
+                    v[1].clone(),
+                    v[2].clone(),
+                )
+                .reshape([b * h * t, hd])
+            },
+            |v| {
+                kernels::rope::reference(
+                    v[0].clone().reshape([b, h, t, hd]),
+                    v[1].clone(),
+                    v[2].clone(),
+                )
+                .reshape([b * h * t, hd])
+            },
         );
         let strided = move |v: Vec<Tensor<B, 2>>, f: &dyn Fn(Tensor<B, 4>) -> Tensor<B, 4>| {
             // [B, T, 3H, hd] -> [B, 3H, T, hd] -> q and k heads [B, 2H, T, hd], a strided view.
@@ -247,7 +348,11 @@ pub fn rope<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::D
             FLOOR,
             vec![Input::act([b * t, 3 * h * hd], dev)],
             |v| strided(v, &|x| kernels::rope(x, c2.clone(), s2.clone())),
-            |v| strided(v, &|x| kernels::rope::reference(x, cos.clone(), sin.clone())),
+            |v| {
+                strided(v, &|x| {
+                    kernels::rope::reference(x, cos.clone(), sin.clone())
+                })
+            },
         );
     }
 }
@@ -257,8 +362,14 @@ fn targets<B: AutodiffBackend>(rows: usize, classes: usize, dev: &B::Device) -> 
     let mut state = 0x9e37_79b9_u64 ^ (rows * 31 + classes) as u64;
     let ids: Vec<i64> = (0..rows)
         .map(|r| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            if r == 1 { -1 } else { ((state >> 33) % classes as u64) as i64 }
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            if r == 1 {
+                -1
+            } else {
+                ((state >> 33) % classes as u64) as i64
+            }
         })
         .collect();
     Tensor::from_data(TensorData::new(ids, [rows]), dev)
@@ -277,7 +388,10 @@ pub fn cross_entropy<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, d
                 vec![Input::act([rows, v], dev)],
                 // Logits spread like a trained model's (std 4), so the softmax is not flat.
                 |x| kernels::cross_entropy(x[0].clone() * 4.0, tg.clone(), z).reshape([rows, 1]),
-                |x| kernels::cross_entropy::reference(x[0].clone() * 4.0, tg2.clone(), z).reshape([rows, 1]),
+                |x| {
+                    kernels::cross_entropy::reference(x[0].clone() * 4.0, tg2.clone(), z)
+                        .reshape([rows, 1])
+                },
             );
         }
         // Logits whose rows are further apart than their length: a column slice of a wider tensor.
@@ -285,12 +399,25 @@ pub fn cross_entropy<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, d
         let tg = targets::<B>(rows, v, dev);
         let tg2 = tg.clone();
         check::<B>(
-            &format!("cross_entropy on a column slice [{rows}, {v}] of [{rows}, {}]", v + 8),
+            &format!(
+                "cross_entropy on a column slice [{rows}, {v}] of [{rows}, {}]",
+                v + 8
+            ),
             dtype,
             FLOOR,
             vec![Input::act([rows, v + 8], dev)],
-            |x| kernels::cross_entropy((x[0].clone() * 4.0).slice([0..rows, 0..v]), tg.clone(), 0.0).reshape([rows, 1]),
-            |x| kernels::cross_entropy::reference((x[0].clone() * 4.0).slice([0..rows, 0..v]), tg2.clone(), 0.0).reshape([rows, 1]),
+            |x| {
+                kernels::cross_entropy((x[0].clone() * 4.0).slice([0..rows, 0..v]), tg.clone(), 0.0)
+                    .reshape([rows, 1])
+            },
+            |x| {
+                kernels::cross_entropy::reference(
+                    (x[0].clone() * 4.0).slice([0..rows, 0..v]),
+                    tg2.clone(),
+                    0.0,
+                )
+                .reshape([rows, 1])
+            },
         );
     }
 }
@@ -308,22 +435,59 @@ where
         let v = r(1e-3).powi_scalar(2);
         let factor = Tensor::<I<B>, 1>::from_floats([0.5], dev);
         for (wd, t) in [(0.0, 1u64), (0.1, 17)] {
-            let hp = kernels::AdamWStep { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: wd, t };
+            let hp = kernels::AdamWStep {
+                lr: 3e-3,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: wd,
+                t,
+            };
             for g in [g.clone(), g.clone().cast(dtype)] {
-                let k = kernels::adamw_step(p.clone(), g.clone(), m.clone(), v.clone(), factor.clone(), &hp, Some(dtype));
-                let e = kernels::adamw::reference(p.clone(), g.clone(), m.clone(), v.clone(), factor.clone(), &hp, Some(dtype));
-                for (what, a, b) in [("param", k.param, e.param), ("m", k.m, e.m), ("v", k.v, e.v)] {
+                let k = kernels::adamw_step(
+                    p.clone(),
+                    g.clone(),
+                    m.clone(),
+                    v.clone(),
+                    factor.clone(),
+                    &hp,
+                    Some(dtype),
+                );
+                let e = kernels::adamw::reference(
+                    p.clone(),
+                    g.clone(),
+                    m.clone(),
+                    v.clone(),
+                    factor.clone(),
+                    &hp,
+                    Some(dtype),
+                );
+                for (what, a, b) in [
+                    ("param", k.param, e.param),
+                    ("m", k.m, e.m),
+                    ("v", k.v, e.v),
+                ] {
                     let scale = max_abs::<B>(b.clone()).max(1e-12);
                     let err = max_abs::<B>(a - b);
-                    assert!(err <= 1e-6 * scale, "adamw [3, {n}] {what}: error {err:e} (scale {scale:e})");
+                    assert!(
+                        err <= 1e-6 * scale,
+                        "adamw [3, {n}] {what}: error {err:e} (scale {scale:e})"
+                    );
                 }
-                let (kc, ec) = (k.copy.expect("copy asked for"), e.copy.expect("copy asked for"));
+                let (kc, ec) = (
+                    k.copy.expect("copy asked for"),
+                    e.copy.expect("copy asked for"),
+                );
                 assert_eq!(kc.dtype(), dtype.into(), "adamw copy dtype");
                 let err = max_abs::<B>(kc.cast(FloatDType::F32) - ec.cast(FloatDType::F32));
                 // Each copy is its f32 weight rounded once, and the two f32 weights differ only in
                 // their last bits, so the copies are at most a rounding step or two apart: allow 4
                 // ulps of `dtype` at magnitude 1 (the weights here are below 2).
-                let ulp = match dtype { FloatDType::BF16 => 1.0 / 128.0, FloatDType::F16 => 1.0 / 1024.0, _ => 1e-6 };
+                let ulp = match dtype {
+                    FloatDType::BF16 => 1.0 / 128.0,
+                    FloatDType::F16 => 1.0 / 1024.0,
+                    _ => 1e-6,
+                };
                 assert!(err <= ulp * 4.0, "adamw [3, {n}] copy: error {err:e}");
             }
         }
@@ -347,7 +511,10 @@ pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(
     shapes: &[(usize, usize, usize, usize)],
     exact_by_sums: bool,
 ) {
-    let mut cases: Vec<(usize, usize, usize, usize, usize)> = shapes.iter().map(|&(b, h, s, hd)| (b, h, s, s, hd)).collect();
+    let mut cases: Vec<(usize, usize, usize, usize, usize)> = shapes
+        .iter()
+        .map(|&(b, h, s, hd)| (b, h, s, s, hd))
+        .collect();
     cases.push((1, 2, 17, 40, 64));
     for (b, h, sq, sk, hd) in cases {
         for causal in [false, true] {
@@ -358,7 +525,11 @@ pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(
                 &format!("flash_attention q [{b}, {h}, {sq}, {hd}] k/v seq {sk} causal {causal}"),
                 dtype,
                 4e-5 * (sk as f32 / 32.0).sqrt().max(1.0),
-                vec![Input::act([rq, hd], dev), Input::act([rk, hd], dev), Input::act([rk, hd], dev)],
+                vec![
+                    Input::act([rq, hd], dev),
+                    Input::act([rk, hd], dev),
+                    Input::act([rk, hd], dev),
+                ],
                 |v| {
                     let q = v[0].clone().reshape([b, h, sq, hd]);
                     let k = v[1].clone().reshape([b, h, sk, hd]);
@@ -376,7 +547,10 @@ pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(
                     }
                 },
             );
-            eprintln!("flash_attention [{b}, {h}, {sq}/{sk}, {hd}] causal {causal} {dtype:?}: {:.1?}", started.elapsed());
+            eprintln!(
+                "flash_attention [{b}, {h}, {sq}/{sk}, {hd}] causal {causal} {dtype:?}: {:.1?}",
+                started.elapsed()
+            );
         }
     }
 }
@@ -393,31 +567,51 @@ pub fn attention_by_sums<B: burn::tensor::backend::Backend>(
     let [b, h, sq, hd] = q.dims();
     let sk = k.dims()[2];
     let scale = scale.unwrap_or_else(|| kernels::attention::default_scale(hd));
-    let scores: Tensor<B, 4> = (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2)).sum_dim(4).reshape([b, h, sq, sk]) * scale;
+    let scores: Tensor<B, 4> = (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2))
+        .sum_dim(4)
+        .reshape([b, h, sq, sk])
+        * scale;
     let scores = if causal {
         let dev = scores.device();
         let rows = Tensor::<B, 1, Int>::arange(0..sq as i64, &dev).reshape([sq, 1]);
         let cols = Tensor::<B, 1, Int>::arange(0..sk as i64, &dev).reshape([1, sk]);
-        scores.mask_fill(cols.greater(rows).reshape([1, 1, sq, sk]), f32::NEG_INFINITY)
+        scores.mask_fill(
+            cols.greater(rows).reshape([1, 1, sq, sk]),
+            f32::NEG_INFINITY,
+        )
     } else {
         scores
     };
     let p = burn::tensor::activation::softmax(scores, 3);
-    (p.unsqueeze_dim::<5>(4) * v.unsqueeze_dim::<5>(2)).sum_dim(3).reshape([b, h, sq, hd])
+    (p.unsqueeze_dim::<5>(4) * v.unsqueeze_dim::<5>(2))
+        .sum_dim(3)
+        .reshape([b, h, sq, hd])
 }
 
 /// FlashAttention on q, k, v sliced out of one packed `[B, S, 3H, hd]` projection (strided views,
 /// as the model produces them). `exact_by_sums`: as in [`flash_attention`] (the f32 reference on
 /// CUDA must not go through TF32 matmuls).
-pub fn flash_attention_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+pub fn flash_attention_strided<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+) {
     flash_attention_strided_with::<B>(dtype, dev, false)
 }
 
 /// [`flash_attention_strided`] with the choice of exact reference.
-pub fn flash_attention_strided_with<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, exact_by_sums: bool) {
+pub fn flash_attention_strided_with<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    exact_by_sums: bool,
+) {
     let (b, h, s, hd) = (2, 3, 77, 64);
     let heads = move |v: &Tensor<B, 2>, i: usize| {
-        v.clone().reshape([b, s, 3 * h, hd]).swap_dims(1, 2).slice([0..b, i * h..(i + 1) * h, 0..s, 0..hd])
+        v.clone().reshape([b, s, 3 * h, hd]).swap_dims(1, 2).slice([
+            0..b,
+            i * h..(i + 1) * h,
+            0..s,
+            0..hd,
+        ])
     };
     for causal in [false, true] {
         check::<B>(
@@ -425,7 +619,16 @@ pub fn flash_attention_strided_with<B: AutodiffBackend + kernels::Backend>(dtype
             dtype,
             1e-5,
             vec![Input::act([b * s, 3 * h * hd], dev)],
-            |v| kernels::flash_attention(heads(&v[0], 0), heads(&v[0], 1), heads(&v[0], 2), causal, None).reshape([b * h * s, hd]),
+            |v| {
+                kernels::flash_attention(
+                    heads(&v[0], 0),
+                    heads(&v[0], 1),
+                    heads(&v[0], 2),
+                    causal,
+                    None,
+                )
+                .reshape([b * h * s, hd])
+            },
             |v| {
                 let (q, k, val) = (heads(&v[0], 0), heads(&v[0], 1), heads(&v[0], 2));
                 if exact_by_sums && q.dtype() == burn::tensor::DType::F32 {
@@ -440,26 +643,45 @@ pub fn flash_attention_strided_with<B: AutodiffBackend + kernels::Backend>(dtype
 
 /// The forward's log-sum-exp against the naive one on the same (rounded) values in f32
 /// (`exact_by_sums`: with broadcast products and sums instead of matmuls, see [`flash_attention`]).
-pub fn flash_attention_lse<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device, exact_by_sums: bool)
-where
+pub fn flash_attention_lse<B: AutodiffBackend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    exact_by_sums: bool,
+) where
     B::InnerBackend: kernels::KernelOps,
 {
     type I<B> = <B as AutodiffBackend>::InnerBackend;
     for (b, h, s, hd) in [(2, 3, 1, 64), (2, 3, 17, 128), (1, 2, 1000, 64)] {
         for causal in [false, true] {
-            let r = || randn::<B>([b * h * s, hd], dev).inner().reshape([b, h, s, hd]).cast(dtype).cast(FloatDType::F32);
+            let r = || {
+                randn::<B>([b * h * s, hd], dev)
+                    .inner()
+                    .reshape([b, h, s, hd])
+                    .cast(dtype)
+                    .cast(FloatDType::F32)
+            };
             let (q, k, v) = (r(), r(), r());
-            let (_, lse) = kernels::flash_attention_with_lse(q.clone().cast(dtype), k.clone().cast(dtype), v.cast(dtype), causal, None);
+            let (_, lse) = kernels::flash_attention_with_lse(
+                q.clone().cast(dtype),
+                k.clone().cast(dtype),
+                v.cast(dtype),
+                causal,
+                None,
+            );
             let scale = kernels::attention::default_scale(hd);
             let mut scores: Tensor<I<B>, 4> = if exact_by_sums {
-                (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2)).sum_dim(4).reshape([b, h, s, s]) * scale
+                (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2))
+                    .sum_dim(4)
+                    .reshape([b, h, s, s])
+                    * scale
             } else {
                 q.matmul(k.swap_dims(2, 3)) * scale
             };
             if causal {
                 let rows = Tensor::<I<B>, 1, Int>::arange(0..s as i64, dev).reshape([s, 1]);
                 let cols = Tensor::<I<B>, 1, Int>::arange(0..s as i64, dev).reshape([1, s]);
-                scores = scores.mask_fill(cols.greater(rows).reshape([1, 1, s, s]), f32::NEG_INFINITY);
+                scores =
+                    scores.mask_fill(cols.greater(rows).reshape([1, 1, s, s]), f32::NEG_INFINITY);
             }
             let m = scores.clone().max_dim(3);
             let exact = ((scores - m.clone()).exp().sum_dim(3).log() + m).reshape([b, h, s]);
@@ -475,17 +697,31 @@ where
 }
 
 /// `op(a) op(b)` as broadcast products summed in f32: exact up to f32 summation on every device.
-pub fn gemm_exact<B: AutodiffBackend>(a: Tensor<B, 2>, b: Tensor<B, 2>, trans_a: bool, trans_b: bool) -> Tensor<B, 2> {
+pub fn gemm_exact<B: AutodiffBackend>(
+    a: Tensor<B, 2>,
+    b: Tensor<B, 2>,
+    trans_a: bool,
+    trans_b: bool,
+) -> Tensor<B, 2> {
     let a = if trans_a { a.transpose() } else { a };
     let b = if trans_b { b.transpose() } else { b };
     let [m, k] = a.dims();
     let n = b.dims()[1];
-    (a.reshape([m, k, 1]) * b.reshape([1, k, n])).sum_dim(1).reshape([m, n])
+    (a.reshape([m, k, 1]) * b.reshape([1, k, n]))
+        .sum_dim(1)
+        .reshape([m, n])
 }
 
 /// Problem sizes `[m, k, n]` of the GEMM cases: 1, odd, not multiples of any tile, a long K, and
 /// rows whose byte length is not a multiple of 512 (pitched on CUDA).
-pub const GEMM_SIZES: [[usize; 3]; 6] = [[1, 1, 1], [7, 13, 5], [123, 64, 77], [64, 1000, 33], [300, 128, 257], [17, 96, 1]];
+pub const GEMM_SIZES: [[usize; 3]; 6] = [
+    [1, 1, 1],
+    [7, 13, 5],
+    [123, 64, 77],
+    [64, 1000, 33],
+    [300, 128, 257],
+    [17, 96, 1],
+];
 
 /// What the GEMM cases hold a GEMM's error against: it may be at most twice the baseline's error
 /// (both measured against the f32 product), plus the f32 floor of [`check`].
@@ -500,10 +736,23 @@ pub enum GemmBaseline {
 }
 
 impl GemmBaseline {
-    pub fn run<B: AutodiffBackend>(self, dtype: FloatDType, a: Tensor<B, 2>, b: Tensor<B, 2>, trans_a: bool, trans_b: bool) -> Tensor<B, 2> {
+    pub fn run<B: AutodiffBackend>(
+        self,
+        dtype: FloatDType,
+        a: Tensor<B, 2>,
+        b: Tensor<B, 2>,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Tensor<B, 2> {
         match self {
             GemmBaseline::BurnMatmul => kernels::gemm::reference(a, b, trans_a, trans_b),
-            GemmBaseline::ExactRounded => gemm_exact(a.cast(FloatDType::F32), b.cast(FloatDType::F32), trans_a, trans_b).cast(dtype),
+            GemmBaseline::ExactRounded => gemm_exact(
+                a.cast(FloatDType::F32),
+                b.cast(FloatDType::F32),
+                trans_a,
+                trans_b,
+            )
+            .cast(dtype),
         }
     }
 }
@@ -538,7 +787,12 @@ pub fn gemm<B: AutodiffBackend + kernels::Backend>(
 /// [`kernels::gemm`] on operands that are views: a column slice of a wider matrix (leading
 /// dimension larger than the row), a transposed view read with the opposite flag, and a view with
 /// a non-unit inner stride (copied first); plus [`kernels::linear`] on a rank-3 input.
-pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device, engine: kernels::Gemm, baseline: GemmBaseline) {
+pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    engine: kernels::Gemm,
+    baseline: GemmBaseline,
+) {
     let (m, k, n) = (37, 70, 45);
     // a = wide[:, 3..3 + k], b = (stored [n, k])^T used with trans_b = false.
     check_exact::<B>(
@@ -546,18 +800,53 @@ pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, de
         dtype,
         FLOOR,
         vec![Input::act([m, k + 9], dev), Input::act([n, k], dev)],
-        |v| kernels::gemm(v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false, engine),
-        &|v| baseline.run(dtype, v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false),
-        &|v| gemm_exact(v[0].clone().slice([0..m, 3..3 + k]), v[1].clone().transpose(), false, false),
+        |v| {
+            kernels::gemm(
+                v[0].clone().slice([0..m, 3..3 + k]),
+                v[1].clone().transpose(),
+                false,
+                false,
+                engine,
+            )
+        },
+        &|v| {
+            baseline.run(
+                dtype,
+                v[0].clone().slice([0..m, 3..3 + k]),
+                v[1].clone().transpose(),
+                false,
+                false,
+            )
+        },
+        &|v| {
+            gemm_exact(
+                v[0].clone().slice([0..m, 3..3 + k]),
+                v[1].clone().transpose(),
+                false,
+                false,
+            )
+        },
     );
     // Every other column of a [m, 2k] matrix: inner stride 2.
-    let every_other = |t: Tensor<B, 2>| t.reshape([m, k, 2]).slice([0..m, 0..k, 0..1]).reshape([m, k]);
+    let every_other = |t: Tensor<B, 2>| {
+        t.reshape([m, k, 2])
+            .slice([0..m, 0..k, 0..1])
+            .reshape([m, k])
+    };
     check_exact::<B>(
         &format!("gemm of a view with inner stride 2, {engine:?}"),
         dtype,
         FLOOR,
         vec![Input::act([m, 2 * k], dev), Input::act([k, n], dev)],
-        |v| kernels::gemm(every_other(v[0].clone()), v[1].clone(), false, false, engine),
+        |v| {
+            kernels::gemm(
+                every_other(v[0].clone()),
+                v[1].clone(),
+                false,
+                false,
+                engine,
+            )
+        },
         &|v| baseline.run(dtype, every_other(v[0].clone()), v[1].clone(), false, false),
         &|v| gemm_exact(every_other(v[0].clone()), v[1].clone(), false, false),
     );
@@ -567,7 +856,9 @@ pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, de
         dtype,
         FLOOR,
         vec![Input::act([38, k], dev), Input::act([k, n], dev)],
-        |v| kernels::linear(v[0].clone().reshape([2, 19, k]), v[1].clone(), engine).reshape([38, n]),
+        |v| {
+            kernels::linear(v[0].clone().reshape([2, 19, k]), v[1].clone(), engine).reshape([38, n])
+        },
         &|v| baseline.run(dtype, v[0].clone(), v[1].clone(), false, false),
         &|v| gemm_exact(v[0].clone(), v[1].clone(), false, false),
     );

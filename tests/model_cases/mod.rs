@@ -40,11 +40,21 @@ pub struct Shape {
 
 /// The shape of the cases: an odd vocabulary, a sequence length that is not a power of two and
 /// spans more than two key blocks of the attention kernels, three heads.
-pub const AWKWARD: Shape = Shape { batch: 3, seq: 67, heads: 3, vocab: 67 };
+pub const AWKWARD: Shape = Shape {
+    batch: 3,
+    seq: 67,
+    heads: 3,
+    vocab: 67,
+};
 
 /// The shape of `configs/shakespeare_char.toml` (6 heads of 64, 256 positions, 65 characters
 /// padded to 66) at a smaller batch.
-pub const SHAKESPEARE: Shape = Shape { batch: 8, seq: 256, heads: 6, vocab: 66 };
+pub const SHAKESPEARE: Shape = Shape {
+    batch: 8,
+    seq: 256,
+    heads: 6,
+    vocab: 66,
+};
 
 /// One point of the matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +70,11 @@ pub fn combos() -> Vec<Combo> {
     for kernels in [KernelsKind::Reference, KernelsKind::Fused] {
         for attention in [AttentionKind::Plain, AttentionKind::Flash] {
             if (kernels, attention) != (KernelsKind::Reference, AttentionKind::Plain) {
-                out.push(Combo { kernels, attention, gemm: GemmKind::Burn });
+                out.push(Combo {
+                    kernels,
+                    attention,
+                    gemm: GemmKind::Burn,
+                });
             }
         }
     }
@@ -69,7 +83,11 @@ pub fn combos() -> Vec<Combo> {
 
 /// Every `kernels` x `attention` combination, the reference's too, with the GEMMs on `gemm`.
 pub fn combos_on(gemm: GemmKind) -> Vec<Combo> {
-    let mut out = vec![Combo { kernels: KernelsKind::Reference, attention: AttentionKind::Plain, gemm }];
+    let mut out = vec![Combo {
+        kernels: KernelsKind::Reference,
+        attention: AttentionKind::Plain,
+        gemm,
+    }];
     out.extend(combos().into_iter().map(|c| Combo { gemm, ..c }));
     out
 }
@@ -104,7 +122,13 @@ pub fn with_combo<B: AutodiffBackend>(model: &Gpt<B>, combo: Combo) -> Gpt<B> {
 }
 
 /// Random token ids [b, t] below `vocab`.
-pub fn ids<B: AutodiffBackend>(b: usize, t: usize, vocab: usize, seed: u64, dev: &B::Device) -> Tensor<B, 2, Int> {
+pub fn ids<B: AutodiffBackend>(
+    b: usize,
+    t: usize,
+    vocab: usize,
+    seed: u64,
+    dev: &B::Device,
+) -> Tensor<B, 2, Int> {
     let mut r = trainer::rng::SplitMix64::new(seed);
     let v: Vec<i64> = (0..b * t).map(|_| r.below(vocab) as i64).collect();
     Tensor::from_data(TensorData::new(v, [b, t]), dev)
@@ -137,14 +161,31 @@ pub fn loss_and_grads<B: AutodiffBackend + kernels::Backend>(
                 .grads
                 .get::<B::InnerBackend, D>(p.id)
                 .unwrap_or_else(|| panic!("{name} has no gradient"));
-            self.out.push((name, g.cast(FloatDType::F32).into_data().convert::<f32>().into_vec().unwrap()));
+            self.out.push((
+                name,
+                g.cast(FloatDType::F32)
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec()
+                    .unwrap(),
+            ));
         }
     }
     let copy = model.compute_copy(dtype);
     let loss = copy.forward_loss(x.clone(), y.clone());
-    let value = loss.clone().into_data().convert::<f64>().into_vec::<f64>().unwrap()[0];
+    let value = loss
+        .clone()
+        .into_data()
+        .convert::<f64>()
+        .into_vec::<f64>()
+        .unwrap()[0];
     let grads = GradientsParams::from_grads(loss.backward(), &copy);
-    let mut v = Named::<B> { grads: &grads, path: Vec::new(), out: Vec::new(), _b: std::marker::PhantomData };
+    let mut v = Named::<B> {
+        grads: &grads,
+        path: Vec::new(),
+        out: Vec::new(),
+        _b: std::marker::PhantomData,
+    };
     copy.visit(&mut v);
     (value, v.out)
 }
@@ -157,7 +198,11 @@ fn max_diff(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).fold(0.0f64, |m, (x, y)| {
         let d = (*x as f64 - *y as f64).abs();
-        if d.is_nan() { f64::INFINITY } else { m.max(d) }
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(d)
+        }
     })
 }
 
@@ -182,7 +227,13 @@ impl Compared {
 /// `u` is the unit roundoff of the exact (f32) run's matmuls on this device (see the module docs).
 /// Prints one line per combination (its worst quantity), then fails listing every quantity out of
 /// tolerance.
-pub fn equivalence<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, u: f64, mlp: MlpKind, shape: Shape, dev: &B::Device) {
+pub fn equivalence<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    u: f64,
+    mlp: MlpKind,
+    shape: Shape,
+    dev: &B::Device,
+) {
     equivalence_of::<B>(&combos(), dtype, u, mlp, shape, dev)
 }
 
@@ -200,27 +251,44 @@ pub fn equivalence_of<B: AutodiffBackend + kernels::Backend>(
         let cfg = model_config(mlp, shape);
         let reference = Gpt::<B>::new(&cfg, shape.vocab, dev);
         let seed = 17 + shape.seq as u64 + (mlp == MlpKind::Swiglu) as u64;
-        let (x, y) = (ids::<B>(shape.batch, shape.seq, shape.vocab, seed, dev), ids::<B>(shape.batch, shape.seq, shape.vocab, seed + 1, dev));
+        let (x, y) = (
+            ids::<B>(shape.batch, shape.seq, shape.vocab, seed, dev),
+            ids::<B>(shape.batch, shape.seq, shape.vocab, seed + 1, dev),
+        );
         let (exact_loss, exact) = loss_and_grads(&reference, FloatDType::F32, &x, &y);
         let (base_loss, base) = loss_and_grads(&reference, dtype, &x, &y);
         for &combo in candidates {
             let (cand_loss, cand) = loss_and_grads(&with_combo(&reference, combo), dtype, &x, &y);
-            let name = format!("{mlp:?} {:?}+{:?} gemm {:?} {dtype:?}", combo.kernels, combo.attention, combo.gemm);
+            let name = format!(
+                "{mlp:?} {:?}+{:?} gemm {:?} {dtype:?}",
+                combo.kernels, combo.attention, combo.gemm
+            );
             let mut rows = vec![Compared {
                 what: "loss".into(),
                 err_c: (cand_loss - exact_loss).abs(),
                 err_b: (base_loss - exact_loss).abs(),
                 scale: exact_loss.abs(),
             }];
-            assert_eq!(cand.len(), exact.len(), "{name}: the same parameters get gradients");
+            assert_eq!(
+                cand.len(),
+                exact.len(),
+                "{name}: the same parameters get gradients"
+            );
             for (((p, e), (_, c)), (_, b)) in exact.iter().zip(&cand).zip(&base) {
-                rows.push(Compared { what: p.clone(), err_c: max_diff(c, e), err_b: max_diff(b, e), scale: max_abs(e) });
+                rows.push(Compared {
+                    what: p.clone(),
+                    err_c: max_diff(c, e),
+                    err_b: max_diff(b, e),
+                    scale: max_abs(e),
+                });
             }
             let worst = rows
                 .iter()
                 .max_by(|a, b| {
-                    let r = |q: &Compared| q.err_c / (2.0 * q.err_b + q.atol(u)).max(f64::MIN_POSITIVE);
-                    r(a).partial_cmp(&r(b)).unwrap_or(std::cmp::Ordering::Greater)
+                    let r =
+                        |q: &Compared| q.err_c / (2.0 * q.err_b + q.atol(u)).max(f64::MIN_POSITIVE);
+                    r(a).partial_cmp(&r(b))
+                        .unwrap_or(std::cmp::Ordering::Greater)
                 })
                 .expect("rows");
             println!(
@@ -243,11 +311,21 @@ pub fn equivalence_of<B: AutodiffBackend + kernels::Backend>(
             }
         }
     }
-    assert!(failures.is_empty(), "{} quantities out of tolerance:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} quantities out of tolerance:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// The training config of the 50-step runs: the tests' tiny run with the case's model shape.
-pub fn training_config(mlp: MlpKind, combo: Combo, precision: trainer::config::PrecisionKind, device: trainer::config::DeviceKind) -> trainer::Config {
+pub fn training_config(
+    mlp: MlpKind,
+    combo: Combo,
+    precision: trainer::config::PrecisionKind,
+    device: trainer::config::DeviceKind,
+) -> trainer::Config {
     let mut cfg = crate::common::tiny_config(50);
     cfg.device = device;
     cfg.precision = precision;
@@ -265,9 +343,17 @@ pub fn training_config(mlp: MlpKind, combo: Combo, precision: trainer::config::P
 }
 
 /// Losses of a 50-step run of `cfg` in the fresh directory `dir`.
-pub fn train_losses(cfg: &trainer::Config, device: &trainer::device::Selected, dir: std::path::PathBuf) -> Vec<f64> {
-    trainer::run(cfg, device, &crate::common::opts(dir.clone(), false)).unwrap_or_else(|e| panic!("training run failed: {e:#}"));
-    crate::common::read_metrics(&dir).iter().map(|r| r.loss).collect()
+pub fn train_losses(
+    cfg: &trainer::Config,
+    device: &trainer::device::Selected,
+    dir: std::path::PathBuf,
+) -> Vec<f64> {
+    trainer::run(cfg, device, &crate::common::opts(dir.clone(), false))
+        .unwrap_or_else(|e| panic!("training run failed: {e:#}"));
+    crate::common::read_metrics(&dir)
+        .iter()
+        .map(|r| r.loss)
+        .collect()
 }
 
 /// 50 training steps of every combination with `mlp` in `precision` against the reference run of
@@ -283,9 +369,19 @@ pub fn training_tracks(
     scratch: &dyn Fn(&str) -> std::path::PathBuf,
 ) {
     use trainer::config::PrecisionKind;
-    let reference = Combo { kernels: KernelsKind::Reference, attention: AttentionKind::Plain, gemm: GemmKind::Burn };
+    let reference = Combo {
+        kernels: KernelsKind::Reference,
+        attention: AttentionKind::Plain,
+        gemm: GemmKind::Burn,
+    };
     let run = |combo: Combo, p: PrecisionKind| {
-        let dir = scratch(&format!("track_{mlp:?}_{:?}_{:?}_{}_{}", combo.kernels, combo.attention, p.name(), precision.name()));
+        let dir = scratch(&format!(
+            "track_{mlp:?}_{:?}_{:?}_{}_{}",
+            combo.kernels,
+            combo.attention,
+            p.name(),
+            precision.name()
+        ));
         train_losses(&training_config(mlp, combo, p, device_kind), device, dir)
     };
     let f32_reference = run(reference, PrecisionKind::Fp32);
@@ -304,18 +400,29 @@ pub fn training_tracks(
     let tail = |l: &[f64]| l[l.len() - 5..].iter().sum::<f64>() / 5.0;
     let mut failures = Vec::new();
     if !(tail(&reference_run) < reference_run[0] - 0.5) {
-        failures.push(format!("{mlp:?} reference {}: did not learn: {reference_run:?}", precision.name()));
+        failures.push(format!(
+            "{mlp:?} reference {}: did not learn: {reference_run:?}",
+            precision.name()
+        ));
     }
     for combo in combos() {
         let losses = run(combo, precision);
-        let name = format!("{mlp:?} {:?}+{:?} {}", combo.kernels, combo.attention, precision.name());
+        let name = format!(
+            "{mlp:?} {:?}+{:?} {}",
+            combo.kernels,
+            combo.attention,
+            precision.name()
+        );
         assert_eq!(losses.len(), reference_run.len(), "{name}: steps");
         let mut worst = (0usize, 0.0f64, 0.0f64);
         for (step, (a, b)) in reference_run.iter().zip(&losses).enumerate() {
             let d = (a - b).abs();
             let bound = 2.0 * noise + 0.01 * a.abs();
             if !(d <= bound) {
-                failures.push(format!("{name} step {}: loss {b} vs reference {a} (allowed {bound:.4})", step + 1));
+                failures.push(format!(
+                    "{name} step {}: loss {b} vs reference {a} (allowed {bound:.4})",
+                    step + 1
+                ));
             }
             if !(d <= worst.1) {
                 worst = (step + 1, d, bound);
@@ -330,7 +437,12 @@ pub fn training_tracks(
             worst.2
         );
     }
-    assert!(failures.is_empty(), "{} steps out of tolerance:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} steps out of tolerance:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 fn max_step_diff(a: &[f64], b: &[f64]) -> f64 {
@@ -351,18 +463,33 @@ pub fn plain_attention_after_rope<B: AutodiffBackend + kernels::Backend>(
     use burn::tensor::Bool;
     let [b, h, t, hd] = shape;
     let qkv = x.reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
-    let (q, k) = (qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]), qkv.clone().slice([0..b, h..2 * h, 0..t, 0..hd]));
+    let (q, k) = (
+        qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]),
+        qkv.clone().slice([0..b, h..2 * h, 0..t, 0..hd]),
+    );
     let (q, k) = if fused {
-        (kernels::rope(q, cos.clone(), sin.clone()), kernels::rope(k, cos, sin))
+        (
+            kernels::rope(q, cos.clone(), sin.clone()),
+            kernels::rope(k, cos, sin),
+        )
     } else {
-        (kernels::rope::reference(q, cos.clone(), sin.clone()), kernels::rope::reference(k, cos, sin))
+        (
+            kernels::rope::reference(q, cos.clone(), sin.clone()),
+            kernels::rope::reference(k, cos, sin),
+        )
     };
     let v = qkv.slice([0..b, 2 * h..3 * h, 0..t, 0..hd]);
     let dev = v.device();
     let above = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &dev);
-    let mask = Tensor::<B, 2>::zeros([t, t], &dev).mask_fill(above, -1e9).reshape([1, 1, t, t]);
+    let mask = Tensor::<B, 2>::zeros([t, t], &dev)
+        .mask_fill(above, -1e9)
+        .reshape([1, 1, t, t]);
     let scale = (hd as f64).powf(-0.5);
-    let scores = q.mul_scalar(scale).matmul(k.swap_dims(2, 3)).cast(FloatDType::F32) + mask;
+    let scores = q
+        .mul_scalar(scale)
+        .matmul(k.swap_dims(2, 3))
+        .cast(FloatDType::F32)
+        + mask;
     let probs = softmax(scores, 3).cast(v.dtype());
     probs.matmul(v).swap_dims(1, 2).reshape([b * t, h * hd])
 }

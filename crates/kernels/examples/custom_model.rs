@@ -63,20 +63,36 @@ impl<B: kernels::Backend> TinyLm<B> {
 
         // Attention: q and k rotated by one RoPE kernel, read strided out of the qkv projection.
         let h = kernels::rms_norm(x.clone(), self.norm1.val(), 1e-5);
-        let qkv = self.qkv.forward(h).reshape([b, t, 3 * HEADS, hd]).swap_dims(1, 2); // [B, 3H, T, hd]
+        let qkv = self
+            .qkv
+            .forward(h)
+            .reshape([b, t, 3 * HEADS, hd])
+            .swap_dims(1, 2); // [B, 3H, T, hd]
         let (cos, sin) = kernels::rope::tables::<B>(t, hd, 10_000.0, &x.device());
-        let qk = kernels::rope(qkv.clone().slice([0..b, 0..2 * HEADS, 0..t, 0..hd]), cos, sin);
+        let qk = kernels::rope(
+            qkv.clone().slice([0..b, 0..2 * HEADS, 0..t, 0..hd]),
+            cos,
+            sin,
+        );
         let mut qk = qk.chunk(2, 1);
         let (k, q) = (qk.pop().unwrap(), qk.pop().unwrap());
         let v = qkv.slice([0..b, 2 * HEADS..3 * HEADS, 0..t, 0..hd]);
         let mask = Tensor::<B, 2, burn::tensor::Bool>::tril_mask([t, t], 0, &x.device()); // true above the diagonal
-        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f64).sqrt()).mask_fill(mask.unsqueeze::<4>(), -1e9);
-        let y = softmax(scores, 3).matmul(v).swap_dims(1, 2).reshape([b, t, D]);
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .div_scalar((hd as f64).sqrt())
+            .mask_fill(mask.unsqueeze::<4>(), -1e9);
+        let y = softmax(scores, 3)
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, t, D]);
         let attn = self.out.forward(y);
 
         // Residual add fused with the next norm; SwiGLU on the packed gate/up projection.
         let (x, h) = kernels::add_rms_norm(attn, x, self.norm2.val(), 1e-5);
-        let mlp = self.down.forward(kernels::swiglu_packed(self.up.forward(h)));
+        let mlp = self
+            .down
+            .forward(kernels::swiglu_packed(self.up.forward(h)));
         let (_, h) = kernels::add_rms_norm(mlp, x, self.norm_f.val(), 1e-5);
 
         // Cross-entropy with a small z-loss, per token, then the mean.
@@ -86,12 +102,22 @@ impl<B: kernels::Backend> TinyLm<B> {
 }
 
 /// Sequences of the pattern 0, 1, ..., 7 from random offsets: next-token prediction is learnable.
-fn batch<B: burn::tensor::backend::Backend>(step: usize, dev: &B::Device) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+fn batch<B: burn::tensor::backend::Backend>(
+    step: usize,
+    dev: &B::Device,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
     let b = 8;
     let seq = |i: usize, j: usize| (((step * 13 + i * 5) + j) % 8) as i64;
-    let x: Vec<i64> = (0..b).flat_map(|i| (0..T).map(move |j| seq(i, j))).collect();
-    let y: Vec<i64> = (0..b).flat_map(|i| (0..T).map(move |j| seq(i, j + 1))).collect();
-    (Tensor::from_data(TensorData::new(x, [b, T]), dev), Tensor::from_data(TensorData::new(y, [b, T]), dev))
+    let x: Vec<i64> = (0..b)
+        .flat_map(|i| (0..T).map(move |j| seq(i, j)))
+        .collect();
+    let y: Vec<i64> = (0..b)
+        .flat_map(|i| (0..T).map(move |j| seq(i, j + 1)))
+        .collect();
+    (
+        Tensor::from_data(TensorData::new(x, [b, T]), dev),
+        Tensor::from_data(TensorData::new(y, [b, T]), dev),
+    )
 }
 
 fn train<B: AutodiffBackend + kernels::Backend>(dev: B::Device) {

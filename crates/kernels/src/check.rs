@@ -12,13 +12,21 @@ pub(crate) fn fail(op: &str, msg: String) -> ! {
 #[track_caller]
 pub(crate) fn check_float(op: &str, what: &str, dtype: DType) {
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        fail(op, format!("{what} has dtype {dtype:?}; supported: F32, F16, BF16"));
+        fail(
+            op,
+            format!("{what} has dtype {dtype:?}; supported: F32, F16, BF16"),
+        );
     }
 }
 
 #[track_caller]
 pub(crate) fn check_same_dtype(op: &str, a: &str, da: DType, b: &str, db: DType) {
     if da != db {
-        fail(op, format!("{a} is {da:?} but {b} is {db:?}; they must have the same dtype (cast one first)"));
+        fail(
+            op,
+            format!(
+                "{a} is {da:?} but {b} is {db:?}; they must have the same dtype (cast one first)"
+            ),
+        );
     }
 }

@@ -16,21 +16,39 @@ pub(crate) fn contiguous<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
 
 /// A new dense row-major tensor on `like`'s device. The kernels index with 32 bits, so larger
 /// tensors are refused.
-pub(crate) fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Vec<usize>, dtype: DType) -> CubeTensor<R> {
+pub(crate) fn empty<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    shape: Vec<usize>,
+    dtype: DType,
+) -> CubeTensor<R> {
     let n: usize = shape.iter().product();
     if n > u32::MAX as usize {
         panic!("kernels: a tensor of shape {shape:?} has {n} elements; the kernels support at most 2^32 - 1");
     }
-    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape.into(), dtype)
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        dtype,
+    )
 }
 
 /// Widest vector (elements per load) the device supports for `dtype` that divides every length
 /// in `lens`: 128-bit loads on CUDA (4 x f32, 8 x bf16), at most 4 on wgpu, 1 when nothing else fits.
-pub(crate) fn vector_width<R: CubeRuntime>(t: &CubeTensor<R>, dtypes: &[DType], lens: &[usize]) -> usize {
+pub(crate) fn vector_width<R: CubeRuntime>(
+    t: &CubeTensor<R>,
+    dtypes: &[DType],
+    lens: &[usize],
+) -> usize {
     let mut best = 1;
     let widest = dtypes
         .iter()
-        .map(|d| t.client.io_optimized_vector_sizes(d.size()).max().unwrap_or(1))
+        .map(|d| {
+            t.client
+                .io_optimized_vector_sizes(d.size())
+                .max()
+                .unwrap_or(1)
+        })
         .min()
         .unwrap_or(1);
     let mut n = 2;
@@ -48,7 +66,10 @@ pub(crate) fn vector_width<R: CubeRuntime>(t: &CubeTensor<R>, dtypes: &[DType], 
 /// reductions use the shared-memory tree.
 pub(crate) fn use_planes<R: CubeRuntime>(t: &CubeTensor<R>, units: usize) -> bool {
     let props = t.client.properties();
-    let (min, max) = (props.hardware.plane_size_min as usize, props.hardware.plane_size_max as usize);
+    let (min, max) = (
+        props.hardware.plane_size_min as usize,
+        props.hardware.plane_size_max as usize,
+    );
     props.features.plane.contains(Plane::Ops) && min == max && min >= 8 && units % min == 0
 }
 
@@ -64,13 +85,21 @@ pub(crate) fn max_cubes_x<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
 
 /// Streaming multiprocessors (or a guess of 64 when the device does not say).
 pub(crate) fn num_sms<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
-    t.client.properties().hardware.num_streaming_multiprocessors.unwrap_or(64) as usize
+    t.client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(64) as usize
 }
 
 /// Units per cube and vectors per unit for a row-per-cube kernel over `row_vecs` vectors: the cube
 /// is a power of two between 32 and the device's limit, large enough that each unit holds at most
 /// `max_per_unit` vectors of the row in registers. `None` if the row is too long for that.
-pub(crate) fn row_split(row_vecs: usize, max_units: usize, max_per_unit: usize) -> Option<(usize, usize)> {
+pub(crate) fn row_split(
+    row_vecs: usize,
+    max_units: usize,
+    max_per_unit: usize,
+) -> Option<(usize, usize)> {
     let max_units = max_units.min(1024).max(32);
     let mut units = 32;
     while units < max_units && units * max_per_unit < row_vecs {
@@ -164,12 +193,21 @@ pub(crate) fn lanes_sum<N: Size>(v: Vector<f32, N>) -> f32 {
 
 /// Shared-memory slots [`cube_sum`] / [`cube_max`] need for a cube of `units`.
 pub(crate) fn reduce_slots(units: usize, plane: bool) -> usize {
-    if plane { units.div_ceil(8) } else { units }
+    if plane {
+        units.div_ceil(8)
+    } else {
+        units
+    }
 }
 
 /// Column sums of a dense f32 `[rows, cols]` tensor: one unit per vector of columns, looping down.
 #[cube(launch)]
-fn column_sum<N: Size>(input: &Tensor<Vector<f32, N>>, output: &mut Tensor<Vector<f32, N>>, rows: usize, row_vecs: usize) {
+fn column_sum<N: Size>(
+    input: &Tensor<Vector<f32, N>>,
+    output: &mut Tensor<Vector<f32, N>>,
+    rows: usize,
+    row_vecs: usize,
+) {
     let c = ABSOLUTE_POS;
     if c < row_vecs {
         let mut acc = Vector::<f32, N>::new(0.0);

@@ -56,20 +56,27 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, FloatDType, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use burn::tensor::{
+    DType, FloatDType, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive,
+};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 pub use adamw::{AdamWOutput, AdamWStep};
 pub use attention::FlashPath;
-pub use gemm::{gemm, linear, Gemm, GemmPath};
 pub use fp8::{
-    fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health, fp8_linear, fp8_linear_probed, fp8_quantize, Fp8Format, Fp8Health, Fp8Probe, Fp8GemmPath, Fp8Granularity, Fp8LinearConfig, Fp8Tensor,
+    fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health, fp8_linear, fp8_linear_probed, fp8_quantize,
+    Fp8Format, Fp8GemmPath, Fp8Granularity, Fp8Health, Fp8LinearConfig, Fp8Probe, Fp8Tensor,
     QuantSpec,
 };
+pub use gemm::{gemm, linear, Gemm, GemmPath};
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`, f32 inside, output in
 /// `x`'s dtype; `weight` is `[x.dims()[D - 1]]` in any float dtype.
-pub fn rms_norm<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
+pub fn rms_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
     tensor(B::fused_rms_norm(prim(x), prim(weight), eps))
 }
 
@@ -111,8 +118,16 @@ pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -
 /// `targets` [rows], plus `z_loss * lse^2` when `z_loss > 0`; negative targets are ignored (0);
 /// targets >= classes give NaN.
 /// Take `.mean()` (or a masked mean) for the usual scalar loss.
-pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>, z_loss: f64) -> Tensor<B, 1> {
-    tensor(B::fused_cross_entropy(prim(logits), targets.into_primitive(), z_loss))
+pub fn cross_entropy<B: Backend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    z_loss: f64,
+) -> Tensor<B, 1> {
+    tensor(B::fused_cross_entropy(
+        prim(logits),
+        targets.into_primitive(),
+        z_loss,
+    ))
 }
 
 /// One fused AdamW step (see [`adamw`]): f32 `param`, `m`, `v`; `grad` in any float dtype;
@@ -127,8 +142,21 @@ pub fn adamw_step<B: Backend, const D: usize>(
     hp: &AdamWStep,
     copy_dtype: Option<FloatDType>,
 ) -> AdamWOutput<B, D> {
-    let (p, m, v, c) = B::fused_adamw_step(prim(param), prim(grad), prim(m), prim(v), prim(factor), hp, copy_dtype);
-    AdamWOutput { param: tensor(p), m: tensor(m), v: tensor(v), copy: c.map(tensor) }
+    let (p, m, v, c) = B::fused_adamw_step(
+        prim(param),
+        prim(grad),
+        prim(m),
+        prim(v),
+        prim(factor),
+        hp,
+        copy_dtype,
+    );
+    AdamWOutput {
+        param: tensor(p),
+        m: tensor(m),
+        v: tensor(v),
+        copy: c.map(tensor),
+    }
 }
 
 /// FlashAttention (see [`attention`]): `softmax(scale * q k^T + mask) v` for `q` [batch, heads,
@@ -150,9 +178,21 @@ pub fn adamw_step<B: Backend, const D: usize>(
 /// let o = kernels::flash_attention(q.clone(), k, v, true, None);
 /// let dq = q.grad(&o.sum().backward()).unwrap();
 /// ```
-pub fn flash_attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, causal: bool, scale: Option<f64>) -> Tensor<B, 4> {
+pub fn flash_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+) -> Tensor<B, 4> {
     let scale = scale.unwrap_or_else(|| attention::default_scale(q.dims()[3]));
-    tensor(B::fused_flash_attention(prim(q), prim(k), prim(v), causal, scale))
+    tensor(B::fused_flash_attention(
+        prim(q),
+        prim(k),
+        prim(v),
+        causal,
+        scale,
+    ))
 }
 
 /// The forward of [`flash_attention`] on a backend without autodiff, also returning the f32
@@ -187,7 +227,13 @@ fn as_2d<B: BurnBackend>(p: FloatTensor<B>) -> (Tensor<B, 2>, Shape) {
     let shape = p.shape();
     let cols = *shape.as_slice().last().unwrap_or(&1);
     let rows = shape.num_elements().checked_div(cols).unwrap_or(0);
-    (Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(p, Shape::new([rows, cols])))), shape)
+    (
+        Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+            p,
+            Shape::new([rows, cols]),
+        ))),
+        shape,
+    )
 }
 
 fn from_2d<B: BurnBackend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
@@ -201,7 +247,11 @@ fn from_2d<B: BurnBackend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
 /// with the kernels and their backward passes. Call the free functions ([`rms_norm`], ...) rather
 /// than these methods.
 pub trait Backend: BurnBackend {
-    fn fused_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
         let (x, shape) = as_2d::<Self>(x);
         from_2d(rms_norm::reference(x, tensor(weight), eps), shape)
     }
@@ -238,12 +288,24 @@ pub trait Backend: BurnBackend {
         from_2d(activation::gelu_reference(x), shape)
     }
 
-    fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         prim(rope::reference::<Self>(tensor(x), tensor(cos), tensor(sin)))
     }
 
-    fn fused_cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> FloatTensor<Self> {
-        prim(cross_entropy::reference::<Self>(tensor(logits), Tensor::from_primitive(targets), z_loss))
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        z_loss: f64,
+    ) -> FloatTensor<Self> {
+        prim(cross_entropy::reference::<Self>(
+            tensor(logits),
+            Tensor::from_primitive(targets),
+            z_loss,
+        ))
     }
 
     fn fused_flash_attention(
@@ -253,13 +315,30 @@ pub trait Backend: BurnBackend {
         causal: bool,
         scale: f64,
     ) -> FloatTensor<Self> {
-        prim(attention::reference::<Self>(tensor(q), tensor(k), tensor(v), causal, Some(scale)))
+        prim(attention::reference::<Self>(
+            tensor(q),
+            tensor(k),
+            tensor(v),
+            causal,
+            Some(scale),
+        ))
     }
 
     /// `op(a) op(b)` of [`gemm()`]; Burn's matmul by default.
-    fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>, trans_a: bool, trans_b: bool, engine: Gemm) -> FloatTensor<Self> {
+    fn gemm(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+        engine: Gemm,
+    ) -> FloatTensor<Self> {
         gemm::burn_only(engine, a.dtype());
-        prim(gemm::reference::<Self>(tensor(a), tensor(b), trans_a, trans_b))
+        prim(gemm::reference::<Self>(
+            tensor(a),
+            tensor(b),
+            trans_a,
+            trans_b,
+        ))
     }
 
     /// The engine a GEMM on tensors like `a` runs on with `engine`.
@@ -273,18 +352,27 @@ pub trait Backend: BurnBackend {
     }
 
     /// `(payload, scales)` of [`fp8_quantize`] for a 2-D `x` (the CPU reference by default).
-    fn fp8_quantize(x: FloatTensor<Self>, spec: &QuantSpec) -> (IntTensor<Self>, FloatTensor<Self>) {
+    fn fp8_quantize(
+        x: FloatTensor<Self>,
+        spec: &QuantSpec,
+    ) -> (IntTensor<Self>, FloatTensor<Self>) {
         let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
         let [r, c] = t.dims();
         let device = t.device();
-        let data = t.cast(FloatDType::F32).into_data().to_vec::<f32>().expect("f32 data");
+        let data = t
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 data");
         let (words, scales) = fp8::reference::quantize(&data, r, c, spec);
         let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
         let width = k.div_ceil(fp8::TILE) * fp8::TILE / 4;
         let words: Vec<i32> = words.into_iter().map(|w| w as i32).collect();
-        let payload = Tensor::<Self, 2, Int>::from_data(TensorData::new(words, [rows, width]), &device);
+        let payload =
+            Tensor::<Self, 2, Int>::from_data(TensorData::new(words, [rows, width]), &device);
         let shape = [spec.scale_rows(rows), spec.scale_cols(k)];
-        let scales = Tensor::<Self, 2>::from_data(TensorData::new(scales, shape), (&device, DType::F32));
+        let scales =
+            Tensor::<Self, 2>::from_data(TensorData::new(scales, shape), (&device, DType::F32));
         (payload.into_primitive(), prim(scales))
     }
 
@@ -301,10 +389,23 @@ pub trait Backend: BurnBackend {
         let device = payload.device();
         let width = payload.dims()[1];
         let words = fp8::words_of(payload.into_data());
-        let scales = tensor::<Self, 2>(scales).cast(FloatDType::F32).into_data().to_vec::<f32>().expect("f32 scales");
+        let scales = tensor::<Self, 2>(scales)
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 scales");
         let full = fp8::reference::dequantize(&words, &scales, rows, width * 4, spec);
-        let values: Vec<f32> = full.chunks(width * 4).flat_map(|row| row[..k_out].iter().copied()).collect();
-        prim(Tensor::<Self, 2>::from_data(TensorData::new(values, [rows, k_out]), (&device, DType::F32)).cast(dtype))
+        let values: Vec<f32> = full
+            .chunks(width * 4)
+            .flat_map(|row| row[..k_out].iter().copied())
+            .collect();
+        prim(
+            Tensor::<Self, 2>::from_data(
+                TensorData::new(values, [rows, k_out]),
+                (&device, DType::F32),
+            )
+            .cast(dtype),
+        )
     }
 
     /// Whether the device has the FP8 tensor-core GEMM.
@@ -346,7 +447,12 @@ pub trait Backend: BurnBackend {
 
     /// [`fp8_linear`]; by default its forward only (backends without autodiff). Under `Autodiff`,
     /// `probe` receives the output gradient's health in the backward.
-    fn fp8_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, cfg: &Fp8LinearConfig, _probe: Option<fp8::Fp8Probe>) -> FloatTensor<Self> {
+    fn fp8_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        cfg: &Fp8LinearConfig,
+        _probe: Option<fp8::Fp8Probe>,
+    ) -> FloatTensor<Self> {
         prim(fp8::linear::fprop::<Self>(tensor(x), tensor(w), cfg))
     }
 
@@ -359,7 +465,12 @@ pub trait Backend: BurnBackend {
         factor: FloatTensor<Self>,
         hp: &AdamWStep,
         copy_dtype: Option<FloatDType>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, Option<FloatTensor<Self>>) {
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
         let (p, shape) = as_2d::<Self>(param);
         let (g, _) = as_2d::<Self>(grad);
         let (m, _) = as_2d::<Self>(m);
@@ -383,7 +494,11 @@ pub trait KernelOps: Backend {
         residual: Option<FloatTensor<Self>>,
         weight: FloatTensor<Self>,
         eps: f64,
-    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>, FloatTensor<Self>);
+    ) -> (
+        Option<FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
     /// `(dx, dweight)` from the normalised input, the gain, the saved `1 / rms` and `dy`.
     fn rms_norm_backward(
         x: FloatTensor<Self>,
@@ -394,13 +509,26 @@ pub trait KernelOps: Backend {
     /// SwiGLU of `gate` and `up`, or of the packed `gate` when `up` is `None`.
     fn swiglu_forward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>) -> FloatTensor<Self>;
     /// Gradients of [`KernelOps::swiglu_forward`], packed `[.., 2 * F]` (gate half, up half).
-    fn swiglu_backward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>, dy: FloatTensor<Self>) -> FloatTensor<Self>;
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: Option<FloatTensor<Self>>,
+        dy: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
     fn gelu_erf_forward(x: FloatTensor<Self>) -> FloatTensor<Self>;
     fn gelu_erf_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self>;
     /// Rotary embedding, or its inverse (the backward).
-    fn rope_rotate(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>, inverse: bool) -> FloatTensor<Self>;
+    fn rope_rotate(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        inverse: bool,
+    ) -> FloatTensor<Self>;
     /// `(per-row loss, per-row log-sum-exp)`, both f32.
-    fn cross_entropy_forward(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> (FloatTensor<Self>, FloatTensor<Self>);
+    fn cross_entropy_forward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        z_loss: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
     fn cross_entropy_backward(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,
@@ -445,7 +573,11 @@ where
         residual: Option<FloatTensor<Self>>,
         weight: FloatTensor<Self>,
         eps: f64,
-    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> (
+        Option<FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
         rms_norm::forward::forward(x, residual, weight, eps)
     }
     fn rms_norm_backward(
@@ -459,7 +591,11 @@ where
     fn swiglu_forward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
         activation::forward::swiglu_forward(gate_up(gate, up))
     }
-    fn swiglu_backward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: Option<FloatTensor<Self>>,
+        dy: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         activation::forward::swiglu_backward(gate_up(gate, up), dy)
     }
     fn gelu_erf_forward(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -468,10 +604,19 @@ where
     fn gelu_erf_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
         activation::forward::gelu_backward(x, dy)
     }
-    fn rope_rotate(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>, inverse: bool) -> FloatTensor<Self> {
+    fn rope_rotate(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        inverse: bool,
+    ) -> FloatTensor<Self> {
         rope::forward::rope(x, cos, sin, inverse)
     }
-    fn cross_entropy_forward(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> (FloatTensor<Self>, FloatTensor<Self>) {
+    fn cross_entropy_forward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        z_loss: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         cross_entropy::forward::forward(logits, targets, z_loss)
     }
     fn cross_entropy_backward(
@@ -523,7 +668,11 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    fn fused_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
         Self::rms_norm_forward(x, None, weight, eps).1
     }
     fn fused_add_rms_norm(
@@ -544,10 +693,18 @@ where
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::gelu_erf_forward(x)
     }
-    fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         Self::rope_rotate(x, cos, sin, false)
     }
-    fn fused_cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> FloatTensor<Self> {
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        z_loss: f64,
+    ) -> FloatTensor<Self> {
         Self::cross_entropy_forward(logits, targets, z_loss).0
     }
     fn fused_flash_attention(
@@ -562,13 +719,22 @@ where
     fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
         Some(attention::forward::path(q))
     }
-    fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>, trans_a: bool, trans_b: bool, engine: Gemm) -> FloatTensor<Self> {
+    fn gemm(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+        engine: Gemm,
+    ) -> FloatTensor<Self> {
         gemm::cube::<R, F, I, BT>(a, b, trans_a, trans_b, engine)
     }
     fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> GemmPath {
         gemm::cube_path(a, engine)
     }
-    fn fp8_quantize(x: FloatTensor<Self>, spec: &QuantSpec) -> (IntTensor<Self>, FloatTensor<Self>) {
+    fn fp8_quantize(
+        x: FloatTensor<Self>,
+        spec: &QuantSpec,
+    ) -> (IntTensor<Self>, FloatTensor<Self>) {
         fp8::forward::quantize(x, spec)
     }
     fn fp8_dequantize(
@@ -618,13 +784,22 @@ where
         factor: FloatTensor<Self>,
         hp: &AdamWStep,
         copy_dtype: Option<FloatDType>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, Option<FloatTensor<Self>>) {
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
         adamw::forward::step(param, grad, m, v, factor, hp, copy_dtype.map(Into::into))
     }
 }
 
 impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
-    fn fused_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
         rms_norm::backward::rms_norm::<B, C>(x, weight, eps)
     }
     fn fused_add_rms_norm(
@@ -644,10 +819,18 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         activation::backward::gelu::<B, C>(x)
     }
-    fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         rope::backward::rope::<B, C>(x, cos, sin)
     }
-    fn fused_cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, z_loss: f64) -> FloatTensor<Self> {
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        z_loss: f64,
+    ) -> FloatTensor<Self> {
         cross_entropy::backward::cross_entropy::<B, C>(logits, targets, z_loss)
     }
     fn fused_flash_attention(
@@ -662,15 +845,27 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
     fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
         B::flash_path(&q.primitive)
     }
-    fn gemm(a: FloatTensor<Self>, b: FloatTensor<Self>, trans_a: bool, trans_b: bool, engine: Gemm) -> FloatTensor<Self> {
+    fn gemm(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+        engine: Gemm,
+    ) -> FloatTensor<Self> {
         gemm::backward::gemm::<B, C>(a, b, trans_a, trans_b, engine)
     }
     fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> GemmPath {
         B::gemm_path(&a.primitive, engine)
     }
-    fn fp8_quantize(x: FloatTensor<Self>, spec: &QuantSpec) -> (IntTensor<Self>, FloatTensor<Self>) {
+    fn fp8_quantize(
+        x: FloatTensor<Self>,
+        spec: &QuantSpec,
+    ) -> (IntTensor<Self>, FloatTensor<Self>) {
         let (payload, scales) = B::fp8_quantize(x.primitive, spec);
-        (payload, <Self as burn::tensor::backend::AutodiffBackend>::from_inner(scales))
+        (
+            payload,
+            <Self as burn::tensor::backend::AutodiffBackend>::from_inner(scales),
+        )
     }
     fn fp8_dequantize(
         payload: IntTensor<Self>,
@@ -683,7 +878,12 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
         let out = B::fp8_dequantize(payload, scales.primitive, rows, k_out, spec, dtype);
         <Self as burn::tensor::backend::AutodiffBackend>::from_inner(out)
     }
-    fn fp8_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, cfg: &Fp8LinearConfig, probe: Option<fp8::Fp8Probe>) -> FloatTensor<Self> {
+    fn fp8_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        cfg: &Fp8LinearConfig,
+        probe: Option<fp8::Fp8Probe>,
+    ) -> FloatTensor<Self> {
         fp8::linear::fp8_linear::<B, C>(x, w, cfg, probe)
     }
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {

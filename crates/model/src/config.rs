@@ -180,7 +180,10 @@ impl GptConfig {
             ));
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return Err(format!("model.dropout must be in [0, 1), got {}", self.dropout));
+            return Err(format!(
+                "model.dropout must be in [0, 1), got {}",
+                self.dropout
+            ));
         }
         if self.attention == AttentionKind::Flash && self.dropout > 0.0 {
             return Err(format!(
@@ -189,7 +192,10 @@ impl GptConfig {
             ));
         }
         if !(self.rope_theta > 1.0) {
-            return Err(format!("model.rope_theta must be > 1, got {}", self.rope_theta));
+            return Err(format!(
+                "model.rope_theta must be > 1, got {}",
+                self.rope_theta
+            ));
         }
         if !(self.norm_eps > 0.0) {
             return Err(format!("model.norm_eps must be > 0, got {}", self.norm_eps));
@@ -227,6 +233,9 @@ impl GptConfig {
 }
 
 fn divisors(n: usize) -> String {
-    let list: Vec<String> = (1..=n.min(64)).filter(|h| n % h == 0).map(|h| h.to_string()).collect();
+    let list: Vec<String> = (1..=n.min(64))
+        .filter(|h| n % h == 0)
+        .map(|h| h.to_string())
+        .collect();
     list.join(", ")
 }

@@ -10,7 +10,11 @@ use burn::tensor::{DType, FloatDType, Tensor};
 
 /// Panics in debug builds when `t` is not of dtype `expected`, naming the boundary `at`.
 #[track_caller]
-pub fn debug_assert_dtype<B: Backend, const D: usize>(t: &Tensor<B, D>, expected: FloatDType, at: &str) {
+pub fn debug_assert_dtype<B: Backend, const D: usize>(
+    t: &Tensor<B, D>,
+    expected: FloatDType,
+    at: &str,
+) {
     if cfg!(debug_assertions) {
         let got = t.dtype();
         assert!(

@@ -40,7 +40,6 @@ impl<B: Backend> Attention<B> {
             n_head: cfg.n_head,
         }
     }
-
 }
 
 impl<B: kernels::Backend> Attention<B> {
@@ -50,7 +49,11 @@ impl<B: kernels::Backend> Attention<B> {
         let h = self.n_head;
         let hd = d / h;
         // [B, T, 3d] -> [B, T, 3H, hd] -> [B, 3H, T, hd]; heads 0..H are q, H..2H k, 2H..3H v.
-        let qkv = self.qkv.forward_mixed(x, ctx.gemm).reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+        let qkv = self
+            .qkv
+            .forward_mixed(x, ctx.gemm)
+            .reshape([b, t, 3 * h, hd])
+            .swap_dims(1, 2);
         let (q, k, v) = match &ctx.tables {
             RopeTables::Reference { cos, sin } => {
                 let mut parts = qkv.chunk(3, 1);
@@ -64,8 +67,16 @@ impl<B: kernels::Backend> Attention<B> {
                 // dense tensor. Rotating both in one launch and chunking the result would hand the
                 // attention matmuls views with a gap between batch entries, which Burn 0.21's CUDA
                 // matmul multiplies wrongly (docs/results.md, 2026-11-23, the fused + plain fault).
-                let q = kernels::rope(qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]), cos.clone(), sin.clone());
-                let k = kernels::rope(qkv.clone().slice([0..b, h..2 * h, 0..t, 0..hd]), cos.clone(), sin.clone());
+                let q = kernels::rope(
+                    qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]),
+                    cos.clone(),
+                    sin.clone(),
+                );
+                let k = kernels::rope(
+                    qkv.clone().slice([0..b, h..2 * h, 0..t, 0..hd]),
+                    cos.clone(),
+                    sin.clone(),
+                );
                 (q, k, qkv.slice([0..b, 2 * h..3 * h, 0..t, 0..hd]))
             }
         };
@@ -76,16 +87,26 @@ impl<B: kernels::Backend> Attention<B> {
             // reshape below is free.
             let y = kernels::flash_attention(q, k, v, true, Some(scale));
             let y = y.swap_dims(1, 2).reshape([b, t, d]);
-            return self.resid_dropout.forward(self.proj.forward_mixed(y, ctx.gemm));
+            return self
+                .resid_dropout
+                .forward(self.proj.forward_mixed(y, ctx.gemm));
         }
         // [B, H, T, T] scores, scaled, masked and normalised in f32; the additive mask is 0 on and
         // below the diagonal, MASKED above. The probabilities return to the compute dtype for P V.
         // q is scaled before the product so that large scores cannot overflow f16 in the matmul.
-        let scores = q.mul_scalar(scale).matmul(k.swap_dims(2, 3)).cast(FloatDType::F32) + ctx.causal_mask.clone();
-        let probs = self.attn_dropout.forward(softmax(scores, 3)).cast(v.dtype());
+        let scores = q
+            .mul_scalar(scale)
+            .matmul(k.swap_dims(2, 3))
+            .cast(FloatDType::F32)
+            + ctx.causal_mask.clone();
+        let probs = self
+            .attn_dropout
+            .forward(softmax(scores, 3))
+            .cast(v.dtype());
         let y = probs.matmul(v); // [B, H, T, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, d]);
-        self.resid_dropout.forward(self.proj.forward_mixed(y, ctx.gemm))
+        self.resid_dropout
+            .forward(self.proj.forward_mixed(y, ctx.gemm))
     }
 }
 
@@ -104,7 +125,11 @@ impl<B: kernels::Backend> Attention<B> {
         let [b, t, d] = x.dims();
         let h = self.n_head;
         let hd = d / h;
-        let qkv = self.qkv.forward(x).reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+        let qkv = self
+            .qkv
+            .forward(x)
+            .reshape([b, t, 3 * h, hd])
+            .swap_dims(1, 2);
         let mut parts = qkv.chunk(3, 1);
         let v = parts.pop().expect("v");
         let k = apply_rope(parts.pop().expect("k"), cos, sin);
@@ -115,7 +140,11 @@ impl<B: kernels::Backend> Attention<B> {
         };
         *slot = Some((k.clone(), v.clone()));
         let scale = (hd as f64).powf(-0.5);
-        let scores = q.mul_scalar(scale).matmul(k.swap_dims(2, 3)).cast(FloatDType::F32) + mask.clone();
+        let scores = q
+            .mul_scalar(scale)
+            .matmul(k.swap_dims(2, 3))
+            .cast(FloatDType::F32)
+            + mask.clone();
         let probs = softmax(scores, 3).cast(v.dtype());
         let y = probs.matmul(v).swap_dims(1, 2).reshape([b, t, d]);
         self.proj.forward(y)
@@ -133,7 +162,10 @@ pub struct KvCache<B: Backend> {
 impl<B: Backend> KvCache<B> {
     /// An empty cache for a model of `n_layer` blocks.
     pub fn new(n_layer: usize) -> Self {
-        Self { layers: (0..n_layer).map(|_| None).collect(), len: 0 }
+        Self {
+            layers: (0..n_layer).map(|_| None).collect(),
+            len: 0,
+        }
     }
 
     /// Positions cached so far.
@@ -173,7 +205,6 @@ impl<B: Backend> Mlp<B> {
             kind: cfg.mlp,
         }
     }
-
 }
 
 impl<B: kernels::Backend> Mlp<B> {
@@ -182,7 +213,9 @@ impl<B: kernels::Backend> Mlp<B> {
         let h = match (self.kind, kind) {
             (MlpKind::Gelu, KernelsKind::Reference) => kernels::activation::gelu_reference(h),
             (MlpKind::Gelu, KernelsKind::Fused) => kernels::gelu(h),
-            (MlpKind::Swiglu, KernelsKind::Reference) => kernels::activation::swiglu_packed_reference(h),
+            (MlpKind::Swiglu, KernelsKind::Reference) => {
+                kernels::activation::swiglu_packed_reference(h)
+            }
             (MlpKind::Swiglu, KernelsKind::Fused) => kernels::swiglu_packed(h),
         };
         self.dropout.forward(self.proj.forward_mixed(h, gemm))
@@ -207,20 +240,27 @@ impl<B: Backend> Block<B> {
             mlp: Mlp::new(cfg, device),
         }
     }
-
 }
 
 impl<B: kernels::Backend> Block<B> {
     /// Plain Burn: `x + attn(norm1(x))`, then `x + mlp(norm2(x))`.
     fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
         let x = x.clone() + self.attn.forward(self.norm1.forward(x), ctx);
-        x.clone() + self.mlp.forward(self.norm2.forward(x), KernelsKind::Reference, ctx.gemm)
+        x.clone()
+            + self
+                .mlp
+                .forward(self.norm2.forward(x), KernelsKind::Reference, ctx.gemm)
     }
 
     /// Fused kernels: each residual add happens inside the following norm's kernel. Takes the
     /// residual stream and the previous block's MLP output not yet added to it; returns the same
     /// pair for the next block (or the final norm).
-    fn forward_fused(&self, x: Tensor<B, 3>, pending: Option<Tensor<B, 3>>, ctx: &Ctx<B>) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    fn forward_fused(
+        &self,
+        x: Tensor<B, 3>,
+        pending: Option<Tensor<B, 3>>,
+        ctx: &Ctx<B>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let (x, h) = match pending {
             Some(delta) => self.norm1.forward_add(delta, x),
             None => (x.clone(), self.norm1.forward_fused(x)),
@@ -233,9 +273,15 @@ impl<B: kernels::Backend> Block<B> {
 /// RoPE tables in the layout each implementation takes.
 enum RopeTables<B: Backend> {
     /// [1, 1, T, head_dim / 2] each, in the compute dtype.
-    Reference { cos: Tensor<B, 4>, sin: Tensor<B, 4> },
+    Reference {
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+    },
     /// [T, head_dim / 2] each, f32 (the kernel rotates in f32).
-    Fused { cos: Tensor<B, 2>, sin: Tensor<B, 2> },
+    Fused {
+        cos: Tensor<B, 2>,
+        sin: Tensor<B, 2>,
+    },
 }
 
 /// What every layer of one forward shares: RoPE tables, the causal mask, the attention kind and
@@ -272,8 +318,8 @@ impl<B: Backend> Gpt<B> {
         let mut config = cfg.clone();
         config.vocab_size = vocab;
         let blocks = (0..cfg.n_layer).map(|_| Block::new(cfg, device)).collect();
-        let lm_head =
-            (!cfg.tie_embeddings).then(|| Linear::new(cfg.d_model, vocab, false, cfg.init_std, device));
+        let lm_head = (!cfg.tie_embeddings)
+            .then(|| Linear::new(cfg.d_model, vocab, false, cfg.init_std, device));
         Self {
             wte: Embedding::new(vocab, cfg.d_model, cfg.init_std, device),
             drop: DropoutConfig::new(cfg.dropout).init(),
@@ -298,7 +344,11 @@ impl<B: Backend> Gpt<B> {
 
     /// [`Gpt::compute_copy`], taking each weight's copy from `cached` when it has one (already in
     /// `dtype`: the fused AdamW step writes them) instead of casting it again.
-    pub fn compute_copy_with(&self, dtype: FloatDType, cached: &dyn Fn(ParamId) -> Option<FloatTensor<B>>) -> Self {
+    pub fn compute_copy_with(
+        &self,
+        dtype: FloatDType,
+        cached: &dyn Fn(ParamId) -> Option<FloatTensor<B>>,
+    ) -> Self {
         if dtype == FloatDType::F32 {
             return self.clone();
         }
@@ -306,7 +356,10 @@ impl<B: Backend> Gpt<B> {
         for (_, lin) in copy.projections_mut() {
             *lin = lin.compute_copy_with(dtype, cached);
         }
-        copy.lm_head = copy.lm_head.as_ref().map(|h| h.compute_copy_with(dtype, cached));
+        copy.lm_head = copy
+            .lm_head
+            .as_ref()
+            .map(|h| h.compute_copy_with(dtype, cached));
         copy.compute_dtype = dtype;
         copy
     }
@@ -336,7 +389,12 @@ impl<B: Backend> Gpt<B> {
     pub fn projections(&self) -> Vec<(String, &Linear<B>)> {
         let mut out = Vec::with_capacity(4 * self.blocks.len());
         for (i, b) in self.blocks.iter().enumerate() {
-            for (name, lin) in [("attn.qkv", &b.attn.qkv), ("attn.proj", &b.attn.proj), ("mlp.fc", &b.mlp.fc), ("mlp.proj", &b.mlp.proj)] {
+            for (name, lin) in [
+                ("attn.qkv", &b.attn.qkv),
+                ("attn.proj", &b.attn.proj),
+                ("mlp.fc", &b.mlp.fc),
+                ("mlp.proj", &b.mlp.proj),
+            ] {
                 out.push((format!("blocks.{i}.{name}"), lin));
             }
         }
@@ -348,7 +406,12 @@ impl<B: Backend> Gpt<B> {
         let mut out = Vec::with_capacity(4 * self.blocks.len());
         for (i, b) in self.blocks.iter_mut().enumerate() {
             let (attn, mlp) = (&mut b.attn, &mut b.mlp);
-            for (name, lin) in [("attn.qkv", &mut attn.qkv), ("attn.proj", &mut attn.proj), ("mlp.fc", &mut mlp.fc), ("mlp.proj", &mut mlp.proj)] {
+            for (name, lin) in [
+                ("attn.qkv", &mut attn.qkv),
+                ("attn.proj", &mut attn.proj),
+                ("mlp.fc", &mut mlp.fc),
+                ("mlp.proj", &mut mlp.proj),
+            ] {
                 out.push((format!("blocks.{i}.{name}"), lin));
             }
         }
@@ -366,7 +429,6 @@ impl<B: Backend> Gpt<B> {
         }
         ids
     }
-
 }
 
 impl<B: kernels::Backend> Gpt<B> {
@@ -393,13 +455,22 @@ impl<B: kernels::Backend> Gpt<B> {
             RopeTables::Fused { cos, sin }
         } else {
             let (cos, sin) = rope_tables::<B>(t, hd, theta, &device);
-            RopeTables::Reference { cos: cos.cast(dt), sin: sin.cast(dt) }
+            RopeTables::Reference {
+                cos: cos.cast(dt),
+                sin: sin.cast(dt),
+            }
         };
         // Burn's tril_mask is true outside the lower triangle, i.e. at the future keys (j > i).
         let above = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
-        let causal_mask =
-            Tensor::<B, 2>::zeros([t, t], &device).mask_fill(above, MASKED).reshape([1, 1, t, t]);
-        let ctx = Ctx { tables, causal_mask, attention: self.config.attention, gemm: self.config.gemm.engine() };
+        let causal_mask = Tensor::<B, 2>::zeros([t, t], &device)
+            .mask_fill(above, MASKED)
+            .reshape([1, 1, t, t]);
+        let ctx = Ctx {
+            tables,
+            causal_mask,
+            attention: self.config.attention,
+            gemm: self.config.gemm.engine(),
+        };
 
         // The lookup reads the f32 table; the residual stream then runs in the compute dtype.
         let mut x = self.drop.forward(self.wte.forward(ids).cast(dt));
@@ -423,12 +494,21 @@ impl<B: kernels::Backend> Gpt<B> {
         };
         let logits = match (&self.lm_head, ctx.gemm) {
             (Some(head), gemm) => head.forward_mixed(x, gemm),
-            (None, kernels::Gemm::Burn) => x.matmul(self.wte.weight.val().cast(dt).transpose().unsqueeze()),
+            (None, kernels::Gemm::Burn) => {
+                x.matmul(self.wte.weight.val().cast(dt).transpose().unsqueeze())
+            }
             (None, gemm) => {
                 // x [B, T, d] times the embedding [V, d] transposed, read in place by the GEMM.
                 let [b, t, d] = x.dims();
                 let v = self.wte.weight.dims()[0];
-                kernels::gemm(x.reshape([b * t, d]), self.wte.weight.val().cast(dt), false, true, gemm).reshape([b, t, v])
+                kernels::gemm(
+                    x.reshape([b * t, d]),
+                    self.wte.weight.val().cast(dt),
+                    false,
+                    true,
+                    gemm,
+                )
+                .reshape([b, t, v])
             }
         };
         debug_assert_dtype(&logits, dt, "LM head output");
@@ -448,7 +528,12 @@ impl<B: kernels::Backend> Gpt<B> {
             "{past} cached and {t} new positions exceed model.context = {}",
             self.config.context
         );
-        assert_eq!(cache.layers.len(), self.blocks.len(), "a cache made for {} layers", cache.layers.len());
+        assert_eq!(
+            cache.layers.len(),
+            self.blocks.len(),
+            "a cache made for {} layers",
+            cache.layers.len()
+        );
         let device = ids.device();
         let dt = self.compute_dtype;
         let (hd, theta) = (self.config.head_dim(), self.config.rope_theta);
@@ -457,11 +542,21 @@ impl<B: kernels::Backend> Gpt<B> {
         let (cos, sin) = (cos.slice(rows.clone()).cast(dt), sin.slice(rows).cast(dt));
         // Query i (position past + i) sees keys 0..=past + i.
         let above = Tensor::<B, 2, Bool>::tril_mask([t, past + t], past as i64, &device);
-        let mask = Tensor::<B, 2>::zeros([t, past + t], &device).mask_fill(above, MASKED).reshape([1, 1, t, past + t]);
+        let mask = Tensor::<B, 2>::zeros([t, past + t], &device)
+            .mask_fill(above, MASKED)
+            .reshape([1, 1, t, past + t]);
         let mut x = self.wte.forward(ids).cast(dt);
         for (block, slot) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            x = x.clone() + block.attn.forward_cached(block.norm1.forward(x), &cos, &sin, &mask, slot);
-            x = x.clone() + block.mlp.forward(block.norm2.forward(x), KernelsKind::Reference, kernels::Gemm::Burn);
+            x = x.clone()
+                + block
+                    .attn
+                    .forward_cached(block.norm1.forward(x), &cos, &sin, &mask, slot);
+            x = x.clone()
+                + block.mlp.forward(
+                    block.norm2.forward(x),
+                    KernelsKind::Reference,
+                    kernels::Gemm::Burn,
+                );
         }
         cache.len += t;
         let x = self.norm_f.forward(x);
@@ -476,7 +571,10 @@ impl<B: kernels::Backend> Gpt<B> {
     /// Computed in f32: the logits are cast first if they are not.
     pub fn loss(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
         let [b, t, v] = logits.dims();
-        kernels::cross_entropy::reference_log_softmax(logits.reshape([b * t, v]), targets.reshape([b * t]))
+        kernels::cross_entropy::reference_log_softmax(
+            logits.reshape([b * t, v]),
+            targets.reshape([b * t]),
+        )
     }
 
     /// Forward and loss in one call: ids and targets [B, T] -> scalar loss [1], the mean
@@ -490,14 +588,25 @@ impl<B: kernels::Backend> Gpt<B> {
 
     /// [`Gpt::forward_loss`] with the z-loss weight `z` (0 gives the plain cross-entropy, as
     /// evaluation reports it).
-    pub fn forward_loss_with(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>, z: f64) -> Tensor<B, 1> {
+    pub fn forward_loss_with(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        z: f64,
+    ) -> Tensor<B, 1> {
         let logits = self.logits(ids);
         let [b, t, v] = logits.dims();
         match self.config.kernels {
-            KernelsKind::Fused => kernels::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]), z).mean(),
-            KernelsKind::Reference if z > 0.0 => {
-                kernels::cross_entropy::reference(logits.reshape([b * t, v]), targets.reshape([b * t]), z).mean()
+            KernelsKind::Fused => {
+                kernels::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]), z)
+                    .mean()
             }
+            KernelsKind::Reference if z > 0.0 => kernels::cross_entropy::reference(
+                logits.reshape([b * t, v]),
+                targets.reshape([b * t]),
+                z,
+            )
+            .mean(),
             KernelsKind::Reference => Self::loss(logits, targets),
         }
     }

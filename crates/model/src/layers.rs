@@ -30,7 +30,12 @@ impl<B: Backend> Linear<B> {
     pub fn new(d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
         let weight = Tensor::random([d_in, d_out], Distribution::Normal(0.0, std), device);
         let bias = bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device)));
-        Self { weight: Param::from_tensor(weight), bias, fp8: None, fp8_probe: None }
+        Self {
+            weight: Param::from_tensor(weight),
+            bias,
+            fp8: None,
+            fp8_probe: None,
+        }
     }
 
     /// [.., d_in] -> [.., d_out], in the dtype of the weight (`x` must have it too).
@@ -46,7 +51,11 @@ impl<B: Backend> Linear<B> {
 
     /// [`Linear::compute_copy`], taking a parameter's copy from `cached` when it has one (already
     /// in `dtype`, e.g. written by a fused optimizer step) instead of casting.
-    pub fn compute_copy_with(&self, dtype: FloatDType, cached: &dyn Fn(ParamId) -> Option<FloatTensor<B>>) -> Self {
+    pub fn compute_copy_with(
+        &self,
+        dtype: FloatDType,
+        cached: &dyn Fn(ParamId) -> Option<FloatTensor<B>>,
+    ) -> Self {
         fn copy<B: Backend, const D: usize>(
             p: &Param<Tensor<B, D>>,
             dtype: FloatDType,
@@ -54,7 +63,9 @@ impl<B: Backend> Linear<B> {
         ) -> Param<Tensor<B, D>> {
             let id = p.id;
             p.clone().map(|t| match cached(id) {
-                Some(c) => Tensor::<B, D>::from_primitive(TensorPrimitive::Float(c)).detach().require_grad(),
+                Some(c) => Tensor::<B, D>::from_primitive(TensorPrimitive::Float(c))
+                    .detach()
+                    .require_grad(),
                 None => t.cast(dtype).detach().require_grad(),
             })
         }
@@ -68,14 +79,20 @@ impl<B: Backend> Linear<B> {
 
     /// Ids of the parameters [`Linear::compute_copy`] casts.
     pub fn param_ids(&self) -> Vec<ParamId> {
-        std::iter::once(self.weight.id).chain(self.bias.as_ref().map(|b| b.id)).collect()
+        std::iter::once(self.weight.id)
+            .chain(self.bias.as_ref().map(|b| b.id))
+            .collect()
     }
 }
 
 impl<B: kernels::Backend> Linear<B> {
     /// [`Linear::forward`] with its GEMMs on `gemm` (`Burn` is exactly [`Linear::forward`]), or in
     /// FP8 when [`Linear::fp8`] is set. The bias is added in the weight's dtype.
-    pub fn forward_mixed<const D: usize>(&self, x: Tensor<B, D>, gemm: kernels::Gemm) -> Tensor<B, D> {
+    pub fn forward_mixed<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        gemm: kernels::Gemm,
+    ) -> Tensor<B, D> {
         let Some(cfg) = &self.fp8 else {
             if gemm == kernels::Gemm::Burn {
                 return self.forward(x);
@@ -91,7 +108,8 @@ impl<B: kernels::Backend> Linear<B> {
         let rows = dims[..D - 1].iter().product::<usize>();
         let w = self.weight.val();
         let d_out = w.dims()[1];
-        let y = kernels::fp8_linear_probed(x.reshape([rows, d_in]), w, cfg, self.fp8_probe.as_ref());
+        let y =
+            kernels::fp8_linear_probed(x.reshape([rows, d_in]), w, cfg, self.fp8_probe.as_ref());
         let y = match &self.bias {
             Some(b) => y + b.val().unsqueeze::<2>(),
             None => y,
@@ -112,7 +130,9 @@ pub struct Embedding<B: Backend> {
 impl<B: Backend> Embedding<B> {
     pub fn new(vocab: usize, d_model: usize, std: f64, device: &B::Device) -> Self {
         let weight = Tensor::random([vocab, d_model], Distribution::Normal(0.0, std), device);
-        Self { weight: Param::from_tensor(weight) }
+        Self {
+            weight: Param::from_tensor(weight),
+        }
     }
 
     /// [B, T] token ids -> [B, T, d_model]
@@ -132,7 +152,10 @@ pub struct RmsNorm<B: Backend> {
 
 impl<B: Backend> RmsNorm<B> {
     pub fn new(d_model: usize, eps: f64, device: &B::Device) -> Self {
-        Self { weight: Param::from_tensor(Tensor::ones([d_model], device)), eps }
+        Self {
+            weight: Param::from_tensor(Tensor::ones([d_model], device)),
+            eps,
+        }
     }
 
     /// [.., d] -> [.., d]: `x / sqrt(mean(x^2) + eps) * w`, computed in f32 (statistics, scaling
@@ -149,7 +172,11 @@ impl<B: kernels::Backend> RmsNorm<B> {
     }
 
     /// `(x + residual, norm(x + residual))` in one fused kernel.
-    pub fn forward_add<const D: usize>(&self, x: Tensor<B, D>, residual: Tensor<B, D>) -> (Tensor<B, D>, Tensor<B, D>) {
+    pub fn forward_add<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        residual: Tensor<B, D>,
+    ) -> (Tensor<B, D>, Tensor<B, D>) {
         kernels::add_rms_norm(x, residual, self.weight.val(), self.eps)
     }
 }
@@ -163,10 +190,13 @@ pub fn rope_tables<B: Backend>(
     device: &B::Device,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let half = head_dim / 2;
-    let inv_freq: Vec<f32> =
-        (0..half).map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32).collect();
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32)
+        .collect();
     let inv_freq = Tensor::<B, 1>::from_floats(inv_freq.as_slice(), device).reshape([1, half]);
-    let pos = Tensor::<B, 1, Int>::arange(0..t as i64, device).float().reshape([t, 1]);
+    let pos = Tensor::<B, 1, Int>::arange(0..t as i64, device)
+        .float()
+        .reshape([t, 1]);
     let angles = pos * inv_freq; // [t, half]
     let cos = angles.clone().cos().reshape([1, 1, t, half]);
     let sin = angles.sin().reshape([1, 1, t, half]);
@@ -175,7 +205,11 @@ pub fn rope_tables<B: Backend>(
 
 /// Rotates each (x[i], x[i + half]) pair of the last dimension by its position's angle (the
 /// "rotate half" layout of GPT-NeoX and LLaMA). x: [B, H, T, head_dim].
-pub fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
+pub fn apply_rope<B: Backend>(
+    x: Tensor<B, 4>,
+    cos: &Tensor<B, 4>,
+    sin: &Tensor<B, 4>,
+) -> Tensor<B, 4> {
     let mut halves = x.chunk(2, 3);
     let x2 = halves.pop().expect("two halves");
     let x1 = halves.pop().expect("two halves");

@@ -108,7 +108,10 @@ pub fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     for entry in fs::read_dir(&d).with_context(|| format!("cannot list {}", d.display()))? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().to_string();
-        if let Some(step) = name.strip_prefix("step_").and_then(|s| s.strip_suffix(".ckpt")) {
+        if let Some(step) = name
+            .strip_prefix("step_")
+            .and_then(|s| s.strip_suffix(".ckpt"))
+        {
             if let Ok(step) = step.parse::<u64>() {
                 out.push((step, entry.path()));
             }
@@ -127,7 +130,10 @@ struct Collect<'a, B: Backend> {
 }
 
 fn push_f32(buf: &mut Vec<u8>, data: TensorData) {
-    let v: Vec<f32> = data.convert::<f32>().into_vec::<f32>().expect("f32 tensor data");
+    let v: Vec<f32> = data
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 tensor data");
     buf.reserve(v.len() * 4);
     for x in v {
         buf.extend_from_slice(&x.to_le_bytes());
@@ -149,10 +155,20 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collect<'_, AB::InnerBackend> {
         push_f32(&mut self.payload, value.into_data());
         let moments = self.opt.moments.get(&param.id);
         if let Some(m) = moments {
-            push_f32(&mut self.payload, to_tensor::<AB::InnerBackend, D>(&m.m).into_data());
-            push_f32(&mut self.payload, to_tensor::<AB::InnerBackend, D>(&m.v).into_data());
+            push_f32(
+                &mut self.payload,
+                to_tensor::<AB::InnerBackend, D>(&m.m).into_data(),
+            );
+            push_f32(
+                &mut self.payload,
+                to_tensor::<AB::InnerBackend, D>(&m.v).into_data(),
+            );
         }
-        self.entries.push(ParamEntry { name, shape, has_moments: moments.is_some() });
+        self.entries.push(ParamEntry {
+            name,
+            shape,
+            has_moments: moments.is_some(),
+        });
     }
 }
 
@@ -176,7 +192,12 @@ where
 {
     let d = dir(run_dir);
     fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
-    let mut c = Collect::<AB::InnerBackend> { path: Vec::new(), opt, entries: Vec::new(), payload: Vec::new() };
+    let mut c = Collect::<AB::InnerBackend> {
+        path: Vec::new(),
+        opt,
+        entries: Vec::new(),
+        payload: Vec::new(),
+    };
     module.visit(&mut c);
     let header = Header {
         format_version: FORMAT_VERSION,
@@ -206,11 +227,14 @@ where
     let final_path = d.join(file_name(step));
     let tmp = d.join(format!(".{}.tmp", file_name(step)));
     {
-        let mut f = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-        f.write_all(&bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+        let mut f =
+            File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        f.write_all(&bytes)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
         f.sync_all()?;
     }
-    fs::rename(&tmp, &final_path).with_context(|| format!("cannot move checkpoint into {}", final_path.display()))?;
+    fs::rename(&tmp, &final_path)
+        .with_context(|| format!("cannot move checkpoint into {}", final_path.display()))?;
     if let Ok(dirf) = File::open(&d) {
         let _ = dirf.sync_all();
     }
@@ -238,7 +262,9 @@ pub fn read(path: &Path) -> Result<(Header, Vec<f32>)> {
         .with_context(|| format!("cannot read checkpoint {}", path.display()))?;
     let bad = |why: &str| anyhow!("checkpoint {} is damaged: {why}", path.display());
     if bytes.len() < 8 + 8 + 4 || &bytes[..8] != MAGIC {
-        return Err(bad("it does not start with the checkpoint signature (not a checkpoint, or truncated)"));
+        return Err(bad(
+            "it does not start with the checkpoint signature (not a checkpoint, or truncated)",
+        ));
     }
     let body_len = bytes.len() - 4;
     let stored = u32::from_le_bytes(bytes[body_len..].try_into().expect("4 bytes"));
@@ -250,7 +276,8 @@ pub fn read(path: &Path) -> Result<(Header, Vec<f32>)> {
     if 16 + hlen > body_len {
         return Err(bad("header length runs past the end of the file"));
     }
-    let header: Header = serde_json::from_slice(&bytes[16..16 + hlen]).map_err(|e| bad(&format!("unreadable header: {e}")))?;
+    let header: Header = serde_json::from_slice(&bytes[16..16 + hlen])
+        .map_err(|e| bad(&format!("unreadable header: {e}")))?;
     if header.format_version != FORMAT_VERSION {
         bail!(
             "checkpoint {} has format version {}, this build reads version {FORMAT_VERSION}",
@@ -268,9 +295,15 @@ pub fn read(path: &Path) -> Result<(Header, Vec<f32>)> {
         .map(|p| p.shape.iter().product::<usize>() * if p.has_moments { 3 } else { 1 })
         .sum();
     if expected * 4 != payload.len() {
-        return Err(bad(&format!("header lists {expected} values but the payload holds {}", payload.len() / 4)));
+        return Err(bad(&format!(
+            "header lists {expected} values but the payload holds {}",
+            payload.len() / 4
+        )));
     }
-    let values = payload.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+    let values = payload
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
     Ok((header, values))
 }
 
@@ -310,7 +343,10 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Restore<'_, AB::InnerBackend> {
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.dims().to_vec();
         let Some(entry) = self.header.params.get(self.index) else {
-            self.error = Some(format!("the model has more parameters than the checkpoint's {}", self.header.params.len()));
+            self.error = Some(format!(
+                "the model has more parameters than the checkpoint's {}",
+                self.header.params.len()
+            ));
             return Param::from_mapped_value(id, tensor, mapper);
         };
         if entry.name != name || entry.shape != shape {
@@ -352,7 +388,8 @@ where
     AB: AutodiffBackend,
     M: AutodiffModule<AB>,
 {
-    let incompatible = |why: String| anyhow!("checkpoint {} does not fit this run: {why}", path.display());
+    let incompatible =
+        |why: String| anyhow!("checkpoint {} does not fit this run: {why}", path.display());
     let mut saved = header.model.clone();
     saved.vocab_size = 0;
     let mut ours = cfg.model.clone();
@@ -366,7 +403,10 @@ where
             .filter(|(x, y)| x != y)
             .map(|(x, y)| format!("checkpoint `{x}` vs config `{y}`"))
             .collect();
-        return Err(incompatible(format!("the [model] section differs: {}", diff.join("; "))));
+        return Err(incompatible(format!(
+            "the [model] section differs: {}",
+            diff.join("; ")
+        )));
     }
     // The batches and dropout masks of a resumed run are functions of these; changing them would
     // silently continue a different run.
@@ -375,10 +415,16 @@ where
         stream.push(format!("seed = {} (this run: {})", header.seed, cfg.seed));
     }
     if header.batch_size != cfg.training.batch_size {
-        stream.push(format!("training.batch_size = {} (this run: {})", header.batch_size, cfg.training.batch_size));
+        stream.push(format!(
+            "training.batch_size = {} (this run: {})",
+            header.batch_size, cfg.training.batch_size
+        ));
     }
     if header.grad_accum != cfg.training.grad_accum {
-        stream.push(format!("training.grad_accum = {} (this run: {})", header.grad_accum, cfg.training.grad_accum));
+        stream.push(format!(
+            "training.grad_accum = {} (this run: {})",
+            header.grad_accum, cfg.training.grad_accum
+        ));
     }
     if header.data != cfg.data {
         stream.push("the [data] section".to_string());
@@ -386,7 +432,11 @@ where
     // Master weights are f32 whatever the recipe, but a recipe switched mid-run is a different
     // experiment; say so rather than mixing two recipes in one run directory.
     if header.precision_name() != cfg.precision.name() {
-        stream.push(format!("precision = \"{}\" (this run: \"{}\")", header.precision_name(), cfg.precision.name()));
+        stream.push(format!(
+            "precision = \"{}\" (this run: \"{}\")",
+            header.precision_name(),
+            cfg.precision.name()
+        ));
     }
     if !stream.is_empty() {
         return Err(incompatible(format!(
@@ -434,4 +484,3 @@ where
         },
     ))
 }
-

@@ -25,12 +25,36 @@ use crate::metrics::StepRecord;
 /// The built-in recipes: name, what it is, and the config overrides it applies.
 pub const RECIPES: &[(&str, &str, &[&str])] = &[
     ("fp32", "f32 everywhere", &["precision=fp32"]),
-    ("bf16", "bf16 matmuls and activations, f32 master weights (CUDA)", &["precision=bf16"]),
-    ("fp16", "f16 matmuls and activations, f32 master weights, dynamic loss scaling", &["precision=fp16", "loss_scale.mode=dynamic"]),
-    ("fp16-noscale", "fp16 without loss scaling", &["precision=fp16", "loss_scale.mode=off"]),
-    ("fp8", "projection GEMMs in FP8 (E4M3, 1x128 / 128x128 scales), bf16 elsewhere (CUDA)", &["precision=fp8"]),
-    ("fp8-hybrid", "fp8 with E5M2 output gradients", &["precision=fp8", "fp8.format=hybrid"]),
-    ("fp8-tensor", "fp8 with one scale per tensor", &["precision=fp8", "fp8.scaling=tensor"]),
+    (
+        "bf16",
+        "bf16 matmuls and activations, f32 master weights (CUDA)",
+        &["precision=bf16"],
+    ),
+    (
+        "fp16",
+        "f16 matmuls and activations, f32 master weights, dynamic loss scaling",
+        &["precision=fp16", "loss_scale.mode=dynamic"],
+    ),
+    (
+        "fp16-noscale",
+        "fp16 without loss scaling",
+        &["precision=fp16", "loss_scale.mode=off"],
+    ),
+    (
+        "fp8",
+        "projection GEMMs in FP8 (E4M3, 1x128 / 128x128 scales), bf16 elsewhere (CUDA)",
+        &["precision=fp8"],
+    ),
+    (
+        "fp8-hybrid",
+        "fp8 with E5M2 output gradients",
+        &["precision=fp8", "fp8.format=hybrid"],
+    ),
+    (
+        "fp8-tensor",
+        "fp8 with one scale per tensor",
+        &["precision=fp8", "fp8.scaling=tensor"],
+    ),
 ];
 
 /// One recipe of a comparison: a name and the overrides that make it.
@@ -48,7 +72,11 @@ impl RecipeSpec {
             Some((n, rest)) => (n.trim(), Some(rest)),
             None => (text.trim(), None),
         };
-        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) {
+        if name.is_empty()
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
             bail!("recipe '{text}': a name is letters, digits, '-', '_' or '.', optionally followed by ':key=value,...'");
         }
         let mut overrides: Vec<String> = match RECIPES.iter().find(|r| r.0 == name) {
@@ -70,7 +98,10 @@ impl RecipeSpec {
                 bail!("recipe '{text}': no overrides after ':'");
             }
         }
-        Ok(Self { name: name.to_string(), overrides })
+        Ok(Self {
+            name: name.to_string(),
+            overrides,
+        })
     }
 }
 
@@ -112,8 +143,16 @@ impl Plan {
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
             bail!("recipe '{}' is listed twice", w[0]);
         }
-        let lrs: Vec<Option<f64>> = if self.lrs.is_empty() { vec![None] } else { self.lrs.iter().copied().map(Some).collect() };
-        let seeds: Vec<Option<u64>> = if self.seeds.is_empty() { vec![None] } else { self.seeds.iter().copied().map(Some).collect() };
+        let lrs: Vec<Option<f64>> = if self.lrs.is_empty() {
+            vec![None]
+        } else {
+            self.lrs.iter().copied().map(Some).collect()
+        };
+        let seeds: Vec<Option<u64>> = if self.seeds.is_empty() {
+            vec![None]
+        } else {
+            self.seeds.iter().copied().map(Some).collect()
+        };
         let mut out = Vec::new();
         for r in &self.recipes {
             for &lr in &lrs {
@@ -137,8 +176,20 @@ impl Plan {
                         let _ = write!(dir_name, "-seed{seed}");
                     }
                     let config = Config::from_toml_str(&self.base_toml, &sets, &self.origin)
-                        .with_context(|| format!("recipe '{}' (overrides: {})", r.name, r.overrides.join(", ")))?;
-                    out.push(Entry { recipe: r.name.clone(), lr: config.optimizer.lr, seed: config.seed, dir_name, config });
+                        .with_context(|| {
+                            format!(
+                                "recipe '{}' (overrides: {})",
+                                r.name,
+                                r.overrides.join(", ")
+                            )
+                        })?;
+                    out.push(Entry {
+                        recipe: r.name.clone(),
+                        lr: config.optimizer.lr,
+                        seed: config.seed,
+                        dir_name,
+                        config,
+                    });
                 }
             }
         }
@@ -207,11 +258,16 @@ pub fn stability(records: &[StepRecord], warmup_steps: u64, failed: Option<&str>
         diverged = Some(format!("non-finite training loss at step {}", r.step));
         first_bad = Some(r.step);
     }
-    let vals: Vec<(u64, f64)> = records.iter().filter_map(|r| r.val_loss.map(|v| (r.step, v))).collect();
+    let vals: Vec<(u64, f64)> = records
+        .iter()
+        .filter_map(|r| r.val_loss.map(|v| (r.step, v)))
+        .collect();
     if diverged.is_none() {
         if let Some(&(_, v0)) = vals.first() {
             if let Some(&(s, v)) = vals.iter().skip(1).find(|(_, v)| !v.is_finite() || *v > v0) {
-                diverged = Some(format!("validation loss {v:.4} at step {s} above its first value {v0:.4}"));
+                diverged = Some(format!(
+                    "validation loss {v:.4} at step {s} above its first value {v0:.4}"
+                ));
                 first_bad = Some(s);
             }
         }
@@ -254,11 +310,20 @@ pub fn stability(records: &[StepRecord], warmup_steps: u64, failed: Option<&str>
         Some(why) => ("diverged", why),
         None if loss_spikes + grad_spikes > 0 => {
             first_bad = first_spike;
-            ("unstable", format!("{loss_spikes} training-loss spikes, {grad_spikes} gradient-norm spikes"))
+            (
+                "unstable",
+                format!("{loss_spikes} training-loss spikes, {grad_spikes} gradient-norm spikes"),
+            )
         }
         None => ("stable", String::new()),
     };
-    Stability { verdict: verdict.into(), reason, first_bad_step: first_bad, loss_spikes, grad_norm_spikes: grad_spikes }
+    Stability {
+        verdict: verdict.into(),
+        reason,
+        first_bad_step: first_bad,
+        loss_spikes,
+        grad_norm_spikes: grad_spikes,
+    }
 }
 
 /// One row of the report.
@@ -290,12 +355,26 @@ pub struct EntryReport {
 /// Reads one entry's records and makes its row (the fp32 comparisons are filled in later).
 pub fn entry_report(dir: &Path, entry: &Entry) -> Result<EntryReport> {
     let records = read_records(&dir.join("metrics.jsonl"))?;
-    let error = std::fs::read_to_string(dir.join(ERROR_FILE)).ok().map(|s| s.trim().to_string());
-    let vals: Vec<(u64, f64)> = records.iter().filter_map(|r| r.val_loss.map(|v| (r.step, v))).filter(|v| v.1.is_finite()).collect();
+    let error = std::fs::read_to_string(dir.join(ERROR_FILE))
+        .ok()
+        .map(|s| s.trim().to_string());
+    let vals: Vec<(u64, f64)> = records
+        .iter()
+        .filter_map(|r| r.val_loss.map(|v| (r.step, v)))
+        .filter(|v| v.1.is_finite())
+        .collect();
     let best = vals.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
-    let mut tps: Vec<f64> = records.iter().filter(|r| r.step > 3 && r.tokens_per_s.is_finite() && r.tokens_per_s > 0.0).map(|r| r.tokens_per_s).collect();
+    let mut tps: Vec<f64> = records
+        .iter()
+        .filter(|r| r.step > 3 && r.tokens_per_s.is_finite() && r.tokens_per_s > 0.0)
+        .map(|r| r.tokens_per_s)
+        .collect();
     tps.sort_by(|a, b| a.total_cmp(b));
-    let scales: Vec<f64> = records.iter().map(|r| r.loss_scale).filter(|s| s.is_finite()).collect();
+    let scales: Vec<f64> = records
+        .iter()
+        .map(|r| r.loss_scale)
+        .filter(|s| s.is_finite())
+        .collect();
     let scaled = scales.iter().any(|&s| s != 1.0);
     Ok(EntryReport {
         name: entry.dir_name.clone(),
@@ -313,7 +392,11 @@ pub fn entry_report(dir: &Path, entry: &Entry) -> Result<EntryReport> {
         skipped_steps: records.iter().map(|r| r.overflows).max().unwrap_or(0),
         loss_scale_min: scaled.then(|| scales.iter().copied().fold(f64::INFINITY, f64::min)),
         loss_scale_max: scaled.then(|| scales.iter().copied().fold(0.0, f64::max)),
-        stability: stability(&records, entry.config.schedule.warmup_steps as u64, error.as_deref()),
+        stability: stability(
+            &records,
+            entry.config.schedule.warmup_steps as u64,
+            error.as_deref(),
+        ),
         error,
         records,
     })
@@ -325,7 +408,10 @@ fn read_records(path: &Path) -> Result<Vec<StepRecord>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
     };
-    Ok(text.lines().filter_map(|l| serde_json::from_str::<StepRecord>(l).ok()).collect())
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<StepRecord>(l).ok())
+        .collect())
 }
 
 /// The whole report, as written to `report.json`.
@@ -343,9 +429,17 @@ or a validation loss above the run's first one; unstable: after warm-up, a train
 gradient norm above 10x the median of the previous 100 steps' norms (spikes counted); stable: neither.";
 
 /// Fills in the comparisons with fp32 and writes `report.md`, `report.json` and the plots.
-pub fn write_report(dir: &Path, origin: &str, recipes: &[RecipeSpec], mut entries: Vec<EntryReport>) -> Result<Report> {
-    let fp32: Vec<(f64, u64, Option<f64>, Option<f64>)> =
-        entries.iter().filter(|e| e.recipe == "fp32").map(|e| (e.lr, e.seed, e.best_val_loss, e.tokens_per_s)).collect();
+pub fn write_report(
+    dir: &Path,
+    origin: &str,
+    recipes: &[RecipeSpec],
+    mut entries: Vec<EntryReport>,
+) -> Result<Report> {
+    let fp32: Vec<(f64, u64, Option<f64>, Option<f64>)> = entries
+        .iter()
+        .filter(|e| e.recipe == "fp32")
+        .map(|e| (e.lr, e.seed, e.best_val_loss, e.tokens_per_s))
+        .collect();
     for e in &mut entries {
         if let Some(&(_, _, v, t)) = fp32.iter().find(|f| f.0 == e.lr && f.1 == e.seed) {
             e.best_val_vs_fp32 = e.best_val_loss.zip(v).map(|(a, b)| a - b);
@@ -354,20 +448,60 @@ pub fn write_report(dir: &Path, origin: &str, recipes: &[RecipeSpec], mut entrie
     }
     let mut plots = Vec::new();
     let colour = |recipe: &str| palette(recipes.iter().position(|r| r.name == recipe).unwrap_or(0));
-    let series = |f: &dyn Fn(&StepRecord) -> Option<f64>| -> Vec<(String, RGBColor, Vec<(f64, f64)>)> {
-        entries
-            .iter()
-            .map(|e| (e.name.clone(), colour(&e.recipe), e.records.iter().filter_map(|r| f(r).filter(|v| v.is_finite()).map(|v| (r.step as f64, v))).collect()))
-            .collect()
-    };
-    plot(&dir.join("train_loss.svg"), "training loss", "step", "loss (nats/token)", &series(&|r| Some(r.loss)), false)?;
+    let series =
+        |f: &dyn Fn(&StepRecord) -> Option<f64>| -> Vec<(String, RGBColor, Vec<(f64, f64)>)> {
+            entries
+                .iter()
+                .map(|e| {
+                    (
+                        e.name.clone(),
+                        colour(&e.recipe),
+                        e.records
+                            .iter()
+                            .filter_map(|r| {
+                                f(r).filter(|v| v.is_finite()).map(|v| (r.step as f64, v))
+                            })
+                            .collect(),
+                    )
+                })
+                .collect()
+        };
+    plot(
+        &dir.join("train_loss.svg"),
+        "training loss",
+        "step",
+        "loss (nats/token)",
+        &series(&|r| Some(r.loss)),
+        false,
+    )?;
     plots.push("train_loss.svg".to_string());
-    plot(&dir.join("val_loss.svg"), "validation loss", "step", "loss (nats/token)", &series(&|r| r.val_loss), true)?;
+    plot(
+        &dir.join("val_loss.svg"),
+        "validation loss",
+        "step",
+        "loss (nats/token)",
+        &series(&|r| r.val_loss),
+        true,
+    )?;
     plots.push("val_loss.svg".to_string());
-    plot(&dir.join("grad_norm.svg"), "gradient norm (before clipping)", "step", "norm", &series(&|r| Some(r.grad_norm)), false)?;
+    plot(
+        &dir.join("grad_norm.svg"),
+        "gradient norm (before clipping)",
+        "step",
+        "norm",
+        &series(&|r| Some(r.grad_norm)),
+        false,
+    )?;
     plots.push("grad_norm.svg".to_string());
     if entries.iter().any(|e| e.loss_scale_max.is_some()) {
-        plot(&dir.join("loss_scale.svg"), "loss scale (log2)", "step", "log2(scale)", &series(&|r| Some(r.loss_scale.log2())), false)?;
+        plot(
+            &dir.join("loss_scale.svg"),
+            "loss scale (log2)",
+            "step",
+            "log2(scale)",
+            &series(&|r| Some(r.loss_scale.log2())),
+            false,
+        )?;
         plots.push("loss_scale.svg".to_string());
     }
     let mut lrs: Vec<f64> = entries.iter().map(|e| e.lr).collect();
@@ -381,19 +515,40 @@ pub fn write_report(dir: &Path, origin: &str, recipes: &[RecipeSpec], mut entrie
                 let pts = lrs
                     .iter()
                     .filter_map(|&lr| {
-                        let v: Vec<f64> = entries.iter().filter(|e| e.recipe == r.name && e.lr == lr).filter_map(|e| e.best_val_loss).collect();
-                        (!v.is_empty()).then(|| (lr.log10(), v.iter().sum::<f64>() / v.len() as f64))
+                        let v: Vec<f64> = entries
+                            .iter()
+                            .filter(|e| e.recipe == r.name && e.lr == lr)
+                            .filter_map(|e| e.best_val_loss)
+                            .collect();
+                        (!v.is_empty())
+                            .then(|| (lr.log10(), v.iter().sum::<f64>() / v.len() as f64))
                     })
                     .collect();
                 (r.name.clone(), colour(&r.name), pts)
             })
             .collect();
-        plot(&dir.join("lr_sensitivity.svg"), "learning-rate sensitivity", "log10(learning rate)", "best validation loss", &lines, true)?;
+        plot(
+            &dir.join("lr_sensitivity.svg"),
+            "learning-rate sensitivity",
+            "log10(learning rate)",
+            "best validation loss",
+            &lines,
+            true,
+        )?;
         plots.push("lr_sensitivity.svg".to_string());
     }
 
-    let report = Report { config: origin.to_string(), recipes: recipes.to_vec(), entries, plots, verdicts: VERDICTS.to_string() };
-    write_atomic(&dir.join("report.json"), serde_json::to_string_pretty(&report)?.as_bytes())?;
+    let report = Report {
+        config: origin.to_string(),
+        recipes: recipes.to_vec(),
+        entries,
+        plots,
+        verdicts: VERDICTS.to_string(),
+    };
+    write_atomic(
+        &dir.join("report.json"),
+        serde_json::to_string_pretty(&report)?.as_bytes(),
+    )?;
     write_atomic(&dir.join("report.md"), markdown(&report).as_bytes())?;
     Ok(report)
 }
@@ -401,7 +556,11 @@ pub fn write_report(dir: &Path, origin: &str, recipes: &[RecipeSpec], mut entrie
 fn markdown(r: &Report) -> String {
     let f = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
     let mut s = String::new();
-    let _ = writeln!(s, "# Precision comparison\n\nConfig: {}. Recipes:\n", r.config);
+    let _ = writeln!(
+        s,
+        "# Precision comparison\n\nConfig: {}. Recipes:\n",
+        r.config
+    );
     for rc in &r.recipes {
         let _ = writeln!(s, "- `{}`: {}", rc.name, rc.overrides.join(", "));
     }
@@ -414,7 +573,11 @@ fn markdown(r: &Report) -> String {
             (Some(a), Some(b)) => format!("{a:.0}-{b:.0}"),
             _ => "-".into(),
         };
-        let verdict = if e.stability.reason.is_empty() { e.stability.verdict.clone() } else { format!("{} ({})", e.stability.verdict, e.stability.reason) };
+        let verdict = if e.stability.reason.is_empty() {
+            e.stability.verdict.clone()
+        } else {
+            format!("{} ({})", e.stability.verdict, e.stability.reason)
+        };
         let _ = writeln!(
             s,
             "| {} | {}/{} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} |",
@@ -423,14 +586,18 @@ fn markdown(r: &Report) -> String {
             e.steps,
             f(e.best_val_loss, 4),
             e.best_val_step.map_or("-".into(), |x| x.to_string()),
-            e.best_val_vs_fp32.map_or("-".into(), |d| format!("{d:+.4}")),
+            e.best_val_vs_fp32
+                .map_or("-".into(), |d| format!("{d:+.4}")),
             f(e.final_val_loss, 4),
             f(e.tokens_per_s, 0),
-            e.tokens_per_s_vs_fp32.map_or("-".into(), |x| format!("{x:.2}x")),
+            e.tokens_per_s_vs_fp32
+                .map_or("-".into(), |x| format!("{x:.2}x")),
             e.skipped_steps,
             scale,
             verdict,
-            e.stability.first_bad_step.map_or("-".into(), |x| x.to_string()),
+            e.stability
+                .first_bad_step
+                .map_or("-".into(), |x| x.to_string()),
         );
     }
     let _ = writeln!(s, "\nVerdicts: {}\n", r.verdicts);
@@ -455,8 +622,16 @@ fn palette(i: usize) -> RGBColor {
 }
 
 /// Overlaid line plots, one series per entry (points marked when `marks`).
-fn plot(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(String, RGBColor, Vec<(f64, f64)>)], marks: bool) -> Result<()> {
-    let e = |e: DrawingAreaErrorKind<std::io::Error>| anyhow::anyhow!("plot {}: {e}", path.display());
+fn plot(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    series: &[(String, RGBColor, Vec<(f64, f64)>)],
+    marks: bool,
+) -> Result<()> {
+    let e =
+        |e: DrawingAreaErrorKind<std::io::Error>| anyhow::anyhow!("plot {}: {e}", path.display());
     let pts = series.iter().flat_map(|s| s.2.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in pts {
@@ -477,19 +652,39 @@ fn plot(path: &Path, title: &str, x_desc: &str, y_desc: &str, series: &[(String,
             .y_label_area_size(60)
             .build_cartesian_2d((x0 - px)..(x1 + px), (y0 - py)..(y1 + py))
             .map_err(e)?;
-        chart.configure_mesh().x_desc(x_desc).y_desc(y_desc).draw().map_err(e)?;
+        chart
+            .configure_mesh()
+            .x_desc(x_desc)
+            .y_desc(y_desc)
+            .draw()
+            .map_err(e)?;
         for (name, c, data) in series {
             let c = *c;
             chart
-                .draw_series(LineSeries::new(data.iter().copied(), c.stroke_width(if marks { 2 } else { 1 })))
+                .draw_series(LineSeries::new(
+                    data.iter().copied(),
+                    c.stroke_width(if marks { 2 } else { 1 }),
+                ))
                 .map_err(e)?
                 .label(name.as_str())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
             if marks {
-                chart.draw_series(data.iter().map(|&(x, y)| Circle::new((x, y), 3, c.filled()))).map_err(e)?;
+                chart
+                    .draw_series(
+                        data.iter()
+                            .map(|&(x, y)| Circle::new((x, y), 3, c.filled())),
+                    )
+                    .map_err(e)?;
             }
         }
-        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw().map_err(e)?;
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()
+            .map_err(e)?;
         root.present().map_err(e)?;
     }
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;

@@ -95,7 +95,11 @@ impl SavedPlan {
             base_toml: self.base_toml.clone(),
             origin: self.origin.clone(),
             sets: self.sets.clone(),
-            recipes: self.recipes.iter().map(|r| RecipeSpec::parse(r)).collect::<Result<_>>()?,
+            recipes: self
+                .recipes
+                .iter()
+                .map(|r| RecipeSpec::parse(r))
+                .collect::<Result<_>>()?,
             lrs: self.lrs.clone(),
             seeds: self.seeds.clone(),
             steps: self.steps,
@@ -106,7 +110,9 @@ impl SavedPlan {
 fn real_main() -> Result<()> {
     let cli = Cli::parse();
     if cli.list {
-        println!("built-in recipes (use as --recipes NAME, or NAME:key=value,... to add overrides):");
+        println!(
+            "built-in recipes (use as --recipes NAME, or NAME:key=value,... to add overrides):"
+        );
         for (name, what, sets) in compare::RECIPES {
             println!("  {name:<13} {what}\n  {:<13} sets {}", "", sets.join(", "));
         }
@@ -115,22 +121,49 @@ fn real_main() -> Result<()> {
     let (dir, saved) = match &cli.report {
         Some(dir) => {
             let path = dir.join(PLAN_FILE);
-            let text = std::fs::read_to_string(&path).with_context(|| format!("--report {}: no {PLAN_FILE} there; is it a comparison directory?", dir.display()))?;
-            let saved: SavedPlan = serde_json::from_str(&text).with_context(|| format!("{} is not a comparison plan", path.display()))?;
+            let text = std::fs::read_to_string(&path).with_context(|| {
+                format!(
+                    "--report {}: no {PLAN_FILE} there; is it a comparison directory?",
+                    dir.display()
+                )
+            })?;
+            let saved: SavedPlan = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a comparison plan", path.display()))?;
             (dir.clone(), saved)
         }
         None => {
-            let Some(list) = &cli.recipes else { bail!("--recipes is required (e.g. --recipes fp32,bf16,fp16); `compare --list` shows the built-in recipes") };
+            let Some(list) = &cli.recipes else {
+                bail!("--recipes is required (e.g. --recipes fp32,bf16,fp16); `compare --list` shows the built-in recipes")
+            };
             let (base_toml, origin, name) = match &cli.config {
                 Some(p) => {
-                    let text = std::fs::read_to_string(p).with_context(|| format!("cannot read config {}", p.display()))?;
-                    let stem = p.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or("run".into());
+                    let text = std::fs::read_to_string(p)
+                        .with_context(|| format!("cannot read config {}", p.display()))?;
+                    let stem = p
+                        .file_stem()
+                        .map(|s| s.to_string_lossy().to_string())
+                        .unwrap_or("run".into());
                     (text, p.display().to_string(), stem)
                 }
-                None => (trainer::config::DEFAULT_TOML.to_string(), "built-in default config".to_string(), "default".to_string()),
+                None => (
+                    trainer::config::DEFAULT_TOML.to_string(),
+                    "built-in default config".to_string(),
+                    "default".to_string(),
+                ),
             };
-            let dir = cli.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{name}")));
-            let saved = SavedPlan { base_toml, origin, sets: cli.set.clone(), recipes: split_recipes(list), lrs: cli.lrs.clone(), seeds: cli.seeds.clone(), steps: cli.steps };
+            let dir = cli
+                .out
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{name}")));
+            let saved = SavedPlan {
+                base_toml,
+                origin,
+                sets: cli.set.clone(),
+                recipes: split_recipes(list),
+                lrs: cli.lrs.clone(),
+                seeds: cli.seeds.clone(),
+                steps: cli.steps,
+            };
             (dir, saved)
         }
     };
@@ -153,8 +186,11 @@ fn real_main() -> Result<()> {
         let path = dir.join(PLAN_FILE);
         // (An entry's own process, under --jobs, finds the plan its parent wrote.)
         if let (None, Ok(text)) = (&cli.only, std::fs::read_to_string(&path)) {
-            let old: SavedPlan = serde_json::from_str(&text).with_context(|| format!("{} is not a comparison plan", path.display()))?;
-            let same = old.base_toml == saved.base_toml && old.sets == saved.sets && old.steps == saved.steps;
+            let old: SavedPlan = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a comparison plan", path.display()))?;
+            let same = old.base_toml == saved.base_toml
+                && old.sets == saved.sets
+                && old.steps == saved.steps;
             if !same {
                 bail!(
                     "{} holds a comparison with another config, --set or --steps; use another --out, or the same arguments to continue it",
@@ -163,8 +199,10 @@ fn real_main() -> Result<()> {
             }
         }
         if cli.only.is_none() {
-            std::fs::create_dir_all(dir.join("runs")).with_context(|| format!("cannot create {}", dir.display()))?;
-            std::fs::write(&path, serde_json::to_string_pretty(&saved)?).with_context(|| format!("cannot write {}", path.display()))?;
+            std::fs::create_dir_all(dir.join("runs"))
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            std::fs::write(&path, serde_json::to_string_pretty(&saved)?)
+                .with_context(|| format!("cannot write {}", path.display()))?;
         }
 
         let (selected, note) = device::select(entries[0].config.device)?;
@@ -173,7 +211,11 @@ fn real_main() -> Result<()> {
         }
         println!("device: {}", selected.describe());
         if cli.only.is_none() {
-            println!("comparison directory: {} ({} entries)", dir.display(), entries.len());
+            println!(
+                "comparison directory: {} ({} entries)",
+                dir.display(),
+                entries.len()
+            );
         }
         // An entry's own process trains its entry itself.
         let jobs = if cli.only.is_some() { 1 } else { cli.jobs };
@@ -191,13 +233,17 @@ fn real_main() -> Result<()> {
                     continue;
                 }
                 EntryState::Failed => {
-                    println!("{tag}: failed earlier (see {}; delete it to retry)", run_dir.join(compare::ERROR_FILE).display());
+                    println!(
+                        "{tag}: failed earlier (see {}; delete it to retry)",
+                        run_dir.join(compare::ERROR_FILE).display()
+                    );
                     continue;
                 }
                 EntryState::Resumable => println!("{tag}: resuming"),
                 EntryState::New => {
                     if run_dir.exists() {
-                        std::fs::remove_dir_all(&run_dir).with_context(|| format!("cannot clear {}", run_dir.display()))?;
+                        std::fs::remove_dir_all(&run_dir)
+                            .with_context(|| format!("cannot clear {}", run_dir.display()))?;
                     }
                     println!("{tag}: training");
                 }
@@ -220,7 +266,11 @@ fn real_main() -> Result<()> {
                     "{tag}: {} steps, best val_loss {}, median {} tokens/s",
                     s.steps,
                     s.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
-                    if s.median_tokens_per_s.is_finite() { format!("{:.0}", s.median_tokens_per_s) } else { "-".into() }
+                    if s.median_tokens_per_s.is_finite() {
+                        format!("{:.0}", s.median_tokens_per_s)
+                    } else {
+                        "-".into()
+                    }
                 ),
                 Err(err) => {
                     let msg = format!("{err:#}");
@@ -236,7 +286,10 @@ fn real_main() -> Result<()> {
         return Ok(());
     }
 
-    let reports = entries.iter().map(|e| compare::entry_report(&compare::entry_dir(&dir, e), e)).collect::<Result<Vec<_>>>()?;
+    let reports = entries
+        .iter()
+        .map(|e| compare::entry_report(&compare::entry_dir(&dir, e), e))
+        .collect::<Result<Vec<_>>>()?;
     let report = compare::write_report(&dir, &plan.origin, &plan.recipes, reports)?;
     for e in &report.entries {
         println!(
@@ -247,7 +300,11 @@ fn real_main() -> Result<()> {
             e.stability.verdict
         );
     }
-    println!("report: {0}/report.md, {0}/report.json, plots: {1}", dir.display(), report.plots.join(", "));
+    println!(
+        "report: {0}/report.md, {0}/report.json, plots: {1}",
+        dir.display(),
+        report.plots.join(", ")
+    );
     Ok(())
 }
 
@@ -260,7 +317,11 @@ struct Pool {
 
 impl Pool {
     fn new(dir: &std::path::Path, jobs: usize) -> Self {
-        Self { logs: dir.join("logs"), jobs, running: Vec::new() }
+        Self {
+            logs: dir.join("logs"),
+            jobs,
+            running: Vec::new(),
+        }
     }
 
     /// Starts `compare --only NAME` with this process's arguments, once a slot is free.
@@ -270,7 +331,8 @@ impl Pool {
         }
         std::fs::create_dir_all(&self.logs)?;
         let log_path = self.logs.join(format!("{name}.log"));
-        let log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("cannot create {}", log_path.display()))?;
         let child = std::process::Command::new(std::env::current_exe()?)
             .args(std::env::args_os().skip(1))
             .args(["--only", name])
@@ -278,8 +340,12 @@ impl Pool {
             .stderr(log)
             .spawn()
             .context("cannot start a compare process")?;
-        println!("{tag}: started in its own process (log: {})", log_path.display());
-        self.running.push((tag.to_string(), run_dir.to_path_buf(), child));
+        println!(
+            "{tag}: started in its own process (log: {})",
+            log_path.display()
+        );
+        self.running
+            .push((tag.to_string(), run_dir.to_path_buf(), child));
         Ok(())
     }
 
@@ -298,7 +364,10 @@ impl Pool {
                         let err = run_dir.join(compare::ERROR_FILE);
                         if !err.exists() && status.code().is_some() {
                             std::fs::create_dir_all(&run_dir)?;
-                            std::fs::write(&err, format!("the entry's process exited with {status}; see its log"))?;
+                            std::fs::write(
+                                &err,
+                                format!("the entry's process exited with {status}; see its log"),
+                            )?;
                         }
                         println!("{tag}: failed ({status})");
                     }
@@ -345,6 +414,9 @@ mod tests {
     #[test]
     fn recipe_lists_split_at_recipes_not_at_their_overrides() {
         assert_eq!(split_recipes("fp32, bf16"), ["fp32", "bf16"]);
-        assert_eq!(split_recipes("fp16,mine:precision=fp16,loss_scale.init=1024,bf16"), ["fp16", "mine:precision=fp16,loss_scale.init=1024", "bf16"]);
+        assert_eq!(
+            split_recipes("fp16,mine:precision=fp16,loss_scale.init=1024,bf16"),
+            ["fp16", "mine:precision=fp16,loss_scale.init=1024", "bf16"]
+        );
     }
 }

@@ -129,7 +129,11 @@ pub struct ScheduleConfig {
 
 impl Default for ScheduleConfig {
     fn default() -> Self {
-        Self { warmup_steps: 20, min_lr: 3e-4, decay_steps: 0 }
+        Self {
+            warmup_steps: 20,
+            min_lr: 3e-4,
+            decay_steps: 0,
+        }
     }
 }
 
@@ -291,7 +295,11 @@ impl Default for Fp8Config {
 impl Fp8Config {
     pub fn validate(&self) -> Result<(), String> {
         if self.tile != kernels::fp8::TILE {
-            return Err(format!("fp8.tile = {} is not supported; the FP8 kernels use tiles of {}", self.tile, kernels::fp8::TILE));
+            return Err(format!(
+                "fp8.tile = {} is not supported; the FP8 kernels use tiles of {}",
+                self.tile,
+                kernels::fp8::TILE
+            ));
         }
         Ok(())
     }
@@ -388,7 +396,8 @@ impl Default for Config {
 impl Config {
     /// The built-in default run.
     pub fn builtin() -> Self {
-        Self::from_toml_str(DEFAULT_TOML, &[], "built-in default").expect("the built-in default config is valid")
+        Self::from_toml_str(DEFAULT_TOML, &[], "built-in default")
+            .expect("the built-in default config is valid")
     }
 
     /// Reads a config file and applies `key=value` overrides.
@@ -432,10 +441,15 @@ impl Config {
             return Err("data.source = \"file\" needs data.path, the text file to train on".into());
         }
         if d.source == TextSource::Embedded && d.embedded_chars < 10_000 {
-            return Err(format!("data.embedded_chars must be at least 10000, got {}", d.embedded_chars));
+            return Err(format!(
+                "data.embedded_chars must be at least 10000, got {}",
+                d.embedded_chars
+            ));
         }
         if d.tokenizer == TokenizerKind::File && d.tokenizer_path.is_empty() {
-            return Err("data.tokenizer = \"file\" needs data.tokenizer_path, a tokenizer.json".into());
+            return Err(
+                "data.tokenizer = \"file\" needs data.tokenizer_path, a tokenizer.json".into(),
+            );
         }
         if d.tokenizer == TokenizerKind::Bpe && !(260..=1_000_000).contains(&d.bpe_vocab_size) {
             return Err(format!(
@@ -444,11 +458,17 @@ impl Config {
             ));
         }
         if !(d.val_fraction > 0.0 && d.val_fraction < 0.5) {
-            return Err(format!("data.val_fraction must be in (0, 0.5), got {}", d.val_fraction));
+            return Err(format!(
+                "data.val_fraction must be in (0, 0.5), got {}",
+                d.val_fraction
+            ));
         }
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {
-            return Err(format!("optimizer.lr must be a positive number, got {}", o.lr));
+            return Err(format!(
+                "optimizer.lr must be a positive number, got {}",
+                o.lr
+            ));
         }
         for (key, b) in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)] {
             if !(0.0..1.0).contains(&b) {
@@ -459,10 +479,16 @@ impl Config {
             return Err(format!("optimizer.eps must be > 0, got {}", o.eps));
         }
         if !(o.weight_decay >= 0.0) {
-            return Err(format!("optimizer.weight_decay must be >= 0, got {}", o.weight_decay));
+            return Err(format!(
+                "optimizer.weight_decay must be >= 0, got {}",
+                o.weight_decay
+            ));
         }
         if !(o.grad_clip >= 0.0) {
-            return Err(format!("optimizer.grad_clip must be >= 0 (0 disables clipping), got {}", o.grad_clip));
+            return Err(format!(
+                "optimizer.grad_clip must be >= 0 (0 disables clipping), got {}",
+                o.grad_clip
+            ));
         }
         let s = &self.schedule;
         if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
@@ -491,7 +517,10 @@ impl Config {
             }
         }
         if !(t.peak_tflops >= 0.0) {
-            return Err(format!("training.peak_tflops must be >= 0 (0 looks it up), got {}", t.peak_tflops));
+            return Err(format!(
+                "training.peak_tflops must be >= 0 (0 looks it up), got {}",
+                t.peak_tflops
+            ));
         }
         if self.precision != PrecisionKind::Fp8 && self.fp8 != Fp8Config::default() {
             return Err(format!(
@@ -533,9 +562,9 @@ impl Config {
 /// (`3e-4`, `true`, `"gelu"`, `[1, 2]`); anything that is not valid TOML is taken as a string, so
 /// `--set model.mlp=gelu` works without quotes.
 pub fn apply_override(root: &mut toml::Table, ov: &str) -> Result<()> {
-    let (key, raw) = ov
-        .split_once('=')
-        .ok_or_else(|| anyhow!("--set {ov:?}: expected key=value, e.g. --set training.steps=100"))?;
+    let (key, raw) = ov.split_once('=').ok_or_else(|| {
+        anyhow!("--set {ov:?}: expected key=value, e.g. --set training.steps=100")
+    })?;
     let key = key.trim();
     if key.is_empty() {
         bail!("--set {ov:?}: the key is empty");
@@ -548,7 +577,9 @@ pub fn apply_override(root: &mut toml::Table, ov: &str) -> Result<()> {
     let parts: Vec<&str> = key.split('.').collect();
     let mut table = root;
     for part in &parts[..parts.len() - 1] {
-        let entry = table.entry(part.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
+        let entry = table
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(Default::default()));
         table = entry
             .as_table_mut()
             .ok_or_else(|| anyhow!("--set {key}: `{part}` is a value, not a section"))?;

@@ -9,28 +9,97 @@
 use crate::rng::SplitMix64;
 
 const SUBJECTS: &[&str] = &[
-    "the cat", "the old king", "a young sailor", "the miller", "my sister", "the queen", "a small dog",
-    "the baker", "the fisherman", "our neighbour", "the tired horse", "a wandering monk", "the farmer",
-    "the clever fox", "the bishop", "a merchant",
+    "the cat",
+    "the old king",
+    "a young sailor",
+    "the miller",
+    "my sister",
+    "the queen",
+    "a small dog",
+    "the baker",
+    "the fisherman",
+    "our neighbour",
+    "the tired horse",
+    "a wandering monk",
+    "the farmer",
+    "the clever fox",
+    "the bishop",
+    "a merchant",
 ];
 const VERBS: &[(&str, &str)] = &[
-    ("sees", "saw"), ("finds", "found"), ("carries", "carried"), ("sells", "sold"), ("paints", "painted"),
-    ("hides", "hid"), ("mends", "mended"), ("counts", "counted"), ("wants", "wanted"), ("keeps", "kept"),
-    ("loses", "lost"), ("brings", "brought"),
+    ("sees", "saw"),
+    ("finds", "found"),
+    ("carries", "carried"),
+    ("sells", "sold"),
+    ("paints", "painted"),
+    ("hides", "hid"),
+    ("mends", "mended"),
+    ("counts", "counted"),
+    ("wants", "wanted"),
+    ("keeps", "kept"),
+    ("loses", "lost"),
+    ("brings", "brought"),
 ];
 const OBJECTS: &[&str] = &[
-    "a red apple", "the silver key", "an old boat", "three loaves of bread", "a letter", "the lantern",
-    "a basket of fish", "the golden crown", "a wooden chair", "some warm milk", "the map", "a blue coat",
+    "a red apple",
+    "the silver key",
+    "an old boat",
+    "three loaves of bread",
+    "a letter",
+    "the lantern",
+    "a basket of fish",
+    "the golden crown",
+    "a wooden chair",
+    "some warm milk",
+    "the map",
+    "a blue coat",
 ];
 const PLACES: &[&str] = &[
-    "in the garden", "by the river", "at the market", "under the bridge", "near the castle",
-    "on the hill", "in the kitchen", "at the harbour",
+    "in the garden",
+    "by the river",
+    "at the market",
+    "under the bridge",
+    "near the castle",
+    "on the hill",
+    "in the kitchen",
+    "at the harbour",
 ];
-const TIMES: &[&str] = &["yesterday", "last night", "this morning", "long ago", "on monday", "at dawn"];
-const ADVERBS: &[&str] = &["slowly", "quietly", "every day", "again", "with care", "at once"];
+const TIMES: &[&str] = &[
+    "yesterday",
+    "last night",
+    "this morning",
+    "long ago",
+    "on monday",
+    "at dawn",
+];
+const ADVERBS: &[&str] = &[
+    "slowly",
+    "quietly",
+    "every day",
+    "again",
+    "with care",
+    "at once",
+];
 const NUMBERS: &[&str] = &[
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
-    "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
 ];
 
 fn capitalise(s: &str) -> String {
@@ -45,29 +114,57 @@ fn sentence(rng: &mut SplitMix64) -> String {
     match rng.below(10) {
         0..=3 => {
             let (present, _) = rng.pick(VERBS);
-            let s = format!("{} {} {} {}.", rng.pick(SUBJECTS), present, rng.pick(OBJECTS), rng.pick(ADVERBS));
+            let s = format!(
+                "{} {} {} {}.",
+                rng.pick(SUBJECTS),
+                present,
+                rng.pick(OBJECTS),
+                rng.pick(ADVERBS)
+            );
             capitalise(&s)
         }
         4..=6 => {
             let (_, past) = rng.pick(VERBS);
-            let s = format!("{} {} {} {} {}.", rng.pick(TIMES), rng.pick(SUBJECTS), past, rng.pick(OBJECTS), rng.pick(PLACES));
+            let s = format!(
+                "{} {} {} {} {}.",
+                rng.pick(TIMES),
+                rng.pick(SUBJECTS),
+                past,
+                rng.pick(OBJECTS),
+                rng.pick(PLACES)
+            );
             capitalise(&s)
         }
         7 => {
             let a = rng.below(10);
             let b = rng.below(9);
-            format!("{} and {} make {}. {} + {} = {}.", capitalise(NUMBERS[a]), NUMBERS[b], NUMBERS[a + b], a, b, a + b)
+            format!(
+                "{} and {} make {}. {} + {} = {}.",
+                capitalise(NUMBERS[a]),
+                NUMBERS[b],
+                NUMBERS[a + b],
+                a,
+                b,
+                a + b
+            )
         }
         8 => {
             let start = rng.below(12);
             let len = 3 + rng.below(5);
             let run: Vec<&str> = NUMBERS[start..(start + len).min(NUMBERS.len())].to_vec();
-            format!("{} counts: {}.", capitalise(*rng.pick(SUBJECTS)), run.join(", "))
+            format!(
+                "{} counts: {}.",
+                capitalise(*rng.pick(SUBJECTS)),
+                run.join(", ")
+            )
         }
         _ => {
             let subject = rng.pick(SUBJECTS);
             let object = rng.pick(OBJECTS);
-            format!("\"Where is {object}?\" asked {subject}. \"It is {}.\"", rng.pick(PLACES))
+            format!(
+                "\"Where is {object}?\" asked {subject}. \"It is {}.\"",
+                rng.pick(PLACES)
+            )
         }
     }
 }

@@ -35,13 +35,16 @@ impl Dataset {
     pub fn build(cfg: &Config, existing_tokenizer: Option<&Path>) -> Result<Self> {
         let d = &cfg.data;
         let (text, description) = match d.source {
-            TextSource::Embedded => {
-                (corpus::generate(EMBEDDED_CORPUS_SEED, d.embedded_chars), "embedded corpus".to_string())
-            }
+            TextSource::Embedded => (
+                corpus::generate(EMBEDDED_CORPUS_SEED, d.embedded_chars),
+                "embedded corpus".to_string(),
+            ),
             TextSource::File => {
                 let path = Config::resolve_path(&d.path);
                 if !path.is_file() {
-                    let cwd = std::env::current_dir().map(|p| p.display().to_string()).unwrap_or_default();
+                    let cwd = std::env::current_dir()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default();
                     bail!(
                         "data.path = {:?}: no such file (relative paths start from the current directory, {cwd}); \
                          point it at a UTF-8 text file with --set data.path=FILE",
@@ -64,7 +67,8 @@ impl Dataset {
             (None, TokenizerKind::Char) => tokenizer::char_level(&text)?,
             (None, TokenizerKind::Bpe) => tokenizer::train_bpe(&text[..cut], d.bpe_vocab_size)?,
             (None, TokenizerKind::File) => {
-                tokenizer::load(&Config::resolve_path(&d.tokenizer_path)).with_context(|| "data.tokenizer_path")?
+                tokenizer::load(&Config::resolve_path(&d.tokenizer_path))
+                    .with_context(|| "data.tokenizer_path")?
             }
         };
         let train = tokenizer::encode_corpus(&tok, &text[..cut])?;
@@ -74,7 +78,10 @@ impl Dataset {
             let (short, advice) = if train.len() < need {
                 ("training", "use more text or a shorter model.context")
             } else {
-                ("validation", "use more text, a shorter model.context or a larger data.val_fraction")
+                (
+                    "validation",
+                    "use more text, a shorter model.context or a larger data.val_fraction",
+                )
             };
             bail!(
                 "{description} gives {} training and {} validation tokens; the {short} split is shorter than one window \
@@ -83,7 +90,12 @@ impl Dataset {
                 val.len()
             );
         }
-        Ok(Self { train, val, tokenizer: tok, description })
+        Ok(Self {
+            train,
+            val,
+            tokenizer: tok,
+            description,
+        })
     }
 
     /// Tokenizer vocabulary size (added tokens included).
@@ -93,7 +105,12 @@ impl Dataset {
 
     /// Largest token id in either split, plus one.
     pub fn max_id_bound(&self) -> usize {
-        self.train.iter().chain(&self.val).copied().max().map_or(0, |m| m as usize + 1)
+        self.train
+            .iter()
+            .chain(&self.val)
+            .copied()
+            .max()
+            .map_or(0, |m| m as usize + 1)
     }
 
     /// The `index`-th training micro-batch: inputs and next-token targets, each [batch, context].
@@ -105,7 +122,13 @@ impl Dataset {
         context: usize,
         device: &B::Device,
     ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-        windows(&self.train, SplitMix64::for_stream(seed, TRAIN_STREAM, index), batch, context, device)
+        windows(
+            &self.train,
+            SplitMix64::for_stream(seed, TRAIN_STREAM, index),
+            batch,
+            context,
+            device,
+        )
     }
 
     /// The `index`-th validation batch (the same windows at every evaluation).
@@ -117,7 +140,13 @@ impl Dataset {
         context: usize,
         device: &B::Device,
     ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-        windows(&self.val, SplitMix64::for_stream(seed, VAL_STREAM, index), batch, context, device)
+        windows(
+            &self.val,
+            SplitMix64::for_stream(seed, VAL_STREAM, index),
+            batch,
+            context,
+            device,
+        )
     }
 }
 

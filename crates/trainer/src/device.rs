@@ -66,7 +66,8 @@ fn probe_wgpu() -> std::result::Result<(), String> {
 }
 
 fn probe(env: &str, what: &str) -> std::result::Result<(), String> {
-    let exe = std::env::current_exe().map_err(|e| format!("cannot locate the running executable: {e}"))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("cannot locate the running executable: {e}"))?;
     let mut child = Command::new(exe)
         .env(env, "1")
         .env("RUST_BACKTRACE", "0")
@@ -88,7 +89,11 @@ fn probe(env: &str, what: &str) -> std::result::Result<(), String> {
                 }
                 let last: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
                 let tail = last[last.len().saturating_sub(4)..].join("\n");
-                return Err(if tail.is_empty() { format!("probe exited with {status}") } else { tail });
+                return Err(if tail.is_empty() {
+                    format!("probe exited with {status}")
+                } else {
+                    tail
+                });
             }
             Ok(None) if start.elapsed() > Duration::from_secs(120) => {
                 let _ = child.kill();
@@ -154,12 +159,21 @@ fn one_line(e: &str) -> String {
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && !l.starts_with("note:") && !l.starts_with("stack backtrace"))
-        .find(|l| l.contains("panicked") || l.contains("error") || l.contains("Error") || l.contains("No "))
+        .find(|l| {
+            l.contains("panicked")
+                || l.contains("error")
+                || l.contains("Error")
+                || l.contains("No ")
+        })
         .or_else(|| e.lines().map(str::trim).find(|l| !l.is_empty()))
         .unwrap_or("no detail");
     // wgpu appends its internal state (". Falling back ...: NotFound { ... }"): keep the sentence.
     let line = line.split(". Falling back").next().unwrap_or(line);
-    line.split(": NotFound {").next().unwrap_or(line).trim_end_matches('.').to_string()
+    line.split(": NotFound {")
+        .next()
+        .unwrap_or(line)
+        .trim_end_matches('.')
+        .to_string()
 }
 
 /// Peak dense BF16 tensor-core TFLOP/s by GPU name (datasheet figures), for MFU.

@@ -30,7 +30,10 @@ pub type CudaBackend = Autodiff<Cuda>;
 
 /// What the trainer needs of a backend: autodiff, and the fused kernels (or their references) on
 /// it and on its inner backend (where the optimizer runs).
-pub trait TrainBackend: burn::tensor::backend::AutodiffBackend<InnerBackend: kernels::Backend> + kernels::Backend {}
+pub trait TrainBackend:
+    burn::tensor::backend::AutodiffBackend<InnerBackend: kernels::Backend> + kernels::Backend
+{
+}
 
 impl<B> TrainBackend for B
 where
@@ -59,7 +62,9 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
             if cfg.model.gemm == model::GemmKind::Cublaslt {
                 anyhow::bail!("model.gemm = \"cublaslt\" needs CUDA, but this run is on wgpu. Use model.gemm = \"auto\" or \"burn\" here, or device = \"cuda\"");
             }
-            if cfg.precision == config::PrecisionKind::Fp8 && cfg.fp8.compute == config::Fp8ComputeKind::Bf16 {
+            if cfg.precision == config::PrecisionKind::Fp8
+                && cfg.fp8.compute == config::Fp8ComputeKind::Bf16
+            {
                 anyhow::bail!(
                     "precision = \"fp8\" computes outside the FP8 GEMMs in bf16, which needs CUDA: wgpu has no bf16 type. \
                      Set fp8.compute = \"f32\" here, or device = \"cuda\""

@@ -55,7 +55,12 @@ fn utc_stamp() -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+    format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 fn real_main() -> Result<()> {
@@ -64,19 +69,35 @@ fn real_main() -> Result<()> {
         Some(dir) => {
             let path = dir.join("config.toml");
             if !path.exists() {
-                bail!("--resume {}: no config.toml there; is it a run directory?", dir.display());
+                bail!(
+                    "--resume {}: no config.toml there; is it a run directory?",
+                    dir.display()
+                );
             }
             (Config::load(&path, &cli.set)?, dir.clone(), true)
         }
         None => {
             let (cfg, name) = match &cli.config {
                 Some(p) => {
-                    let stem = p.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or("run".into());
+                    let stem = p
+                        .file_stem()
+                        .map(|s| s.to_string_lossy().to_string())
+                        .unwrap_or("run".into());
                     (Config::load(p, &cli.set)?, stem)
                 }
-                None => (Config::from_toml_str(trainer::config::DEFAULT_TOML, &cli.set, "built-in default config")?, "default".into()),
+                None => (
+                    Config::from_toml_str(
+                        trainer::config::DEFAULT_TOML,
+                        &cli.set,
+                        "built-in default config",
+                    )?,
+                    "default".into(),
+                ),
             };
-            let dir = cli.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("{name}-{}", utc_stamp())));
+            let dir = cli
+                .out
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("runs").join(format!("{name}-{}", utc_stamp())));
             (cfg, dir, false)
         }
     };
@@ -94,7 +115,11 @@ fn real_main() -> Result<()> {
     } else {
         selected.gpu_name().and_then(device::peak_bf16_tflops)
     };
-    println!("device: {}{}", selected.describe(), peak.map_or(String::new(), |p| format!(", MFU against {p} TFLOP/s")));
+    println!(
+        "device: {}{}",
+        selected.describe(),
+        peak.map_or(String::new(), |p| format!(", MFU against {p} TFLOP/s"))
+    );
     println!("run directory: {}", run_dir.display());
     if matches!(selected, device::Selected::Cuda { .. }) {
         println!(
@@ -102,17 +127,30 @@ fn real_main() -> Result<()> {
              first step can take minutes. Both are cached (under target/ when run inside the repository, see cubecl.toml)."
         );
     }
-    let opts = RunOptions { run_dir: run_dir.clone(), resume, device_name: selected.describe(), peak_tflops: peak, verbose: true, stop_at: cli.stop_at, poison_steps: Vec::new() };
+    let opts = RunOptions {
+        run_dir: run_dir.clone(),
+        resume,
+        device_name: selected.describe(),
+        peak_tflops: peak,
+        verbose: true,
+        stop_at: cli.stop_at,
+        poison_steps: Vec::new(),
+    };
     let existed = run_dir.exists();
     let s = match trainer::run(&cfg, &selected, &opts) {
         Ok(s) => s,
         Err(e) => {
             // A new run that failed before its first step has nothing worth keeping: remove the
             // directory rather than leave one that looks like a run.
-            let stepped = std::fs::read_to_string(run_dir.join("metrics.jsonl")).map(|m| !m.trim().is_empty()).unwrap_or(false);
+            let stepped = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+                .map(|m| !m.trim().is_empty())
+                .unwrap_or(false);
             if !existed && !stepped && run_dir.exists() {
                 let _ = std::fs::remove_dir_all(&run_dir);
-                return Err(e.context(format!("run {} (removed: it failed before its first step)", run_dir.display())));
+                return Err(e.context(format!(
+                    "run {} (removed: it failed before its first step)",
+                    run_dir.display()
+                )));
             }
             return Err(e.context(format!("run {}", run_dir.display())));
         }
@@ -126,7 +164,10 @@ fn real_main() -> Result<()> {
         s.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
         if s.median_tokens_per_s.is_finite() { format!("{:.0}", s.median_tokens_per_s) } else { "-".into() }
     );
-    println!("metrics: {0}/metrics.jsonl, plot: {0}/loss.svg, checkpoints: {0}/checkpoints/", run_dir.display());
+    println!(
+        "metrics: {0}/metrics.jsonl, plot: {0}/loss.svg, checkpoints: {0}/checkpoints/",
+        run_dir.display()
+    );
     Ok(())
 }
 

@@ -99,10 +99,13 @@ impl Metrics {
         if let Some(limit) = keep_up_to {
             let mut kept = String::new();
             if path.exists() {
-                let f = File::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
+                let f =
+                    File::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
                 for line in BufReader::new(f).lines() {
                     let line = line?;
-                    let Ok(rec) = serde_json::from_str::<StepRecord>(&line) else { continue };
+                    let Ok(rec) = serde_json::from_str::<StepRecord>(&line) else {
+                        continue;
+                    };
                     if rec.step <= limit {
                         train.push((rec.step, rec.loss));
                         if let Some(v) = rec.val_loss {
@@ -120,12 +123,18 @@ impl Metrics {
             File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
         }
         let file = OpenOptions::new().append(true).open(&path)?;
-        Ok(Self { path, file, train, val })
+        Ok(Self {
+            path,
+            file,
+            train,
+            val,
+        })
     }
 
     pub fn record(&mut self, rec: &StepRecord) -> Result<()> {
         let line = serde_json::to_string(rec)?;
-        writeln!(self.file, "{line}").with_context(|| format!("cannot append to {}", self.path.display()))?;
+        writeln!(self.file, "{line}")
+            .with_context(|| format!("cannot append to {}", self.path.display()))?;
         self.file.flush()?;
         self.train.push((rec.step, rec.loss));
         if let Some(v) = rec.val_loss {
@@ -148,13 +157,16 @@ fn plot_curves(path: &Path, title: &str, train: &[(u64, f64)], val: &[(u64, f64)
     let finite = |v: &&(u64, f64)| v.1.is_finite();
     let all: Vec<&(u64, f64)> = train.iter().chain(val).filter(finite).collect();
     let max_step = all.iter().map(|p| p.0).max().unwrap_or(1).max(1);
-    let (mut lo, mut hi) = all.iter().fold((f64::MAX, f64::MIN), |(l, h), p| (l.min(p.1), h.max(p.1)));
+    let (mut lo, mut hi) = all
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), p| (l.min(p.1), h.max(p.1)));
     if all.is_empty() {
         (lo, hi) = (0.0, 1.0);
     }
     let pad = ((hi - lo) * 0.05).max(1e-3);
     let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    root.fill(&WHITE)
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(12)
@@ -170,18 +182,28 @@ fn plot_curves(path: &Path, title: &str, train: &[(u64, f64)], val: &[(u64, f64)
         .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     let blue = RGBColor(70, 110, 200);
     chart
-        .draw_series(LineSeries::new(train.iter().filter(finite).copied(), blue.stroke_width(1)))
+        .draw_series(LineSeries::new(
+            train.iter().filter(finite).copied(),
+            blue.stroke_width(1),
+        ))
         .map_err(|e| anyhow::anyhow!("plot: {e}"))?
         .label("train")
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], blue));
     let red = RGBColor(210, 60, 40);
     chart
-        .draw_series(LineSeries::new(val.iter().filter(finite).copied(), red.stroke_width(2)))
+        .draw_series(LineSeries::new(
+            val.iter().filter(finite).copied(),
+            red.stroke_width(2),
+        ))
         .map_err(|e| anyhow::anyhow!("plot: {e}"))?
         .label("validation")
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], red));
     chart
-        .draw_series(val.iter().filter(finite).map(|&(s, v)| Circle::new((s, v), 3, red.filled())))
+        .draw_series(
+            val.iter()
+                .filter(finite)
+                .map(|&(s, v)| Circle::new((s, v), 3, red.filled())),
+        )
         .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     chart
         .configure_series_labels()

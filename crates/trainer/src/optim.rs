@@ -51,7 +51,15 @@ pub struct AdamW<B: Backend> {
 
 impl<B: Backend> AdamW<B> {
     pub fn new(cfg: OptimizerConfig, no_decay: HashSet<ParamId>) -> Self {
-        Self { cfg, step: 0, moments: HashMap::new(), no_decay, fused: false, copy: None, copies: HashMap::new() }
+        Self {
+            cfg,
+            step: 0,
+            moments: HashMap::new(),
+            no_decay,
+            fused: false,
+            copy: None,
+            copies: HashMap::new(),
+        }
     }
 
     /// Switches to the fused kernel; with `copy`, it also writes those parameters in that dtype.
@@ -79,7 +87,14 @@ impl<B: Backend> AdamW<B> {
     /// (1 without loss scaling). `scaled_norm` is [`AdamW::grad_norm`] of those gradients (shape [1],
     /// on the device). The gradients are divided by the scale before clipping; both factors are
     /// applied in the update itself, without a pass of their own.
-    pub fn step<AB, M>(&mut self, lr: f64, module: M, mut grads: GradientsParams, scaled_norm: Tensor<B, 1>, loss_scale: f64) -> M
+    pub fn step<AB, M>(
+        &mut self,
+        lr: f64,
+        module: M,
+        mut grads: GradientsParams,
+        scaled_norm: Tensor<B, 1>,
+        loss_scale: f64,
+    ) -> M
     where
         AB: AutodiffBackend<InnerBackend = B>,
         B: kernels::Backend,
@@ -90,21 +105,36 @@ impl<B: Backend> AdamW<B> {
         // shared by every parameter's update.
         let factor = if self.cfg.grad_clip > 0.0 {
             let norm = scaled_norm.mul_scalar(inv_scale);
-            (norm + 1e-6).recip().mul_scalar(self.cfg.grad_clip).clamp_max(1.0).mul_scalar(inv_scale)
+            (norm + 1e-6)
+                .recip()
+                .mul_scalar(self.cfg.grad_clip)
+                .clamp_max(1.0)
+                .mul_scalar(inv_scale)
         } else {
             let device = scaled_norm.device();
-            Tensor::from_data(burn::tensor::TensorData::new(vec![inv_scale as f32], [1]), (&device, burn::tensor::DType::F32))
+            Tensor::from_data(
+                burn::tensor::TensorData::new(vec![inv_scale as f32], [1]),
+                (&device, burn::tensor::DType::F32),
+            )
         };
         self.step += 1;
         self.copies.clear();
-        let mut upd = Updater::<AB> { opt: self, grads: &mut grads, lr, factor };
+        let mut upd = Updater::<AB> {
+            opt: self,
+            grads: &mut grads,
+            lr,
+            factor,
+        };
         module.map(&mut upd)
     }
 }
 
 /// Casts every gradient of `module`'s parameters to f32 in place (gradients of low-precision compute
 /// copies arrive in bf16 or f16); f32 gradients are left untouched.
-pub fn grads_to_f32<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads: &mut GradientsParams) {
+pub fn grads_to_f32<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &mut GradientsParams,
+) {
     struct ToF32<'a> {
         grads: &'a mut GradientsParams,
     }
@@ -112,7 +142,8 @@ pub fn grads_to_f32<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grad
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
                 if g.dtype() != FloatDType::F32.into() {
-                    self.grads.register::<AB::InnerBackend, D>(param.id, g.cast(FloatDType::F32));
+                    self.grads
+                        .register::<AB::InnerBackend, D>(param.id, g.cast(FloatDType::F32));
                 }
             }
         }
@@ -123,7 +154,10 @@ pub fn grads_to_f32<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grad
 /// Overwrites the first parameter's gradient with non-finite values (inf where it was non-zero, NaN
 /// where it was zero), as an overflowing low-precision backward would: a fault-injection aid for
 /// checking how a run handles overflow.
-pub fn poison_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads: &mut GradientsParams) {
+pub fn poison_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &mut GradientsParams,
+) {
     struct Poison<'a> {
         grads: &'a mut GradientsParams,
         done: bool,
@@ -134,7 +168,8 @@ pub fn poison_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grad
                 return;
             }
             if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-                self.grads.register::<AB::InnerBackend, D>(param.id, g.mul_scalar(f64::INFINITY));
+                self.grads
+                    .register::<AB::InnerBackend, D>(param.id, g.mul_scalar(f64::INFINITY));
                 self.done = true;
             }
         }
@@ -150,7 +185,11 @@ struct NormVisitor<'a, AB: AutodiffBackend> {
 impl<AB: AutodiffBackend> ModuleVisitor<AB> for NormVisitor<'_, AB> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
         if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-            model::dtype::debug_assert_dtype(&g, FloatDType::F32, "gradient reaching the optimizer");
+            model::dtype::debug_assert_dtype(
+                &g,
+                FloatDType::F32,
+                "gradient reaching the optimizer",
+            );
             let sq = g.powi_scalar(2).sum();
             self.acc = Some(match self.acc.take() {
                 Some(a) => a + sq,
@@ -197,12 +236,22 @@ where
         };
         let factor = self.factor.clone();
         let out = if self.opt.fused {
-            let copy_dtype = self.opt.copy.as_ref().and_then(|(dt, ids)| ids.contains(&id).then_some(*dt));
+            let copy_dtype = self
+                .opt
+                .copy
+                .as_ref()
+                .and_then(|(dt, ids)| ids.contains(&id).then_some(*dt));
             kernels::adamw_step(x, grad, m, v, factor, &hp, copy_dtype)
         } else {
             kernels::adamw::reference(x, grad, m, v, factor, &hp, None)
         };
-        self.opt.moments.insert(id, Moments { m: to_prim(out.m), v: to_prim(out.v) });
+        self.opt.moments.insert(
+            id,
+            Moments {
+                m: to_prim(out.m),
+                v: to_prim(out.v),
+            },
+        );
         if let Some(c) = out.copy {
             self.opt.copies.insert(id, to_prim(c));
         }

@@ -29,7 +29,10 @@ pub enum LossScaling {
     /// No scaling: a non-finite gradient stops the run as divergence.
     Off,
     /// A fixed scale; overflowing steps are skipped.
-    Static { scale: f64, max_consecutive_skips: u64 },
+    Static {
+        scale: f64,
+        max_consecutive_skips: u64,
+    },
     /// PyTorch `GradScaler` semantics: back off on overflow, grow after `growth_interval` clean steps.
     Dynamic {
         init: f64,
@@ -47,9 +50,10 @@ impl LossScaling {
     fn from_section(c: &LossScaleConfig, mode: LossScaleMode) -> Self {
         match mode {
             LossScaleMode::Off | LossScaleMode::Auto => LossScaling::Off,
-            LossScaleMode::Static => {
-                LossScaling::Static { scale: c.init, max_consecutive_skips: c.max_consecutive_skips }
-            }
+            LossScaleMode::Static => LossScaling::Static {
+                scale: c.init,
+                max_consecutive_skips: c.max_consecutive_skips,
+            },
             LossScaleMode::Dynamic => LossScaling::Dynamic {
                 init: c.init,
                 growth_factor: c.growth_factor,
@@ -68,27 +72,44 @@ impl LossScaling {
             if v > 0.0 && v.is_finite() {
                 Ok(())
             } else {
-                Err(format!("loss_scale.{key} must be a positive finite number, got {v}"))
+                Err(format!(
+                    "loss_scale.{key} must be a positive finite number, got {v}"
+                ))
             }
         };
         match *self {
             LossScaling::Off => Ok(()),
-            LossScaling::Static { scale, max_consecutive_skips } => {
+            LossScaling::Static {
+                scale,
+                max_consecutive_skips,
+            } => {
                 positive("init", scale)?;
                 if max_consecutive_skips == 0 {
                     return Err("loss_scale.max_consecutive_skips must be at least 1, got 0".into());
                 }
                 Ok(())
             }
-            LossScaling::Dynamic { init, growth_factor, backoff_factor, growth_interval, min, max, max_consecutive_skips } => {
+            LossScaling::Dynamic {
+                init,
+                growth_factor,
+                backoff_factor,
+                growth_interval,
+                min,
+                max,
+                max_consecutive_skips,
+            } => {
                 positive("init", init)?;
                 positive("min", min)?;
                 positive("max", max)?;
                 if !(growth_factor > 1.0 && growth_factor.is_finite()) {
-                    return Err(format!("loss_scale.growth_factor must be above 1, got {growth_factor}"));
+                    return Err(format!(
+                        "loss_scale.growth_factor must be above 1, got {growth_factor}"
+                    ));
                 }
                 if !(backoff_factor > 0.0 && backoff_factor < 1.0) {
-                    return Err(format!("loss_scale.backoff_factor must be in (0, 1), got {backoff_factor}"));
+                    return Err(format!(
+                        "loss_scale.backoff_factor must be in (0, 1), got {backoff_factor}"
+                    ));
                 }
                 if growth_interval == 0 {
                     return Err("loss_scale.growth_interval must be at least 1, got 0".into());
@@ -203,7 +224,11 @@ impl Recipe {
     }
 
     /// [`Recipe::from_config`] with the `[fp8]` section (used by `precision = "fp8"`).
-    pub fn from_config_with(kind: PrecisionKind, ls: &LossScaleConfig, fp8: &Fp8Config) -> Result<Self, String> {
+    pub fn from_config_with(
+        kind: PrecisionKind,
+        ls: &LossScaleConfig,
+        fp8: &Fp8Config,
+    ) -> Result<Self, String> {
         let recipe = match kind {
             PrecisionKind::Fp32 => {
                 if !matches!(ls.mode, LossScaleMode::Auto | LossScaleMode::Off) {
@@ -215,16 +240,35 @@ impl Recipe {
                 Recipe::Fp32(Fp32Recipe)
             }
             PrecisionKind::Bf16 => {
-                let mode = if ls.mode == LossScaleMode::Auto { LossScaleMode::Off } else { ls.mode };
-                Recipe::Bf16(Bf16Recipe { loss_scaling: LossScaling::from_section(ls, mode) })
+                let mode = if ls.mode == LossScaleMode::Auto {
+                    LossScaleMode::Off
+                } else {
+                    ls.mode
+                };
+                Recipe::Bf16(Bf16Recipe {
+                    loss_scaling: LossScaling::from_section(ls, mode),
+                })
             }
             PrecisionKind::Fp16 => {
-                let mode = if ls.mode == LossScaleMode::Auto { LossScaleMode::Dynamic } else { ls.mode };
-                Recipe::Fp16(Fp16Recipe { loss_scaling: LossScaling::from_section(ls, mode) })
+                let mode = if ls.mode == LossScaleMode::Auto {
+                    LossScaleMode::Dynamic
+                } else {
+                    ls.mode
+                };
+                Recipe::Fp16(Fp16Recipe {
+                    loss_scaling: LossScaling::from_section(ls, mode),
+                })
             }
             PrecisionKind::Fp8 => {
-                let mode = if ls.mode == LossScaleMode::Auto { LossScaleMode::Off } else { ls.mode };
-                Recipe::Fp8(Fp8Recipe { loss_scaling: LossScaling::from_section(ls, mode), fp8: fp8.clone() })
+                let mode = if ls.mode == LossScaleMode::Auto {
+                    LossScaleMode::Off
+                } else {
+                    ls.mode
+                };
+                Recipe::Fp8(Fp8Recipe {
+                    loss_scaling: LossScaling::from_section(ls, mode),
+                    fp8: fp8.clone(),
+                })
             }
         };
         recipe.validate()?;
@@ -349,8 +393,12 @@ pub struct LossScaler {
 
 impl LossScaler {
     pub fn new(setting: LossScaling) -> Self {
-        let state =
-            ScalerState { scale: setting.initial_scale(), clean_steps: 0, overflows: 0, consecutive_overflows: 0 };
+        let state = ScalerState {
+            scale: setting.initial_scale(),
+            clean_steps: 0,
+            overflows: 0,
+            consecutive_overflows: 0,
+        };
         Self { setting, state }
     }
 
@@ -386,10 +434,15 @@ impl LossScaler {
                 if finite {
                     Verdict::Apply
                 } else {
-                    Verdict::Stop(format!("gradients are not finite at step {step} and loss scaling is off"))
+                    Verdict::Stop(format!(
+                        "gradients are not finite at step {step} and loss scaling is off"
+                    ))
                 }
             }
-            LossScaling::Static { max_consecutive_skips, .. } => {
+            LossScaling::Static {
+                max_consecutive_skips,
+                ..
+            } => {
                 if finite {
                     s.consecutive_overflows = 0;
                     s.clean_steps += 1;
@@ -406,7 +459,15 @@ impl LossScaler {
                 }
                 Verdict::Skip
             }
-            LossScaling::Dynamic { growth_factor, backoff_factor, growth_interval, min, max, max_consecutive_skips, .. } => {
+            LossScaling::Dynamic {
+                growth_factor,
+                backoff_factor,
+                growth_interval,
+                min,
+                max,
+                max_consecutive_skips,
+                ..
+            } => {
                 if finite {
                     s.consecutive_overflows = 0;
                     s.clean_steps += 1;
@@ -464,7 +525,10 @@ mod tests {
         }
         assert_eq!(s.scale(), 2048.0);
         assert_eq!(s.update(false, 4), Verdict::Skip);
-        assert_eq!((s.scale(), s.state.overflows, s.state.clean_steps), (1024.0, 1, 0));
+        assert_eq!(
+            (s.scale(), s.state.overflows, s.state.clean_steps),
+            (1024.0, 1, 0)
+        );
         // Growth is capped at max.
         for step in 5..=10 {
             s.update(true, step);
@@ -488,7 +552,10 @@ mod tests {
 
     #[test]
     fn static_and_off_scaling() {
-        let mut s = LossScaler::new(LossScaling::Static { scale: 8.0, max_consecutive_skips: 2 });
+        let mut s = LossScaler::new(LossScaling::Static {
+            scale: 8.0,
+            max_consecutive_skips: 2,
+        });
         assert_eq!(s.update(false, 1), Verdict::Skip);
         assert_eq!(s.update(true, 2), Verdict::Apply);
         assert_eq!(s.update(false, 3), Verdict::Skip);
@@ -504,30 +571,66 @@ mod tests {
     fn restore_takes_the_state_only_under_the_same_settings() {
         let ls = LossScaleConfig::default();
         let fp16 = Recipe::from_config(PrecisionKind::Fp16, &ls).unwrap();
-        let saved = ScalerState { scale: 512.0, clean_steps: 7, overflows: 3, consecutive_overflows: 0 };
+        let saved = ScalerState {
+            scale: 512.0,
+            clean_steps: 7,
+            overflows: 3,
+            consecutive_overflows: 0,
+        };
         let mut same = LossScaler::new(fp16.loss_scaling().clone());
         assert_eq!(same.restore(saved.clone(), Some(&fp16)), None);
         assert_eq!(same.state, saved);
         // Scaling switched on after an fp16 run without it: start from init, keep the count.
-        let off = Recipe::from_config(PrecisionKind::Fp16, &LossScaleConfig { mode: LossScaleMode::Off, ..ls.clone() }).unwrap();
+        let off = Recipe::from_config(
+            PrecisionKind::Fp16,
+            &LossScaleConfig {
+                mode: LossScaleMode::Off,
+                ..ls.clone()
+            },
+        )
+        .unwrap();
         let mut changed = LossScaler::new(fp16.loss_scaling().clone());
-        let note = changed.restore(ScalerState { scale: 1.0, ..saved.clone() }, Some(&off)).unwrap();
+        let note = changed
+            .restore(
+                ScalerState {
+                    scale: 1.0,
+                    ..saved.clone()
+                },
+                Some(&off),
+            )
+            .unwrap();
         assert!(note.contains("restarts"), "{note}");
-        assert_eq!((changed.scale(), changed.state.clean_steps, changed.state.overflows), (65536.0, 0, 3));
+        assert_eq!(
+            (
+                changed.scale(),
+                changed.state.clean_steps,
+                changed.state.overflows
+            ),
+            (65536.0, 0, 3)
+        );
     }
 
     #[test]
     fn recipes_resolve_auto_and_refuse_scaling_for_fp32() {
         let ls = LossScaleConfig::default();
         let fp16 = Recipe::from_config(PrecisionKind::Fp16, &ls).unwrap();
-        assert!(matches!(fp16.loss_scaling(), LossScaling::Dynamic { init, .. } if *init == 65536.0));
+        assert!(
+            matches!(fp16.loss_scaling(), LossScaling::Dynamic { init, .. } if *init == 65536.0)
+        );
         assert_eq!(fp16.compute_dtype(), FloatDType::F16);
         let bf16 = Recipe::from_config(PrecisionKind::Bf16, &ls).unwrap();
         assert!(bf16.loss_scaling().is_off());
-        let dynamic = LossScaleConfig { mode: LossScaleMode::Dynamic, ..LossScaleConfig::default() };
+        let dynamic = LossScaleConfig {
+            mode: LossScaleMode::Dynamic,
+            ..LossScaleConfig::default()
+        };
         let e = Recipe::from_config(PrecisionKind::Fp32, &dynamic).unwrap_err();
         assert!(e.contains("loss_scale.mode") && e.contains("fp16"), "{e}");
-        let bad = LossScaleConfig { mode: LossScaleMode::Dynamic, backoff_factor: 2.0, ..LossScaleConfig::default() };
+        let bad = LossScaleConfig {
+            mode: LossScaleMode::Dynamic,
+            backoff_factor: 2.0,
+            ..LossScaleConfig::default()
+        };
         let e = Recipe::from_config(PrecisionKind::Fp16, &bad).unwrap_err();
         assert!(e.contains("loss_scale.backoff_factor"), "{e}");
     }

@@ -43,16 +43,25 @@ pub struct Sampled {
 fn locate(opts: &SampleOptions) -> Result<(Config, tokenizers::Tokenizer, u64, PathBuf)> {
     let dir = &opts.run_dir;
     if !dir.is_dir() {
-        bail!("{}: no such directory; give the run directory that `train` printed (runs/...)", dir.display());
+        bail!(
+            "{}: no such directory; give the run directory that `train` printed (runs/...)",
+            dir.display()
+        );
     }
     let cfg_path = dir.join("config.toml");
     if !cfg_path.exists() {
-        bail!("{}: no config.toml there; is it a run directory?", dir.display());
+        bail!(
+            "{}: no config.toml there; is it a run directory?",
+            dir.display()
+        );
     }
     let cfg = Config::load(&cfg_path, &[])?;
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.exists() {
-        bail!("{}: no tokenizer.json there; the run did not get past loading its data", dir.display());
+        bail!(
+            "{}: no tokenizer.json there; the run did not get past loading its data",
+            dir.display()
+        );
     }
     let tok = crate::tokenizer::load(&tok_path)?;
     let list = checkpoint::list(dir)?;
@@ -78,11 +87,15 @@ fn locate(opts: &SampleOptions) -> Result<(Config, tokenizers::Tokenizer, u64, P
 
 /// The prompt's token ids, refusing characters a character-level tokenizer does not know.
 fn encode_prompt(tok: &tokenizers::Tokenizer, prompt: &str) -> Result<Vec<u32>> {
-    let enc = tok.encode(prompt, false).map_err(|e| anyhow!("encoding the prompt: {e}"))?;
+    let enc = tok
+        .encode(prompt, false)
+        .map_err(|e| anyhow!("encoding the prompt: {e}"))?;
     let ids = enc.get_ids().to_vec();
     if let Some(unk) = tok.token_to_id(crate::tokenizer::UNK) {
-        let unknown: std::collections::BTreeSet<char> =
-            prompt.chars().filter(|c| tok.token_to_id(&c.to_string()).is_none()).collect();
+        let unknown: std::collections::BTreeSet<char> = prompt
+            .chars()
+            .filter(|c| tok.token_to_id(&c.to_string()).is_none())
+            .collect();
         if ids.contains(&unk) && !unknown.is_empty() {
             let list: String = unknown.iter().map(|c| format!("{c:?} ")).collect();
             bail!("the prompt has characters this run's tokenizer never saw: {}; use characters of its training text", list.trim_end());
@@ -95,12 +108,28 @@ fn encode_prompt(tok: &tokenizers::Tokenizer, prompt: &str) -> Result<Vec<u32>> 
 }
 
 /// Next token from `logits` (one row) with temperature and top-k, drawn with `rng`.
-pub fn pick(logits: &[f32], temperature: f64, top_k: usize, rng: &mut crate::rng::SplitMix64) -> u32 {
-    let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+pub fn pick(
+    logits: &[f32],
+    temperature: f64,
+    top_k: usize,
+    rng: &mut crate::rng::SplitMix64,
+) -> u32 {
+    let argmax = || {
+        logits
+            .iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+            )
+            .0 as u32
+    };
     if temperature <= 0.0 {
         return argmax();
     }
-    let mut order: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
+    let mut order: Vec<usize> = (0..logits.len())
+        .filter(|&i| logits[i].is_finite())
+        .collect();
     if order.is_empty() {
         return argmax();
     }
@@ -109,7 +138,10 @@ pub fn pick(logits: &[f32], temperature: f64, top_k: usize, rng: &mut crate::rng
         order.truncate(top_k);
     }
     let top = logits[order[0]] as f64;
-    let weights: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - top) / temperature).exp()).collect();
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] as f64 - top) / temperature).exp())
+        .collect();
     let total: f64 = weights.iter().sum();
     // A uniform draw in [0, 1) from the top 53 bits.
     let mut u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
@@ -130,16 +162,33 @@ pub fn sample(opts: &SampleOptions, out: &mut dyn Write) -> Result<Sampled> {
         eprintln!("device: {n}");
     }
     match selected {
-        device::Selected::Cuda { index, .. } => {
-            generate::<crate::CudaBackend>(opts, run, burn::backend::cuda::CudaDevice::new(index), out)
-        }
-        device::Selected::Wgpu => generate::<crate::WgpuBackend>(opts, run, burn::backend::wgpu::WgpuDevice::DefaultDevice, out),
-        device::Selected::Cpu => generate::<crate::CpuBackend>(opts, run, burn::backend::ndarray::NdArrayDevice::Cpu, out),
+        device::Selected::Cuda { index, .. } => generate::<crate::CudaBackend>(
+            opts,
+            run,
+            burn::backend::cuda::CudaDevice::new(index),
+            out,
+        ),
+        device::Selected::Wgpu => generate::<crate::WgpuBackend>(
+            opts,
+            run,
+            burn::backend::wgpu::WgpuDevice::DefaultDevice,
+            out,
+        ),
+        device::Selected::Cpu => generate::<crate::CpuBackend>(
+            opts,
+            run,
+            burn::backend::ndarray::NdArrayDevice::Cpu,
+            out,
+        ),
     }
 }
 
 /// [`sample`] on a given backend (f32 weights, the model's plain-Burn path).
-pub fn sample_on<B: crate::TrainBackend>(opts: &SampleOptions, device: B::Device, out: &mut dyn Write) -> Result<Sampled> {
+pub fn sample_on<B: crate::TrainBackend>(
+    opts: &SampleOptions,
+    device: B::Device,
+    out: &mut dyn Write,
+) -> Result<Sampled> {
     generate::<B>(opts, locate(opts)?, device, out)
 }
 
@@ -149,17 +198,34 @@ fn generate<B: crate::TrainBackend>(
     device: B::Device,
     out: &mut dyn Write,
 ) -> Result<Sampled> {
-    let (header, values) = checkpoint::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let (header, values) =
+        checkpoint::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let vocab = header.vocab_size;
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), Default::default());
-    let (model, _) = checkpoint::apply::<B, _>(&path, header, values, Gpt::<B>::new(&cfg.model, vocab, &device), &mut opt, &cfg, vocab)?;
+    let (model, _) = checkpoint::apply::<B, _>(
+        &path,
+        header,
+        values,
+        Gpt::<B>::new(&cfg.model, vocab, &device),
+        &mut opt,
+        &cfg,
+        vocab,
+    )?;
     let model = model.valid();
     let context = cfg.model.context;
 
     let prompt = encode_prompt(&tok, &opts.prompt)?;
     let mut rng = crate::rng::SplitMix64::new(opts.seed);
     let inner = model.wte.weight.val().device();
-    let ids = |v: &[u32]| Tensor::<B::InnerBackend, 2, Int>::from_data(TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [1, v.len()]), &inner);
+    let ids = |v: &[u32]| {
+        Tensor::<B::InnerBackend, 2, Int>::from_data(
+            TensorData::new(
+                v.iter().map(|&i| i as i64).collect::<Vec<_>>(),
+                [1, v.len()],
+            ),
+            &inner,
+        )
+    };
     // A prompt longer than the context keeps its end.
     let mut window: Vec<u32> = prompt[prompt.len().saturating_sub(context)..].to_vec();
     let mut cache = KvCache::new(cfg.model.n_layer);
@@ -169,7 +235,12 @@ fn generate<B: crate::TrainBackend>(
     let start = Instant::now();
     for _ in 0..opts.max_new_tokens {
         let [_, t, v] = logits.dims();
-        let last: Vec<f32> = logits.slice([0..1, t - 1..t, 0..v]).into_data().convert::<f32>().into_vec::<f32>().map_err(|e| anyhow!("{e:?}"))?;
+        let last: Vec<f32> = logits
+            .slice([0..1, t - 1..t, 0..v])
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| anyhow!("{e:?}"))?;
         let next = pick(&last, opts.temperature, opts.top_k, &mut rng);
         generated.push(next);
         write!(out, "{}", crate::tokenizer::decode(&tok, &[next])?)?;

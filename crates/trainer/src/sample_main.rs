@@ -47,7 +47,10 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     if !(cli.temperature >= 0.0 && cli.temperature.is_finite()) {
-        eprintln!("error: --temperature must be a finite number >= 0, got {}", cli.temperature);
+        eprintln!(
+            "error: --temperature must be a finite number >= 0, got {}",
+            cli.temperature
+        );
         return ExitCode::FAILURE;
     }
     let opts = SampleOptions {

@@ -37,7 +37,8 @@ pub fn char_level(text: &str) -> Result<Tokenizer> {
         "decoder": {"type": "Fuse"},
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": UNK},
     });
-    Tokenizer::from_str(&json.to_string()).map_err(|e| anyhow!("building the character tokenizer: {e}"))
+    Tokenizer::from_str(&json.to_string())
+        .map_err(|e| anyhow!("building the character tokenizer: {e}"))
 }
 
 /// A byte-level BPE with `vocab_size` tokens trained on `text` (GPT-2's byte-to-unicode alphabet, so
@@ -51,15 +52,23 @@ pub fn train_bpe(text: &str, vocab_size: usize) -> Result<Tokenizer> {
         .initial_alphabet(alphabet)
         .build();
     let byte_level = ByteLevel::new(false, true, true);
-    let mut tok = TokenizerBuilder::<BPE, NormalizerWrapper, ByteLevel, PostProcessorWrapper, ByteLevel>::new()
-        .with_model(BPE::default())
-        .with_pre_tokenizer(Some(byte_level.clone()))
-        .with_decoder(Some(byte_level))
-        .build()
-        .map_err(|e| anyhow!("building the BPE tokenizer: {e}"))?;
+    let mut tok = TokenizerBuilder::<
+        BPE,
+        NormalizerWrapper,
+        ByteLevel,
+        PostProcessorWrapper,
+        ByteLevel,
+    >::new()
+    .with_model(BPE::default())
+    .with_pre_tokenizer(Some(byte_level.clone()))
+    .with_decoder(Some(byte_level))
+    .build()
+    .map_err(|e| anyhow!("building the BPE tokenizer: {e}"))?;
     tok.train(&mut trainer, text.split_inclusive('\n'))
         .map_err(|e| anyhow!("training the BPE tokenizer: {e}"))?;
-    let json = tok.to_string(false).map_err(|e| anyhow!("serialising the BPE tokenizer: {e}"))?;
+    let json = tok
+        .to_string(false)
+        .map_err(|e| anyhow!("serialising the BPE tokenizer: {e}"))?;
     Tokenizer::from_str(&json).map_err(|e| anyhow!("reloading the BPE tokenizer: {e}"))
 }
 
@@ -70,7 +79,8 @@ pub fn load(path: &Path) -> Result<Tokenizer> {
 
 /// Saves a tokenizer as JSON.
 pub fn save(tok: &Tokenizer, path: &Path) -> Result<()> {
-    tok.save(path, false).map_err(|e| anyhow!("cannot write {}: {e}", path.display()))
+    tok.save(path, false)
+        .map_err(|e| anyhow!("cannot write {}: {e}", path.display()))
 }
 
 /// Encodes a whole corpus. The text is cut at line ends into pieces of about 64 KiB, which for these
@@ -98,5 +108,7 @@ pub fn encode_corpus(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
 
 /// Decodes ids back to text.
 pub fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
-    tok.decode(ids, false).map_err(|e| anyhow!("decoding: {e}")).context("tokenizer decode")
+    tok.decode(ids, false)
+        .map_err(|e| anyhow!("decoding: {e}"))
+        .context("tokenizer decode")
 }

@@ -101,11 +101,12 @@ fn human(x: f64) -> String {
 
 /// One log line on an FP8 health step: the worst underflow and saturation shares and where.
 fn fp8_health_line(done: u64, steps: u64, h: &[crate::metrics::Fp8LayerHealth]) -> String {
-    let worst = |f: fn(&crate::metrics::Fp8LayerHealth) -> f64| {
-        match h.iter().max_by(|a, b| f(a).total_cmp(&f(b))) {
-            Some(l) if f(l) > 0.0 => format!("{:.3}% ({})", 100.0 * f(l), l.layer),
-            _ => "0".to_string(),
-        }
+    let worst = |f: fn(&crate::metrics::Fp8LayerHealth) -> f64| match h
+        .iter()
+        .max_by(|a, b| f(a).total_cmp(&f(b)))
+    {
+        Some(l) if f(l) > 0.0 => format!("{:.3}% ({})", 100.0 * f(l), l.layer),
+        _ => "0".to_string(),
     };
     format!(
         "fp8   {done:>6}/{steps} | worst underflow {} | worst saturation {} | {} tensors (metrics.jsonl)",
@@ -126,8 +127,14 @@ fn fp8_weight_health<B: crate::TrainBackend>(
         .projections()
         .into_iter()
         .map(|(name, lin)| {
-            let h = kernels::fp8_health(lin.weight.val().inner().cast(dtype), cfg.weight_spec(true));
-            crate::metrics::Fp8LayerHealth { layer: format!("{name}.weight"), amax: h.amax, underflow: h.underflow, saturated: h.saturated }
+            let h =
+                kernels::fp8_health(lin.weight.val().inner().cast(dtype), cfg.weight_spec(true));
+            crate::metrics::Fp8LayerHealth {
+                layer: format!("{name}.weight"),
+                amax: h.amax,
+                underflow: h.underflow,
+                saturated: h.saturated,
+            }
         })
         .collect()
 }
@@ -152,7 +159,12 @@ pub fn evaluate<B: crate::TrainBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Co
             None => l,
         });
     }
-    let sum: f64 = total.expect("eval_batches >= 1").into_data().convert::<f64>().into_vec::<f64>().expect("f64")[0];
+    let sum: f64 = total
+        .expect("eval_batches >= 1")
+        .into_data()
+        .convert::<f64>()
+        .into_vec::<f64>()
+        .expect("f64")[0];
     sum / cfg.training.eval_batches as f64
 }
 
@@ -168,7 +180,11 @@ fn no_decay_ids<B: Backend>(model: &Gpt<B>, cfg: &Config) -> HashSet<burn::modul
 
 /// Trains as configured. Writes `config.toml`, `tokenizer.json`, `metrics.jsonl`, `loss.svg`,
 /// `checkpoints/` and `summary.json` into the run directory.
-pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &RunOptions) -> Result<Summary> {
+pub fn train<B: crate::TrainBackend>(
+    cfg: &Config,
+    device: B::Device,
+    opts: &RunOptions,
+) -> Result<Summary> {
     let run_dir = &opts.run_dir;
     let existing = checkpoint::list(run_dir)?;
     if !opts.resume && !existing.is_empty() {
@@ -178,19 +194,27 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         );
     }
     let tok_path = run_dir.join("tokenizer.json");
-    let console = Console { bar: None, verbose: opts.verbose };
+    let console = Console {
+        bar: None,
+        verbose: opts.verbose,
+    };
 
     // Data and tokenizer. A resumed run reuses its saved tokenizer.
     let t_data = Instant::now();
     let reuse = (opts.resume && tok_path.exists()).then_some(tok_path.as_path());
     let data = Dataset::build(cfg, reuse)?;
     // Created once the data is usable, so a bad data path leaves no empty run directory behind.
-    std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    std::fs::create_dir_all(run_dir)
+        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
     if reuse.is_none() {
         crate::tokenizer::save(&data.tokenizer, &tok_path)?;
     }
     let tok_vocab = data.vocab_size().max(data.max_id_bound());
-    let vocab = if cfg.model.vocab_size == 0 { tok_vocab } else { cfg.model.vocab_size };
+    let vocab = if cfg.model.vocab_size == 0 {
+        tok_vocab
+    } else {
+        cfg.model.vocab_size
+    };
     if vocab < tok_vocab {
         bail!(
             "model.vocab_size = {} is smaller than the tokenizer's {tok_vocab} tokens; use 0 (take the tokenizer's) or at least {tok_vocab}",
@@ -215,7 +239,8 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
     if cfg.model.kernels == model::config::KernelsKind::Fused {
         // The fused step also writes the next step's compute copy of the cast weights.
-        let copy = (compute_dtype != FloatDType::F32).then(|| (compute_dtype, model.compute_copy_ids()));
+        let copy =
+            (compute_dtype != FloatDType::F32).then(|| (compute_dtype, model.compute_copy_ids()));
         opt = opt.with_fused(copy);
     }
     let mut scaler = LossScaler::new(recipe.loss_scaling().clone());
@@ -241,7 +266,8 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
                 None => e,
             }
         })?;
-        let (m, restored) = checkpoint::apply::<B, _>(path, header, values, model, &mut opt, cfg, vocab)?;
+        let (m, restored) =
+            checkpoint::apply::<B, _>(path, header, values, model, &mut opt, cfg, vocab)?;
         model = m;
         start_step = restored.step;
         best_val = restored.best_val_loss;
@@ -252,12 +278,19 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
                 console.line(&note);
             }
         }
-        console.line(&format!("resumed from {} (step {})", restored.path.display(), restored.step));
+        console.line(&format!(
+            "resumed from {} (step {})",
+            restored.path.display(),
+            restored.step
+        ));
     }
     // Written once the checkpoint (if any) has been accepted, so a refused --set never replaces the
     // run's config.
     write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
-    write_atomic(&run_dir.join("precision.json"), serde_json::to_string_pretty(&recipe)?.as_bytes())?;
+    write_atomic(
+        &run_dir.join("precision.json"),
+        serde_json::to_string_pretty(&recipe)?.as_bytes(),
+    )?;
     let mut metrics = Metrics::open(run_dir, opts.resume.then_some(start_step))?;
 
     let params = cfg.model.num_params(vocab);
@@ -277,29 +310,46 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
     ));
     console.line(&format!("precision: {}", recipe.describe()));
     {
-        let probe = burn::tensor::Tensor::<B, 2>::zeros([1, 1], (&device, burn::tensor::DType::from(compute_dtype)));
-        console.line(&format!("GEMMs: {} (model.gemm = \"{}\")", kernels::gemm::gemm_path(&probe, cfg.model.gemm.engine()), cfg.model.gemm.name()));
+        let probe = burn::tensor::Tensor::<B, 2>::zeros(
+            [1, 1],
+            (&device, burn::tensor::DType::from(compute_dtype)),
+        );
+        console.line(&format!(
+            "GEMMs: {} (model.gemm = \"{}\")",
+            kernels::gemm::gemm_path(&probe, cfg.model.gemm.engine()),
+            cfg.model.gemm.name()
+        ));
     }
     if start_step >= steps {
-        console.line(&format!("nothing to do: the run already has {start_step} of {steps} steps"));
+        console.line(&format!(
+            "nothing to do: the run already has {start_step} of {steps} steps"
+        ));
     }
 
     let bar = if opts.verbose && std::io::stderr().is_terminal() {
         let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
         b.set_style(
-            ProgressStyle::with_template("{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}")
-                .expect("valid template"),
+            ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}",
+            )
+            .expect("valid template"),
         );
         b.set_position(start_step);
         Some(b)
     } else {
         None
     };
-    let console = Console { bar, verbose: opts.verbose };
+    let console = Console {
+        bar,
+        verbose: opts.verbose,
+    };
 
     let plot_title = format!(
         "{} ({})",
-        run_dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default(),
+        run_dir
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default(),
         opts.device_name
     );
     let session_start = Instant::now();
@@ -314,7 +364,10 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         let t0 = Instant::now();
         let lr = lr_at(cfg, step as usize);
         // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats them.
-        B::seed(&device, SplitMix64::for_stream(cfg.seed, 3, step).next_u64());
+        B::seed(
+            &device,
+            SplitMix64::for_stream(cfg.seed, 3, step).next_u64(),
+        );
 
         // The compute copy (weights cast to the compute dtype once per step; the master itself
         // for fp32) runs forward and backward; its gradients arrive under the master's ids.
@@ -322,18 +375,28 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         // first step, or one after a skipped step with no copies, casts).
         // FP8 health steps: the projections also record their inputs' FP8 health.
         let health_step = match &recipe {
-            Recipe::Fp8(r) => r.fp8.health_interval > 0 && ((step + 1) % r.fp8.health_interval == 0 || step == 0),
+            Recipe::Fp8(r) => {
+                r.fp8.health_interval > 0 && ((step + 1) % r.fp8.health_interval == 0 || step == 0)
+            }
             _ => false,
         };
         let probe = health_step.then(|| std::sync::Arc::new(std::sync::Mutex::new(Vec::new())));
         let compute = model
-            .compute_copy_with(compute_dtype, &|id| opt.copies.get(&id).map(|c| B::from_inner(c.clone())))
+            .compute_copy_with(compute_dtype, &|id| {
+                opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
+            })
             .with_fp8(fp8_linear)
             .with_fp8_probe(probe.clone());
         let scale = scaler.scale();
         let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
         let mut micro_grads = |index: u64| {
-            let (x, y) = data.train_batch::<B>(cfg.seed, index, cfg.training.batch_size, cfg.model.context, &device);
+            let (x, y) = data.train_batch::<B>(
+                cfg.seed,
+                index,
+                cfg.training.batch_size,
+                cfg.model.context,
+                &device,
+            );
             let loss = compute.forward_loss(x, y);
             model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
             let l = loss.clone().inner();
@@ -342,7 +405,11 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
                 None => l,
             });
             let factor = scale / accum as f64;
-            let loss = if factor == 1.0 { loss } else { loss.mul_scalar(factor) };
+            let loss = if factor == 1.0 {
+                loss
+            } else {
+                loss.mul_scalar(factor)
+            };
             let mut g = GradientsParams::from_grads(loss.backward(), &compute);
             grads_to_f32::<B, _>(&model, &mut g);
             g
@@ -365,8 +432,12 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         // One read-back per step: [mean loss, scaled grad norm]. It tells whether the gradients are
         // finite (a single inf or NaN makes the norm non-finite), and it synchronises, so the
         // timing is real.
-        let loss_mean = loss_sum.expect("at least one micro-batch").div_scalar(accum as f64);
-        let stats = Tensor::cat(vec![loss_mean, scaled_norm.clone()], 0).into_data().convert::<f64>();
+        let loss_mean = loss_sum
+            .expect("at least one micro-batch")
+            .div_scalar(accum as f64);
+        let stats = Tensor::cat(vec![loss_mean, scaled_norm.clone()], 0)
+            .into_data()
+            .convert::<f64>();
         let stats: Vec<f64> = stats.into_vec().expect("f64 stats");
         let (loss, grad_norm) = (stats[0], stats[1] / scale);
         let finite = loss.is_finite() && grad_norm.is_finite();
@@ -405,17 +476,31 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
 
         let is_last = done == steps;
         let session_end = done == end;
-        let eval_now = is_last || (cfg.training.eval_interval > 0 && done % cfg.training.eval_interval as u64 == 0);
-        let val_loss = eval_now.then(|| evaluate(&model.compute_copy(compute_dtype).with_fp8(fp8_linear), &data, cfg));
+        let eval_now = is_last
+            || (cfg.training.eval_interval > 0 && done % cfg.training.eval_interval as u64 == 0);
+        let val_loss = eval_now.then(|| {
+            evaluate(
+                &model.compute_copy(compute_dtype).with_fp8(fp8_linear),
+                &data,
+                cfg,
+            )
+        });
         let fp8_health = match (health_step, fp8_linear) {
             (true, Some(lin)) => {
                 let mut all = fp8_weight_health(&model, compute_dtype, &lin);
                 // Inputs and output gradients: the first micro-batch's entry per layer.
-                let recorded = probe.map(|p| std::mem::take(&mut *p.lock().unwrap_or_else(|e| e.into_inner()))).unwrap_or_default();
+                let recorded = probe
+                    .map(|p| std::mem::take(&mut *p.lock().unwrap_or_else(|e| e.into_inner())))
+                    .unwrap_or_default();
                 let mut seen = HashSet::new();
                 for (layer, h) in recorded {
                     if seen.insert(layer.clone()) {
-                        all.push(crate::metrics::Fp8LayerHealth { layer, amax: h.amax, underflow: h.underflow, saturated: h.saturated });
+                        all.push(crate::metrics::Fp8LayerHealth {
+                            layer,
+                            amax: h.amax,
+                            underflow: h.underflow,
+                            saturated: h.saturated,
+                        });
                     }
                 }
                 Some(all)
@@ -459,11 +544,16 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
             console.line(&fp8_health_line(done, steps, h));
         }
         if let Some(v) = val_loss {
-            console.line(&format!("eval  {done:>6}/{steps} | val_loss {v:.4} | best {:.4}", best_val.unwrap_or(v)));
+            console.line(&format!(
+                "eval  {done:>6}/{steps} | val_loss {v:.4} | best {:.4}",
+                best_val.unwrap_or(v)
+            ));
             metrics.plot(run_dir, &plot_title)?;
         }
-        let ckpt_now =
-            is_last || session_end || (cfg.training.checkpoint_interval > 0 && done % cfg.training.checkpoint_interval as u64 == 0);
+        let ckpt_now = is_last
+            || session_end
+            || (cfg.training.checkpoint_interval > 0
+                && done % cfg.training.checkpoint_interval as u64 == 0);
         if ckpt_now {
             let elapsed = elapsed_before + session_start.elapsed().as_secs_f64();
             checkpoint::save::<B, _>(
@@ -496,7 +586,10 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         best_val_loss: best_val,
         final_val_loss: last_val,
         wall_s: elapsed_before + session_start.elapsed().as_secs_f64(),
-        median_tokens_per_s: tok_rates.get(tok_rates.len() / 2).copied().unwrap_or(f64::NAN),
+        median_tokens_per_s: tok_rates
+            .get(tok_rates.len() / 2)
+            .copied()
+            .unwrap_or(f64::NAN),
         first_step_s,
         params,
         device: opts.device_name.clone(),
@@ -505,13 +598,19 @@ pub fn train<B: crate::TrainBackend>(cfg: &Config, device: B::Device, opts: &Run
         skipped_steps: scaler.state.overflows,
         final_loss_scale: scaler.scale(),
     };
-    write_atomic(&run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    write_atomic(
+        &run_dir.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?.as_bytes(),
+    )?;
     Ok(summary)
 }
 
 /// Writes a file so that readers see the old or the new content, never a mix.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
     let tmp = path.with_file_name(format!(".{name}.tmp"));
     std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;

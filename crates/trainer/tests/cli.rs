@@ -27,17 +27,40 @@ fn train_without_drivers(dir: &PathBuf, args: &[&str]) -> std::process::Output {
 #[test]
 fn auto_device_falls_back_to_the_cpu_and_learns() {
     let dir = scratch("auto");
-    let out = train_without_drivers(&dir, &["--set", "training.steps=20", "--set", "training.eval_interval=0", "--out", "run"]);
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = train_without_drivers(
+        &dir,
+        &[
+            "--set",
+            "training.steps=20",
+            "--set",
+            "training.eval_interval=0",
+            "--out",
+            "run",
+        ],
+    );
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
     assert!(out.status.success(), "train failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("using the CPU"), "the log says why the CPU was chosen:\n{stdout}");
+    assert!(
+        stdout.contains("using the CPU"),
+        "the log says why the CPU was chosen:\n{stdout}"
+    );
     let losses: Vec<f64> = std::fs::read_to_string(dir.join("run/metrics.jsonl"))
         .expect("metrics.jsonl")
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"].as_f64().expect("loss"))
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"]
+                .as_f64()
+                .expect("loss")
+        })
         .collect();
     assert_eq!(losses.len(), 20);
-    assert!(losses[19] < losses[0] - 0.5, "the CPU run learns: {losses:?}");
+    assert!(
+        losses[19] < losses[0] - 0.5,
+        "the CPU run learns: {losses:?}"
+    );
 
     // `sample` continues a prompt from the run's checkpoint.
     let sample = |args: &[&str]| {
@@ -50,28 +73,69 @@ fn auto_device_falls_back_to_the_cpu_and_learns() {
             .output()
             .expect("run sample")
     };
-    let out = sample(&["run", "--prompt", "The ", "--max-new-tokens", "40", "--seed", "3"]);
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = sample(&[
+        "run",
+        "--prompt",
+        "The ",
+        "--max-new-tokens",
+        "40",
+        "--seed",
+        "3",
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
     assert!(out.status.success(), "sample failed:\n{stdout}\n{stderr}");
-    assert!(stdout.starts_with("The "), "the prompt comes first: {stdout:?}");
-    assert!(stdout.trim_end().chars().count() > "The ".len() + 10, "text was generated: {stdout:?}");
-    assert!(stderr.contains("40 tokens in") && stderr.contains("tokens/s"), "{stderr}");
+    assert!(
+        stdout.starts_with("The "),
+        "the prompt comes first: {stdout:?}"
+    );
+    assert!(
+        stdout.trim_end().chars().count() > "The ".len() + 10,
+        "text was generated: {stdout:?}"
+    );
+    assert!(
+        stderr.contains("40 tokens in") && stderr.contains("tokens/s"),
+        "{stderr}"
+    );
     // The same seed gives the same text; greedy decoding is deterministic too.
-    let again = sample(&["run", "--prompt", "The ", "--max-new-tokens", "40", "--seed", "3"]);
-    assert_eq!(String::from_utf8_lossy(&again.stdout), stdout, "same seed, same text");
+    let again = sample(&[
+        "run",
+        "--prompt",
+        "The ",
+        "--max-new-tokens",
+        "40",
+        "--seed",
+        "3",
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&again.stdout),
+        stdout,
+        "same seed, same text"
+    );
 
     // Clear errors: a prompt character the tokenizer never saw, a missing checkpoint, not a run.
     let out = sample(&["run", "--prompt", "\u{1F600}"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("characters this run's tokenizer never saw"), "{stderr}");
+    assert!(
+        stderr.contains("characters this run's tokenizer never saw"),
+        "{stderr}"
+    );
     let out = sample(&["run", "--checkpoint", "7"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("no checkpoint of step 7; the run has steps 20"), "{stderr}");
+    assert!(
+        stderr.contains("no checkpoint of step 7; the run has steps 20"),
+        "{stderr}"
+    );
     std::fs::create_dir_all(dir.join("empty")).unwrap();
     let out = sample(&["empty"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("no config.toml there; is it a run directory?"), "{stderr}");
+    assert!(
+        stderr.contains("no config.toml there; is it a run directory?"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
@@ -83,19 +147,41 @@ fn explicit_wgpu_without_an_adapter_is_one_clear_error() {
     assert_eq!(out.status.code(), Some(1), "exit code 1; stderr:\n{stderr}");
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "one line of error output:\n{stderr}");
-    assert!(lines[0].starts_with("error: device = \"wgpu\" but wgpu found no usable adapter"), "{stderr}");
-    assert!(lines[0].contains("mesa-vulkan-drivers"), "the error names the fix: {stderr}");
-    assert!(!stderr.contains("panicked") && !stderr.contains("backtrace"), "{stderr}");
+    assert!(
+        lines[0].starts_with("error: device = \"wgpu\" but wgpu found no usable adapter"),
+        "{stderr}"
+    );
+    assert!(
+        lines[0].contains("mesa-vulkan-drivers"),
+        "the error names the fix: {stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("backtrace"),
+        "{stderr}"
+    );
     assert!(!dir.join("run").exists(), "no run directory is left behind");
 }
 
 #[test]
 fn cpu_device_refuses_low_precision_with_one_line() {
     let dir = scratch("cpu-bf16");
-    let out = train_without_drivers(&dir, &["--set", "device=\"cpu\"", "--set", "precision=\"bf16\"", "--out", "run"]);
+    let out = train_without_drivers(
+        &dir,
+        &[
+            "--set",
+            "device=\"cpu\"",
+            "--set",
+            "precision=\"bf16\"",
+            "--out",
+            "run",
+        ],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("precision = \"bf16\" needs a GPU"), "{stderr}");
+    assert!(
+        stderr.contains("precision = \"bf16\" needs a GPU"),
+        "{stderr}"
+    );
 }
 
 /// `compare` on the CPU: two recipes (a built-in one and one defined by overrides) at two learning
@@ -132,22 +218,47 @@ fn compare_trains_each_entry_once_and_reports() {
         "2",
     ];
     let out = compare(&args);
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
     assert!(out.status.success(), "compare failed:\n{stdout}\n{stderr}");
-    let entries = ["fp32-lr1e-3", "fp32-lr3e-3", "nodecay-lr1e-3", "nodecay-lr3e-3"];
+    let entries = [
+        "fp32-lr1e-3",
+        "fp32-lr3e-3",
+        "nodecay-lr1e-3",
+        "nodecay-lr3e-3",
+    ];
     for e in entries {
-        assert!(dir.join("cmp/runs").join(e).join("summary.json").exists(), "entry {e} is a finished run:\n{stdout}");
+        assert!(
+            dir.join("cmp/runs").join(e).join("summary.json").exists(),
+            "entry {e} is a finished run:\n{stdout}"
+        );
         assert!(stdout.contains(&format!("{e}: finished")), "{stdout}");
-        let log = std::fs::read_to_string(dir.join("cmp/logs").join(format!("{e}.log"))).expect("entry log");
-        assert!(log.contains(&format!("{e}: 6 steps, best val_loss")), "{log}");
+        let log = std::fs::read_to_string(dir.join("cmp/logs").join(format!("{e}.log")))
+            .expect("entry log");
+        assert!(
+            log.contains(&format!("{e}: 6 steps, best val_loss")),
+            "{log}"
+        );
     }
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cmp/report.json")).expect("report.json")).expect("json");
+    let report: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("cmp/report.json")).expect("report.json"),
+    )
+    .expect("json");
     let rows = report["entries"].as_array().expect("entries");
     assert_eq!(rows.len(), 4);
     for r in rows {
-        assert!(r["best_val_loss"].as_f64().is_some_and(|v| v.is_finite()), "{r}");
+        assert!(
+            r["best_val_loss"].as_f64().is_some_and(|v| v.is_finite()),
+            "{r}"
+        );
         assert!(r["tokens_per_s"].as_f64().is_some_and(|v| v > 0.0), "{r}");
-        assert!(["stable", "unstable", "diverged"].contains(&r["stability"]["verdict"].as_str().expect("verdict")), "{r}");
+        assert!(
+            ["stable", "unstable", "diverged"]
+                .contains(&r["stability"]["verdict"].as_str().expect("verdict")),
+            "{r}"
+        );
     }
     // The fp32 entries are their own reference; the other recipe is compared with fp32 at its lr.
     assert_eq!(rows[0]["best_val_vs_fp32"].as_f64(), Some(0.0));
@@ -156,13 +267,21 @@ fn compare_trains_each_entry_once_and_reports() {
     for e in entries {
         assert!(md.contains(e), "report.md lists {e}:\n{md}");
     }
-    for svg in ["train_loss.svg", "val_loss.svg", "grad_norm.svg", "lr_sensitivity.svg"] {
+    for svg in [
+        "train_loss.svg",
+        "val_loss.svg",
+        "grad_norm.svg",
+        "lr_sensitivity.svg",
+    ] {
         let text = std::fs::read_to_string(dir.join("cmp").join(svg)).unwrap_or_default();
         assert!(text.contains("<svg"), "{svg} is a plot");
     }
 
     // The same command again trains nothing.
-    let metrics = |e: &str| std::fs::read_to_string(dir.join("cmp/runs").join(e).join("metrics.jsonl")).expect("metrics");
+    let metrics = |e: &str| {
+        std::fs::read_to_string(dir.join("cmp/runs").join(e).join("metrics.jsonl"))
+            .expect("metrics")
+    };
     let before = metrics("fp32-lr1e-3");
     let out = compare(&args);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -180,12 +299,24 @@ fn compare_trains_each_entry_once_and_reports() {
     assert!(dir.join("cmp/runs/nodecay-lr3e-3/summary.json").exists());
 
     // Bad recipes: one error line naming the recipe or the key, exit code 1, nothing trained.
-    for (recipes, expected) in [("fp32,fp64", "unknown recipe 'fp64'"), ("x:optimizer.lrr=1", "optimizer.lrr")] {
+    for (recipes, expected) in [
+        ("fp32,fp64", "unknown recipe 'fp64'"),
+        ("x:optimizer.lrr=1", "optimizer.lrr"),
+    ] {
         let out = compare(&["--recipes", recipes, "--steps", "2", "--out", "bad"]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{stderr}");
-        assert!(stderr.starts_with("error: ") && stderr.contains(expected), "{stderr}");
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains(expected),
+            "{stderr}"
+        );
         assert!(!stderr.contains("panicked"), "{stderr}");
-        assert!(!dir.join("bad/runs").exists() || std::fs::read_dir(dir.join("bad/runs")).unwrap().next().is_none());
+        assert!(
+            !dir.join("bad/runs").exists()
+                || std::fs::read_dir(dir.join("bad/runs"))
+                    .unwrap()
+                    .next()
+                    .is_none()
+        );
     }
 }

@@ -26,7 +26,10 @@ impl<B: KernelOps> Backward<B, 2> for SwigluSplitBackward {
         // One kernel writes both gradients side by side; each parent gets its half as a view.
         let packed = B::swiglu_backward(gate, Some(up), dy);
         let half = |start: usize| {
-            let mut ranges: Vec<burn::tensor::Slice> = shape.iter().map(|&s| burn::tensor::Slice::from(0..s)).collect();
+            let mut ranges: Vec<burn::tensor::Slice> = shape
+                .iter()
+                .map(|&s| burn::tensor::Slice::from(0..s))
+                .collect();
             ranges[d] = burn::tensor::Slice::from(start..start + cols);
             B::float_slice(packed.clone(), &ranges)
         };
@@ -74,7 +77,11 @@ pub(crate) fn swiglu<B: KernelOps, C: CheckpointStrategy>(
     up: FloatTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let out = B::swiglu_forward(gate.primitive.clone(), Some(up.primitive.clone()));
-    match SwigluSplitBackward.prepare::<C>([gate.node.clone(), up.node.clone()]).compute_bound().stateful() {
+    match SwigluSplitBackward
+        .prepare::<C>([gate.node.clone(), up.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
         OpsKind::Tracked(prep) => prep.finish((gate.primitive, up.primitive), out),
         OpsKind::UnTracked(prep) => prep.finish(out),
     }
@@ -84,15 +91,25 @@ pub(crate) fn swiglu_packed<B: KernelOps, C: CheckpointStrategy>(
     gate_up: FloatTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let out = B::swiglu_forward(gate_up.primitive.clone(), None);
-    match SwigluPackedBackward.prepare::<C>([gate_up.node.clone()]).compute_bound().stateful() {
+    match SwigluPackedBackward
+        .prepare::<C>([gate_up.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
         OpsKind::Tracked(prep) => prep.finish(gate_up.primitive, out),
         OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }
 
-pub(crate) fn gelu<B: KernelOps, C: CheckpointStrategy>(x: FloatTensor<Autodiff<B, C>>) -> FloatTensor<Autodiff<B, C>> {
+pub(crate) fn gelu<B: KernelOps, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+) -> FloatTensor<Autodiff<B, C>> {
     let out = B::gelu_erf_forward(x.primitive.clone());
-    match GeluBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+    match GeluBackward
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
         OpsKind::Tracked(prep) => prep.finish(x.primitive, out),
         OpsKind::UnTracked(prep) => prep.finish(out),
     }

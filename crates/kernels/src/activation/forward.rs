@@ -3,8 +3,8 @@
 use burn::tensor::TensorMetadata;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
-use cubecl::prelude::*;
 use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
 
 use super::kernel::{gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd};
 use crate::check::{check_float, check_same_dtype, fail};
@@ -13,7 +13,10 @@ use crate::rms_norm::forward::rows_cols;
 
 /// Where the gate and up halves live: two dense tensors, or one packed `[.., 2 * cols]` tensor.
 pub(crate) enum GateUp<R: CubeRuntime> {
-    Split { gate: CubeTensor<R>, up: CubeTensor<R> },
+    Split {
+        gate: CubeTensor<R>,
+        up: CubeTensor<R>,
+    },
     Packed(CubeTensor<R>),
 }
 
@@ -35,7 +38,14 @@ fn layout<R: CubeRuntime>(op: &str, gu: GateUp<R>) -> Layout<R> {
             check_float(op, "gate", gate.dtype);
             check_same_dtype(op, "gate", gate.dtype, "up", up.dtype);
             if gate.shape() != up.shape() {
-                fail(op, format!("gate has shape {:?} but up has {:?}; they must match", gate.shape().as_slice(), up.shape().as_slice()));
+                fail(
+                    op,
+                    format!(
+                        "gate has shape {:?} but up has {:?}; they must match",
+                        gate.shape().as_slice(),
+                        up.shape().as_slice()
+                    ),
+                );
             }
             let shape = gate.shape();
             let (rows, cols) = rows_cols(&shape);
@@ -60,14 +70,26 @@ fn layout<R: CubeRuntime>(op: &str, gu: GateUp<R>) -> Layout<R> {
             let mut out_shape = shape.as_slice().to_vec();
             *out_shape.last_mut().expect("rank >= 1") = width / 2;
             let gu = contiguous(gu);
-            Layout { gate: gu.clone(), up: gu, out_shape, rows, cols: width / 2, gate_offset: 0, up_offset: width / 2, row_stride: width }
+            Layout {
+                gate: gu.clone(),
+                up: gu,
+                out_shape,
+                rows,
+                cols: width / 2,
+                gate_offset: 0,
+                up_offset: width / 2,
+                row_stride: width,
+            }
         }
     }
 }
 
 fn grid<R: CubeRuntime>(t: &CubeTensor<R>, total: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new_1d(256);
-    (calculate_cube_count_elemwise(&t.client, total.max(1), dim), dim)
+    (
+        calculate_cube_count_elemwise(&t.client, total.max(1), dim),
+        dim,
+    )
 }
 
 /// `silu(gate) * up`, `[.., cols]`.
@@ -149,7 +171,16 @@ pub(crate) fn gelu_forward<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     }
     let (count, dim) = grid(&x, total);
     let dtype = x.dtype;
-    gelu_fwd::launch::<R>(&x.client.clone(), count, dim, n, x.into_tensor_arg(), out.clone().into_tensor_arg(), total, dtype.into());
+    gelu_fwd::launch::<R>(
+        &x.client.clone(),
+        count,
+        dim,
+        n,
+        x.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        total,
+        dtype.into(),
+    );
     out
 }
 

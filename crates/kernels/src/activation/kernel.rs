@@ -75,7 +75,8 @@ pub(crate) fn gelu_fwd<F: Float, N: Size>(
     let i = ABSOLUTE_POS;
     if i < total {
         let v = Vector::<f32, N>::cast_from(x[i]);
-        let phi = Vector::new(0.5) * (Vector::new(1.0) + (v * Vector::new(core::f32::consts::FRAC_1_SQRT_2)).erf());
+        let phi = Vector::new(0.5)
+            * (Vector::new(1.0) + (v * Vector::new(core::f32::consts::FRAC_1_SQRT_2)).erf());
         out[i] = Vector::cast_from(v * phi);
     }
 }
@@ -92,7 +93,8 @@ pub(crate) fn gelu_bwd<F: Float, N: Size>(
     let i = ABSOLUTE_POS;
     if i < total {
         let v = Vector::<f32, N>::cast_from(x[i]);
-        let cdf = Vector::new(0.5) * (Vector::new(1.0) + (v * Vector::new(core::f32::consts::FRAC_1_SQRT_2)).erf());
+        let cdf = Vector::new(0.5)
+            * (Vector::new(1.0) + (v * Vector::new(core::f32::consts::FRAC_1_SQRT_2)).erf());
         // 1 / sqrt(2 pi)
         let pdf = Vector::new(0.398_942_3) * (Vector::new(-0.5) * v * v).exp();
         dx[i] = Vector::cast_from(Vector::<f32, N>::cast_from(dy[i]) * (cdf + v * pdf));

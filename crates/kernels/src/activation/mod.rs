@@ -10,13 +10,18 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{FloatDType, Tensor};
 
 /// Plain-Burn SwiGLU, `silu(gate) * up` computed in f32, returned in `gate`'s dtype.
-pub fn swiglu_reference<B: BurnBackend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+pub fn swiglu_reference<B: BurnBackend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+) -> Tensor<B, D> {
     let dt = gate.dtype();
     (silu(gate.cast(FloatDType::F32)) * up.cast(FloatDType::F32)).cast(dt)
 }
 
 /// Plain-Burn SwiGLU of a packed `[.., 2 * F]` tensor (gate half first) -> `[.., F]`.
-pub fn swiglu_packed_reference<B: BurnBackend, const D: usize>(gate_up: Tensor<B, D>) -> Tensor<B, D> {
+pub fn swiglu_packed_reference<B: BurnBackend, const D: usize>(
+    gate_up: Tensor<B, D>,
+) -> Tensor<B, D> {
     let mut halves = gate_up.chunk(2, D - 1);
     let up = halves.pop().expect("two halves");
     let gate = halves.pop().expect("two halves");
@@ -32,6 +37,9 @@ pub fn swiglu_packed_reference<B: BurnBackend, const D: usize>(gate_up: Tensor<B
 pub fn gelu_reference<B: BurnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let dt = x.dtype();
     let x = x.cast(FloatDType::F32);
-    let cdf = (x.clone() * core::f64::consts::FRAC_1_SQRT_2).erf().add_scalar(1.0).mul_scalar(0.5);
+    let cdf = (x.clone() * core::f64::consts::FRAC_1_SQRT_2)
+        .erf()
+        .add_scalar(1.0)
+        .mul_scalar(0.5);
     (x * cdf).cast(dt)
 }

@@ -20,27 +20,56 @@ pub(crate) fn step<R: CubeRuntime>(
     factor: CubeTensor<R>,
     hp: &AdamWStep,
     copy_dtype: Option<DType>,
-) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
+) -> (
+    CubeTensor<R>,
+    CubeTensor<R>,
+    CubeTensor<R>,
+    Option<CubeTensor<R>>,
+) {
     let op = "adamw_step";
     let shape = param.shape();
     for (name, t) in [("param", &param), ("m", &m), ("v", &v)] {
         if t.dtype != DType::F32 {
-            fail(op, format!("{name} has dtype {:?}; master weights and moments must be F32", t.dtype));
+            fail(
+                op,
+                format!(
+                    "{name} has dtype {:?}; master weights and moments must be F32",
+                    t.dtype
+                ),
+            );
         }
     }
     check_float(op, "grad", grad.dtype);
     for (name, t) in [("grad", &grad), ("m", &m), ("v", &v)] {
         if t.shape() != shape {
-            fail(op, format!("{name} has shape {:?} but param has {:?}", t.shape().as_slice(), shape.as_slice()));
+            fail(
+                op,
+                format!(
+                    "{name} has shape {:?} but param has {:?}",
+                    t.shape().as_slice(),
+                    shape.as_slice()
+                ),
+            );
         }
     }
     if factor.shape().num_elements() != 1 {
-        fail(op, format!("factor has shape {:?}; expected one element", factor.shape().as_slice()));
+        fail(
+            op,
+            format!(
+                "factor has shape {:?}; expected one element",
+                factor.shape().as_slice()
+            ),
+        );
     }
     if let Some(dt) = copy_dtype {
         check_float(op, "copy dtype", dt);
     }
-    let (param, grad, m, v) = (contiguous(param), contiguous(grad), contiguous(m), contiguous(v));
+    let (param, grad, m, v) = (
+        contiguous(param),
+        contiguous(grad),
+        contiguous(m),
+        contiguous(v),
+    );
     let factor = contiguous(burn_cubecl::kernel::cast(factor, DType::F32));
     let dims = shape.as_slice().to_vec();
     let p_out = empty(&param, dims.clone(), DType::F32);
@@ -48,10 +77,16 @@ pub(crate) fn step<R: CubeRuntime>(
     let v_out = empty(&param, dims.clone(), DType::F32);
     let copy = copy_dtype.map(|dt| empty(&param, dims.clone(), dt));
     // Without a copy the kernel never touches that argument: a one-element stand-in fills it.
-    let copy_arg = copy.clone().unwrap_or_else(|| empty(&param, vec![1], DType::F32));
+    let copy_arg = copy
+        .clone()
+        .unwrap_or_else(|| empty(&param, vec![1], DType::F32));
     let numel = shape.num_elements();
     let last = *dims.last().unwrap_or(&1);
-    let n = vector_width(&param, &[DType::F32, grad.dtype, copy_arg.dtype], &[last, numel]);
+    let n = vector_width(
+        &param,
+        &[DType::F32, grad.dtype, copy_arg.dtype],
+        &[last, numel],
+    );
     let total = numel / n;
     if total == 0 {
         return (p_out, m_out, v_out, copy);

@@ -62,5 +62,10 @@ pub fn reference<B: BurnBackend, const D: usize>(
     let denom = v.clone().sqrt().div_scalar(bc2.sqrt()).add_scalar(hp.eps);
     let p = p - (m.clone() / denom).mul_scalar(hp.lr / bc1);
     let copy = copy_dtype.map(|dt| p.clone().cast(dt));
-    AdamWOutput { param: p, m, v, copy }
+    AdamWOutput {
+        param: p,
+        m,
+        v,
+        copy,
+    }
 }

@@ -15,7 +15,15 @@ use crate::KernelOps;
 struct FlashAttentionBackward;
 
 /// (q, k, v, out, lse, causal, scale)
-type State<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, bool, f32);
+type State<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    bool,
+    f32,
+);
 
 impl<B: KernelOps> Backward<B, 3> for FlashAttentionBackward {
     type State = State<B>;
@@ -41,11 +49,30 @@ pub(crate) fn flash_attention<B: KernelOps, C: CheckpointStrategy>(
     causal: bool,
     scale: f32,
 ) -> FloatTensor<Autodiff<B, C>> {
-    let (out, lse) = B::flash_attention_forward(q.primitive.clone(), k.primitive.clone(), v.primitive.clone(), causal, scale);
-    match FlashAttentionBackward.prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()]).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => {
-            prep.finish((q.primitive, k.primitive, v.primitive, out.clone(), lse, causal, scale), out)
-        }
+    let (out, lse) = B::flash_attention_forward(
+        q.primitive.clone(),
+        k.primitive.clone(),
+        v.primitive.clone(),
+        causal,
+        scale,
+    );
+    match FlashAttentionBackward
+        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            (
+                q.primitive,
+                k.primitive,
+                v.primitive,
+                out.clone(),
+                lse,
+                causal,
+                scale,
+            ),
+            out,
+        ),
         OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }

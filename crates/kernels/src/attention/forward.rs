@@ -55,9 +55,25 @@ impl MmaTiles {
     fn for_head_dim(hd: usize) -> Self {
         let fwd = (2, 32);
         if hd == 64 {
-            MmaTiles { fwd, dq: (2, 32), dkdv: (2, 32), fwd_planes: PLANES, dq_planes: PLANES, dkdv_planes: 8, fused_dq: true }
+            MmaTiles {
+                fwd,
+                dq: (2, 32),
+                dkdv: (2, 32),
+                fwd_planes: PLANES,
+                dq_planes: PLANES,
+                dkdv_planes: 8,
+                fused_dq: true,
+            }
         } else {
-            MmaTiles { fwd, dq: (2, 32), dkdv: (1, 64), fwd_planes: PLANES, dq_planes: PLANES, dkdv_planes: 8, fused_dq: false }
+            MmaTiles {
+                fwd,
+                dq: (2, 32),
+                dkdv: (1, 64),
+                fwd_planes: PLANES,
+                dq_planes: PLANES,
+                dkdv_planes: 8,
+                fused_dq: false,
+            }
         }
     }
 
@@ -77,17 +93,28 @@ impl MmaTiles {
     /// `dq=separate` chooses where dQ is computed.
     fn apply(&mut self, spec: &str) -> Result<(), String> {
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (name, value) = item.split_once('=').ok_or_else(|| format!("`{item}` is not NAME=MTxBLOCK"))?;
+            let (name, value) = item
+                .split_once('=')
+                .ok_or_else(|| format!("`{item}` is not NAME=MTxBLOCK"))?;
             if name == "dq" && (value == "fused" || value == "separate") {
                 self.fused_dq = value == "fused";
                 continue;
             }
             let parts: Vec<&str> = value.split('x').collect();
             if parts.len() != 2 && parts.len() != 3 {
-                let fused = if name == "dq" { ", `fused` or `separate`" } else { "" };
-                return Err(format!("`{value}` is not MTxBLOCK or MTxBLOCKxWARPS (e.g. 2x64 or 1x64x8){fused}"));
+                let fused = if name == "dq" {
+                    ", `fused` or `separate`"
+                } else {
+                    ""
+                };
+                return Err(format!(
+                    "`{value}` is not MTxBLOCK or MTxBLOCKxWARPS (e.g. 2x64 or 1x64x8){fused}"
+                ));
             }
-            let num = |what: &str, x: &str| x.parse::<usize>().map_err(|_| format!("{what} `{x}` is not a number"));
+            let num = |what: &str, x: &str| {
+                x.parse::<usize>()
+                    .map_err(|_| format!("{what} `{x}` is not a number"))
+            };
             let (mt, block) = (num("row tiles", parts[0])?, num("block", parts[1])?);
             if ![1, 2, 4].contains(&mt) || block % 16 != 0 || !(16..=128).contains(&block) {
                 return Err(format!("`{item}`: row tiles must be 1, 2 or 4 and the block a multiple of 16 from 16 to 128"));
@@ -116,7 +143,11 @@ impl MmaTiles {
     /// the query block's 16-row tiles and head_dim into column groups of a multiple of 16.
     pub(crate) fn fused_dq_problem(&self, hd: usize) -> Option<String> {
         let (row_tiles, planes) = (self.dkdv.1 / 16, self.dkdv_planes);
-        let ok = if row_tiles >= planes { row_tiles % planes == 0 } else { planes % row_tiles == 0 && (hd / (planes / row_tiles)) % 16 == 0 };
+        let ok = if row_tiles >= planes {
+            row_tiles % planes == 0
+        } else {
+            planes % row_tiles == 0 && (hd / (planes / row_tiles)) % 16 == 0
+        };
         (!ok).then(|| {
             format!(
                 "dq=fused needs the dK/dV query block's {row_tiles} row tiles of 16 and its {planes} warps to divide one another, \
@@ -160,7 +191,11 @@ pub(crate) fn path<R: CubeRuntime>(q: &CubeTensor<R>) -> FlashPath {
             n: 8,
             k: 16,
         });
-    if mma && hd % 16 == 0 && hd <= 128 { FlashPath::TensorCores } else { FlashPath::Portable }
+    if mma && hd % 16 == 0 && hd <= 128 {
+        FlashPath::TensorCores
+    } else {
+        FlashPath::Portable
+    }
 }
 
 struct Dims {
@@ -171,7 +206,12 @@ struct Dims {
     hd: usize,
 }
 
-fn check_inputs<R: CubeRuntime>(op: &str, q: &CubeTensor<R>, k: &CubeTensor<R>, v: &CubeTensor<R>) -> Dims {
+fn check_inputs<R: CubeRuntime>(
+    op: &str,
+    q: &CubeTensor<R>,
+    k: &CubeTensor<R>,
+    v: &CubeTensor<R>,
+) -> Dims {
     check_float(op, "q", q.dtype);
     check_same_dtype(op, "q", q.dtype, "k", k.dtype);
     check_same_dtype(op, "q", q.dtype, "v", v.dtype);
@@ -186,23 +226,42 @@ fn check_inputs<R: CubeRuntime>(op: &str, q: &CubeTensor<R>, k: &CubeTensor<R>, 
             format!("q, k, v have shapes {qd:?}, {kd:?}, {vd:?}; k and v must match, and share batch, heads and head_dim with q"),
         );
     }
-    let d = Dims { batch: qd[0], heads: qd[1], seq_q: qd[2], seq_k: kd[2], hd: qd[3] };
+    let d = Dims {
+        batch: qd[0],
+        heads: qd[1],
+        seq_q: qd[2],
+        seq_k: kd[2],
+        hd: qd[3],
+    };
     if d.hd == 0 || d.hd > MAX_HEAD_DIM {
         fail(op, format!("head_dim is {}; supported: 1 to {MAX_HEAD_DIM} (tensor cores for multiples of 16 up to 128)", d.hd));
     }
     if d.seq_k == 0 && d.seq_q > 0 {
-        fail(op, format!("k and v have no positions (shape {kd:?}); every query needs at least one key"));
+        fail(
+            op,
+            format!("k and v have no positions (shape {kd:?}); every query needs at least one key"),
+        );
     }
     let max_y = q.client.properties().hardware.max_cube_count.1 as usize;
     if d.batch * d.heads > max_y {
-        fail(op, format!("batch x heads is {}; this device launches at most {max_y}", d.batch * d.heads));
+        fail(
+            op,
+            format!(
+                "batch x heads is {}; this device launches at most {max_y}",
+                d.batch * d.heads
+            ),
+        );
     }
     d
 }
 
 /// Unit last stride (copied otherwise); other strides are read as they are.
 fn rows_readable<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
-    if t.meta.strides()[3] == 1 { t } else { contiguous(t) }
+    if t.meta.strides()[3] == 1 {
+        t
+    } else {
+        contiguous(t)
+    }
 }
 
 /// A new `[batch, heads, seq, hd]` tensor laid out as `[batch, seq, heads, hd]`: the layout the
@@ -227,7 +286,10 @@ fn portable_block<R: CubeRuntime>(q: &CubeTensor<R>, hd: usize) -> (usize, usize
     let max_units = (props.hardware.max_units_per_cube as usize).min(256);
     let split = portable_split(hd);
     let mut rows = 32;
-    while rows > 1 && (2 * rows * hd * 4 + 2 * rows * rows * split * 4 + 2 * rows * 4 > smem || rows * split > max_units) {
+    while rows > 1
+        && (2 * rows * hd * 4 + 2 * rows * rows * split * 4 + 2 * rows * 4 > smem
+            || rows * split > max_units)
+    {
         rows /= 2;
     }
     (rows, split)
@@ -256,7 +318,11 @@ pub(crate) fn forward<R: CubeRuntime>(
         FlashPath::TensorCores => {
             // Tiles are copied with cp.async, which moves 4, 8 or 16 bytes: rows whose strides
             // are odd (in elements) are copied to a contiguous layout first.
-            let (q, k, v) = if mma_width(&q, &k, &v, None, &d) < 2 { (contiguous(q), contiguous(k), contiguous(v)) } else { (q, k, v) };
+            let (q, k, v) = if mma_width(&q, &k, &v, None, &d) < 2 {
+                (contiguous(q), contiguous(k), contiguous(v))
+            } else {
+                (q, k, v)
+            };
             let width = mma_width(&q, &k, &v, None, &d);
             let tiles = MmaTiles::get(d.hd);
             let ((mt, block_k), planes) = (tiles.fwd, tiles.fwd_planes);
@@ -343,14 +409,23 @@ pub(crate) fn backward<R: CubeRuntime>(
     let d = check_inputs(op, &q, &k, &v);
     check_same_dtype(op, "q", q.dtype, "output gradient", grad.dtype);
     if grad.shape().as_slice() != q.shape().as_slice() {
-        fail(op, format!("output gradient has shape {:?}; expected {:?}", grad.shape().as_slice(), q.shape().as_slice()));
+        fail(
+            op,
+            format!(
+                "output gradient has shape {:?}; expected {:?}",
+                grad.shape().as_slice(),
+                q.shape().as_slice()
+            ),
+        );
     }
     let (q, k, v) = (rows_readable(q), rows_readable(k), rows_readable(v));
     let (out, grad, lse) = (rows_readable(out), rows_readable(grad), contiguous(lse));
     let dq = empty_bshd(&q, &d, d.seq_q);
     if d.seq_q == 0 || d.batch * d.heads == 0 {
         // No queries: k and v received no attention, so their gradients are zero.
-        let zeros = |t: &CubeTensor<R>| burn_cubecl::ops::numeric::zeros::<R>(t.device.clone(), t.shape(), t.dtype);
+        let zeros = |t: &CubeTensor<R>| {
+            burn_cubecl::ops::numeric::zeros::<R>(t.device.clone(), t.shape(), t.dtype)
+        };
         return (dq, zeros(&k), zeros(&v));
     }
     let dk = empty_bshd(&k, &d, d.seq_k);
@@ -379,7 +454,12 @@ pub(crate) fn backward<R: CubeRuntime>(
     match path(&q) {
         FlashPath::TensorCores => {
             let (q, k, v, grad) = if mma_width(&q, &k, &v, Some(&grad), &d) < 2 {
-                (contiguous(q), contiguous(k), contiguous(v), contiguous(grad))
+                (
+                    contiguous(q),
+                    contiguous(k),
+                    contiguous(v),
+                    contiguous(grad),
+                )
             } else {
                 (q, k, v, grad)
             };
@@ -392,7 +472,11 @@ pub(crate) fn backward<R: CubeRuntime>(
             }
             // Fused: dQ accumulates in f32 through atomics from every key block's cube.
             let dq_acc = if tiles.fused_dq {
-                burn_cubecl::ops::numeric::zeros::<R>(q.device.clone(), [d.batch, d.heads, d.seq_q, d.hd].into(), DType::F32)
+                burn_cubecl::ops::numeric::zeros::<R>(
+                    q.device.clone(),
+                    [d.batch, d.heads, d.seq_q, d.hd].into(),
+                    DType::F32,
+                )
             } else {
                 empty(&q, vec![1], DType::F32)
             };
@@ -401,7 +485,11 @@ pub(crate) fn backward<R: CubeRuntime>(
                 unsafe {
                     flash_backward_dq_mma::launch_unchecked::<R>(
                         &client,
-                        CubeCount::Static(d.seq_q.div_ceil(tiles.dq_planes * mt * 16) as u32, bh, 1),
+                        CubeCount::Static(
+                            d.seq_q.div_ceil(tiles.dq_planes * mt * 16) as u32,
+                            bh,
+                            1,
+                        ),
                         CubeDim::new_2d(32, tiles.dq_planes as u32),
                         width,
                         q.clone().into_tensor_arg(),
@@ -531,7 +619,10 @@ mod tests {
     fn default_tiles_can_run_at_every_tensor_core_head_dim() {
         for hd in (16..=128).step_by(16) {
             let t = MmaTiles::for_head_dim(hd);
-            assert!(!t.fused_dq || t.fused_dq_problem(hd).is_none(), "hd {hd}: {t:?}");
+            assert!(
+                !t.fused_dq || t.fused_dq_problem(hd).is_none(),
+                "hd {hd}: {t:?}"
+            );
         }
     }
 
@@ -539,7 +630,15 @@ mod tests {
     fn tile_override_parses_and_rejects_bad_specs() {
         let mut t = MmaTiles::for_head_dim(128);
         t.apply("fwd=1x64, dkdv=2x16").unwrap();
-        assert_eq!(t, MmaTiles { fwd: (1, 64), dkdv: (2, 16), dkdv_planes: 4, ..MmaTiles::for_head_dim(128) });
+        assert_eq!(
+            t,
+            MmaTiles {
+                fwd: (1, 64),
+                dkdv: (2, 16),
+                dkdv_planes: 4,
+                ..MmaTiles::for_head_dim(128)
+            }
+        );
         t.apply("dq=fused,dkdv=1x64x8").unwrap();
         assert!(t.fused_dq);
         assert_eq!((t.dkdv, t.dkdv_planes), ((1, 64), 8));
@@ -552,7 +651,17 @@ mod tests {
         assert!(!t.fused_dq);
         t.apply("fwd=1x32x8").unwrap();
         assert_eq!((t.fwd, t.fwd_planes, t.dq_planes), ((1, 32), 8, 4));
-        for bad in ["fwd=3x64", "fwd=2x24", "fwd=2x256", "fwd=2", "bwd=1x64", "fwd", "fwd=1x64x6", "dkdv=1x64x8x2", "dq=atomic"] {
+        for bad in [
+            "fwd=3x64",
+            "fwd=2x24",
+            "fwd=2x256",
+            "fwd=2",
+            "bwd=1x64",
+            "fwd",
+            "fwd=1x64x6",
+            "dkdv=1x64x8x2",
+            "dq=atomic",
+        ] {
             let err = MmaTiles::for_head_dim(64).apply(bad).unwrap_err();
             assert!(!err.is_empty(), "{bad}");
         }

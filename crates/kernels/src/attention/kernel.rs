@@ -79,7 +79,13 @@ fn stage<F: Float>(
 
 /// Sum over the `split` units of row `row` of their partial dot products for column `c`.
 #[cube]
-fn gather(partials: &SharedMemory<f32>, row: usize, c: usize, #[comptime] split: usize, #[comptime] block: usize) -> f32 {
+fn gather(
+    partials: &SharedMemory<f32>,
+    row: usize,
+    c: usize,
+    #[comptime] split: usize,
+    #[comptime] block: usize,
+) -> f32 {
     let mut s = 0.0f32;
     #[unroll]
     for p in 0..split {

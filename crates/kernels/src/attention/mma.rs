@@ -27,8 +27,8 @@
 //! `t` and row half `half` (rows `g` or `g + 8`); every index is a compile-time constant after
 //! unrolling, so they live in registers.
 
-use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
+use cubecl::prelude::*;
 
 use super::kernel::{neg_big, visible};
 use crate::pipeline::{commit, wait_block};
@@ -65,7 +65,11 @@ fn copy_rows<F: Float, N: Size>(
         if s < seq {
             let src = base + s * row_stride + c;
             if comptime!(asynchronous) {
-                copy_async::<Vector<F, N>>(&t.slice(src, src + 1), &mut tile.slice_mut(dst, dst + 1), comptime!(width as u32));
+                copy_async::<Vector<F, N>>(
+                    &t.slice(src, src + 1),
+                    &mut tile.slice_mut(dst, dst + 1),
+                    comptime!(width as u32),
+                );
             } else {
                 tile[dst] = t[src];
             }
@@ -89,7 +93,12 @@ fn load_a<F: Float, N: Size, NA: Size>(
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE as usize;
     let at = (row0 + lane % 16) * pitch + (col0 + (lane / 16) * 8) / width;
-    def.load_matrix::<Vector<F, N>, NA>(&tile.slice(at, at + 1), cmma::MatrixIdent::A, 4usize, false)
+    def.load_matrix::<Vector<F, N>, NA>(
+        &tile.slice(at, at + 1),
+        cmma::MatrixIdent::A,
+        4usize,
+        false,
+    )
 }
 
 /// A fragment (16 x 16) of a tile that stores A transposed (`A[m][k] = tile[k][m]`, like dS^T in
@@ -132,12 +141,21 @@ fn load_b2<F: Float, N: Size, NB: Size>(
     if comptime!(n_rows) {
         at = off + (n0 + (i / 2) * 8 + r8) * pitch + (k0 + (i % 2) * 8) / width;
     }
-    def.load_matrix::<Vector<F, N>, NB>(&tile.slice(at, at + 1), cmma::MatrixIdent::B, 4usize, comptime!(!n_rows))
+    def.load_matrix::<Vector<F, N>, NB>(
+        &tile.slice(at, at + 1),
+        cmma::MatrixIdent::B,
+        4usize,
+        comptime!(!n_rows),
+    )
 }
 
 /// Vectors `index * vectors ..` of a flat array of fragments.
 #[cube]
-fn part<E: Scalar, NA: Size>(all: &Array<Vector<E, NA>>, index: usize, #[comptime] vectors: usize) -> Array<Vector<E, NA>> {
+fn part<E: Scalar, NA: Size>(
+    all: &Array<Vector<E, NA>>,
+    index: usize,
+    #[comptime] vectors: usize,
+) -> Array<Vector<E, NA>> {
     let mut out = Array::<Vector<E, NA>>::new(vectors);
     #[unroll]
     for i in 0..vectors {
@@ -364,15 +382,27 @@ fn issue_query_block<F: Float, N: Size>(
     #[comptime] width: usize,
 ) {
     let off = which * comptime!(block_q * pitch);
-    copy_rows(q, qt, off, qbase, qstride, i0, seq_q, block_q, per_row, pitch, width, true);
-    copy_rows(grad, gt, off, gbase, gstride, i0, seq_q, block_q, per_row, pitch, width, true);
+    copy_rows(
+        q, qt, off, qbase, qstride, i0, seq_q, block_q, per_row, pitch, width, true,
+    );
+    copy_rows(
+        grad, gt, off, gbase, gstride, i0, seq_q, block_q, per_row, pitch, width, true,
+    );
     let mut r = UNIT_POS as usize;
     while r < block_q {
         let dst = which * block_q + r;
         if i0 + r < seq_q {
             let src = rows0 + i0 + r;
-            copy_async::<f32>(&lse.slice(src, src + 1), &mut lse_t.slice_mut(dst, dst + 1), 1u32);
-            copy_async::<f32>(&delta.slice(src, src + 1), &mut delta_t.slice_mut(dst, dst + 1), 1u32);
+            copy_async::<f32>(
+                &lse.slice(src, src + 1),
+                &mut lse_t.slice_mut(dst, dst + 1),
+                1u32,
+            );
+            copy_async::<f32>(
+                &delta.slice(src, src + 1),
+                &mut delta_t.slice_mut(dst, dst + 1),
+                1u32,
+            );
         } else {
             lse_t[dst] = 0.0;
             delta_t[dst] = 0.0;
@@ -384,7 +414,13 @@ fn issue_query_block<F: Float, N: Size>(
 /// Whether the keys `j0 .. j0 + block_k` meet a masked position for query rows from `row0` on:
 /// keys past `seq_k`, or (causal) keys past the first row. Uniform across a warp.
 #[cube]
-fn edge_block(row0: usize, j0: usize, seq_k: usize, #[comptime] block_k: usize, #[comptime] causal: bool) -> bool {
+fn edge_block(
+    row0: usize,
+    j0: usize,
+    seq_k: usize,
+    #[comptime] block_k: usize,
+    #[comptime] causal: bool,
+) -> bool {
     let mut edge = j0 + block_k > seq_k;
     if comptime!(causal) {
         edge = edge || j0 + block_k > row0 + 1;
@@ -429,7 +465,14 @@ fn mask_scores<NC: Size>(
 
 /// Number of key blocks a query block starting at `q0` (of `block_q` rows) visits.
 #[cube]
-fn key_blocks(q0: usize, seq_q: usize, seq_k: usize, #[comptime] block_q: usize, #[comptime] block_k: usize, #[comptime] causal: bool) -> usize {
+fn key_blocks(
+    q0: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] block_q: usize,
+    #[comptime] block_k: usize,
+    #[comptime] causal: bool,
+) -> usize {
     let mut blocks = seq_k.div_ceil(block_k);
     if comptime!(causal) {
         let mut last = q0 + block_q;
@@ -489,9 +532,28 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    copy_rows(q, &mut qt, 0, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, per_row, pitch, width, false);
-    let (kbase, kstride) = ((b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width);
-    let (vbase, vstride) = ((b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width);
+    copy_rows(
+        q,
+        &mut qt,
+        0,
+        (b * q.stride(0) + h * q.stride(1)) / width,
+        q.stride(2) / width,
+        q0,
+        seq_q,
+        block_q,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
+    let (kbase, kstride) = (
+        (b * k.stride(0) + h * k.stride(1)) / width,
+        k.stride(2) / width,
+    );
+    let (vbase, vstride) = (
+        (b * v.stride(0) + h * v.stride(1)) / width,
+        v.stride(2) / width,
+    );
 
     let s_tiles = comptime!(block_k / 8);
     let o_tiles = comptime!(hd / 8);
@@ -507,8 +569,12 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
     sync_cube();
     if blocks > 0 {
-        copy_rows(k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true);
-        copy_rows(v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true);
+        copy_rows(
+            k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true,
+        );
+        copy_rows(
+            v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true,
+        );
         commit(&bar0, &bar1, 0);
     }
     for kb in 0..blocks {
@@ -516,15 +582,53 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
         let cur = (kb % 2) * tile;
         if kb + 1 < blocks {
             let next = ((kb + 1) % 2) * tile;
-            copy_rows(k, &mut kt, next, kbase, kstride, j0 + block_k, seq_k, block_k, per_row, pitch, width, true);
-            copy_rows(v, &mut vt, next, vbase, vstride, j0 + block_k, seq_k, block_k, per_row, pitch, width, true);
+            copy_rows(
+                k,
+                &mut kt,
+                next,
+                kbase,
+                kstride,
+                j0 + block_k,
+                seq_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
+                true,
+            );
+            copy_rows(
+                v,
+                &mut vt,
+                next,
+                vbase,
+                vstride,
+                j0 + block_k,
+                seq_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
+                true,
+            );
             commit(&bar0, &bar1, (kb + 1) % 2);
         }
         wait_block(&bar0, &bar1, kb);
 
         // S = q k^T for this warp's rows and the block's keys.
         let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        block_product::<F, N, NA, NB, NC>(&qt, w0, &kt, cur, &mut s, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
+        block_product::<F, N, NA, NB, NC>(
+            &qt,
+            w0,
+            &kt,
+            cur,
+            &mut s,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
 
         // Scaled scores; the mask only where this warp's rows meet the block's edge (past seq_k
         // or, causal, above the diagonal): the test is uniform across the warp.
@@ -577,7 +681,9 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
         }
 
         // O += P v, P from registers.
-        scores_product::<F, N, NA, NB, NC>(&s, &vt, cur, &mut o_acc, s_tiles, o_tiles, mt, pitch, width);
+        scores_product::<F, N, NA, NB, NC>(
+            &s, &vt, cur, &mut o_acc, s_tiles, o_tiles, mt, pitch, width,
+        );
         // Every warp is done with this buffer before the next iteration refills it.
         sync_cube();
     }
@@ -600,7 +706,16 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
             }
         }
     }
-    store_rows::<F, NC>(&o_acc, out, b * out.stride(0) + h * out.stride(1), q0 + w0, seq_q, 1.0, mt, hd);
+    store_rows::<F, NC>(
+        &o_acc,
+        out,
+        b * out.stride(0) + h * out.stride(1),
+        q0 + w0,
+        seq_q,
+        1.0,
+        mt,
+        hd,
+    );
 }
 
 /// Tensor-core dQ. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp owns
@@ -650,10 +765,42 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let (kbase, kstride) = ((b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width);
-    let (vbase, vstride) = ((b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width);
-    copy_rows(q, &mut qt, 0, (b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width, q0, seq_q, block_q, per_row, pitch, width, false);
-    copy_rows(grad, &mut gt, 0, (b * grad.stride(0) + h * grad.stride(1)) / width, grad.stride(2) / width, q0, seq_q, block_q, per_row, pitch, width, false);
+    let (kbase, kstride) = (
+        (b * k.stride(0) + h * k.stride(1)) / width,
+        k.stride(2) / width,
+    );
+    let (vbase, vstride) = (
+        (b * v.stride(0) + h * v.stride(1)) / width,
+        v.stride(2) / width,
+    );
+    copy_rows(
+        q,
+        &mut qt,
+        0,
+        (b * q.stride(0) + h * q.stride(1)) / width,
+        q.stride(2) / width,
+        q0,
+        seq_q,
+        block_q,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
+    copy_rows(
+        grad,
+        &mut gt,
+        0,
+        (b * grad.stride(0) + h * grad.stride(1)) / width,
+        grad.stride(2) / width,
+        q0,
+        seq_q,
+        block_q,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
 
     // The log-sum-exp and delta of this lane's rows.
     let mut lse_r = Array::<f32>::new(comptime!(mt * 2));
@@ -681,8 +828,12 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
     sync_cube();
     if blocks > 0 {
-        copy_rows(k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true);
-        copy_rows(v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true);
+        copy_rows(
+            k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true,
+        );
+        copy_rows(
+            v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true,
+        );
         commit(&bar0, &bar1, 0);
     }
     for kb in 0..blocks {
@@ -690,8 +841,34 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         let cur = (kb % 2) * tile;
         if kb + 1 < blocks {
             let next = ((kb + 1) % 2) * tile;
-            copy_rows(k, &mut kt, next, kbase, kstride, j0 + block_k, seq_k, block_k, per_row, pitch, width, true);
-            copy_rows(v, &mut vt, next, vbase, vstride, j0 + block_k, seq_k, block_k, per_row, pitch, width, true);
+            copy_rows(
+                k,
+                &mut kt,
+                next,
+                kbase,
+                kstride,
+                j0 + block_k,
+                seq_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
+                true,
+            );
+            copy_rows(
+                v,
+                &mut vt,
+                next,
+                vbase,
+                vstride,
+                j0 + block_k,
+                seq_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
+                true,
+            );
             commit(&bar0, &bar1, (kb + 1) % 2);
         }
         wait_block(&bar0, &bar1, kb);
@@ -699,8 +876,32 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         // S = q k^T and dP = dO v^T.
         let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
         let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        block_product::<F, N, NA, NB, NC>(&qt, w0, &kt, cur, &mut s, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
-        block_product::<F, N, NA, NB, NC>(&gt, w0, &vt, cur, &mut dp, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
+        block_product::<F, N, NA, NB, NC>(
+            &qt,
+            w0,
+            &kt,
+            cur,
+            &mut s,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
+        block_product::<F, N, NA, NB, NC>(
+            &gt,
+            w0,
+            &vt,
+            cur,
+            &mut dp,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
 
         // dS = P * (dP - delta), P = exp(scale * S - lse), in place of S; masked scores become a
         // large negative value, so P and dS are 0 there.
@@ -731,11 +932,30 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         }
 
         // dQ += dS k.
-        scores_product::<F, N, NA, NB, NC>(&s, &kt, cur, &mut dq_acc, s_tiles, o_tiles, mt, pitch, width);
+        scores_product::<F, N, NA, NB, NC>(
+            &s,
+            &kt,
+            cur,
+            &mut dq_acc,
+            s_tiles,
+            o_tiles,
+            mt,
+            pitch,
+            width,
+        );
         sync_cube();
     }
 
-    store_rows::<F, NC>(&dq_acc, dq, b * dq.stride(0) + h * dq.stride(1), q0 + w0, seq_q, scale, mt, hd);
+    store_rows::<F, NC>(
+        &dq_acc,
+        dq,
+        b * dq.stride(0) + h * dq.stride(1),
+        q0 + w0,
+        seq_q,
+        scale,
+        mt,
+        hd,
+    );
 }
 
 /// Writes this warp's dS^T tiles (`dp`: rows = its keys from `w0`, columns = the block's queries)
@@ -794,7 +1014,11 @@ fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
     let lane = UNIT_POS_PLANE as usize;
     let (g, t4) = (lane / 4, lane % 4);
     let row_tiles = comptime!(block_q / 16);
-    let qm = comptime!(if row_tiles > planes { row_tiles / planes } else { 1 });
+    let qm = comptime!(if row_tiles > planes {
+        row_tiles / planes
+    } else {
+        1
+    });
     let row_slots = comptime!(row_tiles / qm);
     let group_cols = comptime!(hd / (planes / row_slots));
     let chunk = comptime!(if group_cols > 32 { 32 } else { group_cols });
@@ -844,7 +1068,14 @@ fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
 /// `dq[b, h, s, :] = acc[b, h, s, :]` in the output dtype (`acc`: contiguous f32, `dq`: any
 /// strides with unit last stride). One unit per element.
 #[cube(launch_unchecked)]
-pub(crate) fn dq_from_f32<F: Float>(acc: &Tensor<f32>, dq: &mut Tensor<F>, heads: usize, seq: usize, #[comptime] hd: usize, #[define(F)] _dtype: StorageType) {
+pub(crate) fn dq_from_f32<F: Float>(
+    acc: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    heads: usize,
+    seq: usize,
+    #[comptime] hd: usize,
+    #[define(F)] _dtype: StorageType,
+) {
     let i = ABSOLUTE_POS;
     if i < acc.len() {
         let d = i % hd;
@@ -912,13 +1143,48 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     // Fused dQ: this block's dS^T (keys x queries, in the input dtype, pairs of columns per
     // vector as in an A fragment register), rows padded by 8 elements as the other tiles.
     let ds_pitch = comptime!((block_q + 8) / 2);
-    let mut ds_t = SharedMemory::<Vector<F, NA>>::new_aligned(comptime!(if fuse_dq { block_k * ds_pitch } else { 1 }), ALIGN);
+    let mut ds_t = SharedMemory::<Vector<F, NA>>::new_aligned(
+        comptime!(if fuse_dq { block_k * ds_pitch } else { 1 }),
+        ALIGN,
+    );
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let (qbase, qstride) = ((b * q.stride(0) + h * q.stride(1)) / width, q.stride(2) / width);
-    let (gbase, gstride) = ((b * grad.stride(0) + h * grad.stride(1)) / width, grad.stride(2) / width);
-    copy_rows(k, &mut kt, 0, (b * k.stride(0) + h * k.stride(1)) / width, k.stride(2) / width, k0, seq_k, block_k, per_row, pitch, width, false);
-    copy_rows(v, &mut vt, 0, (b * v.stride(0) + h * v.stride(1)) / width, v.stride(2) / width, k0, seq_k, block_k, per_row, pitch, width, false);
+    let (qbase, qstride) = (
+        (b * q.stride(0) + h * q.stride(1)) / width,
+        q.stride(2) / width,
+    );
+    let (gbase, gstride) = (
+        (b * grad.stride(0) + h * grad.stride(1)) / width,
+        grad.stride(2) / width,
+    );
+    copy_rows(
+        k,
+        &mut kt,
+        0,
+        (b * k.stride(0) + h * k.stride(1)) / width,
+        k.stride(2) / width,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
+    copy_rows(
+        v,
+        &mut vt,
+        0,
+        (b * v.stride(0) + h * v.stride(1)) / width,
+        v.stride(2) / width,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
 
     let s_tiles = comptime!(block_q / 8);
     let o_tiles = comptime!(hd / 8);
@@ -932,7 +1198,28 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     }
     sync_cube();
     if first < query_blocks {
-        issue_query_block(q, grad, lse, delta, &mut qt, &mut gt, &mut lse_t, &mut delta_t, 0, qbase, qstride, gbase, gstride, bh * seq_q, first * block_q, seq_q, block_q, per_row, pitch, width);
+        issue_query_block(
+            q,
+            grad,
+            lse,
+            delta,
+            &mut qt,
+            &mut gt,
+            &mut lse_t,
+            &mut delta_t,
+            0,
+            qbase,
+            qstride,
+            gbase,
+            gstride,
+            bh * seq_q,
+            first * block_q,
+            seq_q,
+            block_q,
+            per_row,
+            pitch,
+            width,
+        );
         commit(&bar0, &bar1, 0);
     }
     for qb in first..query_blocks {
@@ -940,7 +1227,28 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         let n = qb - first;
         let cur = n % 2;
         if qb + 1 < query_blocks {
-            issue_query_block(q, grad, lse, delta, &mut qt, &mut gt, &mut lse_t, &mut delta_t, (n + 1) % 2, qbase, qstride, gbase, gstride, bh * seq_q, i0 + block_q, seq_q, block_q, per_row, pitch, width);
+            issue_query_block(
+                q,
+                grad,
+                lse,
+                delta,
+                &mut qt,
+                &mut gt,
+                &mut lse_t,
+                &mut delta_t,
+                (n + 1) % 2,
+                qbase,
+                qstride,
+                gbase,
+                gstride,
+                bh * seq_q,
+                i0 + block_q,
+                seq_q,
+                block_q,
+                per_row,
+                pitch,
+                width,
+            );
             commit(&bar0, &bar1, (n + 1) % 2);
         }
         wait_block(&bar0, &bar1, n);
@@ -949,8 +1257,32 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         // S^T = k q^T and dP^T = v dO^T (rows: keys, columns: queries).
         let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
         let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        block_product::<F, N, NA, NB, NC>(&kt, w0, &qt, cur * tile, &mut s, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
-        block_product::<F, N, NA, NB, NC>(&vt, w0, &gt, cur * tile, &mut dp, comptime!(hd / 16), s_tiles, mt, pitch, width, true);
+        block_product::<F, N, NA, NB, NC>(
+            &kt,
+            w0,
+            &qt,
+            cur * tile,
+            &mut s,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
+        block_product::<F, N, NA, NB, NC>(
+            &vt,
+            w0,
+            &gt,
+            cur * tile,
+            &mut dp,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
 
         // P^T in place of S^T, dS^T in place of dP^T. Scores of (query, key) pairs past either
         // length or above the diagonal become a large negative value (P = 0), tested only in
@@ -1011,16 +1343,69 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         }
 
         // dV += P^T dO, dK += dS^T q.
-        scores_product::<F, N, NA, NB, NC>(&s, &gt, cur * tile, &mut dv_acc, s_tiles, o_tiles, mt, pitch, width);
-        scores_product::<F, N, NA, NB, NC>(&dp, &qt, cur * tile, &mut dk_acc, s_tiles, o_tiles, mt, pitch, width);
+        scores_product::<F, N, NA, NB, NC>(
+            &s,
+            &gt,
+            cur * tile,
+            &mut dv_acc,
+            s_tiles,
+            o_tiles,
+            mt,
+            pitch,
+            width,
+        );
+        scores_product::<F, N, NA, NB, NC>(
+            &dp,
+            &qt,
+            cur * tile,
+            &mut dk_acc,
+            s_tiles,
+            o_tiles,
+            mt,
+            pitch,
+            width,
+        );
         if comptime!(fuse_dq) {
             store_ds_t::<F, NA, NC>(&dp, &mut ds_t, w0, ds_pitch, mt, s_tiles);
             sync_cube();
-            dq_block_atomic::<F, N, NA, NB, NC>(&ds_t, &kt, dq_acc, bh * seq_q * hd, i0, seq_q, scale, hd, planes, block_q, block_k, ds_pitch, pitch, width);
+            dq_block_atomic::<F, N, NA, NB, NC>(
+                &ds_t,
+                &kt,
+                dq_acc,
+                bh * seq_q * hd,
+                i0,
+                seq_q,
+                scale,
+                hd,
+                planes,
+                block_q,
+                block_k,
+                ds_pitch,
+                pitch,
+                width,
+            );
         }
         sync_cube();
     }
 
-    store_rows::<F, NC>(&dk_acc, dk, b * dk.stride(0) + h * dk.stride(1), k0 + w0, seq_k, scale, mt, hd);
-    store_rows::<F, NC>(&dv_acc, dv, b * dv.stride(0) + h * dv.stride(1), k0 + w0, seq_k, 1.0, mt, hd);
+    store_rows::<F, NC>(
+        &dk_acc,
+        dk,
+        b * dk.stride(0) + h * dk.stride(1),
+        k0 + w0,
+        seq_k,
+        scale,
+        mt,
+        hd,
+    );
+    store_rows::<F, NC>(
+        &dv_acc,
+        dv,
+        b * dv.stride(0) + h * dv.stride(1),
+        k0 + w0,
+        seq_k,
+        1.0,
+        mt,
+        hd,
+    );
 }

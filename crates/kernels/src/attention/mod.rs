@@ -44,7 +44,12 @@ pub fn default_scale(head_dim: usize) -> f64 {
 }
 
 /// Scaled scores `scale * q k^T` with the causal mask applied (-inf above the diagonal).
-fn masked_scores<B: BurnBackend>(q: Tensor<B, 4>, k: Tensor<B, 4>, causal: bool, scale: f64) -> Tensor<B, 4> {
+fn masked_scores<B: BurnBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    causal: bool,
+    scale: f64,
+) -> Tensor<B, 4> {
     let [_, _, sq, _] = q.dims();
     let sk = k.dims()[2];
     let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
@@ -61,7 +66,13 @@ fn masked_scores<B: BurnBackend>(q: Tensor<B, 4>, k: Tensor<B, 4>, causal: bool,
 
 /// Plain-Burn attention by the naive formula, computed in the inputs' dtype (it materialises the
 /// `[batch, heads, seq_q, seq_k]` scores). `scale` defaults to `1 / sqrt(head_dim)`.
-pub fn reference<B: BurnBackend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, causal: bool, scale: Option<f64>) -> Tensor<B, 4> {
+pub fn reference<B: BurnBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+) -> Tensor<B, 4> {
     let scale = scale.unwrap_or_else(|| default_scale(q.dims()[3]));
     let p = burn::tensor::activation::softmax(masked_scores(q, k, causal, scale), 3);
     p.matmul(v)
@@ -69,7 +80,12 @@ pub fn reference<B: BurnBackend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 
 
 /// Log-sum-exp over keys of the scaled, masked scores, `[batch, heads, seq_q]`, by the naive
 /// formula in the inputs' dtype.
-pub fn reference_lse<B: BurnBackend>(q: Tensor<B, 4>, k: Tensor<B, 4>, causal: bool, scale: Option<f64>) -> Tensor<B, 3> {
+pub fn reference_lse<B: BurnBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+) -> Tensor<B, 3> {
     let scale = scale.unwrap_or_else(|| default_scale(q.dims()[3]));
     let s = masked_scores(q, k, causal, scale);
     let m = s.clone().max_dim(3);

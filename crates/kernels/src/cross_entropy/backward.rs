@@ -21,7 +21,10 @@ impl<B: KernelOps> Backward<B, 1> for CrossEntropyBackward {
         let dloss = grads.consume::<B>(&ops.node);
         let (logits, targets, lse, z) = ops.state;
         if let Some(node) = node {
-            grads.register::<B>(node.id, B::cross_entropy_backward(logits, targets, lse, dloss, z));
+            grads.register::<B>(
+                node.id,
+                B::cross_entropy_backward(logits, targets, lse, dloss, z),
+            );
         }
     }
 }
@@ -32,7 +35,11 @@ pub(crate) fn cross_entropy<B: KernelOps, C: CheckpointStrategy>(
     z_loss: f64,
 ) -> FloatTensor<Autodiff<B, C>> {
     let (loss, lse) = B::cross_entropy_forward(logits.primitive.clone(), targets.clone(), z_loss);
-    match CrossEntropyBackward.prepare::<C>([logits.node.clone()]).compute_bound().stateful() {
+    match CrossEntropyBackward
+        .prepare::<C>([logits.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
         OpsKind::Tracked(prep) => prep.finish((logits.primitive, targets, lse, z_loss), loss),
         OpsKind::UnTracked(prep) => prep.finish(loss),
     }

@@ -8,20 +8,49 @@ use cubecl::prelude::*;
 
 use super::kernel::{ce_bwd, ce_fwd};
 use crate::check::{check_float, fail};
-use crate::launch::{contiguous, empty, use_planes, max_cubes_x, max_units, reduce_slots, vector_width};
+use crate::launch::{
+    contiguous, empty, max_cubes_x, max_units, reduce_slots, use_planes, vector_width,
+};
 
-fn check<R: CubeRuntime>(op: &str, logits: &CubeTensor<R>, targets: &CubeTensor<R>) -> (usize, usize) {
+fn check<R: CubeRuntime>(
+    op: &str,
+    logits: &CubeTensor<R>,
+    targets: &CubeTensor<R>,
+) -> (usize, usize) {
     check_float(op, "logits", logits.dtype);
     let ls = logits.shape();
     let ts = targets.shape();
     if ls.num_dims() != 2 {
-        fail(op, format!("logits have shape {:?}; expected [rows, classes]", ls.as_slice()));
+        fail(
+            op,
+            format!(
+                "logits have shape {:?}; expected [rows, classes]",
+                ls.as_slice()
+            ),
+        );
     }
     if ts.as_slice() != [ls[0]] {
-        fail(op, format!("targets have shape {:?}; expected [{}], one class index per row of logits {:?}", ts.as_slice(), ls[0], ls.as_slice()));
+        fail(
+            op,
+            format!(
+                "targets have shape {:?}; expected [{}], one class index per row of logits {:?}",
+                ts.as_slice(),
+                ls[0],
+                ls.as_slice()
+            ),
+        );
     }
-    if !matches!(targets.dtype, DType::I32 | DType::I64 | DType::U32 | DType::U64) {
-        fail(op, format!("targets have dtype {:?}; expected an integer dtype", targets.dtype));
+    if !matches!(
+        targets.dtype,
+        DType::I32 | DType::I64 | DType::U32 | DType::U64
+    ) {
+        fail(
+            op,
+            format!(
+                "targets have dtype {:?}; expected an integer dtype",
+                targets.dtype
+            ),
+        );
     }
     (ls[0], ls[1])
 }
@@ -30,7 +59,12 @@ fn check<R: CubeRuntime>(op: &str, logits: &CubeTensor<R>, targets: &CubeTensor<
 /// CUDA pads the rows of large allocations (a bf16 row of 50304 to 50432 elements), and copying
 /// such a tensor to dense costs more than the loss itself. Anything else is copied first.
 fn rows_in_place<R: CubeRuntime>(logits: CubeTensor<R>) -> (CubeTensor<R>, usize) {
-    let strides = logits.meta.strides().iter().copied().collect::<Vec<usize>>();
+    let strides = logits
+        .meta
+        .strides()
+        .iter()
+        .copied()
+        .collect::<Vec<usize>>();
     if strides.len() == 2 && strides[1] == 1 && strides[0] >= logits.meta.shape()[1] {
         let s = strides[0];
         (logits, s)
@@ -42,7 +76,11 @@ fn rows_in_place<R: CubeRuntime>(logits: CubeTensor<R>) -> (CubeTensor<R>, usize
 }
 
 /// Per-row `(loss, lse)`, both f32 [rows].
-pub(crate) fn forward<R: CubeRuntime>(logits: CubeTensor<R>, targets: CubeTensor<R>, z_loss: f64) -> (CubeTensor<R>, CubeTensor<R>) {
+pub(crate) fn forward<R: CubeRuntime>(
+    logits: CubeTensor<R>,
+    targets: CubeTensor<R>,
+    z_loss: f64,
+) -> (CubeTensor<R>, CubeTensor<R>) {
     let (rows, cols) = check("cross_entropy", &logits, &targets);
     let (logits, stride) = rows_in_place(logits);
     let targets = contiguous(targets);
@@ -57,7 +95,9 @@ pub(crate) fn forward<R: CubeRuntime>(logits: CubeTensor<R>, targets: CubeTensor
     let n = vector_width(&logits, &[logits.dtype], &[cols, stride]);
     // One cube per row: 256 units stream a 50k-wide row in ~25 vector loads each; short rows use
     // smaller cubes so that few units idle.
-    let units = (cols / n).next_power_of_two().clamp(32, 256.min(max_units(&logits)));
+    let units = (cols / n)
+        .next_power_of_two()
+        .clamp(32, 256.min(max_units(&logits)));
     let plane = use_planes(&logits, units);
     let cubes = rows.min(max_cubes_x(&logits));
     let dtypes = [logits.dtype.into(), targets.dtype.into()];

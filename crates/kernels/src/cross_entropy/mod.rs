@@ -17,7 +17,11 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{FloatDType, Int, Tensor};
 
 /// Plain-Burn per-row cross-entropy with z-loss, in f32 (see the module docs).
-pub fn reference<B: BurnBackend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>, z_loss: f64) -> Tensor<B, 1> {
+pub fn reference<B: BurnBackend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    z_loss: f64,
+) -> Tensor<B, 1> {
     let logits = logits.cast(FloatDType::F32);
     let [rows, _] = logits.dims();
     let valid = targets.clone().greater_equal_elem(0);
@@ -35,7 +39,10 @@ pub fn reference<B: BurnBackend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int
 }
 
 /// Plain-Burn mean cross-entropy as a training loop usually writes it: `log_softmax` and `gather`.
-pub fn reference_log_softmax<B: BurnBackend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+pub fn reference_log_softmax<B: BurnBackend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+) -> Tensor<B, 1> {
     let [rows, _] = logits.dims();
     let logp = log_softmax(logits.cast(FloatDType::F32), 1);
     logp.gather(1, targets.reshape([rows, 1])).mean().neg()

@@ -14,7 +14,11 @@ use crate::launch::empty;
 const MAX_CUBES_Y: usize = 65535;
 
 /// `(rows, k, stride_i, stride_j)` of the logical matrix `spec` quantizes.
-fn view<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, spec: &QuantSpec) -> (usize, usize, usize, usize) {
+fn view<R: CubeRuntime>(
+    op: &str,
+    x: &CubeTensor<R>,
+    spec: &QuantSpec,
+) -> (usize, usize, usize, usize) {
     let shape = x.shape();
     let dims = shape.as_slice();
     if dims.len() != 2 {
@@ -29,14 +33,21 @@ fn view<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, spec: &QuantSpec) -> (usize
 }
 
 /// `(payload [rows, k_pad / 4] as I32 words, f32 dequantization scales)`.
-pub(crate) fn quantize<R: CubeRuntime>(x: CubeTensor<R>, spec: &QuantSpec) -> (CubeTensor<R>, CubeTensor<R>) {
+pub(crate) fn quantize<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    spec: &QuantSpec,
+) -> (CubeTensor<R>, CubeTensor<R>) {
     let op = "fp8_quantize";
     check_float(op, "x", x.dtype);
     let (rows, k, stride_i, stride_j) = view(op, &x, spec);
     let k_tiles = k.div_ceil(TILE);
     let words = k_tiles * TILE / 4;
     let payload = empty(&x, vec![rows, words], DType::I32);
-    let scales = empty(&x, vec![spec.scale_rows(rows), spec.scale_cols(k)], DType::F32);
+    let scales = empty(
+        &x,
+        vec![spec.scale_rows(rows), spec.scale_cols(k)],
+        DType::F32,
+    );
     if rows == 0 || k == 0 {
         // Nothing to scale: the per-tensor scale is 1, as for an all-zero tensor.
         let ones = burn::tensor::Tensor::<burn_cubecl::CubeBackend<R, f32, i32, u32>, 2>::ones(
@@ -52,7 +63,10 @@ pub(crate) fn quantize<R: CubeRuntime>(x: CubeTensor<R>, spec: &QuantSpec) -> (C
     };
     let tensor_scale = spec.granularity == Fp8Granularity::Tensor;
     if row_groups > MAX_CUBES_Y || k_tiles > crate::launch::max_cubes_x(&x) {
-        fail(op, format!("a [{rows}, {k}] matrix is larger than the quantizer's launch grid supports"));
+        fail(
+            op,
+            format!("a [{rows}, {k}] matrix is larger than the quantizer's launch grid supports"),
+        );
     }
     let client = x.client.clone();
     let amax = if tensor_scale {
@@ -70,9 +84,10 @@ pub(crate) fn quantize<R: CubeRuntime>(x: CubeTensor<R>, spec: &QuantSpec) -> (C
             stride_j,
             x.dtype.into(),
         );
-        let blocks = burn::tensor::Tensor::<burn_cubecl::CubeBackend<R, f32, i32, u32>, 2>::from_primitive(
-            burn::tensor::TensorPrimitive::Float(blocks),
-        );
+        let blocks =
+            burn::tensor::Tensor::<burn_cubecl::CubeBackend<R, f32, i32, u32>, 2>::from_primitive(
+                burn::tensor::TensorPrimitive::Float(blocks),
+            );
         blocks.max().into_primitive().tensor()
     } else {
         empty(&x, vec![1], DType::F32)
@@ -111,7 +126,14 @@ pub(crate) fn dequantize<R: CubeRuntime>(
     let op = "fp8_dequantize";
     let words = payload.shape().as_slice().get(1).copied().unwrap_or(0);
     if payload.shape().as_slice() != [rows, words] || k_out > words * 4 {
-        fail(op, format!("payload has shape {:?}; expected [{rows}, >= {}]", payload.shape().as_slice(), k_out.div_ceil(4)));
+        fail(
+            op,
+            format!(
+                "payload has shape {:?}; expected [{rows}, >= {}]",
+                payload.shape().as_slice(),
+                k_out.div_ceil(4)
+            ),
+        );
     }
     let payload = crate::launch::contiguous(payload);
     let scales = crate::launch::contiguous(scales);
@@ -128,7 +150,11 @@ pub(crate) fn dequantize<R: CubeRuntime>(
     };
     let client = payload.client.clone();
     let cubes = n.div_ceil(256);
-    let (cx, cy) = if cubes > crate::launch::max_cubes_x(&payload) { (65535, cubes.div_ceil(65535)) } else { (cubes, 1) };
+    let (cx, cy) = if cubes > crate::launch::max_cubes_x(&payload) {
+        (65535, cubes.div_ceil(65535))
+    } else {
+        (cubes, 1)
+    };
     dequantize_kernel::launch::<R>(
         &client,
         CubeCount::Static(cx as u32, cy as u32, 1),
@@ -154,7 +180,14 @@ pub(crate) fn mma_supported<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
     let e4m3 = St::Scalar(ElemType::Float(FloatKind::E4M3));
     props.hardware.plane_size_min == 32
         && props.hardware.plane_size_max == 32
-        && props.features.matmul.mma.contains(&MmaConfig { a_type: e4m3, b_type: e4m3, cd_type: DType::F32.into(), m: 16, n: 8, k: 32 })
+        && props.features.matmul.mma.contains(&MmaConfig {
+            a_type: e4m3,
+            b_type: e4m3,
+            cd_type: DType::F32.into(),
+            m: 16,
+            n: 8,
+            k: 32,
+        })
 }
 
 /// `a [m, k] x b [n, k]^T` on tensor cores, or `None` where that path does not apply (device
@@ -174,8 +207,14 @@ pub(crate) fn gemm_mma<R: CubeRuntime>(
     use super::Fp8Format;
     let fits = a_spec.format == Fp8Format::E4M3
         && b_spec.format == Fp8Format::E4M3
-        && matches!(a_spec.granularity, Fp8Granularity::Tile1x128 | Fp8Granularity::Tensor)
-        && matches!(b_spec.granularity, Fp8Granularity::Block128 | Fp8Granularity::Tensor);
+        && matches!(
+            a_spec.granularity,
+            Fp8Granularity::Tile1x128 | Fp8Granularity::Tensor
+        )
+        && matches!(
+            b_spec.granularity,
+            Fp8Granularity::Block128 | Fp8Granularity::Tensor
+        );
     let shape = super::mma_shape();
     if !fits || !mma_supported(&a) || n.div_ceil(shape.block_n()) > MAX_CUBES_Y {
         return None;
@@ -197,7 +236,11 @@ pub(crate) fn gemm_mma<R: CubeRuntime>(
     unsafe {
         super::mma::gemm_mma::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(m.div_ceil(shape.block_m()) as u32, n.div_ceil(shape.block_n()) as u32, 1),
+            CubeCount::Static(
+                m.div_ceil(shape.block_m()) as u32,
+                n.div_ceil(shape.block_n()) as u32,
+                1,
+            ),
             CubeDim::new_2d(32, (shape.wm * shape.wn) as u32),
             8,
             a.into_tensor_arg(),
@@ -241,7 +284,9 @@ where
     I: burn_cubecl::IntElement,
     BT: burn_cubecl::BoolElement,
 {
-    use crate::gemm::cublaslt::{as_cuda, fp8_gemm, from_cuda, warn_once, Fp8Operand, Fp8Scales, Refused};
+    use crate::gemm::cublaslt::{
+        as_cuda, fp8_gemm, from_cuda, warn_once, Fp8Operand, Fp8Scales, Refused,
+    };
     use burn::tensor::{Tensor, TensorPrimitive};
     type Cb<R, F, I, BT> = burn_cubecl::CubeBackend<R, F, I, BT>;
 
@@ -250,13 +295,18 @@ where
     let device = a.device.clone();
     // Scales in the layout cuBLASLt reads (see `Fp8Scales`): 1x128 tiles transposed so that rows
     // are contiguous; 128x128 blocks with the tile count padded to a multiple of 4.
-    let operand = |payload: CubeTensor<cubecl::cuda::CudaRuntime>, scales: CubeTensor<R>, spec: &QuantSpec, rows: usize| -> Option<Fp8Operand> {
+    let operand = |payload: CubeTensor<cubecl::cuda::CudaRuntime>,
+                   scales: CubeTensor<R>,
+                   spec: &QuantSpec,
+                   rows: usize|
+     -> Option<Fp8Operand> {
         let layout = match spec.granularity {
             Fp8Granularity::Tensor => Fp8Scales::Tensor,
             Fp8Granularity::Tile1x128 => Fp8Scales::Vec128,
             Fp8Granularity::Block128 => Fp8Scales::Blk128,
         };
-        let s = Tensor::<Cb<R, F, I, BT>, 2>::from_primitive(TensorPrimitive::Float(scales)).cast(FloatDType::F32);
+        let s = Tensor::<Cb<R, F, I, BT>, 2>::from_primitive(TensorPrimitive::Float(scales))
+            .cast(FloatDType::F32);
         let s = match layout {
             Fp8Scales::Tensor => s,
             Fp8Scales::Vec128 => s.transpose(),
@@ -264,7 +314,10 @@ where
                 let [r, l] = s.dims();
                 let l4 = l.div_ceil(4) * 4;
                 if l4 > l {
-                    Tensor::cat(vec![s, Tensor::zeros([r, l4 - l], (&device, DType::F32))], 1)
+                    Tensor::cat(
+                        vec![s, Tensor::zeros([r, l4 - l], (&device, DType::F32))],
+                        1,
+                    )
                 } else {
                     s
                 }
@@ -284,7 +337,9 @@ where
     match fp8_gemm(oa, ob, k_pad, out.into()) {
         Ok(c) => Some(from_cuda(c)),
         Err(Refused::Unsupported(why)) => {
-            warn_once(format!("kernels::fp8_gemm: {why}; this GEMM takes another path"));
+            warn_once(format!(
+                "kernels::fp8_gemm: {why}; this GEMM takes another path"
+            ));
             None
         }
         Err(Refused::NotApplicable) => None,

@@ -88,7 +88,9 @@ pub(crate) fn decode(code: u32, #[comptime] f: FormatConsts) -> f32 {
         bits = select(mm == 0, 0x7F80_0000u32, 0x7FC0_0000u32);
     } else if e == 0 {
         // mm * 2^(1 - bias - m): an exact small integer times a power of two.
-        bits = u32::reinterpret(f32::cast_from(mm) * f32::new(comptime!(f32::from_bits((128 - f.bias - m) << 23))));
+        bits = u32::reinterpret(
+            f32::cast_from(mm) * f32::new(comptime!(f32::from_bits((128 - f.bias - m) << 23))),
+        );
     } else {
         bits = ((e + comptime!(127 - f.bias)) << 23) | (mm << comptime!(23 - m));
     }
@@ -99,7 +101,11 @@ pub(crate) fn decode(code: u32, #[comptime] f: FormatConsts) -> f32 {
 #[cube]
 fn amax_term(x: f32) -> f32 {
     let a = u32::reinterpret(x) & 0x7FFF_FFFFu32;
-    select(a >= 0x80_0000u32 && a <= 0x7F7F_FFFFu32, f32::reinterpret(a), 0.0f32)
+    select(
+        a >= 0x80_0000u32 && a <= 0x7F7F_FFFFu32,
+        f32::reinterpret(a),
+        0.0f32,
+    )
 }
 
 /// The quantization multiplier for a tile amax (see `reference::scales_for`).
@@ -124,7 +130,10 @@ fn multiplier(amax: f32, #[comptime] f: FormatConsts, #[comptime] pow2: bool) ->
             s = f32::reinterpret(kb << 23);
         } else {
             s = f32::new(comptime!(max_value(f))) / amax;
-            s = f32::min(f32::max(s, f32::new(comptime!(f32::MIN_POSITIVE))), f32::new(comptime!(f32::from_bits(253 << 23))));
+            s = f32::min(
+                f32::max(s, f32::new(comptime!(f32::MIN_POSITIVE))),
+                f32::new(comptime!(f32::from_bits(253 << 23))),
+            );
         }
     }
     s
@@ -142,12 +151,21 @@ fn dequant_scale(s: f32, #[comptime] pow2: bool) -> f32 {
 
 /// The largest finite value of the format.
 pub(crate) fn max_value(f: FormatConsts) -> f32 {
-    (1.0 + ((f.max_code & ((1 << f.mant) - 1)) as f32) / (1 << f.mant) as f32) * (2.0f32).powi(f.max_exp as i32)
+    (1.0 + ((f.max_code & ((1 << f.mant) - 1)) as f32) / (1 << f.mant) as f32)
+        * (2.0f32).powi(f.max_exp as i32)
 }
 
 /// One element of the logical `[rows, k]` input (0 outside).
 #[cube]
-fn load<F: Float>(x: &Tensor<F>, i: usize, j: usize, rows: usize, k: usize, stride_i: usize, stride_j: usize) -> f32 {
+fn load<F: Float>(
+    x: &Tensor<F>,
+    i: usize,
+    j: usize,
+    rows: usize,
+    k: usize,
+    stride_i: usize,
+    stride_j: usize,
+) -> f32 {
     let mut v = 0.0f32;
     if i < rows && j < k {
         v = f32::cast_from(x[i * stride_i + j * stride_j]);
@@ -178,7 +196,18 @@ fn tile_amax_of<F: Float>(
     for r in 0..reps {
         #[unroll]
         for e in 0..4u32 {
-            local = f32::max(local, amax_term(load::<F>(x, row0 + r * 8, j0 + e as usize, rows, k, stride_i, stride_j)));
+            local = f32::max(
+                local,
+                amax_term(load::<F>(
+                    x,
+                    row0 + r * 8,
+                    j0 + e as usize,
+                    rows,
+                    k,
+                    stride_i,
+                    stride_j,
+                )),
+            );
         }
     }
     let slot = y_unit * 32 + x_unit;
@@ -244,7 +273,11 @@ pub(crate) fn quantize<F: Float>(
             let mut word = 0u32;
             #[unroll]
             for e in 0..4u32 {
-                let code = encode(load::<F>(x, i, j0 + e as usize, rows, k, stride_i, stride_j), s, f);
+                let code = encode(
+                    load::<F>(x, i, j0 + e as usize, rows, k, stride_i, stride_j),
+                    s,
+                    f,
+                );
                 word |= code << (e * 8u32);
             }
             payload[i * words + kt * 32 + x_unit] = word;
@@ -298,7 +331,9 @@ pub(crate) fn dequantize<F: Float>(
     #[comptime] f: FormatConsts,
     #[define(F)] _dtype: StorageType,
 ) {
-    let w = (CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let w = (CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize)
+        * CUBE_DIM_X as usize
+        + UNIT_POS_X as usize;
     if w < rows * words {
         let i = w / words;
         let wj = w % words;

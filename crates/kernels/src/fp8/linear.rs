@@ -29,7 +29,11 @@ pub(crate) fn float_dtype(d: DType) -> FloatDType {
 }
 
 /// `y = x w` (fprop), in FP8 when `cfg.fprop`.
-pub(crate) fn fprop<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cfg: &Fp8LinearConfig) -> Tensor<B, 2> {
+pub(crate) fn fprop<B: Backend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    cfg: &Fp8LinearConfig,
+) -> Tensor<B, 2> {
     if !cfg.fprop {
         return x.matmul(w);
     }
@@ -70,7 +74,12 @@ struct Fp8LinearBackward;
 
 impl<B: KernelOps> Backward<B, 2> for Fp8LinearBackward {
     /// (x, w, config, health probe)
-    type State = (FloatTensor<B>, FloatTensor<B>, Fp8LinearConfig, Option<Fp8Probe>);
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        Fp8LinearConfig,
+        Option<Fp8Probe>,
+    );
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_w] = ops.parents;
@@ -98,8 +107,14 @@ pub(crate) fn fp8_linear<B: KernelOps, C: CheckpointStrategy>(
     probe: Option<Fp8Probe>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let t = |p: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
-    let y = fprop(t(x.primitive.clone()), t(w.primitive.clone()), cfg).into_primitive().tensor();
-    match Fp8LinearBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
+    let y = fprop(t(x.primitive.clone()), t(w.primitive.clone()), cfg)
+        .into_primitive()
+        .tensor();
+    match Fp8LinearBackward
+        .prepare::<C>([x.node.clone(), w.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
         OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, *cfg, probe), y),
         OpsKind::UnTracked(prep) => prep.finish(y),
     }

@@ -59,7 +59,12 @@ pub struct MmaShape {
 
 impl MmaShape {
     /// 8 warps of 32 x 64: a 128 x 128 output tile (see the module notes).
-    pub const DEFAULT: MmaShape = MmaShape { wm: 4, wn: 2, mt: 2, nt: 8 };
+    pub const DEFAULT: MmaShape = MmaShape {
+        wm: 4,
+        wn: 2,
+        mt: 2,
+        nt: 8,
+    };
 
     /// Output rows per cube.
     pub fn block_m(&self) -> usize {
@@ -80,17 +85,24 @@ impl MmaShape {
             return Err(format!("{self:?}: wm, wn must be >= 1, mt 1 or 2, nt even"));
         }
         if 128 % (8 * nt) != 0 {
-            return Err(format!("{self:?}: a warp's 8 nt columns must divide 128 (nt = 2, 4, 8 or 16)"));
+            return Err(format!(
+                "{self:?}: a warp's 8 nt columns must divide 128 (nt = 2, 4, 8 or 16)"
+            ));
         }
         if wm * wn > 32 {
             return Err(format!("{self:?}: at most 32 warps per cube"));
         }
         if 8 * mt * nt > 160 {
-            return Err(format!("{self:?}: 8 mt nt = {} accumulator registers, at most 160", 8 * mt * nt));
+            return Err(format!(
+                "{self:?}: 8 mt nt = {} accumulator registers, at most 160",
+                8 * mt * nt
+            ));
         }
         let smem = 2 * (self.block_m() + self.block_n()) * PITCH * 16;
         if smem > 200 * 1024 {
-            return Err(format!("{self:?}: {smem} bytes of staged tiles, at most 200 KiB"));
+            return Err(format!(
+                "{self:?}: {smem} bytes of staged tiles, at most 200 KiB"
+            ));
         }
         Ok(())
     }
@@ -99,7 +111,11 @@ impl MmaShape {
     pub fn parse(s: &str) -> Result<MmaShape, String> {
         let v: Vec<usize> = s
             .split(',')
-            .map(|x| x.trim().parse::<usize>().map_err(|_| format!("{s:?}: expected four integers wm,wn,mt,nt")))
+            .map(|x| {
+                x.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("{s:?}: expected four integers wm,wn,mt,nt"))
+            })
             .collect::<Result<_, _>>()?;
         match v[..] {
             [wm, wn, mt, nt] => {
@@ -138,7 +154,11 @@ fn stage<NV: Size>(
             let dst = off + r * PITCH + c;
             if row0 + r < limit {
                 let src = (row0 + r) * row_vecs + kt * ROW_VECS + c;
-                copy_async::<Vector<f16, NV>>(&t.slice(src, src + 1), &mut tile.slice_mut(dst, dst + 1), 8u32);
+                copy_async::<Vector<f16, NV>>(
+                    &t.slice(src, src + 1),
+                    &mut tile.slice_mut(dst, dst + 1),
+                    8u32,
+                );
             } else {
                 tile[dst] = Vector::new(f16::new(0.0));
             }
@@ -219,8 +239,28 @@ pub(crate) fn gemm_mma<O: Float, NV: Size>(
     for kt in 0..k_tiles {
         if kt + 1 < k_tiles {
             let nxt = (kt + 1) % 2;
-            stage::<NV>(a, &mut at, nxt * a_size, m0, m, row_vecs, kt + 1, bm, threads);
-            stage::<NV>(b, &mut bt, nxt * b_size, n0, n, row_vecs, kt + 1, bn, threads);
+            stage::<NV>(
+                a,
+                &mut at,
+                nxt * a_size,
+                m0,
+                m,
+                row_vecs,
+                kt + 1,
+                bm,
+                threads,
+            );
+            stage::<NV>(
+                b,
+                &mut bt,
+                nxt * b_size,
+                n0,
+                n,
+                row_vecs,
+                kt + 1,
+                bn,
+                threads,
+            );
             commit(&bar0, &bar1, nxt);
         }
         wait_block(&bar0, &bar1, kt);
@@ -239,14 +279,24 @@ pub(crate) fn gemm_mma<O: Float, NV: Size>(
             let mut af0 = Array::<Vector<e4m3, NA>>::new(4usize);
             let mut af1 = Array::<Vector<e4m3, NA>>::new(4usize);
             let ai = a_off + a_lane + j * 2;
-            let raw0 = def16.load_matrix::<Vector<f16, NV>, NR>(&at.slice(ai, ai + 1), cmma::MatrixIdent::A, 4usize, false);
+            let raw0 = def16.load_matrix::<Vector<f16, NV>, NR>(
+                &at.slice(ai, ai + 1),
+                cmma::MatrixIdent::A,
+                4usize,
+                false,
+            );
             #[unroll]
             for i in 0..4usize {
                 af0[i] = Vector::<e4m3, NA>::reinterpret(raw0[i]);
             }
             if comptime!(mt == 2) {
                 let ai1 = ai + comptime!(16 * PITCH);
-                let raw1 = def16.load_matrix::<Vector<f16, NV>, NR>(&at.slice(ai1, ai1 + 1), cmma::MatrixIdent::A, 4usize, false);
+                let raw1 = def16.load_matrix::<Vector<f16, NV>, NR>(
+                    &at.slice(ai1, ai1 + 1),
+                    cmma::MatrixIdent::A,
+                    4usize,
+                    false,
+                );
                 #[unroll]
                 for i in 0..4usize {
                     af1[i] = Vector::<e4m3, NA>::reinterpret(raw1[i]);
@@ -256,7 +306,12 @@ pub(crate) fn gemm_mma<O: Float, NV: Size>(
             for pair in 0..comptime!(nt / 2) {
                 // B: matrix q of the x4 load is column tile 2 pair + q / 2, code half q % 2.
                 let bi = b_off + b_lane + comptime!(pair * 16 * PITCH) + j * 2;
-                let raw_b = def16.load_matrix::<Vector<f16, NV>, NR>(&bt.slice(bi, bi + 1), cmma::MatrixIdent::B, 4usize, false);
+                let raw_b = def16.load_matrix::<Vector<f16, NV>, NR>(
+                    &bt.slice(bi, bi + 1),
+                    cmma::MatrixIdent::B,
+                    4usize,
+                    false,
+                );
                 #[unroll]
                 for half in 0..2usize {
                     let mut bf = Array::<Vector<e4m3, NB>>::new(2usize);

@@ -109,8 +109,20 @@ impl Fp8Format {
     }
     pub(crate) fn consts(self) -> kernel::FormatConsts {
         match self {
-            Fp8Format::E4M3 => kernel::FormatConsts { mant: 3, bias: 7, max_code: 0x7E, inf_code: 0x7F, max_exp: 8 },
-            Fp8Format::E5M2 => kernel::FormatConsts { mant: 2, bias: 15, max_code: 0x7B, inf_code: 0x7C, max_exp: 15 },
+            Fp8Format::E4M3 => kernel::FormatConsts {
+                mant: 3,
+                bias: 7,
+                max_code: 0x7E,
+                inf_code: 0x7F,
+                max_exp: 8,
+            },
+            Fp8Format::E5M2 => kernel::FormatConsts {
+                mant: 2,
+                bias: 15,
+                max_code: 0x7B,
+                inf_code: 0x7C,
+                max_exp: 15,
+            },
         }
     }
 }
@@ -139,7 +151,12 @@ pub struct QuantSpec {
 
 impl QuantSpec {
     pub fn new(format: Fp8Format, granularity: Fp8Granularity) -> Self {
-        Self { format, granularity, pow2: true, transpose: false }
+        Self {
+            format,
+            granularity,
+            pow2: true,
+            transpose: false,
+        }
     }
     pub fn transposed(mut self, transpose: bool) -> Self {
         self.transpose = transpose;
@@ -203,7 +220,10 @@ impl<B: Backend> Fp8Tensor<B> {
 
     /// The codes on the host, row-major `[rows, k_pad]`.
     pub fn codes(&self) -> Vec<u8> {
-        words_of_tensor(&self.payload).iter().flat_map(|w| w.to_le_bytes()).collect()
+        words_of_tensor(&self.payload)
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect()
     }
 }
 
@@ -216,9 +236,21 @@ pub fn words_of_tensor<B: BurnBackend>(payload: &Tensor<B, 2, Int>) -> Vec<u32> 
 pub(crate) fn words_of(data: TensorData) -> Vec<u32> {
     match data.dtype {
         DType::U32 => data.to_vec::<u32>().expect("u32 payload"),
-        DType::I32 => data.to_vec::<i32>().expect("i32 payload").into_iter().map(|w| w as u32).collect(),
-        DType::I64 => data.to_vec::<i64>().expect("i64 payload").into_iter().map(|w| w as u32).collect(),
-        other => panic!("kernels::fp8: a payload tensor has dtype {other:?}; expected a 32-bit integer tensor"),
+        DType::I32 => data
+            .to_vec::<i32>()
+            .expect("i32 payload")
+            .into_iter()
+            .map(|w| w as u32)
+            .collect(),
+        DType::I64 => data
+            .to_vec::<i64>()
+            .expect("i64 payload")
+            .into_iter()
+            .map(|w| w as u32)
+            .collect(),
+        other => panic!(
+            "kernels::fp8: a payload tensor has dtype {other:?}; expected a 32-bit integer tensor"
+        ),
     }
 }
 
@@ -264,8 +296,13 @@ pub fn fp8_gemm_path<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> Fp8GemmP
 
 fn mma_applies<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> bool {
     let e4m3 = a.spec.format == Fp8Format::E4M3 && b.spec.format == Fp8Format::E4M3;
-    let tiles = matches!(a.spec.granularity, Fp8Granularity::Tile1x128 | Fp8Granularity::Tensor)
-        && matches!(b.spec.granularity, Fp8Granularity::Block128 | Fp8Granularity::Tensor);
+    let tiles = matches!(
+        a.spec.granularity,
+        Fp8Granularity::Tile1x128 | Fp8Granularity::Tensor
+    ) && matches!(
+        b.spec.granularity,
+        Fp8Granularity::Block128 | Fp8Granularity::Tensor
+    );
     e4m3 && tiles && B::fp8_mma_supported(&a.payload.clone().into_primitive())
 }
 
@@ -294,7 +331,12 @@ pub fn fp8_gemm<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDType)
 }
 
 /// [`fp8_gemm`] on a given path; `None` when the path does not apply to these operands here.
-pub fn fp8_gemm_on<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDType, path: Fp8GemmPath) -> Option<Tensor<B, 2>> {
+pub fn fp8_gemm_on<B: Backend>(
+    a: &Fp8Tensor<B>,
+    b: &Fp8Tensor<B>,
+    out: FloatDType,
+    path: Fp8GemmPath,
+) -> Option<Tensor<B, 2>> {
     if a.k != b.k {
         panic!(
             "kernels::fp8_gemm: a is [{}, {}] and b is [{}, {}] (both [rows, k]); their reduction lengths k must match",
@@ -323,7 +365,11 @@ pub fn fp8_gemm_on<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDTy
         None => {
             // Code x power-of-two scale is exact in bf16; other scales need f32.
             let bf16 = out == FloatDType::BF16 && a.spec.pow2 && b.spec.pow2;
-            let compute = if bf16 { FloatDType::BF16 } else { FloatDType::F32 };
+            let compute = if bf16 {
+                FloatDType::BF16
+            } else {
+                FloatDType::F32
+            };
             let k_pad = a.k_padded();
             let da = a.dequantize_to(k_pad, compute);
             let db = b.dequantize_to(k_pad, compute);
@@ -379,8 +425,17 @@ impl Fp8LinearConfig {
         self.spec(self.grad_format, Fp8Granularity::Tile1x128, transpose)
     }
     fn spec(&self, format: Fp8Format, tiles: Fp8Granularity, transpose: bool) -> QuantSpec {
-        let granularity = if self.per_tensor { Fp8Granularity::Tensor } else { tiles };
-        QuantSpec { format, granularity, pow2: self.pow2, transpose }
+        let granularity = if self.per_tensor {
+            Fp8Granularity::Tensor
+        } else {
+            tiles
+        };
+        QuantSpec {
+            format,
+            granularity,
+            pow2: self.pow2,
+            transpose,
+        }
     }
 }
 
@@ -407,20 +462,36 @@ impl Fp8Probe {
 
 /// `x [t, in] w [in, out] -> [t, out]` with the GEMMs `cfg` selects in FP8 (output in `x`'s dtype;
 /// `x` and `w` must share a dtype). Under `Autodiff` the backward runs dgrad and wgrad as configured.
-pub fn fp8_linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cfg: &Fp8LinearConfig) -> Tensor<B, 2> {
+pub fn fp8_linear<B: Backend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    cfg: &Fp8LinearConfig,
+) -> Tensor<B, 2> {
     fp8_linear_probed(x, w, cfg, None)
 }
 
 /// [`fp8_linear`], recording the FP8 health of the input (and, under `Autodiff`, of the output
 /// gradient) into `probe` when given. Each sample costs a quantization and a few reductions.
-pub fn fp8_linear_probed<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cfg: &Fp8LinearConfig, probe: Option<&Fp8Probe>) -> Tensor<B, 2> {
+pub fn fp8_linear_probed<B: Backend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    cfg: &Fp8LinearConfig,
+    probe: Option<&Fp8Probe>,
+) -> Tensor<B, 2> {
     let [t, d_in] = x.dims();
     let [w_in, _] = w.dims();
     if d_in != w_in {
-        panic!("kernels::fp8_linear: x is [{t}, {d_in}] but w is {:?}; w must be [{d_in}, out]", w.dims());
+        panic!(
+            "kernels::fp8_linear: x is [{t}, {d_in}] but w is {:?}; w must be [{d_in}, out]",
+            w.dims()
+        );
     }
     if x.dtype() != w.dtype() {
-        panic!("kernels::fp8_linear: x is {:?} but w is {:?}; cast one first", x.dtype(), w.dtype());
+        panic!(
+            "kernels::fp8_linear: x is {:?} but w is {:?}; cast one first",
+            x.dtype(),
+            w.dtype()
+        );
     }
     if let Some(p) = probe {
         p.record("input", x.clone().detach(), cfg.act_spec(false));
@@ -462,9 +533,13 @@ pub fn fp8_health<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Health {
     let k_pad = kt * TILE;
     let d = match spec.granularity {
         Fp8Granularity::Tensor => q.scales.clone().expand([rows, k]),
-        Fp8Granularity::Tile1x128 => {
-            q.scales.clone().reshape([rows, kt, 1]).expand([rows, kt, TILE]).reshape([rows, k_pad]).slice([0..rows, 0..k])
-        }
+        Fp8Granularity::Tile1x128 => q
+            .scales
+            .clone()
+            .reshape([rows, kt, 1])
+            .expand([rows, kt, TILE])
+            .reshape([rows, k_pad])
+            .slice([0..rows, 0..k]),
         Fp8Granularity::Block128 => {
             let br = spec.scale_rows(rows);
             q.scales
@@ -482,9 +557,17 @@ pub fn fp8_health<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Health {
     let saturated = abs.greater(d.mul_scalar(spec.format.clip_threshold() as f64));
     let count = |b: Tensor<B, 2, burn::tensor::Bool>| scalar(b.int().sum().float());
     let nz = count(nonzero).max(1.0);
-    Fp8Health { amax, underflow: count(underflow) / nz, saturated: count(saturated) / n }
+    Fp8Health {
+        amax,
+        underflow: count(underflow) / nz,
+        saturated: count(saturated) / n,
+    }
 }
 
 fn scalar<B: BurnBackend>(t: Tensor<B, 1>) -> f64 {
-    t.cast(FloatDType::F32).into_data().to_vec::<f32>().map(|v| v[0] as f64).unwrap_or(f64::NAN)
+    t.cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .map(|v| v[0] as f64)
+        .unwrap_or(f64::NAN)
 }

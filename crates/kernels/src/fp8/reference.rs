@@ -80,13 +80,21 @@ pub fn decode(code: u8, format: Fp8Format) -> f32 {
         _ if e == 0 => mm as f32 * format.smallest_subnormal(),
         _ => f32::from_bits(((e + 127 - format.bias()) << 23) | (mm << (23 - m))),
     };
-    if code & 0x80 != 0 { -v } else { v }
+    if code & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
 }
 
 /// `|x|` when it is a finite f32 normal number, else 0: what the amax of a tile is taken over.
 pub fn amax_term(x: f32) -> f32 {
     let a = x.abs();
-    if (f32::MIN_POSITIVE..=f32::MAX).contains(&a) { a } else { 0.0 }
+    if (f32::MIN_POSITIVE..=f32::MAX).contains(&a) {
+        a
+    } else {
+        0.0
+    }
 }
 
 /// `(quantization multiplier, dequantization scale)` for a tile whose amax is `amax`:
@@ -101,7 +109,10 @@ pub fn scales_for(amax: f32, format: Fp8Format, pow2: bool) -> (f32, f32) {
         let ea = (bits >> 23) as i32;
         let k = format.max_exponent() + 127 - ea - if bits & 0x7F_FFFF > 0x60_0000 { 1 } else { 0 };
         let k = k.clamp(-126, 126);
-        (f32::from_bits(((k + 127) as u32) << 23), f32::from_bits(((127 - k) as u32) << 23))
+        (
+            f32::from_bits(((k + 127) as u32) << 23),
+            f32::from_bits(((127 - k) as u32) << 23),
+        )
     } else {
         let s = (format.max() / amax).clamp(f32::from_bits(1 << 23), f32::from_bits(253 << 23));
         (s, 1.0 / s)
@@ -111,10 +122,29 @@ pub fn scales_for(amax: f32, format: Fp8Format, pow2: bool) -> (f32, f32) {
 /// Quantizes a row-major `[rows_in, cols_in]` f32 matrix as the kernels do: returns the payload words
 /// (4 codes per little-endian u32, rows of `k_pad / 4` words) and the dequantization scales.
 /// With `spec.transpose` the quantized matrix is the transpose (`[cols_in, rows_in]`).
-pub fn quantize(data: &[f32], rows_in: usize, cols_in: usize, spec: &QuantSpec) -> (Vec<u32>, Vec<f32>) {
-    assert_eq!(data.len(), rows_in * cols_in, "quantize reference: data length");
-    let (rows, k) = if spec.transpose { (cols_in, rows_in) } else { (rows_in, cols_in) };
-    let at = |i: usize, j: usize| if spec.transpose { data[j * cols_in + i] } else { data[i * cols_in + j] };
+pub fn quantize(
+    data: &[f32],
+    rows_in: usize,
+    cols_in: usize,
+    spec: &QuantSpec,
+) -> (Vec<u32>, Vec<f32>) {
+    assert_eq!(
+        data.len(),
+        rows_in * cols_in,
+        "quantize reference: data length"
+    );
+    let (rows, k) = if spec.transpose {
+        (cols_in, rows_in)
+    } else {
+        (rows_in, cols_in)
+    };
+    let at = |i: usize, j: usize| {
+        if spec.transpose {
+            data[j * cols_in + i]
+        } else {
+            data[i * cols_in + j]
+        }
+    };
     let k_tiles = k.div_ceil(TILE);
     let words = k_tiles * TILE / 4;
     let mut amax = vec![0.0f32; spec.scale_rows(rows) * spec.scale_cols(k)];
@@ -129,7 +159,10 @@ pub fn quantize(data: &[f32], rows_in: usize, cols_in: usize, spec: &QuantSpec) 
             amax[t] = amax[t].max(amax_term(at(i, j)));
         }
     }
-    let factors: Vec<(f32, f32)> = amax.iter().map(|&a| scales_for(a, spec.format, spec.pow2)).collect();
+    let factors: Vec<(f32, f32)> = amax
+        .iter()
+        .map(|&a| scales_for(a, spec.format, spec.pow2))
+        .collect();
     let mut payload = vec![0u32; rows * words];
     for i in 0..rows {
         for j in 0..k {
@@ -141,7 +174,13 @@ pub fn quantize(data: &[f32], rows_in: usize, cols_in: usize, spec: &QuantSpec) 
 }
 
 /// The dequantized `[rows, k]` matrix of a payload and scales made by [`quantize`].
-pub fn dequantize(payload: &[u32], scales: &[f32], rows: usize, k: usize, spec: &QuantSpec) -> Vec<f32> {
+pub fn dequantize(
+    payload: &[u32],
+    scales: &[f32],
+    rows: usize,
+    k: usize,
+    spec: &QuantSpec,
+) -> Vec<f32> {
     let k_tiles = k.div_ceil(TILE);
     let words = k_tiles * TILE / 4;
     let mut out = Vec::with_capacity(rows * k);

@@ -29,15 +29,27 @@ impl<B: Backend> Backward<B, 2> for GemmBackward {
         let [node_a, node_b] = ops.parents;
         let dc = grads.consume::<B>(&ops.node);
         let (a, b) = ops.state;
-        let Self { trans_a: ta, trans_b: tb, engine: e } = self;
+        let Self {
+            trans_a: ta,
+            trans_b: tb,
+            engine: e,
+        } = self;
         if let Some(node) = node_a {
             let b = b.expect("b is kept when a needs a gradient");
-            let da = if ta { B::gemm(b, dc.clone(), tb, true, e) } else { B::gemm(dc.clone(), b, false, !tb, e) };
+            let da = if ta {
+                B::gemm(b, dc.clone(), tb, true, e)
+            } else {
+                B::gemm(dc.clone(), b, false, !tb, e)
+            };
             grads.register::<B>(node.id, da);
         }
         if let Some(node) = node_b {
             let a = a.expect("a is kept when b needs a gradient");
-            let db = if tb { B::gemm(dc, a, true, ta, e) } else { B::gemm(a, dc, !ta, false, e) };
+            let db = if tb {
+                B::gemm(dc, a, true, ta, e)
+            } else {
+                B::gemm(a, dc, !ta, false, e)
+            };
             grads.register::<B>(node.id, db);
         }
     }
@@ -50,12 +62,29 @@ pub(crate) fn gemm<B: Backend, C: CheckpointStrategy>(
     trans_b: bool,
     engine: Gemm,
 ) -> FloatTensor<Autodiff<B, C>> {
-    let out = B::gemm(a.primitive.clone(), b.primitive.clone(), trans_a, trans_b, engine);
+    let out = B::gemm(
+        a.primitive.clone(),
+        b.primitive.clone(),
+        trans_a,
+        trans_b,
+        engine,
+    );
     // dA needs B and dB needs A: keep only what a tracked parent's gradient reads.
     let keep_b = !a.node.requirement.is_none();
     let keep_a = !b.node.requirement.is_none();
-    match (GemmBackward { trans_a, trans_b, engine }).prepare::<C>([a.node.clone(), b.node.clone()]).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish((keep_a.then_some(a.primitive), keep_b.then_some(b.primitive)), out),
+    match (GemmBackward {
+        trans_a,
+        trans_b,
+        engine,
+    })
+    .prepare::<C>([a.node.clone(), b.node.clone()])
+    .compute_bound()
+    .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            (keep_a.then_some(a.primitive), keep_b.then_some(b.primitive)),
+            out,
+        ),
         OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }

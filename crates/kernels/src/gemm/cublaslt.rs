@@ -112,7 +112,9 @@ pub(crate) fn as_cuda<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<&CubeTensor<C
 
 /// A CUDA tensor back as `CubeTensor<R>` (`R` is `CudaRuntime`).
 pub(crate) fn from_cuda<R: CubeRuntime>(t: CubeTensor<CudaRuntime>) -> CubeTensor<R> {
-    *(Box::new(t) as Box<dyn Any>).downcast::<CubeTensor<R>>().expect("the runtime is CUDA")
+    *(Box::new(t) as Box<dyn Any>)
+        .downcast::<CubeTensor<R>>()
+        .expect("the runtime is CUDA")
 }
 
 /// A row-major matrix as cuBLASLt reads it: `rows x cols` with leading dimension `ld`, transposed
@@ -132,17 +134,37 @@ fn layout(shape: [usize; 2], strides: [usize; 2], trans: bool) -> Option<Layout>
     let [s0, s1] = strides;
     // One row or one column: the stride along the length-1 axis is never used.
     if r == 1 && (s1 == 1 || c == 1) {
-        return Some(Layout { rows: 1, cols: c, ld: c, trans });
+        return Some(Layout {
+            rows: 1,
+            cols: c,
+            ld: c,
+            trans,
+        });
     }
     if c == 1 && r > 1 && s0 >= 1 {
-        return Some(Layout { rows: r, cols: 1, ld: s0, trans });
+        return Some(Layout {
+            rows: r,
+            cols: 1,
+            ld: s0,
+            trans,
+        });
     }
     if s1 == 1 && s0 >= c {
-        return Some(Layout { rows: r, cols: c, ld: s0, trans });
+        return Some(Layout {
+            rows: r,
+            cols: c,
+            ld: s0,
+            trans,
+        });
     }
     // A transposed view: the storage is row-major [c, r], read with the opposite flag.
     if s0 == 1 && s1 >= r {
-        return Some(Layout { rows: c, cols: r, ld: s1, trans: !trans });
+        return Some(Layout {
+            rows: c,
+            cols: r,
+            ld: s1,
+            trans: !trans,
+        });
     }
     None
 }
@@ -206,11 +228,28 @@ struct Flags {
 impl Flags {
     fn new(like: &CubeTensor<CudaRuntime>) -> Result<Self, String> {
         let handle = like.client.create_from_slice(&[0u8; 8]);
-        let tensor = CubeTensor::new_contiguous(like.client.clone(), like.device.clone(), Shape::new([2]), handle, DType::U32);
-        let ptr = tensor.client.get_resource(tensor.handle.clone()).map_err(|e| format!("CubeCL resource: {e:?}"))?.resource().ptr;
+        let tensor = CubeTensor::new_contiguous(
+            like.client.clone(),
+            like.device.clone(),
+            Shape::new([2]),
+            handle,
+            DType::U32,
+        );
+        let ptr = tensor
+            .client
+            .get_resource(tensor.handle.clone())
+            .map_err(|e| format!("CubeCL resource: {e:?}"))?
+            .resource()
+            .ptr;
         // The flags are written by `create_from_slice` on CubeCL's stream; wait for that once.
-        cubecl::future::block_on(tensor.client.sync()).map_err(|e| format!("CubeCL sync: {e:?}"))?;
-        Ok(Self { tensor, ptr, seq: 0, thread: std::thread::current().id() })
+        cubecl::future::block_on(tensor.client.sync())
+            .map_err(|e| format!("CubeCL sync: {e:?}"))?;
+        Ok(Self {
+            tensor,
+            ptr,
+            seq: 0,
+            thread: std::thread::current().id(),
+        })
     }
 
     /// Launches one of the one-thread flag kernels on the flags with `seq`.
@@ -219,10 +258,22 @@ impl Flags {
     /// `kernel` is `gemm_signal` or `gemm_wait`, which index only the two flags.
     unsafe fn launch(
         &self,
-        kernel: unsafe fn(&cubecl::client::ComputeClient<CudaRuntime>, CubeCount, CubeDim, TensorArg<CudaRuntime>, u32),
+        kernel: unsafe fn(
+            &cubecl::client::ComputeClient<CudaRuntime>,
+            CubeCount,
+            CubeDim,
+            TensorArg<CudaRuntime>,
+            u32,
+        ),
         seq: u32,
     ) {
-        kernel(&self.tensor.client, CubeCount::Static(1, 1, 1), CubeDim::new_1d(1), self.tensor.clone().into_tensor_arg(), seq);
+        kernel(
+            &self.tensor.client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            self.tensor.clone().into_tensor_arg(),
+            seq,
+        );
     }
 }
 
@@ -238,7 +289,9 @@ fn device(index: usize) -> Arc<Mutex<Result<Device, String>>> {
     if devices.len() <= index {
         devices.resize_with(index + 1, || None);
     }
-    devices[index].get_or_insert_with(|| Arc::new(Mutex::new(Device::new(index)))).clone()
+    devices[index]
+        .get_or_insert_with(|| Arc::new(Mutex::new(Device::new(index))))
+        .clone()
 }
 
 impl Device {
@@ -246,13 +299,24 @@ impl Device {
         // SAFETY: the driver was initialised by CubeCL's client (the tensors exist); the primary
         // context is the one CubeCL uses, so pointers from its allocations are valid in it.
         unsafe {
-            let dev = drv::device::get(index as i32).map_err(|e| format!("cuDeviceGet({index}): {e:?}"))?;
-            let ctx = drv::primary_ctx::retain(dev).map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
+            let dev = drv::device::get(index as i32)
+                .map_err(|e| format!("cuDeviceGet({index}): {e:?}"))?;
+            let ctx = drv::primary_ctx::retain(dev)
+                .map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
             drv::ctx::set_current(ctx).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
             let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
-            let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(|e| format!("cuStreamCreate: {e:?}"))?;
-            let workspace = drv::malloc_sync(WORKSPACE_BYTES).map_err(|e| format!("cuMemAlloc({WORKSPACE_BYTES}): {e:?}"))?;
-            Ok(Self { ctx, handle, stream, workspace, algos: HashMap::new(), flags: None })
+            let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking)
+                .map_err(|e| format!("cuStreamCreate: {e:?}"))?;
+            let workspace = drv::malloc_sync(WORKSPACE_BYTES)
+                .map_err(|e| format!("cuMemAlloc({WORKSPACE_BYTES}): {e:?}"))?;
+            Ok(Self {
+                ctx,
+                handle,
+                stream,
+                workspace,
+                algos: HashMap::new(),
+                flags: None,
+            })
         }
     }
 }
@@ -296,7 +360,12 @@ pub(crate) fn gemm(
     }
     let (a, la) = operand(a, trans_a);
     let (b, lb) = operand(b, trans_b);
-    let out = empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), Shape::new([m, n]), a.dtype);
+    let out = empty_device_contiguous_dtype(
+        a.client.clone(),
+        a.device.clone(),
+        Shape::new([m, n]),
+        a.dtype,
+    );
     let problem = |align| Problem {
         types: [dt, dt, dt],
         compute,
@@ -308,7 +377,14 @@ pub(crate) fn gemm(
         b: lb,
         align,
     };
-    let what = || format!("{} [m, k, n] = [{m}, {k}, {n}] (leading dimensions {}, {})", dtype_name(a.dtype), la.ld, lb.ld);
+    let what = || {
+        format!(
+            "{} [m, k, n] = [{m}, {k}, {n}] (leading dimensions {}, {})",
+            dtype_name(a.dtype),
+            la.ld,
+            lb.ld
+        )
+    };
     execute(&a, &b, &out, None, problem, what)?;
     Ok(out)
 }
@@ -326,7 +402,9 @@ fn execute(
 ) -> Result<(), Refused> {
     // The resources keep the allocations alive until the GEMM has finished.
     let res = |t: &CubeTensor<CudaRuntime>| {
-        t.client.get_resource(t.handle.clone()).map_err(|e| Refused::Unsupported(format!("CubeCL resource: {e:?}")))
+        t.client
+            .get_resource(t.handle.clone())
+            .map_err(|e| Refused::Unsupported(format!("CubeCL resource: {e:?}")))
     };
     let (ra, rb, rc) = (res(a)?, res(b)?, res(out)?);
     let (pa, pb, pc) = (ra.resource().ptr, rb.resource().ptr, rc.resource().ptr);
@@ -335,13 +413,21 @@ fn execute(
         None => None,
     };
     // cuBLASLt's A scales are `b`'s, its B scales `a`'s.
-    let scale_ptrs = rs.as_ref().map(|(sa, sb)| (sb.resource().ptr, sa.resource().ptr));
+    let scale_ptrs = rs
+        .as_ref()
+        .map(|(sa, sb)| (sb.resource().ptr, sa.resource().ptr));
     let problem = problem([alignment(pa), alignment(pb), alignment(pc)]);
-    debug_assert_eq!(out.meta.strides()[0], problem.n, "a contiguous output has rows of n");
+    debug_assert_eq!(
+        out.meta.strides()[0],
+        problem.n,
+        "a contiguous output has rows of n"
+    );
 
     let state = device(a.device.index);
     let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
-    let dev = state.as_mut().map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
+    let dev = state
+        .as_mut()
+        .map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
     let order = match (order(), &dev.flags) {
         (Order::Stream, Some(f)) if f.thread != std::thread::current().id() => Order::HostSync,
         (order, _) => order,
@@ -352,25 +438,39 @@ fn execute(
     // destroyed here; the GEMM is ordered after CubeCL's writes of its inputs and before CubeCL's
     // next use of its memory (host synchronisation or the flags).
     unsafe {
-        drv::ctx::set_current(dev.ctx).map_err(|e| Refused::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
-        let call = Call::new(&problem, scale_ptrs).map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
+        drv::ctx::set_current(dev.ctx)
+            .map_err(|e| Refused::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
+        let call = Call::new(&problem, scale_ptrs)
+            .map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
         // The algorithm first: a problem cuBLASLt refuses costs no synchronisation.
         let algo = match dev.algos.get(&problem) {
             Some(algo) => *algo,
             None => match call.heuristic(dev.handle, &problem) {
                 Ok(algo) => *dev.algos.entry(problem).or_insert(Some(algo)),
                 // No algorithm for this problem: remembered, so it is asked once.
-                Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => *dev.algos.entry(problem).or_insert(None),
-                Err(e) => return Err(Refused::Unsupported(format!("cuBLASLt heuristic for {}: {e:?}", what()))),
+                Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => {
+                    *dev.algos.entry(problem).or_insert(None)
+                }
+                Err(e) => {
+                    return Err(Refused::Unsupported(format!(
+                        "cuBLASLt heuristic for {}: {e:?}",
+                        what()
+                    )))
+                }
             },
         };
         let Some(algo) = algo else {
-            return Err(Refused::Unsupported(format!("cuBLASLt has no algorithm for {} (alignments {:?} bytes)", what(), problem.align)));
+            return Err(Refused::Unsupported(format!(
+                "cuBLASLt has no algorithm for {} (alignments {:?} bytes)",
+                what(),
+                problem.align
+            )));
         };
         if order == Order::HostSync {
             // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the
             // output's memory) has finished once its stream is synchronised.
-            cubecl::future::block_on(a.client.sync()).map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
+            cubecl::future::block_on(a.client.sync())
+                .map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
         let seq = if order == Order::Stream {
@@ -384,7 +484,11 @@ fn execute(
             flags.launch(gemm_signal::launch_unchecked::<CudaRuntime>, seq);
             // CubeCL queues launches on the host; hand this one to the driver now, so that the
             // GEMM does not wait for CubeCL's next flush.
-            flags.tensor.client.flush().map_err(|e| Refused::Unsupported(format!("CubeCL flush: {e:?}")))?;
+            flags
+                .tensor
+                .client
+                .flush()
+                .map_err(|e| Refused::Unsupported(format!("CubeCL flush: {e:?}")))?;
             let eq = dsys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ as u32;
             dsys::cuStreamWaitValue32_v2(dev.stream, flags.ptr, seq, eq)
                 .result()
@@ -413,13 +517,15 @@ fn execute(
         )
         .map_err(|e| Refused::Unsupported(format!("cublasLtMatmul for {}: {e:?}", what())));
         match seq {
-            None => drv::stream::synchronize(dev.stream).map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?,
+            None => drv::stream::synchronize(dev.stream)
+                .map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?,
             Some(seq) => {
                 // Completed whether or not the GEMM was queued: the GEMM's stream is already
                 // waiting for `seq`, and CubeCL's next hand-over must not overtake it.
                 let flags = dev.flags.as_ref().expect("created above");
                 // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream waits for it.
-                let written = dsys::cuStreamWriteValue32_v2(dev.stream, flags.ptr + 4, seq, 0).result();
+                let written =
+                    dsys::cuStreamWriteValue32_v2(dev.stream, flags.ptr + 4, seq, 0).result();
                 if let Err(e) = written {
                     // Without the flag CubeCL cannot wait on the GPU: wait for both streams here.
                     let _ = drv::stream::synchronize(dev.stream);
@@ -459,44 +565,89 @@ impl Call {
     unsafe fn new(p: &Problem, scales: Option<(u64, u64)>) -> Result<Self, lt::CublasError> {
         use sys::cublasLtMatmulDescAttributes_t::*;
         let desc = lt::create_matmul_desc(p.compute, sys::cudaDataType::CUDA_R_32F)?;
-        let mut call = Self { desc, first: std::ptr::null_mut(), second: std::ptr::null_mut(), out: std::ptr::null_mut() };
-        let set = |attr, value: *const c_void, size: usize| lt::set_matmul_desc_attribute(desc, attr, value, size);
+        let mut call = Self {
+            desc,
+            first: std::ptr::null_mut(),
+            second: std::ptr::null_mut(),
+            out: std::ptr::null_mut(),
+        };
+        let set = |attr, value: *const c_void, size: usize| {
+            lt::set_matmul_desc_attribute(desc, attr, value, size)
+        };
         // CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 (an int32).
         let (op_a, op_b) = (p.b.trans as i32, p.a.trans as i32);
-        set(CUBLASLT_MATMUL_DESC_TRANSA, &op_a as *const i32 as *const c_void, 4)?;
-        set(CUBLASLT_MATMUL_DESC_TRANSB, &op_b as *const i32 as *const c_void, 4)?;
+        set(
+            CUBLASLT_MATMUL_DESC_TRANSA,
+            &op_a as *const i32 as *const c_void,
+            4,
+        )?;
+        set(
+            CUBLASLT_MATMUL_DESC_TRANSB,
+            &op_b as *const i32 as *const c_void,
+            4,
+        )?;
         if let Some([mode_a, mode_b]) = p.scale_modes {
             // Per-tensor scales are the default mode (and older cuBLASLt has no mode attribute).
             let scalar = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
             if (mode_a, mode_b) != (scalar, scalar) {
                 let (mode_a, mode_b) = (mode_a as i32, mode_b as i32);
-                set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a as *const i32 as *const c_void, 4)?;
-                set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b as *const i32 as *const c_void, 4)?;
+                set(
+                    CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                    &mode_a as *const i32 as *const c_void,
+                    4,
+                )?;
+                set(
+                    CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                    &mode_b as *const i32 as *const c_void,
+                    4,
+                )?;
             }
             // f32 accumulation promoted as cuBLASLt's block scaling requires (no fast accumulation).
             let fast: i8 = 0;
-            set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast as *const i8 as *const c_void, 1)?;
+            set(
+                CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                &fast as *const i8 as *const c_void,
+                1,
+            )?;
             if let Some((sa, sb)) = scales {
                 let (sa, sb) = (sa as *const c_void, sb as *const c_void);
-                set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa as *const *const c_void as *const c_void, std::mem::size_of::<*const c_void>())?;
-                set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb as *const *const c_void as *const c_void, std::mem::size_of::<*const c_void>())?;
+                set(
+                    CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                    &sa as *const *const c_void as *const c_void,
+                    std::mem::size_of::<*const c_void>(),
+                )?;
+                set(
+                    CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                    &sb as *const *const c_void as *const c_void,
+                    std::mem::size_of::<*const c_void>(),
+                )?;
             }
         }
         let [ta, tb, td] = p.types;
         // A row-major [rows, cols] matrix with leading dimension ld is column-major [cols, rows].
         call.first = lt::create_matrix_layout(ta, p.b.cols as u64, p.b.rows as u64, p.b.ld as i64)?;
-        call.second = lt::create_matrix_layout(tb, p.a.cols as u64, p.a.rows as u64, p.a.ld as i64)?;
+        call.second =
+            lt::create_matrix_layout(tb, p.a.cols as u64, p.a.rows as u64, p.a.ld as i64)?;
         call.out = lt::create_matrix_layout(td, p.n as u64, p.m as u64, p.n as i64)?;
         Ok(call)
     }
 
     /// cuBLASLt's first choice for this problem within the workspace and alignments.
-    unsafe fn heuristic(&self, handle: sys::cublasLtHandle_t, p: &Problem) -> Result<sys::cublasLtMatmulAlgo_t, lt::CublasError> {
+    unsafe fn heuristic(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        p: &Problem,
+    ) -> Result<sys::cublasLtMatmulAlgo_t, lt::CublasError> {
         let pref = lt::create_matmul_pref()?;
         let result = (|| {
             use sys::cublasLtMatmulPreferenceAttributes_t::*;
             let ws = WORKSPACE_BYTES as u64;
-            lt::set_matmul_pref_attribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const u64 as *const c_void, 8)?;
+            lt::set_matmul_pref_attribute(
+                pref,
+                CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            )?;
             // cuBLASLt's A is B's buffer and its B is A's.
             for (attr, align) in [
                 (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.align[1]),
@@ -504,9 +655,23 @@ impl Call {
                 (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.align[2]),
                 (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p.align[2]),
             ] {
-                lt::set_matmul_pref_attribute(pref, attr, &align as *const u32 as *const c_void, 4)?;
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    attr,
+                    &align as *const u32 as *const c_void,
+                    4,
+                )?;
             }
-            lt::get_matmul_algo_heuristic(handle, self.desc, self.first, self.second, self.out, self.out, pref).map(|r| r.algo)
+            lt::get_matmul_algo_heuristic(
+                handle,
+                self.desc,
+                self.first,
+                self.second,
+                self.out,
+                self.out,
+                pref,
+            )
+            .map(|r| r.algo)
         })();
         let _ = lt::destroy_matmul_pref(pref);
         result
@@ -543,13 +708,53 @@ mod tests {
     #[test]
     fn layouts_of_strided_matrices() {
         // Row-major with pitched rows: ld is the row stride.
-        assert_eq!(layout([3, 5], [8, 1], false), Some(Layout { rows: 3, cols: 5, ld: 8, trans: false }));
+        assert_eq!(
+            layout([3, 5], [8, 1], false),
+            Some(Layout {
+                rows: 3,
+                cols: 5,
+                ld: 8,
+                trans: false
+            })
+        );
         // A transposed view of a row-major [5, 3] matrix: read the storage with the flag flipped.
-        assert_eq!(layout([3, 5], [1, 3], false), Some(Layout { rows: 5, cols: 3, ld: 3, trans: true }));
-        assert_eq!(layout([3, 5], [1, 4], true), Some(Layout { rows: 5, cols: 3, ld: 4, trans: false }));
+        assert_eq!(
+            layout([3, 5], [1, 3], false),
+            Some(Layout {
+                rows: 5,
+                cols: 3,
+                ld: 3,
+                trans: true
+            })
+        );
+        assert_eq!(
+            layout([3, 5], [1, 4], true),
+            Some(Layout {
+                rows: 5,
+                cols: 3,
+                ld: 4,
+                trans: false
+            })
+        );
         // One row or one column.
-        assert_eq!(layout([1, 5], [0, 1], false), Some(Layout { rows: 1, cols: 5, ld: 5, trans: false }));
-        assert_eq!(layout([4, 1], [2, 7], true), Some(Layout { rows: 4, cols: 1, ld: 2, trans: true }));
+        assert_eq!(
+            layout([1, 5], [0, 1], false),
+            Some(Layout {
+                rows: 1,
+                cols: 5,
+                ld: 5,
+                trans: false
+            })
+        );
+        assert_eq!(
+            layout([4, 1], [2, 7], true),
+            Some(Layout {
+                rows: 4,
+                cols: 1,
+                ld: 2,
+                trans: true
+            })
+        );
         // Broadcast rows or a non-unit inner stride need a copy.
         assert_eq!(layout([3, 5], [0, 1], false), None);
         assert_eq!(layout([3, 5], [10, 2], false), None);
@@ -589,7 +794,12 @@ const BLOCK_SCALING_VERSION: usize = 120900;
 /// `a`) not, both with k contiguous, which is how the payloads are stored. Its requirements,
 /// checked here: not both operands E5M2; not both 128x128 blocks; either both scaled per tensor or
 /// both by tiles/blocks (cuBLASLt >= 12.9); m and n multiples of 8; rows of 16-byte multiples.
-pub(crate) fn fp8_gemm(a: Fp8Operand, b: Fp8Operand, k_pad: usize, out: DType) -> Result<CubeTensor<CudaRuntime>, Refused> {
+pub(crate) fn fp8_gemm(
+    a: Fp8Operand,
+    b: Fp8Operand,
+    k_pad: usize,
+    out: DType,
+) -> Result<CubeTensor<CudaRuntime>, Refused> {
     use sys::cublasLtMatmulMatrixScale_t::*;
     use sys::cudaDataType::*;
     let Some((dt_out, _)) = data_type(out) else {
@@ -623,7 +833,11 @@ pub(crate) fn fp8_gemm(a: Fp8Operand, b: Fp8Operand, k_pad: usize, out: DType) -
         let (shape, strides) = dims2(&t.scales);
         // (The stride of a length-1 axis is never used.)
         let dense = (shape[1] == 1 || strides[1] == 1) && (shape[0] == 1 || strides[0] == want[1]);
-        if t.payload.meta.shape()[0] != t.rows || shape != want || !dense || t.scales.dtype != DType::F32 {
+        if t.payload.meta.shape()[0] != t.rows
+            || shape != want
+            || !dense
+            || t.scales.dtype != DType::F32
+        {
             return Err(Refused::Unsupported(format!(
                 "FP8 operand of {} rows: payload {:?}, {:?} scales {:?} with strides {:?} ({:?}); expected f32 scales {want:?}, dense",
                 t.rows,
@@ -635,20 +849,36 @@ pub(crate) fn fp8_gemm(a: Fp8Operand, b: Fp8Operand, k_pad: usize, out: DType) -
             )));
         }
     }
-    let codes = |t: &Fp8Operand, trans: bool| -> Result<(CubeTensor<CudaRuntime>, Layout), Refused> {
-        let t_payload = if t.payload.meta.strides()[1] == 1 { t.payload.clone() } else { into_contiguous(t.payload.clone()) };
-        let words = t_payload.meta.strides()[0];
-        if t_payload.meta.shape()[1] * 4 != k_pad || (words * 4) % 16 != 0 || t.payload.dtype.size() != 4 {
-            return Err(Refused::Unsupported(format!(
-                "FP8 payload {:?} of {:?} (strides {:?}) is not [rows, {}] 32-bit words",
-                t_payload.meta.shape(),
-                t_payload.dtype,
-                t_payload.meta.strides(),
-                k_pad / 4
-            )));
-        }
-        Ok((t_payload, Layout { rows: t.rows, cols: k_pad, ld: words * 4, trans }))
-    };
+    let codes =
+        |t: &Fp8Operand, trans: bool| -> Result<(CubeTensor<CudaRuntime>, Layout), Refused> {
+            let t_payload = if t.payload.meta.strides()[1] == 1 {
+                t.payload.clone()
+            } else {
+                into_contiguous(t.payload.clone())
+            };
+            let words = t_payload.meta.strides()[0];
+            if t_payload.meta.shape()[1] * 4 != k_pad
+                || (words * 4) % 16 != 0
+                || t.payload.dtype.size() != 4
+            {
+                return Err(Refused::Unsupported(format!(
+                    "FP8 payload {:?} of {:?} (strides {:?}) is not [rows, {}] 32-bit words",
+                    t_payload.meta.shape(),
+                    t_payload.dtype,
+                    t_payload.meta.strides(),
+                    k_pad / 4
+                )));
+            }
+            Ok((
+                t_payload,
+                Layout {
+                    rows: t.rows,
+                    cols: k_pad,
+                    ld: words * 4,
+                    trans,
+                },
+            ))
+        };
     let (pa, la) = codes(&a, false)?;
     let (pb, lb) = codes(&b, true)?;
     let mode = |l: Fp8Scales| match l {
@@ -657,7 +887,12 @@ pub(crate) fn fp8_gemm(a: Fp8Operand, b: Fp8Operand, k_pad: usize, out: DType) -
         Fp8Scales::Blk128 => CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
     };
     let format = |e5m2: bool| if e5m2 { CUDA_R_8F_E5M2 } else { CUDA_R_8F_E4M3 };
-    let c = empty_device_contiguous_dtype(pa.client.clone(), pa.device.clone(), Shape::new([m, n]), out);
+    let c = empty_device_contiguous_dtype(
+        pa.client.clone(),
+        pa.device.clone(),
+        Shape::new([m, n]),
+        out,
+    );
     let problem = |align| Problem {
         types: [format(b.e5m2), format(a.e5m2), dt_out],
         compute: sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -669,7 +904,14 @@ pub(crate) fn fp8_gemm(a: Fp8Operand, b: Fp8Operand, k_pad: usize, out: DType) -
         b: lb,
         align,
     };
-    let what = || format!("FP8 [m, k, n] = [{m}, {k_pad}, {n}] (scales {:?} x {:?}, out {})", a.layout, b.layout, dtype_name(out));
+    let what = || {
+        format!(
+            "FP8 [m, k, n] = [{m}, {k_pad}, {n}] (scales {:?} x {:?}, out {})",
+            a.layout,
+            b.layout,
+            dtype_name(out)
+        )
+    };
     execute(&pa, &pb, &c, Some((&a.scales, &b.scales)), problem, what)?;
     Ok(c)
 }

@@ -88,18 +88,39 @@ impl std::fmt::Display for GemmPath {
 /// let y = kernels::gemm(x.clone(), w.clone(), false, true, Gemm::Auto); // x w^T: [32, 48]
 /// let grads = y.sum().backward();
 /// ```
-pub fn gemm<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>, trans_a: bool, trans_b: bool, engine: Gemm) -> Tensor<B, 2> {
+pub fn gemm<B: Backend>(
+    a: Tensor<B, 2>,
+    b: Tensor<B, 2>,
+    trans_a: bool,
+    trans_b: bool,
+    engine: Gemm,
+) -> Tensor<B, 2> {
     check_operands("gemm", &a, &b, trans_a, trans_b);
-    crate::tensor(B::gemm(crate::prim(a), crate::prim(b), trans_a, trans_b, engine))
+    crate::tensor(B::gemm(
+        crate::prim(a),
+        crate::prim(b),
+        trans_a,
+        trans_b,
+        engine,
+    ))
 }
 
 /// `x W` over the last dimension: `x` [.., k], `w` [k, n] -> [.., n], through [`gemm`].
-pub fn linear<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, engine: Gemm) -> Tensor<B, D> {
+pub fn linear<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    engine: Gemm,
+) -> Tensor<B, D> {
     let dims = x.dims();
     let k = dims[D - 1];
     let [wk, n] = w.dims();
     if wk != k {
-        fail("linear", format!("x is {dims:?} and w is [{wk}, {n}]; w must be [{k}, n] (x's last dimension first)"));
+        fail(
+            "linear",
+            format!(
+                "x is {dims:?} and w is [{wk}, {n}]; w must be [{k}, n] (x's last dimension first)"
+            ),
+        );
     }
     let rows = dims[..D - 1].iter().product::<usize>();
     let y = gemm(x.reshape([rows, k]), w, false, false, engine);
@@ -109,14 +130,25 @@ pub fn linear<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, engi
 }
 
 /// `[m, k, n]` of `op(a) op(b)`.
-pub(crate) fn dims(a: [usize; 2], b: [usize; 2], trans_a: bool, trans_b: bool) -> ([usize; 3], usize) {
+pub(crate) fn dims(
+    a: [usize; 2],
+    b: [usize; 2],
+    trans_a: bool,
+    trans_b: bool,
+) -> ([usize; 3], usize) {
     let (m, k) = if trans_a { (a[1], a[0]) } else { (a[0], a[1]) };
     let (kb, n) = if trans_b { (b[1], b[0]) } else { (b[0], b[1]) };
     ([m, k, n], kb)
 }
 
 #[track_caller]
-fn check_operands<B: BurnBackend>(op: &str, a: &Tensor<B, 2>, b: &Tensor<B, 2>, trans_a: bool, trans_b: bool) {
+fn check_operands<B: BurnBackend>(
+    op: &str,
+    a: &Tensor<B, 2>,
+    b: &Tensor<B, 2>,
+    trans_a: bool,
+    trans_b: bool,
+) {
     check_float(op, "a", a.dtype());
     check_same_dtype(op, "a", a.dtype(), "b", b.dtype());
     let ([_, k, _], kb) = dims(a.dims(), b.dims(), trans_a, trans_b);
@@ -135,7 +167,12 @@ fn check_operands<B: BurnBackend>(op: &str, a: &Tensor<B, 2>, b: &Tensor<B, 2>, 
 }
 
 /// The plain-Burn GEMM: transposed views and Burn's matmul.
-pub fn reference<B: BurnBackend>(a: Tensor<B, 2>, b: Tensor<B, 2>, trans_a: bool, trans_b: bool) -> Tensor<B, 2> {
+pub fn reference<B: BurnBackend>(
+    a: Tensor<B, 2>,
+    b: Tensor<B, 2>,
+    trans_a: bool,
+    trans_b: bool,
+) -> Tensor<B, 2> {
     let a = if trans_a { a.transpose() } else { a };
     let b = if trans_b { b.transpose() } else { b };
     a.matmul(b)
@@ -165,7 +202,13 @@ pub(crate) fn burn_only(engine: Gemm, dtype: DType) -> GemmPath {
 }
 
 /// [`Backend::gemm`] on `CubeBackend`: cuBLASLt for CUDA tensors unless `engine` is `Burn`.
-pub(crate) fn cube<R, F, I, BT>(a: CubeTensor<R>, b: CubeTensor<R>, trans_a: bool, trans_b: bool, engine: Gemm) -> CubeTensor<R>
+pub(crate) fn cube<R, F, I, BT>(
+    a: CubeTensor<R>,
+    b: CubeTensor<R>,
+    trans_a: bool,
+    trans_b: bool,
+    engine: Gemm,
+) -> CubeTensor<R>
 where
     R: CubeRuntime,
     F: FloatElement,
@@ -182,9 +225,9 @@ where
                 }
                 match cublaslt::gemm(ca.clone(), cb.clone(), trans_a, trans_b) {
                     Ok(out) => return cublaslt::from_cuda(out),
-                    Err(cublaslt::Refused::Unsupported(why)) => {
-                        cublaslt::warn_once(format!("kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"))
-                    }
+                    Err(cublaslt::Refused::Unsupported(why)) => cublaslt::warn_once(format!(
+                        "kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"
+                    )),
                     Err(cublaslt::Refused::NotApplicable) => {}
                 }
             }
@@ -193,7 +236,12 @@ where
             }
         }
     }
-    crate::prim(reference::<CubeBackend<R, F, I, BT>>(crate::tensor(a), crate::tensor(b), trans_a, trans_b))
+    crate::prim(reference::<CubeBackend<R, F, I, BT>>(
+        crate::tensor(a),
+        crate::tensor(b),
+        trans_a,
+        trans_b,
+    ))
 }
 
 /// [`Backend::gemm_path`] on `CubeBackend`.

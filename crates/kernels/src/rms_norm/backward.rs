@@ -59,7 +59,11 @@ fn norm_node<B: KernelOps, C: CheckpointStrategy>(
     y: FloatTensor<B>,
     rstd: FloatTensor<B>,
 ) -> FloatTensor<Autodiff<B, C>> {
-    match RmsNormBackward.prepare::<C>([input.node.clone(), w.node.clone()]).compute_bound().stateful() {
+    match RmsNormBackward
+        .prepare::<C>([input.node.clone(), w.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
         OpsKind::Tracked(prep) => prep.finish((input.primitive, w.primitive, rstd), y),
         OpsKind::UnTracked(prep) => prep.finish(y),
     }
@@ -80,9 +84,17 @@ pub(crate) fn add_rms_norm<B: KernelOps, C: CheckpointStrategy>(
     w: FloatTensor<Autodiff<B, C>>,
     eps: f64,
 ) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>) {
-    let (sum, y, rstd) = B::rms_norm_forward(x.primitive.clone(), Some(r.primitive.clone()), w.primitive.clone(), eps);
+    let (sum, y, rstd) = B::rms_norm_forward(
+        x.primitive.clone(),
+        Some(r.primitive.clone()),
+        w.primitive.clone(),
+        eps,
+    );
     let sum = sum.expect("the fused forward returns the sum");
-    let sum = AddBackward.prepare::<C>([x.node.clone(), r.node.clone()]).compute_bound().stateless(sum);
+    let sum = AddBackward
+        .prepare::<C>([x.node.clone(), r.node.clone()])
+        .compute_bound()
+        .stateless(sum);
     let y = norm_node::<B, C>(sum.clone(), w, y, rstd);
     (sum, y)
 }

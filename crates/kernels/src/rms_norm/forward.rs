@@ -8,7 +8,8 @@ use cubecl::prelude::*;
 use super::kernel::{rms_norm_bwd, rms_norm_fwd};
 use crate::check::{check_float, check_same_dtype, fail};
 use crate::launch::{
-    contiguous, empty, use_planes, max_cubes_x, max_units, num_sms, reduce_slots, row_split, vector_width,
+    contiguous, empty, max_cubes_x, max_units, num_sms, reduce_slots, row_split, use_planes,
+    vector_width,
 };
 
 /// Most vectors of a row one unit keeps in registers. With 1024 units this bounds rows at
@@ -18,11 +19,20 @@ const MAX_PER_UNIT: usize = 16;
 /// Rows and row length of a `[.., cols]` tensor.
 pub(crate) fn rows_cols(shape: &Shape) -> (usize, usize) {
     let cols = *shape.as_slice().last().unwrap_or(&1);
-    let rows = if cols == 0 { 0 } else { shape.num_elements() / cols };
+    let rows = if cols == 0 {
+        0
+    } else {
+        shape.num_elements() / cols
+    };
     (rows, cols)
 }
 
-fn plan<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>, cols: usize) -> (usize, usize, usize) {
+fn plan<R: CubeRuntime>(
+    op: &str,
+    x: &CubeTensor<R>,
+    w: &CubeTensor<R>,
+    cols: usize,
+) -> (usize, usize, usize) {
     let n = vector_width(x, &[x.dtype, w.dtype], &[cols]);
     let row_vecs = cols / n;
     let Some((units, per_unit)) = row_split(row_vecs, max_units(x), MAX_PER_UNIT) else {
@@ -40,7 +50,14 @@ fn check_weight<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>) 
     check_float(op, "weight", w.dtype);
     let (_, cols) = rows_cols(&x.shape());
     if w.shape().as_slice() != [cols] {
-        fail(op, format!("weight has shape {:?}; it must be [{cols}], the last dimension of x {:?}", w.shape().as_slice(), x.shape().as_slice()));
+        fail(
+            op,
+            format!(
+                "weight has shape {:?}; it must be [{cols}], the last dimension of x {:?}",
+                w.shape().as_slice(),
+                x.shape().as_slice()
+            ),
+        );
     }
 }
 
@@ -51,12 +68,23 @@ pub(crate) fn forward<R: CubeRuntime>(
     w: CubeTensor<R>,
     eps: f64,
 ) -> (Option<CubeTensor<R>>, CubeTensor<R>, CubeTensor<R>) {
-    let op = if residual.is_some() { "add_rms_norm" } else { "rms_norm" };
+    let op = if residual.is_some() {
+        "add_rms_norm"
+    } else {
+        "rms_norm"
+    };
     check_weight(op, &x, &w);
     if let Some(r) = &residual {
         check_same_dtype(op, "x", x.dtype, "residual", r.dtype);
         if r.shape() != x.shape() {
-            fail(op, format!("residual has shape {:?} but x has {:?}; they must match", r.shape().as_slice(), x.shape().as_slice()));
+            fail(
+                op,
+                format!(
+                    "residual has shape {:?} but x has {:?}; they must match",
+                    r.shape().as_slice(),
+                    x.shape().as_slice()
+                ),
+            );
         }
     }
     let shape = x.shape();
@@ -65,7 +93,9 @@ pub(crate) fn forward<R: CubeRuntime>(
     let w = contiguous(w);
     let y = empty(&x, shape.as_slice().to_vec(), x.dtype);
     let rstd = empty(&x, vec![rows], DType::F32);
-    let sum = residual.as_ref().map(|_| empty(&x, shape.as_slice().to_vec(), x.dtype));
+    let sum = residual
+        .as_ref()
+        .map(|_| empty(&x, shape.as_slice().to_vec(), x.dtype));
     if rows == 0 {
         return (sum, y, rstd);
     }
@@ -117,7 +147,12 @@ pub(crate) fn backward<R: CubeRuntime>(
     let dy = contiguous(burn_cubecl::kernel::cast(dy, x.dtype));
     let dx = empty(&x, shape.as_slice().to_vec(), x.dtype);
     if rows == 0 {
-        let dw = burn_cubecl::ops::numeric::zeros_client(x.client.clone(), x.device.clone(), vec![cols].into(), w_dtype);
+        let dw = burn_cubecl::ops::numeric::zeros_client(
+            x.client.clone(),
+            x.device.clone(),
+            vec![cols].into(),
+            w_dtype,
+        );
         return (dx, dw);
     }
     let (n, units, per_unit) = plan("rms_norm backward", &x, &w, cols);

@@ -14,7 +14,11 @@ use burn::tensor::{FloatDType, Tensor};
 
 /// Plain-Burn RMSNorm: what the kernel computes, with ordinary tensor ops (f32 inside, output in
 /// `x`'s dtype). Runs on any Burn backend.
-pub fn reference<B: BurnBackend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
+pub fn reference<B: BurnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
     let dt = x.dtype();
     let x = x.cast(FloatDType::F32);
     let ms = x.clone().powi_scalar(2).mean_dim(D - 1);

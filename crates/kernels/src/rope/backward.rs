@@ -36,8 +36,17 @@ pub(crate) fn rope<B: KernelOps, C: CheckpointStrategy>(
 ) -> FloatTensor<Autodiff<B, C>> {
     use burn::tensor::TensorMetadata;
     let dtype = x.primitive.dtype();
-    let out = B::rope_rotate(x.primitive, cos.primitive.clone(), sin.primitive.clone(), false);
-    match RopeBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+    let out = B::rope_rotate(
+        x.primitive,
+        cos.primitive.clone(),
+        sin.primitive.clone(),
+        false,
+    );
+    match RopeBackward
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
         OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive, dtype), out),
         OpsKind::UnTracked(prep) => prep.finish(out),
     }

@@ -12,7 +12,12 @@ use crate::launch::{contiguous, empty, vector_width};
 
 /// Rotates `x` [B, H, T, head_dim] by the tables `cos`, `sin` [>= T, head_dim / 2] (by the opposite
 /// angle when `inverse`). The result is dense.
-pub(crate) fn rope<R: CubeRuntime>(x: CubeTensor<R>, cos: CubeTensor<R>, sin: CubeTensor<R>, inverse: bool) -> CubeTensor<R> {
+pub(crate) fn rope<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    cos: CubeTensor<R>,
+    sin: CubeTensor<R>,
+    inverse: bool,
+) -> CubeTensor<R> {
     let op = "rope";
     check_float(op, "x", x.dtype);
     check_float(op, "cos", cos.dtype);
@@ -20,11 +25,17 @@ pub(crate) fn rope<R: CubeRuntime>(x: CubeTensor<R>, cos: CubeTensor<R>, sin: Cu
     let shape = x.shape();
     let dims = shape.as_slice();
     if dims.len() != 4 {
-        fail(op, format!("x has shape {dims:?}; expected [batch, heads, seq, head_dim]"));
+        fail(
+            op,
+            format!("x has shape {dims:?}; expected [batch, heads, seq, head_dim]"),
+        );
     }
     let (b, h, t, hd) = (dims[0], dims[1], dims[2], dims[3]);
     if hd % 2 != 0 {
-        fail(op, format!("head_dim is {hd}; it must be even (pairs (i, i + head_dim / 2) are rotated)"));
+        fail(
+            op,
+            format!("head_dim is {hd}; it must be even (pairs (i, i + head_dim / 2) are rotated)"),
+        );
     }
     let half = hd / 2;
     for (name, table) in [("cos", &cos), ("sin", &sin)] {
@@ -35,12 +46,20 @@ pub(crate) fn rope<R: CubeRuntime>(x: CubeTensor<R>, cos: CubeTensor<R>, sin: Cu
         }
     }
     // Strided reads need a unit last stride; anything else is copied to dense first.
-    let x = if x.meta.strides()[3] == 1 { x } else { contiguous(x) };
+    let x = if x.meta.strides()[3] == 1 {
+        x
+    } else {
+        contiguous(x)
+    };
     let cos = contiguous(cos);
     let sin = contiguous(sin);
     let strides = x.meta.strides().iter().copied().collect::<Vec<usize>>();
     let out = empty(&x, dims.to_vec(), x.dtype);
-    let n = vector_width(&x, &[x.dtype, cos.dtype], &[half, strides[0], strides[1], strides[2]]);
+    let n = vector_width(
+        &x,
+        &[x.dtype, cos.dtype],
+        &[half, strides[0], strides[1], strides[2]],
+    );
     let total = b * h * t * half / n;
     if total == 0 {
         return out;

@@ -12,22 +12,46 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{FloatDType, Int, Tensor};
 
 /// `cos` and `sin` tables [positions, head_dim / 2] (f32) for angles `pos * theta^(-2i / head_dim)`.
-pub fn tables<B: BurnBackend>(positions: usize, head_dim: usize, theta: f64, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+pub fn tables<B: BurnBackend>(
+    positions: usize,
+    head_dim: usize,
+    theta: f64,
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let half = head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half).map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32).collect();
-    let inv_freq = Tensor::<B, 1>::from_data(burn::tensor::TensorData::new(inv_freq, [half]).convert_dtype(burn::tensor::DType::F32), (device, burn::tensor::DType::F32)).reshape([1, half]);
-    let pos = Tensor::<B, 1, Int>::arange(0..positions as i64, device).float().cast(FloatDType::F32).reshape([positions, 1]);
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32)
+        .collect();
+    let inv_freq = Tensor::<B, 1>::from_data(
+        burn::tensor::TensorData::new(inv_freq, [half]).convert_dtype(burn::tensor::DType::F32),
+        (device, burn::tensor::DType::F32),
+    )
+    .reshape([1, half]);
+    let pos = Tensor::<B, 1, Int>::arange(0..positions as i64, device)
+        .float()
+        .cast(FloatDType::F32)
+        .reshape([positions, 1]);
     let angles = pos * inv_freq; // [positions, half]
     (angles.clone().cos(), angles.sin())
 }
 
 /// Plain-Burn RoPE: x [B, H, T, head_dim], tables [>= T, head_dim / 2]; f32 inside, `x`'s dtype out.
-pub fn reference<B: BurnBackend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 4> {
+pub fn reference<B: BurnBackend>(
+    x: Tensor<B, 4>,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+) -> Tensor<B, 4> {
     let dt = x.dtype();
     let [_, _, t, hd] = x.dims();
     let half = hd / 2;
-    let cos = cos.cast(FloatDType::F32).slice([0..t, 0..half]).reshape([1, 1, t, half]);
-    let sin = sin.cast(FloatDType::F32).slice([0..t, 0..half]).reshape([1, 1, t, half]);
+    let cos = cos
+        .cast(FloatDType::F32)
+        .slice([0..t, 0..half])
+        .reshape([1, 1, t, half]);
+    let sin = sin
+        .cast(FloatDType::F32)
+        .slice([0..t, 0..half])
+        .reshape([1, 1, t, half]);
     let mut halves = x.cast(FloatDType::F32).chunk(2, 3);
     let x2 = halves.pop().expect("two halves");
     let x1 = halves.pop().expect("two halves");
