@@ -27,8 +27,10 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 /// A model and run small enough for a test: 1-2 seconds of lavapipe per few steps.
 pub fn tiny_config(steps: usize) -> Config {
-    let mut cfg = Config::default();
-    cfg.device = trainer::config::DeviceKind::Wgpu;
+    let mut cfg = Config {
+        device: trainer::config::DeviceKind::Wgpu,
+        ..Config::default()
+    };
     cfg.model.n_layer = 2;
     cfg.model.n_head = 2;
     cfg.model.d_model = 32;

@@ -70,7 +70,7 @@ pub(crate) fn use_planes<R: CubeRuntime>(t: &CubeTensor<R>, units: usize) -> boo
         props.hardware.plane_size_min as usize,
         props.hardware.plane_size_max as usize,
     );
-    props.features.plane.contains(Plane::Ops) && min == max && min >= 8 && units % min == 0
+    props.features.plane.contains(Plane::Ops) && min == max && min >= 8 && units.is_multiple_of(min)
 }
 
 /// Most units the device runs in one cube.
@@ -100,7 +100,7 @@ pub(crate) fn row_split(
     max_units: usize,
     max_per_unit: usize,
 ) -> Option<(usize, usize)> {
-    let max_units = max_units.min(1024).max(32);
+    let max_units = max_units.clamp(32, 1024);
     let mut units = 32;
     while units < max_units && units * max_per_unit < row_vecs {
         units *= 2;
@@ -224,7 +224,7 @@ pub(crate) fn sum_rows<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
     let (rows, cols) = (dims[0], dims[1]);
     let out = empty(&t, vec![cols], DType::F32);
     let n = vector_width(&t, &[DType::F32], &[cols]);
-    let units = (cols / n).min(256).max(1);
+    let units = (cols / n).clamp(1, 256);
     let cubes = (cols / n).div_ceil(units);
     let client = t.client.clone();
     column_sum::launch::<R>(

@@ -1,6 +1,14 @@
 //! Double-buffered `cp.async` staging shared by the tensor-core kernels (attention, FP8 GEMM):
 //! two shared barriers, buffer `i % 2` filled by block `i`'s copies.
 
+// `#[cube]` code: CubeCL expands plain comparisons and arithmetic, not the std helpers clippy
+// suggests (`is_multiple_of`, `clamp`, `RangeInclusive::contains`).
+#![allow(
+    clippy::manual_is_multiple_of,
+    clippy::manual_clamp,
+    clippy::manual_range_contains
+)]
+
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 

@@ -165,7 +165,7 @@ impl GptConfig {
                 return Err(format!("{key} must be at least 1, got 0"));
             }
         }
-        if self.d_model % self.n_head != 0 {
+        if !self.d_model.is_multiple_of(self.n_head) {
             return Err(format!(
                 "model.n_head = {} does not divide model.d_model = {}; choose a head count that divides the width (e.g. {})",
                 self.n_head,
@@ -173,7 +173,7 @@ impl GptConfig {
                 divisors(self.d_model)
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
                 "model.d_model / model.n_head = {} must be even for rotary embeddings",
                 self.head_dim()
@@ -234,7 +234,7 @@ impl GptConfig {
 
 fn divisors(n: usize) -> String {
     let list: Vec<String> = (1..=n.min(64))
-        .filter(|h| n % h == 0)
+        .filter(|&h| n.is_multiple_of(h))
         .map(|h| h.to_string())
         .collect();
     list.join(", ")

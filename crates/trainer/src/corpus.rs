@@ -152,11 +152,8 @@ fn sentence(rng: &mut SplitMix64) -> String {
             let start = rng.below(12);
             let len = 3 + rng.below(5);
             let run: Vec<&str> = NUMBERS[start..(start + len).min(NUMBERS.len())].to_vec();
-            format!(
-                "{} counts: {}.",
-                capitalise(*rng.pick(SUBJECTS)),
-                run.join(", ")
-            )
+            let subject: &str = rng.pick::<&str>(SUBJECTS);
+            format!("{} counts: {}.", capitalise(subject), run.join(", "))
         }
         _ => {
             let subject = rng.pick(SUBJECTS);

@@ -32,7 +32,7 @@ impl SplitMix64 {
         if (n as u64) < 1 << 32 {
             // Multiply-shift on the top 32 bits; bias below n / 2^32. (Kept as is: the embedded
             // corpus and every data window depend on these exact values.)
-            ((x >> 32) * n as u64 >> 32) as usize
+            (((x >> 32) * n as u64) >> 32) as usize
         } else {
             // Streams of 2^32 tokens or more: the same idea in 128 bits.
             ((x as u128 * n as u128) >> 64) as usize

@@ -60,7 +60,7 @@ pub fn train_bpe(text: &str, vocab_size: usize) -> Result<Tokenizer> {
         ByteLevel,
     >::new()
     .with_model(BPE::default())
-    .with_pre_tokenizer(Some(byte_level.clone()))
+    .with_pre_tokenizer(Some(byte_level))
     .with_decoder(Some(byte_level))
     .build()
     .map_err(|e| anyhow!("building the BPE tokenizer: {e}"))?;

@@ -12,6 +12,7 @@ use crate::launch::{contiguous, empty, vector_width};
 use crate::rms_norm::forward::rows_cols;
 
 /// Where the gate and up halves live: two dense tensors, or one packed `[.., 2 * cols]` tensor.
+#[allow(clippy::large_enum_variant)] // short-lived, one per launch
 pub(crate) enum GateUp<R: CubeRuntime> {
     Split {
         gate: CubeTensor<R>,

@@ -146,7 +146,7 @@ impl MmaTiles {
         let ok = if row_tiles >= planes {
             row_tiles % planes == 0
         } else {
-            planes % row_tiles == 0 && (hd / (planes / row_tiles)) % 16 == 0
+            planes.is_multiple_of(row_tiles) && (hd / (planes / row_tiles)).is_multiple_of(16)
         };
         (!ok).then(|| {
             format!(
@@ -191,7 +191,7 @@ pub(crate) fn path<R: CubeRuntime>(q: &CubeTensor<R>) -> FlashPath {
             n: 8,
             k: 16,
         });
-    if mma && hd % 16 == 0 && hd <= 128 {
+    if mma && hd.is_multiple_of(16) && hd <= 128 {
         FlashPath::TensorCores
     } else {
         FlashPath::Portable
@@ -275,7 +275,9 @@ fn empty_bshd<R: CubeRuntime>(like: &CubeTensor<R>, d: &Dims, seq: usize) -> Cub
 /// at most 32 columns (1 if none does). Each unit's columns are unrolled; wider parts made
 /// llvmpipe's shader compiler slow (200 s for one kernel at 128 columns).
 fn portable_split(hd: usize) -> usize {
-    (1..=8).find(|s| hd % s == 0 && hd / s <= 32).unwrap_or(1)
+    (1..=8)
+        .find(|&s| hd.is_multiple_of(s) && hd / s <= 32)
+        .unwrap_or(1)
 }
 
 /// `(rows per block, units per row)` of the portable kernels: 32 rows, fewer when the staged f32

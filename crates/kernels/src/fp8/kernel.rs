@@ -7,6 +7,14 @@
 //! unit x owns word x (codes 4x..4x+3) of a 128-wide K tile. For 1x128 tiles unit y owns one row;
 //! for 128x128 blocks the cube owns the block and unit y rows y, y + 8, ..., y + 120.
 
+// `#[cube]` code: CubeCL expands plain comparisons and arithmetic, not the std helpers clippy
+// suggests (`is_multiple_of`, `clamp`, `RangeInclusive::contains`).
+#![allow(
+    clippy::manual_is_multiple_of,
+    clippy::manual_clamp,
+    clippy::manual_range_contains
+)]
+
 use cubecl::prelude::*;
 
 /// Format constants the kernels take at compile time.

@@ -817,7 +817,7 @@ pub(crate) fn fp8_gemm(
         || m % 8 != 0
         || n % 8 != 0
         || k_pad == 0
-        || k_pad % 128 != 0
+        || !k_pad.is_multiple_of(128)
         || a.payload.device != b.payload.device
     {
         return Err(Refused::NotApplicable);

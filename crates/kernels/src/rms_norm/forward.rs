@@ -19,11 +19,7 @@ const MAX_PER_UNIT: usize = 16;
 /// Rows and row length of a `[.., cols]` tensor.
 pub(crate) fn rows_cols(shape: &Shape) -> (usize, usize) {
     let cols = *shape.as_slice().last().unwrap_or(&1);
-    let rows = if cols == 0 {
-        0
-    } else {
-        shape.num_elements() / cols
-    };
+    let rows = shape.num_elements().checked_div(cols).unwrap_or(0);
     (rows, cols)
 }
 
