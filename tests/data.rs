@@ -129,26 +129,34 @@ fn split_is_90_10_and_windows_stay_inside() {
 }
 
 #[test]
-fn shakespeare_char_vocabulary_is_65() {
-    let Some(text) = shakespeare() else {
-        eprintln!("tinyshakespeare.txt not found (SHARED_DATA); skipping");
-        return;
-    };
-    let tok = tokenizer::char_level(&text).unwrap();
-    // 65 characters plus <unk>, as in nanoGPT's shakespeare_char.
-    assert_eq!(tok.get_vocab_size(true), 66);
+fn char_vocabulary_is_the_distinct_characters_plus_unk() {
+    // The 65 characters of tinyshakespeare (nanoGPT's shakespeare_char vocabulary), each used.
+    const CHARS: &str = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
+    assert_eq!(CHARS.chars().count(), 65);
+    let text: String = CHARS.repeat(40);
+    check_char_dataset(&text, 66);
+    // The real file too, where it is available (SHARED_DATA): the same 65 characters.
+    if let Some(text) = shakespeare() {
+        check_char_dataset(&text, 66);
+    }
+}
+
+/// A file with `text`, read with the char tokenizer: `vocab` entries (the distinct characters plus
+/// <unk>), and every character in the train or the validation split.
+fn check_char_dataset(text: &str, vocab: usize) {
+    let tok = tokenizer::char_level(text).unwrap();
+    assert_eq!(tok.get_vocab_size(true), vocab);
+    let path = std::env::temp_dir().join(format!(
+        "burnmix-chars-{}-{}.txt",
+        std::process::id(),
+        text.len()
+    ));
+    std::fs::write(&path, text).unwrap();
     let mut cfg = Config::default();
     cfg.data.source = trainer::config::TextSource::File;
     cfg.data.tokenizer = TokenizerKind::Char;
-    cfg.data.path = std::env::var("SHARED_DATA")
-        .map(|d| format!("{d}/tinyshakespeare.txt"))
-        .unwrap_or_else(|_| {
-            concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../shared/data/tinyshakespeare.txt"
-            )
-            .to_string()
-        });
+    cfg.data.path = path.to_string_lossy().into_owned();
     let ds = Dataset::build(&cfg, None).unwrap();
     assert_eq!(ds.train.len() + ds.val.len(), text.chars().count());
+    let _ = std::fs::remove_file(&path);
 }

@@ -268,7 +268,10 @@ fn fp8_config_errors() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("e5m2") || e.contains("format"), "{e}");
+    assert!(
+        e.contains("fp8.format") && e.contains("e5m2") && e.contains("hybrid"),
+        "{e}"
+    );
     let ok = trainer::Config::from_toml_str(
         "precision = \"fp8\"\n[fp8]\nformat = \"hybrid\"\nscaling = \"tensor\"\n",
         &[],
