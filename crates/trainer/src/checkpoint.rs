@@ -15,7 +15,7 @@
 //! the data-loader and RNG position a resumed run needs.
 
 use std::fs::{self, File};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -225,19 +225,9 @@ where
     bytes.extend_from_slice(&crc.to_le_bytes());
 
     let final_path = d.join(file_name(step));
-    let tmp = d.join(format!(".{}.tmp", file_name(step)));
-    {
-        let mut f =
-            File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-        f.write_all(&bytes)
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-        f.sync_all()?;
-    }
-    fs::rename(&tmp, &final_path)
-        .with_context(|| format!("cannot move checkpoint into {}", final_path.display()))?;
-    if let Ok(dirf) = File::open(&d) {
-        let _ = dirf.sync_all();
-    }
+    let tmp = crate::fsutil::temp_path(&final_path);
+    crate::fsutil::write_atomic(&final_path, &bytes)
+        .with_context(|| format!("cannot save checkpoint {}", final_path.display()))?;
     // Remove stray temporaries of crashed saves and checkpoints beyond `keep`.
     for entry in fs::read_dir(&d)?.flatten() {
         let n = entry.file_name().to_string_lossy().to_string();

@@ -20,6 +20,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::config::Config;
+use crate::fsutil::write_atomic;
 use crate::metrics::StepRecord;
 
 /// The built-in recipes: name, what it is, and the config overrides it applies.
@@ -641,9 +642,8 @@ fn plot(
         (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
     }
     let (px, py) = (((x1 - x0) * 0.03).max(1e-3), ((y1 - y0) * 0.05).max(1e-3));
-    let tmp = path.with_extension("svg.tmp");
-    {
-        let root = SVGBackend::new(&tmp, (900, 540)).into_drawing_area();
+    crate::fsutil::replace_with(path, |tmp| {
+        let root = SVGBackend::new(tmp, (900, 540)).into_drawing_area();
         root.fill(&WHITE).map_err(e)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(title, ("sans-serif", 20))
@@ -686,16 +686,8 @@ fn plot(
             .draw()
             .map_err(e)?;
         root.present().map_err(e)?;
-    }
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
-}
-
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
+        Ok(())
+    })
 }
 
 /// The run directory of an entry.

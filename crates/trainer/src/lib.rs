@@ -7,6 +7,7 @@ pub mod config;
 pub mod corpus;
 pub mod data;
 pub mod device;
+pub mod fsutil;
 pub mod metrics;
 pub mod optim;
 pub mod precision;

@@ -1,6 +1,6 @@
 //! `metrics.jsonl` (one JSON object per step, plus one per evaluation) and the loss-curve plot.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
@@ -116,9 +116,7 @@ impl Metrics {
                     }
                 }
             }
-            let tmp = run_dir.join(".metrics.jsonl.tmp");
-            fs::write(&tmp, kept)?;
-            fs::rename(&tmp, &path)?;
+            crate::fsutil::write_atomic(&path, kept.as_bytes())?;
         } else {
             File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
         }
@@ -145,11 +143,9 @@ impl Metrics {
 
     /// Writes `loss.svg`: training loss per step and validation loss per evaluation.
     pub fn plot(&self, run_dir: &Path, title: &str) -> Result<()> {
-        let path = run_dir.join("loss.svg");
-        let tmp = run_dir.join(".loss.svg.tmp");
-        plot_curves(&tmp, title, &self.train, &self.val)?;
-        fs::rename(&tmp, &path)?;
-        Ok(())
+        crate::fsutil::replace_with(&run_dir.join("loss.svg"), |tmp| {
+            plot_curves(tmp, title, &self.train, &self.val)
+        })
     }
 }
 

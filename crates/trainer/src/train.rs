@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -18,6 +18,7 @@ use serde::Serialize;
 use crate::checkpoint;
 use crate::config::Config;
 use crate::data::Dataset;
+use crate::fsutil::write_atomic;
 use crate::metrics::{Metrics, StepRecord};
 use crate::optim::{grads_to_f32, poison_grads, AdamW};
 use crate::precision::{LossScaler, Recipe, Verdict};
@@ -603,16 +604,4 @@ pub fn train<B: crate::TrainBackend>(
         serde_json::to_string_pretty(&summary)?.as_bytes(),
     )?;
     Ok(summary)
-}
-
-/// Writes a file so that readers see the old or the new content, never a mix.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp"));
-    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
 }
