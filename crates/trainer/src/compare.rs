@@ -538,6 +538,18 @@ pub fn write_report(
         )?;
         plots.push("lr_sensitivity.svg".to_string());
     }
+    // Per-layer numerics of the FP8 entries: the health records every `fp8.health_interval` steps.
+    for e in &entries {
+        if let Some(h) = numerics_grid(&e.records) {
+            let file = format!("numerics-{}.svg", e.name);
+            heatmaps(
+                &dir.join(&file),
+                &format!("{}: FP8 numerics per tensor", e.name),
+                &h,
+            )?;
+            plots.push(file);
+        }
+    }
 
     let report = Report {
         config: origin.to_string(),
@@ -606,6 +618,132 @@ fn markdown(r: &Report) -> String {
         let _ = writeln!(s, "![{p}]({p})");
     }
     s
+}
+
+/// FP8 health over training: one row per tracked tensor (a projection's weight, input or output
+/// gradient), one column per step with a record.
+#[derive(Debug, PartialEq)]
+pub struct NumericsGrid {
+    pub rows: Vec<String>,
+    pub steps: Vec<u64>,
+    /// `[row][column]`: share of nonzero values that quantize to zero (NaN where not recorded).
+    pub underflow: Vec<Vec<f64>>,
+    /// `[row][column]`: share of values clipped at the format's largest value.
+    pub saturated: Vec<Vec<f64>>,
+}
+
+/// The FP8 health records of a run as a grid, or `None` when it has none.
+pub fn numerics_grid(records: &[StepRecord]) -> Option<NumericsGrid> {
+    let with: Vec<&StepRecord> = records
+        .iter()
+        .filter(|r| r.fp8.as_ref().is_some_and(|v| !v.is_empty()))
+        .collect();
+    if with.is_empty() {
+        return None;
+    }
+    let mut rows: Vec<String> = Vec::new();
+    for r in &with {
+        for h in r.fp8.as_ref().into_iter().flatten() {
+            if !rows.contains(&h.layer) {
+                rows.push(h.layer.clone());
+            }
+        }
+    }
+    let steps: Vec<u64> = with.iter().map(|r| r.step).collect();
+    let mut underflow = vec![vec![f64::NAN; steps.len()]; rows.len()];
+    let mut saturated = vec![vec![f64::NAN; steps.len()]; rows.len()];
+    for (c, r) in with.iter().enumerate() {
+        for h in r.fp8.as_ref().into_iter().flatten() {
+            let i = rows.iter().position(|l| l == &h.layer).expect("row");
+            underflow[i][c] = h.underflow;
+            saturated[i][c] = h.saturated;
+        }
+    }
+    Some(NumericsGrid {
+        rows,
+        steps,
+        underflow,
+        saturated,
+    })
+}
+
+/// Two heatmaps side by side (underflow, saturation), tensors by step, white (0) to red (the
+/// largest share in the panel, printed in its title), grey where nothing was recorded.
+fn heatmaps(path: &Path, title: &str, g: &NumericsGrid) -> Result<()> {
+    let e =
+        |e: DrawingAreaErrorKind<std::io::Error>| anyhow::anyhow!("plot {}: {e}", path.display());
+    let height = (120 + 14 * g.rows.len()).clamp(300, 2400) as u32;
+    crate::fsutil::replace_with(path, |tmp| {
+        let root = SVGBackend::new(tmp, (1400, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(e)?;
+        let root = root.titled(title, ("sans-serif", 20)).map_err(e)?;
+        let panels = root.split_evenly((1, 2));
+        for (panel, (name, data)) in panels
+            .iter()
+            .zip([("underflow", &g.underflow), ("saturated", &g.saturated)])
+        {
+            let max = data
+                .iter()
+                .flatten()
+                .copied()
+                .filter(|v| v.is_finite())
+                .fold(0.0f64, f64::max);
+            let (nr, nc) = (g.rows.len(), g.steps.len());
+            let mut chart = ChartBuilder::on(panel)
+                .caption(format!("{name} share (max {max:.2e})"), ("sans-serif", 16))
+                .margin(8)
+                .x_label_area_size(36)
+                .y_label_area_size(if name == "underflow" { 230 } else { 10 })
+                .build_cartesian_2d(0..nc, 0..nr)
+                .map_err(e)?;
+            let rows = g.rows.clone();
+            let steps = g.steps.clone();
+            chart
+                .configure_mesh()
+                .disable_mesh()
+                .x_desc("step")
+                .x_labels(nc.min(10))
+                .x_label_formatter(&|c| steps.get(*c).map_or(String::new(), |s| s.to_string()))
+                .y_labels(nr)
+                .y_label_formatter(&|r| {
+                    if name == "underflow" {
+                        rows.get(nr.saturating_sub(1 + *r))
+                            .cloned()
+                            .unwrap_or_default()
+                    } else {
+                        String::new()
+                    }
+                })
+                .label_style(("sans-serif", 11))
+                .draw()
+                .map_err(e)?;
+            chart
+                .draw_series(
+                    (0..nr)
+                        .flat_map(|r| (0..nc).map(move |c| (r, c)))
+                        .map(|(r, c)| {
+                            let v = data[r][c];
+                            let colour = if !v.is_finite() {
+                                RGBColor(200, 200, 200)
+                            } else {
+                                let t = if max > 0.0 {
+                                    (v / max).clamp(0.0, 1.0)
+                                } else {
+                                    0.0
+                                };
+                                let fade = (255.0 * (1.0 - t)) as u8;
+                                RGBColor(255, fade, fade)
+                            };
+                            // Row 0 at the top.
+                            let y = nr - 1 - r;
+                            Rectangle::new([(c, y), (c + 1, y + 1)], colour.filled())
+                        }),
+                )
+                .map_err(e)?;
+        }
+        root.present().map_err(e)?;
+        Ok(())
+    })
 }
 
 fn palette(i: usize) -> RGBColor {
@@ -693,4 +831,142 @@ fn plot(
 /// The run directory of an entry.
 pub fn entry_dir(dir: &Path, entry: &Entry) -> PathBuf {
     dir.join("runs").join(&entry.dir_name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Fp8LayerHealth;
+
+    fn rec(step: u64, loss: f64, grad_norm: f64, val: Option<f64>) -> StepRecord {
+        StepRecord {
+            step,
+            loss,
+            lr: 1e-3,
+            grad_norm,
+            precision: "fp16".into(),
+            loss_scale: 1.0,
+            skipped: false,
+            overflows: 0,
+            tokens_per_s: 1000.0,
+            step_ms: 1.0,
+            mfu: None,
+            val_loss: val,
+            fp8: None,
+        }
+    }
+
+    fn smooth(n: u64) -> Vec<StepRecord> {
+        (1..=n)
+            .map(|s| {
+                rec(
+                    s,
+                    4.0 - s as f64 * 0.01,
+                    1.0,
+                    (s % 10 == 0).then(|| 4.0 - s as f64 * 0.01),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn verdicts() {
+        let ok = stability(&smooth(200), 20, None);
+        assert_eq!((ok.verdict.as_str(), ok.first_bad_step), ("stable", None));
+
+        let mut spike = smooth(200);
+        spike[149].loss = 10.0; // step 150
+        spike[169].grad_norm = 50.0; // step 170
+        let s = stability(&spike, 20, None);
+        assert_eq!(
+            (
+                s.verdict.as_str(),
+                s.first_bad_step,
+                s.loss_spikes,
+                s.grad_norm_spikes
+            ),
+            ("unstable", Some(150), 1, 1)
+        );
+        // Inside warm-up a loss above 1.5x the minimum so far is no spike.
+        let mut early = smooth(200);
+        early[4].loss = 10.0;
+        assert_eq!(stability(&early, 20, None).verdict, "stable");
+
+        let mut nan = smooth(200);
+        nan[99].loss = f64::NAN;
+        let d = stability(&nan, 20, None);
+        assert_eq!(
+            (d.verdict.as_str(), d.first_bad_step),
+            ("diverged", Some(100))
+        );
+
+        let mut up = smooth(200);
+        up[179].val_loss = Some(4.5); // above the first evaluation (3.9)
+        assert_eq!(stability(&up, 20, None).first_bad_step, Some(180));
+
+        let stopped = stability(&smooth(50), 20, Some("the loss scale collapsed"));
+        assert_eq!(stopped.verdict, "diverged");
+        assert!(stopped.reason.contains("collapsed"));
+    }
+
+    #[test]
+    fn recipes_parse_or_name_what_is_wrong() {
+        assert_eq!(
+            RecipeSpec::parse("fp16-noscale").unwrap().overrides,
+            ["precision=fp16", "loss_scale.mode=off"]
+        );
+        let r = RecipeSpec::parse("fp16:loss_scale.init=1024").unwrap();
+        assert_eq!(
+            r.overrides,
+            [
+                "precision=fp16",
+                "loss_scale.mode=dynamic",
+                "loss_scale.init=1024"
+            ]
+        );
+        assert_eq!(
+            RecipeSpec::parse("mine:precision=fp16").unwrap().overrides,
+            ["precision=fp16"]
+        );
+        let e = RecipeSpec::parse("fp64").unwrap_err().to_string();
+        assert!(
+            e.contains("unknown recipe 'fp64'") && e.contains("fp16-noscale"),
+            "{e}"
+        );
+        assert!(RecipeSpec::parse("x:precision")
+            .unwrap_err()
+            .to_string()
+            .contains("'precision' is not key=value"));
+        assert!(RecipeSpec::parse("a b").is_err());
+    }
+
+    #[test]
+    fn fp8_health_becomes_a_heatmap() {
+        let mut rs = smooth(30);
+        let h = |layer: &str, u: f64| Fp8LayerHealth {
+            layer: layer.into(),
+            amax: 1.0,
+            underflow: u,
+            saturated: u / 10.0,
+        };
+        rs[0].fp8 = Some(vec![
+            h("blocks.0.attn.qkv.weight", 0.01),
+            h("blocks.0.attn.qkv.grad_output", 0.2),
+        ]);
+        rs[19].fp8 = Some(vec![h("blocks.0.attn.qkv.grad_output", 0.3)]);
+        let g = numerics_grid(&rs).expect("grid");
+        assert_eq!(
+            g.rows,
+            ["blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.grad_output"]
+        );
+        assert_eq!(g.steps, [1, 20]);
+        assert_eq!(g.underflow[1], [0.2, 0.3]);
+        assert!(g.underflow[0][1].is_nan(), "not recorded at step 20");
+        assert!(numerics_grid(&smooth(5)).is_none());
+        let path = std::env::temp_dir().join(format!("burnmix-heatmap-{}.svg", std::process::id()));
+        heatmaps(&path, "test", &g).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.contains("<svg") && svg.contains("<rect") && svg.contains("grad_output"));
+        let _ = std::fs::remove_file(&path);
+    }
 }
