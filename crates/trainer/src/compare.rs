@@ -863,7 +863,7 @@ mod tests {
                     s,
                     4.0 - s as f64 * 0.01,
                     1.0,
-                    (s % 10 == 0).then(|| 4.0 - s as f64 * 0.01),
+                    (s % 10 == 0).then_some(4.0 - s as f64 * 0.01),
                 )
             })
             .collect()
