@@ -3,7 +3,7 @@
 //! Every section and key is optional (missing keys take the defaults below, which together are the
 //! built-in default run); unknown keys, wrong types and impossible values are errors that name the key.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use model::GptConfig;
@@ -528,13 +528,13 @@ impl Config {
                 self.precision.name()
             ));
         }
-        crate::precision::Recipe::from_config_with(self.precision, &self.loss_scale, &self.fp8)?;
+        crate::precision::Recipe::resolve_with_fp8(self.precision, &self.loss_scale, &self.fp8)?;
         Ok(())
     }
 
     /// The resolved precision recipe (the config has been validated, so this cannot fail).
     pub fn recipe(&self) -> crate::precision::Recipe {
-        crate::precision::Recipe::from_config_with(self.precision, &self.loss_scale, &self.fp8)
+        crate::precision::Recipe::resolve_with_fp8(self.precision, &self.loss_scale, &self.fp8)
             .expect("a validated config has a valid precision recipe")
     }
 
@@ -550,11 +550,6 @@ impl Config {
     /// Tokens consumed by one optimizer step.
     pub fn tokens_per_step(&self) -> usize {
         self.training.batch_size * self.training.grad_accum * self.model.context
-    }
-
-    /// Resolves a path from the config relative to the current directory.
-    pub fn resolve_path(p: &str) -> PathBuf {
-        PathBuf::from(p)
     }
 }
 

@@ -3,7 +3,7 @@
 //! Windows are a pure function of (seed, step, micro-batch), so a resumed run reads exactly the
 //! batches the uninterrupted run would have read, with no sampler state to save.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use burn::tensor::backend::Backend;
@@ -40,7 +40,7 @@ impl Dataset {
                 "embedded corpus".to_string(),
             ),
             TextSource::File => {
-                let path = Config::resolve_path(&d.path);
+                let path = PathBuf::from(&d.path);
                 if !path.is_file() {
                     let cwd = std::env::current_dir()
                         .map(|p| p.display().to_string())
@@ -66,10 +66,8 @@ impl Dataset {
             (Some(p), _) => tokenizer::load(p)?,
             (None, TokenizerKind::Char) => tokenizer::char_level(&text)?,
             (None, TokenizerKind::Bpe) => tokenizer::train_bpe(&text[..cut], d.bpe_vocab_size)?,
-            (None, TokenizerKind::File) => {
-                tokenizer::load(&Config::resolve_path(&d.tokenizer_path))
-                    .with_context(|| "data.tokenizer_path")?
-            }
+            (None, TokenizerKind::File) => tokenizer::load(&PathBuf::from(&d.tokenizer_path))
+                .with_context(|| "data.tokenizer_path")?,
         };
         let train = tokenizer::encode_corpus(&tok, &text[..cut])?;
         let val = tokenizer::encode_corpus(&tok, &text[cut..])?;

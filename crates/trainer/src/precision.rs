@@ -219,12 +219,12 @@ pub enum Recipe {
 impl Recipe {
     /// Builds the recipe from the config's `precision` key and `[loss_scale]` section, resolving
     /// `loss_scale.mode = "auto"`, and validates it.
-    pub fn from_config(kind: PrecisionKind, ls: &LossScaleConfig) -> Result<Self, String> {
-        Self::from_config_with(kind, ls, &Fp8Config::default())
+    pub fn resolve(kind: PrecisionKind, ls: &LossScaleConfig) -> Result<Self, String> {
+        Self::resolve_with_fp8(kind, ls, &Fp8Config::default())
     }
 
-    /// [`Recipe::from_config`] with the `[fp8]` section (used by `precision = "fp8"`).
-    pub fn from_config_with(
+    /// [`Recipe::resolve`] with the `[fp8]` section (used by `precision = "fp8"`).
+    pub fn resolve_with_fp8(
         kind: PrecisionKind,
         ls: &LossScaleConfig,
         fp8: &Fp8Config,
@@ -570,7 +570,7 @@ mod tests {
     #[test]
     fn restore_takes_the_state_only_under_the_same_settings() {
         let ls = LossScaleConfig::default();
-        let fp16 = Recipe::from_config(PrecisionKind::Fp16, &ls).unwrap();
+        let fp16 = Recipe::resolve(PrecisionKind::Fp16, &ls).unwrap();
         let saved = ScalerState {
             scale: 512.0,
             clean_steps: 7,
@@ -581,7 +581,7 @@ mod tests {
         assert_eq!(same.restore(saved.clone(), Some(&fp16)), None);
         assert_eq!(same.state, saved);
         // Scaling switched on after an fp16 run without it: start from init, keep the count.
-        let off = Recipe::from_config(
+        let off = Recipe::resolve(
             PrecisionKind::Fp16,
             &LossScaleConfig {
                 mode: LossScaleMode::Off,
@@ -613,25 +613,25 @@ mod tests {
     #[test]
     fn recipes_resolve_auto_and_refuse_scaling_for_fp32() {
         let ls = LossScaleConfig::default();
-        let fp16 = Recipe::from_config(PrecisionKind::Fp16, &ls).unwrap();
+        let fp16 = Recipe::resolve(PrecisionKind::Fp16, &ls).unwrap();
         assert!(
             matches!(fp16.loss_scaling(), LossScaling::Dynamic { init, .. } if *init == 65536.0)
         );
         assert_eq!(fp16.compute_dtype(), FloatDType::F16);
-        let bf16 = Recipe::from_config(PrecisionKind::Bf16, &ls).unwrap();
+        let bf16 = Recipe::resolve(PrecisionKind::Bf16, &ls).unwrap();
         assert!(bf16.loss_scaling().is_off());
         let dynamic = LossScaleConfig {
             mode: LossScaleMode::Dynamic,
             ..LossScaleConfig::default()
         };
-        let e = Recipe::from_config(PrecisionKind::Fp32, &dynamic).unwrap_err();
+        let e = Recipe::resolve(PrecisionKind::Fp32, &dynamic).unwrap_err();
         assert!(e.contains("loss_scale.mode") && e.contains("fp16"), "{e}");
         let bad = LossScaleConfig {
             mode: LossScaleMode::Dynamic,
             backoff_factor: 2.0,
             ..LossScaleConfig::default()
         };
-        let e = Recipe::from_config(PrecisionKind::Fp16, &bad).unwrap_err();
+        let e = Recipe::resolve(PrecisionKind::Fp16, &bad).unwrap_err();
         assert!(e.contains("loss_scale.backoff_factor"), "{e}");
     }
 }

@@ -1,0 +1,96 @@
+//! `compare` with fp32 and fp16 on wgpu (lavapipe in CI): the CPU bar of the compare command. Both
+//! recipes train, the report has both with their best validation loss, tokens/s and verdict, the
+//! loss-scale plot appears (fp16 scales the loss), and the same command again trains nothing.
+
+use std::process::Command;
+
+#[test]
+fn compare_fp32_and_fp16_on_wgpu() {
+    let dir = std::env::temp_dir().join(format!("burnmix-compare-wgpu-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let args = [
+        "--recipes",
+        "fp32,fp16",
+        "--steps",
+        "8",
+        "--set",
+        "device=wgpu",
+        "--set",
+        "training.eval_interval=4",
+        "--set",
+        "training.eval_batches=2",
+        "--out",
+        "cmp",
+    ];
+    let run = || {
+        Command::new(env!("CARGO_BIN_EXE_compare"))
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("run compare")
+    };
+    let out = run();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "compare failed:\n{stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("cmp/report.json")).expect("report.json"),
+    )
+    .expect("json");
+    let rows = report["entries"].as_array().expect("entries");
+    assert_eq!(
+        rows.iter()
+            .map(|r| r["recipe"].as_str().unwrap())
+            .collect::<Vec<_>>(),
+        ["fp32", "fp16"]
+    );
+    for r in rows {
+        assert_eq!(r["steps_done"].as_u64(), Some(8), "{r}");
+        assert!(
+            r["best_val_loss"].as_f64().is_some_and(|v| v.is_finite()),
+            "{r}"
+        );
+        assert!(r["tokens_per_s"].as_f64().is_some_and(|v| v > 0.0), "{r}");
+        assert!(
+            ["stable", "unstable", "diverged"]
+                .contains(&r["stability"]["verdict"].as_str().unwrap()),
+            "{r}"
+        );
+    }
+    // fp16 runs with dynamic loss scaling; its best validation loss is compared with fp32's.
+    assert!(
+        rows[1]["loss_scale_max"].as_f64().is_some_and(|s| s > 1.0),
+        "{}",
+        rows[1]
+    );
+    assert!(rows[1]["best_val_vs_fp32"].as_f64().is_some());
+    for svg in [
+        "train_loss.svg",
+        "val_loss.svg",
+        "grad_norm.svg",
+        "loss_scale.svg",
+    ] {
+        assert!(
+            std::fs::read_to_string(dir.join("cmp").join(svg))
+                .unwrap_or_default()
+                .contains("<svg"),
+            "{svg}"
+        );
+    }
+    assert!(std::fs::read_to_string(dir.join("cmp/report.md"))
+        .unwrap()
+        .contains("| fp16 |"));
+
+    let out = run();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert_eq!(
+        stdout.matches("done earlier").count(),
+        2,
+        "the second run trains nothing:\n{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
