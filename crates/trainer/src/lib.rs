@@ -93,6 +93,26 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
     }
 }
 
+/// The `main` of the command-line tools: answers a device probe (the child process that
+/// [`device::select`] starts to try a backend) or runs `body`, whose error is printed as one line
+/// with exit code 1.
+pub fn cli_main(body: impl FnOnce() -> Result<()>) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    if std::env::var_os(device::CUDA_PROBE_ENV).is_some() {
+        return ExitCode::from(cuda_probe() as u8);
+    }
+    if std::env::var_os(device::WGPU_PROBE_ENV).is_some() {
+        return ExitCode::from(wgpu_probe() as u8);
+    }
+    match body() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// Body of the wgpu probe child process: make a tensor on the default wgpu device and read it back.
 pub fn wgpu_probe() -> i32 {
     use burn::tensor::Tensor;

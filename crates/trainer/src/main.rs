@@ -172,17 +172,5 @@ fn real_main() -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    if std::env::var_os(device::CUDA_PROBE_ENV).is_some() {
-        return ExitCode::from(trainer::cuda_probe() as u8);
-    }
-    if std::env::var_os(device::WGPU_PROBE_ENV).is_some() {
-        return ExitCode::from(trainer::wgpu_probe() as u8);
-    }
-    match real_main() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    trainer::cli_main(real_main)
 }

@@ -39,45 +39,32 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
-    if std::env::var_os(trainer::device::CUDA_PROBE_ENV).is_some() {
-        return ExitCode::from(trainer::cuda_probe() as u8);
-    }
-    if std::env::var_os(trainer::device::WGPU_PROBE_ENV).is_some() {
-        return ExitCode::from(trainer::wgpu_probe() as u8);
-    }
-    let cli = Cli::parse();
-    if !(cli.temperature >= 0.0 && cli.temperature.is_finite()) {
-        eprintln!(
-            "error: --temperature must be a finite number >= 0, got {}",
-            cli.temperature
-        );
-        return ExitCode::FAILURE;
-    }
-    let opts = SampleOptions {
-        run_dir: cli.run_dir,
-        prompt: cli.prompt,
-        max_new_tokens: cli.max_new_tokens,
-        temperature: cli.temperature,
-        top_k: cli.top_k,
-        seed: cli.seed,
-        checkpoint: cli.checkpoint,
-    };
-    let mut stdout = std::io::stdout();
-    match sample(&opts, &mut stdout) {
-        Ok(s) => {
-            eprintln!(
-                "{} tokens in {:.2} s ({:.1} tokens/s) from {} (step {})",
-                s.new_tokens,
-                s.new_tokens as f64 / s.tokens_per_s.max(1e-9),
-                s.tokens_per_s,
-                s.checkpoint.display(),
-                s.step
+    trainer::cli_main(|| {
+        let cli = Cli::parse();
+        if !(cli.temperature >= 0.0 && cli.temperature.is_finite()) {
+            anyhow::bail!(
+                "--temperature must be a finite number >= 0, got {}",
+                cli.temperature
             );
-            ExitCode::SUCCESS
         }
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+        let opts = SampleOptions {
+            run_dir: cli.run_dir,
+            prompt: cli.prompt,
+            max_new_tokens: cli.max_new_tokens,
+            temperature: cli.temperature,
+            top_k: cli.top_k,
+            seed: cli.seed,
+            checkpoint: cli.checkpoint,
+        };
+        let s = sample(&opts, &mut std::io::stdout())?;
+        eprintln!(
+            "{} tokens in {:.2} s ({:.1} tokens/s) from {} (step {})",
+            s.new_tokens,
+            s.new_tokens as f64 / s.tokens_per_s.max(1e-9),
+            s.tokens_per_s,
+            s.checkpoint.display(),
+            s.step
+        );
+        Ok(())
+    })
 }

@@ -13,15 +13,20 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 /// `train` with no Vulkan ICD and no NVIDIA tools on the path.
-fn train_without_drivers(dir: &PathBuf, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_train"))
+fn train_without_drivers(dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    without_drivers(env!("CARGO_BIN_EXE_train"), dir, args)
+}
+
+/// Runs `bin` in `dir` with no Vulkan ICD and no NVIDIA tools on the path.
+fn without_drivers(bin: &str, dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(bin)
         .args(args)
         .current_dir(dir)
         .env("VK_ICD_FILENAMES", "/nonexistent")
         .env("VK_DRIVER_FILES", "/nonexistent")
         .env("PATH", "/nonexistent")
         .output()
-        .expect("run train")
+        .unwrap_or_else(|e| panic!("cannot run {bin}: {e}"))
 }
 
 #[test]
@@ -63,16 +68,7 @@ fn auto_device_falls_back_to_the_cpu_and_learns() {
     );
 
     // `sample` continues a prompt from the run's checkpoint.
-    let sample = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_sample"))
-            .args(args)
-            .current_dir(&dir)
-            .env("VK_ICD_FILENAMES", "/nonexistent")
-            .env("VK_DRIVER_FILES", "/nonexistent")
-            .env("PATH", "/nonexistent")
-            .output()
-            .expect("run sample")
-    };
+    let sample = |args: &[&str]| without_drivers(env!("CARGO_BIN_EXE_sample"), &dir, args);
     let out = sample(&[
         "run",
         "--prompt",
@@ -191,16 +187,7 @@ fn cpu_device_refuses_low_precision_with_one_line() {
 #[test]
 fn compare_trains_each_entry_once_and_reports() {
     let dir = scratch("compare");
-    let compare = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_compare"))
-            .args(args)
-            .current_dir(&dir)
-            .env("VK_ICD_FILENAMES", "/nonexistent")
-            .env("VK_DRIVER_FILES", "/nonexistent")
-            .env("PATH", "/nonexistent")
-            .output()
-            .expect("run compare")
-    };
+    let compare = |args: &[&str]| without_drivers(env!("CARGO_BIN_EXE_compare"), &dir, args);
     let args = [
         "--recipes",
         "fp32,nodecay:optimizer.weight_decay=0",
