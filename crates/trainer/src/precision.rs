@@ -20,7 +20,184 @@
 use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Fp8ComputeKind, Fp8Config, LossScaleConfig, LossScaleMode, PrecisionKind};
+/// Compute precision of a run (`precision = "..."`); see [`Recipe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrecisionKind {
+    /// f32 everywhere.
+    Fp32,
+    /// bf16 matmuls and activations, f32 master weights.
+    Bf16,
+    /// f16 matmuls and activations, f32 master weights, dynamic loss scaling by default.
+    Fp16,
+    /// Experimental: the attention and MLP projections' GEMMs in FP8 with fine-grained scales
+    /// (`[fp8]`), bf16 elsewhere, f32 master weights.
+    Fp8,
+}
+
+impl PrecisionKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            PrecisionKind::Fp32 => "fp32",
+            PrecisionKind::Bf16 => "bf16",
+            PrecisionKind::Fp16 => "fp16",
+            PrecisionKind::Fp8 => "fp8",
+        }
+    }
+}
+
+/// `loss_scale.mode`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LossScaleMode {
+    /// Dynamic for fp16, off for fp32 and bf16.
+    Auto,
+    Off,
+    /// A fixed scale, `loss_scale.init`.
+    Static,
+    /// Back off on overflow, grow after `growth_interval` clean steps.
+    Dynamic,
+}
+
+impl LossScaleMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            LossScaleMode::Auto => "auto",
+            LossScaleMode::Off => "off",
+            LossScaleMode::Static => "static",
+            LossScaleMode::Dynamic => "dynamic",
+        }
+    }
+}
+
+/// `fp8.format`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8FormatKind {
+    /// E4M3 for every operand.
+    E4m3,
+    /// E4M3 for activations and weights, E5M2 (wider range) for output gradients.
+    Hybrid,
+}
+
+/// `fp8.scaling`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8ScalingKind {
+    /// One scale per 1x`tile` slice of activations and gradients, per `tile`x`tile` weight block.
+    Tile,
+    /// One scale per tensor (current scaling), for comparison.
+    Tensor,
+}
+
+/// `fp8.compute`: the dtype of everything that is not an FP8 GEMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8ComputeKind {
+    Bf16,
+    /// f32: for devices without bf16 (wgpu) and for isolating the FP8 GEMMs' effect.
+    F32,
+}
+
+/// `[fp8]`: settings of `precision = "fp8"` (experimental).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Fp8Config {
+    pub format: Fp8FormatKind,
+    pub scaling: Fp8ScalingKind,
+    /// Tile length along the reduction axis (and weight block side). Only 128 is implemented.
+    pub tile: usize,
+    /// Round scales down to powers of two (exact scaling).
+    pub pow2_scales: bool,
+    /// Which GEMMs of each projection run in FP8: y = x W, dx = dy W^T, dW = x^T dy.
+    pub fprop: bool,
+    pub dgrad: bool,
+    pub wgrad: bool,
+    pub compute: Fp8ComputeKind,
+    /// Log FP8 health (per projection weight, input and output gradient: amax, underflow and
+    /// saturation shares) to `metrics.jsonl` on step 1 and every this many steps; 0 turns it off.
+    pub health_interval: u64,
+}
+
+impl Default for Fp8Config {
+    fn default() -> Self {
+        Self {
+            format: Fp8FormatKind::E4m3,
+            scaling: Fp8ScalingKind::Tile,
+            tile: 128,
+            pow2_scales: true,
+            fprop: true,
+            dgrad: true,
+            wgrad: true,
+            compute: Fp8ComputeKind::Bf16,
+            health_interval: 100,
+        }
+    }
+}
+
+impl Fp8Config {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.tile != kernels::fp8::TILE {
+            return Err(format!(
+                "fp8.tile = {} is not supported; the FP8 kernels use tiles of {}",
+                self.tile,
+                kernels::fp8::TILE
+            ));
+        }
+        Ok(())
+    }
+
+    /// The layer settings the model takes.
+    pub fn linear(&self) -> kernels::Fp8LinearConfig {
+        kernels::Fp8LinearConfig {
+            fprop: self.fprop,
+            dgrad: self.dgrad,
+            wgrad: self.wgrad,
+            forward_format: kernels::Fp8Format::E4M3,
+            grad_format: match self.format {
+                Fp8FormatKind::E4m3 => kernels::Fp8Format::E4M3,
+                Fp8FormatKind::Hybrid => kernels::Fp8Format::E5M2,
+            },
+            per_tensor: self.scaling == Fp8ScalingKind::Tensor,
+            pow2: self.pow2_scales,
+        }
+    }
+}
+
+/// `[loss_scale]`: defaults are PyTorch `GradScaler`'s.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossScaleConfig {
+    pub mode: LossScaleMode,
+    /// Dynamic: the first step's scale. Static: the scale.
+    pub init: f64,
+    /// Dynamic: multiply the scale by this after `growth_interval` clean steps in a row.
+    pub growth_factor: f64,
+    /// Dynamic: multiply the scale by this on overflow.
+    pub backoff_factor: f64,
+    pub growth_interval: u64,
+    /// Dynamic: floor of the scale; an overflow with the scale at the floor stops the run.
+    pub min: f64,
+    /// Dynamic: ceiling of the scale.
+    pub max: f64,
+    /// Stop when this many steps in a row overflow.
+    pub max_consecutive_skips: u64,
+}
+
+impl Default for LossScaleConfig {
+    fn default() -> Self {
+        Self {
+            mode: LossScaleMode::Auto,
+            init: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            min: 1.0,
+            max: 16_777_216.0,
+            max_consecutive_skips: 50,
+        }
+    }
+}
 
 /// How the loss is scaled before backward.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -338,12 +515,12 @@ impl Recipe {
                     "fp8, experimental (projection GEMMs {} in FP8: {}, {} scales{}, {} elsewhere; f32 master weights; {})",
                     if passes.is_empty() { "none".to_string() } else { passes.join("+") },
                     match r.fp8.format {
-                        crate::config::Fp8FormatKind::E4m3 => "E4M3",
-                        crate::config::Fp8FormatKind::Hybrid => "hybrid (E4M3, E5M2 output gradients)",
+                        Fp8FormatKind::E4m3 => "E4M3",
+                        Fp8FormatKind::Hybrid => "hybrid (E4M3, E5M2 output gradients)",
                     },
                     match r.fp8.scaling {
-                        crate::config::Fp8ScalingKind::Tile => "1x128 / 128x128 tile",
-                        crate::config::Fp8ScalingKind::Tensor => "per-tensor",
+                        Fp8ScalingKind::Tile => "1x128 / 128x128 tile",
+                        Fp8ScalingKind::Tensor => "per-tensor",
                     },
                     if r.fp8.pow2_scales { " (powers of two)" } else { "" },
                     model::dtype::name(self.compute_dtype()),
