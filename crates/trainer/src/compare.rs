@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use plotters::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
 use crate::fsutil::write_atomic;
@@ -59,7 +59,7 @@ pub const RECIPES: &[(&str, &str, &[&str])] = &[
 ];
 
 /// One recipe of a comparison: a name and the overrides that make it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RecipeSpec {
     pub name: String,
     pub overrides: Vec<String>,
@@ -106,8 +106,9 @@ impl RecipeSpec {
     }
 }
 
-/// What a comparison trains: every recipe at every learning rate and seed.
-#[derive(Debug, Clone)]
+/// What a comparison trains: every recipe at every learning rate and seed (saved as
+/// `compare.json` in the comparison directory).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Plan {
     /// The config every entry starts from, as TOML text, and where it came from.
     pub base_toml: String,

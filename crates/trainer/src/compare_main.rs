@@ -78,35 +78,6 @@ fn split_recipes(list: &str) -> Vec<String> {
 
 const PLAN_FILE: &str = "compare.json";
 
-#[derive(serde::Serialize, serde::Deserialize)]
-struct SavedPlan {
-    base_toml: String,
-    origin: String,
-    sets: Vec<String>,
-    recipes: Vec<String>,
-    lrs: Vec<f64>,
-    seeds: Vec<u64>,
-    steps: Option<u64>,
-}
-
-impl SavedPlan {
-    fn plan(&self) -> Result<Plan> {
-        Ok(Plan {
-            base_toml: self.base_toml.clone(),
-            origin: self.origin.clone(),
-            sets: self.sets.clone(),
-            recipes: self
-                .recipes
-                .iter()
-                .map(|r| RecipeSpec::parse(r))
-                .collect::<Result<_>>()?,
-            lrs: self.lrs.clone(),
-            seeds: self.seeds.clone(),
-            steps: self.steps,
-        })
-    }
-}
-
 fn real_main() -> Result<()> {
     let cli = Cli::parse();
     if cli.list {
@@ -118,7 +89,7 @@ fn real_main() -> Result<()> {
         }
         return Ok(());
     }
-    let (dir, saved) = match &cli.report {
+    let (dir, plan) = match &cli.report {
         Some(dir) => {
             let path = dir.join(PLAN_FILE);
             let text = std::fs::read_to_string(&path).with_context(|| {
@@ -127,9 +98,9 @@ fn real_main() -> Result<()> {
                     dir.display()
                 )
             })?;
-            let saved: SavedPlan = serde_json::from_str(&text)
+            let plan: Plan = serde_json::from_str(&text)
                 .with_context(|| format!("{} is not a comparison plan", path.display()))?;
-            (dir.clone(), saved)
+            (dir.clone(), plan)
         }
         None => {
             let Some(list) = &cli.recipes else {
@@ -155,19 +126,21 @@ fn real_main() -> Result<()> {
                 .out
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{name}")));
-            let saved = SavedPlan {
+            let plan = Plan {
                 base_toml,
                 origin,
                 sets: cli.set.clone(),
-                recipes: split_recipes(list),
+                recipes: split_recipes(list)
+                    .iter()
+                    .map(|r| RecipeSpec::parse(r))
+                    .collect::<Result<_>>()?,
                 lrs: cli.lrs.clone(),
                 seeds: cli.seeds.clone(),
                 steps: cli.steps,
             };
-            (dir, saved)
+            (dir, plan)
         }
     };
-    let plan = saved.plan()?;
     let entries = plan.entries()?;
     if let Some(lr) = plan.lrs.iter().find(|lr| !(lr.is_finite() && **lr > 0.0)) {
         bail!("--lrs: {lr} is not a positive learning rate");
@@ -186,11 +159,10 @@ fn real_main() -> Result<()> {
         let path = dir.join(PLAN_FILE);
         // (An entry's own process, under --jobs, finds the plan its parent wrote.)
         if let (None, Ok(text)) = (&cli.only, std::fs::read_to_string(&path)) {
-            let old: SavedPlan = serde_json::from_str(&text)
+            let old: Plan = serde_json::from_str(&text)
                 .with_context(|| format!("{} is not a comparison plan", path.display()))?;
-            let same = old.base_toml == saved.base_toml
-                && old.sets == saved.sets
-                && old.steps == saved.steps;
+            let same =
+                old.base_toml == plan.base_toml && old.sets == plan.sets && old.steps == plan.steps;
             if !same {
                 bail!(
                     "{} holds a comparison with another config, --set or --steps; use another --out, or the same arguments to continue it",
@@ -201,7 +173,7 @@ fn real_main() -> Result<()> {
         if cli.only.is_none() {
             std::fs::create_dir_all(dir.join("runs"))
                 .with_context(|| format!("cannot create {}", dir.display()))?;
-            std::fs::write(&path, serde_json::to_string_pretty(&saved)?)
+            std::fs::write(&path, serde_json::to_string_pretty(&plan)?)
                 .with_context(|| format!("cannot write {}", path.display()))?;
         }
 
