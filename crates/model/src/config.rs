@@ -130,7 +130,7 @@ impl Default for GptConfig {
             attention: AttentionKind::Plain,
             kernels: KernelsKind::Reference,
             z_loss: 0.0,
-            gemm: GemmKind::Burn,
+            gemm: GemmKind::Auto,
         }
     }
 }

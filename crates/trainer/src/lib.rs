@@ -52,9 +52,11 @@ pub type CpuBackend = Autodiff<NdArray>;
 pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result<Summary> {
     match device {
         device::Selected::Cuda { index, .. } => {
-            if cfg.model.gemm == model::GemmKind::Cublaslt {
-                if let Err(why) = kernels::gemm::cublaslt_status() {
-                    anyhow::bail!("model.gemm = \"cublaslt\" but {why}. Use model.gemm = \"auto\" or \"burn\" to run on Burn's matmul");
+            if let Err(why) = kernels::gemm::cublaslt_status() {
+                match cfg.model.gemm {
+                    model::GemmKind::Cublaslt => anyhow::bail!("model.gemm = \"cublaslt\" but {why}. Use model.gemm = \"auto\" or \"burn\" to run on Burn's matmul"),
+                    model::GemmKind::Auto => eprintln!("note: model.gemm = \"auto\": {why}; the GEMMs run on Burn's matmul (slower; see README, GEMMs)"),
+                    model::GemmKind::Burn => {}
                 }
             }
             train::train::<CudaBackend>(cfg, CudaDevice::new(*index), opts)

@@ -12,10 +12,12 @@
 //! - `HostSync` (default): CubeCL's stream is synchronised on the host before the GEMM, and the
 //!   GEMM's stream after it.
 //! - `Stream` (`BURNMIX_GEMM_ORDER=stream`): no host waits. A one-thread CubeCL kernel stores a
-//!   sequence number `v` into a flag word after CubeCL's earlier work; the GEMM's stream waits for it
-//!   (`cuStreamWaitValue32`), runs the GEMM and writes `v` into a second flag
-//!   (`cuStreamWriteValue32`, ordered after the GEMM); a one-thread CubeCL kernel spins on that flag
-//!   before CubeCL's later work. Kernels in one stream run in order and a finished kernel's writes
+//!   sequence number `v` into a flag word after CubeCL's earlier work; a one-thread kernel on the
+//!   GEMM's stream ([`WAIT_PTX`]) spins until it reads `v`, the GEMM runs, and `cuMemsetD32Async`
+//!   writes `v` into a second flag (ordered after the GEMM); a one-thread CubeCL kernel spins on
+//!   that flag before CubeCL's later work. (The driver's stream memory operations,
+//!   `cuStreamWaitValue32` / `cuStreamWriteValue32`, refuse CubeCL's buffers, which come from
+//!   stream-ordered memory pools: `CUDA_ERROR_INVALID_VALUE` on an H100 with CUDA 13.0.) Kernels in one stream run in order and a finished kernel's writes
 //!   are visible to later work, so each side sees the other's data; memory CubeCL reuses after the
 //!   call is only touched by work queued behind the spinning kernel. No deadlock: the GEMM's wait
 //!   depends only on work queued on CubeCL's stream before the spinning kernel.
@@ -79,6 +81,30 @@ fn gemm_wait(flag: &mut Tensor<Atomic<u32>>, value: u32) {
         }
     }
 }
+
+/// The GEMM stream's side of `Order::Stream`: one thread spins (acquire loads at GPU scope) until
+/// the u32 at `flag` equals `value`, so the GEMM queued behind it starts after CubeCL's signal.
+/// Hand-written PTX, JIT-compiled by the driver once per device.
+const WAIT_PTX: &str = "\
+.version 7.0
+.target sm_75
+.address_size 64
+
+.visible .entry burnmix_gemm_wait(.param .u64 flag, .param .u32 value)
+{
+    .reg .pred %p;
+    .reg .b32 %v, %s;
+    .reg .b64 %a;
+    ld.param.u64 %a, [flag];
+    ld.param.u32 %s, [value];
+    cvta.to.global.u64 %a, %a;
+SPIN:
+    ld.acquire.gpu.global.u32 %v, [%a];
+    setp.ne.u32 %p, %v, %s;
+    @%p bra SPIN;
+    ret;
+}
+\0";
 
 /// Why a GEMM did not run on cuBLASLt.
 #[derive(Debug)]
@@ -220,6 +246,8 @@ struct Flags {
     tensor: CubeTensor<CudaRuntime>,
     ptr: u64,
     seq: u32,
+    /// `burnmix_gemm_wait` from [`WAIT_PTX`].
+    wait: dsys::CUfunction,
     /// CubeCL gives each host thread its own stream, and the hand-over orders one stream only: GEMMs
     /// from other threads are host-synchronised.
     thread: std::thread::ThreadId,
@@ -244,10 +272,19 @@ impl Flags {
         // The flags are written by `create_from_slice` on CubeCL's stream; wait for that once.
         cubecl::future::block_on(tensor.client.sync())
             .map_err(|e| format!("CubeCL sync: {e:?}"))?;
+        // SAFETY: the device's context is current (the caller set it); WAIT_PTX is NUL-terminated
+        // and defines `burnmix_gemm_wait`. The module lives as long as the process.
+        let wait = unsafe {
+            let module = drv::module::load_data(WAIT_PTX.as_ptr() as *const c_void)
+                .map_err(|e| format!("cuModuleLoadData (GEMM wait kernel): {e:?}"))?;
+            drv::module::get_function(module, c"burnmix_gemm_wait".to_owned())
+                .map_err(|e| format!("cuModuleGetFunction: {e:?}"))?
+        };
         Ok(Self {
             tensor,
             ptr,
             seq: 0,
+            wait,
             thread: std::thread::current().id(),
         })
     }
@@ -489,10 +526,21 @@ fn execute(
                 .client
                 .flush()
                 .map_err(|e| Refused::Unsupported(format!("CubeCL flush: {e:?}")))?;
-            let eq = dsys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ as u32;
-            dsys::cuStreamWaitValue32_v2(dev.stream, flags.ptr, seq, eq)
-                .result()
-                .map_err(|e| Refused::Unsupported(format!("cuStreamWaitValue32: {e:?}")))?;
+            // The GEMM's stream: spin until flag[0] == seq.
+            let (mut flag_arg, mut seq_arg) = (flags.ptr, seq);
+            let mut params = [
+                &mut flag_arg as *mut u64 as *mut c_void,
+                &mut seq_arg as *mut u32 as *mut c_void,
+            ];
+            if let Err(e) =
+                drv::launch_kernel(flags.wait, (1, 1, 1), (1, 1, 1), 0, dev.stream, &mut params)
+            {
+                // CubeCL's stream already holds the signal; nothing waits for it, so the host-synced
+                // path below stays correct. Say why and run this GEMM on Burn's matmul.
+                return Err(Refused::Unsupported(format!(
+                    "launching the GEMM-stream wait kernel: {e:?}"
+                )));
+            }
             Some(seq)
         } else {
             None
@@ -524,12 +572,13 @@ fn execute(
                 // waiting for `seq`, and CubeCL's next hand-over must not overtake it.
                 let flags = dev.flags.as_ref().expect("created above");
                 // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream waits for it.
-                let written =
-                    dsys::cuStreamWriteValue32_v2(dev.stream, flags.ptr + 4, seq, 0).result();
+                let written = dsys::cuMemsetD32Async(flags.ptr + 4, seq, 1, dev.stream).result();
                 if let Err(e) = written {
                     // Without the flag CubeCL cannot wait on the GPU: wait for both streams here.
                     let _ = drv::stream::synchronize(dev.stream);
-                    return Err(Refused::Unsupported(format!("cuStreamWriteValue32: {e:?}")));
+                    return Err(Refused::Unsupported(format!(
+                        "cuMemsetD32Async (flag): {e:?}"
+                    )));
                 }
                 flags.launch(gemm_wait::launch_unchecked::<CudaRuntime>, seq);
             }

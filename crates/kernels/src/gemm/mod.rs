@@ -58,7 +58,7 @@ pub enum GemmPath {
     Burn,
     /// cuBLASLt, ordered with CubeCL's stream by host synchronisation.
     CublasLtHostSync,
-    /// cuBLASLt, ordered with CubeCL's stream on the GPU (stream memory operations and flags),
+    /// cuBLASLt, ordered with CubeCL's stream on the GPU (flags and one-thread spinning kernels),
     /// chosen with `BURNMIX_GEMM_ORDER=stream`.
     CublasLtStreamOrdered,
 }
