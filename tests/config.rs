@@ -95,3 +95,64 @@ fn impossible_values_are_explained() {
     let e = err("", &["nonsense"]);
     assert!(e.contains("key=value"), "{e}");
 }
+
+#[test]
+fn auto_settings_resolve_per_device() {
+    use model::{AttentionKind, GemmKind, KernelsKind};
+    use trainer::config::PrecisionKind;
+    use trainer::device::Selected;
+    let cfg = Config::builtin();
+    assert_eq!(cfg.precision, PrecisionKind::Auto);
+    assert_eq!(cfg.model.kernels, KernelsKind::Auto);
+    assert_eq!(cfg.model.attention, AttentionKind::Auto);
+    assert_eq!(cfg.model.gemm, GemmKind::Auto);
+    let cuda = Selected::Cuda {
+        index: 0,
+        name: "test".into(),
+    };
+    let table = [
+        (&cuda, 0.0, PrecisionKind::Bf16, KernelsKind::Fused, AttentionKind::Flash),
+        (&cuda, 0.2, PrecisionKind::Bf16, KernelsKind::Fused, AttentionKind::Plain),
+        (&Selected::Wgpu, 0.0, PrecisionKind::Fp32, KernelsKind::Fused, AttentionKind::Flash),
+        (&Selected::Wgpu, 0.1, PrecisionKind::Fp32, KernelsKind::Fused, AttentionKind::Plain),
+        (&Selected::Cpu, 0.0, PrecisionKind::Fp32, KernelsKind::Reference, AttentionKind::Plain),
+    ];
+    for (device, dropout, precision, kernels, attention) in table {
+        let mut c = cfg.clone();
+        c.model.dropout = dropout;
+        let r = c.for_device(device);
+        assert_eq!(
+            (r.precision, r.model.kernels, r.model.attention),
+            (precision, kernels, attention),
+            "{} with dropout {dropout}",
+            device.describe()
+        );
+        // gemm = "auto" is resolved per tensor by kernels::gemm, not here.
+        assert_eq!(r.model.gemm, GemmKind::Auto);
+    }
+    // Explicit settings are kept on every device.
+    let mut c = cfg.clone();
+    c.precision = PrecisionKind::Fp16;
+    c.model.kernels = KernelsKind::Reference;
+    c.model.attention = AttentionKind::Plain;
+    let r = c.for_device(&cuda);
+    assert_eq!(
+        (r.precision, r.model.kernels, r.model.attention),
+        (PrecisionKind::Fp16, KernelsKind::Reference, AttentionKind::Plain)
+    );
+    // The model resolves its own config the same way (fused; flash only without dropout).
+    let mut m = cfg.model.clone();
+    m.dropout = 0.2;
+    assert_eq!(
+        (m.resolved().kernels, m.resolved().attention),
+        (KernelsKind::Fused, AttentionKind::Plain)
+    );
+}
+
+#[test]
+fn auto_precision_is_validated_as_bf16() {
+    // Before the device is known, "auto" must accept what bf16 accepts (a fixed loss scale).
+    let mut cfg = Config::builtin();
+    cfg.loss_scale.mode = trainer::config::LossScaleMode::Static;
+    cfg.validate().expect("auto precision with a fixed loss scale validates as bf16 would");
+}

@@ -20,6 +20,8 @@ fn small(mlp: MlpKind, tie: bool) -> GptConfig {
         context: 24,
         mlp,
         tie_embeddings: tie,
+        kernels: model::KernelsKind::Reference,
+        attention: model::AttentionKind::Plain,
         ..GptConfig::default()
     }
 }

@@ -31,6 +31,10 @@ pub fn tiny_config(steps: usize) -> Config {
         device: trainer::config::DeviceKind::Wgpu,
         ..Config::default()
     };
+    // Explicit rather than "auto": these tests exercise the trainer, not the kernels.
+    cfg.precision = trainer::config::PrecisionKind::Fp32;
+    cfg.model.kernels = model::KernelsKind::Reference;
+    cfg.model.attention = model::AttentionKind::Plain;
     cfg.model.n_layer = 2;
     cfg.model.n_head = 2;
     cfg.model.d_model = 32;

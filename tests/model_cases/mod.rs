@@ -108,6 +108,10 @@ pub fn model_config(mlp: MlpKind, shape: Shape) -> GptConfig {
         bias: swiglu,
         z_loss: if swiglu { 1e-4 } else { 0.0 },
         init_std: 0.08,
+        // The reference model: plain Burn ops and Burn's matmul (the defaults are "auto").
+        kernels: KernelsKind::Reference,
+        attention: AttentionKind::Plain,
+        gemm: GemmKind::Burn,
         ..GptConfig::default()
     }
 }

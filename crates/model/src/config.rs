@@ -16,6 +16,8 @@ pub enum MlpKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionKind {
+    /// `flash` when `dropout = 0`, `plain` otherwise (the flash kernels have no dropout).
+    Auto,
     /// Plain Burn ops: scores, causal mask, softmax, weighted sum. Materialises [B, H, T, T].
     Plain,
     /// `kernels::flash_attention`: tiled, online softmax, backward recomputing the probabilities;
@@ -27,6 +29,9 @@ pub enum AttentionKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KernelsKind {
+    /// `fused`: the fused kernels where the backend has them (CubeCL backends: CUDA, wgpu), and
+    /// their plain-Burn references elsewhere (a backend's `kernels::Backend` defaults).
+    Auto,
     /// Ordinary Burn tensor ops (the references of `crates/kernels`).
     Reference,
     /// The fused CubeCL kernels of `crates/kernels`: RMSNorm with the residual add, SwiGLU/GELU,
@@ -99,9 +104,10 @@ pub struct GptConfig {
     /// Standard deviation of the normal initialisation (residual projections are further scaled by
     /// 1/sqrt(2 * n_layer), as in GPT-2).
     pub init_std: f64,
-    /// Attention implementation: "plain" or "flash".
+    /// Attention implementation: "auto" (flash without dropout, plain with), "plain" or "flash".
     pub attention: AttentionKind,
-    /// Implementation of the memory-bound ops: "reference" (plain Burn) or "fused" (CubeCL kernels).
+    /// Implementation of the memory-bound ops: "auto" (= "fused"), "reference" (plain Burn) or
+    /// "fused" (CubeCL kernels where the backend has them, the references elsewhere).
     pub kernels: KernelsKind,
     /// Weight of the z-loss term `z_loss * log(Z)^2` added to each token's cross-entropy, which keeps
     /// the softmax normaliser near 1 (PaLM uses 1e-4); 0 disables it.
@@ -127,8 +133,8 @@ impl Default for GptConfig {
             rope_theta: 10000.0,
             norm_eps: 1e-5,
             init_std: 0.02,
-            attention: AttentionKind::Plain,
-            kernels: KernelsKind::Reference,
+            attention: AttentionKind::Auto,
+            kernels: KernelsKind::Auto,
             z_loss: 0.0,
             gemm: GemmKind::Auto,
         }
@@ -136,6 +142,23 @@ impl Default for GptConfig {
 }
 
 impl GptConfig {
+    /// The same config with `attention` and `kernels` resolved from `"auto"` (see [`AttentionKind`]
+    /// and [`KernelsKind`]); [`crate::Gpt::new`] resolves its config this way.
+    pub fn resolved(&self) -> Self {
+        let mut c = self.clone();
+        if c.attention == AttentionKind::Auto {
+            c.attention = if c.dropout > 0.0 {
+                AttentionKind::Plain
+            } else {
+                AttentionKind::Flash
+            };
+        }
+        if c.kernels == KernelsKind::Auto {
+            c.kernels = KernelsKind::Fused;
+        }
+        c
+    }
+
     /// Width of one attention head.
     pub fn head_dim(&self) -> usize {
         self.d_model / self.n_head.max(1)

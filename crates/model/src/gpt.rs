@@ -212,11 +212,11 @@ impl<B: kernels::Backend> Mlp<B> {
         let h = self.fc.forward_mixed(x, gemm);
         let h = match (self.kind, kind) {
             (MlpKind::Gelu, KernelsKind::Reference) => kernels::activation::gelu_reference(h),
-            (MlpKind::Gelu, KernelsKind::Fused) => kernels::gelu(h),
+            (MlpKind::Gelu, KernelsKind::Fused | KernelsKind::Auto) => kernels::gelu(h),
             (MlpKind::Swiglu, KernelsKind::Reference) => {
                 kernels::activation::swiglu_packed_reference(h)
             }
-            (MlpKind::Swiglu, KernelsKind::Fused) => kernels::swiglu_packed(h),
+            (MlpKind::Swiglu, KernelsKind::Fused | KernelsKind::Auto) => kernels::swiglu_packed(h),
         };
         self.dropout.forward(self.proj.forward_mixed(h, gemm))
     }
@@ -315,7 +315,7 @@ impl<B: Backend> Gpt<B> {
     /// A freshly initialised model with `vocab` tokens (the resolved vocabulary size). Weights are
     /// drawn from the backend's RNG: seed it first (`B::seed`) for a reproducible initialisation.
     pub fn new(cfg: &GptConfig, vocab: usize, device: &B::Device) -> Self {
-        let mut config = cfg.clone();
+        let mut config = cfg.resolved();
         config.vocab_size = vocab;
         let blocks = (0..cfg.n_layer).map(|_| Block::new(cfg, device)).collect();
         let lm_head = (!cfg.tie_embeddings)
@@ -449,7 +449,7 @@ impl<B: kernels::Backend> Gpt<B> {
         let device = ids.device();
         let dt = self.compute_dtype;
         let (hd, theta) = (self.config.head_dim(), self.config.rope_theta);
-        let fused = self.config.kernels == KernelsKind::Fused;
+        let fused = matches!(self.config.kernels, KernelsKind::Fused | KernelsKind::Auto);
         let tables = if fused {
             let (cos, sin) = kernels::rope::tables::<B>(t, hd, theta, &device);
             RopeTables::Fused { cos, sin }
@@ -468,7 +468,7 @@ impl<B: kernels::Backend> Gpt<B> {
         let ctx = Ctx {
             tables,
             causal_mask,
-            attention: self.config.attention,
+            attention: self.config.resolved().attention,
             gemm: self.config.gemm.engine(),
         };
 
@@ -597,7 +597,7 @@ impl<B: kernels::Backend> Gpt<B> {
         let logits = self.logits(ids);
         let [b, t, v] = logits.dims();
         match self.config.kernels {
-            KernelsKind::Fused => {
+            KernelsKind::Fused | KernelsKind::Auto => {
                 kernels::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]), z)
                     .mean()
             }

@@ -208,7 +208,7 @@ impl Default for Config {
         Self {
             seed: 1337,
             device: DeviceKind::Auto,
-            precision: PrecisionKind::Fp32,
+            precision: PrecisionKind::Auto,
             model: GptConfig::default(),
             data: DataConfig::default(),
             optimizer: OptimizerConfig::default(),
@@ -221,6 +221,32 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The config with each device-dependent `"auto"` resolved for `device`: `precision` (bf16 on
+    /// CUDA, fp32 elsewhere), `model.kernels` (fused on a GPU, the plain-Burn references on the CPU
+    /// backend) and `model.attention` (flash without dropout on a GPU, plain otherwise).
+    /// `model.gemm = "auto"` is resolved per tensor by `kernels::gemm`.
+    pub fn for_device(&self, device: &crate::device::Selected) -> Config {
+        use crate::device::Selected;
+        use model::{AttentionKind, KernelsKind};
+        let mut c = self.clone();
+        if c.precision == PrecisionKind::Auto {
+            c.precision = match device {
+                Selected::Cuda { .. } => PrecisionKind::Bf16,
+                Selected::Wgpu | Selected::Cpu => PrecisionKind::Fp32,
+            };
+        }
+        if matches!(device, Selected::Cpu) {
+            if c.model.kernels == KernelsKind::Auto {
+                c.model.kernels = KernelsKind::Reference;
+            }
+            if c.model.attention == AttentionKind::Auto {
+                c.model.attention = AttentionKind::Plain;
+            }
+        }
+        c.model = c.model.resolved();
+        c
+    }
+
     /// The built-in default run.
     pub fn builtin() -> Self {
         Self::from_toml_str(DEFAULT_TOML, &[], "built-in default")

@@ -50,6 +50,7 @@ pub type CpuBackend = Autodiff<NdArray>;
 
 /// Trains on the selected device.
 pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result<Summary> {
+    let cfg = &cfg.for_device(device);
     match device {
         device::Selected::Cuda { index, .. } => {
             if let Err(why) = kernels::gemm::cublaslt_status() {

@@ -24,6 +24,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PrecisionKind {
+    /// `bf16` on CUDA, `fp32` elsewhere (wgpu has no bf16; the CPU backend trains in f32);
+    /// resolved when the device is known ([`crate::config::Config::for_device`]).
+    Auto,
     /// f32 everywhere.
     Fp32,
     /// bf16 matmuls and activations, f32 master weights.
@@ -38,6 +41,7 @@ pub enum PrecisionKind {
 impl PrecisionKind {
     pub fn name(self) -> &'static str {
         match self {
+            PrecisionKind::Auto => "auto",
             PrecisionKind::Fp32 => "fp32",
             PrecisionKind::Bf16 => "bf16",
             PrecisionKind::Fp16 => "fp16",
@@ -407,6 +411,9 @@ impl Recipe {
         fp8: &Fp8Config,
     ) -> Result<Self, String> {
         let recipe = match kind {
+            // Before the device is known (config validation), "auto" is checked as bf16, what it
+            // resolves to on CUDA; `Config::for_device` resolves it before a run builds its recipe.
+            PrecisionKind::Auto => return Self::resolve_with_fp8(PrecisionKind::Bf16, ls, fp8),
             PrecisionKind::Fp32 => {
                 if !matches!(ls.mode, LossScaleMode::Auto | LossScaleMode::Off) {
                     return Err(format!(

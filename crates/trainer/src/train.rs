@@ -299,13 +299,15 @@ pub fn train<B: crate::TrainBackend>(
     let tokens_per_step = cfg.tokens_per_step();
     let steps = cfg.training.steps as u64;
     console.line(&format!(
-        "model: {} parameters ({} layers, {} heads, width {}, context {}, {:?} MLP); {} tokens/step; device {}",
+        "model: {} parameters ({} layers, {} heads, width {}, context {}, {:?} MLP; {:?} kernels, {:?} attention); {} tokens/step; device {}",
         human(params as f64),
         cfg.model.n_layer,
         cfg.model.n_head,
         cfg.model.d_model,
         cfg.model.context,
         cfg.model.mlp,
+        cfg.model.kernels,
+        cfg.model.attention,
         tokens_per_step,
         opts.device_name
     ));
