@@ -111,11 +111,41 @@ fn auto_settings_resolve_per_device() {
         name: "test".into(),
     };
     let table = [
-        (&cuda, 0.0, PrecisionKind::Bf16, KernelsKind::Fused, AttentionKind::Flash),
-        (&cuda, 0.2, PrecisionKind::Bf16, KernelsKind::Fused, AttentionKind::Plain),
-        (&Selected::Wgpu, 0.0, PrecisionKind::Fp32, KernelsKind::Fused, AttentionKind::Flash),
-        (&Selected::Wgpu, 0.1, PrecisionKind::Fp32, KernelsKind::Fused, AttentionKind::Plain),
-        (&Selected::Cpu, 0.0, PrecisionKind::Fp32, KernelsKind::Reference, AttentionKind::Plain),
+        (
+            &cuda,
+            0.0,
+            PrecisionKind::Bf16,
+            KernelsKind::Fused,
+            AttentionKind::Flash,
+        ),
+        (
+            &cuda,
+            0.2,
+            PrecisionKind::Bf16,
+            KernelsKind::Fused,
+            AttentionKind::Plain,
+        ),
+        (
+            &Selected::Wgpu,
+            0.0,
+            PrecisionKind::Fp32,
+            KernelsKind::Fused,
+            AttentionKind::Flash,
+        ),
+        (
+            &Selected::Wgpu,
+            0.1,
+            PrecisionKind::Fp32,
+            KernelsKind::Fused,
+            AttentionKind::Plain,
+        ),
+        (
+            &Selected::Cpu,
+            0.0,
+            PrecisionKind::Fp32,
+            KernelsKind::Reference,
+            AttentionKind::Plain,
+        ),
     ];
     for (device, dropout, precision, kernels, attention) in table {
         let mut c = cfg.clone();
@@ -138,7 +168,11 @@ fn auto_settings_resolve_per_device() {
     let r = c.for_device(&cuda);
     assert_eq!(
         (r.precision, r.model.kernels, r.model.attention),
-        (PrecisionKind::Fp16, KernelsKind::Reference, AttentionKind::Plain)
+        (
+            PrecisionKind::Fp16,
+            KernelsKind::Reference,
+            AttentionKind::Plain
+        )
     );
     // The model resolves its own config the same way (fused; flash only without dropout).
     let mut m = cfg.model.clone();
@@ -154,5 +188,6 @@ fn auto_precision_is_validated_as_bf16() {
     // Before the device is known, "auto" must accept what bf16 accepts (a fixed loss scale).
     let mut cfg = Config::builtin();
     cfg.loss_scale.mode = trainer::config::LossScaleMode::Static;
-    cfg.validate().expect("auto precision with a fixed loss scale validates as bf16 would");
+    cfg.validate()
+        .expect("auto precision with a fixed loss scale validates as bf16 would");
 }
