@@ -17,9 +17,9 @@
 //!   real leading dimension is passed (CUDA pitches rows that are not a multiple of 512 bytes);
 //!   transposed views are read as the other layout; other strides are copied once. The algorithm is
 //!   cuBLASLt's heuristic choice, cached per shape, layout and alignment: no autotuning. The call is
-//!   ordered with CubeCL's work by synchronising CubeCL's stream before it and the GEMM's own
-//!   stream after it (CubeCL 0.10 does not expose its `CUstream`), or, with
-//!   `BURNMIX_GEMM_ORDER=stream`, on the GPU through flags (see `cublaslt.rs`).
+//!   ordered with CubeCL's work on the GPU through flags and one-thread waiting kernels (CubeCL
+//!   0.10 does not expose its `CUstream`; see `cublaslt.rs`), or, with `BURNMIX_GEMM_ORDER=host`,
+//!   by synchronising CubeCL's stream before it and the GEMM's own stream after it.
 //! - `Auto`: `CublasLt` for CUDA tensors when the library loads, `Burn` otherwise.
 //!
 //! A shape cuBLASLt refuses (no algorithm for its alignment) runs on Burn's matmul with a one-line
@@ -56,10 +56,11 @@ pub enum Gemm {
 pub enum GemmPath {
     /// Burn's matmul.
     Burn,
-    /// cuBLASLt, ordered with CubeCL's stream by host synchronisation.
+    /// cuBLASLt, ordered with CubeCL's stream by host synchronisation, chosen with
+    /// `BURNMIX_GEMM_ORDER=host`.
     CublasLtHostSync,
-    /// cuBLASLt, ordered with CubeCL's stream on the GPU (flags and one-thread spinning kernels),
-    /// chosen with `BURNMIX_GEMM_ORDER=stream`.
+    /// cuBLASLt, ordered with CubeCL's stream on the GPU (flags and one-thread spinning kernels);
+    /// the default.
     CublasLtStreamOrdered,
 }
 
