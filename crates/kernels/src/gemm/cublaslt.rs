@@ -470,6 +470,10 @@ fn execute(
         .map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
     let order = match (order(), &dev.flags) {
         (Order::Stream, Some(f)) if f.thread != std::thread::current().id() => Order::HostSync,
+        // FP8 GEMMs (scale modes set) are host-synchronised: ordered on the GPU, the CUDA suite
+        // saw cuBLASLt's block-scaled FP8 GEMM return wrong values (E5M2 x E4M3, 1x128 / 128x128
+        // scales, [96, 1000, 129] on an H200), while the bf16, f16 and f32 GEMMs were right.
+        (Order::Stream, _) if problem.scale_modes.is_some() => Order::HostSync,
         (order, _) => order,
     };
 
