@@ -321,10 +321,29 @@ fn precision_config_errors_name_the_key() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("precision") && e.contains("fp16"), "{e}");
-    let e = trainer::Config::from_toml_str("[loss_scale]\nmode = \"dynamic\"", &[], "t.toml")
+    let e = trainer::Config::from_toml_str(
+        "precision = \"fp32\"\n[loss_scale]\nmode = \"dynamic\"",
+        &[],
+        "t.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("loss_scale.mode") && e.contains("fp16"), "{e}");
+    // "auto" accepts it (bf16 on CUDA may scale), and a run where it resolves to fp32 refuses it
+    // at start, naming the resolution.
+    let mut cfg = tiny_config(2);
+    cfg.precision = PrecisionKind::Auto;
+    cfg.loss_scale.mode = trainer::config::LossScaleMode::Dynamic;
+    cfg.validate().expect("auto validates as bf16");
+    let dir = scratch("auto_dynamic_cpu");
+    let e = trainer::run(&cfg, &Selected::Cpu, &opts(dir.join("run"), false))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("loss_scale.mode") && e.contains("fp16"), "{e}");
+    assert!(
+        e.contains("precision = \"auto\" is \"fp32\"") && e.contains("loss_scale.mode"),
+        "{e}"
+    );
+    assert!(!dir.join("run").exists());
     let e = trainer::Config::from_toml_str(
         "precision = \"fp16\"\n[loss_scale]\ngrowth_interval = 0",
         &[],

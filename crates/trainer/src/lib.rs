@@ -50,7 +50,18 @@ pub type CpuBackend = Autodiff<NdArray>;
 
 /// Trains on the selected device.
 pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result<Summary> {
-    let cfg = &cfg.for_device(device);
+    let resolved = cfg.for_device(device);
+    if resolved.precision != cfg.precision {
+        // "auto" was validated as bf16; the recipe it resolved to may refuse other settings.
+        resolved.validate().map_err(|e| {
+            anyhow::anyhow!(
+                "precision = \"auto\" is \"{}\" on {}: {e}",
+                resolved.precision.name(),
+                device.describe()
+            )
+        })?;
+    }
+    let cfg = &resolved;
     match device {
         device::Selected::Cuda { index, .. } => {
             if let Err(why) = kernels::gemm::cublaslt_status() {
