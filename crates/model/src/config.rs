@@ -146,17 +146,20 @@ impl GptConfig {
     /// and [`KernelsKind`]); [`crate::Gpt::new`] resolves its config this way.
     pub fn resolved(&self) -> Self {
         let mut c = self.clone();
-        if c.attention == AttentionKind::Auto {
-            c.attention = if c.dropout > 0.0 {
-                AttentionKind::Plain
-            } else {
-                AttentionKind::Flash
-            };
-        }
+        c.attention = self.attention_resolved();
         if c.kernels == KernelsKind::Auto {
             c.kernels = KernelsKind::Fused;
         }
         c
+    }
+
+    /// `attention` with `"auto"` resolved: flash without dropout, plain with it.
+    pub fn attention_resolved(&self) -> AttentionKind {
+        match self.attention {
+            AttentionKind::Auto if self.dropout > 0.0 => AttentionKind::Plain,
+            AttentionKind::Auto => AttentionKind::Flash,
+            kind => kind,
+        }
     }
 
     /// Width of one attention head.

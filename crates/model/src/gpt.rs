@@ -468,7 +468,7 @@ impl<B: kernels::Backend> Gpt<B> {
         let ctx = Ctx {
             tables,
             causal_mask,
-            attention: self.config.resolved().attention,
+            attention: self.config.attention_resolved(),
             gemm: self.config.gemm.engine(),
         };
 
