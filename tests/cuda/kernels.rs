@@ -217,6 +217,21 @@ fn cuda_fp8_linear_cublaslt() {
     }
 }
 
+/// The FP8 linear layer on the dequantize path (`BURNMIX_FP8_GEMM=dequantize`), the reference the
+/// default path (cuBLASLt on Hopper) replaces.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_linear_dequantize() {
+    std::env::set_var(kernels::fp8::GEMM_ENV, "dequantize");
+    let shapes = [(64, 256, 96), (100, 130, 200)];
+    for dtype in [FloatDType::F32, FloatDType::BF16] {
+        fp8_cases::linear::<B>(dtype, &CudaDevice::default(), &shapes);
+    }
+}
+
+/// The FP8 linear layer on the default path: cuBLASLt's block-scaled GEMM on Hopper (where the
+/// CUDA suite runs), with the shapes cuBLASLt refuses (m or n not a multiple of 8) on the
+/// dequantize path.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_linear() {
@@ -273,13 +288,80 @@ fn cuda_gemm_uses_cublaslt() {
         for engine in [kernels::Gemm::CublasLt, kernels::Gemm::Auto] {
             assert_eq!(
                 kernels::gemm::gemm_path(&a, engine),
-                kernels::GemmPath::CublasLtStreamOrdered,
+                kernels::GemmPath::CublasLtHostSync,
                 "{dtype:?} {engine:?}"
             );
         }
         assert_eq!(
             kernels::gemm::gemm_path(&a, kernels::Gemm::Burn),
             kernels::GemmPath::Burn
+        );
+    }
+}
+
+/// The hand-over between CubeCL's stream and cuBLASLt's in the experimental GPU order
+/// (`BURNMIX_GEMM_ORDER=stream`): chains of steps, each a cuBLASLt GEMM whose output CubeCL's
+/// element-wise kernels read at once, against the same chain on Burn's matmul. The values are
+/// small integers and every sum is exact, so the two chains must agree bit for bit; a consumer
+/// that read the GEMM's output before the GEMM had written it would make them differ.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_stream_order_chain() {
+    use burn::tensor::{Distribution, Tensor};
+    stream_ordered_gemms();
+    let dev = CudaDevice::default();
+    let ints = |shape: [usize; 2], lo: f64, hi: f64| {
+        Tensor::<Cuda, 2>::random(shape, Distribution::Uniform(lo, hi), &dev).floor()
+    };
+    // x in {0, 1, 2, 3}, w in {-1, 0, 1}: |x w| <= 3 k, exact in f16 for k = 512 (< 2^11) and in
+    // f32 for k = 4096; the long GEMMs (4096^3 in f32, milliseconds each) leave CubeCL's kernels
+    // plenty of time to run early if the hand-over let them.
+    let cases = [
+        (1024, 512, 120, FloatDType::F32),
+        (1024, 512, 120, FloatDType::F16),
+        (4096, 4096, 12, FloatDType::F32),
+    ];
+    for (m, k, steps, dtype) in cases {
+        let x0 = ints([m, k], 0.0, 4.0);
+        let w = ints([k, k], -1.0, 2.0);
+        let chain = |engine: kernels::Gemm| {
+            let (mut x, w) = (x0.clone().cast(dtype), w.clone().cast(dtype));
+            for i in 0..steps {
+                let y = kernels::gemm::gemm(x, w.clone(), false, false, engine);
+                x = y.add_scalar(i as f64).abs().remainder_scalar(4.0);
+            }
+            x.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
+        };
+        let (ours, burn) = (chain(kernels::Gemm::CublasLt), chain(kernels::Gemm::Burn));
+        let wrong = ours.iter().zip(&burn).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            wrong, 0,
+            "[{m}, {k}] {dtype:?}: {wrong} of {} values differ between the cuBLASLt and Burn chains",
+            ours.len()
+        );
+        assert!(
+            ours.iter().any(|&v| v != 0.0),
+            "{dtype:?}: the chain is all zeros"
+        );
+    }
+}
+
+/// CubeCL's side of the hand-over: a kernel queued behind CubeCL's waiting kernel must not run
+/// before the GEMM's stream raises the flag (here a host thread, 300 ms later).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_hand_over_waits() {
+    use burn::tensor::Tensor;
+    let dev = CudaDevice::default();
+    let probe = Tensor::<Cuda, 2>::ones([64, 64], &dev);
+    let prim = probe.into_primitive().tensor();
+    let delay = std::time::Duration::from_millis(300);
+    for round in 0..3 {
+        let took = kernels::gemm::diagnose_wait(&prim, delay).expect("the diagnostic runs");
+        println!("round {round}: read behind the waiting kernel took {took:?}");
+        assert!(
+            took >= delay * 9 / 10,
+            "round {round}: CubeCL's work behind the waiting kernel finished after {took:?}, before the flag was raised ({delay:?})"
         );
     }
 }
@@ -320,26 +402,16 @@ fn cuda_gemm_lm_head_shape() {
     );
 }
 
-/// Sets `BURNMIX_GEMM_ORDER=host` for this process and checks that it took effect (the order is
-/// read once per process: run these tests in their own process, as `tools/cuda-suite` does).
-pub fn host_ordered_gemms() {
-    std::env::set_var(kernels::gemm::ORDER_ENV, "host");
+/// Sets `BURNMIX_GEMM_ORDER=stream` (the experimental GPU order) for this process and checks that
+/// it took effect (the order is read once per process: run these tests in their own process, as
+/// `tools/cuda-suite` does).
+pub fn stream_ordered_gemms() {
+    std::env::set_var(kernels::gemm::ORDER_ENV, "stream");
     let a =
         burn::tensor::Tensor::<B, 2>::zeros([4, 8], &CudaDevice::default()).cast(FloatDType::BF16);
     assert_eq!(
         kernels::gemm::gemm_path(&a, kernels::Gemm::CublasLt),
-        kernels::GemmPath::CublasLtHostSync,
+        kernels::GemmPath::CublasLtStreamOrdered,
         "the GEMM order was fixed before this test set it; run the test in its own process"
     );
-}
-
-/// The GEMM cases with cuBLASLt ordered by host synchronisation (`BURNMIX_GEMM_ORDER=host`); the
-/// other GEMM tests run the default order, on the GPU.
-#[test]
-#[ignore = "needs CUDA"]
-fn cuda_gemm_host_ordered() {
-    host_ordered_gemms();
-    for dtype in [FloatDType::BF16, FloatDType::F32] {
-        gemm_cases(dtype);
-    }
 }

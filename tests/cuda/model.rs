@@ -70,21 +70,6 @@ equivalence_cublaslt! {
     cuda_model_equivalence_cublaslt_f16_gelu => F16, Gelu, AWKWARD;
 }
 
-/// The model matrix with cuBLASLt ordered by host synchronisation instead of on the GPU.
-#[test]
-#[ignore = "needs CUDA"]
-fn cuda_model_equivalence_cublaslt_host_ordered_bf16_gelu() {
-    crate::kernels::host_ordered_gemms();
-    model_cases::equivalence_of::<B>(
-        &model_cases::combos_on(GemmKind::Cublaslt),
-        FloatDType::BF16,
-        TF32_UNIT_ROUNDOFF,
-        MlpKind::Gelu,
-        AWKWARD,
-        &CudaDevice::default(),
-    );
-}
-
 macro_rules! tracks {
     ($($test:ident => $precision:ident, $mlp:ident;)*) => {
         $(

@@ -429,6 +429,11 @@ pub trait Backend: BurnBackend {
         None
     }
 
+    /// Whether the device has cuBLASLt's block-scaled FP8 GEMM (CUDA, Hopper, cuBLASLt 12.9+).
+    fn fp8_cublaslt_supported(_payload: &IntTensor<Self>) -> bool {
+        false
+    }
+
     /// The FP8 GEMM `[m, k] x [n, k]^T` on cuBLASLt, or `None` where it does not apply.
     #[allow(clippy::too_many_arguments)]
     fn fp8_gemm_cublaslt(
@@ -763,6 +768,10 @@ where
     ) -> Option<FloatTensor<Self>> {
         fp8::forward::gemm_mma(a, sa, a_spec, b, sb, b_spec, m, n, out)
     }
+    fn fp8_cublaslt_supported(payload: &IntTensor<Self>) -> bool {
+        crate::gemm::cublaslt::as_cuda(payload)
+            .is_some_and(crate::gemm::cublaslt::fp8_block_scaling_supported)
+    }
     fn fp8_gemm_cublaslt(
         a: IntTensor<Self>,
         sa: FloatTensor<Self>,
@@ -888,6 +897,9 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
     }
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         B::fp8_mma_supported(payload)
+    }
+    fn fp8_cublaslt_supported(payload: &IntTensor<Self>) -> bool {
+        B::fp8_cublaslt_supported(payload)
     }
     fn fp8_gemm_mma(
         a: IntTensor<Self>,

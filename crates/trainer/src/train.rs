@@ -322,6 +322,9 @@ pub fn train<B: crate::TrainBackend>(
             kernels::gemm::gemm_path(&probe, cfg.model.gemm.engine()),
             cfg.model.gemm.name()
         ));
+        if let Recipe::Fp8(_) = &recipe {
+            console.line(&format!("FP8 GEMMs: {}", fp8_gemm_path_name::<B>(&device)));
+        }
     }
     if start_step >= steps {
         console.line(&format!(
@@ -606,4 +609,22 @@ pub fn train<B: crate::TrainBackend>(
         serde_json::to_string_pretty(&summary)?.as_bytes(),
     )?;
     Ok(summary)
+}
+
+/// The path the FP8 recipe's GEMMs take on `device` (see `kernels::fp8_gemm_path`), for the log.
+fn fp8_gemm_path_name<B: kernels::Backend>(device: &B::Device) -> &'static str {
+    use kernels::{Fp8Format, Fp8GemmPath, Fp8Granularity, QuantSpec};
+    let probe = burn::tensor::Tensor::<B, 2>::zeros([8, 128], device);
+    let quantize = |g| kernels::fp8_quantize(probe.clone(), QuantSpec::new(Fp8Format::E4M3, g));
+    let (a, b) = (
+        quantize(Fp8Granularity::Tile1x128),
+        quantize(Fp8Granularity::Block128),
+    );
+    match kernels::fp8_gemm_path(&a, &b) {
+        Fp8GemmPath::CublasLt => "cuBLASLt, block scales applied by the GEMM (Hopper)",
+        Fp8GemmPath::TensorCores => "mma.sync FP8 tensor-core kernel (BURNMIX_FP8_GEMM=mma)",
+        Fp8GemmPath::Dequantize => {
+            "dequantized to the compute dtype, then the GEMMs above: FP8 products at that dtype's speed"
+        }
+    }
 }

@@ -24,14 +24,15 @@
 //! where division is correctly rounded, as on CUDA and lavapipe; WGSL allows 2.5 ulp.)
 //!
 //! **GEMM** ([`fp8_gemm`]): `a [m, k] x b [n, k]^T -> [m, n]`, both operands quantized along `k`.
-//! [`Fp8GemmPath::Dequantize`] (the default on every backend) expands the codes times their
-//! scales into bf16 (bf16 output, power-of-two scales) or f32, exactly, and multiplies with Burn's matmul
-//! (f32 accumulation). The products are therefore the FP8 products; the speed is not FP8
-//! tensor-core speed. [`Fp8GemmPath::TensorCores`] (`mma.sync` m16n8k32 on E4M3, CUDA sm_89+;
-//! correct on an H100, but emulated and slower than bf16 there) is opt-in with
-//! `BURNMIX_FP8_GEMM=mma`; [`Fp8GemmPath::CublasLt`] (cuBLASLt's block-scaled FP8 GEMM) with
-//! `BURNMIX_FP8_GEMM=cublaslt`. [`fp8_gemm_path`] says which path a pair of operands takes and
-//! [`fp8_gemm_on`] forces one.
+//! [`Fp8GemmPath::CublasLt`] (cuBLASLt's block-scaled FP8 GEMM) is the default on Hopper GPUs
+//! (CUDA, cuBLASLt 12.9+) and forced with `BURNMIX_FP8_GEMM=cublaslt`.
+//! [`Fp8GemmPath::Dequantize`] (the default elsewhere, the reference, and what takes the operands
+//! cuBLASLt refuses) expands the codes times their scales into bf16 (bf16 output, power-of-two
+//! scales) or f32, exactly, and multiplies with Burn's matmul (f32 accumulation): the products are
+//! the FP8 products, the speed is not FP8 tensor-core speed. [`Fp8GemmPath::TensorCores`]
+//! (`mma.sync` m16n8k32 on E4M3, CUDA sm_89+; correct on an H100, but emulated and slower than
+//! bf16 there) is opt-in with `BURNMIX_FP8_GEMM=mma`. [`fp8_gemm_path`] says which path a pair of
+//! operands takes and [`fp8_gemm_on`] forces one.
 //!
 //! **Linear** ([`fp8_linear`]): `x [t, in] w [in, out]` with the fprop, dgrad and wgrad GEMMs in FP8,
 //! each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
@@ -51,9 +52,9 @@ use crate::Backend;
 /// Scales cover 128 elements of the reduction axis (and 128 rows for blocks).
 pub const TILE: usize = 128;
 
-/// Set to `mma` to run [`fp8_gemm`] on the `mma.sync` FP8 tensor-core kernel where the device has
-/// it (CUDA sm_89+, E4M3 operands), or to `cublaslt` to run it on cuBLASLt's FP8 GEMM
-/// ([`Fp8GemmPath::CublasLt`]). Opt-in while the cuBLASLt path awaits validation on a GPU.
+/// Chooses the path of [`fp8_gemm`] (see [`fp8_gemm_path`]): `auto` (the default: cuBLASLt's
+/// block-scaled FP8 GEMM on Hopper, else dequantize), `cublaslt`, `mma` (the `mma.sync` FP8
+/// tensor-core kernel, CUDA sm_89+, E4M3 operands) or `dequantize`.
 pub const GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
 
 /// Overrides the tensor-core FP8 GEMM's cube shape: `wm,wn,mt,nt` (see [`MmaShape`]; default
@@ -277,20 +278,41 @@ pub enum Fp8GemmPath {
     /// (opt-in: [`GEMM_ENV`]` = mma`).
     TensorCores,
     /// NVIDIA cuBLASLt's FP8 GEMM with the 1x128 / 128x128 block scales (or per-tensor scales)
-    /// applied by cuBLASLt (CUDA, cuBLASLt >= 12.9 for block scales, Hopper; opt-in:
-    /// [`GEMM_ENV`]` = cublaslt`). Needs m and n multiples of 8, not both operands E5M2 and not
+    /// applied by cuBLASLt (CUDA, cuBLASLt >= 12.9 for block scales, Hopper; the default there). Needs m and n multiples of 8, not both operands E5M2 and not
     /// both 128x128 blocks; other operands take the dequantize path.
     CublasLt,
 }
 
-/// The path [`fp8_gemm`] takes for these operands on this backend: tensor cores when requested
-/// with [`GEMM_ENV`]` = mma`, supported by the device, and both operands E4M3 with 1x128 (or
-/// per-tensor) scales for `a` and 128x128 (or per-tensor) for `b`.
+/// The path [`fp8_gemm`] tries first for these operands on this backend ([`GEMM_ENV`] chooses):
+/// - unset or `auto`: cuBLASLt where the device has its block-scaled FP8 GEMM (CUDA, Hopper,
+///   cuBLASLt 12.9+), else the dequantize path;
+/// - `cublaslt`: cuBLASLt wherever it applies;
+/// - `mma`: the `mma.sync` tensor-core kernel where the device has it and both operands are E4M3
+///   with 1x128 (or per-tensor) scales for `a` and 128x128 (or per-tensor) for `b`;
+/// - `dequantize`: the dequantize path (the reference).
+///
+/// Operands a path does not take (shapes, formats) are computed on the dequantize path.
 pub fn fp8_gemm_path<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> Fp8GemmPath {
     match std::env::var(GEMM_ENV).as_deref() {
         Ok("mma") if mma_applies(a, b) => Fp8GemmPath::TensorCores,
+        Ok("mma") | Ok("dequantize") => Fp8GemmPath::Dequantize,
         Ok("cublaslt") => Fp8GemmPath::CublasLt,
-        _ => Fp8GemmPath::Dequantize,
+        Err(_) | Ok("") | Ok("auto") => {
+            if B::fp8_cublaslt_supported(&a.payload.clone().into_primitive()) {
+                Fp8GemmPath::CublasLt
+            } else {
+                Fp8GemmPath::Dequantize
+            }
+        }
+        Ok(other) => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                eprintln!(
+                    "warning: {GEMM_ENV}={other} is not one of auto, cublaslt, mma, dequantize; using the dequantize path"
+                )
+            });
+            Fp8GemmPath::Dequantize
+        }
     }
 }
 

@@ -9,21 +9,24 @@
 //! as the process.
 //!
 //! Ordering with CubeCL's stream, which CubeCL 0.10 does not expose ([`Order`]):
-//! - `Stream` (default): no host waits. A one-thread CubeCL kernel stores a
-//!   sequence number `v` into a flag word after CubeCL's earlier work; a one-thread kernel on the
-//!   GEMM's stream ([`WAIT_PTX`]) spins until it reads `v`, the GEMM runs, and `cuMemsetD32Async`
-//!   writes `v` into a second flag (ordered after the GEMM); a one-thread CubeCL kernel spins on
-//!   that flag before CubeCL's later work. (The driver's stream memory operations,
-//!   `cuStreamWaitValue32` / `cuStreamWriteValue32`, refuse CubeCL's buffers, which come from
-//!   stream-ordered memory pools: `CUDA_ERROR_INVALID_VALUE` on an H100 with CUDA 13.0.)
-//!   Kernels in one stream run in order and a finished kernel's writes are visible to later work,
-//!   so each side sees the other's data; memory CubeCL reuses after the call is only touched by
-//!   work queued behind the spinning kernel. No deadlock: the GEMM's wait depends only on work
-//!   queued on CubeCL's stream before the spinning kernel. GEMMs issued from a host thread other
-//!   than the one that created the flags are host-synchronised.
-//! - `HostSync` (`BURNMIX_GEMM_ORDER=host`): CubeCL's stream is synchronised on the host before the
-//!   GEMM, and the GEMM's stream after it. Simpler, and slower at small GEMMs (gpt2_small bf16 on an
-//!   H200: 217k tokens/s against 290k with `Stream`).
+//! - `HostSync` (the default; `BURNMIX_GEMM_ORDER=host`): CubeCL's stream is synchronised on the
+//!   host before the GEMM, and the GEMM's stream after it. The host stalls once per GEMM
+//!   (gpt2_small bf16 on an H200: 217k tokens/s against 290k with `Stream`).
+//! - `Stream` (`BURNMIX_GEMM_ORDER=stream`, experimental): no host waits. A one-thread CubeCL
+//!   kernel stores a sequence number `v` into a flag word after CubeCL's earlier work; a
+//!   one-thread kernel on the GEMM's stream (`burnmix_gemm_wait` in [`WAIT_PTX`]) spins until it
+//!   reads `v`, the GEMM runs, a one-thread kernel behind it (`burnmix_gemm_post`) fences and
+//!   stores `v` into a second flag; a one-thread CubeCL kernel spins on that flag before CubeCL's
+//!   later work. (The driver's stream memory operations, `cuStreamWaitValue32` /
+//!   `cuStreamWriteValue32`, refuse CubeCL's buffers, which come from stream-ordered memory pools:
+//!   `CUDA_ERROR_INVALID_VALUE` on an H100 with CUDA 13.0.) GEMMs issued from a host thread other
+//!   than the one that created the flags are host-synchronised. **Not safe yet**: alone on the GPU
+//!   every test passes, but with the GPU shared between processes a small GPT's logits moved
+//!   when a later token changed (`cuda_causality_at_awkward_lengths`, most runs of 16 processes at
+//!   once) and GEMM gradients came out wrong, while the host order passed every run. Each side of
+//!   the hand-over passes its own test under the same load (`cuda_gemm_hand_over_waits`,
+//!   `cuda_gemm_stream_order_chain`); host-synchronising after the GEMM (`postsync`) fixes the
+//!   model, host-synchronising before it (`presync`) does not. The cause is not found.
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
@@ -42,26 +45,75 @@ use cudarc::driver::{result as drv, sys as dsys};
 
 const WORKSPACE_BYTES: usize = 32 << 20;
 
-/// Environment variable choosing the [`Order`]: `stream` (default) or `host`.
+/// Environment variable choosing the [`Order`] of the bf16, f16 and f32 GEMMs: `host` (the
+/// default), `stream` (experimental: see the module docs), or the diagnostic variants `presync`,
+/// `postsync`, `barrier` and `memset`.
 pub const ORDER_ENV: &str = "BURNMIX_GEMM_ORDER";
+
+/// Environment variable choosing the [`Order`] of the FP8 GEMMs (the same values; default `host`).
+pub const FP8_ORDER_ENV: &str = "BURNMIX_GEMM_FP8_ORDER";
 
 /// How a cuBLASLt call is ordered with CubeCL's work (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Order {
+    /// The host waits for CubeCL's stream before the GEMM and for the GEMM's stream after it.
     HostSync,
+    /// The flags on both sides, no host wait.
     Stream,
+    /// Diagnostic: the host waits for CubeCL's stream before the GEMM; the flags after it.
+    PreSync,
+    /// Diagnostic: the flags before the GEMM; the host also waits for the GEMM's stream after it.
+    PostSync,
+    /// Diagnostic: `Stream` with a driver memset between the GEMM stream's wait kernel and the GEMM.
+    Barrier,
+    /// Diagnostic: `Stream` with the flag after the GEMM written by `cuMemsetD32Async` instead of
+    /// a kernel (which let CubeCL's later work read the GEMM's output too early under load).
+    Memset,
+}
+
+impl Order {
+    fn parse(env: &str, default: Order) -> Order {
+        match std::env::var(env).as_deref() {
+            Err(_) | Ok("") => default,
+            Ok("stream") => Order::Stream,
+            Ok("host") => Order::HostSync,
+            Ok("presync") => Order::PreSync,
+            Ok("postsync") => Order::PostSync,
+            Ok("barrier") => Order::Barrier,
+            Ok("memset") => Order::Memset,
+            Ok(other) => {
+                eprintln!(
+                    "warning: {env}={other} is not one of stream, host, presync, postsync, barrier, memset; using {default:?}"
+                );
+                default
+            }
+        }
+    }
+
+    /// Whether the flags order the GEMM on the GPU on at least one side.
+    fn uses_flags(self) -> bool {
+        self != Order::HostSync
+    }
 }
 
 pub(crate) fn order() -> Order {
     static ORDER: OnceLock<Order> = OnceLock::new();
-    *ORDER.get_or_init(|| match std::env::var(ORDER_ENV).as_deref() {
-        Err(_) | Ok("") | Ok("stream") => Order::Stream,
-        Ok("host") => Order::HostSync,
-        Ok(other) => {
-            eprintln!("warning: {ORDER_ENV}={other} is not one of stream, host; using stream");
-            Order::Stream
+    *ORDER.get_or_init(|| {
+        let order = Order::parse(ORDER_ENV, Order::HostSync);
+        if order.uses_flags() {
+            eprintln!(
+                "warning: {ORDER_ENV}: cuBLASLt GEMMs ordered with CubeCL's stream on the GPU are experimental: \
+                 with the GPU shared between processes, models computed wrong values in this order \
+                 (see docs/results.md); use it to measure, not to train"
+            );
         }
+        order
     })
+}
+
+fn fp8_order() -> Order {
+    static ORDER: OnceLock<Order> = OnceLock::new();
+    *ORDER.get_or_init(|| Order::parse(FP8_ORDER_ENV, Order::HostSync))
 }
 
 /// Stores `value` into `flag[0]` (CubeCL's side of the hand-over to the GEMM's stream).
@@ -85,8 +137,10 @@ fn gemm_wait(flag: &mut Tensor<Atomic<u32>>, value: u32) {
     }
 }
 
-/// The GEMM stream's side of `Order::Stream`: one thread spins (acquire loads at GPU scope) until
-/// the u32 at `flag` equals `value`, so the GEMM queued behind it starts after CubeCL's signal.
+/// The GEMM stream's side of `Order::Stream`. `burnmix_gemm_wait`: one thread spins (acquire loads
+/// at GPU scope) until the u32 at `flag` equals `value`, so the GEMM queued behind it starts after
+/// CubeCL's signal. `burnmix_gemm_post`: one thread, queued behind the GEMM, fences and stores
+/// `value` at `flag` (release, GPU scope) for CubeCL's waiting kernel.
 /// Hand-written PTX, JIT-compiled by the driver once per device.
 const WAIT_PTX: &str = "\
 .version 7.0
@@ -105,6 +159,18 @@ SPIN:
     ld.acquire.gpu.global.u32 %v, [%a];
     setp.ne.u32 %p, %v, %s;
     @%p bra SPIN;
+    ret;
+}
+
+.visible .entry burnmix_gemm_post(.param .u64 flag, .param .u32 value)
+{
+    .reg .b32 %s;
+    .reg .b64 %a;
+    ld.param.u64 %a, [flag];
+    ld.param.u32 %s, [value];
+    cvta.to.global.u64 %a, %a;
+    fence.sc.sys;
+    st.release.gpu.global.u32 [%a], %s;
     ret;
 }
 \0";
@@ -235,11 +301,14 @@ struct Problem {
 /// Per-device state. The raw handles are only used with the device's lock held.
 struct Device {
     ctx: dsys::CUcontext,
+    /// Compute capability, major.
+    major: i32,
     handle: sys::cublasLtHandle_t,
     stream: dsys::CUstream,
     workspace: dsys::CUdeviceptr,
     algos: HashMap<Problem, Option<sys::cublasLtMatmulAlgo_t>>,
-    /// `Order::Stream`: two u32 flags in a CubeCL buffer ([0]: CubeCL to the GEMM, [1]: back),
+    /// `Order::Stream`: u32 flags in a CubeCL buffer ([0]: CubeCL to the GEMM, [1]: back, [2]:
+    /// scratch),
     /// their device addresses, and the last sequence number.
     flags: Option<Flags>,
 }
@@ -251,6 +320,8 @@ struct Flags {
     seq: u32,
     /// `burnmix_gemm_wait` from [`WAIT_PTX`].
     wait: dsys::CUfunction,
+    /// `burnmix_gemm_post` from [`WAIT_PTX`].
+    post: dsys::CUfunction,
     /// CubeCL gives each host thread its own stream, and the hand-over orders one stream only: GEMMs
     /// from other threads are host-synchronised.
     thread: std::thread::ThreadId,
@@ -258,11 +329,11 @@ struct Flags {
 
 impl Flags {
     fn new(like: &CubeTensor<CudaRuntime>) -> Result<Self, String> {
-        let handle = like.client.create_from_slice(&[0u8; 8]);
+        let handle = like.client.create_from_slice(&[0u8; 16]);
         let tensor = CubeTensor::new_contiguous(
             like.client.clone(),
             like.device.clone(),
-            Shape::new([2]),
+            Shape::new([4]),
             handle,
             DType::U32,
         );
@@ -277,17 +348,24 @@ impl Flags {
             .map_err(|e| format!("CubeCL sync: {e:?}"))?;
         // SAFETY: the device's context is current (the caller set it); WAIT_PTX is NUL-terminated
         // and defines `burnmix_gemm_wait`. The module lives as long as the process.
-        let wait = unsafe {
+        let (wait, post) = unsafe {
             let module = drv::module::load_data(WAIT_PTX.as_ptr() as *const c_void)
                 .map_err(|e| format!("cuModuleLoadData (GEMM wait kernel): {e:?}"))?;
-            drv::module::get_function(module, c"burnmix_gemm_wait".to_owned())
-                .map_err(|e| format!("cuModuleGetFunction: {e:?}"))?
+            let function = |name: &std::ffi::CStr| {
+                drv::module::get_function(module, name.to_owned())
+                    .map_err(|e| format!("cuModuleGetFunction({name:?}): {e:?}"))
+            };
+            (
+                function(c"burnmix_gemm_wait")?,
+                function(c"burnmix_gemm_post")?,
+            )
         };
         Ok(Self {
             tensor,
             ptr,
             seq: 0,
             wait,
+            post,
             thread: std::thread::current().id(),
         })
     }
@@ -344,6 +422,11 @@ impl Device {
             let ctx = drv::primary_ctx::retain(dev)
                 .map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
             drv::ctx::set_current(ctx).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+            let major = drv::device::get_attribute(
+                dev,
+                dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )
+            .map_err(|e| format!("cuDeviceGetAttribute: {e:?}"))?;
             let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
             let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking)
                 .map_err(|e| format!("cuStreamCreate: {e:?}"))?;
@@ -351,6 +434,7 @@ impl Device {
                 .map_err(|e| format!("cuMemAlloc({WORKSPACE_BYTES}): {e:?}"))?;
             Ok(Self {
                 ctx,
+                major,
                 handle,
                 stream,
                 workspace,
@@ -468,13 +552,16 @@ fn execute(
     let dev = state
         .as_mut()
         .map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
-    let order = match (order(), &dev.flags) {
-        (Order::Stream, Some(f)) if f.thread != std::thread::current().id() => Order::HostSync,
-        // FP8 GEMMs (scale modes set) are host-synchronised: ordered on the GPU, the CUDA suite
-        // saw cuBLASLt's block-scaled FP8 GEMM return wrong values (E5M2 x E4M3, 1x128 / 128x128
-        // scales, [96, 1000, 129] on an H200), while the bf16, f16 and f32 GEMMs were right.
-        (Order::Stream, _) if problem.scale_modes.is_some() => Order::HostSync,
-        (order, _) => order,
+    let wanted = if problem.scale_modes.is_some() {
+        fp8_order()
+    } else {
+        order()
+    };
+    let order = match &dev.flags {
+        Some(f) if wanted.uses_flags() && f.thread != std::thread::current().id() => {
+            Order::HostSync
+        }
+        _ => wanted,
     };
 
     // SAFETY: the pointers come from live CubeCL allocations of the sizes the layouts describe
@@ -510,14 +597,14 @@ fn execute(
                 problem.align
             )));
         };
-        if order == Order::HostSync {
+        if matches!(order, Order::HostSync | Order::PreSync) {
             // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the
             // output's memory) has finished once its stream is synchronised.
             cubecl::future::block_on(a.client.sync())
                 .map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let seq = if order == Order::Stream {
+        let seq = if order.uses_flags() {
             if dev.flags.is_none() {
                 dev.flags = Some(Flags::new(out).map_err(Refused::Unsupported)?);
             }
@@ -547,6 +634,12 @@ fn execute(
                 return Err(Refused::Unsupported(format!(
                     "launching the GEMM-stream wait kernel: {e:?}"
                 )));
+            }
+            if order == Order::Barrier {
+                // A driver operation between the wait kernel and the GEMM's first kernel.
+                dsys::cuMemsetD32Async(flags.ptr + 8, seq, 1, dev.stream)
+                    .result()
+                    .map_err(|e| Refused::Unsupported(format!("cuMemsetD32Async: {e:?}")))?;
             }
             Some(seq)
         } else {
@@ -579,15 +672,29 @@ fn execute(
                 // waiting for `seq`, and CubeCL's next hand-over must not overtake it.
                 let flags = dev.flags.as_ref().expect("created above");
                 // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream waits for it.
-                let written = dsys::cuMemsetD32Async(flags.ptr + 4, seq, 1, dev.stream).result();
+                let written = if order == Order::Memset {
+                    dsys::cuMemsetD32Async(flags.ptr + 4, seq, 1, dev.stream)
+                        .result()
+                        .map_err(|e| format!("cuMemsetD32Async (flag): {e:?}"))
+                } else {
+                    let (mut flag_arg, mut seq_arg) = (flags.ptr + 4, seq);
+                    let mut params = [
+                        &mut flag_arg as *mut u64 as *mut c_void,
+                        &mut seq_arg as *mut u32 as *mut c_void,
+                    ];
+                    drv::launch_kernel(flags.post, (1, 1, 1), (1, 1, 1), 0, dev.stream, &mut params)
+                        .map_err(|e| format!("launching the GEMM-stream flag kernel: {e:?}"))
+                };
                 if let Err(e) = written {
                     // Without the flag CubeCL cannot wait on the GPU: wait for both streams here.
                     let _ = drv::stream::synchronize(dev.stream);
-                    return Err(Refused::Unsupported(format!(
-                        "cuMemsetD32Async (flag): {e:?}"
-                    )));
+                    return Err(Refused::Unsupported(e));
                 }
                 flags.launch(gemm_wait::launch_unchecked::<CudaRuntime>, seq);
+                if order == Order::PostSync {
+                    drv::stream::synchronize(dev.stream)
+                        .map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?;
+                }
             }
         }
         done?;
@@ -843,6 +950,18 @@ pub(crate) struct Fp8Operand {
 /// The first cuBLASLt version with 1x128 and 128x128 FP8 block scaling (12.9, Hopper).
 const BLOCK_SCALING_VERSION: usize = 120900;
 
+/// Whether cuBLASLt's 1x128 / 128x128 block-scaled FP8 GEMM runs on `t`'s device: CUDA, a
+/// cuBLASLt that has it (12.9+), and a Hopper GPU (compute capability 9.x; cuBLASLt scales FP8
+/// blocks this way on Hopper only).
+pub(crate) fn fp8_block_scaling_supported(t: &CubeTensor<CudaRuntime>) -> bool {
+    if !library().is_ok_and(|v| v >= BLOCK_SCALING_VERSION) {
+        return false;
+    }
+    let state = device(t.device.index);
+    let state = state.lock().unwrap_or_else(|p| p.into_inner());
+    state.as_ref().is_ok_and(|d| d.major == 9)
+}
+
 /// `a [m, k] x b [n, k]^T -> [m, n]` in `out` on cuBLASLt's FP8 tensor cores, both operands
 /// quantized along k (padded to `k_pad`, a multiple of 128, with zero codes); or why not.
 ///
@@ -970,4 +1089,65 @@ pub(crate) fn fp8_gemm(
     };
     execute(&pa, &pb, &c, Some((&a.scales, &b.scales)), problem, what)?;
     Ok(c)
+}
+
+/// Diagnostic of the hand-over's CubeCL side: queues CubeCL's waiting kernel for a value nobody
+/// has written yet, then a CubeCL copy of `probe` behind it, and reads the copy; another thread
+/// writes the value after `delay`. Returns how long the read took: about `delay` when the waiting
+/// kernel holds CubeCL's later work back, much less when it does not.
+#[doc(hidden)]
+pub fn diagnose_wait(
+    probe: &CubeTensor<CudaRuntime>,
+    delay: std::time::Duration,
+) -> Result<std::time::Duration, String> {
+    let state = device(probe.device.index);
+    let (flags_tensor, ptr, value) = {
+        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+        let dev = state.as_mut().map_err(|e| e.clone())?;
+        // SAFETY: the device's context is the primary context CubeCL uses.
+        unsafe { drv::ctx::set_current(dev.ctx).map_err(|e| format!("{e:?}"))? };
+        if dev.flags.is_none() {
+            dev.flags = Some(Flags::new(probe)?);
+        }
+        let flags = dev.flags.as_mut().expect("just created");
+        flags.seq = flags.seq.wrapping_add(1).max(1);
+        (flags.tensor.clone(), flags.ptr, flags.seq)
+    };
+    let ctx = {
+        let state = state.lock().unwrap_or_else(|p| p.into_inner());
+        state.as_ref().map_err(|e| e.clone())?.ctx as usize
+    };
+    // The releasing thread: writes flag[1] = value after `delay` (a synchronous memset).
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        // SAFETY: `ptr` is the live flags buffer of this device; the context is its primary one.
+        unsafe {
+            drv::ctx::set_current(ctx as dsys::CUcontext).map_err(|e| format!("{e:?}"))?;
+            dsys::cuMemsetD32_v2(ptr + 4, value, 1)
+                .result()
+                .map_err(|e| format!("cuMemsetD32: {e:?}"))
+        }
+    });
+    let start = std::time::Instant::now();
+    // SAFETY: `gemm_wait` indexes only the flags.
+    unsafe {
+        gemm_wait::launch_unchecked::<CudaRuntime>(
+            &flags_tensor.client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            flags_tensor.clone().into_tensor_arg(),
+            value,
+        );
+    }
+    let copy = into_contiguous(probe.clone());
+    let bytes = copy
+        .client
+        .read_one(copy.handle.clone())
+        .map_err(|e| format!("read: {e:?}"))?;
+    let took = start.elapsed();
+    drop(bytes);
+    release
+        .join()
+        .map_err(|_| "the releasing thread panicked".to_string())??;
+    Ok(took)
 }

@@ -185,6 +185,16 @@ pub fn cublaslt_status() -> Result<usize, String> {
     cublaslt::library()
 }
 
+/// Diagnostic of the GPU hand-over (see `cublaslt::diagnose_wait`): how long a read behind
+/// CubeCL's waiting kernel took when the flag was written after `delay`.
+#[doc(hidden)]
+pub fn diagnose_wait(
+    probe: &burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>,
+    delay: std::time::Duration,
+) -> Result<std::time::Duration, String> {
+    cublaslt::diagnose_wait(probe, delay)
+}
+
 /// The engine `engine` resolves to for tensors like `a`.
 pub fn gemm_path<B: Backend>(a: &Tensor<B, 2>, engine: Gemm) -> GemmPath {
     B::gemm_path(&a.clone().into_primitive().tensor(), engine)
@@ -259,7 +269,8 @@ pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> Gemm
     match cublaslt::library() {
         Ok(_) => match cublaslt::order() {
             cublaslt::Order::HostSync => GemmPath::CublasLtHostSync,
-            cublaslt::Order::Stream => GemmPath::CublasLtStreamOrdered,
+            // The diagnostic orders all order on the GPU on at least one side.
+            _ => GemmPath::CublasLtStreamOrdered,
         },
         Err(why) if engine == Gemm::CublasLt => fail("gemm", format!("Gemm::CublasLt: {why}")),
         Err(_) => GemmPath::Burn,
