@@ -215,6 +215,7 @@ fn cuda_fp8_linear_cublaslt() {
     for dtype in [FloatDType::F32, FloatDType::BF16] {
         fp8_cases::linear::<B>(dtype, &CudaDevice::default(), &shapes);
     }
+    no_fallbacks("the FP8 linear layer on cuBLASLt");
 }
 
 /// The FP8 linear layer on the dequantize path (`BURNMIX_FP8_GEMM=dequantize`), the reference the
@@ -239,6 +240,17 @@ fn cuda_fp8_linear() {
     for dtype in [FloatDType::F32, FloatDType::BF16] {
         fp8_cases::linear::<B>(dtype, &CudaDevice::default(), &shapes);
     }
+    no_fallbacks("the FP8 linear layer on its default path");
+}
+
+/// Fails if a GEMM this test thread sent to cuBLASLt ran on another path: the fallbacks compute
+/// the same numbers, so the numeric checks alone would pass without cuBLASLt.
+pub fn no_fallbacks(what: &str) {
+    assert_eq!(
+        kernels::gemm::cublaslt_fallbacks_on_this_thread(),
+        0,
+        "{what}: some GEMMs left cuBLASLt (see the warnings above)"
+    );
 }
 
 /// cuBLASLt GEMMs and their backward against an f32 reference free of TF32, within twice the error
@@ -274,6 +286,7 @@ fn gemm_cases(dtype: FloatDType) {
         &kernel_cases::GEMM_SIZES,
     );
     kernel_cases::gemm_strided::<B>(dtype, &dev, kernels::Gemm::CublasLt, baseline);
+    no_fallbacks(&format!("{dtype:?} GEMMs on cuBLASLt"));
 }
 
 /// The GEMMs above do run on cuBLASLt (a fallback to Burn's matmul would pass the numeric checks),
@@ -288,7 +301,7 @@ fn cuda_gemm_uses_cublaslt() {
         for engine in [kernels::Gemm::CublasLt, kernels::Gemm::Auto] {
             assert_eq!(
                 kernels::gemm::gemm_path(&a, engine),
-                kernels::GemmPath::CublasLtHostSync,
+                kernels::GemmPath::CublasLtStreamOrdered,
                 "{dtype:?} {engine:?}"
             );
         }
@@ -299,8 +312,8 @@ fn cuda_gemm_uses_cublaslt() {
     }
 }
 
-/// The hand-over between CubeCL's stream and cuBLASLt's in the experimental GPU order
-/// (`BURNMIX_GEMM_ORDER=stream`): chains of steps, each a cuBLASLt GEMM whose output CubeCL's
+/// The hand-over between CubeCL's stream and cuBLASLt's in the GPU order
+/// (`BURNMIX_GEMM_ORDER=stream`, the default): chains of steps, each a cuBLASLt GEMM whose output CubeCL's
 /// element-wise kernels read at once, against the same chain on Burn's matmul. The values are
 /// small integers and every sum is exact, so the two chains must agree bit for bit; a consumer
 /// that read the GEMM's output before the GEMM had written it would make them differ.
@@ -402,7 +415,7 @@ fn cuda_gemm_lm_head_shape() {
     );
 }
 
-/// Sets `BURNMIX_GEMM_ORDER=stream` (the experimental GPU order) for this process and checks that
+/// Sets `BURNMIX_GEMM_ORDER=stream` (the GPU order) for this process and checks that
 /// it took effect (the order is read once per process: run these tests in their own process, as
 /// `tools/cuda-suite` does).
 pub fn stream_ordered_gemms() {

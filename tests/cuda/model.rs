@@ -58,6 +58,7 @@ macro_rules! equivalence_cublaslt {
                     $shape,
                     &CudaDevice::default(),
                 );
+                crate::kernels::no_fallbacks("the models with their GEMMs on cuBLASLt");
             }
         )*
     };

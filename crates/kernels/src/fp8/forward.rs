@@ -285,7 +285,7 @@ where
     BT: burn_cubecl::BoolElement,
 {
     use crate::gemm::cublaslt::{
-        as_cuda, fp8_gemm, from_cuda, warn_once, Fp8Operand, Fp8Scales, Refused,
+        as_cuda, fell_back, fp8_gemm, from_cuda, Fp8Operand, Fp8Scales, Refused,
     };
     use burn::tensor::{Tensor, TensorPrimitive};
     type Cb<R, F, I, BT> = burn_cubecl::CubeBackend<R, F, I, BT>;
@@ -337,7 +337,7 @@ where
     match fp8_gemm(oa, ob, k_pad, out.into()) {
         Ok(c) => Some(from_cuda(c)),
         Err(Refused::Unsupported(why)) => {
-            warn_once(format!(
+            fell_back(format!(
                 "kernels::fp8_gemm: {why}; this GEMM takes another path"
             ));
             None

@@ -278,8 +278,9 @@ pub enum Fp8GemmPath {
     /// (opt-in: [`GEMM_ENV`]` = mma`).
     TensorCores,
     /// NVIDIA cuBLASLt's FP8 GEMM with the 1x128 / 128x128 block scales (or per-tensor scales)
-    /// applied by cuBLASLt (CUDA, cuBLASLt >= 12.9 for block scales, Hopper; the default there). Needs m and n multiples of 8, not both operands E5M2 and not
-    /// both 128x128 blocks; other operands take the dequantize path.
+    /// applied by cuBLASLt (CUDA, cuBLASLt >= 12.9 for block scales, Hopper; the default there).
+    /// Needs m and n multiples of 8, not both operands E5M2 and not both 128x128 blocks; other
+    /// operands take the dequantize path.
     CublasLt,
 }
 

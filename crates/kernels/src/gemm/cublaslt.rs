@@ -5,14 +5,11 @@
 //! transpose flag, and writes C^T column-major with leading dimension `n`, which is C row-major.
 //!
 //! Per device this keeps one cuBLASLt handle, one stream, a 32 MiB workspace (what cuBLAS uses on
-//! Hopper) and the heuristic's algorithm per problem (shape, layouts, alignments); they live as long
-//! as the process.
+//! Hopper) and, per problem (shape, layouts, alignments), the call's descriptors and the heuristic's
+//! algorithm; they live as long as the process.
 //!
 //! Ordering with CubeCL's stream, which CubeCL 0.10 does not expose ([`Order`]):
-//! - `HostSync` (the default; `BURNMIX_GEMM_ORDER=host`): CubeCL's stream is synchronised on the
-//!   host before the GEMM, and the GEMM's stream after it. The host stalls once per GEMM
-//!   (gpt2_small bf16 on an H200: 217k tokens/s against 290k with `Stream`).
-//! - `Stream` (`BURNMIX_GEMM_ORDER=stream`, experimental): no host waits. A one-thread CubeCL
+//! - `Stream` (the default; `BURNMIX_GEMM_ORDER=stream`): no host waits. A one-thread CubeCL
 //!   kernel stores a sequence number `v` into a flag word after CubeCL's earlier work; a
 //!   one-thread kernel on the GEMM's stream (`burnmix_gemm_wait` in [`WAIT_PTX`]) spins until it
 //!   reads `v`, the GEMM runs, a one-thread kernel behind it (`burnmix_gemm_post`) fences and
@@ -20,13 +17,15 @@
 //!   later work. (The driver's stream memory operations, `cuStreamWaitValue32` /
 //!   `cuStreamWriteValue32`, refuse CubeCL's buffers, which come from stream-ordered memory pools:
 //!   `CUDA_ERROR_INVALID_VALUE` on an H100 with CUDA 13.0.) GEMMs issued from a host thread other
-//!   than the one that created the flags are host-synchronised. **Not safe yet**: alone on the GPU
-//!   every test passes, but with the GPU shared between processes a small GPT's logits moved
-//!   when a later token changed (`cuda_causality_at_awkward_lengths`, most runs of 16 processes at
-//!   once) and GEMM gradients came out wrong, while the host order passed every run. Each side of
-//!   the hand-over passes its own test under the same load (`cuda_gemm_hand_over_waits`,
-//!   `cuda_gemm_stream_order_chain`); host-synchronising after the GEMM (`postsync`) fixes the
-//!   model, host-synchronising before it (`presync`) does not. The cause is not found.
+//!   than the one that created the flags are host-synchronised.
+//!   The flags alone are not enough: CubeCL may hand the memory of a tensor the caller dropped
+//!   after the call to a new tensor and write it while the GEMM still runs (with the GPU shared
+//!   between processes a small GPT's logits then moved when a later token changed). So clones of
+//!   the GEMM's operands, output and scales are held, with an event recorded behind the GEMM on its
+//!   stream, until that event has completed (checked at the next GEMMs, never waited for unless
+//!   4096 are in flight).
+//! - `HostSync` (`BURNMIX_GEMM_ORDER=host`): CubeCL's stream is synchronised on the host before
+//!   the GEMM, and the GEMM's stream after it. The host stalls once per GEMM.
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
@@ -45,12 +44,12 @@ use cudarc::driver::{result as drv, sys as dsys};
 
 const WORKSPACE_BYTES: usize = 32 << 20;
 
-/// Environment variable choosing the [`Order`] of the bf16, f16 and f32 GEMMs: `host` (the
-/// default), `stream` (experimental: see the module docs), or the diagnostic variants `presync`,
-/// `postsync`, `barrier` and `memset`.
+/// Environment variable choosing the [`Order`] of the bf16, f16 and f32 GEMMs: `stream` (the
+/// default: ordered on the GPU, see the module docs) or `host`.
 pub const ORDER_ENV: &str = "BURNMIX_GEMM_ORDER";
 
-/// Environment variable choosing the [`Order`] of the FP8 GEMMs (the same values; default `host`).
+/// Environment variable choosing the [`Order`] of the FP8 GEMMs (the same values; default: the
+/// order of the other GEMMs).
 pub const FP8_ORDER_ENV: &str = "BURNMIX_GEMM_FP8_ORDER";
 
 /// How a cuBLASLt call is ordered with CubeCL's work (see the module docs).
@@ -60,15 +59,6 @@ pub(crate) enum Order {
     HostSync,
     /// The flags on both sides, no host wait.
     Stream,
-    /// Diagnostic: the host waits for CubeCL's stream before the GEMM; the flags after it.
-    PreSync,
-    /// Diagnostic: the flags before the GEMM; the host also waits for the GEMM's stream after it.
-    PostSync,
-    /// Diagnostic: `Stream` with a driver memset between the GEMM stream's wait kernel and the GEMM.
-    Barrier,
-    /// Diagnostic: `Stream` with the flag after the GEMM written by `cuMemsetD32Async` instead of
-    /// a kernel (which let CubeCL's later work read the GEMM's output too early under load).
-    Memset,
 }
 
 impl Order {
@@ -77,43 +67,48 @@ impl Order {
             Err(_) | Ok("") => default,
             Ok("stream") => Order::Stream,
             Ok("host") => Order::HostSync,
-            Ok("presync") => Order::PreSync,
-            Ok("postsync") => Order::PostSync,
-            Ok("barrier") => Order::Barrier,
-            Ok("memset") => Order::Memset,
             Ok(other) => {
                 eprintln!(
-                    "warning: {env}={other} is not one of stream, host, presync, postsync, barrier, memset; using {default:?}"
+                    "warning: {env}={other} is not one of stream, host; using {}",
+                    if default == Order::Stream { "stream" } else { "host" }
                 );
                 default
             }
         }
     }
 
-    /// Whether the flags order the GEMM on the GPU on at least one side.
+    /// Whether the flags order the GEMM on the GPU.
     fn uses_flags(self) -> bool {
-        self != Order::HostSync
+        self == Order::Stream
     }
 }
 
 pub(crate) fn order() -> Order {
     static ORDER: OnceLock<Order> = OnceLock::new();
-    *ORDER.get_or_init(|| {
-        let order = Order::parse(ORDER_ENV, Order::HostSync);
-        if order.uses_flags() {
-            eprintln!(
-                "warning: {ORDER_ENV}: cuBLASLt GEMMs ordered with CubeCL's stream on the GPU are experimental: \
-                 with the GPU shared between processes, models computed wrong values in this order \
-                 (see docs/results.md); use it to measure, not to train"
-            );
-        }
-        order
-    })
+    *ORDER.get_or_init(|| Order::parse(ORDER_ENV, Order::Stream))
 }
 
 fn fp8_order() -> Order {
     static ORDER: OnceLock<Order> = OnceLock::new();
-    *ORDER.get_or_init(|| Order::parse(FP8_ORDER_ENV, Order::HostSync))
+    *ORDER.get_or_init(|| Order::parse(FP8_ORDER_ENV, order()))
+}
+
+/// Diagnostic: `BURNMIX_GEMM_HOLD=none` stops the GPU order from holding a GEMM's tensors until it
+/// has run (see the module docs), which shows the race that the holding prevents.
+fn hold_tensors() -> bool {
+    static HOLD: OnceLock<bool> = OnceLock::new();
+    *HOLD.get_or_init(|| std::env::var("BURNMIX_GEMM_HOLD").as_deref() != Ok("none"))
+}
+
+/// In-flight GEMMs held at most; past this the host waits for the oldest.
+const MAX_IN_FLIGHT: usize = 4096;
+
+/// A GEMM queued on the GEMM's stream in a GPU order: an event recorded behind it, and clones of
+/// the tensors whose memory it reads or writes. While a clone lives CubeCL does not hand that
+/// memory out again.
+struct InFlight {
+    event: dsys::CUevent,
+    _tensors: Vec<CubeTensor<CudaRuntime>>,
 }
 
 /// Stores `value` into `flag[0]` (CubeCL's side of the hand-over to the GEMM's stream).
@@ -306,11 +301,15 @@ struct Device {
     handle: sys::cublasLtHandle_t,
     stream: dsys::CUstream,
     workspace: dsys::CUdeviceptr,
-    algos: HashMap<Problem, Option<sys::cublasLtMatmulAlgo_t>>,
-    /// `Order::Stream`: u32 flags in a CubeCL buffer ([0]: CubeCL to the GEMM, [1]: back, [2]:
-    /// scratch),
-    /// their device addresses, and the last sequence number.
+    /// Per problem: its descriptors and the heuristic's algorithm (`None`: cuBLASLt has none).
+    calls: HashMap<Problem, (Call, Option<sys::cublasLtMatmulAlgo_t>)>,
+    /// `Order::Stream`: u32 flags in a CubeCL buffer ([0]: CubeCL to the GEMM, [1]: back), their
+    /// device address, and the last sequence number.
     flags: Option<Flags>,
+    /// GEMMs in a GPU order that may still run, oldest first.
+    in_flight: std::collections::VecDeque<InFlight>,
+    /// Completed events, for reuse.
+    spare_events: Vec<dsys::CUevent>,
 }
 
 struct Flags {
@@ -438,9 +437,53 @@ impl Device {
                 handle,
                 stream,
                 workspace,
-                algos: HashMap::new(),
+                calls: HashMap::new(),
                 flags: None,
+                in_flight: Default::default(),
+                spare_events: Vec::new(),
             })
+        }
+    }
+
+    /// Releases the tensors of every GEMM at the front of `in_flight` whose event has completed;
+    /// with `wait`, first waits for the oldest. The device's context must be current.
+    unsafe fn retire(&mut self, wait: bool) {
+        if wait {
+            if let Some(front) = self.in_flight.front() {
+                let _ = drv::event::synchronize(front.event);
+            }
+        }
+        while let Some(front) = self.in_flight.front() {
+            match drv::event::query(front.event) {
+                Ok(()) => {}
+                Err(drv::DriverError(dsys::CUresult::CUDA_ERROR_NOT_READY)) => break,
+                // An error here is the GEMM stream's error; waiting makes sure it is over.
+                Err(_) => {
+                    let _ = drv::stream::synchronize(self.stream);
+                }
+            }
+            let done = self.in_flight.pop_front().expect("front exists");
+            self.spare_events.push(done.event);
+        }
+    }
+
+    /// Records an event behind the work queued on the GEMM's stream so far and holds `tensors`
+    /// until it completes. If no event can be recorded, waits for the GEMM's stream instead.
+    unsafe fn hold(&mut self, tensors: Vec<CubeTensor<CudaRuntime>>) {
+        self.retire(self.in_flight.len() >= MAX_IN_FLIGHT);
+        let event = match self.spare_events.pop() {
+            Some(e) => Ok(e),
+            None => drv::event::create(dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
+        };
+        let recorded = event.and_then(|e| drv::event::record(e, self.stream).map(|()| e));
+        match recorded {
+            Ok(event) => self.in_flight.push_back(InFlight {
+                event,
+                _tensors: tensors,
+            }),
+            Err(_) => {
+                let _ = drv::stream::synchronize(self.stream);
+            }
         }
     }
 }
@@ -524,39 +567,13 @@ fn execute(
     problem: impl Fn([u32; 3]) -> Problem,
     what: impl Fn() -> String,
 ) -> Result<(), Refused> {
-    // The resources keep the allocations alive until the GEMM has finished.
-    let res = |t: &CubeTensor<CudaRuntime>| {
-        t.client
-            .get_resource(t.handle.clone())
-            .map_err(|e| Refused::Unsupported(format!("CubeCL resource: {e:?}")))
-    };
-    let (ra, rb, rc) = (res(a)?, res(b)?, res(out)?);
-    let (pa, pb, pc) = (ra.resource().ptr, rb.resource().ptr, rc.resource().ptr);
-    let rs = match scales {
-        Some((sa, sb)) => Some((res(sa)?, res(sb)?)),
-        None => None,
-    };
-    // cuBLASLt's A scales are `b`'s, its B scales `a`'s.
-    let scale_ptrs = rs
-        .as_ref()
-        .map(|(sa, sb)| (sb.resource().ptr, sa.resource().ptr));
-    let problem = problem([alignment(pa), alignment(pb), alignment(pc)]);
-    debug_assert_eq!(
-        out.meta.strides()[0],
-        problem.n,
-        "a contiguous output has rows of n"
-    );
-
     let state = device(a.device.index);
     let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
     let dev = state
         .as_mut()
         .map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
-    let wanted = if problem.scale_modes.is_some() {
-        fp8_order()
-    } else {
-        order()
-    };
+    let fp8 = scales.is_some();
+    let wanted = if fp8 { fp8_order() } else { order() };
     let order = match &dev.flags {
         Some(f) if wanted.uses_flags() && f.thread != std::thread::current().id() => {
             Order::HostSync
@@ -565,31 +582,68 @@ fn execute(
     };
 
     // SAFETY: the pointers come from live CubeCL allocations of the sizes the layouts describe
-    // (rows, cols and ld are the tensors' own shapes and strides); the descriptors are created and
-    // destroyed here; the GEMM is ordered after CubeCL's writes of its inputs and before CubeCL's
-    // next use of its memory (host synchronisation or the flags).
+    // (rows, cols and ld are the tensors' own shapes and strides); the GEMM is ordered after
+    // CubeCL's writes of its inputs and before CubeCL's next use of its memory (host
+    // synchronisation, or the flags and the tensors held until the GEMM is done).
     unsafe {
         drv::ctx::set_current(dev.ctx)
             .map_err(|e| Refused::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
-        let call = Call::new(&problem, scale_ptrs)
-            .map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
-        // The algorithm first: a problem cuBLASLt refuses costs no synchronisation.
-        let algo = match dev.algos.get(&problem) {
-            Some(algo) => *algo,
-            None => match call.heuristic(dev.handle, &problem) {
-                Ok(algo) => *dev.algos.entry(problem).or_insert(Some(algo)),
+        // The GPU orders: CubeCL's stream sets flag[0] = seq after everything queued so far.
+        // CubeCL queues the launch on the host; the blocking resource requests below hand it to
+        // the driver. If the GEMM is refused after this, nothing waits for the flag: harmless.
+        let seq = if order.uses_flags() {
+            if dev.flags.is_none() {
+                dev.flags = Some(Flags::new(a).map_err(Refused::Unsupported)?);
+            }
+            let flags = dev.flags.as_mut().expect("just created");
+            flags.seq = flags.seq.wrapping_add(1).max(1);
+            flags.launch(gemm_signal::launch_unchecked::<CudaRuntime>, flags.seq);
+            Some(flags.seq)
+        } else {
+            None
+        };
+        let res = |t: &CubeTensor<CudaRuntime>| {
+            t.client
+                .get_resource(t.handle.clone())
+                .map_err(|e| Refused::Unsupported(format!("CubeCL resource: {e:?}")))
+        };
+        let (ra, rb, rc) = (res(a)?, res(b)?, res(out)?);
+        let (pa, pb, pc) = (ra.resource().ptr, rb.resource().ptr, rc.resource().ptr);
+        let rs = match scales {
+            Some((sa, sb)) => Some((res(sa)?, res(sb)?)),
+            None => None,
+        };
+        let problem = problem([alignment(pa), alignment(pb), alignment(pc)]);
+        debug_assert_eq!(
+            out.meta.strides()[0],
+            problem.n,
+            "a contiguous output has rows of n"
+        );
+        // The descriptors and the heuristic's algorithm, once per problem. A problem cuBLASLt
+        // refuses costs no synchronisation.
+        if !dev.calls.contains_key(&problem) {
+            let call = Call::new(&problem)
+                .map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
+            if let Some((sa, sb)) = &rs {
+                // The heuristic rejects block-scaled FP8 without scale pointers (any valid
+                // address does: they are set again for each call below).
+                call.set_scales(sb.resource().ptr, sa.resource().ptr)
+                    .map_err(|e| Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}")))?;
+            }
+            let algo = match call.heuristic(dev.handle, &problem) {
+                Ok(algo) => Some(algo),
                 // No algorithm for this problem: remembered, so it is asked once.
-                Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => {
-                    *dev.algos.entry(problem).or_insert(None)
-                }
+                Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => None,
                 Err(e) => {
                     return Err(Refused::Unsupported(format!(
                         "cuBLASLt heuristic for {}: {e:?}",
                         what()
                     )))
                 }
-            },
-        };
+            };
+            dev.calls.insert(problem, (call, algo));
+        }
+        let (call, algo) = &dev.calls[&problem];
         let Some(algo) = algo else {
             return Err(Refused::Unsupported(format!(
                 "cuBLASLt has no algorithm for {} (alignments {:?} bytes)",
@@ -597,29 +651,19 @@ fn execute(
                 problem.align
             )));
         };
-        if matches!(order, Order::HostSync | Order::PreSync) {
+        if let Some((sa, sb)) = &rs {
+            // cuBLASLt's A scales are `b`'s, its B scales `a`'s.
+            call.set_scales(sb.resource().ptr, sa.resource().ptr)
+                .map_err(|e| Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}")))?;
+        }
+        if order == Order::HostSync {
             // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the
             // output's memory) has finished once its stream is synchronised.
             cubecl::future::block_on(a.client.sync())
                 .map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let seq = if order.uses_flags() {
-            if dev.flags.is_none() {
-                dev.flags = Some(Flags::new(out).map_err(Refused::Unsupported)?);
-            }
-            let flags = dev.flags.as_mut().expect("just created");
-            flags.seq = flags.seq.wrapping_add(1).max(1);
-            let seq = flags.seq;
-            // CubeCL's stream: flag[0] = seq after everything queued so far.
-            flags.launch(gemm_signal::launch_unchecked::<CudaRuntime>, seq);
-            // CubeCL queues launches on the host; hand this one to the driver now, so that the
-            // GEMM does not wait for CubeCL's next flush.
-            flags
-                .tensor
-                .client
-                .flush()
-                .map_err(|e| Refused::Unsupported(format!("CubeCL flush: {e:?}")))?;
+        if let Some(seq) = seq {
+            let flags = dev.flags.as_ref().expect("created above");
             // The GEMM's stream: spin until flag[0] == seq.
             let (mut flag_arg, mut seq_arg) = (flags.ptr, seq);
             let mut params = [
@@ -629,22 +673,13 @@ fn execute(
             if let Err(e) =
                 drv::launch_kernel(flags.wait, (1, 1, 1), (1, 1, 1), 0, dev.stream, &mut params)
             {
-                // CubeCL's stream already holds the signal; nothing waits for it, so the host-synced
-                // path below stays correct. Say why and run this GEMM on Burn's matmul.
+                // Nothing waits for CubeCL's signal; this GEMM runs on Burn's matmul.
                 return Err(Refused::Unsupported(format!(
                     "launching the GEMM-stream wait kernel: {e:?}"
                 )));
             }
-            if order == Order::Barrier {
-                // A driver operation between the wait kernel and the GEMM's first kernel.
-                dsys::cuMemsetD32Async(flags.ptr + 8, seq, 1, dev.stream)
-                    .result()
-                    .map_err(|e| Refused::Unsupported(format!("cuMemsetD32Async: {e:?}")))?;
-            }
-            Some(seq)
-        } else {
-            None
-        };
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
         let done = lt::matmul(
             dev.handle,
             call.desc,
@@ -658,7 +693,7 @@ fn execute(
             call.out,
             pc as *mut c_void,
             call.out,
-            &algo,
+            algo,
             dev.workspace as *mut c_void,
             WORKSPACE_BYTES,
             dev.stream as sys::cudaStream_t,
@@ -672,34 +707,32 @@ fn execute(
                 // waiting for `seq`, and CubeCL's next hand-over must not overtake it.
                 let flags = dev.flags.as_ref().expect("created above");
                 // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream waits for it.
-                let written = if order == Order::Memset {
-                    dsys::cuMemsetD32Async(flags.ptr + 4, seq, 1, dev.stream)
-                        .result()
-                        .map_err(|e| format!("cuMemsetD32Async (flag): {e:?}"))
-                } else {
-                    let (mut flag_arg, mut seq_arg) = (flags.ptr + 4, seq);
-                    let mut params = [
-                        &mut flag_arg as *mut u64 as *mut c_void,
-                        &mut seq_arg as *mut u32 as *mut c_void,
-                    ];
+                let (mut flag_arg, mut seq_arg) = (flags.ptr + 4, seq);
+                let mut params = [
+                    &mut flag_arg as *mut u64 as *mut c_void,
+                    &mut seq_arg as *mut u32 as *mut c_void,
+                ];
+                let written =
                     drv::launch_kernel(flags.post, (1, 1, 1), (1, 1, 1), 0, dev.stream, &mut params)
-                        .map_err(|e| format!("launching the GEMM-stream flag kernel: {e:?}"))
-                };
+                        .map_err(|e| format!("launching the GEMM-stream flag kernel: {e:?}"));
                 if let Err(e) = written {
                     // Without the flag CubeCL cannot wait on the GPU: wait for both streams here.
                     let _ = drv::stream::synchronize(dev.stream);
                     return Err(Refused::Unsupported(e));
                 }
                 flags.launch(gemm_wait::launch_unchecked::<CudaRuntime>, seq);
-                if order == Order::PostSync {
-                    drv::stream::synchronize(dev.stream)
-                        .map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?;
+                if hold_tensors() {
+                    let mut tensors = vec![a.clone(), b.clone(), out.clone()];
+                    if let Some((sa, sb)) = scales {
+                        tensors.extend([sa.clone(), sb.clone()]);
+                    }
+                    dev.hold(tensors);
                 }
             }
         }
         done?;
+        drop((ra, rb, rc, rs));
     }
-    drop((ra, rb, rc, rs));
     Ok(())
 }
 
@@ -723,9 +756,9 @@ struct Call {
 
 impl Call {
     /// # Safety
-    /// Plain descriptor creation; the caller destroys `Call` before the handle. `scales` are the
-    /// device addresses of cuBLASLt's A and B scales when `p.scale_modes` is set.
-    unsafe fn new(p: &Problem, scales: Option<(u64, u64)>) -> Result<Self, lt::CublasError> {
+    /// Plain descriptor creation; the caller destroys `Call` before the handle. With
+    /// `p.scale_modes`, the scale pointers are set per call ([`Call::set_scales`]).
+    unsafe fn new(p: &Problem) -> Result<Self, lt::CublasError> {
         use sys::cublasLtMatmulDescAttributes_t::*;
         let desc = lt::create_matmul_desc(p.compute, sys::cudaDataType::CUDA_R_32F)?;
         let mut call = Self {
@@ -772,19 +805,6 @@ impl Call {
                 &fast as *const i8 as *const c_void,
                 1,
             )?;
-            if let Some((sa, sb)) = scales {
-                let (sa, sb) = (sa as *const c_void, sb as *const c_void);
-                set(
-                    CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                    &sa as *const *const c_void as *const c_void,
-                    std::mem::size_of::<*const c_void>(),
-                )?;
-                set(
-                    CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                    &sb as *const *const c_void as *const c_void,
-                    std::mem::size_of::<*const c_void>(),
-                )?;
-            }
         }
         let [ta, tb, td] = p.types;
         // A row-major [rows, cols] matrix with leading dimension ld is column-major [cols, rows].
@@ -793,6 +813,26 @@ impl Call {
             lt::create_matrix_layout(tb, p.a.cols as u64, p.a.rows as u64, p.a.ld as i64)?;
         call.out = lt::create_matrix_layout(td, p.n as u64, p.m as u64, p.n as i64)?;
         Ok(call)
+    }
+
+    /// Sets the device addresses of cuBLASLt's A and B scales (FP8) for the next call.
+    ///
+    /// # Safety
+    /// The addresses must stay valid until the call queued with them has run.
+    unsafe fn set_scales(&self, sa: u64, sb: u64) -> Result<(), lt::CublasError> {
+        use sys::cublasLtMatmulDescAttributes_t::*;
+        for (attr, ptr) in [
+            (CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, sa as *const c_void),
+            (CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, sb as *const c_void),
+        ] {
+            lt::set_matmul_desc_attribute(
+                self.desc,
+                attr,
+                &ptr as *const *const c_void as *const c_void,
+                std::mem::size_of::<*const c_void>(),
+            )?;
+        }
+        Ok(())
     }
 
     /// cuBLASLt's first choice for this problem within the workspace and alignments.
@@ -855,8 +895,27 @@ impl Drop for Call {
     }
 }
 
+thread_local! {
+    /// GEMMs this thread sent to cuBLASLt that ran on another path instead.
+    static FALLBACKS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// GEMMs that were sent to cuBLASLt on this thread and ran on another path (a refused problem,
+/// a failed launch): the one-line warnings, counted. Tests read it to tell the fast path from a
+/// fallback that computes the same numbers.
+pub(crate) fn fallbacks_on_this_thread() -> usize {
+    FALLBACKS.with(|c| c.get())
+}
+
+/// A GEMM sent to cuBLASLt runs on another path: counted, and `msg` printed once per distinct
+/// message.
+pub(crate) fn fell_back(msg: String) {
+    FALLBACKS.with(|c| c.set(c.get() + 1));
+    warn_once(msg);
+}
+
 /// Prints `msg` once per distinct message.
-pub(crate) fn warn_once(msg: String) {
+fn warn_once(msg: String) {
     static SEEN: Mutex<Option<HashSet<String>>> = Mutex::new(None);
     let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
     if seen.get_or_insert_with(HashSet::new).insert(msg.clone()) {

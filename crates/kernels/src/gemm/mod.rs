@@ -56,8 +56,8 @@ pub enum Gemm {
 pub enum GemmPath {
     /// Burn's matmul.
     Burn,
-    /// cuBLASLt, ordered with CubeCL's stream by host synchronisation, chosen with
-    /// `BURNMIX_GEMM_ORDER=host`.
+    /// cuBLASLt, ordered with CubeCL's stream by host synchronisation
+    /// (`BURNMIX_GEMM_ORDER=host`).
     CublasLtHostSync,
     /// cuBLASLt, ordered with CubeCL's stream on the GPU (flags and one-thread spinning kernels);
     /// the default.
@@ -185,6 +185,13 @@ pub fn cublaslt_status() -> Result<usize, String> {
     cublaslt::library()
 }
 
+/// How many GEMMs (BF16/FP16/F32 and FP8) were sent to cuBLASLt on the calling thread and ran on
+/// another path instead, each with its one-line warning: 0 means every cuBLASLt GEMM this thread
+/// asked for ran on cuBLASLt. Burn's backward pass runs on the thread that calls `backward`.
+pub fn cublaslt_fallbacks_on_this_thread() -> usize {
+    cublaslt::fallbacks_on_this_thread()
+}
+
 /// Diagnostic of the GPU hand-over (see `cublaslt::diagnose_wait`): how long a read behind
 /// CubeCL's waiting kernel took when the flag was written after `delay`.
 #[doc(hidden)]
@@ -236,7 +243,7 @@ where
                 }
                 match cublaslt::gemm(ca.clone(), cb.clone(), trans_a, trans_b) {
                     Ok(out) => return cublaslt::from_cuda(out),
-                    Err(cublaslt::Refused::Unsupported(why)) => cublaslt::warn_once(format!(
+                    Err(cublaslt::Refused::Unsupported(why)) => cublaslt::fell_back(format!(
                         "kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"
                     )),
                     Err(cublaslt::Refused::NotApplicable) => {}
@@ -269,8 +276,7 @@ pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> Gemm
     match cublaslt::library() {
         Ok(_) => match cublaslt::order() {
             cublaslt::Order::HostSync => GemmPath::CublasLtHostSync,
-            // The diagnostic orders all order on the GPU on at least one side.
-            _ => GemmPath::CublasLtStreamOrdered,
+            cublaslt::Order::Stream => GemmPath::CublasLtStreamOrdered,
         },
         Err(why) if engine == Gemm::CublasLt => fail("gemm", format!("Gemm::CublasLt: {why}")),
         Err(_) => GemmPath::Burn,
