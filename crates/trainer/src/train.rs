@@ -367,6 +367,12 @@ pub fn train<B: crate::TrainBackend>(
     let accum = cfg.training.grad_accum;
     let end = opts.stop_at.map_or(steps, |s| s.min(steps));
     for step in start_step..end {
+        if step == start_step && !opts.device_name.starts_with("CPU") {
+            console.line(&format!(
+                "step {}: compiling the GPU kernels at this model's shapes (once per shape)...",
+                step + 1
+            ));
+        }
         let t0 = Instant::now();
         let lr = lr_at(cfg, step as usize);
         // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats them.
