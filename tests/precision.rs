@@ -246,8 +246,10 @@ fn scaler_state_round_trips_through_checkpoints() {
             (x.step, x.loss_scale, x.skipped, x.overflows),
             (y.step, y.loss_scale, y.skipped, y.overflows)
         );
+        // As in training.rs: equal up to f32 rounding (a reduction may add in another order
+        // from one run to the next), relative to the loss.
         assert!(
-            (x.loss - y.loss).abs() < 1e-5,
+            (x.loss - y.loss).abs() <= 1e-5 * x.loss.abs().max(1.0),
             "step {}: {} vs {}",
             x.step,
             x.loss,

@@ -447,15 +447,28 @@ pub fn train<B: crate::TrainBackend>(
         let loss_mean = loss_sum
             .expect("at least one micro-batch")
             .div_scalar(accum as f64);
-        let stats = Tensor::cat(vec![loss_mean, scaled_norm.clone()], 0)
+        let stats = Tensor::cat(vec![loss_mean, scaled_norm.clone()], 0);
+        // Without loss scaling a non-finite step ends the run and nothing of it is kept (the last
+        // checkpoint stays as it was), so the update is queued before the read-back: the GPU runs
+        // it while the host waits, instead of idling while the host queues it afterwards. With
+        // loss scaling the verdict decides whether the update runs at all.
+        let mut update = Some((grads, scaled_norm));
+        if scaler.setting.is_off() {
+            let (grads, norm) = update.take().expect("not taken yet");
+            model = opt.step::<B, _>(lr, model, grads, norm, scale);
+        }
+        let stats: Vec<f64> = stats
             .into_data()
-            .convert::<f64>();
-        let stats: Vec<f64> = stats.into_vec().expect("f64 stats");
+            .convert::<f64>()
+            .into_vec()
+            .expect("f64 stats");
         let (loss, grad_norm) = (stats[0], stats[1] / scale);
         let finite = loss.is_finite() && grad_norm.is_finite();
         let skipped = match scaler.update(finite, step + 1) {
             Verdict::Apply => {
-                model = opt.step::<B, _>(lr, model, grads, scaled_norm, scale);
+                if let Some((grads, norm)) = update {
+                    model = opt.step::<B, _>(lr, model, grads, norm, scale);
+                }
                 false
             }
             Verdict::Skip => true,

@@ -70,7 +70,11 @@ impl Order {
             Ok(other) => {
                 eprintln!(
                     "warning: {env}={other} is not one of stream, host; using {}",
-                    if default == Order::Stream { "stream" } else { "host" }
+                    if default == Order::Stream {
+                        "stream"
+                    } else {
+                        "host"
+                    }
                 );
                 default
             }
@@ -712,9 +716,15 @@ fn execute(
                     &mut flag_arg as *mut u64 as *mut c_void,
                     &mut seq_arg as *mut u32 as *mut c_void,
                 ];
-                let written =
-                    drv::launch_kernel(flags.post, (1, 1, 1), (1, 1, 1), 0, dev.stream, &mut params)
-                        .map_err(|e| format!("launching the GEMM-stream flag kernel: {e:?}"));
+                let written = drv::launch_kernel(
+                    flags.post,
+                    (1, 1, 1),
+                    (1, 1, 1),
+                    0,
+                    dev.stream,
+                    &mut params,
+                )
+                .map_err(|e| format!("launching the GEMM-stream flag kernel: {e:?}"));
                 if let Err(e) = written {
                     // Without the flag CubeCL cannot wait on the GPU: wait for both streams here.
                     let _ = drv::stream::synchronize(dev.stream);
