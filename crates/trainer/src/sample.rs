@@ -258,6 +258,11 @@ fn generate<B: crate::TrainBackend>(
     }
     writeln!(out)?;
     let secs = start.elapsed().as_secs_f64();
+    // Free the device memory and wait for the device's queue to drain before returning: on CUDA,
+    // frees still queued when the process exits reach a driver that is shutting down, and
+    // CubeCL's device thread panics on them.
+    drop((logits, cache, model, opt));
+    B::sync(&device).map_err(|e| anyhow!("finishing on the device: {e:?}"))?;
     let text = crate::tokenizer::decode(&tok, &generated)?;
     Ok(Sampled {
         text,
