@@ -24,6 +24,18 @@ use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Cuda, NdArray, Wgpu};
 
 pub use config::Config;
+
+/// Waits for the device's queue when dropped. Declared before a function's tensors it drops after
+/// them, so their frees reach the device before the function returns, on every path: on CUDA,
+/// frees still queued when the process exits meet a driver that is shutting down, and CubeCL's
+/// device thread panics on them.
+pub(crate) struct DrainOnDrop<B: burn::tensor::backend::Backend>(pub B::Device);
+
+impl<B: burn::tensor::backend::Backend> Drop for DrainOnDrop<B> {
+    fn drop(&mut self) {
+        let _ = B::sync(&self.0);
+    }
+}
 pub use train::{RunOptions, Summary};
 
 /// Training backend on NVIDIA GPUs: f32 by default, kernels compiled at run time by NVRTC.

@@ -198,6 +198,7 @@ fn generate<B: crate::TrainBackend>(
     device: B::Device,
     out: &mut dyn Write,
 ) -> Result<Sampled> {
+    let _drain = crate::DrainOnDrop::<B>(device.clone());
     let (header, values) =
         checkpoint::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let vocab = header.vocab_size;
@@ -258,11 +259,6 @@ fn generate<B: crate::TrainBackend>(
     }
     writeln!(out)?;
     let secs = start.elapsed().as_secs_f64();
-    // Free the device memory and wait for the device's queue to drain before returning: on CUDA,
-    // frees still queued when the process exits reach a driver that is shutting down, and
-    // CubeCL's device thread panics on them.
-    drop((logits, cache, model, opt));
-    B::sync(&device).map_err(|e| anyhow!("finishing on the device: {e:?}"))?;
     let text = crate::tokenizer::decode(&tok, &generated)?;
     Ok(Sampled {
         text,

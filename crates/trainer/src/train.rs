@@ -186,6 +186,7 @@ pub fn train<B: crate::TrainBackend>(
     device: B::Device,
     opts: &RunOptions,
 ) -> Result<Summary> {
+    let _drain = crate::DrainOnDrop::<B>(device.clone());
     let run_dir = &opts.run_dir;
     let existing = checkpoint::list(run_dir)?;
     if !opts.resume && !existing.is_empty() {

@@ -479,12 +479,18 @@ impl Device {
             Some(e) => Ok(e),
             None => drv::event::create(dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
         };
-        let recorded = event.and_then(|e| drv::event::record(e, self.stream).map(|()| e));
-        match recorded {
-            Ok(event) => self.in_flight.push_back(InFlight {
-                event,
-                _tensors: tensors,
-            }),
+        match event {
+            Ok(event) => match drv::event::record(event, self.stream) {
+                Ok(()) => self.in_flight.push_back(InFlight {
+                    event,
+                    _tensors: tensors,
+                }),
+                Err(_) => {
+                    // Kept for reuse; recording it again replaces this failed record.
+                    self.spare_events.push(event);
+                    let _ = drv::stream::synchronize(self.stream);
+                }
+            },
             Err(_) => {
                 let _ = drv::stream::synchronize(self.stream);
             }
