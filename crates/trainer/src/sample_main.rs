@@ -56,7 +56,19 @@ fn main() -> ExitCode {
             seed: cli.seed,
             checkpoint: cli.checkpoint,
         };
-        let s = sample(&opts, &mut std::io::stdout())?;
+        let s = match sample(&opts, &mut std::io::stdout()) {
+            Ok(s) => s,
+            // The reader went away (`sample ... | head`): stop quietly, as other Unix tools do.
+            Err(e)
+                if e.chain().any(|c| {
+                    c.downcast_ref::<std::io::Error>()
+                        .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+                }) =>
+            {
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
         eprintln!(
             "{} tokens in {:.2} s ({:.1} tokens/s) from {} (step {})",
             s.new_tokens,
