@@ -447,3 +447,67 @@ fn f16_gelu_gradient_stays_finite_at_large_inputs() {
         );
     }
 }
+
+#[test]
+fn fp16_numerics_measure_every_projections_scaled_gradients() {
+    let _guard = common::serial();
+    // One step at two static loss scales: the backward's values scale exactly with the loss
+    // (powers of two, far from f16's limits), so the recorded amax of every output and weight
+    // gradient does too. Reference and fused kernels both tap every projection.
+    let run = |kernels: model::KernelsKind, scale: f64| {
+        let dir = scratch(&format!("fp16_numerics_{kernels:?}_{scale}"));
+        let mut cfg = fp16_config(3);
+        cfg.model.kernels = kernels;
+        cfg.loss_scale.mode = LossScaleMode::Static;
+        cfg.loss_scale.init = scale;
+        cfg.training.numerics_interval = 2;
+        trainer::run(&cfg, &Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
+        read_metrics(&dir)
+    };
+    for kernels in [model::KernelsKind::Reference, model::KernelsKind::Fused] {
+        let low = run(kernels, 256.0);
+        // Step 1 and every second step.
+        let with: Vec<u64> = low
+            .iter()
+            .filter(|r| r.numerics.is_some())
+            .map(|r| r.step)
+            .collect();
+        assert_eq!(with, [1, 2], "{kernels:?}");
+        let h = low[0].numerics.as_ref().unwrap();
+        let mut names: Vec<&str> = h.iter().map(|l| l.layer.as_str()).collect();
+        names.sort();
+        let mut expected = Vec::new();
+        for i in 0..2 {
+            for p in ["attn.proj", "attn.qkv", "mlp.fc", "mlp.proj"] {
+                for what in ["grad_output", "weight_grad"] {
+                    expected.push(format!("blocks.{i}.{p}.{what}"));
+                }
+            }
+        }
+        expected.sort();
+        assert_eq!(names, expected, "{kernels:?}");
+        for l in h {
+            assert!(l.amax.is_finite() && l.amax > 0.0, "{l:?}");
+            assert!((0.0..=1.0).contains(&l.underflow), "{l:?}");
+            assert_eq!(l.saturated, 0.0, "{l:?}");
+        }
+        let high = run(kernels, 4096.0);
+        for (a, b) in h.iter().zip(high[0].numerics.as_ref().unwrap()) {
+            assert_eq!(a.layer, b.layer);
+            let ratio = b.amax / a.amax;
+            assert!(
+                (ratio - 16.0).abs() < 16.0 * 1e-3,
+                "{kernels:?} {}: amax {} at scale 256, {} at 4096",
+                a.layer,
+                a.amax,
+                b.amax
+            );
+        }
+    }
+    // fp32 records none.
+    let dir = scratch("fp32_no_numerics");
+    let mut cfg = tiny_config(2);
+    cfg.training.numerics_interval = 1;
+    trainer::run(&cfg, &Selected::Wgpu, &opts(dir.clone(), false)).unwrap();
+    assert!(read_metrics(&dir).iter().all(|r| r.numerics.is_none()));
+}

@@ -413,6 +413,12 @@ pub trait Backend: BurnBackend {
         false
     }
 
+    /// Bytes the device's memory pools hold now (allocated by the backend, in use or cached for
+    /// reuse, as PyTorch's `memory_reserved`), or `None` where the backend does not say.
+    fn memory_reserved(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
     /// The FP8 tensor-core GEMM `[m, k] x [n, k]^T`, or `None` where it does not apply.
     #[allow(clippy::too_many_arguments)]
     fn fp8_gemm_mma(
@@ -755,6 +761,12 @@ where
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         fp8::forward::mma_supported(payload)
     }
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        R::client(device)
+            .memory_usage()
+            .ok()
+            .map(|u| u.bytes_reserved)
+    }
     fn fp8_gemm_mma(
         a: IntTensor<Self>,
         sa: FloatTensor<Self>,
@@ -897,6 +909,9 @@ impl<B: KernelOps, C: CheckpointStrategy> Backend for Autodiff<B, C> {
     }
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         B::fp8_mma_supported(payload)
+    }
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        B::memory_reserved(device)
     }
     fn fp8_cublaslt_supported(payload: &IntTensor<Self>) -> bool {
         B::fp8_cublaslt_supported(payload)

@@ -383,6 +383,17 @@ impl<B: Backend> Gpt<B> {
         self
     }
 
+    /// The same model with each projection adding a gradient tap to its output in `sink` (as
+    /// `blocks.N.attn.qkv`, ...; see [`crate::layers::GradTaps`]), or none with `None`.
+    pub fn with_grad_taps(mut self, sink: Option<crate::layers::GradTaps>) -> Self {
+        for (name, lin) in self.projections_mut() {
+            lin.grad_tap = sink
+                .clone()
+                .map(|sink| crate::layers::GradTap { name, sink });
+        }
+        self
+    }
+
     /// The attention and MLP projections of every block with their module paths
     /// (`blocks.N.attn.qkv`, `blocks.N.attn.proj`, `blocks.N.mlp.fc`, `blocks.N.mlp.proj`): the
     /// layers the compute copy casts and the FP8 recipe runs in FP8.

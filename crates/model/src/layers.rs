@@ -8,6 +8,33 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Distribution, FloatDType, Int, Tensor, TensorPrimitive};
 
+/// Where projections leave their gradient taps: `(name, tap)`, one per forward of a tapped layer.
+/// A tap is a zero leaf `Tensor<B, 2>` of shape `[rows, d_out]` (requiring its gradient) added to
+/// the layer's output, so that under `Autodiff` its gradient after the backward is the layer's
+/// output gradient as the backward held it, without any change to the computation. Stored type-
+/// erased (a module's skipped fields cannot name its backend); [`take_taps`] gives them back.
+pub type GradTaps = std::sync::Arc<std::sync::Mutex<Vec<(String, Box<dyn std::any::Any + Send>)>>>;
+
+/// A new, empty [`GradTaps`] sink.
+pub fn grad_taps() -> GradTaps {
+    std::sync::Arc::new(std::sync::Mutex::new(Vec::new()))
+}
+
+/// Empties `sink`, returning its taps of backend `B` in the order the forward made them.
+pub fn take_taps<B: Backend>(sink: &GradTaps) -> Vec<(String, Tensor<B, 2>)> {
+    let taps = std::mem::take(&mut *sink.lock().unwrap_or_else(|e| e.into_inner()));
+    taps.into_iter()
+        .filter_map(|(name, t)| t.downcast::<Tensor<B, 2>>().ok().map(|t| (name, *t)))
+        .collect()
+}
+
+/// A layer's handle on a [`GradTaps`] sink.
+#[derive(Clone, Debug)]
+pub struct GradTap {
+    pub name: String,
+    pub sink: GradTaps,
+}
+
 /// `y = x W + b` with `W` stored as [d_in, d_out].
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
@@ -23,6 +50,9 @@ pub struct Linear<B: Backend> {
     /// recorded there (see `kernels::fp8_linear_probed`).
     #[module(skip)]
     pub fp8_probe: Option<kernels::Fp8Probe>,
+    /// When set, [`Linear::forward_mixed`] adds a gradient tap to its output (see [`GradTaps`]).
+    #[module(skip)]
+    pub grad_tap: Option<GradTap>,
 }
 
 impl<B: Backend> Linear<B> {
@@ -35,6 +65,7 @@ impl<B: Backend> Linear<B> {
             bias,
             fp8: None,
             fp8_probe: None,
+            grad_tap: None,
         }
     }
 
@@ -74,7 +105,23 @@ impl<B: Backend> Linear<B> {
             bias: self.bias.as_ref().map(|b| copy(b, dtype, cached)),
             fp8: self.fp8,
             fp8_probe: self.fp8_probe.clone(),
+            grad_tap: self.grad_tap.clone(),
         }
+    }
+
+    /// `y + tap` with a new tap in [`Linear::grad_tap`]'s sink, or `y` when the layer has none.
+    fn tapped<const D: usize>(&self, y: Tensor<B, D>) -> Tensor<B, D> {
+        let Some(tap) = &self.grad_tap else {
+            return y;
+        };
+        let dims = y.dims();
+        let cols = dims[D - 1];
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let zero = Tensor::<B, 2>::zeros([rows, cols], (&y.device(), y.dtype())).require_grad();
+        if let Ok(mut sink) = tap.sink.lock() {
+            sink.push((tap.name.clone(), Box::new(zero.clone())));
+        }
+        y + zero.reshape(dims)
     }
 
     /// Ids of the parameters [`Linear::compute_copy`] casts.
@@ -87,8 +134,18 @@ impl<B: Backend> Linear<B> {
 
 impl<B: kernels::Backend> Linear<B> {
     /// [`Linear::forward`] with its GEMMs on `gemm` (`Burn` is exactly [`Linear::forward`]), or in
-    /// FP8 when [`Linear::fp8`] is set. The bias is added in the weight's dtype.
+    /// FP8 when [`Linear::fp8`] is set. The bias is added in the weight's dtype. A layer with a
+    /// [`Linear::grad_tap`] adds its tap to the output.
     pub fn forward_mixed<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        gemm: kernels::Gemm,
+    ) -> Tensor<B, D> {
+        let y = self.forward_untapped(x, gemm);
+        self.tapped(y)
+    }
+
+    fn forward_untapped<const D: usize>(
         &self,
         x: Tensor<B, D>,
         gemm: kernels::Gemm,

@@ -348,6 +348,9 @@ pub struct EntryReport {
     pub skipped_steps: u64,
     pub loss_scale_min: Option<f64>,
     pub loss_scale_max: Option<f64>,
+    /// Largest memory the device's pools held at the end of a step (bytes; see
+    /// `StepRecord::memory_reserved`), when the backend reports it.
+    pub peak_memory_reserved: Option<u64>,
     pub stability: Stability,
     pub error: Option<String>,
     #[serde(skip)]
@@ -394,6 +397,7 @@ pub fn entry_report(dir: &Path, entry: &Entry) -> Result<EntryReport> {
         skipped_steps: records.iter().map(|r| r.overflows).max().unwrap_or(0),
         loss_scale_min: scaled.then(|| scales.iter().copied().fold(f64::INFINITY, f64::min)),
         loss_scale_max: scaled.then(|| scales.iter().copied().fold(0.0, f64::max)),
+        peak_memory_reserved: records.iter().filter_map(|r| r.memory_reserved).max(),
         stability: stability(
             &records,
             entry.config.schedule.warmup_steps as u64,
@@ -539,15 +543,22 @@ pub fn write_report(
         )?;
         plots.push("lr_sensitivity.svg".to_string());
     }
-    // Per-layer numerics of the FP8 entries: the health records every `fp8.health_interval` steps.
+    // Per-layer numerics of the low-precision entries: FP8's health records every
+    // `fp8.health_interval` steps, fp16's and bf16's every `training.numerics_interval` steps.
     for e in &entries {
         if let Some(h) = numerics_grid(&e.records) {
             let file = format!("numerics-{}.svg", e.name);
-            heatmaps(
-                &dir.join(&file),
-                &format!("{}: FP8 numerics per tensor", e.name),
-                &h,
-            )?;
+            let what = if e.records.iter().any(|r| r.fp8.is_some()) {
+                "FP8 numerics per tensor (underflow: nonzero values quantized to zero; saturated: clipped)".to_string()
+            } else {
+                let format = e
+                    .records
+                    .iter()
+                    .find(|r| r.numerics.is_some())
+                    .map_or("", |r| r.precision.as_str());
+                format!("{format} gradient numerics per tensor (underflow: nonzero values below the smallest normal, loss scale applied; saturated: not finite)")
+            };
+            heatmaps(&dir.join(&file), &format!("{}: {what}", e.name), &h)?;
             plots.push(file);
         }
     }
@@ -580,7 +591,7 @@ fn markdown(r: &Report) -> String {
     }
     let _ = writeln!(
         s,
-        "\n| entry | steps | best val (step) | vs fp32 | final val | tokens/s | vs fp32 | skipped | loss scale | verdict | first bad step |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "\n| entry | steps | best val (step) | vs fp32 | final val | tokens/s | vs fp32 | peak memory | skipped | loss scale | verdict | first bad step |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for e in &r.entries {
         let scale = match (e.loss_scale_min, e.loss_scale_max) {
@@ -594,7 +605,7 @@ fn markdown(r: &Report) -> String {
         };
         let _ = writeln!(
             s,
-            "| {} | {}/{} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {}/{} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             e.name,
             e.steps_done,
             e.steps,
@@ -606,6 +617,10 @@ fn markdown(r: &Report) -> String {
             f(e.tokens_per_s, 0),
             e.tokens_per_s_vs_fp32
                 .map_or("-".into(), |x| format!("{x:.2}x")),
+            e.peak_memory_reserved.map_or("-".into(), |b| format!(
+                "{:.2} GiB",
+                b as f64 / (1u64 << 30) as f64
+            )),
             e.skipped_steps,
             scale,
             verdict,
@@ -621,8 +636,9 @@ fn markdown(r: &Report) -> String {
     s
 }
 
-/// FP8 health over training: one row per tracked tensor (a projection's weight, input or output
-/// gradient), one column per step with a record.
+/// Per-layer numerics over training (FP8 health, or fp16/bf16 gradient numerics): one row per
+/// tracked tensor (a projection's weight, input, output gradient or weight gradient), one column
+/// per step with a record.
 #[derive(Debug, PartialEq)]
 pub struct NumericsGrid {
     pub rows: Vec<String>,
@@ -633,28 +649,35 @@ pub struct NumericsGrid {
     pub saturated: Vec<Vec<f64>>,
 }
 
-/// The FP8 health records of a run as a grid, or `None` when it has none.
+/// The per-layer numerics records of a run (`fp8`, or else `numerics`) as a grid, or `None` when
+/// it has none.
 pub fn numerics_grid(records: &[StepRecord]) -> Option<NumericsGrid> {
-    let with: Vec<&StepRecord> = records
+    let of = |r: &StepRecord| -> Option<Vec<crate::metrics::LayerHealth>> {
+        r.fp8
+            .clone()
+            .or_else(|| r.numerics.clone())
+            .filter(|v| !v.is_empty())
+    };
+    let with: Vec<(u64, Vec<crate::metrics::LayerHealth>)> = records
         .iter()
-        .filter(|r| r.fp8.as_ref().is_some_and(|v| !v.is_empty()))
+        .filter_map(|r| of(r).map(|h| (r.step, h)))
         .collect();
     if with.is_empty() {
         return None;
     }
     let mut rows: Vec<String> = Vec::new();
-    for r in &with {
-        for h in r.fp8.as_ref().into_iter().flatten() {
+    for (_, hs) in &with {
+        for h in hs {
             if !rows.contains(&h.layer) {
                 rows.push(h.layer.clone());
             }
         }
     }
-    let steps: Vec<u64> = with.iter().map(|r| r.step).collect();
+    let steps: Vec<u64> = with.iter().map(|r| r.0).collect();
     let mut underflow = vec![vec![f64::NAN; steps.len()]; rows.len()];
     let mut saturated = vec![vec![f64::NAN; steps.len()]; rows.len()];
-    for (c, r) in with.iter().enumerate() {
-        for h in r.fp8.as_ref().into_iter().flatten() {
+    for (c, (_, hs)) in with.iter().enumerate() {
+        for h in hs {
             let i = rows.iter().position(|l| l == &h.layer).expect("row");
             underflow[i][c] = h.underflow;
             saturated[i][c] = h.saturated;
@@ -837,7 +860,7 @@ pub fn entry_dir(dir: &Path, entry: &Entry) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::Fp8LayerHealth;
+    use crate::metrics::LayerHealth;
 
     fn rec(step: u64, loss: f64, grad_norm: f64, val: Option<f64>) -> StepRecord {
         StepRecord {
@@ -854,6 +877,8 @@ mod tests {
             mfu: None,
             val_loss: val,
             fp8: None,
+            numerics: None,
+            memory_reserved: None,
         }
     }
 
@@ -944,7 +969,7 @@ mod tests {
     #[test]
     fn fp8_health_becomes_a_heatmap() {
         let mut rs = smooth(30);
-        let h = |layer: &str, u: f64| Fp8LayerHealth {
+        let h = |layer: &str, u: f64| LayerHealth {
             layer: layer.into(),
             amax: 1.0,
             underflow: u,
@@ -964,6 +989,12 @@ mod tests {
         assert_eq!(g.underflow[1], [0.2, 0.3]);
         assert!(g.underflow[0][1].is_nan(), "not recorded at step 20");
         assert!(numerics_grid(&smooth(5)).is_none());
+        // fp16/bf16 records make the same grid.
+        let mut rs = smooth(3);
+        rs[0].numerics = Some(vec![h("blocks.0.mlp.fc.weight_grad", 0.5)]);
+        let g16 = numerics_grid(&rs).expect("grid from numerics");
+        assert_eq!(g16.rows, ["blocks.0.mlp.fc.weight_grad"]);
+        assert_eq!(g16.underflow, [[0.5]]);
         let path = std::env::temp_dir().join(format!("burnmix-heatmap-{}.svg", std::process::id()));
         heatmaps(&path, "test", &g).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();

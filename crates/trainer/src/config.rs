@@ -159,6 +159,10 @@ pub struct TrainingConfig {
     pub keep_checkpoints: usize,
     /// Peak dense BF16 TFLOP/s of the device, for MFU; 0 looks the GPU up by name.
     pub peak_tflops: f64,
+    /// fp16 and bf16 recipes: on the first step and every this many steps, record in
+    /// `metrics.jsonl` how each projection's output gradient and weight gradient fit the compute
+    /// format (underflow and overflow shares, amax); 0 turns it off. FP8 has `fp8.health_interval`.
+    pub numerics_interval: u64,
 }
 
 impl Default for TrainingConfig {
@@ -173,6 +177,7 @@ impl Default for TrainingConfig {
             checkpoint_interval: 50,
             keep_checkpoints: 2,
             peak_tflops: 0.0,
+            numerics_interval: 100,
         }
     }
 }

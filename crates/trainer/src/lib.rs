@@ -9,6 +9,7 @@ pub mod data;
 pub mod device;
 pub mod fsutil;
 pub mod metrics;
+pub mod numerics;
 pub mod optim;
 pub mod precision;
 pub mod rng;

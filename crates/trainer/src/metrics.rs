@@ -44,18 +44,33 @@ pub struct StepRecord {
     /// weight (`blocks.N.mlp.fc.weight`), and its input and output gradient in the step's first
     /// micro-batch (`blocks.N.mlp.fc.input`, `blocks.N.mlp.fc.grad_output`).
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub fp8: Option<Vec<Fp8LayerHealth>>,
+    pub fp8: Option<Vec<LayerHealth>>,
+    /// fp16 and bf16 recipes, on the first step and every `training.numerics_interval` steps: per
+    /// projection, how its output gradient (`blocks.N.mlp.fc.grad_output`, first micro-batch) and
+    /// its weight gradient (`blocks.N.mlp.fc.weight_grad`) fit the compute format, as the backward
+    /// holds them (multiplied by the loss scale).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub numerics: Option<Vec<LayerHealth>>,
+    /// Bytes the device's memory pools held at the end of the step (CubeCL's reserved memory, as
+    /// PyTorch's `memory_reserved`); absent where the backend does not say.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub memory_reserved: Option<u64>,
 }
 
-/// How one projection's weight, input or output gradient fits FP8 (see `kernels::Fp8Health`).
+/// How one projection's weight, input or gradient fits its number format: FP8 as the GEMM
+/// quantizes it (`kernels::Fp8Health`), or fp16/bf16 as the backward holds it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Fp8LayerHealth {
+pub struct LayerHealth {
     pub layer: String,
-    /// Largest finite |w|.
+    /// Largest finite |x|.
     pub amax: f64,
-    /// Share of nonzero values that quantize to zero.
+    /// FP8: share of the nonzero values that quantize to zero. fp16/bf16: share of the nonzero
+    /// finite values below the format's smallest normal number (held as subnormals, with fewer
+    /// significant bits; values that were flushed to zero cannot be told from true zeros, such as
+    /// dropout's, and are not counted).
     pub underflow: f64,
-    /// Share of values clipped at the format's max.
+    /// FP8: share of values clipped at the format's max. fp16/bf16: share of values that are not
+    /// finite (overflowed to inf, or NaN).
     pub saturated: f64,
 }
 

@@ -70,6 +70,9 @@ pub struct Summary {
     pub skipped_steps: u64,
     /// Loss scale after the last step (1 without loss scaling).
     pub final_loss_scale: f64,
+    /// Largest memory the device's pools held at the end of a step of this session (bytes), where
+    /// the backend says.
+    pub peak_memory_reserved: Option<u64>,
 }
 
 /// Console output that does not tear the progress bar.
@@ -100,9 +103,10 @@ fn human(x: f64) -> String {
     }
 }
 
-/// One log line on an FP8 health step: the worst underflow and saturation shares and where.
-fn fp8_health_line(done: u64, steps: u64, h: &[crate::metrics::Fp8LayerHealth]) -> String {
-    let worst = |f: fn(&crate::metrics::Fp8LayerHealth) -> f64| match h
+/// One log line on an FP8 health or fp16/bf16 numerics step: the worst underflow and saturation
+/// (or overflow) shares and where.
+fn health_line(what: &str, done: u64, steps: u64, h: &[crate::metrics::LayerHealth]) -> String {
+    let worst = |f: fn(&crate::metrics::LayerHealth) -> f64| match h
         .iter()
         .max_by(|a, b| f(a).total_cmp(&f(b)))
     {
@@ -110,7 +114,7 @@ fn fp8_health_line(done: u64, steps: u64, h: &[crate::metrics::Fp8LayerHealth]) 
         _ => "0".to_string(),
     };
     format!(
-        "fp8   {done:>6}/{steps} | worst underflow {} | worst saturation {} | {} tensors (metrics.jsonl)",
+        "{what:<5} {done:>6}/{steps} | worst underflow {} | worst saturation {} | {} tensors (metrics.jsonl)",
         worst(|l| l.underflow),
         worst(|l| l.saturated),
         h.len()
@@ -123,14 +127,14 @@ fn fp8_weight_health<B: crate::TrainBackend>(
     model: &Gpt<B>,
     dtype: FloatDType,
     cfg: &kernels::Fp8LinearConfig,
-) -> Vec<crate::metrics::Fp8LayerHealth> {
+) -> Vec<crate::metrics::LayerHealth> {
     model
         .projections()
         .into_iter()
         .map(|(name, lin)| {
             let h =
                 kernels::fp8_health(lin.weight.val().inner().cast(dtype), cfg.weight_spec(true));
-            crate::metrics::Fp8LayerHealth {
+            crate::metrics::LayerHealth {
                 layer: format!("{name}.weight"),
                 amax: h.amax,
                 underflow: h.underflow,
@@ -365,6 +369,7 @@ pub fn train<B: crate::TrainBackend>(
     let mut last_loss = f64::NAN;
     let mut last_val = None;
     let mut completed = start_step;
+    let mut peak_memory: Option<u64> = None;
     let accum = cfg.training.grad_accum;
     let end = opts.stop_at.map_or(steps, |s| s.min(steps));
     for step in start_step..end {
@@ -394,12 +399,21 @@ pub fn train<B: crate::TrainBackend>(
             _ => false,
         };
         let probe = health_step.then(|| std::sync::Arc::new(std::sync::Mutex::new(Vec::new())));
+        // fp16 and bf16 numerics steps: the projections tap their output gradients, and the
+        // weight gradients are measured before they are cast to f32 (first micro-batch only).
+        let numerics_step = !matches!(recipe, Recipe::Fp8(_))
+            && compute_dtype != FloatDType::F32
+            && cfg.training.numerics_interval > 0
+            && ((step + 1) % cfg.training.numerics_interval == 0 || step == 0);
+        let taps = numerics_step.then(model::layers::grad_taps);
+        let mut numerics_stats: Vec<(String, Tensor<B::InnerBackend, 1>)> = Vec::new();
         let compute = model
             .compute_copy_with(compute_dtype, &|id| {
                 opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
             })
             .with_fp8(fp8_linear)
-            .with_fp8_probe(probe.clone());
+            .with_fp8_probe(probe.clone())
+            .with_grad_taps(taps.clone());
         let scale = scaler.scale();
         let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
         let mut micro_grads = |index: u64| {
@@ -423,7 +437,31 @@ pub fn train<B: crate::TrainBackend>(
             } else {
                 loss.mul_scalar(factor)
             };
-            let mut g = GradientsParams::from_grads(loss.backward(), &compute);
+            let raw = loss.backward();
+            if let Some(taps) = &taps {
+                let tapped = model::layers::take_taps::<B>(taps);
+                if numerics_stats.is_empty() {
+                    for (name, tap) in tapped {
+                        if let Some(g) = tap.grad(&raw) {
+                            let s = crate::numerics::stats(g, compute_dtype);
+                            numerics_stats.push((format!("{name}.grad_output"), s));
+                        }
+                    }
+                }
+            }
+            let mut g = GradientsParams::from_grads(raw, &compute);
+            if taps.is_some()
+                && !numerics_stats
+                    .iter()
+                    .any(|(n, _)| n.ends_with(".weight_grad"))
+            {
+                for (name, lin) in compute.projections() {
+                    if let Some(w) = g.get::<B::InnerBackend, 2>(lin.weight.id) {
+                        let s = crate::numerics::stats(w, compute_dtype);
+                        numerics_stats.push((format!("{name}.weight_grad"), s));
+                    }
+                }
+            }
             grads_to_f32::<B, _>(&model, &mut g);
             g
         };
@@ -437,6 +475,9 @@ pub fn train<B: crate::TrainBackend>(
             acc.grads()
         };
         drop(compute);
+        let numerics = taps
+            .is_some()
+            .then(|| crate::numerics::read(numerics_stats));
         if opts.poison_steps.contains(&(step + 1)) {
             poison_grads::<B, _>(&model, &mut grads);
         }
@@ -488,6 +529,8 @@ pub fn train<B: crate::TrainBackend>(
             Verdict::Stop(why) => bail!("{why}; no checkpoint was written for step {}", step + 1),
         };
         let dt = t0.elapsed().as_secs_f64();
+        let memory_reserved = B::memory_reserved(&device);
+        peak_memory = peak_memory.max(memory_reserved);
         if step == start_step {
             first_step_s = dt;
         }
@@ -521,7 +564,7 @@ pub fn train<B: crate::TrainBackend>(
                 let mut seen = HashSet::new();
                 for (layer, h) in recorded {
                     if seen.insert(layer.clone()) {
-                        all.push(crate::metrics::Fp8LayerHealth {
+                        all.push(crate::metrics::LayerHealth {
                             layer,
                             amax: h.amax,
                             underflow: h.underflow,
@@ -551,6 +594,8 @@ pub fn train<B: crate::TrainBackend>(
             mfu,
             val_loss,
             fp8: fp8_health.clone(),
+            numerics: numerics.clone(),
+            memory_reserved,
         })?;
 
         if done % cfg.training.log_interval as u64 == 0 || is_last || done == start_step + 1 {
@@ -567,7 +612,10 @@ pub fn train<B: crate::TrainBackend>(
             ));
         }
         if let Some(h) = &fp8_health {
-            console.line(&fp8_health_line(done, steps, h));
+            console.line(&health_line("fp8  ", done, steps, h));
+        }
+        if let Some(h) = &numerics {
+            console.line(&health_line(recipe.name(), done, steps, h));
         }
         if let Some(v) = val_loss {
             console.line(&format!(
@@ -623,6 +671,7 @@ pub fn train<B: crate::TrainBackend>(
         precision: recipe.clone(),
         skipped_steps: scaler.state.overflows,
         final_loss_scale: scaler.scale(),
+        peak_memory_reserved: peak_memory,
     };
     write_atomic(
         &run_dir.join("summary.json"),

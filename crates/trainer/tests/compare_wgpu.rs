@@ -1,6 +1,7 @@
 //! `compare` with fp32 and fp16 on wgpu (lavapipe in CI): the CPU bar of the compare command. Both
 //! recipes train, the report has both with their best validation loss, tokens/s and verdict, the
-//! loss-scale plot appears (fp16 scales the loss), and the same command again trains nothing.
+//! loss-scale plot and fp16's per-layer numerics heatmap appear, and the same command again trains
+//! nothing.
 
 use std::process::Command;
 
@@ -72,6 +73,8 @@ fn compare_fp32_and_fp16_on_wgpu() {
         "val_loss.svg",
         "grad_norm.svg",
         "loss_scale.svg",
+        // fp16's per-layer gradient numerics (recorded on step 1).
+        "numerics-fp16.svg",
     ] {
         assert!(
             std::fs::read_to_string(dir.join("cmp").join(svg))
