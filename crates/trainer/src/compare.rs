@@ -441,19 +441,51 @@ pub fn write_report(
     recipes: &[RecipeSpec],
     mut entries: Vec<EntryReport>,
 ) -> Result<Report> {
+    relative_to_fp32(&mut entries);
+    let mut plots = curve_plots(dir, recipes, &entries)?;
+    plots.extend(lr_sensitivity_plot(dir, recipes, &entries)?);
+    plots.extend(numerics_plots(dir, &entries)?);
+    let report = Report {
+        config: origin.to_string(),
+        recipes: recipes.to_vec(),
+        entries,
+        plots,
+        verdicts: VERDICTS.to_string(),
+    };
+    write_atomic(
+        &dir.join("report.json"),
+        serde_json::to_string_pretty(&report)?.as_bytes(),
+    )?;
+    write_atomic(&dir.join("report.md"), markdown(&report).as_bytes())?;
+    Ok(report)
+}
+
+/// Each entry's best validation loss and tokens/s against the fp32 entry at the same learning rate
+/// and seed.
+fn relative_to_fp32(entries: &mut [EntryReport]) {
     let fp32: Vec<(f64, u64, Option<f64>, Option<f64>)> = entries
         .iter()
         .filter(|e| e.recipe == "fp32")
         .map(|e| (e.lr, e.seed, e.best_val_loss, e.tokens_per_s))
         .collect();
-    for e in &mut entries {
+    for e in entries.iter_mut() {
         if let Some(&(_, _, v, t)) = fp32.iter().find(|f| f.0 == e.lr && f.1 == e.seed) {
             e.best_val_vs_fp32 = e.best_val_loss.zip(v).map(|(a, b)| a - b);
             e.tokens_per_s_vs_fp32 = e.tokens_per_s.zip(t).map(|(a, b)| a / b);
         }
     }
+}
+
+/// Recipe colour: its position in the command's recipe list.
+fn recipe_colour(recipes: &[RecipeSpec], recipe: &str) -> RGBColor {
+    palette(recipes.iter().position(|r| r.name == recipe).unwrap_or(0))
+}
+
+/// The overlaid curves: training and validation loss, gradient norm and, when a recipe scales
+/// the loss, the loss scale. Returns the files written.
+fn curve_plots(dir: &Path, recipes: &[RecipeSpec], entries: &[EntryReport]) -> Result<Vec<String>> {
     let mut plots = Vec::new();
-    let colour = |recipe: &str| palette(recipes.iter().position(|r| r.name == recipe).unwrap_or(0));
+    let colour = |recipe: &str| recipe_colour(recipes, recipe);
     let series =
         |f: &dyn Fn(&StepRecord) -> Option<f64>| -> Vec<(String, RGBColor, Vec<(f64, f64)>)> {
             entries
@@ -510,42 +542,56 @@ pub fn write_report(
         )?;
         plots.push("loss_scale.svg".to_string());
     }
+    Ok(plots)
+}
+
+/// With several learning rates: best validation loss (mean over seeds) against log10(lr), one line
+/// per recipe (Wortsman et al. 2023). Returns the file written, if any.
+fn lr_sensitivity_plot(
+    dir: &Path,
+    recipes: &[RecipeSpec],
+    entries: &[EntryReport],
+) -> Result<Option<String>> {
     let mut lrs: Vec<f64> = entries.iter().map(|e| e.lr).collect();
     lrs.sort_by(|a, b| a.total_cmp(b));
     lrs.dedup();
-    if lrs.len() > 1 {
-        // Best validation loss (mean over seeds) against log10(lr), one line per recipe.
-        let lines: Vec<(String, RGBColor, Vec<(f64, f64)>)> = recipes
-            .iter()
-            .map(|r| {
-                let pts = lrs
-                    .iter()
-                    .filter_map(|&lr| {
-                        let v: Vec<f64> = entries
-                            .iter()
-                            .filter(|e| e.recipe == r.name && e.lr == lr)
-                            .filter_map(|e| e.best_val_loss)
-                            .collect();
-                        (!v.is_empty())
-                            .then(|| (lr.log10(), v.iter().sum::<f64>() / v.len() as f64))
-                    })
-                    .collect();
-                (r.name.clone(), colour(&r.name), pts)
-            })
-            .collect();
-        plot(
-            &dir.join("lr_sensitivity.svg"),
-            "learning-rate sensitivity",
-            "log10(learning rate)",
-            "best validation loss",
-            &lines,
-            true,
-        )?;
-        plots.push("lr_sensitivity.svg".to_string());
+    if lrs.len() < 2 {
+        return Ok(None);
     }
-    // Per-layer numerics of the low-precision entries: FP8's health records every
-    // `fp8.health_interval` steps, fp16's and bf16's every `training.numerics_interval` steps.
-    for e in &entries {
+    let lines: Vec<(String, RGBColor, Vec<(f64, f64)>)> = recipes
+        .iter()
+        .map(|r| {
+            let pts = lrs
+                .iter()
+                .filter_map(|&lr| {
+                    let v: Vec<f64> = entries
+                        .iter()
+                        .filter(|e| e.recipe == r.name && e.lr == lr)
+                        .filter_map(|e| e.best_val_loss)
+                        .collect();
+                    (!v.is_empty()).then(|| (lr.log10(), v.iter().sum::<f64>() / v.len() as f64))
+                })
+                .collect();
+            (r.name.clone(), recipe_colour(recipes, &r.name), pts)
+        })
+        .collect();
+    plot(
+        &dir.join("lr_sensitivity.svg"),
+        "learning-rate sensitivity",
+        "log10(learning rate)",
+        "best validation loss",
+        &lines,
+        true,
+    )?;
+    Ok(Some("lr_sensitivity.svg".to_string()))
+}
+
+/// Per-layer numerics of the low-precision entries, as heatmaps: FP8's health records (every
+/// `fp8.health_interval` steps), fp16's and bf16's numerics records (every
+/// `training.numerics_interval` steps). Returns the files written.
+fn numerics_plots(dir: &Path, entries: &[EntryReport]) -> Result<Vec<String>> {
+    let mut plots = Vec::new();
+    for e in entries {
         if let Some(h) = numerics_grid(&e.records) {
             let file = format!("numerics-{}.svg", e.name);
             let what = if e.records.iter().any(|r| r.fp8.is_some()) {
@@ -563,19 +609,7 @@ pub fn write_report(
         }
     }
 
-    let report = Report {
-        config: origin.to_string(),
-        recipes: recipes.to_vec(),
-        entries,
-        plots,
-        verdicts: VERDICTS.to_string(),
-    };
-    write_atomic(
-        &dir.join("report.json"),
-        serde_json::to_string_pretty(&report)?.as_bytes(),
-    )?;
-    write_atomic(&dir.join("report.md"), markdown(&report).as_bytes())?;
-    Ok(report)
+    Ok(plots)
 }
 
 fn markdown(r: &Report) -> String {

@@ -89,7 +89,53 @@ fn real_main() -> Result<()> {
         }
         return Ok(());
     }
-    let (dir, plan) = match &cli.report {
+    let (dir, plan) = load_plan(&cli)?;
+    let entries = plan.entries()?;
+    if let Some(lr) = plan.lrs.iter().find(|lr| !(lr.is_finite() && **lr > 0.0)) {
+        bail!("--lrs: {lr} is not a positive learning rate");
+    }
+
+    if cli.jobs == 0 {
+        bail!("--jobs must be at least 1");
+    }
+    if let Some(only) = &cli.only {
+        if !entries.iter().any(|e| &e.dir_name == only) {
+            bail!("--only {only}: no such entry");
+        }
+    }
+
+    if cli.report.is_none() {
+        save_plan(&cli, &dir, &plan)?;
+        train_entries(&cli, &dir, &entries)?;
+    }
+    if cli.only.is_some() {
+        return Ok(());
+    }
+    let reports = entries
+        .iter()
+        .map(|e| compare::entry_report(&compare::entry_dir(&dir, e), e))
+        .collect::<Result<Vec<_>>>()?;
+    let report = compare::write_report(&dir, &plan.origin, &plan.recipes, reports)?;
+    for e in &report.entries {
+        println!(
+            "{:<28} best val {:>8} | {:>9} tokens/s | {}",
+            e.name,
+            e.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
+            e.tokens_per_s.map_or("-".into(), |v| format!("{v:.0}")),
+            e.stability.verdict
+        );
+    }
+    println!(
+        "report: {0}/report.md, {0}/report.json, plots: {1}",
+        dir.display(),
+        report.plots.join(", ")
+    );
+    Ok(())
+}
+
+/// The comparison's plan: read back from `--report DIR`, or built from the arguments.
+fn load_plan(cli: &Cli) -> Result<(PathBuf, Plan)> {
+    Ok(match &cli.report {
         Some(dir) => {
             let path = dir.join(PLAN_FILE);
             let text = std::fs::read_to_string(&path).with_context(|| {
@@ -140,143 +186,125 @@ fn real_main() -> Result<()> {
             };
             (dir, plan)
         }
-    };
-    let entries = plan.entries()?;
-    if let Some(lr) = plan.lrs.iter().find(|lr| !(lr.is_finite() && **lr > 0.0)) {
-        bail!("--lrs: {lr} is not a positive learning rate");
-    }
+    })
+}
 
-    if cli.jobs == 0 {
-        bail!("--jobs must be at least 1");
-    }
-    if let Some(only) = &cli.only {
-        if !entries.iter().any(|e| &e.dir_name == only) {
-            bail!("--only {only}: no such entry");
-        }
-    }
-
-    if cli.report.is_none() {
-        let path = dir.join(PLAN_FILE);
-        // (An entry's own process, under --jobs, finds the plan its parent wrote.)
-        if let (None, Ok(text)) = (&cli.only, std::fs::read_to_string(&path)) {
-            let old: Plan = serde_json::from_str(&text)
-                .with_context(|| format!("{} is not a comparison plan", path.display()))?;
-            let same =
-                old.base_toml == plan.base_toml && old.sets == plan.sets && old.steps == plan.steps;
-            if !same {
-                bail!(
-                    "{} holds a comparison with another config, --set or --steps; use another --out, or the same arguments to continue it",
-                    dir.display()
-                );
-            }
-        }
-        if cli.only.is_none() {
-            std::fs::create_dir_all(dir.join("runs"))
-                .with_context(|| format!("cannot create {}", dir.display()))?;
-            std::fs::write(&path, serde_json::to_string_pretty(&plan)?)
-                .with_context(|| format!("cannot write {}", path.display()))?;
-        }
-
-        let (selected, note) = device::select(entries[0].config.device)?;
-        if let Some(n) = note {
-            println!("device: {n}");
-        }
-        println!("device: {}", selected.describe());
-        if cli.only.is_none() {
-            println!(
-                "comparison directory: {} ({} entries)",
-                dir.display(),
-                entries.len()
+/// Writes the plan to `DIR/compare.json`, refusing a directory that holds a comparison with
+/// another config, `--set` or `--steps`.
+fn save_plan(cli: &Cli, dir: &std::path::Path, plan: &Plan) -> Result<()> {
+    let path = dir.join(PLAN_FILE);
+    // (An entry's own process, under --jobs, finds the plan its parent wrote.)
+    if let (None, Ok(text)) = (&cli.only, std::fs::read_to_string(&path)) {
+        let old: Plan = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a comparison plan", path.display()))?;
+        let same =
+            old.base_toml == plan.base_toml && old.sets == plan.sets && old.steps == plan.steps;
+        if !same {
+            bail!(
+                "{} holds a comparison with another config, --set or --steps; use another --out, or the same arguments to continue it",
+                dir.display()
             );
         }
-        // An entry's own process trains its entry itself.
-        let jobs = if cli.only.is_some() { 1 } else { cli.jobs };
-        let mut pool = Pool::new(&dir, jobs);
-        for (i, e) in entries.iter().enumerate() {
-            if cli.only.as_ref().is_some_and(|o| o != &e.dir_name) {
-                continue;
-            }
-            let run_dir = compare::entry_dir(&dir, e);
-            let state = compare::entry_state(&run_dir, &e.config);
-            let tag = format!("[{}/{}] {}", i + 1, entries.len(), e.dir_name);
-            match state {
-                EntryState::Done => {
-                    println!("{tag}: done earlier");
-                    continue;
-                }
-                EntryState::Failed => {
-                    println!(
-                        "{tag}: failed earlier (see {}; delete it to retry)",
-                        run_dir.join(compare::ERROR_FILE).display()
-                    );
-                    continue;
-                }
-                EntryState::Resumable => println!("{tag}: resuming"),
-                EntryState::New => {
-                    if run_dir.exists() {
-                        std::fs::remove_dir_all(&run_dir)
-                            .with_context(|| format!("cannot clear {}", run_dir.display()))?;
-                    }
-                    println!("{tag}: training");
-                }
-            }
-            if jobs > 1 {
-                pool.spawn(&tag, &e.dir_name, &run_dir)?;
-                continue;
-            }
-            let opts = RunOptions {
-                run_dir: run_dir.clone(),
-                resume: state == EntryState::Resumable,
-                device_name: selected.describe(),
-                peak_tflops: None,
-                verbose: true,
-                stop_at: None,
-                poison_steps: Vec::new(),
-            };
-            match trainer::run(&e.config, &selected, &opts) {
-                Ok(s) => println!(
-                    "{tag}: {} steps, best val_loss {}, median {} tokens/s",
-                    s.steps,
-                    s.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
-                    if s.median_tokens_per_s.is_finite() {
-                        format!("{:.0}", s.median_tokens_per_s)
-                    } else {
-                        "-".into()
-                    }
-                ),
-                Err(err) => {
-                    let msg = format!("{err:#}");
-                    println!("{tag}: failed: {msg}");
-                    std::fs::create_dir_all(&run_dir)?;
-                    std::fs::write(run_dir.join(compare::ERROR_FILE), &msg)?;
-                }
-            }
-        }
-        pool.wait_all()?;
     }
-    if cli.only.is_some() {
-        return Ok(());
+    if cli.only.is_none() {
+        std::fs::create_dir_all(dir.join("runs"))
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+        std::fs::write(&path, serde_json::to_string_pretty(plan)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
     }
+    Ok(())
+}
 
-    let reports = entries
-        .iter()
-        .map(|e| compare::entry_report(&compare::entry_dir(&dir, e), e))
-        .collect::<Result<Vec<_>>>()?;
-    let report = compare::write_report(&dir, &plan.origin, &plan.recipes, reports)?;
-    for e in &report.entries {
+/// Trains every entry that is not done: here one after another, or `--jobs` at once in child
+/// processes.
+fn train_entries(cli: &Cli, dir: &std::path::Path, entries: &[compare::Entry]) -> Result<()> {
+    let (selected, note) = device::select(entries[0].config.device)?;
+    if let Some(n) = note {
+        println!("device: {n}");
+    }
+    println!("device: {}", selected.describe());
+    if cli.only.is_none() {
         println!(
-            "{:<28} best val {:>8} | {:>9} tokens/s | {}",
-            e.name,
-            e.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
-            e.tokens_per_s.map_or("-".into(), |v| format!("{v:.0}")),
-            e.stability.verdict
+            "comparison directory: {} ({} entries)",
+            dir.display(),
+            entries.len()
         );
     }
-    println!(
-        "report: {0}/report.md, {0}/report.json, plots: {1}",
-        dir.display(),
-        report.plots.join(", ")
-    );
+    // An entry's own process trains its entry itself.
+    let jobs = if cli.only.is_some() { 1 } else { cli.jobs };
+    let mut pool = Pool::new(dir, jobs);
+    for (i, e) in entries.iter().enumerate() {
+        if cli.only.as_ref().is_some_and(|o| o != &e.dir_name) {
+            continue;
+        }
+        let run_dir = compare::entry_dir(dir, e);
+        let state = compare::entry_state(&run_dir, &e.config);
+        let tag = format!("[{}/{}] {}", i + 1, entries.len(), e.dir_name);
+        match state {
+            EntryState::Done => {
+                println!("{tag}: done earlier");
+                continue;
+            }
+            EntryState::Failed => {
+                println!(
+                    "{tag}: failed earlier (see {}; delete it to retry)",
+                    run_dir.join(compare::ERROR_FILE).display()
+                );
+                continue;
+            }
+            EntryState::Resumable => println!("{tag}: resuming"),
+            EntryState::New => {
+                if run_dir.exists() {
+                    std::fs::remove_dir_all(&run_dir)
+                        .with_context(|| format!("cannot clear {}", run_dir.display()))?;
+                }
+                println!("{tag}: training");
+            }
+        }
+        if jobs > 1 {
+            pool.spawn(&tag, &e.dir_name, &run_dir)?;
+            continue;
+        }
+        train_here(&tag, e, &run_dir, state, &selected)?;
+    }
+    pool.wait_all()
+}
+
+/// Trains one entry in this process; an error is kept in the entry's `compare-error.txt`.
+fn train_here(
+    tag: &str,
+    e: &compare::Entry,
+    run_dir: &std::path::Path,
+    state: EntryState,
+    selected: &device::Selected,
+) -> Result<()> {
+    let opts = RunOptions {
+        run_dir: run_dir.to_path_buf(),
+        resume: state == EntryState::Resumable,
+        device_name: selected.describe(),
+        peak_tflops: None,
+        verbose: true,
+        stop_at: None,
+        poison_steps: Vec::new(),
+    };
+    match trainer::run(&e.config, selected, &opts) {
+        Ok(s) => println!(
+            "{tag}: {} steps, best val_loss {}, median {} tokens/s",
+            s.steps,
+            s.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
+            if s.median_tokens_per_s.is_finite() {
+                format!("{:.0}", s.median_tokens_per_s)
+            } else {
+                "-".into()
+            }
+        ),
+        Err(err) => {
+            let msg = format!("{err:#}");
+            println!("{tag}: failed: {msg}");
+            std::fs::create_dir_all(run_dir)?;
+            std::fs::write(run_dir.join(compare::ERROR_FILE), &msg)?;
+        }
+    }
     Ok(())
 }
 

@@ -12,21 +12,8 @@ use serde::{Deserialize, Serialize};
 /// The built-in default configuration, identical to `configs/default.toml`.
 pub const DEFAULT_TOML: &str = include_str!("../../../configs/default.toml");
 
-/// Where the run computes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceKind {
-    /// CUDA when an NVIDIA GPU and driver are usable, otherwise wgpu when it finds an adapter,
-    /// otherwise the CPU.
-    Auto,
-    /// NVIDIA GPU through CUDA (kernels compiled at run time by NVRTC).
-    Cuda,
-    /// Any Vulkan/Metal/DX12 device through wgpu (Mesa's lavapipe on a machine without a GPU).
-    Wgpu,
-    /// The CPU through Burn's pure-Rust `ndarray` backend (the plain-Burn reference of every op;
-    /// fp32 only). Slow, but needs no driver.
-    Cpu,
-}
+// The `device` key belongs to the device module.
+pub use crate::device::DeviceKind;
 
 /// Where the training text comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

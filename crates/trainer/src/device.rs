@@ -4,8 +4,23 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
 
-use crate::config::DeviceKind;
+/// Where the run computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// CUDA when an NVIDIA GPU and driver are usable, otherwise wgpu when it finds an adapter,
+    /// otherwise the CPU.
+    Auto,
+    /// NVIDIA GPU through CUDA (kernels compiled at run time by NVRTC).
+    Cuda,
+    /// Any Vulkan/Metal/DX12 device through wgpu (Mesa's lavapipe on a machine without a GPU).
+    Wgpu,
+    /// The CPU through Burn's pure-Rust `ndarray` backend (the plain-Burn reference of every op;
+    /// fp32 only). Slow, but needs no driver.
+    Cpu,
+}
 
 /// Environment variable that turns the `train` binary into a CUDA probe (used by `auto`).
 pub const CUDA_PROBE_ENV: &str = "BURNMIX_CUDA_PROBE";

@@ -1,12 +1,22 @@
-//! How gradients fit the fp16 or bf16 format they are computed in, per projection: the share of
+//! Per-layer numerics, the statistics a step records besides its loss.
+//!
+//! fp16 and bf16: how gradients fit the format they are computed in, per projection: the share of
 //! values held as subnormals (below the format's smallest normal number, so with fewer significant
 //! bits, one step from being flushed to zero), the share that overflowed (inf or NaN) and the
 //! largest magnitude. Measured on the device; one read-back for all tensors of a step.
+//!
+//! FP8: the health of every projection's weight, input and output gradient as its GEMMs quantize
+//! them (`kernels::Fp8Health`).
+
+use std::collections::HashSet;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
+use model::Gpt;
 
+use crate::config::Config;
 use crate::metrics::LayerHealth;
+use crate::precision::Recipe;
 
 /// Smallest positive normal number and largest finite value of `dtype`.
 pub fn limits(dtype: FloatDType) -> (f64, f64) {
@@ -56,6 +66,90 @@ pub fn read<B: Backend>(named: Vec<(String, Tensor<B, 1>)>) -> Vec<LayerHealth> 
             saturated: v[2],
         })
         .collect()
+}
+
+/// What a step measures besides its loss: FP8 health under the FP8 recipe (every
+/// `fp8.health_interval` steps), or the gradients' numerics under fp16 and bf16 (every
+/// `training.numerics_interval` steps); both on the first step too, and neither when the interval
+/// is 0.
+pub struct Probes {
+    /// Where the FP8 projections record their inputs' and output gradients' health.
+    pub fp8: Option<kernels::fp8::HealthSink>,
+    /// Where the fp16/bf16 projections leave their output-gradient taps.
+    pub taps: Option<model::layers::GradTaps>,
+}
+
+impl Probes {
+    pub fn for_step(recipe: &Recipe, cfg: &Config, step: u64) -> Self {
+        let due =
+            |interval: u64| interval > 0 && ((step + 1).is_multiple_of(interval) || step == 0);
+        let mut p = Probes {
+            fp8: None,
+            taps: None,
+        };
+        match recipe {
+            Recipe::Fp8(r) if due(r.fp8.health_interval) => {
+                p.fp8 = Some(std::sync::Arc::new(std::sync::Mutex::new(Vec::new())));
+            }
+            Recipe::Fp16(_) | Recipe::Bf16(_) if due(cfg.training.numerics_interval) => {
+                p.taps = Some(model::layers::grad_taps());
+            }
+            _ => {}
+        }
+        p
+    }
+}
+
+/// FP8 health of a step: every projection weight as the fprop GEMM quantizes it (128x128 blocks,
+/// or per tensor), from the master weights cast to `dtype` (`blocks.N.attn.qkv.weight`, ...),
+/// then the inputs and output gradients the projections recorded in `probe` (the step's first
+/// micro-batch's entry per tensor).
+pub fn fp8_health<B: crate::TrainBackend>(
+    model: &Gpt<B>,
+    dtype: FloatDType,
+    cfg: &kernels::Fp8LinearConfig,
+    probe: &kernels::fp8::HealthSink,
+) -> Vec<LayerHealth> {
+    let health = |layer: String, h: kernels::Fp8Health| LayerHealth {
+        layer,
+        amax: h.amax,
+        underflow: h.underflow,
+        saturated: h.saturated,
+    };
+    let mut all: Vec<LayerHealth> = model
+        .projections()
+        .into_iter()
+        .map(|(name, lin)| {
+            let w = lin.weight.val().inner().cast(dtype);
+            health(
+                format!("{name}.weight"),
+                kernels::fp8_health(w, cfg.weight_spec(true)),
+            )
+        })
+        .collect();
+    let recorded = std::mem::take(&mut *probe.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut seen = HashSet::new();
+    for (layer, h) in recorded {
+        if seen.insert(layer.clone()) {
+            all.push(health(layer, h));
+        }
+    }
+    all
+}
+
+/// One log line on an FP8 health or fp16/bf16 numerics step: the worst underflow and saturation
+/// (or overflow) shares and where.
+pub fn health_line(what: &str, done: u64, steps: u64, h: &[LayerHealth]) -> String {
+    let worst = |f: fn(&LayerHealth) -> f64| match h.iter().max_by(|a, b| f(a).total_cmp(&f(b))) {
+        Some(l) if f(l) > 0.0 => format!("{:.3}% ({})", 100.0 * f(l), l.layer),
+        _ => "0".to_string(),
+    };
+    format!(
+        "{what:<5} {done:>6}/{steps} | worst underflow {} | worst saturation {} | {} tensors (metrics.jsonl)",
+        worst(|l| l.underflow),
+        worst(|l| l.saturated),
+        h.len()
+    )
 }
 
 #[cfg(test)]

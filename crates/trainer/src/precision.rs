@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "lowercase")]
 pub enum PrecisionKind {
     /// `bf16` on CUDA, `fp32` elsewhere (wgpu has no bf16; the CPU backend trains in f32);
-    /// resolved when the device is known ([`crate::config::Config::for_device`]).
+    /// resolved when the device is known (`Config::for_device`).
     Auto,
     /// f32 everywhere.
     Fp32,

@@ -1,4 +1,9 @@
 //! The training loop, generic over the autodiff backend.
+//!
+//! [`train`] is the loop: [`Session::open`] sets the run up (or resumes it), then every step is
+//! [`Session::step`] (forward and backward of the compute copy, loss scaling, the update) and
+//! [`Session::finish_step`] (evaluation, metrics, log lines, checkpoint); [`Session::close`]
+//! writes the summary.
 
 use std::collections::HashSet;
 use std::io::IsTerminal;
@@ -9,8 +14,7 @@ use anyhow::{bail, Context, Result};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
-use burn::tensor::FloatDType;
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use model::Gpt;
 use serde::Serialize;
@@ -19,7 +23,8 @@ use crate::checkpoint;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::fsutil::write_atomic;
-use crate::metrics::{Metrics, StepRecord};
+use crate::metrics::{LayerHealth, Metrics, StepRecord};
+use crate::numerics::{self, Probes};
 use crate::optim::{grads_to_f32, poison_grads, AdamW};
 use crate::precision::{LossScaler, Recipe, Verdict};
 use crate::rng::SplitMix64;
@@ -75,6 +80,625 @@ pub struct Summary {
     pub peak_memory_reserved: Option<u64>,
 }
 
+/// Trains as configured. Writes `config.toml`, `tokenizer.json`, `metrics.jsonl`, `loss.svg`,
+/// `checkpoints/` and `summary.json` into the run directory.
+pub fn train<B: crate::TrainBackend>(
+    cfg: &Config,
+    device: B::Device,
+    opts: &RunOptions,
+) -> Result<Summary> {
+    let _drain = crate::DrainOnDrop::<B>(device.clone());
+    let (mut session, mut model) = Session::<B>::open(cfg, device, opts)?;
+    let end = opts.stop_at.map_or(session.steps, |s| s.min(session.steps));
+    for step in session.start_step..end {
+        if step == session.start_step && !opts.device_name.starts_with("CPU") {
+            session.log.line(&format!(
+                "step {}: compiling the GPU kernels at this model's shapes (once per shape)...",
+                step + 1
+            ));
+        }
+        let outcome;
+        (model, outcome) = session.step(model, step)?;
+        session.finish_step(&model, step, end, outcome)?;
+    }
+    session.close()
+}
+
+/// A run being trained: what it trains on and with, and how far it got. The model itself is
+/// passed in and out of each step, which consumes it (the optimizer updates it in place).
+struct Session<'a, B: crate::TrainBackend> {
+    cfg: &'a Config,
+    opts: &'a RunOptions,
+    device: B::Device,
+    data: Dataset,
+    vocab: usize,
+    opt: AdamW<B::InnerBackend>,
+    scaler: LossScaler,
+    recipe: Recipe,
+    compute_dtype: FloatDType,
+    fp8_linear: Option<kernels::Fp8LinearConfig>,
+    log: Logger,
+    /// `training.steps`: where the schedule ends.
+    steps: u64,
+    /// The first step of this session (the checkpoint's step when resuming).
+    start_step: u64,
+    progress: Progress,
+}
+
+/// How far the run got; the checkpoint carries the best validation loss and the wall time of
+/// earlier sessions over a resume.
+struct Progress {
+    completed: u64,
+    best_val: Option<f64>,
+    last_val: Option<f64>,
+    last_loss: f64,
+    resumed_from: Option<u64>,
+    elapsed_before: f64,
+    session_start: Instant,
+    first_step_s: f64,
+    /// Tokens/s of this session's steps after the first three.
+    tok_rates: Vec<f64>,
+    peak_memory: Option<u64>,
+}
+
+/// What one step did, for the bookkeeping after it.
+struct StepOutcome {
+    loss: f64,
+    /// Unscaled (`NaN` or inf when the gradients overflowed).
+    grad_norm: f64,
+    lr: f64,
+    scale: f64,
+    skipped: bool,
+    seconds: f64,
+    memory_reserved: Option<u64>,
+    /// fp16/bf16 numerics steps: the gradients' numerics.
+    numerics: Option<Vec<LayerHealth>>,
+    /// FP8 health steps: what the projections recorded while quantizing.
+    fp8_probe: Option<kernels::fp8::HealthSink>,
+}
+
+impl<'a, B: crate::TrainBackend> Session<'a, B> {
+    /// Sets the run up: data and tokenizer, model and optimizer from the seed, then the newest
+    /// checkpoint when resuming. Writes `config.toml` and `precision.json` once the checkpoint (if
+    /// any) has been accepted, so a refused `--set` never replaces the run's config.
+    fn open(cfg: &'a Config, device: B::Device, opts: &'a RunOptions) -> Result<(Self, Gpt<B>)> {
+        let run_dir = &opts.run_dir;
+        let existing = checkpoint::list(run_dir)?;
+        if !opts.resume && !existing.is_empty() {
+            bail!(
+                "{} already holds checkpoints of a run; continue it with --resume {0} or choose another --out",
+                run_dir.display()
+            );
+        }
+        let console = Console {
+            bar: None,
+            verbose: opts.verbose,
+        };
+        let (data, vocab) = load_data(cfg, opts, &console)?;
+
+        B::seed(&device, cfg.seed);
+        let model = Gpt::<B>::new(&cfg.model, vocab, &device);
+        let recipe = cfg.recipe();
+        let compute_dtype = recipe.compute_dtype();
+        let mut opt =
+            AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
+        if cfg.model.kernels == model::config::KernelsKind::Fused {
+            // The fused step also writes the next step's compute copy of the cast weights.
+            let copy = (compute_dtype != FloatDType::F32)
+                .then(|| (compute_dtype, model.compute_copy_ids()));
+            opt = opt.with_fused(copy);
+        }
+        let mut scaler = LossScaler::new(recipe.loss_scaling().clone());
+        let mut progress = Progress {
+            completed: 0,
+            best_val: None,
+            last_val: None,
+            last_loss: f64::NAN,
+            resumed_from: None,
+            elapsed_before: 0.0,
+            session_start: Instant::now(),
+            first_step_s: f64::NAN,
+            tok_rates: Vec::new(),
+            peak_memory: None,
+        };
+        let (model, start_step) = if opts.resume {
+            let (model, restored) =
+                resume::<B>(opts, &existing, model, &mut opt, cfg, vocab, &console)?;
+            if let Some(state) = restored.loss_scaler {
+                if let Some(note) = scaler.restore(state, restored.precision.as_ref()) {
+                    console.line(&note);
+                }
+            }
+            progress.best_val = restored.best_val_loss;
+            progress.elapsed_before = restored.elapsed_s;
+            progress.resumed_from = Some(restored.step);
+            (model, restored.step)
+        } else {
+            (model, 0)
+        };
+        progress.completed = start_step;
+        write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+        write_atomic(
+            &run_dir.join("precision.json"),
+            serde_json::to_string_pretty(&recipe)?.as_bytes(),
+        )?;
+        let metrics = Metrics::open(run_dir, opts.resume.then_some(start_step))?;
+        let plot_title = format!(
+            "{} ({})",
+            run_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default(),
+            opts.device_name
+        );
+        let mut session = Session {
+            cfg,
+            opts,
+            device,
+            data,
+            vocab,
+            opt,
+            scaler,
+            fp8_linear: recipe.fp8_linear(),
+            recipe,
+            compute_dtype,
+            log: Logger {
+                console,
+                metrics,
+                run_dir: run_dir.clone(),
+                plot_title,
+            },
+            steps: cfg.training.steps as u64,
+            start_step,
+            progress,
+        };
+        session.describe();
+        session.log.console.bar = progress_bar(opts, session.steps, start_step);
+        Ok((session, model))
+    }
+
+    /// The set-up lines of the log: the model, the recipe and the GEMM paths.
+    fn describe(&self) {
+        let (cfg, console) = (self.cfg, &self.log.console);
+        console.line(&format!(
+            "model: {} parameters ({} layers, {} heads, width {}, context {}, {:?} MLP; {:?} kernels, {:?} attention); {} tokens/step; device {}",
+            human(cfg.model.num_params(self.vocab) as f64),
+            cfg.model.n_layer,
+            cfg.model.n_head,
+            cfg.model.d_model,
+            cfg.model.context,
+            cfg.model.mlp,
+            cfg.model.kernels,
+            cfg.model.attention,
+            cfg.tokens_per_step(),
+            self.opts.device_name
+        ));
+        console.line(&format!("precision: {}", self.recipe.describe()));
+        let probe = Tensor::<B, 2>::zeros(
+            [1, 1],
+            (&self.device, burn::tensor::DType::from(self.compute_dtype)),
+        );
+        console.line(&format!(
+            "GEMMs: {} (model.gemm = \"{}\")",
+            kernels::gemm::gemm_path(&probe, cfg.model.gemm.engine()),
+            cfg.model.gemm.name()
+        ));
+        if let Recipe::Fp8(_) = &self.recipe {
+            console.line(&format!(
+                "FP8 GEMMs: {}",
+                fp8_gemm_path_name::<B>(&self.device)
+            ));
+        }
+        if self.start_step >= self.steps {
+            console.line(&format!(
+                "nothing to do: the run already has {} of {} steps",
+                self.start_step, self.steps
+            ));
+        }
+    }
+
+    /// One optimizer step: forward and backward of `training.grad_accum` micro-batches on the
+    /// compute copy, then the update, unless the loss scaler skips the step or stops the run.
+    fn step(&mut self, model: Gpt<B>, step: u64) -> Result<(Gpt<B>, StepOutcome)> {
+        let t0 = Instant::now();
+        let (cfg, accum) = (self.cfg, self.cfg.training.grad_accum);
+        let lr = lr_at(cfg, step as usize);
+        // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats them.
+        B::seed(
+            &self.device,
+            SplitMix64::for_stream(cfg.seed, 3, step).next_u64(),
+        );
+        let probes = Probes::for_step(&self.recipe, cfg, step);
+
+        // The compute copy (weights cast to the compute dtype once per step; the master itself
+        // for fp32) runs forward and backward; its gradients arrive under the master's ids.
+        // With the fused optimizer the copies written by the last step are reused (a resumed or
+        // first step, or one after a skipped step with no copies, casts).
+        let compute = model
+            .compute_copy_with(self.compute_dtype, &|id| {
+                self.opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
+            })
+            .with_fp8(self.fp8_linear)
+            .with_fp8_probe(probes.fp8.clone())
+            .with_grad_taps(probes.taps.clone());
+        let scale = self.scaler.scale();
+        let mut micro = MicroBatches {
+            loss_sum: None,
+            numerics: Vec::new(),
+        };
+        let mut grads = if accum == 1 {
+            self.micro_batch(&model, &compute, step, scale, &probes, &mut micro)
+        } else {
+            let mut acc = GradientsAccumulator::<Gpt<B>>::new();
+            for m in 0..accum as u64 {
+                let g = self.micro_batch(
+                    &model,
+                    &compute,
+                    step * accum as u64 + m,
+                    scale,
+                    &probes,
+                    &mut micro,
+                );
+                acc.accumulate(&model, g);
+            }
+            acc.grads()
+        };
+        drop(compute);
+        let numerics = probes
+            .taps
+            .is_some()
+            .then(|| numerics::read(micro.numerics));
+        if self.opts.poison_steps.contains(&(step + 1)) {
+            poison_grads::<B, _>(&model, &mut grads);
+        }
+        let scaled_norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
+
+        // One read-back per step: [mean loss, scaled grad norm]. It tells whether the gradients are
+        // finite (a single inf or NaN makes the norm non-finite), and it synchronises, so the
+        // timing is real.
+        let loss_mean = micro
+            .loss_sum
+            .expect("at least one micro-batch")
+            .div_scalar(accum as f64);
+        let stats = Tensor::cat(vec![loss_mean, scaled_norm.clone()], 0);
+        // Without loss scaling a non-finite step ends the run and nothing of it is kept (the last
+        // checkpoint stays as it was), so the update is queued before the read-back: the GPU runs
+        // it while the host waits, instead of idling while the host queues it afterwards. With
+        // loss scaling the verdict decides whether the update runs at all.
+        let (mut model, mut held) = (model, Some((grads, scaled_norm)));
+        if self.scaler.setting.is_off() {
+            let (grads, norm) = held.take().expect("not taken yet");
+            model = self.opt.step::<B, _>(lr, model, grads, norm, scale);
+        }
+        let stats: Vec<f64> = stats
+            .into_data()
+            .convert::<f64>()
+            .into_vec()
+            .expect("f64 stats");
+        let (loss, grad_norm) = (stats[0], stats[1] / scale);
+        let finite = loss.is_finite() && grad_norm.is_finite();
+        let skipped = match self.scaler.update(finite, step + 1) {
+            Verdict::Apply => {
+                if let Some((grads, norm)) = held {
+                    model = self.opt.step::<B, _>(lr, model, grads, norm, scale);
+                }
+                false
+            }
+            Verdict::Skip => true,
+            Verdict::Stop(why) => bail!(self.stop_message(step, loss, grad_norm, &why)),
+        };
+        let outcome = StepOutcome {
+            loss,
+            grad_norm,
+            lr,
+            scale,
+            skipped,
+            seconds: t0.elapsed().as_secs_f64(),
+            memory_reserved: B::memory_reserved(&self.device),
+            numerics,
+            fp8_probe: probes.fp8,
+        };
+        Ok((model, outcome))
+    }
+
+    /// Why the run stops at `step` (the loss scaler said so).
+    fn stop_message(&self, step: u64, loss: f64, grad_norm: f64, why: &str) -> String {
+        if !self.scaler.setting.is_off() {
+            return format!("{why}; no checkpoint was written for step {}", step + 1);
+        }
+        let hint = if matches!(self.recipe, Recipe::Fp16(_)) {
+            "; FP16 without loss scaling overflows easily: set loss_scale.mode = \"dynamic\""
+        } else {
+            ""
+        };
+        format!(
+            "training diverged at step {}: loss {loss}, gradient norm {grad_norm} ({why}); no checkpoint was written for it. \
+             Lower optimizer.lr or check the data{hint}",
+            step + 1
+        )
+    }
+
+    /// Forward and backward of micro-batch `index` on the compute copy: adds its loss to
+    /// `micro.loss_sum` and returns its gradients, in f32, under the master's ids. On a numerics
+    /// step, the first micro-batch's output and weight gradients are measured into
+    /// `micro.numerics` before the cast.
+    fn micro_batch(
+        &self,
+        model: &Gpt<B>,
+        compute: &Gpt<B>,
+        index: u64,
+        scale: f64,
+        probes: &Probes,
+        micro: &mut MicroBatches<B>,
+    ) -> GradientsParams {
+        let cfg = self.cfg;
+        let (x, y) = self.data.train_batch::<B>(
+            cfg.seed,
+            index,
+            cfg.training.batch_size,
+            cfg.model.context,
+            &self.device,
+        );
+        let loss = compute.forward_loss(x, y);
+        model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
+        let l = loss.clone().inner();
+        micro.loss_sum = Some(match micro.loss_sum.take() {
+            Some(s) => s + l,
+            None => l,
+        });
+        let factor = scale / cfg.training.grad_accum as f64;
+        let loss = if factor == 1.0 {
+            loss
+        } else {
+            loss.mul_scalar(factor)
+        };
+        let raw = loss.backward();
+        let measure = probes.taps.is_some() && micro.numerics.is_empty();
+        if let Some(taps) = &probes.taps {
+            // Taken on every micro-batch, so the sink does not keep later ones' taps.
+            let tapped = model::layers::take_taps::<B>(taps);
+            if measure {
+                for (name, tap) in tapped {
+                    if let Some(g) = tap.grad(&raw) {
+                        let s = numerics::stats(g, self.compute_dtype);
+                        micro.numerics.push((format!("{name}.grad_output"), s));
+                    }
+                }
+            }
+        }
+        let mut g = GradientsParams::from_grads(raw, compute);
+        if measure {
+            for (name, lin) in compute.projections() {
+                if let Some(w) = g.get::<B::InnerBackend, 2>(lin.weight.id) {
+                    let s = numerics::stats(w, self.compute_dtype);
+                    micro.numerics.push((format!("{name}.weight_grad"), s));
+                }
+            }
+        }
+        grads_to_f32::<B, _>(model, &mut g);
+        g
+    }
+
+    /// After step `step` (0-based) of a session ending at `end`: evaluation, metrics, log lines,
+    /// plot, checkpoint and progress bar.
+    fn finish_step(&mut self, model: &Gpt<B>, step: u64, end: u64, o: StepOutcome) -> Result<()> {
+        let cfg = self.cfg;
+        let done = step + 1;
+        let p = &mut self.progress;
+        if step == self.start_step {
+            p.first_step_s = o.seconds;
+        }
+        p.peak_memory = p.peak_memory.max(o.memory_reserved);
+        let tps = cfg.tokens_per_step() as f64 / o.seconds;
+        if step >= self.start_step + 3 {
+            p.tok_rates.push(tps);
+        }
+        let mfu = self
+            .opts
+            .peak_tflops
+            .map(|peak| cfg.model.flops_per_token(self.vocab) * tps / (peak * 1e12));
+        p.last_loss = o.loss;
+        p.completed = done;
+
+        let is_last = done == self.steps;
+        let eval_now = is_last
+            || (cfg.training.eval_interval > 0
+                && done.is_multiple_of(cfg.training.eval_interval as u64));
+        let val_loss = eval_now.then(|| {
+            evaluate(
+                &model
+                    .compute_copy(self.compute_dtype)
+                    .with_fp8(self.fp8_linear),
+                &self.data,
+                cfg,
+            )
+        });
+        if let Some(v) = val_loss {
+            p.best_val = Some(p.best_val.map_or(v, |b: f64| b.min(v)));
+            p.last_val = Some(v);
+        }
+        let fp8 = match (&o.fp8_probe, &self.fp8_linear) {
+            (Some(probe), Some(lin)) => {
+                Some(numerics::fp8_health(model, self.compute_dtype, lin, probe))
+            }
+            _ => None,
+        };
+        let record = StepRecord {
+            step: done,
+            loss: o.loss,
+            lr: o.lr,
+            grad_norm: o.grad_norm,
+            precision: self.recipe.name().to_string(),
+            loss_scale: o.scale,
+            skipped: o.skipped,
+            overflows: self.scaler.state.overflows,
+            tokens_per_s: tps,
+            step_ms: o.seconds * 1e3,
+            mfu,
+            val_loss,
+            fp8,
+            numerics: o.numerics,
+            memory_reserved: o.memory_reserved,
+        };
+        let log_line = done.is_multiple_of(cfg.training.log_interval as u64)
+            || is_last
+            || done == self.start_step + 1;
+        self.log.step(
+            &record,
+            self.steps,
+            log_line,
+            &self.scaler,
+            self.progress.best_val,
+        )?;
+
+        let ckpt_now = is_last
+            || done == end
+            || (cfg.training.checkpoint_interval > 0
+                && done.is_multiple_of(cfg.training.checkpoint_interval as u64));
+        if ckpt_now {
+            let p = &self.progress;
+            let elapsed = p.elapsed_before + p.session_start.elapsed().as_secs_f64();
+            checkpoint::save::<B, _>(
+                &self.opts.run_dir,
+                model,
+                &self.opt,
+                cfg,
+                self.vocab,
+                done,
+                p.best_val,
+                elapsed,
+                cfg.training.keep_checkpoints,
+                (&self.recipe, &self.scaler.state),
+            )?;
+        }
+        if let Some(b) = &self.log.console.bar {
+            b.set_position(done);
+            b.set_message(format!("loss {:.4}", o.loss));
+        }
+        Ok(())
+    }
+
+    /// Ends the session: the final plot and `summary.json`.
+    fn close(self) -> Result<Summary> {
+        if let Some(b) = &self.log.console.bar {
+            b.finish_and_clear();
+        }
+        self.log
+            .metrics
+            .plot(&self.log.run_dir, &self.log.plot_title)?;
+        let mut p = self.progress;
+        p.tok_rates
+            .sort_by(|a, b| a.partial_cmp(b).expect("finite rates"));
+        let summary = Summary {
+            steps: p.completed,
+            final_loss: p.last_loss,
+            best_val_loss: p.best_val,
+            final_val_loss: p.last_val,
+            wall_s: p.elapsed_before + p.session_start.elapsed().as_secs_f64(),
+            median_tokens_per_s: p
+                .tok_rates
+                .get(p.tok_rates.len() / 2)
+                .copied()
+                .unwrap_or(f64::NAN),
+            first_step_s: p.first_step_s,
+            params: self.cfg.model.num_params(self.vocab),
+            device: self.opts.device_name.clone(),
+            resumed_from: p.resumed_from,
+            precision: self.recipe.clone(),
+            skipped_steps: self.scaler.state.overflows,
+            final_loss_scale: self.scaler.scale(),
+            peak_memory_reserved: p.peak_memory,
+        };
+        write_atomic(
+            &self.opts.run_dir.join("summary.json"),
+            serde_json::to_string_pretty(&summary)?.as_bytes(),
+        )?;
+        Ok(summary)
+    }
+}
+
+/// What the micro-batches of one step gather: their summed loss and, on a numerics step, the
+/// first micro-batch's gradient statistics (still on the device).
+struct MicroBatches<B: crate::TrainBackend> {
+    loss_sum: Option<Tensor<B::InnerBackend, 1>>,
+    numerics: Vec<(String, Tensor<B::InnerBackend, 1>)>,
+}
+
+/// The data and tokenizer (a resumed run reuses its saved tokenizer) and the model's vocabulary
+/// size. Creates the run directory once the data is usable, so a bad data path leaves no empty
+/// run directory behind.
+fn load_data(cfg: &Config, opts: &RunOptions, console: &Console) -> Result<(Dataset, usize)> {
+    let run_dir = &opts.run_dir;
+    let tok_path = run_dir.join("tokenizer.json");
+    let t_data = Instant::now();
+    let reuse = (opts.resume && tok_path.exists()).then_some(tok_path.as_path());
+    let data = Dataset::build(cfg, reuse)?;
+    std::fs::create_dir_all(run_dir)
+        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    if reuse.is_none() {
+        crate::tokenizer::save(&data.tokenizer, &tok_path)?;
+    }
+    let tok_vocab = data.vocab_size().max(data.max_id_bound());
+    let vocab = if cfg.model.vocab_size == 0 {
+        tok_vocab
+    } else {
+        cfg.model.vocab_size
+    };
+    if vocab < tok_vocab {
+        bail!(
+            "model.vocab_size = {} is smaller than the tokenizer's {tok_vocab} tokens; use 0 (take the tokenizer's) or at least {tok_vocab}",
+            cfg.model.vocab_size
+        );
+    }
+    console.line(&format!(
+        "data: {} -> {} train / {} val tokens, vocabulary {} (model {vocab}), {:.1}s",
+        data.description,
+        data.train.len(),
+        data.val.len(),
+        data.vocab_size(),
+        t_data.elapsed().as_secs_f64()
+    ));
+    Ok((data, vocab))
+}
+
+/// Restores the newest of `existing` checkpoints into the model and optimizer.
+fn resume<B: crate::TrainBackend>(
+    opts: &RunOptions,
+    existing: &[(u64, PathBuf)],
+    model: Gpt<B>,
+    opt: &mut AdamW<B::InnerBackend>,
+    cfg: &Config,
+    vocab: usize,
+    console: &Console,
+) -> Result<(Gpt<B>, checkpoint::Restored)> {
+    let run_dir = &opts.run_dir;
+    let Some((_, path)) = existing.last() else {
+        bail!(
+            "--resume {}: no checkpoint in {}; the run stopped before its first checkpoint, start it again",
+            run_dir.display(),
+            checkpoint::dir(run_dir).display()
+        );
+    };
+    let (header, values) = checkpoint::read(path).map_err(|e| {
+        // A damaged newest checkpoint: say where the previous complete one is.
+        match existing.len().checked_sub(2).map(|i| &existing[i]) {
+            Some((step, older)) => e.context(format!(
+                "the previous checkpoint (step {step}) is {}; move the damaged one away to resume from it",
+                older.display()
+            )),
+            None => e,
+        }
+    })?;
+    let (model, restored) =
+        checkpoint::apply::<B, _>(path, header, values, model, opt, cfg, vocab)?;
+    console.line(&format!(
+        "resumed from {} (step {})",
+        restored.path.display(),
+        restored.step
+    ));
+    Ok((model, restored))
+}
+
 /// Console output that does not tear the progress bar.
 struct Console {
     bar: Option<ProgressBar>,
@@ -93,6 +717,82 @@ impl Console {
     }
 }
 
+/// A progress bar with ETA on stderr, when it is a terminal and the run is verbose.
+fn progress_bar(opts: &RunOptions, steps: u64, position: u64) -> Option<ProgressBar> {
+    if !(opts.verbose && std::io::stderr().is_terminal()) {
+        return None;
+    }
+    let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
+    b.set_style(
+        ProgressStyle::with_template(
+            "{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}",
+        )
+        .expect("valid template"),
+    );
+    b.set_position(position);
+    Some(b)
+}
+
+/// Where a run reports: console lines, `metrics.jsonl` and the loss plot.
+struct Logger {
+    console: Console,
+    metrics: Metrics,
+    run_dir: PathBuf,
+    plot_title: String,
+}
+
+impl Logger {
+    fn line(&self, s: &str) {
+        self.console.line(s);
+    }
+
+    /// Records a step in `metrics.jsonl` and prints its lines: the step line (when `log_line`),
+    /// FP8 health or numerics, and the evaluation (which also redraws the plot).
+    fn step(
+        &mut self,
+        r: &StepRecord,
+        steps: u64,
+        log_line: bool,
+        scaler: &LossScaler,
+        best_val: Option<f64>,
+    ) -> Result<()> {
+        self.metrics.record(r)?;
+        let done = r.step;
+        if log_line {
+            let mfu = r
+                .mfu
+                .map_or("-".to_string(), |m| format!("{:.1}%", m * 100.0));
+            let scaling = if scaler.setting.is_off() {
+                String::new()
+            } else {
+                format!(" | scale {} | skipped {}", r.loss_scale, r.overflows)
+            };
+            self.line(&format!(
+                "step {done:>6}/{steps} | loss {:.4} | lr {:.2e} | grad-norm {:.3}{scaling} | {} tok/s | MFU {mfu} | {:.0} ms/step",
+                r.loss,
+                r.lr,
+                r.grad_norm,
+                human(r.tokens_per_s),
+                r.step_ms
+            ));
+        }
+        if let Some(h) = &r.fp8 {
+            self.line(&numerics::health_line("fp8  ", done, steps, h));
+        }
+        if let Some(h) = &r.numerics {
+            self.line(&numerics::health_line(&r.precision, done, steps, h));
+        }
+        if let Some(v) = r.val_loss {
+            self.line(&format!(
+                "eval  {done:>6}/{steps} | val_loss {v:.4} | best {:.4}",
+                best_val.unwrap_or(v)
+            ));
+            self.metrics.plot(&self.run_dir, &self.plot_title)?;
+        }
+        Ok(())
+    }
+}
+
 fn human(x: f64) -> String {
     if x >= 1e6 {
         format!("{:.2}M", x / 1e6)
@@ -101,47 +801,6 @@ fn human(x: f64) -> String {
     } else {
         format!("{x:.0}")
     }
-}
-
-/// One log line on an FP8 health or fp16/bf16 numerics step: the worst underflow and saturation
-/// (or overflow) shares and where.
-fn health_line(what: &str, done: u64, steps: u64, h: &[crate::metrics::LayerHealth]) -> String {
-    let worst = |f: fn(&crate::metrics::LayerHealth) -> f64| match h
-        .iter()
-        .max_by(|a, b| f(a).total_cmp(&f(b)))
-    {
-        Some(l) if f(l) > 0.0 => format!("{:.3}% ({})", 100.0 * f(l), l.layer),
-        _ => "0".to_string(),
-    };
-    format!(
-        "{what:<5} {done:>6}/{steps} | worst underflow {} | worst saturation {} | {} tensors (metrics.jsonl)",
-        worst(|l| l.underflow),
-        worst(|l| l.saturated),
-        h.len()
-    )
-}
-
-/// FP8 health of every projection weight as the fprop GEMM quantizes it (128x128 blocks, or per
-/// tensor), from the master weights cast to the compute dtype (`blocks.N.attn.qkv.weight`, ...).
-fn fp8_weight_health<B: crate::TrainBackend>(
-    model: &Gpt<B>,
-    dtype: FloatDType,
-    cfg: &kernels::Fp8LinearConfig,
-) -> Vec<crate::metrics::LayerHealth> {
-    model
-        .projections()
-        .into_iter()
-        .map(|(name, lin)| {
-            let h =
-                kernels::fp8_health(lin.weight.val().inner().cast(dtype), cfg.weight_spec(true));
-            crate::metrics::LayerHealth {
-                layer: format!("{name}.weight"),
-                amax: h.amax,
-                underflow: h.underflow,
-                saturated: h.saturated,
-            }
-        })
-        .collect()
 }
 
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
@@ -181,503 +840,6 @@ fn no_decay_ids<B: Backend>(model: &Gpt<B>, cfg: &Config) -> HashSet<burn::modul
         s.insert(model.wte.weight.id);
     }
     s
-}
-
-/// Trains as configured. Writes `config.toml`, `tokenizer.json`, `metrics.jsonl`, `loss.svg`,
-/// `checkpoints/` and `summary.json` into the run directory.
-pub fn train<B: crate::TrainBackend>(
-    cfg: &Config,
-    device: B::Device,
-    opts: &RunOptions,
-) -> Result<Summary> {
-    let _drain = crate::DrainOnDrop::<B>(device.clone());
-    let run_dir = &opts.run_dir;
-    let existing = checkpoint::list(run_dir)?;
-    if !opts.resume && !existing.is_empty() {
-        bail!(
-            "{} already holds checkpoints of a run; continue it with --resume {0} or choose another --out",
-            run_dir.display()
-        );
-    }
-    let tok_path = run_dir.join("tokenizer.json");
-    let console = Console {
-        bar: None,
-        verbose: opts.verbose,
-    };
-
-    // Data and tokenizer. A resumed run reuses its saved tokenizer.
-    let t_data = Instant::now();
-    let reuse = (opts.resume && tok_path.exists()).then_some(tok_path.as_path());
-    let data = Dataset::build(cfg, reuse)?;
-    // Created once the data is usable, so a bad data path leaves no empty run directory behind.
-    std::fs::create_dir_all(run_dir)
-        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-    if reuse.is_none() {
-        crate::tokenizer::save(&data.tokenizer, &tok_path)?;
-    }
-    let tok_vocab = data.vocab_size().max(data.max_id_bound());
-    let vocab = if cfg.model.vocab_size == 0 {
-        tok_vocab
-    } else {
-        cfg.model.vocab_size
-    };
-    if vocab < tok_vocab {
-        bail!(
-            "model.vocab_size = {} is smaller than the tokenizer's {tok_vocab} tokens; use 0 (take the tokenizer's) or at least {tok_vocab}",
-            cfg.model.vocab_size
-        );
-    }
-    console.line(&format!(
-        "data: {} -> {} train / {} val tokens, vocabulary {} (model {vocab}), {:.1}s",
-        data.description,
-        data.train.len(),
-        data.val.len(),
-        data.vocab_size(),
-        t_data.elapsed().as_secs_f64()
-    ));
-
-    // Model and optimizer, from the seed; then the checkpoint if resuming.
-    B::seed(&device, cfg.seed);
-    let mut model = Gpt::<B>::new(&cfg.model, vocab, &device);
-    let recipe = cfg.recipe();
-    let compute_dtype = recipe.compute_dtype();
-    let fp8_linear = recipe.fp8_linear();
-    let mut opt = AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
-    if cfg.model.kernels == model::config::KernelsKind::Fused {
-        // The fused step also writes the next step's compute copy of the cast weights.
-        let copy =
-            (compute_dtype != FloatDType::F32).then(|| (compute_dtype, model.compute_copy_ids()));
-        opt = opt.with_fused(copy);
-    }
-    let mut scaler = LossScaler::new(recipe.loss_scaling().clone());
-    let mut start_step = 0u64;
-    let mut best_val: Option<f64> = None;
-    let mut elapsed_before = 0.0;
-    let mut resumed_from = None;
-    if opts.resume {
-        let Some((_, path)) = existing.last() else {
-            bail!(
-                "--resume {}: no checkpoint in {}; the run stopped before its first checkpoint, start it again",
-                run_dir.display(),
-                checkpoint::dir(run_dir).display()
-            );
-        };
-        let (header, values) = checkpoint::read(path).map_err(|e| {
-            // A damaged newest checkpoint: say where the previous complete one is.
-            match existing.len().checked_sub(2).map(|i| &existing[i]) {
-                Some((step, older)) => e.context(format!(
-                    "the previous checkpoint (step {step}) is {}; move the damaged one away to resume from it",
-                    older.display()
-                )),
-                None => e,
-            }
-        })?;
-        let (m, restored) =
-            checkpoint::apply::<B, _>(path, header, values, model, &mut opt, cfg, vocab)?;
-        model = m;
-        start_step = restored.step;
-        best_val = restored.best_val_loss;
-        elapsed_before = restored.elapsed_s;
-        resumed_from = Some(restored.step);
-        if let Some(state) = restored.loss_scaler {
-            if let Some(note) = scaler.restore(state, restored.precision.as_ref()) {
-                console.line(&note);
-            }
-        }
-        console.line(&format!(
-            "resumed from {} (step {})",
-            restored.path.display(),
-            restored.step
-        ));
-    }
-    // Written once the checkpoint (if any) has been accepted, so a refused --set never replaces the
-    // run's config.
-    write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
-    write_atomic(
-        &run_dir.join("precision.json"),
-        serde_json::to_string_pretty(&recipe)?.as_bytes(),
-    )?;
-    let mut metrics = Metrics::open(run_dir, opts.resume.then_some(start_step))?;
-
-    let params = cfg.model.num_params(vocab);
-    let flops_per_token = cfg.model.flops_per_token(vocab);
-    let tokens_per_step = cfg.tokens_per_step();
-    let steps = cfg.training.steps as u64;
-    console.line(&format!(
-        "model: {} parameters ({} layers, {} heads, width {}, context {}, {:?} MLP; {:?} kernels, {:?} attention); {} tokens/step; device {}",
-        human(params as f64),
-        cfg.model.n_layer,
-        cfg.model.n_head,
-        cfg.model.d_model,
-        cfg.model.context,
-        cfg.model.mlp,
-        cfg.model.kernels,
-        cfg.model.attention,
-        tokens_per_step,
-        opts.device_name
-    ));
-    console.line(&format!("precision: {}", recipe.describe()));
-    {
-        let probe = burn::tensor::Tensor::<B, 2>::zeros(
-            [1, 1],
-            (&device, burn::tensor::DType::from(compute_dtype)),
-        );
-        console.line(&format!(
-            "GEMMs: {} (model.gemm = \"{}\")",
-            kernels::gemm::gemm_path(&probe, cfg.model.gemm.engine()),
-            cfg.model.gemm.name()
-        ));
-        if let Recipe::Fp8(_) = &recipe {
-            console.line(&format!("FP8 GEMMs: {}", fp8_gemm_path_name::<B>(&device)));
-        }
-    }
-    if start_step >= steps {
-        console.line(&format!(
-            "nothing to do: the run already has {start_step} of {steps} steps"
-        ));
-    }
-
-    let bar = if opts.verbose && std::io::stderr().is_terminal() {
-        let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
-        b.set_style(
-            ProgressStyle::with_template(
-                "{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}",
-            )
-            .expect("valid template"),
-        );
-        b.set_position(start_step);
-        Some(b)
-    } else {
-        None
-    };
-    let console = Console {
-        bar,
-        verbose: opts.verbose,
-    };
-
-    let plot_title = format!(
-        "{} ({})",
-        run_dir
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default(),
-        opts.device_name
-    );
-    let session_start = Instant::now();
-    let mut tok_rates = Vec::new();
-    let mut first_step_s = f64::NAN;
-    let mut last_loss = f64::NAN;
-    let mut last_val = None;
-    let mut completed = start_step;
-    let mut peak_memory: Option<u64> = None;
-    let accum = cfg.training.grad_accum;
-    let end = opts.stop_at.map_or(steps, |s| s.min(steps));
-    for step in start_step..end {
-        if step == start_step && !opts.device_name.starts_with("CPU") {
-            console.line(&format!(
-                "step {}: compiling the GPU kernels at this model's shapes (once per shape)...",
-                step + 1
-            ));
-        }
-        let t0 = Instant::now();
-        let lr = lr_at(cfg, step as usize);
-        // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats them.
-        B::seed(
-            &device,
-            SplitMix64::for_stream(cfg.seed, 3, step).next_u64(),
-        );
-
-        // The compute copy (weights cast to the compute dtype once per step; the master itself
-        // for fp32) runs forward and backward; its gradients arrive under the master's ids.
-        // With the fused optimizer the copies written by the last step are reused (a resumed or
-        // first step, or one after a skipped step with no copies, casts).
-        // FP8 health steps: the projections also record their inputs' FP8 health.
-        let health_step = match &recipe {
-            Recipe::Fp8(r) => {
-                r.fp8.health_interval > 0 && ((step + 1) % r.fp8.health_interval == 0 || step == 0)
-            }
-            _ => false,
-        };
-        let probe = health_step.then(|| std::sync::Arc::new(std::sync::Mutex::new(Vec::new())));
-        // fp16 and bf16 numerics steps: the projections tap their output gradients, and the
-        // weight gradients are measured before they are cast to f32 (first micro-batch only).
-        let numerics_step = !matches!(recipe, Recipe::Fp8(_))
-            && compute_dtype != FloatDType::F32
-            && cfg.training.numerics_interval > 0
-            && ((step + 1) % cfg.training.numerics_interval == 0 || step == 0);
-        let taps = numerics_step.then(model::layers::grad_taps);
-        let mut numerics_stats: Vec<(String, Tensor<B::InnerBackend, 1>)> = Vec::new();
-        let compute = model
-            .compute_copy_with(compute_dtype, &|id| {
-                opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
-            })
-            .with_fp8(fp8_linear)
-            .with_fp8_probe(probe.clone())
-            .with_grad_taps(taps.clone());
-        let scale = scaler.scale();
-        let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
-        let mut micro_grads = |index: u64| {
-            let (x, y) = data.train_batch::<B>(
-                cfg.seed,
-                index,
-                cfg.training.batch_size,
-                cfg.model.context,
-                &device,
-            );
-            let loss = compute.forward_loss(x, y);
-            model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
-            let l = loss.clone().inner();
-            loss_sum = Some(match loss_sum.take() {
-                Some(s) => s + l,
-                None => l,
-            });
-            let factor = scale / accum as f64;
-            let loss = if factor == 1.0 {
-                loss
-            } else {
-                loss.mul_scalar(factor)
-            };
-            let raw = loss.backward();
-            if let Some(taps) = &taps {
-                let tapped = model::layers::take_taps::<B>(taps);
-                if numerics_stats.is_empty() {
-                    for (name, tap) in tapped {
-                        if let Some(g) = tap.grad(&raw) {
-                            let s = crate::numerics::stats(g, compute_dtype);
-                            numerics_stats.push((format!("{name}.grad_output"), s));
-                        }
-                    }
-                }
-            }
-            let mut g = GradientsParams::from_grads(raw, &compute);
-            if taps.is_some()
-                && !numerics_stats
-                    .iter()
-                    .any(|(n, _)| n.ends_with(".weight_grad"))
-            {
-                for (name, lin) in compute.projections() {
-                    if let Some(w) = g.get::<B::InnerBackend, 2>(lin.weight.id) {
-                        let s = crate::numerics::stats(w, compute_dtype);
-                        numerics_stats.push((format!("{name}.weight_grad"), s));
-                    }
-                }
-            }
-            grads_to_f32::<B, _>(&model, &mut g);
-            g
-        };
-        let mut grads = if accum == 1 {
-            micro_grads(step)
-        } else {
-            let mut acc = GradientsAccumulator::<Gpt<B>>::new();
-            for micro in 0..accum {
-                acc.accumulate(&model, micro_grads(step * accum as u64 + micro as u64));
-            }
-            acc.grads()
-        };
-        drop(compute);
-        let numerics = taps
-            .is_some()
-            .then(|| crate::numerics::read(numerics_stats));
-        if opts.poison_steps.contains(&(step + 1)) {
-            poison_grads::<B, _>(&model, &mut grads);
-        }
-        let scaled_norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
-
-        // One read-back per step: [mean loss, scaled grad norm]. It tells whether the gradients are
-        // finite (a single inf or NaN makes the norm non-finite), and it synchronises, so the
-        // timing is real.
-        let loss_mean = loss_sum
-            .expect("at least one micro-batch")
-            .div_scalar(accum as f64);
-        let stats = Tensor::cat(vec![loss_mean, scaled_norm.clone()], 0);
-        // Without loss scaling a non-finite step ends the run and nothing of it is kept (the last
-        // checkpoint stays as it was), so the update is queued before the read-back: the GPU runs
-        // it while the host waits, instead of idling while the host queues it afterwards. With
-        // loss scaling the verdict decides whether the update runs at all.
-        let mut update = Some((grads, scaled_norm));
-        if scaler.setting.is_off() {
-            let (grads, norm) = update.take().expect("not taken yet");
-            model = opt.step::<B, _>(lr, model, grads, norm, scale);
-        }
-        let stats: Vec<f64> = stats
-            .into_data()
-            .convert::<f64>()
-            .into_vec()
-            .expect("f64 stats");
-        let (loss, grad_norm) = (stats[0], stats[1] / scale);
-        let finite = loss.is_finite() && grad_norm.is_finite();
-        let skipped = match scaler.update(finite, step + 1) {
-            Verdict::Apply => {
-                if let Some((grads, norm)) = update {
-                    model = opt.step::<B, _>(lr, model, grads, norm, scale);
-                }
-                false
-            }
-            Verdict::Skip => true,
-            Verdict::Stop(why) if scaler.setting.is_off() => {
-                let hint = if recipe.name() == "fp16" {
-                    "; FP16 without loss scaling overflows easily: set loss_scale.mode = \"dynamic\""
-                } else {
-                    ""
-                };
-                bail!(
-                    "training diverged at step {}: loss {loss}, gradient norm {grad_norm} ({why}); no checkpoint was written for it. \
-                     Lower optimizer.lr or check the data{hint}",
-                    step + 1
-                );
-            }
-            Verdict::Stop(why) => bail!("{why}; no checkpoint was written for step {}", step + 1),
-        };
-        let dt = t0.elapsed().as_secs_f64();
-        let memory_reserved = B::memory_reserved(&device);
-        peak_memory = peak_memory.max(memory_reserved);
-        if step == start_step {
-            first_step_s = dt;
-        }
-        let tps = tokens_per_step as f64 / dt;
-        if step >= start_step + 3 {
-            tok_rates.push(tps);
-        }
-        let mfu = opts.peak_tflops.map(|p| flops_per_token * tps / (p * 1e12));
-        last_loss = loss;
-        let done = step + 1;
-        completed = done;
-
-        let is_last = done == steps;
-        let session_end = done == end;
-        let eval_now = is_last
-            || (cfg.training.eval_interval > 0 && done % cfg.training.eval_interval as u64 == 0);
-        let val_loss = eval_now.then(|| {
-            evaluate(
-                &model.compute_copy(compute_dtype).with_fp8(fp8_linear),
-                &data,
-                cfg,
-            )
-        });
-        let fp8_health = match (health_step, fp8_linear) {
-            (true, Some(lin)) => {
-                let mut all = fp8_weight_health(&model, compute_dtype, &lin);
-                // Inputs and output gradients: the first micro-batch's entry per layer.
-                let recorded = probe
-                    .map(|p| std::mem::take(&mut *p.lock().unwrap_or_else(|e| e.into_inner())))
-                    .unwrap_or_default();
-                let mut seen = HashSet::new();
-                for (layer, h) in recorded {
-                    if seen.insert(layer.clone()) {
-                        all.push(crate::metrics::LayerHealth {
-                            layer,
-                            amax: h.amax,
-                            underflow: h.underflow,
-                            saturated: h.saturated,
-                        });
-                    }
-                }
-                Some(all)
-            }
-            _ => None,
-        };
-        if let Some(v) = val_loss {
-            best_val = Some(best_val.map_or(v, |b: f64| b.min(v)));
-            last_val = Some(v);
-        }
-        metrics.record(&StepRecord {
-            step: done,
-            loss,
-            lr,
-            grad_norm,
-            precision: recipe.name().to_string(),
-            loss_scale: scale,
-            skipped,
-            overflows: scaler.state.overflows,
-            tokens_per_s: tps,
-            step_ms: dt * 1e3,
-            mfu,
-            val_loss,
-            fp8: fp8_health.clone(),
-            numerics: numerics.clone(),
-            memory_reserved,
-        })?;
-
-        if done % cfg.training.log_interval as u64 == 0 || is_last || done == start_step + 1 {
-            let mfu_s = mfu.map_or("-".to_string(), |m| format!("{:.1}%", m * 100.0));
-            let scaling = if scaler.setting.is_off() {
-                String::new()
-            } else {
-                format!(" | scale {scale} | skipped {}", scaler.state.overflows)
-            };
-            console.line(&format!(
-                "step {done:>6}/{steps} | loss {loss:.4} | lr {lr:.2e} | grad-norm {grad_norm:.3}{scaling} | {} tok/s | MFU {mfu_s} | {:.0} ms/step",
-                human(tps),
-                dt * 1e3
-            ));
-        }
-        if let Some(h) = &fp8_health {
-            console.line(&health_line("fp8  ", done, steps, h));
-        }
-        if let Some(h) = &numerics {
-            console.line(&health_line(recipe.name(), done, steps, h));
-        }
-        if let Some(v) = val_loss {
-            console.line(&format!(
-                "eval  {done:>6}/{steps} | val_loss {v:.4} | best {:.4}",
-                best_val.unwrap_or(v)
-            ));
-            metrics.plot(run_dir, &plot_title)?;
-        }
-        let ckpt_now = is_last
-            || session_end
-            || (cfg.training.checkpoint_interval > 0
-                && done % cfg.training.checkpoint_interval as u64 == 0);
-        if ckpt_now {
-            let elapsed = elapsed_before + session_start.elapsed().as_secs_f64();
-            checkpoint::save::<B, _>(
-                run_dir,
-                &model,
-                &opt,
-                cfg,
-                vocab,
-                done,
-                best_val,
-                elapsed,
-                cfg.training.keep_checkpoints,
-                (&recipe, &scaler.state),
-            )?;
-        }
-        if let Some(b) = &console.bar {
-            b.set_position(done);
-            b.set_message(format!("loss {loss:.4}"));
-        }
-    }
-    if let Some(b) = &console.bar {
-        b.finish_and_clear();
-    }
-    metrics.plot(run_dir, &plot_title)?;
-
-    tok_rates.sort_by(|a, b| a.partial_cmp(b).expect("finite rates"));
-    let summary = Summary {
-        steps: completed,
-        final_loss: last_loss,
-        best_val_loss: best_val,
-        final_val_loss: last_val,
-        wall_s: elapsed_before + session_start.elapsed().as_secs_f64(),
-        median_tokens_per_s: tok_rates
-            .get(tok_rates.len() / 2)
-            .copied()
-            .unwrap_or(f64::NAN),
-        first_step_s,
-        params,
-        device: opts.device_name.clone(),
-        resumed_from,
-        precision: recipe.clone(),
-        skipped_steps: scaler.state.overflows,
-        final_loss_scale: scaler.scale(),
-        peak_memory_reserved: peak_memory,
-    };
-    write_atomic(
-        &run_dir.join("summary.json"),
-        serde_json::to_string_pretty(&summary)?.as_bytes(),
-    )?;
-    Ok(summary)
 }
 
 /// The path the FP8 recipe's GEMMs take on `device` (see `kernels::fp8_gemm_path`), for the log.
