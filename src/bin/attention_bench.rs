@@ -31,7 +31,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, FloatDType, Tensor};
 use clap::Parser;
-use kernels::KernelOps;
+use kernels::AttentionKernels;
 
 type C = Cuda;
 type A = Autodiff<Cuda>;

@@ -143,7 +143,7 @@ fn main() {
                     let (wc1, wc2) = (wc.clone(), wc.clone());
                     // The backward kernel alone, on the plain backend.
                     {
-                        use kernels::KernelOps;
+                        use kernels::RmsNormKernels;
                         let prim = |t: Tensor<C, 2>| t.into_primitive().tensor();
                         let x = randn::<C, 2>([r, c], dt, &dev);
                         let dy = randn::<C, 2>([r, c], dt, &dev);

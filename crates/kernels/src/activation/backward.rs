@@ -114,3 +114,22 @@ pub(crate) fn gelu<B: KernelOps, C: CheckpointStrategy>(
         OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }
+
+impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
+    super::ActivationOps for burn::backend::Autodiff<B, C>
+{
+    fn fused_swiglu(
+        gate: burn::tensor::ops::FloatTensor<Self>,
+        up: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        swiglu::<B, C>(gate, up)
+    }
+    fn fused_swiglu_packed(
+        gate_up: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        swiglu_packed::<B, C>(gate_up)
+    }
+    fn fused_gelu(x: burn::tensor::ops::FloatTensor<Self>) -> burn::tensor::ops::FloatTensor<Self> {
+        gelu::<B, C>(x)
+    }
+}

@@ -209,3 +209,66 @@ pub(crate) fn gelu_backward<R: CubeRuntime>(x: CubeTensor<R>, dy: CubeTensor<R>)
     );
     dx
 }
+
+fn gate_up<R: CubeRuntime>(gate: CubeTensor<R>, up: Option<CubeTensor<R>>) -> GateUp<R> {
+    match up {
+        Some(up) => GateUp::Split { gate, up },
+        None => GateUp::Packed(gate),
+    }
+}
+
+impl<R, F, I, BT> super::ActivationKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn swiglu_forward(
+        gate: burn::tensor::ops::FloatTensor<Self>,
+        up: Option<burn::tensor::ops::FloatTensor<Self>>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        swiglu_forward(gate_up(gate, up))
+    }
+    fn swiglu_backward(
+        gate: burn::tensor::ops::FloatTensor<Self>,
+        up: Option<burn::tensor::ops::FloatTensor<Self>>,
+        dy: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        swiglu_backward(gate_up(gate, up), dy)
+    }
+    fn gelu_erf_forward(
+        x: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        gelu_forward(x)
+    }
+    fn gelu_erf_backward(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        dy: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        gelu_backward(x, dy)
+    }
+}
+
+impl<R, F, I, BT> super::ActivationOps for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn fused_swiglu(
+        gate: burn::tensor::ops::FloatTensor<Self>,
+        up: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        swiglu_forward(gate_up(gate, Some(up)))
+    }
+    fn fused_swiglu_packed(
+        gate_up_packed: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        swiglu_forward(gate_up(gate_up_packed, None))
+    }
+    fn fused_gelu(x: burn::tensor::ops::FloatTensor<Self>) -> burn::tensor::ops::FloatTensor<Self> {
+        gelu_forward(x)
+    }
+}

@@ -124,3 +124,29 @@ pub(crate) fn step<R: CubeRuntime>(
     );
     (p_out, m_out, v_out, copy)
 }
+
+impl<R, F, I, BT> super::AdamWOps for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    #[allow(clippy::type_complexity)]
+    fn fused_adamw_step(
+        param: burn::tensor::ops::FloatTensor<Self>,
+        grad: burn::tensor::ops::FloatTensor<Self>,
+        m: burn::tensor::ops::FloatTensor<Self>,
+        v: burn::tensor::ops::FloatTensor<Self>,
+        factor: burn::tensor::ops::FloatTensor<Self>,
+        hp: &AdamWStep,
+        copy_dtype: Option<burn::tensor::FloatDType>,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+        Option<burn::tensor::ops::FloatTensor<Self>>,
+    ) {
+        step(param, grad, m, v, factor, hp, copy_dtype.map(Into::into))
+    }
+}

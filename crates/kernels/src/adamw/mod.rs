@@ -69,3 +69,41 @@ pub fn reference<B: BurnBackend, const D: usize>(
         copy,
     }
 }
+
+/// The fused AdamW step on a backend ([`crate::adamw_step`]). The default runs the reference;
+/// `CubeBackend` overrides it with the kernel. It works on the optimizer's tensors, so `Autodiff`
+/// keeps the default (the trainer calls it on the inner backend).
+pub trait AdamWOps: BurnBackend {
+    #[allow(clippy::type_complexity)]
+    fn fused_adamw_step(
+        param: burn::tensor::ops::FloatTensor<Self>,
+        grad: burn::tensor::ops::FloatTensor<Self>,
+        m: burn::tensor::ops::FloatTensor<Self>,
+        v: burn::tensor::ops::FloatTensor<Self>,
+        factor: burn::tensor::ops::FloatTensor<Self>,
+        hp: &AdamWStep,
+        copy_dtype: Option<FloatDType>,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+        Option<burn::tensor::ops::FloatTensor<Self>>,
+    ) {
+        let (p, shape) = crate::as_2d::<Self>(param);
+        let (g, _) = crate::as_2d::<Self>(grad);
+        let (m, _) = crate::as_2d::<Self>(m);
+        let (v, _) = crate::as_2d::<Self>(v);
+        let out = reference(p, g, m, v, crate::tensor(factor), hp, copy_dtype);
+        (
+            crate::from_2d(out.param, shape.clone()),
+            crate::from_2d(out.m, shape.clone()),
+            crate::from_2d(out.v, shape.clone()),
+            out.copy.map(|c| crate::from_2d(c, shape)),
+        )
+    }
+}
+
+impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
+    AdamWOps for burn::backend::Autodiff<B, C>
+{
+}

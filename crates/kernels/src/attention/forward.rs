@@ -613,6 +613,64 @@ pub(crate) fn backward<R: CubeRuntime>(
     (dq, dk, dv)
 }
 
+impl<R, F, I, BT> super::AttentionKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn flash_attention_forward(
+        q: burn::tensor::ops::FloatTensor<Self>,
+        k: burn::tensor::ops::FloatTensor<Self>,
+        v: burn::tensor::ops::FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        forward(q, k, v, causal, scale)
+    }
+    fn flash_attention_backward(
+        q: burn::tensor::ops::FloatTensor<Self>,
+        k: burn::tensor::ops::FloatTensor<Self>,
+        v: burn::tensor::ops::FloatTensor<Self>,
+        out: burn::tensor::ops::FloatTensor<Self>,
+        lse: burn::tensor::ops::FloatTensor<Self>,
+        grad: burn::tensor::ops::FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        backward(q, k, v, out, lse, grad, causal, scale)
+    }
+}
+
+impl<R, F, I, BT> super::AttentionOps for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn fused_flash_attention(
+        q: burn::tensor::ops::FloatTensor<Self>,
+        k: burn::tensor::ops::FloatTensor<Self>,
+        v: burn::tensor::ops::FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        forward(q, k, v, causal, scale as f32).0
+    }
+    fn flash_path(q: &burn::tensor::ops::FloatTensor<Self>) -> Option<FlashPath> {
+        Some(path(q))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::MmaTiles;

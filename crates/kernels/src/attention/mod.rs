@@ -92,3 +92,61 @@ pub fn reference_lse<B: BurnBackend>(
     let lse = (s - m.clone()).exp().sum_dim(3).log() + m;
     lse.squeeze_dim::<3>(3)
 }
+
+/// FlashAttention on a backend ([`crate::flash_attention`]). The defaults run the reference;
+/// `CubeBackend` overrides them with the kernels and `Autodiff` with the kernels and their
+/// backward.
+pub trait AttentionOps: BurnBackend {
+    fn fused_flash_attention(
+        q: burn::tensor::ops::FloatTensor<Self>,
+        k: burn::tensor::ops::FloatTensor<Self>,
+        v: burn::tensor::ops::FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        crate::prim(reference::<Self>(
+            crate::tensor(q),
+            crate::tensor(k),
+            crate::tensor(v),
+            causal,
+            Some(scale),
+        ))
+    }
+
+    /// The FlashAttention kernels `q` would run on; `None` where the reference runs.
+    fn flash_path(_q: &burn::tensor::ops::FloatTensor<Self>) -> Option<FlashPath> {
+        None
+    }
+}
+
+/// The FlashAttention kernels' launches without autodiff, which the `Autodiff` implementation
+/// records.
+pub trait AttentionKernels: AttentionOps {
+    /// `(out, lse)` of FlashAttention (lse f32 `[batch, heads, seq_q]`).
+    fn flash_attention_forward(
+        q: burn::tensor::ops::FloatTensor<Self>,
+        k: burn::tensor::ops::FloatTensor<Self>,
+        v: burn::tensor::ops::FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    );
+    /// `(dq, dk, dv)` of FlashAttention from the forward's output and log-sum-exp.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        q: burn::tensor::ops::FloatTensor<Self>,
+        k: burn::tensor::ops::FloatTensor<Self>,
+        v: burn::tensor::ops::FloatTensor<Self>,
+        out: burn::tensor::ops::FloatTensor<Self>,
+        lse: burn::tensor::ops::FloatTensor<Self>,
+        grad: burn::tensor::ops::FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    );
+}

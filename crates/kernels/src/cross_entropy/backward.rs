@@ -44,3 +44,15 @@ pub(crate) fn cross_entropy<B: KernelOps, C: CheckpointStrategy>(
         OpsKind::UnTracked(prep) => prep.finish(loss),
     }
 }
+
+impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
+    super::CrossEntropyOps for burn::backend::Autodiff<B, C>
+{
+    fn fused_cross_entropy(
+        logits: burn::tensor::ops::FloatTensor<Self>,
+        targets: burn::tensor::ops::IntTensor<Self>,
+        z_loss: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        cross_entropy::<B, C>(logits, targets, z_loss)
+    }
+}

@@ -160,3 +160,47 @@ pub(crate) fn backward<R: CubeRuntime>(
     );
     d
 }
+
+impl<R, F, I, BT> super::CrossEntropyKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn cross_entropy_forward(
+        logits: burn::tensor::ops::FloatTensor<Self>,
+        targets: burn::tensor::ops::IntTensor<Self>,
+        z_loss: f64,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        forward(logits, targets, z_loss)
+    }
+    fn cross_entropy_backward(
+        logits: burn::tensor::ops::FloatTensor<Self>,
+        targets: burn::tensor::ops::IntTensor<Self>,
+        lse: burn::tensor::ops::FloatTensor<Self>,
+        dloss: burn::tensor::ops::FloatTensor<Self>,
+        z_loss: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        backward(logits, targets, lse, dloss, z_loss)
+    }
+}
+
+impl<R, F, I, BT> super::CrossEntropyOps for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn fused_cross_entropy(
+        logits: burn::tensor::ops::FloatTensor<Self>,
+        targets: burn::tensor::ops::IntTensor<Self>,
+        z_loss: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        forward(logits, targets, z_loss).0
+    }
+}

@@ -47,3 +47,40 @@ pub fn reference_log_softmax<B: BurnBackend>(
     let logp = log_softmax(logits.cast(FloatDType::F32), 1);
     logp.gather(1, targets.reshape([rows, 1])).mean().neg()
 }
+
+/// Cross-entropy on a backend ([`crate::cross_entropy`]). The default runs the reference;
+/// `CubeBackend` overrides it with the kernel and `Autodiff` with the kernel and its backward.
+pub trait CrossEntropyOps: BurnBackend {
+    fn fused_cross_entropy(
+        logits: burn::tensor::ops::FloatTensor<Self>,
+        targets: burn::tensor::ops::IntTensor<Self>,
+        z_loss: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        crate::prim(reference::<Self>(
+            crate::tensor(logits),
+            burn::tensor::Tensor::from_primitive(targets),
+            z_loss,
+        ))
+    }
+}
+
+/// The cross-entropy kernels' launches without autodiff, which the `Autodiff` implementation
+/// records.
+pub trait CrossEntropyKernels: CrossEntropyOps {
+    /// `(per-row loss, per-row log-sum-exp)`, both f32.
+    fn cross_entropy_forward(
+        logits: burn::tensor::ops::FloatTensor<Self>,
+        targets: burn::tensor::ops::IntTensor<Self>,
+        z_loss: f64,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    );
+    fn cross_entropy_backward(
+        logits: burn::tensor::ops::FloatTensor<Self>,
+        targets: burn::tensor::ops::IntTensor<Self>,
+        lse: burn::tensor::ops::FloatTensor<Self>,
+        dloss: burn::tensor::ops::FloatTensor<Self>,
+        z_loss: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self>;
+}

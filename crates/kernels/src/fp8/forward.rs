@@ -345,3 +345,64 @@ where
         Err(Refused::NotApplicable) => None,
     }
 }
+
+impl<R, F, I, BT> super::Fp8Ops for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn fp8_quantize(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        spec: &QuantSpec,
+    ) -> (
+        burn::tensor::ops::IntTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        quantize(x, spec)
+    }
+    fn fp8_dequantize(
+        payload: burn::tensor::ops::IntTensor<Self>,
+        scales: burn::tensor::ops::FloatTensor<Self>,
+        rows: usize,
+        k_out: usize,
+        spec: &QuantSpec,
+        dtype: FloatDType,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        dequantize(payload, scales, rows, k_out, spec, dtype)
+    }
+    fn fp8_mma_supported(payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+        mma_supported(payload)
+    }
+    fn fp8_gemm_mma(
+        a: burn::tensor::ops::IntTensor<Self>,
+        sa: burn::tensor::ops::FloatTensor<Self>,
+        a_spec: &QuantSpec,
+        b: burn::tensor::ops::IntTensor<Self>,
+        sb: burn::tensor::ops::FloatTensor<Self>,
+        b_spec: &QuantSpec,
+        m: usize,
+        n: usize,
+        out: FloatDType,
+    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+        gemm_mma(a, sa, a_spec, b, sb, b_spec, m, n, out)
+    }
+    fn fp8_cublaslt_supported(payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+        crate::gemm::cublaslt::as_cuda(payload)
+            .is_some_and(crate::gemm::cublaslt::fp8_block_scaling_supported)
+    }
+    fn fp8_gemm_cublaslt(
+        a: burn::tensor::ops::IntTensor<Self>,
+        sa: burn::tensor::ops::FloatTensor<Self>,
+        a_spec: &QuantSpec,
+        b: burn::tensor::ops::IntTensor<Self>,
+        sb: burn::tensor::ops::FloatTensor<Self>,
+        b_spec: &QuantSpec,
+        m: usize,
+        n: usize,
+        out: FloatDType,
+    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+        gemm_cublaslt::<R, F, I, BT>(a, sa, a_spec, b, sb, b_spec, m, n, out)
+    }
+}

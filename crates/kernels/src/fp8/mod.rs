@@ -37,9 +37,9 @@
 //! **Linear** ([`fp8_linear`]): `x [t, in] w [in, out]` with the fprop, dgrad and wgrad GEMMs in FP8,
 //! each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
 
+pub(crate) mod backward;
 pub(crate) mod forward;
 pub(crate) mod kernel;
-pub(crate) mod linear;
 mod mma;
 pub use mma::MmaShape;
 pub mod reference;
@@ -593,4 +593,130 @@ fn scalar<B: BurnBackend>(t: Tensor<B, 1>) -> f64 {
         .to_vec::<f32>()
         .map(|v| v[0] as f64)
         .unwrap_or(f64::NAN)
+}
+
+/// The FP8 ops on a backend ([`fp8_quantize`], [`fp8_gemm`], [`fp8_linear`]). The defaults run
+/// the CPU reference codec and report the device paths as absent; `CubeBackend` overrides them
+/// with the quantizer kernels and the tensor-core and cuBLASLt GEMMs, and `Autodiff` records the
+/// FP8 linear layer's backward.
+pub trait Fp8Ops: BurnBackend {
+    /// `(payload, scales)` of [`fp8_quantize`] for a 2-D `x` (the CPU reference by default).
+    fn fp8_quantize(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        spec: &QuantSpec,
+    ) -> (
+        burn::tensor::ops::IntTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
+        let [r, c] = t.dims();
+        let device = t.device();
+        let data = t
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 data");
+        let (words, scales) = reference::quantize(&data, r, c, spec);
+        let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
+        let width = k.div_ceil(TILE) * TILE / 4;
+        let words: Vec<i32> = words.into_iter().map(|w| w as i32).collect();
+        let payload =
+            Tensor::<Self, 2, Int>::from_data(TensorData::new(words, [rows, width]), &device);
+        let shape = [spec.scale_rows(rows), spec.scale_cols(k)];
+        let scales =
+            Tensor::<Self, 2>::from_data(TensorData::new(scales, shape), (&device, DType::F32));
+        (payload.into_primitive(), crate::prim(scales))
+    }
+
+    /// `[rows, k_out]` values of an FP8 payload in `dtype` (the CPU reference by default).
+    fn fp8_dequantize(
+        payload: burn::tensor::ops::IntTensor<Self>,
+        scales: burn::tensor::ops::FloatTensor<Self>,
+        rows: usize,
+        k_out: usize,
+        spec: &QuantSpec,
+        dtype: FloatDType,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        let payload = Tensor::<Self, 2, Int>::from_primitive(payload);
+        let device = payload.device();
+        let width = payload.dims()[1];
+        let words = words_of(payload.into_data());
+        let scales = crate::tensor::<Self, 2>(scales)
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 scales");
+        let full = reference::dequantize(&words, &scales, rows, width * 4, spec);
+        let values: Vec<f32> = full
+            .chunks(width * 4)
+            .flat_map(|row| row[..k_out].iter().copied())
+            .collect();
+        crate::prim(
+            Tensor::<Self, 2>::from_data(
+                TensorData::new(values, [rows, k_out]),
+                (&device, DType::F32),
+            )
+            .cast(dtype),
+        )
+    }
+
+    /// Whether the device has the FP8 tensor-core GEMM.
+    fn fp8_mma_supported(_payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+        false
+    }
+
+    /// The FP8 tensor-core GEMM `[m, k] x [n, k]^T`, or `None` where it does not apply.
+    #[allow(clippy::too_many_arguments)]
+    fn fp8_gemm_mma(
+        _a: burn::tensor::ops::IntTensor<Self>,
+        _sa: burn::tensor::ops::FloatTensor<Self>,
+        _a_spec: &QuantSpec,
+        _b: burn::tensor::ops::IntTensor<Self>,
+        _sb: burn::tensor::ops::FloatTensor<Self>,
+        _b_spec: &QuantSpec,
+        _m: usize,
+        _n: usize,
+        _out: FloatDType,
+    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+        None
+    }
+
+    /// Whether the device has cuBLASLt's block-scaled FP8 GEMM (CUDA, Hopper, cuBLASLt 12.9+).
+    fn fp8_cublaslt_supported(_payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+        false
+    }
+
+    /// The FP8 GEMM `[m, k] x [n, k]^T` on cuBLASLt, or `None` where it does not apply.
+    #[allow(clippy::too_many_arguments)]
+    fn fp8_gemm_cublaslt(
+        _a: burn::tensor::ops::IntTensor<Self>,
+        _sa: burn::tensor::ops::FloatTensor<Self>,
+        _a_spec: &QuantSpec,
+        _b: burn::tensor::ops::IntTensor<Self>,
+        _sb: burn::tensor::ops::FloatTensor<Self>,
+        _b_spec: &QuantSpec,
+        _m: usize,
+        _n: usize,
+        _out: FloatDType,
+    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+        None
+    }
+
+    /// [`fp8_linear`]; by default its forward only (backends without autodiff). Under `Autodiff`,
+    /// `probe` receives the output gradient's health in the backward.
+    fn fp8_linear(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        w: burn::tensor::ops::FloatTensor<Self>,
+        cfg: &Fp8LinearConfig,
+        _probe: Option<Fp8Probe>,
+    ) -> burn::tensor::ops::FloatTensor<Self>
+    where
+        Self: Backend,
+    {
+        crate::prim(backward::fprop::<Self>(
+            crate::tensor(x),
+            crate::tensor(w),
+            cfg,
+        ))
+    }
 }

@@ -88,3 +88,20 @@ pub(crate) fn gemm<B: Backend, C: CheckpointStrategy>(
         OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }
+
+impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
+    super::GemmOps for burn::backend::Autodiff<B, C>
+{
+    fn gemm(
+        a: burn::tensor::ops::FloatTensor<Self>,
+        b: burn::tensor::ops::FloatTensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+        engine: Gemm,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        gemm::<B, C>(a, b, trans_a, trans_b, engine)
+    }
+    fn gemm_path(a: &burn::tensor::ops::FloatTensor<Self>, engine: Gemm) -> super::GemmPath {
+        B::gemm_path(&a.primitive, engine)
+    }
+}

@@ -28,13 +28,12 @@
 
 pub(crate) mod backward;
 pub(crate) mod cublaslt;
+pub(crate) mod forward;
 
 pub use cublaslt::ORDER_ENV;
 
 use burn::tensor::backend::Backend as BurnBackend;
-use burn::tensor::{DType, Tensor};
-use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn::tensor::{DType, Tensor, TensorMetadata};
 
 use crate::check::{check_float, check_same_dtype, fail};
 use crate::Backend;
@@ -219,66 +218,28 @@ pub(crate) fn burn_only(engine: Gemm, dtype: DType) -> GemmPath {
     GemmPath::Burn
 }
 
-/// [`Backend::gemm`] on `CubeBackend`: cuBLASLt for CUDA tensors unless `engine` is `Burn`.
-pub(crate) fn cube<R, F, I, BT>(
-    a: CubeTensor<R>,
-    b: CubeTensor<R>,
-    trans_a: bool,
-    trans_b: bool,
-    engine: Gemm,
-) -> CubeTensor<R>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    if engine != Gemm::Burn {
-        match (cublaslt::as_cuda(&a), cublaslt::as_cuda(&b)) {
-            (Some(ca), Some(cb)) => {
-                if engine == Gemm::CublasLt {
-                    if let Err(why) = cublaslt::library() {
-                        fail("gemm", format!("Gemm::CublasLt: {why}"));
-                    }
-                }
-                match cublaslt::gemm(ca.clone(), cb.clone(), trans_a, trans_b) {
-                    Ok(out) => return cublaslt::from_cuda(out),
-                    Err(cublaslt::Refused::Unsupported(why)) => cublaslt::fell_back(format!(
-                        "kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"
-                    )),
-                    Err(cublaslt::Refused::NotApplicable) => {}
-                }
-            }
-            _ => {
-                burn_only(engine, a.dtype);
-            }
-        }
+/// GEMMs on a backend ([`gemm()`], [`linear`]). The defaults run Burn's matmul; `CubeBackend`
+/// overrides them with cuBLASLt on CUDA and `Autodiff` records their backward GEMMs.
+pub trait GemmOps: BurnBackend {
+    /// `op(a) op(b)` of [`gemm()`]; Burn's matmul by default.
+    fn gemm(
+        a: burn::tensor::ops::FloatTensor<Self>,
+        b: burn::tensor::ops::FloatTensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+        engine: Gemm,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        burn_only(engine, a.dtype());
+        crate::prim(reference::<Self>(
+            crate::tensor(a),
+            crate::tensor(b),
+            trans_a,
+            trans_b,
+        ))
     }
-    crate::prim(reference::<CubeBackend<R, F, I, BT>>(
-        crate::tensor(a),
-        crate::tensor(b),
-        trans_a,
-        trans_b,
-    ))
-}
 
-/// [`Backend::gemm_path`] on `CubeBackend`.
-pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> GemmPath {
-    if engine == Gemm::Burn {
-        return GemmPath::Burn;
-    }
-    if cublaslt::as_cuda(a).is_none() {
-        return burn_only(engine, a.dtype);
-    }
-    if !matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return GemmPath::Burn;
-    }
-    match cublaslt::library() {
-        Ok(_) => match cublaslt::order() {
-            cublaslt::Order::HostSync => GemmPath::CublasLtHostSync,
-            cublaslt::Order::Stream => GemmPath::CublasLtStreamOrdered,
-        },
-        Err(why) if engine == Gemm::CublasLt => fail("gemm", format!("Gemm::CublasLt: {why}")),
-        Err(_) => GemmPath::Burn,
+    /// The engine a GEMM on tensors like `a` runs on with `engine`.
+    fn gemm_path(a: &burn::tensor::ops::FloatTensor<Self>, engine: Gemm) -> GemmPath {
+        burn_only(engine, a.dtype())
     }
 }

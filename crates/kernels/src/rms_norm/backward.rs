@@ -98,3 +98,26 @@ pub(crate) fn add_rms_norm<B: KernelOps, C: CheckpointStrategy>(
     let y = norm_node::<B, C>(sum.clone(), w, y, rstd);
     (sum, y)
 }
+
+impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
+    super::RmsNormOps for burn::backend::Autodiff<B, C>
+{
+    fn fused_rms_norm(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        eps: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        rms_norm::<B, C>(x, weight, eps)
+    }
+    fn fused_add_rms_norm(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        residual: burn::tensor::ops::FloatTensor<Self>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        eps: f64,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        add_rms_norm::<B, C>(x, residual, weight, eps)
+    }
+}

@@ -179,3 +179,65 @@ pub(crate) fn backward<R: CubeRuntime>(
     let dw = crate::launch::sum_rows(dw_part);
     (dx, burn_cubecl::kernel::cast(dw, w_dtype))
 }
+
+impl<R, F, I, BT> super::RmsNormKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    #[allow(clippy::type_complexity)]
+    fn rms_norm_forward(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        residual: Option<burn::tensor::ops::FloatTensor<Self>>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        eps: f64,
+    ) -> (
+        Option<burn::tensor::ops::FloatTensor<Self>>,
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        forward(x, residual, weight, eps)
+    }
+    fn rms_norm_backward(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        rstd: burn::tensor::ops::FloatTensor<Self>,
+        dy: burn::tensor::ops::FloatTensor<Self>,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        backward(x, weight, rstd, dy)
+    }
+}
+
+impl<R, F, I, BT> super::RmsNormOps for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn fused_rms_norm(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        eps: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        <Self as super::RmsNormKernels>::rms_norm_forward(x, None, weight, eps).1
+    }
+    fn fused_add_rms_norm(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        residual: burn::tensor::ops::FloatTensor<Self>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        eps: f64,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        let (s, y, _) =
+            <Self as super::RmsNormKernels>::rms_norm_forward(x, Some(residual), weight, eps);
+        (s.expect("the fused forward returns the sum"), y)
+    }
+}

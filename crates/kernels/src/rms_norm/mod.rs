@@ -36,3 +36,58 @@ pub fn add_reference<B: BurnBackend, const D: usize>(
     let s = x + residual;
     (s.clone(), reference(s, weight, eps))
 }
+
+/// RMSNorm on a backend ([`crate::rms_norm`], [`crate::add_rms_norm`]). The defaults run the
+/// references; `CubeBackend` overrides them with the kernels and `Autodiff` with the kernels and
+/// their backward.
+pub trait RmsNormOps: BurnBackend {
+    fn fused_rms_norm(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        eps: f64,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        let (x, shape) = crate::as_2d::<Self>(x);
+        crate::from_2d(reference(x, crate::tensor(weight), eps), shape)
+    }
+
+    fn fused_add_rms_norm(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        residual: burn::tensor::ops::FloatTensor<Self>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        eps: f64,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    ) {
+        let (x, shape) = crate::as_2d::<Self>(x);
+        let (r, _) = crate::as_2d::<Self>(residual);
+        let (s, y) = add_reference(x, r, crate::tensor(weight), eps);
+        (crate::from_2d(s, shape.clone()), crate::from_2d(y, shape))
+    }
+}
+
+/// The RMSNorm kernels' launches without autodiff, which the `Autodiff` implementation records.
+pub trait RmsNormKernels: RmsNormOps {
+    /// `(x + residual if given, y, 1 / rms per row in f32)`
+    #[allow(clippy::type_complexity)]
+    fn rms_norm_forward(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        residual: Option<burn::tensor::ops::FloatTensor<Self>>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        eps: f64,
+    ) -> (
+        Option<burn::tensor::ops::FloatTensor<Self>>,
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    );
+    /// `(dx, dweight)` from the normalised input, the gain, the saved `1 / rms` and `dy`.
+    fn rms_norm_backward(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        weight: burn::tensor::ops::FloatTensor<Self>,
+        rstd: burn::tensor::ops::FloatTensor<Self>,
+        dy: burn::tensor::ops::FloatTensor<Self>,
+    ) -> (
+        burn::tensor::ops::FloatTensor<Self>,
+        burn::tensor::ops::FloatTensor<Self>,
+    );
+}

@@ -51,3 +51,15 @@ pub(crate) fn rope<B: KernelOps, C: CheckpointStrategy>(
         OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }
+
+impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
+    super::RopeOps for burn::backend::Autodiff<B, C>
+{
+    fn fused_rope(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        cos: burn::tensor::ops::FloatTensor<Self>,
+        sin: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        rope::<B, C>(x, cos, sin)
+    }
+}

@@ -88,3 +88,36 @@ pub(crate) fn rope<R: CubeRuntime>(
     );
     out
 }
+
+impl<R, F, I, BT> super::RopeKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn rope_rotate(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        cos: burn::tensor::ops::FloatTensor<Self>,
+        sin: burn::tensor::ops::FloatTensor<Self>,
+        inverse: bool,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        rope(x, cos, sin, inverse)
+    }
+}
+
+impl<R, F, I, BT> super::RopeOps for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn fused_rope(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        cos: burn::tensor::ops::FloatTensor<Self>,
+        sin: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        rope(x, cos, sin, false)
+    }
+}

@@ -59,3 +59,30 @@ pub fn reference<B: BurnBackend>(
     let r2 = x1 * sin + x2 * cos;
     Tensor::cat(vec![r1, r2], 3).cast(dt)
 }
+
+/// RoPE on a backend ([`crate::rope`]). The default runs the reference; `CubeBackend` overrides it
+/// with the kernel and `Autodiff` with the kernel and its backward (the inverse rotation).
+pub trait RopeOps: BurnBackend {
+    fn fused_rope(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        cos: burn::tensor::ops::FloatTensor<Self>,
+        sin: burn::tensor::ops::FloatTensor<Self>,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        crate::prim(reference::<Self>(
+            crate::tensor(x),
+            crate::tensor(cos),
+            crate::tensor(sin),
+        ))
+    }
+}
+
+/// The RoPE kernel's launch without autodiff, which the `Autodiff` implementation records.
+pub trait RopeKernels: RopeOps {
+    /// Rotary embedding, or its inverse (the backward).
+    fn rope_rotate(
+        x: burn::tensor::ops::FloatTensor<Self>,
+        cos: burn::tensor::ops::FloatTensor<Self>,
+        sin: burn::tensor::ops::FloatTensor<Self>,
+        inverse: bool,
+    ) -> burn::tensor::ops::FloatTensor<Self>;
+}

@@ -1,0 +1,701 @@
+//! The tensor-core FlashAttention backward kernels: dQ, dK/dV, and the f32-to-input dQ cast.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use super::super::kernel::{neg_big, visible};
+use crate::pipeline::{commit, wait_block};
+
+use super::fragments::*;
+
+/// Tensor-core dQ. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp owns
+/// `16 * mt` query rows; q and dO stay staged in shared memory, k/v blocks stream through.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(arithmetic_overflow)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    heads: usize,
+    seq_q: usize,
+    seq_k: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] planes: usize,
+    #[comptime] mt: usize,
+    #[comptime] block_k: usize,
+    #[comptime] width: usize,
+    #[comptime] causal: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
+    let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
+    let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
+
+    let lane = UNIT_POS_PLANE as usize;
+    let g = lane / 4;
+    let bh = CUBE_POS_Y as usize;
+    let (b, h) = (bh / heads, bh % heads);
+    let block_q = comptime!(planes * mt * 16);
+    let q0 = (CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize) * block_q;
+    let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
+    let pitch = comptime!((hd + 8) / width);
+    let per_row = comptime!(hd / width);
+    // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
+    let tile = comptime!(block_k * pitch);
+    let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
+    let mut gt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let (kbase, kstride) = (
+        (b * k.stride(0) + h * k.stride(1)) / width,
+        k.stride(2) / width,
+    );
+    let (vbase, vstride) = (
+        (b * v.stride(0) + h * v.stride(1)) / width,
+        v.stride(2) / width,
+    );
+    copy_rows(
+        q,
+        &mut qt,
+        0,
+        (b * q.stride(0) + h * q.stride(1)) / width,
+        q.stride(2) / width,
+        q0,
+        seq_q,
+        block_q,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
+    copy_rows(
+        grad,
+        &mut gt,
+        0,
+        (b * grad.stride(0) + h * grad.stride(1)) / width,
+        grad.stride(2) / width,
+        q0,
+        seq_q,
+        block_q,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
+
+    // The log-sum-exp and delta of this lane's rows.
+    let mut lse_r = Array::<f32>::new(comptime!(mt * 2));
+    let mut d_r = Array::<f32>::new(comptime!(mt * 2));
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let row = q0 + w0 + m * 16 + half * 8 + g;
+            let mut x = 0.0f32;
+            let mut y = 0.0f32;
+            if row < seq_q {
+                x = lse[bh * seq_q + row];
+                y = delta[bh * seq_q + row];
+            }
+            lse_r[m * 2 + half] = x;
+            d_r[m * 2 + half] = y;
+        }
+    }
+
+    let s_tiles = comptime!(block_k / 8);
+    let o_tiles = comptime!(hd / 8);
+    let mut dq_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
+
+    let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
+    sync_cube();
+    if blocks > 0 {
+        copy_rows(
+            k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true,
+        );
+        copy_rows(
+            v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true,
+        );
+        commit(&bar0, &bar1, 0);
+    }
+    for kb in 0..blocks {
+        let j0 = kb * block_k;
+        let cur = (kb % 2) * tile;
+        if kb + 1 < blocks {
+            let next = ((kb + 1) % 2) * tile;
+            copy_rows(
+                k,
+                &mut kt,
+                next,
+                kbase,
+                kstride,
+                j0 + block_k,
+                seq_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
+                true,
+            );
+            copy_rows(
+                v,
+                &mut vt,
+                next,
+                vbase,
+                vstride,
+                j0 + block_k,
+                seq_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
+                true,
+            );
+            commit(&bar0, &bar1, (kb + 1) % 2);
+        }
+        wait_block(&bar0, &bar1, kb);
+
+        // S = q k^T and dP = dO v^T.
+        let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        block_product::<F, N, NA, NB, NC>(
+            &qt,
+            w0,
+            &kt,
+            cur,
+            &mut s,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
+        block_product::<F, N, NA, NB, NC>(
+            &gt,
+            w0,
+            &vt,
+            cur,
+            &mut dp,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
+
+        // dS = P * (dP - delta), P = exp(scale * S - lse), in place of S; masked scores become a
+        // large negative value, so P and dS are 0 there.
+        #[unroll]
+        for i in 0..comptime!(mt * s_tiles * 2) {
+            s[i] = s[i] * Vector::new(scale);
+        }
+        if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
+            mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
+        }
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for half in 0..2usize {
+                let r = m * 2 + half;
+                #[unroll]
+                for t in 0..s_tiles {
+                    let at = (m * s_tiles + t) * 2 + half;
+                    let mut x = s[at];
+                    let y = dp[at];
+                    #[unroll]
+                    for e in 0..2usize {
+                        x[e] = (x[e] - lse_r[r]).exp() * (y[e] - d_r[r]);
+                    }
+                    s[at] = x;
+                }
+            }
+        }
+
+        // dQ += dS k.
+        scores_product::<F, N, NA, NB, NC>(
+            &s,
+            &kt,
+            cur,
+            &mut dq_acc,
+            s_tiles,
+            o_tiles,
+            mt,
+            pitch,
+            width,
+        );
+        sync_cube();
+    }
+
+    store_rows::<F, NC>(
+        &dq_acc,
+        dq,
+        b * dq.stride(0) + h * dq.stride(1),
+        q0 + w0,
+        seq_q,
+        scale,
+        mt,
+        hd,
+    );
+}
+
+/// Writes this warp's dS^T tiles (`dp`: rows = its keys from `w0`, columns = the block's queries)
+/// to `ds_t` in the input dtype, one A-fragment register (two columns) per store.
+#[cube]
+fn store_ds_t<F: Float, NA: Size, NC: Size>(
+    dp: &Array<Vector<f32, NC>>,
+    ds_t: &mut SharedMemory<Vector<F, NA>>,
+    w0: usize,
+    #[comptime] ds_pitch: usize,
+    #[comptime] mt: usize,
+    #[comptime] s_tiles: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let row = w0 + m * 16 + half * 8 + g;
+            #[unroll]
+            for t in 0..s_tiles {
+                let x = dp[(m * s_tiles + t) * 2 + half];
+                let mut y = Vector::<F, NA>::empty();
+                y[0] = F::cast_from(x[0]);
+                y[1] = F::cast_from(x[1]);
+                ds_t[row * ds_pitch + t * 4 + t4] = y;
+            }
+        }
+    }
+}
+
+/// Fused dQ of one query block: `dq_acc[i0 + r] += scale * dS k` over the cube's `block_k` keys,
+/// added with f32 atomics (other key blocks add theirs). The `block_q / 16` row tiles and the
+/// head_dim columns are split over the warps: `planes / row_tiles` column groups when there are
+/// more warps than row tiles, else `row_tiles / planes` row tiles per warp; columns go in chunks
+/// of up to 32 so that the accumulators stay small next to dK and dV.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
+    ds_t: &SharedMemory<Vector<F, NA>>,
+    kt: &SharedMemory<Vector<F, N>>,
+    dq_acc: &mut Tensor<Atomic<f32>>,
+    base: usize,
+    i0: usize,
+    seq_q: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] planes: usize,
+    #[comptime] block_q: usize,
+    #[comptime] block_k: usize,
+    #[comptime] ds_pitch: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    let row_tiles = comptime!(block_q / 16);
+    let qm = comptime!(if row_tiles > planes {
+        row_tiles / planes
+    } else {
+        1
+    });
+    let row_slots = comptime!(row_tiles / qm);
+    let group_cols = comptime!(hd / (planes / row_slots));
+    let chunk = comptime!(if group_cols > 32 { 32 } else { group_cols });
+    let ctiles = comptime!(chunk / 8);
+    let warp = UNIT_POS_Y as usize;
+    let r0 = (warp % row_slots) * comptime!(qm * 16);
+    let c0 = (warp / row_slots) * group_cols;
+    for c in 0..comptime!(group_cols / chunk) {
+        let col0 = c0 + c * chunk;
+        let mut acc = zeros::<NC>(comptime!(qm * ctiles * 2));
+        #[unroll]
+        for kk in 0..comptime!(block_k / 16) {
+            let mut a = Array::<Vector<F, NA>>::new(comptime!(qm * 4));
+            #[unroll]
+            for m in 0..qm {
+                let f = load_a_t::<F, NA, NA>(ds_t, r0 + m * 16, kk * 16, ds_pitch, 2usize);
+                #[unroll]
+                for i in 0..4usize {
+                    a[m * 4 + i] = f[i];
+                }
+            }
+            #[unroll]
+            for pair in 0..comptime!(ctiles / 2) {
+                let bf = load_b2::<F, N, NB>(kt, 0, kk * 16, col0 + pair * 16, pitch, width, false);
+                mma_pair::<F, NA, NB, NC>(&a, &bf, &mut acc, pair, qm, ctiles);
+            }
+        }
+        #[unroll]
+        for m in 0..qm {
+            #[unroll]
+            for half in 0..2usize {
+                let row = i0 + r0 + m * 16 + half * 8 + g;
+                if row < seq_q {
+                    #[unroll]
+                    for t in 0..ctiles {
+                        let x = acc[(m * ctiles + t) * 2 + half];
+                        let at = base + row * hd + col0 + t * 8 + t4 * 2;
+                        dq_acc[at].fetch_add(x[0] * scale);
+                        dq_acc[at + 1].fetch_add(x[1] * scale);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `dq[b, h, s, :] = acc[b, h, s, :]` in the output dtype (`acc`: contiguous f32, `dq`: any
+/// strides with unit last stride). One unit per element.
+#[cube(launch_unchecked)]
+pub(crate) fn dq_from_f32<F: Float>(
+    acc: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    heads: usize,
+    seq: usize,
+    #[comptime] hd: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < acc.len() {
+        let d = i % hd;
+        let row = i / hd;
+        let s = row % seq;
+        let bh = row / seq;
+        let (b, h) = (bh / heads, bh % heads);
+        dq[b * dq.stride(0) + h * dq.stride(1) + s * dq.stride(2) + d] = F::cast_from(acc[i]);
+    }
+}
+
+/// Tensor-core dK and dV. Grid `(key blocks, batch * heads)`, cube `(32, planes)`; each warp owns
+/// `16 * mt` key rows (k and v stay staged) and walks the query blocks, computing the transposed
+/// products `S^T = k q^T`, `dP^T = v dO^T`, then `dV += P^T dO`, `dK += dS^T q` with P^T and
+/// dS^T taken from registers.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(arithmetic_overflow)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<Atomic<f32>>,
+    heads: usize,
+    seq_q: usize,
+    seq_k: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] planes: usize,
+    #[comptime] mt: usize,
+    #[comptime] block_q: usize,
+    #[comptime] width: usize,
+    #[comptime] causal: bool,
+    #[comptime] fuse_dq: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
+    let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
+    let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
+
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    let bh = CUBE_POS_Y as usize;
+    let (b, h) = (bh / heads, bh % heads);
+    let block_k = comptime!(planes * mt * 16);
+    let k0 = CUBE_POS_X as usize * block_k;
+    let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
+    let pitch = comptime!((hd + 8) / width);
+    let per_row = comptime!(hd / width);
+    // q, dO and their rows' lse, delta are double-buffered: block qb + 1 is copied (cp.async)
+    // while block qb is used.
+    let tile = comptime!(block_q * pitch);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
+    let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut gt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut lse_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
+    let mut delta_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
+    // Fused dQ: this block's dS^T (keys x queries, in the input dtype, pairs of columns per
+    // vector as in an A fragment register), rows padded by 8 elements as the other tiles.
+    let ds_pitch = comptime!((block_q + 8) / 2);
+    let mut ds_t = SharedMemory::<Vector<F, NA>>::new_aligned(
+        comptime!(if fuse_dq { block_k * ds_pitch } else { 1 }),
+        ALIGN,
+    );
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let (qbase, qstride) = (
+        (b * q.stride(0) + h * q.stride(1)) / width,
+        q.stride(2) / width,
+    );
+    let (gbase, gstride) = (
+        (b * grad.stride(0) + h * grad.stride(1)) / width,
+        grad.stride(2) / width,
+    );
+    copy_rows(
+        k,
+        &mut kt,
+        0,
+        (b * k.stride(0) + h * k.stride(1)) / width,
+        k.stride(2) / width,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
+    copy_rows(
+        v,
+        &mut vt,
+        0,
+        (b * v.stride(0) + h * v.stride(1)) / width,
+        v.stride(2) / width,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
+
+    let s_tiles = comptime!(block_q / 8);
+    let o_tiles = comptime!(hd / 8);
+    let mut dk_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
+    let mut dv_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
+
+    let query_blocks = seq_q.div_ceil(block_q);
+    let mut first = 0usize;
+    if comptime!(causal) {
+        first = k0 / block_q;
+    }
+    sync_cube();
+    if first < query_blocks {
+        issue_query_block(
+            q,
+            grad,
+            lse,
+            delta,
+            &mut qt,
+            &mut gt,
+            &mut lse_t,
+            &mut delta_t,
+            0,
+            qbase,
+            qstride,
+            gbase,
+            gstride,
+            bh * seq_q,
+            first * block_q,
+            seq_q,
+            block_q,
+            per_row,
+            pitch,
+            width,
+        );
+        commit(&bar0, &bar1, 0);
+    }
+    for qb in first..query_blocks {
+        let i0 = qb * block_q;
+        let n = qb - first;
+        let cur = n % 2;
+        if qb + 1 < query_blocks {
+            issue_query_block(
+                q,
+                grad,
+                lse,
+                delta,
+                &mut qt,
+                &mut gt,
+                &mut lse_t,
+                &mut delta_t,
+                (n + 1) % 2,
+                qbase,
+                qstride,
+                gbase,
+                gstride,
+                bh * seq_q,
+                i0 + block_q,
+                seq_q,
+                block_q,
+                per_row,
+                pitch,
+                width,
+            );
+            commit(&bar0, &bar1, (n + 1) % 2);
+        }
+        wait_block(&bar0, &bar1, n);
+        let lrow = cur * block_q;
+
+        // S^T = k q^T and dP^T = v dO^T (rows: keys, columns: queries).
+        let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        block_product::<F, N, NA, NB, NC>(
+            &kt,
+            w0,
+            &qt,
+            cur * tile,
+            &mut s,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
+        block_product::<F, N, NA, NB, NC>(
+            &vt,
+            w0,
+            &gt,
+            cur * tile,
+            &mut dp,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
+
+        // P^T in place of S^T, dS^T in place of dP^T. Scores of (query, key) pairs past either
+        // length or above the diagonal become a large negative value (P = 0), tested only in
+        // blocks that meet such a pair (uniform across the warp).
+        #[unroll]
+        for i in 0..comptime!(mt * s_tiles * 2) {
+            s[i] = s[i] * Vector::new(scale);
+        }
+        let last_key = k0 + w0 + comptime!(mt * 16);
+        let mut edge = i0 + block_q > seq_q || last_key > seq_k;
+        if comptime!(causal) {
+            edge = edge || last_key > i0 + 1;
+        }
+        if edge {
+            #[unroll]
+            for m in 0..mt {
+                #[unroll]
+                for half in 0..2usize {
+                    let key = k0 + w0 + m * 16 + half * 8 + g;
+                    #[unroll]
+                    for t in 0..s_tiles {
+                        let at = (m * s_tiles + t) * 2 + half;
+                        let mut x = s[at];
+                        #[unroll]
+                        for e in 0..2usize {
+                            let qi = i0 + t * 8 + t4 * 2 + e;
+                            if qi >= seq_q || !visible(qi, key, seq_k, causal) {
+                                x[e] = neg_big();
+                            }
+                        }
+                        s[at] = x;
+                    }
+                }
+            }
+        }
+        #[unroll]
+        for t in 0..s_tiles {
+            #[unroll]
+            for e in 0..2usize {
+                let col = t * 8 + t4 * 2 + e;
+                let l = lse_t[lrow + col];
+                let d = delta_t[lrow + col];
+                #[unroll]
+                for m in 0..mt {
+                    #[unroll]
+                    for half in 0..2usize {
+                        let at = (m * s_tiles + t) * 2 + half;
+                        let mut x = s[at];
+                        let mut y = dp[at];
+                        let p = (x[e] - l).exp();
+                        x[e] = p;
+                        y[e] = p * (y[e] - d);
+                        s[at] = x;
+                        dp[at] = y;
+                    }
+                }
+            }
+        }
+
+        // dV += P^T dO, dK += dS^T q.
+        scores_product::<F, N, NA, NB, NC>(
+            &s,
+            &gt,
+            cur * tile,
+            &mut dv_acc,
+            s_tiles,
+            o_tiles,
+            mt,
+            pitch,
+            width,
+        );
+        scores_product::<F, N, NA, NB, NC>(
+            &dp,
+            &qt,
+            cur * tile,
+            &mut dk_acc,
+            s_tiles,
+            o_tiles,
+            mt,
+            pitch,
+            width,
+        );
+        if comptime!(fuse_dq) {
+            store_ds_t::<F, NA, NC>(&dp, &mut ds_t, w0, ds_pitch, mt, s_tiles);
+            sync_cube();
+            dq_block_atomic::<F, N, NA, NB, NC>(
+                &ds_t,
+                &kt,
+                dq_acc,
+                bh * seq_q * hd,
+                i0,
+                seq_q,
+                scale,
+                hd,
+                planes,
+                block_q,
+                block_k,
+                ds_pitch,
+                pitch,
+                width,
+            );
+        }
+        sync_cube();
+    }
+
+    store_rows::<F, NC>(
+        &dk_acc,
+        dk,
+        b * dk.stride(0) + h * dk.stride(1),
+        k0 + w0,
+        seq_k,
+        scale,
+        mt,
+        hd,
+    );
+    store_rows::<F, NC>(
+        &dv_acc,
+        dv,
+        b * dv.stride(0) + h * dv.stride(1),
+        k0 + w0,
+        seq_k,
+        1.0,
+        mt,
+        hd,
+    );
+}

@@ -1,0 +1,240 @@
+//! The tensor-core FlashAttention forward kernel.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use super::super::kernel::neg_big;
+use crate::pipeline::{commit, wait_block};
+
+use super::fragments::*;
+
+/// Tensor-core forward. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp
+/// owns `16 * mt` query rows. Strides of q/k/v are in vectors of `width`, those of `out` in
+/// elements. Query blocks run last-first so that causal's longest rows start first.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(arithmetic_overflow)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_forward_mma<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    heads: usize,
+    seq_q: usize,
+    seq_k: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] planes: usize,
+    #[comptime] mt: usize,
+    #[comptime] block_k: usize,
+    #[comptime] width: usize,
+    #[comptime] causal: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
+    let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
+    let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
+
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    let bh = CUBE_POS_Y as usize;
+    let (b, h) = (bh / heads, bh % heads);
+    let block_q = comptime!(planes * mt * 16);
+    let q0 = (CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize) * block_q;
+    let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
+    let pitch = comptime!((hd + 8) / width);
+    let per_row = comptime!(hd / width);
+    // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
+    let tile = comptime!(block_k * pitch);
+    let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    copy_rows(
+        q,
+        &mut qt,
+        0,
+        (b * q.stride(0) + h * q.stride(1)) / width,
+        q.stride(2) / width,
+        q0,
+        seq_q,
+        block_q,
+        per_row,
+        pitch,
+        width,
+        false,
+    );
+    let (kbase, kstride) = (
+        (b * k.stride(0) + h * k.stride(1)) / width,
+        k.stride(2) / width,
+    );
+    let (vbase, vstride) = (
+        (b * v.stride(0) + h * v.stride(1)) / width,
+        v.stride(2) / width,
+    );
+
+    let s_tiles = comptime!(block_k / 8);
+    let o_tiles = comptime!(hd / 8);
+    let mut o_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
+    let mut m_run = Array::<f32>::new(comptime!(mt * 2));
+    let mut l_run = Array::<f32>::new(comptime!(mt * 2));
+    #[unroll]
+    for i in 0..comptime!(mt * 2) {
+        m_run[i] = neg_big();
+        l_run[i] = 0.0;
+    }
+
+    let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
+    sync_cube();
+    if blocks > 0 {
+        copy_rows(
+            k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true,
+        );
+        copy_rows(
+            v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true,
+        );
+        commit(&bar0, &bar1, 0);
+    }
+    for kb in 0..blocks {
+        let j0 = kb * block_k;
+        let cur = (kb % 2) * tile;
+        if kb + 1 < blocks {
+            let next = ((kb + 1) % 2) * tile;
+            copy_rows(
+                k,
+                &mut kt,
+                next,
+                kbase,
+                kstride,
+                j0 + block_k,
+                seq_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
+                true,
+            );
+            copy_rows(
+                v,
+                &mut vt,
+                next,
+                vbase,
+                vstride,
+                j0 + block_k,
+                seq_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
+                true,
+            );
+            commit(&bar0, &bar1, (kb + 1) % 2);
+        }
+        wait_block(&bar0, &bar1, kb);
+
+        // S = q k^T for this warp's rows and the block's keys.
+        let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        block_product::<F, N, NA, NB, NC>(
+            &qt,
+            w0,
+            &kt,
+            cur,
+            &mut s,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
+
+        // Scaled scores; the mask only where this warp's rows meet the block's edge (past seq_k
+        // or, causal, above the diagonal): the test is uniform across the warp.
+        #[unroll]
+        for i in 0..comptime!(mt * s_tiles * 2) {
+            s[i] = s[i] * Vector::new(scale);
+        }
+        if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
+            mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
+        }
+
+        // Online softmax, one register row (half of a row tile) at a time.
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for half in 0..2usize {
+                let r = m * 2 + half;
+                let mut mx = m_run[r];
+                #[unroll]
+                for t in 0..s_tiles {
+                    let x = s[(m * s_tiles + t) * 2 + half];
+                    mx = f32::max(mx, f32::max(x[0], x[1]));
+                }
+                mx = f32::max(mx, plane_shuffle_xor(mx, 1));
+                mx = f32::max(mx, plane_shuffle_xor(mx, 2));
+                let mut sum = 0.0f32;
+                #[unroll]
+                for t in 0..s_tiles {
+                    let at = (m * s_tiles + t) * 2 + half;
+                    let mut x = s[at];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let p = (x[e] - mx).exp();
+                        x[e] = p;
+                        sum += p;
+                    }
+                    s[at] = x;
+                }
+                sum += plane_shuffle_xor(sum, 1);
+                sum += plane_shuffle_xor(sum, 2);
+                let alpha = (m_run[r] - mx).exp();
+                l_run[r] = l_run[r] * alpha + sum;
+                m_run[r] = mx;
+                #[unroll]
+                for t in 0..o_tiles {
+                    let at = (m * o_tiles + t) * 2 + half;
+                    o_acc[at] = o_acc[at] * Vector::new(alpha);
+                }
+            }
+        }
+
+        // O += P v, P from registers.
+        scores_product::<F, N, NA, NB, NC>(
+            &s, &vt, cur, &mut o_acc, s_tiles, o_tiles, mt, pitch, width,
+        );
+        // Every warp is done with this buffer before the next iteration refills it.
+        sync_cube();
+    }
+
+    // O / l and the log-sum-exp.
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let r = m * 2 + half;
+            let inv = 1.0f32 / l_run[r];
+            #[unroll]
+            for t in 0..o_tiles {
+                let at = (m * o_tiles + t) * 2 + half;
+                o_acc[at] = o_acc[at] * Vector::new(inv);
+            }
+            let row = q0 + w0 + m * 16 + half * 8 + g;
+            if t4 == 0 && row < seq_q {
+                lse[bh * seq_q + row] = m_run[r] + l_run[r].ln();
+            }
+        }
+    }
+    store_rows::<F, NC>(
+        &o_acc,
+        out,
+        b * out.stride(0) + h * out.stride(1),
+        q0 + w0,
+        seq_q,
+        1.0,
+        mt,
+        hd,
+    );
+}

@@ -1,0 +1,462 @@
+//! The building blocks of the tensor-core kernels: staging, `ldmatrix` fragments, MMA block
+//! products, masking and the block loops shared by the forward and the backward.
+
+use cubecl::prelude::barrier::copy_async;
+use cubecl::prelude::*;
+
+use super::super::kernel::{neg_big, visible};
+
+/// Shared-memory alignment of the staged tiles (`ldmatrix` reads 16-byte rows).
+pub(crate) const ALIGN: usize = 16;
+
+/// Copies rows `row0 .. row0 + rows` of `t` (base offset `base`, row stride `row_stride`, both in
+/// vectors; `per_row` vectors make one row of head_dim) into `tile` from vector `off` on, rows
+/// `pitch` vectors apart; rows past `seq` are zero. `asynchronous`: with `cp.async` (one vector of
+/// `width` elements each), completion tracked by [`crate::pipeline::commit`]; otherwise with plain
+/// loads and stores.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn copy_rows<F: Float, N: Size>(
+    t: &Tensor<Vector<F, N>>,
+    tile: &mut SharedMemory<Vector<F, N>>,
+    off: usize,
+    base: usize,
+    row_stride: usize,
+    row0: usize,
+    seq: usize,
+    #[comptime] rows: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] asynchronous: bool,
+) {
+    let mut idx = UNIT_POS as usize;
+    while idx < comptime!(rows * per_row) {
+        let r = idx / per_row;
+        let c = idx % per_row;
+        let s = row0 + r;
+        let dst = off + r * pitch + c;
+        if s < seq {
+            let src = base + s * row_stride + c;
+            if comptime!(asynchronous) {
+                copy_async::<Vector<F, N>>(
+                    &t.slice(src, src + 1),
+                    &mut tile.slice_mut(dst, dst + 1),
+                    comptime!(width as u32),
+                );
+            } else {
+                tile[dst] = t[src];
+            }
+        } else {
+            tile[dst] = Vector::new(F::new(0.0));
+        }
+        idx += CUBE_DIM as usize;
+    }
+}
+
+/// A fragment (16 x 16) of a row-major tile, top-left corner at (`row0`, `col0`), by one
+/// `ldmatrix.x4`: lane `l` gives the address of row `l % 16`, columns `8 * (l / 16) ..`.
+#[cube]
+pub(crate) fn load_a<F: Float, N: Size, NA: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    col0: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) -> Array<Vector<F, NA>> {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE as usize;
+    let at = (row0 + lane % 16) * pitch + (col0 + (lane / 16) * 8) / width;
+    def.load_matrix::<Vector<F, N>, NA>(
+        &tile.slice(at, at + 1),
+        cmma::MatrixIdent::A,
+        4usize,
+        false,
+    )
+}
+
+/// A fragment (16 x 16) of a tile that stores A transposed (`A[m][k] = tile[k][m]`, like dS^T in
+/// the fused dQ product), top-left corner of A at (`row0`, `col0`), by one `ldmatrix.x4.trans`:
+/// lanes `8i .. 8i + 7` address the rows (k) of 8 x 8 matrix `i` = (m half `i % 2`, k half `i / 2`).
+#[cube]
+pub(crate) fn load_a_t<F: Float, N: Size, NA: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    col0: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) -> Array<Vector<F, NA>> {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE as usize;
+    let (r8, i) = (lane % 8, lane / 8);
+    let at = (col0 + (i / 2) * 8 + r8) * pitch + (row0 + (i % 2) * 8) / width;
+    def.load_matrix::<Vector<F, N>, NA>(&tile.slice(at, at + 1), cmma::MatrixIdent::A, 4usize, true)
+}
+
+/// B fragments (16 x 8) of the two 8-column tiles `n0 ..` and `n0 + 8 ..` of the product's
+/// columns, reduction rows `k0 .. k0 + 16`, of the tile starting at vector `off`, by one `ldmatrix.x4`; vectors 0-1 are the first tile's,
+/// 2-3 the second's. `n_rows`: the tile stores B transposed (`B[k][n] = tile[n][k]`, like k in
+/// `q k^T`), read as is; otherwise `B[k][n] = tile[k][n]` (like v in `P v`), read with `.trans`.
+#[cube]
+pub(crate) fn load_b2<F: Float, N: Size, NB: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    off: usize,
+    k0: usize,
+    n0: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] n_rows: bool,
+) -> Array<Vector<F, NB>> {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE as usize;
+    // Lanes 8i .. 8i + 7 address the rows of 8 x 8 matrix i: (n tile i / 2, k half i % 2).
+    let (r8, i) = (lane % 8, lane / 8);
+    let mut at = off + (k0 + (i % 2) * 8 + r8) * pitch + (n0 + (i / 2) * 8) / width;
+    if comptime!(n_rows) {
+        at = off + (n0 + (i / 2) * 8 + r8) * pitch + (k0 + (i % 2) * 8) / width;
+    }
+    def.load_matrix::<Vector<F, N>, NB>(
+        &tile.slice(at, at + 1),
+        cmma::MatrixIdent::B,
+        4usize,
+        comptime!(!n_rows),
+    )
+}
+
+/// Vectors `index * vectors ..` of a flat array of fragments.
+#[cube]
+pub(crate) fn part<E: Scalar, NA: Size>(
+    all: &Array<Vector<E, NA>>,
+    index: usize,
+    #[comptime] vectors: usize,
+) -> Array<Vector<E, NA>> {
+    let mut out = Array::<Vector<E, NA>>::new(vectors);
+    #[unroll]
+    for i in 0..vectors {
+        out[i] = all[index * vectors + i];
+    }
+    out
+}
+
+/// `acc[offset .. offset + 2] += a * b` (one m16n8k16 product).
+#[cube]
+pub(crate) fn mma<F: Float, NA: Size, NB: Size, NC: Size>(
+    a: &Array<Vector<F, NA>>,
+    b: &Array<Vector<F, NB>>,
+    acc: &mut Array<Vector<f32, NC>>,
+    offset: usize,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let mut c = Array::<Vector<f32, NC>>::new(2usize);
+    c[0] = acc[offset];
+    c[1] = acc[offset + 1];
+    let d = def.execute(a, b, &c);
+    acc[offset] = d[0];
+    acc[offset + 1] = d[1];
+}
+
+/// Zeroed accumulators: `len` vectors.
+#[cube]
+pub(crate) fn zeros<NC: Size>(#[comptime] len: usize) -> Array<Vector<f32, NC>> {
+    let mut acc = Array::<Vector<f32, NC>>::new(len);
+    #[unroll]
+    for i in 0..len {
+        acc[i] = Vector::new(0.0);
+    }
+    acc
+}
+
+/// `acc += a_m * B` over a 16-deep reduction step for every row tile `m` and the two column
+/// tiles `pair * 2, pair * 2 + 1` whose B fragments are `b` (from [`load_b2`]). `a` holds the
+/// `mt` A fragments (4 vectors each), `tiles` column tiles per row tile in `acc`.
+#[cube]
+pub(crate) fn mma_pair<F: Float, NA: Size, NB: Size, NC: Size>(
+    a: &Array<Vector<F, NA>>,
+    b: &Array<Vector<F, NB>>,
+    acc: &mut Array<Vector<f32, NC>>,
+    pair: usize,
+    #[comptime] mt: usize,
+    #[comptime] tiles: usize,
+) {
+    #[unroll]
+    for half in 0..2usize {
+        let bf = part::<F, NB>(b, half, 2usize);
+        #[unroll]
+        for m in 0..mt {
+            let af = part::<F, NA>(a, m, 4usize);
+            mma::<F, NA, NB, NC>(&af, &bf, acc, ((m * tiles) + pair * 2 + half) * 2);
+        }
+    }
+}
+
+/// The A fragments (for every row tile) of reduction step `kk` taken from f32 score tiles
+/// `2 kk` and `2 kk + 1` in registers, cast to the input dtype.
+#[cube]
+pub(crate) fn scores_as_a<F: Float, NA: Size, NC: Size>(
+    s: &Array<Vector<f32, NC>>,
+    kk: usize,
+    #[comptime] mt: usize,
+    #[comptime] tiles: usize,
+) -> Array<Vector<F, NA>> {
+    let mut out = Array::<Vector<F, NA>>::new(comptime!(mt * 4));
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for j in 0..4usize {
+            // A vectors 0, 1: rows g, g + 8 of tile 2 kk; 2, 3: of tile 2 kk + 1.
+            let x = s[(m * tiles + 2 * kk + j / 2) * 2 + j % 2];
+            let mut y = Vector::<F, NA>::empty();
+            y[0] = F::cast_from(x[0]);
+            y[1] = F::cast_from(x[1]);
+            out[m * 4 + j] = y;
+        }
+    }
+    out
+}
+
+/// The `mt` A fragments of reduction step `kk` of this warp's rows (`row0 ..`) of a staged tile.
+#[cube]
+pub(crate) fn rows_as_a<F: Float, N: Size, NA: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    kk: usize,
+    #[comptime] mt: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) -> Array<Vector<F, NA>> {
+    let mut out = Array::<Vector<F, NA>>::new(comptime!(mt * 4));
+    #[unroll]
+    for m in 0..mt {
+        let f = load_a::<F, N, NA>(tile, row0 + m * 16, kk * 16, pitch, width);
+        #[unroll]
+        for i in 0..4usize {
+            out[m * 4 + i] = f[i];
+        }
+    }
+    out
+}
+
+/// `acc += A B` over `steps` 16-deep reduction steps for `mt` row tiles and `tiles` column tiles,
+/// A from this warp's rows of `a_tile`, B from the tile at vector `b_off` of `b_tile` (see
+/// [`load_b2`] for `n_rows`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_product<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
+    a_tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    b_tile: &SharedMemory<Vector<F, N>>,
+    b_off: usize,
+    acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] steps: usize,
+    #[comptime] tiles: usize,
+    #[comptime] mt: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] n_rows: bool,
+) {
+    #[unroll]
+    for kk in 0..steps {
+        let a = rows_as_a::<F, N, NA>(a_tile, row0, kk, mt, pitch, width);
+        #[unroll]
+        for pair in 0..comptime!(tiles / 2) {
+            let b = load_b2::<F, N, NB>(b_tile, b_off, kk * 16, pair * 16, pitch, width, n_rows);
+            mma_pair::<F, NA, NB, NC>(&a, &b, acc, pair, mt, tiles);
+        }
+    }
+}
+
+/// `acc += S B` where the A operand S is `s` (f32 score tiles in registers, `s_tiles` per row
+/// tile), and B comes from the tile at vector `b_off` of `b_tile`, with the reduction along its
+/// rows (`.trans` loads).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn scores_product<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
+    s: &Array<Vector<f32, NC>>,
+    b_tile: &SharedMemory<Vector<F, N>>,
+    b_off: usize,
+    acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] s_tiles: usize,
+    #[comptime] tiles: usize,
+    #[comptime] mt: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) {
+    #[unroll]
+    for kk in 0..comptime!(s_tiles / 2) {
+        let a = scores_as_a::<F, NA, NC>(s, kk, mt, s_tiles);
+        #[unroll]
+        for pair in 0..comptime!(tiles / 2) {
+            let b = load_b2::<F, N, NB>(b_tile, b_off, kk * 16, pair * 16, pitch, width, false);
+            mma_pair::<F, NA, NB, NC>(&a, &b, acc, pair, mt, tiles);
+        }
+    }
+}
+
+/// Writes accumulators (`mt` row tiles of `hd / 8` column tiles) times `factor` to rows
+/// `row0 ..` of `out` (element strides), rows below `seq`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn store_rows<F: Float, NC: Size>(
+    acc: &Array<Vector<f32, NC>>,
+    out: &mut Tensor<F>,
+    base: usize,
+    row0: usize,
+    seq: usize,
+    factor: f32,
+    #[comptime] mt: usize,
+    #[comptime] hd: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    let tiles = comptime!(hd / 8);
+    let rs = out.stride(2);
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let row = row0 + m * 16 + half * 8 + g;
+            if row < seq {
+                #[unroll]
+                for t in 0..tiles {
+                    let x = acc[(m * tiles + t) * 2 + half];
+                    let at = base + row * rs + t * 8 + t4 * 2;
+                    out[at] = F::cast_from(x[0] * factor);
+                    out[at + 1] = F::cast_from(x[1] * factor);
+                }
+            }
+        }
+    }
+}
+
+/// Starts the copies of query block rows `i0 ..` into buffer `which` (0 or 1) of the dK/dV
+/// kernel: q and dO rows, and the log-sum-exp and delta of those rows (`rows0` is the first row of
+/// this batch and head in `lse` and `delta`); rows past `seq_q` are zero.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn issue_query_block<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    qt: &mut SharedMemory<Vector<F, N>>,
+    gt: &mut SharedMemory<Vector<F, N>>,
+    lse_t: &mut SharedMemory<f32>,
+    delta_t: &mut SharedMemory<f32>,
+    which: usize,
+    qbase: usize,
+    qstride: usize,
+    gbase: usize,
+    gstride: usize,
+    rows0: usize,
+    i0: usize,
+    seq_q: usize,
+    #[comptime] block_q: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) {
+    let off = which * comptime!(block_q * pitch);
+    copy_rows(
+        q, qt, off, qbase, qstride, i0, seq_q, block_q, per_row, pitch, width, true,
+    );
+    copy_rows(
+        grad, gt, off, gbase, gstride, i0, seq_q, block_q, per_row, pitch, width, true,
+    );
+    let mut r = UNIT_POS as usize;
+    while r < block_q {
+        let dst = which * block_q + r;
+        if i0 + r < seq_q {
+            let src = rows0 + i0 + r;
+            copy_async::<f32>(
+                &lse.slice(src, src + 1),
+                &mut lse_t.slice_mut(dst, dst + 1),
+                1u32,
+            );
+            copy_async::<f32>(
+                &delta.slice(src, src + 1),
+                &mut delta_t.slice_mut(dst, dst + 1),
+                1u32,
+            );
+        } else {
+            lse_t[dst] = 0.0;
+            delta_t[dst] = 0.0;
+        }
+        r += CUBE_DIM as usize;
+    }
+}
+
+/// Whether the keys `j0 .. j0 + block_k` meet a masked position for query rows from `row0` on:
+/// keys past `seq_k`, or (causal) keys past the first row. Uniform across a warp.
+#[cube]
+pub(crate) fn edge_block(
+    row0: usize,
+    j0: usize,
+    seq_k: usize,
+    #[comptime] block_k: usize,
+    #[comptime] causal: bool,
+) -> bool {
+    let mut edge = j0 + block_k > seq_k;
+    if comptime!(causal) {
+        edge = edge || j0 + block_k > row0 + 1;
+    }
+    edge
+}
+
+/// Sets the (scaled) scores `s` of rows `row0 ..` and keys `j0 ..` that are not visible to a
+/// large negative value (`exp` of it minus any row maximum is 0). `s_tiles` key tiles per row tile.
+#[cube]
+pub(crate) fn mask_scores<NC: Size>(
+    s: &mut Array<Vector<f32, NC>>,
+    row0: usize,
+    j0: usize,
+    seq_k: usize,
+    #[comptime] mt: usize,
+    #[comptime] s_tiles: usize,
+    #[comptime] causal: bool,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let row = row0 + m * 16 + half * 8 + g;
+            #[unroll]
+            for t in 0..s_tiles {
+                let at = (m * s_tiles + t) * 2 + half;
+                let mut x = s[at];
+                #[unroll]
+                for e in 0..2usize {
+                    if !visible(row, j0 + t * 8 + t4 * 2 + e, seq_k, causal) {
+                        x[e] = neg_big();
+                    }
+                }
+                s[at] = x;
+            }
+        }
+    }
+}
+
+/// Number of key blocks a query block starting at `q0` (of `block_q` rows) visits.
+#[cube]
+pub(crate) fn key_blocks(
+    q0: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] block_q: usize,
+    #[comptime] block_k: usize,
+    #[comptime] causal: bool,
+) -> usize {
+    let mut blocks = seq_k.div_ceil(block_k);
+    if comptime!(causal) {
+        let mut last = q0 + block_q;
+        if seq_q < last {
+            last = seq_q;
+        }
+        let needed = last.div_ceil(block_k);
+        if needed < blocks {
+            blocks = needed;
+        }
+    }
+    blocks
+}

@@ -1,0 +1,93 @@
+//! [`super::GemmOps`] on `CubeBackend`: cuBLASLt for CUDA tensors, Burn's matmul otherwise.
+
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use super::{burn_only, cublaslt, Gemm, GemmPath};
+use crate::check::fail;
+
+/// [`super::GemmOps::gemm`] on `CubeBackend`: cuBLASLt for CUDA tensors unless `engine` is `Burn`.
+pub(crate) fn cube<R, F, I, BT>(
+    a: CubeTensor<R>,
+    b: CubeTensor<R>,
+    trans_a: bool,
+    trans_b: bool,
+    engine: Gemm,
+) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    if engine != Gemm::Burn {
+        match (cublaslt::as_cuda(&a), cublaslt::as_cuda(&b)) {
+            (Some(ca), Some(cb)) => {
+                if engine == Gemm::CublasLt {
+                    if let Err(why) = cublaslt::library() {
+                        fail("gemm", format!("Gemm::CublasLt: {why}"));
+                    }
+                }
+                match cublaslt::gemm(ca.clone(), cb.clone(), trans_a, trans_b) {
+                    Ok(out) => return cublaslt::from_cuda(out),
+                    Err(cublaslt::Refused::Unsupported(why)) => cublaslt::fell_back(format!(
+                        "kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"
+                    )),
+                    Err(cublaslt::Refused::NotApplicable) => {}
+                }
+            }
+            _ => {
+                burn_only(engine, a.dtype);
+            }
+        }
+    }
+    crate::prim(super::reference::<CubeBackend<R, F, I, BT>>(
+        crate::tensor(a),
+        crate::tensor(b),
+        trans_a,
+        trans_b,
+    ))
+}
+
+/// [`super::GemmOps::gemm_path`] on `CubeBackend`.
+pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> GemmPath {
+    if engine == Gemm::Burn {
+        return GemmPath::Burn;
+    }
+    if cublaslt::as_cuda(a).is_none() {
+        return burn_only(engine, a.dtype);
+    }
+    if !matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return GemmPath::Burn;
+    }
+    match cublaslt::library() {
+        Ok(_) => match cublaslt::order() {
+            cublaslt::Order::HostSync => GemmPath::CublasLtHostSync,
+            cublaslt::Order::Stream => GemmPath::CublasLtStreamOrdered,
+        },
+        Err(why) if engine == Gemm::CublasLt => fail("gemm", format!("Gemm::CublasLt: {why}")),
+        Err(_) => GemmPath::Burn,
+    }
+}
+
+impl<R, F, I, BT> super::GemmOps for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn gemm(
+        a: burn::tensor::ops::FloatTensor<Self>,
+        b: burn::tensor::ops::FloatTensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+        engine: Gemm,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        cube::<R, F, I, BT>(a, b, trans_a, trans_b, engine)
+    }
+    fn gemm_path(a: &burn::tensor::ops::FloatTensor<Self>, engine: Gemm) -> GemmPath {
+        cube_path(a, engine)
+    }
+}
