@@ -9,21 +9,62 @@ pub use trainer;
 
 /// Timing and argument parsing shared by the benchmark binaries.
 pub mod bench {
-    /// Comma-separated `AxBxC` triples (`what` names the three, for the message), e.g. `4096x4096x4096,16384x768x2304`.
-    pub fn parse_triples(s: &str, what: &str) -> Vec<[usize; 3]> {
-        s.split(',')
-            .map(|t| {
-                let v: Vec<usize> = t
-                    .split('x')
-                    .map(|x| {
-                        x.trim()
-                            .parse()
-                            .unwrap_or_else(|_| panic!("bad shape {t}: use {what}"))
-                    })
-                    .collect();
-                <[usize; 3]>::try_from(v).unwrap_or_else(|_| panic!("bad shape {t}: use {what}"))
+    use burn::tensor::FloatDType;
+
+    /// A float dtype on the command line: `f32`, `f16` or `bf16`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+    pub enum DTypeArg {
+        F32,
+        F16,
+        Bf16,
+    }
+
+    impl From<DTypeArg> for FloatDType {
+        fn from(d: DTypeArg) -> Self {
+            match d {
+                DTypeArg::F32 => FloatDType::F32,
+                DTypeArg::F16 => FloatDType::F16,
+                DTypeArg::Bf16 => FloatDType::BF16,
+            }
+        }
+    }
+
+    impl std::fmt::Display for DTypeArg {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(match self {
+                DTypeArg::F32 => "f32",
+                DTypeArg::F16 => "f16",
+                DTypeArg::Bf16 => "bf16",
             })
-            .collect()
+        }
+    }
+
+    /// The backend a benchmark runs on.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+    pub enum DeviceArg {
+        Cuda,
+        Wgpu,
+    }
+
+    /// Three sizes written `AxBxC` (e.g. `16384x768x2304`); what they are is the benchmark's to say.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Triple(pub [usize; 3]);
+
+    impl std::str::FromStr for Triple {
+        type Err = String;
+
+        fn from_str(s: &str) -> Result<Self, String> {
+            let bad =
+                || format!("{s:?} is not three positive sizes joined by x, like 4096x768x2304");
+            let v: Vec<usize> = s
+                .split('x')
+                .map(|x| x.trim().parse().map_err(|_| bad()))
+                .collect::<Result<_, _>>()?;
+            match <[usize; 3]>::try_from(v) {
+                Ok(t) if t.iter().all(|&n| n > 0) => Ok(Triple(t)),
+                _ => Err(bad()),
+            }
+        }
     }
 
     use std::time::Instant;
@@ -55,5 +96,22 @@ pub mod bench {
             .collect();
         samples.sort_by(f64::total_cmp);
         samples[samples.len() / 2]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bench::Triple;
+
+    #[test]
+    fn triples_parse_and_bad_ones_are_refused() {
+        assert_eq!(
+            "4096x768x2304".parse::<Triple>(),
+            Ok(Triple([4096, 768, 2304]))
+        );
+        for bad in ["4096x768", "4096x768x2304x1", "0x768x2304", "ax1x1", ""] {
+            let err = bad.parse::<Triple>().unwrap_err();
+            assert!(err.contains("three positive sizes"), "{bad}: {err}");
+        }
     }
 }

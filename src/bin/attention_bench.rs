@@ -30,6 +30,7 @@ use burn::backend::{Autodiff, Cuda};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, FloatDType, Tensor};
+use burnmix::bench::DTypeArg;
 use clap::Parser;
 use kernels::AttentionKernels;
 
@@ -41,15 +42,15 @@ type A = Autodiff<Cuda>;
     about = "FlashAttention kernels versus Burn's attention on CUDA: TFLOP/s and ratios to PyTorch SDPA"
 )]
 struct Args {
-    /// Input dtype: bf16, f16 or f32.
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
+    /// Input dtype.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: DTypeArg,
     /// Comma-separated sequence lengths.
-    #[arg(long, default_value = "1024,2048,4096,8192")]
-    seqs: String,
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192")]
+    seqs: Vec<usize>,
     /// Comma-separated head dims.
-    #[arg(long, default_value = "64,128")]
-    head_dims: String,
+    #[arg(long, value_delimiter = ',', default_value = "64,128")]
+    head_dims: Vec<usize>,
     /// Skip Burn's attention (it is slow and memory-hungry at long sequences).
     #[arg(long)]
     no_burn: bool,
@@ -157,27 +158,17 @@ fn mib(b: u64) -> f64 {
 fn main() {
     let args = Args::parse();
     let dev = CudaDevice::default();
-    let dt = match args.dtype.as_str() {
-        "bf16" => FloatDType::BF16,
-        "f16" => FloatDType::F16,
-        "f32" => FloatDType::F32,
-        other => panic!("--dtype {other}: use bf16, f16 or f32"),
-    };
+    let dt = FloatDType::from(args.dtype);
     if args.memory {
         memory(&dev, dt);
         return;
     }
-    let list = |s: &str| -> Vec<usize> {
-        s.split(',')
-            .map(|x| x.trim().parse().expect("a number"))
-            .collect()
-    };
     println!("FlashAttention, {}, batch * seq = 16384, heads * head_dim = 2048; TFLOP/s (median of {} x {} calls)\n", args.dtype, args.reps, args.iters);
     println!("| hd | mask | S | B x H | path | fwd | bwd | fwd+bwd | Burn fwd | Burn fwd+bwd | fwd vs Burn | fwd+bwd vs Burn | fwd/SDPA | bwd/SDPA |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for hd in list(&args.head_dims) {
+    for &hd in &args.head_dims {
         for causal in [false, true] {
-            for s in list(&args.seqs) {
+            for &s in &args.seqs {
                 let (b, h) = ((16384 / s).max(1), (2048 / hd).max(1));
                 let fwd_flops = 4.0 * (b * h * s * s * hd) as f64 * if causal { 0.5 } else { 1.0 };
                 let shape = [b, h, s, hd];

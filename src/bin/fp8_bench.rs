@@ -21,6 +21,7 @@ use burn::backend::cuda::CudaDevice;
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Cuda, Wgpu};
 use burn::tensor::{Distribution, ElementConversion, FloatDType, Tensor};
+use burnmix::bench::{DeviceArg, Triple};
 use clap::Parser;
 use kernels::{fp8_gemm_on, fp8_quantize, Fp8Format, Fp8GemmPath, Fp8Granularity, QuantSpec};
 
@@ -30,12 +31,12 @@ const CUBLAS_BF16: f64 = 799.0;
 #[derive(Parser)]
 #[command(about = "FP8 GEMM and quantizer throughput against bf16 / f32 matmul")]
 struct Args {
-    /// cuda or wgpu.
-    #[arg(long, default_value = "cuda")]
-    device: String,
+    /// The backend.
+    #[arg(long, value_enum, default_value = "cuda")]
+    device: DeviceArg,
     /// Comma-separated MxNxK shapes (default: 4096^3, 8192^3 and the GPT-2 small projections).
-    #[arg(long)]
-    shapes: Option<String>,
+    #[arg(long, value_delimiter = ',')]
+    shapes: Vec<Triple>,
     /// Calls per timed batch.
     #[arg(long, default_value_t = 10)]
     iters: usize,
@@ -151,23 +152,23 @@ fn run<Bk: kernels::Backend>(
 
 fn main() {
     let args = Args::parse();
-    let shapes = match &args.shapes {
-        Some(s) => burnmix::bench::parse_triples(s, "MxNxK")
-            .into_iter()
-            .map(|[m, n, k]| (m, n, k))
-            .collect(),
-        None => vec![
+    let shapes = if !args.shapes.is_empty() {
+        args.shapes
+            .iter()
+            .map(|&Triple([m, n, k])| (m, n, k))
+            .collect()
+    } else {
+        vec![
             (4096, 4096, 4096),
             (8192, 8192, 8192),
             (16384, 2304, 768),
             (16384, 768, 768),
             (16384, 3072, 768),
             (16384, 768, 3072),
-        ],
+        ]
     };
-    match args.device.as_str() {
-        "cuda" => run::<Cuda>(&CudaDevice::default(), &args, &shapes, FloatDType::BF16),
-        "wgpu" => run::<Wgpu>(&WgpuDevice::DefaultDevice, &args, &shapes, FloatDType::F32),
-        other => panic!("--device {other}: use cuda or wgpu"),
+    match args.device {
+        DeviceArg::Cuda => run::<Cuda>(&CudaDevice::default(), &args, &shapes, FloatDType::BF16),
+        DeviceArg::Wgpu => run::<Wgpu>(&WgpuDevice::DefaultDevice, &args, &shapes, FloatDType::F32),
     }
 }

@@ -17,6 +17,7 @@ use burn::backend::cuda::CudaDevice;
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Cuda, Wgpu};
 use burn::tensor::{Distribution, ElementConversion, FloatDType, Tensor};
+use burnmix::bench::{DTypeArg, DeviceArg, Triple};
 use clap::Parser;
 use kernels::Gemm;
 
@@ -36,15 +37,16 @@ const CUBLASLT_BF16: [([usize; 3], f64); 8] = [
 #[derive(Parser)]
 #[command(about = "kernels::gemm (cuBLASLt on CUDA) against Burn's matmul")]
 struct Args {
-    /// cuda or wgpu.
-    #[arg(long, default_value = "cuda")]
-    device: String,
-    /// Comma-separated dtypes: bf16, f16, f32.
-    #[arg(long, default_value = "bf16,f16")]
-    dtypes: String,
-    /// Comma-separated MxKxN shapes (default: 4096^3, 8192^3 and GPT-2 small's GEMMs at 16 x 1024 tokens).
-    #[arg(long)]
-    shapes: Option<String>,
+    /// The backend.
+    #[arg(long, value_enum, default_value = "cuda")]
+    device: DeviceArg,
+    /// Comma-separated dtypes.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "bf16,f16")]
+    dtypes: Vec<DTypeArg>,
+    /// Comma-separated MxKxN shapes (default: 4096^3, 8192^3 and GPT-2 small's GEMMs at
+    /// 16 x 1024 tokens).
+    #[arg(long, value_delimiter = ',')]
+    shapes: Vec<Triple>,
     /// Calls per timed batch.
     #[arg(long, default_value_t = 10)]
     iters: usize,
@@ -119,27 +121,16 @@ fn run<Bk: kernels::Backend>(
     }
 }
 
-fn parse_dtypes(s: &str) -> Vec<FloatDType> {
-    s.split(',')
-        .map(|d| match d.trim() {
-            "bf16" => FloatDType::BF16,
-            "f16" => FloatDType::F16,
-            "f32" => FloatDType::F32,
-            other => panic!("--dtypes: unknown dtype {other}; use bf16, f16 or f32"),
-        })
-        .collect()
-}
-
 fn main() {
     let args = Args::parse();
-    let shapes = match &args.shapes {
-        Some(s) => burnmix::bench::parse_triples(s, "MxKxN"),
-        None => CUBLASLT_BF16.iter().map(|(s, _)| *s).collect(),
+    let shapes: Vec<[usize; 3]> = if args.shapes.is_empty() {
+        CUBLASLT_BF16.iter().map(|(s, _)| *s).collect()
+    } else {
+        args.shapes.iter().map(|t| t.0).collect()
     };
-    let dtypes = parse_dtypes(&args.dtypes);
-    match args.device.as_str() {
-        "cuda" => run::<Cuda>(&CudaDevice::default(), &args, &shapes, &dtypes),
-        "wgpu" => run::<Wgpu>(&WgpuDevice::DefaultDevice, &args, &shapes, &dtypes),
-        other => panic!("--device {other}: use cuda or wgpu"),
+    let dtypes: Vec<FloatDType> = args.dtypes.iter().map(|&d| d.into()).collect();
+    match args.device {
+        DeviceArg::Cuda => run::<Cuda>(&CudaDevice::default(), &args, &shapes, &dtypes),
+        DeviceArg::Wgpu => run::<Wgpu>(&WgpuDevice::DefaultDevice, &args, &shapes, &dtypes),
     }
 }

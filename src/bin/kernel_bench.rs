@@ -18,6 +18,7 @@ use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, FloatDType, Int, Tensor, TensorData};
+use burnmix::bench::DTypeArg;
 use clap::Parser;
 
 type C = Cuda;
@@ -31,15 +32,17 @@ const COPY_BW: f64 = 3.0e12;
     about = "Fused kernels versus plain Burn on CUDA: time, GB/s, share of copy bandwidth, speed-up"
 )]
 struct Args {
-    /// Comma-separated dtypes among f32, f16, bf16.
-    #[arg(long, default_value = "bf16,f32")]
-    dtypes: String,
+    /// Comma-separated dtypes.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "bf16,f32")]
+    dtypes: Vec<DTypeArg>,
     /// Comma-separated ops (default: all): rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw.
     #[arg(
         long,
+        value_enum,
+        value_delimiter = ',',
         default_value = "rms_norm,add_rms_norm,swiglu,gelu,rope,cross_entropy,adamw"
     )]
-    ops: String,
+    ops: Vec<Op>,
     /// Calls per timed batch.
     #[arg(long, default_value_t = 10)]
     iters: usize,
@@ -48,13 +51,17 @@ struct Args {
     reps: usize,
 }
 
-fn dtype_of(s: &str) -> FloatDType {
-    match s {
-        "f32" => FloatDType::F32,
-        "f16" => FloatDType::F16,
-        "bf16" => FloatDType::BF16,
-        _ => panic!("unknown dtype {s}; use f32, f16 or bf16"),
-    }
+/// The ops this benchmark times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+enum Op {
+    RmsNorm,
+    AddRmsNorm,
+    Swiglu,
+    Gelu,
+    Rope,
+    CrossEntropy,
+    Adamw,
 }
 
 fn bytes_of(dt: FloatDType) -> f64 {
@@ -128,12 +135,12 @@ fn main() {
         "| op | shape | dtype | pass | fused µs | Burn µs | fused GB/s | of 3.0 TB/s | speed-up |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
-    for dts in args.dtypes.split(',') {
-        let dt = dtype_of(dts.trim());
+    for &dt in &args.dtypes {
+        let dt = FloatDType::from(dt);
         let eb = bytes_of(dt);
-        for op in args.ops.split(',').map(str::trim) {
+        for &op in &args.ops {
             match op {
-                "rms_norm" => {
+                Op::RmsNorm => {
                     let (r, c) = (16384, 4096);
                     let n = (r * c) as f64;
                     let w = |d: &CudaDevice| Tensor::<C, 1>::ones([c], d);
@@ -185,7 +192,7 @@ fn main() {
                         &move |[x]| kernels::rms_norm::reference(x, wa2.clone(), 1e-5),
                     );
                 }
-                "add_rms_norm" => {
+                Op::AddRmsNorm => {
                     let (r, c) = (16384, 4096);
                     let n = (r * c) as f64;
                     let wc = Tensor::<C, 1>::ones([c], &dev);
@@ -217,7 +224,7 @@ fn main() {
                         },
                     );
                 }
-                "swiglu" => {
+                Op::Swiglu => {
                     let (r, f) = (16384, 4096);
                     let n = (r * f) as f64;
                     fwd_bwd::<1>(
@@ -236,7 +243,7 @@ fn main() {
                         &|[x]| kernels::activation::swiglu_packed_reference(x),
                     );
                 }
-                "gelu" => {
+                Op::Gelu => {
                     let (r, f) = (16384, 4096);
                     let n = (r * f) as f64;
                     fwd_bwd::<1>(
@@ -254,7 +261,7 @@ fn main() {
                         &|[x]| kernels::activation::gelu_reference(x),
                     );
                 }
-                "rope" => {
+                Op::Rope => {
                     let (b, h, t, hd) = (16, 32, 1024, 128);
                     let n = (b * h * t * hd) as f64;
                     let (cc, sc) = kernels::rope::tables::<C>(t, hd, 10_000.0, &dev);
@@ -289,9 +296,8 @@ fn main() {
                         },
                     );
                 }
-                "cross_entropy" => cross_entropy(&args, &dev, dt),
-                "adamw" => adamw(&args, &dev, dt),
-                other => panic!("unknown op {other}"),
+                Op::CrossEntropy => cross_entropy(&args, &dev, dt),
+                Op::Adamw => adamw(&args, &dev, dt),
             }
         }
     }
@@ -405,4 +411,33 @@ fn adamw(args: &Args, dev: &CudaDevice, dt: FloatDType) {
     });
     let bytes = n * (4.0 * 3.0 + bytes_of(dt) + 4.0 * 3.0 + copy.map_or(0.0, bytes_of));
     row("adamw (+copy)", "64M params", dt, "step", bytes, tf, tr);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_of_ops_and_dtypes_parse_and_unknown_ones_are_refused() {
+        let args = Args::try_parse_from([
+            "kernel_bench",
+            "--ops",
+            "rms_norm,cross_entropy",
+            "--dtypes",
+            "f16",
+        ])
+        .unwrap();
+        assert_eq!(args.ops, [Op::RmsNorm, Op::CrossEntropy]);
+        assert_eq!(args.dtypes, [DTypeArg::F16]);
+        assert_eq!(Args::try_parse_from(["kernel_bench"]).unwrap().ops.len(), 7);
+        let err = Args::try_parse_from(["kernel_bench", "--ops", "rms_norm,softmax"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("softmax") && err.contains("cross_entropy"),
+            "{err}"
+        );
+        assert!(Args::try_parse_from(["kernel_bench", "--dtypes", "f64"]).is_err());
+    }
 }
