@@ -9,6 +9,7 @@
 //! | `fp32` | f32                     | off (not allowed)       |
 //! | `bf16` | bf16                    | off (dynamic or static allowed) |
 //! | `fp16` | f16                     | dynamic                 |
+//! | `fp8`  | FP8 GEMMs in the attention and MLP projections (fine-grained scales), bf16 (or f32) elsewhere | off (the scales adapt) |
 //!
 //! Loss scaling multiplies the loss by `S` before backward so that small gradients do not flush to
 //! zero in f16, and divides by `S` (exactly, `S` being a power of two by default) before clipping and
@@ -468,7 +469,7 @@ impl Recipe {
         }
     }
 
-    /// `fp32`, `bf16` or `fp16`.
+    /// `fp32`, `bf16`, `fp16` or `fp8`.
     pub fn name(&self) -> &'static str {
         match self {
             Recipe::Fp32(_) => "fp32",
