@@ -30,8 +30,13 @@ fn master_weights_stay_f32_while_the_compute_copy_is_f16() {
 
     assert!(param_dtypes(&master).iter().all(|(_, d)| *d == DType::F32));
     let copy_types = param_dtypes(&copy);
+    // The projections (the model's own list) compute in f16; everything else stays f32.
+    let projections: Vec<String> = copy.projections().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(projections.len(), 4 * cfg.model.n_layer);
     for (name, d) in &copy_types {
-        let low = name.contains("qkv") || name.contains("proj") || name.contains("fc");
+        let low = projections
+            .iter()
+            .any(|p| name.starts_with(&format!("{p}.")));
         let want = if low { DType::F16 } else { DType::F32 };
         assert_eq!(*d, want, "{name}");
     }
