@@ -10,8 +10,8 @@
 //! ```
 //!
 //! The only requirement on the backend is `kernels::Backend`: Burn's `Cuda` and `Wgpu` (without the
-//! `fusion` feature) and `Autodiff` over them run the kernels; any other backend can add an empty
-//! `impl kernels::Backend for ... {}` and gets the plain-Burn references.
+//! `fusion` feature) and `Autodiff` over them run the kernels, Burn's `NdArray` runs the plain-Burn
+//! references, and any other backend gets the references with `kernels::reference_backend!(...)`.
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
