@@ -1,7 +1,7 @@
 //! burnmix: a mixed-precision training engine built on Burn.
 //!
-//! This root crate re-exports the workspace's crates and holds the workspace-level integration tests
-//! (`tests/`). See the README for the `train` binary.
+//! This root crate re-exports the workspace's crates and holds the workspace-level integration
+//! tests (`tests/`). See the README for the `train` binary.
 
 pub use kernels;
 pub use model;
@@ -46,7 +46,8 @@ pub mod bench {
         Wgpu,
     }
 
-    /// Three sizes written `AxBxC` (e.g. `16384x768x2304`); what they are is the benchmark's to say.
+    /// Three sizes written `AxBxC` (e.g. `16384x768x2304`); what they are is the benchmark's to
+    /// say.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     pub struct Triple(pub [usize; 3]);
 

@@ -1,6 +1,6 @@
 //! Precision recipes on wgpu (lavapipe runs f16; it has no bf16, see tests/cuda.rs for BF16):
-//! FP16 trains, master weights stay f32 while the compute copy is f16, overflowing steps are skipped
-//! with the weights and optimizer state untouched, the loss scale backs off and grows, and
+//! FP16 trains, master weights stay f32 while the compute copy is f16, overflowing steps are
+//! skipped with the weights and optimizer state untouched, the loss scale backs off and grows, and
 //! checkpoints carry the scaler state.
 
 mod common;

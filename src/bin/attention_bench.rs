@@ -13,7 +13,8 @@
 //!   Burn materialises the `s x s` scores);
 //! - `/SDPA`: our fwd (bwd) TFLOP/s over docs/peers.md's PyTorch SDPA figure for the same shape.
 //!
-//! `--memory` instead runs forward+backward at B=1, H=16, S=16384, hd=128 and reports device memory.
+//! `--memory` instead runs forward+backward at B=1, H=16, S=16384, hd=128 and reports device
+//! memory.
 //!
 //! Tile sweeps: the environment variable `BURNMIX_FLASH_TILES` (`kernels::attention::TILES_ENV`)
 //! overrides the tensor-core kernels' tile shapes, e.g. `BURNMIX_FLASH_TILES=fwd=2x64,dkdv=1x32x8`

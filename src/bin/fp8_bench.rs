@@ -2,15 +2,15 @@
 //!
 //! For each `m x n x k` it prints TFLOP/s (2mnk / time) of:
 //! - `fp8 gemm`: the FP8 GEMM on operands already quantized (E4M3, 1x128 tiles for `a`, 128x128
-//!   blocks for `b`), bf16 output, on each path the device has: `Dequantize`, `CublasLt` (cuBLASLt's
-//!   block-scaled FP8 GEMM, CUDA with cuBLASLt >= 12.9), and `TensorCores` (the opt-in `mma.sync`
-//!   kernel) where E4M3 MMA exists;
+//!   blocks for `b`), bf16 output, on each path the device has: `Dequantize`, `CublasLt`
+//!   (cuBLASLt's block-scaled FP8 GEMM, CUDA with cuBLASLt >= 12.9), and `TensorCores` (the opt-in
+//!   `mma.sync` kernel) where E4M3 MMA exists;
 //! - `fp8 q+gemm`: the same including quantizing both bf16 operands (what a linear layer pays);
 //! - `bf16`: Burn's bf16 matmul (our bf16 GEMM path); `f32`: Burn's f32 matmul;
 //!
-//! with ratios to cuBLAS on an H100 in docs/peers.md (FP8 per-tensor 1446, BF16 799 TFLOP/s), and the
-//! quantizer's GB/s (bytes read + written), and each path's largest difference from the dequantize
-//! path's output relative to that output's largest magnitude.
+//! with ratios to cuBLAS on an H100 in docs/peers.md (FP8 per-tensor 1446, BF16 799 TFLOP/s), and
+//! the quantizer's GB/s (bytes read + written), and each path's largest difference from the
+//! dequantize path's output relative to that output's largest magnitude.
 //!
 //! Shapes: 4096^3, 8192^3 and GPT-2 small's projections at 16 x 1024 tokens (qkv 768 -> 2304,
 //! proj 768 -> 768, fc 768 -> 3072, mlp proj 3072 -> 768).

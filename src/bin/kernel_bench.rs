@@ -35,7 +35,8 @@ struct Args {
     /// Comma-separated dtypes.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "bf16,f32")]
     dtypes: Vec<DTypeArg>,
-    /// Comma-separated ops (default: all): rms_norm, add_rms_norm, swiglu, gelu, rope, cross_entropy, adamw.
+    /// Comma-separated ops (default: all): rms_norm, add_rms_norm, swiglu, gelu, rope,
+    /// cross_entropy, adamw.
     #[arg(
         long,
         value_enum,

@@ -1,4 +1,5 @@
-//! Shared helpers for the integration tests. They run on wgpu: Mesa's lavapipe on a CPU-only machine.
+//! Shared helpers for the integration tests. They run on wgpu: Mesa's lavapipe on a CPU-only
+//! machine.
 #![allow(dead_code)]
 
 use std::path::PathBuf;

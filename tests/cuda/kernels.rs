@@ -313,9 +313,9 @@ fn cuda_gemm_uses_cublaslt() {
 }
 
 /// The hand-over between CubeCL's stream and cuBLASLt's in the GPU order
-/// (`BURNMIX_GEMM_ORDER=stream`, the default): chains of steps, each a cuBLASLt GEMM whose output CubeCL's
-/// element-wise kernels read at once, against the same chain on Burn's matmul. The values are
-/// small integers and every sum is exact, so the two chains must agree bit for bit; a consumer
+/// (`BURNMIX_GEMM_ORDER=stream`, the default): chains of steps, each a cuBLASLt GEMM whose output
+/// CubeCL's element-wise kernels read at once, against the same chain on Burn's matmul. The values
+/// are small integers and every sum is exact, so the two chains must agree bit for bit; a consumer
 /// that read the GEMM's output before the GEMM had written it would make them differ.
 #[test]
 #[ignore = "needs CUDA"]

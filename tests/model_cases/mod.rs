@@ -8,12 +8,13 @@
 //! - `candidate`: the combination in the dtype under test.
 //!
 //! The loss and every parameter gradient must satisfy `err(candidate) <= 2 * err(baseline) + atol`,
-//! errors being the largest absolute difference from `exact` and `atol = max(32 u, 1e-4) max|exact|`,
-//! where `u` is the unit roundoff of the exact run's matrix products: 2^-24 for f32, and 2^-11 on
-//! CUDA, whose f32 matmuls run on TF32 tensor cores; 1e-4 is the f32 reduction-order noise of
-//! gradients through two layers (the kernel tests allow 1e-5 per op). So a combination may be no
-//! worse than the reference model in the same precision, up to a few roundings of the exact run
-//! itself. In f32 the baseline is the exact run, so only `atol` remains.
+//! errors being the largest absolute difference from `exact` and
+//! `atol = max(32 u, 1e-4) max|exact|`, where `u` is the unit roundoff of the exact run's matrix
+//! products: 2^-24 for f32, and 2^-11 on CUDA, whose f32 matmuls run on TF32 tensor cores; 1e-4 is
+//! the f32 reduction-order noise of gradients through two layers (the kernel tests allow 1e-5 per
+//! op). So a combination may be no worse than the reference model in the same precision, up to a
+//! few roundings of the exact run itself. In f32 the baseline is the exact run, so only `atol`
+//! remains.
 //!
 //! **Training.** 50 steps of each combination must track the reference run of the same precision:
 //! at every step `|loss(candidate) - loss(reference)| <= 2 * drift + 0.01 * loss`, where `drift`

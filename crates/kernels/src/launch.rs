@@ -34,7 +34,8 @@ pub(crate) fn empty<R: CubeRuntime>(
 }
 
 /// Widest vector (elements per load) the device supports for `dtype` that divides every length
-/// in `lens`: 128-bit loads on CUDA (4 x f32, 8 x bf16), at most 4 on wgpu, 1 when nothing else fits.
+/// in `lens`: 128-bit loads on CUDA (4 x f32, 8 x bf16), at most 4 on wgpu, 1 when nothing else
+/// fits.
 pub(crate) fn vector_width<R: CubeRuntime>(
     t: &CubeTensor<R>,
     dtypes: &[DType],

@@ -75,12 +75,13 @@ impl GemmKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GptConfig {
-    /// Vocabulary size of the embedding and LM head. 0 takes the tokenizer's size; a larger value pads
-    /// the vocabulary (e.g. 50304 for GPT-2's 50257, a multiple of 64 for faster matmuls).
+    /// Vocabulary size of the embedding and LM head. 0 takes the tokenizer's size; a larger value
+    /// pads the vocabulary (e.g. 50304 for GPT-2's 50257, a multiple of 64 for faster matmuls).
     pub vocab_size: usize,
     /// Number of transformer blocks.
     pub n_layer: usize,
-    /// Number of attention heads; must divide `d_model`, and `d_model / n_head` must be even (RoPE).
+    /// Number of attention heads; must divide `d_model`, and `d_model / n_head` must be even
+    /// (RoPE).
     pub n_head: usize,
     /// Width of the residual stream.
     pub d_model: usize,
@@ -109,8 +110,8 @@ pub struct GptConfig {
     /// Implementation of the memory-bound ops: "auto" (= "fused"), "reference" (plain Burn) or
     /// "fused" (CubeCL kernels where the backend has them, the references elsewhere).
     pub kernels: KernelsKind,
-    /// Weight of the z-loss term `z_loss * log(Z)^2` added to each token's cross-entropy, which keeps
-    /// the softmax normaliser near 1 (PaLM uses 1e-4); 0 disables it.
+    /// Weight of the z-loss term `z_loss * log(Z)^2` added to each token's cross-entropy, which
+    /// keeps the softmax normaliser near 1 (PaLM uses 1e-4); 0 disables it.
     pub z_loss: f64,
     /// Engine of the linear layers' and the LM head's GEMMs: "burn" (Burn's matmul), "cublaslt"
     /// (NVIDIA cuBLASLt, CUDA only) or "auto" (cuBLASLt on CUDA, Burn's matmul elsewhere).

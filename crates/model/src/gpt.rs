@@ -83,8 +83,8 @@ impl<B: kernels::Backend> Attention<B> {
 
         let scale = (hd as f64).powf(-0.5);
         if ctx.attention == AttentionKind::Flash {
-            // f32 softmax statistics inside the kernel; the output is laid out [B, T, H, hd], so the
-            // reshape below is free.
+            // f32 softmax statistics inside the kernel; the output is laid out [B, T, H, hd], so
+            // the reshape below is free.
             let y = kernels::flash_attention(q, k, v, true, Some(scale));
             let y = y.swap_dims(1, 2).reshape([b, t, d]);
             return self

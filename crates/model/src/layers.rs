@@ -1,7 +1,7 @@
 //! The building blocks of the decoder: linear, embedding, RMSNorm, rotary embedding.
 //!
-//! Each is written with plain Burn ops so that the fused kernels of `kernels` can replace one op at a
-//! time behind the model's `kernels` switch.
+//! Each is written with plain Burn ops so that the fused kernels of `kernels` can replace one op at
+//! a time behind the model's `kernels` switch.
 
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;

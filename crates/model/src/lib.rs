@@ -1,9 +1,9 @@
 //! A GPT-style decoder-only transformer in Burn.
 //!
-//! Token embedding, rotary position embedding, `n_layer` pre-norm blocks (RMSNorm, causal multi-head
-//! self-attention, SwiGLU or GELU MLP), a final RMSNorm and an LM head, optionally tied to the
-//! embedding. Initialisation follows GPT-2: N(0, 0.02) everywhere, residual projections scaled by
-//! 1/sqrt(2 * n_layer).
+//! Token embedding, rotary position embedding, `n_layer` pre-norm blocks (RMSNorm, causal
+//! multi-head self-attention, SwiGLU or GELU MLP), a final RMSNorm and an LM head, optionally tied
+//! to the embedding. Initialisation follows GPT-2: N(0, 0.02) everywhere, residual projections
+//! scaled by 1/sqrt(2 * n_layer).
 //!
 //! ```no_run
 //! use burn::backend::{Autodiff, Wgpu};
@@ -22,8 +22,8 @@
 //!
 //! [`Gpt::compute_copy`] returns a copy whose linear layers hold BF16 or F16 weights; its forward
 //! runs the matmuls and the activations in that dtype and keeps the numerically sensitive parts in
-//! f32: the embedding lookup, RMSNorm statistics (with f32 gains), attention softmax, the logits and
-//! the loss. The model that created the copy keeps the f32 master weights.
+//! f32: the embedding lookup, RMSNorm statistics (with f32 gains), attention softmax, the logits
+//! and the loss. The model that created the copy keeps the f32 master weights.
 
 pub mod config;
 pub mod dtype;

@@ -6,13 +6,13 @@
 //! b"BMXCKPT1" | header length: u64 LE | header: JSON | tensors: f32 LE, in header order | CRC32 of all before: u32 LE
 //! ```
 //!
-//! A checkpoint is written to a hidden temporary file, flushed to disk, then renamed into place, so a
-//! file with the final name is always complete; a crash leaves at most a stray temporary file, which
-//! the next save removes. Loading verifies the CRC and refuses a damaged file or one whose model
-//! shape differs from the config, saying which.
+//! A checkpoint is written to a hidden temporary file, flushed to disk, then renamed into place, so
+//! a file with the final name is always complete; a crash leaves at most a stray temporary file,
+//! which the next save removes. Loading verifies the CRC and refuses a damaged file or one whose
+//! model shape differs from the config, saying which.
 //!
-//! Batches, dropout masks and the learning rate are pure functions of (seed, step), so `step` is all
-//! the data-loader and RNG position a resumed run needs.
+//! Batches, dropout masks and the learning rate are pure functions of (seed, step), so `step` is
+//! all the data-loader and RNG position a resumed run needs.
 
 use std::fs::{self, File};
 use std::io::Read;

@@ -1,7 +1,8 @@
 //! Training configuration: one TOML file, then `--set key=value` overrides, checked strictly.
 //!
 //! Every section and key is optional (missing keys take the defaults below, which together are the
-//! built-in default run); unknown keys, wrong types and impossible values are errors that name the key.
+//! built-in default run); unknown keys, wrong types and impossible values are errors that name the
+//! key.
 
 use std::path::Path;
 

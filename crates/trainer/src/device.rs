@@ -75,7 +75,8 @@ fn probe_cuda() -> std::result::Result<(), String> {
     probe(CUDA_PROBE_ENV, "CUDA")
 }
 
-/// As [`probe_cuda`] for wgpu: cubecl-wgpu panics when no adapter (Vulkan, Metal, DX12 driver) exists.
+/// As [`probe_cuda`] for wgpu: cubecl-wgpu panics when no adapter (Vulkan, Metal, DX12 driver)
+/// exists.
 fn probe_wgpu() -> std::result::Result<(), String> {
     probe(WGPU_PROBE_ENV, "wgpu")
 }

@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct StepRecord {
     pub step: u64,
-    /// Mean training loss of the step's micro-batches (unscaled); `null` in the file when not finite.
+    /// Mean training loss of the step's micro-batches (unscaled); `null` in the file when not
+    /// finite.
     #[serde(with = "nullable_f64")]
     pub loss: f64,
     pub lr: f64,

@@ -1,10 +1,11 @@
 //! AdamW with decoupled weight decay (PyTorch semantics), global-norm gradient clipping and a
 //! per-parameter decay mask.
 //!
-//! Burn's own AdamW clips each tensor separately, decays every parameter and uses other defaults, so
-//! the trainer carries its own: the global gradient norm is reduced on the device (in f32), the clip
-//! factor and the loss-scale division stay on the device, and the only host round trip per step is
-//! the trainer's read of the loss and the norm (which also tells it whether the gradients are finite).
+//! Burn's own AdamW clips each tensor separately, decays every parameter and uses other defaults,
+//! so the trainer carries its own: the global gradient norm is reduced on the device (in f32), the
+//! clip factor and the loss-scale division stay on the device, and the only host round trip per
+//! step is the trainer's read of the loss and the norm (which also tells it whether the gradients
+//! are finite).
 
 use std::collections::{HashMap, HashSet};
 
@@ -44,7 +45,8 @@ pub struct AdamW<B: Backend> {
     /// Use the fused AdamW kernel (`model.kernels = "fused"`) instead of plain Burn ops.
     pub fused: bool,
     /// With `fused`: the parameters whose low-precision compute copy the kernel also writes, and
-    /// its dtype. The copies land in `copies` for the next step's [`model::Gpt::compute_copy_with`].
+    /// its dtype. The copies land in `copies` for the next step's
+    /// [`model::Gpt::compute_copy_with`].
     pub copy: Option<(FloatDType, HashSet<ParamId>)>,
     pub copies: HashMap<ParamId, FloatTensor<B>>,
 }
@@ -84,9 +86,9 @@ impl<B: Backend> AdamW<B> {
     }
 
     /// One AdamW step at learning rate `lr` on gradients that are `loss_scale` times the true ones
-    /// (1 without loss scaling). `scaled_norm` is [`AdamW::grad_norm`] of those gradients (shape [1],
-    /// on the device). The gradients are divided by the scale before clipping; both factors are
-    /// applied in the update itself, without a pass of their own.
+    /// (1 without loss scaling). `scaled_norm` is [`AdamW::grad_norm`] of those gradients (shape
+    /// [1], on the device). The gradients are divided by the scale before clipping; both factors
+    /// are applied in the update itself, without a pass of their own.
     pub fn step<AB, M>(
         &mut self,
         lr: f64,
@@ -129,8 +131,8 @@ impl<B: Backend> AdamW<B> {
     }
 }
 
-/// Casts every gradient of `module`'s parameters to f32 in place (gradients of low-precision compute
-/// copies arrive in bf16 or f16); f32 gradients are left untouched.
+/// Casts every gradient of `module`'s parameters to f32 in place (gradients of low-precision
+/// compute copies arrive in bf16 or f16); f32 gradients are left untouched.
 pub fn grads_to_f32<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     module: &M,
     grads: &mut GradientsParams,

@@ -12,11 +12,11 @@
 //! | `fp8`  | FP8 GEMMs in the attention and MLP projections (fine-grained scales), bf16 (or f32) elsewhere | off (the scales adapt) |
 //!
 //! Loss scaling multiplies the loss by `S` before backward so that small gradients do not flush to
-//! zero in f16, and divides by `S` (exactly, `S` being a power of two by default) before clipping and
-//! the update. [`LossScaler`] decides per step, from the one host read of the gradient norm, whether
-//! the step's gradients are finite; a step whose gradients overflowed is skipped: weights, AdamW
-//! moments and AdamW's step counter stay as they were, the batch is consumed and the learning-rate
-//! schedule moves on (as PyTorch's `GradScaler` does).
+//! zero in f16, and divides by `S` (exactly, `S` being a power of two by default) before clipping
+//! and the update. [`LossScaler`] decides per step, from the one host read of the gradient norm,
+//! whether the step's gradients are finite; a step whose gradients overflowed is skipped: weights,
+//! AdamW moments and AdamW's step counter stay as they were, the batch is consumed and the
+//! learning-rate schedule moves on (as PyTorch's `GradScaler` does).
 
 use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
@@ -215,7 +215,8 @@ pub enum LossScaling {
         scale: f64,
         max_consecutive_skips: u64,
     },
-    /// PyTorch `GradScaler` semantics: back off on overflow, grow after `growth_interval` clean steps.
+    /// PyTorch `GradScaler` semantics: back off on overflow, grow after `growth_interval` clean
+    /// steps.
     Dynamic {
         init: f64,
         growth_factor: f64,
@@ -228,7 +229,8 @@ pub enum LossScaling {
 }
 
 impl LossScaling {
-    /// The explicit setting from the `[loss_scale]` section (`mode = "auto"` resolved by the recipe).
+    /// The explicit setting from the `[loss_scale]` section (`mode = "auto"` resolved by the
+    /// recipe).
     fn from_section(c: &LossScaleConfig, mode: LossScaleMode) -> Self {
         match mode {
             LossScaleMode::Off | LossScaleMode::Auto => LossScaling::Off,

@@ -41,8 +41,8 @@ pub fn char_level(text: &str) -> Result<Tokenizer> {
         .map_err(|e| anyhow!("building the character tokenizer: {e}"))
 }
 
-/// A byte-level BPE with `vocab_size` tokens trained on `text` (GPT-2's byte-to-unicode alphabet, so
-/// any text round-trips).
+/// A byte-level BPE with `vocab_size` tokens trained on `text` (GPT-2's byte-to-unicode alphabet,
+/// so any text round-trips).
 pub fn train_bpe(text: &str, vocab_size: usize) -> Result<Tokenizer> {
     let alphabet = ByteLevel::alphabet().into_iter().collect();
     let mut trainer = BpeTrainerBuilder::new()
@@ -83,9 +83,9 @@ pub fn save(tok: &Tokenizer, path: &Path) -> Result<()> {
         .map_err(|e| anyhow!("cannot write {}: {e}", path.display()))
 }
 
-/// Encodes a whole corpus. The text is cut at line ends into pieces of about 64 KiB, which for these
-/// tokenizers (per-character, or byte-level with whitespace pre-splitting) gives the same ids as one
-/// call on the whole text, without the memory of one huge encoding.
+/// Encodes a whole corpus. The text is cut at line ends into pieces of about 64 KiB, which for
+/// these tokenizers (per-character, or byte-level with whitespace pre-splitting) gives the same ids
+/// as one call on the whole text, without the memory of one huge encoding.
 pub fn encode_corpus(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     let mut ids = Vec::with_capacity(text.len());
     let mut start = 0;

@@ -303,7 +303,8 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         let t0 = Instant::now();
         let (cfg, accum) = (self.cfg, self.cfg.training.grad_accum);
         let lr = lr_at(cfg, step as usize);
-        // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats them.
+        // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats
+        // them.
         B::seed(
             &self.device,
             SplitMix64::for_stream(cfg.seed, 3, step).next_u64(),

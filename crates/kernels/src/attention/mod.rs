@@ -2,10 +2,10 @@
 //! backward, on tensors `[batch, heads, seq, head_dim]`.
 //!
 //! **Forward** (FlashAttention-2 order): a cube owns a block of query rows and walks the key/value
-//! blocks, keeping the running row maximum and sum and rescaling its f32 output accumulator when the
-//! maximum grows (online softmax). Scores live in registers only. With `causal`, key blocks above
-//! the diagonal are skipped (query `i` sees keys `j <= i`, aligned at the first position as in
-//! PyTorch's `is_causal`). Besides the output it returns the f32 log-sum-exp of every query row.
+//! blocks, keeping the running row maximum and sum and rescaling its f32 output accumulator when
+//! the maximum grows (online softmax). Scores live in registers only. With `causal`, key blocks
+//! above the diagonal are skipped (query `i` sees keys `j <= i`, aligned at the first position as
+//! in PyTorch's `is_causal`). Besides the output it returns the f32 log-sum-exp of every query row.
 //!
 //! **Backward**: a pre-pass computes `delta = rowsum(dO * O)`; then one kernel walks key blocks per
 //! query block for dQ, and another walks query blocks per key block for dK and dV. Both recompute
@@ -17,9 +17,10 @@
 //! On tensor cores at head_dim 64 the dK/dV kernel also computes dQ (FlashAttention-2's scheme):
 //! each cube stages its dS tile in shared memory, multiplies it by its keys and adds the partial dQ
 //! to an f32 buffer with atomics, which saves the two recomputed products (backward 193 against 177
-//! TFLOP/s for the best separate kernels on an H100 at S = 4096, docs/results.md). The order of those f32 additions varies from run to run, so dQ can
-//! differ in its last bits between identical runs; `BURNMIX_FLASH_TILES=dq=separate`
-//! ([`TILES_ENV`]) selects the deterministic kernels. Other head dims use the separate kernels.
+//! TFLOP/s for the best separate kernels on an H100 at S = 4096, docs/results.md). The order of
+//! those f32 additions varies from run to run, so dQ can differ in its last bits between identical
+//! runs; `BURNMIX_FLASH_TILES=dq=separate` ([`TILES_ENV`]) selects the deterministic kernels. Other
+//! head dims use the separate kernels.
 //!
 //! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores
 //! (warp-level `mma.sync` m16n8k16, f32 accumulation, see `mma.rs`); everything else (f32, wgpu,

@@ -73,8 +73,8 @@ pub(crate) fn ce_fwd<F: Float, I: Int, N: Size>(
     }
 }
 
-/// `dlogits[r, j] = dloss[r] * (exp(x_j - lse_r) * (1 + 2 z_loss lse_r) - [j == target_r])`, zero for
-/// ignored rows; one unit per vector of logits. `dlogits` is dense; `logits` rows are
+/// `dlogits[r, j] = dloss[r] * (exp(x_j - lse_r) * (1 + 2 z_loss lse_r) - [j == target_r])`, zero
+/// for ignored rows; one unit per vector of logits. `dlogits` is dense; `logits` rows are
 /// `row_stride` vectors apart (CUDA pads the rows of large allocations).
 #[cube(launch)]
 pub(crate) fn ce_bwd<F: Float, I: Int, N: Size>(

@@ -1,12 +1,13 @@
 //! Softmax cross-entropy from logits, with the log-sum-exp kept per row and an optional z-loss.
 //!
 //! Per row `r` of `logits` [rows, classes] with class index `targets[r]`:
-//! `loss_r = lse_r - logits[r, target_r] + z_loss * lse_r^2`, `lse_r = log sum_j exp(logits[r, j])`,
-//! computed in f32 whatever the logits' dtype. Rows with a negative target are ignored (loss 0,
-//! gradient 0); a target >= classes gives a NaN loss and gradient for its row (checking on the host
-//! would cost a device-to-host read per call). The forward keeps only `lse` (f32, one per row) beside the logits themselves; the
-//! backward rebuilds the probabilities from it, so no [rows, classes] f32 tensor lives from the
-//! forward to the backward.
+//! `loss_r = lse_r - logits[r, target_r] + z_loss * lse_r^2`,
+//! `lse_r = log sum_j exp(logits[r, j])`, computed in f32 whatever the logits' dtype. Rows with a
+//! negative target are ignored (loss 0, gradient 0); a target >= classes gives a NaN loss and
+//! gradient for its row (checking on the host would cost a device-to-host read per call). The
+//! forward keeps only `lse` (f32, one per row) beside the logits themselves; the backward rebuilds
+//! the probabilities from it, so no [rows, classes] f32 tensor lives from the forward to the
+//! backward.
 
 pub(crate) mod backward;
 pub(crate) mod forward;

@@ -22,8 +22,8 @@
 //!   4 x 8 per warp would need 256 for the accumulators alone;
 //! - the staged K tiles (`BM + BN` rows x 128 codes, rows padded to 144 bytes, two buffers) take
 //!   74 KB at 128 x 128, so the 228 KB of an SM would hold three cubes; registers (256 threads x
-//!   255, as measured) allow one, and the `cp.async` double buffer hides the global loads behind the MMAs of
-//!   the previous tile instead.
+//!   255, as measured) allow one, and the `cp.async` double buffer hides the global loads behind
+//!   the MMAs of the previous tile instead.
 //!
 //! **Pipeline:** per 128-wide K tile, both operand tiles are copied with `cp.async` into one of
 //! two buffers while the other is used (completion tracked by two shared barriers, as in the
@@ -76,9 +76,9 @@ impl MmaShape {
         8 * self.nt * self.wn
     }
 
-    /// Why this shape cannot run, if it cannot: `mt` 1 or 2, `nt` even (B fragments come in pairs), a warp's
-    /// columns inside one 128-column scale block, at most 1024 threads, accumulators that fit
-    /// in registers and staged tiles that fit in shared memory.
+    /// Why this shape cannot run, if it cannot: `mt` 1 or 2, `nt` even (B fragments come in pairs),
+    /// a warp's columns inside one 128-column scale block, at most 1024 threads, accumulators that
+    /// fit in registers and staged tiles that fit in shared memory.
     pub fn check(&self) -> Result<(), String> {
         let MmaShape { wm, wn, mt, nt } = *self;
         if wm == 0 || wn == 0 || nt == 0 || nt % 2 != 0 || !(mt == 1 || mt == 2) {

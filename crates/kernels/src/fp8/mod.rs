@@ -3,8 +3,8 @@
 //! **Quantizer** ([`fp8_quantize`]): a 2-D matrix (or its transpose) is quantized along its
 //! reduction axis `k` with one scale per tile:
 //! - [`Fp8Granularity::Tile1x128`]: per row per 128 columns (activations and gradients);
-//! - [`Fp8Granularity::Block128`]: per 128 x 128 block (weights: the same codes serve the matrix and
-//!   its transpose);
+//! - [`Fp8Granularity::Block128`]: per 128 x 128 block (weights: the same codes serve the matrix
+//!   and its transpose);
 //! - [`Fp8Granularity::Tensor`]: one scale for the whole tensor (per-tensor current scaling).
 //!
 //! The scale comes from the tile's amax (the largest finite |x|): `s = max / amax`, by default
@@ -34,8 +34,8 @@
 //! bf16 there) is opt-in with `BURNMIX_FP8_GEMM=mma`. [`fp8_gemm_path`] says which path a pair of
 //! operands takes and [`fp8_gemm_on`] forces one.
 //!
-//! **Linear** ([`fp8_linear`]): `x [t, in] w [in, out]` with the fprop, dgrad and wgrad GEMMs in FP8,
-//! each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
+//! **Linear** ([`fp8_linear`]): `x [t, in] w [in, out]` with the fprop, dgrad and wgrad GEMMs in
+//! FP8, each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
 
 pub(crate) mod backward;
 pub(crate) mod forward;
@@ -342,8 +342,8 @@ type Fp8GemmFn<B> = fn(
     FloatDType,
 ) -> Option<burn::tensor::ops::FloatTensor<B>>;
 
-/// `a [m, k] x b [n, k]^T -> [m, n]` in `out` dtype, from two matrices quantized along the same `k`,
-/// on the path [`fp8_gemm_path`] names.
+/// `a [m, k] x b [n, k]^T -> [m, n]` in `out` dtype, from two matrices quantized along the same
+/// `k`, on the path [`fp8_gemm_path`] names.
 pub fn fp8_gemm<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>, out: FloatDType) -> Tensor<B, 2> {
     let path = fp8_gemm_path(a, b);
     // cuBLASLt's constraints (shapes, formats) are checked by trying; what it does not take is
@@ -484,7 +484,8 @@ impl Fp8Probe {
 }
 
 /// `x [t, in] w [in, out] -> [t, out]` with the GEMMs `cfg` selects in FP8 (output in `x`'s dtype;
-/// `x` and `w` must share a dtype). Under `Autodiff` the backward runs dgrad and wgrad as configured.
+/// `x` and `w` must share a dtype). Under `Autodiff` the backward runs dgrad and wgrad as
+/// configured.
 pub fn fp8_linear<B: Backend>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,

@@ -119,8 +119,8 @@ pub fn scales_for(amax: f32, format: Fp8Format, pow2: bool) -> (f32, f32) {
     }
 }
 
-/// Quantizes a row-major `[rows_in, cols_in]` f32 matrix as the kernels do: returns the payload words
-/// (4 codes per little-endian u32, rows of `k_pad / 4` words) and the dequantization scales.
+/// Quantizes a row-major `[rows_in, cols_in]` f32 matrix as the kernels do: returns the payload
+/// words (4 codes per little-endian u32, rows of `k_pad / 4` words) and the dequantization scales.
 /// With `spec.transpose` the quantized matrix is the transpose (`[cols_in, rows_in]`).
 pub fn quantize(
     data: &[f32],

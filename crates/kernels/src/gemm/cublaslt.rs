@@ -5,8 +5,8 @@
 //! transpose flag, and writes C^T column-major with leading dimension `n`, which is C row-major.
 //!
 //! Per device this keeps one cuBLASLt handle, one stream, a 32 MiB workspace (what cuBLAS uses on
-//! Hopper) and, per problem (shape, layouts, alignments), the call's descriptors and the heuristic's
-//! algorithm; they live as long as the process.
+//! Hopper) and, per problem (shape, layouts, alignments), the call's descriptors and the
+//! heuristic's algorithm; they live as long as the process.
 //!
 //! Ordering with CubeCL's stream, which CubeCL 0.10 does not expose ([`Order`]):
 //! - `Stream` (the default; `BURNMIX_GEMM_ORDER=stream`): no host waits. A one-thread CubeCL
@@ -188,7 +188,8 @@ pub(crate) fn library() -> Result<usize, String> {
     static STATUS: OnceLock<Result<usize, String>> = OnceLock::new();
     STATUS
         .get_or_init(|| {
-            // SAFETY: both only load the library (cudarc loads it at run time) and read its version.
+            // SAFETY: both only load the library (cudarc loads it at run time) and read its
+            // version.
             unsafe {
                 if !sys::is_culib_present() {
                     return Err("libcublasLt could not be loaded; install the CUDA toolkit's cuBLAS or put its lib directory on LD_LIBRARY_PATH".into());
@@ -325,8 +326,8 @@ struct Flags {
     wait: dsys::CUfunction,
     /// `burnmix_gemm_post` from [`WAIT_PTX`].
     post: dsys::CUfunction,
-    /// CubeCL gives each host thread its own stream, and the hand-over orders one stream only: GEMMs
-    /// from other threads are host-synchronised.
+    /// CubeCL gives each host thread its own stream, and the hand-over orders one stream only:
+    /// GEMMs from other threads are host-synchronised.
     thread: std::thread::ThreadId,
 }
 
@@ -716,7 +717,8 @@ fn execute(
                 // Completed whether or not the GEMM was queued: the GEMM's stream is already
                 // waiting for `seq`, and CubeCL's next hand-over must not overtake it.
                 let flags = dev.flags.as_ref().expect("created above");
-                // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream waits for it.
+                // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream waits for
+                // it.
                 let (mut flag_arg, mut seq_arg) = (flags.ptr + 4, seq);
                 let mut params = [
                     &mut flag_arg as *mut u64 as *mut c_void,
@@ -814,7 +816,8 @@ impl Call {
                     4,
                 )?;
             }
-            // f32 accumulation promoted as cuBLASLt's block scaling requires (no fast accumulation).
+            // f32 accumulation promoted as cuBLASLt's block scaling requires (no fast
+            // accumulation).
             let fast: i8 = 0;
             set(
                 CUBLASLT_MATMUL_DESC_FAST_ACCUM,

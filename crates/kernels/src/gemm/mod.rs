@@ -16,8 +16,8 @@
 //!   accumulate in f32; f32 is true f32 (no TF32), as PyTorch's default. Each operand's
 //!   real leading dimension is passed (CUDA pitches rows that are not a multiple of 512 bytes);
 //!   transposed views are read as the other layout; other strides are copied once. The algorithm is
-//!   cuBLASLt's heuristic choice, cached per shape, layout and alignment: no autotuning. The call is
-//!   ordered with CubeCL's work on the GPU through flags and one-thread waiting kernels (CubeCL
+//!   cuBLASLt's heuristic choice, cached per shape, layout and alignment: no autotuning. The call
+//!   is ordered with CubeCL's work on the GPU through flags and one-thread waiting kernels (CubeCL
 //!   0.10 does not expose its `CUstream`; see `cublaslt.rs`), or, with `BURNMIX_GEMM_ORDER=host`,
 //!   by synchronising CubeCL's stream before it and the GEMM's own stream after it.
 //! - `Auto`: `CublasLt` for CUDA tensors when the library loads, `Burn` otherwise.

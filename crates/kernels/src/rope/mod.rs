@@ -11,7 +11,8 @@ pub(crate) mod kernel;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{FloatDType, Int, Tensor};
 
-/// `cos` and `sin` tables [positions, head_dim / 2] (f32) for angles `pos * theta^(-2i / head_dim)`.
+/// `cos` and `sin` tables [positions, head_dim / 2] (f32) for angles
+/// `pos * theta^(-2i / head_dim)`.
 pub fn tables<B: BurnBackend>(
     positions: usize,
     head_dim: usize,
@@ -35,7 +36,8 @@ pub fn tables<B: BurnBackend>(
     (angles.clone().cos(), angles.sin())
 }
 
-/// Plain-Burn RoPE: x [B, H, T, head_dim], tables [>= T, head_dim / 2]; f32 inside, `x`'s dtype out.
+/// Plain-Burn RoPE: x [B, H, T, head_dim], tables [>= T, head_dim / 2]; f32 inside, `x`'s dtype
+/// out.
 pub fn reference<B: BurnBackend>(
     x: Tensor<B, 4>,
     cos: Tensor<B, 2>,

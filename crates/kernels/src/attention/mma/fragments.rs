@@ -77,7 +77,8 @@ pub(crate) fn load_a<F: Float, N: Size, NA: Size>(
 
 /// A fragment (16 x 16) of a tile that stores A transposed (`A[m][k] = tile[k][m]`, like dS^T in
 /// the fused dQ product), top-left corner of A at (`row0`, `col0`), by one `ldmatrix.x4.trans`:
-/// lanes `8i .. 8i + 7` address the rows (k) of 8 x 8 matrix `i` = (m half `i % 2`, k half `i / 2`).
+/// lanes `8i .. 8i + 7` address the rows (k) of 8 x 8 matrix `i` = (m half `i % 2`, k half
+/// `i / 2`).
 #[cube]
 pub(crate) fn load_a_t<F: Float, N: Size, NA: Size>(
     tile: &SharedMemory<Vector<F, N>>,
@@ -94,9 +95,10 @@ pub(crate) fn load_a_t<F: Float, N: Size, NA: Size>(
 }
 
 /// B fragments (16 x 8) of the two 8-column tiles `n0 ..` and `n0 + 8 ..` of the product's
-/// columns, reduction rows `k0 .. k0 + 16`, of the tile starting at vector `off`, by one `ldmatrix.x4`; vectors 0-1 are the first tile's,
-/// 2-3 the second's. `n_rows`: the tile stores B transposed (`B[k][n] = tile[n][k]`, like k in
-/// `q k^T`), read as is; otherwise `B[k][n] = tile[k][n]` (like v in `P v`), read with `.trans`.
+/// columns, reduction rows `k0 .. k0 + 16`, of the tile starting at vector `off`, by one
+/// `ldmatrix.x4`; vectors 0-1 are the first tile's, 2-3 the second's. `n_rows`: the tile stores B
+/// transposed (`B[k][n] = tile[n][k]`, like k in `q k^T`), read as is; otherwise
+/// `B[k][n] = tile[k][n]` (like v in `P v`), read with `.trans`.
 #[cube]
 pub(crate) fn load_b2<F: Float, N: Size, NB: Size>(
     tile: &SharedMemory<Vector<F, N>>,
