@@ -45,7 +45,7 @@ pub const TILES_ENV: &str = "BURNMIX_FLASH_TILES";
 impl MmaTiles {
     /// Defaults for the H100, per head_dim, from `attention_bench` sweeps at S = 4096 (see
     /// docs/results.md, 2026-11-23 (later)). Two row tiles per warp halve the shared-memory reads
-    /// per MMA (see `mma.rs`); 32-key forward blocks beat 16 (hd 128: 222 against 178 TFLOP/s) and
+    /// per MMA (see `mma/fragments.rs`); 32-key forward blocks beat 16 (hd 128: 222 against 178 TFLOP/s) and
     /// matched 48 and 64 within the run-to-run spread. Backward at hd 128: the separate dQ kernel
     /// (2 x 32) with an 8-warp dK/dV cube of 128 keys (one row tile per warp, 64-query blocks), 194
     /// TFLOP/s; the fused dQ reached 172 there, as its extra dS tile and atomics compete with dK

@@ -23,7 +23,7 @@
 //! head dims use the separate kernels.
 //!
 //! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores
-//! (warp-level `mma.sync` m16n8k16, f32 accumulation, see `mma.rs`); everything else (f32, wgpu,
+//! (warp-level `mma.sync` m16n8k16, f32 accumulation, see `mma/`); everything else (f32, wgpu,
 //! other head dims up to [`MAX_HEAD_DIM`]) runs the portable kernels, one unit per row with f32
 //! arithmetic. [`flash_attention_path`](crate::flash_attention_path) says which one a tensor gets.
 //! Gradients and outputs are in the input dtype; any sequence length works (partial blocks are
