@@ -29,13 +29,11 @@ pub mod bench {
         }
     }
 
+    /// The name on the command line (`bf16`, ...).
     impl std::fmt::Display for DTypeArg {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str(match self {
-                DTypeArg::F32 => "f32",
-                DTypeArg::F16 => "f16",
-                DTypeArg::Bf16 => "bf16",
-            })
+            let value = clap::ValueEnum::to_possible_value(self).expect("no variant is skipped");
+            f.write_str(value.get_name())
         }
     }
 
