@@ -214,6 +214,27 @@ pub enum EntryState {
 
 pub const ERROR_FILE: &str = "compare-error.txt";
 
+/// Marks an entry trained while other entries of its comparison ran on the same device
+/// (`--jobs K` with K > 1); it holds K.
+pub const SHARED_FILE: &str = "compare-shared-device.txt";
+
+/// Records that the entry in `dir` trains beside up to `jobs - 1` others (kept across resumes:
+/// its median tokens/s mixes both parts).
+pub fn mark_shared(dir: &Path, jobs: usize) -> Result<()> {
+    let jobs = jobs.max(shared_jobs(dir).unwrap_or(0));
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let path = dir.join(SHARED_FILE);
+    std::fs::write(&path, format!("{jobs}\n"))
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// The `--jobs` value an entry was trained under, when it shared the device.
+fn shared_jobs(dir: &Path) -> Option<usize> {
+    std::fs::read_to_string(dir.join(SHARED_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
 pub fn entry_state(dir: &Path, cfg: &Config) -> EntryState {
     if dir.join(ERROR_FILE).exists() {
         return EntryState::Failed;
@@ -344,7 +365,11 @@ pub struct EntryReport {
     pub best_val_vs_fp32: Option<f64>,
     /// Median tokens/s over the steps after the first three.
     pub tokens_per_s: Option<f64>,
+    /// Left out when this entry or its fp32 entry shared the device.
     pub tokens_per_s_vs_fp32: Option<f64>,
+    /// Set when other entries trained on the same device at the same time (`--jobs K`, K > 1):
+    /// then tokens/s measures the shared device, not the recipe.
+    pub shared_device_jobs: Option<usize>,
     pub skipped_steps: u64,
     pub loss_scale_min: Option<f64>,
     pub loss_scale_max: Option<f64>,
@@ -394,6 +419,7 @@ pub fn entry_report(dir: &Path, entry: &Entry) -> Result<EntryReport> {
         best_val_vs_fp32: None,
         tokens_per_s: (!tps.is_empty()).then(|| tps[tps.len() / 2]),
         tokens_per_s_vs_fp32: None,
+        shared_device_jobs: shared_jobs(dir),
         skipped_steps: records.iter().map(|r| r.overflows).max().unwrap_or(0),
         loss_scale_min: scaled.then(|| scales.iter().copied().fold(f64::INFINITY, f64::min)),
         loss_scale_max: scaled.then(|| scales.iter().copied().fold(0.0, f64::max)),
@@ -463,15 +489,17 @@ pub fn write_report(
 /// Each entry's best validation loss and tokens/s against the fp32 entry at the same learning rate
 /// and seed.
 fn relative_to_fp32(entries: &mut [EntryReport]) {
+    // Speed is compared only between entries that had the device to themselves.
+    let alone = |e: &EntryReport| e.tokens_per_s.filter(|_| e.shared_device_jobs.is_none());
     let fp32: Vec<(f64, u64, Option<f64>, Option<f64>)> = entries
         .iter()
         .filter(|e| e.recipe == "fp32")
-        .map(|e| (e.lr, e.seed, e.best_val_loss, e.tokens_per_s))
+        .map(|e| (e.lr, e.seed, e.best_val_loss, alone(e)))
         .collect();
     for e in entries.iter_mut() {
         if let Some(&(_, _, v, t)) = fp32.iter().find(|f| f.0 == e.lr && f.1 == e.seed) {
             e.best_val_vs_fp32 = e.best_val_loss.zip(v).map(|(a, b)| a - b);
-            e.tokens_per_s_vs_fp32 = e.tokens_per_s.zip(t).map(|(a, b)| a / b);
+            e.tokens_per_s_vs_fp32 = alone(e).zip(t).map(|(a, b)| a / b);
         }
     }
 }
@@ -648,7 +676,10 @@ fn markdown(r: &Report) -> String {
             e.best_val_vs_fp32
                 .map_or("-".into(), |d| format!("{d:+.4}")),
             f(e.final_val_loss, 4),
-            f(e.tokens_per_s, 0),
+            match e.shared_device_jobs {
+                Some(_) => format!("{} (shared)", f(e.tokens_per_s, 0)),
+                None => f(e.tokens_per_s, 0),
+            },
             e.tokens_per_s_vs_fp32
                 .map_or("-".into(), |x| format!("{x:.2}x")),
             e.peak_memory_reserved.map_or("-".into(), |b| format!(
@@ -661,6 +692,14 @@ fn markdown(r: &Report) -> String {
             e.stability
                 .first_bad_step
                 .map_or("-".into(), |x| x.to_string()),
+        );
+    }
+    if let Some(k) = r.entries.iter().filter_map(|e| e.shared_device_jobs).max() {
+        let _ = writeln!(
+            s,
+            "\n(shared): trained while other entries ran on the same device (`--jobs {k}`), so its \
+tokens/s measures the shared device, not the recipe, and has no ratio to fp32. Train with \
+`--jobs 1` to compare speed."
         );
     }
     let _ = writeln!(s, "\nVerdicts: {}\n", r.verdicts);

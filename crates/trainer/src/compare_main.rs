@@ -118,10 +118,15 @@ fn real_main() -> Result<()> {
     let report = compare::write_report(&dir, &plan.origin, &plan.recipes, reports)?;
     for e in &report.entries {
         println!(
-            "{:<28} best val {:>8} | {:>9} tokens/s | {}",
+            "{:<28} best val {:>8} | {:>9} tokens/s{} | {}",
             e.name,
             e.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
             e.tokens_per_s.map_or("-".into(), |v| format!("{v:.0}")),
+            if e.shared_device_jobs.is_some() {
+                " (shared device)"
+            } else {
+                ""
+            },
             e.stability.verdict
         );
     }
@@ -260,6 +265,11 @@ fn train_entries(cli: &Cli, dir: &std::path::Path, entries: &[compare::Entry]) -
                 }
                 println!("{tag}: training");
             }
+        }
+        // Under --jobs K > 1 (this process's or, in an entry's own process, its parent's), the
+        // entry shares the device with others.
+        if cli.jobs > 1 {
+            compare::mark_shared(&run_dir, cli.jobs)?;
         }
         if jobs > 1 {
             pool.spawn(&tag, &e.dir_name, &run_dir)?;

@@ -250,10 +250,16 @@ fn compare_trains_each_entry_once_and_reports() {
     // The fp32 entries are their own reference; the other recipe is compared with fp32 at its lr.
     assert_eq!(rows[0]["best_val_vs_fp32"].as_f64(), Some(0.0));
     assert!(rows[2]["best_val_vs_fp32"].as_f64().is_some());
+    // Under --jobs 2 the entries shared the device: tokens/s is flagged and has no ratio.
+    for r in rows {
+        assert_eq!(r["shared_device_jobs"].as_u64(), Some(2), "{r}");
+        assert!(r["tokens_per_s_vs_fp32"].is_null(), "{r}");
+    }
     let md = std::fs::read_to_string(dir.join("cmp/report.md")).expect("report.md");
     for e in entries {
         assert!(md.contains(e), "report.md lists {e}:\n{md}");
     }
+    assert!(md.contains("(shared)") && md.contains("--jobs 2"), "{md}");
     for svg in [
         "train_loss.svg",
         "val_loss.svg",
