@@ -16,7 +16,7 @@
 //! `--memory` instead runs forward+backward at B=1, H=16, S=16384, hd=128 and reports device
 //! memory.
 //!
-//! Tile sweeps: the environment variable `BURNMIX_FLASH_TILES` (`kernels::attention::TILES_ENV`)
+//! Tile sweeps: the environment variable `BURNMIX_FLASH_TILES` (`kernels::settings::Settings::flash_tiles`)
 //! overrides the tensor-core kernels' tile shapes, e.g. `BURNMIX_FLASH_TILES=fwd=2x64,dkdv=1x32x8`
 //! (row tiles of 16 per warp x block depth [x warps per cube], per kernel: `fwd`, `dq`, `dkdv`),
 //! and `dq=fused` / `dq=separate` chooses whether the dK/dV kernel also computes dQ.

@@ -45,8 +45,8 @@ struct Args {
     reps: usize,
     /// Tensor-core cube shapes to compare, `wm,wn,mt,nt` separated by `;` (default: the
     /// kernel's default or `BURNMIX_FP8_MMA_SHAPE`).
-    #[arg(long)]
-    mma_shapes: Option<String>,
+    #[arg(long, value_parser = kernels::fp8::MmaShape::parse, value_delimiter = ';')]
+    mma_shapes: Vec<kernels::fp8::MmaShape>,
 }
 
 fn time<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, f: &mut dyn FnMut()) -> f64 {
@@ -86,12 +86,10 @@ fn run<Bk: kernels::Backend>(
         });
         let elem = if compute == FloatDType::F32 { 4.0 } else { 2.0 };
         let q_bytes = m as f64 * k as f64 * (elem + 1.0) + (m * k.div_ceil(128)) as f64 * 4.0;
-        let shapes: Vec<Option<String>> = match &args.mma_shapes {
-            Some(list) => list
-                .split(';')
-                .map(|x| Some(x.trim().to_string()))
-                .collect(),
-            None => vec![None],
+        let shapes: Vec<Option<kernels::fp8::MmaShape>> = if args.mma_shapes.is_empty() {
+            vec![None]
+        } else {
+            args.mma_shapes.iter().copied().map(Some).collect()
         };
         // Every path's output against the dequantize path's: max |diff| / max |reference|.
         let reference = fp8_gemm_on(&qa, &qb, compute, Fp8GemmPath::Dequantize)
@@ -105,9 +103,9 @@ fn run<Bk: kernels::Backend>(
         ];
         runs.extend(shapes.into_iter().map(|s| (Fp8GemmPath::TensorCores, s)));
         for (path, shape) in runs {
-            if let Some(shape) = &shape {
-                // Single-threaded here; the kernel reads the variable at each launch.
-                std::env::set_var(kernels::fp8::MMA_SHAPE_ENV, shape);
+            if let Some(shape) = shape {
+                // The kernel reads the setting at each launch.
+                kernels::settings::update(|s| s.fp8_mma_shape = Some(shape));
             }
             let Some(c) = fp8_gemm_on(&qa, &qb, compute, path) else {
                 continue; // not available on this device
@@ -124,7 +122,7 @@ fn run<Bk: kernels::Backend>(
                 _ => f64::NAN,
             };
             let label = match (&path, &shape) {
-                (Fp8GemmPath::TensorCores, Some(s)) => format!("TensorCores {s}"),
+                (Fp8GemmPath::TensorCores, Some(s)) => format!("TensorCores {s:?}"),
                 _ => format!("{path:?}"),
             };
             let t_gemm = time::<Bk>(dev, args, &mut || {

@@ -210,7 +210,9 @@ fn cuda_fp8_gemm_cublaslt() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_linear_cublaslt() {
-    std::env::set_var(kernels::fp8::GEMM_ENV, "cublaslt");
+    kernels::settings::update(|s| {
+        s.fp8_gemm = kernels::settings::Fp8GemmChoice::Path(kernels::Fp8GemmPath::CublasLt)
+    });
     let shapes = [(64, 256, 96), (128, 768, 2304)];
     for dtype in [FloatDType::F32, FloatDType::BF16] {
         fp8_cases::linear::<B>(dtype, &CudaDevice::default(), &shapes);
@@ -223,7 +225,9 @@ fn cuda_fp8_linear_cublaslt() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_linear_dequantize() {
-    std::env::set_var(kernels::fp8::GEMM_ENV, "dequantize");
+    kernels::settings::update(|s| {
+        s.fp8_gemm = kernels::settings::Fp8GemmChoice::Path(kernels::Fp8GemmPath::Dequantize)
+    });
     let shapes = [(64, 256, 96), (100, 130, 200)];
     for dtype in [FloatDType::F32, FloatDType::BF16] {
         fp8_cases::linear::<B>(dtype, &CudaDevice::default(), &shapes);
@@ -415,11 +419,11 @@ fn cuda_gemm_lm_head_shape() {
     );
 }
 
-/// Sets `BURNMIX_GEMM_ORDER=stream` (the GPU order) for this process and checks that
-/// it took effect (the order is read once per process: run these tests in their own process, as
-/// `tools/cuda-suite` does).
+/// Sets the GPU order of the GEMMs for this process and checks that it took effect (the order is
+/// fixed at a process's first GEMM: run these tests in their own process, as `tools/cuda-suite`
+/// does).
 pub fn stream_ordered_gemms() {
-    std::env::set_var(kernels::gemm::ORDER_ENV, "stream");
+    kernels::settings::update(|s| s.gemm_order = kernels::settings::GemmOrder::Stream);
     let a =
         burn::tensor::Tensor::<B, 2>::zeros([4, 8], &CudaDevice::default()).cast(FloatDType::BF16);
     assert_eq!(

@@ -52,6 +52,7 @@ pub mod memory;
 mod pipeline;
 pub mod rms_norm;
 pub mod rope;
+pub mod settings;
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::Autodiff;

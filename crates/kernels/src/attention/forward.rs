@@ -37,11 +37,6 @@ pub(crate) struct MmaTiles {
     pub fused_dq: bool,
 }
 
-/// Environment variable that overrides [`MmaTiles`] for tuning (read by `attention_bench`
-/// sweeps): `fwd=MTxBLOCK[xWARPS],dq=MTxBLOCK[xWARPS],dkdv=MTxBLOCK[xWARPS]`, any subset, e.g.
-/// `fwd=2x64,dkdv=1x32`; `dq=fused` computes dQ inside the dK/dV kernel (f32 atomics).
-pub const TILES_ENV: &str = "BURNMIX_FLASH_TILES";
-
 impl MmaTiles {
     /// Defaults for the H100, per head_dim, from `attention_bench` sweeps at S = 4096 (see
     /// docs/results.md, 2026-11-23 (later)). Two row tiles per warp halve the shared-memory reads
@@ -77,12 +72,13 @@ impl MmaTiles {
         }
     }
 
-    /// The defaults, with any override from [`TILES_ENV`].
+    /// The defaults, with any override from [`crate::settings::Settings::flash_tiles`].
     pub(crate) fn get(hd: usize) -> Self {
         let mut tiles = Self::for_head_dim(hd);
-        if let Ok(spec) = std::env::var(TILES_ENV) {
-            if let Err(e) = tiles.apply(&spec) {
-                panic!("{TILES_ENV}={spec:?}: {e}");
+        if let Some(t) = crate::settings::read(|s| s.flash_tiles.clone()) {
+            // Checked when the setting was made (`check_tiles`).
+            if let Err(e) = tiles.apply(t.spec()) {
+                panic!("flash tiles {:?}: {e}", t.spec());
             }
         }
         tiles
@@ -155,6 +151,11 @@ impl MmaTiles {
             )
         })
     }
+}
+
+/// Checks a tile override (see [`crate::settings::FlashTiles`]) without applying it.
+pub(crate) fn check_tiles(spec: &str) -> Result<(), String> {
+    MmaTiles::for_head_dim(128).apply(spec)
 }
 
 /// Which kernels run for a given input.
@@ -469,7 +470,13 @@ pub(crate) fn backward<R: CubeRuntime>(
             let tiles = MmaTiles::get(d.hd);
             if tiles.fused_dq {
                 if let Some(problem) = tiles.fused_dq_problem(d.hd) {
-                    fail(op, format!("{TILES_ENV}: {problem} (tiles {tiles:?})"));
+                    fail(
+                        op,
+                        format!(
+                            "flash tiles setting ({}): {problem} (tiles {tiles:?})",
+                            crate::settings::FLASH_TILES_ENV
+                        ),
+                    );
                 }
             }
             // Fused: dQ accumulates in f32 through atomics from every key block's cube.

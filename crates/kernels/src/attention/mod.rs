@@ -19,7 +19,7 @@
 //! to an f32 buffer with atomics, which saves the two recomputed products (backward 193 against 177
 //! TFLOP/s for the best separate kernels on an H100 at S = 4096, docs/results.md). The order of
 //! those f32 additions varies from run to run, so dQ can differ in its last bits between identical
-//! runs; `BURNMIX_FLASH_TILES=dq=separate` ([`TILES_ENV`]) selects the deterministic kernels. Other
+//! runs; `BURNMIX_FLASH_TILES=dq=separate` ([`crate::settings::Settings::flash_tiles`]) selects the deterministic kernels. Other
 //! head dims use the separate kernels.
 //!
 //! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores
@@ -34,7 +34,8 @@ pub(crate) mod forward;
 pub(crate) mod kernel;
 pub(crate) mod mma;
 
-pub use forward::{FlashPath, MAX_HEAD_DIM, TILES_ENV};
+pub(crate) use forward::check_tiles;
+pub use forward::{FlashPath, MAX_HEAD_DIM};
 
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{Bool, Int, Tensor};

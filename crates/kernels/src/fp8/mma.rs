@@ -1,7 +1,7 @@
 //! FP8 GEMM on tensor cores (CUDA sm_89+): `mma.sync` m16n8k32 with E4M3 operands and f32
 //! accumulators, per-tile scales applied when partial sums are promoted every 128 of K.
 //!
-//! Opt-in: it runs with `BURNMIX_FP8_GEMM=mma` (see [`super::GEMM_ENV`]) or
+//! Opt-in: it runs with `BURNMIX_FP8_GEMM=mma` (see [`crate::settings::Settings::fp8_gemm`]) or
 //! [`crate::fp8_gemm_on`]; `tests/cuda_kernels.rs::cuda_fp8_gemm_mma` checks it against the
 //! dequantize path (passes on an H100).
 //!

@@ -47,26 +47,16 @@ pub mod reference;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 
+use crate::settings::Fp8GemmChoice;
 use crate::Backend;
 
 /// Scales cover 128 elements of the reduction axis (and 128 rows for blocks).
 pub const TILE: usize = 128;
 
-/// Chooses the path of [`fp8_gemm`] (see [`fp8_gemm_path`]): `auto` (the default: cuBLASLt's
-/// block-scaled FP8 GEMM on Hopper, else dequantize), `cublaslt`, `mma` (the `mma.sync` FP8
-/// tensor-core kernel, CUDA sm_89+, E4M3 operands) or `dequantize`.
-pub const GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
-
-/// Overrides the tensor-core FP8 GEMM's cube shape: `wm,wn,mt,nt` (see [`MmaShape`]; default
-/// [`MmaShape::DEFAULT`]). An invalid value is an error, not a silent fallback.
-pub const MMA_SHAPE_ENV: &str = "BURNMIX_FP8_MMA_SHAPE";
-
-/// The tensor-core GEMM's cube shape: [`MMA_SHAPE_ENV`] if set, else [`MmaShape::DEFAULT`].
+/// The tensor-core GEMM's cube shape ([`crate::settings::Settings::fp8_mma_shape`], else
+/// [`MmaShape::DEFAULT`]).
 pub(crate) fn mma_shape() -> MmaShape {
-    match std::env::var(MMA_SHAPE_ENV) {
-        Ok(v) => MmaShape::parse(&v).unwrap_or_else(|e| panic!("{MMA_SHAPE_ENV}={e}")),
-        Err(_) => MmaShape::DEFAULT,
-    }
+    crate::settings::read(|s| s.fp8_mma_shape).unwrap_or(MmaShape::DEFAULT)
 }
 
 /// An FP8 encoding.
@@ -275,7 +265,7 @@ pub enum Fp8GemmPath {
     /// Codes times scales expanded exactly to bf16 or f32, then Burn's matmul (f32 accumulation).
     Dequantize,
     /// `mma.sync` m16n8k32 on E4M3 codes, f32 accumulation, scales applied every 128 of K
-    /// (opt-in: [`GEMM_ENV`]` = mma`).
+    /// (opt-in: [`crate::settings::Settings::fp8_gemm`]).
     TensorCores,
     /// NVIDIA cuBLASLt's FP8 GEMM with the 1x128 / 128x128 block scales (or per-tensor scales)
     /// applied by cuBLASLt (CUDA, cuBLASLt >= 12.9 for block scales, Hopper; the default there).
@@ -284,7 +274,8 @@ pub enum Fp8GemmPath {
     CublasLt,
 }
 
-/// The path [`fp8_gemm`] tries first for these operands on this backend ([`GEMM_ENV`] chooses):
+/// The path [`fp8_gemm`] tries first for these operands on this backend
+/// ([`crate::settings::Settings::fp8_gemm`], `BURNMIX_FP8_GEMM`, chooses):
 /// - unset or `auto`: cuBLASLt where the device has its block-scaled FP8 GEMM (CUDA, Hopper,
 ///   cuBLASLt 12.9+), else the dequantize path;
 /// - `cublaslt`: cuBLASLt wherever it applies;
@@ -294,25 +285,20 @@ pub enum Fp8GemmPath {
 ///
 /// Operands a path does not take (shapes, formats) are computed on the dequantize path.
 pub fn fp8_gemm_path<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> Fp8GemmPath {
-    match std::env::var(GEMM_ENV).as_deref() {
-        Ok("mma") if mma_applies(a, b) => Fp8GemmPath::TensorCores,
-        Ok("mma") | Ok("dequantize") => Fp8GemmPath::Dequantize,
-        Ok("cublaslt") => Fp8GemmPath::CublasLt,
-        Err(_) | Ok("") | Ok("auto") => {
+    match crate::settings::read(|s| s.fp8_gemm) {
+        Fp8GemmChoice::Path(Fp8GemmPath::TensorCores) if mma_applies(a, b) => {
+            Fp8GemmPath::TensorCores
+        }
+        Fp8GemmChoice::Path(Fp8GemmPath::TensorCores | Fp8GemmPath::Dequantize) => {
+            Fp8GemmPath::Dequantize
+        }
+        Fp8GemmChoice::Path(Fp8GemmPath::CublasLt) => Fp8GemmPath::CublasLt,
+        Fp8GemmChoice::Auto => {
             if B::fp8_cublaslt_supported(&a.payload.clone().into_primitive()) {
                 Fp8GemmPath::CublasLt
             } else {
                 Fp8GemmPath::Dequantize
             }
-        }
-        Ok(other) => {
-            static WARNED: std::sync::Once = std::sync::Once::new();
-            WARNED.call_once(|| {
-                eprintln!(
-                    "warning: {GEMM_ENV}={other} is not one of auto, cublaslt, mma, dequantize; using the dequantize path"
-                )
-            });
-            Fp8GemmPath::Dequantize
         }
     }
 }

@@ -44,64 +44,32 @@ use cudarc::driver::{result as drv, sys as dsys};
 
 const WORKSPACE_BYTES: usize = 32 << 20;
 
-/// Environment variable choosing the [`Order`] of the bf16, f16 and f32 GEMMs: `stream` (the
-/// default: ordered on the GPU, see the module docs) or `host`.
-pub const ORDER_ENV: &str = "BURNMIX_GEMM_ORDER";
-
-/// Environment variable choosing the [`Order`] of the FP8 GEMMs (the same values; default: the
-/// order of the other GEMMs).
-pub const FP8_ORDER_ENV: &str = "BURNMIX_GEMM_FP8_ORDER";
-
-/// How a cuBLASLt call is ordered with CubeCL's work (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Order {
-    /// The host waits for CubeCL's stream before the GEMM and for the GEMM's stream after it.
-    HostSync,
-    /// The flags on both sides, no host wait.
-    Stream,
-}
+pub(crate) use crate::settings::GemmOrder as Order;
 
 impl Order {
-    fn parse(env: &str, default: Order) -> Order {
-        match std::env::var(env).as_deref() {
-            Err(_) | Ok("") => default,
-            Ok("stream") => Order::Stream,
-            Ok("host") => Order::HostSync,
-            Ok(other) => {
-                eprintln!(
-                    "warning: {env}={other} is not one of stream, host; using {}",
-                    if default == Order::Stream {
-                        "stream"
-                    } else {
-                        "host"
-                    }
-                );
-                default
-            }
-        }
-    }
-
     /// Whether the flags order the GEMM on the GPU.
     fn uses_flags(self) -> bool {
         self == Order::Stream
     }
 }
 
+/// The bf16, f16 and f32 GEMMs' order ([`crate::settings::Settings::gemm_order`]), fixed at the
+/// first GEMM.
 pub(crate) fn order() -> Order {
     static ORDER: OnceLock<Order> = OnceLock::new();
-    *ORDER.get_or_init(|| Order::parse(ORDER_ENV, Order::Stream))
+    *ORDER.get_or_init(|| crate::settings::read(|s| s.gemm_order))
 }
 
+/// The FP8 GEMMs' order, fixed at the first FP8 GEMM.
 fn fp8_order() -> Order {
     static ORDER: OnceLock<Order> = OnceLock::new();
-    *ORDER.get_or_init(|| Order::parse(FP8_ORDER_ENV, order()))
+    *ORDER.get_or_init(|| crate::settings::read(|s| s.fp8_order()))
 }
 
-/// Diagnostic: `BURNMIX_GEMM_HOLD=none` stops the GPU order from holding a GEMM's tensors until it
-/// has run (see the module docs), which shows the race that the holding prevents.
+/// Diagnostic ([`crate::settings::Settings::gemm_hold`] off): the GPU order does not hold a GEMM's
+/// tensors until it has run (see the module docs), which shows the race that the holding prevents.
 fn hold_tensors() -> bool {
-    static HOLD: OnceLock<bool> = OnceLock::new();
-    *HOLD.get_or_init(|| std::env::var("BURNMIX_GEMM_HOLD").as_deref() != Ok("none"))
+    crate::settings::read(|s| s.gemm_hold)
 }
 
 /// In-flight GEMMs held at most; past this the host waits for the oldest.
@@ -586,9 +554,7 @@ fn execute(
     let fp8 = scales.is_some();
     let wanted = if fp8 { fp8_order() } else { order() };
     let order = match &dev.flags {
-        Some(f) if wanted.uses_flags() && f.thread != std::thread::current().id() => {
-            Order::HostSync
-        }
+        Some(f) if wanted.uses_flags() && f.thread != std::thread::current().id() => Order::Host,
         _ => wanted,
     };
 
@@ -667,7 +633,7 @@ fn execute(
             call.set_scales(sb.resource().ptr, sa.resource().ptr)
                 .map_err(|e| Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}")))?;
         }
-        if order == Order::HostSync {
+        if order == Order::Host {
             // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the
             // output's memory) has finished once its stream is synchronised.
             cubecl::future::block_on(a.client.sync())

@@ -63,7 +63,7 @@ pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> Gemm
     }
     match cublaslt::library() {
         Ok(_) => match cublaslt::order() {
-            cublaslt::Order::HostSync => GemmPath::CublasLtHostSync,
+            cublaslt::Order::Host => GemmPath::CublasLtHostSync,
             cublaslt::Order::Stream => GemmPath::CublasLtStreamOrdered,
         },
         Err(why) if engine == Gemm::CublasLt => fail("gemm", format!("Gemm::CublasLt: {why}")),

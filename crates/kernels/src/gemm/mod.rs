@@ -30,8 +30,6 @@ pub(crate) mod backward;
 pub(crate) mod cublaslt;
 pub(crate) mod forward;
 
-pub use cublaslt::ORDER_ENV;
-
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{DType, Tensor, TensorMetadata};
 

@@ -1,0 +1,295 @@
+//! Process-wide switches of the kernels: the GEMMs' ordering with CubeCL's work, the FP8 GEMM's
+//! path and tile shape, and FlashAttention's tile overrides (for benchmarks, tuning sweeps and
+//! tests; the defaults are what training should use).
+//!
+//! Each setting starts from its environment variable ([`Settings::from_env`]), read once, at the
+//! first kernel that needs a setting or at [`init_from_env`]; a program can instead set them with
+//! [`set`] or change one with [`update`]. A bad environment value is an error naming the
+//! variable: from [`init_from_env`] (which a program calls at start to report it cleanly), else a
+//! panic at the first kernel.
+//!
+//! | setting | variable | values |
+//! |---|---|---|
+//! | [`Settings::gemm_order`] | `BURNMIX_GEMM_ORDER` | `stream` (default), `host` |
+//! | [`Settings::fp8_gemm_order`] | `BURNMIX_GEMM_FP8_ORDER` | `stream`, `host` (default: `gemm_order`) |
+//! | [`Settings::gemm_hold`] | `BURNMIX_GEMM_HOLD` | `none` turns it off (a diagnostic) |
+//! | [`Settings::fp8_gemm`] | `BURNMIX_FP8_GEMM` | `auto` (default), `cublaslt`, `mma`, `dequantize` |
+//! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
+//! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
+
+use std::sync::RwLock;
+
+use crate::fp8::{Fp8GemmPath, MmaShape};
+
+/// `BURNMIX_GEMM_ORDER`: [`Settings::gemm_order`].
+pub const GEMM_ORDER_ENV: &str = "BURNMIX_GEMM_ORDER";
+/// `BURNMIX_GEMM_FP8_ORDER`: [`Settings::fp8_gemm_order`].
+pub const FP8_GEMM_ORDER_ENV: &str = "BURNMIX_GEMM_FP8_ORDER";
+/// `BURNMIX_GEMM_HOLD`: [`Settings::gemm_hold`].
+pub const GEMM_HOLD_ENV: &str = "BURNMIX_GEMM_HOLD";
+/// `BURNMIX_FP8_GEMM`: [`Settings::fp8_gemm`].
+pub const FP8_GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
+/// `BURNMIX_FP8_MMA_SHAPE`: [`Settings::fp8_mma_shape`].
+pub const FP8_MMA_SHAPE_ENV: &str = "BURNMIX_FP8_MMA_SHAPE";
+/// `BURNMIX_FLASH_TILES`: [`Settings::flash_tiles`].
+pub const FLASH_TILES_ENV: &str = "BURNMIX_FLASH_TILES";
+
+/// How a cuBLASLt GEMM is ordered with CubeCL's work on the same device (see `gemm/cublaslt.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmOrder {
+    /// On the GPU: flags written and waited for by the streams, no host wait (the default).
+    Stream,
+    /// The host waits for CubeCL's stream before the GEMM and for the GEMM's stream after it.
+    Host,
+}
+
+impl std::str::FromStr for GemmOrder {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "stream" => Ok(GemmOrder::Stream),
+            "host" => Ok(GemmOrder::Host),
+            _ => Err(format!("`{s}` is not one of stream, host")),
+        }
+    }
+}
+
+/// Which path [`crate::fp8_gemm`] takes (see [`crate::fp8::fp8_gemm_path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8GemmChoice {
+    /// cuBLASLt where the device has its block-scaled FP8 GEMM, else dequantize (the default).
+    Auto,
+    /// This path where it applies to the operands, else dequantize.
+    Path(Fp8GemmPath),
+}
+
+impl std::str::FromStr for Fp8GemmChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Fp8GemmChoice::Auto),
+            "cublaslt" => Ok(Fp8GemmChoice::Path(Fp8GemmPath::CublasLt)),
+            "mma" => Ok(Fp8GemmChoice::Path(Fp8GemmPath::TensorCores)),
+            "dequantize" => Ok(Fp8GemmChoice::Path(Fp8GemmPath::Dequantize)),
+            _ => Err(format!(
+                "`{s}` is not one of auto, cublaslt, mma, dequantize"
+            )),
+        }
+    }
+}
+
+/// Overrides of the FlashAttention tensor-core kernels' tiles, applied over the per-head-dim
+/// defaults: `fwd=MTxBLOCK[xWARPS],dq=MTxBLOCK[xWARPS],dkdv=MTxBLOCK[xWARPS]`, any subset (e.g.
+/// `fwd=2x64,dkdv=1x32`); row tiles 1, 2 or 4, the block a multiple of 16 from 16 to 128, warps 4
+/// or 8; `dq=fused` computes dQ inside the dK/dV kernel (f32 atomics), `dq=separate` in its own
+/// (deterministic) kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlashTiles(String);
+
+impl FlashTiles {
+    /// The overrides as written.
+    pub fn spec(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for FlashTiles {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        crate::attention::check_tiles(s)?;
+        Ok(FlashTiles(s.to_string()))
+    }
+}
+
+/// The kernels' switches (see the module docs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// Ordering of the bf16, f16 and f32 cuBLASLt GEMMs. Fixed at the process's first cuBLASLt
+    /// GEMM: later changes do not apply (GEMMs of the first order may still be in flight).
+    pub gemm_order: GemmOrder,
+    /// Ordering of the FP8 cuBLASLt GEMMs; `None`: `gemm_order`. Fixed at the first FP8 GEMM.
+    pub fp8_gemm_order: Option<GemmOrder>,
+    /// In the GPU order, hold each GEMM's tensors until the GEMM has run (default). Off only to
+    /// show the race that holding prevents (their memory can be handed out while the GEMM runs).
+    pub gemm_hold: bool,
+    /// The FP8 GEMM's path.
+    pub fp8_gemm: Fp8GemmChoice,
+    /// The tensor-core FP8 GEMM's cube shape; `None`: [`MmaShape::DEFAULT`].
+    pub fp8_mma_shape: Option<MmaShape>,
+    /// FlashAttention tile overrides; `None`: the defaults.
+    pub flash_tiles: Option<FlashTiles>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            gemm_order: GemmOrder::Stream,
+            fp8_gemm_order: None,
+            gemm_hold: true,
+            fp8_gemm: Fp8GemmChoice::Auto,
+            fp8_mma_shape: None,
+            flash_tiles: None,
+        }
+    }
+}
+
+impl Settings {
+    /// The defaults with every variable of the module docs that is set (and not empty) applied;
+    /// an error names the first bad one.
+    pub fn from_env() -> Result<Settings, String> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Settings, String> {
+        fn parse<T: std::str::FromStr<Err = String>>(
+            var: &impl Fn(&str) -> Option<String>,
+            name: &str,
+        ) -> Result<Option<T>, String> {
+            match var(name).filter(|v| !v.trim().is_empty()) {
+                None => Ok(None),
+                Some(v) => v
+                    .trim()
+                    .parse()
+                    .map(Some)
+                    .map_err(|e| format!("{name}: {e}")),
+            }
+        }
+        let mut s = Settings::default();
+        if let Some(o) = parse(&var, GEMM_ORDER_ENV)? {
+            s.gemm_order = o;
+        }
+        s.fp8_gemm_order = parse(&var, FP8_GEMM_ORDER_ENV)?;
+        match var(GEMM_HOLD_ENV).as_deref().map(str::trim) {
+            None | Some("") => {}
+            Some("none") => s.gemm_hold = false,
+            Some(v) => return Err(format!("{GEMM_HOLD_ENV}: `{v}` is not `none`")),
+        }
+        if let Some(c) = parse(&var, FP8_GEMM_ENV)? {
+            s.fp8_gemm = c;
+        }
+        s.fp8_mma_shape = match var(FP8_MMA_SHAPE_ENV).filter(|v| !v.trim().is_empty()) {
+            None => None,
+            Some(v) => Some(MmaShape::parse(&v).map_err(|e| format!("{FP8_MMA_SHAPE_ENV}: {e}"))?),
+        };
+        s.flash_tiles = parse(&var, FLASH_TILES_ENV)?;
+        Ok(s)
+    }
+
+    /// The FP8 GEMMs' ordering.
+    pub fn fp8_order(&self) -> GemmOrder {
+        self.fp8_gemm_order.unwrap_or(self.gemm_order)
+    }
+}
+
+static SETTINGS: RwLock<Option<Settings>> = RwLock::new(None);
+
+/// Reads the environment into the settings, unless they were set already; a bad value is an
+/// error naming its variable.
+pub fn init_from_env() -> Result<(), String> {
+    let mut slot = SETTINGS.write().unwrap_or_else(|e| e.into_inner());
+    if slot.is_none() {
+        *slot = Some(Settings::from_env()?);
+    }
+    Ok(())
+}
+
+/// Replaces the settings.
+pub fn set(settings: Settings) {
+    *SETTINGS.write().unwrap_or_else(|e| e.into_inner()) = Some(settings);
+}
+
+/// Changes the settings in place (starting from the environment if nothing was set yet).
+pub fn update(f: impl FnOnce(&mut Settings)) {
+    let mut slot = SETTINGS.write().unwrap_or_else(|e| e.into_inner());
+    let s = slot.get_or_insert_with(from_env_or_panic);
+    f(s);
+}
+
+/// The current settings (from the environment at the first call when none were set).
+pub fn get() -> Settings {
+    read(Settings::clone)
+}
+
+/// Reads one thing from the current settings without copying them.
+pub(crate) fn read<R>(f: impl FnOnce(&Settings) -> R) -> R {
+    {
+        let slot = SETTINGS.read().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = slot.as_ref() {
+            return f(s);
+        }
+    }
+    let mut slot = SETTINGS.write().unwrap_or_else(|e| e.into_inner());
+    f(slot.get_or_insert_with(from_env_or_panic))
+}
+
+fn from_env_or_panic() -> Settings {
+    Settings::from_env().unwrap_or_else(|e| panic!("kernel settings: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lookup<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn unset_and_empty_variables_give_the_defaults() {
+        assert_eq!(Settings::from_lookup(lookup(&[])), Ok(Settings::default()));
+        let empty = [
+            (GEMM_ORDER_ENV, ""),
+            (FP8_GEMM_ENV, " "),
+            (GEMM_HOLD_ENV, ""),
+        ];
+        assert_eq!(
+            Settings::from_lookup(lookup(&empty)),
+            Ok(Settings::default())
+        );
+    }
+
+    #[test]
+    fn every_variable_is_read() {
+        let s = Settings::from_lookup(lookup(&[
+            (GEMM_ORDER_ENV, "host"),
+            (FP8_GEMM_ORDER_ENV, "stream"),
+            (GEMM_HOLD_ENV, "none"),
+            (FP8_GEMM_ENV, "cublaslt"),
+            (FP8_MMA_SHAPE_ENV, "4,2,2,8"),
+            (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
+        ]))
+        .unwrap();
+        assert_eq!(s.gemm_order, GemmOrder::Host);
+        assert_eq!(s.fp8_order(), GemmOrder::Stream);
+        assert!(!s.gemm_hold);
+        assert_eq!(s.fp8_gemm, Fp8GemmChoice::Path(Fp8GemmPath::CublasLt));
+        assert_eq!(s.fp8_mma_shape, Some(MmaShape::parse("4,2,2,8").unwrap()));
+        assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
+        // The FP8 order follows the other GEMMs' unless set.
+        let s = Settings::from_lookup(lookup(&[(GEMM_ORDER_ENV, "host")])).unwrap();
+        assert_eq!(s.fp8_order(), GemmOrder::Host);
+    }
+
+    #[test]
+    fn a_bad_value_names_its_variable_and_the_valid_ones() {
+        for (name, value, expected) in [
+            (GEMM_ORDER_ENV, "gpu", "stream, host"),
+            (FP8_GEMM_ORDER_ENV, "x", "stream, host"),
+            (GEMM_HOLD_ENV, "off", "`none`"),
+            (FP8_GEMM_ENV, "fast", "auto, cublaslt, mma, dequantize"),
+            (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
+            (FLASH_TILES_ENV, "fwd=3x64", "row tiles must be 1, 2 or 4"),
+            (FLASH_TILES_ENV, "bwd=2x64", "expected fwd, dq or dkdv"),
+        ] {
+            let e = Settings::from_lookup(lookup(&[(name, value)])).unwrap_err();
+            assert!(
+                e.starts_with(name) && e.contains(expected),
+                "{name}={value}: {e}"
+            );
+        }
+    }
+}
