@@ -244,7 +244,7 @@ fn fp8_recipe_trains() {
             .all(|l| l.amax > 0.0 && (0.0..0.5).contains(&l.underflow) && l.saturated == 0.0),
         "{h:?}"
     );
-    assert_eq!(s8.precision.name(), "fp8");
+    assert_eq!(s8.precision.kind(), trainer::precision::PrecisionKind::Fp8);
 }
 
 /// Config errors name the key and what is valid.
@@ -278,7 +278,7 @@ fn fp8_config_errors() {
         "test",
     )
     .unwrap();
-    let lin = ok.recipe().fp8_linear().unwrap();
+    let lin = ok.recipe().unwrap().fp8_linear().unwrap();
     assert_eq!(lin.grad_format, kernels::Fp8Format::E5M2);
     assert!(lin.per_tensor);
 }

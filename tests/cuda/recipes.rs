@@ -187,9 +187,9 @@ fn cuda_bf16_and_fp16_train_like_fp32_over_f32_master_weights() {
         let mut c = tiny_config(40);
         c.device = DeviceKind::Cuda;
         c.precision = p;
-        let dir = scratch(&format!("cuda_recipe_{}", p.name()));
+        let dir = scratch(&format!("cuda_recipe_{p}"));
         let s = trainer::run(&c, &cuda(), &opts(dir.clone(), false)).unwrap();
-        assert_eq!((s.precision.name(), s.skipped_steps), (p.name(), 0));
+        assert_eq!((s.precision.kind(), s.skipped_steps), (p, 0));
         tails.push(tail_loss(&dir));
     }
     let (f32_tail, bf16_tail, fp16_tail) = (tails[0], tails[1], tails[2]);

@@ -9,27 +9,12 @@ use kernels::{
     Fp8LinearConfig, QuantSpec,
 };
 
-/// A deterministic pseudo-random stream (xorshift), so that failures reproduce.
-pub struct Rng(u64);
+/// Deterministic pseudo-random values, so that failures reproduce.
+pub use trainer::rng::SplitMix64 as Rng;
 
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    pub fn next_u32(&mut self) -> u32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 32) as u32
-    }
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f32 {
-        (self.next_u32() >> 8) as f32 / (1u32 << 24) as f32
-    }
-    /// Roughly normal (sum of uniforms).
-    pub fn normal(&mut self) -> f32 {
-        (0..4).map(|_| self.unit()).sum::<f32>() * 1.732 - 3.464
-    }
+/// Roughly standard normal (a sum of four uniforms).
+pub fn normal(rng: &mut Rng) -> f32 {
+    (0..4).map(|_| rng.unit() as f32).sum::<f32>() * 1.732 - 3.464
 }
 
 /// Matrices that exercise the quantizer: per-row magnitudes spanning many octaves, outliers, an
@@ -40,7 +25,7 @@ pub fn adversarial(rows: usize, cols: usize, seed: u64, nonfinite: bool) -> Vec<
     for r in 0..rows {
         let mag = 2f32.powi((rng.next_u32() % 40) as i32 - 20);
         for c in 0..cols {
-            v[r * cols + c] = rng.normal() * mag;
+            v[r * cols + c] = normal(&mut rng) * mag;
         }
     }
     let mut put = |i: usize, x: f32| {
@@ -67,7 +52,7 @@ pub fn adversarial(rows: usize, cols: usize, seed: u64, nonfinite: bool) -> Vec<
     // ties: 1 + 1/16 (between 1 and 1.125), 2 + 1/8, and 3.5 subnormal units (2^-9 each).
     if rows > 3 && cols >= 5 {
         for c in 0..cols {
-            v[3 * cols + c] = rng.normal() * 0.1;
+            v[3 * cols + c] = normal(&mut rng) * 0.1;
         }
         for (c, t) in [256.0, 1.0625, -1.1875, 2.125, 0.006_835_937_5]
             .into_iter()

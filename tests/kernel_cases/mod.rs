@@ -359,16 +359,14 @@ pub fn rope<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::D
 
 /// Random class indices in [0, classes), with row 1 ignored (-1) when there are 2+ rows.
 fn targets<B: AutodiffBackend>(rows: usize, classes: usize, dev: &B::Device) -> Tensor<B, 1, Int> {
-    let mut state = 0x9e37_79b9_u64 ^ (rows * 31 + classes) as u64;
+    let mut rng = trainer::rng::SplitMix64::new((rows * 31 + classes) as u64);
     let ids: Vec<i64> = (0..rows)
         .map(|r| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            let id = rng.below(classes) as i64;
             if r == 1 {
                 -1
             } else {
-                ((state >> 33) % classes as u64) as i64
+                id
             }
         })
         .collect();

@@ -382,10 +382,7 @@ pub fn training_tracks(
     let run = |combo: Combo, p: PrecisionKind| {
         let dir = scratch(&format!(
             "track_{mlp:?}_{:?}_{:?}_{}_{}",
-            combo.kernels,
-            combo.attention,
-            p.name(),
-            precision.name()
+            combo.kernels, combo.attention, p, precision
         ));
         train_losses(&training_config(mlp, combo, p, device_kind), device, dir)
     };
@@ -407,16 +404,14 @@ pub fn training_tracks(
     if !(tail(&reference_run) < reference_run[0] - 0.5) {
         failures.push(format!(
             "{mlp:?} reference {}: did not learn: {reference_run:?}",
-            precision.name()
+            precision
         ));
     }
     for combo in combos() {
         let losses = run(combo, precision);
         let name = format!(
             "{mlp:?} {:?}+{:?} {}",
-            combo.kernels,
-            combo.attention,
-            precision.name()
+            combo.kernels, combo.attention, precision
         );
         assert_eq!(losses.len(), reference_run.len(), "{name}: steps");
         let mut worst = (0usize, 0.0f64, 0.0f64);

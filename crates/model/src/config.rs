@@ -1,6 +1,30 @@
 //! Model hyper-parameters: the `[model]` section of a training config.
 
 use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Writes a unit variant of a config enum under the value its key takes in a config file, as
+/// serde spells it (`rename_all`), so that each name is written once, in the enum's attributes.
+pub fn write_config_value<T: Serialize>(v: &T, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => f.write_str(&s),
+        _ => Err(fmt::Error),
+    }
+}
+
+/// `Display` as the config value ([`write_config_value`]).
+#[macro_export]
+macro_rules! display_as_config_value {
+    ($($t:ty),+ $(,)?) => {$(
+        impl ::std::fmt::Display for $t {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                $crate::config::write_config_value(self, f)
+            }
+        }
+    )+};
+}
+
+display_as_config_value!(MlpKind, AttentionKind, KernelsKind, GemmKind);
 
 /// Which feed-forward block each transformer layer uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,15 +76,6 @@ pub enum GemmKind {
 }
 
 impl GemmKind {
-    /// The config value: "auto", "cublaslt" or "burn".
-    pub fn name(self) -> &'static str {
-        match self {
-            GemmKind::Auto => "auto",
-            GemmKind::Cublaslt => "cublaslt",
-            GemmKind::Burn => "burn",
-        }
-    }
-
     /// The engine of `kernels::gemm`.
     pub fn engine(self) -> kernels::Gemm {
         match self {

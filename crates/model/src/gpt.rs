@@ -222,6 +222,30 @@ impl<B: kernels::Backend> Mlp<B> {
     }
 }
 
+/// A block's projection layers, by reference (`block_projections!(b)`) or mutable reference
+/// (`block_projections!(b, mut)`), in the order of [`PROJECTIONS`].
+macro_rules! block_projections {
+    ($b:expr $(, $m:tt)?) => {
+        [
+            &$($m)? $b.attn.qkv,
+            &$($m)? $b.attn.proj,
+            &$($m)? $b.mlp.fc,
+            &$($m)? $b.mlp.proj,
+        ]
+    };
+}
+
+/// Module paths of a block's projections, relative to the block.
+const PROJECTIONS: [&str; 4] = ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"];
+
+/// Block `i`'s projections with their module paths (`blocks.{i}.attn.qkv`, ...).
+fn named_projections<L>(i: usize, layers: [L; 4]) -> impl Iterator<Item = (String, L)> {
+    PROJECTIONS
+        .iter()
+        .zip(layers)
+        .map(move |(name, l)| (format!("blocks.{i}.{name}"), l))
+}
+
 /// Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
@@ -398,35 +422,18 @@ impl<B: Backend> Gpt<B> {
     /// (`blocks.N.attn.qkv`, `blocks.N.attn.proj`, `blocks.N.mlp.fc`, `blocks.N.mlp.proj`): the
     /// layers the compute copy casts and the FP8 recipe runs in FP8.
     pub fn projections(&self) -> Vec<(String, &Linear<B>)> {
-        let mut out = Vec::with_capacity(4 * self.blocks.len());
-        for (i, b) in self.blocks.iter().enumerate() {
-            for (name, lin) in [
-                ("attn.qkv", &b.attn.qkv),
-                ("attn.proj", &b.attn.proj),
-                ("mlp.fc", &b.mlp.fc),
-                ("mlp.proj", &b.mlp.proj),
-            ] {
-                out.push((format!("blocks.{i}.{name}"), lin));
-            }
-        }
-        out
+        let blocks = self.blocks.iter().enumerate();
+        blocks
+            .flat_map(|(i, b)| named_projections(i, block_projections!(b)))
+            .collect()
     }
 
     /// [`Gpt::projections`], mutable.
     pub fn projections_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
-        let mut out = Vec::with_capacity(4 * self.blocks.len());
-        for (i, b) in self.blocks.iter_mut().enumerate() {
-            let (attn, mlp) = (&mut b.attn, &mut b.mlp);
-            for (name, lin) in [
-                ("attn.qkv", &mut attn.qkv),
-                ("attn.proj", &mut attn.proj),
-                ("mlp.fc", &mut mlp.fc),
-                ("mlp.proj", &mut mlp.proj),
-            ] {
-                out.push((format!("blocks.{i}.{name}"), lin));
-            }
-        }
-        out
+        let blocks = self.blocks.iter_mut().enumerate();
+        blocks
+            .flat_map(|(i, b)| named_projections(i, block_projections!(b, mut)))
+            .collect()
     }
 
     /// Ids of the parameters [`Gpt::compute_copy`] casts to the compute dtype.

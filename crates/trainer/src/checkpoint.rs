@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, DataConfig};
 use crate::optim::{to_prim, to_tensor, AdamW, Moments};
-use crate::precision::{Recipe, ScalerState};
+use crate::precision::{PrecisionKind, Recipe, ScalerState};
 
 const MAGIC: &[u8; 8] = b"BMXCKPT1";
 const FORMAT_VERSION: u32 = 1;
@@ -70,9 +70,11 @@ pub struct Header {
 }
 
 impl Header {
-    /// Name of the precision recipe the checkpoint was trained with.
-    pub fn precision_name(&self) -> &'static str {
-        self.precision.as_ref().map_or("fp32", Recipe::name)
+    /// The precision the checkpoint was trained with.
+    pub fn precision_kind(&self) -> PrecisionKind {
+        self.precision
+            .as_ref()
+            .map_or(PrecisionKind::Fp32, Recipe::kind)
     }
 }
 
@@ -421,11 +423,11 @@ where
     }
     // Master weights are f32 whatever the recipe, but a recipe switched mid-run is a different
     // experiment; say so rather than mixing two recipes in one run directory.
-    if header.precision_name() != cfg.precision.name() {
+    if header.precision_kind() != cfg.precision {
         stream.push(format!(
             "precision = \"{}\" (this run: \"{}\")",
-            header.precision_name(),
-            cfg.precision.name()
+            header.precision_kind(),
+            cfg.precision
         ));
     }
     if !stream.is_empty() {

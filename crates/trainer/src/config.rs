@@ -38,6 +38,8 @@ pub enum TokenizerKind {
     File,
 }
 
+model::display_as_config_value!(TextSource, TokenizerKind);
+
 /// `[data]`
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -213,6 +215,14 @@ impl Default for Config {
     }
 }
 
+/// What a run trains with on its device (see [`Config::resolve`]).
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// Every device-dependent `"auto"` decided.
+    pub config: Config,
+    pub recipe: crate::precision::Recipe,
+}
+
 impl Config {
     /// The config with each device-dependent `"auto"` resolved for `device`: `precision` (bf16 on
     /// CUDA, fp32 elsewhere), `model.kernels` (fused on a GPU, the plain-Burn references on the CPU
@@ -371,17 +381,74 @@ impl Config {
         if self.precision != PrecisionKind::Fp8 && self.fp8 != Fp8Config::default() {
             return Err(format!(
                 "the [fp8] section only applies to precision = \"fp8\" (precision is \"{}\"); remove it or set precision = \"fp8\"",
-                self.precision.name()
+                self.precision
             ));
         }
-        crate::precision::Recipe::resolve_with_fp8(self.precision, &self.loss_scale, &self.fp8)?;
+        self.recipe()?;
         Ok(())
     }
 
-    /// The resolved precision recipe (the config has been validated, so this cannot fail).
-    pub fn recipe(&self) -> crate::precision::Recipe {
+    /// The precision recipe of `precision`, `[loss_scale]` and `[fp8]` (`precision = "auto"` as
+    /// bf16); an error names the setting a recipe refuses.
+    pub fn recipe(&self) -> std::result::Result<crate::precision::Recipe, String> {
         crate::precision::Recipe::resolve_with_fp8(self.precision, &self.loss_scale, &self.fp8)
-            .expect("a validated config has a valid precision recipe")
+    }
+
+    /// What a run on `device` trains with: the config with every device-dependent `"auto"`
+    /// decided ([`Config::for_device`]) and checked against what the device can run, and its
+    /// precision recipe, built once. Errors name the key and what would work instead.
+    pub fn resolve(&self, device: &crate::device::Selected) -> Result<Resolved> {
+        let config = self.for_device(device);
+        if config.precision != self.precision {
+            // "auto" was validated as bf16; the recipe it resolved to may refuse other settings.
+            config.validate().map_err(|e| {
+                anyhow!(
+                    "precision = \"auto\" is \"{}\" on {}: {e}",
+                    config.precision,
+                    device.describe()
+                )
+            })?;
+        }
+        config.check_device(device)?;
+        let recipe = config.recipe().map_err(|e| anyhow!(e))?;
+        Ok(Resolved { config, recipe })
+    }
+
+    /// Settings the device cannot run (the config is resolved for it).
+    fn check_device(&self, device: &crate::device::Selected) -> Result<()> {
+        use crate::device::Selected;
+        match device {
+            Selected::Cuda { .. } => {}
+            Selected::Wgpu => {
+                if self.model.gemm == model::GemmKind::Cublaslt {
+                    bail!("model.gemm = \"cublaslt\" needs CUDA, but this run is on wgpu. Use model.gemm = \"auto\" or \"burn\" here, or device = \"cuda\"");
+                }
+                if self.precision == PrecisionKind::Fp8 && self.fp8.compute == Fp8ComputeKind::Bf16
+                {
+                    bail!(
+                        "precision = \"fp8\" computes outside the FP8 GEMMs in bf16, which needs CUDA: wgpu has no bf16 type. \
+                         Set fp8.compute = \"f32\" here, or device = \"cuda\""
+                    );
+                }
+                if self.precision == PrecisionKind::Bf16 {
+                    bail!(
+                        "precision = \"bf16\" needs CUDA: wgpu has no bf16 type. Use precision = \"fp16\" or \"fp32\" here, or device = \"cuda\""
+                    );
+                }
+            }
+            Selected::Cpu => {
+                if self.precision != PrecisionKind::Fp32 {
+                    bail!(
+                        "precision = \"{}\" needs a GPU; the CPU backend trains in fp32. Use precision = \"fp32\" here, or device = \"cuda\" / \"wgpu\"",
+                        self.precision
+                    );
+                }
+                if self.model.gemm == model::GemmKind::Cublaslt {
+                    bail!("model.gemm = \"cublaslt\" needs CUDA, but this run is on the CPU. Use model.gemm = \"auto\" or \"burn\" here");
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Step at which the cosine decay ends.

@@ -63,60 +63,25 @@ pub type CpuBackend = Autodiff<NdArray>;
 
 /// Trains on the selected device.
 pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result<Summary> {
-    let resolved = cfg.for_device(device);
-    if resolved.precision != cfg.precision {
-        // "auto" was validated as bf16; the recipe it resolved to may refuse other settings.
-        resolved.validate().map_err(|e| {
-            anyhow::anyhow!(
-                "precision = \"auto\" is \"{}\" on {}: {e}",
-                resolved.precision.name(),
-                device.describe()
-            )
-        })?;
-    }
-    let cfg = &resolved;
+    // The kernels' tuning and diagnostic switches (BURNMIX_* variables): a bad value stops here,
+    // named, rather than at the first kernel.
+    kernels::settings::init_from_env().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let run = cfg.resolve(device)?;
     match device {
         device::Selected::Cuda { index, .. } => {
             if let Err(why) = kernels::gemm::cublaslt_status() {
-                match cfg.model.gemm {
+                match run.config.model.gemm {
                     model::GemmKind::Cublaslt => anyhow::bail!("model.gemm = \"cublaslt\" but {why}. Use model.gemm = \"auto\" or \"burn\" to run on Burn's matmul"),
                     model::GemmKind::Auto => eprintln!("note: model.gemm = \"auto\": {why}; the GEMMs run on Burn's matmul (slower; see README, GEMMs)"),
                     model::GemmKind::Burn => {}
                 }
             }
-            train::train::<CudaBackend>(cfg, CudaDevice::new(*index), opts)
+            train::train::<CudaBackend>(&run, CudaDevice::new(*index), opts)
         }
         device::Selected::Wgpu => {
-            if cfg.model.gemm == model::GemmKind::Cublaslt {
-                anyhow::bail!("model.gemm = \"cublaslt\" needs CUDA, but this run is on wgpu. Use model.gemm = \"auto\" or \"burn\" here, or device = \"cuda\"");
-            }
-            if cfg.precision == config::PrecisionKind::Fp8
-                && cfg.fp8.compute == config::Fp8ComputeKind::Bf16
-            {
-                anyhow::bail!(
-                    "precision = \"fp8\" computes outside the FP8 GEMMs in bf16, which needs CUDA: wgpu has no bf16 type. \
-                     Set fp8.compute = \"f32\" here, or device = \"cuda\""
-                );
-            }
-            if cfg.precision == config::PrecisionKind::Bf16 {
-                anyhow::bail!(
-                    "precision = \"bf16\" needs CUDA: wgpu has no bf16 type. Use precision = \"fp16\" or \"fp32\" here, or device = \"cuda\""
-                );
-            }
-            train::train::<WgpuBackend>(cfg, WgpuDevice::DefaultDevice, opts)
+            train::train::<WgpuBackend>(&run, WgpuDevice::DefaultDevice, opts)
         }
-        device::Selected::Cpu => {
-            if cfg.precision != config::PrecisionKind::Fp32 {
-                anyhow::bail!(
-                    "precision = \"{}\" needs a GPU; the CPU backend trains in fp32. Use precision = \"fp32\" here, or device = \"cuda\" / \"wgpu\"",
-                    cfg.precision.name()
-                );
-            }
-            if cfg.model.gemm == model::GemmKind::Cublaslt {
-                anyhow::bail!("model.gemm = \"cublaslt\" needs CUDA, but this run is on the CPU. Use model.gemm = \"auto\" or \"burn\" here");
-            }
-            train::train::<CpuBackend>(cfg, NdArrayDevice::Cpu, opts)
-        }
+        device::Selected::Cpu => train::train::<CpuBackend>(&run, NdArrayDevice::Cpu, opts),
     }
 }
 

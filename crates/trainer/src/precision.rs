@@ -39,18 +39,6 @@ pub enum PrecisionKind {
     Fp8,
 }
 
-impl PrecisionKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            PrecisionKind::Auto => "auto",
-            PrecisionKind::Fp32 => "fp32",
-            PrecisionKind::Bf16 => "bf16",
-            PrecisionKind::Fp16 => "fp16",
-            PrecisionKind::Fp8 => "fp8",
-        }
-    }
-}
-
 /// `loss_scale.mode`
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -64,16 +52,13 @@ pub enum LossScaleMode {
     Dynamic,
 }
 
-impl LossScaleMode {
-    pub fn name(self) -> &'static str {
-        match self {
-            LossScaleMode::Auto => "auto",
-            LossScaleMode::Off => "off",
-            LossScaleMode::Static => "static",
-            LossScaleMode::Dynamic => "dynamic",
-        }
-    }
-}
+model::display_as_config_value!(
+    PrecisionKind,
+    LossScaleMode,
+    Fp8FormatKind,
+    Fp8ScalingKind,
+    Fp8ComputeKind
+);
 
 /// `fp8.format`
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -421,7 +406,7 @@ impl Recipe {
                 if !matches!(ls.mode, LossScaleMode::Auto | LossScaleMode::Off) {
                     return Err(format!(
                         "loss_scale.mode = \"{}\" needs precision = \"fp16\" or \"bf16\"; fp32 gradients do not underflow, use \"auto\" or \"off\"",
-                        ls.mode.name()
+                        ls.mode
                     ));
                 }
                 Recipe::Fp32(Fp32Recipe)
@@ -471,13 +456,13 @@ impl Recipe {
         }
     }
 
-    /// `fp32`, `bf16`, `fp16` or `fp8`.
-    pub fn name(&self) -> &'static str {
+    /// `Fp32`, `Bf16`, `Fp16` or `Fp8` (never `Auto`); displays as the config value.
+    pub fn kind(&self) -> PrecisionKind {
         match self {
-            Recipe::Fp32(_) => "fp32",
-            Recipe::Bf16(_) => "bf16",
-            Recipe::Fp16(_) => "fp16",
-            Recipe::Fp8(_) => "fp8",
+            Recipe::Fp32(_) => PrecisionKind::Fp32,
+            Recipe::Bf16(_) => PrecisionKind::Bf16,
+            Recipe::Fp16(_) => PrecisionKind::Fp16,
+            Recipe::Fp8(_) => PrecisionKind::Fp8,
         }
     }
 
@@ -539,7 +524,7 @@ impl Recipe {
             }
             _ => format!(
                 "{} ({} matmuls and activations; f32 master weights, optimizer, norms, softmax and loss; {})",
-                self.name(),
+                self.kind(),
                 model::dtype::name(self.compute_dtype()),
                 self.loss_scaling().describe()
             ),

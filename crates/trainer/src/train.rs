@@ -20,7 +20,7 @@ use model::Gpt;
 use serde::Serialize;
 
 use crate::checkpoint;
-use crate::config::Config;
+use crate::config::{Config, Resolved};
 use crate::data::Dataset;
 use crate::fsutil::write_atomic;
 use crate::metrics::{LayerHealth, Metrics, StepRecord};
@@ -83,12 +83,12 @@ pub struct Summary {
 /// Trains as configured. Writes `config.toml`, `tokenizer.json`, `metrics.jsonl`, `loss.svg`,
 /// `checkpoints/` and `summary.json` into the run directory.
 pub fn train<B: crate::TrainBackend>(
-    cfg: &Config,
+    run: &Resolved,
     device: B::Device,
     opts: &RunOptions,
 ) -> Result<Summary> {
     let _drain = crate::DrainOnDrop::<B>(device.clone());
-    let (mut session, mut model) = Session::<B>::open(cfg, device, opts)?;
+    let (mut session, mut model) = Session::<B>::open(run, device, opts)?;
     let end = opts.stop_at.map_or(session.steps, |s| s.min(session.steps));
     for step in session.start_step..end {
         if step == session.start_step && !opts.device_name.starts_with("CPU") {
@@ -161,7 +161,8 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     /// Sets the run up: data and tokenizer, model and optimizer from the seed, then the newest
     /// checkpoint when resuming. Writes `config.toml` and `precision.json` once the checkpoint (if
     /// any) has been accepted, so a refused `--set` never replaces the run's config.
-    fn open(cfg: &'a Config, device: B::Device, opts: &'a RunOptions) -> Result<(Self, Gpt<B>)> {
+    fn open(run: &'a Resolved, device: B::Device, opts: &'a RunOptions) -> Result<(Self, Gpt<B>)> {
+        let cfg = &run.config;
         let run_dir = &opts.run_dir;
         let existing = checkpoint::list(run_dir)?;
         if !opts.resume && !existing.is_empty() {
@@ -178,7 +179,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
 
         B::seed(&device, cfg.seed);
         let model = Gpt::<B>::new(&cfg.model, vocab, &device);
-        let recipe = cfg.recipe();
+        let recipe = run.recipe.clone();
         let compute_dtype = recipe.compute_dtype();
         let mut opt =
             AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
@@ -281,7 +282,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         console.line(&format!(
             "GEMMs: {} (model.gemm = \"{}\")",
             kernels::gemm::gemm_path(&probe, cfg.model.gemm.engine()),
-            cfg.model.gemm.name()
+            cfg.model.gemm
         ));
         if let Recipe::Fp8(_) = &self.recipe {
             console.line(&format!(
@@ -529,7 +530,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             loss: o.loss,
             lr: o.lr,
             grad_norm: o.grad_norm,
-            precision: self.recipe.name().to_string(),
+            precision: self.recipe.kind().to_string(),
             loss_scale: o.scale,
             skipped: o.skipped,
             overflows: self.scaler.state.overflows,

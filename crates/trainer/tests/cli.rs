@@ -180,6 +180,29 @@ fn cpu_device_refuses_low_precision_with_one_line() {
     );
 }
 
+/// A bad kernel setting in the environment stops the run before it trains, naming the variable
+/// and the valid values.
+#[test]
+fn a_bad_kernel_setting_is_one_clear_error() {
+    let dir = scratch("bad-setting");
+    let out = Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--set", "device=\"cpu\"", "--out", "run"])
+        .current_dir(&dir)
+        .env("BURNMIX_FP8_GEMM", "fast")
+        .output()
+        .expect("run train");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("error: ")
+            && stderr
+                .contains("BURNMIX_FP8_GEMM: `fast` is not one of auto, cublaslt, mma, dequantize"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!dir.join("run/metrics.jsonl").exists());
+}
+
 /// `compare` on the CPU: two recipes (a built-in one and one defined by overrides) at two learning
 /// rates, two processes at a time, write every entry as a run, the report (markdown, JSON, plots);
 /// a second run of the same command trains nothing; an entry that lost its end resumes; bad
