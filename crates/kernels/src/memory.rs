@@ -1,6 +1,9 @@
 //! What a backend says about its device memory.
 
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::Autodiff;
 use burn::tensor::backend::Backend as BurnBackend;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 /// Device memory queries. The default knows nothing; `CubeBackend` (and `Autodiff` over it)
 /// reports CubeCL's memory pools.
@@ -12,12 +15,12 @@ pub trait MemoryOps: BurnBackend {
     }
 }
 
-impl<R, F, I, BT> MemoryOps for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> MemoryOps for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
         R::client(device)
@@ -27,9 +30,7 @@ where
     }
 }
 
-impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    MemoryOps for burn::backend::Autodiff<B, C>
-{
+impl<B: crate::KernelOps, C: CheckpointStrategy> MemoryOps for Autodiff<B, C> {
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
         B::memory_reserved(device)
     }

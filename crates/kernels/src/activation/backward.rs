@@ -115,21 +115,14 @@ pub(crate) fn gelu<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    super::ActivationOps for burn::backend::Autodiff<B, C>
-{
-    fn fused_swiglu(
-        gate: burn::tensor::ops::FloatTensor<Self>,
-        up: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+impl<B: crate::KernelOps, C: CheckpointStrategy> super::ActivationOps for Autodiff<B, C> {
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         swiglu::<B, C>(gate, up)
     }
-    fn fused_swiglu_packed(
-        gate_up: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    fn fused_swiglu_packed(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
         swiglu_packed::<B, C>(gate_up)
     }
-    fn fused_gelu(x: burn::tensor::ops::FloatTensor<Self>) -> burn::tensor::ops::FloatTensor<Self> {
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         gelu::<B, C>(x)
     }
 }

@@ -1,8 +1,10 @@
 //! Launches of the activation kernels on `CubeBackend` tensors.
 
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
@@ -217,58 +219,45 @@ fn gate_up<R: CubeRuntime>(gate: CubeTensor<R>, up: Option<CubeTensor<R>>) -> Ga
     }
 }
 
-impl<R, F, I, BT> super::ActivationKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::ActivationKernels for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
-    fn swiglu_forward(
-        gate: burn::tensor::ops::FloatTensor<Self>,
-        up: Option<burn::tensor::ops::FloatTensor<Self>>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    fn swiglu_forward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
         swiglu_forward(gate_up(gate, up))
     }
     fn swiglu_backward(
-        gate: burn::tensor::ops::FloatTensor<Self>,
-        up: Option<burn::tensor::ops::FloatTensor<Self>>,
-        dy: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+        gate: FloatTensor<Self>,
+        up: Option<FloatTensor<Self>>,
+        dy: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         swiglu_backward(gate_up(gate, up), dy)
     }
-    fn gelu_erf_forward(
-        x: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    fn gelu_erf_forward(x: FloatTensor<Self>) -> FloatTensor<Self> {
         gelu_forward(x)
     }
-    fn gelu_erf_backward(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        dy: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    fn gelu_erf_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
         gelu_backward(x, dy)
     }
 }
 
-impl<R, F, I, BT> super::ActivationOps for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::ActivationOps for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
-    fn fused_swiglu(
-        gate: burn::tensor::ops::FloatTensor<Self>,
-        up: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         swiglu_forward(gate_up(gate, Some(up)))
     }
-    fn fused_swiglu_packed(
-        gate_up_packed: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    fn fused_swiglu_packed(gate_up_packed: FloatTensor<Self>) -> FloatTensor<Self> {
         swiglu_forward(gate_up(gate_up_packed, None))
     }
-    fn fused_gelu(x: burn::tensor::ops::FloatTensor<Self>) -> burn::tensor::ops::FloatTensor<Self> {
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         gelu_forward(x)
     }
 }

@@ -7,6 +7,7 @@ pub(crate) mod kernel;
 
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor};
 
 /// Plain-Burn SwiGLU, `silu(gate) * up` computed in f32, returned in `gate`'s dtype.
@@ -48,18 +49,13 @@ pub fn gelu_reference<B: BurnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor
 /// The defaults run the references; `CubeBackend` overrides them with the kernels and `Autodiff`
 /// with the kernels and their backward.
 pub trait ActivationOps: BurnBackend {
-    fn fused_swiglu(
-        gate: burn::tensor::ops::FloatTensor<Self>,
-        up: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         let (g, shape) = crate::as_2d::<Self>(gate);
         let (u, _) = crate::as_2d::<Self>(up);
         crate::from_2d(swiglu_reference(g, u), shape)
     }
 
-    fn fused_swiglu_packed(
-        gate_up: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    fn fused_swiglu_packed(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
         let (gu, shape) = crate::as_2d::<Self>(gate_up);
         let mut dims = shape.as_slice().to_vec();
         if let Some(last) = dims.last_mut() {
@@ -68,7 +64,7 @@ pub trait ActivationOps: BurnBackend {
         crate::from_2d(swiglu_packed_reference(gu), burn::tensor::Shape::from(dims))
     }
 
-    fn fused_gelu(x: burn::tensor::ops::FloatTensor<Self>) -> burn::tensor::ops::FloatTensor<Self> {
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         let (x, shape) = crate::as_2d::<Self>(x);
         crate::from_2d(gelu_reference(x), shape)
     }
@@ -77,22 +73,14 @@ pub trait ActivationOps: BurnBackend {
 /// The activation kernels' launches without autodiff, which the `Autodiff` implementation records.
 pub trait ActivationKernels: ActivationOps {
     /// SwiGLU of `gate` and `up`, or of the packed `gate` when `up` is `None`.
-    fn swiglu_forward(
-        gate: burn::tensor::ops::FloatTensor<Self>,
-        up: Option<burn::tensor::ops::FloatTensor<Self>>,
-    ) -> burn::tensor::ops::FloatTensor<Self>;
+    fn swiglu_forward(gate: FloatTensor<Self>, up: Option<FloatTensor<Self>>) -> FloatTensor<Self>;
     /// Gradients of [`ActivationKernels::swiglu_forward`], packed `[.., 2 * F]` (gate half, up
     /// half).
     fn swiglu_backward(
-        gate: burn::tensor::ops::FloatTensor<Self>,
-        up: Option<burn::tensor::ops::FloatTensor<Self>>,
-        dy: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self>;
-    fn gelu_erf_forward(
-        x: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self>;
-    fn gelu_erf_backward(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        dy: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self>;
+        gate: FloatTensor<Self>,
+        up: Option<FloatTensor<Self>>,
+        dy: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+    fn gelu_erf_forward(x: FloatTensor<Self>) -> FloatTensor<Self>;
+    fn gelu_erf_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self>;
 }

@@ -1,8 +1,10 @@
 //! Launch of the fused AdamW kernel on `CubeBackend` tensors.
 
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
@@ -125,27 +127,27 @@ pub(crate) fn step<R: CubeRuntime>(
     (p_out, m_out, v_out, copy)
 }
 
-impl<R, F, I, BT> super::AdamWOps for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::AdamWOps for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     #[allow(clippy::type_complexity)]
     fn fused_adamw_step(
-        param: burn::tensor::ops::FloatTensor<Self>,
-        grad: burn::tensor::ops::FloatTensor<Self>,
-        m: burn::tensor::ops::FloatTensor<Self>,
-        v: burn::tensor::ops::FloatTensor<Self>,
-        factor: burn::tensor::ops::FloatTensor<Self>,
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        factor: FloatTensor<Self>,
         hp: &AdamWStep,
         copy_dtype: Option<burn::tensor::FloatDType>,
     ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-        Option<burn::tensor::ops::FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
     ) {
         step(param, grad, m, v, factor, hp, copy_dtype.map(Into::into))
     }

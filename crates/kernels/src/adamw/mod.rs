@@ -9,7 +9,10 @@
 pub(crate) mod forward;
 pub(crate) mod kernel;
 
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::Autodiff;
 use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor};
 
 /// Hyper-parameters of one step.
@@ -76,18 +79,18 @@ pub fn reference<B: BurnBackend, const D: usize>(
 pub trait AdamWOps: BurnBackend {
     #[allow(clippy::type_complexity)]
     fn fused_adamw_step(
-        param: burn::tensor::ops::FloatTensor<Self>,
-        grad: burn::tensor::ops::FloatTensor<Self>,
-        m: burn::tensor::ops::FloatTensor<Self>,
-        v: burn::tensor::ops::FloatTensor<Self>,
-        factor: burn::tensor::ops::FloatTensor<Self>,
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        factor: FloatTensor<Self>,
         hp: &AdamWStep,
         copy_dtype: Option<FloatDType>,
     ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-        Option<burn::tensor::ops::FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
     ) {
         let (p, shape) = crate::as_2d::<Self>(param);
         let (g, _) = crate::as_2d::<Self>(grad);
@@ -103,7 +106,4 @@ pub trait AdamWOps: BurnBackend {
     }
 }
 
-impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    AdamWOps for burn::backend::Autodiff<B, C>
-{
-}
+impl<B: crate::KernelOps, C: CheckpointStrategy> AdamWOps for Autodiff<B, C> {}

@@ -77,19 +77,17 @@ pub(crate) fn flash_attention<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    super::AttentionOps for burn::backend::Autodiff<B, C>
-{
+impl<B: crate::KernelOps, C: CheckpointStrategy> super::AttentionOps for Autodiff<B, C> {
     fn fused_flash_attention(
-        q: burn::tensor::ops::FloatTensor<Self>,
-        k: burn::tensor::ops::FloatTensor<Self>,
-        v: burn::tensor::ops::FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         flash_attention::<B, C>(q, k, v, causal, scale as f32)
     }
-    fn flash_path(q: &burn::tensor::ops::FloatTensor<Self>) -> Option<super::FlashPath> {
+    fn flash_path(q: &FloatTensor<Self>) -> Option<super::FlashPath> {
         B::flash_path(&q.primitive)
     }
 }

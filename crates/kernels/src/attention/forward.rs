@@ -1,9 +1,11 @@
 //! Launches of the FlashAttention kernels on `CubeBackend` tensors: argument checks, the choice
 //! between the tensor-core and the portable kernels, block sizes, output layouts.
 
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::ir::features::MmaConfig;
 use cubecl::prelude::*;
 
@@ -620,60 +622,53 @@ pub(crate) fn backward<R: CubeRuntime>(
     (dq, dk, dv)
 }
 
-impl<R, F, I, BT> super::AttentionKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::AttentionKernels for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn flash_attention_forward(
-        q: burn::tensor::ops::FloatTensor<Self>,
-        k: burn::tensor::ops::FloatTensor<Self>,
-        v: burn::tensor::ops::FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
         causal: bool,
         scale: f32,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         forward(q, k, v, causal, scale)
     }
     fn flash_attention_backward(
-        q: burn::tensor::ops::FloatTensor<Self>,
-        k: burn::tensor::ops::FloatTensor<Self>,
-        v: burn::tensor::ops::FloatTensor<Self>,
-        out: burn::tensor::ops::FloatTensor<Self>,
-        lse: burn::tensor::ops::FloatTensor<Self>,
-        grad: burn::tensor::ops::FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
         causal: bool,
         scale: f32,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         backward(q, k, v, out, lse, grad, causal, scale)
     }
 }
 
-impl<R, F, I, BT> super::AttentionOps for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::AttentionOps for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn fused_flash_attention(
-        q: burn::tensor::ops::FloatTensor<Self>,
-        k: burn::tensor::ops::FloatTensor<Self>,
-        v: burn::tensor::ops::FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         forward(q, k, v, causal, scale as f32).0
     }
-    fn flash_path(q: &burn::tensor::ops::FloatTensor<Self>) -> Option<FlashPath> {
+    fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
         Some(path(q))
     }
 }

@@ -38,6 +38,7 @@ pub(crate) use forward::check_tiles;
 pub use forward::{FlashPath, MAX_HEAD_DIM};
 
 use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Int, Tensor};
 
 /// The softmax scale used when none is given: `1 / sqrt(head_dim)`.
@@ -100,12 +101,12 @@ pub fn reference_lse<B: BurnBackend>(
 /// backward.
 pub trait AttentionOps: BurnBackend {
     fn fused_flash_attention(
-        q: burn::tensor::ops::FloatTensor<Self>,
-        k: burn::tensor::ops::FloatTensor<Self>,
-        v: burn::tensor::ops::FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         crate::prim(reference::<Self>(
             crate::tensor(q),
             crate::tensor(k),
@@ -116,7 +117,7 @@ pub trait AttentionOps: BurnBackend {
     }
 
     /// The FlashAttention kernels `q` would run on; `None` where the reference runs.
-    fn flash_path(_q: &burn::tensor::ops::FloatTensor<Self>) -> Option<FlashPath> {
+    fn flash_path(_q: &FloatTensor<Self>) -> Option<FlashPath> {
         None
     }
 }
@@ -126,29 +127,22 @@ pub trait AttentionOps: BurnBackend {
 pub trait AttentionKernels: AttentionOps {
     /// `(out, lse)` of FlashAttention (lse f32 `[batch, heads, seq_q]`).
     fn flash_attention_forward(
-        q: burn::tensor::ops::FloatTensor<Self>,
-        k: burn::tensor::ops::FloatTensor<Self>,
-        v: burn::tensor::ops::FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
         causal: bool,
         scale: f32,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    );
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
     /// `(dq, dk, dv)` of FlashAttention from the forward's output and log-sum-exp.
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_backward(
-        q: burn::tensor::ops::FloatTensor<Self>,
-        k: burn::tensor::ops::FloatTensor<Self>,
-        v: burn::tensor::ops::FloatTensor<Self>,
-        out: burn::tensor::ops::FloatTensor<Self>,
-        lse: burn::tensor::ops::FloatTensor<Self>,
-        grad: burn::tensor::ops::FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
         causal: bool,
         scale: f32,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    );
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 }

@@ -45,14 +45,12 @@ pub(crate) fn cross_entropy<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    super::CrossEntropyOps for burn::backend::Autodiff<B, C>
-{
+impl<B: crate::KernelOps, C: CheckpointStrategy> super::CrossEntropyOps for Autodiff<B, C> {
     fn fused_cross_entropy(
-        logits: burn::tensor::ops::FloatTensor<Self>,
-        targets: burn::tensor::ops::IntTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
         z_loss: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         cross_entropy::<B, C>(logits, targets, z_loss)
     }
 }

@@ -1,8 +1,10 @@
 //! Launches of the cross-entropy kernels on `CubeBackend` tensors.
 
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
@@ -161,46 +163,43 @@ pub(crate) fn backward<R: CubeRuntime>(
     d
 }
 
-impl<R, F, I, BT> super::CrossEntropyKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::CrossEntropyKernels for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn cross_entropy_forward(
-        logits: burn::tensor::ops::FloatTensor<Self>,
-        targets: burn::tensor::ops::IntTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
         z_loss: f64,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         forward(logits, targets, z_loss)
     }
     fn cross_entropy_backward(
-        logits: burn::tensor::ops::FloatTensor<Self>,
-        targets: burn::tensor::ops::IntTensor<Self>,
-        lse: burn::tensor::ops::FloatTensor<Self>,
-        dloss: burn::tensor::ops::FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
         z_loss: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         backward(logits, targets, lse, dloss, z_loss)
     }
 }
 
-impl<R, F, I, BT> super::CrossEntropyOps for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::CrossEntropyOps for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn fused_cross_entropy(
-        logits: burn::tensor::ops::FloatTensor<Self>,
-        targets: burn::tensor::ops::IntTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
         z_loss: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         forward(logits, targets, z_loss).0
     }
 }

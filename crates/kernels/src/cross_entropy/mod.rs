@@ -15,6 +15,7 @@ pub(crate) mod kernel;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{FloatDType, Int, Tensor};
 
 /// Plain-Burn per-row cross-entropy with z-loss, in f32 (see the module docs).
@@ -53,10 +54,10 @@ pub fn reference_log_softmax<B: BurnBackend>(
 /// `CubeBackend` overrides it with the kernel and `Autodiff` with the kernel and its backward.
 pub trait CrossEntropyOps: BurnBackend {
     fn fused_cross_entropy(
-        logits: burn::tensor::ops::FloatTensor<Self>,
-        targets: burn::tensor::ops::IntTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
         z_loss: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         crate::prim(reference::<Self>(
             crate::tensor(logits),
             burn::tensor::Tensor::from_primitive(targets),
@@ -70,18 +71,15 @@ pub trait CrossEntropyOps: BurnBackend {
 pub trait CrossEntropyKernels: CrossEntropyOps {
     /// `(per-row loss, per-row log-sum-exp)`, both f32.
     fn cross_entropy_forward(
-        logits: burn::tensor::ops::FloatTensor<Self>,
-        targets: burn::tensor::ops::IntTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
         z_loss: f64,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    );
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
     fn cross_entropy_backward(
-        logits: burn::tensor::ops::FloatTensor<Self>,
-        targets: burn::tensor::ops::IntTensor<Self>,
-        lse: burn::tensor::ops::FloatTensor<Self>,
-        dloss: burn::tensor::ops::FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
         z_loss: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self>;
+    ) -> FloatTensor<Self>;
 }

@@ -13,6 +13,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::IntTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
 use super::{fp8_gemm, fp8_quantize, Fp8LinearConfig, Fp8Probe};
@@ -121,16 +122,11 @@ pub(crate) fn fp8_linear<B: KernelOps, C: CheckpointStrategy>(
 }
 
 #[allow(clippy::too_many_arguments)]
-impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    super::Fp8Ops for burn::backend::Autodiff<B, C>
-{
+impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C> {
     fn fp8_quantize(
-        x: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
         spec: &super::QuantSpec,
-    ) -> (
-        burn::tensor::ops::IntTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+    ) -> (IntTensor<Self>, FloatTensor<Self>) {
         let (payload, scales) = B::fp8_quantize(x.primitive, spec);
         (
             payload,
@@ -138,55 +134,55 @@ impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::Chec
         )
     }
     fn fp8_dequantize(
-        payload: burn::tensor::ops::IntTensor<Self>,
-        scales: burn::tensor::ops::FloatTensor<Self>,
+        payload: IntTensor<Self>,
+        scales: FloatTensor<Self>,
         rows: usize,
         k_out: usize,
         spec: &super::QuantSpec,
         dtype: FloatDType,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         let out = B::fp8_dequantize(payload, scales.primitive, rows, k_out, spec, dtype);
         <Self as burn::tensor::backend::AutodiffBackend>::from_inner(out)
     }
     fn fp8_linear(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        w: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
         cfg: &Fp8LinearConfig,
         probe: Option<Fp8Probe>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         fp8_linear::<B, C>(x, w, cfg, probe)
     }
-    fn fp8_mma_supported(payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+    fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         B::fp8_mma_supported(payload)
     }
-    fn fp8_cublaslt_supported(payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+    fn fp8_cublaslt_supported(payload: &IntTensor<Self>) -> bool {
         B::fp8_cublaslt_supported(payload)
     }
     fn fp8_gemm_mma(
-        a: burn::tensor::ops::IntTensor<Self>,
-        sa: burn::tensor::ops::FloatTensor<Self>,
+        a: IntTensor<Self>,
+        sa: FloatTensor<Self>,
         a_spec: &super::QuantSpec,
-        b: burn::tensor::ops::IntTensor<Self>,
-        sb: burn::tensor::ops::FloatTensor<Self>,
+        b: IntTensor<Self>,
+        sb: FloatTensor<Self>,
         b_spec: &super::QuantSpec,
         m: usize,
         n: usize,
         out: FloatDType,
-    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+    ) -> Option<FloatTensor<Self>> {
         B::fp8_gemm_mma(a, sa.primitive, a_spec, b, sb.primitive, b_spec, m, n, out)
             .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
     }
     fn fp8_gemm_cublaslt(
-        a: burn::tensor::ops::IntTensor<Self>,
-        sa: burn::tensor::ops::FloatTensor<Self>,
+        a: IntTensor<Self>,
+        sa: FloatTensor<Self>,
         a_spec: &super::QuantSpec,
-        b: burn::tensor::ops::IntTensor<Self>,
-        sb: burn::tensor::ops::FloatTensor<Self>,
+        b: IntTensor<Self>,
+        sb: FloatTensor<Self>,
         b_spec: &super::QuantSpec,
         m: usize,
         n: usize,
         out: FloatDType,
-    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+    ) -> Option<FloatTensor<Self>> {
         B::fp8_gemm_cublaslt(a, sa.primitive, a_spec, b, sb.primitive, b_spec, m, n, out)
             .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
     }

@@ -1,8 +1,10 @@
 //! Launches of the FP8 kernels on `CubeBackend` tensors.
 
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::prelude::*;
 
 use super::kernel::{block_amax, dequantize as dequantize_kernel, quantize as quantize_kernel};
@@ -50,7 +52,7 @@ pub(crate) fn quantize<R: CubeRuntime>(
     );
     if rows == 0 || k == 0 {
         // Nothing to scale: the per-tensor scale is 1, as for an all-zero tensor.
-        let ones = burn::tensor::Tensor::<burn_cubecl::CubeBackend<R, f32, i32, u32>, 2>::ones(
+        let ones = burn::tensor::Tensor::<CubeBackend<R, f32, i32, u32>, 2>::ones(
             [spec.scale_rows(rows), spec.scale_cols(k)],
             (&x.device, DType::F32),
         );
@@ -84,10 +86,9 @@ pub(crate) fn quantize<R: CubeRuntime>(
             stride_j,
             x.dtype.into(),
         );
-        let blocks =
-            burn::tensor::Tensor::<burn_cubecl::CubeBackend<R, f32, i32, u32>, 2>::from_primitive(
-                burn::tensor::TensorPrimitive::Float(blocks),
-            );
+        let blocks = burn::tensor::Tensor::<CubeBackend<R, f32, i32, u32>, 2>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(blocks),
+        );
         blocks.max().into_primitive().tensor()
     } else {
         empty(&x, vec![1], DType::F32)
@@ -280,15 +281,15 @@ pub(crate) fn gemm_cublaslt<R, F, I, BT>(
 ) -> Option<CubeTensor<R>>
 where
     R: CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     use crate::gemm::cublaslt::{
         as_cuda, fell_back, fp8_gemm, from_cuda, Fp8Operand, Fp8Scales, Refused,
     };
     use burn::tensor::{Tensor, TensorPrimitive};
-    type Cb<R, F, I, BT> = burn_cubecl::CubeBackend<R, F, I, BT>;
+    type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
     let (ca, cb) = (as_cuda(&a)?.clone(), as_cuda(&b)?.clone());
     let k_pad = a.shape().as_slice()[1] * 4;
@@ -346,63 +347,60 @@ where
     }
 }
 
-impl<R, F, I, BT> super::Fp8Ops for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::Fp8Ops for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn fp8_quantize(
-        x: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
         spec: &QuantSpec,
-    ) -> (
-        burn::tensor::ops::IntTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+    ) -> (IntTensor<Self>, FloatTensor<Self>) {
         quantize(x, spec)
     }
     fn fp8_dequantize(
-        payload: burn::tensor::ops::IntTensor<Self>,
-        scales: burn::tensor::ops::FloatTensor<Self>,
+        payload: IntTensor<Self>,
+        scales: FloatTensor<Self>,
         rows: usize,
         k_out: usize,
         spec: &QuantSpec,
         dtype: FloatDType,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         dequantize(payload, scales, rows, k_out, spec, dtype)
     }
-    fn fp8_mma_supported(payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+    fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         mma_supported(payload)
     }
     fn fp8_gemm_mma(
-        a: burn::tensor::ops::IntTensor<Self>,
-        sa: burn::tensor::ops::FloatTensor<Self>,
+        a: IntTensor<Self>,
+        sa: FloatTensor<Self>,
         a_spec: &QuantSpec,
-        b: burn::tensor::ops::IntTensor<Self>,
-        sb: burn::tensor::ops::FloatTensor<Self>,
+        b: IntTensor<Self>,
+        sb: FloatTensor<Self>,
         b_spec: &QuantSpec,
         m: usize,
         n: usize,
         out: FloatDType,
-    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+    ) -> Option<FloatTensor<Self>> {
         gemm_mma(a, sa, a_spec, b, sb, b_spec, m, n, out)
     }
-    fn fp8_cublaslt_supported(payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+    fn fp8_cublaslt_supported(payload: &IntTensor<Self>) -> bool {
         crate::gemm::cublaslt::as_cuda(payload)
             .is_some_and(crate::gemm::cublaslt::fp8_block_scaling_supported)
     }
     fn fp8_gemm_cublaslt(
-        a: burn::tensor::ops::IntTensor<Self>,
-        sa: burn::tensor::ops::FloatTensor<Self>,
+        a: IntTensor<Self>,
+        sa: FloatTensor<Self>,
         a_spec: &QuantSpec,
-        b: burn::tensor::ops::IntTensor<Self>,
-        sb: burn::tensor::ops::FloatTensor<Self>,
+        b: IntTensor<Self>,
+        sb: FloatTensor<Self>,
         b_spec: &QuantSpec,
         m: usize,
         n: usize,
         out: FloatDType,
-    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+    ) -> Option<FloatTensor<Self>> {
         gemm_cublaslt::<R, F, I, BT>(a, sa, a_spec, b, sb, b_spec, m, n, out)
     }
 }

@@ -45,6 +45,7 @@ pub use mma::MmaShape;
 pub mod reference;
 
 use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 
 use crate::settings::Fp8GemmChoice;
@@ -317,16 +318,16 @@ fn mma_applies<B: Backend>(a: &Fp8Tensor<B>, b: &Fp8Tensor<B>) -> bool {
 
 /// [`Backend::fp8_gemm_mma`] and [`Backend::fp8_gemm_cublaslt`].
 type Fp8GemmFn<B> = fn(
-    burn::tensor::ops::IntTensor<B>,
-    burn::tensor::ops::FloatTensor<B>,
+    IntTensor<B>,
+    FloatTensor<B>,
     &QuantSpec,
-    burn::tensor::ops::IntTensor<B>,
-    burn::tensor::ops::FloatTensor<B>,
+    IntTensor<B>,
+    FloatTensor<B>,
     &QuantSpec,
     usize,
     usize,
     FloatDType,
-) -> Option<burn::tensor::ops::FloatTensor<B>>;
+) -> Option<FloatTensor<B>>;
 
 /// `a [m, k] x b [n, k]^T -> [m, n]` in `out` dtype, from two matrices quantized along the same
 /// `k`, on the path [`fp8_gemm_path`] names.
@@ -589,12 +590,9 @@ fn scalar<B: BurnBackend>(t: Tensor<B, 1>) -> f64 {
 pub trait Fp8Ops: BurnBackend {
     /// `(payload, scales)` of [`fp8_quantize`] for a 2-D `x` (the CPU reference by default).
     fn fp8_quantize(
-        x: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
         spec: &QuantSpec,
-    ) -> (
-        burn::tensor::ops::IntTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+    ) -> (IntTensor<Self>, FloatTensor<Self>) {
         let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
         let [r, c] = t.dims();
         let device = t.device();
@@ -617,13 +615,13 @@ pub trait Fp8Ops: BurnBackend {
 
     /// `[rows, k_out]` values of an FP8 payload in `dtype` (the CPU reference by default).
     fn fp8_dequantize(
-        payload: burn::tensor::ops::IntTensor<Self>,
-        scales: burn::tensor::ops::FloatTensor<Self>,
+        payload: IntTensor<Self>,
+        scales: FloatTensor<Self>,
         rows: usize,
         k_out: usize,
         spec: &QuantSpec,
         dtype: FloatDType,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         let payload = Tensor::<Self, 2, Int>::from_primitive(payload);
         let device = payload.device();
         let width = payload.dims()[1];
@@ -648,55 +646,55 @@ pub trait Fp8Ops: BurnBackend {
     }
 
     /// Whether the device has the FP8 tensor-core GEMM.
-    fn fp8_mma_supported(_payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+    fn fp8_mma_supported(_payload: &IntTensor<Self>) -> bool {
         false
     }
 
     /// The FP8 tensor-core GEMM `[m, k] x [n, k]^T`, or `None` where it does not apply.
     #[allow(clippy::too_many_arguments)]
     fn fp8_gemm_mma(
-        _a: burn::tensor::ops::IntTensor<Self>,
-        _sa: burn::tensor::ops::FloatTensor<Self>,
+        _a: IntTensor<Self>,
+        _sa: FloatTensor<Self>,
         _a_spec: &QuantSpec,
-        _b: burn::tensor::ops::IntTensor<Self>,
-        _sb: burn::tensor::ops::FloatTensor<Self>,
+        _b: IntTensor<Self>,
+        _sb: FloatTensor<Self>,
         _b_spec: &QuantSpec,
         _m: usize,
         _n: usize,
         _out: FloatDType,
-    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+    ) -> Option<FloatTensor<Self>> {
         None
     }
 
     /// Whether the device has cuBLASLt's block-scaled FP8 GEMM (CUDA, Hopper, cuBLASLt 12.9+).
-    fn fp8_cublaslt_supported(_payload: &burn::tensor::ops::IntTensor<Self>) -> bool {
+    fn fp8_cublaslt_supported(_payload: &IntTensor<Self>) -> bool {
         false
     }
 
     /// The FP8 GEMM `[m, k] x [n, k]^T` on cuBLASLt, or `None` where it does not apply.
     #[allow(clippy::too_many_arguments)]
     fn fp8_gemm_cublaslt(
-        _a: burn::tensor::ops::IntTensor<Self>,
-        _sa: burn::tensor::ops::FloatTensor<Self>,
+        _a: IntTensor<Self>,
+        _sa: FloatTensor<Self>,
         _a_spec: &QuantSpec,
-        _b: burn::tensor::ops::IntTensor<Self>,
-        _sb: burn::tensor::ops::FloatTensor<Self>,
+        _b: IntTensor<Self>,
+        _sb: FloatTensor<Self>,
         _b_spec: &QuantSpec,
         _m: usize,
         _n: usize,
         _out: FloatDType,
-    ) -> Option<burn::tensor::ops::FloatTensor<Self>> {
+    ) -> Option<FloatTensor<Self>> {
         None
     }
 
     /// [`fp8_linear`]; by default its forward only (backends without autodiff). Under `Autodiff`,
     /// `probe` receives the output gradient's health in the backward.
     fn fp8_linear(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        w: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
         cfg: &Fp8LinearConfig,
         _probe: Option<Fp8Probe>,
-    ) -> burn::tensor::ops::FloatTensor<Self>
+    ) -> FloatTensor<Self>
     where
         Self: Backend,
     {

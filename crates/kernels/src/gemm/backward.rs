@@ -89,19 +89,17 @@ pub(crate) fn gemm<B: Backend, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    super::GemmOps for burn::backend::Autodiff<B, C>
-{
+impl<B: crate::KernelOps, C: CheckpointStrategy> super::GemmOps for Autodiff<B, C> {
     fn gemm(
-        a: burn::tensor::ops::FloatTensor<Self>,
-        b: burn::tensor::ops::FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
         trans_a: bool,
         trans_b: bool,
         engine: Gemm,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         gemm::<B, C>(a, b, trans_a, trans_b, engine)
     }
-    fn gemm_path(a: &burn::tensor::ops::FloatTensor<Self>, engine: Gemm) -> super::GemmPath {
+    fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> super::GemmPath {
         B::gemm_path(&a.primitive, engine)
     }
 }

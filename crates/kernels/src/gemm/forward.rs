@@ -1,5 +1,6 @@
 //! [`super::GemmOps`] on `CubeBackend`: cuBLASLt for CUDA tensors, Burn's matmul otherwise.
 
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
@@ -71,23 +72,23 @@ pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> Gemm
     }
 }
 
-impl<R, F, I, BT> super::GemmOps for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::GemmOps for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn gemm(
-        a: burn::tensor::ops::FloatTensor<Self>,
-        b: burn::tensor::ops::FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
         trans_a: bool,
         trans_b: bool,
         engine: Gemm,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         cube::<R, F, I, BT>(a, b, trans_a, trans_b, engine)
     }
-    fn gemm_path(a: &burn::tensor::ops::FloatTensor<Self>, engine: Gemm) -> GemmPath {
+    fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> GemmPath {
         cube_path(a, engine)
     }
 }

@@ -31,7 +31,9 @@ pub(crate) mod cublaslt;
 pub(crate) mod forward;
 
 use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
 
 use crate::check::{check_float, check_same_dtype, fail};
 use crate::Backend;
@@ -193,7 +195,7 @@ pub fn cublaslt_fallbacks_on_this_thread() -> usize {
 /// CubeCL's waiting kernel took when the flag was written after `delay`.
 #[doc(hidden)]
 pub fn diagnose_wait(
-    probe: &burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>,
+    probe: &CubeTensor<cubecl::cuda::CudaRuntime>,
     delay: std::time::Duration,
 ) -> Result<std::time::Duration, String> {
     cublaslt::diagnose_wait(probe, delay)
@@ -221,12 +223,12 @@ pub(crate) fn burn_only(engine: Gemm, dtype: DType) -> GemmPath {
 pub trait GemmOps: BurnBackend {
     /// `op(a) op(b)` of [`gemm()`]; Burn's matmul by default.
     fn gemm(
-        a: burn::tensor::ops::FloatTensor<Self>,
-        b: burn::tensor::ops::FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
         trans_a: bool,
         trans_b: bool,
         engine: Gemm,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         burn_only(engine, a.dtype());
         crate::prim(reference::<Self>(
             crate::tensor(a),
@@ -237,7 +239,7 @@ pub trait GemmOps: BurnBackend {
     }
 
     /// The engine a GEMM on tensors like `a` runs on with `engine`.
-    fn gemm_path(a: &burn::tensor::ops::FloatTensor<Self>, engine: Gemm) -> GemmPath {
+    fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> GemmPath {
         burn_only(engine, a.dtype())
     }
 }

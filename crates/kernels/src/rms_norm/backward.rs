@@ -99,25 +99,20 @@ pub(crate) fn add_rms_norm<B: KernelOps, C: CheckpointStrategy>(
     (sum, y)
 }
 
-impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    super::RmsNormOps for burn::backend::Autodiff<B, C>
-{
+impl<B: crate::KernelOps, C: CheckpointStrategy> super::RmsNormOps for Autodiff<B, C> {
     fn fused_rms_norm(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
         eps: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         rms_norm::<B, C>(x, weight, eps)
     }
     fn fused_add_rms_norm(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        residual: burn::tensor::ops::FloatTensor<Self>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
         eps: f64,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         add_rms_norm::<B, C>(x, residual, weight, eps)
     }
 }

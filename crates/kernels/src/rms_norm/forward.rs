@@ -1,8 +1,10 @@
 //! Launches of the RMSNorm kernels on `CubeBackend` tensors.
 
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::prelude::*;
 
 use super::kernel::{rms_norm_bwd, rms_norm_fwd};
@@ -180,62 +182,56 @@ pub(crate) fn backward<R: CubeRuntime>(
     (dx, burn_cubecl::kernel::cast(dw, w_dtype))
 }
 
-impl<R, F, I, BT> super::RmsNormKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::RmsNormKernels for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     #[allow(clippy::type_complexity)]
     fn rms_norm_forward(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        residual: Option<burn::tensor::ops::FloatTensor<Self>>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        residual: Option<FloatTensor<Self>>,
+        weight: FloatTensor<Self>,
         eps: f64,
     ) -> (
-        Option<burn::tensor::ops::FloatTensor<Self>>,
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
     ) {
         forward(x, residual, weight, eps)
     }
     fn rms_norm_backward(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
-        rstd: burn::tensor::ops::FloatTensor<Self>,
-        dy: burn::tensor::ops::FloatTensor<Self>,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         backward(x, weight, rstd, dy)
     }
 }
 
-impl<R, F, I, BT> super::RmsNormOps for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::RmsNormOps for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn fused_rms_norm(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
         eps: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         <Self as super::RmsNormKernels>::rms_norm_forward(x, None, weight, eps).1
     }
     fn fused_add_rms_norm(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        residual: burn::tensor::ops::FloatTensor<Self>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
         eps: f64,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (s, y, _) =
             <Self as super::RmsNormKernels>::rms_norm_forward(x, Some(residual), weight, eps);
         (s.expect("the fused forward returns the sum"), y)

@@ -10,6 +10,7 @@ pub(crate) mod forward;
 pub(crate) mod kernel;
 
 use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor};
 
 /// Plain-Burn RMSNorm: what the kernel computes, with ordinary tensor ops (f32 inside, output in
@@ -42,23 +43,20 @@ pub fn add_reference<B: BurnBackend, const D: usize>(
 /// their backward.
 pub trait RmsNormOps: BurnBackend {
     fn fused_rms_norm(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
         eps: f64,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         let (x, shape) = crate::as_2d::<Self>(x);
         crate::from_2d(reference(x, crate::tensor(weight), eps), shape)
     }
 
     fn fused_add_rms_norm(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        residual: burn::tensor::ops::FloatTensor<Self>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
         eps: f64,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    ) {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (x, shape) = crate::as_2d::<Self>(x);
         let (r, _) = crate::as_2d::<Self>(residual);
         let (s, y) = add_reference(x, r, crate::tensor(weight), eps);
@@ -71,23 +69,20 @@ pub trait RmsNormKernels: RmsNormOps {
     /// `(x + residual if given, y, 1 / rms per row in f32)`
     #[allow(clippy::type_complexity)]
     fn rms_norm_forward(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        residual: Option<burn::tensor::ops::FloatTensor<Self>>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        residual: Option<FloatTensor<Self>>,
+        weight: FloatTensor<Self>,
         eps: f64,
     ) -> (
-        Option<burn::tensor::ops::FloatTensor<Self>>,
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
     );
     /// `(dx, dweight)` from the normalised input, the gain, the saved `1 / rms` and `dy`.
     fn rms_norm_backward(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        weight: burn::tensor::ops::FloatTensor<Self>,
-        rstd: burn::tensor::ops::FloatTensor<Self>,
-        dy: burn::tensor::ops::FloatTensor<Self>,
-    ) -> (
-        burn::tensor::ops::FloatTensor<Self>,
-        burn::tensor::ops::FloatTensor<Self>,
-    );
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }

@@ -52,14 +52,12 @@ pub(crate) fn rope<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    super::RopeOps for burn::backend::Autodiff<B, C>
-{
+impl<B: crate::KernelOps, C: CheckpointStrategy> super::RopeOps for Autodiff<B, C> {
     fn fused_rope(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        cos: burn::tensor::ops::FloatTensor<Self>,
-        sin: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         rope::<B, C>(x, cos, sin)
     }
 }

@@ -1,8 +1,10 @@
 //! Launch of the RoPE kernel on `CubeBackend` tensors.
 
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
@@ -89,35 +91,35 @@ pub(crate) fn rope<R: CubeRuntime>(
     out
 }
 
-impl<R, F, I, BT> super::RopeKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::RopeKernels for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn rope_rotate(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        cos: burn::tensor::ops::FloatTensor<Self>,
-        sin: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
         inverse: bool,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+    ) -> FloatTensor<Self> {
         rope(x, cos, sin, inverse)
     }
 }
 
-impl<R, F, I, BT> super::RopeOps for burn_cubecl::CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> super::RopeOps for CubeBackend<R, F, I, BT>
 where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
     fn fused_rope(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        cos: burn::tensor::ops::FloatTensor<Self>,
-        sin: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         rope(x, cos, sin, false)
     }
 }

@@ -9,6 +9,7 @@ pub(crate) mod forward;
 pub(crate) mod kernel;
 
 use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Int, Tensor};
 
 /// `cos` and `sin` tables [positions, head_dim / 2] (f32) for angles
@@ -66,10 +67,10 @@ pub fn reference<B: BurnBackend>(
 /// with the kernel and `Autodiff` with the kernel and its backward (the inverse rotation).
 pub trait RopeOps: BurnBackend {
     fn fused_rope(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        cos: burn::tensor::ops::FloatTensor<Self>,
-        sin: burn::tensor::ops::FloatTensor<Self>,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
         crate::prim(reference::<Self>(
             crate::tensor(x),
             crate::tensor(cos),
@@ -82,9 +83,9 @@ pub trait RopeOps: BurnBackend {
 pub trait RopeKernels: RopeOps {
     /// Rotary embedding, or its inverse (the backward).
     fn rope_rotate(
-        x: burn::tensor::ops::FloatTensor<Self>,
-        cos: burn::tensor::ops::FloatTensor<Self>,
-        sin: burn::tensor::ops::FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
         inverse: bool,
-    ) -> burn::tensor::ops::FloatTensor<Self>;
+    ) -> FloatTensor<Self>;
 }
