@@ -366,14 +366,15 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Restore<'_, AB::InnerBackend> {
 }
 
 /// Writes a checkpoint read by [`read`] (from `path`) into `module` and `opt`, after checking that
-/// it belongs to a model of the same configuration and the same batch stream.
+/// it holds a model of this configuration and vocabulary. (Whether training may continue from it
+/// is `crate::resume`'s question.)
 pub fn apply<AB, M>(
     path: &Path,
     header: Header,
     values: Vec<f32>,
     module: M,
     opt: &mut AdamW<AB::InnerBackend>,
-    cfg: &Config,
+    model: &GptConfig,
     vocab_size: usize,
 ) -> Result<(M, Restored)>
 where
@@ -384,7 +385,7 @@ where
         |why: String| anyhow!("checkpoint {} does not fit this run: {why}", path.display());
     let mut saved = header.model.clone();
     saved.vocab_size = 0;
-    let mut ours = cfg.model.clone();
+    let mut ours = model.clone();
     ours.vocab_size = 0;
     if saved != ours {
         let a = toml::to_string(&saved).unwrap_or_default();
@@ -398,42 +399,6 @@ where
         return Err(incompatible(format!(
             "the [model] section differs: {}",
             diff.join("; ")
-        )));
-    }
-    // The batches and dropout masks of a resumed run are functions of these; changing them would
-    // silently continue a different run.
-    let mut stream = Vec::new();
-    if header.seed != cfg.seed {
-        stream.push(format!("seed = {} (this run: {})", header.seed, cfg.seed));
-    }
-    if header.batch_size != cfg.training.batch_size {
-        stream.push(format!(
-            "training.batch_size = {} (this run: {})",
-            header.batch_size, cfg.training.batch_size
-        ));
-    }
-    if header.grad_accum != cfg.training.grad_accum {
-        stream.push(format!(
-            "training.grad_accum = {} (this run: {})",
-            header.grad_accum, cfg.training.grad_accum
-        ));
-    }
-    if header.data != cfg.data {
-        stream.push("the [data] section".to_string());
-    }
-    // Master weights are f32 whatever the recipe, but a recipe switched mid-run is a different
-    // experiment; say so rather than mixing two recipes in one run directory.
-    if header.precision_kind() != cfg.precision {
-        stream.push(format!(
-            "precision = \"{}\" (this run: \"{}\")",
-            header.precision_kind(),
-            cfg.precision
-        ));
-    }
-    if !stream.is_empty() {
-        return Err(incompatible(format!(
-            "it was trained with {}; resuming with other values would not continue the same run",
-            stream.join(", ")
         )));
     }
     if header.vocab_size != vocab_size {

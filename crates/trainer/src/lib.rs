@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod numerics;
 pub mod optim;
 pub mod precision;
+pub mod resume;
 pub mod rng;
 pub mod sample;
 pub mod schedule;

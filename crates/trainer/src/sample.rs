@@ -209,7 +209,7 @@ fn generate<B: crate::TrainBackend>(
         values,
         Gpt::<B>::new(&cfg.model, vocab, &device),
         &mut opt,
-        &cfg,
+        &cfg.model,
         vocab,
     )?;
     let model = model.valid();

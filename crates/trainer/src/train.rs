@@ -673,26 +673,12 @@ fn resume<B: crate::TrainBackend>(
     vocab: usize,
     console: &Console,
 ) -> Result<(Gpt<B>, checkpoint::Restored)> {
-    let run_dir = &opts.run_dir;
-    let Some((_, path)) = existing.last() else {
-        bail!(
-            "--resume {}: no checkpoint in {}; the run stopped before its first checkpoint, start it again",
-            run_dir.display(),
-            checkpoint::dir(run_dir).display()
-        );
-    };
-    let (header, values) = checkpoint::read(path).map_err(|e| {
-        // A damaged newest checkpoint: say where the previous complete one is.
-        match existing.len().checked_sub(2).map(|i| &existing[i]) {
-            Some((step, older)) => e.context(format!(
-                "the previous checkpoint (step {step}) is {}; move the damaged one away to resume from it",
-                older.display()
-            )),
-            None => e,
-        }
+    let (path, header, values) = crate::resume::newest(&opts.run_dir, existing)?;
+    crate::resume::check_continues(&header, cfg).map_err(|why| {
+        anyhow::anyhow!("checkpoint {} does not fit this run: {why}", path.display())
     })?;
     let (model, restored) =
-        checkpoint::apply::<B, _>(path, header, values, model, opt, cfg, vocab)?;
+        checkpoint::apply::<B, _>(&path, header, values, model, opt, &cfg.model, vocab)?;
     console.line(&format!(
         "resumed from {} (step {})",
         restored.path.display(),

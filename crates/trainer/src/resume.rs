@@ -1,0 +1,73 @@
+//! Resuming a run: which checkpoint it continues from, and the rules that keep a resumed run the
+//! same run. (The checkpoint file itself, and whether it fits the model, is `checkpoint`'s.)
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+
+use crate::checkpoint::{self, Header};
+use crate::config::Config;
+
+/// Reads the newest of a run directory's checkpoints (`existing`, oldest first, as
+/// [`checkpoint::list`] gives them). A damaged newest file is an error that names the previous
+/// complete one.
+pub fn newest(run_dir: &Path, existing: &[(u64, PathBuf)]) -> Result<(PathBuf, Header, Vec<f32>)> {
+    let Some((_, path)) = existing.last() else {
+        bail!(
+            "--resume {}: no checkpoint in {}; the run stopped before its first checkpoint, start it again",
+            run_dir.display(),
+            checkpoint::dir(run_dir).display()
+        );
+    };
+    let (header, values) = checkpoint::read(path).map_err(|e| {
+        match existing.len().checked_sub(2).map(|i| &existing[i]) {
+            Some((step, older)) => e.context(format!(
+                "the previous checkpoint (step {step}) is {}; move the damaged one away to resume from it",
+                older.display()
+            )),
+            None => e,
+        }
+    })?;
+    Ok((path.clone(), header, values))
+}
+
+/// Whether training `cfg` may continue from a checkpoint with `header`: the batches and dropout
+/// masks of a resumed run are functions of the seed, the batch shape and the data, so changing any
+/// of them would silently continue a different run; and a recipe switched mid-run is a different
+/// experiment (master weights are f32 whatever the recipe). The error lists every difference.
+pub fn check_continues(header: &Header, cfg: &Config) -> std::result::Result<(), String> {
+    let mut differ = Vec::new();
+    if header.seed != cfg.seed {
+        differ.push(format!("seed = {} (this run: {})", header.seed, cfg.seed));
+    }
+    if header.batch_size != cfg.training.batch_size {
+        differ.push(format!(
+            "training.batch_size = {} (this run: {})",
+            header.batch_size, cfg.training.batch_size
+        ));
+    }
+    if header.grad_accum != cfg.training.grad_accum {
+        differ.push(format!(
+            "training.grad_accum = {} (this run: {})",
+            header.grad_accum, cfg.training.grad_accum
+        ));
+    }
+    if header.data != cfg.data {
+        differ.push("the [data] section".to_string());
+    }
+    if header.precision_kind() != cfg.precision {
+        differ.push(format!(
+            "precision = \"{}\" (this run: \"{}\")",
+            header.precision_kind(),
+            cfg.precision
+        ));
+    }
+    if differ.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "it was trained with {}; resuming with other values would not continue the same run",
+            differ.join(", ")
+        ))
+    }
+}
