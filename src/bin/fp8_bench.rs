@@ -122,7 +122,7 @@ fn run<Bk: kernels::Backend>(
                 _ => f64::NAN,
             };
             let label = match (&path, &shape) {
-                (Fp8GemmPath::TensorCores, Some(s)) => format!("TensorCores {s:?}"),
+                (Fp8GemmPath::TensorCores, Some(s)) => format!("TensorCores {s}"),
                 _ => format!("{path:?}"),
             };
             let t_gemm = time::<Bk>(dev, args, &mut || {

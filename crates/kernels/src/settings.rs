@@ -175,7 +175,7 @@ impl Settings {
         Ok(s)
     }
 
-    /// The FP8 GEMMs' ordering.
+    /// The FP8 GEMMs' ordering (`gemm_order` when not set apart).
     pub fn fp8_order(&self) -> GemmOrder {
         self.fp8_gemm_order.unwrap_or(self.gemm_order)
     }
@@ -198,11 +198,12 @@ pub fn set(settings: Settings) {
     *SETTINGS.write().unwrap_or_else(|e| e.into_inner()) = Some(settings);
 }
 
-/// Changes the settings in place (starting from the environment if nothing was set yet).
+/// Changes the settings (starting from the environment if nothing was set yet). `f` runs on a
+/// copy, so it may itself read the settings.
 pub fn update(f: impl FnOnce(&mut Settings)) {
-    let mut slot = SETTINGS.write().unwrap_or_else(|e| e.into_inner());
-    let s = slot.get_or_insert_with(from_env_or_panic);
-    f(s);
+    let mut s = get();
+    f(&mut s);
+    set(s);
 }
 
 /// The current settings (from the environment at the first call when none were set).
@@ -210,7 +211,8 @@ pub fn get() -> Settings {
     read(Settings::clone)
 }
 
-/// Reads one thing from the current settings without copying them.
+/// Reads one thing from the current settings without copying them (`f` runs under the lock: it
+/// must not call this module's functions).
 pub(crate) fn read<R>(f: impl FnOnce(&Settings) -> R) -> R {
     {
         let slot = SETTINGS.read().unwrap_or_else(|e| e.into_inner());

@@ -7,7 +7,7 @@ use std::fmt;
 /// serde spells it (`rename_all`), so that each name is written once, in the enum's attributes.
 pub fn write_config_value<T: Serialize>(v: &T, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     match serde_json::to_value(v) {
-        Ok(serde_json::Value::String(s)) => f.write_str(&s),
+        Ok(serde_json::Value::String(s)) => f.pad(&s),
         _ => Err(fmt::Error),
     }
 }

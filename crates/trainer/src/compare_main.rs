@@ -51,6 +51,9 @@ struct Cli {
     /// Train only the entry of this name and write no report (what --jobs runs in each process).
     #[arg(long, hide = true, value_name = "ENTRY")]
     only: Option<String>,
+    /// With --only: other entries train on the device at the same time.
+    #[arg(long, hide = true, requires = "only")]
+    shared_device: bool,
     /// List the built-in recipes and what each sets, and exit.
     #[arg(long)]
     list: bool,
@@ -105,6 +108,9 @@ fn real_main() -> Result<()> {
     }
 
     if cli.report.is_none() {
+        // The kernels' switches (BURNMIX_* variables): a bad value stops the comparison here
+        // rather than failing every entry.
+        kernels::settings::init_from_env().map_err(|e| anyhow::anyhow!("{e}"))?;
         save_plan(&cli, &dir, &plan)?;
         train_entries(&cli, &dir, &entries)?;
     }
@@ -238,6 +244,16 @@ fn train_entries(cli: &Cli, dir: &std::path::Path, entries: &[compare::Entry]) -
     // An entry's own process trains its entry itself.
     let jobs = if cli.only.is_some() { 1 } else { cli.jobs };
     let mut pool = Pool::new(dir, jobs);
+    // Entries share the device when more than one is left to train and K > 1 run at once (an
+    // entry's own process is told by its parent).
+    let pending = entries
+        .iter()
+        .filter(|e| {
+            let state = compare::entry_state(&compare::entry_dir(dir, e), &e.config);
+            matches!(state, EntryState::New | EntryState::Resumable)
+        })
+        .count();
+    let shared = cli.shared_device || (jobs > 1 && pending > 1);
     for (i, e) in entries.iter().enumerate() {
         if cli.only.as_ref().is_some_and(|o| o != &e.dir_name) {
             continue;
@@ -266,13 +282,11 @@ fn train_entries(cli: &Cli, dir: &std::path::Path, entries: &[compare::Entry]) -
                 println!("{tag}: training");
             }
         }
-        // Under --jobs K > 1 (this process's or, in an entry's own process, its parent's), the
-        // entry shares the device with others.
-        if cli.jobs > 1 {
+        if shared {
             compare::mark_shared(&run_dir, cli.jobs)?;
         }
         if jobs > 1 {
-            pool.spawn(&tag, &e.dir_name, &run_dir)?;
+            pool.spawn(&tag, &e.dir_name, &run_dir, shared)?;
             continue;
         }
         train_here(&tag, e, &run_dir, state, &selected)?;
@@ -335,7 +349,13 @@ impl Pool {
     }
 
     /// Starts `compare --only NAME` with this process's arguments, once a slot is free.
-    fn spawn(&mut self, tag: &str, name: &str, run_dir: &std::path::Path) -> Result<()> {
+    fn spawn(
+        &mut self,
+        tag: &str,
+        name: &str,
+        run_dir: &std::path::Path,
+        shared: bool,
+    ) -> Result<()> {
         while self.running.len() >= self.jobs {
             self.reap(true)?;
         }
@@ -346,6 +366,7 @@ impl Pool {
         let child = std::process::Command::new(std::env::current_exe()?)
             .args(std::env::args_os().skip(1))
             .args(["--only", name])
+            .args(shared.then_some("--shared-device"))
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()

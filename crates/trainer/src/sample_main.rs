@@ -41,6 +41,7 @@ struct Cli {
 fn main() -> ExitCode {
     trainer::cli_main(|| {
         let cli = Cli::parse();
+        kernels::settings::init_from_env().map_err(|e| anyhow::anyhow!("{e}"))?;
         if !(cli.temperature >= 0.0 && cli.temperature.is_finite()) {
             anyhow::bail!(
                 "--temperature must be a finite number >= 0, got {}",

@@ -314,6 +314,26 @@ fn compare_trains_each_entry_once_and_reports() {
     assert!(stdout.contains("nodecay-lr3e-3: resuming"), "{stdout}");
     assert!(dir.join("cmp/runs/nodecay-lr3e-3/summary.json").exists());
 
+    // A bad kernel setting stops the comparison before any entry trains (and fails none).
+    std::fs::remove_file(dir.join("cmp/runs/nodecay-lr3e-3/summary.json")).expect("remove summary");
+    let out = Command::new(env!("CARGO_BIN_EXE_compare"))
+        .args(args)
+        .current_dir(&dir)
+        .env("VK_ICD_FILENAMES", "/nonexistent")
+        .env("BURNMIX_GEMM_ORDER", "gpu")
+        .output()
+        .expect("run compare");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("BURNMIX_GEMM_ORDER: `gpu` is not one of stream, host"),
+        "{stderr}"
+    );
+    assert!(!dir
+        .join("cmp/runs/nodecay-lr3e-3")
+        .join(trainer::compare::ERROR_FILE)
+        .exists());
+
     // Bad recipes: one error line naming the recipe or the key, exit code 1, nothing trained.
     for (recipes, expected) in [
         ("fp32,fp64", "unknown recipe 'fp64'"),

@@ -57,6 +57,13 @@ pub struct MmaShape {
     pub nt: usize,
 }
 
+/// `wm,wn,mt,nt`, as [`MmaShape::parse`] reads it.
+impl std::fmt::Display for MmaShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{},{},{},{}", self.wm, self.wn, self.mt, self.nt)
+    }
+}
+
 impl MmaShape {
     /// 8 warps of 32 x 64: a 128 x 128 output tile (see the module notes).
     pub const DEFAULT: MmaShape = MmaShape {

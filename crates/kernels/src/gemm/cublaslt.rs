@@ -24,7 +24,7 @@
 //!   the GEMM's operands, output and scales are held, with an event recorded behind the GEMM on its
 //!   stream, until that event has completed (checked at the next GEMMs, never waited for unless
 //!   4096 are in flight).
-//! - `HostSync` (`BURNMIX_GEMM_ORDER=host`): CubeCL's stream is synchronised on the host before
+//! - `Host` (`BURNMIX_GEMM_ORDER=host`): CubeCL's stream is synchronised on the host before
 //!   the GEMM, and the GEMM's stream after it. The host stalls once per GEMM.
 
 use std::any::Any;
@@ -63,7 +63,8 @@ pub(crate) fn order() -> Order {
 /// The FP8 GEMMs' order, fixed at the first FP8 GEMM.
 fn fp8_order() -> Order {
     static ORDER: OnceLock<Order> = OnceLock::new();
-    *ORDER.get_or_init(|| crate::settings::read(|s| s.fp8_order()))
+    // Not set apart: the order the other GEMMs fixed.
+    *ORDER.get_or_init(|| crate::settings::read(|s| s.fp8_gemm_order).unwrap_or_else(order))
 }
 
 /// Diagnostic ([`crate::settings::Settings::gemm_hold`] off): the GPU order does not hold a GEMM's
