@@ -226,8 +226,8 @@ fn save_plan(cli: &Cli, dir: &std::path::Path, plan: &Plan) -> Result<()> {
     Ok(())
 }
 
-/// Trains every entry that is not done: here one after another, or `--jobs` at once in child
-/// processes.
+/// Trains every entry that is not done, each in a child process (`compare --only ENTRY`): one
+/// after another with its output here, or `--jobs` at once with their output in `DIR/logs/`.
 fn train_entries(cli: &Cli, dir: &std::path::Path, entries: &[compare::Entry]) -> Result<()> {
     let (selected, note) = device::select(entries[0].config.device)?;
     if let Some(n) = note {
@@ -254,6 +254,7 @@ fn train_entries(cli: &Cli, dir: &std::path::Path, entries: &[compare::Entry]) -
         })
         .count();
     let shared = cli.shared_device || (jobs > 1 && pending > 1);
+    let announce = cli.only.is_some() || jobs > 1;
     for (i, e) in entries.iter().enumerate() {
         if cli.only.as_ref().is_some_and(|o| o != &e.dir_name) {
             continue;
@@ -273,23 +274,30 @@ fn train_entries(cli: &Cli, dir: &std::path::Path, entries: &[compare::Entry]) -
                 );
                 continue;
             }
-            EntryState::Resumable => println!("{tag}: resuming"),
+            // (One at a time, the entry's own process says it, when it starts.)
+            EntryState::Resumable if announce => println!("{tag}: resuming"),
+            EntryState::Resumable => {}
             EntryState::New => {
                 if run_dir.exists() {
                     std::fs::remove_dir_all(&run_dir)
                         .with_context(|| format!("cannot clear {}", run_dir.display()))?;
                 }
-                println!("{tag}: training");
+                if announce {
+                    println!("{tag}: training");
+                }
             }
         }
         if shared {
             compare::mark_shared(&run_dir, cli.jobs)?;
         }
-        if jobs > 1 {
+        if cli.only.is_some() {
+            train_here(&tag, e, &run_dir, state, &selected)?;
+        } else {
+            // Each entry in a process of its own, even one at a time: its peak memory, compile
+            // time and tokens/s are then its own, not shaped by the pools and caches the entries
+            // before it left behind.
             pool.spawn(&tag, &e.dir_name, &run_dir, shared)?;
-            continue;
         }
-        train_here(&tag, e, &run_dir, state, &selected)?;
     }
     pool.wait_all()
 }
@@ -359,22 +367,23 @@ impl Pool {
         while self.running.len() >= self.jobs {
             self.reap(true)?;
         }
-        std::fs::create_dir_all(&self.logs)?;
-        let log_path = self.logs.join(format!("{name}.log"));
-        let log = std::fs::File::create(&log_path)
-            .with_context(|| format!("cannot create {}", log_path.display()))?;
-        let child = std::process::Command::new(std::env::current_exe()?)
+        let mut command = std::process::Command::new(std::env::current_exe()?);
+        command
             .args(std::env::args_os().skip(1))
             .args(["--only", name])
-            .args(shared.then_some("--shared-device"))
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("cannot start a compare process")?;
-        println!(
-            "{tag}: started in its own process (log: {})",
-            log_path.display()
-        );
+            .args(shared.then_some("--shared-device"));
+        if self.jobs > 1 {
+            std::fs::create_dir_all(&self.logs)?;
+            let log_path = self.logs.join(format!("{name}.log"));
+            let log = std::fs::File::create(&log_path)
+                .with_context(|| format!("cannot create {}", log_path.display()))?;
+            command.stdout(log.try_clone()?).stderr(log);
+            println!(
+                "{tag}: started in its own process (log: {})",
+                log_path.display()
+            );
+        }
+        let child = command.spawn().context("cannot start a compare process")?;
         self.running
             .push((tag.to_string(), run_dir.to_path_buf(), child));
         Ok(())

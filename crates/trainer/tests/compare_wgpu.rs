@@ -68,6 +68,13 @@ fn compare_fp32_and_fp16_on_wgpu() {
         rows[1]
     );
     assert!(rows[1]["best_val_vs_fp32"].as_f64().is_some());
+    // One entry at a time: the speed ratio is given, and no entry is marked as sharing the device.
+    assert!(
+        rows[1]["tokens_per_s_vs_fp32"].as_f64().is_some(),
+        "{}",
+        rows[1]
+    );
+    assert!(rows.iter().all(|r| r["shared_device_jobs"].is_null()));
     for svg in [
         "train_loss.svg",
         "val_loss.svg",
