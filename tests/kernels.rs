@@ -28,6 +28,7 @@ cases!(
     gelu,
     rope,
     cross_entropy,
+    embedding,
     adamw,
     flash_attention_strided
 );

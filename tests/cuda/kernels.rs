@@ -32,6 +32,7 @@ cases!(
     gelu => cuda_gelu,
     rope => cuda_rope,
     cross_entropy => cuda_cross_entropy,
+    embedding => cuda_embedding,
     adamw => cuda_adamw
 );
 

@@ -373,6 +373,33 @@ fn targets<B: AutodiffBackend>(rows: usize, classes: usize, dev: &B::Device) -> 
     Tensor::from_data(TensorData::new(ids, [rows]), dev)
 }
 
+/// Token embedding: the output and the table's gradient, with ids that repeat (rows that gather
+/// several positions' gradients), a one-row table, one-column and wide rows, and a vocabulary
+/// larger than the positions (rows without gradient).
+pub fn embedding<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    for (vocab, d, batch, seq) in [
+        (1, 7, 2, 3),
+        (7, 1, 3, 17),
+        (50, 123, 3, 17),
+        (5, 768, 4, 250),
+        (1000, 64, 2, 129),
+    ] {
+        let n = batch * seq;
+        let mut rng = trainer::rng::SplitMix64::new((vocab * 31 + d) as u64);
+        let ids: Vec<i64> = (0..n).map(|_| rng.below(vocab) as i64).collect();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), dev);
+        let ids2 = ids.clone();
+        check::<B>(
+            &format!("embedding [{vocab}, {d}] ids [{batch}, {seq}]"),
+            dtype,
+            FLOOR,
+            vec![Input::act([vocab, d], dev)],
+            |x| kernels::embedding(x[0].clone(), ids.clone()).reshape([n, d]),
+            |x| kernels::embedding::reference(x[0].clone(), ids2.clone()).reshape([n, d]),
+        );
+    }
+}
+
 pub fn cross_entropy<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
     for v in WIDTHS {
         for z in [0.0, 1e-4] {

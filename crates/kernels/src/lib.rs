@@ -45,6 +45,7 @@ pub mod adamw;
 pub mod attention;
 mod check;
 pub mod cross_entropy;
+pub mod embedding;
 pub mod fp8;
 pub mod gemm;
 mod launch;
@@ -65,6 +66,7 @@ pub use activation::{ActivationKernels, ActivationOps};
 pub use adamw::{AdamWOps, AdamWOutput, AdamWStep};
 pub use attention::{AttentionKernels, AttentionOps, FlashPath};
 pub use cross_entropy::{CrossEntropyKernels, CrossEntropyOps};
+pub use embedding::{EmbeddingKernels, EmbeddingOps};
 pub use fp8::{
     fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health, fp8_linear, fp8_linear_probed, fp8_quantize,
     Fp8Format, Fp8GemmPath, Fp8Granularity, Fp8Health, Fp8LinearConfig, Fp8Ops, Fp8Probe,
@@ -123,6 +125,12 @@ pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -
 /// `targets` [rows], plus `z_loss * lse^2` when `z_loss > 0`; negative targets are ignored (0);
 /// targets >= classes give NaN.
 /// Take `.mean()` (or a masked mean) for the usual scalar loss.
+/// Token embedding `weight[ids]`: `[vocab, d]` and `[batch, seq]` -> `[batch, seq, d]`; its
+/// backward scatters the gradient with f32 atomic adds on CUDA (see [`embedding`](mod@embedding)).
+pub fn embedding<B: Backend>(weight: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    tensor(B::fused_embedding(prim(weight), ids.into_primitive()))
+}
+
 pub fn cross_entropy<B: Backend>(
     logits: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
@@ -257,6 +265,7 @@ pub trait Backend:
     + ActivationOps
     + RopeOps
     + CrossEntropyOps
+    + EmbeddingOps
     + AttentionOps
     + GemmOps
     + Fp8Ops
@@ -270,6 +279,7 @@ impl<B> Backend for B where
         + ActivationOps
         + RopeOps
         + CrossEntropyOps
+        + EmbeddingOps
         + AttentionOps
         + GemmOps
         + Fp8Ops
@@ -281,7 +291,13 @@ impl<B> Backend for B where
 /// The kernels' forward and backward launches without autodiff, which the `Autodiff`
 /// implementation of every op trait records: implemented by `CubeBackend`.
 pub trait KernelOps:
-    Backend + RmsNormKernels + ActivationKernels + RopeKernels + CrossEntropyKernels + AttentionKernels
+    Backend
+    + RmsNormKernels
+    + ActivationKernels
+    + RopeKernels
+    + CrossEntropyKernels
+    + EmbeddingKernels
+    + AttentionKernels
 {
 }
 
@@ -309,6 +325,7 @@ macro_rules! reference_backend {
         impl<$($g $(: $bound)?),*> $crate::activation::ActivationOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::rope::RopeOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::cross_entropy::CrossEntropyOps for $ty {}
+        impl<$($g $(: $bound)?),*> $crate::embedding::EmbeddingOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::attention::AttentionOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::gemm::GemmOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::fp8::Fp8Ops for $ty {}

@@ -491,7 +491,13 @@ impl<B: kernels::Backend> Gpt<B> {
         };
 
         // The lookup reads the f32 table; the residual stream then runs in the compute dtype.
-        let mut x = self.drop.forward(self.wte.forward(ids).cast(dt));
+        // With the fused kernels its backward scatters with the kernels' atomic adds (CUDA).
+        let emb = if fused {
+            kernels::embedding(self.wte.weight.val(), ids)
+        } else {
+            self.wte.forward(ids)
+        };
+        let mut x = self.drop.forward(emb.cast(dt));
         let x = if fused {
             let mut pending = None;
             for block in &self.blocks {

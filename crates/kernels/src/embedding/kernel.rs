@@ -1,0 +1,24 @@
+//! The embedding backward's kernel: one unit per element of the output gradient.
+
+use cubecl::prelude::*;
+
+/// `out[ids[i], j] += dy[i, j]` with f32 atomic adds; `dy` dense `[n, d]`, `out` dense
+/// `[vocab, d]` and zeroed. Positions with the same id add into the same row in an order that
+/// varies between runs (f32 sums, so the last bits may differ).
+#[cube(launch)]
+pub(crate) fn embedding_grad_kernel<F: Float, I: Int>(
+    dy: &Tensor<F>,
+    ids: &Tensor<I>,
+    out: &mut Tensor<Atomic<f32>>,
+    d: usize,
+    total: usize,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        let row = i / d;
+        let col = i % d;
+        let id = usize::cast_from(ids[row]);
+        out[id * d + col].fetch_add(f32::cast_from(dy[i]));
+    }
+}
