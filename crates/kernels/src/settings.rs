@@ -16,6 +16,7 @@
 //! | [`Settings::fp8_gemm`] | `BURNMIX_FP8_GEMM` | `auto` (default), `cublaslt`, `mma`, `dequantize` |
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
+//! | [`Settings::embedding_atomic`] | `BURNMIX_EMBEDDING_GRAD` | `atomic` (default), `reference` |
 
 use std::sync::RwLock;
 
@@ -33,6 +34,8 @@ pub const FP8_GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
 pub const FP8_MMA_SHAPE_ENV: &str = "BURNMIX_FP8_MMA_SHAPE";
 /// `BURNMIX_FLASH_TILES`: [`Settings::flash_tiles`].
 pub const FLASH_TILES_ENV: &str = "BURNMIX_FLASH_TILES";
+/// `BURNMIX_EMBEDDING_GRAD`: [`Settings::embedding_atomic`].
+pub const EMBEDDING_GRAD_ENV: &str = "BURNMIX_EMBEDDING_GRAD";
 
 /// How a cuBLASLt GEMM is ordered with CubeCL's work on the same device (see `gemm/cublaslt.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +121,9 @@ pub struct Settings {
     pub fp8_mma_shape: Option<MmaShape>,
     /// FlashAttention tile overrides; `None`: the defaults.
     pub flash_tiles: Option<FlashTiles>,
+    /// The embedding backward's scatter with f32 atomic adds on CUDA (default); off: Burn's
+    /// select-assign, the reference, for comparison.
+    pub embedding_atomic: bool,
 }
 
 impl Default for Settings {
@@ -129,6 +135,7 @@ impl Default for Settings {
             fp8_gemm: Fp8GemmChoice::Auto,
             fp8_mma_shape: None,
             flash_tiles: None,
+            embedding_atomic: true,
         }
     }
 }
@@ -172,6 +179,15 @@ impl Settings {
             Some(v) => Some(MmaShape::parse(&v).map_err(|e| format!("{FP8_MMA_SHAPE_ENV}: {e}"))?),
         };
         s.flash_tiles = parse(&var, FLASH_TILES_ENV)?;
+        match var(EMBEDDING_GRAD_ENV).as_deref().map(str::trim) {
+            None | Some("") | Some("atomic") => {}
+            Some("reference") => s.embedding_atomic = false,
+            Some(v) => {
+                return Err(format!(
+                    "{EMBEDDING_GRAD_ENV}: `{v}` is not one of atomic, reference"
+                ))
+            }
+        }
         Ok(s)
     }
 
@@ -263,6 +279,7 @@ mod tests {
             (FP8_GEMM_ENV, "cublaslt"),
             (FP8_MMA_SHAPE_ENV, "4,2,2,8"),
             (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
+            (EMBEDDING_GRAD_ENV, "reference"),
         ]))
         .unwrap();
         assert_eq!(s.gemm_order, GemmOrder::Host);
@@ -271,6 +288,7 @@ mod tests {
         assert_eq!(s.fp8_gemm, Fp8GemmChoice::Path(Fp8GemmPath::CublasLt));
         assert_eq!(s.fp8_mma_shape, Some(MmaShape::parse("4,2,2,8").unwrap()));
         assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
+        assert!(!s.embedding_atomic);
         // The FP8 order follows the other GEMMs' unless set.
         let s = Settings::from_lookup(lookup(&[(GEMM_ORDER_ENV, "host")])).unwrap();
         assert_eq!(s.fp8_order(), GemmOrder::Host);
@@ -286,6 +304,7 @@ mod tests {
             (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
             (FLASH_TILES_ENV, "fwd=3x64", "row tiles must be 1, 2 or 4"),
             (FLASH_TILES_ENV, "bwd=2x64", "expected fwd, dq or dkdv"),
+            (EMBEDDING_GRAD_ENV, "fast", "atomic, reference"),
         ] {
             let e = Settings::from_lookup(lookup(&[(name, value)])).unwrap_err();
             assert!(

@@ -72,7 +72,8 @@ where
             );
         }
         // f32 atomic adds: CUDA has them; other runtimes take Burn's select-assign.
-        if (&dy as &dyn std::any::Any).is::<CubeTensor<CudaRuntime>>() {
+        let cuda = (&dy as &dyn std::any::Any).is::<CubeTensor<CudaRuntime>>();
+        if cuda && crate::settings::read(|s| s.embedding_atomic) {
             let grad = backward_atomic(dy, ids, vocab);
             if dtype == DType::F32 {
                 grad
