@@ -9,6 +9,7 @@
 //! | exact GELU | [`gelu`] | [`activation::gelu_reference`] |
 //! | rotary embedding | [`rope`] (tables: [`rope::tables`]) | [`rope::reference`] |
 //! | softmax cross-entropy + z-loss | [`cross_entropy`] | [`cross_entropy::reference`] |
+//! | token embedding (atomic scatter backward on CUDA) | [`embedding()`] | [`embedding::reference`] |
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
 //! | FP8 quantizer (1x128, 128x128, per tensor) | [`fp8_quantize`] | [`fp8::reference`] |
