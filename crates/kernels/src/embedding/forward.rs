@@ -35,6 +35,14 @@ fn backward_atomic<R: CubeRuntime>(
     let dim = CubeDim::new_1d(256);
     let count = cubecl::calculate_cube_count_elemwise(&dy.client, total, dim);
     let dtypes = [dy.dtype.into(), ids.dtype.into()];
+    // Row strides, not `d`: CUDA may pitch the rows of either tensor.
+    let (dy_row, out_row) = (dy.meta.strides()[0], out.meta.strides()[0]);
+    if dy.meta.strides()[1] != 1 || out.meta.strides()[1] != 1 || ids.meta.strides()[0] != 1 {
+        fail(
+            "embedding",
+            "the scatter needs unit column strides after the copy".into(),
+        );
+    }
     embedding_grad_kernel::launch::<R>(
         &dy.client.clone(),
         count,
@@ -43,6 +51,8 @@ fn backward_atomic<R: CubeRuntime>(
         ids.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         d,
+        dy_row,
+        out_row,
         total,
         dtypes,
     );
