@@ -19,12 +19,23 @@ fn train_without_drivers(dir: &std::path::Path, args: &[&str]) -> std::process::
 
 /// Runs `bin` in `dir` with no Vulkan ICD and no NVIDIA tools on the path.
 fn without_drivers(bin: &str, dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    without_drivers_with(bin, dir, args, &[])
+}
+
+/// [`without_drivers`] with more environment variables set.
+fn without_drivers_with(
+    bin: &str,
+    dir: &std::path::Path,
+    args: &[&str],
+    vars: &[(&str, &str)],
+) -> std::process::Output {
     Command::new(bin)
         .args(args)
         .current_dir(dir)
         .env("VK_ICD_FILENAMES", "/nonexistent")
         .env("VK_DRIVER_FILES", "/nonexistent")
         .env("PATH", "/nonexistent")
+        .envs(vars.iter().copied())
         .output()
         .unwrap_or_else(|e| panic!("cannot run {bin}: {e}"))
 }
@@ -185,12 +196,12 @@ fn cpu_device_refuses_low_precision_with_one_line() {
 #[test]
 fn a_bad_kernel_setting_is_one_clear_error() {
     let dir = scratch("bad-setting");
-    let out = Command::new(env!("CARGO_BIN_EXE_train"))
-        .args(["--set", "device=\"cpu\"", "--out", "run"])
-        .current_dir(&dir)
-        .env("BURNMIX_FP8_GEMM", "fast")
-        .output()
-        .expect("run train");
+    let out = without_drivers_with(
+        env!("CARGO_BIN_EXE_train"),
+        &dir,
+        &["--set", "device=\"cpu\"", "--out", "run"],
+        &[("BURNMIX_FP8_GEMM", "fast")],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
@@ -316,13 +327,12 @@ fn compare_trains_each_entry_once_and_reports() {
 
     // A bad kernel setting stops the comparison before any entry trains (and fails none).
     std::fs::remove_file(dir.join("cmp/runs/nodecay-lr3e-3/summary.json")).expect("remove summary");
-    let out = Command::new(env!("CARGO_BIN_EXE_compare"))
-        .args(args)
-        .current_dir(&dir)
-        .env("VK_ICD_FILENAMES", "/nonexistent")
-        .env("BURNMIX_GEMM_ORDER", "gpu")
-        .output()
-        .expect("run compare");
+    let out = without_drivers_with(
+        env!("CARGO_BIN_EXE_compare"),
+        &dir,
+        &args,
+        &[("BURNMIX_GEMM_ORDER", "gpu")],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
