@@ -279,7 +279,15 @@ fn scaler_state_round_trips_through_checkpoints() {
         .zip(&vb)
         .map(|(x, y)| (x - y).abs())
         .fold(0f32, f32::max);
-    assert!(max_diff < 1e-5, "final weights differ by {max_diff}");
+    // The forward and backward compute in f16, and a reduction may add in another order from one
+    // run to the next: each of the 8 applied AdamW steps can then move a weight by about
+    // lr x f16's epsilon (2^-10) more or less. A lost weight, moment or step counter moves it by a
+    // sizeable fraction of lr per step instead, far above this bound.
+    let tol = 8.0 * cfg.optimizer.lr as f32 * 4.0 * 2f32.powi(-10);
+    assert!(
+        max_diff < tol,
+        "final weights or moments differ by {max_diff} (bound {tol})"
+    );
 }
 
 #[test]
