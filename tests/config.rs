@@ -97,6 +97,77 @@ fn impossible_values_are_explained() {
 }
 
 #[test]
+fn training_devices_takes_a_count_all_or_indices() {
+    use trainer::config::Devices;
+    let parse = |v: &str| {
+        Config::from_toml_str("", &[format!("training.devices={v}")], "x")
+            .unwrap()
+            .training
+            .devices
+    };
+    assert_eq!(parse("1"), Devices::Count(1));
+    assert_eq!(parse("2"), Devices::Count(2));
+    assert_eq!(parse("all"), Devices::All);
+    assert_eq!(parse("[0, 2]"), Devices::List(vec![0, 2]));
+    // Written back as it was given.
+    for v in ["2", "\"all\"", "[1, 3]"] {
+        let cfg = Config::from_toml_str("", &[format!("training.devices={v}")], "x").unwrap();
+        let again = Config::from_toml_str(&cfg.to_toml(), &[], "again").unwrap();
+        assert_eq!(cfg.training.devices, again.training.devices);
+    }
+    // Tokens per step count every GPU.
+    let two = Config::from_toml_str("", &["training.devices=2".into()], "x").unwrap();
+    assert_eq!(two.tokens_per_step(), 2 * two.tokens_per_step_per_device());
+    for (bad, want) in [
+        ("0", "at least 1"),
+        ("[]", "at least one GPU index"),
+        ("[0, 1, 0]", "GPU 0 twice"),
+        ("some", "\"all\""),
+        ("-1", "got -1"),
+        ("1.5", "a number of GPUs"),
+    ] {
+        let e = err("", &[&format!("training.devices={bad}")]);
+        assert!(
+            e.contains("training.devices") && e.contains(want),
+            "{bad}: {e}"
+        );
+    }
+    // The GPU list against the machine's.
+    assert_eq!(Devices::All.indices(3).unwrap(), vec![0, 1, 2]);
+    assert_eq!(Devices::Count(2).indices(3).unwrap(), vec![0, 1]);
+    let e = Devices::Count(4).indices(2).unwrap_err();
+    assert!(
+        e.contains("training.devices = 4") && e.contains("2 CUDA GPUs"),
+        "{e}"
+    );
+    let e = Devices::List(vec![0, 5]).indices(2).unwrap_err();
+    assert!(e.contains("GPU 5") && e.contains("0 to 1"), "{e}");
+    assert!(Devices::All.indices(0).unwrap_err().contains("no CUDA GPU"));
+}
+
+#[test]
+fn several_devices_need_cuda() {
+    use trainer::device::Selected;
+    for v in ["2", "\"all\"", "[0]"] {
+        let cfg = Config::from_toml_str(
+            "precision = \"fp32\"\n",
+            &[format!("training.devices={v}")],
+            "x",
+        )
+        .unwrap();
+        for device in [Selected::Wgpu, Selected::Cpu] {
+            let e = format!("{:#}", cfg.resolve(&device).unwrap_err());
+            assert!(
+                e.contains("training.devices")
+                    && e.contains("CUDA")
+                    && e.contains("training.devices = 1"),
+                "{v} on {device:?}: {e}"
+            );
+        }
+    }
+}
+
+#[test]
 fn auto_settings_resolve_per_device() {
     use model::{AttentionKind, GemmKind, KernelsKind};
     use trainer::config::PrecisionKind;

@@ -160,3 +160,38 @@ fn check_char_dataset(text: &str, vocab: usize) {
     assert_eq!(ds.train.len() + ds.val.len(), text.chars().count());
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn ranks_read_disjoint_rows_that_make_up_the_doubled_batch() {
+    let mut cfg = Config::default();
+    cfg.data.embedded_chars = 20_000;
+    cfg.model.context = 16;
+    let ds = Dataset::build(&cfg, None).unwrap();
+    let dev = burn::backend::ndarray::NdArrayDevice::Cpu;
+    type Cpu = burn::backend::NdArray;
+    let ints = |t: burn::tensor::Tensor<Cpu, 2, burn::tensor::Int>| -> Vec<i64> {
+        t.into_data().convert::<i64>().into_vec().unwrap()
+    };
+    for (ranks, batch) in [(2, 3), (3, 1), (4, 5)] {
+        for index in [0, 7] {
+            // One GPU with the whole batch...
+            let (x, y) = ds.train_batch::<Cpu>(9, index, ranks * batch, 16, &dev);
+            let (x, y) = (ints(x), ints(y));
+            // ...reads what the ranks read together, rank 0's rows first.
+            let (mut xs, mut ys) = (Vec::new(), Vec::new());
+            for r in 0..ranks {
+                let rows = trainer::parallel::rows(r, batch);
+                assert_eq!(rows.len(), batch);
+                let (xr, yr) = ds.train_batch_rows::<Cpu>(9, index, ranks * batch, rows, 16, &dev);
+                assert_eq!(xr.dims(), [batch, 16]);
+                xs.extend(ints(xr));
+                ys.extend(ints(yr));
+            }
+            assert_eq!(xs, x, "{ranks} ranks of {batch}, micro-batch {index}");
+            assert_eq!(ys, y);
+        }
+    }
+    // The ranks' rows are disjoint and cover the global batch.
+    let all: Vec<usize> = (0..4).flat_map(|r| trainer::parallel::rows(r, 5)).collect();
+    assert_eq!(all, (0..20).collect::<Vec<_>>());
+}

@@ -66,7 +66,18 @@ pub struct Header {
     /// Loss-scaler state after `step` steps.
     #[serde(default)]
     pub loss_scaler: Option<ScalerState>,
+    /// GPUs the run trains on (`training.devices`); each computes its share of every batch.
+    #[serde(default = "one")]
+    pub devices: usize,
+    /// A data-parallel run: the CRC-32 of each rank's weights when this checkpoint was written
+    /// (rank 0's are the ones saved); equal when the replicas stayed identical.
+    #[serde(default)]
+    pub replica_checksums: Vec<u32>,
     pub params: Vec<ParamEntry>,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Header {
@@ -187,6 +198,7 @@ pub fn save<AB, M>(
     elapsed_s: f64,
     keep: usize,
     precision: (&Recipe, &ScalerState),
+    replica_checksums: &[u32],
 ) -> Result<PathBuf>
 where
     AB: AutodiffBackend,
@@ -215,6 +227,8 @@ where
         elapsed_s,
         precision: Some(precision.0.clone()),
         loss_scaler: Some(precision.1.clone()),
+        devices: cfg.training.devices.count().unwrap_or(1),
+        replica_checksums: replica_checksums.to_vec(),
         params: c.entries,
     };
     let header_json = serde_json::to_vec(&header)?;

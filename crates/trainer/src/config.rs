@@ -153,6 +153,137 @@ pub struct TrainingConfig {
     /// `metrics.jsonl` how each projection's output gradient and weight gradient fit the compute
     /// format (underflow and overflow shares, amax); 0 turns it off. FP8 has `fp8.health_interval`.
     pub numerics_interval: u64,
+    /// GPUs to train on, one replica each (data parallelism, CUDA only): a count (the first N
+    /// GPUs), "all", or a list of GPU indices. Every GPU computes `batch_size x grad_accum`
+    /// sequences per step, so a step takes `devices` times the tokens of one GPU.
+    pub devices: Devices,
+}
+
+/// `training.devices`: which GPUs a run trains on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Devices {
+    /// The first N GPUs (1: the run's device alone).
+    Count(usize),
+    /// Every GPU the process can see.
+    All,
+    /// These GPU indices.
+    List(Vec<usize>),
+}
+
+impl Devices {
+    /// How many GPUs, where the config says without looking at the machine ("all" does not).
+    pub fn count(&self) -> Option<usize> {
+        match self {
+            Devices::Count(n) => Some(*n),
+            Devices::All => None,
+            Devices::List(l) => Some(l.len()),
+        }
+    }
+
+    /// `training.devices = 1`: the run's device alone, wherever it is.
+    pub fn is_single(&self) -> bool {
+        *self == Devices::Count(1)
+    }
+
+    /// The GPU indices, given the number of GPUs the process sees; errors name the key.
+    pub fn indices(&self, available: usize) -> std::result::Result<Vec<usize>, String> {
+        let list = match self {
+            Devices::Count(n) => {
+                if *n > available {
+                    return Err(format!(
+                        "training.devices = {n}, but this machine has {available} CUDA GPU{} visible; use at most {available}, or \"all\"",
+                        if available == 1 { "" } else { "s" }
+                    ));
+                }
+                (0..*n).collect()
+            }
+            Devices::All => (0..available).collect(),
+            Devices::List(l) => {
+                if let Some(bad) = l.iter().find(|&&i| i >= available) {
+                    return Err(format!(
+                        "training.devices lists GPU {bad}, but this machine has {available} CUDA GPU{} visible (indices 0 to {})",
+                        if available == 1 { "" } else { "s" },
+                        available.saturating_sub(1)
+                    ));
+                }
+                l.clone()
+            }
+        };
+        if list.is_empty() {
+            return Err("training.devices = \"all\", but no CUDA GPU is visible".into());
+        }
+        Ok(list)
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        match self {
+            Devices::Count(0) => Err(
+                "training.devices must be at least 1, \"all\", or a list of GPU indices, got 0"
+                    .into(),
+            ),
+            Devices::List(l) if l.is_empty() => {
+                Err("training.devices = []: list at least one GPU index, e.g. [0, 1]".into())
+            }
+            Devices::List(l) => {
+                let mut seen = std::collections::HashSet::new();
+                match l.iter().find(|i| !seen.insert(**i)) {
+                    Some(dup) => Err(format!(
+                        "training.devices lists GPU {dup} twice; each GPU holds one replica"
+                    )),
+                    None => Ok(()),
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Serialize for Devices {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Devices::Count(n) => s.serialize_u64(*n as u64),
+            Devices::All => s.serialize_str("all"),
+            Devices::List(l) => l.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Devices {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Devices;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number of GPUs (1, 2, ...), \"all\", or a list of GPU indices such as [0, 1]")
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<Devices, E> {
+                usize::try_from(v)
+                    .map(Devices::Count)
+                    .map_err(|_| E::custom(format!("expected a number of GPUs (1, 2, ...), \"all\", or a list of GPU indices such as [0, 1], got {v}")))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<Devices, E> {
+                Ok(Devices::Count(v as usize))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<Devices, E> {
+                if v == "all" {
+                    Ok(Devices::All)
+                } else {
+                    Err(E::custom(format!("expected a number of GPUs (1, 2, ...), \"all\", or a list of GPU indices such as [0, 1], got \"{v}\"")))
+                }
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<Devices, A::Error> {
+                let mut l = Vec::new();
+                while let Some(i) = seq.next_element::<usize>()? {
+                    l.push(i);
+                }
+                Ok(Devices::List(l))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 impl Default for TrainingConfig {
@@ -168,6 +299,7 @@ impl Default for TrainingConfig {
             keep_checkpoints: 2,
             peak_tflops: 0.0,
             numerics_interval: 100,
+            devices: Devices::Count(1),
         }
     }
 }
@@ -221,6 +353,9 @@ pub struct Resolved {
     /// Every device-dependent `"auto"` decided.
     pub config: Config,
     pub recipe: crate::precision::Recipe,
+    /// The CUDA GPUs `training.devices` names, rank 0 first (several: a data-parallel run); empty
+    /// for `training.devices = 1`, the run's own device.
+    pub ranks: Vec<usize>,
 }
 
 impl Config {
@@ -372,6 +507,7 @@ impl Config {
                 return Err(format!("{key} must be at least 1, got 0"));
             }
         }
+        t.devices.validate()?;
         if !(t.peak_tflops >= 0.0) {
             return Err(format!(
                 "training.peak_tflops must be >= 0 (0 looks it up), got {}",
@@ -411,12 +547,45 @@ impl Config {
         }
         config.check_device(device)?;
         let recipe = config.recipe().map_err(|e| anyhow!(e))?;
-        Ok(Resolved { config, recipe })
+        let mut config = config;
+        let ranks = if config.training.devices.is_single() {
+            Vec::new()
+        } else {
+            let available = crate::parallel::cuda_device_count()?;
+            let ranks = config
+                .training
+                .devices
+                .indices(available)
+                .map_err(|e| anyhow!(e))?;
+            if ranks.len() > 1 {
+                crate::parallel::check_nccl(ranks.len())?;
+            }
+            // The run's config records the GPUs it trained on ("all" becomes the list).
+            if config.training.devices == Devices::All {
+                config.training.devices = Devices::List(ranks.clone());
+            }
+            ranks
+        };
+        Ok(Resolved {
+            config,
+            recipe,
+            ranks,
+        })
     }
 
     /// Settings the device cannot run (the config is resolved for it).
     fn check_device(&self, device: &crate::device::Selected) -> Result<()> {
         use crate::device::Selected;
+        if !self.training.devices.is_single() && !matches!(device, Selected::Cuda { .. }) {
+            bail!(
+                "training.devices = {} names CUDA GPUs (several train through NCCL), but this run is on {}. \
+                 Use training.devices = 1 here, or device = \"cuda\"",
+                toml::Value::try_from(&self.training.devices)
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
+                device.describe()
+            );
+        }
         match device {
             Selected::Cuda { .. } => {}
             Selected::Wgpu => {
@@ -460,8 +629,14 @@ impl Config {
         }
     }
 
-    /// Tokens consumed by one optimizer step.
+    /// Tokens consumed by one optimizer step, over every GPU (`training.devices = "all"` counts
+    /// as one until [`Config::resolve`] has listed the GPUs).
     pub fn tokens_per_step(&self) -> usize {
+        self.tokens_per_step_per_device() * self.training.devices.count().unwrap_or(1)
+    }
+
+    /// Tokens one GPU computes per optimizer step.
+    pub fn tokens_per_step_per_device(&self) -> usize {
         self.training.batch_size * self.training.grad_accum * self.model.context
     }
 }

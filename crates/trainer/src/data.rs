@@ -129,6 +129,27 @@ impl Dataset {
         )
     }
 
+    /// Rows `rows` of the `index`-th training micro-batch of `global` sequences (one rank's part
+    /// of a data-parallel step, see [`crate::parallel::rows`]): the same windows the whole batch
+    /// has in those rows.
+    pub fn train_batch_rows<B: Backend>(
+        &self,
+        seed: u64,
+        index: u64,
+        global: usize,
+        rows: std::ops::Range<usize>,
+        context: usize,
+        device: &B::Device,
+    ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+        let starts = window_starts(
+            SplitMix64::for_stream(seed, TRAIN_STREAM, index),
+            self.train.len(),
+            global,
+            context,
+        );
+        gather(&self.train, &starts[rows], context, device)
+    }
+
     /// The `index`-th validation batch (the same windows at every evaluation).
     pub fn val_batch<B: Backend>(
         &self,
@@ -170,9 +191,20 @@ fn windows<B: Backend>(
     device: &B::Device,
 ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
     let starts = window_starts(rng, tokens.len(), batch, context);
+    gather(tokens, &starts, context, device)
+}
+
+/// Inputs and next-token targets of the windows starting at `starts`, each [starts, context].
+fn gather<B: Backend>(
+    tokens: &[u32],
+    starts: &[usize],
+    context: usize,
+    device: &B::Device,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let batch = starts.len();
     let mut x = Vec::with_capacity(batch * context);
     let mut y = Vec::with_capacity(batch * context);
-    for s in starts {
+    for &s in starts {
         x.extend(tokens[s..s + context].iter().map(|&t| t as i64));
         y.extend(tokens[s + 1..s + context + 1].iter().map(|&t| t as i64));
     }

@@ -11,6 +11,7 @@ pub mod fsutil;
 pub mod metrics;
 pub mod numerics;
 pub mod optim;
+pub mod parallel;
 pub mod precision;
 pub mod resume;
 pub mod rng;
@@ -46,14 +47,15 @@ pub type CudaBackend = Autodiff<Cuda>;
 /// What the trainer needs of a backend: autodiff, and the fused kernels (or their references) on
 /// it and on its inner backend (where the optimizer runs).
 pub trait TrainBackend:
-    burn::tensor::backend::AutodiffBackend<InnerBackend: kernels::Backend> + kernels::Backend
+    burn::tensor::backend::AutodiffBackend<InnerBackend: kernels::Backend + parallel::Collective>
+    + kernels::Backend
 {
 }
 
 impl<B> TrainBackend for B
 where
     B: burn::tensor::backend::AutodiffBackend + kernels::Backend,
-    B::InnerBackend: kernels::Backend,
+    B::InnerBackend: kernels::Backend + parallel::Collective,
 {
 }
 /// Training backend on everything else (Vulkan, Metal, DX12; lavapipe on a CPU-only machine).
@@ -77,7 +79,12 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
                     model::GemmKind::Burn => {}
                 }
             }
-            train::train::<CudaBackend>(&run, CudaDevice::new(*index), opts)
+            let devices = if run.ranks.is_empty() {
+                vec![(CudaDevice::new(*index), *index)]
+            } else {
+                run.ranks.iter().map(|&i| (CudaDevice::new(i), i)).collect()
+            };
+            train::train_on::<CudaBackend>(&run, devices, opts)
         }
         device::Selected::Wgpu => {
             train::train::<WgpuBackend>(&run, WgpuDevice::DefaultDevice, opts)

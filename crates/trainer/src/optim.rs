@@ -64,6 +64,32 @@ impl<B: Backend> AdamW<B> {
         }
     }
 
+    /// A copy of this optimizer's state on `device` (another rank's, in a data-parallel run).
+    pub fn fork(&self, device: &B::Device) -> Self {
+        let to = |t: &FloatTensor<B>| B::float_to_device(t.clone(), device);
+        Self {
+            cfg: self.cfg.clone(),
+            step: self.step,
+            moments: self
+                .moments
+                .iter()
+                .map(|(id, m)| {
+                    (
+                        *id,
+                        Moments {
+                            m: to(&m.m),
+                            v: to(&m.v),
+                        },
+                    )
+                })
+                .collect(),
+            no_decay: self.no_decay.clone(),
+            fused: self.fused,
+            copy: self.copy.clone(),
+            copies: self.copies.iter().map(|(id, c)| (*id, to(c))).collect(),
+        }
+    }
+
     /// Switches to the fused kernel; with `copy`, it also writes those parameters in that dtype.
     pub fn with_fused(mut self, copy: Option<(FloatDType, HashSet<ParamId>)>) -> Self {
         self.fused = true;

@@ -52,6 +52,14 @@ pub fn check_continues(header: &Header, cfg: &Config) -> std::result::Result<(),
             header.grad_accum, cfg.training.grad_accum
         ));
     }
+    let devices = cfg.training.devices.count().unwrap_or(1);
+    if header.devices != devices {
+        differ.push(format!(
+            "training.devices = {} GPU{} (this run: {devices}; each GPU reads its own share of every batch)",
+            header.devices,
+            if header.devices == 1 { "" } else { "s" }
+        ));
+    }
     if header.data != cfg.data {
         differ.push("the [data] section".to_string());
     }

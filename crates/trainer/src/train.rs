@@ -19,6 +19,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use model::Gpt;
 use serde::Serialize;
 
+mod parallel;
+
 use crate::checkpoint;
 use crate::config::{Config, Resolved};
 use crate::data::Dataset;
@@ -87,8 +89,22 @@ pub fn train<B: crate::TrainBackend>(
     device: B::Device,
     opts: &RunOptions,
 ) -> Result<Summary> {
-    let _drain = crate::DrainOnDrop::<B>(device.clone());
-    let (mut session, mut model) = Session::<B>::open(run, device, opts)?;
+    train_on::<B>(run, vec![(device, 0)], opts)
+}
+
+/// [`train`] on several devices, one replica each (data parallelism; `devices` pairs each device
+/// with its CUDA index, for messages). One device trains as [`train`] does.
+pub fn train_on<B: crate::TrainBackend>(
+    run: &Resolved,
+    devices: Vec<(B::Device, usize)>,
+    opts: &RunOptions,
+) -> Result<Summary> {
+    // Every device's queue is drained on the way out (declared first, dropped last).
+    let _drains: Vec<_> = devices
+        .iter()
+        .map(|(d, _)| crate::DrainOnDrop::<B>(d.clone()))
+        .collect();
+    let (mut session, mut model) = Session::<B>::open(run, devices, opts)?;
     let end = opts.stop_at.map_or(session.steps, |s| s.min(session.steps));
     for step in session.start_step..end {
         if step == session.start_step && !opts.device_name.starts_with("CPU") {
@@ -110,7 +126,8 @@ struct Session<'a, B: crate::TrainBackend> {
     cfg: &'a Config,
     opts: &'a RunOptions,
     device: B::Device,
-    data: Dataset,
+    /// Shared with the other ranks' threads in a data-parallel run.
+    data: std::sync::Arc<Dataset>,
     vocab: usize,
     opt: AdamW<B::InnerBackend>,
     scaler: LossScaler,
@@ -123,6 +140,8 @@ struct Session<'a, B: crate::TrainBackend> {
     /// The first step of this session (the checkpoint's step when resuming).
     start_step: u64,
     progress: Progress,
+    /// A data-parallel run: the other ranks (the session's model and optimizer are rank 0's).
+    ranks: Option<parallel::Ranks<B>>,
 }
 
 /// How far the run got; the checkpoint carries the best validation loss and the wall time of
@@ -151,6 +170,8 @@ struct StepOutcome {
     skipped: bool,
     seconds: f64,
     memory_reserved: Option<u64>,
+    /// A data-parallel run: every rank's reserved memory, rank 0 first (empty otherwise).
+    memory_per_rank: Vec<Option<u64>>,
     /// fp16/bf16 numerics steps: the gradients' numerics.
     numerics: Option<Vec<LayerHealth>>,
     /// FP8 health steps: what the projections recorded while quantizing.
@@ -161,7 +182,12 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     /// Sets the run up: data and tokenizer, model and optimizer from the seed, then the newest
     /// checkpoint when resuming. Writes `config.toml` and `precision.json` once the checkpoint (if
     /// any) has been accepted, so a refused `--set` never replaces the run's config.
-    fn open(run: &'a Resolved, device: B::Device, opts: &'a RunOptions) -> Result<(Self, Gpt<B>)> {
+    fn open(
+        run: &'a Resolved,
+        devices: Vec<(B::Device, usize)>,
+        opts: &'a RunOptions,
+    ) -> Result<(Self, Gpt<B>)> {
+        let device = devices[0].0.clone();
         let cfg = &run.config;
         let run_dir = &opts.run_dir;
         let existing = checkpoint::list(run_dir)?;
@@ -236,7 +262,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             cfg,
             opts,
             device,
-            data,
+            data: std::sync::Arc::new(data),
             vocab,
             opt,
             scaler,
@@ -252,7 +278,14 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             steps: cfg.training.steps as u64,
             start_step,
             progress,
+            ranks: None,
         };
+        // Data parallelism: the other ranks start as copies of rank 0 (fresh or resumed), each
+        // in its own thread.
+        if devices.len() > 1 {
+            let (devices, gpus): (Vec<_>, Vec<_>) = devices.into_iter().unzip();
+            session.ranks = Some(parallel::Ranks::start(&session, devices, gpus, &model));
+        }
         session.describe();
         session.log.console.bar = progress_bar(opts, session.steps, start_step);
         Ok((session, model))
@@ -275,6 +308,20 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             self.opts.device_name
         ));
         console.line(&format!("precision: {}", self.recipe.describe()));
+        if let Some(r) = &self.ranks {
+            console.line(&format!(
+                "data parallel: {} GPUs (CUDA {}), one replica each; every step each computes {} tokens ({} sequences x {} micro-batches), gradients averaged through NCCL",
+                r.gpus.len(),
+                r.gpus
+                    .iter()
+                    .map(|g| g.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                cfg.tokens_per_step_per_device(),
+                cfg.training.batch_size,
+                cfg.training.grad_accum
+            ));
+        }
         let probe = Tensor::<B, 2>::zeros(
             [1, 1],
             (&self.device, burn::tensor::DType::from(self.compute_dtype)),
@@ -302,6 +349,9 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     /// compute copy, then the update, unless the loss scaler skips the step or stops the run.
     fn step(&mut self, model: Gpt<B>, step: u64) -> Result<(Gpt<B>, StepOutcome)> {
         let t0 = Instant::now();
+        if self.ranks.is_some() {
+            return self.step_parallel(model, step);
+        }
         let (cfg, accum) = (self.cfg, self.cfg.training.grad_accum);
         let lr = lr_at(cfg, step as usize);
         // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats
@@ -311,40 +361,15 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             SplitMix64::for_stream(cfg.seed, 3, step).next_u64(),
         );
         let probes = Probes::for_step(&self.recipe, cfg, step);
-
-        // The compute copy (weights cast to the compute dtype once per step; the master itself
-        // for fp32) runs forward and backward; its gradients arrive under the master's ids.
-        // With the fused optimizer the copies written by the last step are reused (a resumed or
-        // first step, or one after a skipped step with no copies, casts).
-        let compute = model
-            .compute_copy_with(self.compute_dtype, &|id| {
-                self.opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
-            })
-            .with_fp8(self.fp8_linear)
-            .with_fp8_probe(probes.fp8.clone())
-            .with_grad_taps(probes.taps.clone());
+        let ctx = self.ctx();
+        let compute = ctx.compute_copy(&model, &self.opt, &probes);
         let scale = self.scaler.scale();
         let mut micro = MicroBatches {
             loss_sum: None,
             numerics: Vec::new(),
         };
-        let mut grads = if accum == 1 {
-            self.micro_batch(&model, &compute, step, scale, &probes, &mut micro)
-        } else {
-            let mut acc = GradientsAccumulator::<Gpt<B>>::new();
-            for m in 0..accum as u64 {
-                let g = self.micro_batch(
-                    &model,
-                    &compute,
-                    step * accum as u64 + m,
-                    scale,
-                    &probes,
-                    &mut micro,
-                );
-                acc.accumulate(&model, g);
-            }
-            acc.grads()
-        };
+        let rank = Rank::whole(&self.device);
+        let mut grads = ctx.backward(&model, &compute, &rank, step, scale, &probes, &mut micro);
         drop(compute);
         let numerics = probes
             .taps
@@ -397,6 +422,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             skipped,
             seconds: t0.elapsed().as_secs_f64(),
             memory_reserved: B::memory_reserved(&self.device),
+            memory_per_rank: Vec::new(),
             numerics,
             fp8_probe: probes.fp8,
         };
@@ -420,65 +446,14 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         )
     }
 
-    /// Forward and backward of micro-batch `index` on the compute copy: adds its loss to
-    /// `micro.loss_sum` and returns its gradients, in f32, under the master's ids. On a numerics
-    /// step, the first micro-batch's output and weight gradients are measured into
-    /// `micro.numerics` before the cast.
-    fn micro_batch(
-        &self,
-        model: &Gpt<B>,
-        compute: &Gpt<B>,
-        index: u64,
-        scale: f64,
-        probes: &Probes,
-        micro: &mut MicroBatches<B>,
-    ) -> GradientsParams {
-        let cfg = self.cfg;
-        let (x, y) = self.data.train_batch::<B>(
-            cfg.seed,
-            index,
-            cfg.training.batch_size,
-            cfg.model.context,
-            &self.device,
-        );
-        let loss = compute.forward_loss(x, y);
-        model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
-        let l = loss.clone().inner();
-        micro.loss_sum = Some(match micro.loss_sum.take() {
-            Some(s) => s + l,
-            None => l,
-        });
-        let factor = scale / cfg.training.grad_accum as f64;
-        let loss = if factor == 1.0 {
-            loss
-        } else {
-            loss.mul_scalar(factor)
-        };
-        let raw = loss.backward();
-        let measure = probes.taps.is_some() && micro.numerics.is_empty();
-        if let Some(taps) = &probes.taps {
-            // Taken on every micro-batch, so the sink does not keep later ones' taps.
-            let tapped = model::layers::take_taps::<B>(taps);
-            if measure {
-                for (name, tap) in tapped {
-                    if let Some(g) = tap.grad(&raw) {
-                        let s = numerics::stats(g, self.compute_dtype);
-                        micro.numerics.push((format!("{name}.grad_output"), s));
-                    }
-                }
-            }
+    /// What the forward and backward of a step read (shared by the ranks of a data-parallel run).
+    fn ctx(&self) -> StepCtx<'_> {
+        StepCtx {
+            cfg: self.cfg,
+            data: &self.data,
+            compute_dtype: self.compute_dtype,
+            fp8_linear: self.fp8_linear,
         }
-        let mut g = GradientsParams::from_grads(raw, compute);
-        if measure {
-            for (name, lin) in compute.projections() {
-                if let Some(w) = g.get::<B::InnerBackend, 2>(lin.weight.id) {
-                    let s = numerics::stats(w, self.compute_dtype);
-                    micro.numerics.push((format!("{name}.weight_grad"), s));
-                }
-            }
-        }
-        grads_to_f32::<B, _>(model, &mut g);
-        g
     }
 
     /// After step `step` (0-based) of a session ending at `end`: evaluation, metrics, log lines,
@@ -495,10 +470,11 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         if step >= self.start_step + 3 {
             p.tok_rates.push(tps);
         }
+        let gpus = self.ranks.as_ref().map_or(1, |r| r.gpus.len()) as f64;
         let mfu = self
             .opts
             .peak_tflops
-            .map(|peak| cfg.model.flops_per_token(self.vocab) * tps / (peak * 1e12));
+            .map(|peak| cfg.model.flops_per_token(self.vocab) * tps / (gpus * peak * 1e12));
         p.last_loss = o.loss;
         p.completed = done;
 
@@ -552,12 +528,35 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             &self.scaler,
             self.progress.best_val,
         )?;
+        if log_line {
+            if let Some(r) = &self.ranks {
+                let per_gpu: Vec<String> = r
+                    .gpus
+                    .iter()
+                    .zip(&o.memory_per_rank)
+                    .map(|(g, m)| match m {
+                        Some(b) => format!("GPU {g} {:.2} GiB", *b as f64 / (1u64 << 30) as f64),
+                        None => format!("GPU {g} -"),
+                    })
+                    .collect();
+                self.log.line(&format!(
+                    "memory {done:>5}/{} | reserved: {}",
+                    self.steps,
+                    per_gpu.join(", ")
+                ));
+            }
+        }
 
         let ckpt_now = is_last
             || done == end
             || (cfg.training.checkpoint_interval > 0
                 && done.is_multiple_of(cfg.training.checkpoint_interval as u64));
         if ckpt_now {
+            let checksums = self
+                .ranks
+                .as_ref()
+                .map(|r| r.checksums(model))
+                .unwrap_or_default();
             let p = &self.progress;
             let elapsed = p.elapsed_before + p.session_start.elapsed().as_secs_f64();
             checkpoint::save::<B, _>(
@@ -571,7 +570,17 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 elapsed,
                 cfg.training.keep_checkpoints,
                 (&self.recipe, &self.scaler.state),
+                &checksums,
             )?;
+            if let Some(r) = checksums.iter().position(|c| *c != checksums[0]) {
+                bail!(
+                    "the replicas diverged: after step {done} the weights of rank {r} (CUDA GPU {}) differ from rank 0's \
+                     (CRC-32 {:08x} against {:08x}); the checkpoint holds rank 0's weights",
+                    self.ranks.as_ref().map_or(0, |x| x.gpus[r]),
+                    checksums[r],
+                    checksums[0]
+                );
+            }
         }
         if let Some(b) = &self.log.console.bar {
             b.set_position(done);
@@ -616,6 +625,152 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             serde_json::to_string_pretty(&summary)?.as_bytes(),
         )?;
         Ok(summary)
+    }
+}
+
+/// What the forward and backward of a step read: the config, the data and the recipe's dtypes.
+/// Shared by the ranks of a data-parallel run, each on its own device.
+struct StepCtx<'a> {
+    cfg: &'a Config,
+    data: &'a Dataset,
+    compute_dtype: FloatDType,
+    fp8_linear: Option<kernels::Fp8LinearConfig>,
+}
+
+/// The device a step's forward and backward run on, and which rank of how many it is (`None`:
+/// the run's only device, which reads whole micro-batches).
+struct Rank<'a, B: Backend> {
+    device: &'a B::Device,
+    of: Option<(usize, usize)>,
+}
+
+impl<'a, B: Backend> Rank<'a, B> {
+    fn whole(device: &'a B::Device) -> Self {
+        Rank { device, of: None }
+    }
+}
+
+impl StepCtx<'_> {
+    /// The compute copy (weights cast to the compute dtype once per step; the master itself for
+    /// fp32) that runs forward and backward; its gradients arrive under the master's ids. With
+    /// the fused optimizer the copies written by the last step are reused (a resumed or first
+    /// step, or one after a skipped step with no copies, casts).
+    fn compute_copy<B: crate::TrainBackend>(
+        &self,
+        model: &Gpt<B>,
+        opt: &AdamW<B::InnerBackend>,
+        probes: &Probes,
+    ) -> Gpt<B> {
+        model
+            .compute_copy_with(self.compute_dtype, &|id| {
+                opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
+            })
+            .with_fp8(self.fp8_linear)
+            .with_fp8_probe(probes.fp8.clone())
+            .with_grad_taps(probes.taps.clone())
+    }
+
+    /// Forward and backward of the step's `training.grad_accum` micro-batches: their gradients,
+    /// accumulated, in f32 under the master's ids.
+    fn backward<B: crate::TrainBackend>(
+        &self,
+        model: &Gpt<B>,
+        compute: &Gpt<B>,
+        rank: &Rank<'_, B>,
+        step: u64,
+        scale: f64,
+        probes: &Probes,
+        micro: &mut MicroBatches<B>,
+    ) -> GradientsParams {
+        let accum = self.cfg.training.grad_accum;
+        if accum == 1 {
+            return self.micro_batch(model, compute, rank, step, scale, probes, micro);
+        }
+        let mut acc = GradientsAccumulator::<Gpt<B>>::new();
+        for m in 0..accum as u64 {
+            let g = self.micro_batch(
+                model,
+                compute,
+                rank,
+                step * accum as u64 + m,
+                scale,
+                probes,
+                micro,
+            );
+            acc.accumulate(model, g);
+        }
+        acc.grads()
+    }
+
+    /// Forward and backward of micro-batch `index` on the compute copy: adds its loss to
+    /// `micro.loss_sum` and returns its gradients, in f32, under the master's ids. On a numerics
+    /// step, the first micro-batch's output and weight gradients are measured into
+    /// `micro.numerics` before the cast. A rank of a data-parallel run reads its rows of the
+    /// micro-batch.
+    fn micro_batch<B: crate::TrainBackend>(
+        &self,
+        model: &Gpt<B>,
+        compute: &Gpt<B>,
+        rank: &Rank<'_, B>,
+        index: u64,
+        scale: f64,
+        probes: &Probes,
+        micro: &mut MicroBatches<B>,
+    ) -> GradientsParams {
+        let cfg = self.cfg;
+        let batch = cfg.training.batch_size;
+        let (x, y) = match rank.of {
+            None => {
+                self.data
+                    .train_batch::<B>(cfg.seed, index, batch, cfg.model.context, rank.device)
+            }
+            Some((r, ranks)) => self.data.train_batch_rows::<B>(
+                cfg.seed,
+                index,
+                batch * ranks,
+                crate::parallel::rows(r, batch),
+                cfg.model.context,
+                rank.device,
+            ),
+        };
+        let loss = compute.forward_loss(x, y);
+        model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
+        let l = loss.clone().inner();
+        micro.loss_sum = Some(match micro.loss_sum.take() {
+            Some(s) => s + l,
+            None => l,
+        });
+        let factor = scale / cfg.training.grad_accum as f64;
+        let loss = if factor == 1.0 {
+            loss
+        } else {
+            loss.mul_scalar(factor)
+        };
+        let raw = loss.backward();
+        let measure = probes.taps.is_some() && micro.numerics.is_empty();
+        if let Some(taps) = &probes.taps {
+            // Taken on every micro-batch, so the sink does not keep later ones' taps.
+            let tapped = model::layers::take_taps::<B>(taps);
+            if measure {
+                for (name, tap) in tapped {
+                    if let Some(g) = tap.grad(&raw) {
+                        let s = numerics::stats(g, self.compute_dtype);
+                        micro.numerics.push((format!("{name}.grad_output"), s));
+                    }
+                }
+            }
+        }
+        let mut g = GradientsParams::from_grads(raw, compute);
+        if measure {
+            for (name, lin) in compute.projections() {
+                if let Some(w) = g.get::<B::InnerBackend, 2>(lin.weight.id) {
+                    let s = numerics::stats(w, self.compute_dtype);
+                    micro.numerics.push((format!("{name}.weight_grad"), s));
+                }
+            }
+        }
+        grads_to_f32::<B, _>(model, &mut g);
+        g
     }
 }
 

@@ -1,0 +1,154 @@
+//! Data parallelism: one replica of the model per GPU, each on its own part of every batch, their
+//! gradients averaged by Burn's collectives (`DistributedBackend`, NCCL on CUDA) before every rank
+//! applies the same update.
+//!
+//! The pieces that do not need a GPU live here: which rows of the global batch a rank reads, the
+//! checks that run before a multi-GPU run starts (GPU count, NCCL), the collective operations the
+//! step uses, and the weights checksum that catches replicas drifting apart.
+
+use std::ops::Range;
+
+use anyhow::{bail, Result};
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_backend::distributed::{DistributedBackend, ReduceOperation};
+use burn_backend::{DeviceId, DeviceOps};
+
+/// The rows of a global batch of `ranks * batch` sequences that rank `rank` computes: rank 0 the
+/// first `batch`, rank 1 the next, and so on. With windows drawn in order from one stream, a run on
+/// `ranks` GPUs therefore reads exactly the batches of a one-GPU run with `ranks` times the batch.
+pub fn rows(rank: usize, batch: usize) -> Range<usize> {
+    rank * batch..(rank + 1) * batch
+}
+
+/// Collective operations of a backend, as the data-parallel step uses them.
+pub trait Collective: Backend {
+    /// The mean of `tensor` over the ranks on `devices` (every rank calls it, in the same order
+    /// of tensors). The result may only be read after [`Collective::sync`].
+    fn all_reduce_mean(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self>;
+
+    /// Makes the device's compute stream wait for the collectives queued on it.
+    fn sync(device: &Self::Device);
+}
+
+impl<R, F, I, BT> Collective for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn all_reduce_mean(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self> {
+        let reduced = <Self as DistributedBackend>::all_reduce(
+            tensor,
+            ReduceOperation::Mean,
+            devices.to_vec(),
+        );
+        // SAFETY: the step calls `sync` on this device before the reduced tensor is used.
+        unsafe { reduced.assume_resolved() }
+    }
+
+    fn sync(device: &Self::Device) {
+        <Self as DistributedBackend>::sync_collective(device);
+    }
+}
+
+impl Collective for burn::backend::NdArray {
+    fn all_reduce_mean(_: FloatTensor<Self>, _: &[DeviceId]) -> FloatTensor<Self> {
+        unreachable!("the config refuses training.devices above 1 off CUDA")
+    }
+
+    fn sync(_: &Self::Device) {
+        unreachable!("the config refuses training.devices above 1 off CUDA")
+    }
+}
+
+/// The devices' ids, as the collectives name them.
+pub fn device_ids<B: Backend>(devices: &[B::Device]) -> Vec<DeviceId> {
+    devices.iter().map(|d| d.id()).collect()
+}
+
+/// Averages every gradient of `module`'s parameters over the ranks, in place, in the module's
+/// parameter order (the same on every rank, as NCCL requires); read them after
+/// [`Collective::sync`]. Every rank calls it from its own thread: the first collective of a group
+/// initialises NCCL's communicator, which blocks until every rank has joined.
+pub fn mean_grads<AB, M>(module: &M, grads: &mut GradientsParams, devices: &[DeviceId])
+where
+    AB: AutodiffBackend,
+    AB::InnerBackend: Collective,
+    M: AutodiffModule<AB>,
+{
+    struct Mean<'a> {
+        grads: &'a mut GradientsParams,
+        devices: &'a [DeviceId],
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Mean<'_>
+    where
+        AB::InnerBackend: Collective,
+    {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) {
+                let reduced = <AB::InnerBackend as Collective>::all_reduce_mean(
+                    g.into_primitive().tensor(),
+                    self.devices,
+                );
+                self.grads.register::<AB::InnerBackend, D>(
+                    param.id,
+                    Tensor::from_primitive(TensorPrimitive::Float(reduced)),
+                );
+            }
+        }
+    }
+    module.visit(&mut Mean { grads, devices });
+}
+
+/// The mean over the ranks of a tensor (the step's loss); read it after [`Collective::sync`].
+pub fn mean_tensor<B: Collective, const D: usize>(
+    t: Tensor<B, D>,
+    devices: &[DeviceId],
+) -> Tensor<B, D> {
+    let reduced = B::all_reduce_mean(t.into_primitive().tensor(), devices);
+    Tensor::from_primitive(TensorPrimitive::Float(reduced))
+}
+
+/// CRC-32 of a module's parameter values (as stored, in parameter order): replicas that stayed
+/// identical have equal checksums.
+pub fn weights_checksum<B: Backend, M: burn::module::Module<B>>(module: &M) -> u32 {
+    struct Crc(crc32fast::Hasher);
+    impl<B: Backend> ModuleVisitor<B> for Crc {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.update(&param.val().into_data().bytes);
+        }
+    }
+    let mut c = Crc(crc32fast::Hasher::new());
+    module.visit(&mut c);
+    c.0.finalize()
+}
+
+/// Number of CUDA GPUs this process can use (as `CUDA_VISIBLE_DEVICES` leaves them).
+pub fn cuda_device_count() -> Result<usize> {
+    cudarc::driver::result::init()
+        .map_err(|e| anyhow::anyhow!("the CUDA driver did not initialise: {e:?}"))?;
+    let n = cudarc::driver::result::device::get_count()
+        .map_err(|e| anyhow::anyhow!("the CUDA driver could not count the GPUs: {e:?}"))?;
+    Ok(n.max(0) as usize)
+}
+
+/// Checks that NCCL, which the collectives load at run time, is there.
+pub fn check_nccl(devices: usize) -> Result<()> {
+    // SAFETY: only tries to open the library by its candidate names.
+    if unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Ok(());
+    }
+    let names = cudarc::get_lib_name_candidates("nccl");
+    bail!(
+        "training.devices asks for {devices} GPUs, which exchange gradients through NCCL, but no NCCL library was found \
+         (looked for {} on the library path). Install NCCL (the libnccl2 package, or the nvidia-nccl wheel) and make it \
+         visible under one of those names, e.g. a link libnccl.so -> libnccl.so.2 in a directory on LD_LIBRARY_PATH; \
+         or train on one GPU (training.devices = 1)",
+        names.join(", ")
+    )
+}

@@ -1,0 +1,432 @@
+//! The data-parallel step: every rank (one thread and one GPU each) runs the forward and backward
+//! of its rows of the step's micro-batches on its own replica, the gradients and the loss are
+//! averaged across the ranks (NCCL), and every rank applies the same update to its replica. The
+//! loss scaler decides once, on rank 0, from the averaged gradients' norm, which every rank shares,
+//! so its decision holds for all of them.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use burn_backend::DeviceId;
+use model::Gpt;
+
+use super::{MicroBatches, Rank, Session, StepCtx, StepOutcome};
+use crate::numerics::{self, Probes};
+use crate::optim::{poison_grads, AdamW};
+use crate::parallel::{self as dp, Collective};
+use crate::precision::Verdict;
+use crate::rng::SplitMix64;
+use crate::schedule::lr_at;
+
+/// The ranks of a data-parallel run beyond rank 0 (whose model and optimizer are the session's,
+/// on the calling thread). Each runs in a thread of its own for the whole run, so that its work
+/// always reaches the device from the same thread (CubeCL gives each thread its own stream).
+pub(super) struct Ranks<B: crate::TrainBackend> {
+    /// Every rank's device, rank 0 first, and their ids as the collectives name them.
+    pub devices: Vec<B::Device>,
+    pub ids: Vec<DeviceId>,
+    /// The CUDA index of every rank's GPU, for messages.
+    pub gpus: Vec<usize>,
+    /// Ranks 1..
+    workers: Vec<Worker>,
+}
+
+/// What a rank's thread is asked to do.
+enum Job {
+    /// Its part of step `step`, up to the update (with `update_now`, including it).
+    Step {
+        step: u64,
+        lr: f64,
+        scale: f64,
+        update_now: bool,
+    },
+    /// The update held for the loss scaler's verdict.
+    Apply { lr: f64, scale: f64 },
+    /// The held update was skipped.
+    Skip,
+    /// The CRC-32 of its weights.
+    Checksum,
+}
+
+/// A rank's thread, and the channels to it.
+struct Worker {
+    /// Dropped first when the run ends, which ends the thread's loop.
+    jobs: Option<Sender<Job>>,
+    done: Receiver<u32>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl<B: crate::TrainBackend> Drop for Ranks<B> {
+    /// Ends every rank's thread and waits for it, so that its replica is freed before the run's
+    /// devices are drained.
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            w.jobs = None;
+        }
+        for w in &mut self.workers {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl<B: crate::TrainBackend> Ranks<B> {
+    /// Starts ranks 1.. as copies of rank 0's model (`model`) and optimizer state.
+    pub fn start(
+        session: &Session<'_, B>,
+        devices: Vec<B::Device>,
+        gpus: Vec<usize>,
+        model: &Gpt<B>,
+    ) -> Self {
+        use burn::module::Module;
+        let ids = dp::device_ids::<B>(&devices);
+        let workers = (1..devices.len())
+            .map(|rank| {
+                let model = model.clone().fork(&devices[rank]);
+                let inner = model.wte.weight.val().inner().device();
+                let replica = Replica {
+                    opt: session.opt.fork(&inner),
+                    model: Some(model),
+                    held: None,
+                };
+                let (jobs, rx) = channel();
+                let (tx, done) = channel();
+                let own = Own {
+                    cfg: session.cfg.clone(),
+                    data: session.data.clone(),
+                    compute_dtype: session.compute_dtype,
+                    fp8_linear: session.fp8_linear,
+                    ids: ids.clone(),
+                    device: devices[rank].clone(),
+                };
+                let gpu = gpus[rank];
+                let thread = std::thread::Builder::new()
+                    .name(format!("rank {rank}"))
+                    .spawn(move || as_rank(rank, gpu, || own.serve(rank, replica, rx, tx)))
+                    .expect("a thread for each rank");
+                Worker {
+                    jobs: Some(jobs),
+                    done,
+                    thread: Some(thread),
+                }
+            })
+            .collect();
+        Ranks {
+            devices,
+            ids,
+            gpus,
+            workers,
+        }
+    }
+
+    /// Sends `job` to every rank of 1.. (see [`Ranks::wait`]).
+    fn send(&self, job: impl Fn() -> Job) {
+        for (w, rank) in self.workers.iter().zip(1..) {
+            let sent = w.jobs.as_ref().is_some_and(|j| j.send(job()).is_ok());
+            if !sent {
+                rank_gone(rank, self.gpus[rank]);
+            }
+        }
+    }
+
+    /// Each rank's answer to the last job.
+    fn wait(&self) -> Vec<u32> {
+        self.workers
+            .iter()
+            .zip(1..)
+            .map(|(w, rank)| {
+                w.done
+                    .recv()
+                    .unwrap_or_else(|_| rank_gone(rank, self.gpus[rank]))
+            })
+            .collect()
+    }
+
+    /// The CRC-32 of every rank's weights, rank 0 (`model`) first.
+    pub fn checksums(&self, model: &Gpt<B>) -> Vec<u32> {
+        self.send(|| Job::Checksum);
+        let first = dp::weights_checksum::<B, _>(model);
+        std::iter::once(first).chain(self.wait()).collect()
+    }
+}
+
+/// A rank's copy of the model and of the optimizer state, on its own device, and the update it
+/// holds for the loss scaler's verdict.
+struct Replica<B: crate::TrainBackend> {
+    model: Option<Gpt<B>>,
+    opt: AdamW<B::InnerBackend>,
+    held: Option<(GradientsParams, Tensor<B::InnerBackend, 1>)>,
+}
+
+/// What a rank's thread owns of the run.
+struct Own<B: crate::TrainBackend> {
+    cfg: crate::config::Config,
+    data: Arc<crate::data::Dataset>,
+    compute_dtype: burn::tensor::FloatDType,
+    fp8_linear: Option<kernels::Fp8LinearConfig>,
+    ids: Vec<DeviceId>,
+    device: B::Device,
+}
+
+impl<B: crate::TrainBackend> Own<B> {
+    /// The rank's loop: one job at a time until the run drops its channel.
+    fn serve(&self, rank: usize, mut r: Replica<B>, jobs: Receiver<Job>, done: Sender<u32>) {
+        let no_probes = Probes {
+            fp8: None,
+            taps: None,
+        };
+        for job in jobs {
+            let answer = match job {
+                Job::Step {
+                    step,
+                    lr,
+                    scale,
+                    update_now,
+                } => {
+                    let work = RankStep {
+                        ctx: StepCtx {
+                            cfg: &self.cfg,
+                            data: &self.data,
+                            compute_dtype: self.compute_dtype,
+                            fp8_linear: self.fp8_linear,
+                        },
+                        ids: &self.ids,
+                        step,
+                        lr,
+                        scale,
+                        update_now,
+                    };
+                    let model = r.model.take().expect("the replica's model");
+                    let out =
+                        work.run::<B>(rank, &self.device, model, &mut r.opt, &no_probes, false);
+                    r.model = Some(out.model);
+                    r.held = out.held;
+                    0
+                }
+                Job::Apply { lr, scale } => {
+                    let (grads, norm) = r.held.take().expect("a held update");
+                    let model = r.model.take().expect("the replica's model");
+                    r.model = Some(r.opt.step::<B, _>(lr, model, grads, norm, scale));
+                    0
+                }
+                Job::Skip => {
+                    r.held = None;
+                    0
+                }
+                Job::Checksum => {
+                    dp::weights_checksum::<B, _>(r.model.as_ref().expect("the replica's model"))
+                }
+            };
+            if done.send(answer).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// What one rank's forward and backward leave for the rest of the step.
+struct RankOut<B: crate::TrainBackend> {
+    model: Gpt<B>,
+    /// The averaged gradients and their norm, while the update waits for the loss scaler's
+    /// verdict (taken when the update was queued at once).
+    held: Option<(GradientsParams, Tensor<B::InnerBackend, 1>)>,
+    /// [mean loss over the ranks, scaled gradient norm] (read on rank 0).
+    stats: Tensor<B::InnerBackend, 1>,
+    numerics: Vec<(String, Tensor<B::InnerBackend, 1>)>,
+}
+
+/// A rank's part of a step, up to (and with `update_now`, including) the update.
+struct RankStep<'a> {
+    ctx: StepCtx<'a>,
+    ids: &'a [DeviceId],
+    step: u64,
+    lr: f64,
+    scale: f64,
+    update_now: bool,
+}
+
+impl RankStep<'_> {
+    fn run<B: crate::TrainBackend>(
+        &self,
+        rank: usize,
+        device: &B::Device,
+        model: Gpt<B>,
+        opt: &mut AdamW<B::InnerBackend>,
+        probes: &Probes,
+        poison: bool,
+    ) -> RankOut<B> {
+        let cfg = self.ctx.cfg;
+        let ranks = self.ids.len();
+        // The backends' generator is shared by the devices, so a rank's dropout masks are seeded
+        // per (step, rank) and still race with the other ranks' draws: a data-parallel run with
+        // dropout is not bit-reproducible.
+        B::seed(
+            device,
+            SplitMix64::for_stream(cfg.seed, 3, self.step * ranks as u64 + rank as u64).next_u64(),
+        );
+        let compute = self.ctx.compute_copy(&model, opt, probes);
+        let mut micro = MicroBatches {
+            loss_sum: None,
+            numerics: Vec::new(),
+        };
+        let at = Rank {
+            device,
+            of: Some((rank, ranks)),
+        };
+        let mut grads = self.ctx.backward(
+            &model, &compute, &at, self.step, self.scale, probes, &mut micro,
+        );
+        drop(compute);
+        if poison {
+            // Before the mean: the non-finite values reach every rank, as a real overflow would.
+            poison_grads::<B, _>(&model, &mut grads);
+        }
+        // The collectives, in the same order on every rank: each gradient, then the loss.
+        dp::mean_grads::<B, _>(&model, &mut grads, self.ids);
+        let loss = micro
+            .loss_sum
+            .expect("at least one micro-batch")
+            .div_scalar(cfg.training.grad_accum as f64);
+        let inner = loss.device();
+        let loss = dp::mean_tensor(loss, self.ids);
+        <B::InnerBackend as Collective>::sync(&inner);
+        let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
+        let stats = Tensor::cat(vec![loss, norm.clone()], 0);
+        let (model, held) = if self.update_now {
+            (
+                opt.step::<B, _>(self.lr, model, grads, norm, self.scale),
+                None,
+            )
+        } else {
+            (model, Some((grads, norm)))
+        };
+        RankOut {
+            model,
+            held,
+            stats,
+            numerics: micro.numerics,
+        }
+    }
+}
+
+/// A rank that failed ends the process: the other ranks may be waiting inside NCCL for it, and
+/// nothing can release them, so returning would leave the run hanging. Checkpoints already
+/// written stay complete (they are written atomically).
+fn rank_failed(rank: usize, gpu: usize, payload: Box<dyn std::any::Any + Send>) -> ! {
+    let why = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "it panicked".to_string());
+    eprintln!(
+        "error: rank {rank} (CUDA GPU {gpu}) failed: {why}; the data-parallel run stops (its last checkpoint is complete; continue with --resume)"
+    );
+    std::process::exit(1)
+}
+
+/// A rank's thread ended without answering (it failed and reported why).
+fn rank_gone(rank: usize, gpu: usize) -> ! {
+    eprintln!("error: rank {rank} (CUDA GPU {gpu}) stopped; the data-parallel run stops");
+    std::process::exit(1)
+}
+
+/// Runs `f` as rank `rank`; a panic ends the process with the rank's error (see [`rank_failed`]).
+fn as_rank<T>(rank: usize, gpu: usize, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(p) => rank_failed(rank, gpu, p),
+    }
+}
+
+impl<B: crate::TrainBackend> Session<'_, B> {
+    /// [`Session::step`] of a data-parallel run.
+    pub(super) fn step_parallel(
+        &mut self,
+        model: Gpt<B>,
+        step: u64,
+    ) -> Result<(Gpt<B>, StepOutcome)> {
+        let t0 = Instant::now();
+        let cfg = self.cfg;
+        let lr = lr_at(cfg, step as usize);
+        let probes = Probes::for_step(&self.recipe, cfg, step);
+        let scale = self.scaler.scale();
+        let update_now = self.scaler.setting.is_off();
+        let poison = self.opts.poison_steps.contains(&(step + 1));
+        let ranks = self.ranks.as_ref().expect("a data-parallel session");
+        ranks.send(|| Job::Step {
+            step,
+            lr,
+            scale,
+            update_now,
+        });
+        let work = RankStep {
+            ctx: StepCtx {
+                cfg,
+                data: &self.data,
+                compute_dtype: self.compute_dtype,
+                fp8_linear: self.fp8_linear,
+            },
+            ids: &ranks.ids,
+            step,
+            lr,
+            scale,
+            update_now,
+        };
+        let device = &ranks.devices[0];
+        let out = as_rank(0, ranks.gpus[0], || {
+            work.run::<B>(0, device, model, &mut self.opt, &probes, poison)
+        });
+        ranks.wait();
+        let numerics = probes.taps.is_some().then(|| numerics::read(out.numerics));
+        // One read-back per step, on rank 0, as on one device.
+        let stats: Vec<f64> = out
+            .stats
+            .into_data()
+            .convert::<f64>()
+            .into_vec()
+            .expect("f64 stats");
+        let (loss, grad_norm) = (stats[0], stats[1] / scale);
+        let finite = loss.is_finite() && grad_norm.is_finite();
+        let mut model = out.model;
+        let skipped = match self.scaler.update(finite, step + 1) {
+            Verdict::Apply => {
+                if let Some((grads, norm)) = out.held {
+                    ranks.send(|| Job::Apply { lr, scale });
+                    model = self.opt.step::<B, _>(lr, model, grads, norm, scale);
+                    ranks.wait();
+                }
+                false
+            }
+            Verdict::Skip => {
+                if !update_now {
+                    ranks.send(|| Job::Skip);
+                    ranks.wait();
+                }
+                true
+            }
+            Verdict::Stop(why) => bail!(self.stop_message(step, loss, grad_norm, &why)),
+        };
+        let memory: Vec<Option<u64>> = ranks.devices.iter().map(B::memory_reserved).collect();
+        Ok((
+            model,
+            StepOutcome {
+                loss,
+                grad_norm,
+                lr,
+                scale,
+                skipped,
+                seconds: t0.elapsed().as_secs_f64(),
+                memory_reserved: memory[0],
+                memory_per_rank: memory,
+                numerics,
+                fp8_probe: probes.fp8,
+            },
+        ))
+    }
+}
