@@ -46,17 +46,18 @@ fn train(cfg: &Config, name: &str) -> (Vec<f64>, checkpoint::Header, Vec<f32>) {
 }
 
 /// 20 steps on 2 GPUs with 4 sequences each equal 20 steps on one GPU with 8: per-step losses
-/// within the precision's rounding, final weights well within one AdamW step, and the two replicas
-/// identical.
+/// within the precision's rounding, final weights within a small fraction of one AdamW step on
+/// average, and the two replicas identical.
 #[test]
 #[ignore = "needs 2 GPUs"]
 fn two_gpus_equal_one_gpu_with_the_doubled_batch() {
     let _guard = serial();
     // Relative loss tolerance: fp32 rounding in a reduction order that differs between a batch of
     // 8 and two of 4; bf16 computes the products in 8-bit mantissas (2^-8), a few units of it.
-    for (precision, loss_tol) in [
-        (PrecisionKind::Fp32, 1e-3),
-        (PrecisionKind::Bf16, 4.0 * 2f64.powi(-8)),
+    // Mean weight difference, in units of lr: f32 rounding, or bf16's (2^-8) in the gradients.
+    for (precision, loss_tol, mean_tol) in [
+        (PrecisionKind::Fp32, 1e-3, 0.01),
+        (PrecisionKind::Bf16, 4.0 * 2f64.powi(-8), 0.1),
     ] {
         let one = config(precision, 8, Devices::Count(1));
         let two = config(precision, 4, Devices::Count(2));
@@ -83,21 +84,41 @@ fn two_gpus_equal_one_gpu_with_the_doubled_batch() {
                 step + 1
             );
         }
-        // Final master weights and AdamW moments: a lost or doubled gradient would move the
-        // weights by about lr per step.
-        let lr = one.optimizer.lr as f32;
-        assert_eq!(va.len(), vb.len());
-        let max_diff = va
+        // Final master weights. A lost or doubled gradient would move every weight by about lr
+        // per step; rounding moves most weights by a small fraction of lr, and AdamW's normalised
+        // update can move a weight whose gradient is near zero by up to lr per step, so the bound
+        // is on the mean difference, the largest is printed.
+        let lr = one.optimizer.lr;
+        let (wa, wb) = (weights(&ha, &va), weights(&hb, &vb));
+        assert_eq!(wa.len(), wb.len());
+        let diffs: Vec<f64> = wa
             .iter()
-            .zip(&vb)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        println!("{precision}: largest final weight or moment difference {max_diff:.2e} (lr {lr})");
+            .zip(&wb)
+            .map(|(a, b)| (a - b).abs() as f64)
+            .collect();
+        let mean = diffs.iter().sum::<f64>() / diffs.len() as f64;
+        let max = diffs.iter().copied().fold(0f64, f64::max);
+        println!(
+            "{precision}: final weights differ by {mean:.2e} on average, {max:.2e} at most (lr {lr})"
+        );
         assert!(
-            max_diff < 0.5 * lr,
-            "{precision}: final weights or moments differ by {max_diff}"
+            mean < mean_tol * lr,
+            "{precision}: final weights differ by {mean:.2e} on average (lr {lr})"
         );
     }
+}
+
+/// The master weights of a checkpoint's values (each parameter's AdamW moments follow its value).
+fn weights(h: &checkpoint::Header, values: &[f32]) -> Vec<f32> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for p in &h.params {
+        let n: usize = p.shape.iter().product();
+        out.extend_from_slice(&values[at..at + n]);
+        at += if p.has_moments { 3 * n } else { n };
+    }
+    assert_eq!(at, values.len());
+    out
 }
 
 /// A GPU that is not there is an error before anything trains.

@@ -242,6 +242,16 @@ fn checkpoints_are_complete_or_refused() {
         e.contains("seed") && e.contains("training.batch_size"),
         "{e}"
     );
+    // A checkpoint of a run on 2 GPUs does not continue on one: each GPU read its own rows.
+    let (_, newest) = checkpoint::list(&dir).unwrap().pop().unwrap();
+    let (mut header, _) = checkpoint::read(&newest).unwrap();
+    assert_eq!(header.devices, 1);
+    header.devices = 2;
+    let e = trainer::resume::check_continues(&header, &cfg).unwrap_err();
+    assert!(
+        e.contains("training.devices = 2 GPUs") && e.contains("this run: 1"),
+        "{e}"
+    );
     // A refused resume leaves the run's config.toml as it was.
     assert_eq!(
         std::fs::read_to_string(dir.join("config.toml")).unwrap(),
