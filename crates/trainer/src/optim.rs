@@ -35,6 +35,7 @@ pub(crate) fn to_prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTenso
 }
 
 /// The optimizer and its state. `B` is the inner (non-autodiff) backend.
+#[derive(Clone)]
 pub struct AdamW<B: Backend> {
     pub cfg: OptimizerConfig,
     /// Optimizer steps taken (the bias-correction counter).

@@ -57,7 +57,8 @@ enum Job {
 struct Worker {
     /// Dropped first when the run ends, which ends the thread's loop.
     jobs: Option<Sender<Job>>,
-    done: Receiver<u32>,
+    /// Each job's answer: the rank's reserved memory after a step (bytes), a checksum, or 0.
+    done: Receiver<u64>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -84,17 +85,13 @@ impl<B: crate::TrainBackend> Ranks<B> {
         gpus: Vec<usize>,
         model: &Gpt<B>,
     ) -> Self {
-        use burn::module::Module;
         let ids = dp::device_ids::<B>(&devices);
         let workers = (1..devices.len())
             .map(|rank| {
-                let model = model.clone().fork(&devices[rank]);
-                let inner = model.wte.weight.val().inner().device();
-                let replica = Replica {
-                    opt: session.opt.fork(&inner),
-                    model: Some(model),
-                    held: None,
-                };
+                // Rank 0's model and optimizer state, which the rank's thread copies to its GPU:
+                // a rank allocates on its GPU from its own thread only, so the pool it reports
+                // (CubeCL keeps one per thread's stream) holds all of its memory.
+                let from = (model.clone(), session.opt.clone());
                 let (jobs, rx) = channel();
                 let (tx, done) = channel();
                 let own = Own {
@@ -108,7 +105,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
                 let gpu = gpus[rank];
                 let thread = std::thread::Builder::new()
                     .name(format!("rank {rank}"))
-                    .spawn(move || as_rank(rank, gpu, || own.serve(rank, replica, rx, tx)))
+                    .spawn(move || as_rank(rank, gpu, || own.serve(rank, from, rx, tx)))
                     .expect("a thread for each rank");
                 Worker {
                     jobs: Some(jobs),
@@ -136,7 +133,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
     }
 
     /// Each rank's answer to the last job.
-    fn wait(&self) -> Vec<u32> {
+    fn wait(&self) -> Vec<u64> {
         self.workers
             .iter()
             .zip(1..)
@@ -152,7 +149,9 @@ impl<B: crate::TrainBackend> Ranks<B> {
     pub fn checksums(&self, model: &Gpt<B>) -> Vec<u32> {
         self.send(|| Job::Checksum);
         let first = dp::weights_checksum::<B, _>(model);
-        std::iter::once(first).chain(self.wait()).collect()
+        std::iter::once(first)
+            .chain(self.wait().into_iter().map(|c| c as u32))
+            .collect()
     }
 }
 
@@ -175,8 +174,23 @@ struct Own<B: crate::TrainBackend> {
 }
 
 impl<B: crate::TrainBackend> Own<B> {
-    /// The rank's loop: one job at a time until the run drops its channel.
-    fn serve(&self, rank: usize, mut r: Replica<B>, jobs: Receiver<Job>, done: Sender<u32>) {
+    /// The rank's loop: copies rank 0's model and optimizer state (`from`) to its GPU, then runs
+    /// one job at a time until the run drops its channel.
+    fn serve(
+        &self,
+        rank: usize,
+        from: (Gpt<B>, AdamW<B::InnerBackend>),
+        jobs: Receiver<Job>,
+        done: Sender<u64>,
+    ) {
+        use burn::module::Module;
+        let model = from.0.fork(&self.device);
+        let inner = model.wte.weight.val().inner().device();
+        let mut r = Replica {
+            opt: from.1.fork(&inner),
+            model: Some(model),
+            held: None,
+        };
         let no_probes = Probes {
             fp8: None,
             taps: None,
@@ -207,7 +221,7 @@ impl<B: crate::TrainBackend> Own<B> {
                         work.run::<B>(rank, &self.device, model, &mut r.opt, &no_probes, false);
                     r.model = Some(out.model);
                     r.held = out.held;
-                    0
+                    B::memory_reserved(&self.device).unwrap_or(0)
                 }
                 Job::Apply { lr, scale } => {
                     let (grads, norm) = r.held.take().expect("a held update");
@@ -219,9 +233,9 @@ impl<B: crate::TrainBackend> Own<B> {
                     r.held = None;
                     0
                 }
-                Job::Checksum => {
-                    dp::weights_checksum::<B, _>(r.model.as_ref().expect("the replica's model"))
-                }
+                Job::Checksum => u64::from(dp::weights_checksum::<B, _>(
+                    r.model.as_ref().expect("the replica's model"),
+                )),
             };
             if done.send(answer).is_err() {
                 return;
@@ -287,7 +301,8 @@ impl RankStep<'_> {
             // Before the mean: the non-finite values reach every rank, as a real overflow would.
             poison_grads::<B, _>(&model, &mut grads);
         }
-        // The collectives, in the same order on every rank: each gradient, then the loss.
+        // The collectives, in the same order on every rank: each gradient and the loss, then the
+        // gradient norm.
         dp::mean_grads::<B, _>(&model, &mut grads, self.ids);
         let loss = micro
             .loss_sum
@@ -296,7 +311,13 @@ impl RankStep<'_> {
         let inner = loss.device();
         let loss = dp::mean_tensor(loss, self.ids);
         <B::InnerBackend as Collective>::sync(&inner);
+        // The norm (and so the clip factor) is averaged too: Burn's full-tensor sum adds with
+        // atomics on CUDA, so each rank's norm of the same gradients can differ in its last bit,
+        // and replicas that clip by different factors drift apart. NCCL gives every rank the same
+        // mean.
         let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
+        let norm = dp::mean_tensor(norm, self.ids);
+        <B::InnerBackend as Collective>::sync(&inner);
         let stats = Tensor::cat(vec![loss, norm.clone()], 0);
         let (model, held) = if self.update_now {
             (
@@ -382,7 +403,9 @@ impl<B: crate::TrainBackend> Session<'_, B> {
         let out = as_rank(0, ranks.gpus[0], || {
             work.run::<B>(0, device, model, &mut self.opt, &probes, poison)
         });
-        ranks.wait();
+        let memory: Vec<Option<u64>> = std::iter::once(B::memory_reserved(&ranks.devices[0]))
+            .chain(ranks.wait().into_iter().map(|m| (m > 0).then_some(m)))
+            .collect();
         let numerics = probes.taps.is_some().then(|| numerics::read(out.numerics));
         // One read-back per step, on rank 0, as on one device.
         let stats: Vec<f64> = out
@@ -412,7 +435,6 @@ impl<B: crate::TrainBackend> Session<'_, B> {
             }
             Verdict::Stop(why) => bail!(self.stop_message(step, loss, grad_norm, &why)),
         };
-        let memory: Vec<Option<u64>> = ranks.devices.iter().map(B::memory_reserved).collect();
         Ok((
             model,
             StepOutcome {
