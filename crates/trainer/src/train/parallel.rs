@@ -114,12 +114,14 @@ impl<B: crate::TrainBackend> Ranks<B> {
                 }
             })
             .collect();
-        Ranks {
+        let ranks = Ranks {
             devices,
             ids,
             gpus,
             workers,
-        }
+        };
+        ranks.wait();
+        ranks
     }
 
     /// Sends `job` to every rank of 1.. (see [`Ranks::wait`]).
@@ -184,13 +186,22 @@ impl<B: crate::TrainBackend> Own<B> {
         done: Sender<u64>,
     ) {
         use burn::module::Module;
-        let model = from.0.fork(&self.device);
+        let (model, opt) = from;
+        let model = model.fork(&self.device);
         let inner = model.wte.weight.val().inner().device();
         let mut r = Replica {
-            opt: from.1.fork(&inner),
+            opt: opt.fork(&inner),
             model: Some(model),
             held: None,
         };
+        // Rank 0's optimizer state is not held beyond the copy (its update may then write it in
+        // place). The copies to another GPU go through NCCL on the pair's communicator, which the
+        // gradient averages also use: the run waits for this answer, so that every copy is queued
+        // before rank 0's first collective.
+        drop(opt);
+        if done.send(0).is_err() {
+            return;
+        }
         let no_probes = Probes {
             fp8: None,
             taps: None,
