@@ -397,13 +397,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             let (grads, norm) = held.take().expect("not taken yet");
             model = self.opt.step::<B, _>(lr, model, grads, norm, scale);
         }
-        let stats: Vec<f64> = stats
-            .into_data()
-            .convert::<f64>()
-            .into_vec()
-            .expect("f64 stats");
-        let (loss, grad_norm) = (stats[0], stats[1] / scale);
-        let finite = loss.is_finite() && grad_norm.is_finite();
+        let (loss, grad_norm, finite) = read_stats(stats, scale);
         let skipped = match self.scaler.update(finite, step + 1) {
             Verdict::Apply => {
                 if let Some((grads, norm)) = held {
@@ -529,22 +523,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             self.progress.best_val,
         )?;
         if log_line {
-            if let Some(r) = &self.ranks {
-                let per_gpu: Vec<String> = r
-                    .gpus
-                    .iter()
-                    .zip(&o.memory_per_rank)
-                    .map(|(g, m)| match m {
-                        Some(b) => format!("GPU {g} {:.2} GiB", *b as f64 / (1u64 << 30) as f64),
-                        None => format!("GPU {g} -"),
-                    })
-                    .collect();
-                self.log.line(&format!(
-                    "memory {done:>5}/{} | reserved: {}",
-                    self.steps,
-                    per_gpu.join(", ")
-                ));
-            }
+            self.log_memory(done, &o.memory_per_rank);
         }
 
         let ckpt_now = is_last
@@ -552,39 +531,66 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             || (cfg.training.checkpoint_interval > 0
                 && done.is_multiple_of(cfg.training.checkpoint_interval as u64));
         if ckpt_now {
-            let checksums = self
-                .ranks
-                .as_ref()
-                .map(|r| r.checksums(model))
-                .unwrap_or_default();
-            let p = &self.progress;
-            let elapsed = p.elapsed_before + p.session_start.elapsed().as_secs_f64();
-            checkpoint::save::<B, _>(
-                &self.opts.run_dir,
-                model,
-                &self.opt,
-                cfg,
-                self.vocab,
-                done,
-                p.best_val,
-                elapsed,
-                cfg.training.keep_checkpoints,
-                (&self.recipe, &self.scaler.state),
-                &checksums,
-            )?;
-            if let Some(r) = checksums.iter().position(|c| *c != checksums[0]) {
-                bail!(
-                    "the replicas diverged: after step {done} the weights of rank {r} (CUDA GPU {}) differ from rank 0's \
-                     (CRC-32 {:08x} against {:08x}); the checkpoint holds rank 0's weights",
-                    self.ranks.as_ref().map_or(0, |x| x.gpus[r]),
-                    checksums[r],
-                    checksums[0]
-                );
-            }
+            self.checkpoint(model, done)?;
         }
         if let Some(b) = &self.log.console.bar {
             b.set_position(done);
             b.set_message(format!("loss {:.4}", o.loss));
+        }
+        Ok(())
+    }
+
+    /// A data-parallel run's log line of every GPU's reserved memory (rank 0 first).
+    fn log_memory(&self, done: u64, memory: &[Option<u64>]) {
+        let Some(r) = &self.ranks else { return };
+        let per_gpu: Vec<String> = r
+            .gpus
+            .iter()
+            .zip(memory)
+            .map(|(g, m)| match m {
+                Some(b) => format!("GPU {g} {:.2} GiB", *b as f64 / (1u64 << 30) as f64),
+                None => format!("GPU {g} -"),
+            })
+            .collect();
+        self.log.line(&format!(
+            "memory {done:>5}/{} | reserved: {}",
+            self.steps,
+            per_gpu.join(", ")
+        ));
+    }
+
+    /// Writes the checkpoint of step `done`; in a data-parallel run, with every rank's weights
+    /// checksum, and an error (after writing rank 0's) when the replicas differ.
+    fn checkpoint(&self, model: &Gpt<B>, done: u64) -> Result<()> {
+        let cfg = self.cfg;
+        let checksums = self
+            .ranks
+            .as_ref()
+            .map(|r| r.checksums(model))
+            .unwrap_or_default();
+        let p = &self.progress;
+        let elapsed = p.elapsed_before + p.session_start.elapsed().as_secs_f64();
+        checkpoint::save::<B, _>(
+            &self.opts.run_dir,
+            model,
+            &self.opt,
+            cfg,
+            self.vocab,
+            done,
+            p.best_val,
+            elapsed,
+            cfg.training.keep_checkpoints,
+            (&self.recipe, &self.scaler.state),
+            &checksums,
+        )?;
+        if let Some(r) = checksums.iter().position(|c| *c != checksums[0]) {
+            bail!(
+                "the replicas diverged: after step {done} the weights of rank {r} (CUDA GPU {}) differ from rank 0's \
+                 (CRC-32 {:08x} against {:08x}); the checkpoint holds rank 0's weights",
+                self.ranks.as_ref().map_or(0, |x| x.gpus[r]),
+                checksums[r],
+                checksums[0]
+            );
         }
         Ok(())
     }
@@ -772,6 +778,18 @@ impl StepCtx<'_> {
         grads_to_f32::<B, _>(model, &mut g);
         g
     }
+}
+
+/// The step's one read-back, [mean loss, scaled gradient norm]: the loss, the true gradient norm,
+/// and whether both are finite.
+fn read_stats<B: Backend>(stats: Tensor<B, 1>, scale: f64) -> (f64, f64, bool) {
+    let stats: Vec<f64> = stats
+        .into_data()
+        .convert::<f64>()
+        .into_vec()
+        .expect("f64 stats");
+    let (loss, grad_norm) = (stats[0], stats[1] / scale);
+    (loss, grad_norm, loss.is_finite() && grad_norm.is_finite())
 }
 
 /// What the micro-batches of one step gather: their summed loss and, on a numerics step, the

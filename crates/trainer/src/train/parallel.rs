@@ -419,14 +419,7 @@ impl<B: crate::TrainBackend> Session<'_, B> {
             .collect();
         let numerics = probes.taps.is_some().then(|| numerics::read(out.numerics));
         // One read-back per step, on rank 0, as on one device.
-        let stats: Vec<f64> = out
-            .stats
-            .into_data()
-            .convert::<f64>()
-            .into_vec()
-            .expect("f64 stats");
-        let (loss, grad_norm) = (stats[0], stats[1] / scale);
-        let finite = loss.is_finite() && grad_norm.is_finite();
+        let (loss, grad_norm, finite) = super::read_stats(out.stats, scale);
         let mut model = out.model;
         let skipped = match self.scaler.update(finite, step + 1) {
             Verdict::Apply => {
