@@ -140,16 +140,24 @@ fn a_missing_gpu_is_refused_at_start() {
 }
 
 /// With the gradient norm above `optimizer.grad_clip` on every step, each rank scales its update
-/// by the clip factor: the replicas stay bit-identical only if every rank uses the same norm.
+/// by the clip factor: the replicas stay bit-identical only if every rank uses the same norm. The
+/// model is wide enough (width 256) for Burn's sums of its gradients to span many cubes, which add
+/// with atomics on CUDA; fp16 with dynamic loss scaling also takes the held-update path.
 #[test]
 #[ignore = "needs 2 GPUs"]
 fn replicas_stay_identical_while_clipping() {
     let _guard = serial();
-    let mut cfg = config(PrecisionKind::Bf16, 4, Devices::Count(2));
-    cfg.optimizer.grad_clip = 1e-3;
-    cfg.training.checkpoint_interval = 5;
-    let (losses, h, _) = train(&cfg, "dp_clipping");
-    assert_eq!(losses.len(), 20);
-    assert_eq!(h.replica_checksums.len(), 2);
-    assert_eq!(h.replica_checksums[0], h.replica_checksums[1]);
+    for precision in [PrecisionKind::Bf16, PrecisionKind::Fp16] {
+        let mut cfg = config(precision, 4, Devices::Count(2));
+        cfg.model.d_model = 256;
+        cfg.optimizer.grad_clip = 1e-3;
+        cfg.training.checkpoint_interval = 5;
+        let (losses, h, _) = train(&cfg, &format!("dp_clipping_{precision}"));
+        assert_eq!(losses.len(), 20);
+        assert_eq!(h.replica_checksums.len(), 2);
+        assert_eq!(
+            h.replica_checksums[0], h.replica_checksums[1],
+            "{precision}"
+        );
+    }
 }

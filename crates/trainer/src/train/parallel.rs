@@ -57,7 +57,7 @@ enum Job {
 struct Worker {
     /// Dropped first when the run ends, which ends the thread's loop.
     jobs: Option<Sender<Job>>,
-    /// Each job's answer: the rank's reserved memory after a step (bytes), a checksum, or 0.
+    /// Each job's answer: the rank's reserved memory after it (bytes), or a checksum.
     done: Receiver<u64>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -238,11 +238,11 @@ impl<B: crate::TrainBackend> Own<B> {
                     let (grads, norm) = r.held.take().expect("a held update");
                     let model = r.model.take().expect("the replica's model");
                     r.model = Some(r.opt.step::<B, _>(lr, model, grads, norm, scale));
-                    0
+                    B::memory_reserved(&self.device).unwrap_or(0)
                 }
                 Job::Skip => {
                     r.held = None;
-                    0
+                    B::memory_reserved(&self.device).unwrap_or(0)
                 }
                 Job::Checksum => u64::from(dp::weights_checksum::<B, _>(
                     r.model.as_ref().expect("the replica's model"),
@@ -312,24 +312,22 @@ impl RankStep<'_> {
             // Before the mean: the non-finite values reach every rank, as a real overflow would.
             poison_grads::<B, _>(&model, &mut grads);
         }
-        // The collectives, in the same order on every rank: each gradient and the loss, then the
-        // gradient norm.
+        // The collectives, in the same order on every rank: each gradient, then [loss, norm].
         dp::mean_grads::<B, _>(&model, &mut grads, self.ids);
         let loss = micro
             .loss_sum
             .expect("at least one micro-batch")
             .div_scalar(cfg.training.grad_accum as f64);
         let inner = loss.device();
-        let loss = dp::mean_tensor(loss, self.ids);
         <B::InnerBackend as Collective>::sync(&inner);
         // The norm (and so the clip factor) is averaged too: Burn's full-tensor sum adds with
         // atomics on CUDA, so each rank's norm of the same gradients can differ in its last bit,
         // and replicas that clip by different factors drift apart. NCCL gives every rank the same
         // mean.
         let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
-        let norm = dp::mean_tensor(norm, self.ids);
+        let stats = dp::mean_tensor(Tensor::cat(vec![loss, norm], 0), self.ids);
         <B::InnerBackend as Collective>::sync(&inner);
-        let stats = Tensor::cat(vec![loss, norm.clone()], 0);
+        let norm = stats.clone().narrow(0, 1, 1);
         let (model, held) = if self.update_now {
             (
                 opt.step::<B, _>(self.lr, model, grads, norm, self.scale),
@@ -414,9 +412,8 @@ impl<B: crate::TrainBackend> Session<'_, B> {
         let out = as_rank(0, ranks.gpus[0], || {
             work.run::<B>(0, device, model, &mut self.opt, &probes, poison)
         });
-        let memory: Vec<Option<u64>> = std::iter::once(B::memory_reserved(&ranks.devices[0]))
-            .chain(ranks.wait().into_iter().map(|m| (m > 0).then_some(m)))
-            .collect();
+        // Each rank's reserved memory (bytes), as its thread sees it after its last job.
+        let mut memory = ranks.wait();
         let numerics = probes.taps.is_some().then(|| numerics::read(out.numerics));
         // One read-back per step, on rank 0, as on one device.
         let (loss, grad_norm, finite) = super::read_stats(out.stats, scale);
@@ -426,19 +423,22 @@ impl<B: crate::TrainBackend> Session<'_, B> {
                 if let Some((grads, norm)) = out.held {
                     ranks.send(|| Job::Apply { lr, scale });
                     model = self.opt.step::<B, _>(lr, model, grads, norm, scale);
-                    ranks.wait();
+                    memory = ranks.wait();
                 }
                 false
             }
             Verdict::Skip => {
                 if !update_now {
                     ranks.send(|| Job::Skip);
-                    ranks.wait();
+                    memory = ranks.wait();
                 }
                 true
             }
             Verdict::Stop(why) => bail!(self.stop_message(step, loss, grad_norm, &why)),
         };
+        let memory: Vec<Option<u64>> = std::iter::once(B::memory_reserved(&ranks.devices[0]))
+            .chain(memory.into_iter().map(|m| (m > 0).then_some(m)))
+            .collect();
         Ok((
             model,
             StepOutcome {
