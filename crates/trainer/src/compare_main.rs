@@ -246,21 +246,25 @@ fn train_entries(cli: &Cli, dir: &std::path::Path, entries: &[compare::Entry]) -
     let mut pool = Pool::new(dir, jobs);
     // Entries share the device when more than one is left to train and K > 1 run at once (an
     // entry's own process is told by its parent).
-    let pending = entries
+    // Each entry's state, read once: an entry changes only when this loop reaches it.
+    let states: Vec<_> = entries
         .iter()
-        .filter(|e| {
-            let state = compare::entry_state(&compare::entry_dir(dir, e), &e.config);
-            matches!(state, EntryState::New | EntryState::Resumable)
+        .map(|e| {
+            let run_dir = compare::entry_dir(dir, e);
+            let state = compare::entry_state(&run_dir, &e.config);
+            (run_dir, state)
         })
+        .collect();
+    let pending = states
+        .iter()
+        .filter(|(_, s)| matches!(s, EntryState::New | EntryState::Resumable))
         .count();
     let shared = cli.shared_device || (jobs > 1 && pending > 1);
     let announce = cli.only.is_some() || jobs > 1;
-    for (i, e) in entries.iter().enumerate() {
+    for (i, (e, (run_dir, state))) in entries.iter().zip(states).enumerate() {
         if cli.only.as_ref().is_some_and(|o| o != &e.dir_name) {
             continue;
         }
-        let run_dir = compare::entry_dir(dir, e);
-        let state = compare::entry_state(&run_dir, &e.config);
         let tag = format!("[{}/{}] {}", i + 1, entries.len(), e.dir_name);
         match state {
             EntryState::Done => {

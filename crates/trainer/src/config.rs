@@ -238,6 +238,17 @@ impl Devices {
     }
 }
 
+impl std::fmt::Display for Devices {
+    /// As the config value: `2`, `"all"`, `[0, 1]`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Devices::Count(n) => write!(f, "{n}"),
+            Devices::All => f.write_str("\"all\""),
+            Devices::List(l) => write!(f, "{l:?}"),
+        }
+    }
+}
+
 impl Serialize for Devices {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         match self {
@@ -580,9 +591,7 @@ impl Config {
             bail!(
                 "training.devices = {} names CUDA GPUs (several train through NCCL), but this run is on {}. \
                  Use training.devices = 1 here, or device = \"cuda\"",
-                toml::Value::try_from(&self.training.devices)
-                    .map(|v| v.to_string())
-                    .unwrap_or_default(),
+                self.training.devices,
                 device.describe()
             );
         }

@@ -77,12 +77,14 @@ impl MmaTiles {
     /// The defaults, with any override from [`crate::settings::Settings::flash_tiles`].
     pub(crate) fn get(hd: usize) -> Self {
         let mut tiles = Self::for_head_dim(hd);
-        if let Some(t) = crate::settings::read(|s| s.flash_tiles.clone()) {
-            // Checked when the setting was made (`check_tiles`).
-            if let Err(e) = tiles.apply(t.spec()) {
-                panic!("flash tiles {:?}: {e}", t.spec());
+        crate::settings::read(|s| {
+            if let Some(t) = &s.flash_tiles {
+                // Checked when the setting was made (`check_tiles`).
+                if let Err(e) = tiles.apply(t.spec()) {
+                    panic!("flash tiles {:?}: {e}", t.spec());
+                }
             }
-        }
+        });
         tiles
     }
 

@@ -83,22 +83,17 @@ where
         }
         // f32 atomic adds: CUDA has them; other runtimes take Burn's select-assign.
         let cuda = (&dy as &dyn std::any::Any).is::<CubeTensor<CudaRuntime>>();
-        if cuda && crate::settings::read(|s| s.embedding_atomic) {
-            let grad = backward_atomic(dy, ids, vocab);
-            if dtype == DType::F32 {
-                grad
-            } else {
-                cast(grad, dtype)
-            }
+        let grad = if cuda && crate::settings::read(|s| s.embedding_atomic) {
+            backward_atomic(dy, ids, vocab)
         } else {
             let device = Self::float_device(&dy);
             let zeros = Self::float_zeros(Shape::new([vocab, dd[1]]), &device, dy.dtype.into());
-            let grad = Self::float_select_add(zeros, 0, ids, dy);
-            if grad.dtype == dtype {
-                grad
-            } else {
-                cast(grad, dtype)
-            }
+            Self::float_select_add(zeros, 0, ids, dy)
+        };
+        if grad.dtype == dtype {
+            grad
+        } else {
+            cast(grad, dtype)
         }
     }
 }
