@@ -146,6 +146,36 @@ fn training_devices_takes_a_count_all_or_indices() {
 }
 
 #[test]
+fn training_zero_is_0_or_1_on_several_gpus() {
+    let parse = |sets: &[&str]| {
+        Config::from_toml_str(
+            "",
+            &sets.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            "x",
+        )
+    };
+    assert_eq!(parse(&[]).unwrap().training.zero, 0);
+    let two = parse(&["training.devices=2", "training.zero=1"]).unwrap();
+    assert_eq!(two.training.zero, 1);
+    let again = Config::from_toml_str(&two.to_toml(), &[], "again").unwrap();
+    assert_eq!(again.training.zero, 1);
+    for (sets, want) in [
+        (&["training.zero=1"][..], "training.devices = 1"),
+        (&["training.devices=2", "training.zero=2"][..], "got 2"),
+        (
+            &["training.devices=2", "training.zero=3"][..],
+            "0 (every GPU keeps",
+        ),
+    ] {
+        let e = err("", sets);
+        assert!(
+            e.contains("training.zero") && e.contains(want),
+            "{sets:?}: {e}"
+        );
+    }
+}
+
+#[test]
 fn several_devices_need_cuda() {
     use trainer::device::Selected;
     for v in ["2", "\"all\"", "[0]"] {

@@ -195,3 +195,40 @@ fn ranks_read_disjoint_rows_that_make_up_the_doubled_batch() {
     let all: Vec<usize> = (0..4).flat_map(|r| trainer::parallel::rows(r, 5)).collect();
     assert_eq!(all, (0..20).collect::<Vec<_>>());
 }
+
+#[test]
+fn zero_partition_balances_the_ranks_and_depends_only_on_the_sizes() {
+    use trainer::zero::partition;
+    // GPT-2 small's shapes: the embedding, then per layer qkv, out, up, down and two gains.
+    let mut sizes = vec![50304 * 768];
+    for _ in 0..12 {
+        sizes.extend([768 * 2304, 768 * 768, 768 * 3072, 3072 * 768, 768, 768]);
+    }
+    sizes.push(768);
+    let total: usize = sizes.iter().sum();
+    for ranks in 1..=8 {
+        let owner = partition(&sizes, ranks);
+        assert_eq!(owner, partition(&sizes, ranks), "the same on every call");
+        assert!(owner.iter().all(|r| *r < ranks));
+        let mut load = vec![0usize; ranks];
+        for (i, r) in owner.iter().enumerate() {
+            load[*r] += sizes[i];
+        }
+        // Greedy largest-first: no rank exceeds the even share by more than the largest
+        // parameter (the embedding, alone on its rank when there are several).
+        let even = total / ranks;
+        let largest = *sizes.iter().max().unwrap();
+        assert!(
+            load.iter().all(|l| *l <= even + largest),
+            "{ranks}: {load:?}"
+        );
+        if ranks == 2 {
+            let (lo, hi) = (load[0].min(load[1]), load[0].max(load[1]));
+            assert!(((hi - lo) as f64) < 0.01 * total as f64, "{load:?}");
+        }
+    }
+    // Every rank owns something when there are enough parameters.
+    let owner = partition(&[5, 4, 3, 2, 1], 3);
+    assert_eq!(owner, vec![0, 1, 2, 2, 1]);
+    assert!(partition(&[], 4).is_empty());
+}

@@ -161,3 +161,98 @@ fn replicas_stay_identical_while_clipping() {
         );
     }
 }
+
+/// `training.zero = 1` trains as plain data parallelism does: the same per-step losses, and a
+/// final checkpoint (masters and moments gathered from both GPUs' shares) within rounding of the
+/// plain run's, every moment included. A run stopped at step 10 and resumed from its checkpoint
+/// (each rank taking its share of it again) repeats steps 11 to 20.
+#[test]
+#[ignore = "needs 2 GPUs"]
+fn zero_1_equals_plain_data_parallel() {
+    let _guard = serial();
+    // As in the two-GPU test: the same arithmetic, with reductions that may add in another order
+    // from run to run (atomics), so rounding differences may grow over the steps.
+    for (precision, loss_tol, value_tol) in [
+        (PrecisionKind::Fp32, 1e-4, 1e-3),
+        (PrecisionKind::Bf16, 4.0 * 2f64.powi(-8), 0.1),
+        (PrecisionKind::Fp16, 4.0 * 2f64.powi(-10), 0.1),
+    ] {
+        let mut plain = config(precision, 4, Devices::Count(2));
+        plain.training.checkpoint_interval = 10;
+        plain.training.keep_checkpoints = 2;
+        let mut zero = plain.clone();
+        zero.training.zero = 1;
+        let (la, ha, va) = train(&plain, &format!("zero_plain_{precision}"));
+        let (lb, hb, vb) = train(&zero, &format!("zero_one_{precision}"));
+        assert_eq!(
+            hb.replica_checksums[0], hb.replica_checksums[1],
+            "{precision}: the replicas' compute weights differ"
+        );
+        let worst = la
+            .iter()
+            .zip(&lb)
+            .map(|(a, b)| (a - b).abs() / a.abs())
+            .fold(0f64, f64::max);
+        println!("{precision}: ZeRO-1 against plain, largest relative loss difference {worst:.2e}");
+        assert_eq!(la.len(), lb.len());
+        assert!(
+            worst <= loss_tol,
+            "{precision}: losses differ by {worst:.2e}"
+        );
+        // Masters and both moments, element by element, in units of each tensor's scale: a
+        // moment or master lost in the gather would be zero or stale, far outside rounding.
+        let has =
+            |h: &checkpoint::Header| h.params.iter().map(|p| p.has_moments).collect::<Vec<_>>();
+        assert!(
+            has(&ha).iter().all(|m| *m),
+            "{precision}: every parameter has moments"
+        );
+        assert_eq!(
+            has(&ha),
+            has(&hb),
+            "{precision}: which parameters have moments"
+        );
+        let (a, b) = (&va, &vb);
+        let lr = plain.optimizer.lr as f32;
+        let mut at = 0;
+        for p in &ha.params {
+            let n: usize = p.shape.iter().product();
+            for (part, name) in ["value", "m", "v"].iter().enumerate() {
+                let (x, y) = (
+                    &a[at + part * n..at + (part + 1) * n],
+                    &b[at + part * n..at + (part + 1) * n],
+                );
+                let scale = x
+                    .iter()
+                    .fold(0f32, |s, v| s.max(v.abs()))
+                    .max(f32::MIN_POSITIVE);
+                let mean = x.iter().zip(y).map(|(x, y)| (x - y).abs()).sum::<f32>() / n as f32;
+                // Masters in units of lr, moments relative to their largest element.
+                let unit = if part == 0 { lr } else { scale };
+                assert!(
+                    mean <= value_tol as f32 * unit,
+                    "{precision}: {} {name}: mean difference {mean:.2e} (unit {unit:.2e})",
+                    p.name
+                );
+            }
+            at += 3 * n;
+        }
+
+        // Stopped at step 10 and resumed: steps 11-20 again from the step-10 checkpoint.
+        let dir = scratch(&format!("zero_resume_{precision}"));
+        let mut o = opts(dir.clone(), false);
+        o.stop_at = Some(10);
+        trainer::run(&zero, &cuda(), &o).unwrap_or_else(|e| panic!("{precision}: {e:#}"));
+        trainer::run(&zero, &cuda(), &opts(dir.clone(), true))
+            .unwrap_or_else(|e| panic!("{precision} resumed: {e:#}"));
+        let lr2: Vec<f64> = read_metrics(&dir).iter().map(|r| r.loss).collect();
+        assert_eq!(lr2.len(), 20);
+        for (step, (a, b)) in lb.iter().zip(&lr2).enumerate() {
+            assert!(
+                (a - b).abs() <= loss_tol * a.abs(),
+                "{precision} step {}: uninterrupted {a}, resumed {b}",
+                step + 1
+            );
+        }
+    }
+}

@@ -157,6 +157,10 @@ pub struct TrainingConfig {
     /// GPUs), "all", or a list of GPU indices. Every GPU computes `batch_size x grad_accum`
     /// sequences per step, so a step takes `devices` times the tokens of one GPU.
     pub devices: Devices,
+    /// ZeRO stage with several GPUs: 0 keeps the whole optimizer state on every GPU; 1 shards the
+    /// f32 master weights and AdamW moments across them (each GPU updates its share, then sends
+    /// the others the new compute weights): less memory per GPU, more communication per step.
+    pub zero: u8,
 }
 
 /// `training.devices`: which GPUs a run trains on.
@@ -311,6 +315,7 @@ impl Default for TrainingConfig {
             peak_tflops: 0.0,
             numerics_interval: 100,
             devices: Devices::Count(1),
+            zero: 0,
         }
     }
 }
@@ -519,6 +524,23 @@ impl Config {
             }
         }
         t.devices.validate()?;
+        match t.zero {
+            0 => {}
+            1 if t.devices.is_single() => {
+                return Err(
+                    "training.zero = 1 shards the optimizer state across the GPUs of training.devices, but training.devices = 1; \
+                     train on several GPUs (e.g. training.devices = 2) or set training.zero = 0"
+                        .into(),
+                )
+            }
+            1 => {}
+            z => {
+                return Err(format!(
+                    "training.zero must be 0 (every GPU keeps the whole optimizer state) or 1 (ZeRO-1: the f32 masters and AdamW \
+                     moments sharded across the GPUs), got {z}"
+                ))
+            }
+        }
         if !(t.peak_tflops >= 0.0) {
             return Err(format!(
                 "training.peak_tflops must be >= 0 (0 looks it up), got {}",
@@ -570,6 +592,13 @@ impl Config {
                 .map_err(|e| anyhow!(e))?;
             if ranks.len() > 1 {
                 crate::parallel::check_nccl(ranks.len())?;
+            } else if config.training.zero > 0 {
+                bail!(
+                    "training.zero = {} shards the optimizer state across GPUs, but training.devices = {} gives this run one GPU; \
+                     set training.zero = 0",
+                    config.training.zero,
+                    config.training.devices
+                );
             }
             // The run's config records the GPUs it trained on ("all" becomes the list).
             if config.training.devices == Devices::All {

@@ -50,6 +50,9 @@ pub struct AdamW<B: Backend> {
     /// [`model::Gpt::compute_copy_with`].
     pub copy: Option<(FloatDType, HashSet<ParamId>)>,
     pub copies: HashMap<ParamId, FloatTensor<B>>,
+    /// ZeRO-1 (`training.zero = 1`): the parameters this rank updates and keeps moments of; the
+    /// others' gradients are dropped (their owners update them). `None` updates every parameter.
+    pub owned: Option<HashSet<ParamId>>,
 }
 
 impl<B: Backend> AdamW<B> {
@@ -62,6 +65,7 @@ impl<B: Backend> AdamW<B> {
             fused: false,
             copy: None,
             copies: HashMap::new(),
+            owned: None,
         }
     }
 
@@ -88,6 +92,7 @@ impl<B: Backend> AdamW<B> {
             fused: self.fused,
             copy: self.copy.clone(),
             copies: self.copies.iter().map(|(id, c)| (*id, to(c))).collect(),
+            owned: self.owned.clone(),
         }
     }
 
@@ -247,6 +252,9 @@ where
         let Some(grad) = self.grads.remove::<AB::InnerBackend, D>(id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
+        if self.opt.owned.as_ref().is_some_and(|o| !o.contains(&id)) {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
         let require_grad = tensor.is_require_grad();
         let x = tensor.inner();
         let cfg = &self.opt.cfg;

@@ -30,6 +30,9 @@ pub trait Collective: Backend {
     /// of tensors). The result may only be read after [`Collective::sync`].
     fn all_reduce_mean(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self>;
 
+    /// The sum of `tensor` over the ranks, as [`Collective::all_reduce_mean`].
+    fn all_reduce_sum(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self>;
+
     /// Makes the device's compute stream wait for the collectives queued on it.
     fn sync(device: &Self::Device);
 }
@@ -42,13 +45,11 @@ where
     BT: burn_cubecl::BoolElement,
 {
     fn all_reduce_mean(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self> {
-        let reduced = <Self as DistributedBackend>::all_reduce(
-            tensor,
-            ReduceOperation::Mean,
-            devices.to_vec(),
-        );
-        // SAFETY: the step calls `sync` on this device before the reduced tensor is used.
-        unsafe { reduced.assume_resolved() }
+        all_reduce::<Self>(tensor, ReduceOperation::Mean, devices)
+    }
+
+    fn all_reduce_sum(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self> {
+        all_reduce::<Self>(tensor, ReduceOperation::Sum, devices)
     }
 
     fn sync(device: &Self::Device) {
@@ -56,8 +57,23 @@ where
     }
 }
 
+/// `DistributedBackend::all_reduce`, its result taken as resolved.
+fn all_reduce<B: DistributedBackend>(
+    tensor: FloatTensor<B>,
+    op: ReduceOperation,
+    devices: &[DeviceId],
+) -> FloatTensor<B> {
+    let reduced = B::all_reduce(tensor, op, devices.to_vec());
+    // SAFETY: every caller syncs the device (`Collective::sync`) before the result is used.
+    unsafe { reduced.assume_resolved() }
+}
+
 impl Collective for burn::backend::NdArray {
     fn all_reduce_mean(_: FloatTensor<Self>, _: &[DeviceId]) -> FloatTensor<Self> {
+        unreachable!("the config refuses training.devices above 1 off CUDA")
+    }
+
+    fn all_reduce_sum(_: FloatTensor<Self>, _: &[DeviceId]) -> FloatTensor<Self> {
         unreachable!("the config refuses training.devices above 1 off CUDA")
     }
 

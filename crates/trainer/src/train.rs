@@ -228,7 +228,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             tok_rates: Vec::new(),
             peak_memory: None,
         };
-        let (model, start_step) = if opts.resume {
+        let (mut model, start_step) = if opts.resume {
             let (model, restored) =
                 resume::<B>(opts, &existing, model, &mut opt, cfg, vocab, &console)?;
             if let Some(state) = restored.loss_scaler {
@@ -284,7 +284,12 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         // in its own thread.
         if devices.len() > 1 {
             let (devices, gpus): (Vec<_>, Vec<_>) = devices.into_iter().unzip();
-            session.ranks = Some(parallel::Ranks::start(&session, devices, gpus, &model));
+            let ranks = parallel::Ranks::start(&session, devices, gpus, &model);
+            // ZeRO-1: rank 0 takes its share once every other rank has copied the whole state.
+            if let Some((shard, _)) = &ranks.zero {
+                model = shard.take_share::<B, _>(model, &mut session.opt);
+            }
+            session.ranks = Some(ranks);
         }
         session.describe();
         session.log.console.bar = progress_bar(opts, session.steps, start_step);
@@ -321,6 +326,19 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 cfg.training.batch_size,
                 cfg.training.grad_accum
             ));
+            if let Some((_, split)) = &r.zero {
+                console.line(&format!(
+                    "ZeRO-1: each GPU keeps the f32 master weights and AdamW moments of its share of the {} parameters ({}); \
+                     the other weights it holds only as the compute copy",
+                    human(split.total as f64),
+                    r.gpus
+                        .iter()
+                        .zip(&split.owned)
+                        .map(|(g, n)| format!("GPU {g} {}", human(*n as f64)))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
         }
         let probe = Tensor::<B, 2>::zeros(
             [1, 1],
@@ -566,14 +584,20 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         let checksums = self
             .ranks
             .as_ref()
-            .map(|r| r.checksums(model))
+            .map(|r| r.checksums(model, &self.opt))
             .unwrap_or_default();
+        // ZeRO-1: the whole masters and moments, gathered on rank 0 for the file.
+        let whole = self.ranks.as_ref().and_then(|r| r.gather(model, &self.opt));
+        let (model, opt) = match &whole {
+            Some((m, o)) => (m, o),
+            None => (model, &self.opt),
+        };
         let p = &self.progress;
         let elapsed = p.elapsed_before + p.session_start.elapsed().as_secs_f64();
         checkpoint::save::<B, _>(
             &self.opts.run_dir,
             model,
-            &self.opt,
+            opt,
             cfg,
             self.vocab,
             done,

@@ -22,6 +22,7 @@ use crate::parallel::{self as dp, Collective};
 use crate::precision::Verdict;
 use crate::rng::SplitMix64;
 use crate::schedule::lr_at;
+use crate::zero::{self, Shard, Split};
 
 /// The ranks of a data-parallel run beyond rank 0 (whose model and optimizer are the session's,
 /// on the calling thread). Each runs in a thread of its own for the whole run, so that its work
@@ -34,6 +35,8 @@ pub(super) struct Ranks<B: crate::TrainBackend> {
     pub gpus: Vec<usize>,
     /// Ranks 1..
     workers: Vec<Worker>,
+    /// ZeRO-1: rank 0's share, and how the parameters are split over the ranks.
+    pub zero: Option<(Shard, Split)>,
 }
 
 /// What a rank's thread is asked to do.
@@ -47,6 +50,8 @@ enum Job {
     },
     /// The update held for the loss scaler's verdict.
     Apply { lr: f64, scale: f64 },
+    /// ZeRO-1: its part in gathering the whole masters and moments on rank 0.
+    Gather,
     /// The held update was skipped.
     Skip,
     /// The CRC-32 of its weights.
@@ -86,6 +91,15 @@ impl<B: crate::TrainBackend> Ranks<B> {
         model: &Gpt<B>,
     ) -> Self {
         let ids = dp::device_ids::<B>(&devices);
+        // ZeRO-1: every rank's share of the parameters (the weights with a compute copy are
+        // held in the compute dtype by their non-owners).
+        let params = zero::parameters(model);
+        let copy = (session.compute_dtype != burn::tensor::FloatDType::F32)
+            .then(|| (session.compute_dtype, model.compute_copy_ids()));
+        let shard = |rank: usize| {
+            (session.cfg.training.zero == 1)
+                .then(|| Shard::new(&params, rank, ids.clone(), copy.clone()))
+        };
         let workers = (1..devices.len())
             .map(|rank| {
                 // Rank 0's model and optimizer state, which the rank's thread copies to its GPU:
@@ -101,6 +115,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
                     fp8_linear: session.fp8_linear,
                     ids: ids.clone(),
                     device: devices[rank].clone(),
+                    zero: shard(rank),
                 };
                 let gpu = gpus[rank];
                 let thread = std::thread::Builder::new()
@@ -114,13 +129,23 @@ impl<B: crate::TrainBackend> Ranks<B> {
                 }
             })
             .collect();
+        let zero = shard(0).map(|s| {
+            let split = s.split(&params);
+            (s, split)
+        });
         let ranks = Ranks {
             devices,
             ids,
             gpus,
             workers,
+            zero,
         };
         ranks.wait();
+        // The copies' sends read rank 0's buffers on its GPU's collective stream, which nothing
+        // orders before rank 0's own later kernels: they wait for it from here on, so that a
+        // buffer rank 0 frees (its ZeRO-1 share drops the rest of the state) is not reused while
+        // a send still reads it.
+        <B::InnerBackend as Collective>::sync(&model.wte.weight.val().inner().device());
         ranks
     }
 
@@ -147,13 +172,56 @@ impl<B: crate::TrainBackend> Ranks<B> {
             .collect()
     }
 
-    /// The CRC-32 of every rank's weights, rank 0 (`model`) first.
-    pub fn checksums(&self, model: &Gpt<B>) -> Vec<u32> {
+    /// The CRC-32 of every rank's weights, rank 0 (`model`, `opt`) first; with ZeRO-1, of the
+    /// compute weights every rank holds whole ([`Shard::checksum`]).
+    pub fn checksums(&self, model: &Gpt<B>, opt: &AdamW<B::InnerBackend>) -> Vec<u32> {
         self.send(|| Job::Checksum);
-        let first = dp::weights_checksum::<B, _>(model);
+        let first = checksum(self.zero.as_ref().map(|z| &z.0), model, opt);
         std::iter::once(first)
             .chain(self.wait().into_iter().map(|c| c as u32))
             .collect()
+    }
+
+    /// ZeRO-1: the whole model and optimizer state on rank 0 (for a checkpoint), gathered from
+    /// every rank's share; `None` without ZeRO (rank 0 holds them).
+    pub fn gather(
+        &self,
+        model: &Gpt<B>,
+        opt: &AdamW<B::InnerBackend>,
+    ) -> Option<(Gpt<B>, AdamW<B::InnerBackend>)> {
+        let (shard, _) = self.zero.as_ref()?;
+        self.send(|| Job::Gather);
+        let whole = shard.gather::<B, _>(model, opt, true);
+        self.wait();
+        whole
+    }
+}
+
+/// A replica's weights checksum: of its masters, or with ZeRO-1 of its compute weights.
+fn checksum<B: crate::TrainBackend>(
+    zero: Option<&Shard>,
+    model: &Gpt<B>,
+    opt: &AdamW<B::InnerBackend>,
+) -> u32 {
+    match zero {
+        Some(z) => z.checksum::<B, _>(model, opt),
+        None => dp::weights_checksum::<B, _>(model),
+    }
+}
+
+/// The update of a step: AdamW on the averaged gradients, then with ZeRO-1 every rank's share
+/// handed to the others.
+fn update<B: crate::TrainBackend>(
+    opt: &mut AdamW<B::InnerBackend>,
+    zero: Option<&Shard>,
+    (lr, scale): (f64, f64),
+    model: Gpt<B>,
+    (grads, norm): (GradientsParams, Tensor<B::InnerBackend, 1>),
+) -> Gpt<B> {
+    let model = opt.step::<B, _>(lr, model, grads, norm, scale);
+    match zero {
+        Some(z) => z.publish::<B, _>(model, opt),
+        None => model,
     }
 }
 
@@ -173,6 +241,8 @@ struct Own<B: crate::TrainBackend> {
     fp8_linear: Option<kernels::Fp8LinearConfig>,
     ids: Vec<DeviceId>,
     device: B::Device,
+    /// ZeRO-1: this rank's share.
+    zero: Option<Shard>,
 }
 
 impl<B: crate::TrainBackend> Own<B> {
@@ -189,8 +259,13 @@ impl<B: crate::TrainBackend> Own<B> {
         let (model, opt) = from;
         let model = model.fork(&self.device);
         let inner = model.wte.weight.val().inner().device();
+        let mut own_opt = opt.fork(&inner);
+        let model = match &self.zero {
+            Some(z) => z.take_share::<B, _>(model, &mut own_opt),
+            None => model,
+        };
         let mut r = Replica {
-            opt: opt.fork(&inner),
+            opt: own_opt,
             model: Some(model),
             held: None,
         };
@@ -222,6 +297,7 @@ impl<B: crate::TrainBackend> Own<B> {
                             fp8_linear: self.fp8_linear,
                         },
                         ids: &self.ids,
+                        zero: self.zero.as_ref(),
                         step,
                         lr,
                         scale,
@@ -235,17 +311,27 @@ impl<B: crate::TrainBackend> Own<B> {
                     B::memory_reserved(&self.device).unwrap_or(0)
                 }
                 Job::Apply { lr, scale } => {
-                    let (grads, norm) = r.held.take().expect("a held update");
+                    let held = r.held.take().expect("a held update");
                     let model = r.model.take().expect("the replica's model");
-                    r.model = Some(r.opt.step::<B, _>(lr, model, grads, norm, scale));
+                    let zero = self.zero.as_ref();
+                    r.model = Some(update(&mut r.opt, zero, (lr, scale), model, held));
                     B::memory_reserved(&self.device).unwrap_or(0)
+                }
+                Job::Gather => {
+                    let model = r.model.as_ref().expect("the replica's model");
+                    if let Some(z) = &self.zero {
+                        z.gather::<B, _>(model, &r.opt, true);
+                    }
+                    0
                 }
                 Job::Skip => {
                     r.held = None;
                     B::memory_reserved(&self.device).unwrap_or(0)
                 }
-                Job::Checksum => u64::from(dp::weights_checksum::<B, _>(
+                Job::Checksum => u64::from(checksum(
+                    self.zero.as_ref(),
                     r.model.as_ref().expect("the replica's model"),
+                    &r.opt,
                 )),
             };
             if done.send(answer).is_err() {
@@ -270,6 +356,8 @@ struct RankOut<B: crate::TrainBackend> {
 struct RankStep<'a> {
     ctx: StepCtx<'a>,
     ids: &'a [DeviceId],
+    /// ZeRO-1: this rank's share.
+    zero: Option<&'a Shard>,
     step: u64,
     lr: f64,
     scale: f64,
@@ -329,10 +417,8 @@ impl RankStep<'_> {
         <B::InnerBackend as Collective>::sync(&inner);
         let norm = stats.clone().narrow(0, 1, 1);
         let (model, held) = if self.update_now {
-            (
-                opt.step::<B, _>(self.lr, model, grads, norm, self.scale),
-                None,
-            )
+            let at = (self.lr, self.scale);
+            (update(opt, self.zero, at, model, (grads, norm)), None)
         } else {
             (model, Some((grads, norm)))
         };
@@ -403,6 +489,7 @@ impl<B: crate::TrainBackend> Session<'_, B> {
                 fp8_linear: self.fp8_linear,
             },
             ids: &ranks.ids,
+            zero: ranks.zero.as_ref().map(|z| &z.0),
             step,
             lr,
             scale,
@@ -420,9 +507,10 @@ impl<B: crate::TrainBackend> Session<'_, B> {
         let mut model = out.model;
         let skipped = match self.scaler.update(finite, step + 1) {
             Verdict::Apply => {
-                if let Some((grads, norm)) = out.held {
+                if let Some(held) = out.held {
                     ranks.send(|| Job::Apply { lr, scale });
-                    model = self.opt.step::<B, _>(lr, model, grads, norm, scale);
+                    let zero = ranks.zero.as_ref().map(|z| &z.0);
+                    model = update(&mut self.opt, zero, (lr, scale), model, held);
                     memory = ranks.wait();
                 }
                 false

@@ -1,0 +1,375 @@
+//! ZeRO stage 1 (`training.zero = 1`): in a data-parallel run, each rank keeps the AdamW moments
+//! and the f32 master weights of its own share of the parameters only.
+//!
+//! Every parameter has one owner. After the gradients are averaged, a rank updates the parameters
+//! it owns and drops the other gradients; the owners then hand every rank the new compute form of
+//! their parameters (the bf16 or f16 copy of the weights that run in the compute dtype, the f32
+//! value of the others). A rank that does not own a weight with a low-precision copy holds that
+//! copy only: its f32 master and moments live on the owner.
+//!
+//! Burn's collectives offer all-reduce alone, so the hand-over is an all-reduce sum in which every
+//! rank but the owner contributes zeros (exact: `x + 0 = x`). It moves each value twice over the
+//! links where NCCL's all-gather would move it once, and the gradient average stays a full
+//! all-reduce (a reduce-scatter would move half): ZeRO-1 here trades communication for memory.
+//!
+//! Evaluation and checkpoints need whole masters and moments on rank 0; [`Shard::gather`] builds
+//! them there for the moment they are used, with the same zero-padded all-reduce.
+
+use std::collections::{HashMap, HashSet};
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
+use burn_backend::DeviceId;
+
+use crate::optim::{to_prim, to_tensor, AdamW, Moments};
+use crate::parallel::Collective;
+
+/// Assigns each parameter, given by its number of elements, to one of `ranks` ranks: the largest
+/// first, each to the rank holding the fewest elements so far (the lowest rank on a tie). The
+/// result is the owner of each parameter, in the order given; it depends only on the sizes, so
+/// every rank computes the same.
+pub fn partition(sizes: &[usize], ranks: usize) -> Vec<usize> {
+    assert!(ranks > 0, "at least one rank");
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
+    let mut load = vec![0usize; ranks];
+    let mut owner = vec![0usize; sizes.len()];
+    for i in order {
+        let r = (0..ranks)
+            .min_by_key(|&r| (load[r], r))
+            .expect("at least one rank");
+        owner[i] = r;
+        load[r] += sizes[i];
+    }
+    owner
+}
+
+/// The parameters of `module` in its visiting order: id and number of elements.
+pub fn parameters<B: Backend, M: burn::module::Module<B>>(module: &M) -> Vec<(ParamId, usize)> {
+    struct List(Vec<(ParamId, usize)>);
+    impl<B: Backend> ModuleVisitor<B> for List {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push((param.id, param.shape().num_elements()));
+        }
+    }
+    let mut l = List(Vec::new());
+    module.visit(&mut l);
+    l.0
+}
+
+/// One rank's share of a ZeRO-1 run.
+#[derive(Clone)]
+pub struct Shard {
+    pub rank: usize,
+    /// Every rank's device id, as the collectives name them.
+    pub ids: Vec<DeviceId>,
+    owner: HashMap<ParamId, usize>,
+    /// The compute dtype and the weights that run in it through a copy (none when it is f32).
+    copy: Option<(FloatDType, HashSet<ParamId>)>,
+}
+
+/// Elements held per rank: what each owns, and the whole model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Split {
+    pub owned: Vec<usize>,
+    pub total: usize,
+}
+
+impl Shard {
+    /// Rank `rank`'s share of `params` (see [`parameters`]) over the ranks of `ids`; `copy` as in
+    /// [`Shard::copy`].
+    pub fn new(
+        params: &[(ParamId, usize)],
+        rank: usize,
+        ids: Vec<DeviceId>,
+        copy: Option<(FloatDType, HashSet<ParamId>)>,
+    ) -> Self {
+        let sizes: Vec<usize> = params.iter().map(|p| p.1).collect();
+        let owners = partition(&sizes, ids.len());
+        Self {
+            rank,
+            ids,
+            owner: params.iter().map(|p| p.0).zip(owners).collect(),
+            copy,
+        }
+    }
+
+    /// The elements each rank owns, for the log.
+    pub fn split(&self, params: &[(ParamId, usize)]) -> Split {
+        let mut owned = vec![0; self.ids.len()];
+        for (id, n) in params {
+            owned[self.owner[id]] += n;
+        }
+        Split {
+            owned,
+            total: params.iter().map(|p| p.1).sum(),
+        }
+    }
+
+    /// Whether this rank owns the parameter.
+    pub fn owns(&self, id: &ParamId) -> bool {
+        self.owner.get(id) == Some(&self.rank)
+    }
+
+    /// The parameters this rank updates.
+    pub fn owned(&self) -> HashSet<ParamId> {
+        self.owner
+            .iter()
+            .filter(|(_, r)| **r == self.rank)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// The dtype a parameter runs in: the compute dtype for a weight with a copy, f32 otherwise.
+    fn compute_dtype(&self, id: &ParamId) -> Option<FloatDType> {
+        self.copy
+            .as_ref()
+            .and_then(|(dt, ids)| ids.contains(id).then_some(*dt))
+    }
+
+    /// Turns a whole replica (rank 0's state, as a fresh or resumed run starts) into this rank's
+    /// share: the optimizer keeps the moments of the owned parameters only and updates only those;
+    /// a weight with a copy that another rank owns keeps only its copy, as the parameter's value.
+    pub fn take_share<AB, M>(&self, model: M, opt: &mut AdamW<AB::InnerBackend>) -> M
+    where
+        AB: AutodiffBackend,
+        M: AutodiffModule<AB>,
+    {
+        opt.moments.retain(|id, _| self.owns(id));
+        opt.copies.retain(|id, _| self.owns(id));
+        opt.owned = Some(self.owned());
+        struct Share<'a, B: Backend> {
+            shard: &'a Shard,
+            copies: &'a mut HashMap<ParamId, FloatTensor<B>>,
+        }
+        impl<AB: AutodiffBackend> ModuleMapper<AB> for Share<'_, AB::InnerBackend> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<AB, D>>,
+            ) -> Param<Tensor<AB, D>> {
+                let (id, tensor, mapper) = param.consume();
+                let dt = self.shard.compute_dtype(&id);
+                let tensor = match dt {
+                    Some(dt) if !self.shard.owns(&id) => {
+                        let grad = tensor.is_require_grad();
+                        let c = tensor.inner().cast(dt);
+                        self.copies.insert(id, to_prim(c.clone()));
+                        with_grad(Tensor::from_inner(c), grad)
+                    }
+                    _ => tensor,
+                };
+                Param::from_mapped_value(id, tensor, mapper)
+            }
+        }
+        model.map(&mut Share {
+            shard: self,
+            copies: &mut opt.copies,
+        })
+    }
+
+    /// After an update of the owned parameters: every rank receives every parameter's compute
+    /// form from its owner. The owner of a weight with a copy keeps its master and takes the copy
+    /// as received; every other parameter's value becomes the received one. Collectives in the
+    /// module's order, the same on every rank; then the device waits for them.
+    pub fn publish<AB, M>(&self, model: M, opt: &mut AdamW<AB::InnerBackend>) -> M
+    where
+        AB: AutodiffBackend,
+        AB::InnerBackend: Collective,
+        M: AutodiffModule<AB>,
+    {
+        struct Publish<'a, B: Backend> {
+            shard: &'a Shard,
+            copies: &'a mut HashMap<ParamId, FloatTensor<B>>,
+            device: Option<B::Device>,
+        }
+        impl<AB: AutodiffBackend> ModuleMapper<AB> for Publish<'_, AB::InnerBackend>
+        where
+            AB::InnerBackend: Collective,
+        {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<AB, D>>,
+            ) -> Param<Tensor<AB, D>> {
+                let (id, tensor, mapper) = param.consume();
+                let grad = tensor.is_require_grad();
+                let x = tensor.inner();
+                self.device.get_or_insert_with(|| x.device());
+                let owns = self.shard.owns(&id);
+                let dt = self.shard.compute_dtype(&id);
+                let mine = match (owns, dt) {
+                    // The copy the fused step wrote, else the cast of the new master.
+                    (true, Some(dt)) => match self.copies.remove(&id) {
+                        Some(c) => to_tensor::<_, D>(&c),
+                        None => x.clone().cast(dt),
+                    },
+                    (true, None) => x.clone(),
+                    (false, _) => x.zeros_like(),
+                };
+                let got = sum(mine, &self.shard.ids);
+                let value = match (owns, dt) {
+                    (true, Some(_)) => {
+                        self.copies.insert(id, to_prim(got));
+                        x
+                    }
+                    (false, Some(_)) => {
+                        self.copies.insert(id, to_prim(got.clone()));
+                        got
+                    }
+                    (_, None) => got,
+                };
+                Param::from_mapped_value(id, with_grad(Tensor::from_inner(value), grad), mapper)
+            }
+        }
+        let mut p = Publish {
+            shard: self,
+            copies: &mut opt.copies,
+            device: None,
+        };
+        let model = model.map(&mut p);
+        if let Some(d) = p.device {
+            <AB::InnerBackend as Collective>::sync(&d);
+        }
+        model
+    }
+
+    /// The whole f32 model (and with `moments`, the whole optimizer state) on rank 0, gathered
+    /// from the owners; `None` on the other ranks, which take part in the same collectives.
+    pub fn gather<AB, M>(
+        &self,
+        model: &M,
+        opt: &AdamW<AB::InnerBackend>,
+        moments: bool,
+    ) -> Option<(M, AdamW<AB::InnerBackend>)>
+    where
+        AB: AutodiffBackend,
+        AB::InnerBackend: Collective,
+        M: AutodiffModule<AB>,
+    {
+        // Every parameter has moments after the first update (each receives a gradient); a
+        // parameter without one is gathered as zeros.
+        let moments = moments && opt.step > 0;
+        struct Gather<'a, B: Backend> {
+            shard: &'a Shard,
+            opt: &'a AdamW<B>,
+            moments: bool,
+            /// Gathered moments (on ranks other than 0 too: kept until the device has waited for
+            /// the collectives that write them).
+            whole: HashMap<ParamId, Moments<B>>,
+            device: Option<B::Device>,
+        }
+        impl<B: Collective> Gather<'_, B> {
+            fn one<const D: usize>(&mut self, owns: bool, t: Tensor<B, D>) -> Tensor<B, D> {
+                let mine = if owns {
+                    t.clone().cast(FloatDType::F32)
+                } else {
+                    Tensor::zeros(t.shape(), (&t.device(), burn::tensor::DType::F32))
+                };
+                sum(mine, &self.shard.ids)
+            }
+        }
+        impl<AB: AutodiffBackend> ModuleMapper<AB> for Gather<'_, AB::InnerBackend>
+        where
+            AB::InnerBackend: Collective,
+        {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<AB, D>>,
+            ) -> Param<Tensor<AB, D>> {
+                let (id, tensor, mapper) = param.consume();
+                let grad = tensor.is_require_grad();
+                let x = tensor.inner();
+                self.device.get_or_insert_with(|| x.device());
+                let owns = self.shard.owns(&id);
+                let value = self.one(owns, x.clone());
+                if self.moments {
+                    let (m, v) = match self.opt.moments.get(&id) {
+                        Some(s) => (to_tensor::<_, D>(&s.m), to_tensor::<_, D>(&s.v)),
+                        None => (x.zeros_like(), x.zeros_like()),
+                    };
+                    let m = self.one(owns, m);
+                    let v = self.one(owns, v);
+                    self.whole.insert(
+                        id,
+                        Moments {
+                            m: to_prim(m),
+                            v: to_prim(v),
+                        },
+                    );
+                }
+                Param::from_mapped_value(id, with_grad(Tensor::from_inner(value), grad), mapper)
+            }
+        }
+        let mut g = Gather {
+            shard: self,
+            opt,
+            moments,
+            whole: HashMap::new(),
+            device: None,
+        };
+        let whole_model = model.clone().map(&mut g);
+        if let Some(d) = &g.device {
+            <AB::InnerBackend as Collective>::sync(d);
+        }
+        if self.rank != 0 {
+            return None;
+        }
+        let mut whole_opt = opt.clone();
+        whole_opt.owned = None;
+        if moments {
+            whole_opt.moments = g.whole;
+        }
+        Some((whole_model, whole_opt))
+    }
+
+    /// CRC-32 of the compute form of every parameter (a weight's copy, the others' f32 value), as
+    /// every rank holds it after [`Shard::publish`]: equal on replicas that stayed identical.
+    pub fn checksum<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+        &self,
+        model: &M,
+        opt: &AdamW<AB::InnerBackend>,
+    ) -> u32 {
+        struct Crc<'a, B: AutodiffBackend> {
+            shard: &'a Shard,
+            copies: &'a HashMap<ParamId, FloatTensor<B::InnerBackend>>,
+            hasher: crc32fast::Hasher,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Crc<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let x = param.val().inner();
+                let form = match (
+                    self.shard.compute_dtype(&param.id),
+                    self.copies.get(&param.id),
+                ) {
+                    (Some(_), Some(c)) => to_tensor::<_, D>(c),
+                    (Some(dt), None) => x.cast(dt),
+                    (None, _) => x,
+                };
+                self.hasher.update(&form.into_data().bytes);
+            }
+        }
+        let mut c = Crc::<AB> {
+            shard: self,
+            copies: &opt.copies,
+            hasher: crc32fast::Hasher::new(),
+        };
+        model.visit(&mut c);
+        c.hasher.finalize()
+    }
+}
+
+/// The sum over the ranks (every rank calls it, in the same order); read after the device's sync.
+fn sum<B: Collective, const D: usize>(t: Tensor<B, D>, ids: &[DeviceId]) -> Tensor<B, D> {
+    let reduced = B::all_reduce_sum(t.into_primitive().tensor(), ids);
+    Tensor::from_primitive(TensorPrimitive::Float(reduced))
+}
+
+/// `t` as a parameter value that requires a gradient when the one it replaces did.
+fn with_grad<AB: AutodiffBackend, const D: usize>(t: Tensor<AB, D>, grad: bool) -> Tensor<AB, D> {
+    if grad {
+        t.require_grad()
+    } else {
+        t
+    }
+}
