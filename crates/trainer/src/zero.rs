@@ -12,15 +12,16 @@
 //! links where NCCL's all-gather would move it once, and the gradient average stays a full
 //! all-reduce (a reduce-scatter would move half): ZeRO-1 here trades communication for memory.
 //!
-//! Evaluation and checkpoints need whole masters and moments on rank 0; [`Shard::gather`] builds
-//! them there for the moment they are used, with the same zero-padded all-reduce.
+//! A checkpoint needs the whole masters and moments on rank 0: every rank reads its share back
+//! ([`Shard::share`]) and rank 0 assembles them ([`Shard::whole`]) for the moment it writes the
+//! file. Evaluation needs nothing more: it runs on the compute weights, which every rank holds.
 
 use std::collections::{HashMap, HashSet};
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 use burn_backend::DeviceId;
 
 use crate::optim::{to_prim, to_tensor, AdamW, Moments};
@@ -68,6 +69,13 @@ pub struct Shard {
     owner: HashMap<ParamId, usize>,
     /// The compute dtype and the weights that run in it through a copy (none when it is f32).
     copy: Option<(FloatDType, HashSet<ParamId>)>,
+}
+
+/// One parameter of a rank's share, on the host: its f32 master, and its moments once it has them.
+pub struct Owned {
+    pub id: ParamId,
+    pub value: TensorData,
+    pub moments: Option<(TensorData, TensorData)>,
 }
 
 /// Elements held per rank: what each owns, and the whole model.
@@ -234,93 +242,97 @@ impl Shard {
         model
     }
 
-    /// The whole f32 model (and with `moments`, the whole optimizer state) on rank 0, gathered
-    /// from the owners; `None` on the other ranks, which take part in the same collectives.
-    pub fn gather<AB, M>(
+    /// This rank's share of the state, read back to the host: the f32 master of every parameter it
+    /// owns, with its moments once it has them (for [`Shard::whole`] on rank 0).
+    pub fn share<AB, M>(&self, model: &M, opt: &AdamW<AB::InnerBackend>) -> Vec<Owned>
+    where
+        AB: AutodiffBackend,
+        M: AutodiffModule<AB>,
+    {
+        struct Share<'a, B: Backend> {
+            shard: &'a Shard,
+            opt: &'a AdamW<B>,
+            out: Vec<Owned>,
+        }
+        impl<AB: AutodiffBackend> ModuleVisitor<AB> for Share<'_, AB::InnerBackend> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                if !self.shard.owns(&param.id) {
+                    return;
+                }
+                let moments = self.opt.moments.get(&param.id).map(|s| {
+                    (
+                        to_tensor::<AB::InnerBackend, D>(&s.m).into_data(),
+                        to_tensor::<AB::InnerBackend, D>(&s.v).into_data(),
+                    )
+                });
+                self.out.push(Owned {
+                    id: param.id,
+                    value: param.val().inner().into_data(),
+                    moments,
+                });
+            }
+        }
+        let mut v = Share {
+            shard: self,
+            opt,
+            out: Vec::new(),
+        };
+        model.visit(&mut v);
+        v.out
+    }
+
+    /// On rank 0: the whole f32 model and optimizer state (for a checkpoint), from its own share
+    /// and the other ranks' [`Shard::share`]s. The state moves through the host, as a checkpoint's
+    /// does anyway, so nothing here waits on a collective.
+    pub fn whole<AB, M>(
         &self,
         model: &M,
         opt: &AdamW<AB::InnerBackend>,
-        moments: bool,
-    ) -> Option<(M, AdamW<AB::InnerBackend>)>
+        shares: Vec<Owned>,
+    ) -> (M, AdamW<AB::InnerBackend>)
     where
         AB: AutodiffBackend,
-        AB::InnerBackend: Collective,
         M: AutodiffModule<AB>,
     {
-        // Every parameter has moments after the first update (each receives a gradient); a
-        // parameter without one is gathered as zeros.
-        let moments = moments && opt.step > 0;
-        struct Gather<'a, B: Backend> {
-            shard: &'a Shard,
-            opt: &'a AdamW<B>,
-            moments: bool,
-            /// Gathered moments (on ranks other than 0 too: kept until the device has waited for
-            /// the collectives that write them).
-            whole: HashMap<ParamId, Moments<B>>,
-            device: Option<B::Device>,
+        struct Whole<'a, B: Backend> {
+            others: HashMap<ParamId, Owned>,
+            moments: &'a mut HashMap<ParamId, Moments<B>>,
         }
-        impl<B: Collective> Gather<'_, B> {
-            fn one<const D: usize>(&mut self, owns: bool, t: Tensor<B, D>) -> Tensor<B, D> {
-                let mine = if owns {
-                    t.clone().cast(FloatDType::F32)
-                } else {
-                    Tensor::zeros(t.shape(), (&t.device(), burn::tensor::DType::F32))
-                };
-                sum(mine, &self.shard.ids)
-            }
-        }
-        impl<AB: AutodiffBackend> ModuleMapper<AB> for Gather<'_, AB::InnerBackend>
-        where
-            AB::InnerBackend: Collective,
-        {
+        impl<AB: AutodiffBackend> ModuleMapper<AB> for Whole<'_, AB::InnerBackend> {
             fn map_float<const D: usize>(
                 &mut self,
                 param: Param<Tensor<AB, D>>,
             ) -> Param<Tensor<AB, D>> {
                 let (id, tensor, mapper) = param.consume();
+                let Some(o) = self.others.remove(&id) else {
+                    return Param::from_mapped_value(id, tensor, mapper);
+                };
                 let grad = tensor.is_require_grad();
-                let x = tensor.inner();
-                self.device.get_or_insert_with(|| x.device());
-                let owns = self.shard.owns(&id);
-                let value = self.one(owns, x.clone());
-                if self.moments {
-                    let (m, v) = match self.opt.moments.get(&id) {
-                        Some(s) => (to_tensor::<_, D>(&s.m), to_tensor::<_, D>(&s.v)),
-                        None => (x.zeros_like(), x.zeros_like()),
-                    };
-                    let m = self.one(owns, m);
-                    let v = self.one(owns, v);
-                    self.whole.insert(
+                let device = tensor.inner().device();
+                let up = |d: TensorData| {
+                    Tensor::<AB::InnerBackend, D>::from_data(d, (&device, DType::F32))
+                };
+                if let Some((m, v)) = o.moments {
+                    self.moments.insert(
                         id,
                         Moments {
-                            m: to_prim(m),
-                            v: to_prim(v),
+                            m: to_prim(up(m)),
+                            v: to_prim(up(v)),
                         },
                     );
                 }
-                Param::from_mapped_value(id, with_grad(Tensor::from_inner(value), grad), mapper)
+                let value = with_grad(Tensor::from_inner(up(o.value)), grad);
+                Param::from_mapped_value(id, value, mapper)
             }
-        }
-        let mut g = Gather {
-            shard: self,
-            opt,
-            moments,
-            whole: HashMap::new(),
-            device: None,
-        };
-        let whole_model = model.clone().map(&mut g);
-        if let Some(d) = &g.device {
-            <AB::InnerBackend as Collective>::sync(d);
-        }
-        if self.rank != 0 {
-            return None;
         }
         let mut whole_opt = opt.clone();
         whole_opt.owned = None;
-        if moments {
-            whole_opt.moments = g.whole;
-        }
-        Some((whole_model, whole_opt))
+        whole_opt.copies.clear();
+        let whole_model = model.clone().map(&mut Whole {
+            others: shares.into_iter().map(|o| (o.id, o)).collect(),
+            moments: &mut whole_opt.moments,
+        });
+        (whole_model, whole_opt)
     }
 
     /// CRC-32 of the compute form of every parameter (a weight's copy, the others' f32 value), as

@@ -50,8 +50,8 @@ enum Job {
     },
     /// The update held for the loss scaler's verdict.
     Apply { lr: f64, scale: f64 },
-    /// ZeRO-1: its part in gathering the whole masters and moments on rank 0.
-    Gather,
+    /// ZeRO-1: its share of the masters and moments, to the host (for rank 0's checkpoint).
+    Share,
     /// The held update was skipped.
     Skip,
     /// The CRC-32 of its weights.
@@ -64,6 +64,8 @@ struct Worker {
     jobs: Option<Sender<Job>>,
     /// Each job's answer: the rank's reserved memory after it (bytes), or a checksum.
     done: Receiver<u64>,
+    /// ZeRO-1: the rank's share of the state, for a checkpoint.
+    shares: Receiver<Vec<zero::Owned>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -108,6 +110,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
                 let from = (model.clone(), session.opt.clone());
                 let (jobs, rx) = channel();
                 let (tx, done) = channel();
+                let (share_tx, shares) = channel();
                 let own = Own {
                     cfg: session.cfg.clone(),
                     data: session.data.clone(),
@@ -120,11 +123,12 @@ impl<B: crate::TrainBackend> Ranks<B> {
                 let gpu = gpus[rank];
                 let thread = std::thread::Builder::new()
                     .name(format!("rank {rank}"))
-                    .spawn(move || as_rank(rank, gpu, || own.serve(rank, from, rx, tx)))
+                    .spawn(move || as_rank(rank, gpu, || own.serve(rank, from, rx, (tx, share_tx))))
                     .expect("a thread for each rank");
                 Worker {
                     jobs: Some(jobs),
                     done,
+                    shares,
                     thread: Some(thread),
                 }
             })
@@ -182,7 +186,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
             .collect()
     }
 
-    /// ZeRO-1: the whole model and optimizer state on rank 0 (for a checkpoint), gathered from
+    /// ZeRO-1: the whole model and optimizer state on rank 0 (for a checkpoint), assembled from
     /// every rank's share; `None` without ZeRO (rank 0 holds them).
     pub fn gather(
         &self,
@@ -190,10 +194,19 @@ impl<B: crate::TrainBackend> Ranks<B> {
         opt: &AdamW<B::InnerBackend>,
     ) -> Option<(Gpt<B>, AdamW<B::InnerBackend>)> {
         let (shard, _) = self.zero.as_ref()?;
-        self.send(|| Job::Gather);
-        let whole = shard.gather::<B, _>(model, opt, true);
+        self.send(|| Job::Share);
+        let shares = self
+            .workers
+            .iter()
+            .zip(1..)
+            .flat_map(|(w, rank)| {
+                w.shares
+                    .recv()
+                    .unwrap_or_else(|_| rank_gone(rank, self.gpus[rank]))
+            })
+            .collect();
         self.wait();
-        whole
+        Some(shard.whole::<B, _>(model, opt, shares))
     }
 }
 
@@ -253,7 +266,7 @@ impl<B: crate::TrainBackend> Own<B> {
         rank: usize,
         from: (Gpt<B>, AdamW<B::InnerBackend>),
         jobs: Receiver<Job>,
-        done: Sender<u64>,
+        (done, shares): (Sender<u64>, Sender<Vec<zero::Owned>>),
     ) {
         use burn::module::Module;
         let (model, opt) = from;
@@ -317,10 +330,14 @@ impl<B: crate::TrainBackend> Own<B> {
                     r.model = Some(update(&mut r.opt, zero, (lr, scale), model, held));
                     B::memory_reserved(&self.device).unwrap_or(0)
                 }
-                Job::Gather => {
+                Job::Share => {
                     let model = r.model.as_ref().expect("the replica's model");
-                    if let Some(z) = &self.zero {
-                        z.gather::<B, _>(model, &r.opt, true);
+                    let share = match &self.zero {
+                        Some(z) => z.share::<B, _>(model, &r.opt),
+                        None => Vec::new(),
+                    };
+                    if shares.send(share).is_err() {
+                        return;
                     }
                     0
                 }
