@@ -524,23 +524,7 @@ impl Config {
             }
         }
         t.devices.validate()?;
-        match t.zero {
-            0 => {}
-            1 if t.devices.is_single() => {
-                return Err(
-                    "training.zero = 1 shards the optimizer state across the GPUs of training.devices, but training.devices = 1; \
-                     train on several GPUs (e.g. training.devices = 2) or set training.zero = 0"
-                        .into(),
-                )
-            }
-            1 => {}
-            z => {
-                return Err(format!(
-                    "training.zero must be 0 (every GPU keeps the whole optimizer state) or 1 (ZeRO-1: the f32 masters and AdamW \
-                     moments sharded across the GPUs), got {z}"
-                ))
-            }
-        }
+        self.validate_zero()?;
         if !(t.peak_tflops >= 0.0) {
             return Err(format!(
                 "training.peak_tflops must be >= 0 (0 looks it up), got {}",
@@ -555,6 +539,30 @@ impl Config {
         }
         self.recipe()?;
         Ok(())
+    }
+
+    /// `training.zero`: 0, or 1 on several GPUs with f32 compute.
+    fn validate_zero(&self) -> std::result::Result<(), String> {
+        let t = &self.training;
+        match t.zero {
+            0 => Ok(()),
+            1 if t.devices.is_single() => Err(
+                "training.zero = 1 shards the optimizer state across the GPUs of training.devices, but training.devices = 1; \
+                 train on several GPUs (e.g. training.devices = 2) or set training.zero = 0"
+                    .into(),
+            ),
+            1 if self.precision != PrecisionKind::Fp32 => Err(format!(
+                "training.zero = 1 needs precision = \"fp32\" for now (precision is \"{}\", which trains through bf16/fp16 \
+                 compute copies; with them a two-GPU ZeRO-1 run can hang in its first step); set precision = \"fp32\" or \
+                 training.zero = 0",
+                self.precision
+            )),
+            1 => Ok(()),
+            z => Err(format!(
+                "training.zero must be 0 (every GPU keeps the whole optimizer state) or 1 (ZeRO-1: the f32 masters and AdamW \
+                 moments sharded across the GPUs), got {z}"
+            )),
+        }
     }
 
     /// The precision recipe of `precision`, `[loss_scale]` and `[fp8]` (`precision = "auto"` as
