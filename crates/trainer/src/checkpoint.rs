@@ -26,7 +26,7 @@ use model::GptConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, DataConfig};
-use crate::optim::{to_prim, to_tensor, AdamW, Moments};
+use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
 use crate::precision::{PrecisionKind, Recipe, ScalerState};
 
 const MAGIC: &[u8; 8] = b"BMXCKPT1";
@@ -370,11 +370,7 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Restore<'_, AB::InnerBackend> {
             let v = to_prim(self.take::<D>(&shape, &device));
             self.moments.push((id, Moments { m, v }));
         }
-        let require_grad = tensor.is_require_grad();
-        let mut out = Tensor::<AB, D>::from_inner(value);
-        if require_grad {
-            out = out.require_grad();
-        }
+        let out = with_grad(Tensor::<AB, D>::from_inner(value), tensor.is_require_grad());
         Param::from_mapped_value(id, out, mapper)
     }
 }

@@ -34,6 +34,18 @@ pub(crate) fn to_prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTenso
     t.into_primitive().tensor()
 }
 
+/// `t` as a parameter value that requires a gradient when the one it replaces did (`grad`).
+pub(crate) fn with_grad<AB: AutodiffBackend, const D: usize>(
+    t: Tensor<AB, D>,
+    grad: bool,
+) -> Tensor<AB, D> {
+    if grad {
+        t.require_grad()
+    } else {
+        t
+    }
+}
+
 /// The optimizer and its state. `B` is the inner (non-autodiff) backend.
 #[derive(Clone)]
 pub struct AdamW<B: Backend> {
@@ -292,10 +304,7 @@ where
         if let Some(c) = out.copy {
             self.opt.copies.insert(id, to_prim(c));
         }
-        let mut out = Tensor::from_inner(out.param);
-        if require_grad {
-            out = out.require_grad();
-        }
+        let out = with_grad(Tensor::from_inner(out.param), require_grad);
         Param::from_mapped_value(id, out, mapper)
     }
 }

@@ -14,7 +14,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
-use burn_backend::distributed::{DistributedBackend, ReduceOperation};
+use burn_backend::distributed::DistributedBackend;
+pub use burn_backend::distributed::ReduceOperation;
 use burn_backend::{DeviceId, DeviceOps};
 
 /// The rows of a global batch of `ranks * batch` sequences that rank `rank` computes: rank 0 the
@@ -26,12 +27,13 @@ pub fn rows(rank: usize, batch: usize) -> Range<usize> {
 
 /// Collective operations of a backend, as the data-parallel step uses them.
 pub trait Collective: Backend {
-    /// The mean of `tensor` over the ranks on `devices` (every rank calls it, in the same order
-    /// of tensors). The result may only be read after [`Collective::sync`].
-    fn all_reduce_mean(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self>;
-
-    /// The sum of `tensor` over the ranks, as [`Collective::all_reduce_mean`].
-    fn all_reduce_sum(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self>;
+    /// The mean or sum (`op`) of `tensor` over the ranks on `devices` (every rank calls it, in
+    /// the same order of tensors). The result may only be read after [`Collective::sync`].
+    fn reduce(
+        tensor: FloatTensor<Self>,
+        op: ReduceOperation,
+        devices: &[DeviceId],
+    ) -> FloatTensor<Self>;
 
     /// Makes the device's compute stream wait for the collectives queued on it.
     fn sync(device: &Self::Device);
@@ -44,12 +46,14 @@ where
     I: burn_cubecl::IntElement,
     BT: burn_cubecl::BoolElement,
 {
-    fn all_reduce_mean(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self> {
-        all_reduce::<Self>(tensor, ReduceOperation::Mean, devices)
-    }
-
-    fn all_reduce_sum(tensor: FloatTensor<Self>, devices: &[DeviceId]) -> FloatTensor<Self> {
-        all_reduce::<Self>(tensor, ReduceOperation::Sum, devices)
+    fn reduce(
+        tensor: FloatTensor<Self>,
+        op: ReduceOperation,
+        devices: &[DeviceId],
+    ) -> FloatTensor<Self> {
+        let reduced = <Self as DistributedBackend>::all_reduce(tensor, op, devices.to_vec());
+        // SAFETY: every caller syncs the device (`Collective::sync`) before the result is used.
+        unsafe { reduced.assume_resolved() }
     }
 
     fn sync(device: &Self::Device) {
@@ -57,23 +61,8 @@ where
     }
 }
 
-/// `DistributedBackend::all_reduce`, its result taken as resolved.
-fn all_reduce<B: DistributedBackend>(
-    tensor: FloatTensor<B>,
-    op: ReduceOperation,
-    devices: &[DeviceId],
-) -> FloatTensor<B> {
-    let reduced = B::all_reduce(tensor, op, devices.to_vec());
-    // SAFETY: every caller syncs the device (`Collective::sync`) before the result is used.
-    unsafe { reduced.assume_resolved() }
-}
-
 impl Collective for burn::backend::NdArray {
-    fn all_reduce_mean(_: FloatTensor<Self>, _: &[DeviceId]) -> FloatTensor<Self> {
-        unreachable!("the config refuses training.devices above 1 off CUDA")
-    }
-
-    fn all_reduce_sum(_: FloatTensor<Self>, _: &[DeviceId]) -> FloatTensor<Self> {
+    fn reduce(_: FloatTensor<Self>, _: ReduceOperation, _: &[DeviceId]) -> FloatTensor<Self> {
         unreachable!("the config refuses training.devices above 1 off CUDA")
     }
 
@@ -107,26 +96,21 @@ where
     {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             if let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) {
-                let reduced = <AB::InnerBackend as Collective>::all_reduce_mean(
-                    g.into_primitive().tensor(),
-                    self.devices,
-                );
-                self.grads.register::<AB::InnerBackend, D>(
-                    param.id,
-                    Tensor::from_primitive(TensorPrimitive::Float(reduced)),
-                );
+                let mean = reduce(g, ReduceOperation::Mean, self.devices);
+                self.grads.register::<AB::InnerBackend, D>(param.id, mean);
             }
         }
     }
     module.visit(&mut Mean { grads, devices });
 }
 
-/// The mean over the ranks of a tensor (the step's loss); read it after [`Collective::sync`].
-pub fn mean_tensor<B: Collective, const D: usize>(
+/// [`Collective::reduce`] of a tensor; read it after [`Collective::sync`].
+pub fn reduce<B: Collective, const D: usize>(
     t: Tensor<B, D>,
+    op: ReduceOperation,
     devices: &[DeviceId],
 ) -> Tensor<B, D> {
-    let reduced = B::all_reduce_mean(t.into_primitive().tensor(), devices);
+    let reduced = B::reduce(t.into_primitive().tensor(), op, devices);
     Tensor::from_primitive(TensorPrimitive::Float(reduced))
 }
 

@@ -211,9 +211,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
         if cfg.model.kernels == model::config::KernelsKind::Fused {
             // The fused step also writes the next step's compute copy of the cast weights.
-            let copy = (compute_dtype != FloatDType::F32)
-                .then(|| (compute_dtype, model.compute_copy_ids()));
-            opt = opt.with_fused(copy);
+            opt = opt.with_fused(copied_weights(&model, compute_dtype));
         }
         let mut scaler = LossScaler::new(recipe.loss_scaling().clone());
         let mut progress = Progress {
@@ -1015,6 +1013,14 @@ pub fn evaluate<B: crate::TrainBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Co
         .into_vec::<f64>()
         .expect("f64")[0];
     sum / cfg.training.eval_batches as f64
+}
+
+/// The weights that train through a copy in the compute dtype, with that dtype (none in f32).
+fn copied_weights<B: Backend>(
+    model: &Gpt<B>,
+    compute_dtype: FloatDType,
+) -> Option<(FloatDType, HashSet<burn::module::ParamId>)> {
+    (compute_dtype != FloatDType::F32).then(|| (compute_dtype, model.compute_copy_ids()))
 }
 
 /// Parameter ids that weight decay skips besides vectors: the embedding (and so the tied head)

@@ -21,11 +21,11 @@ use std::collections::{HashMap, HashSet};
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_backend::DeviceId;
 
-use crate::optim::{to_prim, to_tensor, AdamW, Moments};
-use crate::parallel::Collective;
+use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
+use crate::parallel::{reduce, Collective, ReduceOperation};
 
 /// Assigns each parameter, given by its number of elements, to one of `ranks` ranks: the largest
 /// first, each to the rank holding the fewest elements so far (the lowest rank on a tie). The
@@ -215,7 +215,7 @@ impl Shard {
                     (true, None) => x.clone(),
                     (false, _) => x.zeros_like(),
                 };
-                let got = sum(mine, &self.shard.ids);
+                let got = reduce(mine, ReduceOperation::Sum, &self.shard.ids);
                 let value = match (owns, dt) {
                     (true, Some(_)) => {
                         self.copies.insert(id, to_prim(got));
@@ -368,20 +368,5 @@ impl Shard {
         };
         model.visit(&mut c);
         c.hasher.finalize()
-    }
-}
-
-/// The sum over the ranks (every rank calls it, in the same order); read after the device's sync.
-fn sum<B: Collective, const D: usize>(t: Tensor<B, D>, ids: &[DeviceId]) -> Tensor<B, D> {
-    let reduced = B::all_reduce_sum(t.into_primitive().tensor(), ids);
-    Tensor::from_primitive(TensorPrimitive::Float(reduced))
-}
-
-/// `t` as a parameter value that requires a gradient when the one it replaces did.
-fn with_grad<AB: AutodiffBackend, const D: usize>(t: Tensor<AB, D>, grad: bool) -> Tensor<AB, D> {
-    if grad {
-        t.require_grad()
-    } else {
-        t
     }
 }

@@ -96,8 +96,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
         // ZeRO-1: every rank's share of the parameters (the weights with a compute copy are
         // held in the compute dtype by their non-owners).
         let params = zero::parameters(model);
-        let copy = (session.compute_dtype != burn::tensor::FloatDType::F32)
-            .then(|| (session.compute_dtype, model.compute_copy_ids()));
+        let copy = super::copied_weights(model, session.compute_dtype);
         let shard = |rank: usize| {
             (session.cfg.training.zero == 1)
                 .then(|| Shard::new(&params, rank, ids.clone(), copy.clone()))
@@ -430,7 +429,11 @@ impl RankStep<'_> {
         // and replicas that clip by different factors drift apart. NCCL gives every rank the same
         // mean.
         let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
-        let stats = dp::mean_tensor(Tensor::cat(vec![loss, norm], 0), self.ids);
+        let stats = dp::reduce(
+            Tensor::cat(vec![loss, norm], 0),
+            dp::ReduceOperation::Mean,
+            self.ids,
+        );
         <B::InnerBackend as Collective>::sync(&inner);
         let norm = stats.clone().narrow(0, 1, 1);
         let (model, held) = if self.update_now {
