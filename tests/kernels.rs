@@ -108,6 +108,24 @@ fn flash_attention() {
     }
 }
 
+/// Dropout inside the portable kernels against the naive formula with the host's mask.
+#[test]
+fn flash_attention_dropout() {
+    let shapes = [(2, 3, 17, 64), (1, 2, 128, 64), (1, 1, 300, 32)];
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        kernel_cases::flash_attention_dropout::<B>(dtype, &device(), &shapes, false);
+    }
+}
+
+#[test]
+#[should_panic(expected = "kernels::flash_attention: dropout p is 1; it must be in [0, 1)")]
+fn flash_attention_refuses_dropout_of_one() {
+    let dev = device();
+    let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
+    let d = kernels::AttentionDropout::new(1.0, 3);
+    let _ = kernels::flash_attention_dropout(q.clone(), q.clone(), q, false, None, d);
+}
+
 #[test]
 #[should_panic(
     expected = "kernels::flash_attention: q, k, v have shapes [1, 2, 8, 16], [1, 2, 8, 32], [1, 2, 8, 32]"

@@ -204,3 +204,40 @@ fn cached_forward_matches_the_full_forward() {
         );
     }
 }
+
+/// With `attention = "flash"` and dropout, the kernels drop attention probabilities from the
+/// model's dropout seed: with Burn's generator (the residual dropout) reseeded alike, one dropout
+/// seed gives the same logits twice and another seed other logits; the masks also change from one
+/// forward to the next.
+#[test]
+fn flash_dropout_follows_the_model_dropout_seed() {
+    use burn::tensor::backend::Backend;
+    let dev = device();
+    let cfg = GptConfig {
+        attention: model::AttentionKind::Flash,
+        dropout: 0.3,
+        ..small(MlpKind::Swiglu, true)
+    };
+    type A = burn::backend::Autodiff<Inner>;
+    A::seed(&dev, 1);
+    let mut gpt = Gpt::<A>::new(&cfg, 50, &dev);
+    let ids =
+        Tensor::<A, 2, Int>::from_data(TensorData::new(random_ids(2, 20, 50, 3), [2, 20]), &dev);
+    let mut run = |dropout_seed: Option<u64>| -> Vec<f32> {
+        if let Some(s) = dropout_seed {
+            gpt.set_dropout_seed(s);
+        }
+        A::seed(&dev, 99);
+        gpt.forward(ids.clone()).into_data().into_vec().unwrap()
+    };
+    let a = run(Some(5));
+    let again = run(Some(5));
+    let next_forward = run(None);
+    let other = run(Some(6));
+    assert_eq!(a, again, "one dropout seed gave two different outputs");
+    assert_ne!(
+        a, next_forward,
+        "the second forward after a seed reused the first one's masks"
+    );
+    assert_ne!(a, other, "dropout seeds 5 and 6 gave the same outputs");
+}

@@ -54,14 +54,27 @@ fn loss_decreases_on_a_short_run() {
 
 #[test]
 fn resumed_run_matches_uninterrupted_run() {
+    resumed_run_matches(model::AttentionKind::Plain, "resume");
+}
+
+/// FlashAttention's dropout (inside the portable kernels here) is repeated on resume too.
+#[test]
+fn resumed_run_with_flash_dropout_matches_uninterrupted_run() {
+    resumed_run_matches(model::AttentionKind::Flash, "resume_flash");
+}
+
+/// A run stopped at step 7, its last checkpoint lost, resumed from step 4, repeats the
+/// uninterrupted run: losses, norms, learning rates, evaluations, final weights and moments.
+fn resumed_run_matches(attention: model::AttentionKind, tag: &str) {
     let _guard = common::serial();
     let mut cfg = tiny_config(12);
+    cfg.model.attention = attention;
     cfg.model.dropout = 0.1; // dropout masks must be reproduced too
     cfg.training.grad_accum = 2;
     cfg.training.checkpoint_interval = 4;
     cfg.training.eval_interval = 6;
 
-    let full = scratch("resume_full");
+    let full = scratch(&format!("{tag}_full"));
     trainer::run(
         &cfg,
         &trainer::device::Selected::Wgpu,
@@ -69,7 +82,7 @@ fn resumed_run_matches_uninterrupted_run() {
     )
     .unwrap();
 
-    let split = scratch("resume_split");
+    let split = scratch(&format!("{tag}_split"));
     let mut first = opts(split.clone(), false);
     first.stop_at = Some(7); // stops with a checkpoint at 7
     trainer::run(&cfg, &trainer::device::Selected::Wgpu, &first).unwrap();

@@ -61,6 +61,9 @@ struct Args {
     /// Timed batches (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Dropout probability inside the kernels (the SDPA columns stay those without dropout).
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
     /// Report memory of forward+backward at B=1, H=16, S=16384, hd=128 instead.
     #[arg(long)]
     memory: bool,
@@ -164,7 +167,9 @@ fn main() {
         memory(&dev, dt);
         return;
     }
-    println!("FlashAttention, {}, batch * seq = 16384, heads * head_dim = 2048; TFLOP/s (median of {} x {} calls)\n", args.dtype, args.reps, args.iters);
+    let dropout =
+        (args.dropout > 0.0).then(|| kernels::AttentionDropout::new(args.dropout, 0x5eed));
+    println!("FlashAttention, {}, dropout {}, batch * seq = 16384, heads * head_dim = 2048; TFLOP/s (median of {} x {} calls)\n", args.dtype, args.dropout, args.reps, args.iters);
     println!("| hd | mask | S | B x H | path | fwd | bwd | fwd+bwd | Burn fwd | Burn fwd+bwd | fwd vs Burn | fwd+bwd vs Burn | fwd/SDPA | bwd/SDPA |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &hd in &args.head_dims {
@@ -181,43 +186,56 @@ fn main() {
                 let path = kernels::flash_attention_path(&q)
                     .map(|p| p.to_string())
                     .unwrap_or_default();
-                let t_fwd = time::<C>(&dev, args.iters, args.reps, &mut || {
-                    drop(kernels::flash_attention_with_lse(
-                        q.clone(),
-                        k.clone(),
-                        v.clone(),
-                        causal,
-                        None,
-                    ))
-                });
-                let (o, lse) = kernels::flash_attention_with_lse(
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    causal,
-                    None,
-                );
-                let g = randn::<C>(shape, dt, &dev);
                 let scale = kernels::attention::default_scale(hd) as f32;
+                let forward = || {
+                    C::flash_attention_forward(
+                        prim(q.clone()),
+                        prim(k.clone()),
+                        prim(v.clone()),
+                        causal,
+                        scale,
+                        dropout,
+                    )
+                };
+                let t_fwd = time::<C>(&dev, args.iters, args.reps, &mut || drop(forward()));
+                let (o, lse) = forward();
+                let g = randn::<C>(shape, dt, &dev);
                 let t_bwd = time::<C>(&dev, args.iters, args.reps, &mut || {
                     drop(C::flash_attention_backward(
                         prim(q.clone()),
                         prim(k.clone()),
                         prim(v.clone()),
-                        prim(o.clone()),
-                        prim(lse.clone()),
+                        o.clone(),
+                        lse.clone(),
                         prim(g.clone()),
                         causal,
                         scale,
+                        dropout,
                     ))
                 });
                 let leaf = |t: &Tensor<C, 4>| Tensor::<A, 4>::from_inner(t.clone()).require_grad();
                 let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
                 let t_fb = time::<A>(&dev, args.iters, args.reps, &mut || {
                     drop(
-                        kernels::flash_attention(qa.clone(), ka.clone(), va.clone(), causal, None)
-                            .sum()
-                            .backward(),
+                        match dropout {
+                            Some(d) => kernels::flash_attention_dropout(
+                                qa.clone(),
+                                ka.clone(),
+                                va.clone(),
+                                causal,
+                                None,
+                                d,
+                            ),
+                            None => kernels::flash_attention(
+                                qa.clone(),
+                                ka.clone(),
+                                va.clone(),
+                                causal,
+                                None,
+                            ),
+                        }
+                        .sum()
+                        .backward(),
                     )
                 });
                 let (burn_f, burn_fb) = if args.no_burn {

@@ -102,6 +102,41 @@ fn flash_attention_cases(dtype: FloatDType) {
     kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes, true);
 }
 
+/// Dropout inside the kernels against the naive formula with the host's mask: the tensor-core
+/// forward, the separate dQ kernel (head_dim 128) and the fused one (64), the portable kernels
+/// (f32, head_dim 40), partial tiles at both ends.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_dropout_bf16() {
+    flash_attention_dropout_cases(FloatDType::BF16);
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_dropout_f16() {
+    flash_attention_dropout_cases(FloatDType::F16);
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_dropout_f32() {
+    flash_attention_dropout_cases(FloatDType::F32);
+}
+
+fn flash_attention_dropout_cases(dtype: FloatDType) {
+    let shapes = [
+        (2, 3, 17, 64),
+        (2, 3, 17, 128),
+        (2, 2, 128, 64),
+        (2, 2, 128, 128),
+        (1, 2, 1000, 64),
+        (1, 2, 1000, 128),
+        (1, 1, 300, 96),
+        (1, 2, 77, 40),
+    ];
+    kernel_cases::flash_attention_dropout::<B>(dtype, &CudaDevice::default(), &shapes, true);
+}
+
 /// The f16/bf16 inputs above do run on tensor cores (a fallback would pass the numeric checks).
 #[test]
 #[ignore = "needs CUDA"]

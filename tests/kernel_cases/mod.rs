@@ -580,6 +580,106 @@ pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(
     }
 }
 
+/// FlashAttention with dropout inside the kernels against the naive formula with the host's mask
+/// ([`kernels::attention::dropout::keep_mask`]): output and dQ, dK, dV, full and causal, p = 0.2
+/// and 0.5, a fresh seed per case, for every `(batch, heads, seq, head_dim)` in `shapes` plus 17
+/// queries against 40 keys. A kernel whose mask differed from the host's in one entry in a
+/// thousand would fail: a dropped probability changes its row's output by about `p / seq` of the
+/// row's scale, far above the floor. Then: one seed gives the same output twice, bit for bit, and
+/// another seed another output.
+pub fn flash_attention_dropout<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize, usize)],
+    exact_by_sums: bool,
+) {
+    use kernels::AttentionDropout;
+    let mut cases: Vec<(usize, usize, usize, usize, usize)> = shapes
+        .iter()
+        .map(|&(b, h, s, hd)| (b, h, s, s, hd))
+        .collect();
+    cases.push((1, 2, 17, 40, 64));
+    for (n, (b, h, sq, sk, hd)) in cases.into_iter().enumerate() {
+        for (causal, p) in [(false, 0.2), (true, 0.2), (true, 0.5)] {
+            let seed = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(n as u64 * 4 + 1 + causal as u64)
+                ^ (p * 1e3) as u64;
+            let drop = AttentionDropout::new(p, seed);
+            let started = std::time::Instant::now();
+            let scale = if causal { None } else { Some(0.3) };
+            let (rq, rk) = (b * h * sq, b * h * sk);
+            check::<B>(
+                &format!("flash_attention_dropout q [{b}, {h}, {sq}, {hd}] k/v seq {sk} causal {causal} p {p}"),
+                dtype,
+                4e-5 * (sk as f32 / 32.0).sqrt().max(1.0) / (1.0 - p as f32),
+                vec![
+                    Input::act([rq, hd], dev),
+                    Input::act([rk, hd], dev),
+                    Input::act([rk, hd], dev),
+                ],
+                |v| {
+                    let q = v[0].clone().reshape([b, h, sq, hd]);
+                    let k = v[1].clone().reshape([b, h, sk, hd]);
+                    let val = v[2].clone().reshape([b, h, sk, hd]);
+                    kernels::flash_attention_dropout(q, k, val, causal, scale, drop)
+                        .reshape([rq, hd])
+                },
+                |v| {
+                    let q = v[0].clone().reshape([b, h, sq, hd]);
+                    let k = v[1].clone().reshape([b, h, sk, hd]);
+                    let val = v[2].clone().reshape([b, h, sk, hd]);
+                    if exact_by_sums && q.dtype() == burn::tensor::DType::F32 {
+                        attention_by_sums_dropout(q, k, val, causal, scale, Some(drop))
+                            .reshape([rq, hd])
+                    } else {
+                        kernels::attention::reference_dropout(q, k, val, causal, scale, drop)
+                            .reshape([rq, hd])
+                    }
+                },
+            );
+            eprintln!(
+                "flash_attention_dropout [{b}, {h}, {sq}/{sk}, {hd}] causal {causal} p {p} {dtype:?}: {:.1?}",
+                started.elapsed()
+            );
+        }
+    }
+
+    // Same seed, same bits; another seed, another output.
+    let (b, h, s, hd) = (1, 2, 40, 64);
+    let r = || {
+        randn::<B>([b * h * s, hd], dev)
+            .reshape([b, h, s, hd])
+            .cast(dtype)
+    };
+    let (q, k, v) = (r(), r(), r());
+    let run = |seed: u64| {
+        kernels::flash_attention_dropout(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            true,
+            None,
+            AttentionDropout::new(0.3, seed),
+        )
+        .cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .expect("f32 output")
+    };
+    let (a, again, other) = (run(11), run(11), run(12));
+    assert!(
+        a.iter()
+            .zip(&again)
+            .all(|(x, y)| x.to_bits() == y.to_bits()),
+        "flash_attention_dropout ({dtype:?}): one seed gave two different outputs"
+    );
+    let differ = a.iter().zip(&other).filter(|(x, y)| x != y).count();
+    assert!(
+        differ > a.len() / 2,
+        "flash_attention_dropout ({dtype:?}): seeds 11 and 12 gave outputs differing in only {differ} of {} values",
+        a.len()
+    );
+}
+
 /// The naive attention formula with every product as a broadcast multiply and a sum (f32
 /// accumulation in Burn's reductions, no matmul).
 pub fn attention_by_sums<B: burn::tensor::backend::Backend>(
@@ -588,6 +688,18 @@ pub fn attention_by_sums<B: burn::tensor::backend::Backend>(
     v: Tensor<B, 4>,
     causal: bool,
     scale: Option<f64>,
+) -> Tensor<B, 4> {
+    attention_by_sums_dropout(q, k, v, causal, scale, None)
+}
+
+/// [`attention_by_sums`] with the probabilities multiplied by the host's dropout mask.
+pub fn attention_by_sums_dropout<B: burn::tensor::backend::Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+    dropout: Option<kernels::AttentionDropout>,
 ) -> Tensor<B, 4> {
     let [b, h, sq, hd] = q.dims();
     let sk = k.dims()[2];
@@ -607,7 +719,12 @@ pub fn attention_by_sums<B: burn::tensor::backend::Backend>(
     } else {
         scores
     };
-    let p = burn::tensor::activation::softmax(scores, 3);
+    let mut p = burn::tensor::activation::softmax(scores, 3);
+    if let Some(d) = dropout {
+        let mask = kernels::attention::dropout::keep_mask::<B>(d, [b, h, sq, sk], &p.device());
+        let mask = mask.cast(p.dtype());
+        p = p * mask;
+    }
     (p.unsqueeze_dim::<5>(4) * v.unsqueeze_dim::<5>(2))
         .sum_dim(3)
         .reshape([b, h, sq, hd])

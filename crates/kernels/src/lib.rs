@@ -12,6 +12,7 @@
 //! | token embedding (atomic scatter backward on CUDA) | [`embedding()`] | [`embedding::reference`] |
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
+//! | FlashAttention with dropout on the probabilities (Philox mask, drawn again in the backward) | [`flash_attention_dropout`] | [`attention::reference_dropout`] |
 //! | FP8 quantizer (1x128, 128x128, per tensor) | [`fp8_quantize`] | [`fp8::reference`] |
 //! | GEMM with transpose flags, linear layer (cuBLASLt on CUDA) | [`gemm()`], [`linear`] | [`gemm::reference`] (Burn's matmul) |
 //! | FP8 GEMM and linear layer (experimental) | [`fp8_gemm`], [`fp8_linear`] | dequantize, then matmul |
@@ -65,7 +66,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 pub use activation::{ActivationKernels, ActivationOps};
 pub use adamw::{AdamWOps, AdamWOutput, AdamWStep};
-pub use attention::{AttentionKernels, AttentionOps, FlashPath};
+pub use attention::{AttentionDropout, AttentionKernels, AttentionOps, FlashPath};
 pub use cross_entropy::{CrossEntropyKernels, CrossEntropyOps};
 pub use embedding::{EmbeddingKernels, EmbeddingOps};
 pub use fp8::{
@@ -206,6 +207,36 @@ pub fn flash_attention<B: Backend>(
         prim(v),
         causal,
         scale,
+        None,
+    ))
+}
+
+/// [`flash_attention`] with dropout on the attention probabilities inside the kernels:
+/// `(softmax(scale * q k^T + mask) * Z) v`, where `Z` is 0 for a dropped probability and
+/// `1 / (1 - p)` for a kept one. The mask is a function of `dropout.seed` and the position (see
+/// [`attention::dropout`]): the backward draws it again instead of storing it, and one seed gives
+/// one mask, so give every layer and step its own seed. The log-sum-exp, and so the softmax,
+/// counts every probability. `p` in [0, 1) acts in steps of 1/65536; at 0 this is
+/// [`flash_attention`].
+pub fn flash_attention_dropout<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+    dropout: AttentionDropout,
+) -> Tensor<B, 4> {
+    if let Some(problem) = dropout.problem() {
+        check::fail("flash_attention", problem);
+    }
+    let scale = scale.unwrap_or_else(|| attention::default_scale(q.dims()[3]));
+    tensor(B::fused_flash_attention(
+        prim(q),
+        prim(k),
+        prim(v),
+        causal,
+        scale,
+        Some(dropout),
     ))
 }
 
@@ -219,7 +250,8 @@ pub fn flash_attention_with_lse<B: KernelOps>(
     scale: Option<f64>,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
     let scale = scale.unwrap_or_else(|| attention::default_scale(q.dims()[3]));
-    let (o, lse) = B::flash_attention_forward(prim(q), prim(k), prim(v), causal, scale as f32);
+    let (o, lse) =
+        B::flash_attention_forward(prim(q), prim(k), prim(v), causal, scale as f32, None);
     (tensor(o), tensor(lse))
 }
 

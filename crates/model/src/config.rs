@@ -40,12 +40,13 @@ pub enum MlpKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionKind {
-    /// `flash` when `dropout = 0`, `plain` otherwise (the flash kernels have no dropout).
+    /// `flash` when `dropout = 0`, `plain` otherwise (with dropout, `flash` is chosen explicitly).
     Auto,
     /// Plain Burn ops: scores, causal mask, softmax, weighted sum. Materialises [B, H, T, T].
     Plain,
     /// `kernels::flash_attention`: tiled, online softmax, backward recomputing the probabilities;
-    /// memory linear in T. Needs `dropout = 0`.
+    /// memory linear in T. With `dropout > 0` the kernels drop probabilities themselves
+    /// (`kernels::flash_attention_dropout`, a Philox mask drawn again in the backward).
     Flash,
 }
 
@@ -120,7 +121,8 @@ pub struct GptConfig {
     /// Standard deviation of the normal initialisation (residual projections are further scaled by
     /// 1/sqrt(2 * n_layer), as in GPT-2).
     pub init_std: f64,
-    /// Attention implementation: "auto" (flash without dropout, plain with), "plain" or "flash".
+    /// Attention implementation: "auto" (flash without dropout, plain with), "plain" or "flash"
+    /// (with or without dropout).
     pub attention: AttentionKind,
     /// Implementation of the memory-bound ops: "auto" (= "fused"), "reference" (plain Burn) or
     /// "fused" (CubeCL kernels where the backend has them, the references elsewhere).
@@ -224,12 +226,6 @@ impl GptConfig {
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(format!(
                 "model.dropout must be in [0, 1), got {}",
-                self.dropout
-            ));
-        }
-        if self.attention == AttentionKind::Flash && self.dropout > 0.0 {
-            return Err(format!(
-                "model.attention = \"flash\" has no dropout on attention weights, but model.dropout is {}; set model.dropout = 0 or model.attention = \"plain\"",
                 self.dropout
             ));
         }

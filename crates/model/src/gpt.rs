@@ -1,5 +1,8 @@
 //! The GPT-style decoder: embedding, N pre-norm blocks, final norm, LM head.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use burn::module::{Module, ParamId};
 use burn::nn::{Dropout, DropoutConfig};
 use burn::tensor::activation::softmax;
@@ -43,8 +46,8 @@ impl<B: Backend> Attention<B> {
 }
 
 impl<B: kernels::Backend> Attention<B> {
-    /// x: [B, T, d] -> [B, T, d]
-    fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
+    /// x: [B, T, d] -> [B, T, d]; `layer` numbers the block (it keys the dropout masks).
+    fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>, layer: usize) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let h = self.n_head;
         let hd = d / h;
@@ -84,8 +87,11 @@ impl<B: kernels::Backend> Attention<B> {
         let scale = (hd as f64).powf(-0.5);
         if ctx.attention == AttentionKind::Flash {
             // f32 softmax statistics inside the kernel; the output is laid out [B, T, H, hd], so
-            // the reshape below is free.
-            let y = kernels::flash_attention(q, k, v, true, Some(scale));
+            // the reshape below is free. Dropout on the probabilities happens inside the kernels.
+            let y = match ctx.attention_dropout(layer) {
+                Some(d) => kernels::flash_attention_dropout(q, k, v, true, Some(scale), d),
+                None => kernels::flash_attention(q, k, v, true, Some(scale)),
+            };
             let y = y.swap_dims(1, 2).reshape([b, t, d]);
             return self
                 .resid_dropout
@@ -268,8 +274,8 @@ impl<B: Backend> Block<B> {
 
 impl<B: kernels::Backend> Block<B> {
     /// Plain Burn: `x + attn(norm1(x))`, then `x + mlp(norm2(x))`.
-    fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>) -> Tensor<B, 3> {
-        let x = x.clone() + self.attn.forward(self.norm1.forward(x), ctx);
+    fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>, layer: usize) -> Tensor<B, 3> {
+        let x = x.clone() + self.attn.forward(self.norm1.forward(x), ctx, layer);
         x.clone()
             + self
                 .mlp
@@ -284,12 +290,13 @@ impl<B: kernels::Backend> Block<B> {
         x: Tensor<B, 3>,
         pending: Option<Tensor<B, 3>>,
         ctx: &Ctx<B>,
+        layer: usize,
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let (x, h) = match pending {
             Some(delta) => self.norm1.forward_add(delta, x),
             None => (x.clone(), self.norm1.forward_fused(x)),
         };
-        let (x, h) = self.norm2.forward_add(self.attn.forward(h, ctx), x);
+        let (x, h) = self.norm2.forward_add(self.attn.forward(h, ctx, layer), x);
         (x, self.mlp.forward(h, KernelsKind::Fused, ctx.gemm))
     }
 }
@@ -308,14 +315,57 @@ enum RopeTables<B: Backend> {
     },
 }
 
-/// What every layer of one forward shares: RoPE tables, the causal mask, the attention kind and
-/// the GEMM engine.
+/// What every layer of one forward shares: RoPE tables, the causal mask, the attention kind, the
+/// GEMM engine and the seed of this forward's in-kernel dropout masks.
 struct Ctx<B: Backend> {
     tables: RopeTables<B>,
     /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not.
     causal_mask: Tensor<B, 4>,
     attention: AttentionKind,
     gemm: kernels::Gemm,
+    /// `(p, seed)` when training with dropout.
+    dropout: Option<(f64, u64)>,
+}
+
+impl<B: Backend> Ctx<B> {
+    /// FlashAttention's dropout in block `layer`: its own seed per block and forward.
+    fn attention_dropout(&self, layer: usize) -> Option<kernels::AttentionDropout> {
+        self.dropout.map(|(p, seed)| {
+            kernels::AttentionDropout::new(p, mix64(seed ^ mix64(layer as u64 + 1)))
+        })
+    }
+}
+
+/// SplitMix64's finaliser: a bijective mix of the 64 bits.
+fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Seeds of the dropout masks drawn inside the kernels (FlashAttention's, with `model.dropout >
+/// 0`): forward number `n` since [`Gpt::set_dropout_seed`] draws its masks from `(seed, n,
+/// layer)`, so the masks of a step repeat when its seed and forwards do. Clones share the count.
+#[derive(Clone, Debug, Default)]
+pub struct DropoutSeeds {
+    seed: u64,
+    forwards: Arc<AtomicU64>,
+}
+
+impl DropoutSeeds {
+    fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            forwards: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The seed of the next forward's masks.
+    fn next_forward(&self) -> u64 {
+        let n = self.forwards.fetch_add(1, Ordering::Relaxed);
+        mix64(self.seed ^ mix64(n))
+    }
 }
 
 /// The decoder-only transformer.
@@ -333,6 +383,9 @@ pub struct Gpt<B: Backend> {
     /// a [`Gpt::compute_copy`].
     #[module(skip)]
     pub compute_dtype: FloatDType,
+    /// Seeds of the dropout masks drawn inside the kernels ([`Gpt::set_dropout_seed`]).
+    #[module(skip)]
+    pub dropout_seeds: DropoutSeeds,
 }
 
 impl<B: Backend> Gpt<B> {
@@ -352,7 +405,16 @@ impl<B: Backend> Gpt<B> {
             lm_head,
             config,
             compute_dtype: FloatDType::F32,
+            dropout_seeds: DropoutSeeds::default(),
         }
+    }
+
+    /// Seeds the dropout masks drawn inside the kernels (FlashAttention with `model.dropout > 0`)
+    /// from `seed` and the count of training forwards from now on. Training loops call it once
+    /// per step with a seed of (run seed, step), so a resumed run draws the masks the
+    /// uninterrupted one drew. Without it the masks follow seed 0.
+    pub fn set_dropout_seed(&mut self, seed: u64) {
+        self.dropout_seeds = DropoutSeeds::new(seed);
     }
 
     /// A copy that computes in `dtype` (BF16 or F16; F32 returns a plain clone).
@@ -483,11 +545,18 @@ impl<B: kernels::Backend> Gpt<B> {
         let causal_mask = Tensor::<B, 2>::zeros([t, t], &device)
             .mask_fill(above, MASKED)
             .reshape([1, 1, t, t]);
+        let attention = self.config.attention_resolved();
+        // Burn's Dropout modules act only with autodiff; the kernels' dropout does the same.
+        let dropout = (attention == AttentionKind::Flash
+            && self.config.dropout > 0.0
+            && B::ad_enabled(&device))
+        .then(|| (self.config.dropout, self.dropout_seeds.next_forward()));
         let ctx = Ctx {
             tables,
             causal_mask,
-            attention: self.config.attention_resolved(),
+            attention,
             gemm: self.config.gemm.engine(),
+            dropout,
         };
 
         // The lookup reads the f32 table; the residual stream then runs in the compute dtype.
@@ -500,8 +569,8 @@ impl<B: kernels::Backend> Gpt<B> {
         let mut x = self.drop.forward(emb.cast(dt));
         let x = if fused {
             let mut pending = None;
-            for block in &self.blocks {
-                let (next, delta) = block.forward_fused(x, pending, &ctx);
+            for (layer, block) in self.blocks.iter().enumerate() {
+                let (next, delta) = block.forward_fused(x, pending, &ctx, layer);
                 debug_assert_dtype(&next, dt, "residual stream after a block");
                 (x, pending) = (next, Some(delta));
             }
@@ -510,8 +579,8 @@ impl<B: kernels::Backend> Gpt<B> {
                 None => self.norm_f.forward_fused(x),
             }
         } else {
-            for block in &self.blocks {
-                x = block.forward(x, &ctx);
+            for (layer, block) in self.blocks.iter().enumerate() {
+                x = block.forward(x, &ctx, layer);
                 debug_assert_dtype(&x, dt, "residual stream after a block");
             }
             self.norm_f.forward(x)

@@ -32,6 +32,9 @@ use crate::precision::{LossScaler, Recipe, Verdict};
 use crate::rng::SplitMix64;
 use crate::schedule::lr_at;
 
+/// The random stream of the dropout masks drawn inside the kernels (stream 3 seeds Burn's).
+const KERNEL_DROPOUT_STREAM: u64 = 5;
+
 /// What the caller chose besides the config.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -371,14 +374,18 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         let (cfg, accum) = (self.cfg, self.cfg.training.grad_accum);
         let lr = lr_at(cfg, step as usize);
         // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats
-        // them.
+        // them: Burn's dropout draws from the backend's generator, the kernels' from the model's
+        // dropout seed.
         B::seed(
             &self.device,
             SplitMix64::for_stream(cfg.seed, 3, step).next_u64(),
         );
         let probes = Probes::for_step(&self.recipe, cfg, step);
         let ctx = self.ctx();
-        let compute = ctx.compute_copy(&model, &self.opt, &probes);
+        let mut compute = ctx.compute_copy(&model, &self.opt, &probes);
+        compute.set_dropout_seed(
+            SplitMix64::for_stream(cfg.seed, KERNEL_DROPOUT_STREAM, step).next_u64(),
+        );
         let scale = self.scaler.scale();
         let mut micro = MicroBatches {
             loss_sum: None,

@@ -9,12 +9,13 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 
+use super::AttentionDropout;
 use crate::KernelOps;
 
 #[derive(Debug)]
 struct FlashAttentionBackward;
 
-/// (q, k, v, out, lse, causal, scale)
+/// (q, k, v, out, lse, causal, scale, dropout)
 type State<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
@@ -23,6 +24,7 @@ type State<B> = (
     FloatTensor<B>,
     bool,
     f32,
+    Option<AttentionDropout>,
 );
 
 impl<B: KernelOps> Backward<B, 3> for FlashAttentionBackward {
@@ -31,9 +33,10 @@ impl<B: KernelOps> Backward<B, 3> for FlashAttentionBackward {
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [nq, nk, nv] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (q, k, v, out, lse, causal, scale) = ops.state;
+        let (q, k, v, out, lse, causal, scale, dropout) = ops.state;
         let grad = B::float_cast(grad, q.dtype().into());
-        let (dq, dk, dv) = B::flash_attention_backward(q, k, v, out, lse, grad, causal, scale);
+        let (dq, dk, dv) =
+            B::flash_attention_backward(q, k, v, out, lse, grad, causal, scale, dropout);
         for (node, g) in [(nq, dq), (nk, dk), (nv, dv)] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, g);
@@ -48,6 +51,7 @@ pub(crate) fn flash_attention<B: KernelOps, C: CheckpointStrategy>(
     v: FloatTensor<Autodiff<B, C>>,
     causal: bool,
     scale: f32,
+    dropout: Option<AttentionDropout>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let (out, lse) = B::flash_attention_forward(
         q.primitive.clone(),
@@ -55,6 +59,7 @@ pub(crate) fn flash_attention<B: KernelOps, C: CheckpointStrategy>(
         v.primitive.clone(),
         causal,
         scale,
+        dropout,
     );
     match FlashAttentionBackward
         .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
@@ -70,6 +75,7 @@ pub(crate) fn flash_attention<B: KernelOps, C: CheckpointStrategy>(
                 lse,
                 causal,
                 scale,
+                dropout,
             ),
             out,
         ),
@@ -84,8 +90,9 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::AttentionOps for Autodif
         v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
+        dropout: Option<AttentionDropout>,
     ) -> FloatTensor<Self> {
-        flash_attention::<B, C>(q, k, v, causal, scale as f32)
+        flash_attention::<B, C>(q, k, v, causal, scale as f32, dropout)
     }
     fn flash_path(q: &FloatTensor<Self>) -> Option<super::FlashPath> {
         B::flash_path(&q.primitive)

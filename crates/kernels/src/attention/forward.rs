@@ -9,6 +9,7 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::ir::features::MmaConfig;
 use cubecl::prelude::*;
 
+use super::dropout::{AttentionDropout, DropArgs};
 use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta, flash_forward};
 use super::mma::{dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_forward_mma};
 use crate::check::{check_float, check_same_dtype, fail};
@@ -260,6 +261,14 @@ fn check_inputs<R: CubeRuntime>(
     d
 }
 
+/// The kernels' dropout arguments, after checking `p`.
+fn drop_args(op: &str, dropout: Option<AttentionDropout>) -> DropArgs {
+    if let Some(problem) = dropout.and_then(|d| d.problem()) {
+        fail(op, problem);
+    }
+    DropArgs::new(dropout)
+}
+
 /// Unit last stride (copied otherwise); other strides are read as they are.
 fn rows_readable<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
     if t.meta.strides()[3] == 1 {
@@ -310,8 +319,10 @@ pub(crate) fn forward<R: CubeRuntime>(
     v: CubeTensor<R>,
     causal: bool,
     scale: f32,
+    dropout: Option<AttentionDropout>,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let d = check_inputs("flash_attention", &q, &k, &v);
+    let drop = drop_args("flash_attention", dropout);
     let (q, k, v) = (rows_readable(q), rows_readable(k), rows_readable(v));
     let out = empty_bshd(&q, &d, d.seq_q);
     let lse = empty(&q, vec![d.batch, d.heads, d.seq_q], DType::F32);
@@ -355,6 +366,11 @@ pub(crate) fn forward<R: CubeRuntime>(
                     block_k,
                     width,
                     causal,
+                    drop.key0,
+                    drop.key1,
+                    drop.threshold,
+                    drop.scale,
+                    drop.on,
                     dtype,
                 );
             }
@@ -377,6 +393,11 @@ pub(crate) fn forward<R: CubeRuntime>(
                     block,
                     block,
                     causal as u32,
+                    drop.key0,
+                    drop.key1,
+                    drop.threshold,
+                    drop.scale,
+                    drop.on,
                     dtype,
                 );
             }
@@ -411,9 +432,11 @@ pub(crate) fn backward<R: CubeRuntime>(
     grad: CubeTensor<R>,
     causal: bool,
     scale: f32,
+    dropout: Option<AttentionDropout>,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let op = "flash_attention backward";
     let d = check_inputs(op, &q, &k, &v);
+    let drop = drop_args(op, dropout);
     check_same_dtype(op, "q", q.dtype, "output gradient", grad.dtype);
     if grad.shape().as_slice() != q.shape().as_slice() {
         fail(
@@ -522,6 +545,11 @@ pub(crate) fn backward<R: CubeRuntime>(
                         block_k,
                         width,
                         causal,
+                        drop.key0,
+                        drop.key1,
+                        drop.threshold,
+                        drop.scale,
+                        drop.on,
                         dtype,
                     );
                 }
@@ -554,6 +582,11 @@ pub(crate) fn backward<R: CubeRuntime>(
                     width,
                     causal,
                     tiles.fused_dq,
+                    drop.key0,
+                    drop.key1,
+                    drop.threshold,
+                    drop.scale,
+                    drop.on,
                     dtype,
                 );
             }
@@ -594,6 +627,11 @@ pub(crate) fn backward<R: CubeRuntime>(
                     block,
                     block,
                     causal as u32,
+                    drop.key0,
+                    drop.key1,
+                    drop.threshold,
+                    drop.scale,
+                    drop.on,
                     dtype,
                 );
             }
@@ -616,6 +654,11 @@ pub(crate) fn backward<R: CubeRuntime>(
                     block,
                     block,
                     causal as u32,
+                    drop.key0,
+                    drop.key1,
+                    drop.threshold,
+                    drop.scale,
+                    drop.on,
                     dtype,
                 );
             }
@@ -637,8 +680,9 @@ where
         v: FloatTensor<Self>,
         causal: bool,
         scale: f32,
+        dropout: Option<AttentionDropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        forward(q, k, v, causal, scale)
+        forward(q, k, v, causal, scale, dropout)
     }
     fn flash_attention_backward(
         q: FloatTensor<Self>,
@@ -649,8 +693,9 @@ where
         grad: FloatTensor<Self>,
         causal: bool,
         scale: f32,
+        dropout: Option<AttentionDropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        backward(q, k, v, out, lse, grad, causal, scale)
+        backward(q, k, v, out, lse, grad, causal, scale, dropout)
     }
 }
 
@@ -667,8 +712,9 @@ where
         v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
+        dropout: Option<AttentionDropout>,
     ) -> FloatTensor<Self> {
-        forward(q, k, v, causal, scale as f32).0
+        forward(q, k, v, causal, scale as f32, dropout).0
     }
     fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
         Some(path(q))

@@ -5,7 +5,10 @@
 //! other operand's tiles through shared memory. The `split` partial dot products of a score meet
 //! in shared memory (`split` is 1 up to head_dim 32). Scores never leave the cube. These kernels
 //! run everywhere (lavapipe in CI, f32 on CUDA); f16/bf16 on CUDA take the tensor-core kernels in
-//! `mma.rs`. The causal mask is a runtime flag, so one compiled kernel serves both masks.
+//! `mma.rs`. The causal mask is a runtime flag, so one compiled kernel serves both masks. With
+//! `dropout` (compile-time) every visible probability takes its factor from
+//! [`super::dropout::entry_factor`], one Philox call per entry: the forward's softmax sum counts
+//! all probabilities and its output the kept ones; the backward scales `dP` by the same factors.
 //!
 //! Loops over a unit's columns are unrolled (a compile-time length), so the rows stay in registers:
 //! on lavapipe runtime-indexed local arrays were ~20x slower, and unrolling 128 columns made
@@ -19,6 +22,8 @@
 //! `(blocks along the sequence, batch * heads)`.
 
 use cubecl::prelude::*;
+
+use super::dropout::entry_factor;
 
 /// A finite stand-in for minus infinity: `exp(NEG_BIG - m)` is 0 and `NEG_BIG - NEG_BIG` is 0,
 /// never NaN.
@@ -110,6 +115,11 @@ pub(crate) fn flash_forward<F: Float>(
     #[comptime] block_q: usize,
     #[comptime] block_k: usize,
     causal: u32,
+    key0: u32,
+    key1: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let part = comptime!(hd / split);
@@ -195,6 +205,10 @@ pub(crate) fn flash_forward<F: Float>(
                 p = (scores[c] - m_new).exp();
             }
             l += p;
+            // The softmax sum counts every probability; the output sees the kept ones, scaled.
+            if comptime!(dropout) {
+                p *= entry_factor(bh, i, j0 + c, key0, key1, threshold, keep_scale);
+            }
             #[unroll]
             for d in 0..part {
                 acc[d] += p * vt[c * hd + off + d];
@@ -261,6 +275,11 @@ pub(crate) fn flash_backward_dq<F: Float>(
     #[comptime] block_q: usize,
     #[comptime] block_k: usize,
     causal: u32,
+    key0: u32,
+    key1: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let part = comptime!(hd / split);
@@ -336,8 +355,12 @@ pub(crate) fn flash_backward_dq<F: Float>(
         for c in 0..block_k {
             if active && visible_rt(i, j0 + c, seq_k, causal) {
                 let s = gather(&ps, row, c, split, block_k);
-                let dp = gather(&pdp, row, c, split, block_k);
+                let mut dp = gather(&pdp, row, c, split, block_k);
                 let p = (s - row_lse).exp();
+                if comptime!(dropout) {
+                    // dP of the kept probabilities, through the mask: dP * Z.
+                    dp *= entry_factor(bh, i, j0 + c, key0, key1, threshold, keep_scale);
+                }
                 let ds = p * (dp - row_delta);
                 #[unroll]
                 for d in 0..part {
@@ -375,6 +398,11 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
     #[comptime] block_q: usize,
     #[comptime] block_k: usize,
     causal: u32,
+    key0: u32,
+    key1: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let part = comptime!(hd / split);
@@ -458,10 +486,15 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
                 let s = gather(&ps, row, r, split, block_q);
                 let dp = gather(&pdp, row, r, split, block_q);
                 let p = (s - lse_t[r]).exp();
-                let ds = p * (dp - delta_t[r]);
+                let mut z = 1.0f32;
+                if comptime!(dropout) {
+                    z = entry_factor(bh, i, j, key0, key1, threshold, keep_scale);
+                }
+                let ds = p * (dp * z - delta_t[r]);
+                let pz = p * z;
                 #[unroll]
                 for d in 0..part {
-                    dv_acc[d] += p * gt[r * hd + off + d];
+                    dv_acc[d] += pz * gt[r * hd + off + d];
                     dk_acc[d] += ds * qt[r * hd + off + d];
                 }
             }

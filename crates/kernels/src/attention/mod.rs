@@ -30,10 +30,12 @@
 //! masked); `k`/`v` may have a different length from `q`.
 
 pub(crate) mod backward;
+pub mod dropout;
 pub(crate) mod forward;
 pub(crate) mod kernel;
 pub(crate) mod mma;
 
+pub use dropout::AttentionDropout;
 pub(crate) use forward::check_tiles;
 pub use forward::{FlashPath, MAX_HEAD_DIM};
 
@@ -81,6 +83,25 @@ pub fn reference<B: BurnBackend>(
     p.matmul(v)
 }
 
+/// [`reference`] with dropout on the probabilities: `(softmax(scores) * mask) v`, `mask` the
+/// factors [`dropout::keep_mask`] draws on the host (0 or the keep scale), as the kernels apply
+/// them. It materialises the scores and the mask.
+pub fn reference_dropout<B: BurnBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+    dropout: AttentionDropout,
+) -> Tensor<B, 4> {
+    let [b, h, sq, hd] = q.dims();
+    let sk = k.dims()[2];
+    let scale = scale.unwrap_or_else(|| default_scale(hd));
+    let p = burn::tensor::activation::softmax(masked_scores(q, k, causal, scale), 3);
+    let mask = dropout::keep_mask::<B>(dropout, [b, h, sq, sk], &p.device()).cast(p.dtype());
+    (p * mask).matmul(v)
+}
+
 /// Log-sum-exp over keys of the scaled, masked scores, `[batch, heads, seq_q]`, by the naive
 /// formula in the inputs' dtype.
 pub fn reference_lse<B: BurnBackend>(
@@ -106,14 +127,13 @@ pub trait AttentionOps: BurnBackend {
         v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
+        dropout: Option<AttentionDropout>,
     ) -> FloatTensor<Self> {
-        crate::prim(reference::<Self>(
-            crate::tensor(q),
-            crate::tensor(k),
-            crate::tensor(v),
-            causal,
-            Some(scale),
-        ))
+        let (q, k, v) = (crate::tensor(q), crate::tensor(k), crate::tensor(v));
+        crate::prim(match dropout.filter(AttentionDropout::is_active) {
+            Some(d) => reference_dropout::<Self>(q, k, v, causal, Some(scale), d),
+            None => reference::<Self>(q, k, v, causal, Some(scale)),
+        })
     }
 
     /// The FlashAttention kernels `q` would run on; `None` where the reference runs.
@@ -125,15 +145,18 @@ pub trait AttentionOps: BurnBackend {
 /// The FlashAttention kernels' launches without autodiff, which the `Autodiff` implementation
 /// records.
 pub trait AttentionKernels: AttentionOps {
-    /// `(out, lse)` of FlashAttention (lse f32 `[batch, heads, seq_q]`).
+    /// `(out, lse)` of FlashAttention (lse f32 `[batch, heads, seq_q]`, over all probabilities
+    /// whether dropped or not).
     fn flash_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         causal: bool,
         scale: f32,
+        dropout: Option<AttentionDropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
-    /// `(dq, dk, dv)` of FlashAttention from the forward's output and log-sum-exp.
+    /// `(dq, dk, dv)` of FlashAttention from the forward's output and log-sum-exp; `dropout` must
+    /// be the forward's.
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_backward(
         q: FloatTensor<Self>,
@@ -144,5 +167,6 @@ pub trait AttentionKernels: AttentionOps {
         grad: FloatTensor<Self>,
         causal: bool,
         scale: f32,
+        dropout: Option<AttentionDropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 }

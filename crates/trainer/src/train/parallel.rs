@@ -392,14 +392,19 @@ impl RankStep<'_> {
     ) -> RankOut<B> {
         let cfg = self.ctx.cfg;
         let ranks = self.ids.len();
-        // The backends' generator is shared by the devices, so a rank's dropout masks are seeded
-        // per (step, rank) and still race with the other ranks' draws: a data-parallel run with
-        // dropout is not bit-reproducible.
+        // The backends' generator is shared by the devices, so a rank's masks from Burn's dropout
+        // (residual branches; attention unless flash) are seeded per (step, rank) and still race
+        // with the other ranks' draws: such a run is not bit-reproducible. The kernels' dropout
+        // (flash attention) draws from the rank's own seed and is.
+        let index = self.step * ranks as u64 + rank as u64;
         B::seed(
             device,
-            SplitMix64::for_stream(cfg.seed, 3, self.step * ranks as u64 + rank as u64).next_u64(),
+            SplitMix64::for_stream(cfg.seed, 3, index).next_u64(),
         );
-        let compute = self.ctx.compute_copy(&model, opt, probes);
+        let mut compute = self.ctx.compute_copy(&model, opt, probes);
+        compute.set_dropout_seed(
+            SplitMix64::for_stream(cfg.seed, super::KERNEL_DROPOUT_STREAM, index).next_u64(),
+        );
         let mut micro = MicroBatches {
             loss_sum: None,
             numerics: Vec::new(),

@@ -3,6 +3,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use super::super::dropout::{factor, half_word, philox};
 use super::super::kernel::{neg_big, visible};
 use crate::pipeline::{commit, wait_block};
 
@@ -31,6 +32,11 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     #[comptime] block_k: usize,
     #[comptime] width: usize,
     #[comptime] causal: bool,
+    key0: u32,
+    key1: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -202,21 +208,58 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
             mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
         }
-        #[unroll]
-        for m in 0..mt {
+        if comptime!(dropout) {
+            // dS = P * (dP * Z - delta): dP of the kept probabilities goes through the forward's
+            // mask, drawn again (one Philox call per lane and 16 x 16 tile, as the forward).
             #[unroll]
-            for half in 0..2usize {
-                let r = m * 2 + half;
+            for m in 0..mt {
+                let query_tile = u32::cast_from((q0 + w0) / 16 + m);
                 #[unroll]
-                for t in 0..s_tiles {
-                    let at = (m * s_tiles + t) * 2 + half;
-                    let mut x = s[at];
-                    let y = dp[at];
+                for u in 0..comptime!(s_tiles / 2) {
+                    let w = philox(
+                        u32::cast_from(lane),
+                        u32::cast_from(j0 / 16 + u),
+                        query_tile,
+                        u32::cast_from(bh),
+                        key0,
+                        key1,
+                    );
                     #[unroll]
-                    for e in 0..2usize {
-                        x[e] = (x[e] - lse_r[r]).exp() * (y[e] - d_r[r]);
+                    for half in 0..2usize {
+                        let r = m * 2 + half;
+                        #[unroll]
+                        for tt in 0..2usize {
+                            let at = (m * s_tiles + u * 2 + tt) * 2 + half;
+                            let word = w[half * 2 + tt];
+                            let mut x = s[at];
+                            let y = dp[at];
+                            #[unroll]
+                            for e in 0..2usize {
+                                let z = factor(half_word(word, e == 1), threshold, keep_scale);
+                                x[e] = (x[e] - lse_r[r]).exp() * (y[e] * z - d_r[r]);
+                            }
+                            s[at] = x;
+                        }
                     }
-                    s[at] = x;
+                }
+            }
+        } else {
+            #[unroll]
+            for m in 0..mt {
+                #[unroll]
+                for half in 0..2usize {
+                    let r = m * 2 + half;
+                    #[unroll]
+                    for t in 0..s_tiles {
+                        let at = (m * s_tiles + t) * 2 + half;
+                        let mut x = s[at];
+                        let y = dp[at];
+                        #[unroll]
+                        for e in 0..2usize {
+                            x[e] = (x[e] - lse_r[r]).exp() * (y[e] - d_r[r]);
+                        }
+                        s[at] = x;
+                    }
                 }
             }
         }
@@ -405,6 +448,11 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     #[comptime] width: usize,
     #[comptime] causal: bool,
     #[comptime] fuse_dq: bool,
+    key0: u32,
+    key1: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -608,25 +656,72 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
                 }
             }
         }
-        #[unroll]
-        for t in 0..s_tiles {
+        if comptime!(dropout) {
+            // P^T * Z for dV and dS^T = P^T * (dP^T * Z - delta), with the forward's mask drawn
+            // again. These tiles are transposed, so a lane's entries of a 16 x 16 tile belong to
+            // the forward's lanes 4 (2 t4 + e) + g / 2 for e = 0, 1: two Philox calls per tile.
+            let high = g % 2 == 1;
             #[unroll]
-            for e in 0..2usize {
-                let col = t * 8 + t4 * 2 + e;
-                let l = lse_t[lrow + col];
-                let d = delta_t[lrow + col];
+            for m in 0..mt {
+                let key_tile = u32::cast_from((k0 + w0) / 16 + m);
                 #[unroll]
-                for m in 0..mt {
+                for u in 0..comptime!(s_tiles / 2) {
                     #[unroll]
-                    for half in 0..2usize {
-                        let at = (m * s_tiles + t) * 2 + half;
-                        let mut x = s[at];
-                        let mut y = dp[at];
-                        let p = (x[e] - l).exp();
-                        x[e] = p;
-                        y[e] = p * (y[e] - d);
-                        s[at] = x;
-                        dp[at] = y;
+                    for e in 0..2usize {
+                        let w = philox(
+                            u32::cast_from((t4 * 2 + e) * 4 + g / 2),
+                            key_tile,
+                            u32::cast_from(i0 / 16 + u),
+                            u32::cast_from(bh),
+                            key0,
+                            key1,
+                        );
+                        #[unroll]
+                        for tt in 0..2usize {
+                            let col = (u * 2 + tt) * 8 + t4 * 2 + e;
+                            let l = lse_t[lrow + col];
+                            let d = delta_t[lrow + col];
+                            #[unroll]
+                            for half in 0..2usize {
+                                let at = (m * s_tiles + u * 2 + tt) * 2 + half;
+                                let z = factor(
+                                    half_word(w[tt * 2 + half], high),
+                                    threshold,
+                                    keep_scale,
+                                );
+                                let mut x = s[at];
+                                let mut y = dp[at];
+                                let p = (x[e] - l).exp();
+                                x[e] = p * z;
+                                y[e] = p * (y[e] * z - d);
+                                s[at] = x;
+                                dp[at] = y;
+                            }
+                        }
+                    }
+                }
+            }
+        } else {
+            #[unroll]
+            for t in 0..s_tiles {
+                #[unroll]
+                for e in 0..2usize {
+                    let col = t * 8 + t4 * 2 + e;
+                    let l = lse_t[lrow + col];
+                    let d = delta_t[lrow + col];
+                    #[unroll]
+                    for m in 0..mt {
+                        #[unroll]
+                        for half in 0..2usize {
+                            let at = (m * s_tiles + t) * 2 + half;
+                            let mut x = s[at];
+                            let mut y = dp[at];
+                            let p = (x[e] - l).exp();
+                            x[e] = p;
+                            y[e] = p * (y[e] - d);
+                            s[at] = x;
+                            dp[at] = y;
+                        }
                     }
                 }
             }

@@ -3,6 +3,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use super::super::dropout::{factor, half_word, philox};
 use super::super::kernel::neg_big;
 use crate::pipeline::{commit, wait_block};
 
@@ -30,6 +31,11 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     #[comptime] block_k: usize,
     #[comptime] width: usize,
     #[comptime] causal: bool,
+    key0: u32,
+    key1: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -197,6 +203,38 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
                 for t in 0..o_tiles {
                     let at = (m * o_tiles + t) * 2 + half;
                     o_acc[at] = o_acc[at] * Vector::new(alpha);
+                }
+            }
+        }
+
+        // Dropout: P v takes the kept probabilities, scaled (the row sums above count them all).
+        // One Philox call per lane and 16 x 16 tile gives its eight entries (see `dropout`).
+        if comptime!(dropout) {
+            #[unroll]
+            for m in 0..mt {
+                let query_tile = u32::cast_from((q0 + w0) / 16 + m);
+                #[unroll]
+                for u in 0..comptime!(s_tiles / 2) {
+                    let w = philox(
+                        u32::cast_from(lane),
+                        u32::cast_from(j0 / 16 + u),
+                        query_tile,
+                        u32::cast_from(bh),
+                        key0,
+                        key1,
+                    );
+                    #[unroll]
+                    for half in 0..2usize {
+                        #[unroll]
+                        for tt in 0..2usize {
+                            let at = (m * s_tiles + u * 2 + tt) * 2 + half;
+                            let word = w[half * 2 + tt];
+                            let mut x = s[at];
+                            x[0] = x[0] * factor(half_word(word, false), threshold, keep_scale);
+                            x[1] = x[1] * factor(half_word(word, true), threshold, keep_scale);
+                            s[at] = x;
+                        }
+                    }
                 }
             }
         }
