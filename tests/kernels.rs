@@ -30,6 +30,7 @@ cases!(
     cross_entropy,
     embedding,
     adamw,
+    dropout,
     flash_attention_strided
 );
 
@@ -122,7 +123,7 @@ fn flash_attention_dropout() {
 fn flash_attention_refuses_dropout_of_one() {
     let dev = device();
     let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
-    let d = kernels::AttentionDropout::new(1.0, 3);
+    let d = kernels::Dropout::new(1.0, 3);
     let _ = kernels::flash_attention_dropout(q.clone(), q.clone(), q, false, None, d);
 }
 

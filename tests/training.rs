@@ -57,9 +57,10 @@ fn resumed_run_matches_uninterrupted_run() {
     resumed_run_matches(model::AttentionKind::Plain, "resume");
 }
 
-/// FlashAttention's dropout (inside the portable kernels here) is repeated on resume too.
+/// The kernels' dropout (fused ops and flash attention, every mask drawn in a kernel) is repeated
+/// on resume too.
 #[test]
-fn resumed_run_with_flash_dropout_matches_uninterrupted_run() {
+fn resumed_run_with_kernel_dropout_matches_uninterrupted_run() {
     resumed_run_matches(model::AttentionKind::Flash, "resume_flash");
 }
 
@@ -69,6 +70,9 @@ fn resumed_run_matches(attention: model::AttentionKind, tag: &str) {
     let _guard = common::serial();
     let mut cfg = tiny_config(12);
     cfg.model.attention = attention;
+    if attention == model::AttentionKind::Flash {
+        cfg.model.kernels = model::KernelsKind::Fused;
+    }
     cfg.model.dropout = 0.1; // dropout masks must be reproduced too
     cfg.training.grad_accum = 2;
     cfg.training.checkpoint_interval = 4;

@@ -167,8 +167,7 @@ fn main() {
         memory(&dev, dt);
         return;
     }
-    let dropout =
-        (args.dropout > 0.0).then(|| kernels::AttentionDropout::new(args.dropout, 0x5eed));
+    let dropout = (args.dropout > 0.0).then(|| kernels::Dropout::new(args.dropout, 0x5eed));
     println!("FlashAttention, {}, dropout {}, batch * seq = 16384, heads * head_dim = 2048; TFLOP/s (median of {} x {} calls)\n", args.dtype, args.dropout, args.reps, args.iters);
     println!("| hd | mask | S | B x H | path | fwd | bwd | fwd+bwd | Burn fwd | Burn fwd+bwd | fwd vs Burn | fwd+bwd vs Burn | fwd/SDPA | bwd/SDPA |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");

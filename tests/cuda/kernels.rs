@@ -33,7 +33,8 @@ cases!(
     rope => cuda_rope,
     cross_entropy => cuda_cross_entropy,
     embedding => cuda_embedding,
-    adamw => cuda_adamw
+    adamw => cuda_adamw,
+    dropout => cuda_dropout
 );
 
 /// FlashAttention at every sequence length of the spec (1, 17, 128, 1000, 2048) and head dims 64

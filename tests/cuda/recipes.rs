@@ -94,21 +94,38 @@ fn causality(cfg: &GptConfig, dev: &CudaDevice) -> Vec<String> {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_training_loss_decreases_and_resume_matches() {
+    training_loss_decreases_and_resume_matches(model::AttentionKind::Plain, "cuda");
+}
+
+/// As above in bf16 with the fused ops and flash attention: every dropout mask is drawn in a kernel
+/// (the elementwise one and the tensor-core attention's, head_dim 16).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_training_with_flash_dropout_resume_matches() {
+    training_loss_decreases_and_resume_matches(model::AttentionKind::Flash, "cuda_flash");
+}
+
+fn training_loss_decreases_and_resume_matches(attention: model::AttentionKind, tag: &str) {
     let _guard = common::serial();
     let mut cfg = tiny_config(40);
     cfg.device = DeviceKind::Cuda;
     cfg.model.dropout = 0.1;
+    cfg.model.attention = attention;
+    if attention == model::AttentionKind::Flash {
+        cfg.precision = trainer::config::PrecisionKind::Bf16;
+        cfg.model.kernels = model::KernelsKind::Fused;
+    }
     cfg.training.checkpoint_interval = 10;
     cfg.training.eval_interval = 20;
 
-    let full = scratch("cuda_full");
+    let full = scratch(&format!("{tag}_full"));
     trainer::run(&cfg, &cuda(), &opts(full.clone(), false)).unwrap();
     let a = read_metrics(&full);
     let first: f64 = a[..5].iter().map(|r| r.loss).sum::<f64>() / 5.0;
     let last: f64 = a[35..].iter().map(|r| r.loss).sum::<f64>() / 5.0;
     assert!(last < first - 0.8, "loss went from {first} to {last}");
 
-    let split = scratch("cuda_split");
+    let split = scratch(&format!("{tag}_split"));
     let mut o = opts(split.clone(), false);
     o.stop_at = Some(20);
     trainer::run(&cfg, &cuda(), &o).unwrap();

@@ -303,6 +303,59 @@ pub fn gelu<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::D
     }
 }
 
+/// Dropout with the in-kernel mask against `x * keep_mask` (the host's mask), output and gradient,
+/// at every width in [`WIDTHS`] (odd sizes end inside a Philox call's eight entries) and p = 0.1
+/// and 0.5; then a transposed 3-D view (read in its logical order), one seed twice (same bits),
+/// and two seeds (different masks).
+pub fn dropout<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
+    use kernels::Dropout;
+    for (n, c) in WIDTHS.into_iter().enumerate() {
+        let rows = rows_for(c);
+        for p in [0.1, 0.5] {
+            let d = Dropout::new(p, 0xd0_0000 + n as u64 * 7 + (p * 10.0) as u64);
+            check::<B>(
+                &format!("dropout [{rows}, {c}] p {p}"),
+                dtype,
+                FLOOR,
+                vec![Input::act([rows, c], dev)],
+                |v| kernels::dropout(v[0].clone(), d),
+                |v| kernels::dropout::reference(v[0].clone(), d),
+            );
+        }
+    }
+    let d = Dropout::new(0.3, 42);
+    let x = randn::<B>([6 * 5, 7], dev).reshape([6, 5, 7]).cast(dtype);
+    let view = x.clone().swap_dims(0, 2); // [7, 5, 6], not contiguous
+    let got = kernels::dropout(view.clone(), d).cast(FloatDType::F32);
+    let want = kernels::dropout::reference(view, d).cast(FloatDType::F32);
+    let err = max_abs::<B>((got - want).inner().reshape([7, 30]));
+    assert_eq!(
+        err, 0.0,
+        "dropout of a transposed view ({dtype:?}): error {err:e}"
+    );
+
+    let bits = |seed: u64| -> Vec<f32> {
+        kernels::dropout(x.clone(), Dropout::new(0.3, seed))
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32")
+    };
+    let (a, again, other) = (bits(5), bits(5), bits(6));
+    assert!(
+        a.iter()
+            .zip(&again)
+            .all(|(x, y)| x.to_bits() == y.to_bits()),
+        "dropout ({dtype:?}): one seed gave two different outputs"
+    );
+    let zeros = |v: &[f32]| v.iter().map(|x| *x == 0.0).collect::<Vec<_>>();
+    assert_ne!(
+        zeros(&a),
+        zeros(&other),
+        "dropout ({dtype:?}): seeds 5 and 6 dropped the same entries"
+    );
+}
+
 /// RoPE on [2, 3, T, head_dim], and on q and k sliced out of a packed [B, T, 3H, hd] projection
 /// (a strided view, as a model produces them).
 pub fn rope<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device) {
@@ -593,7 +646,7 @@ pub fn flash_attention_dropout<B: AutodiffBackend + kernels::Backend>(
     shapes: &[(usize, usize, usize, usize)],
     exact_by_sums: bool,
 ) {
-    use kernels::AttentionDropout;
+    use kernels::Dropout;
     let mut cases: Vec<(usize, usize, usize, usize, usize)> = shapes
         .iter()
         .map(|&(b, h, s, hd)| (b, h, s, s, hd))
@@ -603,7 +656,7 @@ pub fn flash_attention_dropout<B: AutodiffBackend + kernels::Backend>(
         for (causal, p) in [(false, 0.2), (true, 0.2), (true, 0.5)] {
             let seed = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(n as u64 * 4 + 1 + causal as u64)
                 ^ (p * 1e3) as u64;
-            let drop = AttentionDropout::new(p, seed);
+            let drop = Dropout::new(p, seed);
             let started = std::time::Instant::now();
             let scale = if causal { None } else { Some(0.3) };
             let (rq, rk) = (b * h * sq, b * h * sk);
@@ -658,7 +711,7 @@ pub fn flash_attention_dropout<B: AutodiffBackend + kernels::Backend>(
             v.clone(),
             true,
             None,
-            AttentionDropout::new(0.3, seed),
+            Dropout::new(0.3, seed),
         )
         .cast(FloatDType::F32)
         .into_data()
@@ -699,7 +752,7 @@ pub fn attention_by_sums_dropout<B: burn::tensor::backend::Backend>(
     v: Tensor<B, 4>,
     causal: bool,
     scale: Option<f64>,
-    dropout: Option<kernels::AttentionDropout>,
+    dropout: Option<kernels::Dropout>,
 ) -> Tensor<B, 4> {
     let [b, h, sq, hd] = q.dims();
     let sk = k.dims()[2];

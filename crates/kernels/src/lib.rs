@@ -12,6 +12,7 @@
 //! | token embedding (atomic scatter backward on CUDA) | [`embedding()`] | [`embedding::reference`] |
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
+//! | dropout with an in-kernel mask (drawn again in the backward) | [`dropout()`] | [`dropout::reference`] |
 //! | FlashAttention with dropout on the probabilities (Philox mask, drawn again in the backward) | [`flash_attention_dropout`] | [`attention::reference_dropout`] |
 //! | FP8 quantizer (1x128, 128x128, per tensor) | [`fp8_quantize`] | [`fp8::reference`] |
 //! | GEMM with transpose flags, linear layer (cuBLASLt on CUDA) | [`gemm()`], [`linear`] | [`gemm::reference`] (Burn's matmul) |
@@ -47,11 +48,13 @@ pub mod adamw;
 pub mod attention;
 mod check;
 pub mod cross_entropy;
+pub mod dropout;
 pub mod embedding;
 pub mod fp8;
 pub mod gemm;
 mod launch;
 pub mod memory;
+pub mod philox;
 mod pipeline;
 pub mod rms_norm;
 pub mod rope;
@@ -66,8 +69,9 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 pub use activation::{ActivationKernels, ActivationOps};
 pub use adamw::{AdamWOps, AdamWOutput, AdamWStep};
-pub use attention::{AttentionDropout, AttentionKernels, AttentionOps, FlashPath};
+pub use attention::{AttentionKernels, AttentionOps, FlashPath};
 pub use cross_entropy::{CrossEntropyKernels, CrossEntropyOps};
+pub use dropout::{Dropout, DropoutKernels, DropoutOps};
 pub use embedding::{EmbeddingKernels, EmbeddingOps};
 pub use fp8::{
     fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health, fp8_linear, fp8_linear_probed, fp8_quantize,
@@ -110,6 +114,21 @@ pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) 
 /// single fused projection produces them) -> `[.., F]`. The gradient is one packed tensor too.
 pub fn swiglu_packed<B: Backend, const D: usize>(gate_up: Tensor<B, D>) -> Tensor<B, D> {
     tensor(B::fused_swiglu_packed(prim(gate_up)))
+}
+
+/// Dropout of `x` with its mask drawn inside the kernel from `dropout.seed` (see [`dropout`]):
+/// each entry is zeroed with probability `p` (in steps of 1/65536) and the others are scaled by
+/// `1 / (1 - p)`, in f32, stored in `x`'s dtype. The backward draws the same mask again, so only
+/// the seed is kept for it; one seed gives one mask, so give every call its own. Unlike Burn's
+/// `Dropout` module this always drops: call it only when training. `p = 0` returns `x`.
+pub fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, dropout: Dropout) -> Tensor<B, D> {
+    if let Some(problem) = dropout.problem() {
+        check::fail("dropout", problem);
+    }
+    if !dropout.is_active() {
+        return x;
+    }
+    tensor(B::fused_dropout(prim(x), dropout))
 }
 
 /// Exact (erf) GELU, computed in f32 (safe in f16, unlike a GELU whose backward cubes `x` in f16).
@@ -224,7 +243,7 @@ pub fn flash_attention_dropout<B: Backend>(
     v: Tensor<B, 4>,
     causal: bool,
     scale: Option<f64>,
-    dropout: AttentionDropout,
+    dropout: Dropout,
 ) -> Tensor<B, 4> {
     if let Some(problem) = dropout.problem() {
         check::fail("flash_attention", problem);
@@ -300,6 +319,7 @@ pub trait Backend:
     + CrossEntropyOps
     + EmbeddingOps
     + AttentionOps
+    + DropoutOps
     + GemmOps
     + Fp8Ops
     + AdamWOps
@@ -314,6 +334,7 @@ impl<B> Backend for B where
         + CrossEntropyOps
         + EmbeddingOps
         + AttentionOps
+        + DropoutOps
         + GemmOps
         + Fp8Ops
         + AdamWOps
@@ -331,6 +352,7 @@ pub trait KernelOps:
     + CrossEntropyKernels
     + EmbeddingKernels
     + AttentionKernels
+    + DropoutKernels
 {
 }
 
@@ -360,6 +382,7 @@ macro_rules! reference_backend {
         impl<$($g $(: $bound)?),*> $crate::cross_entropy::CrossEntropyOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::embedding::EmbeddingOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::attention::AttentionOps for $ty {}
+        impl<$($g $(: $bound)?),*> $crate::dropout::DropoutOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::gemm::GemmOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::fp8::Fp8Ops for $ty {}
         impl<$($g $(: $bound)?),*> $crate::adamw::AdamWOps for $ty {}

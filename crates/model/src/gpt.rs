@@ -93,9 +93,12 @@ impl<B: kernels::Backend> Attention<B> {
                 None => kernels::flash_attention(q, k, v, true, Some(scale)),
             };
             let y = y.swap_dims(1, 2).reshape([b, t, d]);
-            return self
-                .resid_dropout
-                .forward(self.proj.forward_mixed(y, ctx.gemm));
+            return ctx.dropout(
+                &self.resid_dropout,
+                self.proj.forward_mixed(y, ctx.gemm),
+                layer,
+                Site::AttentionOut,
+            );
         }
         // [B, H, T, T] scores, scaled, masked and normalised in f32; the additive mask is 0 on and
         // below the diagonal, MASKED above. The probabilities return to the compute dtype for P V.
@@ -111,8 +114,12 @@ impl<B: kernels::Backend> Attention<B> {
             .cast(v.dtype());
         let y = probs.matmul(v); // [B, H, T, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, d]);
-        self.resid_dropout
-            .forward(self.proj.forward_mixed(y, ctx.gemm))
+        ctx.dropout(
+            &self.resid_dropout,
+            self.proj.forward_mixed(y, ctx.gemm),
+            layer,
+            Site::AttentionOut,
+        )
     }
 }
 
@@ -214,6 +221,7 @@ impl<B: Backend> Mlp<B> {
 }
 
 impl<B: kernels::Backend> Mlp<B> {
+    /// The feed-forward block with the activation of `kind`, before its dropout.
     fn forward(&self, x: Tensor<B, 3>, kind: KernelsKind, gemm: kernels::Gemm) -> Tensor<B, 3> {
         let h = self.fc.forward_mixed(x, gemm);
         let h = match (self.kind, kind) {
@@ -224,7 +232,7 @@ impl<B: kernels::Backend> Mlp<B> {
             }
             (MlpKind::Swiglu, KernelsKind::Fused | KernelsKind::Auto) => kernels::swiglu_packed(h),
         };
-        self.dropout.forward(self.proj.forward_mixed(h, gemm))
+        self.proj.forward_mixed(h, gemm)
     }
 }
 
@@ -276,10 +284,12 @@ impl<B: kernels::Backend> Block<B> {
     /// Plain Burn: `x + attn(norm1(x))`, then `x + mlp(norm2(x))`.
     fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>, layer: usize) -> Tensor<B, 3> {
         let x = x.clone() + self.attn.forward(self.norm1.forward(x), ctx, layer);
-        x.clone()
-            + self
-                .mlp
-                .forward(self.norm2.forward(x), KernelsKind::Reference, ctx.gemm)
+        let m = self.mlp.forward(
+            self.norm2.forward(x.clone()),
+            KernelsKind::Reference,
+            ctx.gemm,
+        );
+        x + ctx.dropout(&self.mlp.dropout, m, layer, Site::MlpOut)
     }
 
     /// Fused kernels: each residual add happens inside the following norm's kernel. Takes the
@@ -297,7 +307,8 @@ impl<B: kernels::Backend> Block<B> {
             None => (x.clone(), self.norm1.forward_fused(x)),
         };
         let (x, h) = self.norm2.forward_add(self.attn.forward(h, ctx, layer), x);
-        (x, self.mlp.forward(h, KernelsKind::Fused, ctx.gemm))
+        let m = self.mlp.forward(h, KernelsKind::Fused, ctx.gemm);
+        (x, ctx.dropout(&self.mlp.dropout, m, layer, Site::MlpOut))
     }
 }
 
@@ -324,15 +335,49 @@ struct Ctx<B: Backend> {
     attention: AttentionKind,
     gemm: kernels::Gemm,
     /// `(p, seed)` when training with dropout.
-    dropout: Option<(f64, u64)>,
+    masks: Option<(f64, u64)>,
+    /// Whether the embedding's and residual branches' dropout runs in the kernels
+    /// (`kernels::dropout`, with the fused ops) rather than in Burn's `Dropout` modules.
+    fused: bool,
 }
 
-impl<B: Backend> Ctx<B> {
-    /// FlashAttention's dropout in block `layer`: its own seed per block and forward.
-    fn attention_dropout(&self, layer: usize) -> Option<kernels::AttentionDropout> {
-        self.dropout.map(|(p, seed)| {
-            kernels::AttentionDropout::new(p, mix64(seed ^ mix64(layer as u64 + 1)))
+/// Where a dropout mask applies; with the block index it keys the mask's seed.
+#[derive(Clone, Copy)]
+enum Site {
+    Embedding = 0,
+    Attention = 1,
+    AttentionOut = 2,
+    MlpOut = 3,
+}
+
+impl<B: kernels::Backend> Ctx<B> {
+    /// The in-kernel dropout at `site` of block `layer`: a seed of its own per site, block and
+    /// forward.
+    fn mask(&self, layer: usize, site: Site) -> Option<kernels::Dropout> {
+        self.masks.map(|(p, seed)| {
+            let at = ((layer as u64 + 1) << 2) | site as u64;
+            kernels::Dropout::new(p, mix64(seed ^ mix64(at)))
         })
+    }
+
+    /// FlashAttention's dropout in block `layer`.
+    fn attention_dropout(&self, layer: usize) -> Option<kernels::Dropout> {
+        self.mask(layer, Site::Attention)
+    }
+
+    /// `x` through the dropout at `site` of block `layer`: the kernel's with the fused ops, else
+    /// Burn's `module` (which acts only when training).
+    fn dropout<const D: usize>(
+        &self,
+        module: &Dropout,
+        x: Tensor<B, D>,
+        layer: usize,
+        site: Site,
+    ) -> Tensor<B, D> {
+        match self.mask(layer, site) {
+            Some(d) if self.fused => kernels::dropout(x, d),
+            _ => module.forward(x),
+        }
     }
 }
 
@@ -344,8 +389,8 @@ fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Seeds of the dropout masks drawn inside the kernels (FlashAttention's, with `model.dropout >
-/// 0`): forward number `n` since [`Gpt::set_dropout_seed`] draws its masks from `(seed, n,
+/// Seeds of the dropout masks drawn inside the kernels (with `model.dropout > 0`: FlashAttention's,
+/// and with the fused ops the embedding's and residual branches'): forward number `n` since [`Gpt::set_dropout_seed`] draws its masks from `(seed, n,
 /// layer)`, so the masks of a step repeat when its seed and forwards do. Clones share the count.
 #[derive(Clone, Debug, Default)]
 pub struct DropoutSeeds {
@@ -409,10 +454,11 @@ impl<B: Backend> Gpt<B> {
         }
     }
 
-    /// Seeds the dropout masks drawn inside the kernels (FlashAttention with `model.dropout > 0`)
-    /// from `seed` and the count of training forwards from now on. Training loops call it once
-    /// per step with a seed of (run seed, step), so a resumed run draws the masks the
-    /// uninterrupted one drew. Without it the masks follow seed 0.
+    /// Seeds the dropout masks drawn inside the kernels (with `model.dropout > 0`: FlashAttention's,
+    /// and with the fused ops the embedding's and residual branches') from `seed` and the count of
+    /// training forwards from now on. Training loops call it once per step with a seed of (run
+    /// seed, step), so a resumed run draws the masks the uninterrupted one drew. Without it the
+    /// masks follow seed 0.
     pub fn set_dropout_seed(&mut self, seed: u64) {
         self.dropout_seeds = DropoutSeeds::new(seed);
     }
@@ -545,18 +591,16 @@ impl<B: kernels::Backend> Gpt<B> {
         let causal_mask = Tensor::<B, 2>::zeros([t, t], &device)
             .mask_fill(above, MASKED)
             .reshape([1, 1, t, t]);
-        let attention = self.config.attention_resolved();
         // Burn's Dropout modules act only with autodiff; the kernels' dropout does the same.
-        let dropout = (attention == AttentionKind::Flash
-            && self.config.dropout > 0.0
-            && B::ad_enabled(&device))
-        .then(|| (self.config.dropout, self.dropout_seeds.next_forward()));
+        let masks = (self.config.dropout > 0.0 && B::ad_enabled(&device))
+            .then(|| (self.config.dropout, self.dropout_seeds.next_forward()));
         let ctx = Ctx {
             tables,
             causal_mask,
-            attention,
+            attention: self.config.attention_resolved(),
             gemm: self.config.gemm.engine(),
-            dropout,
+            masks,
+            fused,
         };
 
         // The lookup reads the f32 table; the residual stream then runs in the compute dtype.
@@ -566,7 +610,7 @@ impl<B: kernels::Backend> Gpt<B> {
         } else {
             self.wte.forward(ids)
         };
-        let mut x = self.drop.forward(emb.cast(dt));
+        let mut x = ctx.dropout(&self.drop, emb.cast(dt), 0, Site::Embedding);
         let x = if fused {
             let mut pending = None;
             for (layer, block) in self.blocks.iter().enumerate() {

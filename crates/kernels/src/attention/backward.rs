@@ -9,7 +9,7 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 
-use super::AttentionDropout;
+use crate::dropout::Dropout;
 use crate::KernelOps;
 
 #[derive(Debug)]
@@ -24,7 +24,7 @@ type State<B> = (
     FloatTensor<B>,
     bool,
     f32,
-    Option<AttentionDropout>,
+    Option<Dropout>,
 );
 
 impl<B: KernelOps> Backward<B, 3> for FlashAttentionBackward {
@@ -51,7 +51,7 @@ pub(crate) fn flash_attention<B: KernelOps, C: CheckpointStrategy>(
     v: FloatTensor<Autodiff<B, C>>,
     causal: bool,
     scale: f32,
-    dropout: Option<AttentionDropout>,
+    dropout: Option<Dropout>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let (out, lse) = B::flash_attention_forward(
         q.primitive.clone(),
@@ -90,7 +90,7 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::AttentionOps for Autodif
         v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
-        dropout: Option<AttentionDropout>,
+        dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
         flash_attention::<B, C>(q, k, v, causal, scale as f32, dropout)
     }

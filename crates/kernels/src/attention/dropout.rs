@@ -24,111 +24,9 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{Tensor, TensorData};
 use cubecl::prelude::*;
 
-/// Philox4x32's round multipliers and Weyl key increments (Random123's constants).
-const M0: u32 = 0xD251_1F53;
-const M1: u32 = 0xCD9E_8D57;
-const W0: u32 = 0x9E37_79B9;
-const W1: u32 = 0xBB67_AE85;
-
-/// Dropout inside [`crate::flash_attention_dropout`]: probability `p` of zeroing each attention
-/// probability, and the seed of its mask. One seed gives one mask; give each layer, micro-batch
-/// and step its own.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttentionDropout {
-    /// In [0, 1); applied in steps of 1/65536.
-    pub p: f64,
-    pub seed: u64,
-}
-
-impl AttentionDropout {
-    pub fn new(p: f64, seed: u64) -> Self {
-        Self { p, seed }
-    }
-
-    /// Why `p` is unusable, if it is.
-    pub(crate) fn problem(&self) -> Option<String> {
-        (!(0.0..1.0).contains(&self.p))
-            .then(|| format!("dropout p is {}; it must be in [0, 1)", self.p))
-    }
-
-    /// Draws (16-bit) below this are dropped: `round(p * 65536)`, at most 65535.
-    pub fn threshold(&self) -> u32 {
-        ((self.p * 65536.0).round() as u32).min(65535)
-    }
-
-    /// The probability that an entry is kept, `1 - threshold / 65536`.
-    pub fn keep_probability(&self) -> f64 {
-        (65536 - self.threshold()) as f64 / 65536.0
-    }
-
-    /// The factor of a kept entry, `1 / keep_probability`.
-    pub fn keep_scale(&self) -> f32 {
-        (65536.0 / (65536 - self.threshold()) as f64) as f32
-    }
-
-    /// Whether any entry can be dropped (`p` rounds to at least 1/65536).
-    pub fn is_active(&self) -> bool {
-        self.threshold() > 0
-    }
-
-    /// The seed as Philox's two key words.
-    pub(crate) fn key(&self) -> (u32, u32) {
-        (self.seed as u32, (self.seed >> 32) as u32)
-    }
-}
-
-/// The kernels' dropout arguments: key words, threshold, keep scale; zeros when off.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct DropArgs {
-    pub on: bool,
-    pub key0: u32,
-    pub key1: u32,
-    pub threshold: u32,
-    pub scale: f32,
-}
-
-impl DropArgs {
-    pub(crate) fn new(dropout: Option<AttentionDropout>) -> Self {
-        match dropout.filter(AttentionDropout::is_active) {
-            Some(d) => {
-                let (key0, key1) = d.key();
-                Self {
-                    on: true,
-                    key0,
-                    key1,
-                    threshold: d.threshold(),
-                    scale: d.keep_scale(),
-                }
-            }
-            None => Self {
-                on: false,
-                key0: 0,
-                key1: 0,
-                threshold: 0,
-                scale: 1.0,
-            },
-        }
-    }
-}
-
-/// Philox4x32-10 of `counter` under `key`, on the host.
-pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
-    let [mut x0, mut x1, mut x2, mut x3] = counter;
-    let [mut k0, mut k1] = key;
-    for _ in 0..10 {
-        let p0 = u64::from(M0) * u64::from(x0);
-        let p1 = u64::from(M1) * u64::from(x2);
-        (x0, x1, x2, x3) = (
-            (p1 >> 32) as u32 ^ x1 ^ k0,
-            p1 as u32,
-            (p0 >> 32) as u32 ^ x3 ^ k1,
-            p0 as u32,
-        );
-        k0 = k0.wrapping_add(W0);
-        k1 = k1.wrapping_add(W1);
-    }
-    [x0, x1, x2, x3]
-}
+use crate::dropout::Dropout;
+pub use crate::philox::philox4x32_10;
+use crate::philox::{factor, half_word, philox};
 
 /// The 16-bit draw of entry `(bh, i, j)` (see the module documentation), on the host.
 pub fn draw(seed: u64, bh: usize, i: usize, j: usize) -> u32 {
@@ -146,10 +44,10 @@ pub fn draw(seed: u64, bh: usize, i: usize, j: usize) -> u32 {
 }
 
 /// The dropout factors of `[batch, heads, seq_q, seq_k]` attention probabilities, computed on the
-/// host: 0 where an entry is dropped, [`AttentionDropout::keep_scale`] where it is kept. What the
+/// host: 0 where an entry is dropped, [`Dropout::keep_scale`] where it is kept. What the
 /// kernels apply, for references and tests (it materialises the `seq_q x seq_k` mask).
 pub fn keep_mask<B: BurnBackend>(
-    dropout: AttentionDropout,
+    dropout: Dropout,
     shape: [usize; 4],
     device: &B::Device,
 ) -> Tensor<B, 4> {
@@ -165,59 +63,6 @@ pub fn keep_mask<B: BurnBackend>(
         }
     }
     Tensor::from_data(TensorData::new(values, shape), device)
-}
-
-/// Philox4x32-10 of `(c0, c1, c2, c3)` under `(k0, k1)`: four words.
-#[cube]
-pub(crate) fn philox(c0: u32, c1: u32, c2: u32, c3: u32, k0: u32, k1: u32) -> Array<u32> {
-    let mut x0 = c0;
-    let mut x1 = c1;
-    let mut x2 = c2;
-    let mut x3 = c3;
-    let mut key0 = k0;
-    let mut key1 = k1;
-    // The constants M0, M1, W0, W1 (literals: the kernel takes them as constants).
-    let m0 = 0xD251_1F53u32;
-    let m1 = 0xCD9E_8D57u32;
-    #[unroll]
-    for _ in 0..10u32 {
-        let hi0 = x0.mul_hi(m0);
-        let lo0 = x0 * m0;
-        let hi1 = x2.mul_hi(m1);
-        let lo1 = x2 * m1;
-        x0 = hi1 ^ x1 ^ key0;
-        x1 = lo1;
-        x2 = hi0 ^ x3 ^ key1;
-        x3 = lo0;
-        key0 += 0x9E37_79B9u32;
-        key1 += 0xBB67_AE85u32;
-    }
-    let mut out = Array::<u32>::new(4usize);
-    out[0] = x0;
-    out[1] = x1;
-    out[2] = x2;
-    out[3] = x3;
-    out
-}
-
-/// The factor of a 16-bit draw: `scale` when kept (`draw >= threshold`), else 0.
-#[cube]
-pub(crate) fn factor(draw: u32, threshold: u32, scale: f32) -> f32 {
-    let mut f = 0.0f32;
-    if draw >= threshold {
-        f = scale;
-    }
-    f
-}
-
-/// The low (`high` false) or high 16 bits of `word`.
-#[cube]
-pub(crate) fn half_word(word: u32, high: bool) -> u32 {
-    let mut r = word & 0xffffu32;
-    if high {
-        r = word >> 16u32;
-    }
-    r
 }
 
 /// The dropout factor of entry `(bh, i, j)` with one Philox call of its own (the portable
@@ -261,41 +106,6 @@ pub(crate) fn entry_factor(
 mod tests {
     use super::*;
 
-    /// Random123's published known-answer vectors (its `kat_vectors` file).
-    #[test]
-    fn philox_matches_known_answers() {
-        assert_eq!(
-            philox4x32_10([0, 0, 0, 0], [0, 0]),
-            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
-        );
-        assert_eq!(
-            philox4x32_10([u32::MAX; 4], [u32::MAX; 2]),
-            [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
-        );
-        assert_eq!(
-            philox4x32_10(
-                [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
-                [0xa4093822, 0x299f31d0]
-            ),
-            [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
-        );
-    }
-
-    #[test]
-    fn threshold_and_scale_follow_p() {
-        let d = AttentionDropout::new(0.2, 7);
-        assert_eq!(d.threshold(), 13107);
-        assert!((d.keep_probability() - 0.8).abs() < 1e-5);
-        assert!((d.keep_scale() as f64 * d.keep_probability() - 1.0).abs() < 1e-6);
-        assert!(!AttentionDropout::new(0.0, 7).is_active());
-        assert!(!AttentionDropout::new(1e-6, 7).is_active());
-        assert_eq!(AttentionDropout::new(0.9999999, 7).threshold(), 65535);
-        for bad in [-0.1, 1.0, 1.5, f64::NAN] {
-            assert!(AttentionDropout::new(bad, 7).problem().is_some(), "{bad}");
-        }
-        assert!(AttentionDropout::new(0.5, 7).problem().is_none());
-    }
-
     /// Every 16-bit draw of a region is used once: the eight draws of a Philox call go to eight
     /// distinct entries, and no two entries share a (counter, word, half).
     #[test]
@@ -319,7 +129,7 @@ mod tests {
     fn masks_have_the_expected_statistics() {
         let (sq, sk, heads) = (256usize, 256usize, 4usize);
         for p in [0.1, 0.2, 0.5, 0.9] {
-            let d = AttentionDropout::new(p, 0x5eed_0000_0000_0001 + (p * 100.0) as u64);
+            let d = Dropout::new(p, 0x5eed_0000_0000_0001 + (p * 100.0) as u64);
             let t = d.threshold();
             let kept: Vec<bool> = (0..heads)
                 .flat_map(|bh| {
@@ -350,7 +160,7 @@ mod tests {
             }
             // Pairs (entry, right neighbour), (entry, entry 8 rows down), (head 0, head 1) and
             // (seed, seed + 1): both kept about q^2 of the time.
-            let other = AttentionDropout::new(p, d.seed + 1);
+            let other = Dropout::new(p, d.seed + 1);
             let pair = |a: &dyn Fn(usize, usize) -> bool, b: &dyn Fn(usize, usize) -> bool| {
                 let (mut both, mut n) = (0usize, 0usize);
                 for i in 0..sq - 8 {

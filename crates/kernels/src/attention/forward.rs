@@ -9,10 +9,10 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::ir::features::MmaConfig;
 use cubecl::prelude::*;
 
-use super::dropout::{AttentionDropout, DropArgs};
 use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta, flash_forward};
 use super::mma::{dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_forward_mma};
 use crate::check::{check_float, check_same_dtype, fail};
+use crate::dropout::{DropArgs, Dropout};
 use crate::launch::{contiguous, empty, vector_width};
 
 /// Largest head dimension the kernels accept (the portable kernels keep a row in registers).
@@ -262,7 +262,7 @@ fn check_inputs<R: CubeRuntime>(
 }
 
 /// The kernels' dropout arguments, after checking `p`.
-fn drop_args(op: &str, dropout: Option<AttentionDropout>) -> DropArgs {
+fn drop_args(op: &str, dropout: Option<Dropout>) -> DropArgs {
     if let Some(problem) = dropout.and_then(|d| d.problem()) {
         fail(op, problem);
     }
@@ -319,7 +319,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     v: CubeTensor<R>,
     causal: bool,
     scale: f32,
-    dropout: Option<AttentionDropout>,
+    dropout: Option<Dropout>,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let d = check_inputs("flash_attention", &q, &k, &v);
     let drop = drop_args("flash_attention", dropout);
@@ -432,7 +432,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     grad: CubeTensor<R>,
     causal: bool,
     scale: f32,
-    dropout: Option<AttentionDropout>,
+    dropout: Option<Dropout>,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let op = "flash_attention backward";
     let d = check_inputs(op, &q, &k, &v);
@@ -680,7 +680,7 @@ where
         v: FloatTensor<Self>,
         causal: bool,
         scale: f32,
-        dropout: Option<AttentionDropout>,
+        dropout: Option<Dropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         forward(q, k, v, causal, scale, dropout)
     }
@@ -693,7 +693,7 @@ where
         grad: FloatTensor<Self>,
         causal: bool,
         scale: f32,
-        dropout: Option<AttentionDropout>,
+        dropout: Option<Dropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         backward(q, k, v, out, lse, grad, causal, scale, dropout)
     }
@@ -712,7 +712,7 @@ where
         v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
-        dropout: Option<AttentionDropout>,
+        dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
         forward(q, k, v, causal, scale as f32, dropout).0
     }

@@ -35,7 +35,7 @@ pub(crate) mod forward;
 pub(crate) mod kernel;
 pub(crate) mod mma;
 
-pub use dropout::AttentionDropout;
+use crate::dropout::Dropout;
 pub(crate) use forward::check_tiles;
 pub use forward::{FlashPath, MAX_HEAD_DIM};
 
@@ -92,7 +92,7 @@ pub fn reference_dropout<B: BurnBackend>(
     v: Tensor<B, 4>,
     causal: bool,
     scale: Option<f64>,
-    dropout: AttentionDropout,
+    dropout: Dropout,
 ) -> Tensor<B, 4> {
     let [b, h, sq, hd] = q.dims();
     let sk = k.dims()[2];
@@ -127,10 +127,10 @@ pub trait AttentionOps: BurnBackend {
         v: FloatTensor<Self>,
         causal: bool,
         scale: f64,
-        dropout: Option<AttentionDropout>,
+        dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
         let (q, k, v) = (crate::tensor(q), crate::tensor(k), crate::tensor(v));
-        crate::prim(match dropout.filter(AttentionDropout::is_active) {
+        crate::prim(match dropout.filter(Dropout::is_active) {
             Some(d) => reference_dropout::<Self>(q, k, v, causal, Some(scale), d),
             None => reference::<Self>(q, k, v, causal, Some(scale)),
         })
@@ -153,7 +153,7 @@ pub trait AttentionKernels: AttentionOps {
         v: FloatTensor<Self>,
         causal: bool,
         scale: f32,
-        dropout: Option<AttentionDropout>,
+        dropout: Option<Dropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
     /// `(dq, dk, dv)` of FlashAttention from the forward's output and log-sum-exp; `dropout` must
     /// be the forward's.
@@ -167,6 +167,6 @@ pub trait AttentionKernels: AttentionOps {
         grad: FloatTensor<Self>,
         causal: bool,
         scale: f32,
-        dropout: Option<AttentionDropout>,
+        dropout: Option<Dropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 }

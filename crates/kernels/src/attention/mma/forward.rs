@@ -3,8 +3,8 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::super::dropout::{factor, half_word, philox};
 use super::super::kernel::neg_big;
+use crate::philox::{factor, half_word, philox};
 use crate::pipeline::{commit, wait_block};
 
 use super::fragments::*;
