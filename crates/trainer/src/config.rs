@@ -161,6 +161,11 @@ pub struct TrainingConfig {
     /// f32 master weights and AdamW moments across them (each GPU updates its share, then sends
     /// the others the new compute weights): less memory per GPU, more communication per step.
     pub zero: u8,
+    /// With several GPUs: seconds a step (or the replicas' start, or a checkpoint's gathering) may
+    /// take before the run stops with an error naming the ranks that had not finished (a GPU or
+    /// an NCCL call that stopped responding would otherwise hang the run). 0: 30 minutes until
+    /// the first step has finished, then 20 times the slowest step, at least 5 minutes.
+    pub step_timeout_s: u64,
 }
 
 /// `training.devices`: which GPUs a run trains on.
@@ -316,6 +321,7 @@ impl Default for TrainingConfig {
             numerics_interval: 100,
             devices: Devices::Count(1),
             zero: 0,
+            step_timeout_s: 0,
         }
     }
 }

@@ -19,6 +19,7 @@ pub mod sample;
 pub mod schedule;
 pub mod tokenizer;
 pub mod train;
+pub mod watchdog;
 pub mod zero;
 
 use anyhow::Result;

@@ -4,10 +4,11 @@
 //! loss scaler decides once, on rank 0, from the averaged gradients' norm, which every rank shares,
 //! so its decision holds for all of them.
 
+use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use burn::optim::GradientsParams;
@@ -22,6 +23,7 @@ use crate::parallel::{self as dp, Collective};
 use crate::precision::Verdict;
 use crate::rng::SplitMix64;
 use crate::schedule::lr_at;
+use crate::watchdog::{self, Progress, Watchdog};
 use crate::zero::{self, Shard, Split};
 
 /// The ranks of a data-parallel run beyond rank 0 (whose model and optimizer are the session's,
@@ -37,6 +39,12 @@ pub(super) struct Ranks<B: crate::TrainBackend> {
     workers: Vec<Worker>,
     /// ZeRO-1: rank 0's share, and how the parameters are split over the ranks.
     pub zero: Option<(Shard, Split)>,
+    /// Ends the run when a step (or the start, or a checkpoint's gathering) outlasts its limit:
+    /// a failure inside CubeCL's device thread would otherwise leave the ranks waiting forever.
+    watchdog: Arc<Watchdog>,
+    /// `training.step_timeout_s` (0: automatic) and the slowest step so far.
+    timeout_s: u64,
+    slowest: Cell<Option<Duration>>,
 }
 
 /// What a rank's thread is asked to do.
@@ -73,6 +81,10 @@ impl<B: crate::TrainBackend> Drop for Ranks<B> {
     /// Ends every rank's thread and waits for it, so that its replica is freed before the run's
     /// devices are drained.
     fn drop(&mut self) {
+        // An idle rank ends at once; one stuck in a collective would make the join wait forever.
+        let _watch = self
+            .watchdog
+            .arm("the ranks' shutdown", Duration::from_secs(5 * 60));
         for w in &mut self.workers {
             w.jobs = None;
         }
@@ -93,6 +105,15 @@ impl<B: crate::TrainBackend> Ranks<B> {
         model: &Gpt<B>,
     ) -> Self {
         let ids = dp::device_ids::<B>(&devices);
+        let timeout_s = session.cfg.training.step_timeout_s;
+        let watched_gpus = gpus.clone();
+        let watchdog = Arc::new(Watchdog::start(devices.len(), move |e| {
+            eprintln!("{}", watchdog::message(&e, &watched_gpus));
+            std::process::exit(1)
+        }));
+        let dog = watchdog.clone();
+        let watch = dog.arm("the replicas' start", watchdog::step_limit(timeout_s, None));
+        dog.progress().finished(0);
         // ZeRO-1: every rank's share of the parameters (the weights with a compute copy are
         // held in the compute dtype by their non-owners).
         let params = zero::parameters(model);
@@ -120,9 +141,14 @@ impl<B: crate::TrainBackend> Ranks<B> {
                     zero: shard(rank),
                 };
                 let gpu = gpus[rank];
+                let progress = watchdog.progress();
                 let thread = std::thread::Builder::new()
                     .name(format!("rank {rank}"))
-                    .spawn(move || as_rank(rank, gpu, || own.serve(rank, from, rx, (tx, share_tx))))
+                    .spawn(move || {
+                        as_rank(rank, gpu, || {
+                            own.serve(rank, from, rx, (tx, share_tx), progress)
+                        })
+                    })
                     .expect("a thread for each rank");
                 Worker {
                     jobs: Some(jobs),
@@ -142,6 +168,9 @@ impl<B: crate::TrainBackend> Ranks<B> {
             gpus,
             workers,
             zero,
+            watchdog,
+            timeout_s,
+            slowest: Cell::new(None),
         };
         ranks.wait();
         // The copies' sends read rank 0's buffers on its GPU's collective stream, which nothing
@@ -149,7 +178,13 @@ impl<B: crate::TrainBackend> Ranks<B> {
         // buffer rank 0 frees (its ZeRO-1 share drops the rest of the state) is not reused while
         // a send still reads it.
         <B::InnerBackend as Collective>::sync(&model.wte.weight.val().inner().device());
+        drop(watch);
         ranks
+    }
+
+    /// How long a step may take (see [`watchdog::step_limit`]).
+    fn limit(&self) -> Duration {
+        watchdog::step_limit(self.timeout_s, self.slowest.get())
     }
 
     /// Sends `job` to every rank of 1.. (see [`Ranks::wait`]).
@@ -178,6 +213,8 @@ impl<B: crate::TrainBackend> Ranks<B> {
     /// The CRC-32 of every rank's weights, rank 0 (`model`, `opt`) first; with ZeRO-1, of the
     /// compute weights every rank holds whole ([`Shard::checksum`]).
     pub fn checksums(&self, model: &Gpt<B>, opt: &AdamW<B::InnerBackend>) -> Vec<u32> {
+        let _watch = self.watchdog.arm("a checkpoint's checksums", self.limit());
+        self.watchdog.progress().finished(0);
         self.send(|| Job::Checksum);
         let first = checksum(self.zero.as_ref().map(|z| &z.0), model, opt);
         std::iter::once(first)
@@ -193,6 +230,8 @@ impl<B: crate::TrainBackend> Ranks<B> {
         opt: &AdamW<B::InnerBackend>,
     ) -> Option<(Gpt<B>, AdamW<B::InnerBackend>)> {
         let (shard, _) = self.zero.as_ref()?;
+        let _watch = self.watchdog.arm("a checkpoint's gathering", self.limit());
+        self.watchdog.progress().finished(0);
         self.send(|| Job::Share);
         let shares = self
             .workers
@@ -266,6 +305,7 @@ impl<B: crate::TrainBackend> Own<B> {
         from: (Gpt<B>, AdamW<B::InnerBackend>),
         jobs: Receiver<Job>,
         (done, shares): (Sender<u64>, Sender<Vec<zero::Owned>>),
+        progress: Progress,
     ) {
         use burn::module::Module;
         let (model, opt) = from;
@@ -289,6 +329,7 @@ impl<B: crate::TrainBackend> Own<B> {
         if done.send(0).is_err() {
             return;
         }
+        progress.finished(rank);
         let no_probes = Probes {
             fp8: None,
             taps: None,
@@ -353,6 +394,7 @@ impl<B: crate::TrainBackend> Own<B> {
             if done.send(answer).is_err() {
                 return;
             }
+            progress.finished(rank);
         }
     }
 }
@@ -500,6 +542,9 @@ impl<B: crate::TrainBackend> Session<'_, B> {
         let update_now = self.scaler.setting.is_off();
         let poison = self.opts.poison_steps.contains(&(step + 1));
         let ranks = self.ranks.as_ref().expect("a data-parallel session");
+        let watch = ranks
+            .watchdog
+            .arm(format!("step {}", step + 1), ranks.limit());
         ranks.send(|| Job::Step {
             step,
             lr,
@@ -529,6 +574,7 @@ impl<B: crate::TrainBackend> Session<'_, B> {
         let numerics = probes.taps.is_some().then(|| numerics::read(out.numerics));
         // One read-back per step, on rank 0, as on one device.
         let (loss, grad_norm, finite) = super::read_stats(out.stats, scale);
+        ranks.watchdog.progress().finished(0);
         let mut model = out.model;
         let skipped = match self.scaler.update(finite, step + 1) {
             Verdict::Apply => {
@@ -549,6 +595,11 @@ impl<B: crate::TrainBackend> Session<'_, B> {
             }
             Verdict::Stop(why) => bail!(self.stop_message(step, loss, grad_norm, &why)),
         };
+        drop(watch);
+        let took = t0.elapsed();
+        ranks
+            .slowest
+            .set(Some(ranks.slowest.get().map_or(took, |s| s.max(took))));
         let memory: Vec<Option<u64>> = std::iter::once(B::memory_reserved(&ranks.devices[0]))
             .chain(memory.into_iter().map(|m| (m > 0).then_some(m)))
             .collect();
