@@ -35,13 +35,14 @@ struct Args {
     /// Comma-separated dtypes.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "bf16,f32")]
     dtypes: Vec<DTypeArg>,
-    /// Comma-separated ops (default: all): rms_norm, add_rms_norm, swiglu, gelu, rope,
-    /// cross_entropy, adamw.
+    /// Comma-separated ops (default: all): rms_norm, add_rms_norm, swiglu, gelu, dropout, rope,
+    /// cross_entropy, adamw. The reference of dropout is what Burn's `Dropout` module computes (a
+    /// Bernoulli tensor, then two multiplies), at p = 0.1.
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "rms_norm,add_rms_norm,swiglu,gelu,rope,cross_entropy,adamw"
+        default_value = "rms_norm,add_rms_norm,swiglu,gelu,dropout,rope,cross_entropy,adamw"
     )]
     ops: Vec<Op>,
     /// Calls per timed batch.
@@ -60,6 +61,7 @@ enum Op {
     AddRmsNorm,
     Swiglu,
     Gelu,
+    Dropout,
     Rope,
     CrossEntropy,
     Adamw,
@@ -97,6 +99,13 @@ fn randn<Bk: Backend, const D: usize>(
     dev: &Bk::Device,
 ) -> Tensor<Bk, D> {
     Tensor::<Bk, D>::random(shape, Distribution::Normal(0.0, 1.0), dev).cast(dt)
+}
+
+/// What Burn's `Dropout` module computes when training: `x * Bernoulli(1 - p) / (1 - p)`.
+fn burn_dropout<Bk: Backend>(x: Tensor<Bk, 2>, p: f64) -> Tensor<Bk, 2> {
+    let keep = 1.0 - p;
+    let mask = x.random_like(Distribution::Bernoulli(keep));
+    (x * mask) * (1.0 / keep)
 }
 
 /// Times `fused` and `reference` forward on the plain backend and forward+backward under autodiff;
@@ -260,6 +269,25 @@ fn main() {
                         &|[x]| kernels::activation::gelu_reference(x),
                         &|[x]| kernels::gelu(x),
                         &|[x]| kernels::activation::gelu_reference(x),
+                    );
+                }
+                Op::Dropout => {
+                    let (r, f) = (16384, 768);
+                    let n = (r * f) as f64;
+                    let d = kernels::Dropout::new(0.1, 7);
+                    fwd_bwd::<1>(
+                        &args,
+                        &dev,
+                        "dropout",
+                        "16384x768",
+                        dt,
+                        (2.0 * n * eb, 2.0 * n * eb),
+                        &|| [randn([r, f], dt, &dev)],
+                        &|| [randn::<A, 2>([r, f], dt, &dev).require_grad()],
+                        &|[x]| kernels::dropout(x, d),
+                        &|[x]| burn_dropout(x, d.p),
+                        &|[x]| kernels::dropout(x, d),
+                        &|[x]| burn_dropout(x, d.p),
                     );
                 }
                 Op::Rope => {
