@@ -337,8 +337,9 @@ struct Ctx<B: Backend> {
     /// `(p, seed)` when training with dropout.
     masks: Option<(f64, u64)>,
     /// Whether the embedding's and residual branches' dropout runs in the kernels
-    /// (`kernels::dropout`, with the fused ops) rather than in Burn's `Dropout` modules.
-    fused: bool,
+    /// (`kernels::dropout`: with the fused ops and flash attention, so that every mask is the
+    /// kernels') rather than in Burn's `Dropout` modules.
+    kernel_dropout: bool,
 }
 
 /// Where a dropout mask applies; with the block index it keys the mask's seed.
@@ -365,8 +366,8 @@ impl<B: kernels::Backend> Ctx<B> {
         self.mask(layer, Site::Attention)
     }
 
-    /// `x` through the dropout at `site` of block `layer`: the kernel's with the fused ops, else
-    /// Burn's `module` (which acts only when training).
+    /// `x` through the dropout at `site` of block `layer`: the kernel's with the fused ops and
+    /// flash attention, else Burn's `module` (which acts only when training).
     fn dropout<const D: usize>(
         &self,
         module: &Dropout,
@@ -375,7 +376,7 @@ impl<B: kernels::Backend> Ctx<B> {
         site: Site,
     ) -> Tensor<B, D> {
         match self.mask(layer, site) {
-            Some(d) if self.fused => kernels::dropout(x, d),
+            Some(d) if self.kernel_dropout => kernels::dropout(x, d),
             _ => module.forward(x),
         }
     }
@@ -390,8 +391,9 @@ fn mix64(mut z: u64) -> u64 {
 }
 
 /// Seeds of the dropout masks drawn inside the kernels (with `model.dropout > 0`: FlashAttention's,
-/// and with the fused ops the embedding's and residual branches'): forward number `n` since [`Gpt::set_dropout_seed`] draws its masks from `(seed, n,
-/// layer)`, so the masks of a step repeat when its seed and forwards do. Clones share the count.
+/// and with the fused ops and flash attention the embedding's and residual branches'): forward
+/// number `n` since [`Gpt::set_dropout_seed`] draws its masks from `(seed, n, layer)`, so the masks
+/// of a step repeat when its seed and forwards do. Clones share the count.
 #[derive(Clone, Debug, Default)]
 pub struct DropoutSeeds {
     seed: u64,
@@ -455,10 +457,10 @@ impl<B: Backend> Gpt<B> {
     }
 
     /// Seeds the dropout masks drawn inside the kernels (with `model.dropout > 0`: FlashAttention's,
-    /// and with the fused ops the embedding's and residual branches') from `seed` and the count of
-    /// training forwards from now on. Training loops call it once per step with a seed of (run
-    /// seed, step), so a resumed run draws the masks the uninterrupted one drew. Without it the
-    /// masks follow seed 0.
+    /// and with the fused ops and flash attention the embedding's and residual branches') from
+    /// `seed` and the count of training forwards from now on. Training loops call it once per step
+    /// with a seed of (run seed, step), so a resumed run draws the masks the uninterrupted one
+    /// drew. Without it the masks follow seed 0.
     pub fn set_dropout_seed(&mut self, seed: u64) {
         self.dropout_seeds = DropoutSeeds::new(seed);
     }
@@ -594,13 +596,14 @@ impl<B: kernels::Backend> Gpt<B> {
         // Burn's Dropout modules act only with autodiff; the kernels' dropout does the same.
         let masks = (self.config.dropout > 0.0 && B::ad_enabled(&device))
             .then(|| (self.config.dropout, self.dropout_seeds.next_forward()));
+        let attention = self.config.attention_resolved();
         let ctx = Ctx {
             tables,
             causal_mask,
-            attention: self.config.attention_resolved(),
+            attention,
             gemm: self.config.gemm.engine(),
             masks,
-            fused,
+            kernel_dropout: fused && attention == AttentionKind::Flash,
         };
 
         // The lookup reads the f32 table; the residual stream then runs in the compute dtype.

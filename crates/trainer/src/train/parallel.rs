@@ -435,9 +435,9 @@ impl RankStep<'_> {
         let cfg = self.ctx.cfg;
         let ranks = self.ids.len();
         // The backends' generator is shared by the devices, so a rank's masks from Burn's dropout
-        // modules (the reference ops; plain attention's probabilities) are seeded per (step,
-        // rank) and still race with the other ranks' draws: such a run is not bit-reproducible.
-        // The kernels' dropout (the fused ops, flash attention) draws from the rank's own seed.
+        // modules (the reference ops or plain attention) are seeded per (step, rank) and still
+        // race with the other ranks' draws: such a run is not bit-reproducible. The kernels'
+        // dropout (the fused ops with flash attention) draws from the rank's own seed.
         let index = self.step * ranks as u64 + rank as u64;
         B::seed(
             device,
