@@ -118,6 +118,15 @@ fn flash_attention_dropout() {
     }
 }
 
+/// RoPE + FlashAttention of a packed projection, its gradient written packed (portable kernels).
+#[test]
+fn flash_attention_qkv() {
+    let shapes = [(2, 17, 3, 64), (1, 40, 2, 32), (2, 5, 1, 16)];
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        kernel_cases::flash_attention_qkv::<B>(dtype, &device(), &shapes, false);
+    }
+}
+
 #[test]
 #[should_panic(expected = "kernels::flash_attention: dropout p is 1; it must be in [0, 1)")]
 fn flash_attention_refuses_dropout_of_one() {

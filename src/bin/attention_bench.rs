@@ -64,6 +64,12 @@ struct Args {
     /// Dropout probability inside the kernels (the SDPA columns stay those without dropout).
     #[arg(long, default_value_t = 0.0)]
     dropout: f64,
+    /// Compare, at GPT-2's attention shape (16 x 1024 tokens, 12 heads of 64), the model's way
+    /// (q, k, v sliced out of the qkv projection, RoPE on q and k, FlashAttention) with
+    /// `kernels::flash_attention_qkv` on the packed projection: fwd+bwd time and the memory the
+    /// forward keeps for the backward.
+    #[arg(long)]
+    qkv: bool,
     /// Report memory of forward+backward at B=1, H=16, S=16384, hd=128 instead.
     #[arg(long)]
     memory: bool,
@@ -155,6 +161,55 @@ fn in_use(dev: &CudaDevice) -> (u64, u64) {
         .unwrap_or((0, 0))
 }
 
+/// Sliced q, k, v with RoPE and FlashAttention against `kernels::flash_attention_qkv` (see
+/// `--qkv`).
+fn packed(dev: &CudaDevice, dt: FloatDType, args: &Args) {
+    let (b, t, h, hd) = (16, 1024, 12, 64);
+    let d = h * hd;
+    let (cos, sin) = kernels::rope::tables::<A>(t, hd, 10_000.0, dev);
+    let qkv = Tensor::<A, 3>::random([b, t, 3 * d], Distribution::Normal(0.0, 1.0), dev)
+        .cast(dt)
+        .require_grad();
+    let g = Tensor::<A, 3>::random([b, t, d], Distribution::Normal(0.0, 1.0), dev).cast(dt);
+    let sliced = |qkv: Tensor<A, 3>| {
+        let x = qkv.reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+        let part = |p: usize| x.clone().slice([0..b, p * h..(p + 1) * h, 0..t, 0..hd]);
+        let q = kernels::rope(part(0), cos.clone(), sin.clone());
+        let k = kernels::rope(part(1), cos.clone(), sin.clone());
+        kernels::flash_attention(q, k, part(2), true, None)
+            .swap_dims(1, 2)
+            .reshape([b, t, d])
+    };
+    let fused = |qkv: Tensor<A, 3>| {
+        kernels::flash_attention_qkv(qkv, h, cos.clone(), sin.clone(), true, None, None)
+    };
+    println!("Attention of a packed qkv projection, {dt:?}, B={b} T={t} H={h} hd={hd}, causal (median of {} x {} calls)\n", args.reps, args.iters);
+    println!("| path | fwd+bwd ms | kept by the forward, MiB |");
+    println!("|---|---|---|");
+    for (name, f) in [
+        (
+            "slices + rope + flash_attention",
+            &sliced as &dyn Fn(Tensor<A, 3>) -> Tensor<A, 3>,
+        ),
+        ("flash_attention_qkv", &fused),
+    ] {
+        let secs = time::<A>(dev, args.iters, args.reps, &mut || {
+            drop((f(qkv.clone()) * g.clone()).sum().backward())
+        });
+        A::sync(dev).expect("sync");
+        let (before, _) = in_use(dev);
+        let y = f(qkv.clone());
+        A::sync(dev).expect("sync");
+        let (after, _) = in_use(dev);
+        drop(y);
+        println!(
+            "| {name} | {:.3} | {:.1} |",
+            secs * 1e3,
+            mib(after.saturating_sub(before))
+        );
+    }
+}
+
 fn mib(b: u64) -> f64 {
     b as f64 / 1048576.0
 }
@@ -165,6 +220,10 @@ fn main() {
     let dt = FloatDType::from(args.dtype);
     if args.memory {
         memory(&dev, dt);
+        return;
+    }
+    if args.qkv {
+        packed(&dev, dt, &args);
         return;
     }
     let dropout = (args.dropout > 0.0).then(|| kernels::Dropout::new(args.dropout, 0x5eed));

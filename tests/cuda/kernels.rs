@@ -138,6 +138,22 @@ fn flash_attention_dropout_cases(dtype: FloatDType) {
     kernel_cases::flash_attention_dropout::<B>(dtype, &CudaDevice::default(), &shapes, true);
 }
 
+/// RoPE + FlashAttention of a packed projection: tensor cores in f16/bf16 (head dims 64 and 128),
+/// the portable kernels in f32 and at head_dim 40; partial tiles; with and without dropout.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_qkv() {
+    let shapes = [
+        (2, 17, 3, 64),
+        (2, 130, 2, 128),
+        (1, 300, 4, 64),
+        (2, 33, 2, 40),
+    ];
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        kernel_cases::flash_attention_qkv::<B>(dtype, &CudaDevice::default(), &shapes, true);
+    }
+}
+
 /// The f16/bf16 inputs above do run on tensor cores (a fallback would pass the numeric checks).
 #[test]
 #[ignore = "needs CUDA"]

@@ -733,6 +733,65 @@ pub fn flash_attention_dropout<B: AutodiffBackend + kernels::Backend>(
     );
 }
 
+/// RoPE + FlashAttention of a packed qkv projection ([`kernels::flash_attention_qkv`]) against
+/// slicing, [`kernels::rope::reference`] and the naive attention, output and the projection's
+/// gradient: full (scale 0.3) and causal, without and with dropout (p = 0.2), at each `(batch,
+/// seq, heads, head_dim)` of `shapes`.
+pub fn flash_attention_qkv<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize, usize)],
+    exact_by_sums: bool,
+) {
+    for (n, &(b, t, h, hd)) in shapes.iter().enumerate() {
+        let (cos, sin) = kernels::rope::tables::<B>(t + 3, hd, 10_000.0, dev);
+        for (causal, p) in [(false, None), (true, None), (true, Some(0.2))] {
+            let started = std::time::Instant::now();
+            let scale = if causal { None } else { Some(0.3) };
+            let dropout = p.map(|p| kernels::Dropout::new(p, 0xabc0 + n as u64));
+            check::<B>(
+                &format!(
+                    "flash_attention_qkv [{b}, {t}, 3 x {h} x {hd}] causal {causal} dropout {p:?}"
+                ),
+                dtype,
+                4e-5 * (t as f32 / 32.0).sqrt().max(1.0) / (1.0 - p.unwrap_or(0.0) as f32),
+                vec![
+                    Input::act([b * t, 3 * h * hd], dev),
+                    Input::constant(cos.clone()),
+                    Input::constant(sin.clone()),
+                ],
+                |v| {
+                    let qkv = v[0].clone().reshape([b, t, 3 * h * hd]);
+                    let (c, s) = (v[1].clone(), v[2].clone());
+                    kernels::flash_attention_qkv(qkv, h, c, s, causal, scale, dropout)
+                        .reshape([b * t, h * hd])
+                },
+                |v| {
+                    let qkv = v[0].clone().reshape([b, t, 3 * h * hd]);
+                    let (c, s) = (v[1].clone(), v[2].clone());
+                    if exact_by_sums && qkv.dtype() == burn::tensor::DType::F32 {
+                        let x = qkv.reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+                        let part =
+                            |i: usize| x.clone().slice([0..b, i * h..(i + 1) * h, 0..t, 0..hd]);
+                        let q = kernels::rope::reference(part(0), c.clone(), s.clone());
+                        let k = kernels::rope::reference(part(1), c, s);
+                        attention_by_sums_dropout(q, k, part(2), causal, scale, dropout)
+                            .swap_dims(1, 2)
+                            .reshape([b * t, h * hd])
+                    } else {
+                        kernels::attention::reference_qkv(qkv, h, c, s, causal, scale, dropout)
+                            .reshape([b * t, h * hd])
+                    }
+                },
+            );
+            eprintln!(
+                "flash_attention_qkv [{b}, {t}, {h}, {hd}] causal {causal} dropout {p:?} {dtype:?}: {:.1?}",
+                started.elapsed()
+            );
+        }
+    }
+}
+
 /// The naive attention formula with every product as a broadcast multiply and a sum (f32
 /// accumulation in Burn's reductions, no matmul).
 pub fn attention_by_sums<B: burn::tensor::backend::Backend>(

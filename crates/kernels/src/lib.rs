@@ -13,6 +13,7 @@
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
 //! | dropout with an in-kernel mask (drawn again in the backward) | [`dropout()`] | [`dropout::reference`] |
+//! | RoPE + FlashAttention of a packed qkv projection (gradient written packed) | [`flash_attention_qkv`] | [`attention::reference_qkv`] |
 //! | FlashAttention with dropout on the probabilities (Philox mask, drawn again in the backward) | [`flash_attention_dropout`] | [`attention::reference_dropout`] |
 //! | FP8 quantizer (1x128, 128x128, per tensor) | [`fp8_quantize`] | [`fp8::reference`] |
 //! | GEMM with transpose flags, linear layer (cuBLASLt on CUDA) | [`gemm()`], [`linear`] | [`gemm::reference`] (Burn's matmul) |
@@ -256,6 +257,46 @@ pub fn flash_attention_dropout<B: Backend>(
         causal,
         scale,
         Some(dropout),
+    ))
+}
+
+/// Causal or full attention of a packed qkv projection with rotary embeddings: `qkv` is
+/// `[batch, seq, 3 x heads x head_dim]` (q, k, v side by side, as one linear layer writes them),
+/// q and k are rotated by `cos`, `sin` ([`rope`]'s tables), then [`flash_attention`] (or
+/// [`flash_attention_dropout`] with `dropout`); returns `[batch, seq, heads x head_dim]`. The same
+/// result as slicing q, k, v, rotating and attending, at a lower cost under autodiff: it keeps only
+/// the projection (q and k are rotated again in the backward) and writes the projection's
+/// gradient packed in one pass, where Burn's slice backward zero-fills and sums a whole-projection
+/// gradient per slice. `scale` defaults to `1 / sqrt(head_dim)`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_qkv<B: Backend>(
+    qkv: Tensor<B, 3>,
+    heads: usize,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    causal: bool,
+    scale: Option<f64>,
+    dropout: Option<Dropout>,
+) -> Tensor<B, 3> {
+    if let Some(problem) = dropout.and_then(|d| d.problem()) {
+        check::fail("flash_attention_qkv", problem);
+    }
+    let [_, _, d3] = qkv.dims();
+    if heads == 0 || !d3.is_multiple_of(3 * heads) {
+        check::fail(
+            "flash_attention_qkv",
+            format!("qkv has {d3} columns, not 3 x {heads} heads x head_dim"),
+        );
+    }
+    let scale = scale.unwrap_or_else(|| attention::default_scale(d3 / (3 * heads)));
+    tensor(B::fused_flash_attention_qkv(
+        prim(qkv),
+        heads,
+        prim(cos),
+        prim(sin),
+        causal,
+        scale,
+        dropout,
     ))
 }
 

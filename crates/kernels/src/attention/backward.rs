@@ -7,7 +7,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::TensorMetadata;
+use burn::tensor::{Shape, TensorMetadata};
 
 use crate::dropout::Dropout;
 use crate::KernelOps;
@@ -83,7 +83,106 @@ pub(crate) fn flash_attention<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
+#[derive(Debug)]
+struct FlashQkvBackward;
+
+/// (qkv, cos, sin, out, lse, heads, causal, scale, dropout)
+type QkvState<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    usize,
+    bool,
+    f32,
+    Option<Dropout>,
+);
+
+impl<B: KernelOps> Backward<B, 1> for FlashQkvBackward {
+    type State = QkvState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (qkv, cos, sin, out, lse, heads, causal, scale, dropout) = ops.state;
+        let Some(node) = node else { return };
+        // [B, T, H hd] -> [B, H, T, hd], as views.
+        let s = out.shape();
+        let (b, h, t, hd) = (s[0], s[1], s[2], s[3]);
+        let grad = B::float_cast(grad, qkv.dtype().into());
+        let grad = B::float_permute(
+            B::float_reshape(grad, Shape::new([b, t, h, hd])),
+            &[0, 2, 1, 3],
+        );
+        let dqkv = B::flash_attention_qkv_backward(
+            qkv, heads, cos, sin, out, lse, grad, causal, scale, dropout,
+        );
+        grads.register::<B>(node.id, dqkv);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_attention_qkv<B: KernelOps, C: CheckpointStrategy>(
+    qkv: FloatTensor<Autodiff<B, C>>,
+    heads: usize,
+    cos: FloatTensor<Autodiff<B, C>>,
+    sin: FloatTensor<Autodiff<B, C>>,
+    causal: bool,
+    scale: f32,
+    dropout: Option<Dropout>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let (out, lse) = B::flash_attention_qkv_forward(
+        qkv.primitive.clone(),
+        heads,
+        cos.primitive.clone(),
+        sin.primitive.clone(),
+        causal,
+        scale,
+        dropout,
+    );
+    let s = out.shape();
+    let (b, h, t, hd) = (s[0], s[1], s[2], s[3]);
+    // The output is laid out [B, T, H, hd]: merging the heads is a view.
+    let y = B::float_reshape(
+        B::float_permute(out.clone(), &[0, 2, 1, 3]),
+        Shape::new([b, t, h * hd]),
+    );
+    match FlashQkvBackward
+        .prepare::<C>([qkv.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            (
+                qkv.primitive,
+                cos.primitive,
+                sin.primitive,
+                out,
+                lse,
+                heads,
+                causal,
+                scale,
+                dropout,
+            ),
+            y,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
 impl<B: crate::KernelOps, C: CheckpointStrategy> super::AttentionOps for Autodiff<B, C> {
+    fn fused_flash_attention_qkv(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+        dropout: Option<Dropout>,
+    ) -> FloatTensor<Self> {
+        flash_attention_qkv::<B, C>(qkv, heads, cos, sin, causal, scale as f32, dropout)
+    }
     fn fused_flash_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -406,6 +406,14 @@ pub(crate) fn forward<R: CubeRuntime>(
     (out, lse)
 }
 
+/// `[B, H, T, hd]` laid out as `[B, T, H, hd]` (the forward's output) -> `[B, T, H hd]`, no copy.
+pub(crate) fn merge_heads<R: CubeRuntime>(out: CubeTensor<R>) -> CubeTensor<R> {
+    let shape = out.shape();
+    let [b, h, t, hd] = [shape[0], shape[1], shape[2], shape[3]];
+    let out = burn_cubecl::ops::permute(out, &[0, 2, 1, 3]);
+    burn_cubecl::ops::reshape(out, [b, t, h * hd].into())
+}
+
 /// Widest vector for the tensor-core kernels' tile loads: divides head_dim and every stride.
 fn mma_width<R: CubeRuntime>(
     q: &CubeTensor<R>,
@@ -697,6 +705,31 @@ where
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         backward(q, k, v, out, lse, grad, causal, scale, dropout)
     }
+    fn flash_attention_qkv_forward(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+        dropout: Option<Dropout>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::packed::forward(qkv, heads, cos, sin, causal, scale, dropout)
+    }
+    fn flash_attention_qkv_backward(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+        dropout: Option<Dropout>,
+    ) -> FloatTensor<Self> {
+        super::packed::backward(qkv, heads, cos, sin, out, lse, grad, causal, scale, dropout)
+    }
 }
 
 impl<R, F, I, BT> super::AttentionOps for CubeBackend<R, F, I, BT>
@@ -715,6 +748,18 @@ where
         dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
         forward(q, k, v, causal, scale as f32, dropout).0
+    }
+    fn fused_flash_attention_qkv(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+        dropout: Option<Dropout>,
+    ) -> FloatTensor<Self> {
+        let (out, _) = super::packed::forward(qkv, heads, cos, sin, causal, scale as f32, dropout);
+        merge_heads(out)
     }
     fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {
         Some(path(q))

@@ -34,6 +34,7 @@ pub mod dropout;
 pub(crate) mod forward;
 pub(crate) mod kernel;
 pub(crate) mod mma;
+pub(crate) mod packed;
 
 use crate::dropout::Dropout;
 pub(crate) use forward::check_tiles;
@@ -102,6 +103,36 @@ pub fn reference_dropout<B: BurnBackend>(
     (p * mask).matmul(v)
 }
 
+/// Plain-Burn [`crate::flash_attention_qkv`]: q, k and v sliced out of the packed projection
+/// `qkv` `[batch, seq, 3 x heads x head_dim]`, RoPE on q and k ([`crate::rope::reference`]),
+/// [`reference`] or [`reference_dropout`], the heads merged back: `[batch, seq, heads x head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn reference_qkv<B: BurnBackend>(
+    qkv: Tensor<B, 3>,
+    heads: usize,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    causal: bool,
+    scale: Option<f64>,
+    dropout: Option<Dropout>,
+) -> Tensor<B, 3> {
+    let [b, t, d3] = qkv.dims();
+    let hd = d3 / (3 * heads);
+    let x = qkv.reshape([b, t, 3 * heads, hd]).swap_dims(1, 2);
+    let part = |p: usize| {
+        x.clone()
+            .slice([0..b, p * heads..(p + 1) * heads, 0..t, 0..hd])
+    };
+    let q = crate::rope::reference(part(0), cos.clone(), sin.clone());
+    let k = crate::rope::reference(part(1), cos, sin);
+    let v = part(2);
+    let o = match dropout.filter(Dropout::is_active) {
+        Some(d) => reference_dropout(q, k, v, causal, scale, d),
+        None => reference(q, k, v, causal, scale),
+    };
+    o.swap_dims(1, 2).reshape([b, t, heads * hd])
+}
+
 /// Log-sum-exp over keys of the scaled, masked scores, `[batch, heads, seq_q]`, by the naive
 /// formula in the inputs' dtype.
 pub fn reference_lse<B: BurnBackend>(
@@ -134,6 +165,29 @@ pub trait AttentionOps: BurnBackend {
             Some(d) => reference_dropout::<Self>(q, k, v, causal, Some(scale), d),
             None => reference::<Self>(q, k, v, causal, Some(scale)),
         })
+    }
+
+    /// [`crate::flash_attention_qkv`]: `[batch, seq, heads x head_dim]` from the packed projection
+    /// `[batch, seq, 3 x heads x head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_flash_attention_qkv(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+        dropout: Option<Dropout>,
+    ) -> FloatTensor<Self> {
+        crate::prim(reference_qkv::<Self>(
+            crate::tensor(qkv),
+            heads,
+            crate::tensor(cos),
+            crate::tensor(sin),
+            causal,
+            Some(scale),
+            dropout,
+        ))
     }
 
     /// The FlashAttention kernels `q` would run on; `None` where the reference runs.
@@ -169,4 +223,31 @@ pub trait AttentionKernels: AttentionOps {
         scale: f32,
         dropout: Option<Dropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+    /// `(out, lse)` of [`crate::flash_attention_qkv`]: `out` `[batch, heads, seq, head_dim]`
+    /// (laid out as `[batch, seq, heads, head_dim]`).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_qkv_forward(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+        dropout: Option<Dropout>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+    /// The packed projection's gradient `[batch, seq, 3 x heads x head_dim]` from the forward's
+    /// output and log-sum-exp and the output gradient `[batch, heads, seq, head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_qkv_backward(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+        dropout: Option<Dropout>,
+    ) -> FloatTensor<Self>;
 }
