@@ -3,9 +3,10 @@
 //!
 //! Taking q, k and v as slices of the projection and rotating q and k separately costs, under
 //! autodiff, what Burn's slice backward does for each slice: a zero-filled gradient of the whole
-//! projection, the slice's gradient assigned into it, and the three summed (about 33 passes over
-//! a `[tokens, head_dim x heads]` tensor where 3 would do); and the rotated q and k are kept
-//! beside the projection, which the v view keeps alive (5 such tensors where 3 would do). This op
+//! projection, the slice's gradient assigned into it, and the three summed (about 30 passes over
+//! a `[tokens, head_dim x heads]` tensor where 3 would do, in 8 launches); and the rotated q and k
+//! are kept beside the projection, which the v view keeps alive (5 such tensors where 3 would
+//! do). This op
 //! keeps only the projection (plus the output and log-sum-exp), rotates q and k again in the
 //! backward, and writes the projection's gradient in its packed layout in one launch: the inverse
 //! rotation of dQ and dK and a copy of dV.
