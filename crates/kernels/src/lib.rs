@@ -267,7 +267,8 @@ pub fn flash_attention_dropout<B: Backend>(
 /// result as slicing q, k, v, rotating and attending, at a lower cost under autodiff: it keeps only
 /// the projection (q and k are rotated again in the backward) and writes the projection's
 /// gradient packed in one pass, where Burn's slice backward zero-fills and sums a whole-projection
-/// gradient per slice. `scale` defaults to `1 / sqrt(head_dim)`.
+/// gradient per slice. `scale` defaults to `1 / sqrt(head_dim)`. The tables are constants: they
+/// get no gradient.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_qkv<B: Backend>(
     qkv: Tensor<B, 3>,

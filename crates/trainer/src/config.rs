@@ -163,8 +163,9 @@ pub struct TrainingConfig {
     pub zero: u8,
     /// With several GPUs: seconds a step (or the replicas' start, or a checkpoint's gathering) may
     /// take before the run stops with an error naming the ranks that had not finished (a GPU or
-    /// an NCCL call that stopped responding would otherwise hang the run). 0: 30 minutes until
-    /// the first step has finished, then 20 times the slowest step, at least 5 minutes.
+    /// an NCCL call that stopped responding would otherwise hang the run). 0: 20 times the slowest
+    /// step but the first, at least 5 minutes. Until a step after the first has finished, at least
+    /// 30 minutes whatever the setting (the first step compiles every kernel).
     pub step_timeout_s: u64,
 }
 

@@ -138,6 +138,15 @@ impl Watchdog {
         Watch(self)
     }
 
+    /// Marks every rank's part of the armed work unfinished again (a second part of it begins).
+    pub fn reset_progress(&self) {
+        self.shared
+            .lock()
+            .finished
+            .iter_mut()
+            .for_each(|f| *f = false);
+    }
+
     /// A handle for the ranks' threads.
     pub fn progress(&self) -> Progress {
         Progress(self.shared.clone())
@@ -154,16 +163,17 @@ impl Drop for Watchdog {
     }
 }
 
-/// How long a step may take: `training.step_timeout_s` when set; otherwise 30 minutes until a
-/// step has finished (the first compiles every kernel, and autotuning takes minutes), then 20
-/// times the slowest step so far, at least 5 minutes.
+/// How long a step may take. Until a step has been timed (`slowest` is `None`: the replicas'
+/// start and the first steps, which compile every kernel, and autotuning takes minutes) at least
+/// 30 minutes; then `training.step_timeout_s` when set, otherwise 20 times the slowest step, at
+/// least 5 minutes.
 pub fn step_limit(configured_s: u64, slowest: Option<Duration>) -> Duration {
-    if configured_s > 0 {
-        return Duration::from_secs(configured_s);
-    }
-    match slowest {
-        None => Duration::from_secs(30 * 60),
-        Some(s) => (s * 20).max(Duration::from_secs(5 * 60)),
+    let first = Duration::from_secs(30 * 60);
+    match (configured_s, slowest) {
+        (0, None) => first,
+        (c, None) => Duration::from_secs(c).max(first),
+        (0, Some(s)) => (s * 20).max(Duration::from_secs(5 * 60)),
+        (c, Some(_)) => Duration::from_secs(c),
     }
 }
 
@@ -242,7 +252,8 @@ mod tests {
 
     #[test]
     fn the_limit_follows_the_config_or_the_slowest_step() {
-        assert_eq!(step_limit(90, None), Duration::from_secs(90));
+        assert_eq!(step_limit(90, None), Duration::from_secs(1800));
+        assert_eq!(step_limit(4000, None), Duration::from_secs(4000));
         assert_eq!(
             step_limit(90, Some(Duration::from_secs(1000))),
             Duration::from_secs(90)

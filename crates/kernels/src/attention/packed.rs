@@ -113,16 +113,13 @@ pub(crate) fn backward<R: CubeRuntime>(
     if b * t * h == 0 {
         return dqkv;
     }
-    // One layout for the three gradients, so that one set of strides reads them all.
-    let same = |x: &CubeTensor<R>| x.meta.strides() == dq.meta.strides();
-    let (dk, dv) = (
-        if same(&dk) { dk } else { contiguous(dk) },
-        if same(&dv) { dv } else { contiguous(dv) },
-    );
-    let dq = if same(&dk) && same(&dv) {
-        dq
+    // One layout for the three gradients, so that one set of strides reads them all (they share
+    // one already: FlashAttention's backward allocates them alike).
+    let same = dk.meta.strides() == dq.meta.strides() && dv.meta.strides() == dq.meta.strides();
+    let (dq, dk, dv) = if same {
+        (dq, dk, dv)
     } else {
-        contiguous(dq)
+        (contiguous(dq), contiguous(dk), contiguous(dv))
     };
     let (cos, sin) = (contiguous(cos), contiguous(sin));
     let s = dq.meta.strides().to_vec();

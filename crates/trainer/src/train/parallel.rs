@@ -42,9 +42,11 @@ pub(super) struct Ranks<B: crate::TrainBackend> {
     /// Ends the run when a step (or the start, or a checkpoint's gathering) outlasts its limit:
     /// a failure inside CubeCL's device thread would otherwise leave the ranks waiting forever.
     watchdog: Arc<Watchdog>,
-    /// `training.step_timeout_s` (0: automatic) and the slowest step so far.
+    /// `training.step_timeout_s` (0: automatic), the slowest step so far but the first (which
+    /// compiles kernels), and the steps timed.
     timeout_s: u64,
     slowest: Cell<Option<Duration>>,
+    steps: Cell<u64>,
 }
 
 /// What a rank's thread is asked to do.
@@ -109,11 +111,10 @@ impl<B: crate::TrainBackend> Ranks<B> {
         let watched_gpus = gpus.clone();
         let watchdog = Arc::new(Watchdog::start(devices.len(), move |e| {
             eprintln!("{}", watchdog::message(&e, &watched_gpus));
-            std::process::exit(1)
+            hard_exit()
         }));
         let dog = watchdog.clone();
         let watch = dog.arm("the replicas' start", watchdog::step_limit(timeout_s, None));
-        dog.progress().finished(0);
         // ZeRO-1: every rank's share of the parameters (the weights with a compute copy are
         // held in the compute dtype by their non-owners).
         let params = zero::parameters(model);
@@ -171,6 +172,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
             watchdog,
             timeout_s,
             slowest: Cell::new(None),
+            steps: Cell::new(0),
         };
         ranks.wait();
         // The copies' sends read rank 0's buffers on its GPU's collective stream, which nothing
@@ -178,6 +180,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
         // buffer rank 0 frees (its ZeRO-1 share drops the rest of the state) is not reused while
         // a send still reads it.
         <B::InnerBackend as Collective>::sync(&model.wte.weight.val().inner().device());
+        dog.progress().finished(0);
         drop(watch);
         ranks
     }
@@ -214,9 +217,9 @@ impl<B: crate::TrainBackend> Ranks<B> {
     /// compute weights every rank holds whole ([`Shard::checksum`]).
     pub fn checksums(&self, model: &Gpt<B>, opt: &AdamW<B::InnerBackend>) -> Vec<u32> {
         let _watch = self.watchdog.arm("a checkpoint's checksums", self.limit());
-        self.watchdog.progress().finished(0);
         self.send(|| Job::Checksum);
         let first = checksum(self.zero.as_ref().map(|z| &z.0), model, opt);
+        self.watchdog.progress().finished(0);
         std::iter::once(first)
             .chain(self.wait().into_iter().map(|c| c as u32))
             .collect()
@@ -231,7 +234,6 @@ impl<B: crate::TrainBackend> Ranks<B> {
     ) -> Option<(Gpt<B>, AdamW<B::InnerBackend>)> {
         let (shard, _) = self.zero.as_ref()?;
         let _watch = self.watchdog.arm("a checkpoint's gathering", self.limit());
-        self.watchdog.progress().finished(0);
         self.send(|| Job::Share);
         let shares = self
             .workers
@@ -244,7 +246,9 @@ impl<B: crate::TrainBackend> Ranks<B> {
             })
             .collect();
         self.wait();
-        Some(shard.whole::<B, _>(model, opt, shares))
+        let whole = shard.whole::<B, _>(model, opt, shares);
+        self.watchdog.progress().finished(0);
+        Some(whole)
     }
 }
 
@@ -326,10 +330,11 @@ impl<B: crate::TrainBackend> Own<B> {
         // gradient averages also use: the run waits for this answer, so that every copy is queued
         // before rank 0's first collective.
         drop(opt);
+        // Marked before answering: the run may arm the next work as soon as the answer arrives.
+        progress.finished(rank);
         if done.send(0).is_err() {
             return;
         }
-        progress.finished(rank);
         let no_probes = Probes {
             fp8: None,
             taps: None,
@@ -391,10 +396,10 @@ impl<B: crate::TrainBackend> Own<B> {
                     &r.opt,
                 )),
             };
+            progress.finished(rank);
             if done.send(answer).is_err() {
                 return;
             }
-            progress.finished(rank);
         }
     }
 }
@@ -510,13 +515,22 @@ fn rank_failed(rank: usize, gpu: usize, payload: Box<dyn std::any::Any + Send>) 
     eprintln!(
         "error: rank {rank} (CUDA GPU {gpu}) failed: {why}; the data-parallel run stops (its last checkpoint is complete; continue with --resume)"
     );
-    std::process::exit(1)
+    hard_exit()
 }
 
 /// A rank's thread ended without answering (it failed and reported why).
 fn rank_gone(rank: usize, gpu: usize) -> ! {
     eprintln!("error: rank {rank} (CUDA GPU {gpu}) stopped; the data-parallel run stops");
-    std::process::exit(1)
+    hard_exit()
+}
+
+/// Ends the process at once with status 1, without the exit handlers: other threads may be stuck
+/// inside the CUDA driver or NCCL, whose teardown at exit could wait for them forever.
+fn hard_exit() -> ! {
+    use std::io::Write;
+    let _ = std::io::stderr().flush();
+    // SAFETY: `_exit` only ends the process; nothing of this program runs after it.
+    unsafe { libc::_exit(1) }
 }
 
 /// Runs `f` as rank `rank`; a panic ends the process with the rank's error (see [`rank_failed`]).
@@ -579,15 +593,20 @@ impl<B: crate::TrainBackend> Session<'_, B> {
         let skipped = match self.scaler.update(finite, step + 1) {
             Verdict::Apply => {
                 if let Some(held) = out.held {
+                    // The update is the step's second part (with ZeRO-1, its own collectives).
+                    ranks.watchdog.reset_progress();
                     ranks.send(|| Job::Apply { lr, scale });
                     let zero = ranks.zero.as_ref().map(|z| &z.0);
                     model = update(&mut self.opt, zero, (lr, scale), model, held);
+                    ranks.watchdog.progress().finished(0);
                     memory = ranks.wait();
                 }
                 false
             }
             Verdict::Skip => {
                 if !update_now {
+                    ranks.watchdog.reset_progress();
+                    ranks.watchdog.progress().finished(0);
                     ranks.send(|| Job::Skip);
                     memory = ranks.wait();
                 }
@@ -596,10 +615,13 @@ impl<B: crate::TrainBackend> Session<'_, B> {
             Verdict::Stop(why) => bail!(self.stop_message(step, loss, grad_norm, &why)),
         };
         drop(watch);
+        // The first step compiles the kernels: the limit follows the steps after it.
         let took = t0.elapsed();
-        ranks
-            .slowest
-            .set(Some(ranks.slowest.get().map_or(took, |s| s.max(took))));
+        if ranks.steps.replace(ranks.steps.get() + 1) > 0 {
+            ranks
+                .slowest
+                .set(Some(ranks.slowest.get().map_or(took, |s| s.max(took))));
+        }
         let memory: Vec<Option<u64>> = std::iter::once(B::memory_reserved(&ranks.devices[0]))
             .chain(memory.into_iter().map(|m| (m > 0).then_some(m)))
             .collect();
