@@ -589,20 +589,48 @@ pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(
     shapes: &[(usize, usize, usize, usize)],
     exact_by_sums: bool,
 ) {
+    attention_cases::<B>(
+        dtype,
+        dev,
+        shapes,
+        exact_by_sums,
+        &[(false, None), (true, None)],
+    );
+}
+
+/// [`flash_attention`]'s checks for each `(causal, dropout p)` of `variants` (with dropout,
+/// [`kernels::flash_attention_dropout`] against the naive formula with the host's mask, a seed per
+/// case, and the floor divided by the keep probability).
+fn attention_cases<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize, usize)],
+    exact_by_sums: bool,
+    variants: &[(bool, Option<f64>)],
+) {
     let mut cases: Vec<(usize, usize, usize, usize, usize)> = shapes
         .iter()
         .map(|&(b, h, s, hd)| (b, h, s, s, hd))
         .collect();
     cases.push((1, 2, 17, 40, 64));
-    for (b, h, sq, sk, hd) in cases {
-        for causal in [false, true] {
+    for (n, (b, h, sq, sk, hd)) in cases.into_iter().enumerate() {
+        for &(causal, p) in variants {
+            let drop = p.map(|p| {
+                let seed = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(n as u64 * 4 + 1 + causal as u64)
+                    ^ (p * 1e3) as u64;
+                kernels::Dropout::new(p, seed)
+            });
+            let (op, tag) = match p {
+                Some(p) => ("flash_attention_dropout", format!(" p {p}")),
+                None => ("flash_attention", String::new()),
+            };
             let started = std::time::Instant::now();
             let scale = if causal { None } else { Some(0.3) };
             let (rq, rk) = (b * h * sq, b * h * sk);
             check::<B>(
-                &format!("flash_attention q [{b}, {h}, {sq}, {hd}] k/v seq {sk} causal {causal}"),
+                &format!("{op} q [{b}, {h}, {sq}, {hd}] k/v seq {sk} causal {causal}{tag}"),
                 dtype,
-                4e-5 * (sk as f32 / 32.0).sqrt().max(1.0),
+                4e-5 * (sk as f32 / 32.0).sqrt().max(1.0) / (1.0 - p.unwrap_or(0.0) as f32),
                 vec![
                     Input::act([rq, hd], dev),
                     Input::act([rk, hd], dev),
@@ -612,21 +640,31 @@ pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(
                     let q = v[0].clone().reshape([b, h, sq, hd]);
                     let k = v[1].clone().reshape([b, h, sk, hd]);
                     let val = v[2].clone().reshape([b, h, sk, hd]);
-                    kernels::flash_attention(q, k, val, causal, scale).reshape([rq, hd])
+                    match drop {
+                        Some(d) => kernels::flash_attention_dropout(q, k, val, causal, scale, d),
+                        None => kernels::flash_attention(q, k, val, causal, scale),
+                    }
+                    .reshape([rq, hd])
                 },
                 |v| {
                     let q = v[0].clone().reshape([b, h, sq, hd]);
                     let k = v[1].clone().reshape([b, h, sk, hd]);
                     let val = v[2].clone().reshape([b, h, sk, hd]);
                     if exact_by_sums && q.dtype() == burn::tensor::DType::F32 {
-                        attention_by_sums(q, k, val, causal, scale).reshape([rq, hd])
+                        attention_by_sums_dropout(q, k, val, causal, scale, drop).reshape([rq, hd])
                     } else {
-                        kernels::attention::reference(q, k, val, causal, scale).reshape([rq, hd])
+                        match drop {
+                            Some(d) => {
+                                kernels::attention::reference_dropout(q, k, val, causal, scale, d)
+                            }
+                            None => kernels::attention::reference(q, k, val, causal, scale),
+                        }
+                        .reshape([rq, hd])
                     }
                 },
             );
             eprintln!(
-                "flash_attention [{b}, {h}, {sq}/{sk}, {hd}] causal {causal} {dtype:?}: {:.1?}",
+                "{op} [{b}, {h}, {sq}/{sk}, {hd}] causal {causal}{tag} {dtype:?}: {:.1?}",
                 started.elapsed()
             );
         }
@@ -647,54 +685,13 @@ pub fn flash_attention_dropout<B: AutodiffBackend + kernels::Backend>(
     exact_by_sums: bool,
 ) {
     use kernels::Dropout;
-    let mut cases: Vec<(usize, usize, usize, usize, usize)> = shapes
-        .iter()
-        .map(|&(b, h, s, hd)| (b, h, s, s, hd))
-        .collect();
-    cases.push((1, 2, 17, 40, 64));
-    for (n, (b, h, sq, sk, hd)) in cases.into_iter().enumerate() {
-        for (causal, p) in [(false, 0.2), (true, 0.2), (true, 0.5)] {
-            let seed = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(n as u64 * 4 + 1 + causal as u64)
-                ^ (p * 1e3) as u64;
-            let drop = Dropout::new(p, seed);
-            let started = std::time::Instant::now();
-            let scale = if causal { None } else { Some(0.3) };
-            let (rq, rk) = (b * h * sq, b * h * sk);
-            check::<B>(
-                &format!("flash_attention_dropout q [{b}, {h}, {sq}, {hd}] k/v seq {sk} causal {causal} p {p}"),
-                dtype,
-                4e-5 * (sk as f32 / 32.0).sqrt().max(1.0) / (1.0 - p as f32),
-                vec![
-                    Input::act([rq, hd], dev),
-                    Input::act([rk, hd], dev),
-                    Input::act([rk, hd], dev),
-                ],
-                |v| {
-                    let q = v[0].clone().reshape([b, h, sq, hd]);
-                    let k = v[1].clone().reshape([b, h, sk, hd]);
-                    let val = v[2].clone().reshape([b, h, sk, hd]);
-                    kernels::flash_attention_dropout(q, k, val, causal, scale, drop)
-                        .reshape([rq, hd])
-                },
-                |v| {
-                    let q = v[0].clone().reshape([b, h, sq, hd]);
-                    let k = v[1].clone().reshape([b, h, sk, hd]);
-                    let val = v[2].clone().reshape([b, h, sk, hd]);
-                    if exact_by_sums && q.dtype() == burn::tensor::DType::F32 {
-                        attention_by_sums_dropout(q, k, val, causal, scale, Some(drop))
-                            .reshape([rq, hd])
-                    } else {
-                        kernels::attention::reference_dropout(q, k, val, causal, scale, drop)
-                            .reshape([rq, hd])
-                    }
-                },
-            );
-            eprintln!(
-                "flash_attention_dropout [{b}, {h}, {sq}/{sk}, {hd}] causal {causal} p {p} {dtype:?}: {:.1?}",
-                started.elapsed()
-            );
-        }
-    }
+    attention_cases::<B>(
+        dtype,
+        dev,
+        shapes,
+        exact_by_sums,
+        &[(false, Some(0.2)), (true, Some(0.2)), (true, Some(0.5))],
+    );
 
     // Same seed, same bits; another seed, another output.
     let (b, h, s, hd) = (1, 2, 40, 64);

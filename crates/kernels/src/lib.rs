@@ -123,9 +123,7 @@ pub fn swiglu_packed<B: Backend, const D: usize>(gate_up: Tensor<B, D>) -> Tenso
 /// the seed is kept for it; one seed gives one mask, so give every call its own. Unlike Burn's
 /// `Dropout` module this always drops: call it only when training. `p = 0` returns `x`.
 pub fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, dropout: Dropout) -> Tensor<B, D> {
-    if let Some(problem) = dropout.problem() {
-        check::fail("dropout", problem);
-    }
+    dropout::check("dropout", Some(dropout));
     if !dropout.is_active() {
         return x;
     }
@@ -220,15 +218,7 @@ pub fn flash_attention<B: Backend>(
     causal: bool,
     scale: Option<f64>,
 ) -> Tensor<B, 4> {
-    let scale = scale.unwrap_or_else(|| attention::default_scale(q.dims()[3]));
-    tensor(B::fused_flash_attention(
-        prim(q),
-        prim(k),
-        prim(v),
-        causal,
-        scale,
-        None,
-    ))
+    attend(q, k, v, causal, scale, None)
 }
 
 /// [`flash_attention`] with dropout on the attention probabilities inside the kernels:
@@ -246,9 +236,19 @@ pub fn flash_attention_dropout<B: Backend>(
     scale: Option<f64>,
     dropout: Dropout,
 ) -> Tensor<B, 4> {
-    if let Some(problem) = dropout.problem() {
-        check::fail("flash_attention", problem);
-    }
+    attend(q, k, v, causal, scale, Some(dropout))
+}
+
+/// [`flash_attention`], with dropout when given (its `p` checked first).
+fn attend<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+    dropout: Option<Dropout>,
+) -> Tensor<B, 4> {
+    dropout::check("flash_attention", dropout);
     let scale = scale.unwrap_or_else(|| attention::default_scale(q.dims()[3]));
     tensor(B::fused_flash_attention(
         prim(q),
@@ -256,7 +256,7 @@ pub fn flash_attention_dropout<B: Backend>(
         prim(v),
         causal,
         scale,
-        Some(dropout),
+        dropout,
     ))
 }
 
@@ -279,9 +279,7 @@ pub fn flash_attention_qkv<B: Backend>(
     scale: Option<f64>,
     dropout: Option<Dropout>,
 ) -> Tensor<B, 3> {
-    if let Some(problem) = dropout.and_then(|d| d.problem()) {
-        check::fail("flash_attention_qkv", problem);
-    }
+    dropout::check("flash_attention_qkv", dropout);
     let [_, _, d3] = qkv.dims();
     if heads == 0 || !d3.is_multiple_of(3 * heads) {
         check::fail(

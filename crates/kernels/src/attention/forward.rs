@@ -263,9 +263,7 @@ fn check_inputs<R: CubeRuntime>(
 
 /// The kernels' dropout arguments, after checking `p`.
 fn drop_args(op: &str, dropout: Option<Dropout>) -> DropArgs {
-    if let Some(problem) = dropout.and_then(|d| d.problem()) {
-        fail(op, problem);
-    }
+    crate::dropout::check(op, dropout);
     DropArgs::new(dropout)
 }
 

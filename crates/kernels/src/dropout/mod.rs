@@ -102,6 +102,13 @@ impl DropArgs {
     }
 }
 
+/// Fails `op` with the reason when `dropout`'s `p` is unusable.
+pub(crate) fn check(op: &str, dropout: Option<Dropout>) {
+    if let Some(problem) = dropout.and_then(|d| d.problem()) {
+        crate::check::fail(op, problem);
+    }
+}
+
 /// The 16-bit draw of entry `e` of a mask seeded with `seed`, on the host.
 pub fn draw(seed: u64, e: usize) -> u32 {
     let words = philox4x32_10(
