@@ -51,12 +51,30 @@ impl<B: kernels::Backend> Attention<B> {
         let [b, t, d] = x.dims();
         let h = self.n_head;
         let hd = d / h;
+        let scale = (hd as f64).powf(-0.5);
+        let qkv = self.qkv.forward_mixed(x, ctx.gemm);
+        if let (AttentionKind::Flash, RopeTables::Fused { cos, sin }) = (ctx.attention, &ctx.tables)
+        {
+            // RoPE and FlashAttention on the packed projection as one op, whose backward writes
+            // the projection's gradient packed (slices would each zero-fill a whole one).
+            let y = kernels::flash_attention_qkv(
+                qkv,
+                h,
+                cos.clone(),
+                sin.clone(),
+                true,
+                Some(scale),
+                ctx.attention_dropout(layer),
+            );
+            return ctx.dropout(
+                &self.resid_dropout,
+                self.proj.forward_mixed(y, ctx.gemm),
+                layer,
+                Site::AttentionOut,
+            );
+        }
         // [B, T, 3d] -> [B, T, 3H, hd] -> [B, 3H, T, hd]; heads 0..H are q, H..2H k, 2H..3H v.
-        let qkv = self
-            .qkv
-            .forward_mixed(x, ctx.gemm)
-            .reshape([b, t, 3 * h, hd])
-            .swap_dims(1, 2);
+        let qkv = qkv.reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
         let (q, k, v) = match &ctx.tables {
             RopeTables::Reference { cos, sin } => {
                 let mut parts = qkv.chunk(3, 1);
@@ -84,7 +102,6 @@ impl<B: kernels::Backend> Attention<B> {
             }
         };
 
-        let scale = (hd as f64).powf(-0.5);
         if ctx.attention == AttentionKind::Flash {
             // f32 softmax statistics inside the kernel; the output is laid out [B, T, H, hd], so
             // the reshape below is free. Dropout on the probabilities happens inside the kernels.
