@@ -232,7 +232,7 @@ fn auto_settings_resolve_per_device() {
             0.2,
             PrecisionKind::Bf16,
             KernelsKind::Fused,
-            AttentionKind::Plain,
+            AttentionKind::Flash,
         ),
         (
             &Selected::Wgpu,
@@ -246,7 +246,7 @@ fn auto_settings_resolve_per_device() {
             0.1,
             PrecisionKind::Fp32,
             KernelsKind::Fused,
-            AttentionKind::Plain,
+            AttentionKind::Flash,
         ),
         (
             &Selected::Cpu,
@@ -283,12 +283,12 @@ fn auto_settings_resolve_per_device() {
             AttentionKind::Plain
         )
     );
-    // The model resolves its own config the same way (fused; flash only without dropout).
+    // The model resolves its own config the same way (fused; flash, with dropout too).
     let mut m = cfg.model.clone();
     m.dropout = 0.2;
     assert_eq!(
         (m.resolved().kernels, m.resolved().attention),
-        (KernelsKind::Fused, AttentionKind::Plain)
+        (KernelsKind::Fused, AttentionKind::Flash)
     );
 }
 

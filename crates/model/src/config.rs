@@ -40,7 +40,7 @@ pub enum MlpKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionKind {
-    /// `flash` when `dropout = 0`, `plain` otherwise (with dropout, `flash` is chosen explicitly).
+    /// `flash` (with or without dropout); the trainer resolves it to `plain` on the CPU backend.
     Auto,
     /// Plain Burn ops: scores, causal mask, softmax, weighted sum. Materialises [B, H, T, T].
     Plain,
@@ -121,8 +121,8 @@ pub struct GptConfig {
     /// Standard deviation of the normal initialisation (residual projections are further scaled by
     /// 1/sqrt(2 * n_layer), as in GPT-2).
     pub init_std: f64,
-    /// Attention implementation: "auto" (flash without dropout, plain with), "plain" or "flash"
-    /// (with or without dropout).
+    /// Attention implementation: "auto" (= "flash"; the trainer picks "plain" on the CPU backend),
+    /// "plain" or "flash" (with or without dropout).
     pub attention: AttentionKind,
     /// Implementation of the memory-bound ops: "auto" (= "fused"), "reference" (plain Burn) or
     /// "fused" (CubeCL kernels where the backend has them, the references elsewhere).
@@ -171,10 +171,9 @@ impl GptConfig {
         c
     }
 
-    /// `attention` with `"auto"` resolved: flash without dropout, plain with it.
+    /// `attention` with `"auto"` resolved: flash, whose kernels also draw the dropout mask.
     pub fn attention_resolved(&self) -> AttentionKind {
         match self.attention {
-            AttentionKind::Auto if self.dropout > 0.0 => AttentionKind::Plain,
             AttentionKind::Auto => AttentionKind::Flash,
             kind => kind,
         }

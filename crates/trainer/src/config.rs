@@ -384,7 +384,7 @@ pub struct Resolved {
 impl Config {
     /// The config with each device-dependent `"auto"` resolved for `device`: `precision` (bf16 on
     /// CUDA, fp32 elsewhere), `model.kernels` (fused on a GPU, the plain-Burn references on the CPU
-    /// backend) and `model.attention` (flash without dropout on a GPU, plain otherwise).
+    /// backend) and `model.attention` (flash on a GPU, plain on the CPU backend).
     /// `model.gemm = "auto"` is resolved per tensor by `kernels::gemm`.
     pub fn for_device(&self, device: &crate::device::Selected) -> Config {
         use crate::device::Selected;

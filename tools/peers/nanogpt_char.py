@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Training throughput of nanoGPT's shakespeare_char baby GPT in PyTorch, the peer of
+`configs/shakespeare_char.toml` (6 layers, 6 heads, width 384, context 256, batch 64, dropout 0.2,
+bias-free, tied embedding; LayerNorm and learned positions as nanoGPT has them). bf16 autocast,
+torch.compile, flash SDPA with dropout, fused AdamW (lr 1e-3, betas 0.9 / 0.99, weight decay 0.1),
+gradient clipping at 1.0, as nanoGPT's train.py. Random character ids: the figure is speed only.
+
+    python3 tools/peers/nanogpt_char.py [--steps 300] [--warmup 50] [--no-compile]
+
+Prints the median tokens/s over the steps after --warmup (each step timed with CUDA events).
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, h, p):
+        super().__init__()
+        self.h, self.p = h, p
+        self.ln1, self.ln2 = nn.LayerNorm(d, bias=False), nn.LayerNorm(d, bias=False)
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.fc, self.out = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0,
+                                           is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=65, n_layer=6, n_head=6, d=384, t=256, p=0.2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
+        self.drop = nn.Dropout(p)
+        self.blocks = nn.ModuleList(Block(d, n_head, p) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.apply(lambda m: nn.init.normal_(m.weight, std=0.02)
+                   if isinstance(m, (nn.Linear, nn.Embedding)) else None)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--no-compile", action="store_true")
+    a = ap.parse_args()
+    torch.manual_seed(1337)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = GPT().cuda()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": other, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.99), fused=True)
+    step_fn = model if a.no_compile else torch.compile(model)
+    t0 = time.time()
+    times = []
+    for step in range(a.steps):
+        x = torch.randint(0, 65, (a.batch, 256), device="cuda")
+        y = torch.randint(0, 65, (a.batch, 256), device="cuda")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        torch.cuda.synchronize()
+        if step == 0:
+            print(f"first step (compile) {time.time() - t0:.1f} s")
+        if step >= a.warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    med = statistics.median(times)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"median step {med * 1e3:.2f} ms, {a.batch * 256 / med:.0f} tokens/s "
+          f"(steps {a.warmup + 1}-{a.steps}), final loss {loss.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()
