@@ -548,7 +548,7 @@ impl Config {
         Ok(())
     }
 
-    /// `training.zero`: 0, or 1 on several GPUs with f32 compute.
+    /// `training.zero`: 0, or 1 on several GPUs.
     fn validate_zero(&self) -> std::result::Result<(), String> {
         let t = &self.training;
         match t.zero {
@@ -558,12 +558,6 @@ impl Config {
                  train on several GPUs (e.g. training.devices = 2) or set training.zero = 0"
                     .into(),
             ),
-            1 if self.precision != PrecisionKind::Fp32 => Err(format!(
-                "training.zero = 1 needs precision = \"fp32\" for now (precision is \"{}\", which trains through bf16/fp16 \
-                 compute copies; with them a two-GPU ZeRO-1 run can hang in its first step); set precision = \"fp32\" or \
-                 training.zero = 0",
-                self.precision
-            )),
             1 => Ok(()),
             z => Err(format!(
                 "training.zero must be 0 (every GPU keeps the whole optimizer state) or 1 (ZeRO-1: the f32 masters and AdamW \

@@ -46,14 +46,44 @@ where
     I: burn_cubecl::IntElement,
     BT: burn_cubecl::BoolElement,
 {
+    /// CubeCL's NCCL call takes the element count from the byte size of the buffer it is given.
+    /// Burn's `all_reduce` gives it the tensor's own buffer when that is unique and row-major, and
+    /// otherwise a copy in the device's preferred layout, whose rows CUDA pads (pitches) unless
+    /// their bytes are a multiple of 512 (or of a smaller power of two). Ranks that hold the same
+    /// tensor in different layouts would then pass NCCL different counts, and it would wait
+    /// forever: under ZeRO-1 the owner of a weight hands over the dense bf16 copy the optimizer
+    /// wrote while the other ranks hand over pitched zeros (`[64, 192]` bf16: rows of 384 bytes
+    /// padded to 512). So every rank reduces, in place, a unique dense buffer of exactly the
+    /// tensor's elements.
     fn reduce(
         tensor: FloatTensor<Self>,
         op: ReduceOperation,
         devices: &[DeviceId],
     ) -> FloatTensor<Self> {
-        let reduced = <Self as DistributedBackend>::all_reduce(tensor, op, devices.to_vec());
-        // SAFETY: every caller syncs the device (`Collective::sync`) before the result is used.
-        unsafe { reduced.assume_resolved() }
+        let shape = tensor.meta.shape().clone();
+        let n = shape.num_elements();
+        // Row-major (a copy of a pitched or strided tensor), then one dimension (a new view).
+        let dense = burn_cubecl::kernel::into_contiguous(tensor);
+        let flat = burn_cubecl::ops::reshape(dense, burn::tensor::Shape::new([n]));
+        // Unique, as the reduction writes in place (one-dimensional buffers are not pitched).
+        let flat = if flat.can_mut() { flat } else { flat.copy() };
+        let bytes = (n * flat.dtype.size()) as u64;
+        // Exactly the elements: a buffer may end in padding.
+        let used = flat.handle.size_in_used();
+        let handle = flat.handle.clone().offset_end(used - bytes);
+        let op = match op {
+            ReduceOperation::Sum => burn_cubecl::cubecl::server::ReduceOperation::Sum,
+            ReduceOperation::Mean => burn_cubecl::cubecl::server::ReduceOperation::Mean,
+        };
+        R::client(&flat.device).all_reduce(
+            handle.clone(),
+            handle,
+            flat.dtype.into(),
+            devices.to_vec(),
+            op,
+        );
+        // `flat` holds the buffer until the caller's `Collective::sync`, after which it is read.
+        burn_cubecl::ops::reshape(flat, shape)
     }
 
     fn sync(device: &Self::Device) {
