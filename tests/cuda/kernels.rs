@@ -414,6 +414,54 @@ fn cuda_gemm_stream_order_chain() {
             "{dtype:?}: the chain is all zeros"
         );
     }
+    no_fallbacks("the chained GEMMs");
+}
+
+/// A queued GEMM (a problem that has run on cuBLASLt before, sent to CubeCL's device thread
+/// without the caller waiting) that fails there is computed by Burn's matmul on that thread,
+/// into the output the caller already holds, before CubeCL's later work, and counted as a
+/// fallback of the thread that asked for it. The failure is forced with a test hook; the chain
+/// must agree bit for bit with Burn's.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_queued_fallback() {
+    use burn::tensor::{Distribution, Tensor};
+    stream_ordered_gemms();
+    let dev = CudaDevice::default();
+    let ints = |shape: [usize; 2], lo: f64, hi: f64| {
+        Tensor::<Cuda, 2>::random(shape, Distribution::Uniform(lo, hi), &dev).floor()
+    };
+    let mut expected = 0;
+    // |x w| <= 3 k: exact in f16 for k = 256 and in bf16 for k = 64.
+    let cases = [
+        (384, 256, 30, FloatDType::F16),
+        (384, 64, 30, FloatDType::BF16),
+    ];
+    for (m, k, steps, dtype) in cases {
+        let x0 = ints([m, k], 0.0, 4.0);
+        let w = ints([k, k], -1.0, 2.0);
+        let chain = |engine: kernels::Gemm| {
+            let (mut x, w) = (x0.clone().cast(dtype), w.clone().cast(dtype));
+            for i in 0..steps {
+                let y = kernels::gemm::gemm(x, w.clone(), false, false, engine);
+                x = y.add_scalar(i as f64).abs().remainder_scalar(4.0);
+            }
+            x.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
+        };
+        let burn = chain(kernels::Gemm::Burn);
+        kernels::settings::update(|s| s.gemm_refuse_queued = true);
+        let ours = chain(kernels::Gemm::CublasLt);
+        kernels::settings::update(|s| s.gemm_refuse_queued = false);
+        let wrong = ours.iter().zip(&burn).filter(|(a, b)| a != b).count();
+        assert_eq!(wrong, 0, "[{m}, {k}] {dtype:?}: {wrong} values differ");
+        // The first GEMM of each chain waits for cuBLASLt (a new problem); the rest are queued.
+        expected += steps - 1;
+        assert_eq!(
+            kernels::gemm::cublaslt_fallbacks_on_this_thread(),
+            expected,
+            "{dtype:?}: every queued GEMM should have fallen back once"
+        );
+    }
 }
 
 /// CubeCL's side of the hand-over: a kernel queued behind CubeCL's waiting kernel must not run

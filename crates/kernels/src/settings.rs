@@ -13,6 +13,7 @@
 //! | [`Settings::gemm_order`] | `BURNMIX_GEMM_ORDER` | `stream` (default), `host` |
 //! | [`Settings::fp8_gemm_order`] | `BURNMIX_GEMM_FP8_ORDER` | `stream`, `host` (default: `gemm_order`) |
 //! | [`Settings::gemm_hold`] | `BURNMIX_GEMM_HOLD` | `none` turns it off (a diagnostic) |
+//! | [`Settings::gemm_queue`] | `BURNMIX_GEMM_QUEUE` | `on` (default), `off` (a comparison) |
 //! | [`Settings::fp8_gemm`] | `BURNMIX_FP8_GEMM` | `auto` (default), `cublaslt`, `mma`, `dequantize` |
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
@@ -28,6 +29,8 @@ pub const GEMM_ORDER_ENV: &str = "BURNMIX_GEMM_ORDER";
 pub const FP8_GEMM_ORDER_ENV: &str = "BURNMIX_GEMM_FP8_ORDER";
 /// `BURNMIX_GEMM_HOLD`: [`Settings::gemm_hold`].
 pub const GEMM_HOLD_ENV: &str = "BURNMIX_GEMM_HOLD";
+/// `BURNMIX_GEMM_QUEUE`: [`Settings::gemm_queue`].
+pub const GEMM_QUEUE_ENV: &str = "BURNMIX_GEMM_QUEUE";
 /// `BURNMIX_FP8_GEMM`: [`Settings::fp8_gemm`].
 pub const FP8_GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
 /// `BURNMIX_FP8_MMA_SHAPE`: [`Settings::fp8_mma_shape`].
@@ -115,6 +118,14 @@ pub struct Settings {
     /// In the GPU order, hold each GEMM's tensors until the GEMM has run (default). Off only to
     /// show the race that holding prevents (their memory can be handed out while the GEMM runs).
     pub gemm_hold: bool,
+    /// In the GPU order, queue a bf16/f16/f32 GEMM whose problem has run on cuBLASLt before on
+    /// CubeCL's device thread without waiting for it (default). Off (`BURNMIX_GEMM_QUEUE=off`):
+    /// each GEMM waits until that thread has issued it, a comparison.
+    pub gemm_queue: bool,
+    /// Test hook: a queued GEMM acts as if cuBLASLt refused it, so that its fallback (Burn's
+    /// matmul on CubeCL's device thread) runs.
+    #[doc(hidden)]
+    pub gemm_refuse_queued: bool,
     /// The FP8 GEMM's path.
     pub fp8_gemm: Fp8GemmChoice,
     /// The tensor-core FP8 GEMM's cube shape; `None`: [`MmaShape::DEFAULT`].
@@ -132,6 +143,8 @@ impl Default for Settings {
             gemm_order: GemmOrder::Stream,
             fp8_gemm_order: None,
             gemm_hold: true,
+            gemm_queue: true,
+            gemm_refuse_queued: false,
             fp8_gemm: Fp8GemmChoice::Auto,
             fp8_mma_shape: None,
             flash_tiles: None,
@@ -170,6 +183,11 @@ impl Settings {
             None | Some("") => {}
             Some("none") => s.gemm_hold = false,
             Some(v) => return Err(format!("{GEMM_HOLD_ENV}: `{v}` is not `none`")),
+        }
+        match var(GEMM_QUEUE_ENV).as_deref().map(str::trim) {
+            None | Some("") | Some("on") => {}
+            Some("off") => s.gemm_queue = false,
+            Some(v) => return Err(format!("{GEMM_QUEUE_ENV}: `{v}` is not `on` or `off`")),
         }
         if let Some(c) = parse(&var, FP8_GEMM_ENV)? {
             s.fp8_gemm = c;
@@ -276,6 +294,7 @@ mod tests {
             (GEMM_ORDER_ENV, "host"),
             (FP8_GEMM_ORDER_ENV, "stream"),
             (GEMM_HOLD_ENV, "none"),
+            (GEMM_QUEUE_ENV, "off"),
             (FP8_GEMM_ENV, "cublaslt"),
             (FP8_MMA_SHAPE_ENV, "4,2,2,8"),
             (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
@@ -285,6 +304,7 @@ mod tests {
         assert_eq!(s.gemm_order, GemmOrder::Host);
         assert_eq!(s.fp8_order(), GemmOrder::Stream);
         assert!(!s.gemm_hold);
+        assert!(!s.gemm_queue);
         assert_eq!(s.fp8_gemm, Fp8GemmChoice::Path(Fp8GemmPath::CublasLt));
         assert_eq!(s.fp8_mma_shape, Some(MmaShape::parse("4,2,2,8").unwrap()));
         assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
@@ -300,6 +320,7 @@ mod tests {
             (GEMM_ORDER_ENV, "gpu", "stream, host"),
             (FP8_GEMM_ORDER_ENV, "x", "stream, host"),
             (GEMM_HOLD_ENV, "off", "`none`"),
+            (GEMM_QUEUE_ENV, "no", "`on` or `off`"),
             (FP8_GEMM_ENV, "fast", "auto, cublaslt, mma, dequantize"),
             (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
             (FLASH_TILES_ENV, "fwd=3x64", "row tiles must be 1, 2 or 4"),

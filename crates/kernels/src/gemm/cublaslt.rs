@@ -8,6 +8,14 @@
 //! Hopper) and, per problem (shape, layouts, alignments), the call's descriptors and the
 //! heuristic's algorithm; they live as long as the process.
 //!
+//! Every call runs on CubeCL's device thread ([`GemmService`]): CubeCL 0.10 runs each device's
+//! CUDA server on one thread that takes every task (launches, allocations, frees) from every host
+//! thread in order, and a GEMM queued there sits between the CubeCL work queued before and after
+//! it. On that thread the buffers' addresses and the hand-over kernels cost no round trips, and a
+//! problem that has run on cuBLASLt before is queued without the caller waiting (the host keeps
+//! running ahead of the GPU as it does for CubeCL's kernels); a new problem, an FP8 call or the
+//! host order waits for the answer, so that a refusal falls back on the caller's side.
+//!
 //! Ordering with CubeCL's stream, which CubeCL 0.10 does not expose ([`Order`]):
 //! - `Stream` (the default; `BURNMIX_GEMM_ORDER=stream`): no host waits. A one-thread CubeCL
 //!   kernel stores a sequence number `v` into a flag word after CubeCL's earlier work; a
@@ -16,7 +24,8 @@
 //!   stores `v` into a second flag; a one-thread CubeCL kernel spins on that flag before CubeCL's
 //!   later work. (The driver's stream memory operations, `cuStreamWaitValue32` /
 //!   `cuStreamWriteValue32`, refuse CubeCL's buffers, which come from stream-ordered memory pools:
-//!   `CUDA_ERROR_INVALID_VALUE` on an H100 with CUDA 13.0.) GEMMs issued from a host thread other
+//!   `CUDA_ERROR_INVALID_VALUE` on an H100 with CUDA 13.0.) Sequence numbers are only taken on
+//!   the device thread, so they reach both streams in one order. GEMMs from a host thread other
 //!   than the one that created the flags are host-synchronised.
 //!   The flags alone are not enough: CubeCL may hand the memory of a tensor the caller dropped
 //!   after the call to a new tensor and write it while the GEMM still runs (with the GPU shared
@@ -24,8 +33,8 @@
 //!   the GEMM's operands, output and scales are held, with an event recorded behind the GEMM on its
 //!   stream, until that event has completed (checked at the next GEMMs, never waited for unless
 //!   4096 are in flight).
-//! - `Host` (`BURNMIX_GEMM_ORDER=host`): CubeCL's stream is synchronised on the host before
-//!   the GEMM, and the GEMM's stream after it. The host stalls once per GEMM.
+//! - `Host` (`BURNMIX_GEMM_ORDER=host`): CubeCL's stream is synchronised before the GEMM, and
+//!   the GEMM's stream after it. The device thread, and the caller, stall once per GEMM.
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
@@ -301,7 +310,9 @@ struct Flags {
 }
 
 impl Flags {
-    fn new(like: &CubeTensor<CudaRuntime>) -> Result<Self, String> {
+    /// Runs on CubeCL's device thread (its CubeCL calls run at once there); `caller` is the host
+    /// thread whose stream the flags order.
+    fn new(like: &CubeTensor<CudaRuntime>, caller: std::thread::ThreadId) -> Result<Self, String> {
         let handle = like.client.create_from_slice(&[0u8; 16]);
         let tensor = CubeTensor::new_contiguous(
             like.client.clone(),
@@ -339,7 +350,7 @@ impl Flags {
             seq: 0,
             wait,
             post,
-            thread: std::thread::current().id(),
+            thread: caller,
         })
     }
 
@@ -513,7 +524,7 @@ pub(crate) fn gemm(
         Shape::new([m, n]),
         a.dtype,
     );
-    let problem = |align| Problem {
+    let problem = Problem {
         types: [dt, dt, dt],
         compute,
         scale_modes: None,
@@ -522,211 +533,410 @@ pub(crate) fn gemm(
         k,
         a: la,
         b: lb,
-        align,
+        align: [0; 3],
     };
-    let what = || {
-        format!(
-            "{} [m, k, n] = [{m}, {k}, {n}] (leading dimensions {}, {})",
-            dtype_name(a.dtype),
-            la.ld,
-            lb.ld
-        )
-    };
-    execute(&a, &b, &out, None, problem, what)?;
+    execute(Job {
+        a,
+        b,
+        out: out.clone(),
+        scales: None,
+        problem,
+        views: Some((trans_a, trans_b)),
+        order: order(),
+        caller: std::thread::current().id(),
+    })?;
     Ok(out)
 }
 
-/// Runs one cuBLASLt call on the buffers of `a`, `b` and `out` (and the scale buffers of FP8),
-/// ordered with CubeCL's stream; `problem` builds the call's description from the pointers'
-/// alignments, `what` describes it for messages.
-fn execute(
-    a: &CubeTensor<CudaRuntime>,
-    b: &CubeTensor<CudaRuntime>,
-    out: &CubeTensor<CudaRuntime>,
-    scales: Option<(&CubeTensor<CudaRuntime>, &CubeTensor<CudaRuntime>)>,
-    problem: impl Fn([u32; 3]) -> Problem,
-    what: impl Fn() -> String,
-) -> Result<(), Refused> {
-    let state = device(a.device.index);
-    let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
-    let dev = state
-        .as_mut()
-        .map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
-    let fp8 = scales.is_some();
-    let wanted = if fp8 { fp8_order() } else { order() };
-    let order = match &dev.flags {
-        Some(f) if wanted.uses_flags() && f.thread != std::thread::current().id() => Order::Host,
-        _ => wanted,
-    };
+/// The GEMMs' service on CubeCL's device thread.
+///
+/// CubeCL 0.10 runs each device's CUDA server on one thread and hands it every task (kernel
+/// launches, allocations, frees, reads) from every host thread, in order. Another service
+/// registered for the same device runs on that thread too, in the same queue. The GEMMs are
+/// queued there ([`execute`]): a GEMM runs after every CubeCL task queued before it and before
+/// every later one, the CubeCL calls it makes (the buffers' addresses, the hand-over kernels) run
+/// at once on that thread instead of each being a round trip from the caller, and the caller does
+/// not wait for it.
+struct GemmService;
 
-    // SAFETY: the pointers come from live CubeCL allocations of the sizes the layouts describe
-    // (rows, cols and ld are the tensors' own shapes and strides); the GEMM is ordered after
-    // CubeCL's writes of its inputs and before CubeCL's next use of its memory (host
-    // synchronisation, or the flags and the tensors held until the GEMM is done).
-    unsafe {
-        drv::ctx::set_current(dev.ctx)
-            .map_err(|e| Refused::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
-        // The GPU orders: CubeCL's stream sets flag[0] = seq after everything queued so far.
-        // CubeCL queues the launch on the host; the blocking resource requests below hand it to
-        // the driver. If the GEMM is refused after this, nothing waits for the flag: harmless.
-        let seq = if order.uses_flags() {
-            if dev.flags.is_none() {
-                dev.flags = Some(Flags::new(a).map_err(Refused::Unsupported)?);
-            }
-            let flags = dev.flags.as_mut().expect("just created");
-            flags.seq = flags.seq.wrapping_add(1).max(1);
-            flags.launch(gemm_signal::launch_unchecked::<CudaRuntime>, flags.seq);
-            Some(flags.seq)
+impl cubecl_common::device::DeviceService for GemmService {
+    fn init(_: cubecl_common::device::DeviceId) -> Self {
+        GemmService
+    }
+    fn utilities(&self) -> cubecl_common::device::ServerUtilitiesHandle {
+        Arc::new(())
+    }
+}
+
+type Runner = cubecl_common::device_handle::DeviceHandle<GemmService>;
+
+/// The queues the GEMMs were sent to, by device index.
+static RUNNERS: Mutex<Vec<Option<Runner>>> = Mutex::new(Vec::new());
+
+/// The GEMM service on `device`'s CubeCL thread.
+fn runner(device: &cubecl::cuda::CudaDevice) -> Runner {
+    use cubecl_common::device::Device as _;
+    let mut runners = RUNNERS.lock().unwrap_or_else(|p| p.into_inner());
+    if runners.len() <= device.index {
+        runners.resize_with(device.index + 1, || None);
+    }
+    runners[device.index]
+        .get_or_insert_with(|| Runner::new(device.to_id()))
+        .clone()
+}
+
+/// Waits until every GEMM queued so far, on every device, has been issued (not run).
+fn drain_queues() {
+    let runners: Vec<Runner> = RUNNERS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .flatten()
+        .cloned()
+        .collect();
+    for r in runners {
+        let _ = r.submit_blocking(|_| ());
+    }
+}
+
+/// Problems (per device, with the alignments their buffers' offsets imply) that have run on
+/// cuBLASLt: their later calls are queued without waiting.
+static PROVEN: Mutex<Option<HashSet<(usize, Problem)>>> = Mutex::new(None);
+
+/// One cuBLASLt call and what it needs, run on CubeCL's device thread ([`GemmService`]).
+struct Job {
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    out: CubeTensor<CudaRuntime>,
+    /// FP8: the scales of `a` and `b`.
+    scales: Option<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
+    /// The call; `align` is filled in from the buffers' addresses.
+    problem: Problem,
+    /// bf16/f16/f32: `op(a) op(b)`'s transpose flags, for Burn's matmul if a queued call fails.
+    views: Option<(bool, bool)>,
+    order: Order,
+    /// The host thread that asked for the GEMM (its CubeCL stream is the one ordered with).
+    caller: std::thread::ThreadId,
+}
+
+/// The byte alignment (<= 256) a buffer's offset implies: CubeCL's CUDA allocations start at
+/// 256-byte multiples, so a view's address is as aligned as its offset.
+fn offset_alignment(t: &CubeTensor<CudaRuntime>) -> u32 {
+    alignment(t.handle.offset_start.unwrap_or(0))
+}
+
+/// Runs `job` (one cuBLASLt call on the buffers of its tensors) on CubeCL's device thread.
+///
+/// A bf16/f16/f32 problem that has run on cuBLASLt before, in the GPU order, is queued and this
+/// returns at once: if it fails there after all (its buffers less aligned than their offsets
+/// imply and no algorithm for that), the device thread computes it with Burn's matmul into the
+/// same output, with the warning, before any later CubeCL work. Every other call (a new problem,
+/// FP8, the host order) waits for the device thread's answer, so the caller can fall back.
+fn execute(mut job: Job) -> Result<(), Refused> {
+    let runner = runner(&job.a.device);
+    let queue =
+        job.views.is_some() && job.order.uses_flags() && crate::settings::read(|s| s.gemm_queue);
+    let key = {
+        let mut p = job.problem;
+        p.align = [
+            offset_alignment(&job.a),
+            offset_alignment(&job.b),
+            offset_alignment(&job.out),
+        ];
+        (job.a.device.index, p)
+    };
+    if queue
+        && PROVEN
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|s| s.contains(&key))
+    {
+        runner.submit(move |_| job.run_queued());
+        return Ok(());
+    }
+    job.problem.align = key.1.align;
+    let result = runner
+        .submit_blocking(move |_| job.run())
+        .map_err(|_| Refused::Unsupported("CubeCL's device thread is gone".into()))?;
+    if result.is_ok() && queue {
+        PROVEN
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_with(HashSet::new)
+            .insert(key);
+    }
+    result
+}
+
+/// Fallbacks of queued GEMMs, by the thread that asked for them.
+static QUEUED_FALLBACKS: Mutex<Option<HashMap<std::thread::ThreadId, usize>>> = Mutex::new(None);
+
+impl Job {
+    /// [`Job::run`] for a queued call, which nobody waits for: if it fails, Burn's matmul computes
+    /// `out` here, on the device thread, before CubeCL's later work.
+    fn run_queued(self) {
+        let forced = crate::settings::read(|s| s.gemm_refuse_queued);
+        let (a, b, out) = (self.a.clone(), self.b.clone(), self.out.clone());
+        let (views, caller, problem) = (self.views, self.caller, self.problem);
+        let result = if forced {
+            Err(Refused::Unsupported(format!(
+                "{}: refused on purpose (kernels::settings::Settings::gemm_refuse_queued)",
+                describe(&problem)
+            )))
         } else {
-            None
+            self.run()
         };
-        let res = |t: &CubeTensor<CudaRuntime>| {
-            t.client
-                .get_resource(t.handle.clone())
-                .map_err(|e| Refused::Unsupported(format!("CubeCL resource: {e:?}")))
+        let Err(why) = result else { return };
+        let why = match why {
+            Refused::Unsupported(why) => why,
+            Refused::NotApplicable => format!("{}: not applicable", describe(&problem)),
         };
-        let (ra, rb, rc) = (res(a)?, res(b)?, res(out)?);
-        let (pa, pb, pc) = (ra.resource().ptr, rb.resource().ptr, rc.resource().ptr);
-        let rs = match scales {
-            Some((sa, sb)) => Some((res(sa)?, res(sb)?)),
-            None => None,
+        let (ta, tb) = views.expect("only bf16/f16/f32 GEMMs are queued");
+        let view = |t: CubeTensor<CudaRuntime>, trans: bool| {
+            if trans {
+                burn_cubecl::ops::permute(t, &[1, 0])
+            } else {
+                t
+            }
         };
-        let problem = problem([alignment(pa), alignment(pb), alignment(pc)]);
-        debug_assert_eq!(
-            out.meta.strides()[0],
-            problem.n,
-            "a contiguous output has rows of n"
+        let dtype = out.dtype;
+        let done = burn_cubecl::kernel::matmul::matmul(
+            view(a, ta),
+            view(b, tb),
+            Some(out),
+            burn_cubecl::kernel::matmul::MatmulStrategy::Cube,
+            dtype,
         );
-        // The descriptors and the heuristic's algorithm, once per problem. A problem cuBLASLt
-        // refuses costs no synchronisation.
-        if !dev.calls.contains_key(&problem) {
-            let call = Call::new(&problem)
-                .map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
+        *QUEUED_FALLBACKS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_with(HashMap::new)
+            .entry(caller)
+            .or_default() += 1;
+        match done {
+            Ok(_) => warn_once(format!(
+                "kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"
+            )),
+            // Nothing can compute this product: stop rather than train on a wrong one.
+            Err(e) => {
+                eprintln!("error: kernels::gemm: {why}, and Burn's matmul failed too: {e:?}");
+                std::process::abort();
+            }
+        }
+    }
+
+    /// Runs the call on CubeCL's device thread, where CubeCL's own calls run at once.
+    fn run(self) -> Result<(), Refused> {
+        let state = device(self.a.device.index);
+        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+        let dev = state
+            .as_mut()
+            .map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
+        let order = match &dev.flags {
+            Some(f) if self.order.uses_flags() && f.thread != self.caller => Order::Host,
+            _ => self.order,
+        };
+        let (a, b, out) = (&self.a, &self.b, &self.out);
+
+        // SAFETY: the pointers come from live CubeCL allocations of the sizes the layouts describe
+        // (rows, cols and ld are the tensors' own shapes and strides); the GEMM is ordered after
+        // CubeCL's writes of its inputs and before CubeCL's next use of its memory (host
+        // synchronisation, or the flags and the tensors held until the GEMM is done).
+        unsafe {
+            drv::ctx::set_current(dev.ctx)
+                .map_err(|e| Refused::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
+            let res = |t: &CubeTensor<CudaRuntime>| {
+                t.client
+                    .get_resource(t.handle.clone())
+                    .map_err(|e| Refused::Unsupported(format!("CubeCL resource: {e:?}")))
+            };
+            let (ra, rb, rc) = (res(a)?, res(b)?, res(out)?);
+            let (pa, pb, pc) = (ra.resource().ptr, rb.resource().ptr, rc.resource().ptr);
+            let rs = match &self.scales {
+                Some((sa, sb)) => Some((res(sa)?, res(sb)?)),
+                None => None,
+            };
+            let mut problem = self.problem;
+            problem.align = [alignment(pa), alignment(pb), alignment(pc)];
+            debug_assert_eq!(
+                out.meta.strides()[0],
+                problem.n,
+                "a contiguous output has rows of n"
+            );
+            // The descriptors and the heuristic's algorithm, once per problem. A problem cuBLASLt
+            // refuses is refused before anything is queued.
+            if !dev.calls.contains_key(&problem) {
+                let call = Call::new(&problem)
+                    .map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
+                if let Some((sa, sb)) = &rs {
+                    // The heuristic rejects block-scaled FP8 without scale pointers (any valid
+                    // address does: they are set again for each call below).
+                    call.set_scales(sb.resource().ptr, sa.resource().ptr)
+                        .map_err(|e| {
+                            Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}"))
+                        })?;
+                }
+                let algo = match call.heuristic(dev.handle, &problem) {
+                    Ok(algo) => Some(algo),
+                    // No algorithm for this problem: remembered, so it is asked once.
+                    Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => None,
+                    Err(e) => {
+                        return Err(Refused::Unsupported(format!(
+                            "cuBLASLt heuristic for {}: {e:?}",
+                            describe(&problem)
+                        )))
+                    }
+                };
+                dev.calls.insert(problem, (call, algo));
+            }
+            let (call, algo) = &dev.calls[&problem];
+            let Some(algo) = algo else {
+                return Err(Refused::Unsupported(format!(
+                    "cuBLASLt has no algorithm for {} (alignments {:?} bytes)",
+                    describe(&problem),
+                    problem.align
+                )));
+            };
             if let Some((sa, sb)) = &rs {
-                // The heuristic rejects block-scaled FP8 without scale pointers (any valid
-                // address does: they are set again for each call below).
+                // cuBLASLt's A scales are `b`'s, its B scales `a`'s.
                 call.set_scales(sb.resource().ptr, sa.resource().ptr)
                     .map_err(|e| Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}")))?;
             }
-            let algo = match call.heuristic(dev.handle, &problem) {
-                Ok(algo) => Some(algo),
-                // No algorithm for this problem: remembered, so it is asked once.
-                Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => None,
-                Err(e) => {
-                    return Err(Refused::Unsupported(format!(
-                        "cuBLASLt heuristic for {}: {e:?}",
-                        what()
-                    )))
+            let seq = if order.uses_flags() {
+                if dev.flags.is_none() {
+                    dev.flags = Some(Flags::new(a, self.caller).map_err(Refused::Unsupported)?);
                 }
-            };
-            dev.calls.insert(problem, (call, algo));
-        }
-        let (call, algo) = &dev.calls[&problem];
-        let Some(algo) = algo else {
-            return Err(Refused::Unsupported(format!(
-                "cuBLASLt has no algorithm for {} (alignments {:?} bytes)",
-                what(),
-                problem.align
-            )));
-        };
-        if let Some((sa, sb)) = &rs {
-            // cuBLASLt's A scales are `b`'s, its B scales `a`'s.
-            call.set_scales(sb.resource().ptr, sa.resource().ptr)
-                .map_err(|e| Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}")))?;
-        }
-        if order == Order::Host {
-            // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the
-            // output's memory) has finished once its stream is synchronised.
-            cubecl::future::block_on(a.client.sync())
-                .map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
-        }
-        if let Some(seq) = seq {
-            let flags = dev.flags.as_ref().expect("created above");
-            // The GEMM's stream: spin until flag[0] == seq.
-            let (mut flag_arg, mut seq_arg) = (flags.ptr, seq);
-            let mut params = [
-                &mut flag_arg as *mut u64 as *mut c_void,
-                &mut seq_arg as *mut u32 as *mut c_void,
-            ];
-            if let Err(e) =
-                drv::launch_kernel(flags.wait, (1, 1, 1), (1, 1, 1), 0, dev.stream, &mut params)
-            {
-                // Nothing waits for CubeCL's signal; this GEMM runs on Burn's matmul.
-                return Err(Refused::Unsupported(format!(
-                    "launching the GEMM-stream wait kernel: {e:?}"
-                )));
-            }
-        }
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let done = lt::matmul(
-            dev.handle,
-            call.desc,
-            &alpha as *const f32 as *const c_void,
-            &beta as *const f32 as *const c_void,
-            pb as *const c_void,
-            call.first,
-            pa as *const c_void,
-            call.second,
-            pc as *const c_void,
-            call.out,
-            pc as *mut c_void,
-            call.out,
-            algo,
-            dev.workspace as *mut c_void,
-            WORKSPACE_BYTES,
-            dev.stream as sys::cudaStream_t,
-        )
-        .map_err(|e| Refused::Unsupported(format!("cublasLtMatmul for {}: {e:?}", what())));
-        match seq {
-            None => drv::stream::synchronize(dev.stream)
-                .map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?,
-            Some(seq) => {
-                // Completed whether or not the GEMM was queued: the GEMM's stream is already
-                // waiting for `seq`, and CubeCL's next hand-over must not overtake it.
-                let flags = dev.flags.as_ref().expect("created above");
-                // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream waits for
-                // it.
-                let (mut flag_arg, mut seq_arg) = (flags.ptr + 4, seq);
+                let flags = dev.flags.as_mut().expect("just created");
+                flags.seq = flags.seq.wrapping_add(1).max(1);
+                // CubeCL's stream: flag[0] = seq after everything queued so far (launched now:
+                // this is CubeCL's device thread).
+                flags.launch(gemm_signal::launch_unchecked::<CudaRuntime>, flags.seq);
+                // The GEMM's stream: spin until flag[0] == seq.
+                let (mut flag_arg, mut seq_arg) = (flags.ptr, flags.seq);
                 let mut params = [
                     &mut flag_arg as *mut u64 as *mut c_void,
                     &mut seq_arg as *mut u32 as *mut c_void,
                 ];
-                let written = drv::launch_kernel(
-                    flags.post,
-                    (1, 1, 1),
-                    (1, 1, 1),
-                    0,
-                    dev.stream,
-                    &mut params,
-                )
-                .map_err(|e| format!("launching the GEMM-stream flag kernel: {e:?}"));
-                if let Err(e) = written {
-                    // Without the flag CubeCL cannot wait on the GPU: wait for both streams here.
-                    let _ = drv::stream::synchronize(dev.stream);
-                    return Err(Refused::Unsupported(e));
+                if let Err(e) =
+                    drv::launch_kernel(flags.wait, (1, 1, 1), (1, 1, 1), 0, dev.stream, &mut params)
+                {
+                    // Nothing waits for CubeCL's signal: harmless.
+                    return Err(Refused::Unsupported(format!(
+                        "launching the GEMM-stream wait kernel: {e:?}"
+                    )));
                 }
-                flags.launch(gemm_wait::launch_unchecked::<CudaRuntime>, seq);
-                if hold_tensors() {
-                    let mut tensors = vec![a.clone(), b.clone(), out.clone()];
-                    if let Some((sa, sb)) = scales {
-                        tensors.extend([sa.clone(), sb.clone()]);
+                Some(flags.seq)
+            } else {
+                // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the
+                // output's memory) has finished once its stream is synchronised.
+                cubecl::future::block_on(a.client.sync())
+                    .map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
+                None
+            };
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let done = lt::matmul(
+                dev.handle,
+                call.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                pb as *const c_void,
+                call.first,
+                pa as *const c_void,
+                call.second,
+                pc as *const c_void,
+                call.out,
+                pc as *mut c_void,
+                call.out,
+                algo,
+                dev.workspace as *mut c_void,
+                WORKSPACE_BYTES,
+                dev.stream as sys::cudaStream_t,
+            )
+            .map_err(|e| {
+                Refused::Unsupported(format!("cublasLtMatmul for {}: {e:?}", describe(&problem)))
+            });
+            match seq {
+                None => drv::stream::synchronize(dev.stream)
+                    .map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?,
+                Some(seq) => {
+                    // Completed whether or not the GEMM was queued: the GEMM's stream is already
+                    // waiting for `seq`, and CubeCL's next hand-over must not overtake it.
+                    let flags = dev.flags.as_ref().expect("created above");
+                    // The GEMM's stream: flag[1] = seq once the GEMM is done; CubeCL's stream
+                    // waits for it.
+                    let (mut flag_arg, mut seq_arg) = (flags.ptr + 4, seq);
+                    let mut params = [
+                        &mut flag_arg as *mut u64 as *mut c_void,
+                        &mut seq_arg as *mut u32 as *mut c_void,
+                    ];
+                    let written = drv::launch_kernel(
+                        flags.post,
+                        (1, 1, 1),
+                        (1, 1, 1),
+                        0,
+                        dev.stream,
+                        &mut params,
+                    )
+                    .map_err(|e| format!("launching the GEMM-stream flag kernel: {e:?}"));
+                    if let Err(e) = written {
+                        // Without the flag CubeCL cannot wait on the GPU: wait for both streams
+                        // here.
+                        let _ = drv::stream::synchronize(dev.stream);
+                        return Err(Refused::Unsupported(e));
                     }
-                    dev.hold(tensors);
+                    flags.launch(gemm_wait::launch_unchecked::<CudaRuntime>, seq);
+                    if hold_tensors() {
+                        let mut tensors = vec![a.clone(), b.clone(), out.clone()];
+                        if let Some((sa, sb)) = &self.scales {
+                            tensors.extend([sa.clone(), sb.clone()]);
+                        }
+                        dev.hold(tensors);
+                    }
                 }
             }
+            done?;
+            drop((ra, rb, rc, rs));
         }
-        done?;
-        drop((ra, rb, rc, rs));
+        Ok(())
     }
-    Ok(())
 }
 
-fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::F32 => "f32",
+/// A cuBLASLt data type's short name.
+fn type_name(t: sys::cudaDataType) -> &'static str {
+    use sys::cudaDataType::*;
+    match t {
+        CUDA_R_16BF => "bf16",
+        CUDA_R_16F => "f16",
+        CUDA_R_32F => "f32",
+        CUDA_R_8F_E4M3 => "e4m3",
+        CUDA_R_8F_E5M2 => "e5m2",
         _ => "?",
+    }
+}
+
+/// A problem in one line, for messages.
+fn describe(p: &Problem) -> String {
+    let [tb, ta, tc] = p.types;
+    match p.scale_modes {
+        None => format!(
+            "{} [m, k, n] = [{}, {}, {}] (leading dimensions {}, {})",
+            type_name(tc),
+            p.m,
+            p.k,
+            p.n,
+            p.a.ld,
+            p.b.ld
+        ),
+        Some([sb, sa]) => format!(
+            "FP8 {} x {} [m, k, n] = [{}, {}, {}] (scales {sa:?} x {sb:?}, out {})",
+            type_name(ta),
+            type_name(tb),
+            p.m,
+            p.k,
+            p.n,
+            type_name(tc)
+        ),
     }
 }
 
@@ -890,7 +1100,16 @@ thread_local! {
 /// a failed launch): the one-line warnings, counted. Tests read it to tell the fast path from a
 /// fallback that computes the same numbers.
 pub(crate) fn fallbacks_on_this_thread() -> usize {
-    FALLBACKS.with(|c| c.get())
+    // Queued GEMMs that failed fell back on CubeCL's device thread; wait until every GEMM queued
+    // so far has been issued, then add those this thread asked for.
+    drain_queues();
+    let queued = QUEUED_FALLBACKS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .and_then(|m| m.get(&std::thread::current().id()).copied())
+        .unwrap_or(0);
+    FALLBACKS.with(|c| c.get()) + queued
 }
 
 /// A GEMM sent to cuBLASLt runs on another path: counted, and `msg` printed once per distinct
@@ -1113,7 +1332,7 @@ pub(crate) fn fp8_gemm(
         Shape::new([m, n]),
         out,
     );
-    let problem = |align| Problem {
+    let problem = Problem {
         types: [format(b.e5m2), format(a.e5m2), dt_out],
         compute: sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         scale_modes: Some([mode(b.layout), mode(a.layout)]),
@@ -1122,17 +1341,18 @@ pub(crate) fn fp8_gemm(
         k: k_pad,
         a: la,
         b: lb,
-        align,
+        align: [0; 3],
     };
-    let what = || {
-        format!(
-            "FP8 [m, k, n] = [{m}, {k_pad}, {n}] (scales {:?} x {:?}, out {})",
-            a.layout,
-            b.layout,
-            dtype_name(out)
-        )
-    };
-    execute(&pa, &pb, &c, Some((&a.scales, &b.scales)), problem, what)?;
+    execute(Job {
+        a: pa,
+        b: pb,
+        out: c.clone(),
+        scales: Some((a.scales.clone(), b.scales.clone())),
+        problem,
+        views: None,
+        order: fp8_order(),
+        caller: std::thread::current().id(),
+    })?;
     Ok(c)
 }
 
@@ -1145,23 +1365,24 @@ pub fn diagnose_wait(
     probe: &CubeTensor<CudaRuntime>,
     delay: std::time::Duration,
 ) -> Result<std::time::Duration, String> {
-    let state = device(probe.device.index);
-    let (flags_tensor, ptr, value) = {
-        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
-        let dev = state.as_mut().map_err(|e| e.clone())?;
-        // SAFETY: the device's context is the primary context CubeCL uses.
-        unsafe { drv::ctx::set_current(dev.ctx).map_err(|e| format!("{e:?}"))? };
-        if dev.flags.is_none() {
-            dev.flags = Some(Flags::new(probe)?);
-        }
-        let flags = dev.flags.as_mut().expect("just created");
-        flags.seq = flags.seq.wrapping_add(1).max(1);
-        (flags.tensor.clone(), flags.ptr, flags.seq)
-    };
-    let ctx = {
-        let state = state.lock().unwrap_or_else(|p| p.into_inner());
-        state.as_ref().map_err(|e| e.clone())?.ctx as usize
-    };
+    // The flags are made and advanced on CubeCL's device thread, in order with the GEMMs.
+    let like = probe.clone();
+    let caller = std::thread::current().id();
+    let (flags_tensor, ptr, value, ctx) = runner(&probe.device)
+        .submit_blocking(move |_| -> Result<_, String> {
+            let state = device(like.device.index);
+            let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+            let dev = state.as_mut().map_err(|e| e.clone())?;
+            // SAFETY: the device's context is the primary context CubeCL uses.
+            unsafe { drv::ctx::set_current(dev.ctx).map_err(|e| format!("{e:?}"))? };
+            if dev.flags.is_none() {
+                dev.flags = Some(Flags::new(&like, caller)?);
+            }
+            let flags = dev.flags.as_mut().expect("just created");
+            flags.seq = flags.seq.wrapping_add(1).max(1);
+            Ok((flags.tensor.clone(), flags.ptr, flags.seq, dev.ctx as usize))
+        })
+        .map_err(|_| "CubeCL's device thread is gone".to_string())??;
     // The releasing thread: writes flag[1] = value after `delay` (a synchronous memset).
     let release = std::thread::spawn(move || {
         std::thread::sleep(delay);
