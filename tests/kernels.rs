@@ -30,6 +30,7 @@ cases!(
     cross_entropy,
     embedding,
     adamw,
+    sum_squares,
     dropout,
     flash_attention_strided
 );

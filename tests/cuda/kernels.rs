@@ -34,6 +34,7 @@ cases!(
     cross_entropy => cuda_cross_entropy,
     embedding => cuda_embedding,
     adamw => cuda_adamw,
+    sum_squares => cuda_sum_squares,
     dropout => cuda_dropout
 );
 

@@ -572,6 +572,97 @@ where
     }
 }
 
+/// `kernels::SumSquares` against the sum of squares in f64 of the same values (already rounded to
+/// `dtype`): one tensor at a time and all together, over dense tensors of odd lengths, a
+/// transposed view, a column slice, a permuted rank-3 tensor (copied first), rows of 4000 bytes
+/// in f32 (pitched on CUDA), a strided vector, an empty tensor, and an empty sum. The kernel sums
+/// in f32 in another order than the host, so it may differ by f32 rounding of the total: at most
+/// 1e-5 of it.
+pub fn sum_squares<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
+where
+    B::InnerBackend: kernels::Backend,
+{
+    type I<B> = <B as AutodiffBackend>::InnerBackend;
+    let r = |shape: [usize; 2]| randn::<B>(shape, dev).inner().cast(dtype);
+    let host = |values: Vec<f32>| -> f64 { values.iter().map(|&v| (v as f64).powi(2)).sum() };
+    let host2 = |t: &Tensor<I<B>, 2>| {
+        host(
+            t.clone()
+                .cast(FloatDType::F32)
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap(),
+        )
+    };
+    let wide = r([10, 100]);
+    let cube = randn::<B>([15, 7], dev)
+        .inner()
+        .cast(dtype)
+        .reshape([3, 5, 7])
+        .permute([2, 0, 1]);
+    let cube_sq = host(
+        cube.clone()
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap(),
+    );
+    let vec = r([1, 4099]).reshape([4099]);
+    let vec_sq = host2(&vec.clone().reshape([1, 4099]));
+    let strided = r([64, 3]).slice([0..64, 1..2]).reshape([64]);
+    let strided_sq = host2(&strided.clone().reshape([64, 1]));
+    let matrices: Vec<(&str, Tensor<I<B>, 2>)> = vec![
+        ("[1, 1]", r([1, 1])),
+        ("[7, 13]", r([7, 13])),
+        ("[33, 65]^T", r([33, 65]).transpose()),
+        ("[10, 100][.., 3..60]", wide.slice([0..10, 3..60])),
+        ("[65, 1000]", r([65, 1000])),
+        ("[0, 5]", r([0, 5])),
+    ];
+    let check = |what: &str, got: Tensor<I<B>, 1>, want: f64| {
+        let got = got.into_data().to_vec::<f32>().unwrap();
+        assert_eq!(got.len(), 1, "{what}: one element");
+        let err = (got[0] as f64 - want).abs();
+        assert!(
+            err <= 1e-5 * want.max(1e-30),
+            "sum_squares {what} ({dtype:?}): {} against {want} (error {err:e})",
+            got[0]
+        );
+    };
+    let mut all = kernels::SumSquares::<I<B>>::new(dev);
+    let mut total = 0.0;
+    for (what, m) in matrices {
+        let want = host2(&m);
+        let mut one = kernels::SumSquares::<I<B>>::new(dev);
+        one.add(m.clone());
+        check(what, one.finish(), want);
+        all.add(m);
+        total += want;
+    }
+    for (what, t, want) in [
+        ("[4099]", vec, vec_sq),
+        ("[64, 3][.., 1]", strided, strided_sq),
+    ] {
+        let mut one = kernels::SumSquares::<I<B>>::new(dev);
+        one.add(t.clone());
+        check(what, one.finish(), want);
+        all.add(t);
+        total += want;
+    }
+    let mut one = kernels::SumSquares::<I<B>>::new(dev);
+    one.add(cube.clone());
+    check("[3, 5, 7] permuted", one.finish(), cube_sq);
+    all.add(cube);
+    total += cube_sq;
+    check("all together", all.finish(), total);
+    let empty = kernels::SumSquares::<I<B>>::new(dev).finish();
+    assert_eq!(
+        empty.into_data().to_vec::<f32>().unwrap(),
+        vec![0.0],
+        "an empty sum"
+    );
+}
+
 /// FlashAttention output and dQ, dK, dV against the naive formula, full and causal, for every
 /// `(batch, heads, seq, head_dim)` in `shapes`, plus a case with fewer queries than keys. Full
 /// attention uses a custom scale (0.3), causal the default `1 / sqrt(head_dim)`. The floor is

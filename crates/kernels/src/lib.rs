@@ -192,6 +192,50 @@ pub fn adamw_step<B: Backend, const D: usize>(
     }
 }
 
+/// The sum of squares of many tensors' elements (for example the global gradient norm of
+/// clipping: `sqrt` of it over all gradients), in f32, as a one-element device tensor. Tensors of
+/// any rank, float dtype and layout are added one by one; on `CubeBackend` each is read once by
+/// one kernel launch writing per-cube partial sums, and [`SumSquares::finish`] adds those up,
+/// instead of a square, a sum and an add per tensor. Works on non-autodiff tensors (the
+/// optimizer's side).
+///
+/// ```no_run
+/// use burn::backend::Wgpu;
+/// use burn::tensor::Tensor;
+///
+/// let dev = Default::default();
+/// let a = Tensor::<Wgpu, 2>::ones([3, 4], &dev);
+/// let b = Tensor::<Wgpu, 1>::ones([5], &dev);
+/// let mut sq = kernels::SumSquares::new(&dev);
+/// sq.add(a);
+/// sq.add(b);
+/// let norm = sq.finish().sqrt(); // [sqrt(17)]
+/// ```
+pub struct SumSquares<B: Backend> {
+    device: B::Device,
+    tensors: Vec<FloatTensor<B>>,
+}
+
+impl<B: Backend> SumSquares<B> {
+    /// An empty sum on `device`.
+    pub fn new(device: &B::Device) -> Self {
+        Self {
+            device: device.clone(),
+            tensors: Vec::new(),
+        }
+    }
+
+    /// Adds the squares of `t`'s elements.
+    pub fn add<const D: usize>(&mut self, t: Tensor<B, D>) {
+        self.tensors.push(prim(t));
+    }
+
+    /// The sum, `[1]` in f32 (0 when nothing was added).
+    pub fn finish(self) -> Tensor<B, 1> {
+        tensor(B::sum_squares(self.tensors, &self.device))
+    }
+}
+
 /// FlashAttention (see [`attention`]): `softmax(scale * q k^T + mask) v` for `q` [batch, heads,
 /// seq_q, head_dim] and `k`, `v` [batch, heads, seq_k, head_dim] of one float dtype, without
 /// materialising the scores; `causal` lets query `i` see keys `j <= i`; `scale` defaults to

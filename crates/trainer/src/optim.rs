@@ -115,17 +115,23 @@ impl<B: Backend> AdamW<B> {
         self
     }
 
-    /// Global L2 norm of all gradients, as a device tensor of shape [1].
+    /// Global L2 norm of all gradients, as a device tensor of shape [1]: one read of each
+    /// gradient ([`kernels::SumSquares`]).
     pub fn grad_norm<AB, M>(module: &M, grads: &GradientsParams) -> Tensor<B, 1>
     where
         AB: AutodiffBackend<InnerBackend = B>,
+        B: kernels::Backend,
         M: AutodiffModule<AB>,
     {
-        let mut v = NormVisitor::<AB> { grads, acc: None };
+        let mut v = NormVisitor::<AB> {
+            grads,
+            sum: None,
+            any: false,
+        };
         module.visit(&mut v);
-        match v.acc {
-            Some(sq) => sq.sqrt(),
-            None => panic!("no parameter received a gradient"),
+        match v.sum {
+            Some(sq) if v.any => sq.finish().sqrt(),
+            _ => panic!("no parameter received a gradient"),
         }
     }
 
@@ -223,12 +229,19 @@ pub fn poison_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     module.visit(&mut Poison { grads, done: false });
 }
 
-struct NormVisitor<'a, AB: AutodiffBackend> {
+struct NormVisitor<'a, AB: AutodiffBackend>
+where
+    AB::InnerBackend: kernels::Backend,
+{
     grads: &'a GradientsParams,
-    acc: Option<Tensor<AB::InnerBackend, 1>>,
+    sum: Option<kernels::SumSquares<AB::InnerBackend>>,
+    any: bool,
 }
 
-impl<AB: AutodiffBackend> ModuleVisitor<AB> for NormVisitor<'_, AB> {
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for NormVisitor<'_, AB>
+where
+    AB::InnerBackend: kernels::Backend,
+{
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
         if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
             model::dtype::debug_assert_dtype(
@@ -236,11 +249,10 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for NormVisitor<'_, AB> {
                 FloatDType::F32,
                 "gradient reaching the optimizer",
             );
-            let sq = g.powi_scalar(2).sum();
-            self.acc = Some(match self.acc.take() {
-                Some(a) => a + sq,
-                None => sq,
-            });
+            self.any = true;
+            self.sum
+                .get_or_insert_with(|| kernels::SumSquares::new(&g.device()))
+                .add(g);
         }
     }
 }

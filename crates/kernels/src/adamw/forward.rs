@@ -8,10 +8,10 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use super::kernel::{adamw_kernel, AdamWScalarsLaunch};
+use super::kernel::{adamw_kernel, sum_squares_kernel, AdamWScalarsLaunch};
 use super::AdamWStep;
 use crate::check::{check_float, fail};
-use crate::launch::{contiguous, empty, vector_width};
+use crate::launch::{contiguous, empty, num_sms, reduce_slots, use_planes, vector_width};
 
 /// `(param, m, v, copy)` after one step; see [`super::reference`].
 pub(crate) fn step<R: CubeRuntime>(
@@ -127,6 +127,90 @@ pub(crate) fn step<R: CubeRuntime>(
     (p_out, m_out, v_out, copy)
 }
 
+/// Units per cube of the sum of squares.
+const SUM_UNITS: usize = 256;
+
+/// One launch of the sum of squares: the tensor, how it is read, and its partial sums' slots.
+struct SumLaunch<R: CubeRuntime> {
+    x: CubeTensor<R>,
+    dense: bool,
+    width: usize,
+    total: usize,
+    cols: usize,
+    strides: [usize; 2],
+    slot: usize,
+    cubes: usize,
+}
+
+/// The partial sums of `x^2` of every tensor in `tensors` (one per cube, f32), or `None` when they
+/// hold no element. Dense tensors are read as vectors; matrices with other strides (CUDA's pitched
+/// rows, transposed views) and vectors with a stride in place; anything else is copied first.
+pub(crate) fn sum_squares_partials<R: CubeRuntime>(
+    tensors: Vec<CubeTensor<R>>,
+) -> Option<CubeTensor<R>> {
+    let mut launches = Vec::new();
+    let mut slots = 0;
+    for x in tensors {
+        check_float("sum_squares", "tensor", x.dtype);
+        let numel = x.shape().num_elements();
+        if numel == 0 {
+            continue;
+        }
+        let dims = x.shape().as_slice().to_vec();
+        let strides = x.meta.strides().to_vec();
+        let (x, dense, width, total, cols, strides) = if x.is_contiguous() {
+            let width = vector_width(&x, &[x.dtype], &[numel]);
+            (x, true, width, numel / width, 1, [0, 0])
+        } else if dims.len() == 2 {
+            (x, false, 1, numel, dims[1], [strides[0], strides[1]])
+        } else if dims.len() == 1 {
+            (x, false, 1, numel, numel, [0, strides[0]])
+        } else {
+            let x = contiguous(x);
+            let width = vector_width(&x, &[x.dtype], &[numel]);
+            (x, true, width, numel / width, 1, [0, 0])
+        };
+        // At least four vectors per unit, at most four cubes per SM.
+        let cubes = total.div_ceil(SUM_UNITS * 4).clamp(1, 4 * num_sms(&x));
+        launches.push(SumLaunch {
+            x,
+            dense,
+            width,
+            total,
+            cols,
+            strides,
+            slot: slots,
+            cubes,
+        });
+        slots += cubes;
+    }
+    let first = &launches.first()?.x;
+    let partials = empty(first, vec![slots], DType::F32);
+    let plane = use_planes(first, SUM_UNITS);
+    let smem = reduce_slots(SUM_UNITS, plane);
+    for l in launches {
+        let dtype = l.x.dtype;
+        sum_squares_kernel::launch::<R>(
+            &l.x.client.clone(),
+            CubeCount::Static(l.cubes as u32, 1, 1),
+            CubeDim::new_1d(SUM_UNITS as u32),
+            l.width,
+            l.x.into_tensor_arg(),
+            partials.clone().into_tensor_arg(),
+            l.total,
+            l.cols,
+            l.strides[0],
+            l.strides[1],
+            l.slot,
+            l.dense,
+            smem,
+            plane,
+            dtype.into(),
+        );
+    }
+    Some(partials)
+}
+
 impl<R, F, I, BT> super::AdamWOps for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -150,5 +234,18 @@ where
         Option<FloatTensor<Self>>,
     ) {
         step(param, grad, m, v, factor, hp, copy_dtype.map(Into::into))
+    }
+
+    fn sum_squares(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
+        use burn::tensor::{Tensor, TensorPrimitive};
+        match sum_squares_partials(tensors) {
+            Some(p) => Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(p))
+                .sum()
+                .into_primitive()
+                .tensor(),
+            None => Tensor::<Self, 1>::zeros([1], (device, DType::F32))
+                .into_primitive()
+                .tensor(),
+        }
     }
 }

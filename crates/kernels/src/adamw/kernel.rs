@@ -50,3 +50,43 @@ pub(crate) fn adamw_kernel<G: Float, C: Float, N: Size>(
         }
     }
 }
+
+/// `partials[slot + CUBE_POS]` = the sum of `x^2` (in f32) over this cube's share of `x`.
+///
+/// `dense`: `x` is read as `total` contiguous vectors. Otherwise (`N` = 1) `x` is a matrix of
+/// `cols` columns whose element `(r, c)` is at `r * row_stride + c * col_stride` (CUDA's pitched
+/// rows, transposed views): `total` is `rows * cols`. Each unit strides over the elements by the
+/// grid's size, then the cube sums its units' partial sums.
+#[cube(launch)]
+pub(crate) fn sum_squares_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    partials: &mut Tensor<f32>,
+    total: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+    slot: usize,
+    #[comptime] dense: bool,
+    #[comptime] slots: usize,
+    #[comptime] plane: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let step = CUBE_COUNT * CUBE_DIM as usize;
+    let mut acc = 0.0f32;
+    let mut i = ABSOLUTE_POS;
+    while i < total {
+        let index = if comptime!(dense) {
+            i
+        } else {
+            (i / cols) * row_stride + (i % cols) * col_stride
+        };
+        let v = Vector::<f32, N>::cast_from(x[index]);
+        acc += crate::launch::lanes_sum::<N>(v * v);
+        i += step;
+    }
+    let mut smem = SharedMemory::<f32>::new(slots);
+    let sum = crate::launch::cube_sum(acc, &mut smem, plane);
+    if UNIT_POS == 0 {
+        partials[slot + CUBE_POS] = sum;
+    }
+}

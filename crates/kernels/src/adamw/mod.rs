@@ -5,6 +5,10 @@
 //! (for example `1 / loss_scale * clip_coefficient`, so that unscaling and clipping cost no pass).
 //! One kernel reads `p`, `g`, `m`, `v` once and writes `p`, `m`, `v` and, when asked, `p` cast to
 //! the compute dtype (bf16 or f16) for the next forward.
+//!
+//! [`crate::SumSquares`] gives the global gradient norm that clipping needs: the sum of squares of
+//! many tensors (any shapes, dtypes and layouts) in one read of each, as a one-element f32 device
+//! tensor.
 
 pub(crate) mod forward;
 pub(crate) mod kernel;
@@ -73,6 +77,20 @@ pub fn reference<B: BurnBackend, const D: usize>(
     }
 }
 
+/// Plain-Burn sum of squares of every element of `tensors`, in f32, as a one-element tensor (0
+/// when they hold no element).
+pub fn sum_squares_reference<B: BurnBackend>(
+    tensors: Vec<FloatTensor<B>>,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let mut acc = Tensor::<B, 1>::zeros([1], (device, burn::tensor::DType::F32));
+    for t in tensors {
+        let (t, _) = crate::as_2d::<B>(t);
+        acc = acc + t.cast(FloatDType::F32).powi_scalar(2).sum();
+    }
+    acc
+}
+
 /// The fused AdamW step on a backend ([`crate::adamw_step`]). The default runs the reference;
 /// `CubeBackend` overrides it with the kernel. It works on the optimizer's tensors, so `Autodiff`
 /// keeps the default (the trainer calls it on the inner backend).
@@ -103,6 +121,12 @@ pub trait AdamWOps: BurnBackend {
             crate::from_2d(out.v, shape.clone()),
             out.copy.map(|c| crate::from_2d(c, shape)),
         )
+    }
+
+    /// The sum of squares of every element of `tensors` on `device` ([`crate::SumSquares`]); the
+    /// default runs [`sum_squares_reference`].
+    fn sum_squares(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
+        crate::prim(sum_squares_reference::<Self>(tensors, device))
     }
 }
 

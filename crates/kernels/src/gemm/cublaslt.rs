@@ -653,6 +653,9 @@ fn execute(mut job: Job) -> Result<(), Refused> {
             .is_some_and(|s| s.contains(&key))
     {
         runner.submit(move |_| job.run_queued());
+        // CubeCL's device thread takes its queue 32 tasks at a time; without this the GEMM would
+        // wait for later tasks to fill the batch (the caller still does not wait).
+        runner.flush_queue();
         return Ok(());
     }
     job.problem.align = key.1.align;
