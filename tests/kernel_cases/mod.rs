@@ -575,7 +575,7 @@ where
 /// `kernels::SumSquares` against the sum of squares in f64 of the same values (already rounded to
 /// `dtype`): one tensor at a time and all together, over dense tensors of odd lengths, a
 /// transposed view, a column slice, a permuted rank-3 tensor (copied first), rows of 4000 bytes
-/// in f32 (pitched on CUDA), a strided vector, an empty tensor, and an empty sum. The kernel sums
+/// in f32 (pitched on CUDA), a strided vector, and an empty sum. The kernel sums
 /// in f32 in another order than the host, so it may differ by f32 rounding of the total: at most
 /// 1e-5 of it.
 pub fn sum_squares<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
@@ -617,7 +617,6 @@ where
         ("[33, 65]^T", r([33, 65]).transpose()),
         ("[10, 100][.., 3..60]", wide.slice([0..10, 3..60])),
         ("[65, 1000]", r([65, 1000])),
-        ("[0, 5]", r([0, 5])),
     ];
     let check = |what: &str, got: Tensor<I<B>, 1>, want: f64| {
         let got = got.into_data().to_vec::<f32>().unwrap();
