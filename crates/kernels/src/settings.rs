@@ -14,6 +14,7 @@
 //! | [`Settings::fp8_gemm_order`] | `BURNMIX_GEMM_FP8_ORDER` | `stream`, `host` (default: `gemm_order`) |
 //! | [`Settings::gemm_hold`] | `BURNMIX_GEMM_HOLD` | `none` turns it off (a diagnostic) |
 //! | [`Settings::gemm_queue`] | `BURNMIX_GEMM_QUEUE` | `on` (default), `off` (a comparison) |
+//! | [`Settings::gemm_spare_sm`] | `BURNMIX_GEMM_SPARE_SM` | `on` (default), `off` (a comparison) |
 //! | [`Settings::fp8_gemm`] | `BURNMIX_FP8_GEMM` | `auto` (default), `cublaslt`, `mma`, `dequantize` |
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
@@ -31,6 +32,8 @@ pub const FP8_GEMM_ORDER_ENV: &str = "BURNMIX_GEMM_FP8_ORDER";
 pub const GEMM_HOLD_ENV: &str = "BURNMIX_GEMM_HOLD";
 /// `BURNMIX_GEMM_QUEUE`: [`Settings::gemm_queue`].
 pub const GEMM_QUEUE_ENV: &str = "BURNMIX_GEMM_QUEUE";
+/// `BURNMIX_GEMM_SPARE_SM`: [`Settings::gemm_spare_sm`].
+pub const GEMM_SPARE_SM_ENV: &str = "BURNMIX_GEMM_SPARE_SM";
 /// `BURNMIX_FP8_GEMM`: [`Settings::fp8_gemm`].
 pub const FP8_GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
 /// `BURNMIX_FP8_MMA_SHAPE`: [`Settings::fp8_mma_shape`].
@@ -122,6 +125,11 @@ pub struct Settings {
     /// CubeCL's device thread without waiting for it (default). Off (`BURNMIX_GEMM_QUEUE=off`):
     /// each GEMM waits until that thread has issued it, a comparison.
     pub gemm_queue: bool,
+    /// In the GPU order, tell cuBLASLt to plan each GEMM for one SM fewer than the GPU has
+    /// (`CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`), since CubeCL's waiting kernel occupies part of
+    /// one SM while the GEMM runs (default). Off (`BURNMIX_GEMM_SPARE_SM=off`): every SM, for
+    /// comparison.
+    pub gemm_spare_sm: bool,
     /// Test hook: a queued GEMM acts as if cuBLASLt refused it, so that its fallback (Burn's
     /// matmul on CubeCL's device thread) runs.
     #[doc(hidden)]
@@ -144,6 +152,7 @@ impl Default for Settings {
             fp8_gemm_order: None,
             gemm_hold: true,
             gemm_queue: true,
+            gemm_spare_sm: true,
             gemm_refuse_queued: false,
             fp8_gemm: Fp8GemmChoice::Auto,
             fp8_mma_shape: None,
@@ -188,6 +197,11 @@ impl Settings {
             None | Some("") | Some("on") => {}
             Some("off") => s.gemm_queue = false,
             Some(v) => return Err(format!("{GEMM_QUEUE_ENV}: `{v}` is not `on` or `off`")),
+        }
+        match var(GEMM_SPARE_SM_ENV).as_deref().map(str::trim) {
+            None | Some("") | Some("on") => {}
+            Some("off") => s.gemm_spare_sm = false,
+            Some(v) => return Err(format!("{GEMM_SPARE_SM_ENV}: `{v}` is not `on` or `off`")),
         }
         if let Some(c) = parse(&var, FP8_GEMM_ENV)? {
             s.fp8_gemm = c;
@@ -295,6 +309,7 @@ mod tests {
             (FP8_GEMM_ORDER_ENV, "stream"),
             (GEMM_HOLD_ENV, "none"),
             (GEMM_QUEUE_ENV, "off"),
+            (GEMM_SPARE_SM_ENV, "off"),
             (FP8_GEMM_ENV, "cublaslt"),
             (FP8_MMA_SHAPE_ENV, "4,2,2,8"),
             (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
@@ -305,6 +320,7 @@ mod tests {
         assert_eq!(s.fp8_order(), GemmOrder::Stream);
         assert!(!s.gemm_hold);
         assert!(!s.gemm_queue);
+        assert!(!s.gemm_spare_sm);
         assert_eq!(s.fp8_gemm, Fp8GemmChoice::Path(Fp8GemmPath::CublasLt));
         assert_eq!(s.fp8_mma_shape, Some(MmaShape::parse("4,2,2,8").unwrap()));
         assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
@@ -321,6 +337,7 @@ mod tests {
             (FP8_GEMM_ORDER_ENV, "x", "stream, host"),
             (GEMM_HOLD_ENV, "off", "`none`"),
             (GEMM_QUEUE_ENV, "no", "`on` or `off`"),
+            (GEMM_SPARE_SM_ENV, "1", "`on` or `off`"),
             (FP8_GEMM_ENV, "fast", "auto, cublaslt, mma, dequantize"),
             (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
             (FLASH_TILES_ENV, "fwd=3x64", "row tiles must be 1, 2 or 4"),

@@ -281,6 +281,8 @@ struct Device {
     ctx: dsys::CUcontext,
     /// Compute capability, major.
     major: i32,
+    /// Streaming multiprocessors.
+    sms: i32,
     handle: sys::cublasLtHandle_t,
     stream: dsys::CUstream,
     workspace: dsys::CUdeviceptr,
@@ -411,6 +413,11 @@ impl Device {
                 dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
             )
             .map_err(|e| format!("cuDeviceGetAttribute: {e:?}"))?;
+            let sms = drv::device::get_attribute(
+                dev,
+                dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| format!("cuDeviceGetAttribute: {e:?}"))?;
             let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
             let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking)
                 .map_err(|e| format!("cuStreamCreate: {e:?}"))?;
@@ -419,6 +426,7 @@ impl Device {
             Ok(Self {
                 ctx,
                 major,
+                sms,
                 handle,
                 stream,
                 workspace,
@@ -770,7 +778,12 @@ impl Job {
             // The descriptors and the heuristic's algorithm, once per problem. A problem cuBLASLt
             // refuses is refused before anything is queued.
             if !dev.calls.contains_key(&problem) {
-                let call = Call::new(&problem)
+                // In the GPU order CubeCL's one-thread waiting kernel stays resident on one SM
+                // while the GEMM runs; cuBLASLt is told to plan for the others.
+                let sm_target = (order.uses_flags() && crate::settings::read(|s| s.gemm_spare_sm))
+                    .then_some(dev.sms - 1)
+                    .filter(|&n| n > 0);
+                let call = Call::new(&problem, sm_target)
                     .map_err(|e| Refused::Unsupported(format!("cuBLASLt descriptors: {e:?}")))?;
                 if let Some((sa, sb)) = &rs {
                     // The heuristic rejects block-scaled FP8 without scale pointers (any valid
@@ -953,10 +966,13 @@ struct Call {
 }
 
 impl Call {
+    /// `sm_target`: the number of SMs cuBLASLt plans the GEMM for (`SM_COUNT_TARGET`), when
+    /// others are busy.
+    ///
     /// # Safety
     /// Plain descriptor creation; the caller destroys `Call` before the handle. With
     /// `p.scale_modes`, the scale pointers are set per call ([`Call::set_scales`]).
-    unsafe fn new(p: &Problem) -> Result<Self, lt::CublasError> {
+    unsafe fn new(p: &Problem, sm_target: Option<i32>) -> Result<Self, lt::CublasError> {
         use sys::cublasLtMatmulDescAttributes_t::*;
         let desc = lt::create_matmul_desc(p.compute, sys::cudaDataType::CUDA_R_32F)?;
         let mut call = Self {
@@ -980,6 +996,13 @@ impl Call {
             &op_b as *const i32 as *const c_void,
             4,
         )?;
+        if let Some(sms) = sm_target {
+            set(
+                CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
+                &sms as *const i32 as *const c_void,
+                4,
+            )?;
+        }
         if let Some([mode_a, mode_b]) = p.scale_modes {
             // Per-tensor scales are the default mode (and older cuBLASLt has no mode attribute).
             let scalar = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
