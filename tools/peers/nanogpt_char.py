@@ -7,6 +7,10 @@ gradient clipping at 1.0, as nanoGPT's train.py. Random character ids: the figur
 
     python3 tools/peers/nanogpt_char.py [--steps 300] [--warmup 50] [--no-compile]
 
+`--preset gpt2_small` trains the peer of `configs/gpt2_small.toml` instead: 12 layers, 12 heads,
+width 768, context 1024, batch 16, vocabulary 50304, no dropout, lr 6e-4 with betas 0.9 / 0.95
+(nanoGPT's GPT-2 124M; learned positions and LayerNorm where ours has RoPE and RMSNorm).
+
 Prints the median tokens/s over the steps after --warmup (each step timed with CUDA events).
 """
 import argparse
@@ -62,23 +66,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--preset", choices=["shakespeare_char", "gpt2_small"], default="shakespeare_char")
     ap.add_argument("--no-compile", action="store_true")
     a = ap.parse_args()
+    if a.preset == "gpt2_small":
+        shape = dict(vocab=50304, n_layer=12, n_head=12, d=768, t=1024, p=0.0)
+        batch, lr, betas = a.batch or 16, 6e-4, (0.9, 0.95)
+    else:
+        shape = dict(vocab=65, n_layer=6, n_head=6, d=384, t=256, p=0.2)
+        batch, lr, betas = a.batch or 64, 1e-3, (0.9, 0.99)
+    vocab, ctx = shape["vocab"], shape["t"]
     torch.manual_seed(1337)
     torch.backends.cuda.matmul.allow_tf32 = True
-    model = GPT().cuda()
+    model = GPT(**shape).cuda()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": other, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.99), fused=True)
+                            lr=lr, betas=betas, fused=True)
     step_fn = model if a.no_compile else torch.compile(model)
     t0 = time.time()
     times = []
     for step in range(a.steps):
-        x = torch.randint(0, 65, (a.batch, 256), device="cuda")
-        y = torch.randint(0, 65, (a.batch, 256), device="cuda")
+        x = torch.randint(0, vocab, (batch, ctx), device="cuda")
+        y = torch.randint(0, vocab, (batch, ctx), device="cuda")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -95,7 +107,7 @@ def main():
             times.append(start.elapsed_time(end) / 1e3)
     med = statistics.median(times)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"median step {med * 1e3:.2f} ms, {a.batch * 256 / med:.0f} tokens/s "
+    print(f"{a.preset}: median step {med * 1e3:.2f} ms, {batch * ctx / med:.0f} tokens/s "
           f"(steps {a.warmup + 1}-{a.steps}), final loss {loss.item():.4f}")
 
 
