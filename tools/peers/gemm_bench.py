@@ -9,9 +9,10 @@ table to set beside gemm_bench's "engine TFLOP/s" column:
     python3 tools/peers/gemm_bench.py --dtypes bf16,f16
 """
 import argparse
-import statistics
 
 import torch
+
+from sdpa_bench import timed
 
 SHAPES = [
     (8192, 8192, 8192),
@@ -23,22 +24,6 @@ SHAPES = [
     (16384, 768, 50304),
     (768, 16384, 2304),
 ]
-
-
-def timed(fn, iters, reps):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters / 1e3)
-    return statistics.median(times)
 
 
 def main():
