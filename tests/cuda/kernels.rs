@@ -378,12 +378,8 @@ fn cuda_gemm_uses_cublaslt() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_gemm_stream_order_chain() {
-    use burn::tensor::{Distribution, Tensor};
     stream_ordered_gemms();
     let dev = CudaDevice::default();
-    let ints = |shape: [usize; 2], lo: f64, hi: f64| {
-        Tensor::<Cuda, 2>::random(shape, Distribution::Uniform(lo, hi), &dev).floor()
-    };
     // x in {0, 1, 2, 3}, w in {-1, 0, 1}: |x w| <= 3 k, exact in f16 for k = 512 (< 2^11) and in
     // f32 for k = 4096; the long GEMMs (4096^3 in f32, milliseconds each) leave CubeCL's kernels
     // plenty of time to run early if the hand-over let them.
@@ -393,17 +389,11 @@ fn cuda_gemm_stream_order_chain() {
         (4096, 4096, 12, FloatDType::F32),
     ];
     for (m, k, steps, dtype) in cases {
-        let x0 = ints([m, k], 0.0, 4.0);
-        let w = ints([k, k], -1.0, 2.0);
-        let chain = |engine: kernels::Gemm| {
-            let (mut x, w) = (x0.clone().cast(dtype), w.clone().cast(dtype));
-            for i in 0..steps {
-                let y = kernels::gemm::gemm(x, w.clone(), false, false, engine);
-                x = y.add_scalar(i as f64).abs().remainder_scalar(4.0);
-            }
-            x.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
-        };
-        let (ours, burn) = (chain(kernels::Gemm::CublasLt), chain(kernels::Gemm::Burn));
+        let chain = IntChain::new(&dev, m, k, steps, dtype);
+        let (ours, burn) = (
+            chain.run(kernels::Gemm::CublasLt),
+            chain.run(kernels::Gemm::Burn),
+        );
         let wrong = ours.iter().zip(&burn).filter(|(a, b)| a != b).count();
         assert_eq!(
             wrong, 0,
@@ -426,12 +416,8 @@ fn cuda_gemm_stream_order_chain() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_gemm_queued_fallback() {
-    use burn::tensor::{Distribution, Tensor};
     stream_ordered_gemms();
     let dev = CudaDevice::default();
-    let ints = |shape: [usize; 2], lo: f64, hi: f64| {
-        Tensor::<Cuda, 2>::random(shape, Distribution::Uniform(lo, hi), &dev).floor()
-    };
     let mut expected = 0;
     // |x w| <= 3 k: exact in f16 for k = 256 and in bf16 for k = 64.
     let cases = [
@@ -439,19 +425,10 @@ fn cuda_gemm_queued_fallback() {
         (384, 64, 30, FloatDType::BF16),
     ];
     for (m, k, steps, dtype) in cases {
-        let x0 = ints([m, k], 0.0, 4.0);
-        let w = ints([k, k], -1.0, 2.0);
-        let chain = |engine: kernels::Gemm| {
-            let (mut x, w) = (x0.clone().cast(dtype), w.clone().cast(dtype));
-            for i in 0..steps {
-                let y = kernels::gemm::gemm(x, w.clone(), false, false, engine);
-                x = y.add_scalar(i as f64).abs().remainder_scalar(4.0);
-            }
-            x.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
-        };
-        let burn = chain(kernels::Gemm::Burn);
+        let chain = IntChain::new(&dev, m, k, steps, dtype);
+        let burn = chain.run(kernels::Gemm::Burn);
         kernels::settings::update(|s| s.gemm_refuse_queued = true);
-        let ours = chain(kernels::Gemm::CublasLt);
+        let ours = chain.run(kernels::Gemm::CublasLt);
         kernels::settings::update(|s| s.gemm_refuse_queued = false);
         let wrong = ours.iter().zip(&burn).filter(|(a, b)| a != b).count();
         assert_eq!(wrong, 0, "[{m}, {k}] {dtype:?}: {wrong} values differ");
@@ -462,6 +439,44 @@ fn cuda_gemm_queued_fallback() {
             expected,
             "{dtype:?}: every queued GEMM should have fallen back once"
         );
+    }
+}
+
+/// A chain of `steps` GEMMs `x <- |x w + i| mod 4` on small integers (`x` [m, k] in {0..3}, `w`
+/// [k, k] in {-1, 0, 1}), each output read at once by CubeCL's element-wise kernels: exact in
+/// every dtype while `3 k` is, so two engines must agree bit for bit.
+struct IntChain {
+    x0: burn::tensor::Tensor<Cuda, 2>,
+    w: burn::tensor::Tensor<Cuda, 2>,
+    steps: usize,
+    dtype: FloatDType,
+}
+
+impl IntChain {
+    fn new(dev: &CudaDevice, m: usize, k: usize, steps: usize, dtype: FloatDType) -> Self {
+        use burn::tensor::{Distribution, Tensor};
+        let ints = |shape: [usize; 2], lo: f64, hi: f64| {
+            Tensor::<Cuda, 2>::random(shape, Distribution::Uniform(lo, hi), dev).floor()
+        };
+        Self {
+            x0: ints([m, k], 0.0, 4.0),
+            w: ints([k, k], -1.0, 2.0),
+            steps,
+            dtype,
+        }
+    }
+
+    /// The chain's final `x` as f32 values, with every GEMM on `engine`.
+    fn run(&self, engine: kernels::Gemm) -> Vec<f32> {
+        let (mut x, w) = (
+            self.x0.clone().cast(self.dtype),
+            self.w.clone().cast(self.dtype),
+        );
+        for i in 0..self.steps {
+            let y = kernels::gemm::gemm(x, w.clone(), false, false, engine);
+            x = y.add_scalar(i as f64).abs().remainder_scalar(4.0);
+        }
+        x.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
     }
 }
 

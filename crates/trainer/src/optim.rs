@@ -123,15 +123,11 @@ impl<B: Backend> AdamW<B> {
         B: kernels::Backend,
         M: AutodiffModule<AB>,
     {
-        let mut v = NormVisitor::<AB> {
-            grads,
-            sum: None,
-            any: false,
-        };
+        let mut v = NormVisitor::<AB> { grads, sum: None };
         module.visit(&mut v);
         match v.sum {
-            Some(sq) if v.any => sq.finish().sqrt(),
-            _ => panic!("no parameter received a gradient"),
+            Some(sq) => sq.finish().sqrt(),
+            None => panic!("no parameter received a gradient"),
         }
     }
 
@@ -234,8 +230,8 @@ where
     AB::InnerBackend: kernels::Backend,
 {
     grads: &'a GradientsParams,
+    /// Created at the first gradient.
     sum: Option<kernels::SumSquares<AB::InnerBackend>>,
-    any: bool,
 }
 
 impl<AB: AutodiffBackend> ModuleVisitor<AB> for NormVisitor<'_, AB>
@@ -249,7 +245,6 @@ where
                 FloatDType::F32,
                 "gradient reaching the optimizer",
             );
-            self.any = true;
             self.sum
                 .get_or_insert_with(|| kernels::SumSquares::new(&g.device()))
                 .add(g);

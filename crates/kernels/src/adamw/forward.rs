@@ -157,18 +157,20 @@ pub(crate) fn sum_squares_partials<R: CubeRuntime>(
             continue;
         }
         let dims = x.shape().as_slice().to_vec();
-        let strides = x.meta.strides().to_vec();
-        let (x, dense, width, total, cols, strides) = if x.is_contiguous() {
-            let width = vector_width(&x, &[x.dtype], &[numel]);
-            (x, true, width, numel / width, 1, [0, 0])
-        } else if dims.len() == 2 {
-            (x, false, 1, numel, dims[1], [strides[0], strides[1]])
-        } else if dims.len() == 1 {
-            (x, false, 1, numel, numel, [0, strides[0]])
+        // Only matrices and vectors are read with their strides; other layouts are copied first.
+        let x = if x.is_contiguous() || dims.len() <= 2 {
+            x
         } else {
-            let x = contiguous(x);
+            contiguous(x)
+        };
+        let strides = x.meta.strides().to_vec();
+        let (dense, width, total, cols, strides) = if x.is_contiguous() {
             let width = vector_width(&x, &[x.dtype], &[numel]);
-            (x, true, width, numel / width, 1, [0, 0])
+            (true, width, numel / width, 1, [0, 0])
+        } else if dims.len() == 2 {
+            (false, 1, numel, dims[1], [strides[0], strides[1]])
+        } else {
+            (false, 1, numel, numel, [0, strides[0]])
         };
         // At least four vectors per unit, at most four cubes per SM.
         let cubes = total.div_ceil(SUM_UNITS * 4).clamp(1, 4 * num_sms(&x));

@@ -640,7 +640,7 @@ fn offset_alignment(t: &CubeTensor<CudaRuntime>) -> u32 {
 /// imply and no algorithm for that), the device thread computes it with Burn's matmul into the
 /// same output, with the warning, before any later CubeCL work. Every other call (a new problem,
 /// FP8, the host order) waits for the device thread's answer, so the caller can fall back.
-fn execute(mut job: Job) -> Result<(), Refused> {
+fn execute(job: Job) -> Result<(), Refused> {
     let runner = runner(&job.a.device);
     let queue =
         job.views.is_some() && job.order.uses_flags() && crate::settings::read(|s| s.gemm_queue);
@@ -666,7 +666,6 @@ fn execute(mut job: Job) -> Result<(), Refused> {
         runner.flush_queue();
         return Ok(());
     }
-    job.problem.align = key.1.align;
     let result = runner
         .submit_blocking(move |_| job.run())
         .map_err(|_| Refused::Unsupported("CubeCL's device thread is gone".into()))?;
