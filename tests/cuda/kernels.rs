@@ -359,7 +359,7 @@ fn cuda_gemm_uses_cublaslt() {
         for engine in [kernels::Gemm::CublasLt, kernels::Gemm::Auto] {
             assert_eq!(
                 kernels::gemm::gemm_path(&a, engine),
-                kernels::GemmPath::CublasLtStreamOrdered,
+                kernels::GemmPath::CublasLtSameStream,
                 "{dtype:?} {engine:?}"
             );
         }
@@ -378,7 +378,7 @@ fn cuda_gemm_uses_cublaslt() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_gemm_stream_order_chain() {
-    stream_ordered_gemms();
+    gemms_in_order(kernels::settings::GemmOrder::Stream);
     let dev = CudaDevice::default();
     // x in {0, 1, 2, 3}, w in {-1, 0, 1}: |x w| <= 3 k, exact in f16 for k = 512 (< 2^11) and in
     // f32 for k = 4096; the long GEMMs (4096^3 in f32, milliseconds each) leave CubeCL's kernels
@@ -408,6 +408,54 @@ fn cuda_gemm_stream_order_chain() {
     no_fallbacks("the chained GEMMs");
 }
 
+/// The GEMMs on CubeCL's own stream (`BURNMIX_GEMM_ORDER=same`, the default): the chains of
+/// [`cuda_gemm_stream_order_chain`] against Burn's matmul, bit for bit, on this thread and on a
+/// second host thread (another CubeCL stream) that reads inputs this thread wrote. The stream
+/// must have been found (no fall-back to the flags).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_same_stream_chain() {
+    gemms_in_order(kernels::settings::GemmOrder::Same);
+    let dev = CudaDevice::default();
+    let cases = [
+        (1024, 512, 120, FloatDType::F32),
+        // |x w| + i <= 3 k + steps: exact in bf16 (< 2^8) for k = 64 and 30 steps.
+        (1024, 64, 30, FloatDType::BF16),
+        (4096, 4096, 12, FloatDType::F32),
+    ];
+    for (m, k, steps, dtype) in cases {
+        let chain = IntChain::new(&dev, m, k, steps, dtype);
+        let burn = chain.run(kernels::Gemm::Burn);
+        let here = chain.run(kernels::Gemm::CublasLt);
+        let (there, fallbacks) = std::thread::scope(|s| {
+            s.spawn(|| {
+                let values = chain.run(kernels::Gemm::CublasLt);
+                (values, kernels::gemm::cublaslt_fallbacks_on_this_thread())
+            })
+            .join()
+        })
+        .expect("the second thread's chain runs");
+        assert_eq!(fallbacks, 0, "the second thread's GEMMs left cuBLASLt");
+        for (who, ours) in [("this thread", &here), ("a second thread", &there)] {
+            let wrong = ours.iter().zip(&burn).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                wrong, 0,
+                "[{m}, {k}] {dtype:?} on {who}: {wrong} of {} values differ between the cuBLASLt and Burn chains",
+                ours.len()
+            );
+        }
+        assert!(burn.iter().any(|&v| v != 0.0), "{dtype:?}: all zeros");
+    }
+    let a =
+        burn::tensor::Tensor::<B, 2>::zeros([4, 8], &CudaDevice::default()).cast(FloatDType::BF16);
+    assert_eq!(
+        kernels::gemm::gemm_path(&a, kernels::Gemm::CublasLt),
+        kernels::GemmPath::CublasLtSameStream,
+        "CubeCL's stream was not found: the GEMMs fell back to the flags"
+    );
+    no_fallbacks("the chained GEMMs");
+}
+
 /// A queued GEMM (a problem that has run on cuBLASLt before, sent to CubeCL's device thread
 /// without the caller waiting) that fails there is computed by Burn's matmul on that thread,
 /// into the output the caller already holds, before CubeCL's later work, and counted as a
@@ -416,7 +464,7 @@ fn cuda_gemm_stream_order_chain() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_gemm_queued_fallback() {
-    stream_ordered_gemms();
+    gemms_in_order(kernels::settings::GemmOrder::Same);
     let dev = CudaDevice::default();
     let mut expected = 0;
     // |x w| <= 3 k: exact in f16 for k = 256 and in bf16 for k = 64.
@@ -539,13 +587,19 @@ fn cuda_gemm_lm_head_shape() {
 /// Sets the GPU order of the GEMMs for this process and checks that it took effect (the order is
 /// fixed at a process's first GEMM: run these tests in their own process, as `tools/cuda-suite`
 /// does).
-pub fn stream_ordered_gemms() {
-    kernels::settings::update(|s| s.gemm_order = kernels::settings::GemmOrder::Stream);
+pub fn gemms_in_order(order: kernels::settings::GemmOrder) {
+    use kernels::settings::GemmOrder;
+    kernels::settings::update(|s| s.gemm_order = order);
     let a =
         burn::tensor::Tensor::<B, 2>::zeros([4, 8], &CudaDevice::default()).cast(FloatDType::BF16);
+    let expected = match order {
+        GemmOrder::Same => kernels::GemmPath::CublasLtSameStream,
+        GemmOrder::Stream => kernels::GemmPath::CublasLtStreamOrdered,
+        GemmOrder::Host => kernels::GemmPath::CublasLtHostSync,
+    };
     assert_eq!(
         kernels::gemm::gemm_path(&a, kernels::Gemm::CublasLt),
-        kernels::GemmPath::CublasLtStreamOrdered,
+        expected,
         "the GEMM order was fixed before this test set it; run the test in its own process"
     );
 }

@@ -10,8 +10,8 @@
 //!
 //! | setting | variable | values |
 //! |---|---|---|
-//! | [`Settings::gemm_order`] | `BURNMIX_GEMM_ORDER` | `stream` (default), `host` |
-//! | [`Settings::fp8_gemm_order`] | `BURNMIX_GEMM_FP8_ORDER` | `stream`, `host` (default: `gemm_order`) |
+//! | [`Settings::gemm_order`] | `BURNMIX_GEMM_ORDER` | `same` (default), `stream`, `host` |
+//! | [`Settings::fp8_gemm_order`] | `BURNMIX_GEMM_FP8_ORDER` | `same`, `stream`, `host` (default: `gemm_order`) |
 //! | [`Settings::gemm_hold`] | `BURNMIX_GEMM_HOLD` | `none` turns it off (a diagnostic) |
 //! | [`Settings::gemm_queue`] | `BURNMIX_GEMM_QUEUE` | `on` (default), `off` (a comparison) |
 //! | [`Settings::gemm_spare_sm`] | `BURNMIX_GEMM_SPARE_SM` | `on` (default), `off` (a comparison) |
@@ -46,7 +46,11 @@ pub const EMBEDDING_GRAD_ENV: &str = "BURNMIX_EMBEDDING_GRAD";
 /// How a cuBLASLt GEMM is ordered with CubeCL's work on the same device (see `gemm/cublaslt.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmOrder {
-    /// On the GPU: flags written and waited for by the streams, no host wait (the default).
+    /// On CubeCL's own stream, behind CubeCL's earlier work and before its later work (the
+    /// default). Where CubeCL's stream cannot be found, `Stream`, with a warning.
+    Same,
+    /// On the GPU, on a stream of its own: flags written and waited for by the streams, no host
+    /// wait.
     Stream,
     /// The host waits for CubeCL's stream before the GEMM and for the GEMM's stream after it.
     Host,
@@ -56,9 +60,10 @@ impl std::str::FromStr for GemmOrder {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
+            "same" => Ok(GemmOrder::Same),
             "stream" => Ok(GemmOrder::Stream),
             "host" => Ok(GemmOrder::Host),
-            _ => Err(format!("`{s}` is not one of stream, host")),
+            _ => Err(format!("`{s}` is not one of same, stream, host")),
         }
     }
 }
@@ -118,14 +123,14 @@ pub struct Settings {
     pub gemm_order: GemmOrder,
     /// Ordering of the FP8 cuBLASLt GEMMs; `None`: `gemm_order`. Fixed at the first FP8 GEMM.
     pub fp8_gemm_order: Option<GemmOrder>,
-    /// In the GPU order, hold each GEMM's tensors until the GEMM has run (default). Off only to
+    /// In the `stream` order, hold each GEMM's tensors until the GEMM has run (default). Off only to
     /// show the race that holding prevents (their memory can be handed out while the GEMM runs).
     pub gemm_hold: bool,
-    /// In the GPU order, queue a bf16/f16/f32 GEMM whose problem has run on cuBLASLt before on
+    /// In a GPU order (`same`, `stream`), queue a bf16/f16/f32 GEMM whose problem has run on cuBLASLt before on
     /// CubeCL's device thread without waiting for it (default). Off (`BURNMIX_GEMM_QUEUE=off`):
     /// each GEMM waits until that thread has issued it, a comparison.
     pub gemm_queue: bool,
-    /// In the GPU order, tell cuBLASLt to plan each GEMM for one SM fewer than the GPU has
+    /// In the `stream` order, tell cuBLASLt to plan each GEMM for one SM fewer than the GPU has
     /// (`CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`), since CubeCL's waiting kernel occupies part of
     /// one SM while the GEMM runs (default). Off (`BURNMIX_GEMM_SPARE_SM=off`): every SM, for
     /// comparison.
@@ -148,7 +153,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            gemm_order: GemmOrder::Stream,
+            gemm_order: GemmOrder::Same,
             fp8_gemm_order: None,
             gemm_hold: true,
             gemm_queue: true,
@@ -333,8 +338,8 @@ mod tests {
     #[test]
     fn a_bad_value_names_its_variable_and_the_valid_ones() {
         for (name, value, expected) in [
-            (GEMM_ORDER_ENV, "gpu", "stream, host"),
-            (FP8_GEMM_ORDER_ENV, "x", "stream, host"),
+            (GEMM_ORDER_ENV, "gpu", "same, stream, host"),
+            (FP8_GEMM_ORDER_ENV, "x", "same, stream, host"),
             (GEMM_HOLD_ENV, "off", "`none`"),
             (GEMM_QUEUE_ENV, "no", "`on` or `off`"),
             (GEMM_SPARE_SM_ENV, "1", "`on` or `off`"),

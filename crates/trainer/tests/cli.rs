@@ -336,7 +336,7 @@ fn compare_trains_each_entry_once_and_reports() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("BURNMIX_GEMM_ORDER: `gpu` is not one of stream, host"),
+        stderr.contains("BURNMIX_GEMM_ORDER: `gpu` is not one of same, stream, host"),
         "{stderr}"
     );
     assert!(!dir

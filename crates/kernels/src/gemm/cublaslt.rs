@@ -16,8 +16,19 @@
 //! running ahead of the GPU as it does for CubeCL's kernels); a new problem, an FP8 call or the
 //! host order waits for the answer, so that a refusal falls back on the caller's side.
 //!
-//! Ordering with CubeCL's stream, which CubeCL 0.10 does not expose ([`Order`]):
-//! - `Stream` (the default; `BURNMIX_GEMM_ORDER=stream`): no host waits. A one-thread CubeCL
+//! Ordering with CubeCL's work ([`Order`]):
+//! - `Same` (the default; `BURNMIX_GEMM_ORDER=same`): the GEMM is issued on CubeCL's own CUDA
+//!   stream, the one CubeCL uses for the calling host thread, so it runs after CubeCL's earlier
+//!   work and before its later work with nothing else on the GPU. CubeCL 0.10 has no accessor for
+//!   that `CUstream`; its CUDA server's `Debug` description prints it (`sys: 0x...` in the slot of
+//!   its stream pool that the thread's stream id maps to), so it is read from there once per
+//!   stream ([`stream_slots`]) and checked with `cuStreamGetCtx` (it must be a live stream of the
+//!   device's context). The buffers' addresses are taken through CubeCL on that stream, which
+//!   makes CubeCL order any buffer last written on another of its streams first. CubeCL's memory
+//!   pools are stream-ordered, so a buffer freed after the call is reused only behind the GEMM:
+//!   nothing needs holding. Each such stream gets its own 32 MiB workspace. Where the stream
+//!   cannot be found (another CubeCL version), the GEMMs take the `Stream` order, with a warning.
+//! - `Stream` (`BURNMIX_GEMM_ORDER=stream`): no host waits. A one-thread CubeCL
 //!   kernel stores a sequence number `v` into a flag word after CubeCL's earlier work; a
 //!   one-thread kernel on the GEMM's stream (`burnmix_gemm_wait` in [`WAIT_PTX`]) spins until it
 //!   reads `v`, the GEMM runs, a one-thread kernel behind it (`burnmix_gemm_post`) fences and
@@ -59,6 +70,23 @@ impl Order {
     /// Whether the flags order the GEMM on the GPU.
     fn uses_flags(self) -> bool {
         self == Order::Stream
+    }
+    /// Whether the host never waits for the GEMM (`Same`, `Stream`).
+    fn on_gpu(self) -> bool {
+        self != Order::Host
+    }
+}
+
+/// Set once CubeCL's stream could not be found for a GEMM in the `Same` order: the GEMMs take the
+/// `Stream` order instead.
+static SAME_UNAVAILABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The order the bf16/f16/f32 GEMMs take: [`order`], or `Stream` where `Same` could not find
+/// CubeCL's stream.
+pub(crate) fn effective_order() -> Order {
+    match order() {
+        Order::Same if SAME_UNAVAILABLE.load(std::sync::atomic::Ordering::Relaxed) => Order::Stream,
+        o => o,
     }
 }
 
@@ -291,7 +319,10 @@ struct Device {
     /// `Order::Stream`: u32 flags in a CubeCL buffer ([0]: CubeCL to the GEMM, [1]: back), their
     /// device address, and the last sequence number.
     flags: Option<Flags>,
-    /// GEMMs in a GPU order that may still run, oldest first.
+    /// `Order::Same`: per CubeCL stream id, CubeCL's `CUstream` and a workspace for it, or why
+    /// the stream could not be found.
+    same: HashMap<u64, Result<(dsys::CUstream, dsys::CUdeviceptr), String>>,
+    /// GEMMs in the `Stream` order that may still run, oldest first.
     in_flight: std::collections::VecDeque<InFlight>,
     /// Completed events, for reuse.
     spare_events: Vec<dsys::CUevent>,
@@ -432,10 +463,42 @@ impl Device {
                 workspace,
                 calls: HashMap::new(),
                 flags: None,
+                same: HashMap::new(),
                 in_flight: Default::default(),
                 spare_events: Vec::new(),
             })
         }
+    }
+
+    /// `Order::Same`: CubeCL's `CUstream` for the current stream id (on CubeCL's device thread,
+    /// the id of the host thread that queued the task) and a workspace for GEMMs on it, or why
+    /// not. Looked up once per stream id. The device's context must be current.
+    unsafe fn same_stream(
+        &mut self,
+        like: &CubeTensor<CudaRuntime>,
+    ) -> Result<(dsys::CUstream, dsys::CUdeviceptr), String> {
+        let id = cubecl_common::stream_id::StreamId::current().value;
+        if let Some(found) = self.same.get(&id) {
+            return found.clone();
+        }
+        let found = find_cubecl_stream(like, id, self.ctx).and_then(|stream| {
+            // One workspace per CUDA stream: two ids of one slot share it (their GEMMs are in
+            // one stream's order).
+            let shared = self
+                .same
+                .values()
+                .flatten()
+                .find(|(s, _)| *s == stream)
+                .map(|&(_, w)| w);
+            match shared {
+                Some(w) => Ok((stream, w)),
+                None => drv::malloc_sync(WORKSPACE_BYTES)
+                    .map(|w| (stream, w))
+                    .map_err(|e| format!("cuMemAlloc({WORKSPACE_BYTES}): {e:?}")),
+            }
+        });
+        self.same.insert(id, found.clone());
+        found
     }
 
     /// Releases the tensors of every GEMM at the front of `in_flight` whose event has completed;
@@ -485,6 +548,101 @@ impl Device {
             }
         }
     }
+}
+
+/// CubeCL's `CUstream` for stream id `id` on `like`'s device: read from the CUDA server's `Debug`
+/// description ([`stream_slots`]; CubeCL 0.10 has no accessor), and checked to be a stream of
+/// `ctx`. Runs on CubeCL's device thread, where the server call runs at once.
+fn find_cubecl_stream(
+    like: &CubeTensor<CudaRuntime>,
+    id: u64,
+    ctx: dsys::CUcontext,
+) -> Result<dsys::CUstream, String> {
+    use cubecl_common::device::Device as _;
+    type Server = <CudaRuntime as cubecl::Runtime>::Server;
+    let server = cubecl_common::device_handle::DeviceHandle::<Server>::new(like.device.to_id());
+    let description = server
+        .submit_blocking(|server| format!("{server:?}"))
+        .map_err(|_| "CubeCL's device thread is gone".to_string())?;
+    let slots = stream_slots(&description)?;
+    // The pool holds CubeCL's streams (`max_streams` of them) and one more for its own use.
+    if slots.len() < 2 {
+        return Err(format!("a stream pool of {} slots", slots.len()));
+    }
+    let index = (id % (slots.len() as u64 - 1)) as usize;
+    let stream = slots[index].ok_or_else(|| {
+        format!(
+            "stream slot {index} of {} is empty (no CubeCL work on it yet)",
+            slots.len()
+        )
+    })? as dsys::CUstream;
+    let mut owner: dsys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `stream` is the address CubeCL's live server prints for a stream it created and
+    // keeps for its lifetime; the driver only reads its context.
+    unsafe { dsys::cuStreamGetCtx(stream, &mut owner) }
+        .result()
+        .map_err(|e| format!("cuStreamGetCtx on the stream read from CubeCL: {e:?}"))?;
+    if owner != ctx {
+        return Err("the stream read from CubeCL belongs to another context".into());
+    }
+    Ok(stream)
+}
+
+/// The CUDA streams of CubeCL's stream pool, slot by slot (`None`: not created), from the CUDA
+/// server's `Debug` description:
+/// `... streams: StreamPool { streams: [None, Some(StreamWrapper { stream: Stream { sys: 0x..., ...`.
+fn stream_slots(description: &str) -> Result<Vec<Option<u64>>, String> {
+    const POOL: &str = "streams: StreamPool { streams: [";
+    let start = description
+        .find(POOL)
+        .ok_or("no stream pool in CubeCL's CUDA server description")?
+        + POOL.len();
+    let slot = |text: &str| -> Result<Option<u64>, String> {
+        let text = text.trim();
+        if text == "None" {
+            return Ok(None);
+        }
+        const SYS: &str = "sys: 0x";
+        let at = text.find(SYS).ok_or("a stream slot without `sys: 0x...`")? + SYS.len();
+        let hex: String = text[at..]
+            .chars()
+            .take_while(char::is_ascii_hexdigit)
+            .collect();
+        u64::from_str_radix(&hex, 16)
+            .map(Some)
+            .map_err(|e| format!("a stream address `{hex}`: {e}"))
+    };
+    let (mut slots, mut depth, mut quoted, mut escaped, mut from) =
+        (Vec::new(), 0usize, false, false, start);
+    for (i, c) in description[start..].char_indices() {
+        let i = start + i;
+        if quoted {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' => escaped = true,
+                '"' => quoted = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => quoted = true,
+            '(' | '[' | '{' => depth += 1,
+            ')' | ']' | '}' if depth > 0 => depth -= 1,
+            ']' => {
+                if !description[from..i].trim().is_empty() {
+                    slots.push(slot(&description[from..i])?);
+                }
+                return Ok(slots);
+            }
+            ',' if depth == 0 => {
+                slots.push(slot(&description[from..i])?);
+                from = i + 1;
+            }
+            _ => {}
+        }
+    }
+    Err("the stream pool's list does not end".into())
 }
 
 fn data_type(dtype: DType) -> Option<(sys::cudaDataType, sys::cublasComputeType_t)> {
@@ -643,7 +801,7 @@ fn offset_alignment(t: &CubeTensor<CudaRuntime>) -> u32 {
 fn execute(job: Job) -> Result<(), Refused> {
     let runner = runner(&job.a.device);
     let queue =
-        job.views.is_some() && job.order.uses_flags() && crate::settings::read(|s| s.gemm_queue);
+        job.views.is_some() && job.order.on_gpu() && crate::settings::read(|s| s.gemm_queue);
     let key = {
         let mut p = job.problem;
         p.align = [
@@ -743,10 +901,6 @@ impl Job {
         let dev = state
             .as_mut()
             .map_err(|e| Refused::Unsupported(format!("cuBLASLt set-up failed: {e}")))?;
-        let order = match &dev.flags {
-            Some(f) if self.order.uses_flags() && f.thread != self.caller => Order::Host,
-            _ => self.order,
-        };
         let (a, b, out) = (&self.a, &self.b, &self.out);
 
         // SAFETY: the pointers come from live CubeCL allocations of the sizes the layouts describe
@@ -756,6 +910,29 @@ impl Job {
         unsafe {
             drv::ctx::set_current(dev.ctx)
                 .map_err(|e| Refused::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
+            let mut order = self.order;
+            // `Same`: CubeCL's stream and its workspace.
+            let mut same = None;
+            if order == Order::Same {
+                match dev.same_stream(a) {
+                    Ok(found) => same = Some(found),
+                    Err(why) => {
+                        if !SAME_UNAVAILABLE.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                            warn_once(format!(
+                                "kernels::gemm: CubeCL's CUDA stream was not found ({why}); the GEMMs are ordered with it through flags instead (BURNMIX_GEMM_ORDER=stream)"
+                            ));
+                        }
+                        order = Order::Stream;
+                    }
+                }
+            }
+            if order.uses_flags() && dev.flags.as_ref().is_some_and(|f| f.thread != self.caller) {
+                order = Order::Host;
+            }
+            let (stream, workspace) = same.unwrap_or((dev.stream, dev.workspace));
+            // The addresses are taken on the caller's CubeCL stream (this task runs under its
+            // stream id): CubeCL first orders that stream behind any other of its streams that
+            // last wrote these buffers.
             let res = |t: &CubeTensor<CudaRuntime>| {
                 t.client
                     .get_resource(t.handle.clone())
@@ -818,7 +995,10 @@ impl Job {
                 call.set_scales(sb.resource().ptr, sa.resource().ptr)
                     .map_err(|e| Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}")))?;
             }
-            let seq = if order.uses_flags() {
+            let seq = if order == Order::Same {
+                // Already in CubeCL's order.
+                None
+            } else if order.uses_flags() {
                 if dev.flags.is_none() {
                     dev.flags = Some(Flags::new(a, self.caller).map_err(Refused::Unsupported)?);
                 }
@@ -864,14 +1044,15 @@ impl Job {
                 pc as *mut c_void,
                 call.out,
                 algo,
-                dev.workspace as *mut c_void,
+                workspace as *mut c_void,
                 WORKSPACE_BYTES,
-                dev.stream as sys::cudaStream_t,
+                stream as sys::cudaStream_t,
             )
             .map_err(|e| {
                 Refused::Unsupported(format!("cublasLtMatmul for {}: {e:?}", describe(&problem)))
             });
             match seq {
+                None if order == Order::Same => {}
                 None => drv::stream::synchronize(dev.stream)
                     .map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?,
                 Some(seq) => {
@@ -1210,6 +1391,76 @@ mod tests {
         // Broadcast rows or a non-unit inner stride need a copy.
         assert_eq!(layout([3, 5], [0, 1], false), None);
         assert_eq!(layout([3, 5], [10, 2], false), None);
+    }
+
+    /// The stream pool read from a description shaped as CubeCL 0.10's CUDA server prints it
+    /// (derived `Debug` of structs of the same names and nesting, raw pointers included), with
+    /// brackets, commas and quotes inside strings and nested lists around it.
+    #[test]
+    #[allow(dead_code)] // The structs are only printed.
+    fn stream_slots_from_a_server_description() {
+        use std::collections::HashMap;
+        #[derive(Debug)]
+        struct Stream {
+            sys: *mut u8,
+            memory_management_gpu: &'static str,
+            errors: Vec<String>,
+        }
+        #[derive(Debug)]
+        struct StreamWrapper {
+            stream: Stream,
+            cursor: u64,
+            last_synced: HashMap<usize, u64>,
+        }
+        #[derive(Debug)]
+        struct StreamPool {
+            streams: Vec<Option<StreamWrapper>>,
+            max_streams: usize,
+        }
+        #[derive(Debug)]
+        struct MultiStream {
+            streams: StreamPool,
+            shared_bindings_pool: Vec<(u64, u64)>,
+        }
+        #[derive(Debug)]
+        struct CudaServer {
+            ctx: Vec<Option<(i32, String)>>,
+            streams: MultiStream,
+        }
+        let wrapper = |sys: usize, note: &'static str| {
+            Some(StreamWrapper {
+                stream: Stream {
+                    sys: sys as *mut u8,
+                    memory_management_gpu: note,
+                    errors: vec!["a ] in (an, error\" \\".into()],
+                },
+                cursor: 7,
+                last_synced: HashMap::from([(1, 2)]),
+            })
+        };
+        let server = CudaServer {
+            ctx: vec![Some((1, "streams: [".into())), None],
+            streams: MultiStream {
+                streams: StreamPool {
+                    streams: vec![
+                        None,
+                        wrapper(0x7f00_dead_beef, "DynamicMemoryManagement \"a[b], {c}\""),
+                        None,
+                        wrapper(0x55aa_0010, ""),
+                    ],
+                    max_streams: 3,
+                },
+                shared_bindings_pool: vec![(1, 2)],
+            },
+        };
+        let description = format!("{server:?}");
+        assert_eq!(
+            super::stream_slots(&description),
+            Ok(vec![None, Some(0x7f00_dead_beef), None, Some(0x55aa_0010)]),
+            "{description}"
+        );
+        assert!(super::stream_slots("CudaServer { ctx: [] }").is_err());
+        assert!(super::stream_slots("streams: StreamPool { streams: [None, Some(").is_err());
     }
 }
 

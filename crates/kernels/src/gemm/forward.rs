@@ -63,9 +63,10 @@ pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> Gemm
         return GemmPath::Burn;
     }
     match cublaslt::library() {
-        Ok(_) => match cublaslt::order() {
+        Ok(_) => match cublaslt::effective_order() {
             cublaslt::Order::Host => GemmPath::CublasLtHostSync,
             cublaslt::Order::Stream => GemmPath::CublasLtStreamOrdered,
+            cublaslt::Order::Same => GemmPath::CublasLtSameStream,
         },
         Err(why) if engine == Gemm::CublasLt => fail("gemm", format!("Gemm::CublasLt: {why}")),
         Err(_) => GemmPath::Burn,

@@ -17,9 +17,12 @@
 //!   real leading dimension is passed (CUDA pitches rows that are not a multiple of 512 bytes);
 //!   transposed views are read as the other layout; other strides are copied once. The algorithm is
 //!   cuBLASLt's heuristic choice, cached per shape, layout and alignment: no autotuning. The call
-//!   is ordered with CubeCL's work on the GPU through flags and one-thread waiting kernels (CubeCL
-//!   0.10 does not expose its `CUstream`; see `cublaslt.rs`), or, with `BURNMIX_GEMM_ORDER=host`,
-//!   by synchronising CubeCL's stream before it and the GEMM's own stream after it.
+//!   runs on CubeCL's own CUDA stream, between CubeCL's earlier and later work (CubeCL 0.10 has no
+//!   accessor for its `CUstream`: it is read once per stream from the server's description; see
+//!   `cublaslt.rs`). With `BURNMIX_GEMM_ORDER=stream` (and where that stream cannot be found) it
+//!   runs on a stream of its own, ordered on the GPU through flags and one-thread waiting kernels;
+//!   with `BURNMIX_GEMM_ORDER=host`, by synchronising CubeCL's stream before it and the GEMM's own
+//!   stream after it.
 //! - `Auto`: `CublasLt` for CUDA tensors when the library loads, `Burn` otherwise.
 //!
 //! A shape cuBLASLt refuses (no algorithm for its alignment) runs on Burn's matmul with a one-line
@@ -58,9 +61,11 @@ pub enum GemmPath {
     /// cuBLASLt, ordered with CubeCL's stream by host synchronisation
     /// (`BURNMIX_GEMM_ORDER=host`).
     CublasLtHostSync,
-    /// cuBLASLt, ordered with CubeCL's stream on the GPU (flags and one-thread spinning kernels);
-    /// the default.
+    /// cuBLASLt, ordered with CubeCL's stream on the GPU (flags and one-thread spinning kernels;
+    /// `BURNMIX_GEMM_ORDER=stream`, or where CubeCL's stream could not be found).
     CublasLtStreamOrdered,
+    /// cuBLASLt on CubeCL's own stream; the default.
+    CublasLtSameStream,
 }
 
 impl std::fmt::Display for GemmPath {
@@ -69,6 +74,7 @@ impl std::fmt::Display for GemmPath {
             GemmPath::Burn => "Burn matmul",
             GemmPath::CublasLtHostSync => "cuBLASLt (host-synchronised with CubeCL's stream)",
             GemmPath::CublasLtStreamOrdered => "cuBLASLt (ordered with CubeCL's stream on the GPU)",
+            GemmPath::CublasLtSameStream => "cuBLASLt (on CubeCL's stream)",
         })
     }
 }
