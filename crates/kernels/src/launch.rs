@@ -201,21 +201,44 @@ pub(crate) fn reduce_slots(units: usize, plane: bool) -> usize {
     }
 }
 
-/// Column sums of a dense f32 `[rows, cols]` tensor: one unit per vector of columns, looping down.
+/// Column vectors per cube of [`column_sum`].
+const SUM_LANES: usize = 8;
+/// Units down the rows per column vector in [`column_sum`].
+const SUM_DEPTH: usize = 32;
+
+/// Column sums of a dense f32 `[rows, cols]` tensor. A cube takes `lanes` column vectors; for
+/// each, `depth` units sum every `depth`-th row, then one unit adds their partial sums from
+/// shared memory. (One unit per column vector walking every row was latency-bound: 120 µs for the
+/// `[528, 768]` RMSNorm gain partials on an H200.)
 #[cube(launch)]
 fn column_sum<N: Size>(
     input: &Tensor<Vector<f32, N>>,
     output: &mut Tensor<Vector<f32, N>>,
     rows: usize,
     row_vecs: usize,
+    #[comptime] lanes: usize,
+    #[comptime] depth: usize,
 ) {
-    let c = ABSOLUTE_POS;
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let c = CUBE_POS * lanes + x;
+    let mut partial = SharedMemory::<Vector<f32, N>>::new(comptime!(lanes * depth));
+    let mut acc = Vector::<f32, N>::new(0.0);
     if c < row_vecs {
-        let mut acc = Vector::<f32, N>::new(0.0);
-        for r in 0..rows {
+        let mut r = y;
+        while r < rows {
             acc += input[r * row_vecs + c];
+            r += depth;
         }
-        output[c] = acc;
+    }
+    partial[y * lanes + x] = acc;
+    sync_cube();
+    if y == 0 && c < row_vecs {
+        let mut total = Vector::<f32, N>::new(0.0);
+        for i in 0..depth {
+            total += partial[i * lanes + x];
+        }
+        output[c] = total;
     }
 }
 
@@ -224,19 +247,24 @@ pub(crate) fn sum_rows<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
     let dims = t.meta.shape().as_slice().to_vec();
     let (rows, cols) = (dims[0], dims[1]);
     let out = empty(&t, vec![cols], DType::F32);
+    if cols == 0 {
+        return out;
+    }
     let n = vector_width(&t, &[DType::F32], &[cols]);
-    let units = (cols / n).clamp(1, 256);
-    let cubes = (cols / n).div_ceil(units);
+    let row_vecs = cols / n;
+    let cubes = row_vecs.div_ceil(SUM_LANES);
     let client = t.client.clone();
     column_sum::launch::<R>(
         &client,
         CubeCount::Static(cubes as u32, 1, 1),
-        CubeDim::new_1d(units as u32),
+        CubeDim::new_2d(SUM_LANES as u32, SUM_DEPTH as u32),
         n,
         t.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         rows,
-        cols / n,
+        row_vecs,
+        SUM_LANES,
+        SUM_DEPTH,
     );
     out
 }

@@ -19,7 +19,7 @@ use cubecl::prelude::*;
 
 use crate::check::{check_float, fail};
 use crate::dropout::Dropout;
-use crate::launch::{contiguous, empty};
+use crate::launch::{contiguous, empty, vector_width};
 
 /// The dims of a packed projection: (batch, seq, heads, head_dim).
 pub(crate) fn packed_dims<R: CubeRuntime>(
@@ -124,7 +124,9 @@ pub(crate) fn backward<R: CubeRuntime>(
     let (cos, sin) = (contiguous(cos), contiguous(sin));
     let s = dq.meta.strides().to_vec();
     let half = hd / 2;
-    let total = b * t * 3 * h * half;
+    // Vectors of `n` along the head dim: every offset the kernel forms is a multiple of `n`.
+    let n = vector_width(&dqkv, &[qkv.dtype, cos.dtype], &[half, s[0], s[1], s[2]]);
+    let total = b * t * 3 * h * (half / n);
     let dim = CubeDim::new_1d(256);
     let count = calculate_cube_count_elemwise(&qkv.client, total, dim);
     let dtypes = [qkv.dtype.into(), cos.dtype.into()];
@@ -132,6 +134,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         &qkv.client.clone(),
         count,
         dim,
+        n,
         dq.into_tensor_arg(),
         dk.into_tensor_arg(),
         dv.into_tensor_arg(),
@@ -140,10 +143,10 @@ pub(crate) fn backward<R: CubeRuntime>(
         dqkv.clone().into_tensor_arg(),
         h,
         t,
-        half,
-        s[0],
-        s[1],
-        s[2],
+        half / n,
+        s[0] / n,
+        s[1] / n,
+        s[2] / n,
         total,
         dtypes,
     );
@@ -151,17 +154,17 @@ pub(crate) fn backward<R: CubeRuntime>(
 }
 
 /// `dqkv[b, t, p H + h, :]` from part `p`'s gradient at `[b, h, t, :]`: dQ and dK rotated back
-/// (by the opposite angle of position `t`), dV copied. One unit per (i, i + half) pair.
+/// (by the opposite angle of position `t`), dV copied. One unit per vector of `N` pairs
+/// (i, i + half); `half` and the strides are in vectors.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-#[allow(unused_assignments)] // the initial values are the kernel's declarations of x1, x2
-fn pack_grad<F: Float, W: Float>(
-    dq: &Tensor<F>,
-    dk: &Tensor<F>,
-    dv: &Tensor<F>,
-    cos: &Tensor<W>,
-    sin: &Tensor<W>,
-    dqkv: &mut Tensor<F>,
+fn pack_grad<F: Float, W: Float, N: Size>(
+    dq: &Tensor<Vector<F, N>>,
+    dk: &Tensor<Vector<F, N>>,
+    dv: &Tensor<Vector<F, N>>,
+    cos: &Tensor<Vector<W, N>>,
+    sin: &Tensor<Vector<W, N>>,
+    dqkv: &mut Tensor<Vector<F, N>>,
     heads: usize,
     seq: usize,
     half: usize,
@@ -182,29 +185,22 @@ fn pack_grad<F: Float, W: Float>(
         let p = h3 / heads;
         let h = h3 % heads;
         let src = b * stride_b + h * stride_h + t * stride_t + j;
-        let mut x1 = 0.0f32;
-        let mut x2 = 0.0f32;
-        if p == 0 {
-            x1 = f32::cast_from(dq[src]);
-            x2 = f32::cast_from(dq[src + half]);
-        } else if p == 1 {
-            x1 = f32::cast_from(dk[src]);
-            x2 = f32::cast_from(dk[src + half]);
-        } else {
-            x1 = f32::cast_from(dv[src]);
-            x2 = f32::cast_from(dv[src + half]);
-        }
-        let mut y1 = x1;
-        let mut y2 = x2;
-        if p < 2 {
-            // The inverse rotation: by -angle.
-            let c = f32::cast_from(cos[t * half + j]);
-            let s = f32::cast_from(sin[t * half + j]);
-            y1 = x1 * c + x2 * s;
-            y2 = x2 * c - x1 * s;
-        }
         let dst = rest * 2 * half + j;
-        dqkv[dst] = F::cast_from(y1);
-        dqkv[dst + half] = F::cast_from(y2);
+        if p == 2 {
+            dqkv[dst] = dv[src];
+            dqkv[dst + half] = dv[src + half];
+        } else {
+            let mut x1 = Vector::<f32, N>::cast_from(dq[src]);
+            let mut x2 = Vector::<f32, N>::cast_from(dq[src + half]);
+            if p == 1 {
+                x1 = Vector::cast_from(dk[src]);
+                x2 = Vector::cast_from(dk[src + half]);
+            }
+            // The inverse rotation: by -angle.
+            let c = Vector::<f32, N>::cast_from(cos[t * half + j]);
+            let s = Vector::<f32, N>::cast_from(sin[t * half + j]);
+            dqkv[dst] = Vector::cast_from(x1 * c + x2 * s);
+            dqkv[dst + half] = Vector::cast_from(x2 * c - x1 * s);
+        }
     }
 }
