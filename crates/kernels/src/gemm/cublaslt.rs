@@ -4,9 +4,10 @@
 //! cuBLASLt is called with B's buffer as its first operand and A's as its second, each with its own
 //! transpose flag, and writes C^T column-major with leading dimension `n`, which is C row-major.
 //!
-//! Per device this keeps one cuBLASLt handle, one stream, a 32 MiB workspace (what cuBLAS uses on
-//! Hopper) and, per problem (shape, layouts, alignments), the call's descriptors and the
-//! heuristic's algorithm; they live as long as the process.
+//! Per device this keeps one cuBLASLt handle, a 32 MiB workspace (what cuBLAS uses on Hopper) per
+//! stream the GEMMs run on (CubeCL's streams in the `Same` order, a stream of its own otherwise)
+//! and, per problem (shape, layouts, alignments), the call's descriptors and the heuristic's
+//! algorithm; they live as long as the process.
 //!
 //! Every call runs on CubeCL's device thread ([`GemmService`]): CubeCL 0.10 runs each device's
 //! CUDA server on one thread that takes every task (launches, allocations, frees) from every host
@@ -312,6 +313,7 @@ struct Device {
     /// Streaming multiprocessors.
     sms: i32,
     handle: sys::cublasLtHandle_t,
+    /// The GEMMs' own stream and its workspace (`Stream` and `Host` orders).
     stream: dsys::CUstream,
     workspace: dsys::CUdeviceptr,
     /// Per problem: its descriptors and the heuristic's algorithm (`None`: cuBLASLt has none).
