@@ -158,6 +158,7 @@ pub(crate) fn backward<R: CubeRuntime>(
 /// (i, i + half); `half` and the strides are in vectors.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
+#[allow(unused_assignments)] // the initial values are the kernel's declarations of x1, x2
 fn pack_grad<F: Float, W: Float, N: Size>(
     dq: &Tensor<Vector<F, N>>,
     dk: &Tensor<Vector<F, N>>,
@@ -190,9 +191,12 @@ fn pack_grad<F: Float, W: Float, N: Size>(
             dqkv[dst] = dv[src];
             dqkv[dst + half] = dv[src + half];
         } else {
-            let mut x1 = Vector::<f32, N>::cast_from(dq[src]);
-            let mut x2 = Vector::<f32, N>::cast_from(dq[src + half]);
-            if p == 1 {
+            let mut x1 = Vector::<f32, N>::new(0.0);
+            let mut x2 = Vector::<f32, N>::new(0.0);
+            if p == 0 {
+                x1 = Vector::cast_from(dq[src]);
+                x2 = Vector::cast_from(dq[src + half]);
+            } else {
                 x1 = Vector::cast_from(dk[src]);
                 x2 = Vector::cast_from(dk[src + half]);
             }

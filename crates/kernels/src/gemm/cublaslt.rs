@@ -78,12 +78,13 @@ impl Order {
     }
 }
 
-/// Set once CubeCL's stream could not be found for a GEMM in the `Same` order: the GEMMs take the
-/// `Stream` order instead.
+/// Set once CubeCL's stream could not be found for a GEMM in the `Same` order: that GEMM, and
+/// every later one from a stream that cannot be found, takes the `Stream` order instead.
 static SAME_UNAVAILABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// The order the bf16/f16/f32 GEMMs take: [`order`], or `Stream` where `Same` could not find
-/// CubeCL's stream.
+/// The order the bf16/f16/f32 GEMMs take: [`order`], or `Stream` once `Same` could not find
+/// CubeCL's stream for some GEMM (reported for the process: the GEMMs of threads whose stream was
+/// found still run on it).
 pub(crate) fn effective_order() -> Order {
     match order() {
         Order::Same if SAME_UNAVAILABLE.load(std::sync::atomic::Ordering::Relaxed) => Order::Stream,
@@ -321,9 +322,12 @@ struct Device {
     /// `Order::Stream`: u32 flags in a CubeCL buffer ([0]: CubeCL to the GEMM, [1]: back), their
     /// device address, and the last sequence number.
     flags: Option<Flags>,
-    /// `Order::Same`: per CubeCL stream id, CubeCL's `CUstream` and a workspace for it, or why
-    /// the stream could not be found.
-    same: HashMap<u64, Result<(dsys::CUstream, dsys::CUdeviceptr), String>>,
+    /// `Order::Same`: per slot of CubeCL's stream pool, CubeCL's `CUstream` there and a
+    /// workspace for it, or why the stream could not be found.
+    same: HashMap<usize, Result<(dsys::CUstream, dsys::CUdeviceptr), String>>,
+    /// `Order::Same`: the slots of CubeCL's stream pool (known from the first description read),
+    /// or why the description could not be read.
+    pool_slots: Option<Result<usize, String>>,
     /// GEMMs in the `Stream` order that may still run, oldest first.
     in_flight: std::collections::VecDeque<InFlight>,
     /// Completed events, for reuse.
@@ -466,6 +470,7 @@ impl Device {
                 calls: HashMap::new(),
                 flags: None,
                 same: HashMap::new(),
+                pool_slots: None,
                 in_flight: Default::default(),
                 spare_events: Vec::new(),
             })
@@ -474,33 +479,44 @@ impl Device {
 
     /// `Order::Same`: CubeCL's `CUstream` for the current stream id (on CubeCL's device thread,
     /// the id of the host thread that queued the task) and a workspace for GEMMs on it, or why
-    /// not. Looked up once per stream id. The device's context must be current.
+    /// not. Looked up once per slot of CubeCL's stream pool (a slot's stream lives as long as
+    /// CubeCL's server); ids that share a slot share its stream and workspace, whose GEMMs run in
+    /// that stream's order. The device's context must be current.
     unsafe fn same_stream(
         &mut self,
         like: &CubeTensor<CudaRuntime>,
     ) -> Result<(dsys::CUstream, dsys::CUdeviceptr), String> {
         let id = cubecl_common::stream_id::StreamId::current().value;
-        if let Some(found) = self.same.get(&id) {
-            return found.clone();
-        }
-        let found = find_cubecl_stream(like, id, self.ctx).and_then(|stream| {
-            // One workspace per CUDA stream: two ids of one slot share it (their GEMMs are in
-            // one stream's order).
-            let shared = self
-                .same
-                .values()
-                .flatten()
-                .find(|(s, _)| *s == stream)
-                .map(|&(_, w)| w);
-            match shared {
-                Some(w) => Ok((stream, w)),
-                None => drv::malloc_sync(WORKSPACE_BYTES)
-                    .map(|w| (stream, w))
-                    .map_err(|e| format!("cuMemAlloc({WORKSPACE_BYTES}): {e:?}")),
+        let slot_of = |n: usize| (id % (n as u64 - 1)) as usize;
+        match &self.pool_slots {
+            Some(Err(why)) => return Err(why.clone()),
+            Some(Ok(n)) => {
+                if let Some(found) = self.same.get(&slot_of(*n)) {
+                    return found.clone();
+                }
             }
-        });
-        self.same.insert(id, found.clone());
-        found
+            None => {}
+        }
+        match find_cubecl_stream(like, id, self.ctx) {
+            Ok((slots, slot, stream)) => {
+                self.pool_slots = Some(Ok(slots));
+                let found = drv::malloc_sync(WORKSPACE_BYTES)
+                    .map(|w| (stream, w))
+                    .map_err(|e| format!("cuMemAlloc({WORKSPACE_BYTES}): {e:?}"));
+                self.same.insert(slot, found.clone());
+                found
+            }
+            Err(FindError::Description(why)) => {
+                // Not read again: the description will not change its shape.
+                self.pool_slots = Some(Err(why.clone()));
+                Err(why)
+            }
+            Err(FindError::Slot { slots, why }) => {
+                self.pool_slots = Some(Ok(slots));
+                self.same.insert(slot_of(slots), Err(why.clone()));
+                Err(why)
+            }
+        }
     }
 
     /// Releases the tensors of every GEMM at the front of `in_flight` whose event has completed;
@@ -552,42 +568,67 @@ impl Device {
     }
 }
 
-/// CubeCL's `CUstream` for stream id `id` on `like`'s device: read from the CUDA server's `Debug`
-/// description ([`stream_slots`]; CubeCL 0.10 has no accessor), and checked to be a stream of
-/// `ctx`. Runs on CubeCL's device thread, where the server call runs at once.
+/// Why [`find_cubecl_stream`] found no stream.
+enum FindError {
+    /// The server's description has no stream pool this can read.
+    Description(String),
+    /// The pool (of `slots` slots) was read, but the slot of this stream id holds no usable stream.
+    Slot { slots: usize, why: String },
+}
+
+/// CubeCL's `CUstream` for stream id `id` on `like`'s device, with the number of slots of its
+/// stream pool and the slot's index: read from the CUDA server's `Debug` description
+/// ([`stream_slots`]; CubeCL 0.10 has no accessor), and checked to be a stream (not the null
+/// stream) of `ctx`. Runs on CubeCL's device thread, where the server call runs at once.
 fn find_cubecl_stream(
     like: &CubeTensor<CudaRuntime>,
     id: u64,
     ctx: dsys::CUcontext,
-) -> Result<dsys::CUstream, String> {
+) -> Result<(usize, usize, dsys::CUstream), FindError> {
     use cubecl_common::device::Device as _;
     type Server = <CudaRuntime as cubecl::Runtime>::Server;
     let server = cubecl_common::device_handle::DeviceHandle::<Server>::new(like.device.to_id());
     let description = server
         .submit_blocking(|server| format!("{server:?}"))
-        .map_err(|_| "CubeCL's device thread is gone".to_string())?;
-    let slots = stream_slots(&description)?;
+        .map_err(|_| FindError::Description("CubeCL's device thread is gone".into()))?;
+    let slots = stream_slots(&description).map_err(FindError::Description)?;
     // The pool holds CubeCL's streams (`max_streams` of them) and one more for its own use.
     if slots.len() < 2 {
-        return Err(format!("a stream pool of {} slots", slots.len()));
-    }
-    let index = (id % (slots.len() as u64 - 1)) as usize;
-    let stream = slots[index].ok_or_else(|| {
-        format!(
-            "stream slot {index} of {} is empty (no CubeCL work on it yet)",
+        return Err(FindError::Description(format!(
+            "a stream pool of {} slots",
             slots.len()
-        )
+        )));
+    }
+    let n = slots.len();
+    let slot_error = |why: String| FindError::Slot { slots: n, why };
+    let index = (id % (n as u64 - 1)) as usize;
+    let stream = slots[index].ok_or_else(|| {
+        slot_error(format!(
+            "stream slot {index} of {n} is empty (no CubeCL work on it yet)"
+        ))
     })? as dsys::CUstream;
+    if stream.is_null() {
+        // The legacy default stream, which CubeCL's non-blocking streams do not wait for.
+        return Err(slot_error(format!(
+            "stream slot {index} holds the null stream"
+        )));
+    }
     let mut owner: dsys::CUcontext = std::ptr::null_mut();
     // SAFETY: `stream` is the address CubeCL's live server prints for a stream it created and
     // keeps for its lifetime; the driver only reads its context.
     unsafe { dsys::cuStreamGetCtx(stream, &mut owner) }
         .result()
-        .map_err(|e| format!("cuStreamGetCtx on the stream read from CubeCL: {e:?}"))?;
+        .map_err(|e| {
+            slot_error(format!(
+                "cuStreamGetCtx on the stream read from CubeCL: {e:?}"
+            ))
+        })?;
     if owner != ctx {
-        return Err("the stream read from CubeCL belongs to another context".into());
+        return Err(slot_error(
+            "the stream read from CubeCL belongs to another context".into(),
+        ));
     }
-    Ok(stream)
+    Ok((slots.len(), index, stream))
 }
 
 /// The CUDA streams of CubeCL's stream pool, slot by slot (`None`: not created), from the CUDA
@@ -921,7 +962,7 @@ impl Job {
                     Err(why) => {
                         if !SAME_UNAVAILABLE.swap(true, std::sync::atomic::Ordering::Relaxed) {
                             warn_once(format!(
-                                "kernels::gemm: CubeCL's CUDA stream was not found ({why}); the GEMMs are ordered with it through flags instead (BURNMIX_GEMM_ORDER=stream)"
+                                "kernels::gemm: CubeCL's CUDA stream was not found ({why}); GEMMs from streams that cannot be found are ordered with CubeCL's work through flags instead (BURNMIX_GEMM_ORDER=stream)"
                             ));
                         }
                         order = Order::Stream;
