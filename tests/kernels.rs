@@ -35,6 +35,42 @@ cases!(
     flash_attention_strided
 );
 
+/// The chunked LM-head loss: the first three cases of the CUDA suite's (Burn autotunes its matmul
+/// for every new shape, seconds each on lavapipe).
+#[test]
+fn linear_cross_entropy() {
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        kernel_cases::linear_cross_entropy_cases::<B>(
+            dtype,
+            &device(),
+            &kernel_cases::LINEAR_CE_CASES[..3],
+        );
+    }
+}
+
+/// The f32-output GEMM with and without an accumulator (Burn's matmul here).
+#[test]
+fn gemm_f32() {
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        kernel_cases::gemm_f32::<B>(
+            dtype,
+            &device(),
+            kernels::Gemm::Auto,
+            &[[7, 13, 5], [64, 100, 33]],
+        );
+    }
+}
+
+#[test]
+#[should_panic(expected = "kernels::linear_cross_entropy: x is [4, 8] and w is [5, 6]")]
+fn linear_cross_entropy_refuses_mismatched_widths() {
+    let dev = device();
+    let x = burn::tensor::Tensor::<B, 2>::zeros([4, 8], &dev);
+    let w = burn::tensor::Tensor::<B, 2>::zeros([5, 6], &dev);
+    let t = burn::tensor::Tensor::<B, 1, burn::tensor::Int>::zeros([4], &dev);
+    let _ = kernels::linear_cross_entropy(x, w, t, Default::default());
+}
+
 /// The portable GEMM path (`Gemm::Auto` resolves to Burn's matmul on wgpu) and its backward: the
 /// transpose flags and the gradient formulas. Few sizes, because Burn autotunes its matmul for
 /// every new shape and layout, which takes seconds each on lavapipe; the CUDA suite runs them all.

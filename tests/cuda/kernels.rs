@@ -35,8 +35,30 @@ cases!(
     embedding => cuda_embedding,
     adamw => cuda_adamw,
     sum_squares => cuda_sum_squares,
-    dropout => cuda_dropout
+    dropout => cuda_dropout,
+    linear_cross_entropy => cuda_linear_cross_entropy
 );
+
+/// The f32-output GEMM on cuBLASLt (in place into an accumulator nothing else holds, added to one
+/// that is held), every transpose combination, pitched and odd sizes; no call falls back.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_f32_output() {
+    let before = kernels::gemm::cublaslt_fallbacks_on_this_thread();
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        kernel_cases::gemm_f32::<B>(
+            dtype,
+            &CudaDevice::default(),
+            kernels::Gemm::CublasLt,
+            &kernel_cases::GEMM_SIZES,
+        );
+    }
+    assert_eq!(
+        kernels::gemm::cublaslt_fallbacks_on_this_thread(),
+        before,
+        "a cuBLASLt f32-output GEMM fell back to Burn's matmul"
+    );
+}
 
 /// FlashAttention at every sequence length of the spec (1, 17, 128, 1000, 2048) and head dims 64
 /// and 128, batch and heads above 1: tensor cores in f16/bf16, the portable kernels in f32.

@@ -1204,3 +1204,170 @@ pub fn gemm_strided<B: AutodiffBackend + kernels::Backend>(
         &|v| gemm_exact(v[0].clone(), v[1].clone(), false, false),
     );
 }
+
+/// [`kernels::linear_cross_entropy`] against the mean cross-entropy of all logits formed at once,
+/// in chunks of several sizes (one row, ragged last chunks, one chunk), with z-loss, an ignored
+/// row, a weight in f32 beside low-precision activations (cast inside), and the weight as a
+/// transposed view. The baseline forms the logits as an f32 product rounded once to the dtype
+/// under test (as a GEMM accumulating in f32 does), so no matmul is autotuned.
+pub fn linear_cross_entropy<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+) {
+    linear_cross_entropy_cases::<B>(dtype, dev, &LINEAR_CE_CASES);
+}
+
+/// (rows, d, classes, chunk rows, z-loss) of [`linear_cross_entropy`].
+pub const LINEAR_CE_CASES: [(usize, usize, usize, Option<usize>, f64); 5] = [
+    (37, 24, 50, Some(8), 0.0),
+    (3, 8, 130, Some(1), 1e-4),
+    (64, 16, 7, None, 0.0),
+    (37, 24, 50, Some(37), 1e-4),
+    (130, 32, 301, Some(64), 0.0),
+];
+
+/// [`linear_cross_entropy`] on `cases`.
+pub fn linear_cross_entropy_cases<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    cases: &[(usize, usize, usize, Option<usize>, f64)],
+) {
+    use kernels::cross_entropy::LinearCrossEntropy;
+    let fallbacks = kernels::gemm::cublaslt_fallbacks_on_this_thread();
+    let round = move |t: Tensor<B, 2>| t.cast(dtype).cast(FloatDType::F32);
+    for &(rows, d, classes, chunk_rows, z) in cases {
+        for (w_low, w_transposed) in [(true, false), (false, false), (true, true)] {
+            let tg = targets::<B>(rows, classes, dev);
+            let opts = LinearCrossEntropy {
+                z_loss: z,
+                gemm: kernels::Gemm::Auto,
+                chunk_rows,
+            };
+            // w as the op takes it: [classes, d], or a transposed view of a [d, classes] tensor.
+            let w_of = move |t: Tensor<B, 2>| if w_transposed { t.transpose() } else { t };
+            let w_shape = if w_transposed {
+                [d, classes]
+            } else {
+                [classes, d]
+            };
+            // Scaled so that the logits spread like a trained model's (std about 4).
+            let scale = 4.0 / (d as f64).sqrt();
+            let w_input = if w_low {
+                Input::act(w_shape, dev)
+            } else {
+                Input::master(randn(w_shape, dev))
+            };
+            let tg1 = tg.clone();
+            // The baseline, like the op, takes the weight in the dtype under test.
+            let logits_loss = move |x: Tensor<B, 2>, w: Tensor<B, 2>, run: FloatDType| {
+                let w = if run == FloatDType::F32 { w } else { round(w) };
+                let logits = gemm_exact(
+                    x.cast(FloatDType::F32),
+                    w.cast(FloatDType::F32),
+                    false,
+                    true,
+                );
+                let logits = if run == FloatDType::F32 {
+                    logits
+                } else {
+                    round(logits)
+                };
+                kernels::cross_entropy::reference(logits, tg1.clone(), z)
+                    .mean()
+                    .reshape([1, 1])
+            };
+            let (l1, l2) = (logits_loss.clone(), logits_loss);
+            check_exact::<B>(
+                &format!(
+                    "linear_cross_entropy [{rows}, {d}] x [{classes}, {d}]^T, chunk {chunk_rows:?}, z_loss {z}, w {} {}",
+                    if w_low { "low precision" } else { "f32" },
+                    if w_transposed { "(transposed view)" } else { "" }
+                ),
+                dtype,
+                FLOOR,
+                vec![Input::act([rows, d], dev), w_input],
+                |v| {
+                    kernels::linear_cross_entropy(
+                        v[0].clone() * scale,
+                        w_of(v[1].clone()),
+                        tg.clone(),
+                        opts,
+                    )
+                    .reshape([1, 1])
+                },
+                &|v| l1(v[0].clone() * scale, w_of(v[1].clone()), dtype),
+                &|v| l2(v[0].clone() * scale, w_of(v[1].clone()), FloatDType::F32),
+            );
+        }
+    }
+    assert_eq!(
+        kernels::gemm::cublaslt_fallbacks_on_this_thread(),
+        fallbacks,
+        "a cuBLASLt GEMM of linear_cross_entropy fell back to Burn's matmul"
+    );
+}
+
+/// [`kernels::gemm::gemm_f32`]: every transpose combination, with and without an accumulator,
+/// against the f32 product of the same (rounded) values. The bound is the standard one for a sum
+/// of `k` products in f32: `k * eps * sum|a||b|` (products of f16/bf16 values are exact in f32).
+/// An accumulator that another tensor still holds must come back added to, and unchanged where it
+/// is held.
+pub fn gemm_f32<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    engine: kernels::Gemm,
+    sizes: &[[usize; 3]],
+) where
+    B::InnerBackend: kernels::Backend,
+{
+    type I<B> = <B as AutodiffBackend>::InnerBackend;
+    for &[m, k, n] in sizes {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            for with_acc in [false, true] {
+                let sa = if ta { [k, m] } else { [m, k] };
+                let sb = if tb { [n, k] } else { [k, n] };
+                let a = randn::<B>(sa, dev).inner().cast(dtype);
+                let b = randn::<B>(sb, dev).inner().cast(dtype);
+                let acc = randn::<B>([m, n], dev).inner();
+                let held = acc.clone();
+                let before = acc.clone().into_data();
+                let got = kernels::gemm::gemm_f32::<I<B>>(
+                    a.clone(),
+                    b.clone(),
+                    ta,
+                    tb,
+                    with_acc.then(|| acc.clone()),
+                    engine,
+                );
+                drop(acc);
+                let (af, bf) = (a.cast(FloatDType::F32), b.cast(FloatDType::F32));
+                let view = |t: Tensor<I<B>, 2>, tr: bool| if tr { t.transpose() } else { t };
+                let exact_of = |a: Tensor<I<B>, 2>, b: Tensor<I<B>, 2>| {
+                    let a = view(a, ta);
+                    let b = view(b, tb);
+                    (a.reshape([m, k, 1]) * b.reshape([1, k, n]))
+                        .sum_dim(1)
+                        .reshape([m, n])
+                };
+                let mut exact = exact_of(af.clone(), bf.clone());
+                let abs = exact_of(af.abs(), bf.abs());
+                if with_acc {
+                    exact = exact + held.clone();
+                }
+                let bound = k as f32 * f32::EPSILON * max_abs::<B>(abs) + FLOOR;
+                let err = max_abs::<B>(got.clone() - exact);
+                let name = format!(
+                    "gemm_f32 [m, k, n] = [{m}, {k}, {n}] {dtype:?}, trans ({ta}, {tb}), acc {with_acc}, {engine:?}"
+                );
+                assert_eq!(
+                    got.dtype(),
+                    burn::tensor::DType::F32,
+                    "{name}: output dtype"
+                );
+                assert!(err <= bound, "{name}: error {err:e} > bound {bound:e}");
+                // The accumulator's other holder still sees its old values.
+                held.into_data().assert_eq(&before, true);
+            }
+        }
+    }
+}

@@ -141,16 +141,16 @@ pub fn rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -
     tensor(B::fused_rope(prim(x), prim(cos), prim(sin)))
 }
 
-/// Per-row softmax cross-entropy (f32 [rows]) of `logits` [rows, classes] against class indices
-/// `targets` [rows], plus `z_loss * lse^2` when `z_loss > 0`; negative targets are ignored (0);
-/// targets >= classes give NaN.
-/// Take `.mean()` (or a masked mean) for the usual scalar loss.
 /// Token embedding `weight[ids]`: `[vocab, d]` and `[batch, seq]` -> `[batch, seq, d]`; its
 /// backward scatters the gradient with f32 atomic adds on CUDA (see [`embedding`](mod@embedding)).
 pub fn embedding<B: Backend>(weight: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
     tensor(B::fused_embedding(prim(weight), ids.into_primitive()))
 }
 
+/// Per-row softmax cross-entropy (f32 [rows]) of `logits` [rows, classes] against class indices
+/// `targets` [rows], plus `z_loss * lse^2` when `z_loss > 0`; negative targets are ignored (0);
+/// targets >= classes give NaN.
+/// Take `.mean()` (or a masked mean) for the usual scalar loss.
 pub fn cross_entropy<B: Backend>(
     logits: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
@@ -160,6 +160,70 @@ pub fn cross_entropy<B: Backend>(
         prim(logits),
         targets.into_primitive(),
         z_loss,
+    ))
+}
+
+/// Mean softmax cross-entropy (`[1]` f32) of the logits `x w^T` against `targets` [rows], without
+/// holding the logits: `x` [rows, d], `w` [classes, d] (an LM head's weight, or a tied embedding;
+/// cast to `x`'s dtype for the GEMMs), computed a chunk of rows at a time (see
+/// [`cross_entropy::linear`]). The mean is over all rows; negative targets count as 0, as in
+/// [`cross_entropy`]. Differentiable in `x` and `w`.
+///
+/// ```no_run
+/// use burn::backend::{Autodiff, Wgpu};
+/// use burn::tensor::{Distribution, Int, Tensor};
+/// use kernels::cross_entropy::LinearCrossEntropy;
+///
+/// type B = Autodiff<Wgpu>;
+/// let dev = Default::default();
+/// let x = Tensor::<B, 2>::random([64, 32], Distribution::Normal(0.0, 1.0), &dev).require_grad();
+/// let w = Tensor::<B, 2>::random([100, 32], Distribution::Normal(0.0, 1.0), &dev).require_grad();
+/// let targets = Tensor::<B, 1, Int>::arange(0..64, &dev);
+/// let loss = kernels::linear_cross_entropy(x, w, targets, LinearCrossEntropy::default());
+/// let grads = loss.backward();
+/// ```
+pub fn linear_cross_entropy<B: Backend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    opts: cross_entropy::LinearCrossEntropy,
+) -> Tensor<B, 1> {
+    let op = "linear_cross_entropy";
+    check::check_float(op, "x", x.dtype());
+    check::check_float(op, "w", w.dtype());
+    let ([rows, d], [classes, wd]) = (x.dims(), w.dims());
+    if wd != d || classes == 0 {
+        check::fail(
+            op,
+            format!("x is [{rows}, {d}] and w is [{classes}, {wd}]; w must be [classes, {d}] with classes >= 1"),
+        );
+    }
+    if rows == 0 {
+        check::fail(
+            op,
+            "x has no rows; the mean of no losses is undefined".into(),
+        );
+    }
+    if targets.dims() != [rows] {
+        check::fail(
+            op,
+            format!(
+                "targets have shape {:?}; expected [{rows}], one class index per row of x",
+                targets.dims()
+            ),
+        );
+    }
+    if opts.chunk_rows == Some(0) {
+        check::fail(
+            op,
+            "chunk_rows is Some(0); it must be at least 1 (or None)".into(),
+        );
+    }
+    tensor(B::fused_linear_cross_entropy(
+        prim(x),
+        prim(w),
+        targets.into_primitive(),
+        opts,
     ))
 }
 

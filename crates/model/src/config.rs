@@ -24,7 +24,7 @@ macro_rules! display_as_config_value {
     )+};
 }
 
-display_as_config_value!(MlpKind, AttentionKind, KernelsKind, GemmKind);
+display_as_config_value!(MlpKind, AttentionKind, KernelsKind, GemmKind, HeadLossKind);
 
 /// Which feed-forward block each transformer layer uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,6 +87,19 @@ impl GemmKind {
     }
 }
 
+/// How the fused kernels take the LM head's loss (`kernels = "fused"`; the reference kernels
+/// always form the logits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeadLossKind {
+    /// `kernels::linear_cross_entropy`: the logits a chunk of rows at a time (at most 256 MiB),
+    /// their gradients taken in the forward; the full [tokens, vocab] logits never exist.
+    Chunked,
+    /// All logits in the compute dtype, then the fused cross-entropy: as fast or slightly faster,
+    /// but the logits and their gradient each take tokens x vocab x 2 bytes.
+    Logits,
+}
+
 /// Shape and details of the GPT-style decoder.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -133,6 +146,10 @@ pub struct GptConfig {
     /// Engine of the linear layers' and the LM head's GEMMs: "burn" (Burn's matmul), "cublaslt"
     /// (NVIDIA cuBLASLt, CUDA only) or "auto" (cuBLASLt on CUDA, Burn's matmul elsewhere).
     pub gemm: GemmKind,
+    /// How the fused kernels take the LM head's loss: "chunked" (the logits a chunk of rows at a
+    /// time, never all at once: GPT-2's [16 x 1024, 50304] bf16 logits are 1.65 GB, and as much
+    /// again for their gradient) or "logits" (all at once).
+    pub head_loss: HeadLossKind,
 }
 
 impl Default for GptConfig {
@@ -155,6 +172,7 @@ impl Default for GptConfig {
             kernels: KernelsKind::Auto,
             z_loss: 0.0,
             gemm: GemmKind::Auto,
+            head_loss: HeadLossKind::Chunked,
         }
     }
 }

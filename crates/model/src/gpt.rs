@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
-use crate::config::{AttentionKind, GptConfig, KernelsKind, MlpKind};
+use crate::config::{AttentionKind, GptConfig, HeadLossKind, KernelsKind, MlpKind};
 use crate::dtype::debug_assert_dtype;
 use crate::layers::{apply_rope, rope_tables, Embedding, Linear, RmsNorm};
 
@@ -585,6 +585,13 @@ impl<B: kernels::Backend> Gpt<B> {
 
     /// Token ids [B, T] -> logits [B, T, vocab] in the compute dtype.
     fn logits(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let (x, gemm) = self.final_hidden(ids);
+        self.head(x, gemm)
+    }
+
+    /// Token ids [B, T] -> the final norm's output [B, T, d] in the compute dtype, and the GEMM
+    /// engine.
+    fn final_hidden(&self, ids: Tensor<B, 2, Int>) -> (Tensor<B, 3>, kernels::Gemm) {
         let [_, t] = ids.dims();
         assert!(
             t <= self.config.context,
@@ -649,7 +656,13 @@ impl<B: kernels::Backend> Gpt<B> {
             }
             self.norm_f.forward(x)
         };
-        let logits = match (&self.lm_head, ctx.gemm) {
+        (x, ctx.gemm)
+    }
+
+    /// The LM head: the final norm's output [B, T, d] -> logits [B, T, vocab].
+    fn head(&self, x: Tensor<B, 3>, gemm: kernels::Gemm) -> Tensor<B, 3> {
+        let dt = self.compute_dtype;
+        let logits = match (&self.lm_head, gemm) {
             (Some(head), gemm) => head.forward_mixed(x, gemm),
             (None, kernels::Gemm::Burn) => {
                 x.matmul(self.wte.weight.val().cast(dt).transpose().unsqueeze())
@@ -670,6 +683,19 @@ impl<B: kernels::Backend> Gpt<B> {
         };
         debug_assert_dtype(&logits, dt, "LM head output");
         logits
+    }
+
+    /// The LM head's weight as [vocab, d] (the tied embedding, or a transposed view of the head's
+    /// [d, vocab] weight), when `kernels::linear_cross_entropy` can take it: a head without a
+    /// bias, FP8 or gradient tap.
+    fn head_rows(&self) -> Option<Tensor<B, 2>> {
+        match &self.lm_head {
+            None => Some(self.wte.weight.val()),
+            Some(h) if h.bias.is_none() && h.fp8.is_none() && h.grad_tap.is_none() => {
+                Some(h.weight.val().transpose())
+            }
+            Some(_) => None,
+        }
     }
 
     /// Logits [B, T, vocab] (f32) of `ids` [B, T] as the continuation of the positions in `cache`,
@@ -751,13 +777,31 @@ impl<B: kernels::Backend> Gpt<B> {
         targets: Tensor<B, 2, Int>,
         z: f64,
     ) -> Tensor<B, 1> {
+        if matches!(self.config.kernels, KernelsKind::Fused | KernelsKind::Auto) {
+            let (x, gemm) = self.final_hidden(ids);
+            let [b, t, d] = x.dims();
+            if let (HeadLossKind::Chunked, Some(w)) = (self.config.head_loss, self.head_rows()) {
+                let opts = kernels::cross_entropy::LinearCrossEntropy {
+                    z_loss: z,
+                    gemm,
+                    chunk_rows: None,
+                };
+                return kernels::linear_cross_entropy(
+                    x.reshape([b * t, d]),
+                    w,
+                    targets.reshape([b * t]),
+                    opts,
+                );
+            }
+            let logits = self.head(x, gemm);
+            let v = logits.dims()[2];
+            return kernels::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]), z)
+                .mean();
+        }
         let logits = self.logits(ids);
         let [b, t, v] = logits.dims();
         match self.config.kernels {
-            KernelsKind::Fused | KernelsKind::Auto => {
-                kernels::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]), z)
-                    .mean()
-            }
+            KernelsKind::Fused | KernelsKind::Auto => unreachable!("handled above"),
             KernelsKind::Reference if z > 0.0 => kernels::cross_entropy::reference(
                 logits.reshape([b * t, v]),
                 targets.reshape([b * t]),

@@ -30,5 +30,5 @@ pub mod dtype;
 pub mod gpt;
 pub mod layers;
 
-pub use config::{AttentionKind, GemmKind, GptConfig, KernelsKind, MlpKind};
+pub use config::{AttentionKind, GemmKind, GptConfig, HeadLossKind, KernelsKind, MlpKind};
 pub use gpt::{Gpt, KvCache};

@@ -7,6 +7,9 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
+use burn::tensor::{DType, FloatDType, TensorMetadata};
+
+use super::linear::{chunked, float_dtype, LinearCrossEntropy};
 use crate::KernelOps;
 
 #[derive(Debug)]
@@ -45,7 +48,82 @@ pub(crate) fn cross_entropy<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
+/// [`crate::linear_cross_entropy`]: the gradients were taken in the forward, per unit loss
+/// weight; the backward scales them by the mean loss's gradient.
+#[derive(Debug)]
+struct LinearCrossEntropyBackward;
+
+impl<B: KernelOps> Backward<B, 2> for LinearCrossEntropyBackward {
+    /// (dx of the summed loss, dw of the summed loss in f32, rows, x's and w's dtypes)
+    type State = (
+        Option<FloatTensor<B>>,
+        Option<FloatTensor<B>>,
+        usize,
+        DType,
+        DType,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let (dx, dw, rows, x_dtype, w_dtype) = ops.state;
+        // d(mean)/d(row) = g / rows.
+        let scale = crate::tensor::<B, 1>(grads.consume::<B>(&ops.node))
+            .cast(FloatDType::F32)
+            .div_scalar(rows as f64)
+            .reshape([1, 1]);
+        if let (Some(node), Some(dx)) = (node_x, dx) {
+            let dx = (crate::tensor::<B, 2>(dx).cast(FloatDType::F32) * scale.clone())
+                .cast(float_dtype(x_dtype));
+            grads.register::<B>(node.id, crate::prim(dx));
+        }
+        if let (Some(node), Some(dw)) = (node_w, dw) {
+            let dw = crate::tensor::<B, 2>(dw) * scale;
+            let dw = if w_dtype == DType::F32 {
+                dw
+            } else {
+                dw.cast(float_dtype(w_dtype))
+            };
+            grads.register::<B>(node.id, crate::prim(dw));
+        }
+    }
+}
+
+pub(crate) fn linear_cross_entropy<B: KernelOps, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    w: FloatTensor<Autodiff<B, C>>,
+    targets: IntTensor<Autodiff<B, C>>,
+    opts: LinearCrossEntropy,
+) -> FloatTensor<Autodiff<B, C>> {
+    let need_dx = !x.node.requirement.is_none();
+    let need_dw = !w.node.requirement.is_none();
+    let rows = x.primitive.shape()[0];
+    let dtypes = (x.primitive.dtype(), w.primitive.dtype());
+    match LinearCrossEntropyBackward
+        .prepare::<C>([x.node.clone(), w.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let (loss, dx, dw) =
+                chunked::<B>(x.primitive, w.primitive, targets, opts, need_dx, need_dw);
+            prep.finish((dx, dw, rows, dtypes.0, dtypes.1), loss)
+        }
+        OpsKind::UnTracked(prep) => {
+            prep.finish(chunked::<B>(x.primitive, w.primitive, targets, opts, false, false).0)
+        }
+    }
+}
+
 impl<B: crate::KernelOps, C: CheckpointStrategy> super::CrossEntropyOps for Autodiff<B, C> {
+    fn fused_linear_cross_entropy(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        opts: LinearCrossEntropy,
+    ) -> FloatTensor<Self> {
+        linear_cross_entropy::<B, C>(x, w, targets, opts)
+    }
+
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,

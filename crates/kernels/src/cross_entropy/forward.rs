@@ -195,6 +195,15 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn fused_linear_cross_entropy(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        opts: super::LinearCrossEntropy,
+    ) -> FloatTensor<Self> {
+        super::linear::chunked::<Self>(x, w, targets, opts, false, false).0
+    }
+
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,

@@ -12,11 +12,14 @@
 pub(crate) mod backward;
 pub(crate) mod forward;
 pub(crate) mod kernel;
+pub mod linear;
+
+pub use linear::LinearCrossEntropy;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{FloatDType, Int, Tensor};
+use burn::tensor::{FloatDType, Int, Tensor, TensorMetadata};
 
 /// Plain-Burn per-row cross-entropy with z-loss, in f32 (see the module docs).
 pub fn reference<B: BurnBackend>(
@@ -50,9 +53,26 @@ pub fn reference_log_softmax<B: BurnBackend>(
     logp.gather(1, targets.reshape([rows, 1])).mean().neg()
 }
 
-/// Cross-entropy on a backend ([`crate::cross_entropy`]). The default runs the reference;
-/// `CubeBackend` overrides it with the kernel and `Autodiff` with the kernel and its backward.
+/// Cross-entropy on a backend ([`crate::cross_entropy`], [`crate::linear_cross_entropy`]). The
+/// defaults run the references; `CubeBackend` overrides them with the kernels and `Autodiff` with
+/// the kernels and their backward.
 pub trait CrossEntropyOps: BurnBackend {
+    /// [`crate::linear_cross_entropy`]: the mean loss, `[1]` f32.
+    fn fused_linear_cross_entropy(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        opts: LinearCrossEntropy,
+    ) -> FloatTensor<Self> {
+        crate::gemm::burn_only(opts.gemm, x.dtype());
+        crate::prim(linear::reference::<Self>(
+            crate::tensor(x),
+            crate::tensor(w),
+            burn::tensor::Tensor::from_primitive(targets),
+            opts.z_loss,
+        ))
+    }
+
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,

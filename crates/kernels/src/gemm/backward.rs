@@ -99,6 +99,24 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::GemmOps for Autodiff<B, 
     ) -> FloatTensor<Self> {
         gemm::<B, C>(a, b, trans_a, trans_b, engine)
     }
+    fn gemm_f32(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+        acc: Option<FloatTensor<Self>>,
+        engine: Gemm,
+    ) -> FloatTensor<Self> {
+        // Not differentiable: the inner backend's product, untracked.
+        <Self as burn::tensor::backend::AutodiffBackend>::from_inner(B::gemm_f32(
+            a.primitive,
+            b.primitive,
+            trans_a,
+            trans_b,
+            acc.map(|c| c.primitive),
+            engine,
+        ))
+    }
     fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> super::GemmPath {
         B::gemm_path(&a.primitive, engine)
     }

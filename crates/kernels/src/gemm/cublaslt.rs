@@ -213,6 +213,14 @@ pub(crate) fn as_cuda<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<&CubeTensor<C
     (t as &dyn Any).downcast_ref::<CubeTensor<CudaRuntime>>()
 }
 
+/// `t` as a CUDA tensor, if it is one.
+pub(crate) fn into_cuda<R: CubeRuntime>(t: CubeTensor<R>) -> Option<CubeTensor<CudaRuntime>> {
+    (Box::new(t) as Box<dyn Any>)
+        .downcast::<CubeTensor<CudaRuntime>>()
+        .ok()
+        .map(|t| *t)
+}
+
 /// A CUDA tensor back as `CubeTensor<R>` (`R` is `CudaRuntime`).
 pub(crate) fn from_cuda<R: CubeRuntime>(t: CubeTensor<CudaRuntime>) -> CubeTensor<R> {
     *(Box::new(t) as Box<dyn Any>)
@@ -751,10 +759,80 @@ pub(crate) fn gemm(
         scales: None,
         problem,
         views: Some((trans_a, trans_b)),
+        beta: 0.0,
         order: order(),
         caller: std::thread::current().id(),
     })?;
     Ok(out)
+}
+
+/// `op(a) op(b)` (+ `acc`) written in f32 on cuBLASLt (bf16/f16/f32 operands, f32 accumulation),
+/// or why not, with `acc` handed back untouched. With `acc` (contiguous f32 `[m, n]` that nothing
+/// else holds: [`CubeTensor::can_mut`]) the product is added into `acc`'s memory (beta = 1) and
+/// `acc` is returned; otherwise a new tensor.
+#[allow(clippy::type_complexity, clippy::result_large_err)]
+pub(crate) fn gemm_f32(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    trans_a: bool,
+    trans_b: bool,
+    acc: Option<CubeTensor<CudaRuntime>>,
+) -> Result<CubeTensor<CudaRuntime>, (Refused, Option<CubeTensor<CudaRuntime>>)> {
+    use sys::cudaDataType::CUDA_R_32F;
+    let Some((dt, compute)) = data_type(a.dtype) else {
+        return Err((Refused::NotApplicable, acc));
+    };
+    let (ad, _) = dims2(&a);
+    let (bd, _) = dims2(&b);
+    let ([m, k, n], _) = super::dims(ad, bd, trans_a, trans_b);
+    if m == 0 || n == 0 || k == 0 || library().is_err() || a.device != b.device {
+        return Err((Refused::NotApplicable, acc));
+    }
+    if let Some(c) = &acc {
+        let (cd, cs) = dims2(c);
+        if c.dtype != DType::F32 || cd != [m, n] || cs != [n, 1] || !c.can_mut() {
+            return Err((Refused::NotApplicable, acc));
+        }
+    }
+    let (a, la) = operand(a, trans_a);
+    let (b, lb) = operand(b, trans_b);
+    let beta = if acc.is_some() { 1.0 } else { 0.0 };
+    let given = acc.is_some();
+    let out = acc.unwrap_or_else(|| {
+        empty_device_contiguous_dtype(
+            a.client.clone(),
+            a.device.clone(),
+            Shape::new([m, n]),
+            DType::F32,
+        )
+    });
+    let problem = Problem {
+        types: [dt, dt, CUDA_R_32F],
+        compute,
+        scale_modes: None,
+        m,
+        n,
+        k,
+        a: la,
+        b: lb,
+        align: [0; 3],
+    };
+    let done = execute(Job {
+        a,
+        b,
+        out: out.clone(),
+        scales: None,
+        problem,
+        // Not queued: a refused call hands `acc` back unchanged, for the caller's fallback.
+        views: None,
+        beta,
+        order: order(),
+        caller: std::thread::current().id(),
+    });
+    match done {
+        Ok(()) => Ok(out),
+        Err(why) => Err((why, given.then_some(out))),
+    }
 }
 
 /// The GEMMs' service on CubeCL's device thread.
@@ -823,6 +901,8 @@ struct Job {
     problem: Problem,
     /// bf16/f16/f32: `op(a) op(b)`'s transpose flags, for Burn's matmul if a queued call fails.
     views: Option<(bool, bool)>,
+    /// cuBLASLt's beta: 1 adds the product into `out`.
+    beta: f32,
     order: Order,
     /// The host thread that asked for the GEMM (its CubeCL stream is the one ordered with).
     caller: std::thread::ThreadId,
@@ -1072,7 +1152,7 @@ impl Job {
                     .map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
                 None
             };
-            let (alpha, beta) = (1.0f32, 0.0f32);
+            let (alpha, beta) = (1.0f32, self.beta);
             let done = lt::matmul(
                 dev.handle,
                 call.desc,
@@ -1159,8 +1239,13 @@ fn describe(p: &Problem) -> String {
     let [tb, ta, tc] = p.types;
     match p.scale_modes {
         None => format!(
-            "{} [m, k, n] = [{}, {}, {}] (leading dimensions {}, {})",
-            type_name(tc),
+            "{}{} [m, k, n] = [{}, {}, {}] (leading dimensions {}, {})",
+            type_name(ta),
+            if tc == ta {
+                String::new()
+            } else {
+                format!(" into {}", type_name(tc))
+            },
             p.m,
             p.k,
             p.n,
@@ -1669,6 +1754,7 @@ pub(crate) fn fp8_gemm(
         scales: Some((a.scales.clone(), b.scales.clone())),
         problem,
         views: None,
+        beta: 0.0,
         order: fp8_order(),
         caller: std::thread::current().id(),
     })?;

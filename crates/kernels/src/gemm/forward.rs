@@ -51,6 +51,71 @@ where
     ))
 }
 
+/// [`super::GemmOps::gemm_f32`] on `CubeBackend`: cuBLASLt for CUDA tensors unless `engine` is
+/// `Burn`.
+pub(crate) fn cube_f32<R, F, I, BT>(
+    a: CubeTensor<R>,
+    b: CubeTensor<R>,
+    trans_a: bool,
+    trans_b: bool,
+    mut acc: Option<CubeTensor<R>>,
+    engine: Gemm,
+) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    if engine != Gemm::Burn {
+        match (cublaslt::as_cuda(&a), cublaslt::as_cuda(&b)) {
+            (Some(ca), Some(cb)) => {
+                if engine == Gemm::CublasLt {
+                    if let Err(why) = cublaslt::library() {
+                        fail("gemm_f32", format!("Gemm::CublasLt: {why}"));
+                    }
+                }
+                // The accumulator is on the same runtime as `a`: CUDA.
+                let cacc = acc.take().map(|c| {
+                    cublaslt::into_cuda(c).expect("the accumulator is on a's runtime: CUDA")
+                });
+                // An accumulator something else still holds is not written in place: the
+                // product is added to it instead.
+                let shared = cacc.as_ref().is_some_and(|c| !c.can_mut());
+                let (into, add) = if shared { (None, cacc) } else { (cacc, None) };
+                match cublaslt::gemm_f32(ca.clone(), cb.clone(), trans_a, trans_b, into) {
+                    Ok(out) => {
+                        let out =
+                            crate::tensor::<CubeBackend<R, F, I, BT>, 2>(cublaslt::from_cuda(out));
+                        return crate::prim(match add {
+                            Some(c) => crate::tensor(cublaslt::from_cuda(c)) + out,
+                            None => out,
+                        });
+                    }
+                    Err((why, back)) => {
+                        if let cublaslt::Refused::Unsupported(why) = why {
+                            cublaslt::fell_back(format!(
+                                "kernels::gemm_f32: {why}; this GEMM runs on Burn's matmul instead"
+                            ));
+                        }
+                        acc = back.or(add).map(cublaslt::from_cuda);
+                    }
+                }
+            }
+            _ => {
+                burn_only(engine, a.dtype);
+            }
+        }
+    }
+    crate::prim(super::reference_f32::<CubeBackend<R, F, I, BT>>(
+        crate::tensor(a),
+        crate::tensor(b),
+        trans_a,
+        trans_b,
+        acc.map(crate::tensor),
+    ))
+}
+
 /// [`super::GemmOps::gemm_path`] on `CubeBackend`.
 pub(crate) fn cube_path<R: CubeRuntime>(a: &CubeTensor<R>, engine: Gemm) -> GemmPath {
     if engine == Gemm::Burn {
@@ -88,6 +153,16 @@ where
         engine: Gemm,
     ) -> FloatTensor<Self> {
         cube::<R, F, I, BT>(a, b, trans_a, trans_b, engine)
+    }
+    fn gemm_f32(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+        acc: Option<FloatTensor<Self>>,
+        engine: Gemm,
+    ) -> FloatTensor<Self> {
+        cube_f32::<R, F, I, BT>(a, b, trans_a, trans_b, acc, engine)
     }
     fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> GemmPath {
         cube_path(a, engine)

@@ -111,6 +111,66 @@ pub fn gemm<B: Backend>(
     ))
 }
 
+/// `op(a) op(b)` written in f32, plus `acc` (f32 `[m, n]`) when given: a weight gradient
+/// accumulated in f32 straight from the GEMM (over micro-batches or chunks of rows) instead of a
+/// low-precision product and a cast. `a` and `b` share one float dtype (f32 accumulation). Not
+/// differentiable: the result carries no autodiff history.
+///
+/// On CUDA with cuBLASLt the product is added in place into `acc`'s memory (beta = 1) when
+/// nothing else holds `acc`; otherwise, and on every other backend, `acc + op(a) op(b)` with the
+/// operands cast to f32 and Burn's matmul.
+pub fn gemm_f32<B: Backend>(
+    a: Tensor<B, 2>,
+    b: Tensor<B, 2>,
+    trans_a: bool,
+    trans_b: bool,
+    acc: Option<Tensor<B, 2>>,
+    engine: Gemm,
+) -> Tensor<B, 2> {
+    check_operands("gemm_f32", &a, &b, trans_a, trans_b);
+    if let Some(c) = &acc {
+        let ([m, _, n], _) = dims(a.dims(), b.dims(), trans_a, trans_b);
+        if c.dims() != [m, n] || c.dtype() != DType::F32 {
+            fail(
+                "gemm_f32",
+                format!(
+                    "acc is {:?} {:?}; op(a) op(b) is [{m}, {n}], so acc must be F32 [{m}, {n}]",
+                    c.dtype(),
+                    c.dims()
+                ),
+            );
+        }
+    }
+    crate::tensor(B::gemm_f32(
+        crate::prim(a),
+        crate::prim(b),
+        trans_a,
+        trans_b,
+        acc.map(crate::prim),
+        engine,
+    ))
+}
+
+/// The plain-Burn [`gemm_f32`]: f32 casts, Burn's matmul, an add.
+pub fn reference_f32<B: BurnBackend>(
+    a: Tensor<B, 2>,
+    b: Tensor<B, 2>,
+    trans_a: bool,
+    trans_b: bool,
+    acc: Option<Tensor<B, 2>>,
+) -> Tensor<B, 2> {
+    let p = reference(
+        a.cast(burn::tensor::FloatDType::F32),
+        b.cast(burn::tensor::FloatDType::F32),
+        trans_a,
+        trans_b,
+    );
+    match acc {
+        Some(c) => c + p,
+        None => p,
+    }
+}
+
 /// `x W` over the last dimension: `x` [.., k], `w` [k, n] -> [.., n], through [`gemm`].
 pub fn linear<B: Backend, const D: usize>(
     x: Tensor<B, D>,
@@ -241,6 +301,25 @@ pub trait GemmOps: BurnBackend {
             crate::tensor(b),
             trans_a,
             trans_b,
+        ))
+    }
+
+    /// [`gemm_f32`]; the f32 reference by default.
+    fn gemm_f32(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        trans_a: bool,
+        trans_b: bool,
+        acc: Option<FloatTensor<Self>>,
+        engine: Gemm,
+    ) -> FloatTensor<Self> {
+        burn_only(engine, a.dtype());
+        crate::prim(reference_f32::<Self>(
+            crate::tensor(a),
+            crate::tensor(b),
+            trans_a,
+            trans_b,
+            acc.map(crate::tensor),
         ))
     }
 

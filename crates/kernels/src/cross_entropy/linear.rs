@@ -1,0 +1,166 @@
+//! The mean cross-entropy of a linear layer's output, without its logits:
+//! `mean_r CE(x_r W^T, t_r)` for `x` [rows, d], `W` [classes, d] (an LM head, or a tied embedding).
+//!
+//! An LM head's logits are the largest tensors of a language model's step (GPT-2 at 16 x 1024
+//! tokens: [16384, 50304] bf16, 1.65 GB, and as much again for their gradient). Here they exist
+//! only a chunk of rows at a time. Each chunk's logits go straight through the cross-entropy
+//! forward and backward kernels, and the chunk's input and weight gradients are taken at once:
+//! `dx_c = dlogits_c W` and `dW += dlogits_c^T x_c`, accumulated in f32 straight from the GEMM
+//! ([`crate::gemm::gemm_f32`]). What lives from the forward to the backward is `dx` [rows, d] and
+//! `dW` [classes, d] f32, which the backward only scales by the loss's gradient. The arithmetic is
+//! the one of the unchunked loss (the same GEMMs, f32 accumulation, and the kernels' f32 softmax);
+//! only the logits gradient is formed per unit loss weight and scaled at the end, so its
+//! low-precision values do not depend on a loss scale.
+//!
+//! Without autodiff (evaluation) only the loss is computed, chunk by chunk.
+
+use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorMetadata};
+
+use crate::gemm::Gemm;
+use crate::KernelOps;
+
+/// The bytes of logits one chunk may take when [`LinearCrossEntropy::chunk_rows`] is `None`:
+/// 256 MiB, 2048-2668 rows of GPT-2's 50304 classes in bf16. Small enough for CubeCL's pools to
+/// place beside the activations, large enough for the GEMMs to run at full speed.
+pub const DEFAULT_CHUNK_BYTES: usize = 256 << 20;
+
+/// Options of [`crate::linear_cross_entropy`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinearCrossEntropy {
+    /// Weight of `z_loss * lse^2` added to each row's loss (0: none).
+    pub z_loss: f64,
+    /// Engine of the GEMMs.
+    pub gemm: Gemm,
+    /// Rows per chunk; `None` takes the most rows whose logits fit [`DEFAULT_CHUNK_BYTES`].
+    pub chunk_rows: Option<usize>,
+}
+
+impl Default for LinearCrossEntropy {
+    fn default() -> Self {
+        Self {
+            z_loss: 0.0,
+            gemm: Gemm::Auto,
+            chunk_rows: None,
+        }
+    }
+}
+
+/// Rows per chunk for `rows` rows of `classes` logits of `elem_bytes` each: at most `given` (or
+/// what fits [`DEFAULT_CHUNK_BYTES`]), the chunks as even as possible, in multiples of 64 rows
+/// where that stays within the limit.
+pub fn chunk_rows(rows: usize, classes: usize, elem_bytes: usize, given: Option<usize>) -> usize {
+    let limit = given
+        .unwrap_or_else(|| DEFAULT_CHUNK_BYTES / (classes * elem_bytes).max(1))
+        .clamp(1, rows.max(1));
+    let even = rows.max(1).div_ceil(rows.max(1).div_ceil(limit));
+    let rounded = even.next_multiple_of(64);
+    if rounded <= limit {
+        rounded
+    } else {
+        even
+    }
+}
+
+/// The plain-Burn reference: all logits `x w^T` in `x`'s dtype (Burn's matmul), the reference
+/// cross-entropy in f32, the mean over rows. `[1]` f32.
+pub fn reference<B: BurnBackend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    z_loss: f64,
+) -> Tensor<B, 1> {
+    let w = match x.dtype() {
+        DType::F32 => w.cast(FloatDType::F32),
+        DType::F16 => w.cast(FloatDType::F16),
+        DType::BF16 => w.cast(FloatDType::BF16),
+        _ => w,
+    };
+    let logits = crate::gemm::reference(x, w, false, true);
+    super::reference(logits, targets, z_loss).mean()
+}
+
+/// `dtype` as a float dtype, for casts.
+pub(crate) fn float_dtype(dtype: DType) -> FloatDType {
+    match dtype {
+        DType::F64 => FloatDType::F64,
+        DType::F16 => FloatDType::F16,
+        DType::BF16 => FloatDType::BF16,
+        _ => FloatDType::F32,
+    }
+}
+
+/// The chunked loss on a kernels backend: the mean loss (`[1]` f32) and, for the gradients asked
+/// for, those of the summed loss (unit weight per row): `dx` [rows, d] in `x`'s dtype and `dw`
+/// [classes, d] in f32.
+#[allow(clippy::type_complexity)]
+pub(crate) fn chunked<B: KernelOps>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    targets: IntTensor<B>,
+    opts: LinearCrossEntropy,
+    need_dx: bool,
+    need_dw: bool,
+) -> (
+    FloatTensor<B>,
+    Option<FloatTensor<B>>,
+    Option<FloatTensor<B>>,
+) {
+    let x = crate::tensor::<B, 2>(x);
+    let w = crate::tensor::<B, 2>(w);
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets);
+    let device = x.device();
+    let [rows, d] = x.dims();
+    let [classes, _] = w.dims();
+    let dtype = x.dtype();
+    // The GEMMs take both operands in x's dtype: a wider weight (an f32 master) is cast once.
+    let w = if w.dtype() == dtype {
+        w
+    } else {
+        w.cast(float_dtype(dtype))
+    };
+    let chunk = chunk_rows(rows, classes, dtype.size(), opts.chunk_rows);
+    let (z, gemm) = (opts.z_loss, opts.gemm);
+    let mut losses = Vec::with_capacity(rows.div_ceil(chunk));
+    let mut dxs = Vec::new();
+    let mut dw: Option<FloatTensor<B>> = None;
+    for start in (0..rows).step_by(chunk) {
+        let end = (start + chunk).min(rows);
+        let xc = x.clone().narrow(0, start, end - start);
+        let tc = targets.clone().narrow(0, start, end - start);
+        let logits = B::gemm(
+            crate::prim(xc.clone()),
+            crate::prim(w.clone()),
+            false,
+            true,
+            gemm,
+        );
+        let (loss, lse) = B::cross_entropy_forward(logits.clone(), tc.clone().into_primitive(), z);
+        losses.push(crate::tensor::<B, 1>(loss));
+        if !(need_dx || need_dw) {
+            continue;
+        }
+        let unit = Tensor::<B, 1>::ones([end - start], &device).cast(FloatDType::F32);
+        let dlogits =
+            B::cross_entropy_backward(logits, tc.into_primitive(), lse, crate::prim(unit), z);
+        if need_dx {
+            dxs.push(crate::tensor::<B, 2>(B::gemm(
+                dlogits.clone(),
+                crate::prim(w.clone()),
+                false,
+                false,
+                gemm,
+            )));
+        }
+        if need_dw {
+            dw = Some(B::gemm_f32(dlogits, crate::prim(xc), true, false, dw, gemm));
+        }
+    }
+    let loss = Tensor::cat(losses, 0).mean();
+    let dx = need_dx.then(|| crate::prim(Tensor::cat(dxs, 0)));
+    debug_assert!(dx
+        .as_ref()
+        .is_none_or(|t| t.shape().as_slice() == [rows, d]));
+    (crate::prim(loss), dx, dw)
+}
