@@ -54,7 +54,7 @@ pub(crate) fn cross_entropy<B: KernelOps, C: CheckpointStrategy>(
 struct LinearCrossEntropyBackward;
 
 impl<B: KernelOps> Backward<B, 2> for LinearCrossEntropyBackward {
-    /// (dx of the summed loss, dw of the summed loss in f32, rows, x's and w's dtypes)
+    /// (dx and dw of the summed loss, both f32; rows; x's and w's dtypes)
     type State = (
         Option<FloatTensor<B>>,
         Option<FloatTensor<B>>,
@@ -72,8 +72,12 @@ impl<B: KernelOps> Backward<B, 2> for LinearCrossEntropyBackward {
             .div_scalar(rows as f64)
             .reshape([1, 1]);
         if let (Some(node), Some(dx)) = (node_x, dx) {
-            let dx = (crate::tensor::<B, 2>(dx).cast(FloatDType::F32) * scale.clone())
-                .cast(float_dtype(x_dtype));
+            let dx = crate::tensor::<B, 2>(dx) * scale.clone();
+            let dx = if x_dtype == DType::F32 {
+                dx
+            } else {
+                dx.cast(float_dtype(x_dtype))
+            };
             grads.register::<B>(node.id, crate::prim(dx));
         }
         if let (Some(node), Some(dw)) = (node_w, dw) {

@@ -7,7 +7,7 @@
 //! forward and backward kernels, and the chunk's input and weight gradients are taken at once:
 //! `dx_c = dlogits_c W` and `dW += dlogits_c^T x_c`, accumulated in f32 straight from the GEMM
 //! ([`crate::gemm::gemm_f32`]). What lives from the forward to the backward is `dx` [rows, d] and
-//! `dW` [classes, d] f32, which the backward only scales by the loss's gradient. The arithmetic is
+//! `dW` [classes, d], both f32, which the backward only scales by the loss's gradient. The arithmetic is
 //! the one of the unchunked loss (the same GEMMs, f32 accumulation, and the kernels' f32 softmax);
 //! only the logits gradient is formed per unit loss weight and scaled at the end, so its
 //! low-precision values do not depend on a loss scale.
@@ -92,8 +92,9 @@ pub(crate) fn float_dtype(dtype: DType) -> FloatDType {
 }
 
 /// The chunked loss on a kernels backend: the mean loss (`[1]` f32) and, for the gradients asked
-/// for, those of the summed loss (unit weight per row): `dx` [rows, d] in `x`'s dtype and `dw`
-/// [classes, d] in f32.
+/// for, those of the summed loss (unit weight per row), both in f32 straight from their GEMMs:
+/// `dx` [rows, d] and `dw` [classes, d]. (Kept in f32, the gradient is rounded to `x`'s dtype once,
+/// after its scaling.)
 #[allow(clippy::type_complexity)]
 pub(crate) fn chunked<B: KernelOps>(
     x: FloatTensor<B>,
@@ -125,6 +126,8 @@ pub(crate) fn chunked<B: KernelOps>(
     let mut losses = Vec::with_capacity(rows.div_ceil(chunk));
     let mut dxs = Vec::new();
     let mut dw: Option<FloatTensor<B>> = None;
+    // The weight of each row's loss in the gradients: 1 (the backward scales by the mean's).
+    let mut ones: Option<Tensor<B, 1>> = None;
     for start in (0..rows).step_by(chunk) {
         let end = (start + chunk).min(rows);
         let xc = x.clone().narrow(0, start, end - start);
@@ -141,15 +144,19 @@ pub(crate) fn chunked<B: KernelOps>(
         if !(need_dx || need_dw) {
             continue;
         }
-        let unit = Tensor::<B, 1>::ones([end - start], &device).cast(FloatDType::F32);
+        let unit = ones
+            .get_or_insert_with(|| Tensor::<B, 1>::ones([chunk], &device).cast(FloatDType::F32))
+            .clone()
+            .narrow(0, 0, end - start);
         let dlogits =
             B::cross_entropy_backward(logits, tc.into_primitive(), lse, crate::prim(unit), z);
         if need_dx {
-            dxs.push(crate::tensor::<B, 2>(B::gemm(
+            dxs.push(crate::tensor::<B, 2>(B::gemm_f32(
                 dlogits.clone(),
                 crate::prim(w.clone()),
                 false,
                 false,
+                None,
                 gemm,
             )));
         }

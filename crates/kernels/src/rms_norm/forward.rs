@@ -25,14 +25,43 @@ pub(crate) fn rows_cols(shape: &Shape) -> (usize, usize) {
     (rows, cols)
 }
 
-fn plan<R: CubeRuntime>(
-    op: &str,
-    x: &CubeTensor<R>,
-    w: &CubeTensor<R>,
-    cols: usize,
-) -> (usize, usize, usize) {
+/// How a launch splits the rows.
+struct Plan {
+    /// Vector width.
+    n: usize,
+    /// Units along a row (the cube's x).
+    lanes: usize,
+    /// Rows a cube holds at once (the cube's y).
+    rows_per_cube: usize,
+    /// Vectors of a row per unit.
+    per_unit: usize,
+    /// A row per plane (`lanes` is the plane size), summed with `plane_sum`.
+    row_plane: bool,
+    /// Whole-cube sums through planes (one row per cube).
+    plane: bool,
+}
+
+/// Vectors per unit up to which a row goes to one plane: beyond this the registers of the
+/// backward (three arrays of them) would spill.
+const MAX_PER_LANE: usize = 8;
+
+/// Units of a row-per-plane cube (several rows at once, so that many loads are in flight).
+const ROW_PLANE_UNITS: usize = 256;
+
+fn plan<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>, cols: usize) -> Plan {
     let n = vector_width(x, &[x.dtype, w.dtype], &[cols]);
     let row_vecs = cols / n;
+    let plane_size = x.client.properties().hardware.plane_size_max as usize;
+    if use_planes(x, plane_size) && row_vecs <= plane_size * MAX_PER_LANE {
+        return Plan {
+            n,
+            lanes: plane_size,
+            rows_per_cube: (ROW_PLANE_UNITS / plane_size).max(1),
+            per_unit: row_vecs.div_ceil(plane_size).max(1),
+            row_plane: true,
+            plane: true,
+        };
+    }
     let Some((units, per_unit)) = row_split(row_vecs, max_units(x), MAX_PER_UNIT) else {
         fail(op, format!(
             "rows of {cols} elements are longer than this kernel supports ({} elements at vector width {n}); \
@@ -40,7 +69,14 @@ fn plan<R: CubeRuntime>(
             MAX_PER_UNIT * max_units(x).min(1024) * n
         ))
     };
-    (n, units, per_unit)
+    Plan {
+        n,
+        lanes: units,
+        rows_per_cube: 1,
+        per_unit,
+        row_plane: false,
+        plane: use_planes(x, units),
+    }
 }
 
 fn check_weight<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>) {
@@ -97,9 +133,9 @@ pub(crate) fn forward<R: CubeRuntime>(
     if rows == 0 {
         return (sum, y, rstd);
     }
-    let (n, units, per_unit) = plan(op, &x, &w, cols);
-    let plane = use_planes(&x, units);
-    let cubes = rows.min(max_cubes_x(&x));
+    let p = plan(op, &x, &w, cols);
+    let n = p.n;
+    let cubes = rows.div_ceil(p.rows_per_cube).min(max_cubes_x(&x));
     let client = x.client.clone();
     let dtypes = [x.dtype.into(), w.dtype.into()];
     // Without a residual the kernel never touches `r` and `sum`: x stands in for r (read-only) and
@@ -109,7 +145,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     rms_norm_fwd::launch::<R>(
         &client,
         CubeCount::Static(cubes as u32, 1, 1),
-        CubeDim::new_1d(units as u32),
+        CubeDim::new_2d(p.lanes as u32, p.rows_per_cube as u32),
         n,
         x.into_tensor_arg(),
         r.into_tensor_arg(),
@@ -120,10 +156,11 @@ pub(crate) fn forward<R: CubeRuntime>(
         rows,
         cols / n,
         eps as f32,
-        per_unit,
-        reduce_slots(units, plane),
+        p.per_unit,
+        reduce_slots(p.lanes, p.plane),
         sum.is_some(),
-        plane,
+        p.plane,
+        p.row_plane,
         dtypes,
     );
     (sum, y, rstd)
@@ -153,17 +190,21 @@ pub(crate) fn backward<R: CubeRuntime>(
         );
         return (dx, dw);
     }
-    let (n, units, per_unit) = plan("rms_norm backward", &x, &w, cols);
-    let plane = use_planes(&x, units);
-    // A few cubes per SM keep the partial weight gradients small ([cubes, cols] f32, summed after).
-    let cubes = rows.min(4 * num_sms(&x)).min(max_cubes_x(&x));
-    let dw_part = empty(&x, vec![cubes, cols], DType::F32);
+    let p = plan("rms_norm backward", &x, &w, cols);
+    let n = p.n;
+    // A few cubes per SM keep the partial weight gradients small ([walkers, cols] f32: one row per
+    // cube, or per plane with a row per plane; summed after).
+    let cubes = rows
+        .div_ceil(p.rows_per_cube)
+        .min(4 * num_sms(&x))
+        .min(max_cubes_x(&x));
+    let dw_part = empty(&x, vec![cubes * p.rows_per_cube, cols], DType::F32);
     let client = x.client.clone();
     let dtypes = [x.dtype.into(), w.dtype.into()];
     rms_norm_bwd::launch::<R>(
         &client,
         CubeCount::Static(cubes as u32, 1, 1),
-        CubeDim::new_1d(units as u32),
+        CubeDim::new_2d(p.lanes as u32, p.rows_per_cube as u32),
         n,
         x.into_tensor_arg(),
         w.into_tensor_arg(),
@@ -173,9 +214,10 @@ pub(crate) fn backward<R: CubeRuntime>(
         dw_part.clone().into_tensor_arg(),
         rows,
         cols / n,
-        per_unit,
-        reduce_slots(units, plane),
-        plane,
+        p.per_unit,
+        reduce_slots(p.lanes, p.plane),
+        p.plane,
+        p.row_plane,
         dtypes,
     );
     let dw = crate::launch::sum_rows(dw_part);

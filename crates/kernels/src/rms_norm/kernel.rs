@@ -1,5 +1,8 @@
-//! RMSNorm kernels: one cube per row (grid-stride over rows), the row held in registers so `x` is
-//! read once; statistics, gain and gradients in f32 whatever the storage dtypes.
+//! RMSNorm kernels: each row is held in registers so `x` is read once; statistics, gain and
+//! gradients in f32 whatever the storage dtypes. A row belongs either to one plane (`row_plane`:
+//! the cube is `(plane size, rows per cube)`, a row's sums are one `plane_sum`, several rows per
+//! cube keep many loads in flight) or to a whole one-dimensional cube (long rows: the sums go
+//! through shared memory). Either way the rows are walked grid-stride.
 
 use cubecl::prelude::*;
 
@@ -23,14 +26,15 @@ pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
     #[comptime] slots: usize,
     #[comptime] residual: bool,
     #[comptime] plane: bool,
+    #[comptime] row_plane: bool,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
-    let unit = UNIT_POS as usize;
-    let units = CUBE_DIM as usize;
+    let unit = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
     let mut smem = SharedMemory::<f32>::new(slots);
     let mut regs = Array::<Vector<f32, N>>::new(per_unit);
     let cols = (row_vecs * x.vector_size()) as f32;
-    let mut row = CUBE_POS;
+    let mut row = CUBE_POS * CUBE_DIM_Y as usize + UNIT_POS_Y as usize;
     while row < rows {
         let base = row * row_vecs;
         let mut sq = 0.0f32;
@@ -49,7 +53,11 @@ pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
             regs[i] = v;
             sq += lanes_sum(v * v);
         }
-        let total = cube_sum(sq, &mut smem, plane);
+        let total = if comptime!(row_plane) {
+            plane_sum(sq)
+        } else {
+            cube_sum(sq, &mut smem, plane)
+        };
         let inv = f32::inverse_sqrt(total / cols + eps);
         if unit == 0 {
             rstd[row] = inv;
@@ -62,13 +70,14 @@ pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
                 y[base + c] = Vector::cast_from(regs[i] * g * Vector::new(inv));
             }
         }
-        row += CUBE_COUNT;
+        row += CUBE_COUNT * CUBE_DIM_Y as usize;
     }
 }
 
-/// Gradients of `y = x * rstd * w` for the rows `CUBE_POS, CUBE_POS + CUBE_COUNT, ...`:
-/// `dx = rstd * (g - x * rstd^2 * mean(g * x))` with `g = dy * w`, in `F`; the cube's share of
-/// `dw = sum_rows dy * x * rstd` goes, in f32, to row `CUBE_POS` of `dw_part` [cubes, cols].
+/// Gradients of `y = x * rstd * w` for the rows of one walker (a cube, or a plane of one with
+/// `row_plane`; walker `j` takes rows `j, j + walkers, ...`):
+/// `dx = rstd * (g - x * rstd^2 * mean(g * x))` with `g = dy * w`, in `F`; the walker's share of
+/// `dw = sum_rows dy * x * rstd` goes, in f32, to row `j` of `dw_part` [walkers, cols].
 #[cube(launch)]
 pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
@@ -82,10 +91,11 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     #[comptime] per_unit: usize,
     #[comptime] slots: usize,
     #[comptime] plane: bool,
+    #[comptime] row_plane: bool,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
-    let unit = UNIT_POS as usize;
-    let units = CUBE_DIM as usize;
+    let unit = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
     let mut smem = SharedMemory::<f32>::new(slots);
     let mut xs = Array::<Vector<f32, N>>::new(per_unit);
     let mut gs = Array::<Vector<f32, N>>::new(per_unit);
@@ -95,7 +105,8 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
         dws[i] = Vector::new(0.0);
     }
     let cols = (row_vecs * x.vector_size()) as f32;
-    let mut row = CUBE_POS;
+    let walker = CUBE_POS * CUBE_DIM_Y as usize + UNIT_POS_Y as usize;
+    let mut row = walker;
     while row < rows {
         let base = row * row_vecs;
         let inv = rstd[row];
@@ -115,7 +126,11 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
             gs[i] = gv;
             dot += lanes_sum(gv * xv);
         }
-        let total = cube_sum(dot, &mut smem, plane);
+        let total = if comptime!(row_plane) {
+            plane_sum(dot)
+        } else {
+            cube_sum(dot, &mut smem, plane)
+        };
         let k = inv * inv * inv * total / cols;
         #[unroll]
         for i in 0..per_unit {
@@ -124,9 +139,9 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
                 dx[base + c] = Vector::cast_from(gs[i] * Vector::new(inv) - xs[i] * Vector::new(k));
             }
         }
-        row += CUBE_COUNT;
+        row += CUBE_COUNT * CUBE_DIM_Y as usize;
     }
-    let out = CUBE_POS * row_vecs;
+    let out = walker * row_vecs;
     #[unroll]
     for i in 0..per_unit {
         let c = unit + i * units;
