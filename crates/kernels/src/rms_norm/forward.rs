@@ -48,16 +48,23 @@ const MAX_PER_LANE: usize = 8;
 /// Units of a row-per-plane cube (several rows at once, so that many loads are in flight).
 const ROW_PLANE_UNITS: usize = 256;
 
+/// Shared memory the backward's row-per-plane cube may use to sum its planes' weight gradients.
+const DW_SMEM_BYTES: usize = 32 << 10;
+
 fn plan<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>, cols: usize) -> Plan {
     let n = vector_width(x, &[x.dtype, w.dtype], &[cols]);
     let row_vecs = cols / n;
     let plane_size = x.client.properties().hardware.plane_size_max as usize;
     if use_planes(x, plane_size) && row_vecs <= plane_size * MAX_PER_LANE {
+        let per_unit = row_vecs.div_ceil(plane_size).max(1);
+        let plane_bytes = per_unit * plane_size * n * 4;
         return Plan {
             n,
             lanes: plane_size,
-            rows_per_cube: (ROW_PLANE_UNITS / plane_size).max(1),
-            per_unit: row_vecs.div_ceil(plane_size).max(1),
+            rows_per_cube: (ROW_PLANE_UNITS / plane_size)
+                .min(DW_SMEM_BYTES / plane_bytes)
+                .max(1),
+            per_unit,
             row_plane: true,
             plane: true,
         };
@@ -192,13 +199,18 @@ pub(crate) fn backward<R: CubeRuntime>(
     }
     let p = plan("rms_norm backward", &x, &w, cols);
     let n = p.n;
-    // A few cubes per SM keep the partial weight gradients small ([walkers, cols] f32: one row per
-    // cube, or per plane with a row per plane; summed after).
+    // A few cubes per SM keep the partial weight gradients small ([cubes, cols] f32, summed
+    // after).
     let cubes = rows
         .div_ceil(p.rows_per_cube)
         .min(4 * num_sms(&x))
         .min(max_cubes_x(&x));
-    let dw_part = empty(&x, vec![cubes * p.rows_per_cube, cols], DType::F32);
+    let dw_part = empty(&x, vec![cubes, cols], DType::F32);
+    let dw_slots = if p.row_plane {
+        p.rows_per_cube * p.per_unit * p.lanes
+    } else {
+        1
+    };
     let client = x.client.clone();
     let dtypes = [x.dtype.into(), w.dtype.into()];
     rms_norm_bwd::launch::<R>(
@@ -218,6 +230,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         reduce_slots(p.lanes, p.plane),
         p.plane,
         p.row_plane,
+        dw_slots,
         dtypes,
     );
     let dw = crate::launch::sum_rows(dw_part);

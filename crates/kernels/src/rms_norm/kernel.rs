@@ -76,8 +76,9 @@ pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
 
 /// Gradients of `y = x * rstd * w` for the rows of one walker (a cube, or a plane of one with
 /// `row_plane`; walker `j` takes rows `j, j + walkers, ...`):
-/// `dx = rstd * (g - x * rstd^2 * mean(g * x))` with `g = dy * w`, in `F`; the walker's share of
-/// `dw = sum_rows dy * x * rstd` goes, in f32, to row `j` of `dw_part` [walkers, cols].
+/// `dx = rstd * (g - x * rstd^2 * mean(g * x))` with `g = dy * w`, in `F`; the cube's share of
+/// `dw = sum_rows dy * x * rstd` goes, in f32, to row `CUBE_POS` of `dw_part` [cubes, cols] (with
+/// `row_plane` the planes' shares are first summed in shared memory, `dw_slots` vectors).
 #[cube(launch)]
 pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
@@ -92,6 +93,7 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     #[comptime] slots: usize,
     #[comptime] plane: bool,
     #[comptime] row_plane: bool,
+    #[comptime] dw_slots: usize,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
     let unit = UNIT_POS_X as usize;
@@ -141,12 +143,37 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
         }
         row += CUBE_COUNT * CUBE_DIM_Y as usize;
     }
-    let out = walker * row_vecs;
-    #[unroll]
-    for i in 0..per_unit {
-        let c = unit + i * units;
-        if c < row_vecs {
-            dw_part[out + c] = dws[i];
+    let out = CUBE_POS * row_vecs;
+    if comptime!(row_plane) {
+        // Each plane's share at [plane][i][lane]; then the cube's units sum over the planes.
+        let mut part = SharedMemory::<Vector<f32, N>>::new(dw_slots);
+        let y = UNIT_POS_Y as usize;
+        #[unroll]
+        for i in 0..per_unit {
+            part[(y * per_unit + i) * units + unit] = dws[i];
+        }
+        sync_cube();
+        let planes = CUBE_DIM_Y as usize;
+        let mut j = y * units + unit;
+        while j < per_unit * units {
+            // j = i * units + lane is column c = lane + i * units: the same index.
+            let c = j;
+            if c < row_vecs {
+                let mut acc = Vector::<f32, N>::new(0.0);
+                for p in 0..planes {
+                    acc += part[p * per_unit * units + j];
+                }
+                dw_part[out + c] = acc;
+            }
+            j += planes * units;
+        }
+    } else {
+        #[unroll]
+        for i in 0..per_unit {
+            let c = unit + i * units;
+            if c < row_vecs {
+                dw_part[out + c] = dws[i];
+            }
         }
     }
 }
