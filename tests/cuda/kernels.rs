@@ -416,16 +416,7 @@ fn cuda_gemm_stream_order_chain() {
             chain.run(kernels::Gemm::CublasLt),
             chain.run(kernels::Gemm::Burn),
         );
-        let wrong = ours.iter().zip(&burn).filter(|(a, b)| a != b).count();
-        assert_eq!(
-            wrong, 0,
-            "[{m}, {k}] {dtype:?}: {wrong} of {} values differ between the cuBLASLt and Burn chains",
-            ours.len()
-        );
-        assert!(
-            ours.iter().any(|&v| v != 0.0),
-            "{dtype:?}: the chain is all zeros"
-        );
+        chain.assert_same("this thread", &ours, &burn);
     }
     no_fallbacks("the chained GEMMs");
 }
@@ -458,15 +449,8 @@ fn cuda_gemm_same_stream_chain() {
         })
         .expect("the second thread's chain runs");
         assert_eq!(fallbacks, 0, "the second thread's GEMMs left cuBLASLt");
-        for (who, ours) in [("this thread", &here), ("a second thread", &there)] {
-            let wrong = ours.iter().zip(&burn).filter(|(a, b)| a != b).count();
-            assert_eq!(
-                wrong, 0,
-                "[{m}, {k}] {dtype:?} on {who}: {wrong} of {} values differ between the cuBLASLt and Burn chains",
-                ours.len()
-            );
-        }
-        assert!(burn.iter().any(|&v| v != 0.0), "{dtype:?}: all zeros");
+        chain.assert_same("this thread", &here, &burn);
+        chain.assert_same("a second thread", &there, &burn);
     }
     let a =
         burn::tensor::Tensor::<B, 2>::zeros([4, 8], &CudaDevice::default()).cast(FloatDType::BF16);
@@ -500,8 +484,7 @@ fn cuda_gemm_queued_fallback() {
         kernels::settings::update(|s| s.gemm_refuse_queued = true);
         let ours = chain.run(kernels::Gemm::CublasLt);
         kernels::settings::update(|s| s.gemm_refuse_queued = false);
-        let wrong = ours.iter().zip(&burn).filter(|(a, b)| a != b).count();
-        assert_eq!(wrong, 0, "[{m}, {k}] {dtype:?}: {wrong} values differ");
+        chain.assert_same("this thread, queued GEMMs refused", &ours, &burn);
         // The first GEMM of each chain waits for cuBLASLt (a new problem); the rest are queued.
         expected += steps - 1;
         assert_eq!(
@@ -520,6 +503,25 @@ struct IntChain {
     w: burn::tensor::Tensor<Cuda, 2>,
     steps: usize,
     dtype: FloatDType,
+}
+
+impl IntChain {
+    /// `ours` (a run of this chain on `who`) equals `burn` bit for bit, and the chain is not all
+    /// zeros (which any two engines would agree on).
+    fn assert_same(&self, who: &str, ours: &[f32], burn: &[f32]) {
+        let [m, k] = self.x0.dims();
+        let dtype = self.dtype;
+        let wrong = ours.iter().zip(burn).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            wrong, 0,
+            "[{m}, {k}] {dtype:?} on {who}: {wrong} of {} values differ between the cuBLASLt and Burn chains",
+            ours.len()
+        );
+        assert!(
+            burn.iter().any(|&v| v != 0.0),
+            "[{m}, {k}] {dtype:?}: the chain is all zeros"
+        );
+    }
 }
 
 impl IntChain {

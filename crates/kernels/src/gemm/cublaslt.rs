@@ -1118,39 +1118,47 @@ impl Job {
                 call.set_scales(sb.resource().ptr, sa.resource().ptr)
                     .map_err(|e| Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}")))?;
             }
-            let seq = if order == Order::Same {
+            // What orders the GEMM with CubeCL's later work once it is issued.
+            let after = match order {
                 // Already in CubeCL's order.
-                None
-            } else if order.uses_flags() {
-                if dev.flags.is_none() {
-                    dev.flags = Some(Flags::new(a, self.caller).map_err(Refused::Unsupported)?);
+                Order::Same => After::Nothing,
+                Order::Stream => {
+                    if dev.flags.is_none() {
+                        dev.flags = Some(Flags::new(a, self.caller).map_err(Refused::Unsupported)?);
+                    }
+                    let flags = dev.flags.as_mut().expect("just created");
+                    flags.seq = flags.seq.wrapping_add(1).max(1);
+                    // CubeCL's stream: flag[0] = seq after everything queued so far (launched now:
+                    // this is CubeCL's device thread).
+                    flags.launch(gemm_signal::launch_unchecked::<CudaRuntime>, flags.seq);
+                    // The GEMM's stream: spin until flag[0] == seq.
+                    let (mut flag_arg, mut seq_arg) = (flags.ptr, flags.seq);
+                    let mut params = [
+                        &mut flag_arg as *mut u64 as *mut c_void,
+                        &mut seq_arg as *mut u32 as *mut c_void,
+                    ];
+                    if let Err(e) = drv::launch_kernel(
+                        flags.wait,
+                        (1, 1, 1),
+                        (1, 1, 1),
+                        0,
+                        dev.stream,
+                        &mut params,
+                    ) {
+                        // Nothing waits for CubeCL's signal: harmless.
+                        return Err(Refused::Unsupported(format!(
+                            "launching the GEMM-stream wait kernel: {e:?}"
+                        )));
+                    }
+                    After::Flag(flags.seq)
                 }
-                let flags = dev.flags.as_mut().expect("just created");
-                flags.seq = flags.seq.wrapping_add(1).max(1);
-                // CubeCL's stream: flag[0] = seq after everything queued so far (launched now:
-                // this is CubeCL's device thread).
-                flags.launch(gemm_signal::launch_unchecked::<CudaRuntime>, flags.seq);
-                // The GEMM's stream: spin until flag[0] == seq.
-                let (mut flag_arg, mut seq_arg) = (flags.ptr, flags.seq);
-                let mut params = [
-                    &mut flag_arg as *mut u64 as *mut c_void,
-                    &mut seq_arg as *mut u32 as *mut c_void,
-                ];
-                if let Err(e) =
-                    drv::launch_kernel(flags.wait, (1, 1, 1), (1, 1, 1), 0, dev.stream, &mut params)
-                {
-                    // Nothing waits for CubeCL's signal: harmless.
-                    return Err(Refused::Unsupported(format!(
-                        "launching the GEMM-stream wait kernel: {e:?}"
-                    )));
+                Order::Host => {
+                    // Everything CubeCL queued before this GEMM (the inputs, and earlier users of
+                    // the output's memory) has finished once its stream is synchronised.
+                    cubecl::future::block_on(a.client.sync())
+                        .map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
+                    After::SyncGemmStream
                 }
-                Some(flags.seq)
-            } else {
-                // Everything CubeCL queued before this GEMM (the inputs, and earlier users of the
-                // output's memory) has finished once its stream is synchronised.
-                cubecl::future::block_on(a.client.sync())
-                    .map_err(|e| Refused::Unsupported(format!("CubeCL sync: {e:?}")))?;
-                None
             };
             let (alpha, beta) = (1.0f32, self.beta);
             let done = lt::matmul(
@@ -1174,11 +1182,11 @@ impl Job {
             .map_err(|e| {
                 Refused::Unsupported(format!("cublasLtMatmul for {}: {e:?}", describe(&problem)))
             });
-            match seq {
-                None if order == Order::Same => {}
-                None => drv::stream::synchronize(dev.stream)
+            match after {
+                After::Nothing => {}
+                After::SyncGemmStream => drv::stream::synchronize(dev.stream)
                     .map_err(|e| Refused::Unsupported(format!("GEMM stream: {e:?}")))?,
-                Some(seq) => {
+                After::Flag(seq) => {
                     // Completed whether or not the GEMM was queued: the GEMM's stream is already
                     // waiting for `seq`, and CubeCL's next hand-over must not overtake it.
                     let flags = dev.flags.as_ref().expect("created above");
@@ -1219,6 +1227,16 @@ impl Job {
         }
         Ok(())
     }
+}
+
+/// What orders an issued GEMM with CubeCL's later work ([`Job::run`]).
+enum After {
+    /// `Same`: the GEMM is on CubeCL's stream.
+    Nothing,
+    /// `Host`: the host waits for the GEMM's stream.
+    SyncGemmStream,
+    /// `Stream`: the GEMM's stream raises this flag value, which CubeCL's stream waits for.
+    Flag(u32),
 }
 
 /// A cuBLASLt data type's short name.
