@@ -71,12 +71,7 @@ pub fn reference<B: BurnBackend>(
     targets: Tensor<B, 1, Int>,
     z_loss: f64,
 ) -> Tensor<B, 1> {
-    let w = match x.dtype() {
-        DType::F32 => w.cast(FloatDType::F32),
-        DType::F16 => w.cast(FloatDType::F16),
-        DType::BF16 => w.cast(FloatDType::BF16),
-        _ => w,
-    };
+    let w = w.cast(float_dtype(x.dtype()));
     let logits = crate::gemm::reference(x, w, false, true);
     super::reference(logits, targets, z_loss).mean()
 }

@@ -4,9 +4,34 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::cuda::CudaRuntime;
 
 use super::{burn_only, cublaslt, Gemm, GemmPath};
 use crate::check::fail;
+
+/// `a` and `b` as CUDA tensors when `engine` sends them to cuBLASLt, `None` for Burn's matmul:
+/// `engine` is `Burn`, or they are not CUDA tensors (an error for an explicit `CublasLt`, as is an
+/// explicit `CublasLt` without the library).
+fn cublaslt_operands<'t, R: CubeRuntime>(
+    op: &str,
+    a: &'t CubeTensor<R>,
+    b: &'t CubeTensor<R>,
+    engine: Gemm,
+) -> Option<(&'t CubeTensor<CudaRuntime>, &'t CubeTensor<CudaRuntime>)> {
+    if engine == Gemm::Burn {
+        return None;
+    }
+    let (Some(ca), Some(cb)) = (cublaslt::as_cuda(a), cublaslt::as_cuda(b)) else {
+        burn_only(engine, a.dtype);
+        return None;
+    };
+    if engine == Gemm::CublasLt {
+        if let Err(why) = cublaslt::library() {
+            fail(op, format!("Gemm::CublasLt: {why}"));
+        }
+    }
+    Some((ca, cb))
+}
 
 /// [`super::GemmOps::gemm`] on `CubeBackend`: cuBLASLt for CUDA tensors unless `engine` is `Burn`.
 pub(crate) fn cube<R, F, I, BT>(
@@ -22,25 +47,13 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    if engine != Gemm::Burn {
-        match (cublaslt::as_cuda(&a), cublaslt::as_cuda(&b)) {
-            (Some(ca), Some(cb)) => {
-                if engine == Gemm::CublasLt {
-                    if let Err(why) = cublaslt::library() {
-                        fail("gemm", format!("Gemm::CublasLt: {why}"));
-                    }
-                }
-                match cublaslt::gemm(ca.clone(), cb.clone(), trans_a, trans_b) {
-                    Ok(out) => return cublaslt::from_cuda(out),
-                    Err(cublaslt::Refused::Unsupported(why)) => cublaslt::fell_back(format!(
-                        "kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"
-                    )),
-                    Err(cublaslt::Refused::NotApplicable) => {}
-                }
-            }
-            _ => {
-                burn_only(engine, a.dtype);
-            }
+    if let Some((ca, cb)) = cublaslt_operands("gemm", &a, &b, engine) {
+        match cublaslt::gemm(ca.clone(), cb.clone(), trans_a, trans_b) {
+            Ok(out) => return cublaslt::from_cuda(out),
+            Err(cublaslt::Refused::Unsupported(why)) => cublaslt::fell_back(format!(
+                "kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"
+            )),
+            Err(cublaslt::Refused::NotApplicable) => {}
         }
     }
     crate::prim(super::reference::<CubeBackend<R, F, I, BT>>(
@@ -67,43 +80,30 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    if engine != Gemm::Burn {
-        match (cublaslt::as_cuda(&a), cublaslt::as_cuda(&b)) {
-            (Some(ca), Some(cb)) => {
-                if engine == Gemm::CublasLt {
-                    if let Err(why) = cublaslt::library() {
-                        fail("gemm_f32", format!("Gemm::CublasLt: {why}"));
-                    }
-                }
-                // The accumulator is on the same runtime as `a`: CUDA.
-                let cacc = acc.take().map(|c| {
-                    cublaslt::into_cuda(c).expect("the accumulator is on a's runtime: CUDA")
+    if let Some((ca, cb)) = cublaslt_operands("gemm_f32", &a, &b, engine) {
+        // The accumulator is on the same runtime as `a`: CUDA.
+        let cacc = acc
+            .take()
+            .map(|c| cublaslt::into_cuda(c).expect("the accumulator is on a's runtime: CUDA"));
+        // An accumulator something else still holds is not written in place: the product is
+        // added to it instead.
+        let shared = cacc.as_ref().is_some_and(|c| !c.can_mut());
+        let (into, add) = if shared { (None, cacc) } else { (cacc, None) };
+        match cublaslt::gemm_f32(ca.clone(), cb.clone(), trans_a, trans_b, into) {
+            Ok(out) => {
+                let out = crate::tensor::<CubeBackend<R, F, I, BT>, 2>(cublaslt::from_cuda(out));
+                return crate::prim(match add {
+                    Some(c) => crate::tensor(cublaslt::from_cuda(c)) + out,
+                    None => out,
                 });
-                // An accumulator something else still holds is not written in place: the
-                // product is added to it instead.
-                let shared = cacc.as_ref().is_some_and(|c| !c.can_mut());
-                let (into, add) = if shared { (None, cacc) } else { (cacc, None) };
-                match cublaslt::gemm_f32(ca.clone(), cb.clone(), trans_a, trans_b, into) {
-                    Ok(out) => {
-                        let out =
-                            crate::tensor::<CubeBackend<R, F, I, BT>, 2>(cublaslt::from_cuda(out));
-                        return crate::prim(match add {
-                            Some(c) => crate::tensor(cublaslt::from_cuda(c)) + out,
-                            None => out,
-                        });
-                    }
-                    Err((why, back)) => {
-                        if let cublaslt::Refused::Unsupported(why) = why {
-                            cublaslt::fell_back(format!(
-                                "kernels::gemm_f32: {why}; this GEMM runs on Burn's matmul instead"
-                            ));
-                        }
-                        acc = back.or(add).map(cublaslt::from_cuda);
-                    }
-                }
             }
-            _ => {
-                burn_only(engine, a.dtype);
+            Err((why, back)) => {
+                if let cublaslt::Refused::Unsupported(why) = why {
+                    cublaslt::fell_back(format!(
+                        "kernels::gemm_f32: {why}; this GEMM runs on Burn's matmul instead"
+                    ));
+                }
+                acc = back.or(add).map(cublaslt::from_cuda);
             }
         }
     }
