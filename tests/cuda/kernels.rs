@@ -369,6 +369,24 @@ fn gemm_cases(dtype: FloatDType) {
     no_fallbacks(&format!("{dtype:?} GEMMs on cuBLASLt"));
 }
 
+/// cuBLASLt's f16 and bf16 GEMMs entry by entry within one unit in the last place of the f32
+/// product, at small outputs over long and short K where its heuristic splits K: the partial sums
+/// must be added in f32, never in the output's precision.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_split_k_rounding() {
+    let dev = CudaDevice::default();
+    for dtype in [FloatDType::BF16, FloatDType::F16] {
+        kernel_cases::gemm_rounding::<B>(
+            dtype,
+            &dev,
+            kernels::Gemm::CublasLt,
+            &kernel_cases::GEMM_SPLIT_K_SIZES,
+        );
+    }
+    no_fallbacks("split-K GEMMs on cuBLASLt");
+}
+
 /// The GEMMs above do run on cuBLASLt (a fallback to Burn's matmul would pass the numeric checks),
 /// and so does `Gemm::Auto` on CUDA.
 #[test]

@@ -1125,6 +1125,88 @@ pub fn gemm<B: AutodiffBackend + kernels::Backend>(
     }
 }
 
+/// Problem sizes `[m, k, n]` for [`gemm_rounding`]: small outputs over short and long K, where
+/// cuBLASLt's heuristic picks split-K (the first is the chunk GEMM of `linear_cross_entropy`'s
+/// transposed-weight case, where it split K = 32 88 ways).
+pub const GEMM_SPLIT_K_SIZES: [[usize; 3]; 5] = [
+    [64, 32, 301],
+    [130, 32, 301],
+    [16, 4096, 24],
+    [96, 2048, 80],
+    [1, 8192, 64],
+];
+
+/// [`kernels::gemm`] in f16 or bf16 entry by entry against the f32 product: every entry within
+/// one unit in the last place of the dtype (twice what rounding an f32 sum once costs) plus a
+/// margin for the f32 sums' own rounding, `16 sqrt(k) eps_f32 sqrt(sum (a b)^2)` (sixteen times
+/// the typical error of a sum of `k` rounded terms; the worst-case `k eps sum|a b|` would exceed a
+/// unit in the last place at long K and hide the error looked for). A GEMM that adds split-K partial sums in the
+/// output's precision misses that on many entries while its largest error over the whole output
+/// can stay within twice a once-rounded baseline's. Every transpose flag, each operand stored as
+/// the flag says or as a transposed view of the other layout (pitched rows on CUDA).
+pub fn gemm_rounding<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    engine: kernels::Gemm,
+    sizes: &[[usize; 3]],
+) {
+    let ulp = match dtype {
+        FloatDType::BF16 => 2f32.powi(-7),
+        FloatDType::F16 => 2f32.powi(-10),
+        other => panic!("gemm_rounding covers f16 and bf16, not {other:?}"),
+    };
+    // An operand of logical shape `shape`, stored so, or as a transposed view of its transpose.
+    let operand = |shape: [usize; 2], view: bool| -> Tensor<B, 2> {
+        if view {
+            randn::<B>([shape[1], shape[0]], dev)
+                .cast(dtype)
+                .transpose()
+        } else {
+            randn::<B>(shape, dev).cast(dtype)
+        }
+    };
+    let host = |t: Tensor<B, 2>| -> Vec<f32> {
+        t.cast(FloatDType::F32)
+            .into_data()
+            .convert::<f32>()
+            .to_vec()
+            .expect("f32 values")
+    };
+    for &[m, k, n] in sizes {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            for (va, vb) in [(false, false), (false, true), (true, false), (true, true)] {
+                let a = operand(if ta { [k, m] } else { [m, k] }, va);
+                let b = operand(if tb { [n, k] } else { [k, n] }, vb);
+                let got = host(kernels::gemm(a.clone(), b.clone(), ta, tb, engine));
+                let (af, bf) = (a.cast(FloatDType::F32), b.cast(FloatDType::F32));
+                let exact = host(gemm_exact(af.clone(), bf.clone(), ta, tb));
+                let squares = host(gemm_exact(af.clone() * af, bf.clone() * bf, ta, tb));
+                let f32_scale = 16.0 * (k as f32).sqrt() * f32::EPSILON;
+                let mut bad = 0usize;
+                let mut worst = (0.0f32, 0usize);
+                for (i, ((g, e), s)) in got.iter().zip(&exact).zip(&squares).enumerate() {
+                    let bound = ulp * e.abs() + f32_scale * s.sqrt();
+                    let ratio = (g - e).abs() / bound.max(f32::MIN_POSITIVE);
+                    if !(ratio <= 1.0) {
+                        bad += 1;
+                    }
+                    if !(ratio <= worst.0) {
+                        worst = (ratio, i);
+                    }
+                }
+                let (w, i) = worst;
+                assert!(
+                    bad == 0,
+                    "gemm [m, k, n] = [{m}, {k}, {n}], trans ({ta}, {tb}), transposed views ({va}, {vb}), {dtype:?}, {engine:?}: {bad} of {} entries further than one unit in the last place from the f32 product; the worst, entry {i}, {} against {} ({w:.1}x its bound)",
+                    got.len(),
+                    got[i],
+                    exact[i],
+                );
+            }
+        }
+    }
+}
+
 /// [`kernels::gemm`] on operands that are views: a column slice of a wider matrix (leading
 /// dimension larger than the row), a transposed view read with the opposite flag, and a view with
 /// a non-unit inner stride (copied first); plus [`kernels::linear`] on a rank-3 input.

@@ -1413,6 +1413,23 @@ impl Call {
                     4,
                 )?;
             }
+            // Split-K partial sums only in f32. Otherwise cuBLASLt may add a low-precision
+            // output's partial sums in that precision (the in-place and output-type reduction
+            // schemes): on an H200 it split a bf16 [64, 32] x [32, 301] product 88 ways with
+            // bf16 partial sums and a fifth of the entries came out wrong by up to 180 units of
+            // the bound in `kernel_cases::gemm_rounding`. The heuristic's choices at GPT-2's
+            // shapes already reduce in f32, so they are unchanged.
+            if p.types[2] != sys::cudaDataType::CUDA_R_32F {
+                use sys::cublasLtReductionScheme_t::*;
+                let mask = CUBLASLT_REDUCTION_SCHEME_NONE as u32
+                    | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                    &mask as *const u32 as *const c_void,
+                    4,
+                )?;
+            }
             lt::get_matmul_algo_heuristic(
                 handle,
                 self.desc,
