@@ -1,6 +1,7 @@
 //! Launches of the activation kernels on `CubeBackend` tensors.
 
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::DType;
 use burn::tensor::TensorMetadata;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
@@ -8,7 +9,7 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use super::kernel::{gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd};
+use super::kernel::{gelu_bwd, gelu_bwd_narrow, gelu_fwd, gelu_fwd_narrow, swiglu_bwd, swiglu_fwd};
 use crate::check::{check_float, check_same_dtype, fail};
 use crate::launch::{contiguous, empty, vector_width};
 use crate::rms_norm::forward::rows_cols;
@@ -163,6 +164,12 @@ fn flat_width<R: CubeRuntime>(x: &CubeTensor<R>) -> (usize, usize) {
     (n, x.shape().num_elements() / n)
 }
 
+/// Whether GELU runs [`gelu_fwd_narrow`]/[`gelu_bwd_narrow`] (f16 and bf16 storage, where an
+/// approximation of `erf` to 1.5e-7 is far below the storage's rounding) rather than `erf` itself.
+fn narrow(dtype: DType) -> bool {
+    dtype.size() < 4
+}
+
 /// Exact GELU.
 pub(crate) fn gelu_forward<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     check_float("gelu", "x", x.dtype);
@@ -174,16 +181,34 @@ pub(crate) fn gelu_forward<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     }
     let (count, dim) = grid(&x, total);
     let dtype = x.dtype;
-    gelu_fwd::launch::<R>(
-        &x.client.clone(),
-        count,
-        dim,
-        n,
-        x.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        total,
-        dtype.into(),
-    );
+    let client = x.client.clone();
+    if narrow(dtype) {
+        // SAFETY: `total` vectors of `x` and `out` (same shape, contiguous); the kernel masks
+        // the units past them.
+        unsafe {
+            gelu_fwd_narrow::launch_unchecked::<R>(
+                &client,
+                count,
+                dim,
+                n,
+                x.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                total,
+                dtype.into(),
+            )
+        };
+    } else {
+        gelu_fwd::launch::<R>(
+            &client,
+            count,
+            dim,
+            n,
+            x.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            total,
+            dtype.into(),
+        );
+    }
     out
 }
 
@@ -198,17 +223,36 @@ pub(crate) fn gelu_backward<R: CubeRuntime>(x: CubeTensor<R>, dy: CubeTensor<R>)
     }
     let (count, dim) = grid(&x, total);
     let dtype = x.dtype;
-    gelu_bwd::launch::<R>(
-        &x.client.clone(),
-        count,
-        dim,
-        n,
-        x.into_tensor_arg(),
-        dy.into_tensor_arg(),
-        dx.clone().into_tensor_arg(),
-        total,
-        dtype.into(),
-    );
+    let client = x.client.clone();
+    if narrow(dtype) {
+        // SAFETY: `total` vectors of `x`, `dy` and `dx` (same shape, contiguous); the kernel
+        // masks the units past them.
+        unsafe {
+            gelu_bwd_narrow::launch_unchecked::<R>(
+                &client,
+                count,
+                dim,
+                n,
+                x.into_tensor_arg(),
+                dy.into_tensor_arg(),
+                dx.clone().into_tensor_arg(),
+                total,
+                dtype.into(),
+            )
+        };
+    } else {
+        gelu_bwd::launch::<R>(
+            &client,
+            count,
+            dim,
+            n,
+            x.into_tensor_arg(),
+            dy.into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            total,
+            dtype.into(),
+        );
+    }
     dx
 }
 
