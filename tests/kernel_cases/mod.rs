@@ -1299,16 +1299,19 @@ pub fn linear_cross_entropy<B: AutodiffBackend + kernels::Backend>(
     linear_cross_entropy_cases::<B>(dtype, dev, &LINEAR_CE_CASES);
 }
 
-/// (rows, d, classes, chunk rows, z-loss) of [`linear_cross_entropy`]. Each gradient entry is a
-/// sum over the classes of rounded products, whose largest error over a few entries varies a lot
-/// from draw to draw: the cases keep a few hundred gradient entries or more, so that the
-/// comparison with the baseline's error (a different draw of roundings) measures the op, not luck.
-pub const LINEAR_CE_CASES: [(usize, usize, usize, Option<usize>, f64); 5] = [
+/// (rows, d, classes, chunk rows, z-loss) of [`linear_cross_entropy`] (wgpu runs the first
+/// three). Each gradient entry is a sum over the classes of rounded products, whose largest error
+/// over a few entries varies a lot from draw to draw: the cases keep a few hundred gradient
+/// entries or more, so that the comparison with the baseline's error (a different draw of
+/// roundings) measures the op, not luck.
+pub const LINEAR_CE_CASES: [(usize, usize, usize, Option<usize>, f64); 6] = [
     (37, 24, 50, Some(8), 0.0),
     (16, 32, 130, Some(1), 1e-4),
     (64, 16, 7, None, 0.0),
     (37, 24, 50, Some(37), 1e-4),
     (130, 32, 301, Some(64), 0.0),
+    // GPT-2's vocabulary: rows of 50304 logits, as in the model's LM head.
+    (48, 16, 50304, Some(32), 1e-4),
 ];
 
 /// [`linear_cross_entropy`] on `cases`.

@@ -164,6 +164,9 @@ fn flat_width<R: CubeRuntime>(x: &CubeTensor<R>) -> (usize, usize) {
     (n, x.shape().num_elements() / n)
 }
 
+/// Vectors per unit of the f16/bf16 GELU kernels.
+const NARROW_PER_UNIT: usize = 4;
+
 /// Whether GELU runs [`gelu_fwd_narrow`]/[`gelu_bwd_narrow`] (f16 and bf16 storage, where an
 /// approximation of `erf` to 1.5e-7 is far below the storage's rounding) rather than `erf` itself.
 fn narrow(dtype: DType) -> bool {
@@ -179,10 +182,10 @@ pub(crate) fn gelu_forward<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     if total == 0 {
         return out;
     }
-    let (count, dim) = grid(&x, total);
     let dtype = x.dtype;
     let client = x.client.clone();
     if narrow(dtype) {
+        let (count, dim) = grid(&x, total.div_ceil(NARROW_PER_UNIT));
         // SAFETY: `total` vectors of `x` and `out` (same shape, contiguous); the kernel masks
         // the units past them.
         unsafe {
@@ -194,10 +197,12 @@ pub(crate) fn gelu_forward<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
                 x.into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 total,
+                NARROW_PER_UNIT,
                 dtype.into(),
             )
         };
     } else {
+        let (count, dim) = grid(&x, total);
         gelu_fwd::launch::<R>(
             &client,
             count,
@@ -221,10 +226,10 @@ pub(crate) fn gelu_backward<R: CubeRuntime>(x: CubeTensor<R>, dy: CubeTensor<R>)
     if total == 0 {
         return dx;
     }
-    let (count, dim) = grid(&x, total);
     let dtype = x.dtype;
     let client = x.client.clone();
     if narrow(dtype) {
+        let (count, dim) = grid(&x, total.div_ceil(NARROW_PER_UNIT));
         // SAFETY: `total` vectors of `x`, `dy` and `dx` (same shape, contiguous); the kernel
         // masks the units past them.
         unsafe {
@@ -237,10 +242,12 @@ pub(crate) fn gelu_backward<R: CubeRuntime>(x: CubeTensor<R>, dy: CubeTensor<R>)
                 dy.into_tensor_arg(),
                 dx.clone().into_tensor_arg(),
                 total,
+                NARROW_PER_UNIT,
                 dtype.into(),
             )
         };
     } else {
+        let (count, dim) = grid(&x, total);
         gelu_bwd::launch::<R>(
             &client,
             count,

@@ -124,37 +124,70 @@ fn normal_cdf_and_gauss<N: Size>(v: Vector<f32, N>) -> (Vector<f32, N>, Vector<f
     (cdf, gauss)
 }
 
-/// [`gelu_fwd`] for f16 and bf16 storage, with [`normal_cdf_and_gauss`] in place of `erf`.
+/// [`gelu_fwd`] for f16 and bf16 storage, with [`normal_cdf_and_gauss`] in place of `erf`. Each
+/// unit takes `per_unit` vectors, `CUBE_DIM` apart within its cube's span, all loaded before any
+/// is computed: one 16-byte load per unit left the memory system short of requests in flight.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 pub(crate) fn gelu_fwd_narrow<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     out: &mut Tensor<Vector<F, N>>,
     total: usize,
+    #[comptime] per_unit: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let i = ABSOLUTE_POS;
-    if i < total {
-        let v = Vector::<f32, N>::cast_from(x[i]);
-        let (cdf, _gauss) = normal_cdf_and_gauss(v);
-        out[i] = Vector::cast_from(v * cdf);
+    let dim = CUBE_DIM as usize;
+    let base = CUBE_POS * dim * per_unit + UNIT_POS as usize;
+    let mut xs = Array::<Vector<F, N>>::new(per_unit);
+    #[unroll]
+    for k in 0..per_unit {
+        let i = base + k * dim;
+        if i < total {
+            xs[k] = x[i];
+        }
+    }
+    #[unroll]
+    for k in 0..per_unit {
+        let i = base + k * dim;
+        if i < total {
+            let v = Vector::<f32, N>::cast_from(xs[k]);
+            let (cdf, _gauss) = normal_cdf_and_gauss(v);
+            out[i] = Vector::cast_from(v * cdf);
+        }
     }
 }
 
-/// [`gelu_bwd`] for f16 and bf16 storage, with [`normal_cdf_and_gauss`] in place of `erf`.
+/// [`gelu_bwd`] for f16 and bf16 storage, with [`normal_cdf_and_gauss`] in place of `erf`; units
+/// take `per_unit` vectors as in [`gelu_fwd_narrow`].
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 pub(crate) fn gelu_bwd_narrow<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
     dx: &mut Tensor<Vector<F, N>>,
     total: usize,
+    #[comptime] per_unit: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let i = ABSOLUTE_POS;
-    if i < total {
-        let v = Vector::<f32, N>::cast_from(x[i]);
-        let (cdf, gauss) = normal_cdf_and_gauss(v);
-        // 1 / sqrt(2 pi)
-        let pdf = Vector::new(0.398_942_3) * gauss;
-        dx[i] = Vector::cast_from(Vector::<f32, N>::cast_from(dy[i]) * (cdf + v * pdf));
+    let dim = CUBE_DIM as usize;
+    let base = CUBE_POS * dim * per_unit + UNIT_POS as usize;
+    let mut xs = Array::<Vector<F, N>>::new(per_unit);
+    let mut gs = Array::<Vector<F, N>>::new(per_unit);
+    #[unroll]
+    for k in 0..per_unit {
+        let i = base + k * dim;
+        if i < total {
+            xs[k] = x[i];
+            gs[k] = dy[i];
+        }
+    }
+    #[unroll]
+    for k in 0..per_unit {
+        let i = base + k * dim;
+        if i < total {
+            let v = Vector::<f32, N>::cast_from(xs[k]);
+            let (cdf, gauss) = normal_cdf_and_gauss(v);
+            // 1 / sqrt(2 pi)
+            let pdf = Vector::new(0.398_942_3) * gauss;
+            dx[i] = Vector::cast_from(Vector::<f32, N>::cast_from(gs[k]) * (cdf + v * pdf));
+        }
     }
 }
