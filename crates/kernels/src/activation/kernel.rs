@@ -126,7 +126,8 @@ fn normal_cdf_and_gauss<N: Size>(v: Vector<f32, N>) -> (Vector<f32, N>, Vector<f
 
 /// [`gelu_fwd`] for f16 and bf16 storage, with [`normal_cdf_and_gauss`] in place of `erf`. Each
 /// unit takes `per_unit` vectors, `CUBE_DIM` apart within its cube's span, all loaded before any
-/// is computed: one 16-byte load per unit left the memory system short of requests in flight.
+/// is computed (on an H200 this measured the same as one vector per unit: 95-107 µs for
+/// [16384, 4096] bf16, against 88-89 µs for PyTorch's eager GELU).
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 pub(crate) fn gelu_fwd_narrow<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
