@@ -8,25 +8,11 @@ calls, with the achieved bandwidth (forward: read x, write y; backward: read x a
     python3 tools/peers/gelu_bench.py --rows 16384 --cols 4096 --dtypes bf16,f32
 """
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-
-def timed(fn, iters, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters / 1e3)
-    return statistics.median(times)
+from sdpa_bench import timed
 
 
 def main():
