@@ -540,9 +540,7 @@ impl IntChain {
             "[{m}, {k}] {dtype:?}: the chain is all zeros"
         );
     }
-}
 
-impl IntChain {
     fn new(dev: &CudaDevice, m: usize, k: usize, steps: usize, dtype: FloatDType) -> Self {
         use burn::tensor::{Distribution, Tensor};
         let ints = |shape: [usize; 2], lo: f64, hi: f64| {

@@ -1139,11 +1139,12 @@ pub const GEMM_SPLIT_K_SIZES: [[usize; 3]; 5] = [
 /// [`kernels::gemm`] in f16 or bf16 entry by entry against the f32 product: every entry within
 /// one unit in the last place of the dtype (twice what rounding an f32 sum once costs) plus a
 /// margin for the f32 sums' own rounding, `16 sqrt(k) eps_f32 sqrt(sum (a b)^2)` (sixteen times
-/// the typical error of a sum of `k` rounded terms; the worst-case `k eps sum|a b|` would exceed a
-/// unit in the last place at long K and hide the error looked for). A GEMM that adds split-K partial sums in the
-/// output's precision misses that on many entries while its largest error over the whole output
-/// can stay within twice a once-rounded baseline's. Every transpose flag, each operand stored as
-/// the flag says or as a transposed view of the other layout (pitched rows on CUDA).
+/// the typical error of a sum of `k` rounded terms; the worst-case `k eps sum|a b|` would exceed
+/// a unit in the last place at long K and hide the error looked for). A GEMM that adds split-K
+/// partial sums in the output's precision misses that on many entries while its largest error
+/// over the whole output can stay within twice a once-rounded baseline's. Every transpose flag,
+/// each operand stored as the flag says or as a transposed view of the other layout (pitched
+/// rows on CUDA).
 pub fn gemm_rounding<B: AutodiffBackend + kernels::Backend>(
     dtype: FloatDType,
     dev: &B::Device,
