@@ -175,6 +175,16 @@ fn flash_attention_refuses_dropout_of_one() {
 
 #[test]
 #[should_panic(
+    expected = "kernels::flash_attention: the softmax scale is -0.25; it must be a positive, finite number"
+)]
+fn flash_attention_refuses_a_negative_scale() {
+    let dev = device();
+    let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
+    let _ = kernels::flash_attention(q.clone(), q.clone(), q, false, Some(-0.25));
+}
+
+#[test]
+#[should_panic(
     expected = "kernels::flash_attention: q, k, v have shapes [1, 2, 8, 16], [1, 2, 8, 32], [1, 2, 8, 32]"
 )]
 fn flash_attention_refuses_mismatched_head_dims() {

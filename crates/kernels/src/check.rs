@@ -30,3 +30,15 @@ pub(crate) fn check_same_dtype(op: &str, a: &str, da: DType, b: &str, db: DType)
         );
     }
 }
+
+/// Fails unless the attention softmax scale is positive and finite (the FlashAttention kernels
+/// take the row maximum of the unscaled scores).
+#[track_caller]
+pub(crate) fn check_scale(op: &str, scale: f64) {
+    if !(scale > 0.0 && scale.is_finite()) {
+        fail(
+            op,
+            format!("the softmax scale is {scale}; it must be a positive, finite number (the usual one is 1 / sqrt(head_dim))"),
+        );
+    }
+}

@@ -303,8 +303,9 @@ impl<B: Backend> SumSquares<B> {
 /// FlashAttention (see [`attention`]): `softmax(scale * q k^T + mask) v` for `q` [batch, heads,
 /// seq_q, head_dim] and `k`, `v` [batch, heads, seq_k, head_dim] of one float dtype, without
 /// materialising the scores; `causal` lets query `i` see keys `j <= i`; `scale` defaults to
-/// `1 / sqrt(head_dim)`. Under `Autodiff` the backward recomputes the probabilities from the saved
-/// log-sum-exp. The output is laid out as `[batch, seq_q, heads, head_dim]` in memory, so
+/// `1 / sqrt(head_dim)` and must be positive and finite. Under `Autodiff` the backward
+/// recomputes the probabilities from the saved log-sum-exp. The output is laid out as
+/// `[batch, seq_q, heads, head_dim]` in memory, so
 /// `.swap_dims(1, 2).reshape([batch, seq_q, heads * head_dim])` needs no copy.
 ///
 /// ```no_run
@@ -358,6 +359,7 @@ fn attend<B: Backend>(
 ) -> Tensor<B, 4> {
     dropout::check("flash_attention", dropout);
     let scale = scale.unwrap_or_else(|| attention::default_scale(q.dims()[3]));
+    check::check_scale("flash_attention", scale);
     tensor(B::fused_flash_attention(
         prim(q),
         prim(k),
@@ -396,6 +398,7 @@ pub fn flash_attention_qkv<B: Backend>(
         );
     }
     let scale = scale.unwrap_or_else(|| attention::default_scale(d3 / (3 * heads)));
+    check::check_scale("flash_attention_qkv", scale);
     tensor(B::fused_flash_attention_qkv(
         prim(qkv),
         heads,
@@ -417,6 +420,7 @@ pub fn flash_attention_with_lse<B: KernelOps>(
     scale: Option<f64>,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
     let scale = scale.unwrap_or_else(|| attention::default_scale(q.dims()[3]));
+    check::check_scale("flash_attention", scale);
     let (o, lse) =
         B::flash_attention_forward(prim(q), prim(k), prim(v), causal, scale as f32, None);
     (tensor(o), tensor(lse))

@@ -11,9 +11,9 @@ use cubecl::prelude::*;
 
 use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta, flash_forward};
 use super::mma::{dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_forward_mma};
-use crate::check::{check_float, check_same_dtype, fail};
+use crate::check::{check_float, check_same_dtype, check_scale, fail};
 use crate::dropout::{DropArgs, Dropout};
-use crate::launch::{contiguous, empty, vector_width};
+use crate::launch::{contiguous, empty, use_planes, vector_width};
 
 /// Largest head dimension the kernels accept (the portable kernels keep a row in registers).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -48,13 +48,17 @@ impl MmaTiles {
     /// (2 x 32) with an 8-warp dK/dV cube of 128 keys (one row tile per warp, 64-query blocks), 194
     /// TFLOP/s; the fused dQ reached 172 there, as its extra dS tile and atomics compete with dK
     /// and dV (128 f32 accumulators per lane) for registers. At hd 64 the fused dQ wins (193
-    /// against 177): 8 warps x 2 row tiles = 256 keys per cube, 32-query blocks. Other head dims
-    /// (not measured) take the hd 128 shapes, which hold for any multiple of 16.
+    /// against 177): 8 warps x 2 row tiles = 256 keys per cube, 32-query blocks. Since the
+    /// forward rescales its output lazily (only when a row maximum rises by more than 8 in the
+    /// exponent), 64-key forward blocks beat 32 at hd 64 (H100, docs/results.md, 2026-11-26
+    /// (late): full +6% at S = 1024 and +10% at 4096, causal even at 1024 and +6-9% at 4096); at
+    /// hd 128 they lost 3-5% causal at S = 1024, so 32 stays there. Other head dims (not
+    /// measured) take the hd 128 shapes, which hold for any multiple of 16.
     fn for_head_dim(hd: usize) -> Self {
         let fwd = (2, 32);
         if hd == 64 {
             MmaTiles {
-                fwd,
+                fwd: (2, 64),
                 dq: (2, 32),
                 dkdv: (2, 32),
                 fwd_planes: PLANES,
@@ -320,6 +324,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     dropout: Option<Dropout>,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let d = check_inputs("flash_attention", &q, &k, &v);
+    check_scale("flash_attention", scale as f64);
     let drop = drop_args("flash_attention", dropout);
     let (q, k, v) = (rows_readable(q), rows_readable(k), rows_readable(v));
     let out = empty_bshd(&q, &d, d.seq_q);
@@ -442,6 +447,7 @@ pub(crate) fn backward<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let op = "flash_attention backward";
     let d = check_inputs(op, &q, &k, &v);
+    check_scale(op, scale as f64);
     let drop = drop_args(op, dropout);
     check_same_dtype(op, "q", q.dtype, "output gradient", grad.dtype);
     if grad.shape().as_slice() != q.shape().as_slice() {
@@ -470,24 +476,52 @@ pub(crate) fn backward<R: CubeRuntime>(
     let dtype: StorageType = q.dtype.into();
     let bh = (d.batch * d.heads) as u32;
 
+    let flash_path = path(&q);
+    let tiles = MmaTiles::get(d.hd);
+    let fused_dq = flash_path == FlashPath::TensorCores && tiles.fused_dq;
+    // The fused dQ accumulates in f32 through atomics from every key block's cube; the delta
+    // pre-pass clears it.
+    let dq_acc = if fused_dq {
+        empty(&q, vec![d.batch, d.heads, d.seq_q, d.hd], DType::F32)
+    } else {
+        empty(&q, vec![4], DType::F32)
+    };
+
     // Pre-pass: delta = rowsum(dO * O), f32 [B * H * Sq].
     let rows = d.batch * d.heads * d.seq_q;
     let delta = empty(&q, vec![d.batch, d.heads, d.seq_q], DType::F32);
-    unsafe {
-        flash_delta::launch_unchecked::<R>(
-            &client,
-            CubeCount::Static(rows.div_ceil(256) as u32, 1, 1),
-            CubeDim::new_1d(256),
-            out.into_tensor_arg(),
-            grad.clone().into_tensor_arg(),
-            delta.clone().into_tensor_arg(),
-            rows,
-            d.hd,
-            dtype,
-        );
+    {
+        let mut lens = vec![d.hd];
+        lens.extend_from_slice(&out.meta.strides()[..3]);
+        lens.extend_from_slice(&grad.meta.strides()[..3]);
+        let width = vector_width(&q, &[q.dtype, DType::F32], &lens);
+        let per_row = d.hd / width;
+        let plane = q.client.properties().hardware.plane_size_min as usize;
+        let split = if use_planes(&q, 256) {
+            (1usize << per_row.trailing_zeros()).min(plane)
+        } else {
+            1
+        };
+        unsafe {
+            flash_delta::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static((rows * split).div_ceil(256) as u32, 1, 1),
+                CubeDim::new_1d(256),
+                width,
+                out.into_tensor_arg(),
+                grad.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dq_acc.clone().into_tensor_arg(),
+                rows,
+                per_row,
+                split,
+                fused_dq,
+                dtype,
+            );
+        }
     }
 
-    match path(&q) {
+    match flash_path {
         FlashPath::TensorCores => {
             let (q, k, v, grad) = if mma_width(&q, &k, &v, Some(&grad), &d) < 2 {
                 (
@@ -500,7 +534,6 @@ pub(crate) fn backward<R: CubeRuntime>(
                 (q, k, v, grad)
             };
             let width = mma_width(&q, &k, &v, Some(&grad), &d);
-            let tiles = MmaTiles::get(d.hd);
             if tiles.fused_dq {
                 if let Some(problem) = tiles.fused_dq_problem(d.hd) {
                     fail(
@@ -512,16 +545,6 @@ pub(crate) fn backward<R: CubeRuntime>(
                     );
                 }
             }
-            // Fused: dQ accumulates in f32 through atomics from every key block's cube.
-            let dq_acc = if tiles.fused_dq {
-                burn_cubecl::ops::numeric::zeros::<R>(
-                    q.device.clone(),
-                    [d.batch, d.heads, d.seq_q, d.hd].into(),
-                    DType::F32,
-                )
-            } else {
-                empty(&q, vec![1], DType::F32)
-            };
             let (mt, block_k) = tiles.dq;
             if !tiles.fused_dq {
                 unsafe {
@@ -597,17 +620,21 @@ pub(crate) fn backward<R: CubeRuntime>(
                 );
             }
             if tiles.fused_dq {
-                let n = d.batch * d.heads * d.seq_q * d.hd;
+                let mut lens = vec![d.hd];
+                lens.extend_from_slice(&dq.meta.strides()[..3]);
+                let width = vector_width(&dq, &[dq.dtype, DType::F32], &lens);
+                let n = d.batch * d.heads * d.seq_q * d.hd / width;
                 unsafe {
                     dq_from_f32::launch_unchecked::<R>(
                         &client,
                         CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
                         CubeDim::new_1d(256),
+                        width,
                         dq_acc.into_tensor_arg(),
                         dq.clone().into_tensor_arg(),
                         d.heads,
                         d.seq_q,
-                        d.hd,
+                        d.hd / width,
                         dtype,
                     );
                 }

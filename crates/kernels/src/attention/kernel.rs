@@ -24,6 +24,7 @@
 use cubecl::prelude::*;
 
 use super::dropout::entry_factor;
+use crate::launch::lanes_sum;
 
 /// A finite stand-in for minus infinity: `exp(NEG_BIG - m)` is 0 and `NEG_BIG - NEG_BIG` is 0,
 /// never NaN.
@@ -230,29 +231,65 @@ pub(crate) fn flash_forward<F: Float>(
     }
 }
 
-/// Backward pre-pass: `delta[row] = sum_d dO[row, d] * O[row, d]` in f32, one unit per row.
+/// Backward pre-pass: `delta[row] = sum_d dO[row, d] * O[row, d]` in f32 for every `[b, h, s]`
+/// row, `split` units per row (adjacent lanes of a plane, summed with shuffles; 1 without plane
+/// operations), each taking every `split`-th vector of the row's `per_row`. `zero`: the same
+/// units also clear the row of the f32 dQ accumulator `dq_acc` (contiguous `[B, H, S, hd]`) that
+/// the fused-dQ kernel then adds to, which saves a fill pass.
 #[cube(launch_unchecked)]
 #[allow(arithmetic_overflow)]
-pub(crate) fn flash_delta<F: Float>(
-    o: &Tensor<F>,
-    grad: &Tensor<F>,
+pub(crate) fn flash_delta<F: Float, N: Size>(
+    o: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
     delta: &mut Tensor<f32>,
+    dq_acc: &mut Tensor<Vector<f32, N>>,
     rows: usize,
-    #[comptime] hd: usize,
+    #[comptime] per_row: usize,
+    #[comptime] split: usize,
+    #[comptime] zero: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = ABSOLUTE_POS;
-    if row < rows {
+    let row = ABSOLUTE_POS / split;
+    let part = ABSOLUTE_POS % split;
+    // Units past the last row still take part in the shuffles below; they read nothing.
+    let active = row < rows;
+    let mut sum = 0.0f32;
+    if active {
+        let width = o.vector_size();
         let heads = o.shape(1);
         let seq = o.shape(2);
         let i = row % seq;
         let bh = row / seq;
         let (b, h) = (bh / heads, bh % heads);
-        let (ob, gb) = (at(o, b, h, i), at(grad, b, h, i));
-        let mut sum = 0.0f32;
-        for d in 0..hd {
-            sum += f32::cast_from(o[ob + d]) * f32::cast_from(grad[gb + d]);
+        let ob = (b * o.stride(0) + h * o.stride(1) + i * o.stride(2)) / width;
+        let gb = (b * grad.stride(0) + h * grad.stride(1) + i * grad.stride(2)) / width;
+        #[unroll]
+        for c in 0..comptime!(per_row / split) {
+            let at = c * split + part;
+            let x = Vector::<f32, N>::cast_from(o[ob + at]);
+            let y = Vector::<f32, N>::cast_from(grad[gb + at]);
+            sum += lanes_sum(x * y);
+            if comptime!(zero) {
+                dq_acc[row * per_row + at] = Vector::new(0.0);
+            }
         }
+    }
+    if comptime!(split >= 2) {
+        sum += plane_shuffle_xor(sum, 1u32);
+    }
+    if comptime!(split >= 4) {
+        sum += plane_shuffle_xor(sum, 2u32);
+    }
+    if comptime!(split >= 8) {
+        sum += plane_shuffle_xor(sum, 4u32);
+    }
+    if comptime!(split >= 16) {
+        sum += plane_shuffle_xor(sum, 8u32);
+    }
+    if comptime!(split >= 32) {
+        sum += plane_shuffle_xor(sum, 16u32);
+    }
+    if active && part == 0 {
         delta[row] = sum;
     }
 }

@@ -200,11 +200,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         );
 
         // dS = P * (dP - delta), P = exp(scale * S - lse), in place of S; masked scores become a
-        // large negative value, so P and dS are 0 there.
-        #[unroll]
-        for i in 0..comptime!(mt * s_tiles * 2) {
-            s[i] = s[i] * Vector::new(scale);
-        }
+        // large negative value (the scale is positive), so P and dS are 0 there.
         if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
             mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
         }
@@ -236,7 +232,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
                             #[unroll]
                             for e in 0..2usize {
                                 let z = factor(half_word(word, e == 1), threshold, keep_scale);
-                                x[e] = (x[e] - lse_r[r]).exp() * (y[e] * z - d_r[r]);
+                                x[e] = (x[e] * scale - lse_r[r]).exp() * (y[e] * z - d_r[r]);
                             }
                             s[at] = x;
                         }
@@ -256,7 +252,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
                         let y = dp[at];
                         #[unroll]
                         for e in 0..2usize {
-                            x[e] = (x[e] - lse_r[r]).exp() * (y[e] - d_r[r]);
+                            x[e] = (x[e] * scale - lse_r[r]).exp() * (y[e] - d_r[r]);
                         }
                         s[at] = x;
                     }
@@ -399,24 +395,26 @@ fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
 }
 
 /// `dq[b, h, s, :] = acc[b, h, s, :]` in the output dtype (`acc`: contiguous f32, `dq`: any
-/// strides with unit last stride). One unit per element.
+/// strides that are multiples of `N`, unit last stride), one unit per vector of `N` elements
+/// (`per_row` vectors a row).
 #[cube(launch_unchecked)]
-pub(crate) fn dq_from_f32<F: Float>(
-    acc: &Tensor<f32>,
-    dq: &mut Tensor<F>,
+pub(crate) fn dq_from_f32<F: Float, N: Size>(
+    acc: &Tensor<Vector<f32, N>>,
+    dq: &mut Tensor<Vector<F, N>>,
     heads: usize,
     seq: usize,
-    #[comptime] hd: usize,
+    #[comptime] per_row: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
     if i < acc.len() {
-        let d = i % hd;
-        let row = i / hd;
+        let c = i % per_row;
+        let row = i / per_row;
         let s = row % seq;
         let bh = row / seq;
         let (b, h) = (bh / heads, bh % heads);
-        dq[b * dq.stride(0) + h * dq.stride(1) + s * dq.stride(2) + d] = F::cast_from(acc[i]);
+        let at = (b * dq.stride(0) + h * dq.stride(1) + s * dq.stride(2)) / dq.vector_size() + c;
+        dq[at] = Vector::cast_from(acc[i]);
     }
 }
 
@@ -623,12 +621,9 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         );
 
         // P^T in place of S^T, dS^T in place of dP^T. Scores of (query, key) pairs past either
-        // length or above the diagonal become a large negative value (P = 0), tested only in
-        // blocks that meet such a pair (uniform across the warp).
-        #[unroll]
-        for i in 0..comptime!(mt * s_tiles * 2) {
-            s[i] = s[i] * Vector::new(scale);
-        }
+        // length or above the diagonal become a large negative value (P = 0; the positive scale
+        // keeps it so), tested only in blocks that meet such a pair (uniform across the warp).
+        // The scale goes into the exponent's argument (one fused multiply-add an entry).
         let last_key = k0 + w0 + comptime!(mt * 16);
         let mut edge = i0 + block_q > seq_q || last_key > seq_k;
         if comptime!(causal) {
@@ -691,7 +686,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
                                 );
                                 let mut x = s[at];
                                 let mut y = dp[at];
-                                let p = (x[e] - l).exp();
+                                let p = (x[e] * scale - l).exp();
                                 x[e] = p * z;
                                 y[e] = p * (y[e] * z - d);
                                 s[at] = x;
@@ -716,7 +711,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
                             let at = (m * s_tiles + t) * 2 + half;
                             let mut x = s[at];
                             let mut y = dp[at];
-                            let p = (x[e] - l).exp();
+                            let p = (x[e] * scale - l).exp();
                             x[e] = p;
                             y[e] = p * (y[e] - d);
                             s[at] = x;

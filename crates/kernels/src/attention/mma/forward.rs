@@ -9,6 +9,13 @@ use crate::pipeline::{commit, wait_block};
 
 use super::fragments::*;
 
+/// How far (in the exponent's units) a row's maximum may rise above the reference the forward
+/// takes its probabilities against before the reference moves: probabilities stay below
+/// e^8 (about 3000), far inside f32 and the f16/bf16 range of the `P v` product's operand.
+/// With dropout the slack is 0 (probabilities at most 1), since the kept ones are also
+/// multiplied by `1 / (1 - p)`.
+const RESCALE_SLACK: f32 = 8.0;
+
 /// Tensor-core forward. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp
 /// owns `16 * mt` query rows. Strides of q/k/v are in vectors of `width`, those of `out` in
 /// elements. Query blocks run last-first so that causal's longest rows start first.
@@ -157,23 +164,32 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
             true,
         );
 
-        // Scaled scores; the mask only where this warp's rows meet the block's edge (past seq_k
-        // or, causal, above the diagonal): the test is uniform across the warp.
-        #[unroll]
-        for i in 0..comptime!(mt * s_tiles * 2) {
-            s[i] = s[i] * Vector::new(scale);
-        }
+        // The mask only where this warp's rows meet the block's edge (past seq_k or, causal,
+        // above the diagonal): the test is uniform across the warp. Scores stay unscaled here
+        // (the scale is positive, so it commutes with the maximum); the scale goes into the
+        // exponent's argument, one fused multiply-add an entry.
         if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
             mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
         }
 
-        // Online softmax, one register row (half of a row tile) at a time.
+        // Online softmax with a lazy rescale: a row's reference maximum `m_run` moves (and its
+        // output and sum are rescaled) only when the block's maximum exceeds it by more than
+        // `RESCALE_SLACK` (0 with dropout), checked once for the whole warp; otherwise the
+        // probabilities are taken against the old reference, so they may reach e^RESCALE_SLACK.
+        // O, the sum and the log-sum-exp all use the same reference, so the result is the same.
+        let slack = if comptime!(dropout) {
+            0.0f32
+        } else {
+            RESCALE_SLACK
+        };
+        let mut block_max = Array::<f32>::new(comptime!(mt * 2));
+        let mut grow = false;
         #[unroll]
         for m in 0..mt {
             #[unroll]
             for half in 0..2usize {
                 let r = m * 2 + half;
-                let mut mx = m_run[r];
+                let mut mx = neg_big();
                 #[unroll]
                 for t in 0..s_tiles {
                     let x = s[(m * s_tiles + t) * 2 + half];
@@ -181,6 +197,36 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
                 }
                 mx = f32::max(mx, plane_shuffle_xor(mx, 1));
                 mx = f32::max(mx, plane_shuffle_xor(mx, 2));
+                mx *= scale;
+                block_max[r] = mx;
+                grow = grow || mx > m_run[r] + slack;
+            }
+        }
+        if plane_any(grow) {
+            #[unroll]
+            for m in 0..mt {
+                #[unroll]
+                for half in 0..2usize {
+                    let r = m * 2 + half;
+                    let m_new = f32::max(m_run[r], block_max[r]);
+                    let alpha = (m_run[r] - m_new).exp();
+                    l_run[r] *= alpha;
+                    m_run[r] = m_new;
+                    #[unroll]
+                    for t in 0..o_tiles {
+                        let at = (m * o_tiles + t) * 2 + half;
+                        o_acc[at] = o_acc[at] * Vector::new(alpha);
+                    }
+                }
+            }
+        }
+        // P = exp(scale * S - m_run); each lane sums its own entries (the four lanes of a row
+        // are added once, after the last block).
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for half in 0..2usize {
+                let r = m * 2 + half;
                 let mut sum = 0.0f32;
                 #[unroll]
                 for t in 0..s_tiles {
@@ -188,22 +234,13 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
                     let mut x = s[at];
                     #[unroll]
                     for e in 0..2usize {
-                        let p = (x[e] - mx).exp();
+                        let p = (x[e] * scale - m_run[r]).exp();
                         x[e] = p;
                         sum += p;
                     }
                     s[at] = x;
                 }
-                sum += plane_shuffle_xor(sum, 1);
-                sum += plane_shuffle_xor(sum, 2);
-                let alpha = (m_run[r] - mx).exp();
-                l_run[r] = l_run[r] * alpha + sum;
-                m_run[r] = mx;
-                #[unroll]
-                for t in 0..o_tiles {
-                    let at = (m * o_tiles + t) * 2 + half;
-                    o_acc[at] = o_acc[at] * Vector::new(alpha);
-                }
+                l_run[r] += sum;
             }
         }
 
@@ -247,12 +284,16 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
         sync_cube();
     }
 
-    // O / l and the log-sum-exp.
+    // O / l and the log-sum-exp, l summed over the four lanes of each row.
     #[unroll]
     for m in 0..mt {
         #[unroll]
         for half in 0..2usize {
             let r = m * 2 + half;
+            let mut l = l_run[r];
+            l += plane_shuffle_xor(l, 1);
+            l += plane_shuffle_xor(l, 2);
+            l_run[r] = l;
             let inv = 1.0f32 / l_run[r];
             #[unroll]
             for t in 0..o_tiles {
