@@ -51,8 +51,8 @@ impl MmaTiles {
     /// against 177): 8 warps x 2 row tiles = 256 keys per cube, 32-query blocks. Since the
     /// forward rescales its output lazily (only when a row maximum rises by more than 8 in the
     /// exponent), 64-key forward blocks beat 32 at hd 64 (H100, docs/results.md, 2026-11-26
-    /// (late): full +6% at S = 1024 and +10% at 4096, causal even at 1024 and +6-9% at 4096); at
-    /// hd 128 they lost 3-5% causal at S = 1024, so 32 stays there. Other head dims (not
+    /// (late): full +6% at S = 1024 and +10% at 4096, causal even at 1024 and +6-10% at 4096);
+    /// at hd 128 they lost 2-5% causal at S = 1024, so 32 stays there. Other head dims (not
     /// measured) take the hd 128 shapes, which hold for any multiple of 16.
     fn for_head_dim(hd: usize) -> Self {
         let fwd = (2, 32);
