@@ -2,11 +2,13 @@
 //!
 //! For each `m x n x k` it prints TFLOP/s (2mnk / time) of:
 //! - `fp8 gemm`: the FP8 GEMM on operands already quantized (E4M3, 1x128 tiles for `a`, 128x128
-//!   blocks for `b`), bf16 output, on each path the device has: `Dequantize`, `CublasLt`
+//!   blocks for `b`; with `--scaling tensor`, one scale per operand), bf16 output, on each path
+//!   the device has: `Dequantize`, `CublasLt`
 //!   (cuBLASLt's block-scaled FP8 GEMM, CUDA with cuBLASLt >= 12.9), and `TensorCores` (the opt-in
 //!   `mma.sync` kernel) where E4M3 MMA exists;
 //! - `fp8 q+gemm`: the same including quantizing both bf16 operands (what a linear layer pays);
-//! - `bf16`: Burn's bf16 matmul (our bf16 GEMM path); `f32`: Burn's f32 matmul;
+//! - `bf16 GEMM`: `kernels::gemm` (cuBLASLt on CUDA: the bf16 recipe's GEMMs); `f32`: Burn's f32
+//!   matmul;
 //!
 //! with ratios to cuBLAS on an H100 in docs/peers.md (FP8 per-tensor 1446, BF16 799 TFLOP/s), and
 //! the quantizer's GB/s (bytes read + written), and each path's largest difference from the
@@ -15,7 +17,7 @@
 //! Shapes: 4096^3, 8192^3 and GPT-2 small's projections at 16 x 1024 tokens (qkv 768 -> 2304,
 //! proj 768 -> 768, fc 768 -> 3072, mlp proj 3072 -> 768).
 //!
-//! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--shapes 4096x4096x4096,...]`
+//! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--scaling block|tensor] [--shapes 4096x4096x4096,...]`
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::wgpu::WgpuDevice;
@@ -23,7 +25,7 @@ use burn::backend::{Cuda, Wgpu};
 use burn::tensor::{Distribution, ElementConversion, FloatDType, Tensor};
 use burnmix::bench::{DeviceArg, Triple};
 use clap::Parser;
-use kernels::{fp8_gemm_on, fp8_quantize, Fp8Format, Fp8GemmPath, Fp8Granularity, QuantSpec};
+use kernels::{fp8_gemm_on, fp8_quantize, Fp8Format, Fp8GemmPath, Fp8Granularity, Gemm, QuantSpec};
 
 const CUBLAS_FP8: f64 = 1446.0;
 const CUBLAS_BF16: f64 = 799.0;
@@ -34,6 +36,10 @@ struct Args {
     /// The backend.
     #[arg(long, value_enum, default_value = "cuda")]
     device: DeviceArg,
+    /// FP8 scales: `block` (1x128 tiles for `a`, 128x128 blocks for `b`, as `fp8.scaling =
+    /// "block"`) or `tensor` (one per operand).
+    #[arg(long, value_enum, default_value = "block")]
+    scaling: Scaling,
     /// Comma-separated MxNxK shapes (default: 4096^3, 8192^3 and the GPT-2 small projections).
     #[arg(long, value_delimiter = ',')]
     shapes: Vec<Triple>,
@@ -49,6 +55,12 @@ struct Args {
     mma_shapes: Vec<kernels::fp8::MmaShape>,
 }
 
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Scaling {
+    Block,
+    Tensor,
+}
+
 fn time<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, f: &mut dyn FnMut()) -> f64 {
     burnmix::bench::median_seconds::<Bk>(dev, 2, args.iters, args.reps, f)
 }
@@ -59,20 +71,24 @@ fn run<Bk: kernels::Backend>(
     shapes: &[(usize, usize, usize)],
     compute: FloatDType,
 ) {
-    println!("| m x n x k | fp8 path | fp8 gemm | fp8 q+gemm | {compute:?} matmul | f32 matmul | fp8 / {compute:?} | fp8 / cuBLAS FP8 | {compute:?} / cuBLAS BF16 | quantize GB/s | max err vs Dequantize |");
+    println!("| m x n x k | fp8 path | fp8 gemm | fp8 q+gemm | {compute:?} GEMM | f32 matmul | fp8 / {compute:?} | fp8 / cuBLAS FP8 | {compute:?} / cuBLAS BF16 | quantize GB/s | max err vs Dequantize |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for &(m, n, k) in shapes {
         let flop = 2.0 * m as f64 * n as f64 * k as f64;
         let tf = |s: f64| flop / s / 1e12;
         let a = Tensor::<Bk, 2>::random([m, k], Distribution::Normal(0.0, 1.0), dev).cast(compute);
         let b = Tensor::<Bk, 2>::random([n, k], Distribution::Normal(0.0, 1.0), dev).cast(compute);
-        let sa = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Tile1x128);
-        let sb = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Block128);
+        let (ga, gb) = match args.scaling {
+            Scaling::Block => (Fp8Granularity::Tile1x128, Fp8Granularity::Block128),
+            Scaling::Tensor => (Fp8Granularity::Tensor, Fp8Granularity::Tensor),
+        };
+        let sa = QuantSpec::new(Fp8Format::E4M3, ga);
+        let sb = QuantSpec::new(Fp8Format::E4M3, gb);
         let qa = fp8_quantize(a.clone(), sa);
         let qb = fp8_quantize(b.clone(), sb);
         let bt = b.clone().transpose();
         let t_c = time::<Bk>(dev, args, &mut || {
-            let _ = a.clone().matmul(bt.clone());
+            let _ = kernels::gemm(a.clone(), b.clone(), false, true, Gemm::Auto);
         });
         let (a32, b32) = (
             a.clone().cast(FloatDType::F32),
