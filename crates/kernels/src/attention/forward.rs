@@ -417,6 +417,16 @@ pub(crate) fn merge_heads<R: CubeRuntime>(out: CubeTensor<R>) -> CubeTensor<R> {
     burn_cubecl::ops::reshape(out, [b, t, h * hd].into())
 }
 
+/// Widest vector of `dtypes` along the rows of `[batch, heads, seq, hd]` tensors (unit last
+/// stride): it divides `hd` and the first three strides of every tensor in `ts`.
+fn row_width<R: CubeRuntime>(ts: &[&CubeTensor<R>], dtypes: &[DType], hd: usize) -> usize {
+    let mut lens = vec![hd];
+    for t in ts {
+        lens.extend_from_slice(&t.meta.strides()[..3]);
+    }
+    vector_width(ts[0], dtypes, &lens)
+}
+
 /// Widest vector for the tensor-core kernels' tile loads: divides head_dim and every stride.
 fn mma_width<R: CubeRuntime>(
     q: &CubeTensor<R>,
@@ -425,11 +435,11 @@ fn mma_width<R: CubeRuntime>(
     grad: Option<&CubeTensor<R>>,
     d: &Dims,
 ) -> usize {
-    let mut lens = vec![d.hd];
-    for t in [Some(q), Some(k), Some(v), grad].into_iter().flatten() {
-        lens.extend_from_slice(&t.meta.strides()[..3]);
-    }
-    vector_width(q, &[q.dtype], &lens)
+    let ts: Vec<&CubeTensor<R>> = [Some(q), Some(k), Some(v), grad]
+        .into_iter()
+        .flatten()
+        .collect();
+    row_width(&ts, &[q.dtype], d.hd)
 }
 
 /// `(dq, dk, dv)` from the inputs, the forward's output and log-sum-exp, and the output gradient.
@@ -491,10 +501,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     let rows = d.batch * d.heads * d.seq_q;
     let delta = empty(&q, vec![d.batch, d.heads, d.seq_q], DType::F32);
     {
-        let mut lens = vec![d.hd];
-        lens.extend_from_slice(&out.meta.strides()[..3]);
-        lens.extend_from_slice(&grad.meta.strides()[..3]);
-        let width = vector_width(&q, &[q.dtype, DType::F32], &lens);
+        let width = row_width(&[&out, &grad], &[q.dtype, DType::F32], d.hd);
         let per_row = d.hd / width;
         let plane = q.client.properties().hardware.plane_size_min as usize;
         let split = if use_planes(&q, 256) {
@@ -620,9 +627,7 @@ pub(crate) fn backward<R: CubeRuntime>(
                 );
             }
             if tiles.fused_dq {
-                let mut lens = vec![d.hd];
-                lens.extend_from_slice(&dq.meta.strides()[..3]);
-                let width = vector_width(&dq, &[dq.dtype, DType::F32], &lens);
+                let width = row_width(&[&dq], &[dq.dtype, DType::F32], d.hd);
                 let n = d.batch * d.heads * d.seq_q * d.hd / width;
                 unsafe {
                     dq_from_f32::launch_unchecked::<R>(
