@@ -31,6 +31,7 @@ cases!(
     embedding,
     adamw,
     sum_squares,
+    format_stats,
     dropout,
     flash_attention_strided
 );
@@ -69,6 +70,16 @@ fn linear_cross_entropy_refuses_mismatched_widths() {
     let w = burn::tensor::Tensor::<B, 2>::zeros([5, 6], &dev);
     let t = burn::tensor::Tensor::<B, 1, burn::tensor::Int>::zeros([4], &dev);
     let _ = kernels::linear_cross_entropy(x, w, t, Default::default());
+}
+
+#[test]
+#[should_panic(
+    expected = "kernels::format_stats: min_normal is -1; it must be finite and not negative"
+)]
+fn format_stats_refuses_a_negative_threshold() {
+    let dev = device();
+    let x = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
+    let _ = kernels::format_stats(x, -1.0);
 }
 
 /// The portable GEMM path (`Gemm::Auto` resolves to Burn's matmul on wgpu) and its backward: the

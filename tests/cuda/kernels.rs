@@ -35,6 +35,7 @@ cases!(
     embedding => cuda_embedding,
     adamw => cuda_adamw,
     sum_squares => cuda_sum_squares,
+    format_stats => cuda_format_stats,
     dropout => cuda_dropout,
     linear_cross_entropy => cuda_linear_cross_entropy
 );

@@ -62,6 +62,62 @@ pub(crate) fn vector_width<R: CubeRuntime>(
     best
 }
 
+/// How a reduction over every element of a tensor reads it: a dense tensor as `total` vectors of
+/// `width` elements; a matrix with other strides (CUDA's pitched rows, transposed views) or a
+/// strided vector in place, element `i` at [`flat_index`]; anything else after a copy.
+pub(crate) struct FlatRead<R: CubeRuntime> {
+    pub x: CubeTensor<R>,
+    pub dense: bool,
+    pub width: usize,
+    pub total: usize,
+    pub cols: usize,
+    pub strides: [usize; 2],
+}
+
+/// The [`FlatRead`] of `x` (`x` holds at least one element).
+pub(crate) fn flat_read<R: CubeRuntime>(x: CubeTensor<R>) -> FlatRead<R> {
+    let dims = x.meta.shape().as_slice().to_vec();
+    let numel: usize = dims.iter().product();
+    let x = if x.is_contiguous() || dims.len() <= 2 {
+        x
+    } else {
+        contiguous(x)
+    };
+    let strides = x.meta.strides().to_vec();
+    let (dense, width, total, cols, strides) = if x.is_contiguous() {
+        let width = vector_width(&x, &[x.dtype], &[numel]);
+        (true, width, numel / width, 1, [0, 0])
+    } else if dims.len() == 2 {
+        (false, 1, numel, dims[1], [strides[0], strides[1]])
+    } else {
+        (false, 1, numel, numel, [0, strides[0]])
+    };
+    FlatRead {
+        x,
+        dense,
+        width,
+        total,
+        cols,
+        strides,
+    }
+}
+
+/// Where a [`FlatRead`] finds its `i`-th vector.
+#[cube]
+pub(crate) fn flat_index(
+    i: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+    #[comptime] dense: bool,
+) -> usize {
+    if comptime!(dense) {
+        i
+    } else {
+        (i / cols) * row_stride + (i % cols) * col_stride
+    }
+}
+
 /// Whether a cube of `units` can reduce with plane (warp) operations: the device has them (CUDA
 /// yes, lavapipe no) and a fixed plane size of at least 8 that divides the cube. Otherwise the
 /// reductions use the shared-memory tree.

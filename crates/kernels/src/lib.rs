@@ -11,6 +11,7 @@
 //! | softmax cross-entropy + z-loss | [`cross_entropy`] | [`cross_entropy::reference`] |
 //! | token embedding (atomic scatter backward on CUDA) | [`embedding()`] | [`embedding::reference`] |
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
+//! | how values fit a format (amax, subnormal, non-finite counts) in one read | [`format_stats()`] | [`format_stats::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
 //! | dropout with an in-kernel mask (drawn again in the backward) | [`dropout()`] | [`dropout::reference`] |
 //! | RoPE + FlashAttention of a packed qkv projection (gradient written packed) | [`flash_attention_qkv`] | [`attention::reference_qkv`] |
@@ -51,6 +52,7 @@ mod check;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
+pub mod format_stats;
 pub mod fp8;
 pub mod gemm;
 mod launch;
@@ -74,6 +76,7 @@ pub use attention::{AttentionKernels, AttentionOps, FlashPath};
 pub use cross_entropy::{CrossEntropyKernels, CrossEntropyOps};
 pub use dropout::{Dropout, DropoutKernels, DropoutOps};
 pub use embedding::{EmbeddingKernels, EmbeddingOps};
+pub use format_stats::{FormatStats, FormatStatsOps};
 pub use fp8::{
     fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health, fp8_linear, fp8_linear_probed, fp8_quantize,
     Fp8Format, Fp8GemmPath, Fp8Granularity, Fp8Health, Fp8LinearConfig, Fp8Ops, Fp8Probe,
@@ -300,6 +303,33 @@ impl<B: Backend> SumSquares<B> {
     }
 }
 
+/// How `x`'s values (any rank, float dtype and layout) fit a format whose smallest normal number
+/// is `min_normal` (see [`format_stats`](mod@format_stats)): partial rows `[rows, 4]` of `[largest
+/// finite |x|, nonzero finite values below min_normal, nonzero finite values, non-finite values]`
+/// in f32, still on the device. Concatenate the rows of many tensors, read them back once, and
+/// combine each tensor's with [`FormatStats::from_rows`]. On `CubeBackend` one kernel reads `x`
+/// once. Works on non-autodiff tensors. `min_normal` must be finite and not negative.
+///
+/// ```no_run
+/// use burn::backend::Wgpu;
+/// use burn::tensor::Tensor;
+///
+/// let dev = Default::default();
+/// let g = Tensor::<Wgpu, 2>::ones([3, 4], &dev).mul_scalar(1e-6);
+/// let rows = kernels::format_stats(g, 2f64.powi(-14)); // f16's smallest normal
+/// let s = kernels::FormatStats::from_rows(&rows.into_data().to_vec::<f32>().unwrap(), 12);
+/// assert_eq!(s.underflow(), 1.0);
+/// ```
+pub fn format_stats<B: Backend, const D: usize>(x: Tensor<B, D>, min_normal: f64) -> Tensor<B, 2> {
+    if !(min_normal.is_finite() && min_normal >= 0.0) {
+        check::fail(
+            "format_stats",
+            format!("min_normal is {min_normal}; it must be finite and not negative"),
+        );
+    }
+    tensor(B::format_stats(prim(x), min_normal))
+}
+
 /// FlashAttention (see [`attention`]): `softmax(scale * q k^T + mask) v` for `q` [batch, heads,
 /// seq_q, head_dim] and `k`, `v` [batch, heads, seq_k, head_dim] of one float dtype, without
 /// materialising the scores; `causal` lets query `i` see keys `j <= i`; `scale` defaults to
@@ -475,6 +505,7 @@ pub trait Backend:
     + GemmOps
     + Fp8Ops
     + AdamWOps
+    + FormatStatsOps
     + MemoryOps
 {
 }
@@ -490,6 +521,7 @@ impl<B> Backend for B where
         + GemmOps
         + Fp8Ops
         + AdamWOps
+        + FormatStatsOps
         + MemoryOps
 {
 }
@@ -538,6 +570,7 @@ macro_rules! reference_backend {
         impl<$($g $(: $bound)?),*> $crate::gemm::GemmOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::fp8::Fp8Ops for $ty {}
         impl<$($g $(: $bound)?),*> $crate::adamw::AdamWOps for $ty {}
+        impl<$($g $(: $bound)?),*> $crate::format_stats::FormatStatsOps for $ty {}
         impl<$($g $(: $bound)?),*> $crate::memory::MemoryOps for $ty {}
     };
     ($ty:ty) => {

@@ -27,43 +27,55 @@ pub fn limits(dtype: FloatDType) -> (f64, f64) {
     }
 }
 
-/// `[amax, underflow, not finite]` of `x` as held in `format` (see [`LayerHealth`]), still on the
-/// device.
-pub fn stats<B: Backend>(x: Tensor<B, 2>, format: FloatDType) -> Tensor<B, 1> {
+/// One tensor's statistics against a format, still on the device (see [`stats`]).
+pub struct Pending<B: Backend> {
+    rows: Tensor<B, 2>,
+    elements: usize,
+}
+
+/// How `x` fits `format` (see [`LayerHealth`]): [`kernels::format_stats`] against the format's
+/// smallest normal number, one read of `x` on `CubeBackend`, nothing read back yet.
+pub fn stats<B: kernels::Backend>(x: Tensor<B, 2>, format: FloatDType) -> Pending<B> {
     let (min_normal, _) = limits(format);
-    let n = x.shape().num_elements().max(1) as f64;
-    let x = x.cast(FloatDType::F32);
-    let finite = x.clone().is_finite();
-    let abs = x.abs().mask_fill(finite.clone().bool_not(), 0.0);
-    let amax = abs.clone().max();
-    let nonzero = abs.clone().greater_elem(0.0);
-    let subnormal = nonzero.clone().bool_and(abs.lower_elem(min_normal));
-    let count = |b: Tensor<B, 2, burn::tensor::Bool>| b.int().sum().float().cast(FloatDType::F32);
-    let nonzero = count(nonzero).clamp_min(1.0);
-    let underflow = count(subnormal) / nonzero;
-    let not_finite = count(finite.bool_not()).div_scalar(n);
-    Tensor::cat(vec![amax, underflow, not_finite], 0)
+    let elements = x.shape().num_elements();
+    Pending {
+        rows: kernels::format_stats(x, min_normal),
+        elements,
+    }
 }
 
 /// Reads back the [`stats`] of named tensors in one transfer.
-pub fn read<B: Backend>(named: Vec<(String, Tensor<B, 1>)>) -> Vec<LayerHealth> {
+pub fn read<B: Backend>(named: Vec<(String, Pending<B>)>) -> Vec<LayerHealth> {
     if named.is_empty() {
         return Vec::new();
     }
-    let (names, stats): (Vec<String>, Vec<Tensor<B, 1>>) = named.into_iter().unzip();
-    let values: Vec<f64> = Tensor::cat(stats, 0)
+    let mut names = Vec::with_capacity(named.len());
+    let mut layout = Vec::with_capacity(named.len());
+    let mut rows = Vec::with_capacity(named.len());
+    for (name, p) in named {
+        names.push(name);
+        layout.push((p.rows.dims()[0], p.elements));
+        rows.push(p.rows);
+    }
+    let values: Vec<f32> = Tensor::cat(rows, 0)
         .into_data()
-        .convert::<f64>()
+        .convert::<f32>()
         .into_vec()
         .unwrap_or_default();
+    let mut at = 0;
     names
         .into_iter()
-        .zip(values.chunks(3))
-        .map(|(layer, v)| LayerHealth {
-            layer,
-            amax: v[0],
-            underflow: v[1],
-            saturated: v[2],
+        .zip(layout)
+        .map(|(layer, (n, elements))| {
+            let end = (at + n * kernels::format_stats::COLUMNS).min(values.len());
+            let s = kernels::FormatStats::from_rows(&values[at.min(end)..end], elements);
+            at = end;
+            LayerHealth {
+                layer,
+                amax: s.amax,
+                underflow: s.underflow(),
+                saturated: s.not_finite_share(),
+            }
         })
         .collect()
 }

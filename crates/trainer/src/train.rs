@@ -825,7 +825,7 @@ fn read_stats<B: Backend>(stats: Tensor<B, 1>, scale: f64) -> (f64, f64, bool) {
 /// first micro-batch's gradient statistics (still on the device).
 struct MicroBatches<B: crate::TrainBackend> {
     loss_sum: Option<Tensor<B::InnerBackend, 1>>,
-    numerics: Vec<(String, Tensor<B::InnerBackend, 1>)>,
+    numerics: Vec<(String, numerics::Pending<B::InnerBackend>)>,
 }
 
 /// The data and tokenizer (a resumed run reuses its saved tokenizer) and the model's vocabulary

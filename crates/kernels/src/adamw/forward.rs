@@ -11,7 +11,9 @@ use cubecl::prelude::*;
 use super::kernel::{adamw_kernel, sum_squares_kernel, AdamWScalarsLaunch};
 use super::AdamWStep;
 use crate::check::{check_float, fail};
-use crate::launch::{contiguous, empty, num_sms, reduce_slots, use_planes, vector_width};
+use crate::launch::{
+    contiguous, empty, flat_read, num_sms, reduce_slots, use_planes, vector_width, FlatRead,
+};
 
 /// `(param, m, v, copy)` after one step; see [`super::reference`].
 pub(crate) fn step<R: CubeRuntime>(
@@ -127,24 +129,18 @@ pub(crate) fn step<R: CubeRuntime>(
     (p_out, m_out, v_out, copy)
 }
 
-/// Units per cube of the sum of squares.
-const SUM_UNITS: usize = 256;
+/// Units per cube of the sum of squares (and of `format_stats`).
+pub(crate) const SUM_UNITS: usize = 256;
 
-/// One launch of the sum of squares: the tensor, how it is read, and its partial sums' slots.
-struct SumLaunch<R: CubeRuntime> {
-    x: CubeTensor<R>,
-    dense: bool,
-    width: usize,
-    total: usize,
-    cols: usize,
-    strides: [usize; 2],
-    slot: usize,
-    cubes: usize,
+/// Cubes of a reduction over `read`: at least four vectors per unit, at most four cubes per SM.
+pub(crate) fn flat_cubes<R: CubeRuntime>(read: &FlatRead<R>) -> usize {
+    read.total
+        .div_ceil(SUM_UNITS * 4)
+        .clamp(1, 4 * num_sms(&read.x))
 }
 
 /// The partial sums of `x^2` of every tensor in `tensors` (one per cube, f32), or `None` when they
-/// hold no element. Dense tensors are read as vectors; matrices with other strides (CUDA's pitched
-/// rows, transposed views) and vectors with a stride in place; anything else is copied first.
+/// hold no element. Each tensor is read as its [`FlatRead`] says.
 pub(crate) fn sum_squares_partials<R: CubeRuntime>(
     tensors: Vec<CubeTensor<R>>,
 ) -> Option<CubeTensor<R>> {
@@ -152,49 +148,23 @@ pub(crate) fn sum_squares_partials<R: CubeRuntime>(
     let mut slots = 0;
     for x in tensors {
         check_float("sum_squares", "tensor", x.dtype);
-        let numel = x.shape().num_elements();
-        if numel == 0 {
+        if x.shape().num_elements() == 0 {
             continue;
         }
-        let dims = x.shape().as_slice().to_vec();
-        // Only matrices and vectors are read with their strides; other layouts are copied first.
-        let x = if x.is_contiguous() || dims.len() <= 2 {
-            x
-        } else {
-            contiguous(x)
-        };
-        let strides = x.meta.strides().to_vec();
-        let (dense, width, total, cols, strides) = if x.is_contiguous() {
-            let width = vector_width(&x, &[x.dtype], &[numel]);
-            (true, width, numel / width, 1, [0, 0])
-        } else if dims.len() == 2 {
-            (false, 1, numel, dims[1], [strides[0], strides[1]])
-        } else {
-            (false, 1, numel, numel, [0, strides[0]])
-        };
-        // At least four vectors per unit, at most four cubes per SM.
-        let cubes = total.div_ceil(SUM_UNITS * 4).clamp(1, 4 * num_sms(&x));
-        launches.push(SumLaunch {
-            x,
-            dense,
-            width,
-            total,
-            cols,
-            strides,
-            slot: slots,
-            cubes,
-        });
+        let read = flat_read(x);
+        let cubes = flat_cubes(&read);
+        launches.push((read, slots, cubes));
         slots += cubes;
     }
-    let first = &launches.first()?.x;
+    let first = &launches.first()?.0.x;
     let partials = empty(first, vec![slots], DType::F32);
     let plane = use_planes(first, SUM_UNITS);
     let smem = reduce_slots(SUM_UNITS, plane);
-    for l in launches {
+    for (l, slot, cubes) in launches {
         let dtype = l.x.dtype;
         sum_squares_kernel::launch::<R>(
             &l.x.client.clone(),
-            CubeCount::Static(l.cubes as u32, 1, 1),
+            CubeCount::Static(cubes as u32, 1, 1),
             CubeDim::new_1d(SUM_UNITS as u32),
             l.width,
             l.x.into_tensor_arg(),
@@ -203,7 +173,7 @@ pub(crate) fn sum_squares_partials<R: CubeRuntime>(
             l.cols,
             l.strides[0],
             l.strides[1],
-            l.slot,
+            slot,
             l.dense,
             smem,
             plane,

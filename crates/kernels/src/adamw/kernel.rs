@@ -75,11 +75,7 @@ pub(crate) fn sum_squares_kernel<F: Float, N: Size>(
     let mut acc = 0.0f32;
     let mut i = ABSOLUTE_POS;
     while i < total {
-        let index = if comptime!(dense) {
-            i
-        } else {
-            (i / cols) * row_stride + (i % cols) * col_stride
-        };
+        let index = crate::launch::flat_index(i, cols, row_stride, col_stride, dense);
         let v = Vector::<f32, N>::cast_from(x[index]);
         acc += crate::launch::lanes_sum::<N>(v * v);
         i += step;

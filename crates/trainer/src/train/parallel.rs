@@ -412,7 +412,7 @@ struct RankOut<B: crate::TrainBackend> {
     held: Option<(GradientsParams, Tensor<B::InnerBackend, 1>)>,
     /// [mean loss over the ranks, scaled gradient norm] (read on rank 0).
     stats: Tensor<B::InnerBackend, 1>,
-    numerics: Vec<(String, Tensor<B::InnerBackend, 1>)>,
+    numerics: Vec<(String, numerics::Pending<B::InnerBackend>)>,
 }
 
 /// A rank's part of a step, up to (and with `update_now`, including) the update.
