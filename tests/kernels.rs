@@ -32,6 +32,7 @@ cases!(
     adamw,
     sum_squares,
     format_stats,
+    format_probe,
     dropout,
     flash_attention_strided
 );

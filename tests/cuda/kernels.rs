@@ -36,6 +36,7 @@ cases!(
     adamw => cuda_adamw,
     sum_squares => cuda_sum_squares,
     format_stats => cuda_format_stats,
+    format_probe => cuda_format_probe,
     dropout => cuda_dropout,
     linear_cross_entropy => cuda_linear_cross_entropy
 );

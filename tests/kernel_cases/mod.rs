@@ -771,6 +771,81 @@ where
     );
 }
 
+/// `kernels::format_probe` under `Autodiff`: the forward is the identity, the gradient reaches the
+/// input unchanged, and the backward records the statistics of the gradient that flowed through
+/// the probe (here `dy`, planted with an infinity and a zero), equal to `kernels::format_stats` of
+/// it, under the probe's name and with its element count.
+pub fn format_probe<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::Device)
+where
+    B::InnerBackend: kernels::Backend,
+{
+    type I<B> = <B as AutodiffBackend>::InnerBackend;
+    assert!(<B as kernels::FormatStatsOps>::format_probe_records());
+    let sink = kernels::format_stats::format_sink();
+    let probe = kernels::FormatProbe {
+        name: "p".to_string(),
+        min_normal: 1e-2,
+        sink: sink.clone(),
+    };
+    let x = randn::<B>([33, 65], dev).cast(dtype).require_grad();
+    let mut dy = randn::<B>([33, 65], dev)
+        .inner()
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    dy[5] = f32::INFINITY;
+    dy[70] = 0.0;
+    dy[71] = 1e-3;
+    let dy = Tensor::<I<B>, 2>::from_data(TensorData::new(dy, [33, 65]), dev).cast(dtype);
+    let y = kernels::format_probe(x.clone(), &probe);
+    let out = y
+        .clone()
+        .inner()
+        .cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let xs = x
+        .clone()
+        .inner()
+        .cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    assert_eq!(out, xs, "format_probe forward ({dtype:?}): the identity");
+    let grads = (y * Tensor::<B, 2>::from_inner(dy.clone()))
+        .sum()
+        .backward();
+    let dx = x.grad(&grads).unwrap().cast(FloatDType::F32);
+    let want = dy.clone().cast(FloatDType::F32);
+    let (dx, want) = (
+        dx.into_data().to_vec::<f32>().unwrap(),
+        want.into_data().to_vec::<f32>().unwrap(),
+    );
+    assert!(
+        dx.iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "format_probe ({dtype:?}): the gradient passes unchanged"
+    );
+    let records = kernels::format_stats::take_records::<I<B>>(&sink);
+    assert_eq!(records.len(), 1, "format_probe ({dtype:?}): one record");
+    let (name, recorded, elements) = records.into_iter().next().unwrap();
+    assert_eq!((name.as_str(), elements), ("p", 33 * 65));
+    let rows = |t: Tensor<I<B>, 2>| t.into_data().to_vec::<f32>().unwrap();
+    let got = kernels::FormatStats::from_rows(&rows(recorded), elements);
+    let want = kernels::FormatStats::from_rows(&rows(kernels::format_stats(dy, 1e-2)), elements);
+    assert_eq!(
+        got, want,
+        "format_probe ({dtype:?}): the gradient's statistics"
+    );
+    assert_eq!((got.not_finite, got.below_normal > 0), (1, true));
+    assert!(
+        sink.lock().unwrap().is_empty(),
+        "take_records empties the sink"
+    );
+}
+
 /// FlashAttention output and dQ, dK, dV against the naive formula, full and causal, for every
 /// `(batch, heads, seq, head_dim)` in `shapes`, plus a case with fewer queries than keys. Full
 /// attention uses a custom scale (0.3), causal the default `1 / sqrt(head_dim)`. The floor is

@@ -76,7 +76,7 @@ pub use attention::{AttentionKernels, AttentionOps, FlashPath};
 pub use cross_entropy::{CrossEntropyKernels, CrossEntropyOps};
 pub use dropout::{Dropout, DropoutKernels, DropoutOps};
 pub use embedding::{EmbeddingKernels, EmbeddingOps};
-pub use format_stats::{FormatStats, FormatStatsOps};
+pub use format_stats::{FormatProbe, FormatStats, FormatStatsOps};
 pub use fp8::{
     fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health, fp8_linear, fp8_linear_probed, fp8_quantize,
     Fp8Format, Fp8GemmPath, Fp8Granularity, Fp8Health, Fp8LinearConfig, Fp8Ops, Fp8Probe,
@@ -328,6 +328,28 @@ pub fn format_stats<B: Backend, const D: usize>(x: Tensor<B, D>, min_normal: f64
         );
     }
     tensor(B::format_stats(prim(x), min_normal))
+}
+
+/// `x` unchanged, with a probe on its gradient: under `Autodiff` over the kernels' backends
+/// (`CubeBackend`), the backward takes [`format_stats()`] of the gradient flowing through `x`
+/// (against `probe.min_normal`) into `probe.sink` and passes the gradient on, so that a
+/// gradient can be measured without being kept ([`format_stats::take_records`] gives the records
+/// back). Elsewhere nothing is recorded: [`FormatStatsOps::format_probe_records`] says whether a
+/// backend records.
+pub fn format_probe<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    probe: &FormatProbe,
+) -> Tensor<B, D> {
+    if !(probe.min_normal.is_finite() && probe.min_normal >= 0.0) {
+        check::fail(
+            "format_probe",
+            format!(
+                "min_normal is {}; it must be finite and not negative",
+                probe.min_normal
+            ),
+        );
+    }
+    tensor(B::format_probe(prim(x), probe))
 }
 
 /// FlashAttention (see [`attention`]): `softmax(scale * q k^T + mask) v` for `q` [batch, heads,

@@ -534,13 +534,20 @@ impl<B: Backend> Gpt<B> {
         self
     }
 
-    /// The same model with each projection adding a gradient tap to its output in `sink` (as
-    /// `blocks.N.attn.qkv`, ...; see [`crate::layers::GradTaps`]), or none with `None`.
-    pub fn with_grad_taps(mut self, sink: Option<crate::layers::GradTaps>) -> Self {
+    /// The same model with each projection's output gradient measured into `sink` against a
+    /// format whose smallest normal number is `min_normal` (as `blocks.N.attn.qkv`, ...; see
+    /// [`crate::layers::GradTaps`]), or not measured with `None`.
+    pub fn with_grad_taps(
+        mut self,
+        sink: Option<crate::layers::GradTaps>,
+        min_normal: f64,
+    ) -> Self {
         for (name, lin) in self.projections_mut() {
-            lin.grad_tap = sink
-                .clone()
-                .map(|sink| crate::layers::GradTap { name, sink });
+            lin.grad_tap = sink.clone().map(|sink| kernels::FormatProbe {
+                name,
+                min_normal,
+                sink,
+            });
         }
         self
     }

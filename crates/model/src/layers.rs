@@ -8,31 +8,16 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Distribution, FloatDType, Int, Tensor, TensorPrimitive};
 
-/// Where projections leave their gradient taps: `(name, tap)`, one per forward of a tapped layer.
-/// A tap is a zero leaf `Tensor<B, 2>` of shape `[rows, d_out]` (requiring its gradient) added to
-/// the layer's output, so that under `Autodiff` its gradient after the backward is the layer's
-/// output gradient as the backward held it, without any change to the computation. Stored type-
-/// erased (a module's skipped fields cannot name its backend); [`take_taps`] gives them back.
-pub type GradTaps = std::sync::Arc<std::sync::Mutex<Vec<(String, Box<dyn std::any::Any + Send>)>>>;
+/// Where projections leave the statistics of their output gradients: a
+/// [`kernels::format_stats::FormatSink`]. Each tapped projection passes its output through
+/// [`kernels::format_probe`], whose backward measures the gradient as it flows past (largest
+/// magnitude, values below the format's smallest normal, non-finite values) without keeping it or
+/// changing the computation.
+pub type GradTaps = kernels::format_stats::FormatSink;
 
 /// A new, empty [`GradTaps`] sink.
 pub fn grad_taps() -> GradTaps {
-    std::sync::Arc::new(std::sync::Mutex::new(Vec::new()))
-}
-
-/// Empties `sink`, returning its taps of backend `B` in the order the forward made them.
-pub fn take_taps<B: Backend>(sink: &GradTaps) -> Vec<(String, Tensor<B, 2>)> {
-    let taps = std::mem::take(&mut *sink.lock().unwrap_or_else(|e| e.into_inner()));
-    taps.into_iter()
-        .filter_map(|(name, t)| t.downcast::<Tensor<B, 2>>().ok().map(|t| (name, *t)))
-        .collect()
-}
-
-/// A layer's handle on a [`GradTaps`] sink.
-#[derive(Clone, Debug)]
-pub struct GradTap {
-    pub name: String,
-    pub sink: GradTaps,
+    kernels::format_stats::format_sink()
 }
 
 /// `y = x W + b` with `W` stored as [d_in, d_out].
@@ -50,9 +35,9 @@ pub struct Linear<B: Backend> {
     /// recorded there (see `kernels::fp8_linear_probed`).
     #[module(skip)]
     pub fp8_probe: Option<kernels::Fp8Probe>,
-    /// When set, [`Linear::forward_mixed`] adds a gradient tap to its output (see [`GradTaps`]).
+    /// When set, [`Linear::forward_mixed`] probes its output's gradient (see [`GradTaps`]).
     #[module(skip)]
-    pub grad_tap: Option<GradTap>,
+    pub grad_tap: Option<kernels::FormatProbe>,
 }
 
 impl<B: Backend> Linear<B> {
@@ -109,19 +94,15 @@ impl<B: Backend> Linear<B> {
         }
     }
 
-    /// `y + tap` with a new tap in [`Linear::grad_tap`]'s sink, or `y` when the layer has none.
-    fn tapped<const D: usize>(&self, y: Tensor<B, D>) -> Tensor<B, D> {
-        let Some(tap) = &self.grad_tap else {
-            return y;
-        };
-        let dims = y.dims();
-        let cols = dims[D - 1];
-        let rows = dims[..D - 1].iter().product::<usize>();
-        let zero = Tensor::<B, 2>::zeros([rows, cols], (&y.device(), y.dtype())).require_grad();
-        if let Ok(mut sink) = tap.sink.lock() {
-            sink.push((tap.name.clone(), Box::new(zero.clone())));
+    /// `y` with [`Linear::grad_tap`]'s probe on its gradient, or `y` when the layer has none.
+    fn tapped<const D: usize>(&self, y: Tensor<B, D>) -> Tensor<B, D>
+    where
+        B: kernels::Backend,
+    {
+        match &self.grad_tap {
+            Some(probe) => kernels::format_probe(y, probe),
+            None => y,
         }
-        y + zero.reshape(dims)
     }
 
     /// Ids of the parameters [`Linear::compute_copy`] casts.
@@ -135,7 +116,7 @@ impl<B: Backend> Linear<B> {
 impl<B: kernels::Backend> Linear<B> {
     /// [`Linear::forward`] with its GEMMs on `gemm` (`Burn` is exactly [`Linear::forward`]), or in
     /// FP8 when [`Linear::fp8`] is set. The bias is added in the weight's dtype. A layer with a
-    /// [`Linear::grad_tap`] adds its tap to the output.
+    /// [`Linear::grad_tap`] probes its output's gradient.
     pub fn forward_mixed<const D: usize>(
         &self,
         x: Tensor<B, D>,

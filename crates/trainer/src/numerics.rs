@@ -29,8 +29,8 @@ pub fn limits(dtype: FloatDType) -> (f64, f64) {
 
 /// One tensor's statistics against a format, still on the device (see [`stats`]).
 pub struct Pending<B: Backend> {
-    rows: Tensor<B, 2>,
-    elements: usize,
+    pub(crate) rows: Tensor<B, 2>,
+    pub(crate) elements: usize,
 }
 
 /// How `x` fits `format` (see [`LayerHealth`]): [`kernels::format_stats`] against the format's
@@ -87,7 +87,7 @@ pub fn read<B: Backend>(named: Vec<(String, Pending<B>)>) -> Vec<LayerHealth> {
 pub struct Probes {
     /// Where the FP8 projections record their inputs' and output gradients' health.
     pub fp8: Option<kernels::fp8::HealthSink>,
-    /// Where the fp16/bf16 projections leave their output-gradient taps.
+    /// Where the fp16/bf16 projections leave their output gradients' statistics.
     pub taps: Option<model::layers::GradTaps>,
 }
 

@@ -702,7 +702,7 @@ impl StepCtx<'_> {
             })
             .with_fp8(self.fp8_linear)
             .with_fp8_probe(probes.fp8.clone())
-            .with_grad_taps(probes.taps.clone())
+            .with_grad_taps(probes.taps.clone(), numerics::limits(self.compute_dtype).0)
     }
 
     /// Forward and backward of the step's `training.grad_accum` micro-batches: their gradients,
@@ -784,14 +784,13 @@ impl StepCtx<'_> {
         let raw = loss.backward();
         let measure = probes.taps.is_some() && micro.numerics.is_empty();
         if let Some(taps) = &probes.taps {
-            // Taken on every micro-batch, so the sink does not keep later ones' taps.
-            let tapped = model::layers::take_taps::<B>(taps);
+            // Taken on every micro-batch, so the sink does not keep later ones' records. The
+            // backward made them from the last layer to the first: listed in forward order.
+            let recorded = kernels::format_stats::take_records::<B::InnerBackend>(taps);
             if measure {
-                for (name, tap) in tapped {
-                    if let Some(g) = tap.grad(&raw) {
-                        let s = numerics::stats(g, self.compute_dtype);
-                        micro.numerics.push((format!("{name}.grad_output"), s));
-                    }
+                for (name, rows, elements) in recorded.into_iter().rev() {
+                    let s = numerics::Pending { rows, elements };
+                    micro.numerics.push((format!("{name}.grad_output"), s));
                 }
             }
         }

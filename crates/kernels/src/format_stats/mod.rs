@@ -5,17 +5,20 @@
 //!
 //! [`crate::format_stats`] leaves per-cube partial rows on the device, so that the statistics of
 //! many tensors come back in one transfer; [`FormatStats::from_rows`] combines one tensor's rows on
-//! the host. A gradient monitor calls it on every tapped gradient of a step instead of casting each
-//! to f32 and summing masks with full-tensor reductions.
+//! the host.
+//!
+//! [`crate::format_probe`] measures a gradient as the backward produces it: the identity in the
+//! forward, whose backward node takes the statistics of the gradient flowing through it into a
+//! [`FormatSink`] and passes the gradient on unchanged, so nothing is kept for later.
 
+mod backward;
 pub(crate) mod forward;
 pub(crate) mod kernel;
 
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::backend::Autodiff;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor};
+use std::sync::{Arc, Mutex};
 
 /// Columns of a partial row: `[amax, below normal, nonzero, not finite]`.
 pub const COLUMNS: usize = 4;
@@ -86,6 +89,48 @@ pub fn reference<B: BurnBackend>(x: Tensor<B, 2>, min_normal: f64) -> Tensor<B, 
     .reshape([1, COLUMNS as i32])
 }
 
+/// What a [`crate::format_probe`] recorded in a backward: the probe's name, the gradient's partial
+/// rows ([`crate::format_stats`], a `Tensor<B, 2>` of the non-autodiff backend, stored type-erased)
+/// and its element count.
+#[derive(Debug)]
+pub struct FormatRecord {
+    pub name: String,
+    pub rows: Box<dyn std::any::Any + Send>,
+    pub elements: usize,
+}
+
+/// Where [`crate::format_probe`]s leave their records, in the order the backward reaches them.
+pub type FormatSink = Arc<Mutex<Vec<FormatRecord>>>;
+
+/// A new, empty [`FormatSink`].
+pub fn format_sink() -> FormatSink {
+    Arc::new(Mutex::new(Vec::new()))
+}
+
+/// A probe on a tensor's gradient: its name in the records, the smallest normal number of the
+/// format it is judged against, and the sink.
+#[derive(Clone, Debug)]
+pub struct FormatProbe {
+    pub name: String,
+    pub min_normal: f64,
+    pub sink: FormatSink,
+}
+
+/// Empties `sink`, returning its records of backend `B` (the backend without autodiff) as
+/// `(name, partial rows, elements)`, in the order the backward made them.
+pub fn take_records<B: BurnBackend>(sink: &FormatSink) -> Vec<(String, Tensor<B, 2>, usize)> {
+    let records = std::mem::take(&mut *sink.lock().unwrap_or_else(|e| e.into_inner()));
+    records
+        .into_iter()
+        .filter_map(|r| {
+            r.rows
+                .downcast::<Tensor<B, 2>>()
+                .ok()
+                .map(|t| (r.name, *t, r.elements))
+        })
+        .collect()
+}
+
 /// Format statistics on a backend ([`crate::format_stats`]). The default runs [`reference`];
 /// `CubeBackend` overrides it with one kernel launch. It works on plain tensors (gradients
 /// already computed), so `Autodiff` keeps the default.
@@ -95,6 +140,16 @@ pub trait FormatStatsOps: BurnBackend {
         let (x, _) = crate::as_2d::<Self>(x);
         crate::prim(reference(x, min_normal))
     }
-}
 
-impl<B: crate::KernelOps, C: CheckpointStrategy> FormatStatsOps for Autodiff<B, C> {}
+    /// `x` unchanged ([`crate::format_probe`]). `Autodiff` over the kernels' backends records the
+    /// statistics of `x`'s gradient in its backward; the default, for a backend without autodiff
+    /// (nothing flows back) or `Autodiff` over a reference backend, records nothing.
+    fn format_probe(x: FloatTensor<Self>, _probe: &FormatProbe) -> FloatTensor<Self> {
+        x
+    }
+
+    /// Whether [`FormatStatsOps::format_probe`] records on this backend.
+    fn format_probe_records() -> bool {
+        false
+    }
+}
