@@ -17,7 +17,12 @@
 //! Shapes: 4096^3, 8192^3 and GPT-2 small's projections at 16 x 1024 tokens (qkv 768 -> 2304,
 //! proj 768 -> 768, fc 768 -> 3072, mlp proj 3072 -> 768).
 //!
-//! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--scaling block|tensor] [--shapes 4096x4096x4096,...]`
+//! With `--quantizers`, it prints the quantizer alone instead: for GPT-2 small's activations,
+//! output gradients and weights at 16 x 1024 tokens, every granularity, each as stored and
+//! transposed (the wgrad operands), the time per call and GB/s of the bytes it must move (input
+//! read once, codes and scales written).
+//!
+//! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--scaling block|tensor] [--shapes 4096x4096x4096,...] [--quantizers]`
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::wgpu::WgpuDevice;
@@ -53,6 +58,9 @@ struct Args {
     /// kernel's default or `BURNMIX_FP8_MMA_SHAPE`).
     #[arg(long, value_parser = kernels::fp8::MmaShape::parse, value_delimiter = ';')]
     mma_shapes: Vec<kernels::fp8::MmaShape>,
+    /// Time the quantizer alone (every granularity, as stored and transposed) instead of the GEMMs.
+    #[arg(long)]
+    quantizers: bool,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -164,6 +172,50 @@ fn run<Bk: kernels::Backend>(
     }
 }
 
+/// The quantizer alone on GPT-2 small's operands: microseconds per call and GB/s of the bytes
+/// it must move.
+fn quantizers<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, compute: FloatDType) {
+    println!("| tensor | [rows, cols] | granularity | transposed | us | GB/s |");
+    println!("|---|---|---|---|---|---|");
+    let elem = if compute == FloatDType::F32 { 4.0 } else { 2.0 };
+    for (name, rows, cols) in [
+        ("x (d_model)", 16384, 768),
+        ("x (d_ff)", 16384, 3072),
+        ("weight fc", 768, 3072),
+        ("weight qkv", 768, 2304),
+    ] {
+        let x = Tensor::<Bk, 2>::random([rows, cols], Distribution::Normal(0.0, 1.0), dev)
+            .cast(compute);
+        for granularity in [
+            Fp8Granularity::Tile1x128,
+            Fp8Granularity::Block128,
+            Fp8Granularity::Tensor,
+        ] {
+            for transpose in [false, true] {
+                let spec = QuantSpec {
+                    transpose,
+                    ..QuantSpec::new(Fp8Format::E4M3, granularity)
+                };
+                let t = time::<Bk>(dev, args, &mut || {
+                    let _ = fp8_quantize(x.clone(), spec);
+                });
+                let (r, k) = if transpose {
+                    (cols, rows)
+                } else {
+                    (rows, cols)
+                };
+                let scales = (spec.scale_rows(r) * spec.scale_cols(k)) as f64 * 4.0;
+                let bytes = (rows * cols) as f64 * (elem + 1.0) + scales;
+                println!(
+                    "| {name} | [{rows}, {cols}] | {granularity:?} | {transpose} | {:.1} | {:.0} |",
+                    t * 1e6,
+                    bytes / t / 1e9
+                );
+            }
+        }
+    }
+}
+
 fn main() {
     let args = Args::parse();
     let shapes = if !args.shapes.is_empty() {
@@ -181,6 +233,15 @@ fn main() {
             (16384, 768, 3072),
         ]
     };
+    if args.quantizers {
+        match args.device {
+            DeviceArg::Cuda => quantizers::<Cuda>(&CudaDevice::default(), &args, FloatDType::BF16),
+            DeviceArg::Wgpu => {
+                quantizers::<Wgpu>(&WgpuDevice::DefaultDevice, &args, FloatDType::F32)
+            }
+        }
+        return;
+    }
     match args.device {
         DeviceArg::Cuda => run::<Cuda>(&CudaDevice::default(), &args, &shapes, FloatDType::BF16),
         DeviceArg::Wgpu => run::<Wgpu>(&WgpuDevice::DefaultDevice, &args, &shapes, FloatDType::F32),

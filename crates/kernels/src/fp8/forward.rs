@@ -7,7 +7,9 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::kernel::{block_amax, dequantize as dequantize_kernel, quantize as quantize_kernel};
+use super::kernel::{
+    dequantize as dequantize_kernel, quantize as quantize_kernel, quantize_cols, tensor_amax,
+};
 use super::{Fp8Granularity, QuantSpec, TILE};
 use crate::check::{check_float, fail};
 use crate::launch::empty;
@@ -72,32 +74,42 @@ pub(crate) fn quantize<R: CubeRuntime>(
     }
     let client = x.client.clone();
     let amax = if tensor_scale {
-        // Per-tensor: the amax of every 128x128 block, then their max.
-        let blocks = empty(&x, vec![rows.div_ceil(TILE), k_tiles], DType::F32);
-        block_amax::launch::<R>(
-            &client,
-            CubeCount::Static(k_tiles as u32, rows.div_ceil(TILE) as u32, 1),
-            CubeDim::new_2d(32, 8),
-            x.clone().into_tensor_arg(),
-            blocks.clone().into_tensor_arg(),
-            rows,
-            k,
-            stride_i,
-            stride_j,
-            x.dtype.into(),
-        );
-        let blocks = burn::tensor::Tensor::<CubeBackend<R, f32, i32, u32>, 2>::from_primitive(
-            burn::tensor::TensorPrimitive::Float(blocks),
-        );
-        blocks.max().into_primitive().tensor()
+        tensor_amax_of(x.clone())
     } else {
         empty(&x, vec![1], DType::F32)
     };
+    if stride_i == 1 && stride_j > 1 && !block && rows.div_ceil(32) <= MAX_CUBES_Y {
+        // The transpose of a row-major matrix: adjacent units read adjacent stored elements.
+        let dtype = x.dtype;
+        quantize_cols::launch::<R>(
+            &client,
+            CubeCount::Static(k_tiles as u32, rows.div_ceil(32) as u32, 1),
+            CubeDim::new_2d(32, 8),
+            x.into_tensor_arg(),
+            amax.into_tensor_arg(),
+            payload.clone().into_tensor_arg(),
+            scales.clone().into_tensor_arg(),
+            rows,
+            k,
+            stride_j,
+            words,
+            tensor_scale,
+            spec.pow2,
+            spec.format.consts(),
+            dtype.into(),
+        );
+        return (payload, scales);
+    }
+    // One 4-element vector per unit where the logical rows are contiguous and 4-aligned.
+    let vec4 = stride_j == 1 && crate::launch::vector_width(&x, &[x.dtype], &[4, k, stride_i]) == 4;
+    let plane = crate::launch::use_planes(&x, 256) && plane_size(&x) == 32;
+    let dtype = x.dtype;
     quantize_kernel::launch::<R>(
         &client,
         CubeCount::Static(k_tiles as u32, row_groups as u32, 1),
         CubeDim::new_2d(32, 8),
-        x.clone().into_tensor_arg(),
+        if vec4 { 4 } else { 1 },
+        x.into_tensor_arg(),
         amax.into_tensor_arg(),
         payload.clone().into_tensor_arg(),
         scales.clone().into_tensor_arg(),
@@ -109,10 +121,53 @@ pub(crate) fn quantize<R: CubeRuntime>(
         block,
         tensor_scale,
         spec.pow2,
+        vec4,
+        plane,
         spec.format.consts(),
-        x.dtype.into(),
+        dtype.into(),
     );
     (payload, scales)
+}
+
+/// The device's plane (warp) size when it has one fixed size, else 0.
+fn plane_size<R: CubeRuntime>(x: &CubeTensor<R>) -> u32 {
+    let hw = &x.client.properties().hardware;
+    if hw.plane_size_min == hw.plane_size_max {
+        hw.plane_size_min
+    } else {
+        0
+    }
+}
+
+/// `[1]`: the largest finite normal `|x|` of `x` (per-tensor scaling): one grid-stride pass over
+/// `x`'s stored layout writing per-cube maxima, then their max.
+fn tensor_amax_of<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+    use crate::adamw::forward::{flat_cubes, SUM_UNITS};
+    let read = crate::launch::flat_read(x);
+    let cubes = flat_cubes(&read);
+    let partials = empty(&read.x, vec![cubes], DType::F32);
+    let plane = crate::launch::use_planes(&read.x, SUM_UNITS);
+    let dtype = read.x.dtype;
+    tensor_amax::launch::<R>(
+        &read.x.client.clone(),
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(SUM_UNITS as u32),
+        read.width,
+        read.x.into_tensor_arg(),
+        partials.clone().into_tensor_arg(),
+        read.total,
+        read.cols,
+        read.strides[0],
+        read.strides[1],
+        read.dense,
+        crate::launch::reduce_slots(SUM_UNITS, plane),
+        plane,
+        dtype.into(),
+    );
+    let partials = burn::tensor::Tensor::<CubeBackend<R, f32, i32, u32>, 1>::from_primitive(
+        burn::tensor::TensorPrimitive::Float(partials),
+    );
+    partials.max().into_primitive().tensor()
 }
 
 /// `[rows, k_out]` values of a payload in `dtype` (`k_out` <= the padded width).

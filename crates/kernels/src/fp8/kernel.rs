@@ -5,7 +5,8 @@
 //! Layout: the quantized matrix is `[rows, k]`, row-major along the reduction axis `k`, padded with
 //! zero codes to a multiple of 128; four codes per little-endian u32 word. A cube is 32 x 8 units:
 //! unit x owns word x (codes 4x..4x+3) of a 128-wide K tile. For 1x128 tiles unit y owns one row;
-//! for 128x128 blocks the cube owns the block and unit y rows y, y + 8, ..., y + 120.
+//! for 128x128 blocks the cube owns the block and unit y rows y, y + 8, ..., y + 120. Per-tensor
+//! scaling first takes the tensor's amax in a separate grid-stride pass over its stored layout.
 
 // `#[cube]` code: CubeCL expands plain comparisons and arithmetic, not the std helpers clippy
 // suggests (`is_multiple_of`, `clamp`, `RangeInclusive::contains`).
@@ -163,89 +164,110 @@ pub(crate) fn max_value(f: FormatConsts) -> f32 {
         * (2.0f32).powi(f.max_exp as i32)
 }
 
-/// One element of the logical `[rows, k]` input (0 outside).
-#[cube]
-fn load<F: Float>(
-    x: &Tensor<F>,
-    i: usize,
-    j: usize,
-    rows: usize,
-    k: usize,
-    stride_i: usize,
-    stride_j: usize,
-) -> f32 {
-    let mut v = 0.0f32;
-    if i < rows && j < k {
-        v = f32::cast_from(x[i * stride_i + j * stride_j]);
-    }
-    v
-}
-
-/// The amax of this unit's tile, for a 32 x 8 cube: unit (x, y) reads codes `j0 .. j0 + 4` of rows
-/// `row0` (1x128: one row per y) or `row0, row0 + 8, ..., row0 + 120` (128x128 `block`); then a
-/// shared-memory tree over the 32 units of a row, or over all 256 units of the block.
+/// Codes `j0 .. j0 + 4` of row `i` of the logical `[rows, k]` input into `vals[at .. at + 4]` (0
+/// outside). `vec4`: `x` is read as 4-element vectors (`stride_j` = 1, `k` and `stride_i`
+/// multiples of 4), one load; otherwise element by element with the strides.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn tile_amax_of<F: Float>(
-    x: &Tensor<F>,
-    row0: usize,
+fn load4<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    vals: &mut Array<f32>,
+    at: usize,
+    i: usize,
     j0: usize,
     rows: usize,
     k: usize,
     stride_i: usize,
     stride_j: usize,
-    #[comptime] block: bool,
-) -> f32 {
+    #[comptime] vec4: bool,
+) {
+    if comptime!(vec4) {
+        if i < rows && j0 < k {
+            let v = x[(i * stride_i + j0) / 4];
+            #[unroll]
+            for e in 0..4usize {
+                vals[at + e] = f32::cast_from(v[e]);
+            }
+        } else {
+            #[unroll]
+            for e in 0..4usize {
+                vals[at + e] = 0.0f32;
+            }
+        }
+    } else {
+        #[unroll]
+        for e in 0..4usize {
+            let j = j0 + e;
+            let mut v = 0.0f32;
+            if i < rows && j < k {
+                v = f32::cast_from(x[i * stride_i + j * stride_j][0usize]);
+            }
+            vals[at + e] = v;
+        }
+    }
+}
+
+/// The max of `local` over the units of a tile, for a 32 x 8 cube: the 32 units of a row (1x128
+/// tiles) or all 256 (128x128 `block`). `plane`: 32-unit planes, one per row of the cube (a
+/// plane max, and for blocks one exchange through shared memory); otherwise a shared-memory tree.
+#[cube]
+#[allow(unused_assignments)]
+fn tile_max(local: f32, #[comptime] block: bool, #[comptime] plane: bool) -> f32 {
     let x_unit = UNIT_POS_X as usize;
     let y_unit = UNIT_POS_Y as usize;
-    let reps = comptime!(if block { 16usize } else { 1usize });
-    let mut smem = SharedMemory::<f32>::new(256usize);
-    let mut local = 0.0f32;
-    for r in 0..reps {
-        #[unroll]
-        for e in 0..4u32 {
-            local = f32::max(
-                local,
-                amax_term(load::<F>(
-                    x,
-                    row0 + r * 8,
-                    j0 + e as usize,
-                    rows,
-                    k,
-                    stride_i,
-                    stride_j,
-                )),
-            );
+    let mut result = 0.0f32;
+    if comptime!(plane) {
+        let m = plane_max(local);
+        result = m;
+        if comptime!(block) {
+            let mut smem = SharedMemory::<f32>::new(8usize);
+            if x_unit == 0 {
+                smem[y_unit] = m;
+            }
+            sync_cube();
+            #[unroll]
+            for w in 0..8usize {
+                result = f32::max(result, smem[w]);
+            }
         }
-    }
-    let slot = y_unit * 32 + x_unit;
-    smem[slot] = local;
-    sync_cube();
-    let mut stride = 16usize;
-    let mut base = y_unit * 32;
-    let mut pos = x_unit;
-    if comptime!(block) {
-        stride = 128usize;
-        base = 0usize;
-        pos = slot;
-    }
-    while stride > 0usize {
-        if pos < stride {
-            smem[base + pos] = f32::max(smem[base + pos], smem[base + pos + stride]);
-        }
+    } else {
+        let mut smem = SharedMemory::<f32>::new(256usize);
+        let slot = y_unit * 32 + x_unit;
+        smem[slot] = local;
         sync_cube();
-        stride /= 2usize;
+        let mut stride = 16usize;
+        let mut base = y_unit * 32;
+        let mut pos = x_unit;
+        if comptime!(block) {
+            stride = 128usize;
+            base = 0usize;
+            pos = slot;
+        }
+        while stride > 0usize {
+            if pos < stride {
+                smem[base + pos] = f32::max(smem[base + pos], smem[base + pos + stride]);
+            }
+            sync_cube();
+            stride /= 2usize;
+        }
+        result = smem[base];
     }
-    smem[base]
+    result
 }
 
 /// Quantizes the logical `[rows, k]` view `x[i * stride_i + j * stride_j]` (strides select the
 /// matrix or its transpose) into `payload` `[rows, words]` and dequantization `scales`
 /// (1x128: `[rows, k_tiles]`; 128x128: `[ceil(rows / 128), k_tiles]`; given amax: `[1]`).
 /// With `given_amax` every tile uses `amax[0]` (per-tensor scaling).
+///
+/// A 32 x 8 cube: unit (x, y) holds codes `4x .. 4x + 4` of a 128-wide K tile of row `y` (1x128)
+/// or of rows `y, y + 8, ..., y + 120` (128x128 `block`). Each value is loaded once (`vec4`: as
+/// one 4-element vector) and kept in registers for the tile's amax ([`tile_max`]) and the
+/// encoding.
 #[cube(launch)]
-pub(crate) fn quantize<F: Float>(
-    x: &Tensor<F>,
+#[allow(clippy::too_many_arguments, unused_assignments)]
+pub(crate) fn quantize<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
     amax: &Tensor<f32>,
     payload: &mut Tensor<u32>,
     scales: &mut Tensor<f32>,
@@ -257,6 +279,8 @@ pub(crate) fn quantize<F: Float>(
     #[comptime] block: bool,
     #[comptime] given_amax: bool,
     #[comptime] pow2: bool,
+    #[comptime] vec4: bool,
+    #[comptime] plane: bool,
     #[comptime] f: FormatConsts,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -268,24 +292,46 @@ pub(crate) fn quantize<F: Float>(
     let rows_per_cube = comptime!(if block { 128usize } else { 8usize });
     let row0 = CUBE_POS_Y as usize * rows_per_cube + y_unit;
 
-    let mut tile_amax = amax[0usize];
-    if !comptime!(given_amax) {
-        tile_amax = tile_amax_of::<F>(x, row0, j0, rows, k, stride_i, stride_j, block);
+    let mut vals = Array::<f32>::new(comptime!(reps * 4));
+    let mut local = 0.0f32;
+    #[unroll]
+    for r in 0..reps {
+        load4::<F, N>(
+            x,
+            &mut vals,
+            r * 4,
+            row0 + r * 8,
+            j0,
+            rows,
+            k,
+            stride_i,
+            stride_j,
+            vec4,
+        );
+        if !comptime!(given_amax) {
+            #[unroll]
+            for e in 0..4usize {
+                local = f32::max(local, amax_term(vals[r * 4 + e]));
+            }
+        }
+    }
+    let mut tile_amax = 0.0f32;
+    if comptime!(given_amax) {
+        tile_amax = amax[0usize];
+    } else {
+        tile_amax = tile_max(local, block, plane);
     }
     let s = multiplier(tile_amax, f, pow2);
     let d = dequant_scale(s, pow2);
 
+    #[unroll]
     for r in 0..reps {
         let i = row0 + r * 8;
         if i < rows {
             let mut word = 0u32;
             #[unroll]
             for e in 0..4u32 {
-                let code = encode(
-                    load::<F>(x, i, j0 + e as usize, rows, k, stride_i, stride_j),
-                    s,
-                    f,
-                );
+                let code = encode(vals[r * 4 + e as usize], s, f);
                 word |= code << (e * 8u32);
             }
             payload[i * words + kt * 32 + x_unit] = word;
@@ -305,23 +351,114 @@ pub(crate) fn quantize<F: Float>(
     }
 }
 
-/// Per-128x128-block amax of the logical `[rows, k]` view (for per-tensor scaling: the launcher
-/// takes the max of these).
+/// [`quantize`] for a logical `[rows, k]` view with `stride_i` = 1 (the transpose of a row-major
+/// `[k, rows]` matrix), 1x128 tiles or a given amax. A 32 x 8 cube covers 32 rows of the view and
+/// one 128-wide K tile: unit (x, y) holds codes `16y .. 16y + 16` of row x, so the 32 units of a
+/// plane read 32 adjacent elements of one stored row (one coalesced load) where [`quantize`]'s
+/// mapping reads 32 stored rows. A row's tile amax goes through shared memory across the 8
+/// planes; each unit then encodes its 16 codes into 4 words.
 #[cube(launch)]
-pub(crate) fn block_amax<F: Float>(
+#[allow(clippy::too_many_arguments, unused_assignments)]
+pub(crate) fn quantize_cols<F: Float>(
     x: &Tensor<F>,
-    out: &mut Tensor<f32>,
+    amax: &Tensor<f32>,
+    payload: &mut Tensor<u32>,
+    scales: &mut Tensor<f32>,
     rows: usize,
     k: usize,
-    stride_i: usize,
     stride_j: usize,
+    words: usize,
+    #[comptime] given_amax: bool,
+    #[comptime] pow2: bool,
+    #[comptime] f: FormatConsts,
     #[define(F)] _dtype: StorageType,
 ) {
-    let j0 = CUBE_POS_X as usize * 128 + UNIT_POS_X as usize * 4;
-    let row0 = CUBE_POS_Y as usize * 128 + UNIT_POS_Y as usize;
-    let tile = tile_amax_of::<F>(x, row0, j0, rows, k, stride_i, stride_j, true);
+    let lane = UNIT_POS_X as usize;
+    let part = UNIT_POS_Y as usize;
+    let kt = CUBE_POS_X as usize;
+    let i = CUBE_POS_Y as usize * 32 + lane;
+    let jb = kt * 128 + part * 16;
+
+    let mut vals = Array::<f32>::new(16usize);
+    let mut local = 0.0f32;
+    #[unroll]
+    for t in 0..16usize {
+        let j = jb + t;
+        let mut v = 0.0f32;
+        if i < rows && j < k {
+            v = f32::cast_from(x[i + j * stride_j]);
+        }
+        vals[t] = v;
+        local = f32::max(local, amax_term(v));
+    }
+    let mut tile_amax = 0.0f32;
+    if comptime!(given_amax) {
+        tile_amax = amax[0usize];
+    } else {
+        let mut smem = SharedMemory::<f32>::new(256usize);
+        smem[part * 32 + lane] = local;
+        sync_cube();
+        #[unroll]
+        for p in 0..8usize {
+            tile_amax = f32::max(tile_amax, smem[p * 32 + lane]);
+        }
+    }
+    let s = multiplier(tile_amax, f, pow2);
+    let d = dequant_scale(s, pow2);
+    if i < rows {
+        #[unroll]
+        for q in 0..4usize {
+            let mut word = 0u32;
+            #[unroll]
+            for e in 0..4u32 {
+                let code = encode(vals[q * 4 + e as usize], s, f);
+                word |= code << (e * 8u32);
+            }
+            payload[i * words + kt * 32 + part * 4 + q] = word;
+        }
+        if !comptime!(given_amax) && part == 0 {
+            scales[i * CUBE_COUNT_X as usize + kt] = d;
+        }
+    }
+    if comptime!(given_amax) && CUBE_POS_X == 0 && CUBE_POS_Y == 0 && UNIT_POS == 0 {
+        scales[0usize] = d;
+    }
+}
+
+/// `partials[CUBE_POS]` = the largest finite normal `|x|` ([`amax_term`]) over this cube's share
+/// of `x`, read as `launch::FlatRead` describes (the amax of a matrix does not depend on its
+/// orientation, so per-tensor scaling reads the stored layout, as vectors when dense).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tensor_amax<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    partials: &mut Tensor<f32>,
+    total: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+    #[comptime] dense: bool,
+    #[comptime] slots: usize,
+    #[comptime] plane: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let step = CUBE_COUNT * CUBE_DIM as usize;
+    let mut local = 0.0f32;
+    let mut i = ABSOLUTE_POS;
+    while i < total {
+        let v = Vector::<f32, N>::cast_from(
+            x[crate::launch::flat_index(i, cols, row_stride, col_stride, dense)],
+        );
+        #[unroll]
+        for l in 0..v.size() {
+            local = f32::max(local, amax_term(v[l]));
+        }
+        i += step;
+    }
+    let mut smem = SharedMemory::<f32>::new(slots);
+    let m = crate::launch::cube_max(local, &mut smem, plane);
     if UNIT_POS == 0 {
-        out[CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize] = tile;
+        partials[CUBE_POS] = m;
     }
 }
 
