@@ -78,12 +78,17 @@ pub(crate) fn quantize<R: CubeRuntime>(
     } else {
         empty(&x, vec![1], DType::F32)
     };
-    if stride_i == 1 && stride_j > 1 && !block && rows.div_ceil(32) <= MAX_CUBES_Y {
+    if stride_i == 1
+        && stride_j > 1
+        && !block
+        && k_tiles <= MAX_CUBES_Y
+        && rows.div_ceil(32) <= crate::launch::max_cubes_x(&x)
+    {
         // The transpose of a row-major matrix: adjacent units read adjacent stored elements.
         let dtype = x.dtype;
         quantize_cols::launch::<R>(
             &client,
-            CubeCount::Static(k_tiles as u32, rows.div_ceil(32) as u32, 1),
+            CubeCount::Static(rows.div_ceil(32) as u32, k_tiles as u32, 1),
             CubeDim::new_2d(32, 8),
             x.into_tensor_arg(),
             amax.into_tensor_arg(),
@@ -93,6 +98,7 @@ pub(crate) fn quantize<R: CubeRuntime>(
             k,
             stride_j,
             words,
+            k_tiles,
             tensor_scale,
             spec.pow2,
             spec.format.consts(),

@@ -356,7 +356,9 @@ pub(crate) fn quantize<F: Float, N: Size>(
 /// one 128-wide K tile: unit (x, y) holds codes `16y .. 16y + 16` of row x, so the 32 units of a
 /// plane read 32 adjacent elements of one stored row (one coalesced load) where [`quantize`]'s
 /// mapping reads 32 stored rows. A row's tile amax goes through shared memory across the 8
-/// planes; each unit then encodes its 16 codes into 4 words.
+/// planes; each unit encodes its 16 codes into 4 words, which go through shared memory too, so
+/// that each plane stores 4 rows of 32 adjacent words. The grid's x walks the view's row blocks
+/// (adjacent column blocks of the same stored rows), its y the K tiles.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, unused_assignments)]
 pub(crate) fn quantize_cols<F: Float>(
@@ -368,6 +370,7 @@ pub(crate) fn quantize_cols<F: Float>(
     k: usize,
     stride_j: usize,
     words: usize,
+    k_tiles: usize,
     #[comptime] given_amax: bool,
     #[comptime] pow2: bool,
     #[comptime] f: FormatConsts,
@@ -375,8 +378,9 @@ pub(crate) fn quantize_cols<F: Float>(
 ) {
     let lane = UNIT_POS_X as usize;
     let part = UNIT_POS_Y as usize;
-    let kt = CUBE_POS_X as usize;
-    let i = CUBE_POS_Y as usize * 32 + lane;
+    let kt = CUBE_POS_Y as usize;
+    let row0 = CUBE_POS_X as usize * 32;
+    let i = row0 + lane;
     let jb = kt * 128 + part * 16;
 
     let mut vals = Array::<f32>::new(16usize);
@@ -405,19 +409,28 @@ pub(crate) fn quantize_cols<F: Float>(
     }
     let s = multiplier(tile_amax, f, pow2);
     let d = dequant_scale(s, pow2);
-    if i < rows {
+    // Row `lane`'s 32 words at `lane * 33 ..` (the padding keeps both passes free of bank
+    // conflicts).
+    let mut staged = SharedMemory::<u32>::new(comptime!(32usize * 33));
+    #[unroll]
+    for q in 0..4usize {
+        let mut word = 0u32;
         #[unroll]
-        for q in 0..4usize {
-            let mut word = 0u32;
-            #[unroll]
-            for e in 0..4u32 {
-                let code = encode(vals[q * 4 + e as usize], s, f);
-                word |= code << (e * 8u32);
-            }
-            payload[i * words + kt * 32 + part * 4 + q] = word;
+        for e in 0..4u32 {
+            let code = encode(vals[q * 4 + e as usize], s, f);
+            word |= code << (e * 8u32);
         }
-        if !comptime!(given_amax) && part == 0 {
-            scales[i * CUBE_COUNT_X as usize + kt] = d;
+        staged[lane * 33 + part * 4 + q] = word;
+    }
+    if !comptime!(given_amax) && part == 0 && i < rows {
+        scales[i * k_tiles + kt] = d;
+    }
+    sync_cube();
+    #[unroll]
+    for r in 0..4usize {
+        let row = part * 4 + r;
+        if row0 + row < rows {
+            payload[(row0 + row) * words + kt * 32 + lane] = staged[row * 33 + lane];
         }
     }
     if comptime!(given_amax) && CUBE_POS_X == 0 && CUBE_POS_Y == 0 && UNIT_POS == 0 {
