@@ -5,8 +5,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
 use kernels::fp8::reference;
 use kernels::{
-    fp8_gemm, fp8_gemm_on, fp8_linear, fp8_quantize, Fp8Format, Fp8GemmPath, Fp8Granularity,
-    Fp8LinearConfig, QuantSpec,
+    fp8_gemm, fp8_gemm_on, fp8_linear, fp8_quantize, fp8_quantize_pair, Fp8Format, Fp8GemmPath,
+    Fp8Granularity, Fp8LinearConfig, QuantSpec,
 };
 
 /// Deterministic pseudo-random values, so that failures reproduce.
@@ -99,8 +99,9 @@ pub fn specs() -> Vec<QuantSpec> {
 }
 
 /// Payload and scales of the quantizer kernels, bit for bit against the CPU reference, for every
-/// format, granularity, scale rounding and orientation; input in `dtype` (the reference gets the
-/// same dtype-rounded values).
+/// format, granularity, scale rounding and orientation, and both orientations at once
+/// ([`fp8_quantize_pair`], of the matrix and of its transposed view); input in `dtype` (the
+/// reference gets the same dtype-rounded values).
 pub fn quantizer_bit_identical<B: kernels::Backend>(
     dtype: FloatDType,
     dev: &B::Device,
@@ -121,43 +122,99 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(
             .to_vec::<f32>()
             .unwrap();
         for spec in specs() {
-            let q = fp8_quantize(x.clone(), spec);
-            let (words, scales) = reference::quantize(&rounded, rows, cols, &spec);
-            let got_words = kernels::fp8::words_of_tensor(&q.payload);
-            let got_scales = q.scales.clone().into_data().to_vec::<f32>().unwrap();
             let ctx = format!("{dtype:?} [{rows}, {cols}] {spec:?}");
-            assert_eq!(got_scales.len(), scales.len(), "{ctx}: scale count");
-            for (i, (g, r)) in got_scales.iter().zip(&scales).enumerate() {
-                assert_eq!(
-                    g.to_bits(),
-                    r.to_bits(),
-                    "{ctx}: scale {i}: kernel {g:e}, reference {r:e}"
-                );
+            let q = fp8_quantize(x.clone(), spec);
+            assert_matches_reference(&q, &rounded, rows, cols, &spec, &ctx);
+            if spec.transpose {
+                continue;
             }
-            assert_eq!(got_words.len(), words.len(), "{ctx}: payload words");
-            if let Some(i) = got_words.iter().zip(&words).position(|(g, r)| g != r) {
-                panic!(
-                    "{ctx}: payload word {i} (row {}, codes {}..): kernel {:08x}, reference {:08x}",
-                    i / (words.len() / q.rows.max(1)),
-                    4 * (i % (words.len() / q.rows.max(1))),
-                    got_words[i],
-                    words[i]
-                );
-            }
-            // Dequantization: kernel against reference, exact.
-            let deq = q
-                .dequantize(FloatDType::F32)
-                .into_data()
-                .to_vec::<f32>()
-                .unwrap();
-            let want = reference::dequantize(&words, &scales, q.rows, q.k, &spec);
-            for (i, (g, r)) in deq.iter().zip(&want).enumerate() {
-                assert!(
-                    g.to_bits() == r.to_bits() || (g.is_nan() && r.is_nan()),
-                    "{ctx}: dequantized {i}: kernel {g:e}, reference {r:e}"
-                );
-            }
+            // Both orientations from one call, of the matrix and of its transposed view (strided
+            // reads): each bit for bit the single-orientation result.
+            let (stored, transposed) = fp8_quantize_pair(x.clone(), spec);
+            let ctx = format!("fp8_quantize_pair {ctx}");
+            assert_matches_reference(
+                &stored,
+                &rounded,
+                rows,
+                cols,
+                &spec,
+                &format!("{ctx}, as stored"),
+            );
+            let spec_t = spec.transposed(true);
+            assert_matches_reference(
+                &transposed,
+                &rounded,
+                rows,
+                cols,
+                &spec_t,
+                &format!("{ctx}, transposed"),
+            );
+            let (stored, transposed) = fp8_quantize_pair(x.clone().transpose(), spec);
+            let ctx = format!("{ctx} of the transposed view");
+            assert_matches_reference(
+                &stored,
+                &rounded,
+                rows,
+                cols,
+                &spec_t,
+                &format!("{ctx}, as stored"),
+            );
+            assert_matches_reference(
+                &transposed,
+                &rounded,
+                rows,
+                cols,
+                &spec,
+                &format!("{ctx}, transposed"),
+            );
         }
+    }
+}
+
+/// `q` against the CPU reference's quantization of the row-major `[rows, cols]` `data` under
+/// `spec` (payload and scales bit for bit, then the dequantized values).
+fn assert_matches_reference<B: kernels::Backend>(
+    q: &kernels::Fp8Tensor<B>,
+    data: &[f32],
+    rows: usize,
+    cols: usize,
+    spec: &QuantSpec,
+    ctx: &str,
+) {
+    let (words, scales) = reference::quantize(data, rows, cols, spec);
+    assert_eq!(q.spec.granularity, spec.granularity, "{ctx}: granularity");
+    let got_words = kernels::fp8::words_of_tensor(&q.payload);
+    let got_scales = q.scales.clone().into_data().to_vec::<f32>().unwrap();
+    assert_eq!(got_scales.len(), scales.len(), "{ctx}: scale count");
+    for (i, (g, r)) in got_scales.iter().zip(&scales).enumerate() {
+        assert_eq!(
+            g.to_bits(),
+            r.to_bits(),
+            "{ctx}: scale {i}: kernel {g:e}, reference {r:e}"
+        );
+    }
+    assert_eq!(got_words.len(), words.len(), "{ctx}: payload words");
+    if let Some(i) = got_words.iter().zip(&words).position(|(g, r)| g != r) {
+        panic!(
+            "{ctx}: payload word {i} (row {}, codes {}..): kernel {:08x}, reference {:08x}",
+            i / (words.len() / q.rows.max(1)),
+            4 * (i % (words.len() / q.rows.max(1))),
+            got_words[i],
+            words[i]
+        );
+    }
+    // Dequantization: kernel against reference, exact.
+    let deq = q
+        .dequantize(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let want = reference::dequantize(&words, &scales, q.rows, q.k, spec);
+    for (i, (g, r)) in deq.iter().zip(&want).enumerate() {
+        assert!(
+            g.to_bits() == r.to_bits() || (g.is_nan() && r.is_nan()),
+            "{ctx}: dequantized {i}: kernel {g:e}, reference {r:e}"
+        );
     }
 }
 
@@ -280,7 +337,8 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 ///    sums of many terms of random sign the relative RMS error stays near that: ~0.04 with E4M3
 ///    operands, ~0.06 with E5M2 gradients (measured on lavapipe: 0.037-0.038 and 0.058-0.061), so
 ///    the bounds 0.06 and 0.12 leave 1.5-2x headroom;
-/// 3. passes switched off use the plain matmul exactly.
+/// 3. with one backward pass off, that pass is the plain matmul and the other the FP8 GEMM, exactly;
+/// 4. with every pass off, the plain matmul exactly.
 pub fn linear<B: AutodiffBackend + kernels::Backend>(
     dtype: FloatDType,
     dev: &B::Device,
@@ -375,7 +433,43 @@ pub fn linear<B: AutodiffBackend + kernels::Backend>(
                 "{ctx}: dw relative RMS error {edw:.4} > {bound_g}"
             );
         }
-        // 3. all passes off: plain matmuls
+        // 3. one backward pass off: that pass is the plain matmul, the other the FP8 GEMM.
+        for (dgrad, wgrad) in [(false, true), (true, false)] {
+            let cfg = Fp8LinearConfig {
+                dgrad,
+                wgrad,
+                ..Default::default()
+            };
+            let x = x0.clone().cast(dtype).detach().require_grad();
+            let w = w0.clone().cast(dtype).detach().require_grad();
+            let y = fp8_linear(x.clone(), w.clone(), &cfg);
+            let dy = Tensor::<B, 2>::from_inner(dy0.clone().cast(dtype));
+            let g = (y * dy).sum().backward();
+            let (dx, dw) = (x.grad(&g).unwrap(), w.grad(&g).unwrap());
+            let (xi, wi, dyi) = (x.inner(), w.inner(), dy0.clone().cast(dtype));
+            let want_dx = if dgrad {
+                fp8_gemm(
+                    &fp8_quantize(dyi.clone(), cfg.grad_spec(false)),
+                    &fp8_quantize(wi.clone(), cfg.weight_spec(false)),
+                    dtype,
+                )
+            } else {
+                dyi.clone().matmul(wi.clone().transpose())
+            };
+            let want_dw = if wgrad {
+                fp8_gemm(
+                    &fp8_quantize(xi.clone(), cfg.act_spec(true)),
+                    &fp8_quantize(dyi.clone(), cfg.grad_spec(true)),
+                    dtype,
+                )
+            } else {
+                xi.transpose().matmul(dyi).cast(dtype)
+            };
+            let ctx = format!("fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] dgrad={dgrad} wgrad={wgrad}");
+            assert_eq!(host(dx), host(want_dx), "{ctx}: dx");
+            assert_eq!(host(dw), host(want_dw), "{ctx}: dw");
+        }
+        // 4. all passes off: plain matmuls
         let off = Fp8LinearConfig {
             fprop: false,
             dgrad: false,

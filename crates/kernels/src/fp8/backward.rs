@@ -14,9 +14,11 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::ops::IntTensor;
-use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorMetadata, TensorPrimitive};
 
-use super::{fp8_gemm, fp8_quantize, Fp8LinearConfig, Fp8Probe};
+use super::{
+    fp8_gemm, fp8_quantize, fp8_quantize_pair, Fp8LinearConfig, Fp8Probe, Fp8Tensor, QuantSpec,
+};
 use crate::{Backend, KernelOps};
 
 /// The float dtype of a float tensor.
@@ -44,28 +46,100 @@ pub(crate) fn fprop<B: Backend>(
     fp8_gemm(&a, &b, out)
 }
 
-/// `(dx, dw)` of `y = x w` (dgrad, wgrad), each in FP8 when configured.
-pub(crate) fn backward<B: Backend>(
+/// What the backward keeps of an operand: the tensor, or (when the backward GEMM that reads it
+/// runs in FP8) its codes in the orientation that GEMM reads, quantized in the forward together
+/// with the forward's own operand.
+#[derive(Clone, Debug)]
+pub(crate) enum Saved<B: Backend> {
+    Plain(Tensor<B, 2>),
+    Fp8(Fp8Tensor<B>),
+}
+
+impl<B: Backend> Saved<B> {
+    /// The operand quantized as `spec` says (quantized now if it was kept as a tensor).
+    fn fp8(self, spec: QuantSpec) -> Fp8Tensor<B> {
+        match self {
+            Saved::Fp8(q) => {
+                debug_assert_eq!(q.spec, spec);
+                q
+            }
+            Saved::Plain(t) => fp8_quantize(t, spec),
+        }
+    }
+    /// The tensor (kept whenever a backward GEMM that reads it is not in FP8).
+    fn plain(self) -> Tensor<B, 2> {
+        match self {
+            Saved::Plain(t) => t,
+            Saved::Fp8(_) => unreachable!("an operand kept in FP8 feeds an FP8 GEMM only"),
+        }
+    }
+}
+
+/// `y = x w` (fprop) and what the backward needs of `x` and `w`. With fprop and wgrad in FP8,
+/// `x` is quantized in both orientations in one pass (`x` for fprop, `x^T` kept for wgrad); with
+/// fprop and dgrad in FP8, the weight likewise (`w^T` for fprop, `w` kept for dgrad).
+pub(crate) fn fprop_saved<B: Backend>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
+    cfg: &Fp8LinearConfig,
+) -> (Tensor<B, 2>, Saved<B>, Saved<B>) {
+    if !cfg.fprop {
+        return (
+            x.clone().matmul(w.clone()),
+            Saved::Plain(x),
+            Saved::Plain(w),
+        );
+    }
+    let out = float_dtype(x.dtype());
+    let (a, x_saved) = if cfg.wgrad {
+        let (a, a_t) = fp8_quantize_pair(x, cfg.act_spec(false));
+        (a, Saved::Fp8(a_t))
+    } else {
+        (
+            fp8_quantize(x.clone(), cfg.act_spec(false)),
+            Saved::Plain(x),
+        )
+    };
+    let (b, w_saved) = if cfg.dgrad {
+        let (w_q, w_t) = fp8_quantize_pair(w, cfg.weight_spec(false));
+        (w_t, Saved::Fp8(w_q))
+    } else {
+        (
+            fp8_quantize(w.clone(), cfg.weight_spec(true)),
+            Saved::Plain(w),
+        )
+    };
+    (fp8_gemm(&a, &b, out), x_saved, w_saved)
+}
+
+/// `(dx, dw)` of `y = x w` (dgrad, wgrad), each in FP8 when configured, from what
+/// [`fprop_saved`] kept; `dx` in `x_dtype`, `dw` in `w_dtype`. With both in FP8, `dy` is quantized
+/// in both orientations in one pass.
+pub(crate) fn backward<B: Backend>(
+    x: Saved<B>,
+    w: Saved<B>,
     dy: Tensor<B, 2>,
     cfg: &Fp8LinearConfig,
+    x_dtype: FloatDType,
+    w_dtype: FloatDType,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let (x_dtype, w_dtype) = (float_dtype(x.dtype()), float_dtype(w.dtype()));
     let dy = dy.cast(x_dtype);
-    let dx = if cfg.dgrad {
-        let a = fp8_quantize(dy.clone(), cfg.grad_spec(false));
-        let b = fp8_quantize(w.clone(), cfg.weight_spec(false));
-        fp8_gemm(&a, &b, x_dtype)
-    } else {
-        dy.clone().matmul(w.transpose())
+    let (dy_a, dy_b) = match (cfg.dgrad, cfg.wgrad) {
+        (true, true) => {
+            let (a, b) = fp8_quantize_pair(dy.clone(), cfg.grad_spec(false));
+            (Some(a), Some(b))
+        }
+        (true, false) => (Some(fp8_quantize(dy.clone(), cfg.grad_spec(false))), None),
+        (false, true) => (None, Some(fp8_quantize(dy.clone(), cfg.grad_spec(true)))),
+        (false, false) => (None, None),
     };
-    let dw = if cfg.wgrad {
-        let a = fp8_quantize(x, cfg.act_spec(true));
-        let b = fp8_quantize(dy, cfg.grad_spec(true));
-        fp8_gemm(&a, &b, w_dtype)
-    } else {
-        x.transpose().matmul(dy).cast(w_dtype)
+    let dx = match dy_a {
+        Some(a) => fp8_gemm(&a, &w.fp8(cfg.weight_spec(false)), x_dtype),
+        None => dy.clone().matmul(w.plain().transpose()),
+    };
+    let dw = match dy_b {
+        Some(b) => fp8_gemm(&x.fp8(cfg.act_spec(true)), &b, w_dtype),
+        None => x.plain().transpose().matmul(dy).cast(w_dtype),
     };
     (dx, dw)
 }
@@ -74,10 +148,11 @@ pub(crate) fn backward<B: Backend>(
 struct Fp8LinearBackward;
 
 impl<B: KernelOps> Backward<B, 2> for Fp8LinearBackward {
-    /// (x, w, config, health probe)
+    /// (x, w as the backward needs them, their dtypes, config, health probe)
     type State = (
-        FloatTensor<B>,
-        FloatTensor<B>,
+        Saved<B>,
+        Saved<B>,
+        (FloatDType, FloatDType),
         Fp8LinearConfig,
         Option<Fp8Probe>,
     );
@@ -85,13 +160,12 @@ impl<B: KernelOps> Backward<B, 2> for Fp8LinearBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_w] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
-        let (x, w, cfg, probe) = ops.state;
-        let t = |p: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
-        let dy = t(dy);
+        let (x, w, (x_dtype, w_dtype), cfg, probe) = ops.state;
+        let dy = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(dy));
         if let Some(p) = &probe {
             p.record("grad_output", dy.clone(), cfg.grad_spec(false));
         }
-        let (dx, dw) = backward(t(x), t(w), dy, &cfg);
+        let (dx, dw) = backward(x, w, dy, &cfg, x_dtype, w_dtype);
         if let Some(node) = node_x {
             grads.register::<B>(node.id, dx.into_primitive().tensor());
         }
@@ -108,16 +182,27 @@ pub(crate) fn fp8_linear<B: KernelOps, C: CheckpointStrategy>(
     probe: Option<Fp8Probe>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let t = |p: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
-    let y = fprop(t(x.primitive.clone()), t(w.primitive.clone()), cfg)
-        .into_primitive()
-        .tensor();
     match Fp8LinearBackward
         .prepare::<C>([x.node.clone(), w.node.clone()])
         .compute_bound()
         .stateful()
     {
-        OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, *cfg, probe), y),
-        OpsKind::UnTracked(prep) => prep.finish(y),
+        OpsKind::Tracked(prep) => {
+            let dtypes = (
+                float_dtype(x.primitive.dtype()),
+                float_dtype(w.primitive.dtype()),
+            );
+            let (y, x_saved, w_saved) = fprop_saved(t(x.primitive), t(w.primitive), cfg);
+            prep.finish(
+                (x_saved, w_saved, dtypes, *cfg, probe),
+                y.into_primitive().tensor(),
+            )
+        }
+        OpsKind::UnTracked(prep) => prep.finish(
+            fprop(t(x.primitive), t(w.primitive), cfg)
+                .into_primitive()
+                .tensor(),
+        ),
     }
 }
 
@@ -132,6 +217,17 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
             payload,
             <Self as burn::tensor::backend::AutodiffBackend>::from_inner(scales),
         )
+    }
+    fn fp8_quantize_pair(
+        x: FloatTensor<Self>,
+        spec: &super::QuantSpec,
+    ) -> (
+        (IntTensor<Self>, FloatTensor<Self>),
+        (IntTensor<Self>, FloatTensor<Self>),
+    ) {
+        use burn::tensor::backend::AutodiffBackend;
+        let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.primitive, spec);
+        ((p, Self::from_inner(s)), (pt, Self::from_inner(st)))
     }
     fn fp8_dequantize(
         payload: IntTensor<Self>,

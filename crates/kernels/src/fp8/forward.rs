@@ -8,7 +8,8 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::prelude::*;
 
 use super::kernel::{
-    dequantize as dequantize_kernel, quantize as quantize_kernel, quantize_cols, tensor_amax,
+    dequantize as dequantize_kernel, quantize as quantize_kernel, quantize_cols,
+    quantize_pair as quantize_pair_kernel, tensor_amax,
 };
 use super::{Fp8Granularity, QuantSpec, TILE};
 use crate::check::{check_float, fail};
@@ -133,6 +134,78 @@ pub(crate) fn quantize<R: CubeRuntime>(
         dtype.into(),
     );
     (payload, scales)
+}
+
+/// `(payload, scales)` of a quantized matrix.
+pub(crate) type Quantized<R> = (CubeTensor<R>, CubeTensor<R>);
+
+/// `x` quantized as `spec` says along its columns (as stored) and along its rows (its transpose),
+/// from one read of `x` where the grid allows (`spec.transpose` is ignored).
+pub(crate) fn quantize_pair<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    spec: &QuantSpec,
+) -> (Quantized<R>, Quantized<R>) {
+    let op = "fp8_quantize_pair";
+    check_float(op, "x", x.dtype);
+    let spec = spec.transposed(false);
+    let (rows, cols, stride_i, stride_j) = view(op, &x, &spec);
+    let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
+    if rows == 0
+        || cols == 0
+        || row_tiles > MAX_CUBES_Y
+        || col_tiles > crate::launch::max_cubes_x(&x)
+    {
+        let t = quantize(x.clone(), &spec.transposed(true));
+        return (quantize(x, &spec), t);
+    }
+    let block = spec.granularity == Fp8Granularity::Block128;
+    let tensor_scale = spec.granularity == Fp8Granularity::Tensor;
+    let transposed = spec.transposed(true);
+    let payload = empty(&x, vec![rows, col_tiles * TILE / 4], DType::I32);
+    let scales = empty(
+        &x,
+        vec![spec.scale_rows(rows), spec.scale_cols(cols)],
+        DType::F32,
+    );
+    let payload_t = empty(&x, vec![cols, row_tiles * TILE / 4], DType::I32);
+    let scales_t = empty(
+        &x,
+        vec![transposed.scale_rows(cols), transposed.scale_cols(rows)],
+        DType::F32,
+    );
+    let amax = if tensor_scale {
+        tensor_amax_of(x.clone())
+    } else {
+        empty(&x, vec![1], DType::F32)
+    };
+    let vec4 =
+        stride_j == 1 && crate::launch::vector_width(&x, &[x.dtype], &[4, cols, stride_i]) == 4;
+    let plane = crate::launch::use_planes(&x, 256) && plane_size(&x) == 32;
+    let (client, dtype) = (x.client.clone(), x.dtype);
+    quantize_pair_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(col_tiles as u32, row_tiles as u32, 1),
+        CubeDim::new_2d(32, 8),
+        if vec4 { 4 } else { 1 },
+        x.into_tensor_arg(),
+        amax.into_tensor_arg(),
+        payload.clone().into_tensor_arg(),
+        scales.clone().into_tensor_arg(),
+        payload_t.clone().into_tensor_arg(),
+        scales_t.clone().into_tensor_arg(),
+        rows,
+        cols,
+        stride_i,
+        stride_j,
+        block,
+        tensor_scale,
+        spec.pow2,
+        vec4,
+        plane,
+        spec.format.consts(),
+        dtype.into(),
+    );
+    ((payload, scales), (payload_t, scales_t))
 }
 
 /// The device's plane (warp) size when it has one fixed size, else 0.
@@ -420,6 +493,15 @@ where
         spec: &QuantSpec,
     ) -> (IntTensor<Self>, FloatTensor<Self>) {
         quantize(x, spec)
+    }
+    fn fp8_quantize_pair(
+        x: FloatTensor<Self>,
+        spec: &QuantSpec,
+    ) -> (
+        (IntTensor<Self>, FloatTensor<Self>),
+        (IntTensor<Self>, FloatTensor<Self>),
+    ) {
+        quantize_pair(x, spec)
     }
     fn fp8_dequantize(
         payload: IntTensor<Self>,

@@ -438,6 +438,226 @@ pub(crate) fn quantize_cols<F: Float>(
     }
 }
 
+/// Quantizes a stored `[rows, cols]` matrix `x[i * stride_i + j * stride_j]` in both orientations
+/// from one read: `payload` / `scales` quantized along `cols` (as [`quantize`] does with the
+/// strides as given) and `payload_t` / `scales_t` its transpose `[cols, rows]` quantized along
+/// `rows` (as [`quantize`] does with the strides swapped). Tiles: 1x128 in each orientation (a
+/// row's 128-column tile as stored, a column's 128-row tile for the transpose), one 128x128
+/// `block` amax that both orientations share, or `amax[0]` for every tile (`given_amax`).
+///
+/// A 32 x 8 cube covers a 128 x 128 tile of the stored matrix. Unit (x, y) loads columns
+/// `4x .. 4x + 4` of the 16 rows `4 (y + 8g) + q` (g, q in 0..4; as 4-element vectors with `vec4`)
+/// and keeps the 64 values in registers. A row's 128 values lie in the 32 units of one plane (row
+/// amax: a plane max, or a shared-memory pass without planes); a column's in one unit of each
+/// plane (column amax: shared memory across the 8 planes). Each unit encodes 16 stored words
+/// (4 columns of one row: each plane stores 32 adjacent words) and 16 transposed words (4 rows of
+/// one column), which go through shared memory (rows XOR-swizzled, free of bank conflicts) so
+/// that each plane stores whole rows of the transpose.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments, unused_assignments)]
+pub(crate) fn quantize_pair<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    amax: &Tensor<f32>,
+    payload: &mut Tensor<u32>,
+    scales: &mut Tensor<f32>,
+    payload_t: &mut Tensor<u32>,
+    scales_t: &mut Tensor<f32>,
+    rows: usize,
+    cols: usize,
+    stride_i: usize,
+    stride_j: usize,
+    #[comptime] block: bool,
+    #[comptime] given_amax: bool,
+    #[comptime] pow2: bool,
+    #[comptime] vec4: bool,
+    #[comptime] plane: bool,
+    #[comptime] f: FormatConsts,
+    #[define(F)] _dtype: StorageType,
+) {
+    let x_unit = UNIT_POS_X as usize;
+    let y_unit = UNIT_POS_Y as usize;
+    let ct = CUBE_POS_X as usize;
+    let rt = CUBE_POS_Y as usize;
+    let col_tiles = CUBE_COUNT_X as usize;
+    let row_tiles = CUBE_COUNT_Y as usize;
+    let words = col_tiles * 32;
+    let words_t = row_tiles * 32;
+    let j0 = ct * 128 + x_unit * 4;
+
+    // 16 KiB: transposed codes (and, without planes, row partials first); with the column
+    // partials 20.5 KiB of shared memory in all, within every backend's 32 KiB.
+    let mut staged = SharedMemory::<u32>::new(4096usize);
+    // vals[r * 4 + e]: row `4 (y + 8 (r / 4)) + r % 4` of the tile, column `4x + e`.
+    let mut vals = Array::<f32>::new(64usize);
+    let mut row_local = Array::<f32>::new(16usize);
+    let mut col_local = Array::<f32>::new(4usize);
+    #[unroll]
+    for e in 0..4usize {
+        col_local[e] = 0.0f32;
+    }
+    let mut local = 0.0f32;
+    #[unroll]
+    for r in 0..16usize {
+        let i = rt * 128 + (y_unit + 8 * (r / 4)) * 4 + r % 4;
+        load4::<F, N>(
+            x,
+            &mut vals,
+            r * 4,
+            i,
+            j0,
+            rows,
+            cols,
+            stride_i,
+            stride_j,
+            vec4,
+        );
+        if !comptime!(given_amax) {
+            let mut m = 0.0f32;
+            #[unroll]
+            for e in 0..4usize {
+                let a = amax_term(vals[r * 4 + e]);
+                m = f32::max(m, a);
+                col_local[e] = f32::max(col_local[e], a);
+            }
+            row_local[r] = m;
+            local = f32::max(local, m);
+        }
+    }
+
+    // Multipliers: `row_s[r]` for the stored rows, `col_s[e]` for the transposed rows.
+    let mut row_s = Array::<f32>::new(16usize);
+    let mut row_d = Array::<f32>::new(16usize);
+    let mut col_s = Array::<f32>::new(4usize);
+    let mut col_d = Array::<f32>::new(4usize);
+    if comptime!(given_amax || block) {
+        let mut t = 0.0f32;
+        if comptime!(given_amax) {
+            t = amax[0usize];
+        } else {
+            t = tile_max(local, true, plane);
+        }
+        let s = multiplier(t, f, pow2);
+        let d = dequant_scale(s, pow2);
+        #[unroll]
+        for r in 0..16usize {
+            row_s[r] = s;
+            row_d[r] = d;
+        }
+        #[unroll]
+        for e in 0..4usize {
+            col_s[e] = s;
+            col_d[e] = d;
+        }
+    } else {
+        if comptime!(plane) {
+            #[unroll]
+            for r in 0..16usize {
+                row_local[r] = plane_max(row_local[r]);
+            }
+        } else {
+            // Row maxima without planes: 32 partials per row (as f32 bits, in the buffer that
+            // later stages the transposed codes), then one unit per row.
+            let mut row_max = SharedMemory::<f32>::new(128usize);
+            #[unroll]
+            for r in 0..16usize {
+                staged[((y_unit + 8 * (r / 4)) * 4 + r % 4) * 32 + x_unit] =
+                    u32::reinterpret(row_local[r]);
+            }
+            sync_cube();
+            let unit = UNIT_POS as usize;
+            if unit < 128 {
+                let mut m = 0.0f32;
+                for l in 0..32usize {
+                    m = f32::max(m, f32::reinterpret(staged[unit * 32 + l]));
+                }
+                row_max[unit] = m;
+            }
+            sync_cube();
+            #[unroll]
+            for r in 0..16usize {
+                row_local[r] = row_max[(y_unit + 8 * (r / 4)) * 4 + r % 4];
+            }
+        }
+        let mut cpart = SharedMemory::<f32>::new(1024usize);
+        #[unroll]
+        for e in 0..4usize {
+            cpart[y_unit * 128 + x_unit * 4 + e] = col_local[e];
+        }
+        sync_cube();
+        #[unroll]
+        for e in 0..4usize {
+            let mut m = 0.0f32;
+            #[unroll]
+            for p in 0..8usize {
+                m = f32::max(m, cpart[p * 128 + x_unit * 4 + e]);
+            }
+            col_s[e] = multiplier(m, f, pow2);
+            col_d[e] = dequant_scale(col_s[e], pow2);
+        }
+        #[unroll]
+        for r in 0..16usize {
+            row_s[r] = multiplier(row_local[r], f, pow2);
+            row_d[r] = dequant_scale(row_s[r], pow2);
+        }
+    }
+
+    // As stored: 4 codes of one row per word; a plane stores 32 adjacent words.
+    #[unroll]
+    for r in 0..16usize {
+        let i = rt * 128 + (y_unit + 8 * (r / 4)) * 4 + r % 4;
+        if i < rows {
+            let mut word = 0u32;
+            #[unroll]
+            for e in 0..4u32 {
+                let code = encode(vals[r * 4 + e as usize], row_s[r], f);
+                word |= code << (e * 8u32);
+            }
+            payload[i * words + ct * 32 + x_unit] = word;
+            if comptime!(!block && !given_amax) && x_unit == 0 {
+                scales[i * col_tiles + ct] = row_d[r];
+            }
+        }
+    }
+    // Transposed: 4 codes of one column (4 adjacent rows) per word, staged as transposed row
+    // `4x + e`, word `y + 8g`, at `(4x + e) * 32 + ((y + 8g) ^ x)`.
+    #[unroll]
+    for e in 0..4usize {
+        #[unroll]
+        for g in 0..4usize {
+            let mut word = 0u32;
+            #[unroll]
+            for q in 0..4usize {
+                let code = encode(vals[(g * 4 + q) * 4 + e], col_s[e], f);
+                word |= code << (q as u32 * 8u32);
+            }
+            let w = (y_unit + 8 * g) as u32;
+            staged[(x_unit * 4 + e) * 32 + (w ^ x_unit as u32) as usize] = word;
+        }
+        let c = ct * 128 + x_unit * 4 + e;
+        if comptime!(!block && !given_amax) && y_unit == 0 && c < cols {
+            scales_t[c * row_tiles + rt] = col_d[e];
+        }
+    }
+    sync_cube();
+    #[unroll]
+    for t in 0..16usize {
+        let row = y_unit * 16 + t;
+        let c = ct * 128 + row;
+        if c < cols {
+            payload_t[c * words_t + rt * 32 + x_unit] =
+                staged[row * 32 + (x_unit as u32 ^ (row / 4) as u32) as usize];
+        }
+    }
+    if comptime!(block) && UNIT_POS == 0 {
+        scales[rt * col_tiles + ct] = row_d[0usize];
+        scales_t[ct * row_tiles + rt] = row_d[0usize];
+    }
+    if comptime!(given_amax) && CUBE_POS_X == 0 && CUBE_POS_Y == 0 && UNIT_POS == 0 {
+        scales[0usize] = row_d[0usize];
+        scales_t[0usize] = row_d[0usize];
+    }
+}
+
 /// `partials[CUBE_POS]` = the largest finite normal `|x|` ([`amax_term`]) over this cube's share
 /// of `x`, read as `launch::FlatRead` describes (the amax of a matrix does not depend on its
 /// orientation, so per-tensor scaling reads the stored layout, as vectors when dense).

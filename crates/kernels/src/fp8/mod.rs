@@ -260,6 +260,31 @@ pub fn fp8_quantize<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Tensor<B
     }
 }
 
+/// Quantizes the 2-D `x` `[r, c]` in both orientations: `(as stored, transposed)`, the first
+/// `[r, c]` quantized along `c` as `spec.transposed(false)` says, the second `[c, r]` along `r` as
+/// `spec.transposed(true)` says (`spec.transpose` itself is ignored). Each equals the matching
+/// [`fp8_quantize`] bit for bit; on `CubeBackend` one kernel reads `x` once for both. The FP8
+/// linear layer uses it for operands that two of its GEMMs read along different axes (`x`, `dy`,
+/// and the weight).
+pub fn fp8_quantize_pair<B: Backend>(
+    x: Tensor<B, 2>,
+    spec: QuantSpec,
+) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    let [r, c] = x.dims();
+    let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.into_primitive().tensor(), &spec);
+    let q = |payload, scales, rows, k, spec| Fp8Tensor {
+        payload: Tensor::from_primitive(payload),
+        scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
+        rows,
+        k,
+        spec,
+    };
+    (
+        q(p, s, r, c, spec.transposed(false)),
+        q(pt, st, c, r, spec.transposed(true)),
+    )
+}
+
 /// How [`fp8_gemm`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fp8GemmPath {
@@ -611,6 +636,20 @@ pub trait Fp8Ops: BurnBackend {
         let scales =
             Tensor::<Self, 2>::from_data(TensorData::new(scales, shape), (&device, DType::F32));
         (payload.into_primitive(), crate::prim(scales))
+    }
+
+    /// `((payload, scales), (payload, scales))` of [`fp8_quantize_pair`] (two [`Self::fp8_quantize`]
+    /// calls by default).
+    #[allow(clippy::type_complexity)]
+    fn fp8_quantize_pair(
+        x: FloatTensor<Self>,
+        spec: &QuantSpec,
+    ) -> (
+        (IntTensor<Self>, FloatTensor<Self>),
+        (IntTensor<Self>, FloatTensor<Self>),
+    ) {
+        let stored = Self::fp8_quantize(x.clone(), &spec.transposed(false));
+        (stored, Self::fp8_quantize(x, &spec.transposed(true)))
     }
 
     /// `[rows, k_out]` values of an FP8 payload in `dtype` (the CPU reference by default).
