@@ -161,6 +161,16 @@ fn quantizer_bit_identical() {
     }
 }
 
+/// FP8 health on the device (and through `Autodiff`) against the CPU reference.
+#[test]
+fn health_matches_reference() {
+    let shapes = [(1, 1), (37, 300), (257, 129)];
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        fp8_cases::health_matches_reference::<Inner>(dtype, &device(), &shapes);
+    }
+    fp8_cases::health_matches_reference::<B>(FloatDType::F32, &device(), &shapes[1..2]);
+}
+
 #[test]
 fn gemm_against_dequantized() {
     let shapes = [(1, 1, 1), (33, 17, 300), (130, 70, 256)];

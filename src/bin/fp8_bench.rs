@@ -19,9 +19,9 @@
 //!
 //! With `--quantizers`, it prints the quantizer alone instead: for GPT-2 small's activations,
 //! output gradients and weights at 16 x 1024 tokens, every granularity, each as stored and
-//! transposed (the wgrad operands) and both from one read ([`kernels::fp8_quantize_pair`], what the
-//! FP8 linear layer runs), the time per call and GB/s of the bytes it must move (input read once,
-//! codes and scales written).
+//! transposed (the wgrad operands) and both ([`kernels::fp8_quantize_pair`], what the FP8 linear
+//! layer runs: one fused kernel, or two passes), the time per call and GB/s of the bytes one read
+//! of the input and the codes and scales written come to.
 //!
 //! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--scaling block|tensor] [--shapes 4096x4096x4096,...] [--quantizers]`
 
@@ -32,8 +32,8 @@ use burn::tensor::{Distribution, ElementConversion, FloatDType, Tensor};
 use burnmix::bench::{DeviceArg, Triple};
 use clap::Parser;
 use kernels::{
-    fp8_gemm_on, fp8_quantize, fp8_quantize_pair, Fp8Format, Fp8GemmPath, Fp8Granularity, Gemm,
-    QuantSpec,
+    fp8_gemm_on, fp8_pair_path, fp8_quantize, fp8_quantize_pair_on, Fp8Format, Fp8GemmPath,
+    Fp8Granularity, Fp8PairPath, Gemm, QuantSpec,
 };
 
 const CUBLAS_FP8: f64 = 1446.0;
@@ -216,20 +216,27 @@ fn quantizers<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, compute: Floa
                     bytes / t / 1e9
                 );
             }
-            // Both orientations from one read (what the FP8 linear layer runs).
+            // Both orientations (what the FP8 linear layer runs): one fused kernel, two passes.
             let spec = QuantSpec::new(Fp8Format::E4M3, granularity);
-            let t = time::<Bk>(dev, args, &mut || {
-                let _ = fp8_quantize_pair(x.clone(), spec);
-            });
             let scales = (spec.scale_rows(rows) * spec.scale_cols(cols)
                 + spec.scale_rows(cols) * spec.scale_cols(rows)) as f64
                 * 4.0;
             let bytes = (rows * cols) as f64 * (elem + 2.0) + scales;
-            println!(
-                "| {name} | [{rows}, {cols}] | {granularity:?} | both (one pass) | {:.1} | {:.0} |",
-                t * 1e6,
-                bytes / t / 1e9
-            );
+            for path in [Fp8PairPath::Fused, Fp8PairPath::Separate] {
+                let t = time::<Bk>(dev, args, &mut || {
+                    let _ = fp8_quantize_pair_on(x.clone(), spec, path);
+                });
+                let default = if fp8_pair_path(&spec) == path {
+                    ", the default"
+                } else {
+                    ""
+                };
+                println!(
+                    "| {name} | [{rows}, {cols}] | {granularity:?} | both: {path:?}{default} | {:.1} | {:.0} |",
+                    t * 1e6,
+                    bytes / t / 1e9
+                );
+            }
         }
     }
 }

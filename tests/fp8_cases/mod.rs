@@ -5,8 +5,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
 use kernels::fp8::reference;
 use kernels::{
-    fp8_gemm, fp8_gemm_on, fp8_linear, fp8_quantize, fp8_quantize_pair, Fp8Format, Fp8GemmPath,
-    Fp8Granularity, Fp8LinearConfig, QuantSpec,
+    fp8_gemm, fp8_gemm_on, fp8_linear, fp8_quantize, fp8_quantize_pair_on, Fp8Format, Fp8GemmPath,
+    Fp8Granularity, Fp8LinearConfig, Fp8PairPath, QuantSpec,
 };
 
 /// Deterministic pseudo-random values, so that failures reproduce.
@@ -100,7 +100,7 @@ pub fn specs() -> Vec<QuantSpec> {
 
 /// Payload and scales of the quantizer kernels, bit for bit against the CPU reference, for every
 /// format, granularity, scale rounding and orientation, and both orientations at once
-/// ([`fp8_quantize_pair`], of the matrix and of its transposed view); input in `dtype` (the
+/// (the fused [`kernels::fp8_quantize_pair`], of the matrix and of its transposed view); input in `dtype` (the
 /// reference gets the same dtype-rounded values).
 pub fn quantizer_bit_identical<B: kernels::Backend>(
     dtype: FloatDType,
@@ -128,9 +128,9 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(
             if spec.transpose {
                 continue;
             }
-            // Both orientations from one call, of the matrix and of its transposed view (strided
+            // Both orientations from one kernel, of the matrix and of its transposed view (strided
             // reads): each bit for bit the single-orientation result.
-            let (stored, transposed) = fp8_quantize_pair(x.clone(), spec);
+            let (stored, transposed) = fp8_quantize_pair_on(x.clone(), spec, Fp8PairPath::Fused);
             let ctx = format!("fp8_quantize_pair {ctx}");
             assert_matches_reference(
                 &stored,
@@ -149,7 +149,8 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(
                 &spec_t,
                 &format!("{ctx}, transposed"),
             );
-            let (stored, transposed) = fp8_quantize_pair(x.clone().transpose(), spec);
+            let (stored, transposed) =
+                fp8_quantize_pair_on(x.clone().transpose(), spec, Fp8PairPath::Fused);
             let ctx = format!("{ctx} of the transposed view");
             assert_matches_reference(
                 &stored,
@@ -166,6 +167,70 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(
                 cols,
                 &spec,
                 &format!("{ctx}, transposed"),
+            );
+        }
+    }
+}
+
+/// FP8 health ([`kernels::fp8_health`]: the quantizer, then one kernel over the values and codes)
+/// against the CPU reference, exactly, for every specification, of the matrix and of its
+/// transposed view quantized the other way round (the same logical matrix); then against scales
+/// shrunk 4x, so that the saturated count is exercised too.
+pub fn health_matches_reference<B: kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize)],
+) {
+    use burn::tensor::TensorPrimitive;
+    use kernels::Fp8Health;
+    for (n, &(rows, cols)) in shapes.iter().enumerate() {
+        let nonfinite = dtype == FloatDType::F32;
+        let data = adversarial(rows, cols, 31 + n as u64, nonfinite);
+        let x = Tensor::<B, 2>::from_data(
+            TensorData::new(data, [rows, cols]),
+            (dev, burn::tensor::DType::F32),
+        )
+        .cast(dtype);
+        let rounded = host(x.clone());
+        let elements = rows * cols;
+        for spec in specs() {
+            let ctx = format!("fp8_health {dtype:?} [{rows}, {cols}] {spec:?}");
+            let want =
+                Fp8Health::from_rows(&reference::health(&rounded, rows, cols, &spec), elements);
+            assert_eq!(kernels::fp8_health(x.clone(), spec), want, "{ctx}");
+            let flipped = spec.transposed(!spec.transpose);
+            assert_eq!(
+                kernels::fp8_health(x.clone().transpose(), flipped),
+                want,
+                "{ctx}, of the transposed view"
+            );
+            let q = fp8_quantize(x.clone(), spec);
+            let small = q.scales.clone().mul_scalar(0.25);
+            let got = B::fp8_health_partials(
+                x.clone().into_primitive().tensor(),
+                q.payload.clone().into_primitive(),
+                small.clone().into_primitive().tensor(),
+                &spec,
+            );
+            let got = Fp8Health::from_rows(
+                &host(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(got))),
+                elements,
+            );
+            let want = Fp8Health::from_rows(
+                &reference::health_rows(
+                    &rounded,
+                    rows,
+                    cols,
+                    &spec,
+                    &kernels::fp8::words_of_tensor(&q.payload),
+                    &host(small),
+                ),
+                elements,
+            );
+            assert_eq!(got, want, "{ctx}, scales shrunk 4x");
+            assert!(
+                want.saturated > 0.0,
+                "{ctx}: scales shrunk 4x saturate nothing, so this check cannot fail"
             );
         }
     }

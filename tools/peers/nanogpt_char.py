@@ -11,6 +11,12 @@ gradient clipping at 1.0, as nanoGPT's train.py. Random character ids: the figur
 width 768, context 1024, batch 16, vocabulary 50304, no dropout, lr 6e-4 with betas 0.9 / 0.95
 (nanoGPT's GPT-2 124M; learned positions and LayerNorm where ours has RoPE and RMSNorm).
 
+`--fp8 tensorwise|rowwise` runs the blocks' four projections with FP8 E4M3 GEMMs (fprop, dgrad and
+wgrad; embedding, head, norms and attention stay bf16, as in our FP8 recipe): through torchao's
+float8 training when torchao is installed (`--fp8-impl torchao`), else `torch._scaled_mm` in an
+autograd function that scales each operand per tensor or per row along its reduction axis
+(`--fp8-impl scaled_mm`), compiled with the rest of the model.
+
 Prints the median tokens/s over the steps after --warmup (each step timed with CUDA events).
 """
 import argparse
@@ -20,6 +26,77 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+E4M3_MAX = 448.0
+
+
+def _quantize(t, dim, rowwise):
+    """E4M3 codes of `t` and the dequantization scale: amax per row along `dim`, or per tensor."""
+    t32 = t.float()
+    amax = t32.abs().amax(dim=dim, keepdim=True) if rowwise else t32.abs().amax()
+    scale = E4M3_MAX / amax.clamp(min=1e-12)
+    q = (t32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale.reciprocal()
+
+
+def _fp8_mm(a, b, rowwise):
+    """a [m, k] @ b [k, n] in bf16 from FP8 operands, each scaled along k."""
+    qa, sa = _quantize(a, 1, rowwise)
+    qb, sb = _quantize(b, 0, rowwise)
+    return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=sa, scale_b=sb,
+                            out_dtype=torch.bfloat16)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.bfloat16)
+    def forward(ctx, x, w, rowwise):
+        ctx.save_for_backward(x, w)
+        ctx.rowwise = rowwise
+        return _fp8_mm(x, w.t(), rowwise)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy = dy.to(torch.bfloat16)
+        return _fp8_mm(dy, w, ctx.rowwise), _fp8_mm(dy.t(), x, ctx.rowwise), None
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear (no bias) with its three GEMMs in FP8 through torch._scaled_mm."""
+
+    rowwise = False
+
+    def forward(self, x):
+        lead = x.shape[:-1]
+        y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.rowwise)
+        return y.view(*lead, -1)
+
+
+def to_fp8(model, recipe, impl):
+    """Swaps the blocks' projections for FP8 ones; returns the implementation used."""
+    if impl in ("auto", "torchao"):
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError:
+            if impl == "torchao":
+                raise SystemExit("--fp8-impl torchao: torchao is not installed")
+        else:
+            convert_to_float8_training(
+                model, config=Float8LinearConfig.from_recipe_name(recipe),
+                module_filter_fn=lambda m, name: name.startswith("blocks."))
+            return "torchao"
+    for blk in model.blocks:
+        for name in ("qkv", "proj", "fc", "out"):
+            lin = getattr(blk, name)
+            new = Fp8Linear(lin.in_features, lin.out_features, bias=False,
+                            device=lin.weight.device)
+            new.weight = lin.weight
+            new.rowwise = recipe == "rowwise"
+            setattr(blk, name, new)
+    return "scaled_mm"
 
 
 class Block(nn.Module):
@@ -69,6 +146,8 @@ def main():
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--preset", choices=["shakespeare_char", "gpt2_small"], default="shakespeare_char")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None)
+    ap.add_argument("--fp8-impl", choices=["auto", "torchao", "scaled_mm"], default="auto")
     a = ap.parse_args()
     if a.preset == "gpt2_small":
         shape = dict(vocab=50304, n_layer=12, n_head=12, d=768, t=1024, p=0.0)
@@ -80,6 +159,8 @@ def main():
     torch.manual_seed(1337)
     torch.backends.cuda.matmul.allow_tf32 = True
     model = GPT(**shape).cuda()
+    if a.fp8:
+        print(f"fp8 {a.fp8} through {to_fp8(model, a.fp8, a.fp8_impl)}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -107,7 +188,8 @@ def main():
             times.append(start.elapsed_time(end) / 1e3)
     med = statistics.median(times)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{a.preset}: median step {med * 1e3:.2f} ms, {batch * ctx / med:.0f} tokens/s "
+    label = a.preset + (f" fp8 {a.fp8}" if a.fp8 else "")
+    print(f"{label}: median step {med * 1e3:.2f} ms, {batch * ctx / med:.0f} tokens/s "
           f"(steps {a.warmup + 1}-{a.steps}), final loss {loss.item():.4f}")
 
 

@@ -17,12 +17,13 @@
 //! | [`Settings::gemm_spare_sm`] | `BURNMIX_GEMM_SPARE_SM` | `on` (default), `off` (a comparison) |
 //! | [`Settings::fp8_gemm`] | `BURNMIX_FP8_GEMM` | `auto` (default), `cublaslt`, `mma`, `dequantize` |
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
+//! | [`Settings::fp8_pair`] | `BURNMIX_FP8_PAIR` | `auto` (default), `fused`, `separate` |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
 //! | [`Settings::embedding_atomic`] | `BURNMIX_EMBEDDING_GRAD` | `atomic` (default), `reference` |
 
 use std::sync::RwLock;
 
-use crate::fp8::{Fp8GemmPath, MmaShape};
+use crate::fp8::{Fp8GemmPath, Fp8PairPath, MmaShape};
 
 /// `BURNMIX_GEMM_ORDER`: [`Settings::gemm_order`].
 pub const GEMM_ORDER_ENV: &str = "BURNMIX_GEMM_ORDER";
@@ -38,6 +39,8 @@ pub const GEMM_SPARE_SM_ENV: &str = "BURNMIX_GEMM_SPARE_SM";
 pub const FP8_GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
 /// `BURNMIX_FP8_MMA_SHAPE`: [`Settings::fp8_mma_shape`].
 pub const FP8_MMA_SHAPE_ENV: &str = "BURNMIX_FP8_MMA_SHAPE";
+/// `BURNMIX_FP8_PAIR`: [`Settings::fp8_pair`].
+pub const FP8_PAIR_ENV: &str = "BURNMIX_FP8_PAIR";
 /// `BURNMIX_FLASH_TILES`: [`Settings::flash_tiles`].
 pub const FLASH_TILES_ENV: &str = "BURNMIX_FLASH_TILES";
 /// `BURNMIX_EMBEDDING_GRAD`: [`Settings::embedding_atomic`].
@@ -143,6 +146,9 @@ pub struct Settings {
     pub fp8_gemm: Fp8GemmChoice,
     /// The tensor-core FP8 GEMM's cube shape; `None`: [`MmaShape::DEFAULT`].
     pub fp8_mma_shape: Option<MmaShape>,
+    /// How the FP8 quantizer takes both orientations of an operand
+    /// ([`crate::fp8::fp8_quantize_pair`]); `None`: per granularity ([`crate::fp8::fp8_pair_path`]).
+    pub fp8_pair: Option<Fp8PairPath>,
     /// FlashAttention tile overrides; `None`: the defaults.
     pub flash_tiles: Option<FlashTiles>,
     /// The embedding backward's scatter with f32 atomic adds on CUDA (default); off: Burn's
@@ -161,6 +167,7 @@ impl Default for Settings {
             gemm_refuse_queued: false,
             fp8_gemm: Fp8GemmChoice::Auto,
             fp8_mma_shape: None,
+            fp8_pair: None,
             flash_tiles: None,
             embedding_atomic: true,
         }
@@ -214,6 +221,16 @@ impl Settings {
         s.fp8_mma_shape = match var(FP8_MMA_SHAPE_ENV).filter(|v| !v.trim().is_empty()) {
             None => None,
             Some(v) => Some(MmaShape::parse(&v).map_err(|e| format!("{FP8_MMA_SHAPE_ENV}: {e}"))?),
+        };
+        s.fp8_pair = match var(FP8_PAIR_ENV).as_deref().map(str::trim) {
+            None | Some("") | Some("auto") => None,
+            Some("fused") => Some(Fp8PairPath::Fused),
+            Some("separate") => Some(Fp8PairPath::Separate),
+            Some(v) => {
+                return Err(format!(
+                    "{FP8_PAIR_ENV}: `{v}` is not one of auto, fused, separate"
+                ))
+            }
         };
         s.flash_tiles = parse(&var, FLASH_TILES_ENV)?;
         match var(EMBEDDING_GRAD_ENV).as_deref().map(str::trim) {
@@ -317,6 +334,7 @@ mod tests {
             (GEMM_SPARE_SM_ENV, "off"),
             (FP8_GEMM_ENV, "cublaslt"),
             (FP8_MMA_SHAPE_ENV, "4,2,2,8"),
+            (FP8_PAIR_ENV, "fused"),
             (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
             (EMBEDDING_GRAD_ENV, "reference"),
         ]))
@@ -328,6 +346,7 @@ mod tests {
         assert!(!s.gemm_spare_sm);
         assert_eq!(s.fp8_gemm, Fp8GemmChoice::Path(Fp8GemmPath::CublasLt));
         assert_eq!(s.fp8_mma_shape, Some(MmaShape::parse("4,2,2,8").unwrap()));
+        assert_eq!(s.fp8_pair, Some(Fp8PairPath::Fused));
         assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
         assert!(!s.embedding_atomic);
         // The FP8 order follows the other GEMMs' unless set.
@@ -345,6 +364,7 @@ mod tests {
             (GEMM_SPARE_SM_ENV, "1", "`on` or `off`"),
             (FP8_GEMM_ENV, "fast", "auto, cublaslt, mma, dequantize"),
             (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
+            (FP8_PAIR_ENV, "one", "auto, fused, separate"),
             (FLASH_TILES_ENV, "fwd=3x64", "row tiles must be 1, 2 or 4"),
             (FLASH_TILES_ENV, "bwd=2x64", "expected fwd, dq or dkdv"),
             (EMBEDDING_GRAD_ENV, "fast", "atomic, reference"),

@@ -128,22 +128,27 @@ pub fn fp8_health<B: crate::TrainBackend>(
         underflow: h.underflow,
         saturated: h.saturated,
     };
-    let mut all: Vec<LayerHealth> = model
+    // Every measurement is queued before the first is read back.
+    let weights: Vec<_> = model
         .projections()
         .into_iter()
         .map(|(name, lin)| {
             let w = lin.weight.val().inner().cast(dtype);
-            health(
+            (
                 format!("{name}.weight"),
-                kernels::fp8_health(w, cfg.weight_spec(true)),
+                kernels::fp8_health_pending(w, cfg.weight_spec(true)),
             )
         })
         .collect();
     let recorded = std::mem::take(&mut *probe.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut all: Vec<LayerHealth> = weights
+        .into_iter()
+        .map(|(layer, h)| health(layer, h.resolve()))
+        .collect();
     let mut seen = HashSet::new();
     for (layer, h) in recorded {
         if seen.insert(layer.clone()) {
-            all.push(health(layer, h));
+            all.push(health(layer, h.resolve()));
         }
     }
     all

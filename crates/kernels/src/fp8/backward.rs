@@ -221,12 +221,13 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
     fn fp8_quantize_pair(
         x: FloatTensor<Self>,
         spec: &super::QuantSpec,
+        fused: bool,
     ) -> (
         (IntTensor<Self>, FloatTensor<Self>),
         (IntTensor<Self>, FloatTensor<Self>),
     ) {
         use burn::tensor::backend::AutodiffBackend;
-        let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.primitive, spec);
+        let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.primitive, spec, fused);
         ((p, Self::from_inner(s)), (pt, Self::from_inner(st)))
     }
     fn fp8_dequantize(
@@ -247,6 +248,20 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
         probe: Option<Fp8Probe>,
     ) -> FloatTensor<Self> {
         fp8_linear::<B, C>(x, w, cfg, probe)
+    }
+    fn fp8_health_partials(
+        x: FloatTensor<Self>,
+        payload: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        spec: &super::QuantSpec,
+    ) -> FloatTensor<Self> {
+        use burn::tensor::backend::AutodiffBackend;
+        Self::from_inner(B::fp8_health_partials(
+            x.primitive,
+            payload,
+            scales.primitive,
+            spec,
+        ))
     }
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         B::fp8_mma_supported(payload)

@@ -8,8 +8,8 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::prelude::*;
 
 use super::kernel::{
-    dequantize as dequantize_kernel, quantize as quantize_kernel, quantize_cols,
-    quantize_pair as quantize_pair_kernel, tensor_amax,
+    dequantize as dequantize_kernel, health as health_kernel, quantize as quantize_kernel,
+    quantize_cols, quantize_pair as quantize_pair_kernel, tensor_amax,
 };
 use super::{Fp8Granularity, QuantSpec, TILE};
 use crate::check::{check_float, fail};
@@ -140,17 +140,20 @@ pub(crate) fn quantize<R: CubeRuntime>(
 pub(crate) type Quantized<R> = (CubeTensor<R>, CubeTensor<R>);
 
 /// `x` quantized as `spec` says along its columns (as stored) and along its rows (its transpose),
-/// from one read of `x` where the grid allows (`spec.transpose` is ignored).
+/// from one read of `x` when `fused` and the grid allows, else in two passes (`spec.transpose`
+/// is ignored).
 pub(crate) fn quantize_pair<R: CubeRuntime>(
     x: CubeTensor<R>,
     spec: &QuantSpec,
+    fused: bool,
 ) -> (Quantized<R>, Quantized<R>) {
     let op = "fp8_quantize_pair";
     check_float(op, "x", x.dtype);
     let spec = spec.transposed(false);
     let (rows, cols, stride_i, stride_j) = view(op, &x, &spec);
     let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
-    if rows == 0
+    if !fused
+        || rows == 0
         || cols == 0
         || row_tiles > MAX_CUBES_Y
         || col_tiles > crate::launch::max_cubes_x(&x)
@@ -247,6 +250,66 @@ fn tensor_amax_of<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
         burn::tensor::TensorPrimitive::Float(partials),
     );
     partials.max().into_primitive().tensor()
+}
+
+/// Per-cube rows `[amax, nonzero, underflow, saturated]` (f32, `[cubes, 4]`) of `x` against its
+/// quantization `(payload, scales)` under `spec` (`spec.transpose` picks the view, as for
+/// [`quantize`]): one read of `x` and of the codes.
+pub(crate) fn health_partials<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    payload: CubeTensor<R>,
+    scales: CubeTensor<R>,
+    spec: &QuantSpec,
+) -> CubeTensor<R> {
+    use crate::adamw::forward::SUM_UNITS;
+    let op = "fp8_health";
+    check_float(op, "x", x.dtype);
+    let (rows, k, stride_i, stride_j) = view(op, &x, spec);
+    let payload = crate::launch::contiguous(payload);
+    let scales = crate::launch::contiguous(scales);
+    let words = payload.shape().as_slice().get(1).copied().unwrap_or(0);
+    if payload.shape().as_slice() != [rows, words] || words * 4 < k {
+        fail(
+            op,
+            format!(
+                "payload has shape {:?}; expected [{rows}, >= {}] for x's [{rows}, {k}] view",
+                payload.shape().as_slice(),
+                k.div_ceil(4)
+            ),
+        );
+    }
+    let total = rows * words;
+    let cubes = total
+        .div_ceil(SUM_UNITS * 4)
+        .clamp(1, 4 * crate::launch::num_sms(&x));
+    let partials = empty(&x, vec![cubes, 4], DType::F32);
+    let plane = crate::launch::use_planes(&x, SUM_UNITS);
+    let granularity = match spec.granularity {
+        Fp8Granularity::Tile1x128 => 0u32,
+        Fp8Granularity::Block128 => 1,
+        Fp8Granularity::Tensor => 2,
+    };
+    let (client, dtype) = (x.client.clone(), x.dtype);
+    health_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(SUM_UNITS as u32),
+        x.into_tensor_arg(),
+        payload.into_tensor_arg(),
+        scales.into_tensor_arg(),
+        partials.clone().into_tensor_arg(),
+        rows,
+        k,
+        stride_i,
+        stride_j,
+        words,
+        spec.format.clip_threshold(),
+        granularity,
+        crate::launch::reduce_slots(SUM_UNITS, plane),
+        plane,
+        dtype.into(),
+    );
+    partials
 }
 
 /// `[rows, k_out]` values of a payload in `dtype` (`k_out` <= the padded width).
@@ -497,11 +560,12 @@ where
     fn fp8_quantize_pair(
         x: FloatTensor<Self>,
         spec: &QuantSpec,
+        fused: bool,
     ) -> (
         (IntTensor<Self>, FloatTensor<Self>),
         (IntTensor<Self>, FloatTensor<Self>),
     ) {
-        quantize_pair(x, spec)
+        quantize_pair(x, spec, fused)
     }
     fn fp8_dequantize(
         payload: IntTensor<Self>,
@@ -512,6 +576,14 @@ where
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
         dequantize(payload, scales, rows, k_out, spec, dtype)
+    }
+    fn fp8_health_partials(
+        x: FloatTensor<Self>,
+        payload: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        spec: &QuantSpec,
+    ) -> FloatTensor<Self> {
+        health_partials(x, payload, scales, spec)
     }
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         mma_supported(payload)

@@ -524,11 +524,9 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
         }
     }
 
-    // Multipliers: `row_s[r]` for the stored rows, `col_s[e]` for the transposed rows.
-    let mut row_s = Array::<f32>::new(16usize);
-    let mut row_d = Array::<f32>::new(16usize);
-    let mut col_s = Array::<f32>::new(4usize);
-    let mut col_d = Array::<f32>::new(4usize);
+    // The amax of each stored row's tile (`row_local`) and of each transposed row's tile
+    // (`col_local`); the multipliers are derived where they are used, so that no more than these
+    // 20 values stay live beside the 64 inputs.
     if comptime!(given_amax || block) {
         let mut t = 0.0f32;
         if comptime!(given_amax) {
@@ -536,17 +534,13 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
         } else {
             t = tile_max(local, true, plane);
         }
-        let s = multiplier(t, f, pow2);
-        let d = dequant_scale(s, pow2);
         #[unroll]
         for r in 0..16usize {
-            row_s[r] = s;
-            row_d[r] = d;
+            row_local[r] = t;
         }
         #[unroll]
         for e in 0..4usize {
-            col_s[e] = s;
-            col_d[e] = d;
+            col_local[e] = t;
         }
     } else {
         if comptime!(plane) {
@@ -591,13 +585,7 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
             for p in 0..8usize {
                 m = f32::max(m, cpart[p * 128 + x_unit * 4 + e]);
             }
-            col_s[e] = multiplier(m, f, pow2);
-            col_d[e] = dequant_scale(col_s[e], pow2);
-        }
-        #[unroll]
-        for r in 0..16usize {
-            row_s[r] = multiplier(row_local[r], f, pow2);
-            row_d[r] = dequant_scale(row_s[r], pow2);
+            col_local[e] = m;
         }
     }
 
@@ -606,15 +594,16 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
     for r in 0..16usize {
         let i = rt * 128 + (y_unit + 8 * (r / 4)) * 4 + r % 4;
         if i < rows {
+            let s = multiplier(row_local[r], f, pow2);
             let mut word = 0u32;
             #[unroll]
             for e in 0..4u32 {
-                let code = encode(vals[r * 4 + e as usize], row_s[r], f);
+                let code = encode(vals[r * 4 + e as usize], s, f);
                 word |= code << (e * 8u32);
             }
             payload[i * words + ct * 32 + x_unit] = word;
             if comptime!(!block && !given_amax) && x_unit == 0 {
-                scales[i * col_tiles + ct] = row_d[r];
+                scales[i * col_tiles + ct] = dequant_scale(s, pow2);
             }
         }
     }
@@ -622,12 +611,13 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
     // `4x + e`, word `y + 8g`, at `(4x + e) * 32 + ((y + 8g) ^ x)`.
     #[unroll]
     for e in 0..4usize {
+        let s = multiplier(col_local[e], f, pow2);
         #[unroll]
         for g in 0..4usize {
             let mut word = 0u32;
             #[unroll]
             for q in 0..4usize {
-                let code = encode(vals[(g * 4 + q) * 4 + e], col_s[e], f);
+                let code = encode(vals[(g * 4 + q) * 4 + e], s, f);
                 word |= code << (q as u32 * 8u32);
             }
             let w = (y_unit + 8 * g) as u32;
@@ -635,7 +625,7 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
         }
         let c = ct * 128 + x_unit * 4 + e;
         if comptime!(!block && !given_amax) && y_unit == 0 && c < cols {
-            scales_t[c * row_tiles + rt] = col_d[e];
+            scales_t[c * row_tiles + rt] = dequant_scale(s, pow2);
         }
     }
     sync_cube();
@@ -649,12 +639,14 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
         }
     }
     if comptime!(block) && UNIT_POS == 0 {
-        scales[rt * col_tiles + ct] = row_d[0usize];
-        scales_t[ct * row_tiles + rt] = row_d[0usize];
+        let d = dequant_scale(multiplier(row_local[0usize], f, pow2), pow2);
+        scales[rt * col_tiles + ct] = d;
+        scales_t[ct * row_tiles + rt] = d;
     }
     if comptime!(given_amax) && CUBE_POS_X == 0 && CUBE_POS_Y == 0 && UNIT_POS == 0 {
-        scales[0usize] = row_d[0usize];
-        scales_t[0usize] = row_d[0usize];
+        let d = dequant_scale(multiplier(row_local[0usize], f, pow2), pow2);
+        scales[0usize] = d;
+        scales_t[0usize] = d;
     }
 }
 
@@ -692,6 +684,89 @@ pub(crate) fn tensor_amax<F: Float, N: Size>(
     let m = crate::launch::cube_max(local, &mut smem, plane);
     if UNIT_POS == 0 {
         partials[CUBE_POS] = m;
+    }
+}
+
+/// `partials[CUBE_POS]` = `[amax, nonzero, underflow, saturated]` over this cube's share of the
+/// logical `[rows, k]` view `x[i * stride_i + j * stride_j]` and its quantization (`payload`
+/// `[rows, words]`, dequantization `scales` by `granularity`: 0 per 1x128 tile, 1 per 128x128
+/// block, 2 per tensor), one word (4 codes) per unit and step of a grid-stride loop:
+/// - amax: the largest finite `|x|`;
+/// - nonzero: finite nonzero values;
+/// - underflow: finite nonzero values whose code is a zero;
+/// - saturated: finite values above `clip` (the format's clip threshold) times their tile's
+///   dequantization scale.
+///
+/// Decided on the bits of the value cast to f32; counts kept in f32, exact below 2^24 per cube.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn health<F: Float>(
+    x: &Tensor<F>,
+    payload: &Tensor<u32>,
+    scales: &Tensor<f32>,
+    partials: &mut Tensor<f32>,
+    rows: usize,
+    k: usize,
+    stride_i: usize,
+    stride_j: usize,
+    words: usize,
+    clip: f32,
+    #[comptime] granularity: u32,
+    #[comptime] slots: usize,
+    #[comptime] plane: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let total = rows * words;
+    let k_tiles = words / 32;
+    let step = CUBE_COUNT * CUBE_DIM as usize;
+    let mut amax = 0.0f32;
+    let mut nonzero = 0.0f32;
+    let mut under = 0.0f32;
+    let mut sat = 0.0f32;
+    let mut w = ABSOLUTE_POS;
+    while w < total {
+        let i = w / words;
+        let wj = w % words;
+        let mut d = scales[0usize];
+        if comptime!(granularity == 0) {
+            d = scales[i * k_tiles + wj / 32];
+        } else if comptime!(granularity == 1) {
+            d = scales[(i / 128) * k_tiles + wj / 32];
+        }
+        let limit = d * clip;
+        let word = payload[w];
+        #[unroll]
+        for e in 0..4u32 {
+            let j = wj * 4 + e as usize;
+            if j < k {
+                let a = u32::reinterpret(f32::cast_from(x[i * stride_i + j * stride_j]))
+                    & 0x7FFF_FFFFu32;
+                let finite = a < 0x7F80_0000u32;
+                let m = f32::reinterpret(a);
+                let nz = finite && a != 0u32;
+                amax = select(finite, f32::max(amax, m), amax);
+                nonzero += select(nz, 1.0f32, 0.0f32);
+                under += select(
+                    nz && ((word >> (e * 8u32)) & 0x7Fu32) == 0u32,
+                    1.0f32,
+                    0.0f32,
+                );
+                sat += select(finite && m > limit, 1.0f32, 0.0f32);
+            }
+        }
+        w += step;
+    }
+    let mut smem = SharedMemory::<f32>::new(slots);
+    let amax = crate::launch::cube_max(amax, &mut smem, plane);
+    let nonzero = crate::launch::cube_sum(nonzero, &mut smem, plane);
+    let under = crate::launch::cube_sum(under, &mut smem, plane);
+    let sat = crate::launch::cube_sum(sat, &mut smem, plane);
+    if UNIT_POS == 0 {
+        let row = CUBE_POS * 4;
+        partials[row] = amax;
+        partials[row + 1] = nonzero;
+        partials[row + 2] = under;
+        partials[row + 3] = sat;
     }
 }
 

@@ -260,18 +260,50 @@ pub fn fp8_quantize<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Tensor<B
     }
 }
 
+/// How [`fp8_quantize_pair`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8PairPath {
+    /// One kernel reads `x` once and writes both orientations (`CubeBackend`; elsewhere, and for
+    /// matrices beyond its launch grid, two passes).
+    Fused,
+    /// Two quantizer passes, one per orientation.
+    Separate,
+}
+
+/// The path [`fp8_quantize_pair`] takes for `spec` ([`crate::settings::Settings::fp8_pair`],
+/// `BURNMIX_FP8_PAIR`, chooses): by default fused for 128x128 blocks and per-tensor scales, and
+/// two passes for 1x128 tiles, where the fused kernel measured slower on an H200 (see
+/// `docs/results.md`).
+pub fn fp8_pair_path(spec: &QuantSpec) -> Fp8PairPath {
+    match crate::settings::read(|s| s.fp8_pair) {
+        Some(path) => path,
+        None if spec.granularity == Fp8Granularity::Tile1x128 => Fp8PairPath::Separate,
+        None => Fp8PairPath::Fused,
+    }
+}
+
 /// Quantizes the 2-D `x` `[r, c]` in both orientations: `(as stored, transposed)`, the first
 /// `[r, c]` quantized along `c` as `spec.transposed(false)` says, the second `[c, r]` along `r` as
 /// `spec.transposed(true)` says (`spec.transpose` itself is ignored). Each equals the matching
-/// [`fp8_quantize`] bit for bit; on `CubeBackend` one kernel reads `x` once for both. The FP8
-/// linear layer uses it for operands that two of its GEMMs read along different axes (`x`, `dy`,
-/// and the weight).
+/// [`fp8_quantize`] bit for bit, on the path [`fp8_pair_path`] names. The FP8 linear layer uses it
+/// for the operands that two of its GEMMs read along different axes (`x`, `dy` and the weight).
 pub fn fp8_quantize_pair<B: Backend>(
     x: Tensor<B, 2>,
     spec: QuantSpec,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    let path = fp8_pair_path(&spec);
+    fp8_quantize_pair_on(x, spec, path)
+}
+
+/// [`fp8_quantize_pair`] on a given path.
+pub fn fp8_quantize_pair_on<B: Backend>(
+    x: Tensor<B, 2>,
+    spec: QuantSpec,
+    path: Fp8PairPath,
+) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
     let [r, c] = x.dims();
-    let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.into_primitive().tensor(), &spec);
+    let fused = path == Fp8PairPath::Fused;
+    let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.into_primitive().tensor(), &spec, fused);
     let q = |payload, scales, rows, k, spec| Fp8Tensor {
         payload: Tensor::from_primitive(payload),
         scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
@@ -474,8 +506,9 @@ impl Fp8LinearConfig {
     }
 }
 
-/// Where FP8 health samples go: `(name, health)` entries, appended as they are measured.
-pub type HealthSink = std::sync::Arc<std::sync::Mutex<Vec<(String, Fp8Health)>>>;
+/// Where FP8 health samples go: `(name, health)` entries, appended as they are measured; each
+/// health stays on the device until [`PendingHealth::resolve`] reads it.
+pub type HealthSink = std::sync::Arc<std::sync::Mutex<Vec<(String, PendingHealth)>>>;
 
 /// A layer's handle on a [`HealthSink`]: [`fp8_linear_probed`] records its input as `{name}.input`
 /// and, under `Autodiff`, its output gradient as `{name}.grad_output`, each as the GEMM that
@@ -488,7 +521,7 @@ pub struct Fp8Probe {
 
 impl Fp8Probe {
     pub(crate) fn record<B: Backend>(&self, what: &str, x: Tensor<B, 2>, spec: QuantSpec) {
-        let health = fp8_health(x, spec);
+        let health = fp8_health_pending(x, spec);
         if let Ok(mut sink) = self.sink.lock() {
             sink.push((format!("{}.{what}", self.name), health));
         }
@@ -553,59 +586,68 @@ pub struct Fp8Health {
     pub saturated: f64,
 }
 
-/// [`Fp8Health`] of the 2-D `x` quantized as `spec` says, computed on the device (a few reductions
-/// of the tensor's size; sample it every few steps).
-pub fn fp8_health<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Health {
-    let x = if spec.transpose { x.transpose() } else { x };
-    let spec = spec.transposed(false);
-    let [rows, k] = x.dims();
-    let n = (rows * k).max(1) as f64;
-    let q = fp8_quantize(x.clone(), spec);
-    let deq = q.dequantize(FloatDType::F32);
-    let x = x.cast(FloatDType::F32);
-    let finite = x.clone().is_finite();
-    // Per-element dequantization scale: scales expanded over their tiles.
-    let kt = spec.scale_cols(k);
-    let k_pad = kt * TILE;
-    let d = match spec.granularity {
-        Fp8Granularity::Tensor => q.scales.clone().expand([rows, k]),
-        Fp8Granularity::Tile1x128 => q
-            .scales
-            .clone()
-            .reshape([rows, kt, 1])
-            .expand([rows, kt, TILE])
-            .reshape([rows, k_pad])
-            .slice([0..rows, 0..k]),
-        Fp8Granularity::Block128 => {
-            let br = spec.scale_rows(rows);
-            q.scales
-                .clone()
-                .reshape([br, 1, kt, 1])
-                .expand([br, TILE, kt, TILE])
-                .reshape([br * TILE, k_pad])
-                .slice([0..rows, 0..k])
+impl Fp8Health {
+    /// Combines partial rows `[amax, nonzero, underflow, saturated]` (as
+    /// [`Fp8Ops::fp8_health_partials`] returns them) of a tensor of `elements` elements.
+    pub fn from_rows(rows: &[f32], elements: usize) -> Self {
+        let (mut amax, mut nonzero, mut under, mut sat) = (0f64, 0f64, 0f64, 0f64);
+        for r in rows.chunks_exact(4) {
+            amax = amax.max(r[0] as f64);
+            nonzero += r[1] as f64;
+            under += r[2] as f64;
+            sat += r[3] as f64;
         }
-    };
-    let abs = x.clone().abs().mask_fill(finite.clone().bool_not(), 0.0);
-    let amax = scalar(abs.clone().max());
-    let nonzero = abs.clone().greater_elem(0.0);
-    let underflow = nonzero.clone().bool_and(deq.equal_elem(0.0));
-    let saturated = abs.greater(d.mul_scalar(spec.format.clip_threshold() as f64));
-    let count = |b: Tensor<B, 2, burn::tensor::Bool>| scalar(b.int().sum().float());
-    let nz = count(nonzero).max(1.0);
-    Fp8Health {
-        amax,
-        underflow: count(underflow) / nz,
-        saturated: count(saturated) / n,
+        Fp8Health {
+            amax,
+            underflow: under / nonzero.max(1.0),
+            saturated: sat / (elements.max(1) as f64),
+        }
     }
 }
 
-fn scalar<B: BurnBackend>(t: Tensor<B, 1>) -> f64 {
-    t.cast(FloatDType::F32)
-        .into_data()
-        .to_vec::<f32>()
-        .map(|v| v[0] as f64)
-        .unwrap_or(f64::NAN)
+/// An [`Fp8Health`] measured on the device and not read yet: [`PendingHealth::resolve`] reads it
+/// (a small transfer, which waits for the work queued before it).
+pub struct PendingHealth(Box<dyn FnOnce() -> Fp8Health + Send>);
+
+impl PendingHealth {
+    /// Reads the health back.
+    pub fn resolve(self) -> Fp8Health {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for PendingHealth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PendingHealth")
+    }
+}
+
+/// [`Fp8Health`] of the 2-D `x` quantized as `spec` says: the quantizer, then one kernel that
+/// reads `x` and the codes once ([`Fp8Ops::fp8_health_partials`]); reading the result back waits
+/// for the device.
+pub fn fp8_health<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Health {
+    fp8_health_pending(x, spec).resolve()
+}
+
+/// [`fp8_health`] without waiting: the work is queued and the result read when resolved (the FP8
+/// layers record their operands' health this way in the middle of a step).
+pub fn fp8_health_pending<B: Backend>(x: Tensor<B, 2>, spec: QuantSpec) -> PendingHealth {
+    let [r, c] = x.dims();
+    let q = fp8_quantize(x.clone(), spec);
+    let rows = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::fp8_health_partials(
+        x.into_primitive().tensor(),
+        q.payload.into_primitive(),
+        q.scales.into_primitive().tensor(),
+        &spec,
+    )));
+    PendingHealth(Box::new(move || {
+        let rows = rows
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap_or_default();
+        Fp8Health::from_rows(&rows, r * c)
+    }))
 }
 
 /// The FP8 ops on a backend ([`fp8_quantize`], [`fp8_gemm`], [`fp8_linear`]). The defaults run
@@ -638,12 +680,13 @@ pub trait Fp8Ops: BurnBackend {
         (payload.into_primitive(), crate::prim(scales))
     }
 
-    /// `((payload, scales), (payload, scales))` of [`fp8_quantize_pair`] (two [`Self::fp8_quantize`]
-    /// calls by default).
+    /// `((payload, scales), (payload, scales))` of [`fp8_quantize_pair`], from one kernel when
+    /// `fused` and the backend has it (two [`Self::fp8_quantize`] calls by default).
     #[allow(clippy::type_complexity)]
     fn fp8_quantize_pair(
         x: FloatTensor<Self>,
         spec: &QuantSpec,
+        _fused: bool,
     ) -> (
         (IntTensor<Self>, FloatTensor<Self>),
         (IntTensor<Self>, FloatTensor<Self>),
@@ -682,6 +725,37 @@ pub trait Fp8Ops: BurnBackend {
             )
             .cast(dtype),
         )
+    }
+
+    /// Partial rows `[amax, nonzero, underflow, saturated]` (f32, `[n, 4]`) of the 2-D `x`
+    /// against its quantization `(payload, scales)` under `spec` (see [`Fp8Health`]; the CPU
+    /// [`reference::health_rows`] by default).
+    fn fp8_health_partials(
+        x: FloatTensor<Self>,
+        payload: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        spec: &QuantSpec,
+    ) -> FloatTensor<Self> {
+        let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
+        let [r, c] = t.dims();
+        let device = t.device();
+        let data = t
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 data");
+        let words = words_of(Tensor::<Self, 2, Int>::from_primitive(payload).into_data());
+        let scales = crate::tensor::<Self, 2>(scales)
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 scales");
+        let rows = reference::health_rows(&data, r, c, spec, &words, &scales);
+        let n = rows.len() / 4;
+        crate::prim(Tensor::<Self, 2>::from_data(
+            TensorData::new(rows, [n, 4]),
+            (&device, DType::F32),
+        ))
     }
 
     /// Whether the device has the FP8 tensor-core GEMM.

@@ -197,3 +197,67 @@ pub fn dequantize(
     }
     out
 }
+
+/// Partial health rows `[amax, nonzero, underflow, saturated]` of the row-major `[r, c]` `data`
+/// quantized as `spec` says (see [`super::Fp8Health`] and [`health_rows`]).
+pub fn health(data: &[f32], r: usize, c: usize, spec: &QuantSpec) -> Vec<f32> {
+    let (payload, scales) = quantize(data, r, c, spec);
+    health_rows(data, r, c, spec, &payload, &scales)
+}
+
+/// Partial health rows `[amax, nonzero, underflow, saturated]` of the row-major `[r, c]` `data`
+/// against its quantization `(payload, scales)` under `spec` (the view `spec.transpose` picks):
+/// the largest finite `|x|`, the finite nonzero values, those whose code is a zero, and the finite
+/// values above the format's clip threshold times their tile's dequantization scale. One row per
+/// 2^20 elements (so that f32 counts stay exact), at least one.
+pub fn health_rows(
+    data: &[f32],
+    r: usize,
+    c: usize,
+    spec: &QuantSpec,
+    payload: &[u32],
+    scales: &[f32],
+) -> Vec<f32> {
+    let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
+    let k_tiles = k.div_ceil(TILE);
+    let words = k_tiles * TILE / 4;
+    let clip = spec.format.clip_threshold();
+    let chunk = 1 << 20;
+    let mut out = Vec::new();
+    let mut row = [0f32; 4];
+    for n in 0..rows * k {
+        let (i, j) = (n / k, n % k);
+        let x = if spec.transpose {
+            data[j * c + i]
+        } else {
+            data[i * c + j]
+        };
+        let code = (payload[i * words + j / 4] >> (8 * (j % 4))) as u8;
+        let d = match spec.granularity {
+            Fp8Granularity::Tile1x128 => scales[i * k_tiles + j / TILE],
+            Fp8Granularity::Block128 => scales[(i / TILE) * k_tiles + j / TILE],
+            Fp8Granularity::Tensor => scales[0],
+        };
+        if x.is_finite() {
+            let a = x.abs();
+            row[0] = row[0].max(a);
+            if a != 0.0 {
+                row[1] += 1.0;
+                if code & 0x7F == 0 {
+                    row[2] += 1.0;
+                }
+            }
+            if a > d * clip {
+                row[3] += 1.0;
+            }
+        }
+        if (n + 1) % chunk == 0 {
+            out.extend_from_slice(&row);
+            row = [0f32; 4];
+        }
+    }
+    if out.is_empty() || (rows * k) % chunk != 0 {
+        out.extend_from_slice(&row);
+    }
+    out
+}
