@@ -161,6 +161,14 @@ fn quantizer_bit_identical() {
     }
 }
 
+#[test]
+fn quantize_pair_bit_identical() {
+    let shapes = [(1, 1), (37, 300), (130, 128), (257, 129)];
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        fp8_cases::quantize_pair_bit_identical::<Inner>(dtype, &device(), &shapes);
+    }
+}
+
 /// FP8 health on the device (and through `Autodiff`) against the CPU reference.
 #[test]
 fn health_matches_reference() {

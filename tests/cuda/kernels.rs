@@ -211,6 +211,16 @@ fn cuda_fp8_quantizer() {
     }
 }
 
+/// The fused two-orientation FP8 quantizer bit-identical to the CPU reference (f32, f16, bf16).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_quantize_pair() {
+    let shapes = [(1, 1), (37, 300), (130, 128), (257, 129), (1000, 768)];
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        fp8_cases::quantize_pair_bit_identical::<Cuda>(dtype, &CudaDevice::default(), &shapes);
+    }
+}
+
 /// FP8 health (one kernel over values and codes) against the CPU reference (f32, f16, bf16).
 #[test]
 #[ignore = "needs CUDA"]

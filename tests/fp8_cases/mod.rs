@@ -99,9 +99,8 @@ pub fn specs() -> Vec<QuantSpec> {
 }
 
 /// Payload and scales of the quantizer kernels, bit for bit against the CPU reference, for every
-/// format, granularity, scale rounding and orientation, and both orientations at once
-/// (the fused [`kernels::fp8_quantize_pair`], of the matrix and of its transposed view); input in `dtype` (the
-/// reference gets the same dtype-rounded values).
+/// format, granularity, scale rounding and orientation; input in `dtype` (the reference gets the
+/// same dtype-rounded values).
 pub fn quantizer_bit_identical<B: kernels::Backend>(
     dtype: FloatDType,
     dev: &B::Device,
@@ -125,13 +124,30 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(
             let ctx = format!("{dtype:?} [{rows}, {cols}] {spec:?}");
             let q = fp8_quantize(x.clone(), spec);
             assert_matches_reference(&q, &rounded, rows, cols, &spec, &ctx);
-            if spec.transpose {
-                continue;
-            }
-            // Both orientations from one kernel, of the matrix and of its transposed view (strided
-            // reads): each bit for bit the single-orientation result.
+        }
+    }
+}
+
+/// The fused [`kernels::fp8_quantize_pair`] kernel, bit for bit against the CPU reference in both
+/// orientations, for every format, granularity and scale rounding, of the matrix and of its
+/// transposed view (strided reads); input in `dtype`.
+pub fn quantize_pair_bit_identical<B: kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize)],
+) {
+    for (n, &(rows, cols)) in shapes.iter().enumerate() {
+        let nonfinite = dtype == FloatDType::F32;
+        let data = adversarial(rows, cols, 11 + n as u64, nonfinite);
+        let x = Tensor::<B, 2>::from_data(
+            TensorData::new(data, [rows, cols]),
+            (dev, burn::tensor::DType::F32),
+        )
+        .cast(dtype);
+        let rounded = host(x.clone());
+        for spec in specs().into_iter().filter(|s| !s.transpose) {
+            let ctx = format!("fp8_quantize_pair {dtype:?} [{rows}, {cols}] {spec:?}");
             let (stored, transposed) = fp8_quantize_pair_on(x.clone(), spec, Fp8PairPath::Fused);
-            let ctx = format!("fp8_quantize_pair {ctx}");
             assert_matches_reference(
                 &stored,
                 &rounded,
