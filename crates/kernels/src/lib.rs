@@ -17,6 +17,8 @@
 //! | RoPE + FlashAttention of a packed qkv projection (gradient written packed) | [`flash_attention_qkv`] | [`attention::reference_qkv`] |
 //! | FlashAttention with dropout on the probabilities (Philox mask, drawn again in the backward) | [`flash_attention_dropout`] | [`attention::reference_dropout`] |
 //! | FP8 quantizer (1x128, 128x128, per tensor) | [`fp8_quantize`] | [`fp8::reference`] |
+//! | FP8 quantizer of both orientations in one read | [`fp8_quantize_pair`] | [`fp8_quantize`] twice |
+//! | FP8 health (amax, underflow, saturation) of a quantized tensor | [`fp8_health`], [`fp8_health_pending`] | [`fp8::reference::health`] |
 //! | GEMM with transpose flags, linear layer (cuBLASLt on CUDA) | [`gemm()`], [`linear`] | [`gemm::reference`] (Burn's matmul) |
 //! | FP8 GEMM and linear layer (experimental) | [`fp8_gemm`], [`fp8_linear`] | dequantize, then matmul |
 //!
