@@ -98,6 +98,26 @@ pub fn specs() -> Vec<QuantSpec> {
     out
 }
 
+/// [`adversarial`] values as a `[rows, cols]` tensor in `dtype`, and those values after the
+/// dtype's rounding, on the host (what the CPU reference is given).
+fn adversarial_tensor<B: kernels::Backend>(
+    rows: usize,
+    cols: usize,
+    seed: u64,
+    dtype: FloatDType,
+    dev: &B::Device,
+) -> (Tensor<B, 2>, Vec<f32>) {
+    let nonfinite = dtype == FloatDType::F32;
+    let data = adversarial(rows, cols, seed, nonfinite);
+    let x = Tensor::<B, 2>::from_data(
+        TensorData::new(data, [rows, cols]),
+        (dev, burn::tensor::DType::F32),
+    )
+    .cast(dtype);
+    let rounded = host(x.clone());
+    (x, rounded)
+}
+
 /// Payload and scales of the quantizer kernels, bit for bit against the CPU reference, for every
 /// format, granularity, scale rounding and orientation; input in `dtype` (the reference gets the
 /// same dtype-rounded values).
@@ -107,19 +127,7 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(
     shapes: &[(usize, usize)],
 ) {
     for (n, &(rows, cols)) in shapes.iter().enumerate() {
-        let nonfinite = dtype == FloatDType::F32;
-        let data = adversarial(rows, cols, 11 + n as u64, nonfinite);
-        let x = Tensor::<B, 2>::from_data(
-            TensorData::new(data, [rows, cols]),
-            (dev, burn::tensor::DType::F32),
-        )
-        .cast(dtype);
-        let rounded = x
-            .clone()
-            .cast(FloatDType::F32)
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap();
+        let (x, rounded) = adversarial_tensor::<B>(rows, cols, 11 + n as u64, dtype, dev);
         for spec in specs() {
             let ctx = format!("{dtype:?} [{rows}, {cols}] {spec:?}");
             let q = fp8_quantize(x.clone(), spec);
@@ -137,14 +145,7 @@ pub fn quantize_pair_bit_identical<B: kernels::Backend>(
     shapes: &[(usize, usize)],
 ) {
     for (n, &(rows, cols)) in shapes.iter().enumerate() {
-        let nonfinite = dtype == FloatDType::F32;
-        let data = adversarial(rows, cols, 11 + n as u64, nonfinite);
-        let x = Tensor::<B, 2>::from_data(
-            TensorData::new(data, [rows, cols]),
-            (dev, burn::tensor::DType::F32),
-        )
-        .cast(dtype);
-        let rounded = host(x.clone());
+        let (x, rounded) = adversarial_tensor::<B>(rows, cols, 11 + n as u64, dtype, dev);
         for spec in specs().into_iter().filter(|s| !s.transpose) {
             let ctx = format!("fp8_quantize_pair {dtype:?} [{rows}, {cols}] {spec:?}");
             let (stored, transposed) = fp8_quantize_pair_on(x.clone(), spec, Fp8PairPath::Fused);
@@ -200,14 +201,7 @@ pub fn health_matches_reference<B: kernels::Backend>(
     use burn::tensor::TensorPrimitive;
     use kernels::Fp8Health;
     for (n, &(rows, cols)) in shapes.iter().enumerate() {
-        let nonfinite = dtype == FloatDType::F32;
-        let data = adversarial(rows, cols, 31 + n as u64, nonfinite);
-        let x = Tensor::<B, 2>::from_data(
-            TensorData::new(data, [rows, cols]),
-            (dev, burn::tensor::DType::F32),
-        )
-        .cast(dtype);
-        let rounded = host(x.clone());
+        let (x, rounded) = adversarial_tensor::<B>(rows, cols, 31 + n as u64, dtype, dev);
         let elements = rows * cols;
         for spec in specs() {
             let ctx = format!("fp8_health {dtype:?} [{rows}, {cols}] {spec:?}");
