@@ -10,6 +10,8 @@ gradient clipping at 1.0, as nanoGPT's train.py. Random character ids: the figur
 `--preset gpt2_small` trains the peer of `configs/gpt2_small.toml` instead: 12 layers, 12 heads,
 width 768, context 1024, batch 16, vocabulary 50304, no dropout, lr 6e-4 with betas 0.9 / 0.95
 (nanoGPT's GPT-2 124M; learned positions and LayerNorm where ours has RoPE and RMSNorm).
+`--n-layer`, `--n-head` and `--d-model` change the preset's shape (as `--set model.n_layer=...`
+does for ours).
 
 `--fp8 tensorwise|rowwise` runs the blocks' four projections with FP8 E4M3 GEMMs (fprop, dgrad and
 wgrad; embedding, head, norms and attention stay bf16, as in our FP8 recipe): through torchao's
@@ -148,6 +150,9 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None)
     ap.add_argument("--fp8-impl", choices=["auto", "torchao", "scaled_mm"], default="auto")
+    ap.add_argument("--n-layer", type=int, default=None, help="override the preset's layers")
+    ap.add_argument("--n-head", type=int, default=None, help="override the preset's heads")
+    ap.add_argument("--d-model", type=int, default=None, help="override the preset's width")
     a = ap.parse_args()
     if a.preset == "gpt2_small":
         shape = dict(vocab=50304, n_layer=12, n_head=12, d=768, t=1024, p=0.0)
@@ -155,6 +160,11 @@ def main():
     else:
         shape = dict(vocab=65, n_layer=6, n_head=6, d=384, t=256, p=0.2)
         batch, lr, betas = a.batch or 64, 1e-3, (0.9, 0.99)
+    for key, value in (("n_layer", a.n_layer), ("n_head", a.n_head), ("d", a.d_model)):
+        if value is not None:
+            shape[key] = value
+    if shape["d"] % shape["n_head"] != 0:
+        ap.error(f"--d-model {shape['d']} is not a multiple of --n-head {shape['n_head']}")
     vocab, ctx = shape["vocab"], shape["t"]
     torch.manual_seed(1337)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -188,7 +198,8 @@ def main():
             times.append(start.elapsed_time(end) / 1e3)
     med = statistics.median(times)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    label = a.preset + (f" fp8 {a.fp8}" if a.fp8 else "")
+    label = a.preset + f" ({shape['n_layer']} layers, width {shape['d']}, {shape['n_head']} heads)"
+    label += f" fp8 {a.fp8}" if a.fp8 else ""
     print(f"{label}: median step {med * 1e3:.2f} ms, {batch * ctx / med:.0f} tokens/s "
           f"(steps {a.warmup + 1}-{a.steps}), final loss {loss.item():.4f}")
 

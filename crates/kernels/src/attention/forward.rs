@@ -41,21 +41,27 @@ pub(crate) struct MmaTiles {
 }
 
 impl MmaTiles {
-    /// Defaults for the H100, per head_dim, from `attention_bench` sweeps at S = 4096 (see
-    /// docs/results.md, 2026-11-23 (later)). Two row tiles per warp halve the shared-memory reads
-    /// per MMA (see `mma/fragments.rs`); 32-key forward blocks beat 16 (hd 128: 222 against 178 TFLOP/s) and
-    /// matched 48 and 64 within the run-to-run spread. Backward at hd 128: the separate dQ kernel
-    /// (2 x 32) with an 8-warp dK/dV cube of 128 keys (one row tile per warp, 64-query blocks), 194
-    /// TFLOP/s; the fused dQ reached 172 there, as its extra dS tile and atomics compete with dK
-    /// and dV (128 f32 accumulators per lane) for registers. At hd 64 the fused dQ wins (193
-    /// against 177): 8 warps x 2 row tiles = 256 keys per cube, 32-query blocks. Since the
-    /// forward rescales its output lazily (only when a row maximum rises by more than 8 in the
-    /// exponent), 64-key forward blocks beat 32 at hd 64 (H100, docs/results.md, 2026-11-26
-    /// (late): full +6% at S = 1024 and +10% at 4096, causal even at 1024 and +6-10% at 4096);
-    /// at hd 128 they lost 2-5% causal at S = 1024, so 32 stays there. Other head dims (not
-    /// measured) take the hd 128 shapes, which hold for any multiple of 16.
-    fn for_head_dim(hd: usize) -> Self {
-        let fwd = (2, 32);
+    /// Defaults per head_dim and mask, from `attention_bench` sweeps (see docs/results.md,
+    /// 2026-11-23 (later), 2026-11-26 (late) and 2026-11-27). Two row tiles per warp halve the
+    /// shared-memory reads per MMA (see `mma/fragments.rs`); 32-key forward blocks beat 16 (hd
+    /// 128: 222 against 178 TFLOP/s on an H100) and matched 48 and 64 within the run-to-run
+    /// spread. Backward at hd 128: the separate dQ kernel (2 x 32) with an 8-warp dK/dV cube of
+    /// 128 keys (one row tile per warp, 64-query blocks), 194 TFLOP/s; the fused dQ reached 172
+    /// there, as its extra dS tile and atomics compete with dK and dV (128 f32 accumulators per
+    /// lane) for registers. At hd 64 the fused dQ wins (193 against 177): 8 warps x 2 row tiles
+    /// = 256 keys per cube, 32-query blocks. Since the forward rescales its output lazily (only
+    /// when a row maximum rises by more than 8 in the exponent), 64-key forward blocks beat 32 at
+    /// hd 64 on an H100 (full +6% at S = 1024 and +10% at 4096); at hd 128 they lost 2-5% causal
+    /// at S = 1024, so 32 stays there.
+    ///
+    /// **Causal masks** take dK/dV cubes of 4 warps (half the keys per cube): a key block's
+    /// work shrinks with its position (it meets only the queries at or after it), and smaller
+    /// cubes even out the tail. H200, S = 1024: hd 64 backward 110.6-111.2 TFLOP/s with 8 warps
+    /// against 121.7-121.8 with 4 (SDPA: 153.7), hd 128 108.9 against 117.4; without the mask 4
+    /// warps lost 2-4% at S = 4096, so full attention keeps 8. Other head dims (not measured)
+    /// take the hd 128 shapes, which hold for any multiple of 16.
+    fn for_head_dim(hd: usize, causal: bool) -> Self {
+        let dkdv_planes = if causal { 4 } else { 8 };
         if hd == 64 {
             MmaTiles {
                 fwd: (2, 64),
@@ -63,25 +69,25 @@ impl MmaTiles {
                 dkdv: (2, 32),
                 fwd_planes: PLANES,
                 dq_planes: PLANES,
-                dkdv_planes: 8,
+                dkdv_planes,
                 fused_dq: true,
             }
         } else {
             MmaTiles {
-                fwd,
+                fwd: (2, 32),
                 dq: (2, 32),
                 dkdv: (1, 64),
                 fwd_planes: PLANES,
                 dq_planes: PLANES,
-                dkdv_planes: 8,
+                dkdv_planes,
                 fused_dq: false,
             }
         }
     }
 
     /// The defaults, with any override from [`crate::settings::Settings::flash_tiles`].
-    pub(crate) fn get(hd: usize) -> Self {
-        let mut tiles = Self::for_head_dim(hd);
+    pub(crate) fn get(hd: usize, causal: bool) -> Self {
+        let mut tiles = Self::for_head_dim(hd, causal);
         crate::settings::read(|s| {
             if let Some(t) = &s.flash_tiles {
                 // Checked when the setting was made (`check_tiles`).
@@ -164,7 +170,7 @@ impl MmaTiles {
 
 /// Checks a tile override (see [`crate::settings::FlashTiles`]) without applying it.
 pub(crate) fn check_tiles(spec: &str) -> Result<(), String> {
-    MmaTiles::for_head_dim(128).apply(spec)
+    MmaTiles::for_head_dim(128, false).apply(spec)
 }
 
 /// Which kernels run for a given input.
@@ -345,7 +351,7 @@ pub(crate) fn forward<R: CubeRuntime>(
                 (q, k, v)
             };
             let width = mma_width(&q, &k, &v, None, &d);
-            let tiles = MmaTiles::get(d.hd);
+            let tiles = MmaTiles::get(d.hd, causal);
             let ((mt, block_k), planes) = (tiles.fwd, tiles.fwd_planes);
             let block_q = planes * mt * 16;
             unsafe {
@@ -487,7 +493,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     let bh = (d.batch * d.heads) as u32;
 
     let flash_path = path(&q);
-    let tiles = MmaTiles::get(d.hd);
+    let tiles = MmaTiles::get(d.hd, causal);
     let fused_dq = flash_path == FlashPath::TensorCores && tiles.fused_dq;
     // The fused dQ accumulates in f32 through atomics from every key block's cube; the delta
     // pre-pass clears it.
@@ -803,17 +809,19 @@ mod tests {
     #[test]
     fn default_tiles_can_run_at_every_tensor_core_head_dim() {
         for hd in (16..=128).step_by(16) {
-            let t = MmaTiles::for_head_dim(hd);
-            assert!(
-                !t.fused_dq || t.fused_dq_problem(hd).is_none(),
-                "hd {hd}: {t:?}"
-            );
+            for causal in [false, true] {
+                let t = MmaTiles::for_head_dim(hd, causal);
+                assert!(
+                    !t.fused_dq || t.fused_dq_problem(hd).is_none(),
+                    "hd {hd}, causal {causal}: {t:?}"
+                );
+            }
         }
     }
 
     #[test]
     fn tile_override_parses_and_rejects_bad_specs() {
-        let mut t = MmaTiles::for_head_dim(128);
+        let mut t = MmaTiles::for_head_dim(128, false);
         t.apply("fwd=1x64, dkdv=2x16").unwrap();
         assert_eq!(
             t,
@@ -821,7 +829,7 @@ mod tests {
                 fwd: (1, 64),
                 dkdv: (2, 16),
                 dkdv_planes: 4,
-                ..MmaTiles::for_head_dim(128)
+                ..MmaTiles::for_head_dim(128, false)
             }
         );
         t.apply("dq=fused,dkdv=1x64x8").unwrap();
@@ -847,7 +855,7 @@ mod tests {
             "dkdv=1x64x8x2",
             "dq=atomic",
         ] {
-            let err = MmaTiles::for_head_dim(64).apply(bad).unwrap_err();
+            let err = MmaTiles::for_head_dim(64, false).apply(bad).unwrap_err();
             assert!(!err.is_empty(), "{bad}");
         }
     }
