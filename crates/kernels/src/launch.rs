@@ -118,16 +118,24 @@ pub(crate) fn flat_index(
     }
 }
 
+/// The device's plane (warp) size when it has one fixed size (32 on CUDA), else 0.
+pub(crate) fn plane_size<R: CubeRuntime>(t: &CubeTensor<R>) -> u32 {
+    let hw = &t.client.properties().hardware;
+    if hw.plane_size_min == hw.plane_size_max {
+        hw.plane_size_min
+    } else {
+        0
+    }
+}
+
 /// Whether a cube of `units` can reduce with plane (warp) operations: the device has them (CUDA
 /// yes, lavapipe no) and a fixed plane size of at least 8 that divides the cube. Otherwise the
 /// reductions use the shared-memory tree.
 pub(crate) fn use_planes<R: CubeRuntime>(t: &CubeTensor<R>, units: usize) -> bool {
-    let props = t.client.properties();
-    let (min, max) = (
-        props.hardware.plane_size_min as usize,
-        props.hardware.plane_size_max as usize,
-    );
-    props.features.plane.contains(Plane::Ops) && min == max && min >= 8 && units.is_multiple_of(min)
+    let plane = plane_size(t) as usize;
+    t.client.properties().features.plane.contains(Plane::Ops)
+        && plane >= 8
+        && units.is_multiple_of(plane)
 }
 
 /// Most units the device runs in one cube.

@@ -13,7 +13,7 @@ use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta, flash_f
 use super::mma::{dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_forward_mma};
 use crate::check::{check_float, check_same_dtype, check_scale, fail};
 use crate::dropout::{DropArgs, Dropout};
-use crate::launch::{contiguous, empty, use_planes, vector_width};
+use crate::launch::{contiguous, empty, plane_size, use_planes, vector_width};
 
 /// Largest head dimension the kernels accept (the portable kernels keep a row in registers).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -196,7 +196,7 @@ pub(crate) fn path<R: CubeRuntime>(q: &CubeTensor<R>) -> FlashPath {
     let hd = q.meta.shape()[q.meta.num_dims() - 1];
     let props = q.client.properties();
     let low = matches!(q.dtype, DType::F16 | DType::BF16);
-    let warp32 = props.hardware.plane_size_min == 32 && props.hardware.plane_size_max == 32;
+    let warp32 = plane_size(q) == 32;
     let mma = low
         && warp32
         && props.features.matmul.mma.contains(&MmaConfig {
@@ -509,7 +509,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     {
         let width = row_width(&[&out, &grad], &[q.dtype, DType::F32], d.hd);
         let per_row = d.hd / width;
-        let plane = q.client.properties().hardware.plane_size_min as usize;
+        let plane = plane_size(&q) as usize;
         let split = if use_planes(&q, 256) {
             (1usize << per_row.trailing_zeros()).min(plane)
         } else {

@@ -37,14 +37,72 @@ fn view<R: CubeRuntime>(
     }
 }
 
+/// What the tile quantizers ([`quantize_kernel`], [`quantize_pair_kernel`]) take beside their
+/// outputs, for a 2-D float `x` under a spec: the logical `[rows, k]` view and the compile-time
+/// choices that follow from the spec and the device.
+struct TileArgs {
+    rows: usize,
+    k: usize,
+    stride_i: usize,
+    stride_j: usize,
+    /// 128x128 blocks: one amax per cube.
+    block: bool,
+    /// Per-tensor scaling: every tile takes the tensor's amax (see [`TileArgs::amax`]).
+    tensor_scale: bool,
+    /// Each unit loads its 4 adjacent elements as one vector: the logical rows are contiguous
+    /// and 4-aligned.
+    vec4: bool,
+    /// Tile amaxes through 32-unit planes (one per row of the 32 x 8 cube).
+    plane: bool,
+}
+
+impl TileArgs {
+    /// Checks that `x` is a float tensor of rank 2 (else fails `op`) and reads its view under
+    /// `spec`.
+    fn new<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, spec: &QuantSpec) -> Self {
+        check_float(op, "x", x.dtype);
+        let (rows, k, stride_i, stride_j) = view(op, x, spec);
+        Self {
+            rows,
+            k,
+            stride_i,
+            stride_j,
+            block: spec.granularity == Fp8Granularity::Block128,
+            tensor_scale: spec.granularity == Fp8Granularity::Tensor,
+            vec4: stride_j == 1
+                && crate::launch::vector_width(x, &[x.dtype], &[4, k, stride_i]) == 4,
+            plane: crate::launch::use_planes(x, 256) && crate::launch::plane_size(x) == 32,
+        }
+    }
+
+    /// Elements per load of `x` (the kernels' vector size).
+    fn width(&self) -> usize {
+        if self.vec4 {
+            4
+        } else {
+            1
+        }
+    }
+
+    /// The kernels' `amax` input: `[1]` with the amax of `x` for per-tensor scaling, else an
+    /// unread placeholder.
+    fn amax<R: CubeRuntime>(&self, x: &CubeTensor<R>) -> CubeTensor<R> {
+        if self.tensor_scale {
+            tensor_amax_of(x.clone())
+        } else {
+            empty(x, vec![1], DType::F32)
+        }
+    }
+}
+
 /// `(payload [rows, k_pad / 4] as I32 words, f32 dequantization scales)`.
 pub(crate) fn quantize<R: CubeRuntime>(
     x: CubeTensor<R>,
     spec: &QuantSpec,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let op = "fp8_quantize";
-    check_float(op, "x", x.dtype);
-    let (rows, k, stride_i, stride_j) = view(op, &x, spec);
+    let args = TileArgs::new(op, &x, spec);
+    let (rows, k) = (args.rows, args.k);
     let k_tiles = k.div_ceil(TILE);
     let words = k_tiles * TILE / 4;
     let payload = empty(&x, vec![rows, words], DType::I32);
@@ -61,12 +119,10 @@ pub(crate) fn quantize<R: CubeRuntime>(
         );
         return (payload, ones.into_primitive().tensor());
     }
-    let block = spec.granularity == Fp8Granularity::Block128;
     let row_groups = match spec.granularity {
         Fp8Granularity::Block128 => rows.div_ceil(TILE),
         _ => rows.div_ceil(8),
     };
-    let tensor_scale = spec.granularity == Fp8Granularity::Tensor;
     if row_groups > MAX_CUBES_Y || k_tiles > crate::launch::max_cubes_x(&x) {
         fail(
             op,
@@ -74,14 +130,10 @@ pub(crate) fn quantize<R: CubeRuntime>(
         );
     }
     let client = x.client.clone();
-    let amax = if tensor_scale {
-        tensor_amax_of(x.clone())
-    } else {
-        empty(&x, vec![1], DType::F32)
-    };
-    if stride_i == 1
-        && stride_j > 1
-        && !block
+    let amax = args.amax(&x);
+    if args.stride_i == 1
+        && args.stride_j > 1
+        && !args.block
         && k_tiles <= MAX_CUBES_Y
         && rows.div_ceil(32) <= crate::launch::max_cubes_x(&x)
     {
@@ -97,39 +149,36 @@ pub(crate) fn quantize<R: CubeRuntime>(
             scales.clone().into_tensor_arg(),
             rows,
             k,
-            stride_j,
+            args.stride_j,
             words,
             k_tiles,
-            tensor_scale,
+            args.tensor_scale,
             spec.pow2,
             spec.format.consts(),
             dtype.into(),
         );
         return (payload, scales);
     }
-    // One 4-element vector per unit where the logical rows are contiguous and 4-aligned.
-    let vec4 = stride_j == 1 && crate::launch::vector_width(&x, &[x.dtype], &[4, k, stride_i]) == 4;
-    let plane = crate::launch::use_planes(&x, 256) && plane_size(&x) == 32;
     let dtype = x.dtype;
     quantize_kernel::launch::<R>(
         &client,
         CubeCount::Static(k_tiles as u32, row_groups as u32, 1),
         CubeDim::new_2d(32, 8),
-        if vec4 { 4 } else { 1 },
+        args.width(),
         x.into_tensor_arg(),
         amax.into_tensor_arg(),
         payload.clone().into_tensor_arg(),
         scales.clone().into_tensor_arg(),
         rows,
         k,
-        stride_i,
-        stride_j,
+        args.stride_i,
+        args.stride_j,
         words,
-        block,
-        tensor_scale,
+        args.block,
+        args.tensor_scale,
         spec.pow2,
-        vec4,
-        plane,
+        args.vec4,
+        args.plane,
         spec.format.consts(),
         dtype.into(),
     );
@@ -147,10 +196,9 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
     spec: &QuantSpec,
     fused: bool,
 ) -> (Quantized<R>, Quantized<R>) {
-    let op = "fp8_quantize_pair";
-    check_float(op, "x", x.dtype);
     let spec = spec.transposed(false);
-    let (rows, cols, stride_i, stride_j) = view(op, &x, &spec);
+    let args = TileArgs::new("fp8_quantize_pair", &x, &spec);
+    let (rows, cols) = (args.rows, args.k);
     let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
     if !fused
         || rows == 0
@@ -161,8 +209,6 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         let t = quantize(x.clone(), &spec.transposed(true));
         return (quantize(x, &spec), t);
     }
-    let block = spec.granularity == Fp8Granularity::Block128;
-    let tensor_scale = spec.granularity == Fp8Granularity::Tensor;
     let transposed = spec.transposed(true);
     let payload = empty(&x, vec![rows, col_tiles * TILE / 4], DType::I32);
     let scales = empty(
@@ -176,20 +222,13 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         vec![transposed.scale_rows(cols), transposed.scale_cols(rows)],
         DType::F32,
     );
-    let amax = if tensor_scale {
-        tensor_amax_of(x.clone())
-    } else {
-        empty(&x, vec![1], DType::F32)
-    };
-    let vec4 =
-        stride_j == 1 && crate::launch::vector_width(&x, &[x.dtype], &[4, cols, stride_i]) == 4;
-    let plane = crate::launch::use_planes(&x, 256) && plane_size(&x) == 32;
+    let amax = args.amax(&x);
     let (client, dtype) = (x.client.clone(), x.dtype);
     quantize_pair_kernel::launch::<R>(
         &client,
         CubeCount::Static(col_tiles as u32, row_tiles as u32, 1),
         CubeDim::new_2d(32, 8),
-        if vec4 { 4 } else { 1 },
+        args.width(),
         x.into_tensor_arg(),
         amax.into_tensor_arg(),
         payload.clone().into_tensor_arg(),
@@ -198,27 +237,17 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         scales_t.clone().into_tensor_arg(),
         rows,
         cols,
-        stride_i,
-        stride_j,
-        block,
-        tensor_scale,
+        args.stride_i,
+        args.stride_j,
+        args.block,
+        args.tensor_scale,
         spec.pow2,
-        vec4,
-        plane,
+        args.vec4,
+        args.plane,
         spec.format.consts(),
         dtype.into(),
     );
     ((payload, scales), (payload_t, scales_t))
-}
-
-/// The device's plane (warp) size when it has one fixed size, else 0.
-fn plane_size<R: CubeRuntime>(x: &CubeTensor<R>) -> u32 {
-    let hw = &x.client.properties().hardware;
-    if hw.plane_size_min == hw.plane_size_max {
-        hw.plane_size_min
-    } else {
-        0
-    }
 }
 
 /// `[1]`: the largest finite normal `|x|` of `x` (per-tensor scaling): one grid-stride pass over
@@ -284,11 +313,6 @@ pub(crate) fn health_partials<R: CubeRuntime>(
         .clamp(1, 4 * crate::launch::num_sms(&x));
     let partials = empty(&x, vec![cubes, 4], DType::F32);
     let plane = crate::launch::use_planes(&x, SUM_UNITS);
-    let granularity = match spec.granularity {
-        Fp8Granularity::Tile1x128 => 0u32,
-        Fp8Granularity::Block128 => 1,
-        Fp8Granularity::Tensor => 2,
-    };
     let (client, dtype) = (x.client.clone(), x.dtype);
     health_kernel::launch::<R>(
         &client,
@@ -304,7 +328,7 @@ pub(crate) fn health_partials<R: CubeRuntime>(
         stride_j,
         words,
         spec.format.clip_threshold(),
-        granularity,
+        spec.granularity.kernel_code(),
         crate::launch::reduce_slots(SUM_UNITS, plane),
         plane,
         dtype.into(),
@@ -341,11 +365,6 @@ pub(crate) fn dequantize<R: CubeRuntime>(
     if n == 0 {
         return out;
     }
-    let granularity = match spec.granularity {
-        Fp8Granularity::Tile1x128 => 0u32,
-        Fp8Granularity::Block128 => 1,
-        Fp8Granularity::Tensor => 2,
-    };
     let client = payload.client.clone();
     let cubes = n.div_ceil(256);
     let (cx, cy) = if cubes > crate::launch::max_cubes_x(&payload) {
@@ -363,7 +382,7 @@ pub(crate) fn dequantize<R: CubeRuntime>(
         rows,
         k_out,
         words,
-        granularity,
+        spec.granularity.kernel_code(),
         spec.format.consts(),
         dtype.into(),
     );
@@ -376,8 +395,7 @@ pub(crate) fn mma_supported<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
     use cubecl::ir::{ElemType, FloatKind, StorageType as St};
     let props = t.client.properties();
     let e4m3 = St::Scalar(ElemType::Float(FloatKind::E4M3));
-    props.hardware.plane_size_min == 32
-        && props.hardware.plane_size_max == 32
+    crate::launch::plane_size(t) == 32
         && props.features.matmul.mma.contains(&MmaConfig {
             a_type: e4m3,
             b_type: e4m3,

@@ -83,6 +83,16 @@ fn encode(x: f32, scale: f32, #[comptime] f: FormatConsts) -> u32 {
     ((bits >> 31) << 7) | mag
 }
 
+/// Four codes packed into a little-endian word (`a` in the low byte, `d` in the high byte), each
+/// the [`encode`] of its value with multiplier `scale`.
+#[cube]
+fn encode_word(a: f32, b: f32, c: f32, d: f32, scale: f32, #[comptime] f: FormatConsts) -> u32 {
+    encode(a, scale, f)
+        | (encode(b, scale, f) << 8u32)
+        | (encode(c, scale, f) << 16u32)
+        | (encode(d, scale, f) << 24u32)
+}
+
 /// The value of a code (exact).
 #[cube]
 pub(crate) fn decode(code: u32, #[comptime] f: FormatConsts) -> f32 {
@@ -154,6 +164,26 @@ fn dequant_scale(s: f32, #[comptime] pow2: bool) -> f32 {
     let mut d = 1.0f32 / s;
     if comptime!(pow2) {
         d = f32::reinterpret((254u32 - (u32::reinterpret(s) >> 23)) << 23);
+    }
+    d
+}
+
+/// The dequantization scale of the elements of row `i` in K tile `kt` (scales `[_, k_tiles]`)
+/// by `granularity` (see `Fp8Granularity::kernel_code`): 0 one per 1x128 tile, 1 one per
+/// 128x128 block, 2 one per tensor.
+#[cube]
+fn tile_scale(
+    scales: &Tensor<f32>,
+    i: usize,
+    kt: usize,
+    k_tiles: usize,
+    #[comptime] granularity: u32,
+) -> f32 {
+    let mut d = scales[0usize];
+    if comptime!(granularity == 0) {
+        d = scales[i * k_tiles + kt];
+    } else if comptime!(granularity == 1) {
+        d = scales[(i / 128) * k_tiles + kt];
     }
     d
 }
@@ -328,13 +358,9 @@ pub(crate) fn quantize<F: Float, N: Size>(
     for r in 0..reps {
         let i = row0 + r * 8;
         if i < rows {
-            let mut word = 0u32;
-            #[unroll]
-            for e in 0..4u32 {
-                let code = encode(vals[r * 4 + e as usize], s, f);
-                word |= code << (e * 8u32);
-            }
-            payload[i * words + kt * 32 + x_unit] = word;
+            let v = r * 4;
+            payload[i * words + kt * 32 + x_unit] =
+                encode_word(vals[v], vals[v + 1], vals[v + 2], vals[v + 3], s, f);
         }
     }
     if !comptime!(given_amax) && x_unit == 0 {
@@ -414,13 +440,9 @@ pub(crate) fn quantize_cols<F: Float>(
     let mut staged = SharedMemory::<u32>::new(comptime!(32usize * 33));
     #[unroll]
     for q in 0..4usize {
-        let mut word = 0u32;
-        #[unroll]
-        for e in 0..4u32 {
-            let code = encode(vals[q * 4 + e as usize], s, f);
-            word |= code << (e * 8u32);
-        }
-        staged[lane * 33 + part * 4 + q] = word;
+        let v = q * 4;
+        staged[lane * 33 + part * 4 + q] =
+            encode_word(vals[v], vals[v + 1], vals[v + 2], vals[v + 3], s, f);
     }
     if !comptime!(given_amax) && part == 0 && i < rows {
         scales[i * k_tiles + kt] = d;
@@ -595,13 +617,9 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
         let i = rt * 128 + (y_unit + 8 * (r / 4)) * 4 + r % 4;
         if i < rows {
             let s = multiplier(row_local[r], f, pow2);
-            let mut word = 0u32;
-            #[unroll]
-            for e in 0..4u32 {
-                let code = encode(vals[r * 4 + e as usize], s, f);
-                word |= code << (e * 8u32);
-            }
-            payload[i * words + ct * 32 + x_unit] = word;
+            let v = r * 4;
+            payload[i * words + ct * 32 + x_unit] =
+                encode_word(vals[v], vals[v + 1], vals[v + 2], vals[v + 3], s, f);
             if comptime!(!block && !given_amax) && x_unit == 0 {
                 scales[i * col_tiles + ct] = dequant_scale(s, pow2);
             }
@@ -614,12 +632,9 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
         let s = multiplier(col_local[e], f, pow2);
         #[unroll]
         for g in 0..4usize {
-            let mut word = 0u32;
-            #[unroll]
-            for q in 0..4usize {
-                let code = encode(vals[(g * 4 + q) * 4 + e], s, f);
-                word |= code << (q as u32 * 8u32);
-            }
+            // Column `4x + e` of tile rows `4 (y + 8g) + q`, q in 0..4: `vals[(4g + q) * 4 + e]`.
+            let v = g * 16 + e;
+            let word = encode_word(vals[v], vals[v + 4], vals[v + 8], vals[v + 12], s, f);
             let w = (y_unit + 8 * g) as u32;
             staged[(x_unit * 4 + e) * 32 + (w ^ x_unit as u32) as usize] = word;
         }
@@ -727,13 +742,7 @@ pub(crate) fn health<F: Float>(
     while w < total {
         let i = w / words;
         let wj = w % words;
-        let mut d = scales[0usize];
-        if comptime!(granularity == 0) {
-            d = scales[i * k_tiles + wj / 32];
-        } else if comptime!(granularity == 1) {
-            d = scales[(i / 128) * k_tiles + wj / 32];
-        }
-        let limit = d * clip;
+        let limit = tile_scale(scales, i, wj / 32, k_tiles, granularity) * clip;
         let word = payload[w];
         #[unroll]
         for e in 0..4u32 {
@@ -790,14 +799,7 @@ pub(crate) fn dequantize<F: Float>(
     if w < rows * words {
         let i = w / words;
         let wj = w % words;
-        let kt = wj / 32;
-        let k_tiles = words / 32;
-        let mut d = scales[0usize];
-        if comptime!(granularity == 0) {
-            d = scales[i * k_tiles + kt];
-        } else if comptime!(granularity == 1) {
-            d = scales[(i / 128) * k_tiles + kt];
-        }
+        let d = tile_scale(scales, i, wj / 32, words / 32, granularity);
         let word = payload[w];
         #[unroll]
         for e in 0..4u32 {

@@ -130,6 +130,17 @@ pub enum Fp8Granularity {
     Tensor,
 }
 
+impl Fp8Granularity {
+    /// The code the dequantize and health kernels take at compile time for this granularity.
+    pub(crate) fn kernel_code(self) -> u32 {
+        match self {
+            Fp8Granularity::Tile1x128 => 0,
+            Fp8Granularity::Block128 => 1,
+            Fp8Granularity::Tensor => 2,
+        }
+    }
+}
+
 /// How to quantize a matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct QuantSpec {
@@ -244,6 +255,15 @@ pub(crate) fn words_of(data: TensorData) -> Vec<u32> {
             "kernels::fp8: a payload tensor has dtype {other:?}; expected a 32-bit integer tensor"
         ),
     }
+}
+
+/// The values of a float tensor on the host as f32, row-major (`what` names it if they cannot be
+/// read).
+fn f32_values<B: BurnBackend, const D: usize>(t: Tensor<B, D>, what: &str) -> Vec<f32> {
+    t.cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap_or_else(|e| panic!("f32 {what}: {e:?}"))
 }
 
 /// Quantizes the 2-D `x` (f32, f16 or bf16) as `spec` says.
@@ -663,11 +683,7 @@ pub trait Fp8Ops: BurnBackend {
         let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
         let [r, c] = t.dims();
         let device = t.device();
-        let data = t
-            .cast(FloatDType::F32)
-            .into_data()
-            .to_vec::<f32>()
-            .expect("f32 data");
+        let data = f32_values(t, "data");
         let (words, scales) = reference::quantize(&data, r, c, spec);
         let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
         let width = k.div_ceil(TILE) * TILE / 4;
@@ -708,11 +724,7 @@ pub trait Fp8Ops: BurnBackend {
         let device = payload.device();
         let width = payload.dims()[1];
         let words = words_of(payload.into_data());
-        let scales = crate::tensor::<Self, 2>(scales)
-            .cast(FloatDType::F32)
-            .into_data()
-            .to_vec::<f32>()
-            .expect("f32 scales");
+        let scales = f32_values(crate::tensor::<Self, 2>(scales), "scales");
         let full = reference::dequantize(&words, &scales, rows, width * 4, spec);
         let values: Vec<f32> = full
             .chunks(width * 4)
@@ -739,17 +751,9 @@ pub trait Fp8Ops: BurnBackend {
         let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
         let [r, c] = t.dims();
         let device = t.device();
-        let data = t
-            .cast(FloatDType::F32)
-            .into_data()
-            .to_vec::<f32>()
-            .expect("f32 data");
+        let data = f32_values(t, "data");
         let words = words_of(Tensor::<Self, 2, Int>::from_primitive(payload).into_data());
-        let scales = crate::tensor::<Self, 2>(scales)
-            .cast(FloatDType::F32)
-            .into_data()
-            .to_vec::<f32>()
-            .expect("f32 scales");
+        let scales = f32_values(crate::tensor::<Self, 2>(scales), "scales");
         let rows = reference::health_rows(&data, r, c, spec, &words, &scales);
         let n = rows.len() / 4;
         crate::prim(Tensor::<Self, 2>::from_data(

@@ -119,6 +119,16 @@ pub fn scales_for(amax: f32, format: Fp8Format, pow2: bool) -> (f32, f32) {
     }
 }
 
+/// Where in the scales of a `[rows, k]` matrix quantized with `granularity` (`k_tiles` =
+/// ceil(k / 128) scale columns per scale row) the scale of element `(i, j)` lies.
+fn scale_index(granularity: Fp8Granularity, i: usize, j: usize, k_tiles: usize) -> usize {
+    match granularity {
+        Fp8Granularity::Tile1x128 => i * k_tiles + j / TILE,
+        Fp8Granularity::Block128 => (i / TILE) * k_tiles + j / TILE,
+        Fp8Granularity::Tensor => 0,
+    }
+}
+
 /// Quantizes a row-major `[rows_in, cols_in]` f32 matrix as the kernels do: returns the payload
 /// words (4 codes per little-endian u32, rows of `k_pad / 4` words) and the dequantization scales.
 /// With `spec.transpose` the quantized matrix is the transpose (`[cols_in, rows_in]`).
@@ -148,11 +158,7 @@ pub fn quantize(
     let k_tiles = k.div_ceil(TILE);
     let words = k_tiles * TILE / 4;
     let mut amax = vec![0.0f32; spec.scale_rows(rows) * spec.scale_cols(k)];
-    let tile_index = |i: usize, j: usize| match spec.granularity {
-        Fp8Granularity::Tile1x128 => i * k_tiles + j / TILE,
-        Fp8Granularity::Block128 => (i / TILE) * k_tiles + j / TILE,
-        Fp8Granularity::Tensor => 0,
-    };
+    let tile_index = |i: usize, j: usize| scale_index(spec.granularity, i, j, k_tiles);
     for i in 0..rows {
         for j in 0..k {
             let t = tile_index(i, j);
@@ -187,11 +193,7 @@ pub fn dequantize(
     for i in 0..rows {
         for j in 0..k {
             let code = (payload[i * words + j / 4] >> (8 * (j % 4))) as u8;
-            let s = match spec.granularity {
-                Fp8Granularity::Tile1x128 => scales[i * k_tiles + j / TILE],
-                Fp8Granularity::Block128 => scales[(i / TILE) * k_tiles + j / TILE],
-                Fp8Granularity::Tensor => scales[0],
-            };
+            let s = scales[scale_index(spec.granularity, i, j, k_tiles)];
             out.push(decode(code, spec.format) * s);
         }
     }
@@ -233,11 +235,7 @@ pub fn health_rows(
             data[i * c + j]
         };
         let code = (payload[i * words + j / 4] >> (8 * (j % 4))) as u8;
-        let d = match spec.granularity {
-            Fp8Granularity::Tile1x128 => scales[i * k_tiles + j / TILE],
-            Fp8Granularity::Block128 => scales[(i / TILE) * k_tiles + j / TILE],
-            Fp8Granularity::Tensor => scales[0],
-        };
+        let d = scales[scale_index(spec.granularity, i, j, k_tiles)];
         if x.is_finite() {
             let a = x.abs();
             row[0] = row[0].max(a);

@@ -54,7 +54,7 @@ const DW_SMEM_BYTES: usize = 32 << 10;
 fn plan<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>, cols: usize) -> Plan {
     let n = vector_width(x, &[x.dtype, w.dtype], &[cols]);
     let row_vecs = cols / n;
-    let plane_size = x.client.properties().hardware.plane_size_max as usize;
+    let plane_size = crate::launch::plane_size(x) as usize;
     if use_planes(x, plane_size) && row_vecs <= plane_size * MAX_PER_LANE {
         let per_unit = row_vecs.div_ceil(plane_size).max(1);
         let plane_bytes = per_unit * plane_size * n * 4;
