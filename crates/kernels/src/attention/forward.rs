@@ -38,6 +38,11 @@ pub(crate) struct MmaTiles {
     /// dQ inside the dK/dV kernel (`dS k` from a shared-memory dS, added to an f32 buffer with
     /// atomics) instead of the separate dQ kernel, which recomputes `q k^T` and `dO v^T`.
     pub fused_dq: bool,
+    /// Forward: the next key block's scores computed while this block's probabilities are
+    /// taken (K and V triple-buffered), see `flash_forward_mma`.
+    pub fwd_pipe: bool,
+    /// Forward: the warp's query fragments kept in registers across key blocks.
+    pub fwd_qregs: bool,
 }
 
 impl MmaTiles {
@@ -49,10 +54,9 @@ impl MmaTiles {
     /// 128 keys (one row tile per warp, 64-query blocks), 194 TFLOP/s; the fused dQ reached 172
     /// there, as its extra dS tile and atomics compete with dK and dV (128 f32 accumulators per
     /// lane) for registers. At hd 64 the fused dQ wins (193 against 177): 8 warps x 2 row tiles
-    /// = 256 keys per cube, 32-query blocks. Since the forward rescales its output lazily (only
-    /// when a row maximum rises by more than 8 in the exponent), 64-key forward blocks beat 32 at
-    /// hd 64 on an H100 (full +6% at S = 1024 and +10% at 4096); at hd 128 they lost 2-5% causal
-    /// at S = 1024, so 32 stays there.
+    /// = 256 keys per cube, 32-query blocks. Forward blocks of 32 keys at both head dims: at hd
+    /// 64 they beat 64 by 2-6% on an H200 and 1-9% on an H100 (2026-11-27); at hd 128 64 lost
+    /// 2-5% causal at S = 1024.
     ///
     /// **Causal masks** take dK/dV cubes of 4 warps (half the keys per cube): a key block's
     /// work shrinks with its position (it meets only the queries at or after it), and smaller
@@ -64,13 +68,15 @@ impl MmaTiles {
         let dkdv_planes = if causal { 4 } else { 8 };
         if hd == 64 {
             MmaTiles {
-                fwd: (2, 64),
+                fwd: (2, 32),
                 dq: (2, 32),
                 dkdv: (2, 32),
                 fwd_planes: PLANES,
                 dq_planes: PLANES,
                 dkdv_planes,
                 fused_dq: true,
+                fwd_pipe: false,
+                fwd_qregs: false,
             }
         } else {
             MmaTiles {
@@ -81,6 +87,8 @@ impl MmaTiles {
                 dq_planes: PLANES,
                 dkdv_planes,
                 fused_dq: false,
+                fwd_pipe: false,
+                fwd_qregs: false,
             }
         }
     }
@@ -101,7 +109,9 @@ impl MmaTiles {
 
     /// Applies `fwd=2x64,dq=1x32,...`: row tiles 1, 2 or 4; block depth a multiple of 16 from 16
     /// to 128; `NAME=MTxBLOCKxWARPS` also sets the kernel's warps per cube (4 or 8); `dq=fused` or
-    /// `dq=separate` chooses where dQ is computed.
+    /// `dq=separate` chooses where dQ is computed; `fwd=pipe` or `fwd=flat` whether the forward
+    /// overlaps the next block's scores with this block's softmax, `fwd=qregs` or `fwd=qshared`
+    /// where it keeps the query fragments.
     fn apply(&mut self, spec: &str) -> Result<(), String> {
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (name, value) = item
@@ -110,6 +120,19 @@ impl MmaTiles {
             if name == "dq" && (value == "fused" || value == "separate") {
                 self.fused_dq = value == "fused";
                 continue;
+            }
+            if name == "fwd" {
+                match value {
+                    "pipe" | "flat" => {
+                        self.fwd_pipe = value == "pipe";
+                        continue;
+                    }
+                    "qregs" | "qshared" => {
+                        self.fwd_qregs = value == "qregs";
+                        continue;
+                    }
+                    _ => {}
+                }
             }
             let parts: Vec<&str> = value.split('x').collect();
             if parts.len() != 2 && parts.len() != 3 {
@@ -380,6 +403,8 @@ pub(crate) fn forward<R: CubeRuntime>(
                     drop.threshold,
                     drop.scale,
                     drop.on,
+                    tiles.fwd_pipe,
+                    tiles.fwd_qregs,
                     dtype,
                 );
             }
@@ -844,6 +869,10 @@ mod tests {
         assert!(!t.fused_dq);
         t.apply("fwd=1x32x8").unwrap();
         assert_eq!((t.fwd, t.fwd_planes, t.dq_planes), ((1, 32), 8, 4));
+        t.apply("fwd=pipe,fwd=qregs").unwrap();
+        assert!(t.fwd_pipe && t.fwd_qregs);
+        t.apply("fwd=flat,fwd=qshared").unwrap();
+        assert!(!t.fwd_pipe && !t.fwd_qregs);
         for bad in [
             "fwd=3x64",
             "fwd=2x24",
@@ -854,6 +883,8 @@ mod tests {
             "fwd=1x64x6",
             "dkdv=1x64x8x2",
             "dq=atomic",
+            "fwd=piped",
+            "dkdv=pipe",
         ] {
             let err = MmaTiles::for_head_dim(64, false).apply(bad).unwrap_err();
             assert!(!err.is_empty(), "{bad}");

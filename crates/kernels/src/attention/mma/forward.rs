@@ -5,7 +5,7 @@ use cubecl::prelude::*;
 
 use super::super::kernel::neg_big;
 use crate::philox::{factor, half_word, philox};
-use crate::pipeline::{commit, wait_block};
+use crate::pipeline::{commit, commit3, wait_block, wait_block3};
 
 use super::fragments::*;
 
@@ -19,6 +19,12 @@ const RESCALE_SLACK: f32 = 8.0;
 /// Tensor-core forward. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp
 /// owns `16 * mt` query rows. Strides of q/k/v are in vectors of `width`, those of `out` in
 /// elements. Query blocks run last-first so that causal's longest rows start first.
+///
+/// `pipe`: the scores of key block `kb + 1` are computed while block `kb`'s probabilities are
+/// taken and multiplied into the output, so that the tensor cores work during the exponentials
+/// of the same warp (K and V triple-buffered, two blocks in flight); otherwise one block at a
+/// time, double-buffered. `qregs`: the warp's query fragments are loaded from shared memory once
+/// and kept in registers (`mt * hd / 4` vectors a lane) instead of once per key block.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
@@ -43,6 +49,8 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     threshold: u32,
     keep_scale: f32,
     #[comptime] dropout: bool,
+    #[comptime] pipe: bool,
+    #[comptime] qregs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -51,7 +59,8 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
 
     let lane = UNIT_POS_PLANE as usize;
-    let (g, t4) = (lane / 4, lane % 4);
+    let g = lane / 4;
+    let t4 = lane % 4;
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
     let block_q = comptime!(planes * mt * 16);
@@ -59,13 +68,14 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
     let pitch = comptime!((hd + 8) / width);
     let per_row = comptime!(hd / width);
-    // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
     let tile = comptime!(block_k * pitch);
+    let stages = comptime!(if pipe { 3usize } else { 2usize });
     let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
-    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
-    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(stages * tile), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(stages * tile), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar2 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     copy_rows(
         q,
         &mut qt,
@@ -80,14 +90,13 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
         width,
         false,
     );
-    let (kbase, kstride) = (
-        (b * k.stride(0) + h * k.stride(1)) / width,
-        k.stride(2) / width,
-    );
-    let (vbase, vstride) = (
-        (b * v.stride(0) + h * v.stride(1)) / width,
-        v.stride(2) / width,
-    );
+    let kv = KvSource {
+        kbase: (b * k.stride(0) + h * k.stride(1)) / width,
+        kstride: k.stride(2) / width,
+        vbase: (b * v.stride(0) + h * v.stride(1)) / width,
+        vstride: v.stride(2) / width,
+        seq_k,
+    };
 
     let s_tiles = comptime!(block_k / 8);
     let o_tiles = comptime!(hd / 8);
@@ -99,189 +108,197 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
         m_run[i] = neg_big();
         l_run[i] = 0.0;
     }
+    // With dropout the reference maximum moves with every rise (kept probabilities are also
+    // multiplied by `1 / (1 - p)`), see `RESCALE_SLACK`.
+    let slack = if comptime!(dropout) {
+        0.0f32
+    } else {
+        RESCALE_SLACK
+    };
+    let drop = DropKeys {
+        key0,
+        key1,
+        threshold,
+        keep_scale,
+    };
 
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
     sync_cube();
-    if blocks > 0 {
-        copy_rows(
-            k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true,
-        );
-        copy_rows(
-            v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true,
-        );
-        commit(&bar0, &bar1, 0);
+    let mut qf = Array::<Vector<F, NA>>::new(comptime!(if qregs { mt * hd / 4 } else { 1usize }));
+    if comptime!(qregs) {
+        #[unroll]
+        for kk in 0..comptime!(hd / 16) {
+            let a = rows_as_a::<F, N, NA>(&qt, w0, kk, mt, pitch, width);
+            #[unroll]
+            for i in 0..comptime!(mt * 4) {
+                qf[kk * comptime!(mt * 4) + i] = a[i];
+            }
+        }
     }
-    for kb in 0..blocks {
-        let j0 = kb * block_k;
-        let cur = (kb % 2) * tile;
-        if kb + 1 < blocks {
-            let next = ((kb + 1) % 2) * tile;
-            copy_rows(
-                k,
-                &mut kt,
-                next,
-                kbase,
-                kstride,
-                j0 + block_k,
-                seq_k,
-                block_k,
-                per_row,
-                pitch,
-                width,
-                true,
-            );
-            copy_rows(
-                v,
-                &mut vt,
-                next,
-                vbase,
-                vstride,
-                j0 + block_k,
-                seq_k,
-                block_k,
-                per_row,
-                pitch,
-                width,
-                true,
-            );
-            commit(&bar0, &bar1, (kb + 1) % 2);
-        }
-        wait_block(&bar0, &bar1, kb);
 
-        // S = q k^T for this warp's rows and the block's keys.
+    if comptime!(pipe) {
         let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        block_product::<F, N, NA, NB, NC>(
-            &qt,
-            w0,
-            &kt,
-            cur,
-            &mut s,
-            comptime!(hd / 16),
-            s_tiles,
-            mt,
-            pitch,
-            width,
-            true,
-        );
-
-        // The mask only where this warp's rows meet the block's edge (past seq_k or, causal,
-        // above the diagonal): the test is uniform across the warp. Scores stay unscaled here
-        // (the scale is positive, so it commutes with the maximum); the scale goes into the
-        // exponent's argument, one fused multiply-add an entry.
-        if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
-            mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
-        }
-
-        // Online softmax with a lazy rescale: a row's reference maximum `m_run` moves (and its
-        // output and sum are rescaled) only when the block's maximum exceeds it by more than
-        // `RESCALE_SLACK` (0 with dropout), checked once for the whole warp; otherwise the
-        // probabilities are taken against the old reference, so they may reach e^RESCALE_SLACK.
-        // O, the sum and the log-sum-exp all use the same reference, so the result is the same.
-        let slack = if comptime!(dropout) {
-            0.0f32
-        } else {
-            RESCALE_SLACK
-        };
-        let mut block_max = Array::<f32>::new(comptime!(mt * 2));
-        let mut grow = false;
-        #[unroll]
-        for m in 0..mt {
-            #[unroll]
-            for half in 0..2usize {
-                let r = m * 2 + half;
-                let mut mx = neg_big();
-                #[unroll]
-                for t in 0..s_tiles {
-                    let x = s[(m * s_tiles + t) * 2 + half];
-                    mx = f32::max(mx, f32::max(x[0], x[1]));
-                }
-                mx = f32::max(mx, plane_shuffle_xor(mx, 1));
-                mx = f32::max(mx, plane_shuffle_xor(mx, 2));
-                mx *= scale;
-                block_max[r] = mx;
-                grow = grow || mx > m_run[r] + slack;
+        if blocks > 0 {
+            issue_kv(k, v, &mut kt, &mut vt, &kv, 0, 0, block_k, per_row, pitch, width);
+            commit3(&bar0, &bar1, &bar2, 0);
+            if blocks > 1 {
+                issue_kv(k, v, &mut kt, &mut vt, &kv, tile, block_k, block_k, per_row, pitch, width);
+                commit3(&bar0, &bar1, &bar2, 1);
             }
-        }
-        if plane_any(grow) {
-            #[unroll]
-            for m in 0..mt {
-                #[unroll]
-                for half in 0..2usize {
-                    let r = m * 2 + half;
-                    let m_new = f32::max(m_run[r], block_max[r]);
-                    let alpha = (m_run[r] - m_new).exp();
-                    l_run[r] *= alpha;
-                    m_run[r] = m_new;
-                    #[unroll]
-                    for t in 0..o_tiles {
-                        let at = (m * o_tiles + t) * 2 + half;
-                        o_acc[at] = o_acc[at] * Vector::new(alpha);
-                    }
-                }
-            }
-        }
-        // P = exp(scale * S - m_run); each lane sums its own entries (the four lanes of a row
-        // are added once, after the last block).
-        #[unroll]
-        for m in 0..mt {
-            #[unroll]
-            for half in 0..2usize {
-                let r = m * 2 + half;
-                let mut sum = 0.0f32;
-                #[unroll]
-                for t in 0..s_tiles {
-                    let at = (m * s_tiles + t) * 2 + half;
-                    let mut x = s[at];
-                    #[unroll]
-                    for e in 0..2usize {
-                        let p = (x[e] * scale - m_run[r]).exp();
-                        x[e] = p;
-                        sum += p;
-                    }
-                    s[at] = x;
-                }
-                l_run[r] += sum;
-            }
-        }
-
-        // Dropout: P v takes the kept probabilities, scaled (the row sums above count them all).
-        // One Philox call per lane and 16 x 16 tile gives its eight entries (see `dropout`).
-        if comptime!(dropout) {
-            #[unroll]
-            for m in 0..mt {
-                let query_tile = u32::cast_from((q0 + w0) / 16 + m);
-                #[unroll]
-                for u in 0..comptime!(s_tiles / 2) {
-                    let w = philox(
-                        u32::cast_from(lane),
-                        u32::cast_from(j0 / 16 + u),
-                        query_tile,
-                        u32::cast_from(bh),
-                        key0,
-                        key1,
+            wait_block3(&bar0, &bar1, &bar2, 0);
+            query_scores::<F, N, NA, NB, NC>(
+                &qt, &qf, w0, &kt, 0, &mut s, hd, s_tiles, mt, pitch, width, qregs,
+            );
+            // Every block but the last: the next block's scores are issued between this block's
+            // rescale and its exponentials, in the same straight-line code, and read only in the
+            // next iteration.
+            for kb in 0..blocks - 1 {
+                let j0 = kb * block_k;
+                if kb + 2 < blocks {
+                    let which = (kb + 2) % 3;
+                    issue_kv(
+                        k,
+                        v,
+                        &mut kt,
+                        &mut vt,
+                        &kv,
+                        which * tile,
+                        j0 + 2 * block_k,
+                        block_k,
+                        per_row,
+                        pitch,
+                        width,
                     );
-                    #[unroll]
-                    for half in 0..2usize {
-                        #[unroll]
-                        for tt in 0..2usize {
-                            let at = (m * s_tiles + u * 2 + tt) * 2 + half;
-                            let word = w[half * 2 + tt];
-                            let mut x = s[at];
-                            x[0] = x[0] * factor(half_word(word, false), threshold, keep_scale);
-                            x[1] = x[1] * factor(half_word(word, true), threshold, keep_scale);
-                            s[at] = x;
-                        }
-                    }
+                    commit3(&bar0, &bar1, &bar2, which);
                 }
+                wait_block3(&bar0, &bar1, &bar2, kb + 1);
+                rescale_rows::<NC>(
+                    &mut s, &mut o_acc, &mut m_run, &mut l_run, q0 + w0, j0, seq_k, scale, slack, mt,
+                    s_tiles, o_tiles, block_k, causal,
+                );
+                let mut s_next = zeros::<NC>(comptime!(mt * s_tiles * 2));
+                query_scores::<F, N, NA, NB, NC>(
+                    &qt,
+                    &qf,
+                    w0,
+                    &kt,
+                    ((kb + 1) % 3) * tile,
+                    &mut s_next,
+                    hd,
+                    s_tiles,
+                    mt,
+                    pitch,
+                    width,
+                    qregs,
+                );
+                probabilities::<NC>(
+                    &mut s, &m_run, &mut l_run, scale, q0 + w0, j0, bh, &drop, mt, s_tiles,
+                    dropout,
+                );
+                scores_product::<F, N, NA, NB, NC>(
+                    &s,
+                    &vt,
+                    (kb % 3) * tile,
+                    &mut o_acc,
+                    s_tiles,
+                    o_tiles,
+                    mt,
+                    pitch,
+                    width,
+                );
+                #[unroll]
+                for i in 0..comptime!(mt * s_tiles * 2) {
+                    s[i] = s_next[i];
+                }
+                // Every warp is done with buffer kb % 3 before iteration kb + 1 refills it.
+                sync_cube();
             }
+            let last = blocks - 1;
+            rescale_rows::<NC>(
+                &mut s,
+                &mut o_acc,
+                &mut m_run,
+                &mut l_run,
+                q0 + w0,
+                last * block_k,
+                seq_k,
+                scale,
+                slack,
+                mt,
+                s_tiles,
+                o_tiles,
+                block_k,
+                causal,
+            );
+            probabilities::<NC>(
+                &mut s,
+                &m_run,
+                &mut l_run,
+                scale,
+                q0 + w0,
+                last * block_k,
+                bh,
+                &drop,
+                mt,
+                s_tiles,
+                dropout,
+            );
+            scores_product::<F, N, NA, NB, NC>(
+                &s,
+                &vt,
+                (last % 3) * tile,
+                &mut o_acc,
+                s_tiles,
+                o_tiles,
+                mt,
+                pitch,
+                width,
+            );
         }
-
-        // O += P v, P from registers.
-        scores_product::<F, N, NA, NB, NC>(
-            &s, &vt, cur, &mut o_acc, s_tiles, o_tiles, mt, pitch, width,
-        );
-        // Every warp is done with this buffer before the next iteration refills it.
-        sync_cube();
+    } else {
+        // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
+        if blocks > 0 {
+            issue_kv(k, v, &mut kt, &mut vt, &kv, 0, 0, block_k, per_row, pitch, width);
+            commit(&bar0, &bar1, 0);
+        }
+        for kb in 0..blocks {
+            let j0 = kb * block_k;
+            let cur = (kb % 2) * tile;
+            if kb + 1 < blocks {
+                issue_kv(
+                    k,
+                    v,
+                    &mut kt,
+                    &mut vt,
+                    &kv,
+                    ((kb + 1) % 2) * tile,
+                    j0 + block_k,
+                    block_k,
+                    per_row,
+                    pitch,
+                    width,
+                );
+                commit(&bar0, &bar1, (kb + 1) % 2);
+            }
+            wait_block(&bar0, &bar1, kb);
+            let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+            query_scores::<F, N, NA, NB, NC>(
+                &qt, &qf, w0, &kt, cur, &mut s, hd, s_tiles, mt, pitch, width, qregs,
+            );
+            rescale_rows::<NC>(
+                &mut s, &mut o_acc, &mut m_run, &mut l_run, q0 + w0, j0, seq_k, scale, slack, mt, s_tiles,
+                o_tiles, block_k, causal,
+            );
+            probabilities::<NC>(
+                &mut s, &m_run, &mut l_run, scale, q0 + w0, j0, bh, &drop, mt, s_tiles, dropout,
+            );
+            // O += P v, P from registers.
+            scores_product::<F, N, NA, NB, NC>(
+                &s, &vt, cur, &mut o_acc, s_tiles, o_tiles, mt, pitch, width,
+            );
+            // Every warp is done with this buffer before the next iteration refills it.
+            sync_cube();
+        }
     }
 
     // O / l and the log-sum-exp, l summed over the four lanes of each row.
@@ -316,4 +333,234 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
         mt,
         hd,
     );
+}
+
+/// Where the key and value rows of this cube's batch and head are: base offsets and row strides
+/// in vectors, and the number of keys.
+#[derive(CubeType)]
+struct KvSource {
+    kbase: usize,
+    kstride: usize,
+    vbase: usize,
+    vstride: usize,
+    seq_k: usize,
+}
+
+/// The dropout keys and threshold of the forward's launch (see `crate::dropout`).
+#[derive(CubeType)]
+struct DropKeys {
+    key0: u32,
+    key1: u32,
+    threshold: u32,
+    keep_scale: f32,
+}
+
+/// Starts the copies (cp.async) of the key and value rows `j0 ..` into the buffers at vector
+/// `off` of `kt` and `vt`; rows past the last key are zero.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_kv<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    kt: &mut SharedMemory<Vector<F, N>>,
+    vt: &mut SharedMemory<Vector<F, N>>,
+    kv: &KvSource,
+    off: usize,
+    j0: usize,
+    #[comptime] block_k: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+) {
+    copy_rows(
+        k, kt, off, kv.kbase, kv.kstride, j0, kv.seq_k, block_k, per_row, pitch, width, true,
+    );
+    copy_rows(
+        v, vt, off, kv.vbase, kv.vstride, j0, kv.seq_k, block_k, per_row, pitch, width, true,
+    );
+}
+
+/// `s += q k^T` for this warp's rows and the key block at vector `k_off` of `kt`, the query
+/// fragments from registers (`qf`, `qregs`) or from the staged `qt`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn query_scores<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
+    qt: &SharedMemory<Vector<F, N>>,
+    qf: &Array<Vector<F, NA>>,
+    w0: usize,
+    kt: &SharedMemory<Vector<F, N>>,
+    k_off: usize,
+    s: &mut Array<Vector<f32, NC>>,
+    #[comptime] hd: usize,
+    #[comptime] s_tiles: usize,
+    #[comptime] mt: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] qregs: bool,
+) {
+    if comptime!(qregs) {
+        #[unroll]
+        for kk in 0..comptime!(hd / 16) {
+            let a = part::<F, NA>(qf, kk, comptime!(mt * 4));
+            #[unroll]
+            for pair in 0..comptime!(s_tiles / 2) {
+                let bf = load_b2::<F, N, NB>(kt, k_off, kk * 16, pair * 16, pitch, width, true);
+                mma_pair::<F, NA, NB, NC>(&a, &bf, s, pair, mt, s_tiles);
+            }
+        }
+    } else {
+        block_product::<F, N, NA, NB, NC>(
+            qt,
+            w0,
+            kt,
+            k_off,
+            s,
+            comptime!(hd / 16),
+            s_tiles,
+            mt,
+            pitch,
+            width,
+            true,
+        );
+    }
+}
+
+/// The mask where this warp's rows meet the block's edge (past `seq_k` or, causal, above the
+/// diagonal; the test is uniform across the warp), then the online softmax's lazy rescale: a
+/// row's reference maximum `m_run` moves (and its output is rescaled) only when the block's
+/// maximum exceeds it by more than `slack`, checked once for the whole warp; otherwise the
+/// probabilities are taken against the old reference, so they may reach e^slack. O, the sum and
+/// the log-sum-exp all use the same reference, so the result is the same. Scores stay unscaled
+/// (the scale is positive, so it commutes with the maximum); it goes into the exponent's argument.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn rescale_rows<NC: Size>(
+    s: &mut Array<Vector<f32, NC>>,
+    o_acc: &mut Array<Vector<f32, NC>>,
+    m_run: &mut Array<f32>,
+    l_run: &mut Array<f32>,
+    row0: usize,
+    j0: usize,
+    seq_k: usize,
+    scale: f32,
+    slack: f32,
+    #[comptime] mt: usize,
+    #[comptime] s_tiles: usize,
+    #[comptime] o_tiles: usize,
+    #[comptime] block_k: usize,
+    #[comptime] causal: bool,
+) {
+    if edge_block(row0, j0, seq_k, block_k, causal) {
+        mask_scores::<NC>(s, row0, j0, seq_k, mt, s_tiles, causal);
+    }
+    let mut block_max = Array::<f32>::new(comptime!(mt * 2));
+    let mut grow = false;
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let r = m * 2 + half;
+            let mut mx = neg_big();
+            #[unroll]
+            for t in 0..s_tiles {
+                let x = s[(m * s_tiles + t) * 2 + half];
+                mx = f32::max(mx, f32::max(x[0], x[1]));
+            }
+            mx = f32::max(mx, plane_shuffle_xor(mx, 1));
+            mx = f32::max(mx, plane_shuffle_xor(mx, 2));
+            mx *= scale;
+            block_max[r] = mx;
+            grow = grow || mx > m_run[r] + slack;
+        }
+    }
+    if plane_any(grow) {
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for half in 0..2usize {
+                let r = m * 2 + half;
+                let m_new = f32::max(m_run[r], block_max[r]);
+                let alpha = (m_run[r] - m_new).exp();
+                l_run[r] *= alpha;
+                m_run[r] = m_new;
+                #[unroll]
+                for t in 0..o_tiles {
+                    let at = (m * o_tiles + t) * 2 + half;
+                    o_acc[at] = o_acc[at] * Vector::new(alpha);
+                }
+            }
+        }
+    }
+}
+
+/// `P = exp(scale * S - m_run)` in place; each lane adds its own entries to `l_run` (the four
+/// lanes of a row are added once, after the last block). With dropout, `P v` then takes the
+/// kept probabilities, scaled (the row sums count them all): one Philox call per lane and 16 x
+/// 16 tile gives its eight entries (see `dropout`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn probabilities<NC: Size>(
+    s: &mut Array<Vector<f32, NC>>,
+    m_run: &Array<f32>,
+    l_run: &mut Array<f32>,
+    scale: f32,
+    row0: usize,
+    j0: usize,
+    bh: usize,
+    drop: &DropKeys,
+    #[comptime] mt: usize,
+    #[comptime] s_tiles: usize,
+    #[comptime] dropout: bool,
+) {
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let r = m * 2 + half;
+            let mut sum = 0.0f32;
+            #[unroll]
+            for t in 0..s_tiles {
+                let at = (m * s_tiles + t) * 2 + half;
+                let mut x = s[at];
+                #[unroll]
+                for e in 0..2usize {
+                    let p = (x[e] * scale - m_run[r]).exp();
+                    x[e] = p;
+                    sum += p;
+                }
+                s[at] = x;
+            }
+            l_run[r] += sum;
+        }
+    }
+    if comptime!(dropout) {
+        let lane = UNIT_POS_PLANE as usize;
+        #[unroll]
+        for m in 0..mt {
+            let query_tile = u32::cast_from(row0 / 16 + m);
+            #[unroll]
+            for u in 0..comptime!(s_tiles / 2) {
+                let w = philox(
+                    u32::cast_from(lane),
+                    u32::cast_from(j0 / 16 + u),
+                    query_tile,
+                    u32::cast_from(bh),
+                    drop.key0,
+                    drop.key1,
+                );
+                #[unroll]
+                for half in 0..2usize {
+                    #[unroll]
+                    for tt in 0..2usize {
+                        let at = (m * s_tiles + u * 2 + tt) * 2 + half;
+                        let word = w[half * 2 + tt];
+                        let mut x = s[at];
+                        x[0] = x[0] * factor(half_word(word, false), drop.threshold, drop.keep_scale);
+                        x[1] = x[1] * factor(half_word(word, true), drop.threshold, drop.keep_scale);
+                        s[at] = x;
+                    }
+                }
+            }
+        }
+    }
 }
