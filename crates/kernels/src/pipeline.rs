@@ -1,6 +1,5 @@
-//! `cp.async` staging shared by the tensor-core kernels (attention, FP8 GEMM): double-buffered
-//! with two shared barriers (buffer `i % 2` filled by block `i`'s copies), or triple-buffered with
-//! three (buffer `i % 3`) where a kernel works on one block while the next two load.
+//! Double-buffered `cp.async` staging shared by the tensor-core kernels (attention, FP8 GEMM):
+//! two shared barriers, buffer `i % 2` filled by block `i`'s copies.
 
 // `#[cube]` code: CubeCL expands plain comparisons and arithmetic, not the std helpers clippy
 // suggests (`is_multiple_of`, `clamp`, `RangeInclusive::contains`).
@@ -35,46 +34,5 @@ pub(crate) fn wait_block(bar0: &Shared<Barrier>, bar1: &Shared<Barrier>, index: 
         bar0.wait_parity(parity);
     } else {
         bar1.wait_parity(parity);
-    }
-}
-
-/// Three-stage variant of [`commit`]: barrier `which` (0, 1 or 2) of the triple, for pipelines
-/// that keep two blocks in flight while a third is used.
-#[cube]
-pub(crate) fn commit3(
-    bar0: &Shared<Barrier>,
-    bar1: &Shared<Barrier>,
-    bar2: &Shared<Barrier>,
-    which: usize,
-) {
-    if which == 0 {
-        bar0.commit_copy_async();
-        let _token = bar0.arrive();
-    } else if which == 1 {
-        bar1.commit_copy_async();
-        let _token = bar1.arrive();
-    } else {
-        bar2.commit_copy_async();
-        let _token = bar2.arrive();
-    }
-}
-
-/// Three-stage variant of [`wait_block`]: block `index` was committed to barrier `index % 3`,
-/// whose `(index / 3)`-th phase it completes.
-#[cube]
-pub(crate) fn wait_block3(
-    bar0: &Shared<Barrier>,
-    bar1: &Shared<Barrier>,
-    bar2: &Shared<Barrier>,
-    index: usize,
-) {
-    let parity = ((index / 3) % 2) as u32;
-    let which = index % 3;
-    if which == 0 {
-        bar0.wait_parity(parity);
-    } else if which == 1 {
-        bar1.wait_parity(parity);
-    } else {
-        bar2.wait_parity(parity);
     }
 }

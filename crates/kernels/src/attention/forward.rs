@@ -38,11 +38,6 @@ pub(crate) struct MmaTiles {
     /// dQ inside the dK/dV kernel (`dS k` from a shared-memory dS, added to an f32 buffer with
     /// atomics) instead of the separate dQ kernel, which recomputes `q k^T` and `dO v^T`.
     pub fused_dq: bool,
-    /// Forward: the next key block's scores computed while this block's probabilities are
-    /// taken (K and V triple-buffered), see `flash_forward_mma`.
-    pub fwd_pipe: bool,
-    /// Forward: the warp's query fragments kept in registers across key blocks.
-    pub fwd_qregs: bool,
 }
 
 impl MmaTiles {
@@ -75,8 +70,6 @@ impl MmaTiles {
                 dq_planes: PLANES,
                 dkdv_planes,
                 fused_dq: true,
-                fwd_pipe: false,
-                fwd_qregs: false,
             }
         } else {
             MmaTiles {
@@ -87,8 +80,6 @@ impl MmaTiles {
                 dq_planes: PLANES,
                 dkdv_planes,
                 fused_dq: false,
-                fwd_pipe: false,
-                fwd_qregs: false,
             }
         }
     }
@@ -109,9 +100,7 @@ impl MmaTiles {
 
     /// Applies `fwd=2x64,dq=1x32,...`: row tiles 1, 2 or 4; block depth a multiple of 16 from 16
     /// to 128; `NAME=MTxBLOCKxWARPS` also sets the kernel's warps per cube (4 or 8); `dq=fused` or
-    /// `dq=separate` chooses where dQ is computed; `fwd=pipe` or `fwd=flat` whether the forward
-    /// overlaps the next block's scores with this block's softmax, `fwd=qregs` or `fwd=qshared`
-    /// where it keeps the query fragments.
+    /// `dq=separate` chooses where dQ is computed.
     fn apply(&mut self, spec: &str) -> Result<(), String> {
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (name, value) = item
@@ -120,19 +109,6 @@ impl MmaTiles {
             if name == "dq" && (value == "fused" || value == "separate") {
                 self.fused_dq = value == "fused";
                 continue;
-            }
-            if name == "fwd" {
-                match value {
-                    "pipe" | "flat" => {
-                        self.fwd_pipe = value == "pipe";
-                        continue;
-                    }
-                    "qregs" | "qshared" => {
-                        self.fwd_qregs = value == "qregs";
-                        continue;
-                    }
-                    _ => {}
-                }
             }
             let parts: Vec<&str> = value.split('x').collect();
             if parts.len() != 2 && parts.len() != 3 {
@@ -403,8 +379,6 @@ pub(crate) fn forward<R: CubeRuntime>(
                     drop.threshold,
                     drop.scale,
                     drop.on,
-                    tiles.fwd_pipe,
-                    tiles.fwd_qregs,
                     dtype,
                 );
             }
@@ -869,10 +843,6 @@ mod tests {
         assert!(!t.fused_dq);
         t.apply("fwd=1x32x8").unwrap();
         assert_eq!((t.fwd, t.fwd_planes, t.dq_planes), ((1, 32), 8, 4));
-        t.apply("fwd=pipe,fwd=qregs").unwrap();
-        assert!(t.fwd_pipe && t.fwd_qregs);
-        t.apply("fwd=flat,fwd=qshared").unwrap();
-        assert!(!t.fwd_pipe && !t.fwd_qregs);
         for bad in [
             "fwd=3x64",
             "fwd=2x24",
@@ -883,8 +853,6 @@ mod tests {
             "fwd=1x64x6",
             "dkdv=1x64x8x2",
             "dq=atomic",
-            "fwd=piped",
-            "dkdv=pipe",
         ] {
             let err = MmaTiles::for_head_dim(64, false).apply(bad).unwrap_err();
             assert!(!err.is_empty(), "{bad}");

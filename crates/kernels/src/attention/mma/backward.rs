@@ -11,6 +11,7 @@ use super::fragments::*;
 
 /// Tensor-core dQ. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp owns
 /// `16 * mt` query rows; q and dO stay staged in shared memory, k/v blocks stream through.
+/// Under a causal mask a warp skips the key blocks wholly above its rows' diagonal.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
@@ -169,109 +170,113 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         }
         wait_block(&bar0, &bar1, kb);
 
-        // S = q k^T and dP = dO v^T.
-        let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        block_product::<F, N, NA, NB, NC>(
-            &qt,
-            w0,
-            &kt,
-            cur,
-            &mut s,
-            comptime!(hd / 16),
-            s_tiles,
-            mt,
-            pitch,
-            width,
-            true,
-        );
-        block_product::<F, N, NA, NB, NC>(
-            &gt,
-            w0,
-            &vt,
-            cur,
-            &mut dp,
-            comptime!(hd / 16),
-            s_tiles,
-            mt,
-            pitch,
-            width,
-            true,
-        );
+        // Under a causal mask, blocks wholly above this warp's diagonal add nothing.
+        if warp_sees(q0 + w0, j0, mt, causal) {
+            // S = q k^T and dP = dO v^T.
+            let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+            let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
+            block_product::<F, N, NA, NB, NC>(
+                &qt,
+                w0,
+                &kt,
+                cur,
+                &mut s,
+                comptime!(hd / 16),
+                s_tiles,
+                mt,
+                pitch,
+                width,
+                true,
+            );
+            block_product::<F, N, NA, NB, NC>(
+                &gt,
+                w0,
+                &vt,
+                cur,
+                &mut dp,
+                comptime!(hd / 16),
+                s_tiles,
+                mt,
+                pitch,
+                width,
+                true,
+            );
 
-        // dS = P * (dP - delta), P = exp(scale * S - lse), in place of S; masked scores become a
-        // large negative value (the scale is positive), so P and dS are 0 there.
-        if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
-            mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
-        }
-        if comptime!(dropout) {
-            // dS = P * (dP * Z - delta): dP of the kept probabilities goes through the forward's
-            // mask, drawn again (one Philox call per lane and 16 x 16 tile, as the forward).
-            #[unroll]
-            for m in 0..mt {
-                let query_tile = u32::cast_from((q0 + w0) / 16 + m);
+            // dS = P * (dP - delta), P = exp(scale * S - lse), in place of S; masked scores
+            // become a large negative value (the scale is positive), so P and dS are 0 there.
+            if edge_block(q0 + w0, j0, seq_k, block_k, causal) {
+                mask_scores::<NC>(&mut s, q0 + w0, j0, seq_k, mt, s_tiles, causal);
+            }
+            if comptime!(dropout) {
+                // dS = P * (dP * Z - delta): dP of the kept probabilities goes through the
+                // forward's mask, drawn again (one Philox call per lane and 16 x 16 tile, as the
+                // forward).
                 #[unroll]
-                for u in 0..comptime!(s_tiles / 2) {
-                    let w = philox(
-                        u32::cast_from(lane),
-                        u32::cast_from(j0 / 16 + u),
-                        query_tile,
-                        u32::cast_from(bh),
-                        key0,
-                        key1,
-                    );
+                for m in 0..mt {
+                    let query_tile = u32::cast_from((q0 + w0) / 16 + m);
+                    #[unroll]
+                    for u in 0..comptime!(s_tiles / 2) {
+                        let w = philox(
+                            u32::cast_from(lane),
+                            u32::cast_from(j0 / 16 + u),
+                            query_tile,
+                            u32::cast_from(bh),
+                            key0,
+                            key1,
+                        );
+                        #[unroll]
+                        for half in 0..2usize {
+                            let r = m * 2 + half;
+                            #[unroll]
+                            for tt in 0..2usize {
+                                let at = (m * s_tiles + u * 2 + tt) * 2 + half;
+                                let word = w[half * 2 + tt];
+                                let mut x = s[at];
+                                let y = dp[at];
+                                #[unroll]
+                                for e in 0..2usize {
+                                    let z = factor(half_word(word, e == 1), threshold, keep_scale);
+                                    x[e] = (x[e] * scale - lse_r[r]).exp() * (y[e] * z - d_r[r]);
+                                }
+                                s[at] = x;
+                            }
+                        }
+                    }
+                }
+            } else {
+                #[unroll]
+                for m in 0..mt {
                     #[unroll]
                     for half in 0..2usize {
                         let r = m * 2 + half;
                         #[unroll]
-                        for tt in 0..2usize {
-                            let at = (m * s_tiles + u * 2 + tt) * 2 + half;
-                            let word = w[half * 2 + tt];
+                        for t in 0..s_tiles {
+                            let at = (m * s_tiles + t) * 2 + half;
                             let mut x = s[at];
                             let y = dp[at];
                             #[unroll]
                             for e in 0..2usize {
-                                let z = factor(half_word(word, e == 1), threshold, keep_scale);
-                                x[e] = (x[e] * scale - lse_r[r]).exp() * (y[e] * z - d_r[r]);
+                                x[e] = (x[e] * scale - lse_r[r]).exp() * (y[e] - d_r[r]);
                             }
                             s[at] = x;
                         }
                     }
                 }
             }
-        } else {
-            #[unroll]
-            for m in 0..mt {
-                #[unroll]
-                for half in 0..2usize {
-                    let r = m * 2 + half;
-                    #[unroll]
-                    for t in 0..s_tiles {
-                        let at = (m * s_tiles + t) * 2 + half;
-                        let mut x = s[at];
-                        let y = dp[at];
-                        #[unroll]
-                        for e in 0..2usize {
-                            x[e] = (x[e] * scale - lse_r[r]).exp() * (y[e] - d_r[r]);
-                        }
-                        s[at] = x;
-                    }
-                }
-            }
-        }
 
-        // dQ += dS k.
-        scores_product::<F, N, NA, NB, NC>(
-            &s,
-            &kt,
-            cur,
-            &mut dq_acc,
-            s_tiles,
-            o_tiles,
-            mt,
-            pitch,
-            width,
-        );
+            // dQ += dS k.
+            scores_product::<F, N, NA, NB, NC>(
+                &s,
+                &kt,
+                cur,
+                &mut dq_acc,
+                s_tiles,
+                o_tiles,
+                mt,
+                pitch,
+                width,
+            );
+        }
         sync_cube();
     }
 
@@ -421,7 +426,8 @@ pub(crate) fn dq_from_f32<F: Float, N: Size>(
 /// Tensor-core dK and dV. Grid `(key blocks, batch * heads)`, cube `(32, planes)`; each warp owns
 /// `16 * mt` key rows (k and v stay staged) and walks the query blocks, computing the transposed
 /// products `S^T = k q^T`, `dP^T = v dO^T`, then `dV += P^T dO`, `dK += dS^T q` with P^T and
-/// dS^T taken from registers.
+/// dS^T taken from registers. Under a causal mask a warp skips the query blocks that end before
+/// its first key.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
@@ -590,105 +596,134 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         wait_block(&bar0, &bar1, n);
         let lrow = cur * block_q;
 
-        // S^T = k q^T and dP^T = v dO^T (rows: keys, columns: queries).
-        let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        // Under a causal mask, a query block wholly before this warp's first key adds nothing;
+        // with the fused dQ the warp's dS^T rows are then zero (`dp` stays zero).
         let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        block_product::<F, N, NA, NB, NC>(
-            &kt,
-            w0,
-            &qt,
-            cur * tile,
-            &mut s,
-            comptime!(hd / 16),
-            s_tiles,
-            mt,
-            pitch,
-            width,
-            true,
-        );
-        block_product::<F, N, NA, NB, NC>(
-            &vt,
-            w0,
-            &gt,
-            cur * tile,
-            &mut dp,
-            comptime!(hd / 16),
-            s_tiles,
-            mt,
-            pitch,
-            width,
-            true,
-        );
+        if !comptime!(causal) || k0 + w0 < i0 + block_q {
+            // S^T = k q^T and dP^T = v dO^T (rows: keys, columns: queries).
+            let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+            block_product::<F, N, NA, NB, NC>(
+                &kt,
+                w0,
+                &qt,
+                cur * tile,
+                &mut s,
+                comptime!(hd / 16),
+                s_tiles,
+                mt,
+                pitch,
+                width,
+                true,
+            );
+            block_product::<F, N, NA, NB, NC>(
+                &vt,
+                w0,
+                &gt,
+                cur * tile,
+                &mut dp,
+                comptime!(hd / 16),
+                s_tiles,
+                mt,
+                pitch,
+                width,
+                true,
+            );
 
-        // P^T in place of S^T, dS^T in place of dP^T. Scores of (query, key) pairs past either
-        // length or above the diagonal become a large negative value (P = 0; the positive scale
-        // keeps it so), tested only in blocks that meet such a pair (uniform across the warp).
-        // The scale goes into the exponent's argument (one fused multiply-add an entry).
-        let last_key = k0 + w0 + comptime!(mt * 16);
-        let mut edge = i0 + block_q > seq_q || last_key > seq_k;
-        if comptime!(causal) {
-            edge = edge || last_key > i0 + 1;
-        }
-        if edge {
-            #[unroll]
-            for m in 0..mt {
+            // P^T in place of S^T, dS^T in place of dP^T. Scores of (query, key) pairs past either
+            // length or above the diagonal become a large negative value (P = 0; the positive scale
+            // keeps it so), tested only in blocks that meet such a pair (uniform across the warp).
+            // The scale goes into the exponent's argument (one fused multiply-add an entry).
+            let last_key = k0 + w0 + comptime!(mt * 16);
+            let mut edge = i0 + block_q > seq_q || last_key > seq_k;
+            if comptime!(causal) {
+                edge = edge || last_key > i0 + 1;
+            }
+            if edge {
                 #[unroll]
-                for half in 0..2usize {
-                    let key = k0 + w0 + m * 16 + half * 8 + g;
+                for m in 0..mt {
                     #[unroll]
-                    for t in 0..s_tiles {
-                        let at = (m * s_tiles + t) * 2 + half;
-                        let mut x = s[at];
+                    for half in 0..2usize {
+                        let key = k0 + w0 + m * 16 + half * 8 + g;
                         #[unroll]
-                        for e in 0..2usize {
-                            let qi = i0 + t * 8 + t4 * 2 + e;
-                            if qi >= seq_q || !visible(qi, key, seq_k, causal) {
-                                x[e] = neg_big();
+                        for t in 0..s_tiles {
+                            let at = (m * s_tiles + t) * 2 + half;
+                            let mut x = s[at];
+                            #[unroll]
+                            for e in 0..2usize {
+                                let qi = i0 + t * 8 + t4 * 2 + e;
+                                if qi >= seq_q || !visible(qi, key, seq_k, causal) {
+                                    x[e] = neg_big();
+                                }
                             }
+                            s[at] = x;
                         }
-                        s[at] = x;
                     }
                 }
             }
-        }
-        if comptime!(dropout) {
-            // P^T * Z for dV and dS^T = P^T * (dP^T * Z - delta), with the forward's mask drawn
-            // again. These tiles are transposed, so a lane's entries of a 16 x 16 tile belong to
-            // the forward's lanes 4 (2 t4 + e) + g / 2 for e = 0, 1: two Philox calls per tile.
-            let high = g % 2 == 1;
-            #[unroll]
-            for m in 0..mt {
-                let key_tile = u32::cast_from((k0 + w0) / 16 + m);
+            if comptime!(dropout) {
+                // P^T * Z for dV and dS^T = P^T * (dP^T * Z - delta), with the forward's mask
+                // drawn again. These tiles are transposed, so a lane's entries of a 16 x 16 tile
+                // belong to the forward's lanes 4 (2 t4 + e) + g / 2 for e = 0, 1: two Philox
+                // calls per tile.
+                let high = g % 2 == 1;
                 #[unroll]
-                for u in 0..comptime!(s_tiles / 2) {
+                for m in 0..mt {
+                    let key_tile = u32::cast_from((k0 + w0) / 16 + m);
+                    #[unroll]
+                    for u in 0..comptime!(s_tiles / 2) {
+                        #[unroll]
+                        for e in 0..2usize {
+                            let w = philox(
+                                u32::cast_from((t4 * 2 + e) * 4 + g / 2),
+                                key_tile,
+                                u32::cast_from(i0 / 16 + u),
+                                u32::cast_from(bh),
+                                key0,
+                                key1,
+                            );
+                            #[unroll]
+                            for tt in 0..2usize {
+                                let col = (u * 2 + tt) * 8 + t4 * 2 + e;
+                                let l = lse_t[lrow + col];
+                                let d = delta_t[lrow + col];
+                                #[unroll]
+                                for half in 0..2usize {
+                                    let at = (m * s_tiles + u * 2 + tt) * 2 + half;
+                                    let z = factor(
+                                        half_word(w[tt * 2 + half], high),
+                                        threshold,
+                                        keep_scale,
+                                    );
+                                    let mut x = s[at];
+                                    let mut y = dp[at];
+                                    let p = (x[e] * scale - l).exp();
+                                    x[e] = p * z;
+                                    y[e] = p * (y[e] * z - d);
+                                    s[at] = x;
+                                    dp[at] = y;
+                                }
+                            }
+                        }
+                    }
+                }
+            } else {
+                #[unroll]
+                for t in 0..s_tiles {
                     #[unroll]
                     for e in 0..2usize {
-                        let w = philox(
-                            u32::cast_from((t4 * 2 + e) * 4 + g / 2),
-                            key_tile,
-                            u32::cast_from(i0 / 16 + u),
-                            u32::cast_from(bh),
-                            key0,
-                            key1,
-                        );
+                        let col = t * 8 + t4 * 2 + e;
+                        let l = lse_t[lrow + col];
+                        let d = delta_t[lrow + col];
                         #[unroll]
-                        for tt in 0..2usize {
-                            let col = (u * 2 + tt) * 8 + t4 * 2 + e;
-                            let l = lse_t[lrow + col];
-                            let d = delta_t[lrow + col];
+                        for m in 0..mt {
                             #[unroll]
                             for half in 0..2usize {
-                                let at = (m * s_tiles + u * 2 + tt) * 2 + half;
-                                let z = factor(
-                                    half_word(w[tt * 2 + half], high),
-                                    threshold,
-                                    keep_scale,
-                                );
+                                let at = (m * s_tiles + t) * 2 + half;
                                 let mut x = s[at];
                                 let mut y = dp[at];
                                 let p = (x[e] * scale - l).exp();
-                                x[e] = p * z;
-                                y[e] = p * (y[e] * z - d);
+                                x[e] = p;
+                                y[e] = p * (y[e] - d);
                                 s[at] = x;
                                 dp[at] = y;
                             }
@@ -696,55 +731,31 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
                     }
                 }
             }
-        } else {
-            #[unroll]
-            for t in 0..s_tiles {
-                #[unroll]
-                for e in 0..2usize {
-                    let col = t * 8 + t4 * 2 + e;
-                    let l = lse_t[lrow + col];
-                    let d = delta_t[lrow + col];
-                    #[unroll]
-                    for m in 0..mt {
-                        #[unroll]
-                        for half in 0..2usize {
-                            let at = (m * s_tiles + t) * 2 + half;
-                            let mut x = s[at];
-                            let mut y = dp[at];
-                            let p = (x[e] * scale - l).exp();
-                            x[e] = p;
-                            y[e] = p * (y[e] - d);
-                            s[at] = x;
-                            dp[at] = y;
-                        }
-                    }
-                }
-            }
-        }
 
-        // dV += P^T dO, dK += dS^T q.
-        scores_product::<F, N, NA, NB, NC>(
-            &s,
-            &gt,
-            cur * tile,
-            &mut dv_acc,
-            s_tiles,
-            o_tiles,
-            mt,
-            pitch,
-            width,
-        );
-        scores_product::<F, N, NA, NB, NC>(
-            &dp,
-            &qt,
-            cur * tile,
-            &mut dk_acc,
-            s_tiles,
-            o_tiles,
-            mt,
-            pitch,
-            width,
-        );
+            // dV += P^T dO, dK += dS^T q.
+            scores_product::<F, N, NA, NB, NC>(
+                &s,
+                &gt,
+                cur * tile,
+                &mut dv_acc,
+                s_tiles,
+                o_tiles,
+                mt,
+                pitch,
+                width,
+            );
+            scores_product::<F, N, NA, NB, NC>(
+                &dp,
+                &qt,
+                cur * tile,
+                &mut dk_acc,
+                s_tiles,
+                o_tiles,
+                mt,
+                pitch,
+                width,
+            );
+        }
         if comptime!(fuse_dq) {
             store_ds_t::<F, NA, NC>(&dp, &mut ds_t, w0, ds_pitch, mt, s_tiles);
             sync_cube();

@@ -5,7 +5,7 @@ use cubecl::prelude::*;
 
 use super::super::kernel::neg_big;
 use crate::philox::{factor, half_word, philox};
-use crate::pipeline::{commit, commit3, wait_block, wait_block3};
+use crate::pipeline::{commit, wait_block};
 
 use super::fragments::*;
 
@@ -18,13 +18,9 @@ const RESCALE_SLACK: f32 = 8.0;
 
 /// Tensor-core forward. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp
 /// owns `16 * mt` query rows. Strides of q/k/v are in vectors of `width`, those of `out` in
-/// elements. Query blocks run last-first so that causal's longest rows start first.
-///
-/// `pipe`: the scores of key block `kb + 1` are computed while block `kb`'s probabilities are
-/// taken and multiplied into the output, so that the tensor cores work during the exponentials
-/// of the same warp (K and V triple-buffered, two blocks in flight); otherwise one block at a
-/// time, double-buffered. `qregs`: the warp's query fragments are loaded from shared memory once
-/// and kept in registers (`mt * hd / 4` vectors a lane) instead of once per key block.
+/// elements. Query blocks run last-first so that causal's longest rows start first. Under a
+/// causal mask a warp skips the key blocks that lie wholly above its own rows' diagonal (the
+/// cube walks the blocks its last row needs), while still taking part in the block copies.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
@@ -49,8 +45,6 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     threshold: u32,
     keep_scale: f32,
     #[comptime] dropout: bool,
-    #[comptime] pipe: bool,
-    #[comptime] qregs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -68,14 +62,13 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
     let pitch = comptime!((hd + 8) / width);
     let per_row = comptime!(hd / width);
+    // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
     let tile = comptime!(block_k * pitch);
-    let stages = comptime!(if pipe { 3usize } else { 2usize });
     let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
-    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(stages * tile), ALIGN);
-    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(stages * tile), ALIGN);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let bar2 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     copy_rows(
         q,
         &mut qt,
@@ -124,103 +117,54 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
 
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
     sync_cube();
-    let mut qf = Array::<Vector<F, NA>>::new(comptime!(if qregs { mt * hd / 4 } else { 1usize }));
-    if comptime!(qregs) {
-        #[unroll]
-        for kk in 0..comptime!(hd / 16) {
-            let a = rows_as_a::<F, N, NA>(&qt, w0, kk, mt, pitch, width);
-            #[unroll]
-            for i in 0..comptime!(mt * 4) {
-                qf[kk * comptime!(mt * 4) + i] = a[i];
-            }
-        }
+    if blocks > 0 {
+        issue_kv(
+            k, v, &mut kt, &mut vt, &kv, 0, 0, block_k, per_row, pitch, width,
+        );
+        commit(&bar0, &bar1, 0);
     }
-
-    if comptime!(pipe) {
-        let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        if blocks > 0 {
-            issue_kv(k, v, &mut kt, &mut vt, &kv, 0, 0, block_k, per_row, pitch, width);
-            commit3(&bar0, &bar1, &bar2, 0);
-            if blocks > 1 {
-                issue_kv(k, v, &mut kt, &mut vt, &kv, tile, block_k, block_k, per_row, pitch, width);
-                commit3(&bar0, &bar1, &bar2, 1);
-            }
-            wait_block3(&bar0, &bar1, &bar2, 0);
-            query_scores::<F, N, NA, NB, NC>(
-                &qt, &qf, w0, &kt, 0, &mut s, hd, s_tiles, mt, pitch, width, qregs,
+    for kb in 0..blocks {
+        let j0 = kb * block_k;
+        let cur = (kb % 2) * tile;
+        if kb + 1 < blocks {
+            issue_kv(
+                k,
+                v,
+                &mut kt,
+                &mut vt,
+                &kv,
+                ((kb + 1) % 2) * tile,
+                j0 + block_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
             );
-            // Every block but the last: the next block's scores are issued between this block's
-            // rescale and its exponentials, in the same straight-line code, and read only in the
-            // next iteration.
-            for kb in 0..blocks - 1 {
-                let j0 = kb * block_k;
-                if kb + 2 < blocks {
-                    let which = (kb + 2) % 3;
-                    issue_kv(
-                        k,
-                        v,
-                        &mut kt,
-                        &mut vt,
-                        &kv,
-                        which * tile,
-                        j0 + 2 * block_k,
-                        block_k,
-                        per_row,
-                        pitch,
-                        width,
-                    );
-                    commit3(&bar0, &bar1, &bar2, which);
-                }
-                wait_block3(&bar0, &bar1, &bar2, kb + 1);
-                rescale_rows::<NC>(
-                    &mut s, &mut o_acc, &mut m_run, &mut l_run, q0 + w0, j0, seq_k, scale, slack, mt,
-                    s_tiles, o_tiles, block_k, causal,
-                );
-                let mut s_next = zeros::<NC>(comptime!(mt * s_tiles * 2));
-                query_scores::<F, N, NA, NB, NC>(
-                    &qt,
-                    &qf,
-                    w0,
-                    &kt,
-                    ((kb + 1) % 3) * tile,
-                    &mut s_next,
-                    hd,
-                    s_tiles,
-                    mt,
-                    pitch,
-                    width,
-                    qregs,
-                );
-                probabilities::<NC>(
-                    &mut s, &m_run, &mut l_run, scale, q0 + w0, j0, bh, &drop, mt, s_tiles,
-                    dropout,
-                );
-                scores_product::<F, N, NA, NB, NC>(
-                    &s,
-                    &vt,
-                    (kb % 3) * tile,
-                    &mut o_acc,
-                    s_tiles,
-                    o_tiles,
-                    mt,
-                    pitch,
-                    width,
-                );
-                #[unroll]
-                for i in 0..comptime!(mt * s_tiles * 2) {
-                    s[i] = s_next[i];
-                }
-                // Every warp is done with buffer kb % 3 before iteration kb + 1 refills it.
-                sync_cube();
-            }
-            let last = blocks - 1;
+            commit(&bar0, &bar1, (kb + 1) % 2);
+        }
+        wait_block(&bar0, &bar1, kb);
+        if warp_sees(q0 + w0, j0, mt, causal) {
+            let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+            block_product::<F, N, NA, NB, NC>(
+                &qt,
+                w0,
+                &kt,
+                cur,
+                &mut s,
+                comptime!(hd / 16),
+                s_tiles,
+                mt,
+                pitch,
+                width,
+                true,
+            );
             rescale_rows::<NC>(
                 &mut s,
                 &mut o_acc,
                 &mut m_run,
                 &mut l_run,
                 q0 + w0,
-                last * block_k,
+                j0,
                 seq_k,
                 scale,
                 slack,
@@ -236,69 +180,20 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
                 &mut l_run,
                 scale,
                 q0 + w0,
-                last * block_k,
+                j0,
                 bh,
                 &drop,
                 mt,
                 s_tiles,
                 dropout,
             );
-            scores_product::<F, N, NA, NB, NC>(
-                &s,
-                &vt,
-                (last % 3) * tile,
-                &mut o_acc,
-                s_tiles,
-                o_tiles,
-                mt,
-                pitch,
-                width,
-            );
-        }
-    } else {
-        // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
-        if blocks > 0 {
-            issue_kv(k, v, &mut kt, &mut vt, &kv, 0, 0, block_k, per_row, pitch, width);
-            commit(&bar0, &bar1, 0);
-        }
-        for kb in 0..blocks {
-            let j0 = kb * block_k;
-            let cur = (kb % 2) * tile;
-            if kb + 1 < blocks {
-                issue_kv(
-                    k,
-                    v,
-                    &mut kt,
-                    &mut vt,
-                    &kv,
-                    ((kb + 1) % 2) * tile,
-                    j0 + block_k,
-                    block_k,
-                    per_row,
-                    pitch,
-                    width,
-                );
-                commit(&bar0, &bar1, (kb + 1) % 2);
-            }
-            wait_block(&bar0, &bar1, kb);
-            let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
-            query_scores::<F, N, NA, NB, NC>(
-                &qt, &qf, w0, &kt, cur, &mut s, hd, s_tiles, mt, pitch, width, qregs,
-            );
-            rescale_rows::<NC>(
-                &mut s, &mut o_acc, &mut m_run, &mut l_run, q0 + w0, j0, seq_k, scale, slack, mt, s_tiles,
-                o_tiles, block_k, causal,
-            );
-            probabilities::<NC>(
-                &mut s, &m_run, &mut l_run, scale, q0 + w0, j0, bh, &drop, mt, s_tiles, dropout,
-            );
             // O += P v, P from registers.
             scores_product::<F, N, NA, NB, NC>(
                 &s, &vt, cur, &mut o_acc, s_tiles, o_tiles, mt, pitch, width,
             );
-            // Every warp is done with this buffer before the next iteration refills it.
-            sync_cube();
         }
+        // Every warp is done with this buffer before the next iteration refills it.
+        sync_cube();
     }
 
     // O / l and the log-sum-exp, l summed over the four lanes of each row.
@@ -378,51 +273,6 @@ fn issue_kv<F: Float, N: Size>(
     copy_rows(
         v, vt, off, kv.vbase, kv.vstride, j0, kv.seq_k, block_k, per_row, pitch, width, true,
     );
-}
-
-/// `s += q k^T` for this warp's rows and the key block at vector `k_off` of `kt`, the query
-/// fragments from registers (`qf`, `qregs`) or from the staged `qt`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn query_scores<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
-    qt: &SharedMemory<Vector<F, N>>,
-    qf: &Array<Vector<F, NA>>,
-    w0: usize,
-    kt: &SharedMemory<Vector<F, N>>,
-    k_off: usize,
-    s: &mut Array<Vector<f32, NC>>,
-    #[comptime] hd: usize,
-    #[comptime] s_tiles: usize,
-    #[comptime] mt: usize,
-    #[comptime] pitch: usize,
-    #[comptime] width: usize,
-    #[comptime] qregs: bool,
-) {
-    if comptime!(qregs) {
-        #[unroll]
-        for kk in 0..comptime!(hd / 16) {
-            let a = part::<F, NA>(qf, kk, comptime!(mt * 4));
-            #[unroll]
-            for pair in 0..comptime!(s_tiles / 2) {
-                let bf = load_b2::<F, N, NB>(kt, k_off, kk * 16, pair * 16, pitch, width, true);
-                mma_pair::<F, NA, NB, NC>(&a, &bf, s, pair, mt, s_tiles);
-            }
-        }
-    } else {
-        block_product::<F, N, NA, NB, NC>(
-            qt,
-            w0,
-            kt,
-            k_off,
-            s,
-            comptime!(hd / 16),
-            s_tiles,
-            mt,
-            pitch,
-            width,
-            true,
-        );
-    }
 }
 
 /// The mask where this warp's rows meet the block's edge (past `seq_k` or, causal, above the
@@ -555,8 +405,10 @@ fn probabilities<NC: Size>(
                         let at = (m * s_tiles + u * 2 + tt) * 2 + half;
                         let word = w[half * 2 + tt];
                         let mut x = s[at];
-                        x[0] = x[0] * factor(half_word(word, false), drop.threshold, drop.keep_scale);
-                        x[1] = x[1] * factor(half_word(word, true), drop.threshold, drop.keep_scale);
+                        x[0] =
+                            x[0] * factor(half_word(word, false), drop.threshold, drop.keep_scale);
+                        x[1] =
+                            x[1] * factor(half_word(word, true), drop.threshold, drop.keep_scale);
                         s[at] = x;
                     }
                 }

@@ -439,6 +439,24 @@ pub(crate) fn mask_scores<NC: Size>(
     }
 }
 
+/// Whether a warp's query rows `row0 .. row0 + 16 mt` see any key of the block starting at
+/// `j0`: always without a causal mask; under it, unless the whole block lies above the diagonal
+/// of the warp's last row (its cube walks the blocks that the cube's last row needs). Uniform
+/// across the warp.
+#[cube]
+pub(crate) fn warp_sees(
+    row0: usize,
+    j0: usize,
+    #[comptime] mt: usize,
+    #[comptime] causal: bool,
+) -> bool {
+    let mut sees = true;
+    if comptime!(causal) {
+        sees = j0 < row0 + comptime!(mt * 16);
+    }
+    sees
+}
+
 /// Number of key blocks a query block starting at `q0` (of `block_q` rows) visits.
 #[cube]
 pub(crate) fn key_blocks(
