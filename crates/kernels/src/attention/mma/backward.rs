@@ -83,6 +83,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         pitch,
         width,
         false,
+        comptime!(planes * 32),
     );
     copy_rows(
         grad,
@@ -97,6 +98,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         pitch,
         width,
         false,
+        comptime!(planes * 32),
     );
 
     // The log-sum-exp and delta of this lane's rows.
@@ -126,10 +128,34 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     sync_cube();
     if blocks > 0 {
         copy_rows(
-            k, &mut kt, 0, kbase, kstride, 0, seq_k, block_k, per_row, pitch, width, true,
+            k,
+            &mut kt,
+            0,
+            kbase,
+            kstride,
+            0,
+            seq_k,
+            block_k,
+            per_row,
+            pitch,
+            width,
+            true,
+            comptime!(planes * 32),
         );
         copy_rows(
-            v, &mut vt, 0, vbase, vstride, 0, seq_k, block_k, per_row, pitch, width, true,
+            v,
+            &mut vt,
+            0,
+            vbase,
+            vstride,
+            0,
+            seq_k,
+            block_k,
+            per_row,
+            pitch,
+            width,
+            true,
+            comptime!(planes * 32),
         );
         commit(&bar0, &bar1, 0);
     }
@@ -151,6 +177,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
                 pitch,
                 width,
                 true,
+                comptime!(planes * 32),
             );
             copy_rows(
                 v,
@@ -165,6 +192,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
                 pitch,
                 width,
                 true,
+                comptime!(planes * 32),
             );
             commit(&bar0, &bar1, (kb + 1) % 2);
         }
@@ -512,6 +540,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         pitch,
         width,
         false,
+        comptime!(planes * 32),
     );
     copy_rows(
         v,
@@ -526,6 +555,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         pitch,
         width,
         false,
+        comptime!(planes * 32),
     );
 
     let s_tiles = comptime!(block_q / 8);
@@ -561,6 +591,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
             per_row,
             pitch,
             width,
+            comptime!(planes * 32),
         );
         commit(&bar0, &bar1, 0);
     }
@@ -590,6 +621,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
                 per_row,
                 pitch,
                 width,
+                comptime!(planes * 32),
             );
             commit(&bar0, &bar1, (n + 1) % 2);
         }

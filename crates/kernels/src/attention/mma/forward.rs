@@ -82,6 +82,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
         pitch,
         width,
         false,
+        comptime!(planes * 32),
     );
     let kv = KvSource {
         kbase: (b * k.stride(0) + h * k.stride(1)) / width,
@@ -119,7 +120,18 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     sync_cube();
     if blocks > 0 {
         issue_kv(
-            k, v, &mut kt, &mut vt, &kv, 0, 0, block_k, per_row, pitch, width,
+            k,
+            v,
+            &mut kt,
+            &mut vt,
+            &kv,
+            0,
+            0,
+            block_k,
+            per_row,
+            pitch,
+            width,
+            comptime!(planes * 32),
         );
         commit(&bar0, &bar1, 0);
     }
@@ -139,6 +151,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
                 per_row,
                 pitch,
                 width,
+                comptime!(planes * 32),
             );
             commit(&bar0, &bar1, (kb + 1) % 2);
         }
@@ -251,7 +264,7 @@ struct DropKeys {
 }
 
 /// Starts the copies (cp.async) of the key and value rows `j0 ..` into the buffers at vector
-/// `off` of `kt` and `vt`; rows past the last key are zero.
+/// `off` of `kt` and `vt` by the cube's `threads` units; rows past the last key are zero.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn issue_kv<F: Float, N: Size>(
@@ -266,12 +279,15 @@ fn issue_kv<F: Float, N: Size>(
     #[comptime] per_row: usize,
     #[comptime] pitch: usize,
     #[comptime] width: usize,
+    #[comptime] threads: usize,
 ) {
     copy_rows(
         k, kt, off, kv.kbase, kv.kstride, j0, kv.seq_k, block_k, per_row, pitch, width, true,
+        threads,
     );
     copy_rows(
         v, vt, off, kv.vbase, kv.vstride, j0, kv.seq_k, block_k, per_row, pitch, width, true,
+        threads,
     );
 }
 

@@ -13,7 +13,7 @@ pub(crate) const ALIGN: usize = 16;
 /// vectors; `per_row` vectors make one row of head_dim) into `tile` from vector `off` on, rows
 /// `pitch` vectors apart; rows past `seq` are zero. `asynchronous`: with `cp.async` (one vector of
 /// `width` elements each), completion tracked by [`crate::pipeline::commit`]; otherwise with plain
-/// loads and stores.
+/// loads and stores. `threads`: the cube's units, all of which take part.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn copy_rows<F: Float, N: Size>(
@@ -29,28 +29,85 @@ pub(crate) fn copy_rows<F: Float, N: Size>(
     #[comptime] pitch: usize,
     #[comptime] width: usize,
     #[comptime] asynchronous: bool,
+    #[comptime] threads: usize,
 ) {
-    let mut idx = UNIT_POS as usize;
-    while idx < comptime!(rows * per_row) {
-        let r = idx / per_row;
-        let c = idx % per_row;
-        let s = row0 + r;
-        let dst = off + r * pitch + c;
-        if s < seq {
-            let src = base + s * row_stride + c;
-            if comptime!(asynchronous) {
-                copy_async::<Vector<F, N>>(
-                    &t.slice(src, src + 1),
-                    &mut tile.slice_mut(dst, dst + 1),
-                    comptime!(width as u32),
-                );
-            } else {
-                tile[dst] = t[src];
-            }
-        } else {
-            tile[dst] = Vector::new(F::new(0.0));
+    let total = comptime!(rows * per_row);
+    if comptime!(threads.is_multiple_of(per_row) && total.is_multiple_of(threads)) {
+        // Each unit copies one column (vector) of every `threads / per_row`-th row: the loop is
+        // unrolled and the addresses step by constants.
+        let c = UNIT_POS as usize % per_row;
+        let r0 = UNIT_POS as usize / per_row;
+        #[unroll]
+        for i in 0..comptime!(total / threads) {
+            copy_vector(
+                t,
+                tile,
+                off,
+                base,
+                row_stride,
+                row0,
+                seq,
+                r0 + i * comptime!(threads / per_row),
+                c,
+                pitch,
+                width,
+                asynchronous,
+            );
         }
-        idx += CUBE_DIM as usize;
+    } else {
+        let mut idx = UNIT_POS as usize;
+        while idx < total {
+            copy_vector(
+                t,
+                tile,
+                off,
+                base,
+                row_stride,
+                row0,
+                seq,
+                idx / per_row,
+                idx % per_row,
+                pitch,
+                width,
+                asynchronous,
+            );
+            idx += CUBE_DIM as usize;
+        }
+    }
+}
+
+/// Vector `c` of tile row `r` (tensor row `row0 + r`, zero past `seq`) for [`copy_rows`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_vector<F: Float, N: Size>(
+    t: &Tensor<Vector<F, N>>,
+    tile: &mut SharedMemory<Vector<F, N>>,
+    off: usize,
+    base: usize,
+    row_stride: usize,
+    row0: usize,
+    seq: usize,
+    r: usize,
+    c: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] asynchronous: bool,
+) {
+    let s = row0 + r;
+    let dst = off + r * pitch + c;
+    if s < seq {
+        let src = base + s * row_stride + c;
+        if comptime!(asynchronous) {
+            copy_async::<Vector<F, N>>(
+                &t.slice(src, src + 1),
+                &mut tile.slice_mut(dst, dst + 1),
+                comptime!(width as u32),
+            );
+        } else {
+            tile[dst] = t[src];
+        }
+    } else {
+        tile[dst] = Vector::new(F::new(0.0));
     }
 }
 
@@ -356,13 +413,14 @@ pub(crate) fn issue_query_block<F: Float, N: Size>(
     #[comptime] per_row: usize,
     #[comptime] pitch: usize,
     #[comptime] width: usize,
+    #[comptime] threads: usize,
 ) {
     let off = which * comptime!(block_q * pitch);
     copy_rows(
-        q, qt, off, qbase, qstride, i0, seq_q, block_q, per_row, pitch, width, true,
+        q, qt, off, qbase, qstride, i0, seq_q, block_q, per_row, pitch, width, true, threads,
     );
     copy_rows(
-        grad, gt, off, gbase, gstride, i0, seq_q, block_q, per_row, pitch, width, true,
+        grad, gt, off, gbase, gstride, i0, seq_q, block_q, per_row, pitch, width, true, threads,
     );
     let mut r = UNIT_POS as usize;
     while r < block_q {
