@@ -62,14 +62,13 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let (kbase, kstride) = (
-        (b * k.stride(0) + h * k.stride(1)) / width,
-        k.stride(2) / width,
-    );
-    let (vbase, vstride) = (
-        (b * v.stride(0) + h * v.stride(1)) / width,
-        v.stride(2) / width,
-    );
+    let kv = KvSource {
+        kbase: (b * k.stride(0) + h * k.stride(1)) / width,
+        kstride: k.stride(2) / width,
+        vbase: (b * v.stride(0) + h * v.stride(1)) / width,
+        vstride: v.stride(2) / width,
+        seq_k,
+    };
     copy_rows(
         q,
         &mut qt,
@@ -127,34 +126,18 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
     sync_cube();
     if blocks > 0 {
-        copy_rows(
+        issue_kv(
             k,
-            &mut kt,
-            0,
-            kbase,
-            kstride,
-            0,
-            seq_k,
-            block_k,
-            per_row,
-            pitch,
-            width,
-            true,
-            comptime!(planes * 32),
-        );
-        copy_rows(
             v,
+            &mut kt,
             &mut vt,
+            &kv,
             0,
-            vbase,
-            vstride,
             0,
-            seq_k,
             block_k,
             per_row,
             pitch,
             width,
-            true,
             comptime!(planes * 32),
         );
         commit(&bar0, &bar1, 0);
@@ -163,35 +146,18 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
         let j0 = kb * block_k;
         let cur = (kb % 2) * tile;
         if kb + 1 < blocks {
-            let next = ((kb + 1) % 2) * tile;
-            copy_rows(
+            issue_kv(
                 k,
-                &mut kt,
-                next,
-                kbase,
-                kstride,
-                j0 + block_k,
-                seq_k,
-                block_k,
-                per_row,
-                pitch,
-                width,
-                true,
-                comptime!(planes * 32),
-            );
-            copy_rows(
                 v,
+                &mut kt,
                 &mut vt,
-                next,
-                vbase,
-                vstride,
+                &kv,
+                ((kb + 1) % 2) * tile,
                 j0 + block_k,
-                seq_k,
                 block_k,
                 per_row,
                 pitch,
                 width,
-                true,
                 comptime!(planes * 32),
             );
             commit(&bar0, &bar1, (kb + 1) % 2);
@@ -631,7 +597,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         // Under a causal mask, a query block wholly before this warp's first key adds nothing;
         // with the fused dQ the warp's dS^T rows are then zero (`dp` stays zero).
         let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        if !comptime!(causal) || k0 + w0 < i0 + block_q {
+        if queries_see(k0 + w0, i0, block_q, causal) {
             // S^T = k q^T and dP^T = v dO^T (rows: keys, columns: queries).
             let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
             block_product::<F, N, NA, NB, NC>(

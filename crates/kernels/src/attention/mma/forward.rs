@@ -243,17 +243,6 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     );
 }
 
-/// Where the key and value rows of this cube's batch and head are: base offsets and row strides
-/// in vectors, and the number of keys.
-#[derive(CubeType)]
-struct KvSource {
-    kbase: usize,
-    kstride: usize,
-    vbase: usize,
-    vstride: usize,
-    seq_k: usize,
-}
-
 /// The dropout keys and threshold of the forward's launch (see `crate::dropout`).
 #[derive(CubeType)]
 struct DropKeys {
@@ -261,34 +250,6 @@ struct DropKeys {
     key1: u32,
     threshold: u32,
     keep_scale: f32,
-}
-
-/// Starts the copies (cp.async) of the key and value rows `j0 ..` into the buffers at vector
-/// `off` of `kt` and `vt` by the cube's `threads` units; rows past the last key are zero.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn issue_kv<F: Float, N: Size>(
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    kt: &mut SharedMemory<Vector<F, N>>,
-    vt: &mut SharedMemory<Vector<F, N>>,
-    kv: &KvSource,
-    off: usize,
-    j0: usize,
-    #[comptime] block_k: usize,
-    #[comptime] per_row: usize,
-    #[comptime] pitch: usize,
-    #[comptime] width: usize,
-    #[comptime] threads: usize,
-) {
-    copy_rows(
-        k, kt, off, kv.kbase, kv.kstride, j0, kv.seq_k, block_k, per_row, pitch, width, true,
-        threads,
-    );
-    copy_rows(
-        v, vt, off, kv.vbase, kv.vstride, j0, kv.seq_k, block_k, per_row, pitch, width, true,
-        threads,
-    );
 }
 
 /// The mask where this warp's rows meet the block's edge (past `seq_k` or, causal, above the

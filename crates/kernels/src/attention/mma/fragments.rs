@@ -111,6 +111,45 @@ fn copy_vector<F: Float, N: Size>(
     }
 }
 
+/// Where the key and value rows of this cube's batch and head are: base offsets and row strides
+/// in vectors, and the number of keys.
+#[derive(CubeType)]
+pub(crate) struct KvSource {
+    pub kbase: usize,
+    pub kstride: usize,
+    pub vbase: usize,
+    pub vstride: usize,
+    pub seq_k: usize,
+}
+
+/// Starts the copies (cp.async) of the key and value rows `j0 ..` into the buffers at vector
+/// `off` of `kt` and `vt` by the cube's `threads` units; rows past the last key are zero.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn issue_kv<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    kt: &mut SharedMemory<Vector<F, N>>,
+    vt: &mut SharedMemory<Vector<F, N>>,
+    kv: &KvSource,
+    off: usize,
+    j0: usize,
+    #[comptime] block_k: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] threads: usize,
+) {
+    copy_rows(
+        k, kt, off, kv.kbase, kv.kstride, j0, kv.seq_k, block_k, per_row, pitch, width, true,
+        threads,
+    );
+    copy_rows(
+        v, vt, off, kv.vbase, kv.vstride, j0, kv.seq_k, block_k, per_row, pitch, width, true,
+        threads,
+    );
+}
+
 /// A fragment (16 x 16) of a row-major tile, top-left corner at (`row0`, `col0`), by one
 /// `ldmatrix.x4`: lane `l` gives the address of row `l % 16`, columns `8 * (l / 16) ..`.
 #[cube]
@@ -537,4 +576,21 @@ pub(crate) fn key_blocks(
         }
     }
     blocks
+}
+
+/// Whether any of the query rows `i0 .. i0 + block_q` sees a key from `key0` on (a warp's first
+/// key in the dK/dV kernel): always without a causal mask; under it, unless the whole block ends
+/// before that key. Uniform across the warp.
+#[cube]
+pub(crate) fn queries_see(
+    key0: usize,
+    i0: usize,
+    #[comptime] block_q: usize,
+    #[comptime] causal: bool,
+) -> bool {
+    let mut sees = true;
+    if comptime!(causal) {
+        sees = key0 < i0 + block_q;
+    }
+    sees
 }
