@@ -1,5 +1,5 @@
-//! Double-buffered `cp.async` staging shared by the tensor-core kernels (attention, FP8 GEMM):
-//! two shared barriers, buffer `i % 2` filled by block `i`'s copies.
+//! Multi-buffered `cp.async` staging shared by the tensor-core kernels (attention, FP8 GEMM):
+//! two or three shared barriers, buffer `i % stages` filled by block `i`'s copies.
 
 // `#[cube]` code: CubeCL expands plain comparisons and arithmetic, not the std helpers clippy
 // suggests (`is_multiple_of`, `clamp`, `RangeInclusive::contains`).
@@ -34,5 +34,46 @@ pub(crate) fn wait_block(bar0: &Shared<Barrier>, bar1: &Shared<Barrier>, index: 
         bar0.wait_parity(parity);
     } else {
         bar1.wait_parity(parity);
+    }
+}
+
+/// [`commit`] over a ring of three barriers: `which` is 0, 1 or 2.
+#[cube]
+pub(crate) fn commit_ring(
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    which: usize,
+) {
+    if which == 2 {
+        bar2.commit_copy_async();
+        let _token = bar2.arrive();
+    } else {
+        commit(bar0, bar1, which);
+    }
+}
+
+/// Waits for the copies of block `index` in a ring of `stages` (2 or 3) buffers, committed to
+/// barrier `index % stages`: its `(index / stages)`-th phase. With 2 stages `bar2` is unused.
+#[cube]
+pub(crate) fn wait_ring(
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    index: usize,
+    #[comptime] stages: usize,
+) {
+    if comptime!(stages == 2) {
+        wait_block(bar0, bar1, index);
+    } else {
+        let parity = ((index / stages) % 2) as u32;
+        let which = index % stages;
+        if which == 0 {
+            bar0.wait_parity(parity);
+        } else if which == 1 {
+            bar1.wait_parity(parity);
+        } else {
+            bar2.wait_parity(parity);
+        }
     }
 }

@@ -99,7 +99,7 @@ impl std::str::FromStr for Fp8GemmChoice {
 /// defaults: `fwd=MTxBLOCK[xWARPS],dq=MTxBLOCK[xWARPS],dkdv=MTxBLOCK[xWARPS]`, any subset (e.g.
 /// `fwd=2x64,dkdv=1x32`); row tiles 1, 2 or 4, the block a multiple of 16 from 16 to 128, warps 4
 /// or 8; `dq=fused` computes dQ inside the dK/dV kernel (f32 atomics), `dq=separate` in its own
-/// (deterministic) kernel.
+/// (deterministic) kernel; `stages=2` or `stages=3` sets the forward's key/value buffers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlashTiles(String);
 

@@ -19,6 +19,11 @@ use crate::launch::{contiguous, empty, plane_size, use_planes, vector_width};
 pub const MAX_HEAD_DIM: usize = 256;
 /// Warps per cube of the tensor-core kernels unless [`MmaTiles`] says otherwise.
 const PLANES: usize = 4;
+/// Key/value buffers of the tensor-core forward unless [`MmaTiles`] says otherwise: each block is
+/// copied one block ahead of its use. Three buffers (two ahead) measured the same on an H100 (see
+/// docs/results.md, 2026-11-27 (day)) and would cost hd 128 its second cube per SM next to the
+/// output's staging rows.
+const FWD_STAGES: usize = 2;
 
 /// Tile shapes of the tensor-core kernels: row tiles of 16 per warp (`mt`, so a cube owns
 /// `planes * mt * 16` rows), the depth of the blocks streamed past them, the warps per cube, and
@@ -35,6 +40,8 @@ pub(crate) struct MmaTiles {
     pub fwd_planes: usize,
     pub dq_planes: usize,
     pub dkdv_planes: usize,
+    /// Key/value buffers of the forward's ring (2 or 3): blocks copied `fwd_stages - 1` ahead.
+    pub fwd_stages: usize,
     /// dQ inside the dK/dV kernel (`dS k` from a shared-memory dS, added to an f32 buffer with
     /// atomics) instead of the separate dQ kernel, which recomputes `q k^T` and `dO v^T`.
     pub fused_dq: bool,
@@ -69,6 +76,7 @@ impl MmaTiles {
                 fwd_planes: PLANES,
                 dq_planes: PLANES,
                 dkdv_planes,
+                fwd_stages: FWD_STAGES,
                 fused_dq: true,
             }
         } else {
@@ -79,6 +87,7 @@ impl MmaTiles {
                 fwd_planes: PLANES,
                 dq_planes: PLANES,
                 dkdv_planes,
+                fwd_stages: FWD_STAGES,
                 fused_dq: false,
             }
         }
@@ -100,7 +109,8 @@ impl MmaTiles {
 
     /// Applies `fwd=2x64,dq=1x32,...`: row tiles 1, 2 or 4; block depth a multiple of 16 from 16
     /// to 128; `NAME=MTxBLOCKxWARPS` also sets the kernel's warps per cube (4 or 8); `dq=fused` or
-    /// `dq=separate` chooses where dQ is computed.
+    /// `dq=separate` chooses where dQ is computed; `stages=2` or `3` sets the forward's key/value
+    /// buffers.
     fn apply(&mut self, spec: &str) -> Result<(), String> {
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (name, value) = item
@@ -108,6 +118,14 @@ impl MmaTiles {
                 .ok_or_else(|| format!("`{item}` is not NAME=MTxBLOCK"))?;
             if name == "dq" && (value == "fused" || value == "separate") {
                 self.fused_dq = value == "fused";
+                continue;
+            }
+            if name == "stages" {
+                self.fwd_stages = match value {
+                    "2" => 2,
+                    "3" => 3,
+                    _ => return Err(format!("`{item}`: the forward's stages must be 2 or 3")),
+                };
                 continue;
             }
             let parts: Vec<&str> = value.split('x').collect();
@@ -147,6 +165,19 @@ impl MmaTiles {
             }
         }
         Ok(())
+    }
+
+    /// The forward's key/value buffers: `fwd_stages`, or 2 where a third would not fit the cube's
+    /// `smem` bytes of shared memory (large overridden tiles) with `elem`-byte elements.
+    pub(crate) fn forward_stages(&self, hd: usize, elem: usize, smem: usize) -> usize {
+        let ((mt, block_k), pitch) = (self.fwd, hd + 8);
+        let bytes =
+            |stages: usize| (self.fwd_planes * mt * 16 + 2 * stages * block_k) * pitch * elem + 64;
+        if self.fwd_stages > 2 && bytes(self.fwd_stages) > smem {
+            2
+        } else {
+            self.fwd_stages
+        }
     }
 
     /// Why the fused dQ cannot run with these dK/dV tiles at `hd`, if it cannot: its warps split
@@ -353,12 +384,15 @@ pub(crate) fn forward<R: CubeRuntime>(
             let tiles = MmaTiles::get(d.hd, causal);
             let ((mt, block_k), planes) = (tiles.fwd, tiles.fwd_planes);
             let block_q = planes * mt * 16;
+            let smem = client.properties().hardware.max_shared_memory_size;
+            let stages = tiles.forward_stages(d.hd, q.dtype.size(), smem);
             unsafe {
                 flash_forward_mma::launch_unchecked::<R>(
                     &client,
                     CubeCount::Static(d.seq_q.div_ceil(block_q) as u32, bh, 1),
                     CubeDim::new_2d(32, planes as u32),
                     width,
+                    2,
                     q.into_tensor_arg(),
                     k.into_tensor_arg(),
                     v.into_tensor_arg(),
@@ -374,6 +408,7 @@ pub(crate) fn forward<R: CubeRuntime>(
                     block_k,
                     width,
                     causal,
+                    stages,
                     drop.key0,
                     drop.key1,
                     drop.threshold,
@@ -843,6 +878,15 @@ mod tests {
         assert!(!t.fused_dq);
         t.apply("fwd=1x32x8").unwrap();
         assert_eq!((t.fwd, t.fwd_planes, t.dq_planes), ((1, 32), 8, 4));
+        assert_eq!(t.fwd_stages, 2);
+        t.apply("stages=3").unwrap();
+        assert_eq!(t.fwd_stages, 3);
+        // 8 warps x 16 query and output rows and 3 x 2 blocks of 32 key/value rows, 136 bf16
+        // each: 119 KiB.
+        assert_eq!(t.forward_stages(128, 2, 227 * 1024), 3);
+        assert_eq!(t.forward_stages(128, 2, 100 * 1024), 2);
+        t.apply("stages=2").unwrap();
+        assert_eq!(t.fwd_stages, 2);
         for bad in [
             "fwd=3x64",
             "fwd=2x24",
@@ -851,6 +895,8 @@ mod tests {
             "bwd=1x64",
             "fwd",
             "fwd=1x64x6",
+            "stages=4",
+            "stages=",
             "dkdv=1x64x8x2",
             "dq=atomic",
         ] {

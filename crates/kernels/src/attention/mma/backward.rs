@@ -54,51 +54,51 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
     let pitch = comptime!((hd + 8) / width);
     let per_row = comptime!(hd / width);
-    // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
+    // K and V are double-buffered (a third buffer would cost hd 128 its second cube per SM).
     let tile = comptime!(block_k * pitch);
+    let threads = comptime!(planes * 32);
     let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
     let mut gt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
     let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
     let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let kv = KvSource {
-        kbase: (b * k.stride(0) + h * k.stride(1)) / width,
-        kstride: k.stride(2) / width,
-        vbase: (b * v.stride(0) + h * v.stride(1)) / width,
-        vstride: v.stride(2) / width,
-        seq_k,
-    };
-    copy_rows(
-        q,
-        &mut qt,
-        0,
-        (b * q.stride(0) + h * q.stride(1)) / width,
-        q.stride(2) / width,
-        q0,
-        seq_q,
-        block_q,
-        per_row,
-        pitch,
-        width,
-        false,
-        comptime!(planes * 32),
-    );
-    copy_rows(
-        grad,
-        &mut gt,
-        0,
-        (b * grad.stride(0) + h * grad.stride(1)) / width,
-        grad.stride(2) / width,
-        q0,
-        seq_q,
-        block_q,
-        per_row,
-        pitch,
-        width,
-        false,
-        comptime!(planes * 32),
-    );
+    let bar2 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let kv = kv_source(k, v, b, h, seq_k, width);
+    let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
+    // q and dO are copied with the first key block (their copies complete with its barrier).
+    if blocks > 0 {
+        copy_rows(
+            q,
+            &mut qt,
+            0,
+            (b * q.stride(0) + h * q.stride(1)) / width,
+            q.stride(2) / width,
+            q0,
+            seq_q,
+            block_q,
+            per_row,
+            pitch,
+            width,
+            true,
+            threads,
+        );
+        copy_rows(
+            grad,
+            &mut gt,
+            0,
+            (b * grad.stride(0) + h * grad.stride(1)) / width,
+            grad.stride(2) / width,
+            q0,
+            seq_q,
+            block_q,
+            per_row,
+            pitch,
+            width,
+            true,
+            threads,
+        );
+    }
 
     // The log-sum-exp and delta of this lane's rows.
     let mut lse_r = Array::<f32>::new(comptime!(mt * 2));
@@ -123,49 +123,21 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let o_tiles = comptime!(hd / 8);
     let mut dq_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
 
-    let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
+    // The barriers are initialised before any unit commits to them.
     sync_cube();
-    if blocks > 0 {
-        issue_kv(
-            k,
-            v,
-            &mut kt,
-            &mut vt,
-            &kv,
-            0,
-            0,
-            block_k,
-            per_row,
-            pitch,
-            width,
-            comptime!(planes * 32),
-        );
-        commit(&bar0, &bar1, 0);
-    }
+    kv_ring_start(
+        k, v, &mut kt, &mut vt, &kv, &bar0, &bar1, &bar2, blocks, block_k, per_row, pitch, width,
+        threads, 2usize,
+    );
     for kb in 0..blocks {
         let j0 = kb * block_k;
-        let cur = (kb % 2) * tile;
-        if kb + 1 < blocks {
-            issue_kv(
-                k,
-                v,
-                &mut kt,
-                &mut vt,
-                &kv,
-                ((kb + 1) % 2) * tile,
-                j0 + block_k,
-                block_k,
-                per_row,
-                pitch,
-                width,
-                comptime!(planes * 32),
-            );
-            commit(&bar0, &bar1, (kb + 1) % 2);
-        }
-        wait_block(&bar0, &bar1, kb);
+        let cur = kv_ring_next(
+            k, v, &mut kt, &mut vt, &kv, &bar0, &bar1, &bar2, kb, blocks, block_k, per_row, pitch,
+            width, threads, 2usize,
+        );
 
         // Under a causal mask, blocks wholly above this warp's diagonal add nothing.
-        if warp_sees(q0 + w0, j0, mt, causal) {
+        if rows_see(j0, q0 + w0, comptime!(mt * 16), causal) {
             // S = q k^T and dP = dO v^T.
             let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
             let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
@@ -597,7 +569,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         // Under a causal mask, a query block wholly before this warp's first key adds nothing;
         // with the fused dQ the warp's dS^T rows are then zero (`dp` stays zero).
         let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
-        if queries_see(k0 + w0, i0, block_q, causal) {
+        if rows_see(k0 + w0, i0, block_q, causal) {
             // S^T = k q^T and dP^T = v dO^T (rows: keys, columns: queries).
             let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
             block_product::<F, N, NA, NB, NC>(

@@ -5,7 +5,6 @@ use cubecl::prelude::*;
 
 use super::super::kernel::neg_big;
 use crate::philox::{factor, half_word, philox};
-use crate::pipeline::{commit, wait_block};
 
 use super::fragments::*;
 
@@ -17,18 +16,20 @@ use super::fragments::*;
 const RESCALE_SLACK: f32 = 8.0;
 
 /// Tensor-core forward. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp
-/// owns `16 * mt` query rows. Strides of q/k/v are in vectors of `width`, those of `out` in
-/// elements. Query blocks run last-first so that causal's longest rows start first. Under a
-/// causal mask a warp skips the key blocks that lie wholly above its own rows' diagonal (the
-/// cube walks the blocks its last row needs), while still taking part in the block copies.
+/// owns `16 * mt` query rows. Strides of q/k/v are in vectors of `width`; `out` is written in
+/// vectors of 2 (`NO`), its strides in elements. Query blocks run last-first so that causal's
+/// longest rows start first. Under a causal mask a warp skips the key blocks that lie wholly above its own rows' diagonal (the
+/// cube walks the blocks its last row needs), while still taking part in the block copies. K and
+/// V stream through a ring of `stages` buffers (see [`kv_ring_start`]); the query tile is copied
+/// with the first block.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn flash_forward_mma<F: Float, N: Size>(
+pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<Vector<F, NO>>,
     lse: &mut Tensor<f32>,
     heads: usize,
     seq_q: usize,
@@ -40,6 +41,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     #[comptime] block_k: usize,
     #[comptime] width: usize,
     #[comptime] causal: bool,
+    #[comptime] stages: usize,
     key0: u32,
     key1: u32,
     threshold: u32,
@@ -62,35 +64,18 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
     let pitch = comptime!((hd + 8) / width);
     let per_row = comptime!(hd / width);
-    // K and V are double-buffered: block kb + 1 is copied (cp.async) while block kb is used.
     let tile = comptime!(block_k * pitch);
+    let threads = comptime!(planes * 32);
     let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_q * pitch), ALIGN);
-    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
-    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(stages * tile), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(stages * tile), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    copy_rows(
-        q,
-        &mut qt,
-        0,
-        (b * q.stride(0) + h * q.stride(1)) / width,
-        q.stride(2) / width,
-        q0,
-        seq_q,
-        block_q,
-        per_row,
-        pitch,
-        width,
-        false,
-        comptime!(planes * 32),
-    );
-    let kv = KvSource {
-        kbase: (b * k.stride(0) + h * k.stride(1)) / width,
-        kstride: k.stride(2) / width,
-        vbase: (b * v.stride(0) + h * v.stride(1)) / width,
-        vstride: v.stride(2) / width,
-        seq_k,
-    };
+    let bar2 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    // The output rows on their way out (see `store_rows_staged`).
+    let mut ot =
+        SharedMemory::<Vector<F, NO>>::new_aligned(comptime!(block_q * (hd / 2 + 4)), ALIGN);
+    let kv = kv_source(k, v, b, h, seq_k, width);
 
     let s_tiles = comptime!(block_k / 8);
     let o_tiles = comptime!(hd / 8);
@@ -117,46 +102,36 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
     };
 
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
+    // The barriers are initialised before any unit commits to them.
     sync_cube();
     if blocks > 0 {
-        issue_kv(
-            k,
-            v,
-            &mut kt,
-            &mut vt,
-            &kv,
+        copy_rows(
+            q,
+            &mut qt,
             0,
-            0,
-            block_k,
+            (b * q.stride(0) + h * q.stride(1)) / width,
+            q.stride(2) / width,
+            q0,
+            seq_q,
+            block_q,
             per_row,
             pitch,
             width,
-            comptime!(planes * 32),
+            true,
+            threads,
         );
-        commit(&bar0, &bar1, 0);
     }
+    kv_ring_start(
+        k, v, &mut kt, &mut vt, &kv, &bar0, &bar1, &bar2, blocks, block_k, per_row, pitch, width,
+        threads, stages,
+    );
     for kb in 0..blocks {
         let j0 = kb * block_k;
-        let cur = (kb % 2) * tile;
-        if kb + 1 < blocks {
-            issue_kv(
-                k,
-                v,
-                &mut kt,
-                &mut vt,
-                &kv,
-                ((kb + 1) % 2) * tile,
-                j0 + block_k,
-                block_k,
-                per_row,
-                pitch,
-                width,
-                comptime!(planes * 32),
-            );
-            commit(&bar0, &bar1, (kb + 1) % 2);
-        }
-        wait_block(&bar0, &bar1, kb);
-        if warp_sees(q0 + w0, j0, mt, causal) {
+        let cur = kv_ring_next(
+            k, v, &mut kt, &mut vt, &kv, &bar0, &bar1, &bar2, kb, blocks, block_k, per_row, pitch,
+            width, threads, stages,
+        );
+        if rows_see(j0, q0 + w0, comptime!(mt * 16), causal) {
             let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
             block_product::<F, N, NA, NB, NC>(
                 &qt,
@@ -231,13 +206,14 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size>(
             }
         }
     }
-    store_rows::<F, NC>(
+    store_rows_staged::<F, NC, NO>(
         &o_acc,
+        &mut ot,
         out,
         b * out.stride(0) + h * out.stride(1),
         q0 + w0,
+        w0,
         seq_q,
-        1.0,
         mt,
         hd,
     );

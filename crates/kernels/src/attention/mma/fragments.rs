@@ -1,8 +1,10 @@
 //! The building blocks of the tensor-core kernels: staging, `ldmatrix` fragments, MMA block
 //! products, masking and the block loops shared by the forward and the backward.
 
-use cubecl::prelude::barrier::copy_async;
+use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
+
+use crate::pipeline::{commit_ring, wait_ring};
 
 use super::super::kernel::{neg_big, visible};
 
@@ -120,6 +122,119 @@ pub(crate) struct KvSource {
     pub vbase: usize,
     pub vstride: usize,
     pub seq_k: usize,
+}
+
+/// The [`KvSource`] of batch `b` and head `h` of `k` and `v` (strides in vectors of `width`).
+#[cube]
+pub(crate) fn kv_source<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    b: usize,
+    h: usize,
+    seq_k: usize,
+    #[comptime] width: usize,
+) -> KvSource {
+    KvSource {
+        kbase: (b * k.stride(0) + h * k.stride(1)) / width,
+        kstride: k.stride(2) / width,
+        vbase: (b * v.stride(0) + h * v.stride(1)) / width,
+        vstride: v.stride(2) / width,
+        seq_k,
+    }
+}
+
+/// The key/value ring of the forward and dQ kernels: `stages` (2 or 3) buffers of `block_k` rows
+/// in `kt` and `vt`, `block_k * pitch` vectors each; key block `i` goes to buffer `i % stages`, its
+/// copies tracked by barrier `i % stages` (see [`crate::pipeline::wait_ring`]). Starts the copies
+/// of the first `stages - 1` blocks (those that exist); any copy this unit issued before (the
+/// resident query tiles) completes with block 0's.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn kv_ring_start<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    kt: &mut SharedMemory<Vector<F, N>>,
+    vt: &mut SharedMemory<Vector<F, N>>,
+    kv: &KvSource,
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    blocks: usize,
+    #[comptime] block_k: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] threads: usize,
+    #[comptime] stages: usize,
+) {
+    #[unroll]
+    for i in 0..comptime!(stages - 1) {
+        if i < blocks {
+            issue_kv(
+                k,
+                v,
+                kt,
+                vt,
+                kv,
+                i * comptime!(block_k * pitch),
+                i * block_k,
+                block_k,
+                per_row,
+                pitch,
+                width,
+                threads,
+            );
+            commit_ring(bar0, bar1, bar2, i);
+        }
+    }
+}
+
+/// Step `kb` of the ring of [`kv_ring_start`]: starts the copies of block `kb + stages - 1` (if it
+/// exists) into the buffer block `kb - 1` used (every warp is done with it: the caller syncs the
+/// cube at the end of each step), then waits for block `kb`'s copies. Returns the vector offset of
+/// block `kb`'s buffer.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn kv_ring_next<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    kt: &mut SharedMemory<Vector<F, N>>,
+    vt: &mut SharedMemory<Vector<F, N>>,
+    kv: &KvSource,
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    kb: usize,
+    blocks: usize,
+    #[comptime] block_k: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] threads: usize,
+    #[comptime] stages: usize,
+) -> usize {
+    let tile = comptime!(block_k * pitch);
+    let ahead = kb + comptime!(stages - 1);
+    if ahead < blocks {
+        let which = ahead % stages;
+        issue_kv(
+            k,
+            v,
+            kt,
+            vt,
+            kv,
+            which * tile,
+            ahead * block_k,
+            block_k,
+            per_row,
+            pitch,
+            width,
+            threads,
+        );
+        commit_ring(bar0, bar1, bar2, which);
+    }
+    wait_ring(bar0, bar1, bar2, kb, stages);
+    (kb % stages) * tile
 }
 
 /// Starts the copies (cp.async) of the key and value rows `j0 ..` into the buffers at vector
@@ -426,6 +541,58 @@ pub(crate) fn store_rows<F: Float, NC: Size>(
     }
 }
 
+/// Writes accumulators (`mt` row tiles of `hd / 8` column tiles) to this warp's rows `row0 ..` of
+/// `out` (vectors of two elements, `NO` = 2; `base` and the strides in elements), rows below `seq`,
+/// through rows `w0 ..` of `stage` (`hd / 2 + 4` vectors a row): each lane first puts its pairs
+/// there, then the warp writes whole rows, consecutive lanes to consecutive pairs, so that each
+/// store instruction covers 128 contiguous bytes (a lane's own pairs would make each store 8 rows
+/// of 16 bytes). Only this warp's rows of `stage` are used.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn store_rows_staged<F: Float, NC: Size, NO: Size>(
+    acc: &Array<Vector<f32, NC>>,
+    stage: &mut SharedMemory<Vector<F, NO>>,
+    out: &mut Tensor<Vector<F, NO>>,
+    base: usize,
+    row0: usize,
+    w0: usize,
+    seq: usize,
+    #[comptime] mt: usize,
+    #[comptime] hd: usize,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    let tiles = comptime!(hd / 8);
+    let pitch = comptime!(hd / 2 + 4);
+    #[unroll]
+    for m in 0..mt {
+        #[unroll]
+        for half in 0..2usize {
+            let row = w0 + m * 16 + half * 8 + g;
+            #[unroll]
+            for t in 0..tiles {
+                let x = acc[(m * tiles + t) * 2 + half];
+                let mut y = Vector::<F, NO>::empty();
+                y[0] = F::cast_from(x[0]);
+                y[1] = F::cast_from(x[1]);
+                stage[row * pitch + t * 4 + t4] = y;
+            }
+        }
+    }
+    sync_plane();
+    let pairs = comptime!(hd / 2);
+    let rs = out.stride(2) / 2;
+    let at0 = base / 2;
+    #[unroll]
+    for i in 0..comptime!(mt * hd / 4) {
+        let idx = i * 32 + lane;
+        let (r, c) = (idx / pairs, idx % pairs);
+        if row0 + r < seq {
+            out[at0 + (row0 + r) * rs + c] = stage[(w0 + r) * pitch + c];
+        }
+    }
+}
+
 /// Starts the copies of query block rows `i0 ..` into buffer `which` (0 or 1) of the dK/dV
 /// kernel: q and dO rows, and the log-sum-exp and delta of those rows (`rows0` is the first row of
 /// this batch and head in `lse` and `delta`); rows past `seq_q` are zero.
@@ -536,20 +703,21 @@ pub(crate) fn mask_scores<NC: Size>(
     }
 }
 
-/// Whether a warp's query rows `row0 .. row0 + 16 mt` see any key of the block starting at
-/// `j0`: always without a causal mask; under it, unless the whole block lies above the diagonal
-/// of the warp's last row (its cube walks the blocks that the cube's last row needs). Uniform
+/// Whether any of the query rows `row0 .. row0 + rows` sees a key from `key0` on: always without a
+/// causal mask; under it, unless every key from `key0` lies above the last row's diagonal. The
+/// forward and dQ ask it for a warp's rows and a key block (a warp skips the blocks its cube still
+/// walks for its later rows), the dK/dV kernel for a query block and a warp's first key. Uniform
 /// across the warp.
 #[cube]
-pub(crate) fn warp_sees(
+pub(crate) fn rows_see(
+    key0: usize,
     row0: usize,
-    j0: usize,
-    #[comptime] mt: usize,
+    #[comptime] rows: usize,
     #[comptime] causal: bool,
 ) -> bool {
     let mut sees = true;
     if comptime!(causal) {
-        sees = j0 < row0 + comptime!(mt * 16);
+        sees = key0 < row0 + rows;
     }
     sees
 }
@@ -576,21 +744,4 @@ pub(crate) fn key_blocks(
         }
     }
     blocks
-}
-
-/// Whether any of the query rows `i0 .. i0 + block_q` sees a key from `key0` on (a warp's first
-/// key in the dK/dV kernel): always without a causal mask; under it, unless the whole block ends
-/// before that key. Uniform across the warp.
-#[cube]
-pub(crate) fn queries_see(
-    key0: usize,
-    i0: usize,
-    #[comptime] block_q: usize,
-    #[comptime] causal: bool,
-) -> bool {
-    let mut sees = true;
-    if comptime!(causal) {
-        sees = key0 < i0 + block_q;
-    }
-    sees
 }
