@@ -384,15 +384,20 @@ pub(crate) fn forward<R: CubeRuntime>(
             let tiles = MmaTiles::get(d.hd, causal);
             let ((mt, block_k), planes) = (tiles.fwd, tiles.fwd_planes);
             let block_q = planes * mt * 16;
-            let smem = client.properties().hardware.max_shared_memory_size;
+            let props = client.properties();
+            let smem = props.hardware.max_shared_memory_size;
             let stages = tiles.forward_stages(d.hd, q.dtype.size(), smem);
+            // The output leaves through shared memory (see `store_rows_staged`): put there by
+            // `stmatrix` where the device has it (sm_90), else a pair of elements at a time.
+            let stmatrix = props.features.matmul.stmatrix.contains(&dtype);
+            let ow = if stmatrix { 8 } else { 2 };
             unsafe {
                 flash_forward_mma::launch_unchecked::<R>(
                     &client,
                     CubeCount::Static(d.seq_q.div_ceil(block_q) as u32, bh, 1),
                     CubeDim::new_2d(32, planes as u32),
                     width,
-                    2,
+                    ow,
                     q.into_tensor_arg(),
                     k.into_tensor_arg(),
                     v.into_tensor_arg(),
@@ -409,6 +414,8 @@ pub(crate) fn forward<R: CubeRuntime>(
                     width,
                     causal,
                     stages,
+                    ow,
+                    stmatrix,
                     drop.key0,
                     drop.key1,
                     drop.threshold,

@@ -17,7 +17,7 @@ const RESCALE_SLACK: f32 = 8.0;
 
 /// Tensor-core forward. Grid `(query blocks, batch * heads)`, cube `(32, planes)`; each warp
 /// owns `16 * mt` query rows. Strides of q/k/v are in vectors of `width`; `out` is written in
-/// vectors of 2 (`NO`), its strides in elements. Query blocks run last-first so that causal's
+/// vectors of `ow` (`NO`: 8 with `stmatrix`, else 2), its strides in elements. Query blocks run last-first so that causal's
 /// longest rows start first. Under a causal mask a warp skips the key blocks that lie wholly above its own rows' diagonal (the
 /// cube walks the blocks its last row needs), while still taking part in the block copies. K and
 /// V stream through a ring of `stages` buffers (see [`kv_ring_start`]); the query tile is copied
@@ -42,6 +42,8 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
     #[comptime] width: usize,
     #[comptime] causal: bool,
     #[comptime] stages: usize,
+    #[comptime] ow: usize,
+    #[comptime] stmatrix: bool,
     key0: u32,
     key1: u32,
     threshold: u32,
@@ -74,7 +76,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
     let bar2 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     // The output rows on their way out (see `store_rows_staged`).
     let mut ot =
-        SharedMemory::<Vector<F, NO>>::new_aligned(comptime!(block_q * (hd / 2 + 4)), ALIGN);
+        SharedMemory::<Vector<F, NO>>::new_aligned(comptime!(block_q * ((hd + 8) / ow)), ALIGN);
     let kv = kv_source(k, v, b, h, seq_k, width);
 
     let s_tiles = comptime!(block_k / 8);
@@ -206,7 +208,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
             }
         }
     }
-    store_rows_staged::<F, NC, NO>(
+    store_rows_staged::<F, NA, NC, NO>(
         &o_acc,
         &mut ot,
         out,
@@ -216,6 +218,8 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
         seq_q,
         mt,
         hd,
+        ow,
+        stmatrix,
     );
 }
 

@@ -542,14 +542,15 @@ pub(crate) fn store_rows<F: Float, NC: Size>(
 }
 
 /// Writes accumulators (`mt` row tiles of `hd / 8` column tiles) to this warp's rows `row0 ..` of
-/// `out` (vectors of two elements, `NO` = 2; `base` and the strides in elements), rows below `seq`,
-/// through rows `w0 ..` of `stage` (`hd / 2 + 4` vectors a row): each lane first puts its pairs
-/// there, then the warp writes whole rows, consecutive lanes to consecutive pairs, so that each
-/// store instruction covers 128 contiguous bytes (a lane's own pairs would make each store 8 rows
-/// of 16 bytes). Only this warp's rows of `stage` are used.
+/// `out` (vectors of `ow` elements; `base` and the strides in elements), rows below `seq`, through
+/// rows `w0 ..` of `stage` (`(hd + 8) / ow` vectors a row). The warp first puts its rows there,
+/// with `stmatrix` (one instruction per 16 x 16 block; `ow` = 8) or else one pair of elements per
+/// lane and tile (`ow` = 2); then it writes whole rows, consecutive lanes to consecutive vectors,
+/// so that each store instruction covers 128 contiguous bytes or more (a lane's own pairs would
+/// make each store 8 rows of 16 bytes). Only this warp's rows of `stage` are used.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn store_rows_staged<F: Float, NC: Size, NO: Size>(
+pub(crate) fn store_rows_staged<F: Float, NA: Size, NC: Size, NO: Size>(
     acc: &Array<Vector<f32, NC>>,
     stage: &mut SharedMemory<Vector<F, NO>>,
     out: &mut Tensor<Vector<F, NO>>,
@@ -559,34 +560,66 @@ pub(crate) fn store_rows_staged<F: Float, NC: Size, NO: Size>(
     seq: usize,
     #[comptime] mt: usize,
     #[comptime] hd: usize,
+    #[comptime] ow: usize,
+    #[comptime] stmatrix: bool,
 ) {
     let lane = UNIT_POS_PLANE as usize;
-    let (g, t4) = (lane / 4, lane % 4);
     let tiles = comptime!(hd / 8);
-    let pitch = comptime!(hd / 2 + 4);
-    #[unroll]
-    for m in 0..mt {
+    let pitch = comptime!((hd + 8) / ow);
+    if comptime!(stmatrix) {
+        // Matrix i of the x4 store: rows `8 (i % 2) ..` and columns `8 (i / 2) ..` of the 16 x 16
+        // block (accumulator tile `2 p + i / 2`, half `i % 2`); lane `l` addresses its row
+        // `l % 8`, as `load_a` does for the A fragments.
+        let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
         #[unroll]
-        for half in 0..2usize {
-            let row = w0 + m * 16 + half * 8 + g;
+        for m in 0..mt {
             #[unroll]
-            for t in 0..tiles {
-                let x = acc[(m * tiles + t) * 2 + half];
-                let mut y = Vector::<F, NO>::empty();
-                y[0] = F::cast_from(x[0]);
-                y[1] = F::cast_from(x[1]);
-                stage[row * pitch + t * 4 + t4] = y;
+            for p in 0..comptime!(tiles / 2) {
+                let mut regs = Array::<Vector<F, NA>>::new(4usize);
+                #[unroll]
+                for i in 0..4usize {
+                    let x = acc[(m * tiles + p * 2 + i / 2) * 2 + i % 2];
+                    let mut y = Vector::<F, NA>::empty();
+                    y[0] = F::cast_from(x[0]);
+                    y[1] = F::cast_from(x[1]);
+                    regs[i] = y;
+                }
+                let at = (w0 + m * 16 + lane % 16) * pitch + (p * 16 + (lane / 16) * 8) / ow;
+                def.store_matrix::<Vector<F, NO>, NA>(
+                    &mut stage.slice_mut(at, at + 1),
+                    &regs,
+                    cmma::MatrixIdent::A,
+                    4usize,
+                    false,
+                );
+            }
+        }
+    } else {
+        let (g, t4) = (lane / 4, lane % 4);
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for half in 0..2usize {
+                let row = w0 + m * 16 + half * 8 + g;
+                #[unroll]
+                for t in 0..tiles {
+                    let x = acc[(m * tiles + t) * 2 + half];
+                    let mut y = Vector::<F, NO>::empty();
+                    y[0] = F::cast_from(x[0]);
+                    y[1] = F::cast_from(x[1]);
+                    stage[row * pitch + t * 4 + t4] = y;
+                }
             }
         }
     }
     sync_plane();
-    let pairs = comptime!(hd / 2);
-    let rs = out.stride(2) / 2;
-    let at0 = base / 2;
+    let per_row = comptime!(hd / ow);
+    let rs = out.stride(2) / ow;
+    let at0 = base / ow;
     #[unroll]
-    for i in 0..comptime!(mt * hd / 4) {
+    for i in 0..comptime!(mt * 16 * hd / ow / 32) {
         let idx = i * 32 + lane;
-        let (r, c) = (idx / pairs, idx % pairs);
+        let (r, c) = (idx / per_row, idx % per_row);
         if row0 + r < seq {
             out[at0 + (row0 + r) * rs + c] = stage[(w0 + r) * pitch + c];
         }
