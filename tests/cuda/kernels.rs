@@ -128,6 +128,18 @@ fn flash_attention_cases(dtype: FloatDType) {
     kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes, true);
 }
 
+/// The tensor-core forward on the output path of devices without `stmatrix` (before sm_90):
+/// `BURNMIX_FLASH_TILES=stmatrix=off`, the shapes above in bf16 and f16.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_without_stmatrix() {
+    kernels::settings::update(|s| {
+        s.flash_tiles = Some("stmatrix=off".parse().expect("a valid tile override"))
+    });
+    flash_attention_cases(FloatDType::BF16);
+    flash_attention_cases(FloatDType::F16);
+}
+
 /// Dropout inside the kernels against the naive formula with the host's mask: the tensor-core
 /// forward, the separate dQ kernel (head_dim 128) and the fused one (64), the portable kernels
 /// (f32, head_dim 40), partial tiles at both ends.

@@ -99,7 +99,9 @@ impl std::str::FromStr for Fp8GemmChoice {
 /// defaults: `fwd=MTxBLOCK[xWARPS],dq=MTxBLOCK[xWARPS],dkdv=MTxBLOCK[xWARPS]`, any subset (e.g.
 /// `fwd=2x64,dkdv=1x32`); row tiles 1, 2 or 4, the block a multiple of 16 from 16 to 128, warps 4
 /// or 8; `dq=fused` computes dQ inside the dK/dV kernel (f32 atomics), `dq=separate` in its own
-/// (deterministic) kernel; `stages=2` or `stages=3` sets the forward's key/value buffers.
+/// (deterministic) kernel; `stages=2` or `stages=3` sets the forward's key/value buffers;
+/// `stmatrix=off` makes the forward stage its output without `stmatrix` (as on devices before
+/// sm_90).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlashTiles(String);
 

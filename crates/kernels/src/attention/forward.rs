@@ -42,6 +42,9 @@ pub(crate) struct MmaTiles {
     pub dkdv_planes: usize,
     /// Key/value buffers of the forward's ring (2 or 3): blocks copied `fwd_stages - 1` ahead.
     pub fwd_stages: usize,
+    /// The forward stages its output with `stmatrix` where the device has it (sm_90); off, a
+    /// pair of elements per lane and tile (the path of devices without it).
+    pub stmatrix: bool,
     /// dQ inside the dK/dV kernel (`dS k` from a shared-memory dS, added to an f32 buffer with
     /// atomics) instead of the separate dQ kernel, which recomputes `q k^T` and `dO v^T`.
     pub fused_dq: bool,
@@ -77,6 +80,7 @@ impl MmaTiles {
                 dq_planes: PLANES,
                 dkdv_planes,
                 fwd_stages: FWD_STAGES,
+                stmatrix: true,
                 fused_dq: true,
             }
         } else {
@@ -88,6 +92,7 @@ impl MmaTiles {
                 dq_planes: PLANES,
                 dkdv_planes,
                 fwd_stages: FWD_STAGES,
+                stmatrix: true,
                 fused_dq: false,
             }
         }
@@ -110,7 +115,7 @@ impl MmaTiles {
     /// Applies `fwd=2x64,dq=1x32,...`: row tiles 1, 2 or 4; block depth a multiple of 16 from 16
     /// to 128; `NAME=MTxBLOCKxWARPS` also sets the kernel's warps per cube (4 or 8); `dq=fused` or
     /// `dq=separate` chooses where dQ is computed; `stages=2` or `3` sets the forward's key/value
-    /// buffers.
+    /// buffers; `stmatrix=off` stages the forward's output without `stmatrix`.
     fn apply(&mut self, spec: &str) -> Result<(), String> {
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (name, value) = item
@@ -118,6 +123,10 @@ impl MmaTiles {
                 .ok_or_else(|| format!("`{item}` is not NAME=MTxBLOCK"))?;
             if name == "dq" && (value == "fused" || value == "separate") {
                 self.fused_dq = value == "fused";
+                continue;
+            }
+            if name == "stmatrix" && (value == "on" || value == "off") {
+                self.stmatrix = value == "on";
                 continue;
             }
             if name == "stages" {
@@ -389,7 +398,7 @@ pub(crate) fn forward<R: CubeRuntime>(
             let stages = tiles.forward_stages(d.hd, q.dtype.size(), smem);
             // The output leaves through shared memory (see `store_rows_staged`): put there by
             // `stmatrix` where the device has it (sm_90), else a pair of elements at a time.
-            let stmatrix = props.features.matmul.stmatrix.contains(&dtype);
+            let stmatrix = tiles.stmatrix && props.features.matmul.stmatrix.contains(&dtype);
             let ow = if stmatrix { 8 } else { 2 };
             unsafe {
                 flash_forward_mma::launch_unchecked::<R>(
@@ -894,6 +903,9 @@ mod tests {
         assert_eq!(t.forward_stages(128, 2, 100 * 1024), 2);
         t.apply("stages=2").unwrap();
         assert_eq!(t.fwd_stages, 2);
+        assert!(t.stmatrix);
+        t.apply("stmatrix=off").unwrap();
+        assert!(!t.stmatrix);
         for bad in [
             "fwd=3x64",
             "fwd=2x24",
@@ -904,6 +916,7 @@ mod tests {
             "fwd=1x64x6",
             "stages=4",
             "stages=",
+            "stmatrix=no",
             "dkdv=1x64x8x2",
             "dq=atomic",
         ] {
