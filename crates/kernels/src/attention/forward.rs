@@ -180,8 +180,9 @@ impl MmaTiles {
     /// `smem` bytes of shared memory (large overridden tiles) with `elem`-byte elements.
     pub(crate) fn forward_stages(&self, hd: usize, elem: usize, smem: usize) -> usize {
         let ((mt, block_k), pitch) = (self.fwd, hd + 8);
-        let bytes =
-            |stages: usize| (self.fwd_planes * mt * 16 + 2 * stages * block_k) * pitch * elem + 64;
+        let bytes = |stages: usize| {
+            (2 * self.fwd_planes * mt * 16 + 2 * stages * block_k) * pitch * elem + 64
+        };
         if self.fwd_stages > 2 && bytes(self.fwd_stages) > smem {
             2
         } else {
