@@ -11,6 +11,15 @@ use super::super::kernel::{neg_big, visible};
 /// Shared-memory alignment of the staged tiles (`ldmatrix` reads 16-byte rows).
 pub(crate) const ALIGN: usize = 16;
 
+/// This unit's index in its two-dimensional cube (`(32, planes)` in the tensor-core kernels):
+/// `UNIT_POS` without its `z` term, which the compiler otherwise re-reads from a special
+/// register at every use inside a loop once registers run short (the dK/dV kernel at head_dim 64
+/// spent 7% of its warps' stall samples waiting for that read at the top of its query-block loop).
+#[cube]
+pub(crate) fn cube_unit() -> usize {
+    UNIT_POS_X as usize + UNIT_POS_Y as usize * CUBE_DIM_X as usize
+}
+
 /// Copies rows `row0 .. row0 + rows` of `t` (base offset `base`, row stride `row_stride`, both in
 /// vectors; `per_row` vectors make one row of head_dim) into `tile` from vector `off` on, rows
 /// `pitch` vectors apart; rows past `seq` are zero. `asynchronous`: with `cp.async` (one vector of
@@ -37,8 +46,8 @@ pub(crate) fn copy_rows<F: Float, N: Size>(
     if comptime!(threads.is_multiple_of(per_row) && total.is_multiple_of(threads)) {
         // Each unit copies one column (vector) of every `threads / per_row`-th row: the loop is
         // unrolled and the addresses step by constants.
-        let c = UNIT_POS as usize % per_row;
-        let r0 = UNIT_POS as usize / per_row;
+        let c = cube_unit() % per_row;
+        let r0 = cube_unit() / per_row;
         #[unroll]
         for i in 0..comptime!(total / threads) {
             copy_vector(
@@ -57,7 +66,7 @@ pub(crate) fn copy_rows<F: Float, N: Size>(
             );
         }
     } else {
-        let mut idx = UNIT_POS as usize;
+        let mut idx = cube_unit();
         while idx < total {
             copy_vector(
                 t,
@@ -661,7 +670,7 @@ pub(crate) fn issue_query_block<F: Float, N: Size>(
     copy_rows(
         grad, gt, off, gbase, gstride, i0, seq_q, block_q, per_row, pitch, width, true, threads,
     );
-    let mut r = UNIT_POS as usize;
+    let mut r = cube_unit();
     while r < block_q {
         let dst = which * block_q + r;
         if i0 + r < seq_q {
