@@ -140,6 +140,38 @@ fn cuda_flash_attention_without_stmatrix() {
     flash_attention_cases(FloatDType::F16);
 }
 
+/// The backward in FlashAttention-2's split warp layouts (`BURNMIX_FLASH_TILES=bwd=split`: P^T
+/// and dS^T through shared memory, dQ fused) with the default dK/dV tiles of each head_dim and
+/// mask; the shapes above and dropout's, in bf16 and f16.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_split_backward() {
+    split_backward_cases("bwd=split");
+}
+
+/// As above with one 32-key group per warp and all of head_dim (`dkdv=2x32x4`).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_split_backward_key_rows() {
+    split_backward_cases("bwd=split,dkdv=2x32x4");
+}
+
+/// As above with 16 queries and half of head_dim per warp (`dkdv=1x32x4`).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_split_backward_small_blocks() {
+    split_backward_cases("bwd=split,dkdv=1x32x4");
+}
+
+fn split_backward_cases(spec: &str) {
+    kernels::settings::update(|s| {
+        s.flash_tiles = Some(spec.parse().expect("a valid tile override"))
+    });
+    flash_attention_cases(FloatDType::BF16);
+    flash_attention_cases(FloatDType::F16);
+    flash_attention_dropout_cases(FloatDType::BF16);
+}
+
 /// Dropout inside the kernels against the naive formula with the host's mask: the tensor-core
 /// forward, the separate dQ kernel (head_dim 128) and the fused one (64), the portable kernels
 /// (f32, head_dim 40), partial tiles at both ends.

@@ -10,7 +10,10 @@ use cubecl::ir::features::MmaConfig;
 use cubecl::prelude::*;
 
 use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta, flash_forward};
-use super::mma::{dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_forward_mma};
+use super::mma::{
+    dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_backward_split_mma,
+    flash_forward_mma,
+};
 use crate::check::{check_float, check_same_dtype, check_scale, fail};
 use crate::dropout::{DropArgs, Dropout};
 use crate::launch::{contiguous, empty, plane_size, use_planes, vector_width};
@@ -48,6 +51,10 @@ pub(crate) struct MmaTiles {
     /// dQ inside the dK/dV kernel (`dS k` from a shared-memory dS, added to an f32 buffer with
     /// atomics) instead of the separate dQ kernel, which recomputes `q k^T` and `dO v^T`.
     pub fused_dq: bool,
+    /// The dK/dV kernel splits each query block's work over its warps in FlashAttention-2's
+    /// layouts (`flash_backward_split_mma`: 32 keys a warp, P^T and dS^T through shared memory,
+    /// dQ fused) instead of giving each warp whole key rows. Needs `fused_dq`.
+    pub split_bwd: bool,
 }
 
 impl MmaTiles {
@@ -82,6 +89,7 @@ impl MmaTiles {
                 fwd_stages: FWD_STAGES,
                 stmatrix: true,
                 fused_dq: true,
+                split_bwd: false,
             }
         } else {
             MmaTiles {
@@ -94,6 +102,7 @@ impl MmaTiles {
                 fwd_stages: FWD_STAGES,
                 stmatrix: true,
                 fused_dq: false,
+                split_bwd: false,
             }
         }
     }
@@ -115,14 +124,30 @@ impl MmaTiles {
     /// Applies `fwd=2x64,dq=1x32,...`: row tiles 1, 2 or 4; block depth a multiple of 16 from 16
     /// to 128; `NAME=MTxBLOCKxWARPS` also sets the kernel's warps per cube (4 or 8); `dq=fused` or
     /// `dq=separate` chooses where dQ is computed; `stages=2` or `3` sets the forward's key/value
-    /// buffers; `stmatrix=off` stages the forward's output without `stmatrix`.
+    /// buffers; `stmatrix=off` stages the forward's output without `stmatrix`; `bwd=split` runs
+    /// the dK/dV kernel in FlashAttention-2's warp layouts (dQ fused), `bwd=rows` with whole key
+    /// rows per warp.
     fn apply(&mut self, spec: &str) -> Result<(), String> {
+        let mut separate = false;
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (name, value) = item
                 .split_once('=')
                 .ok_or_else(|| format!("`{item}` is not NAME=MTxBLOCK"))?;
             if name == "dq" && (value == "fused" || value == "separate") {
                 self.fused_dq = value == "fused";
+                separate = !self.fused_dq;
+                continue;
+            }
+            if name == "bwd" {
+                self.split_bwd = match value {
+                    "split" => true,
+                    "rows" => false,
+                    _ => {
+                        return Err(format!(
+                            "`{item}`: the backward layout must be `split` or `rows`"
+                        ))
+                    }
+                };
                 continue;
             }
             if name == "stmatrix" && (value == "on" || value == "off") {
@@ -170,8 +195,21 @@ impl MmaTiles {
                 "fwd" => (self.fwd, self.fwd_planes) = ((mt, block), warps),
                 "dq" => (self.dq, self.dq_planes) = ((mt, block), warps),
                 "dkdv" => (self.dkdv, self.dkdv_planes) = ((mt, block), warps),
-                _ => return Err(format!("unknown kernel `{name}`; expected fwd, dq or dkdv")),
+                _ => {
+                    return Err(format!(
+                        "unknown setting `{name}`; expected fwd, dq, dkdv, stages, stmatrix or bwd"
+                    ))
+                }
             }
+        }
+        if self.split_bwd {
+            if separate {
+                return Err(
+                    "bwd=split computes dQ inside the dK/dV kernel; it cannot take dq=separate"
+                        .into(),
+                );
+            }
+            self.fused_dq = true;
         }
         Ok(())
     }
@@ -194,6 +232,20 @@ impl MmaTiles {
     /// the query block's 16-row tiles and head_dim into column groups of a multiple of 16.
     pub(crate) fn fused_dq_problem(&self, hd: usize) -> Option<String> {
         let (row_tiles, planes) = (self.dkdv.1 / 16, self.dkdv_planes);
+        if self.split_bwd {
+            // 32 keys a warp: `planes * mt / 2` key warps, `2 / mt` query (column) groups.
+            let (mt, block_q) = self.dkdv;
+            let groups = if mt <= 2 { 2 / mt } else { 0 };
+            if groups == 0
+                || !block_q.is_multiple_of(16 * groups)
+                || !hd.is_multiple_of(16 * groups)
+            {
+                return Some(format!(
+                    "bwd=split gives each warp 32 keys: dkdv's row tiles must be 1 or 2, and with 1 the query block \
+                     ({block_q}) and head_dim ({hd}) must split into two groups of a multiple of 16"
+                ));
+            }
+        }
         let ok = if row_tiles >= planes {
             row_tiles % planes == 0
         } else {
@@ -649,39 +701,77 @@ pub(crate) fn backward<R: CubeRuntime>(
             }
             let (mt, block_q) = tiles.dkdv;
             let planes = tiles.dkdv_planes;
-            unsafe {
-                flash_backward_dkdv_mma::launch_unchecked::<R>(
-                    &client,
-                    CubeCount::Static(d.seq_k.div_ceil(planes * mt * 16) as u32, bh, 1),
-                    CubeDim::new_2d(32, planes as u32),
-                    width,
-                    q.into_tensor_arg(),
-                    k.into_tensor_arg(),
-                    v.into_tensor_arg(),
-                    grad.into_tensor_arg(),
-                    lse.into_tensor_arg(),
-                    delta.into_tensor_arg(),
-                    dk.clone().into_tensor_arg(),
-                    dv.clone().into_tensor_arg(),
-                    dq_acc.clone().into_tensor_arg(),
-                    d.heads,
-                    d.seq_q,
-                    d.seq_k,
-                    scale,
-                    d.hd,
-                    planes,
-                    mt,
-                    block_q,
-                    width,
-                    causal,
-                    tiles.fused_dq,
-                    drop.key0,
-                    drop.key1,
-                    drop.threshold,
-                    drop.scale,
-                    drop.on,
-                    dtype,
-                );
+            let count = CubeCount::Static(d.seq_k.div_ceil(planes * mt * 16) as u32, bh, 1);
+            let dim = CubeDim::new_2d(32, planes as u32);
+            if tiles.split_bwd {
+                unsafe {
+                    flash_backward_split_mma::launch_unchecked::<R>(
+                        &client,
+                        count,
+                        dim,
+                        width,
+                        q.into_tensor_arg(),
+                        k.into_tensor_arg(),
+                        v.into_tensor_arg(),
+                        grad.into_tensor_arg(),
+                        lse.into_tensor_arg(),
+                        delta.into_tensor_arg(),
+                        dk.clone().into_tensor_arg(),
+                        dv.clone().into_tensor_arg(),
+                        dq_acc.clone().into_tensor_arg(),
+                        d.heads,
+                        d.seq_q,
+                        d.seq_k,
+                        scale,
+                        d.hd,
+                        planes,
+                        mt,
+                        block_q,
+                        width,
+                        causal,
+                        drop.key0,
+                        drop.key1,
+                        drop.threshold,
+                        drop.scale,
+                        drop.on,
+                        dtype,
+                    );
+                }
+            } else {
+                unsafe {
+                    flash_backward_dkdv_mma::launch_unchecked::<R>(
+                        &client,
+                        count,
+                        dim,
+                        width,
+                        q.into_tensor_arg(),
+                        k.into_tensor_arg(),
+                        v.into_tensor_arg(),
+                        grad.into_tensor_arg(),
+                        lse.into_tensor_arg(),
+                        delta.into_tensor_arg(),
+                        dk.clone().into_tensor_arg(),
+                        dv.clone().into_tensor_arg(),
+                        dq_acc.clone().into_tensor_arg(),
+                        d.heads,
+                        d.seq_q,
+                        d.seq_k,
+                        scale,
+                        d.hd,
+                        planes,
+                        mt,
+                        block_q,
+                        width,
+                        causal,
+                        tiles.fused_dq,
+                        drop.key0,
+                        drop.key1,
+                        drop.threshold,
+                        drop.scale,
+                        drop.on,
+                        dtype,
+                    );
+                }
             }
             if tiles.fused_dq {
                 let width = row_width(&[&dq], &[dq.dtype, DType::F32], d.hd);
@@ -907,12 +997,27 @@ mod tests {
         assert!(t.stmatrix);
         t.apply("stmatrix=off").unwrap();
         assert!(!t.stmatrix);
+        // The split backward fuses dQ and gives each warp 32 keys.
+        let mut t = MmaTiles::for_head_dim(128, false);
+        t.apply("bwd=split").unwrap();
+        assert!(t.split_bwd && t.fused_dq);
+        assert_eq!(t.fused_dq_problem(128), None);
+        assert_eq!(t.fused_dq_problem(64), None);
+        t.apply("dkdv=4x64x8").unwrap();
+        assert!(t.fused_dq_problem(128).is_some());
+        t.apply("dkdv=1x48x8").unwrap();
+        assert!(t.fused_dq_problem(128).is_some());
+        t.apply("bwd=rows,dq=separate").unwrap();
+        assert!(!t.split_bwd && !t.fused_dq);
         for bad in [
+            "bwd=split,dq=separate",
+            "dq=separate,bwd=split",
             "fwd=3x64",
             "fwd=2x24",
             "fwd=2x256",
             "fwd=2",
             "bwd=1x64",
+            "bwd=fa2",
             "fwd",
             "fwd=1x64x6",
             "stages=4",

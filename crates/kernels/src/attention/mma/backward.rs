@@ -258,13 +258,15 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     );
 }
 
-/// Writes this warp's dS^T tiles (`dp`: rows = its keys from `w0`, columns = the block's queries)
-/// to `ds_t` in the input dtype, one A-fragment register (two columns) per store.
+/// Writes this warp's dS^T tiles (`dp`: rows = its keys from `w0`, columns = queries from vector
+/// `c0` of each row, `s_tiles` of 8) to `ds_t` in the input dtype, one A-fragment register (two
+/// columns) per store.
 #[cube]
 fn store_ds_t<F: Float, NA: Size, NC: Size>(
     dp: &Array<Vector<f32, NC>>,
     ds_t: &mut SharedMemory<Vector<F, NA>>,
     w0: usize,
+    c0: usize,
     #[comptime] ds_pitch: usize,
     #[comptime] mt: usize,
     #[comptime] s_tiles: usize,
@@ -282,7 +284,7 @@ fn store_ds_t<F: Float, NA: Size, NC: Size>(
                 let mut y = Vector::<F, NA>::empty();
                 y[0] = F::cast_from(x[0]);
                 y[1] = F::cast_from(x[1]);
-                ds_t[row * ds_pitch + t * 4 + t4] = y;
+                ds_t[row * ds_pitch + c0 + t * 4 + t4] = y;
             }
         }
     }
@@ -292,7 +294,7 @@ fn store_ds_t<F: Float, NA: Size, NC: Size>(
 /// added with f32 atomics (other key blocks add theirs). The `block_q / 16` row tiles and the
 /// head_dim columns are split over the warps: `planes / row_tiles` column groups when there are
 /// more warps than row tiles, else `row_tiles / planes` row tiles per warp; columns go in chunks
-/// of up to 32 so that the accumulators stay small next to dK and dV.
+/// of 32 (or 16) so that the accumulators stay small next to dK and dV.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
@@ -321,7 +323,12 @@ fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
     });
     let row_slots = comptime!(row_tiles / qm);
     let group_cols = comptime!(hd / (planes / row_slots));
-    let chunk = comptime!(if group_cols > 32 { 32 } else { group_cols });
+    // Chunks of 32 columns, or 16 where 32 does not divide the group (hd 96 over two groups).
+    let chunk = comptime!(if group_cols.is_multiple_of(32) {
+        32
+    } else {
+        16
+    });
     let ctiles = comptime!(chunk / 8);
     let warp = UNIT_POS_Y as usize;
     let r0 = (warp % row_slots) * comptime!(qm * 16);
@@ -727,7 +734,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
             );
         }
         if comptime!(fuse_dq) {
-            store_ds_t::<F, NA, NC>(&dp, &mut ds_t, w0, ds_pitch, mt, s_tiles);
+            store_ds_t::<F, NA, NC>(&dp, &mut ds_t, w0, 0, ds_pitch, mt, s_tiles);
             sync_cube();
             dq_block_atomic::<F, N, NA, NB, NC>(
                 &ds_t,
@@ -768,5 +775,404 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         1.0,
         mt,
         hd,
+    );
+}
+
+/// Tensor-core dK, dV and dQ with each query block's work split over the warps in three layouts
+/// (FlashAttention-2's). Grid `(key blocks, batch * heads)`, cube `(32, planes)`; a cube owns
+/// `block_k = planes * mt * 16` keys (k and v stay staged) and walks `block_q`-query blocks:
+///
+/// - `S^T = k q^T`, `dP^T = v dO^T`: the warps form a `key_warps x 2 / mt` grid (`key_warps =
+///   block_k / 32`), 32 keys by `block_q * mt / 2` queries each; P^T and dS^T go to shared
+///   memory in the input dtype.
+/// - `dV += P^T dO`, `dK += dS^T q`: the same grid over keys and head_dim columns, 32 keys by
+///   `hd * mt / 2` columns each, accumulated in registers over the query blocks.
+/// - `dQ += dS k`: [`dq_block_atomic`], added to an f32 buffer with atomics.
+///
+/// Against [`flash_backward_dkdv_mma`], where a warp owns whole key rows (all head_dim columns of
+/// dK and dV, so at hd 128 one row tile of 16 keys for 128 f32 accumulators a lane), each warp
+/// here owns two row tiles, so every B fragment read from shared memory feeds two MMAs, at the
+/// cost of the trip of P^T and dS^T through shared memory. Under a causal mask a warp whose keys
+/// all come after its queries leaves its part of P^T and dS^T zero.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(arithmetic_overflow)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<Atomic<f32>>,
+    heads: usize,
+    seq_q: usize,
+    seq_k: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] planes: usize,
+    #[comptime] mt: usize,
+    #[comptime] block_q: usize,
+    #[comptime] width: usize,
+    #[comptime] causal: bool,
+    key0: u32,
+    key1: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
+    let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
+    let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
+
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    let bh = CUBE_POS_Y as usize;
+    let (b, h) = (bh / heads, bh % heads);
+    let block_k = comptime!(planes * mt * 16);
+    let k0 = CUBE_POS_X as usize * block_k;
+    // Two row tiles (32 keys) per warp in both layouts; the other warp index splits the block's
+    // queries (scores) or head_dim (dK, dV).
+    let key_warps = comptime!(block_k / 32);
+    let split = comptime!(planes / key_warps);
+    let sq = comptime!(block_q / split);
+    let oc = comptime!(hd / split);
+    let warp = UNIT_POS_Y as usize;
+    let kr0 = (warp % key_warps) * 32;
+    let side = warp / key_warps;
+    let (qc0, hc0) = (side * sq, side * oc);
+    let pitch = comptime!((hd + 8) / width);
+    let per_row = comptime!(hd / width);
+    let threads = comptime!(planes * 32);
+    let tile = comptime!(block_q * pitch);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
+    let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut gt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut lse_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
+    let mut delta_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
+    // P^T and dS^T of the current block (keys x queries, pairs of columns per vector as in an A
+    // fragment register), rows padded by 8 elements as the other tiles.
+    let ds_pitch = comptime!((block_q + 8) / 2);
+    let mut p_t = SharedMemory::<Vector<F, NA>>::new_aligned(comptime!(block_k * ds_pitch), ALIGN);
+    let mut ds_t = SharedMemory::<Vector<F, NA>>::new_aligned(comptime!(block_k * ds_pitch), ALIGN);
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let (qbase, qstride) = (
+        (b * q.stride(0) + h * q.stride(1)) / width,
+        q.stride(2) / width,
+    );
+    let (gbase, gstride) = (
+        (b * grad.stride(0) + h * grad.stride(1)) / width,
+        grad.stride(2) / width,
+    );
+    copy_rows(
+        k,
+        &mut kt,
+        0,
+        (b * k.stride(0) + h * k.stride(1)) / width,
+        k.stride(2) / width,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        false,
+        threads,
+    );
+    copy_rows(
+        v,
+        &mut vt,
+        0,
+        (b * v.stride(0) + h * v.stride(1)) / width,
+        v.stride(2) / width,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        false,
+        threads,
+    );
+
+    let s_tiles = comptime!(sq / 8);
+    let o_tiles = comptime!(oc / 8);
+    let mut dk_acc = zeros::<NC>(comptime!(2 * o_tiles * 2));
+    let mut dv_acc = zeros::<NC>(comptime!(2 * o_tiles * 2));
+
+    let query_blocks = seq_q.div_ceil(block_q);
+    let mut first = 0usize;
+    if comptime!(causal) {
+        first = k0 / block_q;
+    }
+    sync_cube();
+    if first < query_blocks {
+        issue_query_block(
+            q,
+            grad,
+            lse,
+            delta,
+            &mut qt,
+            &mut gt,
+            &mut lse_t,
+            &mut delta_t,
+            0,
+            qbase,
+            qstride,
+            gbase,
+            gstride,
+            bh * seq_q,
+            first * block_q,
+            seq_q,
+            block_q,
+            per_row,
+            pitch,
+            width,
+            threads,
+        );
+        commit(&bar0, &bar1, 0);
+    }
+    for qb in first..query_blocks {
+        let i0 = qb * block_q;
+        let n = qb - first;
+        let cur = n % 2;
+        if qb + 1 < query_blocks {
+            issue_query_block(
+                q,
+                grad,
+                lse,
+                delta,
+                &mut qt,
+                &mut gt,
+                &mut lse_t,
+                &mut delta_t,
+                (n + 1) % 2,
+                qbase,
+                qstride,
+                gbase,
+                gstride,
+                bh * seq_q,
+                i0 + block_q,
+                seq_q,
+                block_q,
+                per_row,
+                pitch,
+                width,
+                threads,
+            );
+            commit(&bar0, &bar1, (n + 1) % 2);
+        }
+        wait_block(&bar0, &bar1, n);
+        // This warp's queries: columns `qc0 ..` of the block.
+        let lrow = cur * block_q + qc0;
+        let j0 = i0 + qc0;
+
+        let mut s = zeros::<NC>(comptime!(2 * s_tiles * 2));
+        let mut dp = zeros::<NC>(comptime!(2 * s_tiles * 2));
+        if rows_see(k0 + kr0, j0, sq, causal) {
+            block_product::<F, N, NA, NB, NC>(
+                &kt,
+                kr0,
+                &qt,
+                cur * tile + qc0 * pitch,
+                &mut s,
+                comptime!(hd / 16),
+                s_tiles,
+                2usize,
+                pitch,
+                width,
+                true,
+            );
+            block_product::<F, N, NA, NB, NC>(
+                &vt,
+                kr0,
+                &gt,
+                cur * tile + qc0 * pitch,
+                &mut dp,
+                comptime!(hd / 16),
+                s_tiles,
+                2usize,
+                pitch,
+                width,
+                true,
+            );
+
+            // Pairs past either length or above the diagonal: a large negative score (P = 0).
+            let last_key = k0 + kr0 + 32;
+            let mut edge = j0 + sq > seq_q || last_key > seq_k;
+            if comptime!(causal) {
+                edge = edge || last_key > j0 + 1;
+            }
+            if edge {
+                #[unroll]
+                for m in 0..2usize {
+                    #[unroll]
+                    for half in 0..2usize {
+                        let key = k0 + kr0 + m * 16 + half * 8 + g;
+                        #[unroll]
+                        for t in 0..s_tiles {
+                            let at = (m * s_tiles + t) * 2 + half;
+                            let mut x = s[at];
+                            #[unroll]
+                            for e in 0..2usize {
+                                let qi = j0 + t * 8 + t4 * 2 + e;
+                                if qi >= seq_q || !visible(qi, key, seq_k, causal) {
+                                    x[e] = neg_big();
+                                }
+                            }
+                            s[at] = x;
+                        }
+                    }
+                }
+            }
+            if comptime!(dropout) {
+                // As in `flash_backward_dkdv_mma`: the forward's mask drawn again per 16 x 16
+                // tile, two Philox calls per tile (these tiles are transposed).
+                let high = g % 2 == 1;
+                #[unroll]
+                for m in 0..2usize {
+                    let key_tile = u32::cast_from((k0 + kr0) / 16 + m);
+                    #[unroll]
+                    for u in 0..comptime!(s_tiles / 2) {
+                        #[unroll]
+                        for e in 0..2usize {
+                            let w = philox(
+                                u32::cast_from((t4 * 2 + e) * 4 + g / 2),
+                                key_tile,
+                                u32::cast_from(j0 / 16 + u),
+                                u32::cast_from(bh),
+                                key0,
+                                key1,
+                            );
+                            #[unroll]
+                            for tt in 0..2usize {
+                                let col = (u * 2 + tt) * 8 + t4 * 2 + e;
+                                let l = lse_t[lrow + col];
+                                let d = delta_t[lrow + col];
+                                #[unroll]
+                                for half in 0..2usize {
+                                    let at = (m * s_tiles + u * 2 + tt) * 2 + half;
+                                    let z = factor(
+                                        half_word(w[tt * 2 + half], high),
+                                        threshold,
+                                        keep_scale,
+                                    );
+                                    let mut x = s[at];
+                                    let mut y = dp[at];
+                                    let p = (x[e] * scale - l).exp();
+                                    x[e] = p * z;
+                                    y[e] = p * (y[e] * z - d);
+                                    s[at] = x;
+                                    dp[at] = y;
+                                }
+                            }
+                        }
+                    }
+                }
+            } else {
+                #[unroll]
+                for t in 0..s_tiles {
+                    #[unroll]
+                    for e in 0..2usize {
+                        let col = t * 8 + t4 * 2 + e;
+                        let l = lse_t[lrow + col];
+                        let d = delta_t[lrow + col];
+                        #[unroll]
+                        for m in 0..2usize {
+                            #[unroll]
+                            for half in 0..2usize {
+                                let at = (m * s_tiles + t) * 2 + half;
+                                let mut x = s[at];
+                                let mut y = dp[at];
+                                let p = (x[e] * scale - l).exp();
+                                x[e] = p;
+                                y[e] = p * (y[e] - d);
+                                s[at] = x;
+                                dp[at] = y;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        store_ds_t::<F, NA, NC>(&s, &mut p_t, kr0, qc0 / 2, ds_pitch, 2usize, s_tiles);
+        store_ds_t::<F, NA, NC>(&dp, &mut ds_t, kr0, qc0 / 2, ds_pitch, 2usize, s_tiles);
+        sync_cube();
+
+        // dV += P^T dO, dK += dS^T q: this warp's keys and head_dim columns `hc0 ..`.
+        tile_product::<F, NA, N, NA, NB, NC>(
+            &p_t,
+            kr0,
+            &gt,
+            cur * tile + hc0 / width,
+            &mut dv_acc,
+            comptime!(block_q / 16),
+            o_tiles,
+            2usize,
+            ds_pitch,
+            2usize,
+            pitch,
+            width,
+            false,
+        );
+        tile_product::<F, NA, N, NA, NB, NC>(
+            &ds_t,
+            kr0,
+            &qt,
+            cur * tile + hc0 / width,
+            &mut dk_acc,
+            comptime!(block_q / 16),
+            o_tiles,
+            2usize,
+            ds_pitch,
+            2usize,
+            pitch,
+            width,
+            false,
+        );
+        dq_block_atomic::<F, N, NA, NB, NC>(
+            &ds_t,
+            &kt,
+            dq_acc,
+            bh * seq_q * hd,
+            i0,
+            seq_q,
+            scale,
+            hd,
+            planes,
+            block_q,
+            block_k,
+            ds_pitch,
+            pitch,
+            width,
+        );
+        sync_cube();
+    }
+
+    store_rows::<F, NC>(
+        &dk_acc,
+        dk,
+        b * dk.stride(0) + h * dk.stride(1) + hc0,
+        k0 + kr0,
+        seq_k,
+        scale,
+        2usize,
+        oc,
+    );
+    store_rows::<F, NC>(
+        &dv_acc,
+        dv,
+        b * dv.stride(0) + h * dv.stride(1) + hc0,
+        k0 + kr0,
+        seq_k,
+        1.0,
+        2usize,
+        oc,
     );
 }

@@ -476,9 +476,34 @@ pub(crate) fn block_product<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
     #[comptime] width: usize,
     #[comptime] n_rows: bool,
 ) {
+    tile_product::<F, N, N, NA, NB, NC>(
+        a_tile, row0, b_tile, b_off, acc, steps, tiles, mt, pitch, width, pitch, width, n_rows,
+    );
+}
+
+/// [`block_product`] with an A tile of its own vector type, pitch and width (`a_pitch` vectors of
+/// `a_width` elements a row), such as the P^T and dS^T tiles of the split backward, which hold
+/// pairs of elements.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tile_product<F: Float, NT: Size, N: Size, NA: Size, NB: Size, NC: Size>(
+    a_tile: &SharedMemory<Vector<F, NT>>,
+    row0: usize,
+    b_tile: &SharedMemory<Vector<F, N>>,
+    b_off: usize,
+    acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] steps: usize,
+    #[comptime] tiles: usize,
+    #[comptime] mt: usize,
+    #[comptime] a_pitch: usize,
+    #[comptime] a_width: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] n_rows: bool,
+) {
     #[unroll]
     for kk in 0..steps {
-        let a = rows_as_a::<F, N, NA>(a_tile, row0, kk, mt, pitch, width);
+        let a = rows_as_a::<F, NT, NA>(a_tile, row0, kk, mt, a_pitch, a_width);
         #[unroll]
         for pair in 0..comptime!(tiles / 2) {
             let b = load_b2::<F, N, NB>(b_tile, b_off, kk * 16, pair * 16, pitch, width, n_rows);

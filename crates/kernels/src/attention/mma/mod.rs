@@ -31,5 +31,7 @@ mod backward;
 mod forward;
 pub(crate) mod fragments;
 
-pub(crate) use backward::{dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma};
+pub(crate) use backward::{
+    dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_backward_split_mma,
+};
 pub(crate) use forward::flash_forward_mma;
