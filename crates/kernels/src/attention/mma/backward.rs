@@ -68,35 +68,11 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
     // q and dO are copied with the first key block (their copies complete with its barrier).
     if blocks > 0 {
-        copy_rows(
-            q,
-            &mut qt,
-            0,
-            (b * q.stride(0) + h * q.stride(1)) / width,
-            q.stride(2) / width,
-            q0,
-            seq_q,
-            block_q,
-            per_row,
-            pitch,
-            width,
-            true,
-            threads,
+        copy_head_rows(
+            q, &mut qt, b, h, q0, seq_q, block_q, per_row, pitch, width, true, threads,
         );
-        copy_rows(
-            grad,
-            &mut gt,
-            0,
-            (b * grad.stride(0) + h * grad.stride(1)) / width,
-            grad.stride(2) / width,
-            q0,
-            seq_q,
-            block_q,
-            per_row,
-            pitch,
-            width,
-            true,
-            threads,
+        copy_head_rows(
+            grad, &mut gt, b, h, q0, seq_q, block_q, per_row, pitch, width, true, threads,
         );
     }
 
@@ -294,7 +270,9 @@ fn store_ds_t<F: Float, NA: Size, NC: Size>(
 /// added with f32 atomics (other key blocks add theirs). The `block_q / 16` row tiles and the
 /// head_dim columns are split over the warps: `planes / row_tiles` column groups when there are
 /// more warps than row tiles, else `row_tiles / planes` row tiles per warp; columns go in chunks
-/// of 32 (or 16) so that the accumulators stay small next to dK and dV.
+/// of 32 (or 16) so that the accumulators stay small next to dK and dV. `paired`: two row tiles
+/// per warp where the warps then still split head_dim into groups of a multiple of 16 (each B
+/// fragment read feeds two MMAs; the split backward's layout).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
@@ -312,12 +290,19 @@ fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
     #[comptime] ds_pitch: usize,
     #[comptime] pitch: usize,
     #[comptime] width: usize,
+    #[comptime] paired: bool,
 ) {
     let lane = UNIT_POS_PLANE as usize;
     let (g, t4) = (lane / 4, lane % 4);
     let row_tiles = comptime!(block_q / 16);
     let qm = comptime!(if row_tiles > planes {
         row_tiles / planes
+    } else if paired
+        && row_tiles.is_multiple_of(2)
+        && planes.is_multiple_of(row_tiles / 2)
+        && hd.is_multiple_of(16 * (planes / (row_tiles / 2)))
+    {
+        2
     } else {
         1
     });
@@ -437,8 +422,6 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
     let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
 
-    let lane = UNIT_POS_PLANE as usize;
-    let (g, t4) = (lane / 4, lane % 4);
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
     let block_k = comptime!(planes * mt * 16);
@@ -472,12 +455,11 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         (b * grad.stride(0) + h * grad.stride(1)) / width,
         grad.stride(2) / width,
     );
-    copy_rows(
+    copy_head_rows(
         k,
         &mut kt,
-        0,
-        (b * k.stride(0) + h * k.stride(1)) / width,
-        k.stride(2) / width,
+        b,
+        h,
         k0,
         seq_k,
         block_k,
@@ -487,12 +469,11 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         false,
         comptime!(planes * 32),
     );
-    copy_rows(
+    copy_head_rows(
         v,
         &mut vt,
-        0,
-        (b * v.stride(0) + h * v.stride(1)) / width,
-        v.stride(2) / width,
+        b,
+        h,
         k0,
         seq_k,
         block_k,
@@ -606,109 +587,27 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
                 true,
             );
 
-            // P^T in place of S^T, dS^T in place of dP^T. Scores of (query, key) pairs past either
-            // length or above the diagonal become a large negative value (P = 0; the positive scale
-            // keeps it so), tested only in blocks that meet such a pair (uniform across the warp).
-            // The scale goes into the exponent's argument (one fused multiply-add an entry).
-            let last_key = k0 + w0 + comptime!(mt * 16);
-            let mut edge = i0 + block_q > seq_q || last_key > seq_k;
-            if comptime!(causal) {
-                edge = edge || last_key > i0 + 1;
-            }
-            if edge {
-                #[unroll]
-                for m in 0..mt {
-                    #[unroll]
-                    for half in 0..2usize {
-                        let key = k0 + w0 + m * 16 + half * 8 + g;
-                        #[unroll]
-                        for t in 0..s_tiles {
-                            let at = (m * s_tiles + t) * 2 + half;
-                            let mut x = s[at];
-                            #[unroll]
-                            for e in 0..2usize {
-                                let qi = i0 + t * 8 + t4 * 2 + e;
-                                if qi >= seq_q || !visible(qi, key, seq_k, causal) {
-                                    x[e] = neg_big();
-                                }
-                            }
-                            s[at] = x;
-                        }
-                    }
-                }
-            }
-            if comptime!(dropout) {
-                // P^T * Z for dV and dS^T = P^T * (dP^T * Z - delta), with the forward's mask
-                // drawn again. These tiles are transposed, so a lane's entries of a 16 x 16 tile
-                // belong to the forward's lanes 4 (2 t4 + e) + g / 2 for e = 0, 1: two Philox
-                // calls per tile.
-                let high = g % 2 == 1;
-                #[unroll]
-                for m in 0..mt {
-                    let key_tile = u32::cast_from((k0 + w0) / 16 + m);
-                    #[unroll]
-                    for u in 0..comptime!(s_tiles / 2) {
-                        #[unroll]
-                        for e in 0..2usize {
-                            let w = philox(
-                                u32::cast_from((t4 * 2 + e) * 4 + g / 2),
-                                key_tile,
-                                u32::cast_from(i0 / 16 + u),
-                                u32::cast_from(bh),
-                                key0,
-                                key1,
-                            );
-                            #[unroll]
-                            for tt in 0..2usize {
-                                let col = (u * 2 + tt) * 8 + t4 * 2 + e;
-                                let l = lse_t[lrow + col];
-                                let d = delta_t[lrow + col];
-                                #[unroll]
-                                for half in 0..2usize {
-                                    let at = (m * s_tiles + u * 2 + tt) * 2 + half;
-                                    let z = factor(
-                                        half_word(w[tt * 2 + half], high),
-                                        threshold,
-                                        keep_scale,
-                                    );
-                                    let mut x = s[at];
-                                    let mut y = dp[at];
-                                    let p = (x[e] * scale - l).exp();
-                                    x[e] = p * z;
-                                    y[e] = p * (y[e] * z - d);
-                                    s[at] = x;
-                                    dp[at] = y;
-                                }
-                            }
-                        }
-                    }
-                }
-            } else {
-                #[unroll]
-                for t in 0..s_tiles {
-                    #[unroll]
-                    for e in 0..2usize {
-                        let col = t * 8 + t4 * 2 + e;
-                        let l = lse_t[lrow + col];
-                        let d = delta_t[lrow + col];
-                        #[unroll]
-                        for m in 0..mt {
-                            #[unroll]
-                            for half in 0..2usize {
-                                let at = (m * s_tiles + t) * 2 + half;
-                                let mut x = s[at];
-                                let mut y = dp[at];
-                                let p = (x[e] * scale - l).exp();
-                                x[e] = p;
-                                y[e] = p * (y[e] - d);
-                                s[at] = x;
-                                dp[at] = y;
-                            }
-                        }
-                    }
-                }
-            }
-
+            transposed_scores::<NC>(
+                &mut s,
+                &mut dp,
+                &lse_t,
+                &delta_t,
+                lrow,
+                k0 + w0,
+                i0,
+                seq_q,
+                seq_k,
+                scale,
+                bh,
+                key0,
+                key1,
+                threshold,
+                keep_scale,
+                mt,
+                s_tiles,
+                causal,
+                dropout,
+            );
             // dV += P^T dO, dK += dS^T q.
             scores_product::<F, N, NA, NB, NC>(
                 &s,
@@ -751,6 +650,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
                 ds_pitch,
                 pitch,
                 width,
+                false,
             );
         }
         sync_cube();
@@ -829,8 +729,6 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
     let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
     let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
 
-    let lane = UNIT_POS_PLANE as usize;
-    let (g, t4) = (lane / 4, lane % 4);
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
     let block_k = comptime!(planes * mt * 16);
@@ -870,35 +768,11 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
         (b * grad.stride(0) + h * grad.stride(1)) / width,
         grad.stride(2) / width,
     );
-    copy_rows(
-        k,
-        &mut kt,
-        0,
-        (b * k.stride(0) + h * k.stride(1)) / width,
-        k.stride(2) / width,
-        k0,
-        seq_k,
-        block_k,
-        per_row,
-        pitch,
-        width,
-        false,
-        threads,
+    copy_head_rows(
+        k, &mut kt, b, h, k0, seq_k, block_k, per_row, pitch, width, false, threads,
     );
-    copy_rows(
-        v,
-        &mut vt,
-        0,
-        (b * v.stride(0) + h * v.stride(1)) / width,
-        v.stride(2) / width,
-        k0,
-        seq_k,
-        block_k,
-        per_row,
-        pitch,
-        width,
-        false,
-        threads,
+    copy_head_rows(
+        v, &mut vt, b, h, k0, seq_k, block_k, per_row, pitch, width, false, threads,
     );
 
     let s_tiles = comptime!(sq / 8);
@@ -1003,103 +877,27 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
                 true,
             );
 
-            // Pairs past either length or above the diagonal: a large negative score (P = 0).
-            let last_key = k0 + kr0 + 32;
-            let mut edge = j0 + sq > seq_q || last_key > seq_k;
-            if comptime!(causal) {
-                edge = edge || last_key > j0 + 1;
-            }
-            if edge {
-                #[unroll]
-                for m in 0..2usize {
-                    #[unroll]
-                    for half in 0..2usize {
-                        let key = k0 + kr0 + m * 16 + half * 8 + g;
-                        #[unroll]
-                        for t in 0..s_tiles {
-                            let at = (m * s_tiles + t) * 2 + half;
-                            let mut x = s[at];
-                            #[unroll]
-                            for e in 0..2usize {
-                                let qi = j0 + t * 8 + t4 * 2 + e;
-                                if qi >= seq_q || !visible(qi, key, seq_k, causal) {
-                                    x[e] = neg_big();
-                                }
-                            }
-                            s[at] = x;
-                        }
-                    }
-                }
-            }
-            if comptime!(dropout) {
-                // As in `flash_backward_dkdv_mma`: the forward's mask drawn again per 16 x 16
-                // tile, two Philox calls per tile (these tiles are transposed).
-                let high = g % 2 == 1;
-                #[unroll]
-                for m in 0..2usize {
-                    let key_tile = u32::cast_from((k0 + kr0) / 16 + m);
-                    #[unroll]
-                    for u in 0..comptime!(s_tiles / 2) {
-                        #[unroll]
-                        for e in 0..2usize {
-                            let w = philox(
-                                u32::cast_from((t4 * 2 + e) * 4 + g / 2),
-                                key_tile,
-                                u32::cast_from(j0 / 16 + u),
-                                u32::cast_from(bh),
-                                key0,
-                                key1,
-                            );
-                            #[unroll]
-                            for tt in 0..2usize {
-                                let col = (u * 2 + tt) * 8 + t4 * 2 + e;
-                                let l = lse_t[lrow + col];
-                                let d = delta_t[lrow + col];
-                                #[unroll]
-                                for half in 0..2usize {
-                                    let at = (m * s_tiles + u * 2 + tt) * 2 + half;
-                                    let z = factor(
-                                        half_word(w[tt * 2 + half], high),
-                                        threshold,
-                                        keep_scale,
-                                    );
-                                    let mut x = s[at];
-                                    let mut y = dp[at];
-                                    let p = (x[e] * scale - l).exp();
-                                    x[e] = p * z;
-                                    y[e] = p * (y[e] * z - d);
-                                    s[at] = x;
-                                    dp[at] = y;
-                                }
-                            }
-                        }
-                    }
-                }
-            } else {
-                #[unroll]
-                for t in 0..s_tiles {
-                    #[unroll]
-                    for e in 0..2usize {
-                        let col = t * 8 + t4 * 2 + e;
-                        let l = lse_t[lrow + col];
-                        let d = delta_t[lrow + col];
-                        #[unroll]
-                        for m in 0..2usize {
-                            #[unroll]
-                            for half in 0..2usize {
-                                let at = (m * s_tiles + t) * 2 + half;
-                                let mut x = s[at];
-                                let mut y = dp[at];
-                                let p = (x[e] * scale - l).exp();
-                                x[e] = p;
-                                y[e] = p * (y[e] - d);
-                                s[at] = x;
-                                dp[at] = y;
-                            }
-                        }
-                    }
-                }
-            }
+            transposed_scores::<NC>(
+                &mut s,
+                &mut dp,
+                &lse_t,
+                &delta_t,
+                lrow,
+                k0 + kr0,
+                j0,
+                seq_q,
+                seq_k,
+                scale,
+                bh,
+                key0,
+                key1,
+                threshold,
+                keep_scale,
+                2usize,
+                s_tiles,
+                causal,
+                dropout,
+            );
         }
         store_ds_t::<F, NA, NC>(&s, &mut p_t, kr0, qc0 / 2, ds_pitch, 2usize, s_tiles);
         store_ds_t::<F, NA, NC>(&dp, &mut ds_t, kr0, qc0 / 2, ds_pitch, 2usize, s_tiles);
@@ -1151,6 +949,7 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
             ds_pitch,
             pitch,
             width,
+            true,
         );
         sync_cube();
     }
@@ -1175,4 +974,133 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
         2usize,
         oc,
     );
+}
+
+/// P^T and dS^T of a warp's transposed score tiles, in place (the dK/dV kernels). `s` holds
+/// `S^T = k q^T` and `dp` holds `dP^T = v dO^T` for `mt` row tiles of keys from `key0` and
+/// `s_tiles` column tiles of queries from `query0`, whose log-sum-exp and delta sit in `lse_t`
+/// and `delta_t` from `lrow` on. `s` becomes P^T (times the dropout mask's factor Z) and `dp`
+/// becomes `dS^T = P^T (dP^T Z - delta)`. Pairs past either length or above the diagonal get a
+/// large negative score (P = 0, which the positive scale keeps so), tested only when the tiles
+/// meet such a pair (uniform across the warp); the scale goes into the exponent's argument (one
+/// fused multiply-add an entry).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn transposed_scores<NC: Size>(
+    s: &mut Array<Vector<f32, NC>>,
+    dp: &mut Array<Vector<f32, NC>>,
+    lse_t: &SharedMemory<f32>,
+    delta_t: &SharedMemory<f32>,
+    lrow: usize,
+    key0: usize,
+    query0: usize,
+    seq_q: usize,
+    seq_k: usize,
+    scale: f32,
+    bh: usize,
+    seed0: u32,
+    seed1: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] mt: usize,
+    #[comptime] s_tiles: usize,
+    #[comptime] causal: bool,
+    #[comptime] dropout: bool,
+) {
+    let lane = UNIT_POS_PLANE as usize;
+    let (g, t4) = (lane / 4, lane % 4);
+    let last_key = key0 + comptime!(mt * 16);
+    let mut edge = query0 + comptime!(s_tiles * 8) > seq_q || last_key > seq_k;
+    if comptime!(causal) {
+        edge = edge || last_key > query0 + 1;
+    }
+    if edge {
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for half in 0..2usize {
+                let key = key0 + m * 16 + half * 8 + g;
+                #[unroll]
+                for t in 0..s_tiles {
+                    let at = (m * s_tiles + t) * 2 + half;
+                    let mut x = s[at];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let qi = query0 + t * 8 + t4 * 2 + e;
+                        if qi >= seq_q || !visible(qi, key, seq_k, causal) {
+                            x[e] = neg_big();
+                        }
+                    }
+                    s[at] = x;
+                }
+            }
+        }
+    }
+    if comptime!(dropout) {
+        // The forward's mask drawn again. These tiles are transposed, so a lane's entries of a
+        // 16 x 16 tile belong to the forward's lanes 4 (2 t4 + e) + g / 2 for e = 0, 1: two
+        // Philox calls per tile.
+        let high = g % 2 == 1;
+        #[unroll]
+        for m in 0..mt {
+            let key_tile = u32::cast_from(key0 / 16 + m);
+            #[unroll]
+            for u in 0..comptime!(s_tiles / 2) {
+                #[unroll]
+                for e in 0..2usize {
+                    let w = philox(
+                        u32::cast_from((t4 * 2 + e) * 4 + g / 2),
+                        key_tile,
+                        u32::cast_from(query0 / 16 + u),
+                        u32::cast_from(bh),
+                        seed0,
+                        seed1,
+                    );
+                    #[unroll]
+                    for tt in 0..2usize {
+                        let col = (u * 2 + tt) * 8 + t4 * 2 + e;
+                        let l = lse_t[lrow + col];
+                        let d = delta_t[lrow + col];
+                        #[unroll]
+                        for half in 0..2usize {
+                            let at = (m * s_tiles + u * 2 + tt) * 2 + half;
+                            let z =
+                                factor(half_word(w[tt * 2 + half], high), threshold, keep_scale);
+                            let mut x = s[at];
+                            let mut y = dp[at];
+                            let p = (x[e] * scale - l).exp();
+                            x[e] = p * z;
+                            y[e] = p * (y[e] * z - d);
+                            s[at] = x;
+                            dp[at] = y;
+                        }
+                    }
+                }
+            }
+        }
+    } else {
+        #[unroll]
+        for t in 0..s_tiles {
+            #[unroll]
+            for e in 0..2usize {
+                let col = t * 8 + t4 * 2 + e;
+                let l = lse_t[lrow + col];
+                let d = delta_t[lrow + col];
+                #[unroll]
+                for m in 0..mt {
+                    #[unroll]
+                    for half in 0..2usize {
+                        let at = (m * s_tiles + t) * 2 + half;
+                        let mut x = s[at];
+                        let mut y = dp[at];
+                        let p = (x[e] * scale - l).exp();
+                        x[e] = p;
+                        y[e] = p * (y[e] - d);
+                        s[at] = x;
+                        dp[at] = y;
+                    }
+                }
+            }
+        }
+    }
 }

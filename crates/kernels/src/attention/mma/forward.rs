@@ -107,20 +107,8 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
     // The barriers are initialised before any unit commits to them.
     sync_cube();
     if blocks > 0 {
-        copy_rows(
-            q,
-            &mut qt,
-            0,
-            (b * q.stride(0) + h * q.stride(1)) / width,
-            q.stride(2) / width,
-            q0,
-            seq_q,
-            block_q,
-            per_row,
-            pitch,
-            width,
-            true,
-            threads,
+        copy_head_rows(
+            q, &mut qt, b, h, q0, seq_q, block_q, per_row, pitch, width, true, threads,
         );
     }
     kv_ring_start(

@@ -87,6 +87,41 @@ pub(crate) fn copy_rows<F: Float, N: Size>(
     }
 }
 
+/// [`copy_rows`] of batch `b` and head `h` of a `[batch, heads, seq, head_dim]` tensor (any
+/// strides that are multiples of `width`, unit last stride) into `tile` from vector 0 on.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn copy_head_rows<F: Float, N: Size>(
+    t: &Tensor<Vector<F, N>>,
+    tile: &mut SharedMemory<Vector<F, N>>,
+    b: usize,
+    h: usize,
+    row0: usize,
+    seq: usize,
+    #[comptime] rows: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] asynchronous: bool,
+    #[comptime] threads: usize,
+) {
+    copy_rows(
+        t,
+        tile,
+        0,
+        (b * t.stride(0) + h * t.stride(1)) / width,
+        t.stride(2) / width,
+        row0,
+        seq,
+        rows,
+        per_row,
+        pitch,
+        width,
+        asynchronous,
+        threads,
+    );
+}
+
 /// Vector `c` of tile row `r` (tensor row `row0 + r`, zero past `seq`) for [`copy_rows`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
