@@ -19,7 +19,8 @@
 //! Tile sweeps: the environment variable `BURNMIX_FLASH_TILES` (`kernels::settings::Settings::flash_tiles`)
 //! overrides the tensor-core kernels' tile shapes, e.g. `BURNMIX_FLASH_TILES=fwd=2x64,dkdv=1x32x8`
 //! (row tiles of 16 per warp x block depth [x warps per cube], per kernel: `fwd`, `dq`, `dkdv`),
-//! and `dq=fused` / `dq=separate` chooses whether the dK/dV kernel also computes dQ.
+//! `dq=fused` / `dq=separate` chooses whether the dK/dV kernel also computes dQ, and `bwd=split`
+//! runs the backward in FlashAttention-2's split warp layouts.
 //!
 //! `cargo run --release --bin attention_bench -- [--dtype bf16] [--seqs 1024,2048,4096,8192]
 //!  [--head-dims 64,128] [--no-burn] [--memory]`
