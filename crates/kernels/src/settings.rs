@@ -370,7 +370,8 @@ mod tests {
             (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
             (FP8_PAIR_ENV, "one", "auto, fused, separate"),
             (FLASH_TILES_ENV, "fwd=3x64", "row tiles must be 1, 2 or 4"),
-            (FLASH_TILES_ENV, "bwd=2x64", "expected fwd, dq or dkdv"),
+            (FLASH_TILES_ENV, "attn=2x64", "expected fwd, dq, dkdv"),
+            (FLASH_TILES_ENV, "bwd=2x64", "`split` or `rows`"),
             (EMBEDDING_GRAD_ENV, "fast", "atomic, reference"),
         ] {
             let e = Settings::from_lookup(lookup(&[(name, value)])).unwrap_err();
