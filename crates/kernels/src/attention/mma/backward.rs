@@ -334,7 +334,11 @@ fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
             }
             #[unroll]
             for pair in 0..comptime!(ctiles / 2) {
-                let bf = load_b2::<F, N, NB>(kt, 0, kk * 16, col0 + pair * 16, pitch, width, false);
+                // The warp's first column as the tile offset (in vectors), outside `load_b2`'s
+                // division by the width, so that every fragment's address is one base plus a
+                // constant.
+                let bf =
+                    load_b2::<F, N, NB>(kt, col0 / width, kk * 16, pair * 16, pitch, width, false);
                 mma_pair::<F, NA, NB, NC>(&a, &bf, &mut acc, pair, qm, ctiles);
             }
         }

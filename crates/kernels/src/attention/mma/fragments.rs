@@ -345,7 +345,10 @@ pub(crate) fn load_a_t<F: Float, N: Size, NA: Size>(
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE as usize;
     let (r8, i) = (lane % 8, lane / 8);
-    let at = (col0 + (i / 2) * 8 + r8) * pitch + (row0 + (i % 2) * 8) / width;
+    // `row0` is a multiple of `width` (and `width` divides 8): dividing it apart keeps the
+    // lane's part a constant offset, so the compiler folds a runtime `row0` into one base
+    // address instead of holding one address per fragment.
+    let at = (col0 + (i / 2) * 8 + r8) * pitch + row0 / width + (i % 2) * comptime!(8 / width);
     def.load_matrix::<Vector<F, N>, NA>(&tile.slice(at, at + 1), cmma::MatrixIdent::A, 4usize, true)
 }
 
