@@ -141,26 +141,33 @@ fn cuda_flash_attention_without_stmatrix() {
 }
 
 /// The backward in FlashAttention-2's split warp layouts (`BURNMIX_FLASH_TILES=bwd=split`: P^T
-/// and dS^T through shared memory, dQ fused) with the default dK/dV tiles of each head_dim and
+/// and dS^T through shared memory) with dQ fused and the default dK/dV tiles of each head_dim and
 /// mask; the shapes above and dropout's, in bf16 and f16.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_flash_attention_split_backward() {
-    split_backward_cases("bwd=split");
+    split_backward_cases("bwd=split,dq=fused");
 }
 
-/// As above with one 32-key group per warp and all of head_dim (`dkdv=2x32x4`).
+/// As above with dQ from the separate kernel.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_split_backward_separate_dq() {
+    split_backward_cases("bwd=split,dq=separate");
+}
+
+/// As above (dQ fused) with one 32-key group per warp and all of head_dim (`dkdv=2x32x4`).
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_flash_attention_split_backward_key_rows() {
-    split_backward_cases("bwd=split,dkdv=2x32x4");
+    split_backward_cases("bwd=split,dq=fused,dkdv=2x32x4");
 }
 
-/// As above with 16 queries and half of head_dim per warp (`dkdv=1x32x4`).
+/// As above (dQ fused) with 16 queries and half of head_dim per warp (`dkdv=1x32x4`).
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_flash_attention_split_backward_small_blocks() {
-    split_backward_cases("bwd=split,dkdv=1x32x4");
+    split_backward_cases("bwd=split,dq=fused,dkdv=1x32x4");
 }
 
 fn split_backward_cases(spec: &str) {

@@ -101,9 +101,9 @@ impl std::str::FromStr for Fp8GemmChoice {
 /// or 8; `dq=fused` computes dQ inside the dK/dV kernel (f32 atomics), `dq=separate` in its own
 /// (deterministic) kernel; `stages=2` or `stages=3` sets the forward's key/value buffers;
 /// `stmatrix=off` makes the forward stage its output without `stmatrix` (as on devices before
-/// sm_90); `bwd=split` runs dK, dV and dQ in one kernel with FlashAttention-2's warp layouts (32
-/// keys a warp, dQ fused; not with `dq=separate`), `bwd=rows` with whole key rows a warp (the
-/// default).
+/// sm_90); `bwd=split` runs the dK/dV kernel in FlashAttention-2's warp layouts (32 keys a warp;
+/// dQ inside it with `dq=fused`, in its own kernel with `dq=separate`), `bwd=rows` with whole key
+/// rows a warp (the default).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlashTiles(String);
 

@@ -52,8 +52,8 @@ pub(crate) struct MmaTiles {
     /// atomics) instead of the separate dQ kernel, which recomputes `q k^T` and `dO v^T`.
     pub fused_dq: bool,
     /// The dK/dV kernel splits each query block's work over its warps in FlashAttention-2's
-    /// layouts (`flash_backward_split_mma`: 32 keys a warp, P^T and dS^T through shared memory,
-    /// dQ fused) instead of giving each warp whole key rows. Needs `fused_dq`.
+    /// layouts (`flash_backward_split_mma`: 32 keys a warp, P^T and dS^T through shared memory;
+    /// dQ there where `fused_dq`) instead of giving each warp whole key rows.
     pub split_bwd: bool,
 }
 
@@ -66,9 +66,11 @@ impl MmaTiles {
     /// 128 keys (one row tile per warp, 64-query blocks), 194 TFLOP/s; the fused dQ reached 172
     /// there, as its extra dS tile and atomics compete with dK and dV (128 f32 accumulators per
     /// lane) for registers. At hd 64 the fused dQ wins (193 against 177): 8 warps x 2 row tiles
-    /// = 256 keys per cube, 32-query blocks. Forward blocks of 32 keys at both head dims: at hd
-    /// 64 they beat 64 by 2-6% on an H200 and 1-9% on an H100 (2026-11-27); at hd 128 64 lost
-    /// 2-5% causal at S = 1024.
+    /// = 256 keys per cube, 32-query blocks. Forward blocks: 128 keys at hd 64 (H100, three
+    /// alternated runs, 2026-11-27 (late)): 7-10% over 32 without a mask at S = 1024 to 8192,
+    /// 4-10% with the causal mask from S = 2048 on, equal at causal S = 1024; 64 and 96 fell
+    /// between. At hd 128, 32 keys: 48 and 64 lost 15-25% there (the score tile next to 128
+    /// output accumulators a lane).
     ///
     /// **Causal masks** take dK/dV cubes of 4 warps (half the keys per cube): a key block's
     /// work shrinks with its position (it meets only the queries at or after it), and smaller
@@ -80,7 +82,7 @@ impl MmaTiles {
         let dkdv_planes = if causal { 4 } else { 8 };
         if hd == 64 {
             MmaTiles {
-                fwd: (2, 32),
+                fwd: (2, 128),
                 dq: (2, 32),
                 dkdv: (2, 32),
                 fwd_planes: PLANES,
@@ -125,17 +127,15 @@ impl MmaTiles {
     /// to 128; `NAME=MTxBLOCKxWARPS` also sets the kernel's warps per cube (4 or 8); `dq=fused` or
     /// `dq=separate` chooses where dQ is computed; `stages=2` or `3` sets the forward's key/value
     /// buffers; `stmatrix=off` stages the forward's output without `stmatrix`; `bwd=split` runs
-    /// the dK/dV kernel in FlashAttention-2's warp layouts (dQ fused), `bwd=rows` with whole key
-    /// rows per warp.
+    /// the dK/dV kernel in FlashAttention-2's warp layouts (with the fused or the separate dQ),
+    /// `bwd=rows` with whole key rows per warp.
     fn apply(&mut self, spec: &str) -> Result<(), String> {
-        let mut separate = false;
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (name, value) = item
                 .split_once('=')
                 .ok_or_else(|| format!("`{item}` is not NAME=MTxBLOCK"))?;
             if name == "dq" && (value == "fused" || value == "separate") {
                 self.fused_dq = value == "fused";
-                separate = !self.fused_dq;
                 continue;
             }
             if name == "bwd" {
@@ -202,15 +202,6 @@ impl MmaTiles {
                 }
             }
         }
-        if self.split_bwd {
-            if separate {
-                return Err(
-                    "bwd=split computes dQ inside the dK/dV kernel; it cannot take dq=separate"
-                        .into(),
-                );
-            }
-            self.fused_dq = true;
-        }
         Ok(())
     }
 
@@ -228,9 +219,10 @@ impl MmaTiles {
         }
     }
 
-    /// Why the fused dQ cannot run with these dK/dV tiles at `hd`, if it cannot: its warps split
-    /// the query block's 16-row tiles and head_dim into column groups of a multiple of 16.
-    pub(crate) fn fused_dq_problem(&self, hd: usize) -> Option<String> {
+    /// Why the backward cannot run with these dK/dV tiles at `hd`, if it cannot: the split
+    /// layout gives each warp 32 keys, and the fused dQ's warps split the query block's 16-row
+    /// tiles and head_dim into column groups of a multiple of 16.
+    pub(crate) fn backward_problem(&self, hd: usize) -> Option<String> {
         let (row_tiles, planes) = (self.dkdv.1 / 16, self.dkdv_planes);
         if self.split_bwd {
             // 32 keys a warp: `planes * mt / 2` key warps, `2 / mt` query (column) groups.
@@ -245,6 +237,9 @@ impl MmaTiles {
                      ({block_q}) and head_dim ({hd}) must split into two groups of a multiple of 16"
                 ));
             }
+        }
+        if !self.fused_dq {
+            return None;
         }
         let ok = if row_tiles >= planes {
             row_tiles % planes == 0
@@ -650,16 +645,14 @@ pub(crate) fn backward<R: CubeRuntime>(
                 (q, k, v, grad)
             };
             let width = mma_width(&q, &k, &v, Some(&grad), &d);
-            if tiles.fused_dq {
-                if let Some(problem) = tiles.fused_dq_problem(d.hd) {
-                    fail(
-                        op,
-                        format!(
-                            "flash tiles setting ({}): {problem} (tiles {tiles:?})",
-                            crate::settings::FLASH_TILES_ENV
-                        ),
-                    );
-                }
+            if let Some(problem) = tiles.backward_problem(d.hd) {
+                fail(
+                    op,
+                    format!(
+                        "flash tiles setting ({}): {problem} (tiles {tiles:?})",
+                        crate::settings::FLASH_TILES_ENV
+                    ),
+                );
             }
             let (mt, block_k) = tiles.dq;
             if !tiles.fused_dq {
@@ -703,75 +696,49 @@ pub(crate) fn backward<R: CubeRuntime>(
             let planes = tiles.dkdv_planes;
             let count = CubeCount::Static(d.seq_k.div_ceil(planes * mt * 16) as u32, bh, 1);
             let dim = CubeDim::new_2d(32, planes as u32);
+            // Both dK/dV kernels take the same arguments.
+            macro_rules! launch_dkdv {
+                ($kernel:ident) => {
+                    unsafe {
+                        $kernel::launch_unchecked::<R>(
+                            &client,
+                            count,
+                            dim,
+                            width,
+                            q.into_tensor_arg(),
+                            k.into_tensor_arg(),
+                            v.into_tensor_arg(),
+                            grad.into_tensor_arg(),
+                            lse.into_tensor_arg(),
+                            delta.into_tensor_arg(),
+                            dk.clone().into_tensor_arg(),
+                            dv.clone().into_tensor_arg(),
+                            dq_acc.clone().into_tensor_arg(),
+                            d.heads,
+                            d.seq_q,
+                            d.seq_k,
+                            scale,
+                            d.hd,
+                            planes,
+                            mt,
+                            block_q,
+                            width,
+                            causal,
+                            tiles.fused_dq,
+                            drop.key0,
+                            drop.key1,
+                            drop.threshold,
+                            drop.scale,
+                            drop.on,
+                            dtype,
+                        )
+                    }
+                };
+            }
             if tiles.split_bwd {
-                unsafe {
-                    flash_backward_split_mma::launch_unchecked::<R>(
-                        &client,
-                        count,
-                        dim,
-                        width,
-                        q.into_tensor_arg(),
-                        k.into_tensor_arg(),
-                        v.into_tensor_arg(),
-                        grad.into_tensor_arg(),
-                        lse.into_tensor_arg(),
-                        delta.into_tensor_arg(),
-                        dk.clone().into_tensor_arg(),
-                        dv.clone().into_tensor_arg(),
-                        dq_acc.clone().into_tensor_arg(),
-                        d.heads,
-                        d.seq_q,
-                        d.seq_k,
-                        scale,
-                        d.hd,
-                        planes,
-                        mt,
-                        block_q,
-                        width,
-                        causal,
-                        drop.key0,
-                        drop.key1,
-                        drop.threshold,
-                        drop.scale,
-                        drop.on,
-                        dtype,
-                    );
-                }
+                launch_dkdv!(flash_backward_split_mma);
             } else {
-                unsafe {
-                    flash_backward_dkdv_mma::launch_unchecked::<R>(
-                        &client,
-                        count,
-                        dim,
-                        width,
-                        q.into_tensor_arg(),
-                        k.into_tensor_arg(),
-                        v.into_tensor_arg(),
-                        grad.into_tensor_arg(),
-                        lse.into_tensor_arg(),
-                        delta.into_tensor_arg(),
-                        dk.clone().into_tensor_arg(),
-                        dv.clone().into_tensor_arg(),
-                        dq_acc.clone().into_tensor_arg(),
-                        d.heads,
-                        d.seq_q,
-                        d.seq_k,
-                        scale,
-                        d.hd,
-                        planes,
-                        mt,
-                        block_q,
-                        width,
-                        causal,
-                        tiles.fused_dq,
-                        drop.key0,
-                        drop.key1,
-                        drop.threshold,
-                        drop.scale,
-                        drop.on,
-                        dtype,
-                    );
-                }
+                launch_dkdv!(flash_backward_dkdv_mma);
             }
             if tiles.fused_dq {
                 let width = row_width(&[&dq], &[dq.dtype, DType::F32], d.hd);
@@ -953,7 +920,7 @@ mod tests {
             for causal in [false, true] {
                 let t = MmaTiles::for_head_dim(hd, causal);
                 assert!(
-                    !t.fused_dq || t.fused_dq_problem(hd).is_none(),
+                    t.backward_problem(hd).is_none(),
                     "hd {hd}, causal {causal}: {t:?}"
                 );
             }
@@ -976,11 +943,11 @@ mod tests {
         t.apply("dq=fused,dkdv=1x64x8").unwrap();
         assert!(t.fused_dq);
         assert_eq!((t.dkdv, t.dkdv_planes), ((1, 64), 8));
-        assert_eq!(t.fused_dq_problem(128), None);
+        assert_eq!(t.backward_problem(128), None);
         // 8 warps over one 16-row tile: column groups of 8 at head_dim 64.
         t.apply("dkdv=1x16x8").unwrap();
-        assert!(t.fused_dq_problem(64).is_some());
-        assert_eq!(t.fused_dq_problem(128), None);
+        assert!(t.backward_problem(64).is_some());
+        assert_eq!(t.backward_problem(128), None);
         t.apply("dq=separate").unwrap();
         assert!(!t.fused_dq);
         t.apply("fwd=1x32x8").unwrap();
@@ -997,21 +964,25 @@ mod tests {
         assert!(t.stmatrix);
         t.apply("stmatrix=off").unwrap();
         assert!(!t.stmatrix);
-        // The split backward fuses dQ and gives each warp 32 keys.
+        // The split backward gives each warp 32 keys and keeps the default or chosen dQ.
         let mut t = MmaTiles::for_head_dim(128, false);
         t.apply("bwd=split").unwrap();
+        assert!(t.split_bwd && !t.fused_dq);
+        assert_eq!(t.backward_problem(128), None);
+        t.apply("dq=fused").unwrap();
         assert!(t.split_bwd && t.fused_dq);
-        assert_eq!(t.fused_dq_problem(128), None);
-        assert_eq!(t.fused_dq_problem(64), None);
+        assert_eq!(t.backward_problem(128), None);
+        assert_eq!(t.backward_problem(64), None);
         t.apply("dkdv=4x64x8").unwrap();
-        assert!(t.fused_dq_problem(128).is_some());
+        assert!(t.backward_problem(128).is_some());
+        t.apply("dq=separate").unwrap();
+        assert!(t.backward_problem(128).is_some());
         t.apply("dkdv=1x48x8").unwrap();
-        assert!(t.fused_dq_problem(128).is_some());
+        assert!(t.backward_problem(128).is_some());
         t.apply("bwd=rows,dq=separate").unwrap();
         assert!(!t.split_bwd && !t.fused_dq);
+        assert_eq!(t.backward_problem(128), None);
         for bad in [
-            "bwd=split,dq=separate",
-            "dq=separate,bwd=split",
             "fwd=3x64",
             "fwd=2x24",
             "fwd=2x256",

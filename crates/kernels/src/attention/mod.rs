@@ -22,12 +22,13 @@
 //! runs; `BURNMIX_FLASH_TILES=dq=separate` ([`crate::settings::Settings::flash_tiles`]) selects the deterministic kernels. Other
 //! head dims use the separate kernels.
 //!
-//! `BURNMIX_FLASH_TILES=bwd=split` runs dK, dV and dQ in one kernel with FlashAttention-2's warp
-//! layouts instead (`mma::flash_backward_split_mma`): each query block's scores, dK/dV products
-//! and dQ product are split over the warps in three grids, with P^T and dS^T passed through
-//! shared memory, so that every warp owns 32 keys and each B fragment feeds two MMAs. On an H100
-//! it measured slower than the defaults (hd 128, S = 4096: 199-201 against 222-223 TFLOP/s
-//! without a mask): it spills registers (docs/results.md, 2026-11-27 (evening)).
+//! `BURNMIX_FLASH_TILES=bwd=split` runs the dK/dV kernel in FlashAttention-2's warp layouts
+//! instead (`mma::flash_backward_split_mma`): each query block's scores, dK/dV products and (with
+//! `dq=fused`) dQ product are split over the warps in grids of their own, with P^T and dS^T passed
+//! through shared memory, so that every warp owns 32 keys and each B fragment feeds two MMAs.
+//! With the fused dQ it measured slower than the defaults on an H100 (hd 128, S = 4096: 199-201
+//! against 222-223 TFLOP/s without a mask): it spills registers (docs/results.md, 2026-11-27
+//! (evening)); `bwd=split,dq=separate` leaves dQ to its own kernel.
 //!
 //! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores
 //! (warp-level `mma.sync` m16n8k16, f32 accumulation, see `mma/`); everything else (f32, wgpu,

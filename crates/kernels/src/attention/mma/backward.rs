@@ -45,7 +45,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
     let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
 
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let g = lane / 4;
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
@@ -247,7 +247,7 @@ fn store_ds_t<F: Float, NA: Size, NC: Size>(
     #[comptime] mt: usize,
     #[comptime] s_tiles: usize,
 ) {
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let (g, t4) = (lane / 4, lane % 4);
     #[unroll]
     for m in 0..mt {
@@ -292,7 +292,7 @@ fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
     #[comptime] width: usize,
     #[comptime] paired: bool,
 ) {
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let (g, t4) = (lane / 4, lane % 4);
     let row_tiles = comptime!(block_q / 16);
     let qm = comptime!(if row_tiles > planes {
@@ -691,7 +691,8 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
 ///   memory in the input dtype.
 /// - `dV += P^T dO`, `dK += dS^T q`: the same grid over keys and head_dim columns, 32 keys by
 ///   `hd * mt / 2` columns each, accumulated in registers over the query blocks.
-/// - `dQ += dS k`: [`dq_block_atomic`], added to an f32 buffer with atomics.
+/// - `dQ += dS k` where `fused_dq`: [`dq_block_atomic`], added to an f32 buffer with atomics;
+///   otherwise the separate dQ kernel computes dQ.
 ///
 /// Against [`flash_backward_dkdv_mma`], where a warp owns whole key rows (all head_dim columns of
 /// dK and dV, so at hd 128 one row tile of 16 keys for 128 f32 accumulators a lane), each warp
@@ -721,6 +722,7 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
     #[comptime] block_q: usize,
     #[comptime] width: usize,
     #[comptime] causal: bool,
+    #[comptime] fused_dq: bool,
     key0: u32,
     key1: u32,
     threshold: u32,
@@ -938,23 +940,25 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
             width,
             false,
         );
-        dq_block_atomic::<F, N, NA, NB, NC>(
-            &ds_t,
-            &kt,
-            dq_acc,
-            bh * seq_q * hd,
-            i0,
-            seq_q,
-            scale,
-            hd,
-            planes,
-            block_q,
-            block_k,
-            ds_pitch,
-            pitch,
-            width,
-            true,
-        );
+        if comptime!(fused_dq) {
+            dq_block_atomic::<F, N, NA, NB, NC>(
+                &ds_t,
+                &kt,
+                dq_acc,
+                bh * seq_q * hd,
+                i0,
+                seq_q,
+                scale,
+                hd,
+                planes,
+                block_q,
+                block_k,
+                ds_pitch,
+                pitch,
+                width,
+                true,
+            );
+        }
         sync_cube();
     }
 
@@ -1011,7 +1015,7 @@ fn transposed_scores<NC: Size>(
     #[comptime] causal: bool,
     #[comptime] dropout: bool,
 ) {
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let (g, t4) = (lane / 4, lane % 4);
     let last_key = key0 + comptime!(mt * 16);
     let mut edge = query0 + comptime!(s_tiles * 8) > seq_q || last_key > seq_k;

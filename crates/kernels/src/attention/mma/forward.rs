@@ -56,7 +56,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
     let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
     let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
 
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let g = lane / 4;
     let t4 = lane % 4;
     let bh = CUBE_POS_Y as usize;
@@ -329,7 +329,7 @@ fn probabilities<NC: Size>(
         }
     }
     if comptime!(dropout) {
-        let lane = UNIT_POS_PLANE as usize;
+        let lane = lane();
         #[unroll]
         for m in 0..mt {
             let query_tile = u32::cast_from(row0 / 16 + m);

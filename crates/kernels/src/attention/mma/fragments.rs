@@ -17,7 +17,16 @@ pub(crate) const ALIGN: usize = 16;
 /// spent 7% of its warps' stall samples waiting for that read at the top of its query-block loop).
 #[cube]
 pub(crate) fn cube_unit() -> usize {
-    UNIT_POS_X as usize + UNIT_POS_Y as usize * CUBE_DIM_X as usize
+    lane() + UNIT_POS_Y as usize * 32
+}
+
+/// This unit's lane in its warp. The tensor-core kernels' cubes are one warp wide (`(32,
+/// warps)`), so the lane is the unit's x position; read so, the generated code takes it from
+/// `threadIdx.x` with a known range (`UNIT_POS_PLANE` derives it from the unit's global index
+/// modulo the runtime warp size), which lets the compiler fold more of each fragment's address.
+#[cube]
+pub(crate) fn lane() -> usize {
+    UNIT_POS_X as usize % 32
 }
 
 /// Copies rows `row0 .. row0 + rows` of `t` (base offset `base`, row stride `row_stride`, both in
@@ -320,7 +329,7 @@ pub(crate) fn load_a<F: Float, N: Size, NA: Size>(
     #[comptime] width: usize,
 ) -> Array<Vector<F, NA>> {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let at = (row0 + lane % 16) * pitch + (col0 + (lane / 16) * 8) / width;
     def.load_matrix::<Vector<F, N>, NA>(
         &tile.slice(at, at + 1),
@@ -343,7 +352,7 @@ pub(crate) fn load_a_t<F: Float, N: Size, NA: Size>(
     #[comptime] width: usize,
 ) -> Array<Vector<F, NA>> {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let (r8, i) = (lane % 8, lane / 8);
     // `row0` is a multiple of `width` (and `width` divides 8): dividing it apart keeps the
     // lane's part a constant offset, so the compiler folds a runtime `row0` into one base
@@ -368,7 +377,7 @@ pub(crate) fn load_b2<F: Float, N: Size, NB: Size>(
     #[comptime] n_rows: bool,
 ) -> Array<Vector<F, NB>> {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     // Lanes 8i .. 8i + 7 address the rows of 8 x 8 matrix i: (n tile i / 2, k half i % 2).
     let (r8, i) = (lane % 8, lane / 8);
     let mut at = off + (k0 + (i % 2) * 8 + r8) * pitch + (n0 + (i / 2) * 8) / width;
@@ -591,7 +600,7 @@ pub(crate) fn store_rows<F: Float, NC: Size>(
     #[comptime] mt: usize,
     #[comptime] hd: usize,
 ) {
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let (g, t4) = (lane / 4, lane % 4);
     let tiles = comptime!(hd / 8);
     let rs = out.stride(2);
@@ -635,7 +644,7 @@ pub(crate) fn store_rows_staged<F: Float, NA: Size, NC: Size, NO: Size>(
     #[comptime] ow: usize,
     #[comptime] stmatrix: bool,
 ) {
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let tiles = comptime!(hd / 8);
     let pitch = comptime!((hd + 8) / ow);
     if comptime!(stmatrix) {
@@ -785,7 +794,7 @@ pub(crate) fn mask_scores<NC: Size>(
     #[comptime] s_tiles: usize,
     #[comptime] causal: bool,
 ) {
-    let lane = UNIT_POS_PLANE as usize;
+    let lane = lane();
     let (g, t4) = (lane / 4, lane % 4);
     #[unroll]
     for m in 0..mt {
