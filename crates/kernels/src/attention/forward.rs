@@ -6,7 +6,8 @@ use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-use cubecl::ir::features::MmaConfig;
+use cubecl::ir::features::{AtomicUsage, MmaConfig};
+use cubecl::ir::{ElemType, FloatKind, Type};
 use cubecl::prelude::*;
 
 use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta, flash_forward};
@@ -696,6 +697,20 @@ pub(crate) fn backward<R: CubeRuntime>(
             let planes = tiles.dkdv_planes;
             let count = CubeCount::Static(d.seq_k.div_ceil(planes * mt * 16) as u32, bh, 1);
             let dim = CubeDim::new_2d(32, planes as u32);
+            // The fused dQ adds a lane's pair of f32 columns with one vector atomic where the
+            // device has them (sm_90).
+            let pair_atomics =
+                Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(2);
+            let nq = if client
+                .properties()
+                .features
+                .atomic_type_usage(pair_atomics)
+                .contains(AtomicUsage::Add)
+            {
+                2
+            } else {
+                1
+            };
             // Both dK/dV kernels take the same arguments.
             macro_rules! launch_dkdv {
                 ($kernel:ident) => {
@@ -705,6 +720,7 @@ pub(crate) fn backward<R: CubeRuntime>(
                             count,
                             dim,
                             width,
+                            nq,
                             q.into_tensor_arg(),
                             k.into_tensor_arg(),
                             v.into_tensor_arg(),

@@ -267,7 +267,10 @@ fn store_ds_t<F: Float, NA: Size, NC: Size>(
 }
 
 /// Fused dQ of one query block: `dq_acc[i0 + r] += scale * dS k` over the cube's `block_k` keys,
-/// added with f32 atomics (other key blocks add theirs). The `block_q / 16` row tiles and the
+/// added with f32 atomics (other key blocks add theirs): a lane's two neighbouring columns in one
+/// vector atomic where `NQ` is 2 (sm_90), else one atomic each. Every atomic computes its own
+/// 64-bit address (the index is 32-bit), and the compiler reloads the buffer's base from the
+/// constant bank for them when registers are short, so halving their count matters. The `block_q / 16` row tiles and the
 /// head_dim columns are split over the warps: `planes / row_tiles` column groups when there are
 /// more warps than row tiles, else `row_tiles / planes` row tiles per warp; columns go in chunks
 /// of 32 (or 16) so that the accumulators stay small next to dK and dV. `paired`: two row tiles
@@ -275,10 +278,10 @@ fn store_ds_t<F: Float, NA: Size, NC: Size>(
 /// fragment read feeds two MMAs; the split backward's layout).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
+fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size, NQ: Size>(
     ds_t: &SharedMemory<Vector<F, NA>>,
     kt: &SharedMemory<Vector<F, N>>,
-    dq_acc: &mut Tensor<Atomic<f32>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, NQ>>>,
     base: usize,
     i0: usize,
     seq_q: usize,
@@ -294,6 +297,7 @@ fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
 ) {
     let lane = lane();
     let (g, t4) = (lane / 4, lane % 4);
+    let nq = NQ::value().comptime();
     let row_tiles = comptime!(block_q / 16);
     let qm = comptime!(if row_tiles > planes {
         row_tiles / planes
@@ -352,8 +356,16 @@ fn dq_block_atomic<F: Float, N: Size, NA: Size, NB: Size, NC: Size>(
                     for t in 0..ctiles {
                         let x = acc[(m * ctiles + t) * 2 + half];
                         let at = base + row * hd + col0 + t * 8 + t4 * 2;
-                        dq_acc[at].fetch_add(x[0] * scale);
-                        dq_acc[at + 1].fetch_add(x[1] * scale);
+                        if comptime!(nq == 2) {
+                            // One `red.global.add.v2.f32` for the lane's pair of columns.
+                            let mut pair = Vector::<f32, NQ>::empty();
+                            pair[0] = x[0] * scale;
+                            pair[1] = x[1] * scale;
+                            dq_acc[at / 2].fetch_add(pair);
+                        } else {
+                            dq_acc[at].fetch_add(Vector::new(x[0] * scale));
+                            dq_acc[at + 1].fetch_add(Vector::new(x[1] * scale));
+                        }
                     }
                 }
             }
@@ -393,7 +405,7 @@ pub(crate) fn dq_from_f32<F: Float, N: Size>(
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
+pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
@@ -402,7 +414,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    dq_acc: &mut Tensor<Atomic<f32>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, NQ>>>,
     heads: usize,
     seq_q: usize,
     seq_k: usize,
@@ -639,7 +651,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
         if comptime!(fuse_dq) {
             store_ds_t::<F, NA, NC>(&dp, &mut ds_t, w0, 0, ds_pitch, mt, s_tiles);
             sync_cube();
-            dq_block_atomic::<F, N, NA, NB, NC>(
+            dq_block_atomic::<F, N, NA, NB, NC, NQ>(
                 &ds_t,
                 &kt,
                 dq_acc,
@@ -702,7 +714,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size>(
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
+pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
@@ -711,7 +723,7 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    dq_acc: &mut Tensor<Atomic<f32>>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, NQ>>>,
     heads: usize,
     seq_q: usize,
     seq_k: usize,
@@ -941,7 +953,7 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size>(
             false,
         );
         if comptime!(fused_dq) {
-            dq_block_atomic::<F, N, NA, NB, NC>(
+            dq_block_atomic::<F, N, NA, NB, NC, NQ>(
                 &ds_t,
                 &kt,
                 dq_acc,
