@@ -26,9 +26,10 @@
 //! instead (`mma::flash_backward_split_mma`): each query block's scores, dK/dV products and (with
 //! `dq=fused`) dQ product are split over the warps in grids of their own, with P^T and dS^T passed
 //! through shared memory, so that every warp owns 32 keys and each B fragment feeds two MMAs.
-//! With the fused dQ it measured slower than the defaults on an H100 (hd 128, S = 4096: 199-201
-//! against 222-223 TFLOP/s without a mask): it spills registers (docs/results.md, 2026-11-27
-//! (evening)); `bwd=split,dq=separate` leaves dQ to its own kernel.
+//! With the fused dQ, since its atomics add pairs of columns (sm_90), it beats the defaults at
+//! hd 128 without a mask on an H100 (S = 4096: 246-248 against 218-221 TFLOP/s) and still loses
+//! with the causal mask (docs/results.md, 2026-11-27 (late)); `bwd=split,dq=separate` leaves dQ
+//! to its own kernel.
 //!
 //! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores
 //! (warp-level `mma.sync` m16n8k16, f32 accumulation, see `mma/`); everything else (f32, wgpu,
