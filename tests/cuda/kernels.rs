@@ -141,12 +141,21 @@ fn cuda_flash_attention_without_stmatrix() {
 }
 
 /// The backward in FlashAttention-2's split warp layouts (`BURNMIX_FLASH_TILES=bwd=split`: P^T
-/// and dS^T through shared memory) with dQ fused and the default dK/dV tiles of each head_dim and
-/// mask; the shapes above and dropout's, in bf16 and f16.
+/// and dS^T through shared memory, hd 128's default) with dQ fused and the default dK/dV tiles of
+/// each head_dim and mask (at hd 64 too); the shapes above and dropout's, in bf16 and f16.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_flash_attention_split_backward() {
     split_backward_cases("bwd=split,dq=fused");
+}
+
+/// The whole-row dK/dV layout (hd 64's default) at every head_dim with the separate dQ kernel,
+/// in 128-key cubes of 8 warps (hd 128's default before the split layout) and, fused, in hd 64's.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_rows_backward() {
+    split_backward_cases("bwd=rows,dq=separate,dkdv=1x64x8");
+    split_backward_cases("bwd=rows,dq=fused,dkdv=2x32x4");
 }
 
 /// As above with dQ from the separate kernel.

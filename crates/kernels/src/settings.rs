@@ -102,8 +102,8 @@ impl std::str::FromStr for Fp8GemmChoice {
 /// (deterministic) kernel; `stages=2` or `stages=3` sets the forward's key/value buffers;
 /// `stmatrix=off` makes the forward stage its output without `stmatrix` (as on devices before
 /// sm_90); `bwd=split` runs the dK/dV kernel in FlashAttention-2's warp layouts (32 keys a warp;
-/// dQ inside it with `dq=fused`, in its own kernel with `dq=separate`), `bwd=rows` with whole key
-/// rows a warp (the default).
+/// dQ inside it with `dq=fused`, in its own kernel with `dq=separate`; the default at head_dim
+/// 128), `bwd=rows` with whole key rows a warp (the default at 64).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlashTiles(String);
 

@@ -60,25 +60,30 @@ pub(crate) struct MmaTiles {
 
 impl MmaTiles {
     /// Defaults per head_dim and mask, from `attention_bench` sweeps (see docs/results.md,
-    /// 2026-11-23 (later), 2026-11-26 (late) and 2026-11-27). Two row tiles per warp halve the
-    /// shared-memory reads per MMA (see `mma/fragments.rs`); 32-key forward blocks beat 16 (hd
-    /// 128: 222 against 178 TFLOP/s on an H100) and matched 48 and 64 within the run-to-run
-    /// spread. Backward at hd 128: the separate dQ kernel (2 x 32) with an 8-warp dK/dV cube of
-    /// 128 keys (one row tile per warp, 64-query blocks), 194 TFLOP/s; the fused dQ reached 172
-    /// there, as its extra dS tile and atomics compete with dK and dV (128 f32 accumulators per
-    /// lane) for registers. At hd 64 the fused dQ wins (193 against 177): 8 warps x 2 row tiles
-    /// = 256 keys per cube, 32-query blocks. Forward blocks: 128 keys at hd 64 (H100, three
-    /// alternated runs, 2026-11-27 (late)): 7-10% over 32 without a mask at S = 1024 to 8192,
-    /// 4-10% with the causal mask from S = 2048 on, equal at causal S = 1024; 64 and 96 fell
-    /// between. At hd 128, 32 keys: 48 and 64 lost 15-25% there (the score tile next to 128
-    /// output accumulators a lane).
+    /// 2026-11-23 (later), 2026-11-26 (late), 2026-11-27 and 2026-11-27 (final)). Two row tiles per warp
+    /// halve the shared-memory reads per MMA (see `mma/fragments.rs`); 32-key forward blocks beat
+    /// 16 (hd 128: 222 against 178 TFLOP/s on an H100) and matched 48 and 64 within the
+    /// run-to-run spread. Forward blocks: 128 keys at hd 64 (H100, three alternated runs,
+    /// 2026-11-27 (late)): 7-10% over 32 without a mask at S = 1024 to 8192, 4-10% with the
+    /// causal mask from S = 2048 on, equal at causal S = 1024; 64 and 96 fell between. At hd 128,
+    /// 32 keys: 48 and 64 lost 15-25% there (the score tile next to 128 output accumulators a
+    /// lane).
     ///
-    /// **Causal masks** take dK/dV cubes of 4 warps (half the keys per cube): a key block's
-    /// work shrinks with its position (it meets only the queries at or after it), and smaller
-    /// cubes even out the tail. H200, S = 1024: hd 64 backward 110.6-111.2 TFLOP/s with 8 warps
-    /// against 121.7-121.8 with 4 (SDPA: 153.7), hd 128 108.9 against 117.4; without the mask 4
-    /// warps lost 2-4% at S = 4096, so full attention keeps 8. Other head dims (not measured)
-    /// take the hd 128 shapes, which hold for any multiple of 16.
+    /// **Backward at hd 128** (and other multiples of 32 but 64): FlashAttention-2's split warp
+    /// layouts with dQ fused, 8-warp cubes of 128 keys (32 a warp), 64-query blocks, with either
+    /// mask. H100, 2026-11-27 (final): causal S = 4096 217-219 TFLOP/s against 192-194 for the whole-row
+    /// layout with the separate dQ kernel (the previous default), S = 1024 144-150 against
+    /// 136-140; without the mask 248-251 against 217-218. The split layout's 4-warp causal cubes
+    /// lost (121-123 and 170-171). Other multiples of 16 keep the whole-row layout with the
+    /// separate dQ kernel (2 x 32) and 128-key dK/dV cubes of one row tile per warp.
+    ///
+    /// **At hd 64** the fused dQ in the whole-row layout wins (193 against 177): 8 warps x 2 row
+    /// tiles = 256 keys per cube, 32-query blocks; the split layout lost (causal S = 4096 188
+    /// against 227). **Causal masks** take its dK/dV cubes of 4 warps (half the keys per cube): a
+    /// key block's work shrinks with its position (it meets only the queries at or after it),
+    /// and smaller cubes even out the tail. H200, S = 1024: hd 64 backward 110.6-111.2 TFLOP/s
+    /// with 8 warps against 121.7-121.8 with 4 (SDPA: 153.7); without the mask 4 warps lost 2-4%
+    /// at S = 4096, so full attention keeps 8.
     fn for_head_dim(hd: usize, causal: bool) -> Self {
         let dkdv_planes = if causal { 4 } else { 8 };
         if hd == 64 {
@@ -95,17 +100,19 @@ impl MmaTiles {
                 split_bwd: false,
             }
         } else {
+            // The split layout halves head_dim between two warps of a key group.
+            let split = hd.is_multiple_of(32);
             MmaTiles {
                 fwd: (2, 32),
                 dq: (2, 32),
                 dkdv: (1, 64),
                 fwd_planes: PLANES,
                 dq_planes: PLANES,
-                dkdv_planes,
+                dkdv_planes: if split { 8 } else { dkdv_planes },
                 fwd_stages: FWD_STAGES,
                 stmatrix: true,
-                fused_dq: false,
-                split_bwd: false,
+                fused_dq: split,
+                split_bwd: split,
             }
         }
     }
@@ -946,13 +953,16 @@ mod tests {
     #[test]
     fn tile_override_parses_and_rejects_bad_specs() {
         let mut t = MmaTiles::for_head_dim(128, false);
-        t.apply("fwd=1x64, dkdv=2x16").unwrap();
+        t.apply("fwd=1x64, dkdv=2x16, bwd=rows, dq=separate")
+            .unwrap();
         assert_eq!(
             t,
             MmaTiles {
                 fwd: (1, 64),
                 dkdv: (2, 16),
                 dkdv_planes: 4,
+                fused_dq: false,
+                split_bwd: false,
                 ..MmaTiles::for_head_dim(128, false)
             }
         );
@@ -980,8 +990,23 @@ mod tests {
         assert!(t.stmatrix);
         t.apply("stmatrix=off").unwrap();
         assert!(!t.stmatrix);
-        // The split backward gives each warp 32 keys and keeps the default or chosen dQ.
+        // The split backward with the fused dQ is hd 128's default (and that of multiples of 32
+        // but 64), in 8-warp cubes with either mask; other head dims keep whole key rows.
+        for causal in [false, true] {
+            for hd in [96, 128] {
+                let t = MmaTiles::for_head_dim(hd, causal);
+                assert!(t.split_bwd && t.fused_dq && t.dkdv_planes == 8);
+                assert_eq!(t.backward_problem(hd), None);
+            }
+            for hd in [16, 48, 64, 80] {
+                let t = MmaTiles::for_head_dim(hd, causal);
+                assert!(!t.split_bwd);
+                assert_eq!(t.backward_problem(hd), None);
+            }
+        }
+        // `bwd=split` keeps the default or chosen dQ.
         let mut t = MmaTiles::for_head_dim(128, false);
+        t.apply("bwd=rows,dq=separate").unwrap();
         t.apply("bwd=split").unwrap();
         assert!(t.split_bwd && !t.fused_dq);
         assert_eq!(t.backward_problem(128), None);

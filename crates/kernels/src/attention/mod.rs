@@ -14,22 +14,23 @@
 //! costs a second recomputation of `q k^T` and `dO v^T` but needs no atomics, so gradients are
 //! deterministic and the same code runs on every runtime.
 //!
-//! On tensor cores at head_dim 64 the dK/dV kernel also computes dQ (FlashAttention-2's scheme):
-//! each cube stages its dS tile in shared memory, multiplies it by its keys and adds the partial dQ
-//! to an f32 buffer with atomics, which saves the two recomputed products (backward 193 against 177
-//! TFLOP/s for the best separate kernels on an H100 at S = 4096, docs/results.md). The order of
-//! those f32 additions varies from run to run, so dQ can differ in its last bits between identical
-//! runs; `BURNMIX_FLASH_TILES=dq=separate` ([`crate::settings::Settings::flash_tiles`]) selects the deterministic kernels. Other
-//! head dims use the separate kernels.
+//! On tensor cores the dK/dV kernel also computes dQ (FlashAttention-2's scheme): each cube
+//! stages its dS tile in shared memory, multiplies it by its keys and adds the partial dQ to an
+//! f32 buffer with atomics (on sm_90 one vector atomic for a lane's two neighbouring columns),
+//! which saves the separate kernel's two recomputed products. The order of those f32 additions
+//! varies from run to run, so dQ can differ in its last bits between identical runs;
+//! `BURNMIX_FLASH_TILES=dq=separate` ([`crate::settings::Settings::flash_tiles`]) selects the
+//! deterministic dQ kernel. Head dims that are multiples of 16 but not of 32 use it too.
 //!
-//! `BURNMIX_FLASH_TILES=bwd=split` runs the dK/dV kernel in FlashAttention-2's warp layouts
-//! instead (`mma::flash_backward_split_mma`): each query block's scores, dK/dV products and (with
-//! `dq=fused`) dQ product are split over the warps in grids of their own, with P^T and dS^T passed
-//! through shared memory, so that every warp owns 32 keys and each B fragment feeds two MMAs.
-//! With the fused dQ, since its atomics add pairs of columns (sm_90), it beats the defaults at
-//! hd 128 without a mask on an H100 (S = 4096: 246-248 against 218-221 TFLOP/s) and still loses
-//! with the causal mask (docs/results.md, 2026-11-27 (late)); `bwd=split,dq=separate` leaves dQ
-//! to its own kernel.
+//! Two dK/dV layouts: at head_dim 64 each warp owns whole key rows (all head_dim columns of dK
+//! and dV, two 16-key row tiles), `mma::flash_backward_dkdv_mma`; at 128 (and the other multiples
+//! of 32) the kernel runs in FlashAttention-2's warp layouts (`mma::flash_backward_split_mma`):
+//! each query block's scores, dK/dV products and dQ product are split over the warps in grids of
+//! their own, with P^T and dS^T passed through shared memory, so that every warp owns 32 keys and
+//! each B fragment feeds two MMAs (one row tile of 16 keys would hold 128 f32 accumulators a
+//! lane at hd 128). On an H100 at hd 128 the split layout is 3-13% faster than whole rows with
+//! the causal mask and 10-15% without it (docs/results.md, 2026-11-27 (final));
+//! `BURNMIX_FLASH_TILES=bwd=rows` or `bwd=split` chooses either at any head_dim.
 //!
 //! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores
 //! (warp-level `mma.sync` m16n8k16, f32 accumulation, see `mma/`); everything else (f32, wgpu,
