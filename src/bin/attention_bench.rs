@@ -56,8 +56,11 @@ struct Args {
     /// Skip Burn's attention (it is slow and memory-hungry at long sequences).
     #[arg(long)]
     no_burn: bool,
-    /// Calls per timed batch.
-    #[arg(long, default_value_t = 5)]
+    /// Calls per timed batch. A batch is timed on the host from the first launch to a
+    /// synchronisation, so it also counts one launch's and one synchronisation's latency (tens of
+    /// microseconds); 20 calls make that a few percent of a forward at S = 1024 (PyTorch's SDPA
+    /// figures are timed with CUDA events, which leave it out).
+    #[arg(long, default_value_t = 20)]
     iters: usize,
     /// Timed batches (the median is reported).
     #[arg(long, default_value_t = 5)]
