@@ -150,7 +150,8 @@ fn cuda_flash_attention_split_backward() {
 }
 
 /// The whole-row dK/dV layout (hd 64's default) at every head_dim with the separate dQ kernel,
-/// in 128-key cubes of 8 warps (hd 128's default before the split layout) and, fused, in hd 64's.
+/// in 128-key cubes of 8 warps (hd 128's full-mask default before the split layout) and, with
+/// the fused dQ, in hd 64's causal cubes.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_flash_attention_rows_backward() {
