@@ -1,4 +1,8 @@
 //! Model shapes, causality and parameter count, on wgpu.
+//!
+//! Burn's generator is one per process: a test that reseeds it and compares outputs would see
+//! the draws of a test running beside it. Every test here that draws from it (a model's random
+//! initialisation, Burn's dropout) holds `common::serial()`.
 
 mod common;
 
@@ -28,6 +32,7 @@ fn small(mlp: MlpKind, tie: bool) -> GptConfig {
 
 #[test]
 fn logits_have_batch_time_vocab_shape() {
+    let _guard = common::serial();
     let dev = device();
     for (mlp, tie) in [(MlpKind::Swiglu, true), (MlpKind::Gelu, false)] {
         let cfg = small(mlp, tie);
@@ -47,6 +52,7 @@ fn logits_have_batch_time_vocab_shape() {
 
 #[test]
 fn a_future_token_cannot_change_an_earlier_logit() {
+    let _guard = common::serial();
     let dev = device();
     let cfg = small(MlpKind::Swiglu, true);
     let gpt = Gpt::<Inner>::new(&cfg, 50, &dev);
@@ -115,6 +121,7 @@ fn residual_projections_get_scaled_init() {
 
 #[test]
 fn longer_than_context_is_refused_with_the_key() {
+    let _guard = common::serial();
     let dev = device();
     let cfg = small(MlpKind::Gelu, true);
     let gpt = Gpt::<Inner>::new(&cfg, 10, &dev);
@@ -211,6 +218,7 @@ fn cached_forward_matches_the_full_forward() {
 /// forward to the next.
 #[test]
 fn flash_dropout_follows_the_model_dropout_seed() {
+    let _guard = common::serial();
     use burn::tensor::backend::Backend;
     let dev = device();
     let cfg = GptConfig {
@@ -247,6 +255,7 @@ fn flash_dropout_follows_the_model_dropout_seed() {
 /// seed, gives the same logits; the gradients flow through the same masks (finite, and equal too).
 #[test]
 fn fused_dropout_depends_only_on_the_model_dropout_seed() {
+    let _guard = common::serial();
     use burn::tensor::backend::Backend;
     let dev = device();
     let cfg = GptConfig {
