@@ -30,6 +30,7 @@ cases!(
     cross_entropy,
     embedding,
     adamw,
+    add_as_f32,
     sum_squares,
     format_stats,
     format_probe,

@@ -92,6 +92,134 @@ fn master_weights_stay_f32_while_the_compute_copy_is_f16() {
     );
 }
 
+/// Copies of every gradient of `m`'s parameters in `grads`, cast to `dtype` (or as they are).
+fn copy_grads(m: &Gpt<B>, grads: &GradientsParams, dtype: Option<FloatDType>) -> GradientsParams {
+    struct Copy<'a> {
+        from: &'a GradientsParams,
+        to: GradientsParams,
+        dtype: Option<FloatDType>,
+    }
+    impl burn::module::ModuleVisitor<B> for Copy<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<B, D>>) {
+            if let Some(g) = self.from.get::<common::Inner, D>(p.id) {
+                let g = match self.dtype {
+                    Some(dt) => g.cast(dt),
+                    None => g,
+                };
+                self.to.register::<common::Inner, D>(p.id, g);
+            }
+        }
+    }
+    let mut v = Copy {
+        from: grads,
+        to: GradientsParams::new(),
+        dtype,
+    };
+    burn::module::Module::visit(m, &mut v);
+    v.to
+}
+
+/// Every parameter value of `m`, flattened in visiting order.
+fn param_values(m: &Gpt<B>) -> Vec<f32> {
+    struct V(Vec<f32>);
+    impl burn::module::ModuleVisitor<B> for V {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<B, D>>) {
+            let t = p.val().inner().cast(FloatDType::F32);
+            self.0.extend(t.into_data().to_vec::<f32>().unwrap());
+        }
+    }
+    let mut v = V(Vec::new());
+    burn::module::Module::visit(m, &mut v);
+    v.0
+}
+
+/// The optimizer takes the f16 gradients of the compute copy as they arrive, without a cast pass:
+/// the global norm and the AdamW step (fused kernel and plain ops) on them match the same on their
+/// f32 casts, and `accumulate_grads` sums micro-batches in f32, exactly as cast-then-add would.
+#[test]
+fn optimizer_reads_f16_gradients_as_their_f32_casts() {
+    use trainer::optim::{accumulate_grads, AdamW};
+    type I = common::Inner;
+    let _guard = common::serial();
+    let cfg = tiny_config(1);
+    let device = common::device();
+    <B as burn::tensor::backend::Backend>::seed(&device, 11);
+    let master = Gpt::<B>::new(&cfg.model, 40, &device);
+    let copy = master.compute_copy(FloatDType::F16);
+    let grads_of = |x: [[i32; 8]; 2], y: [[i32; 8]; 2]| {
+        let x = Tensor::<B, 2, Int>::from_ints(x, &device);
+        let y = Tensor::<B, 2, Int>::from_ints(y, &device);
+        let loss = Gpt::<B>::loss(copy.forward(x), y).mul_scalar(64.0);
+        GradientsParams::from_grads(loss.backward(), &copy)
+    };
+    let g1 = grads_of(
+        [[1, 5, 9, 2, 33, 7, 0, 12], [3, 3, 8, 1, 39, 20, 11, 4]],
+        [[5, 9, 2, 33, 7, 0, 12, 6], [3, 8, 1, 39, 20, 11, 4, 2]],
+    );
+    let g2 = grads_of(
+        [[14, 2, 2, 30, 8, 17, 5, 1], [0, 9, 36, 6, 6, 21, 3, 10]],
+        [[2, 2, 30, 8, 17, 5, 1, 25], [9, 36, 6, 6, 21, 3, 10, 7]],
+    );
+    let qkv = master.blocks[0].attn.qkv.weight.id;
+    let wte = master.wte.weight.id;
+    assert_eq!(g1.get::<I, 2>(qkv).unwrap().dtype(), DType::F16);
+    let g1_32 = copy_grads(&master, &g1, Some(FloatDType::F32));
+
+    // The norm: one f32 sum of squares of the same values either way, in another order at most.
+    let norm_of =
+        |g: &GradientsParams| -> f32 { AdamW::<I>::grad_norm::<B, _>(&master, g).into_scalar() };
+    let (n16, n32) = (norm_of(&g1), norm_of(&g1_32));
+    assert!(
+        (n16 - n32).abs() <= 1e-5 * n32 && n32 > 0.0,
+        "norm of the f16 gradients {n16} against their f32 casts {n32}"
+    );
+
+    // Micro-batches summed in f32: f16 + f16, then f32 + f16; exact, as cast-then-add.
+    let sum = accumulate_grads::<B, _>(
+        &master,
+        copy_grads(&master, &g1, None),
+        copy_grads(&master, &g2, None),
+    );
+    let sum = accumulate_grads::<B, _>(&master, sum, copy_grads(&master, &g2, None));
+    let as_f32 = |g: &GradientsParams, id| -> Tensor<I, 2> {
+        g.get::<I, 2>(id).unwrap().cast(FloatDType::F32)
+    };
+    for (name, id) in [("qkv", qkv), ("wte", wte)] {
+        let got = sum.get::<I, 2>(id).unwrap();
+        assert_eq!(got.dtype(), DType::F32, "{name}: the sum's dtype");
+        let want = as_f32(&g1, id) + as_f32(&g2, id) + as_f32(&g2, id);
+        assert_eq!(
+            got.into_data().to_vec::<f32>().unwrap(),
+            want.into_data().to_vec::<f32>().unwrap(),
+            "{name}: accumulated gradients differ from cast-then-add"
+        );
+    }
+    assert_eq!(sum.len(), g1.len(), "every parameter keeps its gradient");
+
+    // One AdamW step (loss scale 64, clipping on) from either set: the same update.
+    for fused in [false, true] {
+        let step = |g: GradientsParams, norm: f32| {
+            let mut opt = AdamW::<I>::new(cfg.optimizer.clone(), Default::default());
+            if fused {
+                opt = opt.with_fused(None);
+            }
+            let norm = Tensor::<I, 1>::from_floats([norm], &device);
+            param_values(&opt.step::<B, _>(1e-2, master.clone(), g, norm, 64.0))
+        };
+        let a = step(copy_grads(&master, &g1, None), n16);
+        let b = step(copy_grads(&master, &g1_32, None), n16);
+        assert_eq!(a.len(), b.len());
+        let err = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            err == 0.0,
+            "fused {fused}: the step from f16 gradients differs from the f32 one by {err}"
+        );
+    }
+}
+
 #[test]
 fn fp16_run_trains_with_dynamic_loss_scaling() {
     let _guard = common::serial();

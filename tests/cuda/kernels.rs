@@ -34,6 +34,7 @@ cases!(
     cross_entropy => cuda_cross_entropy,
     embedding => cuda_embedding,
     adamw => cuda_adamw,
+    add_as_f32 => cuda_add_as_f32,
     sum_squares => cuda_sum_squares,
     format_stats => cuda_format_stats,
     format_probe => cuda_format_probe,

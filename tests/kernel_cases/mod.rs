@@ -572,6 +572,71 @@ where
     }
 }
 
+/// `kernels::add_as_f32` (gradient accumulation) against the host's f32 sum of the same values:
+/// every pairing of f32 and `dtype` inputs, dense shapes of odd lengths (rows of odd bytes are
+/// pitched on CUDA), a transposed view, a column slice, a rank-3 tensor and an empty one. Both
+/// inputs are exact in f32, so the one f32 addition must match exactly.
+pub fn add_as_f32<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
+where
+    B::InnerBackend: kernels::Backend,
+{
+    type I<B> = <B as AutodiffBackend>::InnerBackend;
+    let host = |t: Tensor<I<B>, 2>| -> Vec<f32> {
+        t.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
+    };
+    let r = |shape: [usize; 2]| randn::<B>(shape, dev).inner();
+    let wide = r([10, 100]);
+    let cases: Vec<(&str, Tensor<I<B>, 2>, Tensor<I<B>, 2>)> = vec![
+        ("[1, 1]", r([1, 1]), r([1, 1])),
+        ("[3, 7]", r([3, 7]), r([3, 7])),
+        ("[5, 123]", r([5, 123]), r([5, 123])),
+        ("[3, 4099]", r([3, 4099]), r([3, 4099])),
+        ("[64, 768]", r([64, 768]), r([64, 768])),
+        ("[33, 65]^T", r([33, 65]).transpose(), r([65, 33])),
+        (
+            "[10, 100][.., 3..60]",
+            wide.slice([0..10, 3..60]),
+            r([10, 57]),
+        ),
+        ("[0, 8]", r([0, 8]), r([0, 8])),
+    ];
+    for (what, a, b) in cases {
+        for (da, db) in [
+            (dtype, dtype),
+            (FloatDType::F32, dtype),
+            (dtype, FloatDType::F32),
+        ] {
+            let (a, b) = (a.clone().cast(da), b.clone().cast(db));
+            let want: Vec<f32> = host(a.clone())
+                .iter()
+                .zip(host(b.clone()))
+                .map(|(x, y)| x + y)
+                .collect();
+            let got = kernels::add_as_f32(a, b);
+            assert_eq!(
+                got.dtype(),
+                burn::tensor::DType::F32,
+                "add_as_f32 {what}: output dtype"
+            );
+            assert_eq!(
+                host(got),
+                want,
+                "add_as_f32 {what} ({da:?} + {db:?}) differs from the host's f32 sum"
+            );
+        }
+    }
+    // Rank 3: the kernel reads any rank as flat rows.
+    let a = r([6, 35]).reshape([2, 3, 35]).cast(dtype);
+    let b = r([6, 35]).reshape([2, 3, 35]);
+    let want: Vec<f32> = host(a.clone().reshape([6, 35]))
+        .iter()
+        .zip(host(b.clone().reshape([6, 35])))
+        .map(|(x, y)| x + y)
+        .collect();
+    let got = kernels::add_as_f32(a, b).reshape([6, 35]);
+    assert_eq!(host(got), want, "add_as_f32 [2, 3, 35] ({dtype:?} + F32)");
+}
+
 /// `kernels::SumSquares` against the sum of squares in f64 of the same values (already rounded to
 /// `dtype`): one tensor at a time and all together, over dense tensors of odd lengths, a
 /// transposed view, a column slice, a permuted rank-3 tensor (copied first), rows of 4000 bytes

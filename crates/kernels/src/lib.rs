@@ -11,6 +11,7 @@
 //! | softmax cross-entropy + z-loss | [`cross_entropy`] | [`cross_entropy::reference`] |
 //! | token embedding (atomic scatter backward on CUDA) | [`embedding()`] | [`embedding::reference`] |
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
+//! | gradient accumulation in f32 | [`add_as_f32`] | [`adamw::add_as_f32_reference`] |
 //! | how values fit a format (amax, subnormal, non-finite counts) in one read | [`format_stats()`] | [`format_stats::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
 //! | dropout with an in-kernel mask (drawn again in the backward) | [`dropout()`] | [`dropout::reference`] |
@@ -260,6 +261,25 @@ pub fn adamw_step<B: Backend, const D: usize>(
         v: tensor(v),
         copy: c.map(tensor),
     }
+}
+
+/// `f32(a) + f32(b)`, element by element, for tensors of one shape in any float dtypes (f32, f16,
+/// bf16): gradient accumulation over micro-batches, where a bf16 or f16 gradient is added to an
+/// f32 sum (or two such gradients start one) without a cast pass of its own. On `CubeBackend` one
+/// kernel reads each input once; elsewhere [`adamw::add_as_f32_reference`]. Works on non-autodiff
+/// tensors (the optimizer's side).
+pub fn add_as_f32<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
+    if a.dims() != b.dims() {
+        check::fail(
+            "add_as_f32",
+            format!(
+                "b has shape {:?} but a has {:?}; they must match",
+                b.dims(),
+                a.dims()
+            ),
+        );
+    }
+    tensor(B::add_as_f32(prim(a), prim(b)))
 }
 
 /// The sum of squares of many tensors' elements (for example the global gradient norm of

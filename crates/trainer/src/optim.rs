@@ -116,7 +116,7 @@ impl<B: Backend> AdamW<B> {
     }
 
     /// Global L2 norm of all gradients, as a device tensor of shape [1]: one read of each
-    /// gradient ([`kernels::SumSquares`]).
+    /// gradient in the dtype it has (bf16, f16 or f32), summed in f32 ([`kernels::SumSquares`]).
     pub fn grad_norm<AB, M>(module: &M, grads: &GradientsParams) -> Tensor<B, 1>
     where
         AB: AutodiffBackend<InnerBackend = B>,
@@ -178,7 +178,9 @@ impl<B: Backend> AdamW<B> {
 }
 
 /// Casts every gradient of `module`'s parameters to f32 in place (gradients of low-precision
-/// compute copies arrive in bf16 or f16); f32 gradients are left untouched.
+/// compute copies arrive in bf16 or f16); f32 gradients are left untouched. The optimizer does not
+/// need it ([`AdamW::grad_norm`] and [`AdamW::step`] read any float dtype in f32); the
+/// data-parallel mean over ranks does.
 pub fn grads_to_f32<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     module: &M,
     grads: &mut GradientsParams,
@@ -197,6 +199,49 @@ pub fn grads_to_f32<AB: AutodiffBackend, M: AutodiffModule<AB>>(
         }
     }
     module.visit(&mut ToF32 { grads });
+}
+
+/// `a + b` for every parameter of `module`, in f32, one pass per parameter
+/// ([`kernels::add_as_f32`]: a bf16 or f16 gradient is cast as it is added): the gradients of
+/// micro-batches summed. A parameter with a gradient in only one of them keeps that gradient.
+pub fn accumulate_grads<AB, M>(
+    module: &M,
+    a: GradientsParams,
+    b: GradientsParams,
+) -> GradientsParams
+where
+    AB: AutodiffBackend,
+    AB::InnerBackend: kernels::Backend,
+    M: AutodiffModule<AB>,
+{
+    struct Sum {
+        a: GradientsParams,
+        b: GradientsParams,
+        out: GradientsParams,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Sum
+    where
+        AB::InnerBackend: kernels::Backend,
+    {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let id = param.id;
+            let a = self.a.remove::<AB::InnerBackend, D>(id);
+            let b = self.b.remove::<AB::InnerBackend, D>(id);
+            let sum = match (a, b) {
+                (Some(a), Some(b)) => kernels::add_as_f32(a, b),
+                (Some(g), None) | (None, Some(g)) => g,
+                (None, None) => return,
+            };
+            self.out.register::<AB::InnerBackend, D>(id, sum);
+        }
+    }
+    let mut sum = Sum {
+        a,
+        b,
+        out: GradientsParams::new(),
+    };
+    module.visit(&mut sum);
+    sum.out
 }
 
 /// Overwrites the first parameter's gradient with non-finite values (inf where it was non-zero, NaN
@@ -240,11 +285,6 @@ where
 {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
         if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-            model::dtype::debug_assert_dtype(
-                &g,
-                FloatDType::F32,
-                "gradient reaching the optimizer",
-            );
             self.sum
                 .get_or_insert_with(|| kernels::SumSquares::new(&g.device()))
                 .add(g);

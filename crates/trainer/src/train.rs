@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use burn::module::AutodiffModule;
-use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -27,7 +27,7 @@ use crate::data::Dataset;
 use crate::fsutil::write_atomic;
 use crate::metrics::{LayerHealth, Metrics, StepRecord};
 use crate::numerics::{self, Probes};
-use crate::optim::{grads_to_f32, poison_grads, AdamW};
+use crate::optim::{accumulate_grads, grads_to_f32, poison_grads, AdamW};
 use crate::precision::{LossScaler, Recipe, Verdict};
 use crate::rng::SplitMix64;
 use crate::schedule::lr_at;
@@ -705,8 +705,10 @@ impl StepCtx<'_> {
             .with_grad_taps(probes.taps.clone(), numerics::limits(self.compute_dtype).0)
     }
 
-    /// Forward and backward of the step's `training.grad_accum` micro-batches: their gradients,
-    /// accumulated, in f32 under the master's ids.
+    /// Forward and backward of the step's `training.grad_accum` micro-batches: their gradients
+    /// under the master's ids. One micro-batch's stay in the dtypes they arrive in; several are
+    /// summed in f32 ([`accumulate_grads`], the cast in the same pass); a data-parallel rank's are
+    /// f32 for the mean over ranks.
     fn backward<B: crate::TrainBackend>(
         &self,
         model: &Gpt<B>,
@@ -718,33 +720,36 @@ impl StepCtx<'_> {
         micro: &mut MicroBatches<B>,
     ) -> GradientsParams {
         let accum = self.cfg.training.grad_accum;
-        if accum == 1 {
-            return self.micro_batch(model, compute, rank, step, scale, probes, micro);
+        let mut grads = if accum == 1 {
+            self.micro_batch(compute, rank, step, scale, probes, micro)
+        } else {
+            let mut sum = None;
+            for m in 0..accum as u64 {
+                let g =
+                    self.micro_batch(compute, rank, step * accum as u64 + m, scale, probes, micro);
+                sum = Some(match sum {
+                    None => g,
+                    Some(s) => accumulate_grads::<B, _>(model, s, g),
+                });
+            }
+            sum.expect("grad_accum >= 1")
+        };
+        // The norm and the AdamW kernel read bf16 and f16 gradients themselves (in f32); only the
+        // data-parallel mean runs on f32 gradients.
+        if rank.of.is_some() {
+            grads_to_f32::<B, _>(model, &mut grads);
         }
-        let mut acc = GradientsAccumulator::<Gpt<B>>::new();
-        for m in 0..accum as u64 {
-            let g = self.micro_batch(
-                model,
-                compute,
-                rank,
-                step * accum as u64 + m,
-                scale,
-                probes,
-                micro,
-            );
-            acc.accumulate(model, g);
-        }
-        acc.grads()
+        grads
     }
 
     /// Forward and backward of micro-batch `index` on the compute copy: adds its loss to
-    /// `micro.loss_sum` and returns its gradients, in f32, under the master's ids. On a numerics
-    /// step, the first micro-batch's output and weight gradients are measured into
-    /// `micro.numerics` before the cast. A rank of a data-parallel run reads its rows of the
+    /// `micro.loss_sum` and returns its gradients under the master's ids, each in the dtype its
+    /// weight computes in (bf16 or f16 for the weights with a low-precision copy, f32 for the
+    /// rest). On a numerics step, the first micro-batch's output and weight gradients are
+    /// measured into `micro.numerics`. A rank of a data-parallel run reads its rows of the
     /// micro-batch.
     fn micro_batch<B: crate::TrainBackend>(
         &self,
-        model: &Gpt<B>,
         compute: &Gpt<B>,
         rank: &Rank<'_, B>,
         index: u64,
@@ -794,7 +799,7 @@ impl StepCtx<'_> {
                 }
             }
         }
-        let mut g = GradientsParams::from_grads(raw, compute);
+        let g = GradientsParams::from_grads(raw, compute);
         if measure {
             for (name, lin) in compute.projections() {
                 if let Some(w) = g.get::<B::InnerBackend, 2>(lin.weight.id) {
@@ -803,7 +808,6 @@ impl StepCtx<'_> {
                 }
             }
         }
-        grads_to_f32::<B, _>(model, &mut g);
         g
     }
 }

@@ -8,7 +8,7 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use super::kernel::{adamw_kernel, sum_squares_kernel, AdamWScalarsLaunch};
+use super::kernel::{adamw_kernel, add_as_f32_kernel, sum_squares_kernel, AdamWScalarsLaunch};
 use super::AdamWStep;
 use crate::check::{check_float, fail};
 use crate::launch::{
@@ -129,6 +129,49 @@ pub(crate) fn step<R: CubeRuntime>(
     (p_out, m_out, v_out, copy)
 }
 
+/// `f32(a) + f32(b)` in one pass; see [`super::add_as_f32_reference`].
+pub(crate) fn add_as_f32<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
+    let op = "add_as_f32";
+    check_float(op, "a", a.dtype);
+    check_float(op, "b", b.dtype);
+    let shape = a.shape();
+    if b.shape() != shape {
+        fail(
+            op,
+            format!(
+                "b has shape {:?} but a has {:?}",
+                b.shape().as_slice(),
+                shape.as_slice()
+            ),
+        );
+    }
+    let (a, b) = (contiguous(a), contiguous(b));
+    let dims = shape.as_slice().to_vec();
+    let out = empty(&a, dims.clone(), DType::F32);
+    let numel = shape.num_elements();
+    let last = *dims.last().unwrap_or(&1);
+    let n = vector_width(&a, &[DType::F32, a.dtype, b.dtype], &[last, numel]);
+    let total = numel / n;
+    if total == 0 {
+        return out;
+    }
+    let dim = CubeDim::new_1d(256);
+    let count = calculate_cube_count_elemwise(&a.client, total, dim);
+    let dtypes = [a.dtype.into(), b.dtype.into()];
+    add_as_f32_kernel::launch::<R>(
+        &a.client.clone(),
+        count,
+        dim,
+        n,
+        a.into_tensor_arg(),
+        b.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        total,
+        dtypes,
+    );
+    out
+}
+
 /// Units per cube of the sum of squares (and of `format_stats`).
 pub(crate) const SUM_UNITS: usize = 256;
 
@@ -206,6 +249,10 @@ where
         Option<FloatTensor<Self>>,
     ) {
         step(param, grad, m, v, factor, hp, copy_dtype.map(Into::into))
+    }
+
+    fn add_as_f32(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        add_as_f32(a, b)
     }
 
     fn sum_squares(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {

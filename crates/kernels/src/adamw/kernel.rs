@@ -51,6 +51,22 @@ pub(crate) fn adamw_kernel<G: Float, C: Float, N: Size>(
     }
 }
 
+/// `out = f32(a) + f32(b)`, element by element: gradient accumulation with the cast to f32 in the
+/// same pass.
+#[cube(launch)]
+pub(crate) fn add_as_f32_kernel<A: Float, G: Float, N: Size>(
+    a: &Tensor<Vector<A, N>>,
+    b: &Tensor<Vector<G, N>>,
+    out: &mut Tensor<Vector<f32, N>>,
+    total: usize,
+    #[define(A, G)] _dtypes: [StorageType; 2],
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        out[i] = Vector::<f32, N>::cast_from(a[i]) + Vector::<f32, N>::cast_from(b[i]);
+    }
+}
+
 /// `partials[slot + CUBE_POS]` = the sum of `x^2` (in f32) over this cube's share of `x`.
 ///
 /// `dense`: `x` is read as `total` contiguous vectors. Otherwise (`N` = 1) `x` is a matrix of

@@ -6,6 +6,9 @@
 //! One kernel reads `p`, `g`, `m`, `v` once and writes `p`, `m`, `v` and, when asked, `p` cast to
 //! the compute dtype (bf16 or f16) for the next forward.
 //!
+//! [`crate::add_as_f32`] accumulates gradients over micro-batches: the sum of two gradients of
+//! any float dtypes, in f32, in one pass (no cast of its own for a bf16 or f16 gradient).
+//!
 //! [`crate::SumSquares`] gives the global gradient norm that clipping needs: the sum of squares of
 //! many tensors (any shapes, dtypes and layouts) in one read of each, as a one-element f32 device
 //! tensor.
@@ -77,6 +80,14 @@ pub fn reference<B: BurnBackend, const D: usize>(
     }
 }
 
+/// Plain-Burn `f32(a) + f32(b)` (tensors of one shape, any float dtypes).
+pub fn add_as_f32_reference<B: BurnBackend, const D: usize>(
+    a: Tensor<B, D>,
+    b: Tensor<B, D>,
+) -> Tensor<B, D> {
+    a.cast(FloatDType::F32) + b.cast(FloatDType::F32)
+}
+
 /// Plain-Burn sum of squares of every element of `tensors`, in f32, as a one-element tensor (0
 /// when they hold no element).
 pub fn sum_squares_reference<B: BurnBackend>(
@@ -121,6 +132,13 @@ pub trait AdamWOps: BurnBackend {
             crate::from_2d(out.v, shape.clone()),
             out.copy.map(|c| crate::from_2d(c, shape)),
         )
+    }
+
+    /// `f32(a) + f32(b)` ([`crate::add_as_f32`]); the default runs [`add_as_f32_reference`].
+    fn add_as_f32(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (a, shape) = crate::as_2d::<Self>(a);
+        let (b, _) = crate::as_2d::<Self>(b);
+        crate::from_2d(add_as_f32_reference(a, b), shape)
     }
 
     /// The sum of squares of every element of `tensors` on `device` ([`crate::SumSquares`]); the
