@@ -176,6 +176,7 @@ fn main() {
                                 wc.clone().into_primitive().tensor(),
                                 rstd.clone(),
                                 prim(dy.clone()),
+                                None,
                             ))
                         });
                         let gbs = 3.0 * n * eb / tb / 1e9;

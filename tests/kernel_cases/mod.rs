@@ -264,6 +264,42 @@ pub fn add_rms_norm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, de
                 both(s, y)
             },
         );
+        // The model's residual chain: the stream feeds a norm and, deeper in the graph, the next
+        // add, so each norm's backward finds the add's gradient already there and adds it in its
+        // own kernel (plain norm first, then the fused add's).
+        let chain = |v: &[Tensor<B, 2>], fused: bool| {
+            let w = v[2].clone().reshape([c]);
+            let norm = |x: Tensor<B, 2>| {
+                if fused {
+                    kernels::rms_norm(x, w.clone(), 1e-5)
+                } else {
+                    kernels::rms_norm::reference(x, w.clone(), 1e-5)
+                }
+            };
+            let add_norm = |x: Tensor<B, 2>, r: Tensor<B, 2>| {
+                if fused {
+                    kernels::add_rms_norm(x, r, w.clone(), 1e-5)
+                } else {
+                    kernels::rms_norm::add_reference(x, r, w.clone(), 1e-5)
+                }
+            };
+            let y0 = norm(v[0].clone());
+            let (s1, y1) = add_norm(y0.mul_scalar(0.5), v[0].clone());
+            let (s2, y2) = add_norm(y1 + v[1].clone(), s1);
+            both(s2, y2)
+        };
+        check::<B>(
+            &format!("rms_norm, then add_rms_norm twice [{rows}, {c}]"),
+            dtype,
+            FLOOR,
+            vec![
+                Input::act([rows, c], dev),
+                Input::act([rows, c], dev),
+                Input::master((randn::<B>([1, c], dev) * 0.5).add_scalar(1.0)),
+            ],
+            |v| chain(&v, true),
+            |v| chain(&v, false),
+        );
     }
 }
 
@@ -640,9 +676,9 @@ where
 /// `kernels::SumSquares` against the sum of squares in f64 of the same values (already rounded to
 /// `dtype`): one tensor at a time and all together, over dense tensors of odd lengths, a
 /// transposed view, a column slice, a permuted rank-3 tensor (copied first), rows of 4000 bytes
-/// in f32 (pitched on CUDA), a strided vector, and an empty sum. The kernel sums
-/// in f32 in another order than the host, so it may differ by f32 rounding of the total: at most
-/// 1e-5 of it.
+/// in f32 (pitched on CUDA), a strided vector, and an empty sum; the same sum twice gives the same
+/// bits. The kernel sums in f32 in another order than the host, so it may differ by f32 rounding
+/// of the total: at most 1e-5 of it.
 pub fn sum_squares<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
 where
     B::InnerBackend: kernels::Backend,
@@ -719,6 +755,20 @@ where
     all.add(cube);
     total += cube_sq;
     check("all together", all.finish(), total);
+    // The partial sums are added in a fixed order: the same tensors give the same bits.
+    let many: Vec<Tensor<I<B>, 2>> = (0..6).map(|i| r([40 + i, 3000])).collect();
+    let sum_of = || {
+        let mut s = kernels::SumSquares::<I<B>>::new(dev);
+        for t in &many {
+            s.add(t.clone());
+        }
+        s.finish().into_data().to_vec::<f32>().unwrap()
+    };
+    assert_eq!(
+        sum_of(),
+        sum_of(),
+        "sum_squares ({dtype:?}): two sums of the same tensors"
+    );
     let empty = kernels::SumSquares::<I<B>>::new(dev).finish();
     assert_eq!(
         empty.into_data().to_vec::<f32>().unwrap(),

@@ -220,10 +220,38 @@ pub(crate) fn sum_squares_partials<R: CubeRuntime>(
             l.dense,
             smem,
             plane,
+            true,
             dtype.into(),
         );
     }
     Some(partials)
+}
+
+/// The sum of the f32 `partials`, `[1]` in f32, by one cube (in a fixed order: the same partials
+/// give the same bits).
+pub(crate) fn sum_partials<R: CubeRuntime>(partials: CubeTensor<R>) -> CubeTensor<R> {
+    let out = empty(&partials, vec![1], DType::F32);
+    let read = flat_read(partials);
+    let plane = use_planes(&read.x, SUM_UNITS);
+    sum_squares_kernel::launch::<R>(
+        &read.x.client.clone(),
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(SUM_UNITS as u32),
+        read.width,
+        read.x.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        read.total,
+        read.cols,
+        read.strides[0],
+        read.strides[1],
+        0,
+        read.dense,
+        reduce_slots(SUM_UNITS, plane),
+        plane,
+        false,
+        DType::F32.into(),
+    );
+    out
 }
 
 impl<R, F, I, BT> super::AdamWOps for CubeBackend<R, F, I, BT>
@@ -256,12 +284,9 @@ where
     }
 
     fn sum_squares(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
-        use burn::tensor::{Tensor, TensorPrimitive};
+        use burn::tensor::Tensor;
         match sum_squares_partials(tensors) {
-            Some(p) => Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(p))
-                .sum()
-                .into_primitive()
-                .tensor(),
+            Some(p) => sum_partials(p),
             None => Tensor::<Self, 1>::zeros([1], (device, DType::F32))
                 .into_primitive()
                 .tensor(),

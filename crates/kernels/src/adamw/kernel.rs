@@ -67,7 +67,8 @@ pub(crate) fn add_as_f32_kernel<A: Float, G: Float, N: Size>(
     }
 }
 
-/// `partials[slot + CUBE_POS]` = the sum of `x^2` (in f32) over this cube's share of `x`.
+/// `partials[slot + CUBE_POS]` = the sum of `x^2` (in f32) over this cube's share of `x` (of `x`
+/// itself without `square`: one cube then adds up the partial sums).
 ///
 /// `dense`: `x` is read as `total` contiguous vectors. Otherwise (`N` = 1) `x` is a matrix of
 /// `cols` columns whose element `(r, c)` is at `r * row_stride + c * col_stride` (CUDA's pitched
@@ -85,6 +86,7 @@ pub(crate) fn sum_squares_kernel<F: Float, N: Size>(
     #[comptime] dense: bool,
     #[comptime] slots: usize,
     #[comptime] plane: bool,
+    #[comptime] square: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let step = CUBE_COUNT * CUBE_DIM as usize;
@@ -93,7 +95,11 @@ pub(crate) fn sum_squares_kernel<F: Float, N: Size>(
     while i < total {
         let index = crate::launch::flat_index(i, cols, row_stride, col_stride, dense);
         let v = Vector::<f32, N>::cast_from(x[index]);
-        acc += crate::launch::lanes_sum::<N>(v * v);
+        if comptime!(square) {
+            acc += crate::launch::lanes_sum::<N>(v * v);
+        } else {
+            acc += crate::launch::lanes_sum::<N>(v);
+        }
         i += step;
     }
     let mut smem = SharedMemory::<f32>::new(slots);

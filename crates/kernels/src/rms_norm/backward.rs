@@ -1,5 +1,7 @@
 //! RMSNorm under `Autodiff`: the forward kernel saves `1 / rms` per row, the backward kernel
-//! recomputes the normalised row from it and the saved input.
+//! recomputes the normalised row from it and the saved input. The input's gradient from its
+//! other consumers (the residual stream's next add), when already there, is added by the same
+//! kernel.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -7,13 +9,19 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
+use std::sync::Arc;
 
 use crate::KernelOps;
 
+/// `input` names the normalised input's node (a handle of its own, holding `1 / rms` as its
+/// primitive and a reference count nothing else sees), to take the input's gradient from its
+/// other consumers out of the container.
 #[derive(Debug)]
-struct RmsNormBackward;
+struct RmsNormBackward<B: KernelOps> {
+    input: FloatTensor<Autodiff<B>>,
+}
 
-impl<B: KernelOps> Backward<B, 2> for RmsNormBackward {
+impl<B: KernelOps> Backward<B, 2> for RmsNormBackward<B> {
     /// (normalised input, gain, 1 / rms per row)
     type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 
@@ -21,7 +29,11 @@ impl<B: KernelOps> Backward<B, 2> for RmsNormBackward {
         let [node_x, node_w] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
         let (x, w, rstd) = ops.state;
-        let (dx, dw) = B::rms_norm_backward(x, w, rstd, dy);
+        // The input's gradient from its other consumers, when they ran first (the next residual
+        // add always does: it lies deeper in the graph), goes into the kernel's dx, instead of an
+        // add of its own when this dx is registered.
+        let dres = node_x.as_ref().and_then(|_| grads.remove::<B>(&self.input));
+        let (dx, dw) = B::rms_norm_backward(x, w, rstd, dy, dres);
         if let Some(node) = node_x {
             grads.register::<B>(node.id, dx);
         }
@@ -59,7 +71,10 @@ fn norm_node<B: KernelOps, C: CheckpointStrategy>(
     y: FloatTensor<B>,
     rstd: FloatTensor<B>,
 ) -> FloatTensor<Autodiff<B, C>> {
-    match RmsNormBackward
+    let mut handle = input.clone();
+    handle.primitive = rstd.clone();
+    handle.rc = Arc::new(handle.node.id);
+    match (RmsNormBackward::<B> { input: handle })
         .prepare::<C>([input.node.clone(), w.node.clone()])
         .compute_bound()
         .stateful()

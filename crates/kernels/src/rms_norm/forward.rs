@@ -179,14 +179,29 @@ pub(crate) fn backward<R: CubeRuntime>(
     w: CubeTensor<R>,
     rstd: CubeTensor<R>,
     dy: CubeTensor<R>,
+    dres: Option<CubeTensor<R>>,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let shape = x.shape();
     let (rows, cols) = rows_cols(&shape);
+    if let Some(r) = &dres {
+        if r.shape() != shape {
+            fail(
+                "rms_norm backward",
+                format!(
+                    "the input's other gradient has shape {:?} but the input has {:?}",
+                    r.shape().as_slice(),
+                    shape.as_slice()
+                ),
+            );
+        }
+    }
     let x = contiguous(x);
     let w = contiguous(w);
     let w_dtype = w.dtype;
-    // The gradient may arrive in another dtype than x (e.g. f32 into a bf16 norm): bring it to x's.
+    // The gradients may arrive in another dtype than x (e.g. f32 into a bf16 norm): bring them
+    // to x's.
     let dy = contiguous(burn_cubecl::kernel::cast(dy, x.dtype));
+    let dres = dres.map(|r| contiguous(burn_cubecl::kernel::cast(r, x.dtype)));
     let dx = empty(&x, shape.as_slice().to_vec(), x.dtype);
     if rows == 0 {
         let dw = burn_cubecl::ops::numeric::zeros_client(
@@ -213,6 +228,9 @@ pub(crate) fn backward<R: CubeRuntime>(
     };
     let client = x.client.clone();
     let dtypes = [x.dtype.into(), w.dtype.into()];
+    let add_res = dres.is_some();
+    // Without another gradient the kernel never reads that argument: one vector stands in.
+    let dres = dres.unwrap_or_else(|| empty(&x, vec![n], x.dtype));
     rms_norm_bwd::launch::<R>(
         &client,
         CubeCount::Static(cubes as u32, 1, 1),
@@ -222,6 +240,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         w.into_tensor_arg(),
         rstd.into_tensor_arg(),
         dy.into_tensor_arg(),
+        dres.into_tensor_arg(),
         dx.clone().into_tensor_arg(),
         dw_part.clone().into_tensor_arg(),
         rows,
@@ -231,6 +250,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         p.plane,
         p.row_plane,
         dw_slots,
+        add_res,
         dtypes,
     );
     let dw = crate::launch::sum_rows(dw_part);
@@ -262,8 +282,9 @@ where
         weight: FloatTensor<Self>,
         rstd: FloatTensor<Self>,
         dy: FloatTensor<Self>,
+        dres: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        backward(x, weight, rstd, dy)
+        backward(x, weight, rstd, dy, dres)
     }
 }
 

@@ -79,12 +79,15 @@ pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
 /// `dx = rstd * (g - x * rstd^2 * mean(g * x))` with `g = dy * w`, in `F`; the cube's share of
 /// `dw = sum_rows dy * x * rstd` goes, in f32, to row `CUBE_POS` of `dw_part` [cubes, cols] (with
 /// `row_plane` the planes' shares are first summed in shared memory, `dw_slots` vectors).
+/// With `add_res`, `dres` (another gradient of `x`, from its other consumers) is added to `dx` in
+/// f32 before the one rounding to `F`; otherwise `dres` is never read.
 #[cube(launch)]
 pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     w: &Tensor<Vector<W, N>>,
     rstd: &Tensor<f32>,
     dy: &Tensor<Vector<F, N>>,
+    dres: &Tensor<Vector<F, N>>,
     dx: &mut Tensor<Vector<F, N>>,
     dw_part: &mut Tensor<Vector<f32, N>>,
     rows: usize,
@@ -94,6 +97,7 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     #[comptime] plane: bool,
     #[comptime] row_plane: bool,
     #[comptime] dw_slots: usize,
+    #[comptime] add_res: bool,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
     let unit = UNIT_POS_X as usize;
@@ -138,7 +142,11 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
         for i in 0..per_unit {
             let c = unit + i * units;
             if c < row_vecs {
-                dx[base + c] = Vector::cast_from(gs[i] * Vector::new(inv) - xs[i] * Vector::new(k));
+                let mut d = gs[i] * Vector::new(inv) - xs[i] * Vector::new(k);
+                if comptime!(add_res) {
+                    d += Vector::<f32, N>::cast_from(dres[base + c]);
+                }
+                dx[base + c] = Vector::cast_from(d);
             }
         }
         row += CUBE_COUNT * CUBE_DIM_Y as usize;

@@ -78,11 +78,14 @@ pub trait RmsNormKernels: RmsNormOps {
         FloatTensor<Self>,
         FloatTensor<Self>,
     );
-    /// `(dx, dweight)` from the normalised input, the gain, the saved `1 / rms` and `dy`.
+    /// `(dx, dweight)` from the normalised input, the gain, the saved `1 / rms` and `dy`; `dres`,
+    /// when given, is another gradient of the input (from its other consumers, such as the next
+    /// residual add), added to `dx` in the same pass.
     fn rms_norm_backward(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         rstd: FloatTensor<Self>,
         dy: FloatTensor<Self>,
+        dres: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }

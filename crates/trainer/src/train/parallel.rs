@@ -476,10 +476,10 @@ impl RankStep<'_> {
             .div_scalar(cfg.training.grad_accum as f64);
         let inner = loss.device();
         <B::InnerBackend as Collective>::sync(&inner);
-        // The norm (and so the clip factor) is averaged too: Burn's full-tensor sum adds with
-        // atomics on CUDA, so each rank's norm of the same gradients can differ in its last bit,
-        // and replicas that clip by different factors drift apart. NCCL gives every rank the same
-        // mean.
+        // The norm (and so the clip factor) is averaged too, so that replicas never clip by
+        // different factors and drift apart: the kernels' sum of squares adds in a fixed order,
+        // but a backend's own full-tensor sum may not (Burn's adds with atomics on CUDA). NCCL
+        // gives every rank the same mean.
         let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
         let stats = dp::reduce(
             Tensor::cat(vec![loss, norm], 0),
