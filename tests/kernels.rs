@@ -31,6 +31,8 @@ cases!(
     embedding,
     adamw,
     add_as_f32,
+    scale,
+    sum_f32,
     sum_squares,
     format_stats,
     format_probe,

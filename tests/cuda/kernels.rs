@@ -35,6 +35,8 @@ cases!(
     embedding => cuda_embedding,
     adamw => cuda_adamw,
     add_as_f32 => cuda_add_as_f32,
+    scale => cuda_scale,
+    sum_f32 => cuda_sum_f32,
     sum_squares => cuda_sum_squares,
     format_stats => cuda_format_stats,
     format_probe => cuda_format_probe,

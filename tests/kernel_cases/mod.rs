@@ -673,6 +673,115 @@ where
     assert_eq!(host(got), want, "add_as_f32 [2, 3, 35] ({dtype:?} + F32)");
 }
 
+/// `kernels::scale` (a gradient scaled by a device scalar and cast in one pass) against its
+/// plain-Burn reference, which rounds the same f32 product once: equal bits, for every pairing of
+/// f32 and `dtype` in and out, dense shapes of odd lengths (pitched rows on CUDA), a transposed
+/// view, a column slice and an empty tensor.
+pub fn scale<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
+where
+    B::InnerBackend: kernels::Backend,
+{
+    type I<B> = <B as AutodiffBackend>::InnerBackend;
+    let host = |t: Tensor<I<B>, 2>| -> Vec<f32> {
+        t.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
+    };
+    let r = |shape: [usize; 2]| randn::<B>(shape, dev).inner();
+    let wide = r([10, 100]);
+    let cases: Vec<(&str, Tensor<I<B>, 2>)> = vec![
+        ("[1, 1]", r([1, 1])),
+        ("[3, 7]", r([3, 7])),
+        ("[5, 123]", r([5, 123])),
+        ("[64, 768]", r([64, 768])),
+        ("[33, 65]^T", r([33, 65]).transpose()),
+        ("[10, 100][.., 3..60]", wide.slice([0..10, 3..60])),
+        ("[0, 8]", r([0, 8])),
+    ];
+    for factor in [0.37f32, -3.0e-4] {
+        let f = Tensor::<I<B>, 1>::from_floats([factor], dev);
+        for (what, x) in &cases {
+            for (din, dout) in [
+                (dtype, dtype),
+                (FloatDType::F32, dtype),
+                (dtype, FloatDType::F32),
+            ] {
+                let x = x.clone().cast(din);
+                let got = kernels::scale(x.clone(), f.clone(), dout);
+                let want = kernels::adamw::scale_reference(x, f.clone(), dout);
+                assert_eq!(got.dtype(), dout.into(), "scale {what}: output dtype");
+                assert_eq!(
+                    host(got),
+                    host(want),
+                    "scale {what} by {factor} ({din:?} -> {dout:?}) differs from the reference"
+                );
+            }
+        }
+    }
+}
+
+/// `kernels::sum_f32` against the host's f64 sum of the same values (rounded to `dtype` first):
+/// several tensors at once (dense, transposed, a column slice, rank 1, odd lengths), one alone,
+/// and none; the kernel adds in f32 in another order, so it may differ by f32 rounding: at most
+/// 1e-5 of the sum of magnitudes. The same tensors give the same bits twice.
+pub fn sum_f32<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
+where
+    B::InnerBackend: kernels::Backend,
+{
+    type I<B> = <B as AutodiffBackend>::InnerBackend;
+    let r = |shape: [usize; 2]| randn::<B>(shape, dev).inner().cast(dtype);
+    let values = |t: &Tensor<I<B>, 2>| -> Vec<f32> {
+        t.clone()
+            .cast(FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let wide = r([10, 100]);
+    let tensors: Vec<Tensor<I<B>, 2>> = vec![
+        r([1, 1]),
+        r([7, 13]),
+        r([33, 65]).transpose(),
+        wide.slice([0..10, 3..60]),
+        r([65, 1000]),
+        r([1, 16384]),
+    ];
+    let check = |what: &str, ts: &[Tensor<I<B>, 2>]| {
+        let (mut want, mut mag) = (0f64, 0f64);
+        for t in ts {
+            for v in values(t) {
+                want += v as f64;
+                mag += (v as f64).abs();
+            }
+        }
+        let got = kernels::sum_f32(ts.to_vec(), dev);
+        let again = kernels::sum_f32(ts.to_vec(), dev);
+        let got = got.into_data().to_vec::<f32>().unwrap();
+        assert_eq!(got.len(), 1, "sum_f32 {what}: one element");
+        let err = (got[0] as f64 - want).abs();
+        assert!(
+            err <= 1e-5 * mag.max(1e-30),
+            "sum_f32 {what} ({dtype:?}): {} against {want} (error {err:e}, magnitudes {mag:e})",
+            got[0]
+        );
+        assert_eq!(
+            again.into_data().to_vec::<f32>().unwrap(),
+            got,
+            "sum_f32 {what} ({dtype:?}): two sums of the same tensors"
+        );
+    };
+    check("all together", &tensors);
+    check("[1, 16384]", &tensors[5..]);
+    check("[33, 65]^T", &tensors[2..3]);
+    let none: Vec<Tensor<I<B>, 2>> = Vec::new();
+    assert_eq!(
+        kernels::sum_f32(none, dev)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap(),
+        vec![0.0],
+        "sum_f32 of nothing"
+    );
+}
+
 /// `kernels::SumSquares` against the sum of squares in f64 of the same values (already rounded to
 /// `dtype`): one tensor at a time and all together, over dense tensors of odd lengths, a
 /// transposed view, a column slice, a permuted rank-3 tensor (copied first), rows of 4000 bytes

@@ -12,6 +12,8 @@
 //! | token embedding (atomic scatter backward on CUDA) | [`embedding()`] | [`embedding::reference`] |
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
 //! | gradient accumulation in f32 | [`add_as_f32`] | [`adamw::add_as_f32_reference`] |
+//! | scale by a device scalar and cast, in one pass | [`scale`] | [`adamw::scale_reference`] |
+//! | sum of many tensors in f32, fixed order | [`sum_f32`] | [`adamw::sum_f32_reference`] |
 //! | how values fit a format (amax, subnormal, non-finite counts) in one read | [`format_stats()`] | [`format_stats::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
 //! | dropout with an in-kernel mask (drawn again in the backward) | [`dropout()`] | [`dropout::reference`] |
@@ -280,6 +282,29 @@ pub fn add_as_f32<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) 
         );
     }
     tensor(B::add_as_f32(prim(a), prim(b)))
+}
+
+/// `x * factor[0]` computed in f32 and stored in `dtype` (f32, f16 or bf16), where `factor` is a
+/// one-element device tensor: a gradient scaled and cast in one pass (on `CubeBackend` one kernel
+/// reads `x` once; elsewhere [`adamw::scale_reference`]). Works on non-autodiff tensors.
+pub fn scale<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    factor: Tensor<B, 1>,
+    dtype: FloatDType,
+) -> Tensor<B, D> {
+    tensor(B::scale_cast(prim(x), prim(factor), dtype))
+}
+
+/// The sum of every element of `tensors` (any shapes, float dtypes and layouts), in f32, as a
+/// one-element device tensor (0 when they hold none). On `CubeBackend` each tensor is read once
+/// into per-cube partial sums and one cube adds those in a fixed order (the same values give the
+/// same bits), where a backend's own full-tensor sum may reduce a long vector in one unit;
+/// elsewhere [`adamw::sum_f32_reference`]. Works on non-autodiff tensors.
+pub fn sum_f32<B: Backend, const D: usize>(
+    tensors: Vec<Tensor<B, D>>,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    tensor(B::sum_f32(tensors.into_iter().map(prim).collect(), device))
 }
 
 /// The sum of squares of many tensors' elements (for example the global gradient norm of

@@ -1,4 +1,5 @@
-//! Launch of the fused AdamW kernel on `CubeBackend` tensors.
+//! Launches on `CubeBackend` tensors: the fused AdamW step, the gradient sum and scale, and the
+//! sums (of squares) over many tensors.
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorMetadata};
@@ -8,7 +9,9 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use super::kernel::{adamw_kernel, add_as_f32_kernel, sum_squares_kernel, AdamWScalarsLaunch};
+use super::kernel::{
+    adamw_kernel, add_as_f32_kernel, scale_kernel, sum_squares_kernel, AdamWScalarsLaunch,
+};
 use super::AdamWStep;
 use crate::check::{check_float, fail};
 use crate::launch::{
@@ -182,15 +185,64 @@ pub(crate) fn flat_cubes<R: CubeRuntime>(read: &FlatRead<R>) -> usize {
         .clamp(1, 4 * num_sms(&read.x))
 }
 
-/// The partial sums of `x^2` of every tensor in `tensors` (one per cube, f32), or `None` when they
-/// hold no element. Each tensor is read as its [`FlatRead`] says.
-pub(crate) fn sum_squares_partials<R: CubeRuntime>(
+/// `x * factor[0]` in `dtype` in one pass; see [`super::scale_reference`].
+pub(crate) fn scale<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    factor: CubeTensor<R>,
+    dtype: DType,
+) -> CubeTensor<R> {
+    let op = "scale";
+    check_float(op, "x", x.dtype);
+    check_float(op, "output dtype", dtype);
+    if factor.shape().num_elements() != 1 {
+        fail(
+            op,
+            format!(
+                "factor has shape {:?}; expected one element",
+                factor.shape().as_slice()
+            ),
+        );
+    }
+    let shape = x.shape();
+    let x = contiguous(x);
+    let factor = contiguous(burn_cubecl::kernel::cast(factor, DType::F32));
+    let dims = shape.as_slice().to_vec();
+    let out = empty(&x, dims.clone(), dtype);
+    let numel = shape.num_elements();
+    let last = *dims.last().unwrap_or(&1);
+    let n = vector_width(&x, &[x.dtype, dtype], &[last, numel]);
+    let total = numel / n;
+    if total == 0 {
+        return out;
+    }
+    let dim = CubeDim::new_1d(256);
+    let count = calculate_cube_count_elemwise(&x.client, total, dim);
+    let dtypes = [x.dtype.into(), dtype.into()];
+    scale_kernel::launch::<R>(
+        &x.client.clone(),
+        count,
+        dim,
+        n,
+        x.into_tensor_arg(),
+        factor.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        total,
+        dtypes,
+    );
+    out
+}
+
+/// The partial sums of `x^2` (of `x` without `square`) of every tensor in `tensors` (one per cube,
+/// f32), or `None` when they hold no element. Each tensor is read as its [`FlatRead`] says.
+pub(crate) fn partial_sums<R: CubeRuntime>(
     tensors: Vec<CubeTensor<R>>,
+    square: bool,
 ) -> Option<CubeTensor<R>> {
+    let op = if square { "sum_squares" } else { "sum_f32" };
     let mut launches = Vec::new();
     let mut slots = 0;
     for x in tensors {
-        check_float("sum_squares", "tensor", x.dtype);
+        check_float(op, "tensor", x.dtype);
         if x.shape().num_elements() == 0 {
             continue;
         }
@@ -220,7 +272,7 @@ pub(crate) fn sum_squares_partials<R: CubeRuntime>(
             l.dense,
             smem,
             plane,
-            true,
+            square,
             dtype.into(),
         );
     }
@@ -283,13 +335,32 @@ where
         add_as_f32(a, b)
     }
 
+    fn scale_cast(
+        x: FloatTensor<Self>,
+        factor: FloatTensor<Self>,
+        dtype: burn::tensor::FloatDType,
+    ) -> FloatTensor<Self> {
+        scale(x, factor, dtype.into())
+    }
+
     fn sum_squares(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
-        use burn::tensor::Tensor;
-        match sum_squares_partials(tensors) {
+        match partial_sums(tensors, true) {
             Some(p) => sum_partials(p),
-            None => Tensor::<Self, 1>::zeros([1], (device, DType::F32))
-                .into_primitive()
-                .tensor(),
+            None => zero::<Self>(device),
         }
     }
+
+    fn sum_f32(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
+        match partial_sums(tensors, false) {
+            Some(p) => sum_partials(p),
+            None => zero::<Self>(device),
+        }
+    }
+}
+
+/// `[0.0]` in f32 on `device`: the sum of nothing.
+fn zero<B: burn::tensor::backend::Backend>(device: &B::Device) -> FloatTensor<B> {
+    burn::tensor::Tensor::<B, 1>::zeros([1], (device, DType::F32))
+        .into_primitive()
+        .tensor()
 }

@@ -67,6 +67,22 @@ pub(crate) fn add_as_f32_kernel<A: Float, G: Float, N: Size>(
     }
 }
 
+/// `out = x * factor[0]` in f32, stored in `O`: a gradient scaled by a device scalar and cast in
+/// one pass.
+#[cube(launch)]
+pub(crate) fn scale_kernel<I: Float, O: Float, N: Size>(
+    x: &Tensor<Vector<I, N>>,
+    factor: &Tensor<f32>,
+    out: &mut Tensor<Vector<O, N>>,
+    total: usize,
+    #[define(I, O)] _dtypes: [StorageType; 2],
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        out[i] = Vector::cast_from(Vector::<f32, N>::cast_from(x[i]) * Vector::new(factor[0]));
+    }
+}
+
 /// `partials[slot + CUBE_POS]` = the sum of `x^2` (in f32) over this cube's share of `x` (of `x`
 /// itself without `square`: one cube then adds up the partial sums).
 ///

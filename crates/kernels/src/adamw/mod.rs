@@ -88,6 +88,33 @@ pub fn add_as_f32_reference<B: BurnBackend, const D: usize>(
     a.cast(FloatDType::F32) + b.cast(FloatDType::F32)
 }
 
+/// Plain-Burn `x * factor[0]` in f32, cast to `dtype`.
+pub fn scale_reference<B: BurnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    factor: Tensor<B, 1>,
+    dtype: FloatDType,
+) -> Tensor<B, D> {
+    if x.shape().num_elements() == 0 {
+        // Burn refuses to broadcast the factor against an empty tensor.
+        return x.cast(dtype);
+    }
+    (x.cast(FloatDType::F32) * factor.cast(FloatDType::F32).reshape([1; D])).cast(dtype)
+}
+
+/// Plain-Burn sum of every element of `tensors`, in f32, as a one-element tensor (0 when they hold
+/// no element).
+pub fn sum_f32_reference<B: BurnBackend>(
+    tensors: Vec<FloatTensor<B>>,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let mut acc = Tensor::<B, 1>::zeros([1], (device, burn::tensor::DType::F32));
+    for t in tensors {
+        let (t, _) = crate::as_2d::<B>(t);
+        acc = acc + t.cast(FloatDType::F32).sum();
+    }
+    acc
+}
+
 /// Plain-Burn sum of squares of every element of `tensors`, in f32, as a one-element tensor (0
 /// when they hold no element).
 pub fn sum_squares_reference<B: BurnBackend>(
@@ -139,6 +166,23 @@ pub trait AdamWOps: BurnBackend {
         let (a, shape) = crate::as_2d::<Self>(a);
         let (b, _) = crate::as_2d::<Self>(b);
         crate::from_2d(add_as_f32_reference(a, b), shape)
+    }
+
+    /// `x * factor[0]` in f32, stored in `dtype` ([`crate::scale`]); the default runs
+    /// [`scale_reference`].
+    fn scale_cast(
+        x: FloatTensor<Self>,
+        factor: FloatTensor<Self>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
+        let (x, shape) = crate::as_2d::<Self>(x);
+        crate::from_2d(scale_reference(x, crate::tensor(factor), dtype), shape)
+    }
+
+    /// The sum of every element of `tensors` on `device`, in f32, `[1]` ([`crate::sum_f32`]); the
+    /// default runs [`sum_f32_reference`].
+    fn sum_f32(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
+        crate::prim(sum_f32_reference::<Self>(tensors, device))
     }
 
     /// The sum of squares of every element of `tensors` on `device` ([`crate::SumSquares`]); the

@@ -66,28 +66,18 @@ impl<B: KernelOps> Backward<B, 2> for LinearCrossEntropyBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_w] = ops.parents;
         let (dx, dw, rows, x_dtype, w_dtype) = ops.state;
-        // d(mean)/d(row) = g / rows.
+        // d(mean)/d(row) = g / rows, applied as each gradient is cast to its input's dtype (one
+        // pass each).
         let scale = crate::tensor::<B, 1>(grads.consume::<B>(&ops.node))
             .cast(FloatDType::F32)
-            .div_scalar(rows as f64)
-            .reshape([1, 1]);
+            .div_scalar(rows as f64);
         if let (Some(node), Some(dx)) = (node_x, dx) {
-            let dx = crate::tensor::<B, 2>(dx) * scale.clone();
-            let dx = if x_dtype == DType::F32 {
-                dx
-            } else {
-                dx.cast(float_dtype(x_dtype))
-            };
-            grads.register::<B>(node.id, crate::prim(dx));
+            let dx = B::scale_cast(dx, crate::prim(scale.clone()), float_dtype(x_dtype));
+            grads.register::<B>(node.id, dx);
         }
         if let (Some(node), Some(dw)) = (node_w, dw) {
-            let dw = crate::tensor::<B, 2>(dw) * scale;
-            let dw = if w_dtype == DType::F32 {
-                dw
-            } else {
-                dw.cast(float_dtype(w_dtype))
-            };
-            grads.register::<B>(node.id, crate::prim(dw));
+            let dw = B::scale_cast(dw, crate::prim(scale), float_dtype(w_dtype));
+            grads.register::<B>(node.id, dw);
         }
     }
 }

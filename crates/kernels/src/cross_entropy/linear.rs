@@ -159,7 +159,9 @@ pub(crate) fn chunked<B: KernelOps>(
             dw = Some(B::gemm_f32(dlogits, crate::prim(xc), true, false, dw, gemm));
         }
     }
-    let loss = Tensor::cat(losses, 0).mean();
+    // The mean of the rows' losses: one kernel's partial sums per chunk, one cube's fixed-order
+    // total (a full-tensor mean of the concatenated rows would copy them and reduce in one unit).
+    let loss = crate::sum_f32(losses, &device).div_scalar(rows as f64);
     let dx = need_dx.then(|| crate::prim(Tensor::cat(dxs, 0)));
     debug_assert!(dx
         .as_ref()
