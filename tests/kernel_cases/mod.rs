@@ -266,7 +266,12 @@ pub fn add_rms_norm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, de
         );
         // The model's residual chain: the stream feeds a norm and, deeper in the graph, the next
         // add, so each norm's backward finds the add's gradient already there and adds it in its
-        // own kernel (plain norm first, then the fused add's).
+        // own kernel (plain norm first, then the fused add's). Not at width 1, where a norm's
+        // input near 0 makes dx cancel (see `rms_norm`) and the chain cannot keep inputs away
+        // from 0.
+        if c == 1 {
+            continue;
+        }
         let chain = |v: &[Tensor<B, 2>], fused: bool| {
             let w = v[2].clone().reshape([c]);
             let norm = |x: Tensor<B, 2>| {

@@ -199,7 +199,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     let w = contiguous(w);
     let w_dtype = w.dtype;
     // The gradients may arrive in another dtype than x (e.g. f32 into a bf16 norm): bring them
-    // to x's.
+    // to x's (the kernel then adds `dres` to dx in f32, before dx's one rounding).
     let dy = contiguous(burn_cubecl::kernel::cast(dy, x.dtype));
     let dres = dres.map(|r| contiguous(burn_cubecl::kernel::cast(r, x.dtype)));
     let dx = empty(&x, shape.as_slice().to_vec(), x.dtype);
