@@ -18,6 +18,49 @@ use crate::launch::{
     contiguous, empty, flat_read, num_sms, reduce_slots, use_planes, vector_width, FlatRead,
 };
 
+/// How an element-wise kernel over a tensor of `like`'s shape runs: `n` elements a vector (the
+/// widest that suits every one of `dtypes` and divides the last dimension), `total` vectors, one
+/// unit each in cubes of 256.
+struct Elementwise {
+    n: usize,
+    total: usize,
+    count: CubeCount,
+    dim: CubeDim,
+}
+
+/// The [`Elementwise`] launch over `like`'s shape, or `None` when it holds no element.
+fn elementwise<R: CubeRuntime>(like: &CubeTensor<R>, dtypes: &[DType]) -> Option<Elementwise> {
+    let shape = like.shape();
+    let numel = shape.num_elements();
+    let last = *shape.as_slice().last().unwrap_or(&1);
+    let n = vector_width(like, dtypes, &[last, numel]);
+    let total = numel / n;
+    if total == 0 {
+        return None;
+    }
+    let dim = CubeDim::new_1d(256);
+    let count = calculate_cube_count_elemwise(&like.client, total, dim);
+    Some(Elementwise {
+        n,
+        total,
+        count,
+        dim,
+    })
+}
+
+/// Refuses a `factor` that is not one element.
+fn check_factor<R: CubeRuntime>(op: &str, factor: &CubeTensor<R>) {
+    if factor.shape().num_elements() != 1 {
+        fail(
+            op,
+            format!(
+                "factor has shape {:?}; expected one element",
+                factor.shape().as_slice()
+            ),
+        );
+    }
+}
+
 /// `(param, m, v, copy)` after one step; see [`super::reference`].
 pub(crate) fn step<R: CubeRuntime>(
     param: CubeTensor<R>,
@@ -59,15 +102,7 @@ pub(crate) fn step<R: CubeRuntime>(
             );
         }
     }
-    if factor.shape().num_elements() != 1 {
-        fail(
-            op,
-            format!(
-                "factor has shape {:?}; expected one element",
-                factor.shape().as_slice()
-            ),
-        );
-    }
+    check_factor(op, &factor);
     if let Some(dt) = copy_dtype {
         check_float(op, "copy dtype", dt);
     }
@@ -87,17 +122,9 @@ pub(crate) fn step<R: CubeRuntime>(
     let copy_arg = copy
         .clone()
         .unwrap_or_else(|| empty(&param, vec![1], DType::F32));
-    let numel = shape.num_elements();
-    let last = *dims.last().unwrap_or(&1);
-    let n = vector_width(
-        &param,
-        &[DType::F32, grad.dtype, copy_arg.dtype],
-        &[last, numel],
-    );
-    let total = numel / n;
-    if total == 0 {
+    let Some(e) = elementwise(&param, &[DType::F32, grad.dtype, copy_arg.dtype]) else {
         return (p_out, m_out, v_out, copy);
-    }
+    };
     let (bc1, bc2) = hp.bias_corrections();
     let scalars = AdamWScalarsLaunch::new(
         hp.beta1 as f32,
@@ -107,14 +134,12 @@ pub(crate) fn step<R: CubeRuntime>(
         (1.0 / bc2.sqrt()) as f32,
         (1.0 - hp.lr * hp.weight_decay) as f32,
     );
-    let dim = CubeDim::new_1d(256);
-    let count = calculate_cube_count_elemwise(&param.client, total, dim);
     let dtypes = [grad.dtype.into(), copy_arg.dtype.into()];
     adamw_kernel::launch::<R>(
         &param.client.clone(),
-        count,
-        dim,
-        n,
+        e.count,
+        e.dim,
+        e.n,
         param.into_tensor_arg(),
         grad.into_tensor_arg(),
         m.into_tensor_arg(),
@@ -125,7 +150,7 @@ pub(crate) fn step<R: CubeRuntime>(
         v_out.clone().into_tensor_arg(),
         copy_arg.into_tensor_arg(),
         scalars,
-        total,
+        e.total,
         copy.is_some(),
         dtypes,
     );
@@ -149,27 +174,20 @@ pub(crate) fn add_as_f32<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>) -> 
         );
     }
     let (a, b) = (contiguous(a), contiguous(b));
-    let dims = shape.as_slice().to_vec();
-    let out = empty(&a, dims.clone(), DType::F32);
-    let numel = shape.num_elements();
-    let last = *dims.last().unwrap_or(&1);
-    let n = vector_width(&a, &[DType::F32, a.dtype, b.dtype], &[last, numel]);
-    let total = numel / n;
-    if total == 0 {
+    let out = empty(&a, shape.as_slice().to_vec(), DType::F32);
+    let Some(e) = elementwise(&a, &[DType::F32, a.dtype, b.dtype]) else {
         return out;
-    }
-    let dim = CubeDim::new_1d(256);
-    let count = calculate_cube_count_elemwise(&a.client, total, dim);
+    };
     let dtypes = [a.dtype.into(), b.dtype.into()];
     add_as_f32_kernel::launch::<R>(
         &a.client.clone(),
-        count,
-        dim,
-        n,
+        e.count,
+        e.dim,
+        e.n,
         a.into_tensor_arg(),
         b.into_tensor_arg(),
         out.clone().into_tensor_arg(),
-        total,
+        e.total,
         dtypes,
     );
     out
@@ -194,39 +212,24 @@ pub(crate) fn scale<R: CubeRuntime>(
     let op = "scale";
     check_float(op, "x", x.dtype);
     check_float(op, "output dtype", dtype);
-    if factor.shape().num_elements() != 1 {
-        fail(
-            op,
-            format!(
-                "factor has shape {:?}; expected one element",
-                factor.shape().as_slice()
-            ),
-        );
-    }
+    check_factor(op, &factor);
     let shape = x.shape();
     let x = contiguous(x);
     let factor = contiguous(burn_cubecl::kernel::cast(factor, DType::F32));
-    let dims = shape.as_slice().to_vec();
-    let out = empty(&x, dims.clone(), dtype);
-    let numel = shape.num_elements();
-    let last = *dims.last().unwrap_or(&1);
-    let n = vector_width(&x, &[x.dtype, dtype], &[last, numel]);
-    let total = numel / n;
-    if total == 0 {
+    let out = empty(&x, shape.as_slice().to_vec(), dtype);
+    let Some(e) = elementwise(&x, &[x.dtype, dtype]) else {
         return out;
-    }
-    let dim = CubeDim::new_1d(256);
-    let count = calculate_cube_count_elemwise(&x.client, total, dim);
+    };
     let dtypes = [x.dtype.into(), dtype.into()];
     scale_kernel::launch::<R>(
         &x.client.clone(),
-        count,
-        dim,
-        n,
+        e.count,
+        e.dim,
+        e.n,
         x.into_tensor_arg(),
         factor.into_tensor_arg(),
         out.clone().into_tensor_arg(),
-        total,
+        e.total,
         dtypes,
     );
     out

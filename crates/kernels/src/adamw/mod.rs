@@ -107,10 +107,19 @@ pub fn sum_f32_reference<B: BurnBackend>(
     tensors: Vec<FloatTensor<B>>,
     device: &B::Device,
 ) -> Tensor<B, 1> {
+    sum_reference(tensors, device, |t| t)
+}
+
+/// The sum over `tensors` of `f` of each one's elements in f32, as a one-element tensor.
+fn sum_reference<B: BurnBackend>(
+    tensors: Vec<FloatTensor<B>>,
+    device: &B::Device,
+    f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>,
+) -> Tensor<B, 1> {
     let mut acc = Tensor::<B, 1>::zeros([1], (device, burn::tensor::DType::F32));
     for t in tensors {
         let (t, _) = crate::as_2d::<B>(t);
-        acc = acc + t.cast(FloatDType::F32).sum();
+        acc = acc + f(t.cast(FloatDType::F32)).sum();
     }
     acc
 }
@@ -121,12 +130,7 @@ pub fn sum_squares_reference<B: BurnBackend>(
     tensors: Vec<FloatTensor<B>>,
     device: &B::Device,
 ) -> Tensor<B, 1> {
-    let mut acc = Tensor::<B, 1>::zeros([1], (device, burn::tensor::DType::F32));
-    for t in tensors {
-        let (t, _) = crate::as_2d::<B>(t);
-        acc = acc + t.cast(FloatDType::F32).powi_scalar(2).sum();
-    }
-    acc
+    sum_reference(tensors, device, |t| t.powi_scalar(2))
 }
 
 /// The fused AdamW step on a backend ([`crate::adamw_step`]). The default runs the reference;
