@@ -613,6 +613,33 @@ where
     }
 }
 
+/// Random inputs for the element-wise kernels: dense shapes of odd lengths (rows of odd bytes are
+/// pitched on CUDA), a transposed view, a column slice and an empty tensor.
+fn elementwise_layouts<B: AutodiffBackend>(
+    dev: &B::Device,
+) -> Vec<(&'static str, Tensor<B::InnerBackend, 2>)> {
+    let r = |shape: [usize; 2]| randn::<B>(shape, dev).inner();
+    vec![
+        ("[1, 1]", r([1, 1])),
+        ("[3, 7]", r([3, 7])),
+        ("[5, 123]", r([5, 123])),
+        ("[3, 4099]", r([3, 4099])),
+        ("[64, 768]", r([64, 768])),
+        ("[33, 65]^T", r([33, 65]).transpose()),
+        ("[10, 100][.., 3..60]", r([10, 100]).slice([0..10, 3..60])),
+        ("[0, 8]", r([0, 8])),
+    ]
+}
+
+/// Every pairing of f32 and `dtype` with at least one `dtype` (input and output, or two inputs).
+fn dtype_pairs(dtype: FloatDType) -> [(FloatDType, FloatDType); 3] {
+    [
+        (dtype, dtype),
+        (FloatDType::F32, dtype),
+        (dtype, FloatDType::F32),
+    ]
+}
+
 /// `kernels::add_as_f32` (gradient accumulation) against the host's f32 sum of the same values:
 /// every pairing of f32 and `dtype` inputs, dense shapes of odd lengths (rows of odd bytes are
 /// pitched on CUDA), a transposed view, a column slice, a rank-3 tensor and an empty one. Both
@@ -626,27 +653,9 @@ where
         t.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
     };
     let r = |shape: [usize; 2]| randn::<B>(shape, dev).inner();
-    let wide = r([10, 100]);
-    let cases: Vec<(&str, Tensor<I<B>, 2>, Tensor<I<B>, 2>)> = vec![
-        ("[1, 1]", r([1, 1]), r([1, 1])),
-        ("[3, 7]", r([3, 7]), r([3, 7])),
-        ("[5, 123]", r([5, 123]), r([5, 123])),
-        ("[3, 4099]", r([3, 4099]), r([3, 4099])),
-        ("[64, 768]", r([64, 768]), r([64, 768])),
-        ("[33, 65]^T", r([33, 65]).transpose(), r([65, 33])),
-        (
-            "[10, 100][.., 3..60]",
-            wide.slice([0..10, 3..60]),
-            r([10, 57]),
-        ),
-        ("[0, 8]", r([0, 8]), r([0, 8])),
-    ];
-    for (what, a, b) in cases {
-        for (da, db) in [
-            (dtype, dtype),
-            (FloatDType::F32, dtype),
-            (dtype, FloatDType::F32),
-        ] {
+    for (what, a) in elementwise_layouts::<B>(dev) {
+        let b = r(a.dims());
+        for (da, db) in dtype_pairs(dtype) {
             let (a, b) = (a.clone().cast(da), b.clone().cast(db));
             let want: Vec<f32> = host(a.clone())
                 .iter()
@@ -690,25 +699,11 @@ where
     let host = |t: Tensor<I<B>, 2>| -> Vec<f32> {
         t.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
     };
-    let r = |shape: [usize; 2]| randn::<B>(shape, dev).inner();
-    let wide = r([10, 100]);
-    let cases: Vec<(&str, Tensor<I<B>, 2>)> = vec![
-        ("[1, 1]", r([1, 1])),
-        ("[3, 7]", r([3, 7])),
-        ("[5, 123]", r([5, 123])),
-        ("[64, 768]", r([64, 768])),
-        ("[33, 65]^T", r([33, 65]).transpose()),
-        ("[10, 100][.., 3..60]", wide.slice([0..10, 3..60])),
-        ("[0, 8]", r([0, 8])),
-    ];
+    let cases = elementwise_layouts::<B>(dev);
     for factor in [0.37f32, -3.0e-4] {
         let f = Tensor::<I<B>, 1>::from_floats([factor], dev);
         for (what, x) in &cases {
-            for (din, dout) in [
-                (dtype, dtype),
-                (FloatDType::F32, dtype),
-                (dtype, FloatDType::F32),
-            ] {
+            for (din, dout) in dtype_pairs(dtype) {
                 let x = x.clone().cast(din);
                 let got = kernels::scale(x.clone(), f.clone(), dout);
                 let want = kernels::adamw::scale_reference(x, f.clone(), dout);

@@ -719,21 +719,11 @@ impl StepCtx<'_> {
         probes: &Probes,
         micro: &mut MicroBatches<B>,
     ) -> GradientsParams {
-        let accum = self.cfg.training.grad_accum;
-        let mut grads = if accum == 1 {
-            self.micro_batch(compute, rank, step, scale, probes, micro)
-        } else {
-            let mut sum = None;
-            for m in 0..accum as u64 {
-                let g =
-                    self.micro_batch(compute, rank, step * accum as u64 + m, scale, probes, micro);
-                sum = Some(match sum {
-                    None => g,
-                    Some(s) => accumulate_grads::<B, _>(model, s, g),
-                });
-            }
-            sum.expect("grad_accum >= 1")
-        };
+        let accum = self.cfg.training.grad_accum as u64;
+        let mut grads = (0..accum)
+            .map(|m| self.micro_batch(compute, rank, step * accum + m, scale, probes, micro))
+            .reduce(|sum, g| accumulate_grads::<B, _>(model, sum, g))
+            .expect("grad_accum >= 1");
         // The norm and the AdamW kernel read bf16 and f16 gradients themselves (in f32); only the
         // data-parallel mean runs on f32 gradients.
         if rank.of.is_some() {

@@ -159,20 +159,11 @@ pub(crate) fn step<R: CubeRuntime>(
 
 /// `f32(a) + f32(b)` in one pass; see [`super::add_as_f32_reference`].
 pub(crate) fn add_as_f32<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>) -> CubeTensor<R> {
+    // `kernels::add_as_f32` has checked that the shapes match.
     let op = "add_as_f32";
     check_float(op, "a", a.dtype);
     check_float(op, "b", b.dtype);
     let shape = a.shape();
-    if b.shape() != shape {
-        fail(
-            op,
-            format!(
-                "b has shape {:?} but a has {:?}",
-                b.shape().as_slice(),
-                shape.as_slice()
-            ),
-        );
-    }
     let (a, b) = (contiguous(a), contiguous(b));
     let out = empty(&a, shape.as_slice().to_vec(), DType::F32);
     let Some(e) = elementwise(&a, &[DType::F32, a.dtype, b.dtype]) else {
@@ -235,9 +226,42 @@ pub(crate) fn scale<R: CubeRuntime>(
     out
 }
 
-/// The partial sums of `x^2` (of `x` without `square`) of every tensor in `tensors` (one per cube,
-/// f32), or `None` when they hold no element. Each tensor is read as its [`FlatRead`] says.
-pub(crate) fn partial_sums<R: CubeRuntime>(
+/// Launches the sum-of-squares kernel (a plain sum without `square`) over `read` in `cubes`
+/// cubes, writing their partial sums from `out[slot]` on.
+fn launch_sum<R: CubeRuntime>(
+    read: FlatRead<R>,
+    out: &CubeTensor<R>,
+    slot: usize,
+    cubes: usize,
+    square: bool,
+) {
+    let plane = use_planes(&read.x, SUM_UNITS);
+    let dtype = read.x.dtype;
+    sum_squares_kernel::launch::<R>(
+        &read.x.client.clone(),
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(SUM_UNITS as u32),
+        read.width,
+        read.x.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        read.total,
+        read.cols,
+        read.strides[0],
+        read.strides[1],
+        slot,
+        read.dense,
+        reduce_slots(SUM_UNITS, plane),
+        plane,
+        square,
+        dtype.into(),
+    );
+}
+
+/// The sum of the squares (of the values without `square`) of every element of `tensors`, `[1]`
+/// in f32, or `None` when they hold no element: each tensor, read as its [`FlatRead`] says, into
+/// per-cube partial sums, then one cube adds those in a fixed order (the same values give the
+/// same bits).
+pub(crate) fn total<R: CubeRuntime>(
     tensors: Vec<CubeTensor<R>>,
     square: bool,
 ) -> Option<CubeTensor<R>> {
@@ -256,57 +280,12 @@ pub(crate) fn partial_sums<R: CubeRuntime>(
     }
     let first = &launches.first()?.0.x;
     let partials = empty(first, vec![slots], DType::F32);
-    let plane = use_planes(first, SUM_UNITS);
-    let smem = reduce_slots(SUM_UNITS, plane);
-    for (l, slot, cubes) in launches {
-        let dtype = l.x.dtype;
-        sum_squares_kernel::launch::<R>(
-            &l.x.client.clone(),
-            CubeCount::Static(cubes as u32, 1, 1),
-            CubeDim::new_1d(SUM_UNITS as u32),
-            l.width,
-            l.x.into_tensor_arg(),
-            partials.clone().into_tensor_arg(),
-            l.total,
-            l.cols,
-            l.strides[0],
-            l.strides[1],
-            slot,
-            l.dense,
-            smem,
-            plane,
-            square,
-            dtype.into(),
-        );
+    let out = empty(first, vec![1], DType::F32);
+    for (read, slot, cubes) in launches {
+        launch_sum(read, &partials, slot, cubes, square);
     }
-    Some(partials)
-}
-
-/// The sum of the f32 `partials`, `[1]` in f32, by one cube (in a fixed order: the same partials
-/// give the same bits).
-pub(crate) fn sum_partials<R: CubeRuntime>(partials: CubeTensor<R>) -> CubeTensor<R> {
-    let out = empty(&partials, vec![1], DType::F32);
-    let read = flat_read(partials);
-    let plane = use_planes(&read.x, SUM_UNITS);
-    sum_squares_kernel::launch::<R>(
-        &read.x.client.clone(),
-        CubeCount::Static(1, 1, 1),
-        CubeDim::new_1d(SUM_UNITS as u32),
-        read.width,
-        read.x.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        read.total,
-        read.cols,
-        read.strides[0],
-        read.strides[1],
-        0,
-        read.dense,
-        reduce_slots(SUM_UNITS, plane),
-        plane,
-        false,
-        DType::F32.into(),
-    );
-    out
+    launch_sum(flat_read(partials), &out, 0, 1, false);
+    Some(out)
 }
 
 impl<R, F, I, BT> super::AdamWOps for CubeBackend<R, F, I, BT>
@@ -347,17 +326,11 @@ where
     }
 
     fn sum_squares(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
-        match partial_sums(tensors, true) {
-            Some(p) => sum_partials(p),
-            None => zero::<Self>(device),
-        }
+        total(tensors, true).unwrap_or_else(|| zero::<Self>(device))
     }
 
     fn sum_f32(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
-        match partial_sums(tensors, false) {
-            Some(p) => sum_partials(p),
-            None => zero::<Self>(device),
-        }
+        total(tensors, false).unwrap_or_else(|| zero::<Self>(device))
     }
 }
 
