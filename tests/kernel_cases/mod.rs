@@ -630,9 +630,9 @@ fn elementwise_layouts<B: AutodiffBackend>(
     ]
 }
 
-/// A `[0, 5]` tensor in `dtype`: a view of no rows of a random one. A new empty tensor, or a cast
-/// of one, would launch a kernel of no cubes, which CUDA refuses (the element-wise kernels
-/// themselves launch nothing for no elements).
+/// A `[0, 5]` tensor in `dtype`: a view of no rows of a random one. On CUDA its rows are pitched,
+/// so its strides are not row-major and the kernels' dense copy of it must launch nothing: CUDA
+/// refuses a launch of no cubes (also why this is not a new empty tensor, or a cast of one).
 fn no_rows<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device) -> Tensor<B::InnerBackend, 2> {
     randn::<B>([3, 5], dev)
         .inner()

@@ -9,8 +9,13 @@ use cubecl::features::Plane;
 use cubecl::prelude::*;
 
 /// The tensor with exact row-major strides (a no-op when it already has them; CUDA's pitched
-/// allocations of odd row lengths are copied).
+/// allocations of odd row lengths are copied). A tensor of no elements with other strides (a view
+/// of no rows of a pitched one) becomes a new empty one: its copy would launch no cubes, which CUDA
+/// refuses.
 pub(crate) fn contiguous<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
+    if t.meta.num_elements() == 0 && !t.is_contiguous() {
+        return empty(&t, t.meta.shape().as_slice().to_vec(), t.dtype);
+    }
     into_contiguous(t)
 }
 
