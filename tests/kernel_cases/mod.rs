@@ -723,7 +723,7 @@ where
             for (din, dout) in dtype_pairs(dtype) {
                 let x = x.clone().cast(din);
                 let got = kernels::scale(x.clone(), f.clone(), dout);
-                let want = kernels::adamw::scale_reference(x, f.clone(), dout);
+                let want = kernels::reduce::scale_reference(x, f.clone(), dout);
                 assert_eq!(got.dtype(), dout.into(), "scale {what}: output dtype");
                 assert_eq!(
                     host(got),

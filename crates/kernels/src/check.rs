@@ -1,6 +1,8 @@
 //! Argument checks shared by the launchers: what was given, what is supported.
 
-use burn::tensor::DType;
+use burn::tensor::{DType, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
 
 /// Panics with a message naming the op: `kernels::<op>: <msg>`.
 #[track_caller]
@@ -39,6 +41,19 @@ pub(crate) fn check_scale(op: &str, scale: f64) {
         fail(
             op,
             format!("the softmax scale is {scale}; it must be a positive, finite number (the usual one is 1 / sqrt(head_dim))"),
+        );
+    }
+}
+
+/// Refuses a `factor` that is not one element.
+pub(crate) fn check_factor<R: CubeRuntime>(op: &str, factor: &CubeTensor<R>) {
+    if factor.shape().num_elements() != 1 {
+        fail(
+            op,
+            format!(
+                "factor has shape {:?}; expected one element",
+                factor.shape().as_slice()
+            ),
         );
     }
 }

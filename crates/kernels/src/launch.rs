@@ -1,10 +1,11 @@
 //! Shared launch helpers: contiguous inputs, output allocation, vector widths, cube reductions.
 
-use burn::tensor::DType;
+use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use cubecl::calculate_cube_count_elemwise;
 use cubecl::features::Plane;
 use cubecl::prelude::*;
 
@@ -336,4 +337,37 @@ pub(crate) fn sum_rows<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
         SUM_DEPTH,
     );
     out
+}
+
+/// How an element-wise kernel over a tensor of `like`'s shape runs: `n` elements a vector (the
+/// widest that suits every one of `dtypes` and divides the last dimension), `total` vectors, one
+/// unit each in cubes of 256.
+pub(crate) struct Elementwise {
+    pub n: usize,
+    pub total: usize,
+    pub count: CubeCount,
+    pub dim: CubeDim,
+}
+
+/// The [`Elementwise`] launch over `like`'s shape, or `None` when it holds no element.
+pub(crate) fn elementwise<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    dtypes: &[DType],
+) -> Option<Elementwise> {
+    let shape = like.shape();
+    let numel = shape.num_elements();
+    let last = *shape.as_slice().last().unwrap_or(&1);
+    let n = vector_width(like, dtypes, &[last, numel]);
+    let total = numel / n;
+    if total == 0 {
+        return None;
+    }
+    let dim = CubeDim::new_1d(256);
+    let count = calculate_cube_count_elemwise(&like.client, total, dim);
+    Some(Elementwise {
+        n,
+        total,
+        count,
+        dim,
+    })
 }

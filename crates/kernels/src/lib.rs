@@ -11,9 +11,9 @@
 //! | softmax cross-entropy + z-loss | [`cross_entropy`] | [`cross_entropy::reference`] |
 //! | token embedding (atomic scatter backward on CUDA) | [`embedding()`] | [`embedding::reference`] |
 //! | AdamW step writing the compute copy | [`adamw_step`] | [`adamw::reference`] |
-//! | gradient accumulation in f32 | [`add_as_f32`] | [`adamw::add_as_f32_reference`] |
-//! | scale by a device scalar and cast, in one pass | [`scale`] | [`adamw::scale_reference`] |
-//! | sum of many tensors in f32, fixed order | [`sum_f32`] | [`adamw::sum_f32_reference`] |
+//! | gradient accumulation in f32 | [`add_as_f32`] | [`reduce::add_as_f32_reference`] |
+//! | scale by a device scalar and cast, in one pass | [`scale`] | [`reduce::scale_reference`] |
+//! | sum of many tensors in f32, fixed order | [`sum_f32`] | [`reduce::sum_f32_reference`] |
 //! | how values fit a format (amax, subnormal, non-finite counts) in one read | [`format_stats()`] | [`format_stats::reference`] |
 //! | FlashAttention (forward + backward) | [`flash_attention`] | [`attention::reference`] |
 //! | dropout with an in-kernel mask (drawn again in the backward) | [`dropout()`] | [`dropout::reference`] |
@@ -64,16 +64,53 @@ mod launch;
 pub mod memory;
 pub mod philox;
 mod pipeline;
+mod primitive;
+pub mod reduce;
 pub mod rms_norm;
 pub mod rope;
 pub mod settings;
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::Autodiff;
-use burn::tensor::backend::Backend as BurnBackend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{FloatDType, Int, Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{FloatDType, Int, Tensor};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use primitive::{prim, tensor};
+
+/// Declares the aggregates of the op list (see its one use below). `$d` is a literal `$`, so that
+/// the `reference_backend!` macro it writes can have metavariables of its own.
+macro_rules! ops {
+    ($d:tt $($module:ident :: $ops:ident $(/ $kernels:ident)?),* $(,)?) => {
+        /// A Burn backend that the fused ops are available on: every op's trait, each with a
+        /// default that runs the op's plain-Burn reference. Implemented for every backend that
+        /// implements those traits.
+        ///
+        /// `CubeBackend` overrides them with the kernels, `Autodiff` with the kernels and their
+        /// backward passes, and Burn's `NdArray` keeps the references. Another backend opts in
+        /// with an empty impl of each op trait, which [`reference_backend!`] writes. Call the
+        /// free functions ([`rms_norm`], ...) rather than the traits' methods.
+        pub trait Backend: $($module::$ops +)* {}
+
+        impl<B> Backend for B where B: $($module::$ops +)* {}
+
+        /// The kernels' forward and backward launches without autodiff, which the `Autodiff`
+        /// implementation of every op trait records: implemented by `CubeBackend`.
+        pub trait KernelOps: Backend $($(+ $module::$kernels)?)* {}
+
+        /// Makes a backend a [`Backend`] that runs every op's plain-Burn reference: one empty
+        /// impl of each op trait. `reference_backend!(MyBackend);`, or with generics
+        /// `reference_backend!(impl<C: Bound> for MyBackend<C>);`.
+        #[macro_export]
+        macro_rules! reference_backend {
+            (impl<$d($d g:ident $d(: $d bound:path)?),*> for $d ty:ty) => {
+                $(impl<$d($d g $d(: $d bound)?),*> $d crate::$module::$ops for $d ty {})*
+            };
+            ($d ty:ty) => {
+                $(impl $d crate::$module::$ops for $d ty {})*
+            };
+        }
+    };
+}
 
 pub use activation::{ActivationKernels, ActivationOps};
 pub use adamw::{AdamWOps, AdamWOutput, AdamWStep};
@@ -90,6 +127,7 @@ pub use fp8::{
 };
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
 pub use memory::MemoryOps;
+pub use reduce::{ReduceOps, SumSquares};
 pub use rms_norm::{RmsNormKernels, RmsNormOps};
 pub use rope::{RopeKernels, RopeOps};
 
@@ -268,7 +306,7 @@ pub fn adamw_step<B: Backend, const D: usize>(
 /// `f32(a) + f32(b)`, element by element, for tensors of one shape in any float dtypes (f32, f16,
 /// bf16): gradient accumulation over micro-batches, where a bf16 or f16 gradient is added to an
 /// f32 sum (or two such gradients start one) without a cast pass of its own. On `CubeBackend` one
-/// kernel reads each input once; elsewhere [`adamw::add_as_f32_reference`]. Works on non-autodiff
+/// kernel reads each input once; elsewhere [`reduce::add_as_f32_reference`]. Works on non-autodiff
 /// tensors (the optimizer's side).
 pub fn add_as_f32<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     if a.dims() != b.dims() {
@@ -286,7 +324,7 @@ pub fn add_as_f32<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) 
 
 /// `x * factor[0]` computed in f32 and stored in `dtype` (f32, f16 or bf16), where `factor` is a
 /// one-element device tensor: a gradient scaled and cast in one pass (on `CubeBackend` one kernel
-/// reads `x` once; elsewhere [`adamw::scale_reference`]). Works on non-autodiff tensors.
+/// reads `x` once; elsewhere [`reduce::scale_reference`]). Works on non-autodiff tensors.
 pub fn scale<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     factor: Tensor<B, 1>,
@@ -299,56 +337,12 @@ pub fn scale<B: Backend, const D: usize>(
 /// one-element device tensor (0 when they hold none). On `CubeBackend` each tensor is read once
 /// into per-cube partial sums and one cube adds those in a fixed order (the same values give the
 /// same bits), where a backend's own full-tensor sum may reduce a long vector in one unit;
-/// elsewhere [`adamw::sum_f32_reference`]. Works on non-autodiff tensors.
+/// elsewhere [`reduce::sum_f32_reference`]. Works on non-autodiff tensors.
 pub fn sum_f32<B: Backend, const D: usize>(
     tensors: Vec<Tensor<B, D>>,
     device: &B::Device,
 ) -> Tensor<B, 1> {
     tensor(B::sum_f32(tensors.into_iter().map(prim).collect(), device))
-}
-
-/// The sum of squares of many tensors' elements (for example the global gradient norm of
-/// clipping: `sqrt` of it over all gradients), in f32, as a one-element device tensor. Tensors of
-/// any rank, float dtype and layout are added one by one; on `CubeBackend` each is read once by
-/// one kernel launch writing per-cube partial sums, and [`SumSquares::finish`] adds those up,
-/// instead of a square, a sum and an add per tensor. Works on non-autodiff tensors (the
-/// optimizer's side).
-///
-/// ```no_run
-/// use burn::backend::Wgpu;
-/// use burn::tensor::Tensor;
-///
-/// let dev = Default::default();
-/// let a = Tensor::<Wgpu, 2>::ones([3, 4], &dev);
-/// let b = Tensor::<Wgpu, 1>::ones([5], &dev);
-/// let mut sq = kernels::SumSquares::new(&dev);
-/// sq.add(a);
-/// sq.add(b);
-/// let norm = sq.finish().sqrt(); // [sqrt(17)]
-/// ```
-pub struct SumSquares<B: Backend> {
-    device: B::Device,
-    tensors: Vec<FloatTensor<B>>,
-}
-
-impl<B: Backend> SumSquares<B> {
-    /// An empty sum on `device`.
-    pub fn new(device: &B::Device) -> Self {
-        Self {
-            device: device.clone(),
-            tensors: Vec::new(),
-        }
-    }
-
-    /// Adds the squares of `t`'s elements.
-    pub fn add<const D: usize>(&mut self, t: Tensor<B, D>) {
-        self.tensors.push(prim(t));
-    }
-
-    /// The sum, `[1]` in f32 (0 when nothing was added).
-    pub fn finish(self) -> Tensor<B, 1> {
-        tensor(B::sum_squares(self.tensors, &self.device))
-    }
 }
 
 /// How `x`'s values (any rank, float dtype and layout) fit a format whose smallest normal number
@@ -531,83 +525,24 @@ pub fn flash_attention_path<B: Backend>(q: &Tensor<B, 4>) -> Option<FlashPath> {
     B::flash_path(&q.clone().into_primitive().tensor())
 }
 
-fn prim<B: BurnBackend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
-    t.into_primitive().tensor()
-}
-
-fn tensor<B: BurnBackend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(p))
-}
-
-/// A rank-erased primitive as a 2-D tensor [rows, last dim], with its original shape.
-fn as_2d<B: BurnBackend>(p: FloatTensor<B>) -> (Tensor<B, 2>, Shape) {
-    let shape = p.shape();
-    let cols = *shape.as_slice().last().unwrap_or(&1);
-    let rows = shape.num_elements().checked_div(cols).unwrap_or(0);
-    (
-        Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(
-            p,
-            Shape::new([rows, cols]),
-        ))),
-        shape,
-    )
-}
-
-fn from_2d<B: BurnBackend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
-    B::float_reshape(prim(t), shape)
-}
-
-/// A Burn backend that the fused ops are available on: every op's trait, each with a default that
-/// runs the op's plain-Burn reference. Implemented for every backend that implements those traits.
-///
-/// `CubeBackend` overrides them with the kernels, `Autodiff` with the kernels and their backward
-/// passes, and Burn's `NdArray` keeps the references. Another backend opts in with an empty impl
-/// of each op trait, which [`reference_backend!`] writes. Call the free functions ([`rms_norm`],
-/// ...) rather than the traits' methods.
-pub trait Backend:
-    RmsNormOps
-    + ActivationOps
-    + RopeOps
-    + CrossEntropyOps
-    + EmbeddingOps
-    + AttentionOps
-    + DropoutOps
-    + GemmOps
-    + Fp8Ops
-    + AdamWOps
-    + FormatStatsOps
-    + MemoryOps
-{
-}
-
-impl<B> Backend for B where
-    B: RmsNormOps
-        + ActivationOps
-        + RopeOps
-        + CrossEntropyOps
-        + EmbeddingOps
-        + AttentionOps
-        + DropoutOps
-        + GemmOps
-        + Fp8Ops
-        + AdamWOps
-        + FormatStatsOps
-        + MemoryOps
-{
-}
-
-/// The kernels' forward and backward launches without autodiff, which the `Autodiff`
-/// implementation of every op trait records: implemented by `CubeBackend`.
-pub trait KernelOps:
-    Backend
-    + RmsNormKernels
-    + ActivationKernels
-    + RopeKernels
-    + CrossEntropyKernels
-    + EmbeddingKernels
-    + AttentionKernels
-    + DropoutKernels
-{
+// The crate's ops, listed once: `module::OpsTrait`, with `/ KernelsTrait` for an op whose
+// kernels `Autodiff` records (its forward and backward launches). The aggregates [`Backend`] and
+// [`KernelOps`] and the [`reference_backend!`] macro are made from this list, so adding an op
+// adds one line here.
+ops! {$
+    rms_norm::RmsNormOps / RmsNormKernels,
+    activation::ActivationOps / ActivationKernels,
+    rope::RopeOps / RopeKernels,
+    cross_entropy::CrossEntropyOps / CrossEntropyKernels,
+    embedding::EmbeddingOps / EmbeddingKernels,
+    attention::AttentionOps / AttentionKernels,
+    dropout::DropoutOps / DropoutKernels,
+    gemm::GemmOps,
+    fp8::Fp8Ops,
+    adamw::AdamWOps,
+    reduce::ReduceOps,
+    format_stats::FormatStatsOps,
+    memory::MemoryOps,
 }
 
 impl<R, F, I, BT> KernelOps for CubeBackend<R, F, I, BT>
@@ -621,32 +556,16 @@ where
 
 /// The autodiff version of [`Backend`].
 pub trait AutodiffBackend: Backend + burn::tensor::backend::AutodiffBackend {}
-impl<B: KernelOps, C: CheckpointStrategy> AutodiffBackend for Autodiff<B, C> {}
-impl<C: CheckpointStrategy> AutodiffBackend for Autodiff<burn::backend::NdArray, C> {}
-
-/// Makes a backend a [`Backend`] that runs every op's plain-Burn reference: one empty impl of each
-/// op trait. `reference_backend!(MyBackend);`, or with generics
-/// `reference_backend!(impl<C: Bound> for MyBackend<C>);`.
-#[macro_export]
-macro_rules! reference_backend {
-    (impl<$($g:ident $(: $bound:path)?),*> for $ty:ty) => {
-        impl<$($g $(: $bound)?),*> $crate::rms_norm::RmsNormOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::activation::ActivationOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::rope::RopeOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::cross_entropy::CrossEntropyOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::embedding::EmbeddingOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::attention::AttentionOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::dropout::DropoutOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::gemm::GemmOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::fp8::Fp8Ops for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::adamw::AdamWOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::format_stats::FormatStatsOps for $ty {}
-        impl<$($g $(: $bound)?),*> $crate::memory::MemoryOps for $ty {}
-    };
-    ($ty:ty) => {
-        $crate::reference_backend!(impl<> for $ty);
-    };
+impl<R, F, I, BT, C> AutodiffBackend for Autodiff<CubeBackend<R, F, I, BT>, C>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    C: CheckpointStrategy,
+{
 }
+impl<C: CheckpointStrategy> AutodiffBackend for Autodiff<burn::backend::NdArray, C> {}
 
 // Burn's pure-Rust CPU backend: the plain-Burn reference of every op, with and without autodiff.
 reference_backend!(burn::backend::NdArray);

@@ -30,8 +30,15 @@ where
     }
 }
 
-impl<B: crate::KernelOps, C: CheckpointStrategy> MemoryOps for Autodiff<B, C> {
+impl<R, F, I, BT, C> MemoryOps for Autodiff<CubeBackend<R, F, I, BT>, C>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    C: CheckpointStrategy,
+{
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
-        B::memory_reserved(device)
+        CubeBackend::<R, F, I, BT>::memory_reserved(device)
     }
 }

@@ -23,7 +23,8 @@
 
 use std::sync::RwLock;
 
-use crate::fp8::{Fp8GemmPath, Fp8PairPath, MmaShape};
+use crate::fp8::mma::MmaShape;
+use crate::fp8::path::{Fp8GemmPath, Fp8PairPath};
 
 /// `BURNMIX_GEMM_ORDER`: [`Settings::gemm_order`].
 pub const GEMM_ORDER_ENV: &str = "BURNMIX_GEMM_ORDER";

@@ -8,12 +8,12 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 
-use crate::KernelOps;
+use super::ActivationKernels;
 
 #[derive(Debug)]
 struct SwigluSplitBackward;
 
-impl<B: KernelOps> Backward<B, 2> for SwigluSplitBackward {
+impl<B: ActivationKernels> Backward<B, 2> for SwigluSplitBackward {
     type State = (FloatTensor<B>, FloatTensor<B>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -45,7 +45,7 @@ impl<B: KernelOps> Backward<B, 2> for SwigluSplitBackward {
 #[derive(Debug)]
 struct SwigluPackedBackward;
 
-impl<B: KernelOps> Backward<B, 1> for SwigluPackedBackward {
+impl<B: ActivationKernels> Backward<B, 1> for SwigluPackedBackward {
     type State = FloatTensor<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -60,7 +60,7 @@ impl<B: KernelOps> Backward<B, 1> for SwigluPackedBackward {
 #[derive(Debug)]
 struct GeluBackward;
 
-impl<B: KernelOps> Backward<B, 1> for GeluBackward {
+impl<B: ActivationKernels> Backward<B, 1> for GeluBackward {
     type State = FloatTensor<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -72,7 +72,7 @@ impl<B: KernelOps> Backward<B, 1> for GeluBackward {
     }
 }
 
-pub(crate) fn swiglu<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn swiglu<B: ActivationKernels, C: CheckpointStrategy>(
     gate: FloatTensor<Autodiff<B, C>>,
     up: FloatTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {
@@ -87,7 +87,7 @@ pub(crate) fn swiglu<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-pub(crate) fn swiglu_packed<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn swiglu_packed<B: ActivationKernels, C: CheckpointStrategy>(
     gate_up: FloatTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let out = B::swiglu_forward(gate_up.primitive.clone(), None);
@@ -101,7 +101,7 @@ pub(crate) fn swiglu_packed<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-pub(crate) fn gelu<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn gelu<B: ActivationKernels, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let out = B::gelu_erf_forward(x.primitive.clone());
@@ -115,7 +115,7 @@ pub(crate) fn gelu<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: CheckpointStrategy> super::ActivationOps for Autodiff<B, C> {
+impl<B: ActivationKernels, C: CheckpointStrategy> super::ActivationOps for Autodiff<B, C> {
     fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         swiglu::<B, C>(gate, up)
     }

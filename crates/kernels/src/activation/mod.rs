@@ -50,23 +50,23 @@ pub fn gelu_reference<B: BurnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor
 /// with the kernels and their backward.
 pub trait ActivationOps: BurnBackend {
     fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
-        let (g, shape) = crate::as_2d::<Self>(gate);
-        let (u, _) = crate::as_2d::<Self>(up);
-        crate::from_2d(swiglu_reference(g, u), shape)
+        let (g, shape) = crate::primitive::as_2d::<Self>(gate);
+        let (u, _) = crate::primitive::as_2d::<Self>(up);
+        crate::primitive::from_2d(swiglu_reference(g, u), shape)
     }
 
     fn fused_swiglu_packed(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
-        let (gu, shape) = crate::as_2d::<Self>(gate_up);
+        let (gu, shape) = crate::primitive::as_2d::<Self>(gate_up);
         let mut dims = shape.as_slice().to_vec();
         if let Some(last) = dims.last_mut() {
             *last /= 2;
         }
-        crate::from_2d(swiglu_packed_reference(gu), burn::tensor::Shape::from(dims))
+        crate::primitive::from_2d(swiglu_packed_reference(gu), burn::tensor::Shape::from(dims))
     }
 
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        let (x, shape) = crate::as_2d::<Self>(x);
-        crate::from_2d(gelu_reference(x), shape)
+        let (x, shape) = crate::primitive::as_2d::<Self>(x);
+        crate::primitive::from_2d(gelu_reference(x), shape)
     }
 }
 

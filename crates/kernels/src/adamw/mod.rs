@@ -6,12 +6,8 @@
 //! One kernel reads `p`, `g`, `m`, `v` once and writes `p`, `m`, `v` and, when asked, `p` cast to
 //! the compute dtype (bf16 or f16) for the next forward.
 //!
-//! [`crate::add_as_f32`] accumulates gradients over micro-batches: the sum of two gradients of
-//! any float dtypes, in f32, in one pass (no cast of its own for a bf16 or f16 gradient).
-//!
-//! [`crate::SumSquares`] gives the global gradient norm that clipping needs: the sum of squares of
-//! many tensors (any shapes, dtypes and layouts) in one read of each, as a one-element f32 device
-//! tensor.
+//! The gradients' other f32 arithmetic (accumulation over micro-batches, the global norm) is in
+//! [`reduce`](crate::reduce).
 
 pub(crate) mod forward;
 pub(crate) mod kernel;
@@ -21,6 +17,7 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 /// Hyper-parameters of one step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -80,59 +77,6 @@ pub fn reference<B: BurnBackend, const D: usize>(
     }
 }
 
-/// Plain-Burn `f32(a) + f32(b)` (tensors of one shape, any float dtypes).
-pub fn add_as_f32_reference<B: BurnBackend, const D: usize>(
-    a: Tensor<B, D>,
-    b: Tensor<B, D>,
-) -> Tensor<B, D> {
-    a.cast(FloatDType::F32) + b.cast(FloatDType::F32)
-}
-
-/// Plain-Burn `x * factor[0]` in f32, cast to `dtype`.
-pub fn scale_reference<B: BurnBackend, const D: usize>(
-    x: Tensor<B, D>,
-    factor: Tensor<B, 1>,
-    dtype: FloatDType,
-) -> Tensor<B, D> {
-    if x.shape().num_elements() == 0 {
-        // Burn refuses to broadcast the factor against an empty tensor.
-        return x.cast(dtype);
-    }
-    (x.cast(FloatDType::F32) * factor.cast(FloatDType::F32).reshape([1; D])).cast(dtype)
-}
-
-/// Plain-Burn sum of every element of `tensors`, in f32, as a one-element tensor (0 when they hold
-/// no element).
-pub fn sum_f32_reference<B: BurnBackend>(
-    tensors: Vec<FloatTensor<B>>,
-    device: &B::Device,
-) -> Tensor<B, 1> {
-    sum_reference(tensors, device, |t| t)
-}
-
-/// The sum over `tensors` of `f` of each one's elements in f32, as a one-element tensor.
-fn sum_reference<B: BurnBackend>(
-    tensors: Vec<FloatTensor<B>>,
-    device: &B::Device,
-    f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>,
-) -> Tensor<B, 1> {
-    let mut acc = Tensor::<B, 1>::zeros([1], (device, burn::tensor::DType::F32));
-    for t in tensors {
-        let (t, _) = crate::as_2d::<B>(t);
-        acc = acc + f(t.cast(FloatDType::F32)).sum();
-    }
-    acc
-}
-
-/// Plain-Burn sum of squares of every element of `tensors`, in f32, as a one-element tensor (0
-/// when they hold no element).
-pub fn sum_squares_reference<B: BurnBackend>(
-    tensors: Vec<FloatTensor<B>>,
-    device: &B::Device,
-) -> Tensor<B, 1> {
-    sum_reference(tensors, device, |t| t.powi_scalar(2))
-}
-
 /// The fused AdamW step on a backend ([`crate::adamw_step`]). The default runs the reference;
 /// `CubeBackend` overrides it with the kernel. It works on the optimizer's tensors, so `Autodiff`
 /// keeps the default (the trainer calls it on the inner backend).
@@ -152,48 +96,26 @@ pub trait AdamWOps: BurnBackend {
         FloatTensor<Self>,
         Option<FloatTensor<Self>>,
     ) {
-        let (p, shape) = crate::as_2d::<Self>(param);
-        let (g, _) = crate::as_2d::<Self>(grad);
-        let (m, _) = crate::as_2d::<Self>(m);
-        let (v, _) = crate::as_2d::<Self>(v);
-        let out = reference(p, g, m, v, crate::tensor(factor), hp, copy_dtype);
+        let (p, shape) = crate::primitive::as_2d::<Self>(param);
+        let (g, _) = crate::primitive::as_2d::<Self>(grad);
+        let (m, _) = crate::primitive::as_2d::<Self>(m);
+        let (v, _) = crate::primitive::as_2d::<Self>(v);
+        let out = reference(p, g, m, v, crate::primitive::tensor(factor), hp, copy_dtype);
         (
-            crate::from_2d(out.param, shape.clone()),
-            crate::from_2d(out.m, shape.clone()),
-            crate::from_2d(out.v, shape.clone()),
-            out.copy.map(|c| crate::from_2d(c, shape)),
+            crate::primitive::from_2d(out.param, shape.clone()),
+            crate::primitive::from_2d(out.m, shape.clone()),
+            crate::primitive::from_2d(out.v, shape.clone()),
+            out.copy.map(|c| crate::primitive::from_2d(c, shape)),
         )
-    }
-
-    /// `f32(a) + f32(b)` ([`crate::add_as_f32`]); the default runs [`add_as_f32_reference`].
-    fn add_as_f32(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
-        let (a, shape) = crate::as_2d::<Self>(a);
-        let (b, _) = crate::as_2d::<Self>(b);
-        crate::from_2d(add_as_f32_reference(a, b), shape)
-    }
-
-    /// `x * factor[0]` in f32, stored in `dtype` ([`crate::scale`]); the default runs
-    /// [`scale_reference`].
-    fn scale_cast(
-        x: FloatTensor<Self>,
-        factor: FloatTensor<Self>,
-        dtype: FloatDType,
-    ) -> FloatTensor<Self> {
-        let (x, shape) = crate::as_2d::<Self>(x);
-        crate::from_2d(scale_reference(x, crate::tensor(factor), dtype), shape)
-    }
-
-    /// The sum of every element of `tensors` on `device`, in f32, `[1]` ([`crate::sum_f32`]); the
-    /// default runs [`sum_f32_reference`].
-    fn sum_f32(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
-        crate::prim(sum_f32_reference::<Self>(tensors, device))
-    }
-
-    /// The sum of squares of every element of `tensors` on `device` ([`crate::SumSquares`]); the
-    /// default runs [`sum_squares_reference`].
-    fn sum_squares(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
-        crate::prim(sum_squares_reference::<Self>(tensors, device))
     }
 }
 
-impl<B: crate::KernelOps, C: CheckpointStrategy> AdamWOps for Autodiff<B, C> {}
+impl<R, F, I, BT, C> AdamWOps for Autodiff<CubeBackend<R, F, I, BT>, C>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    C: CheckpointStrategy,
+{
+}

@@ -9,8 +9,8 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
+use super::AttentionKernels;
 use crate::dropout::Dropout;
-use crate::KernelOps;
 
 #[derive(Debug)]
 struct FlashAttentionBackward;
@@ -27,7 +27,7 @@ type State<B> = (
     Option<Dropout>,
 );
 
-impl<B: KernelOps> Backward<B, 3> for FlashAttentionBackward {
+impl<B: AttentionKernels> Backward<B, 3> for FlashAttentionBackward {
     type State = State<B>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -45,7 +45,7 @@ impl<B: KernelOps> Backward<B, 3> for FlashAttentionBackward {
     }
 }
 
-pub(crate) fn flash_attention<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn flash_attention<B: AttentionKernels, C: CheckpointStrategy>(
     q: FloatTensor<Autodiff<B, C>>,
     k: FloatTensor<Autodiff<B, C>>,
     v: FloatTensor<Autodiff<B, C>>,
@@ -99,7 +99,7 @@ type QkvState<B> = (
     Option<Dropout>,
 );
 
-impl<B: KernelOps> Backward<B, 1> for FlashQkvBackward {
+impl<B: AttentionKernels> Backward<B, 1> for FlashQkvBackward {
     type State = QkvState<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -123,7 +123,7 @@ impl<B: KernelOps> Backward<B, 1> for FlashQkvBackward {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn flash_attention_qkv<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn flash_attention_qkv<B: AttentionKernels, C: CheckpointStrategy>(
     qkv: FloatTensor<Autodiff<B, C>>,
     heads: usize,
     cos: FloatTensor<Autodiff<B, C>>,
@@ -171,7 +171,7 @@ pub(crate) fn flash_attention_qkv<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: CheckpointStrategy> super::AttentionOps for Autodiff<B, C> {
+impl<B: AttentionKernels, C: CheckpointStrategy> super::AttentionOps for Autodiff<B, C> {
     fn fused_flash_attention_qkv(
         qkv: FloatTensor<Self>,
         heads: usize,

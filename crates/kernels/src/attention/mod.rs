@@ -40,15 +40,18 @@
 //! masked); `k`/`v` may have a different length from `q`.
 
 pub(crate) mod backward;
+mod cube;
 pub mod dropout;
 pub(crate) mod forward;
+pub(crate) mod gradients;
 pub(crate) mod kernel;
 pub(crate) mod mma;
 pub(crate) mod packed;
+pub(crate) mod tiles;
 
 use crate::dropout::Dropout;
-pub(crate) use forward::check_tiles;
-pub use forward::{FlashPath, MAX_HEAD_DIM};
+pub(crate) use tiles::check_tiles;
+pub use tiles::{FlashPath, MAX_HEAD_DIM};
 
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::FloatTensor;
@@ -170,8 +173,12 @@ pub trait AttentionOps: BurnBackend {
         scale: f64,
         dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
-        let (q, k, v) = (crate::tensor(q), crate::tensor(k), crate::tensor(v));
-        crate::prim(match dropout.filter(Dropout::is_active) {
+        let (q, k, v) = (
+            crate::primitive::tensor(q),
+            crate::primitive::tensor(k),
+            crate::primitive::tensor(v),
+        );
+        crate::primitive::prim(match dropout.filter(Dropout::is_active) {
             Some(d) => reference_dropout::<Self>(q, k, v, causal, Some(scale), d),
             None => reference::<Self>(q, k, v, causal, Some(scale)),
         })
@@ -189,11 +196,11 @@ pub trait AttentionOps: BurnBackend {
         scale: f64,
         dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
-        crate::prim(reference_qkv::<Self>(
-            crate::tensor(qkv),
+        crate::primitive::prim(reference_qkv::<Self>(
+            crate::primitive::tensor(qkv),
             heads,
-            crate::tensor(cos),
-            crate::tensor(sin),
+            crate::primitive::tensor(cos),
+            crate::primitive::tensor(sin),
             causal,
             Some(scale),
             dropout,

@@ -108,7 +108,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     let op = "flash_attention_qkv backward";
     let (b, t, h, hd) = packed_dims(op, &qkv, heads);
     let (qkv, q, k, v) = unpack(op, qkv, heads, cos.clone(), sin.clone());
-    let (dq, dk, dv) = super::forward::backward(q, k, v, out, lse, grad, causal, scale, dropout);
+    let (dq, dk, dv) = super::gradients::backward(q, k, v, out, lse, grad, causal, scale, dropout);
     let dqkv = empty(&qkv, vec![b, t, 3 * h * hd], qkv.dtype);
     if b * t * h == 0 {
         return dqkv;

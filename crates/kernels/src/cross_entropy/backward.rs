@@ -10,12 +10,14 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
 use super::linear::{chunked, float_dtype, LinearCrossEntropy};
-use crate::KernelOps;
+use super::CrossEntropyKernels;
+use crate::gemm::GemmOps;
+use crate::reduce::ReduceOps;
 
 #[derive(Debug)]
 struct CrossEntropyBackward;
 
-impl<B: KernelOps> Backward<B, 1> for CrossEntropyBackward {
+impl<B: CrossEntropyKernels + GemmOps + ReduceOps> Backward<B, 1> for CrossEntropyBackward {
     /// (logits, targets, lse, z_loss)
     type State = (FloatTensor<B>, IntTensor<B>, FloatTensor<B>, f64);
 
@@ -32,7 +34,7 @@ impl<B: KernelOps> Backward<B, 1> for CrossEntropyBackward {
     }
 }
 
-pub(crate) fn cross_entropy<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn cross_entropy<B: CrossEntropyKernels + GemmOps + ReduceOps, C: CheckpointStrategy>(
     logits: FloatTensor<Autodiff<B, C>>,
     targets: IntTensor<Autodiff<B, C>>,
     z_loss: f64,
@@ -53,7 +55,7 @@ pub(crate) fn cross_entropy<B: KernelOps, C: CheckpointStrategy>(
 #[derive(Debug)]
 struct LinearCrossEntropyBackward;
 
-impl<B: KernelOps> Backward<B, 2> for LinearCrossEntropyBackward {
+impl<B: CrossEntropyKernels + GemmOps + ReduceOps> Backward<B, 2> for LinearCrossEntropyBackward {
     /// (dx and dw of the summed loss, both f32; rows; x's and w's dtypes)
     type State = (
         Option<FloatTensor<B>>,
@@ -68,21 +70,28 @@ impl<B: KernelOps> Backward<B, 2> for LinearCrossEntropyBackward {
         let (dx, dw, rows, x_dtype, w_dtype) = ops.state;
         // d(mean)/d(row) = g / rows, applied as each gradient is cast to its input's dtype (one
         // pass each).
-        let scale = crate::tensor::<B, 1>(grads.consume::<B>(&ops.node))
+        let scale = crate::primitive::tensor::<B, 1>(grads.consume::<B>(&ops.node))
             .cast(FloatDType::F32)
             .div_scalar(rows as f64);
         if let (Some(node), Some(dx)) = (node_x, dx) {
-            let dx = B::scale_cast(dx, crate::prim(scale.clone()), float_dtype(x_dtype));
+            let dx = B::scale_cast(
+                dx,
+                crate::primitive::prim(scale.clone()),
+                float_dtype(x_dtype),
+            );
             grads.register::<B>(node.id, dx);
         }
         if let (Some(node), Some(dw)) = (node_w, dw) {
-            let dw = B::scale_cast(dw, crate::prim(scale), float_dtype(w_dtype));
+            let dw = B::scale_cast(dw, crate::primitive::prim(scale), float_dtype(w_dtype));
             grads.register::<B>(node.id, dw);
         }
     }
 }
 
-pub(crate) fn linear_cross_entropy<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn linear_cross_entropy<
+    B: CrossEntropyKernels + GemmOps + ReduceOps,
+    C: CheckpointStrategy,
+>(
     x: FloatTensor<Autodiff<B, C>>,
     w: FloatTensor<Autodiff<B, C>>,
     targets: IntTensor<Autodiff<B, C>>,
@@ -108,7 +117,9 @@ pub(crate) fn linear_cross_entropy<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: CheckpointStrategy> super::CrossEntropyOps for Autodiff<B, C> {
+impl<B: CrossEntropyKernels + GemmOps + ReduceOps, C: CheckpointStrategy> super::CrossEntropyOps
+    for Autodiff<B, C>
+{
     fn fused_linear_cross_entropy(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

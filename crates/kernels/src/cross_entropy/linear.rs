@@ -18,8 +18,9 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorMetadata};
 
-use crate::gemm::Gemm;
-use crate::KernelOps;
+use super::CrossEntropyKernels;
+use crate::gemm::{Gemm, GemmOps};
+use crate::reduce::ReduceOps;
 
 /// The bytes of logits one chunk may take when [`LinearCrossEntropy::chunk_rows`] is `None`:
 /// 256 MiB, 2048-2668 rows of GPT-2's 50304 classes in bf16. Small enough for CubeCL's pools to
@@ -91,7 +92,7 @@ pub(crate) fn float_dtype(dtype: DType) -> FloatDType {
 /// `dx` [rows, d] and `dw` [classes, d]. (Kept in f32, the gradient is rounded to `x`'s dtype once,
 /// after its scaling.)
 #[allow(clippy::type_complexity)]
-pub(crate) fn chunked<B: KernelOps>(
+pub(crate) fn chunked<B: CrossEntropyKernels + GemmOps + ReduceOps>(
     x: FloatTensor<B>,
     w: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -103,8 +104,8 @@ pub(crate) fn chunked<B: KernelOps>(
     Option<FloatTensor<B>>,
     Option<FloatTensor<B>>,
 ) {
-    let x = crate::tensor::<B, 2>(x);
-    let w = crate::tensor::<B, 2>(w);
+    let x = crate::primitive::tensor::<B, 2>(x);
+    let w = crate::primitive::tensor::<B, 2>(w);
     let targets = Tensor::<B, 1, Int>::from_primitive(targets);
     let device = x.device();
     let [rows, d] = x.dims();
@@ -128,14 +129,14 @@ pub(crate) fn chunked<B: KernelOps>(
         let xc = x.clone().narrow(0, start, end - start);
         let tc = targets.clone().narrow(0, start, end - start);
         let logits = B::gemm(
-            crate::prim(xc.clone()),
-            crate::prim(w.clone()),
+            crate::primitive::prim(xc.clone()),
+            crate::primitive::prim(w.clone()),
             false,
             true,
             gemm,
         );
         let (loss, lse) = B::cross_entropy_forward(logits.clone(), tc.clone().into_primitive(), z);
-        losses.push(crate::tensor::<B, 1>(loss));
+        losses.push(crate::primitive::tensor::<B, 1>(loss));
         if !(need_dx || need_dw) {
             continue;
         }
@@ -143,12 +144,17 @@ pub(crate) fn chunked<B: KernelOps>(
             .get_or_insert_with(|| Tensor::<B, 1>::ones([chunk], &device).cast(FloatDType::F32))
             .clone()
             .narrow(0, 0, end - start);
-        let dlogits =
-            B::cross_entropy_backward(logits, tc.into_primitive(), lse, crate::prim(unit), z);
+        let dlogits = B::cross_entropy_backward(
+            logits,
+            tc.into_primitive(),
+            lse,
+            crate::primitive::prim(unit),
+            z,
+        );
         if need_dx {
-            dxs.push(crate::tensor::<B, 2>(B::gemm_f32(
+            dxs.push(crate::primitive::tensor::<B, 2>(B::gemm_f32(
                 dlogits.clone(),
-                crate::prim(w.clone()),
+                crate::primitive::prim(w.clone()),
                 false,
                 false,
                 None,
@@ -156,15 +162,24 @@ pub(crate) fn chunked<B: KernelOps>(
             )));
         }
         if need_dw {
-            dw = Some(B::gemm_f32(dlogits, crate::prim(xc), true, false, dw, gemm));
+            dw = Some(B::gemm_f32(
+                dlogits,
+                crate::primitive::prim(xc),
+                true,
+                false,
+                dw,
+                gemm,
+            ));
         }
     }
     // The mean of the rows' losses: one kernel's partial sums per chunk, one cube's fixed-order
     // total (a full-tensor mean of the concatenated rows would copy them and reduce in one unit).
-    let loss = crate::sum_f32(losses, &device).div_scalar(rows as f64);
-    let dx = need_dx.then(|| crate::prim(Tensor::cat(dxs, 0)));
+    let losses = losses.into_iter().map(crate::primitive::prim).collect();
+    let loss =
+        crate::primitive::tensor::<B, 1>(B::sum_f32(losses, &device)).div_scalar(rows as f64);
+    let dx = need_dx.then(|| crate::primitive::prim(Tensor::cat(dxs, 0)));
     debug_assert!(dx
         .as_ref()
         .is_none_or(|t| t.shape().as_slice() == [rows, d]));
-    (crate::prim(loss), dx, dw)
+    (crate::primitive::prim(loss), dx, dw)
 }

@@ -65,9 +65,9 @@ pub trait CrossEntropyOps: BurnBackend {
         opts: LinearCrossEntropy,
     ) -> FloatTensor<Self> {
         crate::gemm::burn_only(opts.gemm, x.dtype());
-        crate::prim(linear::reference::<Self>(
-            crate::tensor(x),
-            crate::tensor(w),
+        crate::primitive::prim(linear::reference::<Self>(
+            crate::primitive::tensor(x),
+            crate::primitive::tensor(w),
             burn::tensor::Tensor::from_primitive(targets),
             opts.z_loss,
         ))
@@ -78,8 +78,8 @@ pub trait CrossEntropyOps: BurnBackend {
         targets: IntTensor<Self>,
         z_loss: f64,
     ) -> FloatTensor<Self> {
-        crate::prim(reference::<Self>(
-            crate::tensor(logits),
+        crate::primitive::prim(reference::<Self>(
+            crate::primitive::tensor(logits),
             burn::tensor::Tensor::from_primitive(targets),
             z_loss,
         ))

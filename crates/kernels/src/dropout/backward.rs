@@ -10,12 +10,12 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorMetadata};
 
 use super::Dropout;
-use crate::KernelOps;
+use super::DropoutKernels;
 
 #[derive(Debug)]
 struct DropoutBackward;
 
-impl<B: KernelOps> Backward<B, 1> for DropoutBackward {
+impl<B: DropoutKernels> Backward<B, 1> for DropoutBackward {
     /// The mask's parameters and the input's dtype.
     type State = (Dropout, DType);
 
@@ -30,7 +30,7 @@ impl<B: KernelOps> Backward<B, 1> for DropoutBackward {
     }
 }
 
-pub(crate) fn dropout<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn dropout<B: DropoutKernels, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     dropout: Dropout,
 ) -> FloatTensor<Autodiff<B, C>> {
@@ -46,7 +46,7 @@ pub(crate) fn dropout<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: KernelOps, C: CheckpointStrategy> super::DropoutOps for Autodiff<B, C> {
+impl<B: DropoutKernels, C: CheckpointStrategy> super::DropoutOps for Autodiff<B, C> {
     fn fused_dropout(x: FloatTensor<Self>, mask: Dropout) -> FloatTensor<Self> {
         dropout::<B, C>(x, mask)
     }

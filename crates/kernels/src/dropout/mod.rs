@@ -163,7 +163,7 @@ pub trait DropoutOps: BurnBackend {
         let flat = Tensor::<Self, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
             Self::float_reshape(x, Shape::new([n])),
         ));
-        Self::float_reshape(crate::prim(reference(flat, dropout)), shape)
+        Self::float_reshape(crate::primitive::prim(reference(flat, dropout)), shape)
     }
 }
 

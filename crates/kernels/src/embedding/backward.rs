@@ -9,12 +9,12 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorMetadata};
 
-use crate::KernelOps;
+use super::EmbeddingKernels;
 
 #[derive(Debug)]
 struct EmbeddingBackward;
 
-impl<B: KernelOps> Backward<B, 1> for EmbeddingBackward {
+impl<B: EmbeddingKernels> Backward<B, 1> for EmbeddingBackward {
     /// (ids flattened to [n], vocabulary, the table's dtype)
     type State = (IntTensor<B>, usize, DType);
 
@@ -33,7 +33,7 @@ impl<B: KernelOps> Backward<B, 1> for EmbeddingBackward {
 }
 
 /// The embedding of an autodiff table; the ids are constants.
-pub(crate) fn embedding<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn embedding<B: EmbeddingKernels, C: CheckpointStrategy>(
     weight: FloatTensor<Autodiff<B, C>>,
     ids: IntTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {
@@ -52,7 +52,7 @@ pub(crate) fn embedding<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: KernelOps, C: CheckpointStrategy> super::EmbeddingOps for Autodiff<B, C> {
+impl<B: EmbeddingKernels, C: CheckpointStrategy> super::EmbeddingOps for Autodiff<B, C> {
     fn fused_embedding(weight: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
         embedding::<B, C>(weight, ids)
     }

@@ -22,8 +22,8 @@ pub fn reference<B: BurnBackend>(weight: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -
 pub trait EmbeddingOps: BurnBackend {
     /// `weight [vocab, d]`, `ids [batch, seq]` -> `[batch, seq, d]`.
     fn fused_embedding(weight: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
-        crate::prim(reference::<Self>(
-            crate::tensor(weight),
+        crate::primitive::prim(reference::<Self>(
+            crate::primitive::tensor(weight),
             Tensor::from_primitive(ids),
         ))
     }

@@ -9,12 +9,12 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use super::{FormatProbe, FormatRecord, FormatStatsOps};
-use crate::KernelOps;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 #[derive(Debug)]
 struct FormatProbeBackward;
 
-impl<B: KernelOps> Backward<B, 1> for FormatProbeBackward {
+impl<B: FormatStatsOps> Backward<B, 1> for FormatProbeBackward {
     type State = FormatProbe;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -41,7 +41,14 @@ impl<B: KernelOps> Backward<B, 1> for FormatProbeBackward {
     }
 }
 
-impl<B: KernelOps, C: CheckpointStrategy> FormatStatsOps for Autodiff<B, C> {
+impl<R, F, I, BT, C> FormatStatsOps for Autodiff<CubeBackend<R, F, I, BT>, C>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    C: CheckpointStrategy,
+{
     fn format_probe(x: FloatTensor<Self>, probe: &FormatProbe) -> FloatTensor<Self> {
         match FormatProbeBackward
             .prepare::<C>([x.node.clone()])

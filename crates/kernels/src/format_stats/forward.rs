@@ -9,9 +9,9 @@ use cubecl::prelude::*;
 
 use super::kernel::format_stats_kernel;
 use super::COLUMNS;
-use crate::adamw::forward::{flat_cubes, SUM_UNITS};
 use crate::check::check_float;
 use crate::launch::{empty, flat_read, reduce_slots, use_planes};
+use crate::reduce::forward::{flat_cubes, SUM_UNITS};
 
 /// The partial rows of `x`'s statistics, one per cube (`None` when `x` is empty).
 pub(crate) fn partial_rows<R: CubeRuntime>(

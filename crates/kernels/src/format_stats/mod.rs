@@ -137,8 +137,8 @@ pub fn take_records<B: BurnBackend>(sink: &FormatSink) -> Vec<(String, Tensor<B,
 pub trait FormatStatsOps: BurnBackend {
     /// Partial rows `[rows, COLUMNS]` (f32) of `x`'s statistics against `min_normal`.
     fn format_stats(x: FloatTensor<Self>, min_normal: f64) -> FloatTensor<Self> {
-        let (x, _) = crate::as_2d::<Self>(x);
-        crate::prim(reference(x, min_normal))
+        let (x, _) = crate::primitive::as_2d::<Self>(x);
+        crate::primitive::prim(reference(x, min_normal))
     }
 
     /// `x` unchanged ([`crate::format_probe`]). `Autodiff` over the kernels' backends records the

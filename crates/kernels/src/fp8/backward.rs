@@ -16,10 +16,12 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::ops::IntTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorMetadata, TensorPrimitive};
 
+use super::Fp8Ops;
 use super::{
     fp8_gemm, fp8_quantize, fp8_quantize_pair, Fp8LinearConfig, Fp8Probe, Fp8Tensor, QuantSpec,
 };
-use crate::{Backend, KernelOps};
+use crate::gemm::GemmOps;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 /// The float dtype of a float tensor.
 pub(crate) fn float_dtype(d: DType) -> FloatDType {
@@ -32,7 +34,7 @@ pub(crate) fn float_dtype(d: DType) -> FloatDType {
 }
 
 /// `y = x w` (fprop), in FP8 when `cfg.fprop`.
-pub(crate) fn fprop<B: Backend>(
+pub(crate) fn fprop<B: Fp8Ops + GemmOps>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
     cfg: &Fp8LinearConfig,
@@ -50,12 +52,12 @@ pub(crate) fn fprop<B: Backend>(
 /// runs in FP8) its codes in the orientation that GEMM reads, quantized in the forward together
 /// with the forward's own operand.
 #[derive(Clone, Debug)]
-pub(crate) enum Saved<B: Backend> {
+pub(crate) enum Saved<B: Fp8Ops + GemmOps> {
     Plain(Tensor<B, 2>),
     Fp8(Fp8Tensor<B>),
 }
 
-impl<B: Backend> Saved<B> {
+impl<B: Fp8Ops + GemmOps> Saved<B> {
     /// The operand quantized as `spec` says (quantized now if it was kept as a tensor).
     fn fp8(self, spec: QuantSpec) -> Fp8Tensor<B> {
         match self {
@@ -78,7 +80,7 @@ impl<B: Backend> Saved<B> {
 /// `y = x w` (fprop) and what the backward needs of `x` and `w`. With fprop and wgrad in FP8,
 /// `x` is quantized in both orientations in one pass (`x` for fprop, `x^T` kept for wgrad); with
 /// fprop and dgrad in FP8, the weight likewise (`w^T` for fprop, `w` kept for dgrad).
-pub(crate) fn fprop_saved<B: Backend>(
+pub(crate) fn fprop_saved<B: Fp8Ops + GemmOps>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
     cfg: &Fp8LinearConfig,
@@ -115,7 +117,7 @@ pub(crate) fn fprop_saved<B: Backend>(
 /// `(dx, dw)` of `y = x w` (dgrad, wgrad), each in FP8 when configured, from what
 /// [`fprop_saved`] kept; `dx` in `x_dtype`, `dw` in `w_dtype`. With both in FP8, `dy` is quantized
 /// in both orientations in one pass.
-pub(crate) fn backward<B: Backend>(
+pub(crate) fn backward<B: Fp8Ops + GemmOps>(
     x: Saved<B>,
     w: Saved<B>,
     dy: Tensor<B, 2>,
@@ -147,7 +149,7 @@ pub(crate) fn backward<B: Backend>(
 #[derive(Debug)]
 struct Fp8LinearBackward;
 
-impl<B: KernelOps> Backward<B, 2> for Fp8LinearBackward {
+impl<B: Fp8Ops + GemmOps> Backward<B, 2> for Fp8LinearBackward {
     /// (x, w as the backward needs them, their dtypes, config, health probe)
     type State = (
         Saved<B>,
@@ -175,7 +177,7 @@ impl<B: KernelOps> Backward<B, 2> for Fp8LinearBackward {
     }
 }
 
-pub(crate) fn fp8_linear<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn fp8_linear<B: Fp8Ops + GemmOps, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     w: FloatTensor<Autodiff<B, C>>,
     cfg: &Fp8LinearConfig,
@@ -207,12 +209,19 @@ pub(crate) fn fp8_linear<B: KernelOps, C: CheckpointStrategy>(
 }
 
 #[allow(clippy::too_many_arguments)]
-impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C> {
+impl<R, F, I, BT, C> Fp8Ops for Autodiff<CubeBackend<R, F, I, BT>, C>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    C: CheckpointStrategy,
+{
     fn fp8_quantize(
         x: FloatTensor<Self>,
         spec: &super::QuantSpec,
     ) -> (IntTensor<Self>, FloatTensor<Self>) {
-        let (payload, scales) = B::fp8_quantize(x.primitive, spec);
+        let (payload, scales) = CubeBackend::<R, F, I, BT>::fp8_quantize(x.primitive, spec);
         (
             payload,
             <Self as burn::tensor::backend::AutodiffBackend>::from_inner(scales),
@@ -227,7 +236,8 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
         (IntTensor<Self>, FloatTensor<Self>),
     ) {
         use burn::tensor::backend::AutodiffBackend;
-        let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.primitive, spec, fused);
+        let ((p, s), (pt, st)) =
+            CubeBackend::<R, F, I, BT>::fp8_quantize_pair(x.primitive, spec, fused);
         ((p, Self::from_inner(s)), (pt, Self::from_inner(st)))
     }
     fn fp8_dequantize(
@@ -238,7 +248,14 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
         spec: &super::QuantSpec,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
-        let out = B::fp8_dequantize(payload, scales.primitive, rows, k_out, spec, dtype);
+        let out = CubeBackend::<R, F, I, BT>::fp8_dequantize(
+            payload,
+            scales.primitive,
+            rows,
+            k_out,
+            spec,
+            dtype,
+        );
         <Self as burn::tensor::backend::AutodiffBackend>::from_inner(out)
     }
     fn fp8_linear(
@@ -247,7 +264,7 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
         cfg: &Fp8LinearConfig,
         probe: Option<Fp8Probe>,
     ) -> FloatTensor<Self> {
-        fp8_linear::<B, C>(x, w, cfg, probe)
+        fp8_linear::<CubeBackend<R, F, I, BT>, C>(x, w, cfg, probe)
     }
     fn fp8_health_partials(
         x: FloatTensor<Self>,
@@ -256,7 +273,7 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
         spec: &super::QuantSpec,
     ) -> FloatTensor<Self> {
         use burn::tensor::backend::AutodiffBackend;
-        Self::from_inner(B::fp8_health_partials(
+        Self::from_inner(CubeBackend::<R, F, I, BT>::fp8_health_partials(
             x.primitive,
             payload,
             scales.primitive,
@@ -264,10 +281,10 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
         ))
     }
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
-        B::fp8_mma_supported(payload)
+        CubeBackend::<R, F, I, BT>::fp8_mma_supported(payload)
     }
     fn fp8_cublaslt_supported(payload: &IntTensor<Self>) -> bool {
-        B::fp8_cublaslt_supported(payload)
+        CubeBackend::<R, F, I, BT>::fp8_cublaslt_supported(payload)
     }
     fn fp8_gemm_mma(
         a: IntTensor<Self>,
@@ -280,8 +297,18 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
         n: usize,
         out: FloatDType,
     ) -> Option<FloatTensor<Self>> {
-        B::fp8_gemm_mma(a, sa.primitive, a_spec, b, sb.primitive, b_spec, m, n, out)
-            .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
+        CubeBackend::<R, F, I, BT>::fp8_gemm_mma(
+            a,
+            sa.primitive,
+            a_spec,
+            b,
+            sb.primitive,
+            b_spec,
+            m,
+            n,
+            out,
+        )
+        .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
     }
     fn fp8_gemm_cublaslt(
         a: IntTensor<Self>,
@@ -294,7 +321,17 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::Fp8Ops for Autodiff<B, C
         n: usize,
         out: FloatDType,
     ) -> Option<FloatTensor<Self>> {
-        B::fp8_gemm_cublaslt(a, sa.primitive, a_spec, b, sb.primitive, b_spec, m, n, out)
-            .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
+        CubeBackend::<R, F, I, BT>::fp8_gemm_cublaslt(
+            a,
+            sa.primitive,
+            a_spec,
+            b,
+            sb.primitive,
+            b_spec,
+            m,
+            n,
+            out,
+        )
+        .map(<Self as burn::tensor::backend::AutodiffBackend>::from_inner)
     }
 }

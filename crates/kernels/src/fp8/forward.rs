@@ -253,7 +253,7 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
 /// `[1]`: the largest finite normal `|x|` of `x` (per-tensor scaling): one grid-stride pass over
 /// `x`'s stored layout writing per-cube maxima, then their max.
 fn tensor_amax_of<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
-    use crate::adamw::forward::{flat_cubes, SUM_UNITS};
+    use crate::reduce::forward::{flat_cubes, SUM_UNITS};
     let read = crate::launch::flat_read(x);
     let cubes = flat_cubes(&read);
     let partials = empty(&read.x, vec![cubes], DType::F32);
@@ -290,7 +290,7 @@ pub(crate) fn health_partials<R: CubeRuntime>(
     scales: CubeTensor<R>,
     spec: &QuantSpec,
 ) -> CubeTensor<R> {
-    use crate::adamw::forward::SUM_UNITS;
+    use crate::reduce::forward::SUM_UNITS;
     let op = "fp8_health";
     check_float(op, "x", x.dtype);
     let (rows, k, stride_i, stride_j) = view(op, &x, spec);

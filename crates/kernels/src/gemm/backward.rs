@@ -12,7 +12,8 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 
 use super::Gemm;
-use crate::Backend;
+use super::GemmOps;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 #[derive(Debug)]
 struct GemmBackward {
@@ -21,7 +22,7 @@ struct GemmBackward {
     engine: Gemm,
 }
 
-impl<B: Backend> Backward<B, 2> for GemmBackward {
+impl<B: GemmOps> Backward<B, 2> for GemmBackward {
     /// `(a, b)`, each kept only if the other parent needs it.
     type State = (Option<FloatTensor<B>>, Option<FloatTensor<B>>);
 
@@ -55,7 +56,7 @@ impl<B: Backend> Backward<B, 2> for GemmBackward {
     }
 }
 
-pub(crate) fn gemm<B: Backend, C: CheckpointStrategy>(
+pub(crate) fn gemm<B: GemmOps, C: CheckpointStrategy>(
     a: FloatTensor<Autodiff<B, C>>,
     b: FloatTensor<Autodiff<B, C>>,
     trans_a: bool,
@@ -89,7 +90,14 @@ pub(crate) fn gemm<B: Backend, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: CheckpointStrategy> super::GemmOps for Autodiff<B, C> {
+impl<R, F, I, BT, C> GemmOps for Autodiff<CubeBackend<R, F, I, BT>, C>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    C: CheckpointStrategy,
+{
     fn gemm(
         a: FloatTensor<Self>,
         b: FloatTensor<Self>,
@@ -97,7 +105,7 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::GemmOps for Autodiff<B, 
         trans_b: bool,
         engine: Gemm,
     ) -> FloatTensor<Self> {
-        gemm::<B, C>(a, b, trans_a, trans_b, engine)
+        gemm::<CubeBackend<R, F, I, BT>, C>(a, b, trans_a, trans_b, engine)
     }
     fn gemm_f32(
         a: FloatTensor<Self>,
@@ -108,16 +116,18 @@ impl<B: crate::KernelOps, C: CheckpointStrategy> super::GemmOps for Autodiff<B, 
         engine: Gemm,
     ) -> FloatTensor<Self> {
         // Not differentiable: the inner backend's product, untracked.
-        <Self as burn::tensor::backend::AutodiffBackend>::from_inner(B::gemm_f32(
-            a.primitive,
-            b.primitive,
-            trans_a,
-            trans_b,
-            acc.map(|c| c.primitive),
-            engine,
-        ))
+        <Self as burn::tensor::backend::AutodiffBackend>::from_inner(
+            CubeBackend::<R, F, I, BT>::gemm_f32(
+                a.primitive,
+                b.primitive,
+                trans_a,
+                trans_b,
+                acc.map(|c| c.primitive),
+                engine,
+            ),
+        )
     }
     fn gemm_path(a: &FloatTensor<Self>, engine: Gemm) -> super::GemmPath {
-        B::gemm_path(&a.primitive, engine)
+        CubeBackend::<R, F, I, BT>::gemm_path(&a.primitive, engine)
     }
 }

@@ -56,9 +56,9 @@ where
             Err(cublaslt::Refused::NotApplicable) => {}
         }
     }
-    crate::prim(super::reference::<CubeBackend<R, F, I, BT>>(
-        crate::tensor(a),
-        crate::tensor(b),
+    crate::primitive::prim(super::reference::<CubeBackend<R, F, I, BT>>(
+        crate::primitive::tensor(a),
+        crate::primitive::tensor(b),
         trans_a,
         trans_b,
     ))
@@ -91,9 +91,11 @@ where
         let (into, add) = if shared { (None, cacc) } else { (cacc, None) };
         match cublaslt::gemm_f32(ca.clone(), cb.clone(), trans_a, trans_b, into) {
             Ok(out) => {
-                let out = crate::tensor::<CubeBackend<R, F, I, BT>, 2>(cublaslt::from_cuda(out));
-                return crate::prim(match add {
-                    Some(c) => crate::tensor(cublaslt::from_cuda(c)) + out,
+                let out = crate::primitive::tensor::<CubeBackend<R, F, I, BT>, 2>(
+                    cublaslt::from_cuda(out),
+                );
+                return crate::primitive::prim(match add {
+                    Some(c) => crate::primitive::tensor(cublaslt::from_cuda(c)) + out,
                     None => out,
                 });
             }
@@ -107,12 +109,12 @@ where
             }
         }
     }
-    crate::prim(super::reference_f32::<CubeBackend<R, F, I, BT>>(
-        crate::tensor(a),
-        crate::tensor(b),
+    crate::primitive::prim(super::reference_f32::<CubeBackend<R, F, I, BT>>(
+        crate::primitive::tensor(a),
+        crate::primitive::tensor(b),
         trans_a,
         trans_b,
-        acc.map(crate::tensor),
+        acc.map(crate::primitive::tensor),
     ))
 }
 

@@ -39,7 +39,6 @@ use burn::tensor::{DType, Tensor, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 
 use crate::check::{check_float, check_same_dtype, fail};
-use crate::Backend;
 
 /// Which engine runs the GEMMs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -94,7 +93,7 @@ impl std::fmt::Display for GemmPath {
 /// let y = kernels::gemm(x.clone(), w.clone(), false, true, Gemm::Auto); // x w^T: [32, 48]
 /// let grads = y.sum().backward();
 /// ```
-pub fn gemm<B: Backend>(
+pub fn gemm<B: GemmOps>(
     a: Tensor<B, 2>,
     b: Tensor<B, 2>,
     trans_a: bool,
@@ -102,9 +101,9 @@ pub fn gemm<B: Backend>(
     engine: Gemm,
 ) -> Tensor<B, 2> {
     check_operands("gemm", &a, &b, trans_a, trans_b);
-    crate::tensor(B::gemm(
-        crate::prim(a),
-        crate::prim(b),
+    crate::primitive::tensor(B::gemm(
+        crate::primitive::prim(a),
+        crate::primitive::prim(b),
         trans_a,
         trans_b,
         engine,
@@ -119,7 +118,7 @@ pub fn gemm<B: Backend>(
 /// On CUDA with cuBLASLt the product is added in place into `acc`'s memory (beta = 1) when
 /// nothing else holds `acc`; otherwise, and on every other backend, `acc + op(a) op(b)` with the
 /// operands cast to f32 and Burn's matmul.
-pub fn gemm_f32<B: Backend>(
+pub fn gemm_f32<B: GemmOps>(
     a: Tensor<B, 2>,
     b: Tensor<B, 2>,
     trans_a: bool,
@@ -141,12 +140,12 @@ pub fn gemm_f32<B: Backend>(
             );
         }
     }
-    crate::tensor(B::gemm_f32(
-        crate::prim(a),
-        crate::prim(b),
+    crate::primitive::tensor(B::gemm_f32(
+        crate::primitive::prim(a),
+        crate::primitive::prim(b),
         trans_a,
         trans_b,
-        acc.map(crate::prim),
+        acc.map(crate::primitive::prim),
         engine,
     ))
 }
@@ -172,7 +171,7 @@ pub fn reference_f32<B: BurnBackend>(
 }
 
 /// `x W` over the last dimension: `x` [.., k], `w` [k, n] -> [.., n], through [`gemm`].
-pub fn linear<B: Backend, const D: usize>(
+pub fn linear<B: GemmOps, const D: usize>(
     x: Tensor<B, D>,
     w: Tensor<B, 2>,
     engine: Gemm,
@@ -268,7 +267,7 @@ pub fn diagnose_wait(
 }
 
 /// The engine `engine` resolves to for tensors like `a`.
-pub fn gemm_path<B: Backend>(a: &Tensor<B, 2>, engine: Gemm) -> GemmPath {
+pub fn gemm_path<B: GemmOps>(a: &Tensor<B, 2>, engine: Gemm) -> GemmPath {
     B::gemm_path(&a.clone().into_primitive().tensor(), engine)
 }
 
@@ -296,9 +295,9 @@ pub trait GemmOps: BurnBackend {
         engine: Gemm,
     ) -> FloatTensor<Self> {
         burn_only(engine, a.dtype());
-        crate::prim(reference::<Self>(
-            crate::tensor(a),
-            crate::tensor(b),
+        crate::primitive::prim(reference::<Self>(
+            crate::primitive::tensor(a),
+            crate::primitive::tensor(b),
             trans_a,
             trans_b,
         ))
@@ -314,12 +313,12 @@ pub trait GemmOps: BurnBackend {
         engine: Gemm,
     ) -> FloatTensor<Self> {
         burn_only(engine, a.dtype());
-        crate::prim(reference_f32::<Self>(
-            crate::tensor(a),
-            crate::tensor(b),
+        crate::primitive::prim(reference_f32::<Self>(
+            crate::primitive::tensor(a),
+            crate::primitive::tensor(b),
             trans_a,
             trans_b,
-            acc.map(crate::tensor),
+            acc.map(crate::primitive::tensor),
         ))
     }
 

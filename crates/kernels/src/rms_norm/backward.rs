@@ -11,17 +11,17 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use std::sync::Arc;
 
-use crate::KernelOps;
+use super::RmsNormKernels;
 
 /// `input` names the normalised input's node (a handle of its own, holding `1 / rms` as its
 /// primitive and a reference count nothing else sees), to take the input's gradient from its
 /// other consumers out of the container.
 #[derive(Debug)]
-struct RmsNormBackward<B: KernelOps> {
+struct RmsNormBackward<B: RmsNormKernels> {
     input: FloatTensor<Autodiff<B>>,
 }
 
-impl<B: KernelOps> Backward<B, 2> for RmsNormBackward<B> {
+impl<B: RmsNormKernels> Backward<B, 2> for RmsNormBackward<B> {
     /// (normalised input, gain, 1 / rms per row)
     type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 
@@ -47,7 +47,7 @@ impl<B: KernelOps> Backward<B, 2> for RmsNormBackward<B> {
 #[derive(Debug)]
 struct AddBackward;
 
-impl<B: KernelOps> Backward<B, 2> for AddBackward {
+impl<B: RmsNormKernels> Backward<B, 2> for AddBackward {
     type State = ();
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -65,7 +65,7 @@ impl<B: KernelOps> Backward<B, 2> for AddBackward {
 }
 
 /// The normalisation node over an input that is already an autodiff tensor.
-fn norm_node<B: KernelOps, C: CheckpointStrategy>(
+fn norm_node<B: RmsNormKernels, C: CheckpointStrategy>(
     input: FloatTensor<Autodiff<B, C>>,
     w: FloatTensor<Autodiff<B, C>>,
     y: FloatTensor<B>,
@@ -84,7 +84,7 @@ fn norm_node<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-pub(crate) fn rms_norm<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn rms_norm<B: RmsNormKernels, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     w: FloatTensor<Autodiff<B, C>>,
     eps: f64,
@@ -93,7 +93,7 @@ pub(crate) fn rms_norm<B: KernelOps, C: CheckpointStrategy>(
     norm_node::<B, C>(x, w, y, rstd)
 }
 
-pub(crate) fn add_rms_norm<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn add_rms_norm<B: RmsNormKernels, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     r: FloatTensor<Autodiff<B, C>>,
     w: FloatTensor<Autodiff<B, C>>,
@@ -114,7 +114,7 @@ pub(crate) fn add_rms_norm<B: KernelOps, C: CheckpointStrategy>(
     (sum, y)
 }
 
-impl<B: crate::KernelOps, C: CheckpointStrategy> super::RmsNormOps for Autodiff<B, C> {
+impl<B: RmsNormKernels, C: CheckpointStrategy> super::RmsNormOps for Autodiff<B, C> {
     fn fused_rms_norm(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

@@ -47,8 +47,8 @@ pub trait RmsNormOps: BurnBackend {
         weight: FloatTensor<Self>,
         eps: f64,
     ) -> FloatTensor<Self> {
-        let (x, shape) = crate::as_2d::<Self>(x);
-        crate::from_2d(reference(x, crate::tensor(weight), eps), shape)
+        let (x, shape) = crate::primitive::as_2d::<Self>(x);
+        crate::primitive::from_2d(reference(x, crate::primitive::tensor(weight), eps), shape)
     }
 
     fn fused_add_rms_norm(
@@ -57,10 +57,13 @@ pub trait RmsNormOps: BurnBackend {
         weight: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (x, shape) = crate::as_2d::<Self>(x);
-        let (r, _) = crate::as_2d::<Self>(residual);
-        let (s, y) = add_reference(x, r, crate::tensor(weight), eps);
-        (crate::from_2d(s, shape.clone()), crate::from_2d(y, shape))
+        let (x, shape) = crate::primitive::as_2d::<Self>(x);
+        let (r, _) = crate::primitive::as_2d::<Self>(residual);
+        let (s, y) = add_reference(x, r, crate::primitive::tensor(weight), eps);
+        (
+            crate::primitive::from_2d(s, shape.clone()),
+            crate::primitive::from_2d(y, shape),
+        )
     }
 }
 

@@ -8,12 +8,12 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 
-use crate::KernelOps;
+use super::RopeKernels;
 
 #[derive(Debug)]
 struct RopeBackward;
 
-impl<B: KernelOps> Backward<B, 1> for RopeBackward {
+impl<B: RopeKernels> Backward<B, 1> for RopeBackward {
     /// (cos, sin, dtype of x)
     type State = (FloatTensor<B>, FloatTensor<B>, burn::tensor::DType);
 
@@ -29,7 +29,7 @@ impl<B: KernelOps> Backward<B, 1> for RopeBackward {
 }
 
 /// Rotary embedding of an autodiff tensor; the tables are constants (no gradient).
-pub(crate) fn rope<B: KernelOps, C: CheckpointStrategy>(
+pub(crate) fn rope<B: RopeKernels, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     cos: FloatTensor<Autodiff<B, C>>,
     sin: FloatTensor<Autodiff<B, C>>,
@@ -52,7 +52,7 @@ pub(crate) fn rope<B: KernelOps, C: CheckpointStrategy>(
     }
 }
 
-impl<B: crate::KernelOps, C: CheckpointStrategy> super::RopeOps for Autodiff<B, C> {
+impl<B: RopeKernels, C: CheckpointStrategy> super::RopeOps for Autodiff<B, C> {
     fn fused_rope(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

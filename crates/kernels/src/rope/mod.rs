@@ -71,10 +71,10 @@ pub trait RopeOps: BurnBackend {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        crate::prim(reference::<Self>(
-            crate::tensor(x),
-            crate::tensor(cos),
-            crate::tensor(sin),
+        crate::primitive::prim(reference::<Self>(
+            crate::primitive::tensor(x),
+            crate::primitive::tensor(cos),
+            crate::primitive::tensor(sin),
         ))
     }
 }

@@ -1,0 +1,412 @@
+//! Launches of the FlashAttention backward kernels on `CubeBackend` tensors: the delta pre-pass,
+//! then dQ and dK/dV on tensor cores or on the portable kernels.
+
+use burn::tensor::{DType, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::ir::features::AtomicUsage;
+use cubecl::ir::{ElemType, FloatKind, Type};
+use cubecl::prelude::*;
+
+use super::forward::{
+    check_inputs, drop_args, empty_bshd, mma_width, portable_block, row_width, rows_readable, Dims,
+};
+use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta};
+use super::mma::{
+    dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_backward_split_mma,
+};
+use super::tiles::{path, FlashPath, MmaTiles};
+use crate::check::{check_same_dtype, check_scale, fail};
+use crate::dropout::{DropArgs, Dropout};
+use crate::launch::{contiguous, empty, plane_size, use_planes};
+
+/// What the dQ and dK/dV launches read: the inputs as the kernels read them, the output
+/// gradient, the forward's log-sum-exp and the pre-pass's `delta`.
+struct Saved<R: CubeRuntime> {
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    delta: CubeTensor<R>,
+}
+
+/// What they write: dQ, dK, dV, and the fused dQ's f32 accumulator (a stand-in otherwise).
+struct Grads<R: CubeRuntime> {
+    dq: CubeTensor<R>,
+    dk: CubeTensor<R>,
+    dv: CubeTensor<R>,
+    dq_acc: CubeTensor<R>,
+}
+
+/// The call's sizes and scalars.
+struct Call {
+    d: Dims,
+    causal: bool,
+    scale: f32,
+    drop: DropArgs,
+    dtype: StorageType,
+}
+
+/// `(dq, dk, dv)` from the inputs, the forward's output and log-sum-exp, and the output gradient.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    causal: bool,
+    scale: f32,
+    dropout: Option<Dropout>,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let op = "flash_attention backward";
+    let d = check_inputs(op, &q, &k, &v);
+    check_scale(op, scale as f64);
+    let drop = drop_args(op, dropout);
+    check_same_dtype(op, "q", q.dtype, "output gradient", grad.dtype);
+    if grad.shape().as_slice() != q.shape().as_slice() {
+        fail(
+            op,
+            format!(
+                "output gradient has shape {:?}; expected {:?}",
+                grad.shape().as_slice(),
+                q.shape().as_slice()
+            ),
+        );
+    }
+    let (q, k, v) = (rows_readable(q), rows_readable(k), rows_readable(v));
+    let (out, grad, lse) = (rows_readable(out), rows_readable(grad), contiguous(lse));
+    let dq = empty_bshd(&q, &d, d.seq_q);
+    if d.seq_q == 0 || d.batch * d.heads == 0 {
+        // No queries: k and v received no attention, so their gradients are zero.
+        let zeros = |t: &CubeTensor<R>| {
+            burn_cubecl::ops::numeric::zeros::<R>(t.device.clone(), t.shape(), t.dtype)
+        };
+        return (dq, zeros(&k), zeros(&v));
+    }
+    let dk = empty_bshd(&k, &d, d.seq_k);
+    let dv = empty_bshd(&v, &d, d.seq_k);
+    let dtype: StorageType = q.dtype.into();
+
+    let flash_path = path(&q);
+    let tiles = MmaTiles::get(d.hd, causal);
+    let fused_dq = flash_path == FlashPath::TensorCores && tiles.fused_dq;
+    // The fused dQ accumulates in f32 through atomics from every key block's cube; the delta
+    // pre-pass clears it.
+    let dq_acc = if fused_dq {
+        empty(&q, vec![d.batch, d.heads, d.seq_q, d.hd], DType::F32)
+    } else {
+        empty(&q, vec![4], DType::F32)
+    };
+
+    let delta = launch_delta(&q, out, &grad, &d, &dq_acc, fused_dq, dtype);
+    let call = Call {
+        d,
+        causal,
+        scale,
+        drop,
+        dtype,
+    };
+    let saved = Saved {
+        q,
+        k,
+        v,
+        grad,
+        lse,
+        delta,
+    };
+    let grads = Grads {
+        dq: dq.clone(),
+        dk: dk.clone(),
+        dv: dv.clone(),
+        dq_acc,
+    };
+    match flash_path {
+        FlashPath::TensorCores => backward_mma(op, saved, grads, &call, tiles),
+        FlashPath::Portable => backward_portable(saved, grads, &call),
+    }
+    (dq, dk, dv)
+}
+
+/// The pre-pass: `delta = rowsum(dO * O)`, f32 `[batch, heads, seq_q]`; with the fused dQ it also
+/// clears dQ's f32 accumulator.
+fn launch_delta<R: CubeRuntime>(
+    q: &CubeTensor<R>,
+    out: CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    d: &Dims,
+    dq_acc: &CubeTensor<R>,
+    fused_dq: bool,
+    dtype: StorageType,
+) -> CubeTensor<R> {
+    let client = q.client.clone();
+    let rows = d.batch * d.heads * d.seq_q;
+    let delta = empty(q, vec![d.batch, d.heads, d.seq_q], DType::F32);
+    let width = row_width(&[&out, grad], &[q.dtype, DType::F32], d.hd);
+    let per_row = d.hd / width;
+    let plane = plane_size(q) as usize;
+    let split = if use_planes(q, 256) {
+        (1usize << per_row.trailing_zeros()).min(plane)
+    } else {
+        1
+    };
+    unsafe {
+        flash_delta::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static((rows * split).div_ceil(256) as u32, 1, 1),
+            CubeDim::new_1d(256),
+            width,
+            out.into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            dq_acc.clone().into_tensor_arg(),
+            rows,
+            per_row,
+            split,
+            fused_dq,
+            dtype,
+        );
+    }
+    delta
+}
+
+/// dQ (unless the dK/dV kernel computes it), dK and dV on tensor cores.
+fn backward_mma<R: CubeRuntime>(
+    op: &str,
+    saved: Saved<R>,
+    grads: Grads<R>,
+    call: &Call,
+    tiles: MmaTiles,
+) {
+    let Saved {
+        q,
+        k,
+        v,
+        grad,
+        lse,
+        delta,
+    } = saved;
+    let Grads { dq, dk, dv, dq_acc } = grads;
+    let Call {
+        ref d,
+        causal,
+        scale,
+        drop,
+        dtype,
+    } = *call;
+    let client = q.client.clone();
+    let bh = (d.batch * d.heads) as u32;
+    let (q, k, v, grad) = if mma_width(&q, &k, &v, Some(&grad), d) < 2 {
+        (
+            contiguous(q),
+            contiguous(k),
+            contiguous(v),
+            contiguous(grad),
+        )
+    } else {
+        (q, k, v, grad)
+    };
+    let width = mma_width(&q, &k, &v, Some(&grad), d);
+    if let Some(problem) = tiles.backward_problem(d.hd) {
+        fail(
+            op,
+            format!(
+                "flash tiles setting ({}): {problem} (tiles {tiles:?})",
+                crate::settings::FLASH_TILES_ENV
+            ),
+        );
+    }
+    let (mt, block_k) = tiles.dq;
+    if !tiles.fused_dq {
+        unsafe {
+            flash_backward_dq_mma::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static(d.seq_q.div_ceil(tiles.dq_planes * mt * 16) as u32, bh, 1),
+                CubeDim::new_2d(32, tiles.dq_planes as u32),
+                width,
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                grad.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                dq.clone().into_tensor_arg(),
+                d.heads,
+                d.seq_q,
+                d.seq_k,
+                scale,
+                d.hd,
+                tiles.dq_planes,
+                mt,
+                block_k,
+                width,
+                causal,
+                drop.key0,
+                drop.key1,
+                drop.threshold,
+                drop.scale,
+                drop.on,
+                dtype,
+            );
+        }
+    }
+    let (mt, block_q) = tiles.dkdv;
+    let planes = tiles.dkdv_planes;
+    let count = CubeCount::Static(d.seq_k.div_ceil(planes * mt * 16) as u32, bh, 1);
+    let dim = CubeDim::new_2d(32, planes as u32);
+    // The fused dQ adds a lane's pair of f32 columns with one vector atomic where the
+    // device has them (sm_90).
+    let pair_atomics =
+        Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(2);
+    let nq = if client
+        .properties()
+        .features
+        .atomic_type_usage(pair_atomics)
+        .contains(AtomicUsage::Add)
+    {
+        2
+    } else {
+        1
+    };
+    // Both dK/dV kernels take the same arguments.
+    macro_rules! launch_dkdv {
+        ($kernel:ident) => {
+            unsafe {
+                $kernel::launch_unchecked::<R>(
+                    &client,
+                    count,
+                    dim,
+                    width,
+                    nq,
+                    q.into_tensor_arg(),
+                    k.into_tensor_arg(),
+                    v.into_tensor_arg(),
+                    grad.into_tensor_arg(),
+                    lse.into_tensor_arg(),
+                    delta.into_tensor_arg(),
+                    dk.clone().into_tensor_arg(),
+                    dv.clone().into_tensor_arg(),
+                    dq_acc.clone().into_tensor_arg(),
+                    d.heads,
+                    d.seq_q,
+                    d.seq_k,
+                    scale,
+                    d.hd,
+                    planes,
+                    mt,
+                    block_q,
+                    width,
+                    causal,
+                    tiles.fused_dq,
+                    drop.key0,
+                    drop.key1,
+                    drop.threshold,
+                    drop.scale,
+                    drop.on,
+                    dtype,
+                )
+            }
+        };
+    }
+    if tiles.split_bwd {
+        launch_dkdv!(flash_backward_split_mma);
+    } else {
+        launch_dkdv!(flash_backward_dkdv_mma);
+    }
+    if tiles.fused_dq {
+        let width = row_width(&[&dq], &[dq.dtype, DType::F32], d.hd);
+        let n = d.batch * d.heads * d.seq_q * d.hd / width;
+        unsafe {
+            dq_from_f32::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
+                CubeDim::new_1d(256),
+                width,
+                dq_acc.into_tensor_arg(),
+                dq.clone().into_tensor_arg(),
+                d.heads,
+                d.seq_q,
+                d.hd / width,
+                dtype,
+            );
+        }
+    }
+}
+
+/// dQ, then dK and dV, on the portable kernels.
+fn backward_portable<R: CubeRuntime>(saved: Saved<R>, grads: Grads<R>, call: &Call) {
+    let Saved {
+        q,
+        k,
+        v,
+        grad,
+        lse,
+        delta,
+    } = saved;
+    let Grads { dq, dk, dv, .. } = grads;
+    let Call {
+        ref d,
+        causal,
+        scale,
+        drop,
+        dtype,
+    } = *call;
+    let client = q.client.clone();
+    let bh = (d.batch * d.heads) as u32;
+    let (block, split) = portable_block(&q, d.hd);
+    unsafe {
+        flash_backward_dq::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(d.seq_q.div_ceil(block) as u32, bh, 1),
+            CubeDim::new_1d((block * split) as u32),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            scale,
+            d.hd,
+            split,
+            block,
+            block,
+            causal as u32,
+            drop.key0,
+            drop.key1,
+            drop.threshold,
+            drop.scale,
+            drop.on,
+            dtype,
+        );
+    }
+    unsafe {
+        flash_backward_dkdv::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(d.seq_k.div_ceil(block) as u32, bh, 1),
+            CubeDim::new_1d((block * split) as u32),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            scale,
+            d.hd,
+            split,
+            block,
+            block,
+            causal as u32,
+            drop.key0,
+            drop.key1,
+            drop.threshold,
+            drop.scale,
+            drop.on,
+            dtype,
+        );
+    }
+}

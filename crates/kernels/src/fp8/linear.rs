@@ -1,0 +1,134 @@
+//! The FP8 linear layer and its health probes.
+
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use super::*;
+use crate::gemm::GemmOps;
+
+/// Which GEMMs of an FP8 linear layer run in FP8, and how operands are scaled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fp8LinearConfig {
+    /// `y = x w`.
+    pub fprop: bool,
+    /// `dx = dy w^T`.
+    pub dgrad: bool,
+    /// `dw = x^T dy`.
+    pub wgrad: bool,
+    /// Format of `x` and `w`.
+    pub forward_format: Fp8Format,
+    /// Format of `dy` (E5M2 in the "hybrid" setting).
+    pub grad_format: Fp8Format,
+    /// Tiles (1x128 activations and gradients, 128x128 weights) or one scale per tensor.
+    pub per_tensor: bool,
+    /// Power-of-two scales.
+    pub pow2: bool,
+}
+
+impl Default for Fp8LinearConfig {
+    fn default() -> Self {
+        Self {
+            fprop: true,
+            dgrad: true,
+            wgrad: true,
+            forward_format: Fp8Format::E4M3,
+            grad_format: Fp8Format::E4M3,
+            per_tensor: false,
+            pow2: true,
+        }
+    }
+}
+
+impl Fp8LinearConfig {
+    /// Spec of an activation (`x`) operand.
+    pub fn act_spec(&self, transpose: bool) -> QuantSpec {
+        self.spec(self.forward_format, Fp8Granularity::Tile1x128, transpose)
+    }
+    /// Spec of the weight operand.
+    pub fn weight_spec(&self, transpose: bool) -> QuantSpec {
+        self.spec(self.forward_format, Fp8Granularity::Block128, transpose)
+    }
+    /// Spec of an output-gradient (`dy`) operand.
+    pub fn grad_spec(&self, transpose: bool) -> QuantSpec {
+        self.spec(self.grad_format, Fp8Granularity::Tile1x128, transpose)
+    }
+    fn spec(&self, format: Fp8Format, tiles: Fp8Granularity, transpose: bool) -> QuantSpec {
+        let granularity = if self.per_tensor {
+            Fp8Granularity::Tensor
+        } else {
+            tiles
+        };
+        QuantSpec {
+            format,
+            granularity,
+            pow2: self.pow2,
+            transpose,
+        }
+    }
+}
+
+/// Where FP8 health samples go: `(name, health)` entries, appended as they are measured; each
+/// health stays on the device until [`PendingHealth::resolve`] reads it.
+pub type HealthSink = std::sync::Arc<std::sync::Mutex<Vec<(String, PendingHealth)>>>;
+
+/// A layer's handle on a [`HealthSink`]: [`fp8_linear_probed`] records its input as `{name}.input`
+/// and, under `Autodiff`, its output gradient as `{name}.grad_output`, each as the GEMM that
+/// consumes it quantizes it.
+#[derive(Clone, Debug)]
+pub struct Fp8Probe {
+    pub name: String,
+    pub sink: HealthSink,
+}
+
+impl Fp8Probe {
+    pub(crate) fn record<B: Fp8Ops + GemmOps>(&self, what: &str, x: Tensor<B, 2>, spec: QuantSpec) {
+        let health = fp8_health_pending(x, spec);
+        if let Ok(mut sink) = self.sink.lock() {
+            sink.push((format!("{}.{what}", self.name), health));
+        }
+    }
+}
+
+/// `x [t, in] w [in, out] -> [t, out]` with the GEMMs `cfg` selects in FP8 (output in `x`'s dtype;
+/// `x` and `w` must share a dtype). Under `Autodiff` the backward runs dgrad and wgrad as
+/// configured.
+pub fn fp8_linear<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    cfg: &Fp8LinearConfig,
+) -> Tensor<B, 2> {
+    fp8_linear_probed(x, w, cfg, None)
+}
+
+/// [`fp8_linear`], recording the FP8 health of the input (and, under `Autodiff`, of the output
+/// gradient) into `probe` when given. Each sample costs a quantization and a few reductions.
+pub fn fp8_linear_probed<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    cfg: &Fp8LinearConfig,
+    probe: Option<&Fp8Probe>,
+) -> Tensor<B, 2> {
+    let [t, d_in] = x.dims();
+    let [w_in, _] = w.dims();
+    if d_in != w_in {
+        panic!(
+            "kernels::fp8_linear: x is [{t}, {d_in}] but w is {:?}; w must be [{d_in}, out]",
+            w.dims()
+        );
+    }
+    if x.dtype() != w.dtype() {
+        panic!(
+            "kernels::fp8_linear: x is {:?} but w is {:?}; cast one first",
+            x.dtype(),
+            w.dtype()
+        );
+    }
+    if let Some(p) = probe {
+        p.record("input", x.clone().detach(), cfg.act_spec(false));
+    }
+    Tensor::from_primitive(TensorPrimitive::Float(B::fp8_linear(
+        x.into_primitive().tensor(),
+        w.into_primitive().tensor(),
+        cfg,
+        probe.cloned(),
+    )))
+}

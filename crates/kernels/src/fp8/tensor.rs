@@ -1,0 +1,148 @@
+//! The quantized matrix and the quantizer's entry points (one orientation, or both in one read).
+
+use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
+
+use super::*;
+use crate::gemm::GemmOps;
+
+/// A quantized matrix `[rows, k]` (see the module docs for the layout).
+#[derive(Clone, Debug)]
+pub struct Fp8Tensor<B: BurnBackend> {
+    /// `[rows, k_pad / 4]`: four little-endian codes per element.
+    pub payload: Tensor<B, 2, Int>,
+    /// f32 dequantization factors (see [`QuantSpec::scale_rows`], [`QuantSpec::scale_cols`]).
+    pub scales: Tensor<B, 2>,
+    pub rows: usize,
+    pub k: usize,
+    pub spec: QuantSpec,
+}
+
+impl<B: Fp8Ops + GemmOps> Fp8Tensor<B> {
+    /// `k` rounded up to a multiple of 128 (the payload's width in codes).
+    pub fn k_padded(&self) -> usize {
+        self.k.div_ceil(TILE) * TILE
+    }
+
+    /// The values the codes stand for, `[rows, k]`, in `dtype` (exact in f32 and bf16).
+    pub fn dequantize(&self, dtype: FloatDType) -> Tensor<B, 2> {
+        self.dequantize_to(self.k, dtype)
+    }
+
+    pub(crate) fn dequantize_to(&self, k_out: usize, dtype: FloatDType) -> Tensor<B, 2> {
+        let p = B::fp8_dequantize(
+            self.payload.clone().into_primitive(),
+            self.scales.clone().into_primitive().tensor(),
+            self.rows,
+            k_out,
+            &self.spec,
+            dtype,
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(p))
+    }
+
+    /// The codes on the host, row-major `[rows, k_pad]`.
+    pub fn codes(&self) -> Vec<u8> {
+        words_of_tensor(&self.payload)
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect()
+    }
+}
+
+/// The payload words of a payload tensor, on the host.
+pub fn words_of_tensor<B: BurnBackend>(payload: &Tensor<B, 2, Int>) -> Vec<u32> {
+    words_of(payload.clone().into_data())
+}
+
+/// The payload words of an Int tensor's data, whatever its integer dtype.
+pub(crate) fn words_of(data: TensorData) -> Vec<u32> {
+    match data.dtype {
+        DType::U32 => data.to_vec::<u32>().expect("u32 payload"),
+        DType::I32 => data
+            .to_vec::<i32>()
+            .expect("i32 payload")
+            .into_iter()
+            .map(|w| w as u32)
+            .collect(),
+        DType::I64 => data
+            .to_vec::<i64>()
+            .expect("i64 payload")
+            .into_iter()
+            .map(|w| w as u32)
+            .collect(),
+        other => panic!(
+            "kernels::fp8: a payload tensor has dtype {other:?}; expected a 32-bit integer tensor"
+        ),
+    }
+}
+
+/// The values of a float tensor on the host as f32, row-major (`what` names it if they cannot be
+/// read).
+pub(crate) fn f32_values<B: BurnBackend, const D: usize>(t: Tensor<B, D>, what: &str) -> Vec<f32> {
+    t.cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap_or_else(|e| panic!("f32 {what}: {e:?}"))
+}
+
+/// Quantizes the 2-D `x` (f32, f16 or bf16) as `spec` says.
+pub fn fp8_quantize<B: Fp8Ops + GemmOps>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Tensor<B> {
+    let [r, c] = x.dims();
+    let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
+    let (payload, scales) = B::fp8_quantize(x.into_primitive().tensor(), &spec);
+    Fp8Tensor {
+        payload: Tensor::from_primitive(payload),
+        scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
+        rows,
+        k,
+        spec,
+    }
+}
+
+/// The path [`fp8_quantize_pair`] takes for `spec` ([`crate::settings::Settings::fp8_pair`],
+/// `BURNMIX_FP8_PAIR`, chooses): by default fused for 128x128 blocks and per-tensor scales, and
+/// two passes for 1x128 tiles, where the fused kernel measured slower on an H200 (see
+/// `docs/results.md`).
+pub fn fp8_pair_path(spec: &QuantSpec) -> Fp8PairPath {
+    match crate::settings::read(|s| s.fp8_pair) {
+        Some(path) => path,
+        None if spec.granularity == Fp8Granularity::Tile1x128 => Fp8PairPath::Separate,
+        None => Fp8PairPath::Fused,
+    }
+}
+
+/// Quantizes the 2-D `x` `[r, c]` in both orientations: `(as stored, transposed)`, the first
+/// `[r, c]` quantized along `c` as `spec.transposed(false)` says, the second `[c, r]` along `r` as
+/// `spec.transposed(true)` says (`spec.transpose` itself is ignored). Each equals the matching
+/// [`fp8_quantize`] bit for bit, on the path [`fp8_pair_path`] names. The FP8 linear layer uses it
+/// for the operands that two of its GEMMs read along different axes (`x`, `dy` and the weight).
+pub fn fp8_quantize_pair<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    spec: QuantSpec,
+) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    let path = fp8_pair_path(&spec);
+    fp8_quantize_pair_on(x, spec, path)
+}
+
+/// [`fp8_quantize_pair`] on a given path.
+pub fn fp8_quantize_pair_on<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    spec: QuantSpec,
+    path: Fp8PairPath,
+) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    let [r, c] = x.dims();
+    let fused = path == Fp8PairPath::Fused;
+    let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.into_primitive().tensor(), &spec, fused);
+    let q = |payload, scales, rows, k, spec| Fp8Tensor {
+        payload: Tensor::from_primitive(payload),
+        scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
+        rows,
+        k,
+        spec,
+    };
+    (
+        q(p, s, r, c, spec.transposed(false)),
+        q(pt, st, c, r, spec.transposed(true)),
+    )
+}
