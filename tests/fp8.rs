@@ -129,6 +129,9 @@ fn reference_scales() {
 /// thresholds are the max plus half an ulp of the top binade.
 #[test]
 fn quantizer_empty_inputs_and_clip_thresholds() {
+    if !common::needs_wgpu() {
+        return;
+    }
     use burn::tensor::Tensor;
     use kernels::{fp8_quantize, Fp8Granularity, QuantSpec};
     for shape in [[0, 5], [3, 0]] {
@@ -155,6 +158,9 @@ fn quantizer_empty_inputs_and_clip_thresholds() {
 
 #[test]
 fn quantizer_bit_identical() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let shapes = [(1, 1), (37, 300), (130, 128), (257, 129)];
     for dtype in [FloatDType::F32, FloatDType::F16] {
         fp8_cases::quantizer_bit_identical::<Inner>(dtype, &device(), &shapes);
@@ -163,6 +169,9 @@ fn quantizer_bit_identical() {
 
 #[test]
 fn quantize_pair_bit_identical() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let shapes = [(1, 1), (37, 300), (130, 128), (257, 129)];
     for dtype in [FloatDType::F32, FloatDType::F16] {
         fp8_cases::quantize_pair_bit_identical::<Inner>(dtype, &device(), &shapes);
@@ -172,6 +181,9 @@ fn quantize_pair_bit_identical() {
 /// FP8 health on the device (and through `Autodiff`) against the CPU reference.
 #[test]
 fn health_matches_reference() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let shapes = [(1, 1), (37, 300), (257, 129)];
     for dtype in [FloatDType::F32, FloatDType::F16] {
         fp8_cases::health_matches_reference::<Inner>(dtype, &device(), &shapes);
@@ -181,6 +193,9 @@ fn health_matches_reference() {
 
 #[test]
 fn gemm_against_dequantized() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let shapes = [(1, 1, 1), (33, 17, 300), (130, 70, 256)];
     for out in [FloatDType::F32, FloatDType::F16] {
         fp8_cases::gemm_against_dequantized::<Inner>(
@@ -194,6 +209,9 @@ fn gemm_against_dequantized() {
 
 #[test]
 fn linear_forward_and_gradients() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let shapes = [(64, 256, 96), (100, 130, 200)];
     for dtype in [FloatDType::F32, FloatDType::F16] {
         fp8_cases::linear::<B>(dtype, &device(), &shapes);
@@ -205,6 +223,9 @@ fn linear_forward_and_gradients() {
 /// recipe is recorded.
 #[test]
 fn fp8_recipe_trains() {
+    if !common::needs_wgpu() {
+        return;
+    }
     use trainer::config::{Fp8ComputeKind, PrecisionKind};
     use trainer::device::Selected;
     let _guard = common::serial();

@@ -1,4 +1,5 @@
-//! Fused kernels against their plain-Burn references on wgpu (lavapipe in CI), in f32 and f16.
+//! Fused kernels against their plain-Burn references on wgpu (lavapipe in CI), in f32 and f16;
+//! skipped, each saying so, where wgpu has no adapter.
 //! The same cases run on CUDA in f32, f16 and bf16 in `tests/cuda/kernels.rs`.
 
 mod common;
@@ -13,6 +14,9 @@ macro_rules! cases {
         $(
             #[test]
             fn $name() {
+                if !common::needs_wgpu() {
+                    return;
+                }
                 for dtype in [FloatDType::F32, FloatDType::F16] {
                     kernel_cases::$name::<B>(dtype, &device());
                 }
@@ -44,6 +48,9 @@ cases!(
 /// for every new shape, seconds each on lavapipe).
 #[test]
 fn linear_cross_entropy() {
+    if !common::needs_wgpu() {
+        return;
+    }
     for dtype in [FloatDType::F32, FloatDType::F16] {
         kernel_cases::linear_cross_entropy_cases::<B>(
             dtype,
@@ -56,6 +63,9 @@ fn linear_cross_entropy() {
 /// The f32-output GEMM with and without an accumulator (Burn's matmul here).
 #[test]
 fn gemm_f32() {
+    if !common::needs_wgpu() {
+        return;
+    }
     for dtype in [FloatDType::F32, FloatDType::F16] {
         kernel_cases::gemm_f32::<B>(
             dtype,
@@ -67,23 +77,35 @@ fn gemm_f32() {
 }
 
 #[test]
-#[should_panic(expected = "kernels::linear_cross_entropy: x is [4, 8] and w is [5, 6]")]
 fn linear_cross_entropy_refuses_mismatched_widths() {
-    let dev = device();
-    let x = burn::tensor::Tensor::<B, 2>::zeros([4, 8], &dev);
-    let w = burn::tensor::Tensor::<B, 2>::zeros([5, 6], &dev);
-    let t = burn::tensor::Tensor::<B, 1, burn::tensor::Int>::zeros([4], &dev);
-    let _ = kernels::linear_cross_entropy(x, w, t, Default::default());
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with(
+        "kernels::linear_cross_entropy: x is [4, 8] and w is [5, 6]",
+        || {
+            let dev = device();
+            let x = burn::tensor::Tensor::<B, 2>::zeros([4, 8], &dev);
+            let w = burn::tensor::Tensor::<B, 2>::zeros([5, 6], &dev);
+            let t = burn::tensor::Tensor::<B, 1, burn::tensor::Int>::zeros([4], &dev);
+            let _ = kernels::linear_cross_entropy(x, w, t, Default::default());
+        },
+    );
 }
 
 #[test]
-#[should_panic(
-    expected = "kernels::format_stats: min_normal is -1; it must be finite and not negative"
-)]
 fn format_stats_refuses_a_negative_threshold() {
-    let dev = device();
-    let x = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
-    let _ = kernels::format_stats(x, -1.0);
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with(
+        "kernels::format_stats: min_normal is -1; it must be finite and not negative",
+        || {
+            let dev = device();
+            let x = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
+            let _ = kernels::format_stats(x, -1.0);
+        },
+    );
 }
 
 /// The portable GEMM path (`Gemm::Auto` resolves to Burn's matmul on wgpu) and its backward: the
@@ -91,6 +113,9 @@ fn format_stats_refuses_a_negative_threshold() {
 /// every new shape and layout, which takes seconds each on lavapipe; the CUDA suite runs them all.
 #[test]
 fn gemm() {
+    if !common::needs_wgpu() {
+        return;
+    }
     kernel_cases::gemm::<B>(
         FloatDType::F32,
         &device(),
@@ -119,25 +144,37 @@ fn gemm() {
 }
 
 #[test]
-#[should_panic(expected = "kernels::gemm: Gemm::CublasLt needs CUDA tensors")]
 fn gemm_cublaslt_refuses_wgpu_tensors() {
-    let dev = device();
-    let a = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
-    let _ = kernels::gemm(a.clone(), a, false, true, kernels::Gemm::CublasLt);
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with("kernels::gemm: Gemm::CublasLt needs CUDA tensors", || {
+        let dev = device();
+        let a = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
+        let _ = kernels::gemm(a.clone(), a, false, true, kernels::Gemm::CublasLt);
+    });
 }
 
 #[test]
-#[should_panic(
-    expected = "kernels::gemm: op(a) is [3, 8] and op(b) is [3, 8]: their inner dimensions 8 and 3 differ"
-)]
 fn gemm_refuses_mismatched_inner_dimensions() {
-    let dev = device();
-    let a = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
-    let _ = kernels::gemm(a.clone(), a, false, false, kernels::Gemm::Auto);
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with(
+        "kernels::gemm: op(a) is [3, 8] and op(b) is [3, 8]: their inner dimensions 8 and 3 differ",
+        || {
+            let dev = device();
+            let a = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
+            let _ = kernels::gemm(a.clone(), a, false, false, kernels::Gemm::Auto);
+        },
+    );
 }
 
 #[test]
 fn flash_attention_lse() {
+    if !common::needs_wgpu() {
+        return;
+    }
     for dtype in [FloatDType::F32, FloatDType::F16] {
         kernel_cases::flash_attention_lse::<B>(dtype, &device(), false);
     }
@@ -147,6 +184,9 @@ fn flash_attention_lse() {
 /// lavapipe's speed allows.
 #[test]
 fn flash_attention() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let shapes = [
         (2, 3, 1, 64),
         (2, 3, 17, 128),
@@ -164,6 +204,9 @@ fn flash_attention() {
 /// Dropout inside the portable kernels against the naive formula with the host's mask.
 #[test]
 fn flash_attention_dropout() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let shapes = [(2, 3, 17, 64), (1, 2, 128, 64), (1, 1, 300, 32)];
     for dtype in [FloatDType::F32, FloatDType::F16] {
         kernel_cases::flash_attention_dropout::<B>(dtype, &device(), &shapes, false);
@@ -173,6 +216,9 @@ fn flash_attention_dropout() {
 /// RoPE + FlashAttention of a packed projection, its gradient written packed (portable kernels).
 #[test]
 fn flash_attention_qkv() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let shapes = [(2, 17, 3, 64), (1, 40, 2, 32), (2, 5, 1, 16)];
     for dtype in [FloatDType::F32, FloatDType::F16] {
         kernel_cases::flash_attention_qkv::<B>(dtype, &device(), &shapes, false);
@@ -180,58 +226,93 @@ fn flash_attention_qkv() {
 }
 
 #[test]
-#[should_panic(expected = "kernels::flash_attention: dropout p is 1; it must be in [0, 1)")]
 fn flash_attention_refuses_dropout_of_one() {
-    let dev = device();
-    let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
-    let d = kernels::Dropout::new(1.0, 3);
-    let _ = kernels::flash_attention_dropout(q.clone(), q.clone(), q, false, None, d);
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with(
+        "kernels::flash_attention: dropout p is 1; it must be in [0, 1)",
+        || {
+            let dev = device();
+            let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
+            let d = kernels::Dropout::new(1.0, 3);
+            let _ = kernels::flash_attention_dropout(q.clone(), q.clone(), q, false, None, d);
+        },
+    );
 }
 
 #[test]
-#[should_panic(
-    expected = "kernels::flash_attention: the softmax scale is -0.25; it must be a positive, finite number"
-)]
 fn flash_attention_refuses_a_negative_scale() {
-    let dev = device();
-    let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
-    let _ = kernels::flash_attention(q.clone(), q.clone(), q, false, Some(-0.25));
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with(
+        "kernels::flash_attention: the softmax scale is -0.25; it must be a positive, finite number",
+        || {
+        let dev = device();
+        let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
+        let _ = kernels::flash_attention(q.clone(), q.clone(), q, false, Some(-0.25));
+        },
+    );
 }
 
 #[test]
-#[should_panic(
-    expected = "kernels::flash_attention: q, k, v have shapes [1, 2, 8, 16], [1, 2, 8, 32], [1, 2, 8, 32]"
-)]
 fn flash_attention_refuses_mismatched_head_dims() {
-    let dev = device();
-    let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
-    let k = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 32], &dev);
-    let _ = kernels::flash_attention(q, k.clone(), k, false, None);
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with(
+        "kernels::flash_attention: q, k, v have shapes [1, 2, 8, 16], [1, 2, 8, 32], [1, 2, 8, 32]",
+        || {
+            let dev = device();
+            let q = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 16], &dev);
+            let k = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 8, 32], &dev);
+            let _ = kernels::flash_attention(q, k.clone(), k, false, None);
+        },
+    );
 }
 
 #[test]
-#[should_panic(expected = "kernels::rms_norm: weight has shape [5]; it must be [8]")]
 fn rms_norm_refuses_a_mismatched_weight() {
-    let dev = device();
-    let x = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
-    let w = burn::tensor::Tensor::<B, 1>::ones([5], &dev);
-    let _ = kernels::rms_norm(x, w, 1e-5);
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with(
+        "kernels::rms_norm: weight has shape [5]; it must be [8]",
+        || {
+            let dev = device();
+            let x = burn::tensor::Tensor::<B, 2>::zeros([3, 8], &dev);
+            let w = burn::tensor::Tensor::<B, 1>::ones([5], &dev);
+            let _ = kernels::rms_norm(x, w, 1e-5);
+        },
+    );
 }
 
 #[test]
-#[should_panic(expected = "kernels::rope: head_dim is 7; it must be even")]
 fn rope_refuses_an_odd_head_dim() {
-    let dev = device();
-    let x = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 3, 7], &dev);
-    let (cos, sin) = kernels::rope::tables::<B>(3, 8, 10_000.0, &dev);
-    let _ = kernels::rope(x, cos, sin);
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with("kernels::rope: head_dim is 7; it must be even", || {
+        let dev = device();
+        let x = burn::tensor::Tensor::<B, 4>::zeros([1, 2, 3, 7], &dev);
+        let (cos, sin) = kernels::rope::tables::<B>(3, 8, 10_000.0, &dev);
+        let _ = kernels::rope(x, cos, sin);
+    });
 }
 
 #[test]
-#[should_panic(expected = "kernels::cross_entropy: targets have shape [4]; expected [3]")]
 fn cross_entropy_refuses_mismatched_targets() {
-    let dev = device();
-    let logits = burn::tensor::Tensor::<B, 2>::zeros([3, 10], &dev);
-    let targets = burn::tensor::Tensor::<B, 1, burn::tensor::Int>::zeros([4], &dev);
-    let _ = kernels::cross_entropy(logits, targets, 0.0);
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with(
+        "kernels::cross_entropy: targets have shape [4]; expected [3]",
+        || {
+            let dev = device();
+            let logits = burn::tensor::Tensor::<B, 2>::zeros([3, 10], &dev);
+            let targets = burn::tensor::Tensor::<B, 1, burn::tensor::Int>::zeros([4], &dev);
+            let _ = kernels::cross_entropy(logits, targets, 0.0);
+        },
+    );
 }

@@ -1,4 +1,4 @@
-//! Model shapes, causality and parameter count, on wgpu.
+//! Model shapes, causality and parameter count, on the test device (wgpu, else the CPU).
 //!
 //! Burn's generator is one per process: a test that reseeds it and compares outputs would see
 //! the draws of a test running beside it. Every test here that draws from it (a model's random
@@ -33,147 +33,152 @@ fn small(mlp: MlpKind, tie: bool) -> GptConfig {
 #[test]
 fn logits_have_batch_time_vocab_shape() {
     let _guard = common::serial();
-    let dev = device();
-    for (mlp, tie) in [(MlpKind::Swiglu, true), (MlpKind::Gelu, false)] {
-        let cfg = small(mlp, tie);
-        let gpt = Gpt::<Inner>::new(&cfg, 37, &dev);
-        let ids = Tensor::<Inner, 2, Int>::from_data(
-            TensorData::new(random_ids(3, 11, 37, 1), [3, 11]),
-            &dev,
-        );
-        let logits = gpt.forward(ids);
-        assert_eq!(logits.dims(), [3, 11, 37]);
-        let v: Vec<f32> = logits.into_data().into_vec().unwrap();
-        assert!(v.iter().all(|x| x.is_finite()));
-        // The parameter count the MFU estimate uses is the model's real one.
-        assert_eq!(gpt.num_params(), cfg.num_params(37), "{mlp:?} tie={tie}");
-    }
+    common::on_test_backend!(|Inner, dev| {
+        for (mlp, tie) in [(MlpKind::Swiglu, true), (MlpKind::Gelu, false)] {
+            let cfg = small(mlp, tie);
+            let gpt = Gpt::<Inner>::new(&cfg, 37, &dev);
+            let ids = Tensor::<Inner, 2, Int>::from_data(
+                TensorData::new(random_ids(3, 11, 37, 1), [3, 11]),
+                &dev,
+            );
+            let logits = gpt.forward(ids);
+            assert_eq!(logits.dims(), [3, 11, 37]);
+            let v: Vec<f32> = logits.into_data().into_vec().unwrap();
+            assert!(v.iter().all(|x| x.is_finite()));
+            // The parameter count the MFU estimate uses is the model's real one.
+            assert_eq!(gpt.num_params(), cfg.num_params(37), "{mlp:?} tie={tie}");
+        }
+    });
 }
 
 #[test]
 fn a_future_token_cannot_change_an_earlier_logit() {
     let _guard = common::serial();
-    let dev = device();
-    let cfg = small(MlpKind::Swiglu, true);
-    let gpt = Gpt::<Inner>::new(&cfg, 50, &dev);
-    let t = 20;
-    let ids = random_ids(2, t, 50, 7);
-    for k in [0usize, 7, 19] {
-        let mut changed = ids.clone();
-        for b in 0..2 {
-            changed[b * t + k] = (changed[b * t + k] + 13) % 50;
-        }
-        let run = |v: Vec<i64>| -> Vec<f32> {
-            let x = Tensor::<Inner, 2, Int>::from_data(TensorData::new(v, [2, t]), &dev);
-            gpt.forward(x).into_data().into_vec().unwrap()
-        };
-        let a = run(ids.clone());
-        let c = run(changed);
-        for b in 0..2 {
-            for pos in 0..t {
-                let row = |v: &Vec<f32>| v[(b * t + pos) * 50..(b * t + pos + 1) * 50].to_vec();
-                let diff = row(&a)
-                    .iter()
-                    .zip(row(&c))
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
-                if pos < k {
-                    assert!(
-                        diff < 1e-5,
-                        "position {pos} changed by {diff} when token {k} changed"
-                    );
-                } else if pos == k {
-                    assert!(diff > 1e-4, "position {k}'s own logits did not change");
+    common::on_test_backend!(|Inner, dev| {
+        let cfg = small(MlpKind::Swiglu, true);
+        let gpt = Gpt::<Inner>::new(&cfg, 50, &dev);
+        let t = 20;
+        let ids = random_ids(2, t, 50, 7);
+        for k in [0usize, 7, 19] {
+            let mut changed = ids.clone();
+            for b in 0..2 {
+                changed[b * t + k] = (changed[b * t + k] + 13) % 50;
+            }
+            let run = |v: Vec<i64>| -> Vec<f32> {
+                let x = Tensor::<Inner, 2, Int>::from_data(TensorData::new(v, [2, t]), &dev);
+                gpt.forward(x).into_data().into_vec().unwrap()
+            };
+            let a = run(ids.clone());
+            let c = run(changed);
+            for b in 0..2 {
+                for pos in 0..t {
+                    let row = |v: &Vec<f32>| v[(b * t + pos) * 50..(b * t + pos + 1) * 50].to_vec();
+                    let diff = row(&a)
+                        .iter()
+                        .zip(row(&c))
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0f32, f32::max);
+                    if pos < k {
+                        assert!(
+                            diff < 1e-5,
+                            "position {pos} changed by {diff} when token {k} changed"
+                        );
+                    } else if pos == k {
+                        assert!(diff > 1e-4, "position {k}'s own logits did not change");
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 #[test]
 fn residual_projections_get_scaled_init() {
     let _guard = common::serial();
-    let dev = device();
-    let cfg = GptConfig {
-        n_layer: 8,
-        n_head: 2,
-        d_model: 64,
-        ..GptConfig::default()
-    };
-    <Inner as burn::tensor::backend::Backend>::seed(&dev, 3);
-    let gpt = Gpt::<Inner>::new(&cfg, 40, &dev);
-    let std_of = |t: Tensor<Inner, 2>| -> f64 {
-        let v: Vec<f32> = t.into_data().into_vec().unwrap();
-        let n = v.len() as f64;
-        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
-        (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt()
-    };
-    let qkv = std_of(gpt.blocks[0].attn.qkv.weight.val());
-    let proj = std_of(gpt.blocks[0].attn.proj.weight.val());
-    assert!((qkv - 0.02).abs() < 0.002, "qkv std {qkv}");
-    let want = 0.02 / (16f64).sqrt();
-    assert!(
-        (proj - want).abs() < 0.1 * want,
-        "proj std {proj}, want {want}"
-    );
-    assert_eq!(gpt.num_params(), cfg.num_params(40));
+    common::on_test_backend!(|Inner, dev| {
+        let cfg = GptConfig {
+            n_layer: 8,
+            n_head: 2,
+            d_model: 64,
+            ..GptConfig::default()
+        };
+        <Inner as burn::tensor::backend::Backend>::seed(&dev, 3);
+        let gpt = Gpt::<Inner>::new(&cfg, 40, &dev);
+        let std_of = |t: Tensor<Inner, 2>| -> f64 {
+            let v: Vec<f32> = t.into_data().into_vec().unwrap();
+            let n = v.len() as f64;
+            let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+            (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt()
+        };
+        let qkv = std_of(gpt.blocks[0].attn.qkv.weight.val());
+        let proj = std_of(gpt.blocks[0].attn.proj.weight.val());
+        assert!((qkv - 0.02).abs() < 0.002, "qkv std {qkv}");
+        let want = 0.02 / (16f64).sqrt();
+        assert!(
+            (proj - want).abs() < 0.1 * want,
+            "proj std {proj}, want {want}"
+        );
+        assert_eq!(gpt.num_params(), cfg.num_params(40));
+    });
 }
 
 #[test]
 fn longer_than_context_is_refused_with_the_key() {
     let _guard = common::serial();
-    let dev = device();
-    let cfg = small(MlpKind::Gelu, true);
-    let gpt = Gpt::<Inner>::new(&cfg, 10, &dev);
-    let ids = Tensor::<Inner, 2, Int>::zeros([1, 25], &dev);
-    let err =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gpt.forward(ids))).unwrap_err();
-    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
-    assert!(msg.contains("model.context"), "{msg}");
+    common::on_test_backend!(|Inner, dev| {
+        let cfg = small(MlpKind::Gelu, true);
+        let gpt = Gpt::<Inner>::new(&cfg, 10, &dev);
+        let ids = Tensor::<Inner, 2, Int>::zeros([1, 25], &dev);
+        let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gpt.forward(ids)))
+            .unwrap_err();
+        let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains("model.context"), "{msg}");
+    });
 }
 
 #[test]
 fn rope_scores_depend_only_on_relative_position() {
-    // The same q at every position and the same k at every position: after RoPE, q_i . k_j must be
-    // a function of i - j alone, and for i = j equal to the plain dot product.
-    let dev = device();
-    let (t, hd) = (12, 8);
-    let mut r = trainer::rng::SplitMix64::new(4);
-    let mut vecn = || -> Vec<f32> {
-        (0..hd)
-            .map(|_| r.below(1000) as f32 / 500.0 - 1.0)
-            .collect()
-    };
-    let (q0, k0) = (vecn(), vecn());
-    let tile = |v: &Vec<f32>| -> Tensor<Inner, 4> {
-        let data: Vec<f32> = (0..t).flat_map(|_| v.clone()).collect();
-        Tensor::from_data(TensorData::new(data, [1, 1, t, hd]), &dev)
-    };
-    let (cos, sin) = model::layers::rope_tables::<Inner>(t, hd, 10000.0, &dev);
-    let q = model::layers::apply_rope(tile(&q0), &cos, &sin);
-    let k = model::layers::apply_rope(tile(&k0), &cos, &sin);
-    let s: Vec<f32> = q.matmul(k.swap_dims(2, 3)).into_data().into_vec().unwrap(); // [t, t]
-    let plain: f32 = q0.iter().zip(&k0).map(|(a, b)| a * b).sum();
-    for i in 0..t {
-        assert!(
-            (s[i * t + i] - plain).abs() < 1e-4,
-            "q_{i}.k_{i} = {} but q.k = {plain}",
-            s[i * t + i]
-        );
-        for j in 0..t {
-            if i >= 1 && j >= 1 {
-                let d = (s[i * t + j] - s[(i - 1) * t + (j - 1)]).abs();
-                assert!(
-                    d < 1e-4,
-                    "score({i},{j}) differs from score({},{}) by {d}",
-                    i - 1,
-                    j - 1
-                );
+    common::on_test_backend!(|Inner, dev| {
+        // The same q at every position and the same k at every position: after RoPE, q_i . k_j must be
+        // a function of i - j alone, and for i = j equal to the plain dot product.
+        let (t, hd) = (12, 8);
+        let mut r = trainer::rng::SplitMix64::new(4);
+        let mut vecn = || -> Vec<f32> {
+            (0..hd)
+                .map(|_| r.below(1000) as f32 / 500.0 - 1.0)
+                .collect()
+        };
+        let (q0, k0) = (vecn(), vecn());
+        let tile = |v: &Vec<f32>| -> Tensor<Inner, 4> {
+            let data: Vec<f32> = (0..t).flat_map(|_| v.clone()).collect();
+            Tensor::from_data(TensorData::new(data, [1, 1, t, hd]), &dev)
+        };
+        let (cos, sin) = model::layers::rope_tables::<Inner>(t, hd, 10000.0, &dev);
+        let q = model::layers::apply_rope(tile(&q0), &cos, &sin);
+        let k = model::layers::apply_rope(tile(&k0), &cos, &sin);
+        let s: Vec<f32> = q.matmul(k.swap_dims(2, 3)).into_data().into_vec().unwrap(); // [t, t]
+        let plain: f32 = q0.iter().zip(&k0).map(|(a, b)| a * b).sum();
+        for i in 0..t {
+            assert!(
+                (s[i * t + i] - plain).abs() < 1e-4,
+                "q_{i}.k_{i} = {} but q.k = {plain}",
+                s[i * t + i]
+            );
+            for j in 0..t {
+                if i >= 1 && j >= 1 {
+                    let d = (s[i * t + j] - s[(i - 1) * t + (j - 1)]).abs();
+                    assert!(
+                        d < 1e-4,
+                        "score({i},{j}) differs from score({},{}) by {d}",
+                        i - 1,
+                        j - 1
+                    );
+                }
             }
         }
-    }
-    // And it does depend on the offset (RoPE is not the identity).
-    assert!((s[5] - s[0]).abs() > 1e-3);
+        // And it does depend on the offset (RoPE is not the identity).
+        assert!((s[5] - s[0]).abs() > 1e-3);
+    });
 }
 
 /// `Gpt::forward_cached` (the KV cache of `sample`): a prompt and then one token at a time give the
@@ -218,6 +223,9 @@ fn cached_forward_matches_the_full_forward() {
 /// forward to the next.
 #[test]
 fn flash_dropout_follows_the_model_dropout_seed() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let _guard = common::serial();
     use burn::tensor::backend::Backend;
     let dev = device();
@@ -255,6 +263,9 @@ fn flash_dropout_follows_the_model_dropout_seed() {
 /// seed, gives the same logits; the gradients flow through the same masks (finite, and equal too).
 #[test]
 fn fused_dropout_depends_only_on_the_model_dropout_seed() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let _guard = common::serial();
     use burn::tensor::backend::Backend;
     let dev = device();

@@ -21,6 +21,9 @@ fn fp16_config(steps: usize) -> trainer::Config {
 
 #[test]
 fn master_weights_stay_f32_while_the_compute_copy_is_f16() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let _guard = common::serial();
     let cfg = tiny_config(1);
     let device = common::device();
@@ -138,6 +141,9 @@ fn param_values(m: &Gpt<B>) -> Vec<f32> {
 /// f32 casts, and `accumulate_grads` sums micro-batches in f32, exactly as cast-then-add would.
 #[test]
 fn optimizer_reads_f16_gradients_as_their_f32_casts() {
+    if !common::needs_wgpu() {
+        return;
+    }
     use trainer::optim::{accumulate_grads, AdamW};
     type I = common::Inner;
     let _guard = common::serial();
@@ -222,6 +228,9 @@ fn optimizer_reads_f16_gradients_as_their_f32_casts() {
 
 #[test]
 fn fp16_run_trains_with_dynamic_loss_scaling() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let _guard = common::serial();
     let dir = scratch("fp16_trains");
     let cfg = fp16_config(60);
@@ -261,6 +270,9 @@ fn fp16_run_trains_with_dynamic_loss_scaling() {
 
 #[test]
 fn overflowing_step_is_skipped_with_weights_and_moments_untouched() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let _guard = common::serial();
     let dir = scratch("fp16_skip");
     let mut cfg = fp16_config(6);
@@ -310,6 +322,9 @@ fn overflowing_step_is_skipped_with_weights_and_moments_untouched() {
 
 #[test]
 fn loss_scale_grows_after_clean_steps_and_backs_off_from_natural_overflow() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let _guard = common::serial();
     // Growth: x2 after every 3 clean steps.
     let dir = scratch("fp16_growth");
@@ -349,6 +364,9 @@ fn loss_scale_grows_after_clean_steps_and_backs_off_from_natural_overflow() {
 
 #[test]
 fn scaler_state_round_trips_through_checkpoints() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let _guard = common::serial();
     let mut cfg = fp16_config(10);
     cfg.loss_scale.init = 512.0;
@@ -420,6 +438,9 @@ fn scaler_state_round_trips_through_checkpoints() {
 
 #[test]
 fn overflow_without_scaling_or_at_the_floor_stops_the_run() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let _guard = common::serial();
     // Loss scaling off: a non-finite gradient is divergence.
     let dir = scratch("fp16_off_poison");
@@ -460,6 +481,9 @@ fn overflow_without_scaling_or_at_the_floor_stops_the_run() {
 
 #[test]
 fn precision_config_errors_name_the_key() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let e = trainer::Config::from_toml_str("precision = \"fp4\"", &[], "t.toml")
         .unwrap_err()
         .to_string();
@@ -530,6 +554,9 @@ fn precision_config_errors_name_the_key() {
 
 #[test]
 fn f16_gelu_gradient_stays_finite_at_large_inputs() {
+    if !common::needs_wgpu() {
+        return;
+    }
     use burn::tensor::activation::gelu;
     let device = common::device();
     let xs = [-60.0f32, -41.0, -5.0, -0.5, 0.0, 0.7, 3.0, 41.0, 60.0];
@@ -591,6 +618,9 @@ fn f16_gelu_gradient_stays_finite_at_large_inputs() {
 
 #[test]
 fn fp16_numerics_measure_every_projections_scaled_gradients() {
+    if !common::needs_wgpu() {
+        return;
+    }
     let _guard = common::serial();
     // One step at two static loss scales: the backward's values scale exactly with the loss
     // (powers of two, far from f16's limits), so the recorded amax of every output and weight

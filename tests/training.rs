@@ -1,4 +1,4 @@
-//! End-to-end training on wgpu: the loss falls, a resumed run repeats the uninterrupted one, and
+//! End-to-end training on the test device (wgpu, else the CPU): the loss falls, a resumed run repeats the uninterrupted one, and
 //! checkpoints are complete or refused.
 
 mod common;
@@ -12,12 +12,7 @@ fn loss_decreases_on_a_short_run() {
     let dir = scratch("loss_decreases");
     let mut cfg = tiny_config(60);
     cfg.training.eval_interval = 30;
-    let s = trainer::run(
-        &cfg,
-        &trainer::device::Selected::Wgpu,
-        &opts(dir.clone(), false),
-    )
-    .unwrap();
+    let s = trainer::run(&cfg, &common::selected(), &opts(dir.clone(), false)).unwrap();
     let m = read_metrics(&dir);
     assert_eq!(m.len(), 60);
     let first: f64 = m[..5].iter().map(|r| r.loss).sum::<f64>() / 5.0;
@@ -61,6 +56,9 @@ fn resumed_run_matches_uninterrupted_run() {
 /// on resume too.
 #[test]
 fn resumed_run_with_kernel_dropout_matches_uninterrupted_run() {
+    if !common::needs_wgpu() {
+        return;
+    }
     resumed_run_matches(model::AttentionKind::Flash, "resume_flash");
 }
 
@@ -79,27 +77,17 @@ fn resumed_run_matches(attention: model::AttentionKind, tag: &str) {
     cfg.training.eval_interval = 6;
 
     let full = scratch(&format!("{tag}_full"));
-    trainer::run(
-        &cfg,
-        &trainer::device::Selected::Wgpu,
-        &opts(full.clone(), false),
-    )
-    .unwrap();
+    trainer::run(&cfg, &common::selected(), &opts(full.clone(), false)).unwrap();
 
     let split = scratch(&format!("{tag}_split"));
     let mut first = opts(split.clone(), false);
     first.stop_at = Some(7); // stops with a checkpoint at 7
-    trainer::run(&cfg, &trainer::device::Selected::Wgpu, &first).unwrap();
+    trainer::run(&cfg, &common::selected(), &first).unwrap();
     // Simulate a crash after step 7's checkpoint: drop it, so the resume starts from step 4 and
     // metrics.jsonl holds steps the resumed run must replace.
     std::fs::remove_file(split.join("checkpoints").join(checkpoint::file_name(7))).unwrap();
     assert_eq!(read_metrics(&split).len(), 7);
-    let s = trainer::run(
-        &cfg,
-        &trainer::device::Selected::Wgpu,
-        &opts(split.clone(), true),
-    )
-    .unwrap();
+    let s = trainer::run(&cfg, &common::selected(), &opts(split.clone(), true)).unwrap();
     assert_eq!(s.resumed_from, Some(4));
 
     let a = read_metrics(&full);
@@ -152,20 +140,10 @@ fn fresh_run_refuses_a_directory_with_checkpoints() {
     let _guard = common::serial();
     let dir = scratch("refuse_existing");
     let cfg = tiny_config(2);
-    trainer::run(
-        &cfg,
-        &trainer::device::Selected::Wgpu,
-        &opts(dir.clone(), false),
-    )
-    .unwrap();
+    trainer::run(&cfg, &common::selected(), &opts(dir.clone(), false)).unwrap();
     let e = format!(
         "{:#}",
-        trainer::run(
-            &cfg,
-            &trainer::device::Selected::Wgpu,
-            &opts(dir.clone(), false)
-        )
-        .unwrap_err()
+        trainer::run(&cfg, &common::selected(), &opts(dir.clone(), false)).unwrap_err()
     );
     assert!(e.contains("--resume"), "{e}");
 }
@@ -177,12 +155,7 @@ fn checkpoints_are_complete_or_refused() {
     let mut cfg = tiny_config(6);
     cfg.training.checkpoint_interval = 2;
     cfg.training.keep_checkpoints = 2;
-    trainer::run(
-        &cfg,
-        &trainer::device::Selected::Wgpu,
-        &opts(dir.clone(), false),
-    )
-    .unwrap();
+    trainer::run(&cfg, &common::selected(), &opts(dir.clone(), false)).unwrap();
     let list = checkpoint::list(&dir).unwrap();
     assert_eq!(
         list.iter().map(|c| c.0).collect::<Vec<_>>(),
@@ -210,12 +183,7 @@ fn checkpoints_are_complete_or_refused() {
     assert!(e.contains("damaged") && e.contains("checksum"), "{e}");
     let e = format!(
         "{:#}",
-        trainer::run(
-            &cfg,
-            &trainer::device::Selected::Wgpu,
-            &opts(dir.clone(), true)
-        )
-        .unwrap_err()
+        trainer::run(&cfg, &common::selected(), &opts(dir.clone(), true)).unwrap_err()
     );
     assert!(e.contains("damaged"), "{e}");
 
@@ -234,12 +202,7 @@ fn checkpoints_are_complete_or_refused() {
     other.training.steps = 8;
     let e = format!(
         "{:#}",
-        trainer::run(
-            &other,
-            &trainer::device::Selected::Wgpu,
-            &opts(dir.clone(), true)
-        )
-        .unwrap_err()
+        trainer::run(&other, &common::selected(), &opts(dir.clone(), true)).unwrap_err()
     );
     assert!(e.contains("does not fit") && e.contains("d_model"), "{e}");
     // Another seed or batch size would read other batches: refused too.
@@ -248,12 +211,7 @@ fn checkpoints_are_complete_or_refused() {
     other.training.batch_size = 4;
     let e = format!(
         "{:#}",
-        trainer::run(
-            &other,
-            &trainer::device::Selected::Wgpu,
-            &opts(dir.clone(), true)
-        )
-        .unwrap_err()
+        trainer::run(&other, &common::selected(), &opts(dir.clone(), true)).unwrap_err()
     );
     assert!(
         e.contains("seed") && e.contains("training.batch_size"),
@@ -278,12 +236,7 @@ fn checkpoints_are_complete_or_refused() {
     // And the intact checkpoint resumes: two more steps.
     let mut more = cfg.clone();
     more.training.steps = 8;
-    let s = trainer::run(
-        &more,
-        &trainer::device::Selected::Wgpu,
-        &opts(dir.clone(), true),
-    )
-    .unwrap();
+    let s = trainer::run(&more, &common::selected(), &opts(dir.clone(), true)).unwrap();
     assert_eq!(s.resumed_from, Some(6));
     assert_eq!(read_metrics(&dir).len(), 8);
     assert!(!stray.exists(), "the next save removes stray temporaries");

@@ -1,6 +1,9 @@
-//! Shared helpers for the integration tests. They run on wgpu: Mesa's lavapipe on a CPU-only
-//! machine.
-#![allow(dead_code)]
+//! Shared helpers for the integration tests. They choose their device as `train` does: wgpu
+//! where an adapter exists (Mesa's lavapipe on a CPU-only machine), else Burn's ndarray CPU
+//! backend for every test that needs no GPU kernel. A test that needs one ([`needs_wgpu`]) says in
+//! one line that it was skipped and why; with `BURNMIX_REQUIRE_WGPU=1` (set by CI) a missing
+//! adapter fails it instead.
+#![allow(dead_code, unused_macros, unused_imports)]
 
 use std::path::PathBuf;
 
@@ -19,6 +22,77 @@ pub fn device() -> WgpuDevice {
     WgpuDevice::DefaultDevice
 }
 
+/// The variable that turns a missing wgpu adapter into a test failure instead of a skip.
+pub const REQUIRE_WGPU_ENV: &str = "BURNMIX_REQUIRE_WGPU";
+
+/// Whether wgpu finds an adapter here, asked once per test binary: a tensor is made on the default
+/// device and read back. cubecl-wgpu panics when there is no adapter (no Vulkan driver); that
+/// panic is caught here.
+pub fn wgpu_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        std::panic::catch_unwind(|| {
+            let t = Tensor::<Wgpu, 1>::from_floats([1.0, 2.0], &WgpuDevice::DefaultDevice);
+            t.into_data().to_vec::<f32>().ok() == Some(vec![1.0, 2.0])
+        })
+        .unwrap_or(false)
+    })
+}
+
+/// For a test that needs a GPU kernel (wgpu): `true` when wgpu has an adapter. Otherwise the test
+/// prints one line saying it was skipped and why (to the terminal, past the test harness's
+/// capture) and gets `false`, unless `BURNMIX_REQUIRE_WGPU=1`, where it fails.
+pub fn needs_wgpu() -> bool {
+    if wgpu_available() {
+        return true;
+    }
+    let current = std::thread::current();
+    let test = current.name().unwrap_or("a test");
+    if std::env::var(REQUIRE_WGPU_ENV).is_ok_and(|v| v == "1") {
+        panic!("{test} needs a wgpu adapter and none was found ({REQUIRE_WGPU_ENV}=1)");
+    }
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "skipped {test}: it needs a GPU kernel on wgpu and wgpu found no adapter (install a \
+         Vulkan driver, e.g. Debian's mesa-vulkan-drivers; {REQUIRE_WGPU_ENV}=1 fails instead)"
+    );
+    false
+}
+
+/// The device a training test runs on: wgpu where it has an adapter, else the CPU.
+pub fn selected() -> trainer::device::Selected {
+    if wgpu_available() {
+        trainer::device::Selected::Wgpu
+    } else {
+        trainer::device::Selected::Cpu
+    }
+}
+
+/// The config's `device` for [`selected`].
+pub fn device_kind() -> trainer::config::DeviceKind {
+    if wgpu_available() {
+        trainer::config::DeviceKind::Wgpu
+    } else {
+        trainer::config::DeviceKind::Cpu
+    }
+}
+
+/// Runs `$body` as a function generic over `$b`, a Burn backend without autodiff on which the
+/// model and the kernels' references run, with `$dev` its device: wgpu where it has an adapter,
+/// else Burn's ndarray CPU backend.
+macro_rules! on_test_backend {
+    (|$b:ident, $dev:ident| $body:block) => {{
+        fn case<$b: kernels::Backend>($dev: burn::tensor::Device<$b>) $body
+        if common::wgpu_available() {
+            case::<burn::backend::Wgpu>(burn::backend::wgpu::WgpuDevice::DefaultDevice)
+        } else {
+            case::<burn::backend::NdArray>(burn::backend::ndarray::NdArrayDevice::Cpu)
+        }
+    }};
+}
+pub(crate) use on_test_backend;
+
 /// Burn's backend RNG (initialisation, dropout) is global per device, so tests that depend on it
 /// for reproducibility take this lock to keep other tests from drawing numbers in between.
 pub fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -29,7 +103,7 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// A model and run small enough for a test: 1-2 seconds of lavapipe per few steps.
 pub fn tiny_config(steps: usize) -> Config {
     let mut cfg = Config {
-        device: trainer::config::DeviceKind::Wgpu,
+        device: device_kind(),
         ..Config::default()
     };
     // Explicit rather than "auto": these tests exercise the trainer, not the kernels.
@@ -65,7 +139,7 @@ pub fn opts(dir: PathBuf, resume: bool) -> trainer::RunOptions {
     trainer::RunOptions {
         run_dir: dir,
         resume,
-        device_name: "wgpu (test)".into(),
+        device_name: format!("{} (test)", selected().describe()),
         peak_tflops: None,
         verbose: false,
         stop_at: None,
@@ -105,4 +179,20 @@ pub fn param_dtypes<AB: AutodiffBackend>(m: &Gpt<AB>) -> Vec<(String, DType)> {
     };
     m.visit(&mut v);
     v.out
+}
+
+/// Runs `f`, which must panic with a message containing `expected` (the kernels refuse bad
+/// arguments with a panic naming the op and the argument).
+pub fn assert_panics_with(expected: &str, f: impl FnOnce()) {
+    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .expect_err("no panic, but one was expected");
+    let msg = err
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(
+        msg.contains(expected),
+        "panicked with {msg:?}, expected a message containing {expected:?}"
+    );
 }
