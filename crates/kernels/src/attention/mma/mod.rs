@@ -27,11 +27,14 @@
 //! `t` and row half `half` (rows `g` or `g + 8`); every index is a compile-time constant after
 //! unrolling, so they live in registers.
 
-mod backward;
+mod dkdv;
+mod dkdv_shared;
+mod dkdv_split;
+mod dq;
 mod forward;
 pub(crate) mod fragments;
 
-pub(crate) use backward::{
-    dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_backward_split_mma,
-};
+pub(crate) use dkdv::flash_backward_dkdv_mma;
+pub(crate) use dkdv_split::flash_backward_split_mma;
+pub(crate) use dq::{dq_from_f32, flash_backward_dq_mma};
 pub(crate) use forward::flash_forward_mma;

@@ -1,0 +1,307 @@
+//! The tensor-core dK/dV kernel in whole-row layouts: each warp owns whole key rows (all head_dim
+//! columns of dK and dV).
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use crate::pipeline::{commit, wait_block};
+
+use super::dkdv_shared::{dq_block_atomic, store_ds_t, transposed_scores};
+use super::fragments::*;
+
+/// Tensor-core dK and dV. Grid `(key blocks, batch * heads)`, cube `(32, planes)`; each warp owns
+/// `16 * mt` key rows (k and v stay staged) and walks the query blocks, computing the transposed
+/// products `S^T = k q^T`, `dP^T = v dO^T`, then `dV += P^T dO`, `dK += dS^T q` with P^T and
+/// dS^T taken from registers. Under a causal mask a warp skips the query blocks that end before
+/// its first key.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(arithmetic_overflow)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<Atomic<Vector<f32, NQ>>>,
+    heads: usize,
+    seq_q: usize,
+    seq_k: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] planes: usize,
+    #[comptime] mt: usize,
+    #[comptime] block_q: usize,
+    #[comptime] width: usize,
+    #[comptime] causal: bool,
+    #[comptime] fuse_dq: bool,
+    key0: u32,
+    key1: u32,
+    threshold: u32,
+    keep_scale: f32,
+    #[comptime] dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
+    let size!(NB) = def.vector_size(cmma::MatrixIdent::B);
+    let size!(NC) = def.vector_size(cmma::MatrixIdent::Accumulator);
+
+    let bh = CUBE_POS_Y as usize;
+    let (b, h) = (bh / heads, bh % heads);
+    let block_k = comptime!(planes * mt * 16);
+    let k0 = CUBE_POS_X as usize * block_k;
+    let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
+    let pitch = comptime!((hd + 8) / width);
+    let per_row = comptime!(hd / width);
+    // q, dO and their rows' lse, delta are double-buffered: block qb + 1 is copied (cp.async)
+    // while block qb is used.
+    let tile = comptime!(block_q * pitch);
+    let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
+    let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
+    let mut qt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut gt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(2 * tile), ALIGN);
+    let mut lse_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
+    let mut delta_t = SharedMemory::<f32>::new_aligned(comptime!(2 * block_q), ALIGN);
+    // Fused dQ: this block's dS^T (keys x queries, in the input dtype, pairs of columns per
+    // vector as in an A fragment register), rows padded by 8 elements as the other tiles.
+    let ds_pitch = comptime!((block_q + 8) / 2);
+    let mut ds_t = SharedMemory::<Vector<F, NA>>::new_aligned(
+        comptime!(if fuse_dq { block_k * ds_pitch } else { 1 }),
+        ALIGN,
+    );
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let (qbase, qstride) = (
+        (b * q.stride(0) + h * q.stride(1)) / width,
+        q.stride(2) / width,
+    );
+    let (gbase, gstride) = (
+        (b * grad.stride(0) + h * grad.stride(1)) / width,
+        grad.stride(2) / width,
+    );
+    copy_head_rows(
+        k,
+        &mut kt,
+        b,
+        h,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        false,
+        comptime!(planes * 32),
+    );
+    copy_head_rows(
+        v,
+        &mut vt,
+        b,
+        h,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        false,
+        comptime!(planes * 32),
+    );
+
+    let s_tiles = comptime!(block_q / 8);
+    let o_tiles = comptime!(hd / 8);
+    let mut dk_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
+    let mut dv_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
+
+    let query_blocks = seq_q.div_ceil(block_q);
+    let mut first = 0usize;
+    if comptime!(causal) {
+        first = k0 / block_q;
+    }
+    sync_cube();
+    if first < query_blocks {
+        issue_query_block(
+            q,
+            grad,
+            lse,
+            delta,
+            &mut qt,
+            &mut gt,
+            &mut lse_t,
+            &mut delta_t,
+            0,
+            qbase,
+            qstride,
+            gbase,
+            gstride,
+            bh * seq_q,
+            first * block_q,
+            seq_q,
+            block_q,
+            per_row,
+            pitch,
+            width,
+            comptime!(planes * 32),
+        );
+        commit(&bar0, &bar1, 0);
+    }
+    for qb in first..query_blocks {
+        let i0 = qb * block_q;
+        let n = qb - first;
+        let cur = n % 2;
+        if qb + 1 < query_blocks {
+            issue_query_block(
+                q,
+                grad,
+                lse,
+                delta,
+                &mut qt,
+                &mut gt,
+                &mut lse_t,
+                &mut delta_t,
+                (n + 1) % 2,
+                qbase,
+                qstride,
+                gbase,
+                gstride,
+                bh * seq_q,
+                i0 + block_q,
+                seq_q,
+                block_q,
+                per_row,
+                pitch,
+                width,
+                comptime!(planes * 32),
+            );
+            commit(&bar0, &bar1, (n + 1) % 2);
+        }
+        wait_block(&bar0, &bar1, n);
+        let lrow = cur * block_q;
+
+        // Under a causal mask, a query block wholly before this warp's first key adds nothing;
+        // with the fused dQ the warp's dS^T rows are then zero (`dp` stays zero).
+        let mut dp = zeros::<NC>(comptime!(mt * s_tiles * 2));
+        if rows_see(k0 + w0, i0, block_q, causal) {
+            // S^T = k q^T and dP^T = v dO^T (rows: keys, columns: queries).
+            let mut s = zeros::<NC>(comptime!(mt * s_tiles * 2));
+            block_product::<F, N, NA, NB, NC>(
+                &kt,
+                w0,
+                &qt,
+                cur * tile,
+                &mut s,
+                comptime!(hd / 16),
+                s_tiles,
+                mt,
+                pitch,
+                width,
+                true,
+            );
+            block_product::<F, N, NA, NB, NC>(
+                &vt,
+                w0,
+                &gt,
+                cur * tile,
+                &mut dp,
+                comptime!(hd / 16),
+                s_tiles,
+                mt,
+                pitch,
+                width,
+                true,
+            );
+
+            transposed_scores::<NC>(
+                &mut s,
+                &mut dp,
+                &lse_t,
+                &delta_t,
+                lrow,
+                k0 + w0,
+                i0,
+                seq_q,
+                seq_k,
+                scale,
+                bh,
+                key0,
+                key1,
+                threshold,
+                keep_scale,
+                mt,
+                s_tiles,
+                causal,
+                dropout,
+            );
+            // dV += P^T dO, dK += dS^T q.
+            scores_product::<F, N, NA, NB, NC>(
+                &s,
+                &gt,
+                cur * tile,
+                &mut dv_acc,
+                s_tiles,
+                o_tiles,
+                mt,
+                pitch,
+                width,
+            );
+            scores_product::<F, N, NA, NB, NC>(
+                &dp,
+                &qt,
+                cur * tile,
+                &mut dk_acc,
+                s_tiles,
+                o_tiles,
+                mt,
+                pitch,
+                width,
+            );
+        }
+        if comptime!(fuse_dq) {
+            store_ds_t::<F, NA, NC>(&dp, &mut ds_t, w0, 0, ds_pitch, mt, s_tiles);
+            sync_cube();
+            dq_block_atomic::<F, N, NA, NB, NC, NQ>(
+                &ds_t,
+                &kt,
+                dq_acc,
+                bh * seq_q * hd,
+                i0,
+                seq_q,
+                scale,
+                hd,
+                planes,
+                block_q,
+                block_k,
+                ds_pitch,
+                pitch,
+                width,
+                false,
+            );
+        }
+        sync_cube();
+    }
+
+    store_rows::<F, NC>(
+        &dk_acc,
+        dk,
+        b * dk.stride(0) + h * dk.stride(1),
+        k0 + w0,
+        seq_k,
+        scale,
+        mt,
+        hd,
+    );
+    store_rows::<F, NC>(
+        &dv_acc,
+        dv,
+        b * dv.stride(0) + h * dv.stride(1),
+        k0 + w0,
+        seq_k,
+        1.0,
+        mt,
+        hd,
+    );
+}
