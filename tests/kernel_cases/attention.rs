@@ -1,0 +1,380 @@
+//! Cases of FlashAttention: plain, with dropout, of a packed projection, strided, and its
+//! log-sum-exp.
+#![allow(dead_code)]
+
+use super::*;
+
+/// FlashAttention output and dQ, dK, dV against the naive formula, full and causal, for every
+/// `(batch, heads, seq, head_dim)` in `shapes`, plus a case with fewer queries than keys. Full
+/// attention uses a custom scale (0.3), causal the default `1 / sqrt(head_dim)`. The floor is
+/// `4e-5 * sqrt(seq_k / 32)` (3.2e-4 at 2048 keys): in f32 the baseline *is* the exact run, and
+/// summing seq_k terms in another order (online softmax, blocks), with the cancellation in
+/// `dS = P * (dP - delta)`, leaves f32 rounding noise that grows like the square root of the number
+/// of terms (seen on CUDA at 2048 keys: 1.2e-4 on a dQ of max 9.4, 2.1e-4 on a dK of max 10.5).
+///
+/// `exact_by_sums`: compute the f32 runs of the reference with broadcast products and sums instead
+/// of matmuls. On CUDA, Burn's f32 matmul runs on TF32 tensor cores (~1e-3 relative error), which
+/// is no exact reference for an f32 kernel.
+pub fn flash_attention<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize, usize)],
+    exact_by_sums: bool,
+) {
+    attention_cases::<B>(
+        dtype,
+        dev,
+        shapes,
+        exact_by_sums,
+        &[(false, None), (true, None)],
+    );
+}
+
+/// [`flash_attention`]'s checks for each `(causal, dropout p)` of `variants` (with dropout,
+/// [`kernels::flash_attention_dropout`] against the naive formula with the host's mask, a seed per
+/// case, and the floor divided by the keep probability).
+fn attention_cases<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize, usize)],
+    exact_by_sums: bool,
+    variants: &[(bool, Option<f64>)],
+) {
+    let mut cases: Vec<(usize, usize, usize, usize, usize)> = shapes
+        .iter()
+        .map(|&(b, h, s, hd)| (b, h, s, s, hd))
+        .collect();
+    cases.push((1, 2, 17, 40, 64));
+    for (n, (b, h, sq, sk, hd)) in cases.into_iter().enumerate() {
+        for &(causal, p) in variants {
+            let drop = p.map(|p| {
+                let seed = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(n as u64 * 4 + 1 + causal as u64)
+                    ^ (p * 1e3) as u64;
+                kernels::Dropout::new(p, seed)
+            });
+            let (op, tag) = match p {
+                Some(p) => ("flash_attention_dropout", format!(" p {p}")),
+                None => ("flash_attention", String::new()),
+            };
+            let started = std::time::Instant::now();
+            let scale = if causal { None } else { Some(0.3) };
+            let (rq, rk) = (b * h * sq, b * h * sk);
+            check::<B>(
+                &format!("{op} q [{b}, {h}, {sq}, {hd}] k/v seq {sk} causal {causal}{tag}"),
+                dtype,
+                4e-5 * (sk as f32 / 32.0).sqrt().max(1.0) / (1.0 - p.unwrap_or(0.0) as f32),
+                vec![
+                    Input::act([rq, hd], dev),
+                    Input::act([rk, hd], dev),
+                    Input::act([rk, hd], dev),
+                ],
+                |v| {
+                    let q = v[0].clone().reshape([b, h, sq, hd]);
+                    let k = v[1].clone().reshape([b, h, sk, hd]);
+                    let val = v[2].clone().reshape([b, h, sk, hd]);
+                    match drop {
+                        Some(d) => kernels::flash_attention_dropout(q, k, val, causal, scale, d),
+                        None => kernels::flash_attention(q, k, val, causal, scale),
+                    }
+                    .reshape([rq, hd])
+                },
+                |v| {
+                    let q = v[0].clone().reshape([b, h, sq, hd]);
+                    let k = v[1].clone().reshape([b, h, sk, hd]);
+                    let val = v[2].clone().reshape([b, h, sk, hd]);
+                    if exact_by_sums && q.dtype() == burn::tensor::DType::F32 {
+                        attention_by_sums_dropout(q, k, val, causal, scale, drop).reshape([rq, hd])
+                    } else {
+                        match drop {
+                            Some(d) => {
+                                kernels::attention::reference_dropout(q, k, val, causal, scale, d)
+                            }
+                            None => kernels::attention::reference(q, k, val, causal, scale),
+                        }
+                        .reshape([rq, hd])
+                    }
+                },
+            );
+            eprintln!(
+                "{op} [{b}, {h}, {sq}/{sk}, {hd}] causal {causal}{tag} {dtype:?}: {:.1?}",
+                started.elapsed()
+            );
+        }
+    }
+}
+
+/// FlashAttention with dropout inside the kernels against the naive formula with the host's mask
+/// ([`kernels::attention::dropout::keep_mask`]): output and dQ, dK, dV, full and causal, p = 0.2
+/// and 0.5, a fresh seed per case, for every `(batch, heads, seq, head_dim)` in `shapes` plus 17
+/// queries against 40 keys. A kernel whose mask differed from the host's in one entry in a
+/// thousand would fail: a dropped probability changes its row's output by about `p / seq` of the
+/// row's scale, far above the floor. Then: one seed gives the same output twice, bit for bit, and
+/// another seed another output.
+pub fn flash_attention_dropout<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize, usize)],
+    exact_by_sums: bool,
+) {
+    use kernels::Dropout;
+    attention_cases::<B>(
+        dtype,
+        dev,
+        shapes,
+        exact_by_sums,
+        &[(false, Some(0.2)), (true, Some(0.2)), (true, Some(0.5))],
+    );
+
+    // Same seed, same bits; another seed, another output.
+    let (b, h, s, hd) = (1, 2, 40, 64);
+    let r = || {
+        randn::<B>([b * h * s, hd], dev)
+            .reshape([b, h, s, hd])
+            .cast(dtype)
+    };
+    let (q, k, v) = (r(), r(), r());
+    let run = |seed: u64| {
+        kernels::flash_attention_dropout(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            true,
+            None,
+            Dropout::new(0.3, seed),
+        )
+        .cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .expect("f32 output")
+    };
+    let (a, again, other) = (run(11), run(11), run(12));
+    assert!(
+        a.iter()
+            .zip(&again)
+            .all(|(x, y)| x.to_bits() == y.to_bits()),
+        "flash_attention_dropout ({dtype:?}): one seed gave two different outputs"
+    );
+    let differ = a.iter().zip(&other).filter(|(x, y)| x != y).count();
+    assert!(
+        differ > a.len() / 2,
+        "flash_attention_dropout ({dtype:?}): seeds 11 and 12 gave outputs differing in only {differ} of {} values",
+        a.len()
+    );
+}
+
+/// RoPE + FlashAttention of a packed qkv projection ([`kernels::flash_attention_qkv`]) against
+/// slicing, [`kernels::rope::reference`] and the naive attention, output and the projection's
+/// gradient: full (scale 0.3) and causal, without and with dropout (p = 0.2), at each `(batch,
+/// seq, heads, head_dim)` of `shapes`.
+pub fn flash_attention_qkv<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize, usize)],
+    exact_by_sums: bool,
+) {
+    for (n, &(b, t, h, hd)) in shapes.iter().enumerate() {
+        let (cos, sin) = kernels::rope::tables::<B>(t + 3, hd, 10_000.0, dev);
+        for (causal, p) in [(false, None), (true, None), (true, Some(0.2))] {
+            let started = std::time::Instant::now();
+            let scale = if causal { None } else { Some(0.3) };
+            let dropout = p.map(|p| kernels::Dropout::new(p, 0xabc0 + n as u64));
+            check::<B>(
+                &format!(
+                    "flash_attention_qkv [{b}, {t}, 3 x {h} x {hd}] causal {causal} dropout {p:?}"
+                ),
+                dtype,
+                4e-5 * (t as f32 / 32.0).sqrt().max(1.0) / (1.0 - p.unwrap_or(0.0) as f32),
+                vec![
+                    Input::act([b * t, 3 * h * hd], dev),
+                    Input::constant(cos.clone()),
+                    Input::constant(sin.clone()),
+                ],
+                |v| {
+                    let qkv = v[0].clone().reshape([b, t, 3 * h * hd]);
+                    let (c, s) = (v[1].clone(), v[2].clone());
+                    kernels::flash_attention_qkv(qkv, h, c, s, causal, scale, dropout)
+                        .reshape([b * t, h * hd])
+                },
+                |v| {
+                    let qkv = v[0].clone().reshape([b, t, 3 * h * hd]);
+                    let (c, s) = (v[1].clone(), v[2].clone());
+                    if exact_by_sums && qkv.dtype() == burn::tensor::DType::F32 {
+                        let x = qkv.reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+                        let part =
+                            |i: usize| x.clone().slice([0..b, i * h..(i + 1) * h, 0..t, 0..hd]);
+                        let q = kernels::rope::reference(part(0), c.clone(), s.clone());
+                        let k = kernels::rope::reference(part(1), c, s);
+                        attention_by_sums_dropout(q, k, part(2), causal, scale, dropout)
+                            .swap_dims(1, 2)
+                            .reshape([b * t, h * hd])
+                    } else {
+                        kernels::attention::reference_qkv(qkv, h, c, s, causal, scale, dropout)
+                            .reshape([b * t, h * hd])
+                    }
+                },
+            );
+            eprintln!(
+                "flash_attention_qkv [{b}, {t}, {h}, {hd}] causal {causal} dropout {p:?} {dtype:?}: {:.1?}",
+                started.elapsed()
+            );
+        }
+    }
+}
+
+/// The naive attention formula with every product as a broadcast multiply and a sum (f32
+/// accumulation in Burn's reductions, no matmul).
+pub fn attention_by_sums<B: burn::tensor::backend::Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+) -> Tensor<B, 4> {
+    attention_by_sums_dropout(q, k, v, causal, scale, None)
+}
+
+/// [`attention_by_sums`] with the probabilities multiplied by the host's dropout mask.
+pub fn attention_by_sums_dropout<B: burn::tensor::backend::Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    scale: Option<f64>,
+    dropout: Option<kernels::Dropout>,
+) -> Tensor<B, 4> {
+    let [b, h, sq, hd] = q.dims();
+    let sk = k.dims()[2];
+    let scale = scale.unwrap_or_else(|| kernels::attention::default_scale(hd));
+    let scores: Tensor<B, 4> = (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2))
+        .sum_dim(4)
+        .reshape([b, h, sq, sk])
+        * scale;
+    let scores = if causal {
+        let dev = scores.device();
+        let rows = Tensor::<B, 1, Int>::arange(0..sq as i64, &dev).reshape([sq, 1]);
+        let cols = Tensor::<B, 1, Int>::arange(0..sk as i64, &dev).reshape([1, sk]);
+        scores.mask_fill(
+            cols.greater(rows).reshape([1, 1, sq, sk]),
+            f32::NEG_INFINITY,
+        )
+    } else {
+        scores
+    };
+    let mut p = burn::tensor::activation::softmax(scores, 3);
+    if let Some(d) = dropout {
+        let mask = kernels::attention::dropout::keep_mask::<B>(d, [b, h, sq, sk], &p.device());
+        let mask = mask.cast(p.dtype());
+        p = p * mask;
+    }
+    (p.unsqueeze_dim::<5>(4) * v.unsqueeze_dim::<5>(2))
+        .sum_dim(3)
+        .reshape([b, h, sq, hd])
+}
+
+/// FlashAttention on q, k, v sliced out of one packed `[B, S, 3H, hd]` projection (strided views,
+/// as the model produces them). `exact_by_sums`: as in [`flash_attention`] (the f32 reference on
+/// CUDA must not go through TF32 matmuls).
+pub fn flash_attention_strided<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+) {
+    flash_attention_strided_with::<B>(dtype, dev, false)
+}
+
+/// [`flash_attention_strided`] with the choice of exact reference.
+pub fn flash_attention_strided_with<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    exact_by_sums: bool,
+) {
+    let (b, h, s, hd) = (2, 3, 77, 64);
+    let heads = move |v: &Tensor<B, 2>, i: usize| {
+        v.clone().reshape([b, s, 3 * h, hd]).swap_dims(1, 2).slice([
+            0..b,
+            i * h..(i + 1) * h,
+            0..s,
+            0..hd,
+        ])
+    };
+    for causal in [false, true] {
+        check::<B>(
+            &format!("flash_attention on strided q/k/v [{b}, {h}, {s}, {hd}] causal {causal}"),
+            dtype,
+            1e-5,
+            vec![Input::act([b * s, 3 * h * hd], dev)],
+            |v| {
+                kernels::flash_attention(
+                    heads(&v[0], 0),
+                    heads(&v[0], 1),
+                    heads(&v[0], 2),
+                    causal,
+                    None,
+                )
+                .reshape([b * h * s, hd])
+            },
+            |v| {
+                let (q, k, val) = (heads(&v[0], 0), heads(&v[0], 1), heads(&v[0], 2));
+                if exact_by_sums && q.dtype() == burn::tensor::DType::F32 {
+                    attention_by_sums(q, k, val, causal, None).reshape([b * h * s, hd])
+                } else {
+                    kernels::attention::reference(q, k, val, causal, None).reshape([b * h * s, hd])
+                }
+            },
+        );
+    }
+}
+
+/// The forward's log-sum-exp against the naive one on the same (rounded) values in f32
+/// (`exact_by_sums`: with broadcast products and sums instead of matmuls, see [`flash_attention`]).
+pub fn flash_attention_lse<B: AutodiffBackend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    exact_by_sums: bool,
+) where
+    B::InnerBackend: kernels::KernelOps,
+{
+    type I<B> = <B as AutodiffBackend>::InnerBackend;
+    for (b, h, s, hd) in [(2, 3, 1, 64), (2, 3, 17, 128), (1, 2, 1000, 64)] {
+        for causal in [false, true] {
+            let r = || {
+                randn::<B>([b * h * s, hd], dev)
+                    .inner()
+                    .reshape([b, h, s, hd])
+                    .cast(dtype)
+                    .cast(FloatDType::F32)
+            };
+            let (q, k, v) = (r(), r(), r());
+            let (_, lse) = kernels::flash_attention_with_lse(
+                q.clone().cast(dtype),
+                k.clone().cast(dtype),
+                v.cast(dtype),
+                causal,
+                None,
+            );
+            let scale = kernels::attention::default_scale(hd);
+            let mut scores: Tensor<I<B>, 4> = if exact_by_sums {
+                (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2))
+                    .sum_dim(4)
+                    .reshape([b, h, s, s])
+                    * scale
+            } else {
+                q.matmul(k.swap_dims(2, 3)) * scale
+            };
+            if causal {
+                let rows = Tensor::<I<B>, 1, Int>::arange(0..s as i64, dev).reshape([s, 1]);
+                let cols = Tensor::<I<B>, 1, Int>::arange(0..s as i64, dev).reshape([1, s]);
+                scores =
+                    scores.mask_fill(cols.greater(rows).reshape([1, 1, s, s]), f32::NEG_INFINITY);
+            }
+            let m = scores.clone().max_dim(3);
+            let exact = ((scores - m.clone()).exp().sum_dim(3).log() + m).reshape([b, h, s]);
+            let n = b * h * s;
+            let mag = max_abs::<B>(to2::<B, 3>(exact.clone()));
+            let err = max_abs::<B>(to2::<B, 3>(lse - exact));
+            assert!(
+                err <= 1e-5 * mag + 1e-5,
+                "flash_attention lse [{b}, {h}, {s}, {hd}] causal {causal} ({dtype:?}): error {err:e} over {n} rows (max |lse| {mag:e})"
+            );
+        }
+    }
+}
