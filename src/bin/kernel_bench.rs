@@ -150,59 +150,7 @@ fn main() {
         let eb = bytes_of(dt);
         for &op in &args.ops {
             match op {
-                Op::RmsNorm => {
-                    let (r, c) = (16384, 4096);
-                    let n = (r * c) as f64;
-                    let w = |d: &CudaDevice| Tensor::<C, 1>::ones([c], d);
-                    let wa = Tensor::<A, 1>::ones([c], &dev).require_grad();
-                    let (wa1, wa2) = (wa.clone(), wa.clone());
-                    let wc = w(&dev);
-                    let (wc1, wc2) = (wc.clone(), wc.clone());
-                    // The backward kernel alone, on the plain backend.
-                    {
-                        use kernels::RmsNormKernels;
-                        let prim = |t: Tensor<C, 2>| t.into_primitive().tensor();
-                        let x = randn::<C, 2>([r, c], dt, &dev);
-                        let dy = randn::<C, 2>([r, c], dt, &dev);
-                        let (_, _, rstd) = C::rms_norm_forward(
-                            prim(x.clone()),
-                            None,
-                            wc.clone().into_primitive().tensor(),
-                            1e-5,
-                        );
-                        let tb = time::<C>(&dev, &args, &mut || {
-                            drop(C::rms_norm_backward(
-                                prim(x.clone()),
-                                wc.clone().into_primitive().tensor(),
-                                rstd.clone(),
-                                prim(dy.clone()),
-                                None,
-                            ))
-                        });
-                        let gbs = 3.0 * n * eb / tb / 1e9;
-                        println!(
-                            "| rms_norm | 16384x4096 | {} | bwd kernel | {:.1} | | {gbs:.0} | {:.2} | |",
-                            model::dtype::name(dt),
-                            tb * 1e6,
-                            gbs * 1e9 / COPY_BW
-                        );
-                    }
-                    fwd_bwd::<1>(
-                        &args,
-                        &dev,
-                        "rms_norm",
-                        "16384x4096",
-                        dt,
-                        // fwd: read x, write y; bwd: read x, dy, write dx (the f32 gain is noise).
-                        (2.0 * n * eb, 3.0 * n * eb),
-                        &|| [randn([r, c], dt, &dev)],
-                        &|| [randn::<A, 2>([r, c], dt, &dev).require_grad()],
-                        &move |[x]| kernels::rms_norm(x, wc1.clone(), 1e-5),
-                        &move |[x]| kernels::rms_norm::reference(x, wc2.clone(), 1e-5),
-                        &move |[x]| kernels::rms_norm(x, wa1.clone(), 1e-5),
-                        &move |[x]| kernels::rms_norm::reference(x, wa2.clone(), 1e-5),
-                    );
-                }
+                Op::RmsNorm => rms_norm(&args, &dev, dt),
                 Op::AddRmsNorm => {
                     let (r, c) = (16384, 4096);
                     let n = (r * c) as f64;
@@ -291,46 +239,104 @@ fn main() {
                         &|[x]| burn_dropout(x, d.p),
                     );
                 }
-                Op::Rope => {
-                    let (b, h, t, hd) = (16, 32, 1024, 128);
-                    let n = (b * h * t * hd) as f64;
-                    let (cc, sc) = kernels::rope::tables::<C>(t, hd, 10_000.0, &dev);
-                    let (ca, sa) = kernels::rope::tables::<A>(t, hd, 10_000.0, &dev);
-                    let (cc1, sc1, cc2, sc2) = (cc.clone(), sc.clone(), cc, sc);
-                    let (ca1, sa1, ca2, sa2) = (ca.clone(), sa.clone(), ca, sa);
-                    let shape4 = [b, h, t, hd];
-                    fwd_bwd::<1>(
-                        &args,
-                        &dev,
-                        "rope",
-                        "16x32x1024x128",
-                        dt,
-                        (2.0 * n * eb, 2.0 * n * eb),
-                        &|| [randn([b * h * t, hd], dt, &dev)],
-                        &|| [randn::<A, 2>([b * h * t, hd], dt, &dev).require_grad()],
-                        &move |[x]| {
-                            kernels::rope(x.reshape(shape4), cc1.clone(), sc1.clone())
-                                .reshape([b * h * t, hd])
-                        },
-                        &move |[x]| {
-                            kernels::rope::reference(x.reshape(shape4), cc2.clone(), sc2.clone())
-                                .reshape([b * h * t, hd])
-                        },
-                        &move |[x]| {
-                            kernels::rope(x.reshape(shape4), ca1.clone(), sa1.clone())
-                                .reshape([b * h * t, hd])
-                        },
-                        &move |[x]| {
-                            kernels::rope::reference(x.reshape(shape4), ca2.clone(), sa2.clone())
-                                .reshape([b * h * t, hd])
-                        },
-                    );
-                }
+                Op::Rope => rope(&args, &dev, dt),
                 Op::CrossEntropy => cross_entropy(&args, &dev, dt),
                 Op::Adamw => adamw(&args, &dev, dt),
             }
         }
     }
+}
+
+/// RMSNorm forward and backward against its reference, and its backward kernel alone.
+fn rms_norm(args: &Args, dev: &CudaDevice, dt: FloatDType) {
+    let eb = bytes_of(dt);
+    let (r, c) = (16384, 4096);
+    let n = (r * c) as f64;
+    let w = |d: &CudaDevice| Tensor::<C, 1>::ones([c], d);
+    let wa = Tensor::<A, 1>::ones([c], dev).require_grad();
+    let (wa1, wa2) = (wa.clone(), wa.clone());
+    let wc = w(dev);
+    let (wc1, wc2) = (wc.clone(), wc.clone());
+    // The backward kernel alone, on the plain backend.
+    {
+        use kernels::RmsNormKernels;
+        let prim = |t: Tensor<C, 2>| t.into_primitive().tensor();
+        let x = randn::<C, 2>([r, c], dt, dev);
+        let dy = randn::<C, 2>([r, c], dt, dev);
+        let (_, _, rstd) = C::rms_norm_forward(
+            prim(x.clone()),
+            None,
+            wc.clone().into_primitive().tensor(),
+            1e-5,
+        );
+        let tb = time::<C>(dev, args, &mut || {
+            drop(C::rms_norm_backward(
+                prim(x.clone()),
+                wc.clone().into_primitive().tensor(),
+                rstd.clone(),
+                prim(dy.clone()),
+                None,
+            ))
+        });
+        let gbs = 3.0 * n * eb / tb / 1e9;
+        println!(
+            "| rms_norm | 16384x4096 | {} | bwd kernel | {:.1} | | {gbs:.0} | {:.2} | |",
+            model::dtype::name(dt),
+            tb * 1e6,
+            gbs * 1e9 / COPY_BW
+        );
+    }
+    fwd_bwd::<1>(
+        args,
+        dev,
+        "rms_norm",
+        "16384x4096",
+        dt,
+        // fwd: read x, write y; bwd: read x, dy, write dx (the f32 gain is noise).
+        (2.0 * n * eb, 3.0 * n * eb),
+        &|| [randn([r, c], dt, dev)],
+        &|| [randn::<A, 2>([r, c], dt, dev).require_grad()],
+        &move |[x]| kernels::rms_norm(x, wc1.clone(), 1e-5),
+        &move |[x]| kernels::rms_norm::reference(x, wc2.clone(), 1e-5),
+        &move |[x]| kernels::rms_norm(x, wa1.clone(), 1e-5),
+        &move |[x]| kernels::rms_norm::reference(x, wa2.clone(), 1e-5),
+    );
+}
+
+/// RoPE forward and backward against its reference.
+fn rope(args: &Args, dev: &CudaDevice, dt: FloatDType) {
+    let eb = bytes_of(dt);
+    let (b, h, t, hd) = (16, 32, 1024, 128);
+    let n = (b * h * t * hd) as f64;
+    let (cc, sc) = kernels::rope::tables::<C>(t, hd, 10_000.0, dev);
+    let (ca, sa) = kernels::rope::tables::<A>(t, hd, 10_000.0, dev);
+    let (cc1, sc1, cc2, sc2) = (cc.clone(), sc.clone(), cc, sc);
+    let (ca1, sa1, ca2, sa2) = (ca.clone(), sa.clone(), ca, sa);
+    let shape4 = [b, h, t, hd];
+    fwd_bwd::<1>(
+        args,
+        dev,
+        "rope",
+        "16x32x1024x128",
+        dt,
+        (2.0 * n * eb, 2.0 * n * eb),
+        &|| [randn([b * h * t, hd], dt, dev)],
+        &|| [randn::<A, 2>([b * h * t, hd], dt, dev).require_grad()],
+        &move |[x]| {
+            kernels::rope(x.reshape(shape4), cc1.clone(), sc1.clone()).reshape([b * h * t, hd])
+        },
+        &move |[x]| {
+            kernels::rope::reference(x.reshape(shape4), cc2.clone(), sc2.clone())
+                .reshape([b * h * t, hd])
+        },
+        &move |[x]| {
+            kernels::rope(x.reshape(shape4), ca1.clone(), sa1.clone()).reshape([b * h * t, hd])
+        },
+        &move |[x]| {
+            kernels::rope::reference(x.reshape(shape4), ca2.clone(), sa2.clone())
+                .reshape([b * h * t, hd])
+        },
+    );
 }
 
 fn targets<Bk: Backend>(rows: usize, classes: usize, dev: &Bk::Device) -> Tensor<Bk, 1, Int> {

@@ -316,22 +316,32 @@ fn backward_mma<R: CubeRuntime>(
         launch_dkdv!(flash_backward_dkdv_mma);
     }
     if tiles.fused_dq {
-        let width = row_width(&[&dq], &[dq.dtype, DType::F32], d.hd);
-        let n = d.batch * d.heads * d.seq_q * d.hd / width;
-        unsafe {
-            dq_from_f32::launch_unchecked::<R>(
-                &client,
-                CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
-                CubeDim::new_1d(256),
-                width,
-                dq_acc.into_tensor_arg(),
-                dq.clone().into_tensor_arg(),
-                d.heads,
-                d.seq_q,
-                d.hd / width,
-                dtype,
-            );
-        }
+        cast_fused_dq(dq_acc, &dq, d, dtype);
+    }
+}
+
+/// dQ in the input dtype from the fused dQ's f32 accumulator.
+fn cast_fused_dq<R: CubeRuntime>(
+    dq_acc: CubeTensor<R>,
+    dq: &CubeTensor<R>,
+    d: &Dims,
+    dtype: StorageType,
+) {
+    let width = row_width(&[dq], &[dq.dtype, DType::F32], d.hd);
+    let n = d.batch * d.heads * d.seq_q * d.hd / width;
+    unsafe {
+        dq_from_f32::launch_unchecked::<R>(
+            &dq.client.clone(),
+            CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
+            CubeDim::new_1d(256),
+            width,
+            dq_acc.into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            d.heads,
+            d.seq_q,
+            d.hd / width,
+            dtype,
+        );
     }
 }
 
