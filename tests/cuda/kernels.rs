@@ -136,7 +136,7 @@ fn flash_attention_cases(dtype: FloatDType) {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_flash_attention_without_stmatrix() {
-    kernels::settings::update(|s| {
+    let _settings = kernels::settings::scoped(|s| {
         s.flash_tiles = Some("stmatrix=off".parse().expect("a valid tile override"))
     });
     flash_attention_cases(FloatDType::BF16);
@@ -184,7 +184,7 @@ fn cuda_flash_attention_split_backward_small_blocks() {
 }
 
 fn split_backward_cases(spec: &str) {
-    kernels::settings::update(|s| {
+    let _settings = kernels::settings::scoped(|s| {
         s.flash_tiles = Some(spec.parse().expect("a valid tile override"))
     });
     flash_attention_cases(FloatDType::BF16);
@@ -372,7 +372,7 @@ fn cuda_fp8_gemm_cublaslt() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_linear_cublaslt() {
-    kernels::settings::update(|s| {
+    let _settings = kernels::settings::scoped(|s| {
         s.fp8_gemm = kernels::settings::Fp8GemmChoice::Path(kernels::Fp8GemmPath::CublasLt)
     });
     let shapes = [(64, 256, 96), (128, 768, 2304)];
@@ -387,7 +387,7 @@ fn cuda_fp8_linear_cublaslt() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_linear_dequantize() {
-    kernels::settings::update(|s| {
+    let _settings = kernels::settings::scoped(|s| {
         s.fp8_gemm = kernels::settings::Fp8GemmChoice::Path(kernels::Fp8GemmPath::Dequantize)
     });
     let shapes = [(64, 256, 96), (100, 130, 200)];
@@ -504,7 +504,7 @@ fn cuda_gemm_uses_cublaslt() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_gemm_stream_order_chain() {
-    gemms_in_order(kernels::settings::GemmOrder::Stream);
+    let _order = gemms_in_order(kernels::settings::GemmOrder::Stream);
     let dev = CudaDevice::default();
     // x in {0, 1, 2, 3}, w in {-1, 0, 1}: |x w| <= 3 k, exact in f16 for k = 512 (< 2^11) and in
     // f32 for k = 4096; the long GEMMs (4096^3 in f32, milliseconds each) leave CubeCL's kernels
@@ -532,7 +532,7 @@ fn cuda_gemm_stream_order_chain() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_gemm_same_stream_chain() {
-    gemms_in_order(kernels::settings::GemmOrder::Same);
+    let _order = gemms_in_order(kernels::settings::GemmOrder::Same);
     let dev = CudaDevice::default();
     let cases = [
         (1024, 512, 120, FloatDType::F32),
@@ -574,7 +574,7 @@ fn cuda_gemm_same_stream_chain() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_gemm_queued_fallback() {
-    gemms_in_order(kernels::settings::GemmOrder::Same);
+    let _order = gemms_in_order(kernels::settings::GemmOrder::Same);
     let dev = CudaDevice::default();
     let mut expected = 0;
     // |x w| <= 3 k: exact in f16 for k = 256 and in bf16 for k = 64.
@@ -585,9 +585,10 @@ fn cuda_gemm_queued_fallback() {
     for (m, k, steps, dtype) in cases {
         let chain = IntChain::new(&dev, m, k, steps, dtype);
         let burn = chain.run(kernels::Gemm::Burn);
-        kernels::settings::update(|s| s.gemm_refuse_queued = true);
-        let ours = chain.run(kernels::Gemm::CublasLt);
-        kernels::settings::update(|s| s.gemm_refuse_queued = false);
+        let ours = {
+            let _refuse = kernels::settings::scoped(|s| s.gemm_refuse_queued = true);
+            chain.run(kernels::Gemm::CublasLt)
+        };
         chain.assert_same("this thread, queued GEMMs refused", &ours, &burn);
         // The first GEMM of each chain waits for cuBLASLt (a new problem); the rest are queued.
         expected += steps - 1;
@@ -712,10 +713,11 @@ fn cuda_gemm_lm_head_shape() {
 
 /// Sets the GPU order of the GEMMs for this process and checks that it took effect (the order is
 /// fixed at a process's first GEMM: run these tests in their own process, as `tools/cuda-suite`
-/// does).
-pub fn gemms_in_order(order: kernels::settings::GemmOrder) {
+/// does). The setting holds while the returned guard lives.
+#[must_use]
+pub fn gemms_in_order(order: kernels::settings::GemmOrder) -> kernels::settings::Scoped {
     use kernels::settings::GemmOrder;
-    kernels::settings::update(|s| s.gemm_order = order);
+    let settings = kernels::settings::scoped(|s| s.gemm_order = order);
     let a =
         burn::tensor::Tensor::<B, 2>::zeros([4, 8], &CudaDevice::default()).cast(FloatDType::BF16);
     let expected = match order {
@@ -728,4 +730,5 @@ pub fn gemms_in_order(order: kernels::settings::GemmOrder) {
         expected,
         "the GEMM order was fixed before this test set it; run the test in its own process"
     );
+    settings
 }

@@ -281,6 +281,38 @@ pub fn update(f: impl FnOnce(&mut Settings)) {
     set(s);
 }
 
+/// Settings changed by `f` for as long as the returned guard lives, then restored (to what was
+/// set before, or to "not set yet", which reads the environment again). A second `scoped` waits
+/// until the first guard is dropped, so that tests running side by side in one process do not see
+/// each other's settings.
+///
+/// ```
+/// let _tiles = kernels::settings::scoped(|s| s.flash_tiles = Some("bwd=split".parse().unwrap()));
+/// // ... the kernels launched here use the override ...
+/// ```
+pub fn scoped(f: impl FnOnce(&mut Settings)) -> Scoped {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let lock = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let previous = SETTINGS.read().unwrap_or_else(|e| e.into_inner()).clone();
+    update(f);
+    Scoped {
+        previous,
+        _one_at_a_time: lock,
+    }
+}
+
+/// The guard of [`scoped`]: restores the settings when dropped.
+pub struct Scoped {
+    previous: Option<Settings>,
+    _one_at_a_time: std::sync::MutexGuard<'static, ()>,
+}
+
+impl Drop for Scoped {
+    fn drop(&mut self) {
+        *SETTINGS.write().unwrap_or_else(|e| e.into_inner()) = self.previous.take();
+    }
+}
+
 /// The current settings (from the environment at the first call when none were set).
 pub fn get() -> Settings {
     read(Settings::clone)
