@@ -124,7 +124,7 @@ where
 {
     type I<B> = <B as AutodiffBackend>::InnerBackend;
     assert!(<B as kernels::FormatStatsOps>::format_probe_records());
-    let sink = kernels::format_stats::format_sink();
+    let sink = kernels::probe_sink();
     let probe = kernels::FormatProbe {
         name: "p".to_string(),
         min_normal: 1e-2,

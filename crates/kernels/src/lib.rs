@@ -65,6 +65,7 @@ pub mod memory;
 pub mod philox;
 mod pipeline;
 mod primitive;
+pub mod probe;
 pub mod reduce;
 pub mod rms_norm;
 pub mod rope;
@@ -127,6 +128,7 @@ pub use fp8::{
 };
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
 pub use memory::MemoryOps;
+pub use probe::{probe_sink, ProbeSink};
 pub use reduce::{ReduceOps, SumSquares};
 pub use rms_norm::{RmsNormKernels, RmsNormOps};
 pub use rope::{RopeKernels, RopeOps};

@@ -13,6 +13,7 @@ use burn::tensor::{Bool, FloatDType, Int, Tensor};
 use crate::config::{AttentionKind, GptConfig, HeadLossKind, KernelsKind, MlpKind};
 use crate::dtype::debug_assert_dtype;
 use crate::layers::{apply_rope, rope_tables, Embedding, Linear, RmsNorm};
+use crate::precision::{Precision, Projection};
 
 /// Score given to masked (future) positions: finite, because WGSL has no infinity literal, and far
 /// enough below any real score that its softmax weight is exactly 0 in f32.
@@ -52,7 +53,9 @@ impl<B: kernels::Backend> Attention<B> {
         let h = self.n_head;
         let hd = d / h;
         let scale = (hd as f64).powf(-0.5);
-        let qkv = self.qkv.forward_mixed(x, ctx.gemm);
+        let qkv = self
+            .qkv
+            .forward_projection(x, &ctx.projection(layer, "attn.qkv"));
         if let (AttentionKind::Flash, RopeTables::Fused { cos, sin }) = (ctx.attention, &ctx.tables)
         {
             // RoPE and FlashAttention on the packed projection as one op, whose backward writes
@@ -68,7 +71,8 @@ impl<B: kernels::Backend> Attention<B> {
             );
             return ctx.dropout(
                 &self.resid_dropout,
-                self.proj.forward_mixed(y, ctx.gemm),
+                self.proj
+                    .forward_projection(y, &ctx.projection(layer, "attn.proj")),
                 layer,
                 Site::AttentionOut,
             );
@@ -112,7 +116,8 @@ impl<B: kernels::Backend> Attention<B> {
             let y = y.swap_dims(1, 2).reshape([b, t, d]);
             return ctx.dropout(
                 &self.resid_dropout,
-                self.proj.forward_mixed(y, ctx.gemm),
+                self.proj
+                    .forward_projection(y, &ctx.projection(layer, "attn.proj")),
                 layer,
                 Site::AttentionOut,
             );
@@ -133,7 +138,8 @@ impl<B: kernels::Backend> Attention<B> {
         let y = y.swap_dims(1, 2).reshape([b, t, d]);
         ctx.dropout(
             &self.resid_dropout,
-            self.proj.forward_mixed(y, ctx.gemm),
+            self.proj
+                .forward_projection(y, &ctx.projection(layer, "attn.proj")),
             layer,
             Site::AttentionOut,
         )
@@ -239,17 +245,23 @@ impl<B: Backend> Mlp<B> {
 
 impl<B: kernels::Backend> Mlp<B> {
     /// The feed-forward block with the activation of `kind`, before its dropout.
-    fn forward(&self, x: Tensor<B, 3>, kind: KernelsKind, gemm: kernels::Gemm) -> Tensor<B, 3> {
-        let h = self.fc.forward_mixed(x, gemm);
-        let h = match (self.kind, kind) {
-            (MlpKind::Gelu, KernelsKind::Reference) => kernels::activation::gelu_reference(h),
-            (MlpKind::Gelu, KernelsKind::Fused | KernelsKind::Auto) => kernels::gelu(h),
-            (MlpKind::Swiglu, KernelsKind::Reference) => {
-                kernels::activation::swiglu_packed_reference(h)
-            }
-            (MlpKind::Swiglu, KernelsKind::Fused | KernelsKind::Auto) => kernels::swiglu_packed(h),
+    /// `fused`: the fused activation kernels, else their references; `fc` and `proj`: how the
+    /// two projections run.
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        fused: bool,
+        fc: &Projection,
+        proj: &Projection,
+    ) -> Tensor<B, 3> {
+        let h = self.fc.forward_projection(x, fc);
+        let h = match (self.kind, fused) {
+            (MlpKind::Gelu, false) => kernels::activation::gelu_reference(h),
+            (MlpKind::Gelu, true) => kernels::gelu(h),
+            (MlpKind::Swiglu, false) => kernels::activation::swiglu_packed_reference(h),
+            (MlpKind::Swiglu, true) => kernels::swiglu_packed(h),
         };
-        self.proj.forward_mixed(h, gemm)
+        self.proj.forward_projection(h, proj)
     }
 }
 
@@ -301,11 +313,10 @@ impl<B: kernels::Backend> Block<B> {
     /// Plain Burn: `x + attn(norm1(x))`, then `x + mlp(norm2(x))`.
     fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>, layer: usize) -> Tensor<B, 3> {
         let x = x.clone() + self.attn.forward(self.norm1.forward(x), ctx, layer);
-        let m = self.mlp.forward(
-            self.norm2.forward(x.clone()),
-            KernelsKind::Reference,
-            ctx.gemm,
-        );
+        let (fc, proj) = ctx.mlp_projections(layer);
+        let m = self
+            .mlp
+            .forward(self.norm2.forward(x.clone()), false, &fc, &proj);
         x + ctx.dropout(&self.mlp.dropout, m, layer, Site::MlpOut)
     }
 
@@ -324,7 +335,8 @@ impl<B: kernels::Backend> Block<B> {
             None => (x.clone(), self.norm1.forward_fused(x)),
         };
         let (x, h) = self.norm2.forward_add(self.attn.forward(h, ctx, layer), x);
-        let m = self.mlp.forward(h, KernelsKind::Fused, ctx.gemm);
+        let (fc, proj) = ctx.mlp_projections(layer);
+        let m = self.mlp.forward(h, true, &fc, &proj);
         (x, ctx.dropout(&self.mlp.dropout, m, layer, Site::MlpOut))
     }
 }
@@ -344,13 +356,13 @@ enum RopeTables<B: Backend> {
 }
 
 /// What every layer of one forward shares: RoPE tables, the causal mask, the attention kind, the
-/// GEMM engine and the seed of this forward's in-kernel dropout masks.
-struct Ctx<B: Backend> {
+/// forward's precision and the seed of its in-kernel dropout masks.
+struct Ctx<'a, B: Backend> {
     tables: RopeTables<B>,
     /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not.
     causal_mask: Tensor<B, 4>,
     attention: AttentionKind,
-    gemm: kernels::Gemm,
+    precision: &'a Precision,
     /// `(p, seed)` when training with dropout.
     masks: Option<(f64, u64)>,
     /// Whether the embedding's and residual branches' dropout runs in the kernels
@@ -368,7 +380,20 @@ enum Site {
     MlpOut = 3,
 }
 
-impl<B: kernels::Backend> Ctx<B> {
+impl<B: kernels::Backend> Ctx<'_, B> {
+    /// How projection `path` of block `layer` runs.
+    fn projection(&self, layer: usize, path: &str) -> Projection {
+        self.precision.projection(layer, path)
+    }
+
+    /// How the MLP's two projections of block `layer` run.
+    fn mlp_projections(&self, layer: usize) -> (Projection, Projection) {
+        (
+            self.projection(layer, "mlp.fc"),
+            self.projection(layer, "mlp.proj"),
+        )
+    }
+
     /// The in-kernel dropout at `site` of block `layer`: a seed of its own per site, block and
     /// forward.
     fn mask(&self, layer: usize, site: Site) -> Option<kernels::Dropout> {
@@ -515,41 +540,17 @@ impl<B: Backend> Gpt<B> {
         copy
     }
 
-    /// The same model with the attention and MLP projections running their GEMMs in FP8 (or back to
-    /// the compute dtype with `None`); embedding, LM head, norms and attention are unchanged.
-    pub fn with_fp8(mut self, cfg: Option<kernels::Fp8LinearConfig>) -> Self {
-        for (_, lin) in self.projections_mut() {
-            lin.fp8 = cfg;
-        }
-        self
+    /// The precision of this model's own forwards: its compute dtype and its config's GEMM
+    /// engine, without FP8 or probes (the trainer passes the recipe's to
+    /// [`Gpt::forward_loss_in`]).
+    pub fn precision(&self) -> Precision {
+        Precision::new(self.compute_dtype, self.config.gemm.engine())
     }
 
-    /// The same model with each FP8 projection recording the FP8 health of its input and output
-    /// gradient into `sink` (as `blocks.N.attn.qkv.input`, `blocks.N.attn.qkv.grad_output`, ...),
-    /// or not with `None`.
-    pub fn with_fp8_probe(mut self, sink: Option<kernels::fp8::HealthSink>) -> Self {
-        for (name, lin) in self.projections_mut() {
-            lin.fp8_probe = sink.clone().map(|sink| kernels::Fp8Probe { name, sink });
-        }
-        self
-    }
-
-    /// The same model with each projection's output gradient measured into `sink` against a
-    /// format whose smallest normal number is `min_normal` (as `blocks.N.attn.qkv`, ...; see
-    /// [`crate::layers::GradTaps`]), or not measured with `None`.
-    pub fn with_grad_taps(
-        mut self,
-        sink: Option<crate::layers::GradTaps>,
-        min_normal: f64,
-    ) -> Self {
-        for (name, lin) in self.projections_mut() {
-            lin.grad_tap = sink.clone().map(|sink| kernels::FormatProbe {
-                name,
-                min_normal,
-                sink,
-            });
-        }
-        self
+    /// Whether the memory-bound ops run the fused kernels (`model.kernels` other than
+    /// "reference"; [`Gpt::new`] resolved "auto" to "fused").
+    fn fused(&self) -> bool {
+        self.config.kernels != KernelsKind::Reference
     }
 
     /// The attention and MLP projections of every block with their module paths
@@ -592,13 +593,13 @@ impl<B: kernels::Backend> Gpt<B> {
 
     /// Token ids [B, T] -> logits [B, T, vocab] in the compute dtype.
     fn logits(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let (x, gemm) = self.final_hidden(ids);
-        self.head(x, gemm)
+        let precision = self.precision();
+        let x = self.final_hidden(ids, &precision);
+        self.head(x, precision.gemm)
     }
 
-    /// Token ids [B, T] -> the final norm's output [B, T, d] in the compute dtype, and the GEMM
-    /// engine.
-    fn final_hidden(&self, ids: Tensor<B, 2, Int>) -> (Tensor<B, 3>, kernels::Gemm) {
+    /// Token ids [B, T] -> the final norm's output [B, T, d] in the compute dtype.
+    fn final_hidden(&self, ids: Tensor<B, 2, Int>, precision: &Precision) -> Tensor<B, 3> {
         let [_, t] = ids.dims();
         assert!(
             t <= self.config.context,
@@ -608,7 +609,7 @@ impl<B: kernels::Backend> Gpt<B> {
         let device = ids.device();
         let dt = self.compute_dtype;
         let (hd, theta) = (self.config.head_dim(), self.config.rope_theta);
-        let fused = matches!(self.config.kernels, KernelsKind::Fused | KernelsKind::Auto);
+        let fused = self.fused();
         let tables = if fused {
             let (cos, sin) = kernels::rope::tables::<B>(t, hd, theta, &device);
             RopeTables::Fused { cos, sin }
@@ -632,7 +633,7 @@ impl<B: kernels::Backend> Gpt<B> {
             tables,
             causal_mask,
             attention,
-            gemm: self.config.gemm.engine(),
+            precision,
             masks,
             kernel_dropout: fused && attention == AttentionKind::Flash,
         };
@@ -663,7 +664,7 @@ impl<B: kernels::Backend> Gpt<B> {
             }
             self.norm_f.forward(x)
         };
-        (x, ctx.gemm)
+        x
     }
 
     /// The LM head: the final norm's output [B, T, d] -> logits [B, T, vocab].
@@ -694,13 +695,11 @@ impl<B: kernels::Backend> Gpt<B> {
 
     /// The LM head's weight as [vocab, d] (the tied embedding, or a transposed view of the head's
     /// [d, vocab] weight), when `kernels::linear_cross_entropy` can take it: a head without a
-    /// bias, FP8 or gradient tap.
+    /// bias (the LM head runs neither FP8 nor probes).
     fn head_rows(&self) -> Option<Tensor<B, 2>> {
         match &self.lm_head {
             None => Some(self.wte.weight.val()),
-            Some(h) if h.bias.is_none() && h.fp8.is_none() && h.grad_tap.is_none() => {
-                Some(h.weight.val().transpose())
-            }
+            Some(h) if h.bias.is_none() => Some(h.weight.val().transpose()),
             Some(_) => None,
         }
     }
@@ -741,12 +740,11 @@ impl<B: kernels::Backend> Gpt<B> {
                 + block
                     .attn
                     .forward_cached(block.norm1.forward(x), &cos, &sin, &mask, slot);
+            let plain = Projection::plain(kernels::Gemm::Burn);
             x = x.clone()
-                + block.mlp.forward(
-                    block.norm2.forward(x),
-                    KernelsKind::Reference,
-                    kernels::Gemm::Burn,
-                );
+                + block
+                    .mlp
+                    .forward(block.norm2.forward(x), false, &plain, &plain);
         }
         cache.len += t;
         let x = self.norm_f.forward(x);
@@ -768,54 +766,77 @@ impl<B: kernels::Backend> Gpt<B> {
     }
 
     /// Forward and loss in one call: ids and targets [B, T] -> scalar loss [1], the mean
-    /// cross-entropy plus `model.z_loss * log(Z)^2` per token when that is set.
+    /// cross-entropy plus `model.z_loss * log(Z)^2` per token when that is set, at the model's own
+    /// [`Gpt::precision`].
     ///
     /// With `kernels = "fused"` the logits stay in the compute dtype and the fused cross-entropy
     /// reads them directly (f32 inside), keeping only a per-token log-sum-exp for the backward.
     pub fn forward_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        self.forward_loss_with(ids, targets, self.config.z_loss)
+        self.forward_loss_at(ids, targets, &self.precision(), self.config.z_loss)
     }
 
-    /// [`Gpt::forward_loss`] with the z-loss weight `z` (0 gives the plain cross-entropy, as
+    /// [`Gpt::forward_loss`] at `precision` (a training step's: the recipe's GEMM engine, FP8
+    /// projections and probes).
+    pub fn forward_loss_in(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        precision: &Precision,
+    ) -> Tensor<B, 1> {
+        self.forward_loss_at(ids, targets, precision, self.config.z_loss)
+    }
+
+    /// [`Gpt::forward_loss_in`] with the z-loss weight `z` (0 gives the plain cross-entropy, as
     /// evaluation reports it).
     pub fn forward_loss_with(
         &self,
         ids: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
+        precision: &Precision,
         z: f64,
     ) -> Tensor<B, 1> {
-        if matches!(self.config.kernels, KernelsKind::Fused | KernelsKind::Auto) {
-            let (x, gemm) = self.final_hidden(ids);
-            let [b, t, d] = x.dims();
-            if let (HeadLossKind::Chunked, Some(w)) = (self.config.head_loss, self.head_rows()) {
-                let opts = kernels::cross_entropy::LinearCrossEntropy {
-                    z_loss: z,
-                    gemm,
-                    chunk_rows: None,
-                };
-                return kernels::linear_cross_entropy(
-                    x.reshape([b * t, d]),
-                    w,
+        self.forward_loss_at(ids, targets, precision, z)
+    }
+
+    fn forward_loss_at(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        precision: &Precision,
+        z: f64,
+    ) -> Tensor<B, 1> {
+        if !self.fused() {
+            let x = self.final_hidden(ids, precision);
+            let logits = self.head(x, precision.gemm);
+            let [b, t, v] = logits.dims();
+            return if z > 0.0 {
+                kernels::cross_entropy::reference(
+                    logits.reshape([b * t, v]),
                     targets.reshape([b * t]),
-                    opts,
-                );
-            }
-            let logits = self.head(x, gemm);
-            let v = logits.dims()[2];
-            return kernels::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]), z)
-                .mean();
+                    z,
+                )
+                .mean()
+            } else {
+                Self::loss(logits, targets)
+            };
         }
-        let logits = self.logits(ids);
-        let [b, t, v] = logits.dims();
-        match self.config.kernels {
-            KernelsKind::Fused | KernelsKind::Auto => unreachable!("handled above"),
-            KernelsKind::Reference if z > 0.0 => kernels::cross_entropy::reference(
-                logits.reshape([b * t, v]),
+        let x = self.final_hidden(ids, precision);
+        let [b, t, d] = x.dims();
+        if let (HeadLossKind::Chunked, Some(w)) = (self.config.head_loss, self.head_rows()) {
+            let opts = kernels::cross_entropy::LinearCrossEntropy {
+                z_loss: z,
+                gemm: precision.gemm,
+                chunk_rows: None,
+            };
+            return kernels::linear_cross_entropy(
+                x.reshape([b * t, d]),
+                w,
                 targets.reshape([b * t]),
-                z,
-            )
-            .mean(),
-            KernelsKind::Reference => Self::loss(logits, targets),
+                opts,
+            );
         }
+        let logits = self.head(x, precision.gemm);
+        let v = logits.dims()[2];
+        kernels::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]), z).mean()
     }
 }

@@ -8,17 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Distribution, FloatDType, Int, Tensor, TensorPrimitive};
 
-/// Where projections leave the statistics of their output gradients: a
-/// [`kernels::format_stats::FormatSink`]. Each tapped projection passes its output through
-/// [`kernels::format_probe`], whose backward measures the gradient as it flows past (largest
-/// magnitude, values below the format's smallest normal, non-finite values) without keeping it or
-/// changing the computation.
-pub type GradTaps = kernels::format_stats::FormatSink;
-
-/// A new, empty [`GradTaps`] sink.
-pub fn grad_taps() -> GradTaps {
-    kernels::format_stats::format_sink()
-}
+use crate::precision::Projection;
 
 /// `y = x W + b` with `W` stored as [d_in, d_out].
 #[derive(Module, Debug)]
@@ -27,17 +17,6 @@ pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     /// [d_out]
     pub bias: Option<Param<Tensor<B, 1>>>,
-    /// Run the layer's GEMMs in FP8 ([`Linear::forward_mixed`]); set on a compute copy by the FP8
-    /// recipe, never saved.
-    #[module(skip)]
-    pub fp8: Option<kernels::Fp8LinearConfig>,
-    /// When set (with [`Linear::fp8`]), the FP8 health of the layer's input and output gradient is
-    /// recorded there (see `kernels::fp8_linear_probed`).
-    #[module(skip)]
-    pub fp8_probe: Option<kernels::Fp8Probe>,
-    /// When set, [`Linear::forward_mixed`] probes its output's gradient (see [`GradTaps`]).
-    #[module(skip)]
-    pub grad_tap: Option<kernels::FormatProbe>,
 }
 
 impl<B: Backend> Linear<B> {
@@ -48,9 +27,6 @@ impl<B: Backend> Linear<B> {
         Self {
             weight: Param::from_tensor(weight),
             bias,
-            fp8: None,
-            fp8_probe: None,
-            grad_tap: None,
         }
     }
 
@@ -88,20 +64,6 @@ impl<B: Backend> Linear<B> {
         Self {
             weight: copy(&self.weight, dtype, cached),
             bias: self.bias.as_ref().map(|b| copy(b, dtype, cached)),
-            fp8: self.fp8,
-            fp8_probe: self.fp8_probe.clone(),
-            grad_tap: self.grad_tap.clone(),
-        }
-    }
-
-    /// `y` with [`Linear::grad_tap`]'s probe on its gradient, or `y` when the layer has none.
-    fn tapped<const D: usize>(&self, y: Tensor<B, D>) -> Tensor<B, D>
-    where
-        B: kernels::Backend,
-    {
-        match &self.grad_tap {
-            Some(probe) => kernels::format_probe(y, probe),
-            None => y,
         }
     }
 
@@ -114,40 +76,54 @@ impl<B: Backend> Linear<B> {
 }
 
 impl<B: kernels::Backend> Linear<B> {
-    /// [`Linear::forward`] with its GEMMs on `gemm` (`Burn` is exactly [`Linear::forward`]), or in
-    /// FP8 when [`Linear::fp8`] is set. The bias is added in the weight's dtype. A layer with a
-    /// [`Linear::grad_tap`] probes its output's gradient.
+    /// [`Linear::forward`] with its GEMMs on `gemm` (`Burn` is exactly [`Linear::forward`]). The
+    /// bias is added in the weight's dtype.
     pub fn forward_mixed<const D: usize>(
         &self,
         x: Tensor<B, D>,
         gemm: kernels::Gemm,
     ) -> Tensor<B, D> {
-        let y = self.forward_untapped(x, gemm);
-        self.tapped(y)
+        if gemm == kernels::Gemm::Burn {
+            return self.forward(x);
+        }
+        let y = kernels::linear(x, self.weight.val(), gemm);
+        match &self.bias {
+            Some(b) => y + b.val().unsqueeze(),
+            None => y,
+        }
     }
 
-    fn forward_untapped<const D: usize>(
+    /// The layer as a projection of a forward of some [`crate::Precision`]: in FP8 when it says
+    /// so (recording the FP8 health of the operands into its probe), else
+    /// [`Linear::forward_mixed`]; with a probe on the output's gradient when it has one.
+    pub(crate) fn forward_projection<const D: usize>(
         &self,
         x: Tensor<B, D>,
-        gemm: kernels::Gemm,
+        p: &Projection,
     ) -> Tensor<B, D> {
-        let Some(cfg) = &self.fp8 else {
-            if gemm == kernels::Gemm::Burn {
-                return self.forward(x);
-            }
-            let y = kernels::linear(x, self.weight.val(), gemm);
-            return match &self.bias {
-                Some(b) => y + b.val().unsqueeze(),
-                None => y,
-            };
+        let y = match &p.fp8 {
+            Some(cfg) => self.forward_fp8(x, cfg, p.fp8_probe.as_ref()),
+            None => self.forward_mixed(x, p.gemm),
         };
+        match &p.grad_probe {
+            Some(probe) => kernels::format_probe(y, probe),
+            None => y,
+        }
+    }
+
+    /// The GEMMs in FP8 (`kernels::fp8_linear_probed`), the bias added in the weight's dtype.
+    fn forward_fp8<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        cfg: &kernels::Fp8LinearConfig,
+        probe: Option<&kernels::Fp8Probe>,
+    ) -> Tensor<B, D> {
         let dims = x.dims();
         let d_in = dims[D - 1];
         let rows = dims[..D - 1].iter().product::<usize>();
         let w = self.weight.val();
         let d_out = w.dims()[1];
-        let y =
-            kernels::fp8_linear_probed(x.reshape([rows, d_in]), w, cfg, self.fp8_probe.as_ref());
+        let y = kernels::fp8_linear_probed(x.reshape([rows, d_in]), w, cfg, probe);
         let y = match &self.bias {
             Some(b) => y + b.val().unsqueeze::<2>(),
             None => y,

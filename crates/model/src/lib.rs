@@ -29,6 +29,8 @@ pub mod config;
 pub mod dtype;
 pub mod gpt;
 pub mod layers;
+pub mod precision;
 
 pub use config::{AttentionKind, GemmKind, GptConfig, HeadLossKind, KernelsKind, MlpKind};
 pub use gpt::{Gpt, KvCache};
+pub use precision::{GradFormat, Precision, Probes};

@@ -376,6 +376,9 @@ pub struct Resolved {
     /// Every device-dependent `"auto"` decided.
     pub config: Config,
     pub recipe: crate::precision::Recipe,
+    /// The forwards' precision from the recipe: compute dtype, GEMM engine (resolved for the
+    /// device), FP8 projections; no probes (a measuring step adds its own).
+    pub precision: model::Precision,
     /// The CUDA GPUs `training.devices` names, rank 0 first (several: a data-parallel run); empty
     /// for `training.devices = 1`, the run's own device.
     pub ranks: Vec<usize>,
@@ -385,7 +388,7 @@ impl Config {
     /// The config with each device-dependent `"auto"` resolved for `device`: `precision` (bf16 on
     /// CUDA, fp32 elsewhere), `model.kernels` (fused on a GPU, the plain-Burn references on the CPU
     /// backend) and `model.attention` (flash on a GPU, plain on the CPU backend).
-    /// `model.gemm = "auto"` is resolved per tensor by `kernels::gemm`.
+    /// `model.gemm = "auto"` is resolved in [`Resolved::precision`].
     pub fn for_device(&self, device: &crate::device::Selected) -> Config {
         use crate::device::Selected;
         use model::{AttentionKind, KernelsKind};
@@ -615,9 +618,17 @@ impl Config {
             }
             ranks
         };
+        let precision = model::Precision {
+            fp8: recipe.fp8_linear(),
+            ..model::Precision::new(
+                recipe.compute_dtype(),
+                gemm_engine(config.model.gemm, device),
+            )
+        };
         Ok(Resolved {
             config,
             recipe,
+            precision,
             ranks,
         })
     }
@@ -716,4 +727,19 @@ pub fn apply_override(root: &mut toml::Table, ov: &str) -> Result<()> {
     }
     table.insert(parts[parts.len() - 1].to_string(), value);
     Ok(())
+}
+
+/// The GEMM engine `gemm` names on `device`: "auto" is cuBLASLt on CUDA where the library loads,
+/// Burn's matmul elsewhere (what `kernels::Gemm::Auto` would choose for every tensor).
+fn gemm_engine(gemm: model::GemmKind, device: &crate::device::Selected) -> kernels::Gemm {
+    use crate::device::Selected;
+    match (gemm, device) {
+        (model::GemmKind::Burn, _) => kernels::Gemm::Burn,
+        (model::GemmKind::Cublaslt, _) => kernels::Gemm::CublasLt,
+        (model::GemmKind::Auto, Selected::Cuda { .. }) => match kernels::gemm::cublaslt_status() {
+            Ok(_) => kernels::Gemm::CublasLt,
+            Err(_) => kernels::Gemm::Burn,
+        },
+        (model::GemmKind::Auto, Selected::Wgpu | Selected::Cpu) => kernels::Gemm::Burn,
+    }
 }

@@ -86,12 +86,23 @@ pub fn read<B: Backend>(named: Vec<(String, Pending<B>)>) -> Vec<LayerHealth> {
 /// is 0.
 pub struct Probes {
     /// Where the FP8 projections record their inputs' and output gradients' health.
-    pub fp8: Option<kernels::fp8::HealthSink>,
+    pub fp8: Option<kernels::ProbeSink>,
     /// Where the fp16/bf16 projections leave their output gradients' statistics.
-    pub taps: Option<model::layers::GradTaps>,
+    pub taps: Option<kernels::ProbeSink>,
 }
 
 impl Probes {
+    /// The model's part of these probes, measured against `dtype`'s smallest normal number.
+    pub fn for_model(&self, dtype: FloatDType) -> model::Probes {
+        model::Probes {
+            fp8_health: self.fp8.clone(),
+            grad_format: self.taps.clone().map(|sink| model::GradFormat {
+                sink,
+                min_normal: limits(dtype).0,
+            }),
+        }
+    }
+
     pub fn for_step(recipe: &Recipe, cfg: &Config, step: u64) -> Self {
         let due =
             |interval: u64| interval > 0 && ((step + 1).is_multiple_of(interval) || step == 0);
@@ -101,10 +112,10 @@ impl Probes {
         };
         match recipe {
             Recipe::Fp8(r) if due(r.fp8.health_interval) => {
-                p.fp8 = Some(std::sync::Arc::new(std::sync::Mutex::new(Vec::new())));
+                p.fp8 = Some(kernels::probe_sink());
             }
             Recipe::Fp16(_) | Recipe::Bf16(_) if due(cfg.training.numerics_interval) => {
-                p.taps = Some(model::layers::grad_taps());
+                p.taps = Some(kernels::probe_sink());
             }
             _ => {}
         }
@@ -120,7 +131,7 @@ pub fn fp8_health<B: crate::TrainBackend>(
     model: &Gpt<B>,
     dtype: FloatDType,
     cfg: &kernels::Fp8LinearConfig,
-    probe: &kernels::fp8::HealthSink,
+    probe: &kernels::ProbeSink,
 ) -> Vec<LayerHealth> {
     let health = |layer: String, h: kernels::Fp8Health| LayerHealth {
         layer,
@@ -140,13 +151,13 @@ pub fn fp8_health<B: crate::TrainBackend>(
             )
         })
         .collect();
-    let recorded = std::mem::take(&mut *probe.lock().unwrap_or_else(|e| e.into_inner()));
+    let recorded = kernels::probe::take::<kernels::PendingHealth>(probe);
     let mut all: Vec<LayerHealth> = weights
         .into_iter()
         .map(|(layer, h)| health(layer, h.resolve()))
         .collect();
     let mut seen = HashSet::new();
-    for (layer, h) in recorded {
+    for (layer, h, _) in recorded {
         if seen.insert(layer.clone()) {
             all.push(health(layer, h.resolve()));
         }

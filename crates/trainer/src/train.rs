@@ -136,6 +136,8 @@ struct Session<'a, B: crate::TrainBackend> {
     scaler: LossScaler,
     recipe: Recipe,
     compute_dtype: FloatDType,
+    /// The GEMM engine, resolved for the device.
+    gemm: kernels::Gemm,
     fp8_linear: Option<kernels::Fp8LinearConfig>,
     log: Logger,
     /// `training.steps`: where the schedule ends.
@@ -178,7 +180,7 @@ struct StepOutcome {
     /// fp16/bf16 numerics steps: the gradients' numerics.
     numerics: Option<Vec<LayerHealth>>,
     /// FP8 health steps: what the projections recorded while quantizing.
-    fp8_probe: Option<kernels::fp8::HealthSink>,
+    fp8_probe: Option<kernels::ProbeSink>,
 }
 
 impl<'a, B: crate::TrainBackend> Session<'a, B> {
@@ -270,6 +272,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             fp8_linear: recipe.fp8_linear(),
             recipe,
             compute_dtype,
+            gemm: run.precision.gemm,
             log: Logger {
                 console,
                 metrics,
@@ -382,7 +385,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         );
         let probes = Probes::for_step(&self.recipe, cfg, step);
         let ctx = self.ctx();
-        let mut compute = ctx.compute_copy(&model, &self.opt, &probes);
+        let mut compute = ctx.compute_copy(&model, &self.opt);
         compute.set_dropout_seed(
             SplitMix64::for_stream(cfg.seed, KERNEL_DROPOUT_STREAM, step).next_u64(),
         );
@@ -469,6 +472,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             cfg: self.cfg,
             data: &self.data,
             compute_dtype: self.compute_dtype,
+            gemm: self.gemm,
             fp8_linear: self.fp8_linear,
         }
     }
@@ -500,10 +504,13 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             || (cfg.training.eval_interval > 0
                 && done.is_multiple_of(cfg.training.eval_interval as u64));
         let val_loss = eval_now.then(|| {
+            let precision = model::Precision {
+                fp8: self.fp8_linear,
+                ..model::Precision::new(self.compute_dtype, self.gemm)
+            };
             evaluate(
-                &model
-                    .compute_copy(self.compute_dtype)
-                    .with_fp8(self.fp8_linear),
+                &model.compute_copy(self.compute_dtype),
+                &precision,
                 &self.data,
                 cfg,
             )
@@ -669,6 +676,7 @@ struct StepCtx<'a> {
     cfg: &'a Config,
     data: &'a Dataset,
     compute_dtype: FloatDType,
+    gemm: kernels::Gemm,
     fp8_linear: Option<kernels::Fp8LinearConfig>,
 }
 
@@ -694,15 +702,20 @@ impl StepCtx<'_> {
         &self,
         model: &Gpt<B>,
         opt: &AdamW<B::InnerBackend>,
-        probes: &Probes,
     ) -> Gpt<B> {
-        model
-            .compute_copy_with(self.compute_dtype, &|id| {
-                opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
-            })
-            .with_fp8(self.fp8_linear)
-            .with_fp8_probe(probes.fp8.clone())
-            .with_grad_taps(probes.taps.clone(), numerics::limits(self.compute_dtype).0)
+        model.compute_copy_with(self.compute_dtype, &|id| {
+            opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
+        })
+    }
+
+    /// The precision of this step's forwards: the recipe's, with the step's probes.
+    fn precision(&self, probes: &Probes) -> model::Precision {
+        model::Precision {
+            dtype: self.compute_dtype,
+            gemm: self.gemm,
+            fp8: self.fp8_linear,
+            probes: probes.for_model(self.compute_dtype),
+        }
     }
 
     /// Forward and backward of the step's `training.grad_accum` micro-batches: their gradients
@@ -763,7 +776,7 @@ impl StepCtx<'_> {
                 rank.device,
             ),
         };
-        let loss = compute.forward_loss(x, y);
+        let loss = compute.forward_loss_in(x, y, &self.precision(probes));
         model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
         let l = loss.clone().inner();
         micro.loss_sum = Some(match micro.loss_sum.take() {
@@ -987,7 +1000,12 @@ fn human(x: f64) -> String {
 }
 
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
-pub fn evaluate<B: crate::TrainBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Config) -> f64 {
+pub fn evaluate<B: crate::TrainBackend>(
+    model: &Gpt<B>,
+    precision: &model::Precision,
+    data: &Dataset,
+    cfg: &Config,
+) -> f64 {
     let m = model.valid();
     let inner_device = m.wte.weight.val().device();
     let mut total: Option<Tensor<B::InnerBackend, 1>> = None;
@@ -1000,7 +1018,7 @@ pub fn evaluate<B: crate::TrainBackend>(model: &Gpt<B>, data: &Dataset, cfg: &Co
             &inner_device,
         );
         // Plain cross-entropy, without the z-loss term, so that runs compare whatever their z_loss.
-        let l = m.forward_loss_with(x, y, 0.0);
+        let l = m.forward_loss_with(x, y, precision, 0.0);
         total = Some(match total {
             Some(t) => t + l,
             None => l,

@@ -8,7 +8,8 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
-use super::{FormatProbe, FormatRecord, FormatStatsOps};
+use super::{FormatProbe, FormatStatsOps};
+use crate::probe::{record, Sample};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 #[derive(Debug)]
@@ -26,15 +27,12 @@ impl<B: FormatStatsOps> Backward<B, 1> for FormatProbeBackward {
             dy.clone(),
             probe.min_normal,
         )));
-        probe
-            .sink
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(FormatRecord {
-                name: probe.name,
-                rows: Box::new(rows),
-                elements,
-            });
+        let sample = Sample {
+            name: probe.name,
+            value: Box::new(rows),
+            elements,
+        };
+        record(&probe.sink, sample);
         if let Some(node) = parent {
             grads.register::<B>(node.id, dy);
         }

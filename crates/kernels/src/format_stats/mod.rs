@@ -9,7 +9,7 @@
 //!
 //! [`crate::format_probe`] measures a gradient as the backward produces it: the identity in the
 //! forward, whose backward node takes the statistics of the gradient flowing through it into a
-//! [`FormatSink`] and passes the gradient on unchanged, so nothing is kept for later.
+//! [`ProbeSink`](crate::probe::ProbeSink) and passes the gradient on unchanged, so nothing is kept for later.
 
 mod backward;
 pub(crate) mod forward;
@@ -18,7 +18,6 @@ pub(crate) mod kernel;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor};
-use std::sync::{Arc, Mutex};
 
 /// Columns of a partial row: `[amax, below normal, nonzero, not finite]`.
 pub const COLUMNS: usize = 4;
@@ -89,46 +88,22 @@ pub fn reference<B: BurnBackend>(x: Tensor<B, 2>, min_normal: f64) -> Tensor<B, 
     .reshape([1, COLUMNS as i32])
 }
 
-/// What a [`crate::format_probe`] recorded in a backward: the probe's name, the gradient's partial
-/// rows ([`crate::format_stats`], a `Tensor<B, 2>` of the non-autodiff backend, stored type-erased)
-/// and its element count.
-#[derive(Debug)]
-pub struct FormatRecord {
-    pub name: String,
-    pub rows: Box<dyn std::any::Any + Send>,
-    pub elements: usize,
-}
-
-/// Where [`crate::format_probe`]s leave their records, in the order the backward reaches them.
-pub type FormatSink = Arc<Mutex<Vec<FormatRecord>>>;
-
-/// A new, empty [`FormatSink`].
-pub fn format_sink() -> FormatSink {
-    Arc::new(Mutex::new(Vec::new()))
-}
-
 /// A probe on a tensor's gradient: its name in the records, the smallest normal number of the
 /// format it is judged against, and the sink.
 #[derive(Clone, Debug)]
 pub struct FormatProbe {
     pub name: String,
     pub min_normal: f64,
-    pub sink: FormatSink,
+    pub sink: crate::probe::ProbeSink,
 }
 
-/// Empties `sink`, returning its records of backend `B` (the backend without autodiff) as
-/// `(name, partial rows, elements)`, in the order the backward made them.
-pub fn take_records<B: BurnBackend>(sink: &FormatSink) -> Vec<(String, Tensor<B, 2>, usize)> {
-    let records = std::mem::take(&mut *sink.lock().unwrap_or_else(|e| e.into_inner()));
-    records
-        .into_iter()
-        .filter_map(|r| {
-            r.rows
-                .downcast::<Tensor<B, 2>>()
-                .ok()
-                .map(|t| (r.name, *t, r.elements))
-        })
-        .collect()
+/// Takes the gradient records of [`crate::format_probe`] out of `sink` (those of backend `B`, the
+/// backend without autodiff) as `(name, partial rows, elements)`, in the order the backward made
+/// them; other samples stay.
+pub fn take_records<B: BurnBackend>(
+    sink: &crate::probe::ProbeSink,
+) -> Vec<(String, Tensor<B, 2>, usize)> {
+    crate::probe::take::<Tensor<B, 2>>(sink)
 }
 
 /// Format statistics on a backend ([`crate::format_stats`]). The default runs [`reference`];

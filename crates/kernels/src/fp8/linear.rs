@@ -66,25 +66,26 @@ impl Fp8LinearConfig {
     }
 }
 
-/// Where FP8 health samples go: `(name, health)` entries, appended as they are measured; each
-/// health stays on the device until [`PendingHealth::resolve`] reads it.
-pub type HealthSink = std::sync::Arc<std::sync::Mutex<Vec<(String, PendingHealth)>>>;
-
-/// A layer's handle on a [`HealthSink`]: [`fp8_linear_probed`] records its input as `{name}.input`
-/// and, under `Autodiff`, its output gradient as `{name}.grad_output`, each as the GEMM that
-/// consumes it quantizes it.
+/// A layer's handle on a [`ProbeSink`](crate::probe::ProbeSink): [`fp8_linear_probed`] records
+/// the FP8 health of its input as `{name}.input` and, under `Autodiff`, of its output gradient as
+/// `{name}.grad_output`, each as the GEMM that consumes it quantizes it: a [`PendingHealth`] that
+/// stays on the device until [`PendingHealth::resolve`] reads it (take them with
+/// `kernels::probe::take::<PendingHealth>`).
 #[derive(Clone, Debug)]
 pub struct Fp8Probe {
     pub name: String,
-    pub sink: HealthSink,
+    pub sink: crate::probe::ProbeSink,
 }
 
 impl Fp8Probe {
     pub(crate) fn record<B: Fp8Ops + GemmOps>(&self, what: &str, x: Tensor<B, 2>, spec: QuantSpec) {
-        let health = fp8_health_pending(x, spec);
-        if let Ok(mut sink) = self.sink.lock() {
-            sink.push((format!("{}.{what}", self.name), health));
-        }
+        let elements = x.shape().num_elements();
+        let sample = crate::probe::Sample {
+            name: format!("{}.{what}", self.name),
+            value: Box::new(fp8_health_pending(x, spec)),
+            elements,
+        };
+        crate::probe::record(&self.sink, sample);
     }
 }
 

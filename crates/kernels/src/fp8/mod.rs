@@ -53,7 +53,7 @@ pub use format::{Fp8Format, Fp8Granularity, QuantSpec, TILE};
 pub(crate) use gemm::mma_shape;
 pub use gemm::{fp8_gemm, fp8_gemm_on, fp8_gemm_path};
 pub use health::{fp8_health, fp8_health_pending, Fp8Health, PendingHealth};
-pub use linear::{fp8_linear, fp8_linear_probed, Fp8LinearConfig, Fp8Probe, HealthSink};
+pub use linear::{fp8_linear, fp8_linear_probed, Fp8LinearConfig, Fp8Probe};
 pub use mma::MmaShape;
 pub use path::{Fp8GemmPath, Fp8PairPath};
 pub(crate) use tensor::{f32_values, words_of};

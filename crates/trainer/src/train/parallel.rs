@@ -136,6 +136,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
                     cfg: session.cfg.clone(),
                     data: session.data.clone(),
                     compute_dtype: session.compute_dtype,
+                    gemm: session.gemm,
                     fp8_linear: session.fp8_linear,
                     ids: ids.clone(),
                     device: devices[rank].clone(),
@@ -293,6 +294,7 @@ struct Own<B: crate::TrainBackend> {
     cfg: crate::config::Config,
     data: Arc<crate::data::Dataset>,
     compute_dtype: burn::tensor::FloatDType,
+    gemm: kernels::Gemm,
     fp8_linear: Option<kernels::Fp8LinearConfig>,
     ids: Vec<DeviceId>,
     device: B::Device,
@@ -352,6 +354,7 @@ impl<B: crate::TrainBackend> Own<B> {
                             cfg: &self.cfg,
                             data: &self.data,
                             compute_dtype: self.compute_dtype,
+                            gemm: self.gemm,
                             fp8_linear: self.fp8_linear,
                         },
                         ids: &self.ids,
@@ -448,7 +451,7 @@ impl RankStep<'_> {
             device,
             SplitMix64::for_stream(cfg.seed, 3, index).next_u64(),
         );
-        let mut compute = self.ctx.compute_copy(&model, opt, probes);
+        let mut compute = self.ctx.compute_copy(&model, opt);
         compute.set_dropout_seed(
             SplitMix64::for_stream(cfg.seed, super::KERNEL_DROPOUT_STREAM, index).next_u64(),
         );
@@ -570,6 +573,7 @@ impl<B: crate::TrainBackend> Session<'_, B> {
                 cfg,
                 data: &self.data,
                 compute_dtype: self.compute_dtype,
+                gemm: self.gemm,
                 fp8_linear: self.fp8_linear,
             },
             ids: &ranks.ids,

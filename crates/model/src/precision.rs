@@ -1,0 +1,100 @@
+//! How a forward computes, as one value: the compute dtype, the GEMM engine, the FP8 projections
+//! and what a measuring step records. The trainer resolves it once per run from its precision
+//! recipe (nothing in it says "auto") and passes it to every training forward
+//! ([`crate::Gpt::forward_loss_in`]); [`crate::Gpt::precision`] gives a model's own.
+
+use burn::tensor::FloatDType;
+use kernels::ProbeSink;
+
+/// A forward's precision.
+#[derive(Clone, Debug)]
+pub struct Precision {
+    /// Dtype of the matmuls and activations: the compute copy's ([`crate::Gpt::compute_copy`]).
+    pub dtype: FloatDType,
+    /// The engine of the projections' and the LM head's GEMMs.
+    pub gemm: kernels::Gemm,
+    /// When set, the attention and MLP projections run their GEMMs in FP8 (the embedding, the LM
+    /// head, the norms and attention do not).
+    pub fp8: Option<kernels::Fp8LinearConfig>,
+    /// What this forward measures.
+    pub probes: Probes,
+}
+
+/// What a forward records, by projection (`blocks.N.attn.qkv`, `blocks.N.mlp.proj`, ...): all into
+/// sinks of one type, [`ProbeSink`].
+#[derive(Clone, Debug, Default)]
+pub struct Probes {
+    /// The FP8 projections record the FP8 health of their input (`{name}.input`) and, in the
+    /// backward, of their output gradient (`{name}.grad_output`): `kernels::fp8::PendingHealth`
+    /// samples.
+    pub fp8_health: Option<ProbeSink>,
+    /// Every projection's output gradient is measured in the backward (`{name}`), against a format
+    /// whose smallest normal number is `min_normal`: `kernels::format_probe` samples.
+    pub grad_format: Option<GradFormat>,
+}
+
+/// Where and against what the gradients' format statistics are taken.
+#[derive(Clone, Debug)]
+pub struct GradFormat {
+    pub sink: ProbeSink,
+    pub min_normal: f64,
+}
+
+impl Precision {
+    /// `dtype` and `gemm`, without FP8 or probes.
+    pub fn new(dtype: FloatDType, gemm: kernels::Gemm) -> Self {
+        Self {
+            dtype,
+            gemm,
+            fp8: None,
+            probes: Probes::default(),
+        }
+    }
+
+    /// The part of this precision that projection `path` of block `layer` runs with (probes
+    /// named `blocks.{layer}.{path}`).
+    pub(crate) fn projection(&self, layer: usize, path: &str) -> Projection {
+        let name = || format!("blocks.{layer}.{path}");
+        Projection {
+            gemm: self.gemm,
+            fp8: self.fp8,
+            fp8_probe: match (&self.fp8, &self.probes.fp8_health) {
+                (Some(_), Some(sink)) => Some(kernels::Fp8Probe {
+                    name: name(),
+                    sink: sink.clone(),
+                }),
+                _ => None,
+            },
+            grad_probe: self
+                .probes
+                .grad_format
+                .as_ref()
+                .map(|g| kernels::FormatProbe {
+                    name: name(),
+                    min_normal: g.min_normal,
+                    sink: g.sink.clone(),
+                }),
+        }
+    }
+}
+
+/// How one projection runs: its GEMM engine, FP8 with its health probe, and the probe on its
+/// output gradient.
+pub(crate) struct Projection {
+    pub gemm: kernels::Gemm,
+    pub fp8: Option<kernels::Fp8LinearConfig>,
+    pub fp8_probe: Option<kernels::Fp8Probe>,
+    pub grad_probe: Option<kernels::FormatProbe>,
+}
+
+impl Projection {
+    /// GEMMs on `gemm`, nothing else.
+    pub fn plain(gemm: kernels::Gemm) -> Self {
+        Self {
+            gemm,
+            fp8: None,
+            fp8_probe: None,
+            grad_probe: None,
+        }
+    }
+}
