@@ -1,6 +1,6 @@
 //! FP8 quantizer, GEMM and linear layer on wgpu (lavapipe in CI), plus the CPU reference codec
 //! against an independent implementation (the `float8` crate, a port of CUDA's conversions).
-//! The same kernel cases run on CUDA in `tests/cuda_kernels.rs`.
+//! The same kernel cases run on CUDA in `tests/cuda/kernels.rs`.
 
 mod common;
 mod fp8_cases;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# FlashAttention measurements on a GPU machine, with binaries staged by `gpu-stage` in .gpu/
-# (`--bins "train attention_bench" --tests "cuda_kernels"`).
+# FlashAttention measurements on a GPU machine, with binaries staged in .gpu/ (see Needs below;
+# `gpu-stage --bins "train attention_bench" --tests cuda`).
 #
 #   tools/attention_runs.sh all [STEPS]  # one after another, alone on the GPU: the staged CUDA
 #                                        # tests, attention_bench (bf16; memory at S=16384), then
@@ -10,6 +10,15 @@
 #
 # Runs in the background (setsid) and touches logs/all.done at the end. Runs and logs live in
 # $ATTN_WORK (default /tmp/attention), linked from .gpu/, so re-staging .gpu/ does not delete them.
+#
+# Needs: .gpu/ at the repository root, laid out as the staging tool `gpu-stage` (not in this
+# repository) writes it: payload.tgz holding bin/ (train, attention_bench, the test binaries),
+# configs/ and data/, and run.sh, which runs the staged test binaries with --include-ignored.
+# Nothing in this repository makes .gpu/ (`tools/cuda-suite --stage` packs only the CUDA test
+# binary, in another layout), so without gpu-stage the script does not run as it is. By hand:
+# `cargo build --release --bins`, copy train and attention_bench to .gpu/bin/ and configs/ to
+# .gpu/configs/, and run `all` with NOTESTS=1 (there is no run.sh; run the CUDA suite with
+# tools/cuda-suite).
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top/.gpu"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# shakespeare_char for every model path on one GPU, with binaries staged by `gpu-stage` in .gpu/.
+# shakespeare_char for every model path on one GPU, with `train` staged in .gpu/ (see Needs below).
 #
 #   tools/model_matrix_runs.sh matrix [OUTDIR]  # 300 steps, bf16, every kernels x attention
 #                                               # combination side by side (flash needs dropout 0,
@@ -13,6 +13,13 @@
 # Runs in the foreground; each run's log and a table (validation loss at every evaluation, best
 # validation loss, median tokens/s) go to OUTDIR (default ./matrix-out). Runs that share the GPU
 # slow each other down: the tokens/s here are not speed figures.
+#
+# Needs: .gpu/ at the repository root, laid out as the staging tool `gpu-stage` (not in this
+# repository) writes it: payload.tgz holding bin/train, configs/ and data/tinyshakespeare.txt.
+# Nothing in this repository makes .gpu/ (`tools/cuda-suite --stage` packs only the CUDA test
+# binary, in another layout), so without gpu-stage the script does not run as it is. By hand:
+# `cargo build --release --bin train`, copy it to .gpu/bin/, configs/ to .gpu/configs/ and the
+# text to .gpu/data/tinyshakespeare.txt.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top/.gpu"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Precision-recipe measurements on a GPU machine, with binaries staged by `gpu-stage` in .gpu/.
+# Precision-recipe measurements on a GPU machine, with binaries staged in .gpu/ (see Needs below).
 #
 #   tools/precision_runs.sh quality [RUN...]  # shakespeare_char to step 2500, the runs side by side,
 #                                             # plus the CUDA test binary unless NOTESTS=1. RUN is
@@ -16,6 +16,15 @@
 # shakespeare_char's schedule ends at schedule.decay_steps = 5000 whatever training.steps is, so a
 # run stopped at 2500 (--stop-at) follows the full run's trajectory; its best validation loss comes
 # at about step 1500-1750.
+#
+# Needs: .gpu/ at the repository root, laid out as the staging tool `gpu-stage` (not in this
+# repository) writes it: payload.tgz holding bin/ (train, the test binaries), configs/ and
+# data/tinyshakespeare.txt, and run.sh, which runs the staged test binaries with
+# --include-ignored (`quality` runs it unless NOTESTS=1). Nothing in this repository makes .gpu/
+# (`tools/cuda-suite --stage` packs only the CUDA test binary, in another layout), so without
+# gpu-stage the script does not run as it is. By hand: `cargo build --release --bin train`, copy
+# it to .gpu/bin/, configs/ to .gpu/configs/ and the text to .gpu/data/tinyshakespeare.txt, and
+# run `quality` with NOTESTS=1 (there is no run.sh; run the CUDA suite with tools/cuda-suite).
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top/.gpu"

@@ -1,4 +1,4 @@
-//! FP8 cases shared by `tests/fp8.rs` (wgpu / lavapipe) and `tests/cuda_kernels.rs` (CUDA).
+//! FP8 cases shared by `tests/fp8.rs` (wgpu / lavapipe) and `tests/cuda/kernels.rs` (CUDA).
 #![allow(dead_code)]
 
 use burn::tensor::backend::AutodiffBackend;

@@ -1,5 +1,5 @@
 //! Model-equivalence cases shared by the wgpu tests (`tests/fused_model.rs`) and the CUDA tests
-//! (`tests/cuda_model.rs`): every `kernels` x `attention` x MLP combination of the model against
+//! (`tests/cuda/model.rs`): every `kernels` x `attention` x MLP combination of the model against
 //! the reference model (`kernels = "reference"`, `attention = "plain"`), at awkward shapes.
 //!
 //! **Loss and gradients.** For one batch and one set of weights, three runs:

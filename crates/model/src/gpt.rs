@@ -91,7 +91,8 @@ impl<B: kernels::Backend> Attention<B> {
                 // The kernel reads q and k strided out of the projection and writes each to its own
                 // dense tensor. Rotating both in one launch and chunking the result would hand the
                 // attention matmuls views with a gap between batch entries, which Burn 0.21's CUDA
-                // matmul multiplies wrongly (docs/results.md, 2026-11-23, the fused + plain fault).
+                // matmul multiplies wrongly (docs/results/2026-11-23-late.md, "shakespeare_char on
+                // CUDA (H200): the matrix and the bar", the fused + plain fault).
                 let q = kernels::rope(
                     qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]),
                     cos.clone(),

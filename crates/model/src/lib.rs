@@ -22,8 +22,10 @@
 //!
 //! [`Gpt::compute_copy`] returns a copy whose linear layers hold BF16 or F16 weights; its forward
 //! runs the matmuls and the activations in that dtype and keeps the numerically sensitive parts in
-//! f32: the embedding lookup, RMSNorm statistics (with f32 gains), attention softmax, the logits
-//! and the loss. The model that created the copy keeps the f32 master weights.
+//! f32: the embedding lookup, RMSNorm statistics (with f32 gains), attention softmax, and the
+//! log-softmax and loss. The LM head's logits stay in the compute dtype (the loss reads them in
+//! f32; [`Gpt::forward`] returns them cast to f32). The model that created the copy keeps the f32
+//! master weights.
 
 pub mod config;
 pub mod dtype;

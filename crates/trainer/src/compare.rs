@@ -252,7 +252,7 @@ pub fn entry_state(dir: &Path, cfg: &Config) -> EntryState {
     }
 }
 
-/// Stability verdict of one run (defined in the README's `compare` section).
+/// Stability verdict of one run (defined in `docs/precision.md`, "Comparing recipes").
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Stability {
     /// "stable", "unstable" or "diverged".

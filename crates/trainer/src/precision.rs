@@ -1,8 +1,12 @@
 //! Precision recipes and loss scaling.
 //!
 //! A recipe says in which dtype a run computes. Whatever the recipe, the master weights, the AdamW
-//! moments, the gradients the optimizer sees, gradient accumulation and norms, the logits and the
-//! loss are f32; see the README's precision table for every op.
+//! moments, the update, gradient accumulation and the norm are f32, and so are the log-softmax and
+//! the loss. The gradients of the compute copy's weights stay in the compute dtype (bf16 or f16):
+//! the gradient norm and the AdamW step read them as they are and compute in f32, with
+//! `grad_accum` > 1 `kernels::add_as_f32` sums the micro-batches into f32, and several GPUs cast
+//! them to f32 for their mean. The LM head's logits are in the compute dtype. See
+//! `docs/precision.md` for every op.
 //!
 //! | recipe | matmuls and activations | loss scaling by default |
 //! |--------|-------------------------|-------------------------|

@@ -29,7 +29,8 @@
 //! their own, with P^T and dS^T passed through shared memory, so that every warp owns 32 keys and
 //! each B fragment feeds two MMAs (one row tile of 16 keys would hold 128 f32 accumulators a
 //! lane at hd 128). On an H100 at hd 128 the split layout is 3-13% faster than whole rows with
-//! the causal mask and 10-15% without it (docs/results.md, 2026-11-27 (final));
+//! the causal mask and 10-15% without it (docs/results/2026-11-27-final.md, "The hd 128
+//! backward's layouts, swept");
 //! `BURNMIX_FLASH_TILES=bwd=rows` or `bwd=split` chooses either at any head_dim.
 //!
 //! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores

@@ -14,7 +14,7 @@ pub const MAX_HEAD_DIM: usize = 256;
 const PLANES: usize = 4;
 /// Key/value buffers of the tensor-core forward unless [`MmaTiles`] says otherwise: each block is
 /// copied one block ahead of its use. Three buffers (two ahead) measured the same on an H100 (see
-/// docs/results.md, 2026-11-27 (day)) and would cost hd 128 its second cube per SM next to the
+/// docs/results/2026-11-27-day.md) and would cost hd 128 its second cube per SM next to the
 /// output's staging rows.
 const FWD_STAGES: usize = 2;
 
@@ -48,23 +48,24 @@ pub(crate) struct MmaTiles {
 }
 
 impl MmaTiles {
-    /// Defaults per head_dim and mask, from `attention_bench` sweeps (see docs/results.md,
-    /// 2026-11-23 (later), 2026-11-26 (late), 2026-11-27 and 2026-11-27 (final)). Two row tiles
-    /// per warp halve the shared-memory reads per MMA (see `mma/fragments.rs`); 32-key forward
-    /// blocks beat 16 (hd 128: 222 against 178 TFLOP/s on an H100) and matched 48 and 64 within
-    /// the run-to-run spread. Forward blocks: 128 keys at hd 64 (H100, three alternated runs,
-    /// 2026-11-27 (late)): 7-10% over 32 without a mask at S = 1024 to 8192, 4-10% with the
-    /// causal mask from S = 2048 on, equal at causal S = 1024; 64 and 96 fell between. At hd 128,
-    /// 32 keys: 48 and 64 lost 15-25% there (the score tile next to 128 output accumulators a
-    /// lane).
+    /// Defaults per head_dim and mask, from `attention_bench` sweeps (see docs/results/:
+    /// 2026-11-23-later.md, 2026-11-26-late.md, 2026-11-27.md, 2026-11-27-final.md). Two row
+    /// tiles per warp halve the shared-memory reads per MMA (see `mma/fragments.rs`); 32-key
+    /// forward blocks beat 16 (hd 128: 222 against 178 TFLOP/s on an H100) and matched 48 and 64
+    /// within the run-to-run spread. Forward blocks: 128 keys at hd 64 (H100, three alternated
+    /// runs, docs/results/2026-11-27-late.md): 7-10% over 32 without a mask at S = 1024 to 8192,
+    /// 4-10% with the causal mask from S = 2048 on, equal at causal S = 1024; 64 and 96 fell
+    /// between. At hd 128, 32 keys: 48 and 64 lost 15-25% there (the score tile next to 128
+    /// output accumulators a lane).
     ///
     /// **Backward at hd 128** (and other multiples of 32 but 64): FlashAttention-2's split warp
     /// layouts with dQ fused, 8-warp cubes of 128 keys (32 a warp), 64-query blocks, with either
-    /// mask. H100, 2026-11-27 (final): causal S = 4096 217-219 TFLOP/s against 192-194 for the
-    /// whole-row layout with the separate dQ kernel (the previous default), S = 1024 144-150
-    /// against 136-140; without the mask 248-251 against 217-218. The split layout's 4-warp
-    /// causal cubes lost (121-123 and 170-171). Other multiples of 16 keep the whole-row layout
-    /// with the separate dQ kernel (2 x 32) and dK/dV cubes of one row tile per warp.
+    /// mask. H100, docs/results/2026-11-27-final.md: causal S = 4096 217-219 TFLOP/s against
+    /// 192-194 for the whole-row layout with the separate dQ kernel (the previous default),
+    /// S = 1024 144-150 against 136-140; without the mask 248-251 against 217-218. The split
+    /// layout's 4-warp causal cubes lost (121-123 and 170-171). Other multiples of 16 keep the
+    /// whole-row layout with the separate dQ kernel (2 x 32) and dK/dV cubes of one row tile per
+    /// warp.
     ///
     /// **At hd 64** the fused dQ in the whole-row layout wins (193 against 177): 8 warps x 2 row
     /// tiles = 256 keys per cube, 32-query blocks; the split layout lost (causal S = 4096 188

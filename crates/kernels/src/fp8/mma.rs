@@ -2,13 +2,14 @@
 //! accumulators, per-tile scales applied when partial sums are promoted every 128 of K.
 //!
 //! Opt-in: it runs with `BURNMIX_FP8_GEMM=mma` (see [`crate::settings::Settings::fp8_gemm`]) or
-//! [`crate::fp8_gemm_on`]; `tests/cuda_kernels.rs::cuda_fp8_gemm_mma` checks it against the
+//! [`crate::fp8_gemm_on`]; `tests/cuda/kernels.rs::cuda_fp8_gemm_mma` checks it against the
 //! dequantize path (passes on an H100).
 //!
 //! **Speed:** on Hopper (sm_90) `mma.sync` with E4M3 operands is emulated by the compiler
 //! (operands converted to FP16, FP16 MMAs), so this kernel is ALU-bound at ~120 TFLOP/s on an H100
-//! (0.44x Burn's bf16 matmul at 8192^3; `docs/results.md`). Hopper's FP8 tensor cores need
-//! `wgmma`, which CubeCL 0.10 does not expose. The instruction is native on Ada (sm_89).
+//! (0.44x Burn's bf16 matmul at 8192^3; `docs/results/2026-11-23-night-fp8.md`). Hopper's FP8
+//! tensor cores need `wgmma`, which CubeCL 0.10 does not expose. The instruction is native on Ada
+//! (sm_89).
 //!
 //! **Cube shape** ([`MmaShape`]): `wm x wn` warps; each warp computes `16 mt` rows by `8 nt`
 //! columns, so a cube computes `BM = 16 mt wm` rows by `BN = 8 nt wn` columns. The default for the
