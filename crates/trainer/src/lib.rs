@@ -77,7 +77,7 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
             if let Err(why) = kernels::gemm::cublaslt_status() {
                 match run.config.model.gemm {
                     model::GemmKind::Cublaslt => anyhow::bail!("model.gemm = \"cublaslt\" but {why}. Use model.gemm = \"auto\" or \"burn\" to run on Burn's matmul"),
-                    model::GemmKind::Auto => eprintln!("note: model.gemm = \"auto\": {why}; the GEMMs run on Burn's matmul (slower; see README, GEMMs)"),
+                    model::GemmKind::Auto => eprintln!("note: model.gemm = \"auto\": {why}; the GEMMs run on Burn's matmul (slower; see docs/gemm.md)"),
                     model::GemmKind::Burn => {}
                 }
             }
