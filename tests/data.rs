@@ -198,7 +198,7 @@ fn ranks_read_disjoint_rows_that_make_up_the_doubled_batch() {
 
 #[test]
 fn zero_partition_balances_the_ranks_and_depends_only_on_the_sizes() {
-    use trainer::zero::partition;
+    use trainer::parallel::zero::partition;
     // GPT-2 small's shapes: the embedding, then per layer qkv, out, up, down and two gains.
     let mut sizes = vec![50304 * 768];
     for _ in 0..12 {

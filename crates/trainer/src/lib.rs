@@ -17,10 +17,9 @@ pub mod resume;
 pub mod rng;
 pub mod sample;
 pub mod schedule;
+mod step;
 pub mod tokenizer;
 pub mod train;
-pub mod watchdog;
-pub mod zero;
 
 use anyhow::Result;
 use burn::backend::cuda::CudaDevice;

@@ -1,39 +1,38 @@
 //! The training loop, generic over the autodiff backend.
 //!
 //! [`train`] is the loop: [`Session::open`] sets the run up (or resumes it), then every step is
-//! [`Session::step`] (forward and backward of the compute copy, loss scaling, the update) and
-//! [`Session::finish_step`] (evaluation, metrics, log lines, checkpoint); [`Session::close`]
-//! writes the summary.
+//! [`Session::step`] (every rank's part of it, `crate::step`, then the loss scaler's verdict,
+//! [`Session::settle`]) and [`Session::finish_step`] (evaluation, metrics, log lines,
+//! checkpoint); [`Session::close`] writes the summary. One device and several train through the
+//! same step: one device is a data-parallel group of one (`crate::parallel::group`).
 
 use std::collections::HashSet;
-use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use burn::module::AutodiffModule;
-use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use model::Gpt;
 use serde::Serialize;
 
-mod parallel;
+mod log;
 
+use self::log::{human, progress_bar, Console, Logger};
 use crate::checkpoint;
 use crate::config::{Config, Resolved};
 use crate::data::Dataset;
 use crate::fsutil::write_atomic;
 use crate::metrics::{LayerHealth, Metrics, StepRecord};
 use crate::numerics::{self, Probes};
-use crate::optim::{accumulate_grads, grads_to_f32, poison_grads, AdamW};
+use crate::optim::AdamW;
+use crate::parallel::group::Group;
+use crate::parallel::watchdog::Watch;
 use crate::precision::{LossScaler, Recipe, Verdict};
-use crate::rng::SplitMix64;
 use crate::schedule::lr_at;
-
-/// The random stream of the dropout masks drawn inside the kernels (stream 3 seeds Burn's).
-const KERNEL_DROPOUT_STREAM: u64 = 5;
+use crate::step::{copied_weights, read_stats, update, Plan, RankOut, RankStep, StepCtx};
 
 /// What the caller chose besides the config.
 #[derive(Debug, Clone)]
@@ -128,9 +127,11 @@ pub fn train_on<B: crate::TrainBackend>(
 struct Session<'a, B: crate::TrainBackend> {
     cfg: &'a Config,
     opts: &'a RunOptions,
-    device: B::Device,
+    /// The devices it trains on, rank 0's first (one device is a group of one); the session's
+    /// model and optimizer are rank 0's.
+    group: Group<B>,
     /// Shared with the other ranks' threads in a data-parallel run.
-    data: std::sync::Arc<Dataset>,
+    data: Arc<Dataset>,
     vocab: usize,
     opt: AdamW<B::InnerBackend>,
     scaler: LossScaler,
@@ -145,8 +146,6 @@ struct Session<'a, B: crate::TrainBackend> {
     /// The first step of this session (the checkpoint's step when resuming).
     start_step: u64,
     progress: Progress,
-    /// A data-parallel run: the other ranks (the session's model and optimizer are rank 0's).
-    ranks: Option<parallel::Ranks<B>>,
 }
 
 /// How far the run got; the checkpoint carries the best validation loss and the wall time of
@@ -175,7 +174,7 @@ struct StepOutcome {
     skipped: bool,
     seconds: f64,
     memory_reserved: Option<u64>,
-    /// A data-parallel run: every rank's reserved memory, rank 0 first (empty otherwise).
+    /// Every rank's reserved memory, rank 0 first (logged for a data-parallel run).
     memory_per_rank: Vec<Option<u64>>,
     /// fp16/bf16 numerics steps: the gradients' numerics.
     numerics: Option<Vec<LayerHealth>>,
@@ -231,7 +230,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             tok_rates: Vec::new(),
             peak_memory: None,
         };
-        let (mut model, start_step) = if opts.resume {
+        let (model, start_step) = if opts.resume {
             let (model, restored) =
                 resume::<B>(opts, &existing, model, &mut opt, cfg, vocab, &console)?;
             if let Some(state) = restored.loss_scaler {
@@ -261,15 +260,27 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 .unwrap_or_default(),
             opts.device_name
         );
+        // Data parallelism: the other ranks start as copies of rank 0 (fresh or resumed), each
+        // in its own thread.
+        let data = Arc::new(data);
+        let fp8_linear = recipe.fp8_linear();
+        let ctx = StepCtx {
+            cfg,
+            data: &data,
+            compute_dtype,
+            gemm: run.precision.gemm,
+            fp8_linear,
+        };
+        let (group, model) = Group::start(devices, &ctx, &mut opt, model);
         let mut session = Session {
             cfg,
             opts,
-            device,
-            data: std::sync::Arc::new(data),
+            group,
+            data,
             vocab,
             opt,
             scaler,
-            fp8_linear: recipe.fp8_linear(),
+            fp8_linear,
             recipe,
             compute_dtype,
             gemm: run.precision.gemm,
@@ -282,19 +293,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             steps: cfg.training.steps as u64,
             start_step,
             progress,
-            ranks: None,
         };
-        // Data parallelism: the other ranks start as copies of rank 0 (fresh or resumed), each
-        // in its own thread.
-        if devices.len() > 1 {
-            let (devices, gpus): (Vec<_>, Vec<_>) = devices.into_iter().unzip();
-            let ranks = parallel::Ranks::start(&session, devices, gpus, &model);
-            // ZeRO-1: rank 0 takes its share once every other rank has copied the whole state.
-            if let Some((shard, _)) = &ranks.zero {
-                model = shard.take_share::<B, _>(model, &mut session.opt);
-            }
-            session.ranks = Some(ranks);
-        }
         session.describe();
         session.log.console.bar = progress_bar(opts, session.steps, start_step);
         Ok((session, model))
@@ -317,7 +316,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             self.opts.device_name
         ));
         console.line(&format!("precision: {}", self.recipe.describe()));
-        if let Some(r) = &self.ranks {
+        if let Some(r) = self.group.data_parallel() {
             console.line(&format!(
                 "data parallel: {} GPUs (CUDA {}), one replica each; every step each computes {} tokens ({} sequences x {} micro-batches), gradients averaged through NCCL",
                 r.gpus.len(),
@@ -346,7 +345,10 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         }
         let probe = Tensor::<B, 2>::zeros(
             [1, 1],
-            (&self.device, burn::tensor::DType::from(self.compute_dtype)),
+            (
+                &self.group.device,
+                burn::tensor::DType::from(self.compute_dtype),
+            ),
         );
         console.line(&format!(
             "GEMMs: {} (model.gemm = \"{}\")",
@@ -356,7 +358,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         if let Recipe::Fp8(_) = &self.recipe {
             console.line(&format!(
                 "FP8 GEMMs: {}",
-                fp8_gemm_path_name::<B>(&self.device)
+                fp8_gemm_path_name::<B>(&self.group.device)
             ));
         }
         if self.start_step >= self.steps {
@@ -367,82 +369,97 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         }
     }
 
-    /// One optimizer step: forward and backward of `training.grad_accum` micro-batches on the
-    /// compute copy, then the update, unless the loss scaler skips the step or stops the run.
+    /// One optimizer step on every rank of the group (one device is a group of one): each runs
+    /// the forward and backward of its part of `training.grad_accum` micro-batches on its compute
+    /// copy, the gradients are averaged over the ranks, then the update follows unless the loss
+    /// scaler skips the step or stops the run ([`Session::settle`]).
     fn step(&mut self, model: Gpt<B>, step: u64) -> Result<(Gpt<B>, StepOutcome)> {
         let t0 = Instant::now();
-        if self.ranks.is_some() {
-            return self.step_parallel(model, step);
-        }
-        let (cfg, accum) = (self.cfg, self.cfg.training.grad_accum);
-        let lr = lr_at(cfg, step as usize);
-        // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats
-        // them: Burn's dropout draws from the backend's generator, the kernels' from the model's
-        // dropout seed.
-        B::seed(
-            &self.device,
-            SplitMix64::for_stream(cfg.seed, 3, step).next_u64(),
-        );
-        let probes = Probes::for_step(&self.recipe, cfg, step);
-        let ctx = self.ctx();
-        let mut compute = ctx.compute_copy(&model, &self.opt);
-        compute.set_dropout_seed(
-            SplitMix64::for_stream(cfg.seed, KERNEL_DROPOUT_STREAM, step).next_u64(),
-        );
-        let scale = self.scaler.scale();
-        let mut micro = MicroBatches {
-            loss_sum: None,
-            numerics: Vec::new(),
+        let cfg = self.cfg;
+        let plan = Plan {
+            step,
+            lr: lr_at(cfg, step as usize),
+            scale: self.scaler.scale(),
+            update_now: self.scaler.setting.is_off(),
         };
-        let rank = Rank::whole(&self.device);
-        let mut grads = ctx.backward(&model, &compute, &rank, step, scale, &probes, &mut micro);
-        drop(compute);
-        let numerics = probes
-            .taps
-            .is_some()
-            .then(|| numerics::read(micro.numerics));
-        if self.opts.poison_steps.contains(&(step + 1)) {
-            poison_grads::<B, _>(&model, &mut grads);
-        }
-        let scaled_norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
+        let probes = Probes::for_step(&self.recipe, cfg, step);
+        let poison = self.opts.poison_steps.contains(&(step + 1));
+        // Ranks 1.. start their part (a group of one has none), watched until the step ends.
+        let watch = self.group.begin(plan);
+        let part = RankStep {
+            ctx: StepCtx {
+                cfg,
+                data: &self.data,
+                compute_dtype: self.compute_dtype,
+                gemm: self.gemm,
+                fp8_linear: self.fp8_linear,
+            },
+            zero: self.group.zero(),
+            plan,
+        };
+        let rank = self.group.rank0();
+        let opt = &mut self.opt;
+        let out = self
+            .group
+            .on_rank0(|| part.run::<B>(&rank, model, opt, &probes, poison));
+        // Each other rank's reserved memory (bytes), as its thread sees it after its part.
+        let others = self.group.wait();
+        self.settle(t0, plan, probes, out, others, watch)
+    }
 
+    /// The end of every step, for any world size: the step's one read-back (on rank 0), the loss
+    /// scaler's verdict on it, applied on every rank (Apply: the held update runs; Skip: it is
+    /// dropped; Stop: the run ends with an error), and the step's [`StepOutcome`]. `watch` (the
+    /// watchdog of a data-parallel run) is held until the verdict has been applied everywhere.
+    fn settle(
+        &mut self,
+        t0: Instant,
+        plan: Plan,
+        probes: Probes,
+        out: RankOut<B>,
+        others: Vec<u64>,
+        watch: Option<Watch>,
+    ) -> Result<(Gpt<B>, StepOutcome)> {
+        let numerics = probes.taps.is_some().then(|| numerics::read(out.numerics));
         // One read-back per step: [mean loss, scaled grad norm]. It tells whether the gradients are
         // finite (a single inf or NaN makes the norm non-finite), and it synchronises, so the
         // timing is real.
-        let loss_mean = micro
-            .loss_sum
-            .expect("at least one micro-batch")
-            .div_scalar(accum as f64);
-        let stats = Tensor::cat(vec![loss_mean, scaled_norm.clone()], 0);
-        // Without loss scaling a non-finite step ends the run and nothing of it is kept (the last
-        // checkpoint stays as it was), so the update is queued before the read-back: the GPU runs
-        // it while the host waits, instead of idling while the host queues it afterwards. With
-        // loss scaling the verdict decides whether the update runs at all.
-        let (mut model, mut held) = (model, Some((grads, scaled_norm)));
-        if self.scaler.setting.is_off() {
-            let (grads, norm) = held.take().expect("not taken yet");
-            model = self.opt.step::<B, _>(lr, model, grads, norm, scale);
-        }
-        let (loss, grad_norm, finite) = read_stats(stats, scale);
-        let skipped = match self.scaler.update(finite, step + 1) {
+        let (loss, grad_norm, finite) = read_stats(out.stats, plan.scale);
+        self.group.rank0_finished();
+        let (mut model, mut others) = (out.model, others);
+        let skipped = match self.scaler.update(finite, plan.step + 1) {
             Verdict::Apply => {
-                if let Some((grads, norm)) = held {
-                    model = self.opt.step::<B, _>(lr, model, grads, norm, scale);
+                // Unless it was queued with the step (no loss scaling), the update is the step's
+                // second part on every rank (with ZeRO-1, its own collectives).
+                if let Some(held) = out.held {
+                    let (opt, zero) = (&mut self.opt, self.group.zero());
+                    let at = (plan.lr, plan.scale);
+                    (model, others) = self
+                        .group
+                        .apply(plan, || update(opt, zero, at, model, held));
                 }
                 false
             }
-            Verdict::Skip => true,
-            Verdict::Stop(why) => bail!(self.stop_message(step, loss, grad_norm, &why)),
+            Verdict::Skip => {
+                if !plan.update_now {
+                    others = self.group.skip();
+                }
+                true
+            }
+            Verdict::Stop(why) => bail!(self.stop_message(plan.step, loss, grad_norm, &why)),
         };
+        drop(watch);
+        self.group.timed(t0.elapsed());
+        let memory = self.group.memory(others);
         let outcome = StepOutcome {
             loss,
             grad_norm,
-            lr,
-            scale,
+            lr: plan.lr,
+            scale: plan.scale,
             skipped,
             seconds: t0.elapsed().as_secs_f64(),
-            memory_reserved: B::memory_reserved(&self.device),
-            memory_per_rank: Vec::new(),
+            memory_reserved: memory[0],
+            memory_per_rank: memory,
             numerics,
             fp8_probe: probes.fp8,
         };
@@ -466,17 +483,6 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         )
     }
 
-    /// What the forward and backward of a step read (shared by the ranks of a data-parallel run).
-    fn ctx(&self) -> StepCtx<'_> {
-        StepCtx {
-            cfg: self.cfg,
-            data: &self.data,
-            compute_dtype: self.compute_dtype,
-            gemm: self.gemm,
-            fp8_linear: self.fp8_linear,
-        }
-    }
-
     /// After step `step` (0-based) of a session ending at `end`: evaluation, metrics, log lines,
     /// plot, checkpoint and progress bar.
     fn finish_step(&mut self, model: &Gpt<B>, step: u64, end: u64, o: StepOutcome) -> Result<()> {
@@ -491,7 +497,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         if step >= self.start_step + 3 {
             p.tok_rates.push(tps);
         }
-        let gpus = self.ranks.as_ref().map_or(1, |r| r.gpus.len()) as f64;
+        let gpus = self.group.size() as f64;
         let mfu = self
             .opts
             .peak_tflops
@@ -572,7 +578,9 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
 
     /// A data-parallel run's log line of every GPU's reserved memory (rank 0 first).
     fn log_memory(&self, done: u64, memory: &[Option<u64>]) {
-        let Some(r) = &self.ranks else { return };
+        let Some(r) = self.group.data_parallel() else {
+            return;
+        };
         let per_gpu: Vec<String> = r
             .gpus
             .iter()
@@ -593,13 +601,9 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     /// checksum, and an error (after writing rank 0's) when the replicas differ.
     fn checkpoint(&self, model: &Gpt<B>, done: u64) -> Result<()> {
         let cfg = self.cfg;
-        let checksums = self
-            .ranks
-            .as_ref()
-            .map(|r| r.checksums(model, &self.opt))
-            .unwrap_or_default();
+        let checksums = self.group.checksums(model, &self.opt);
         // ZeRO-1: the whole masters and moments, gathered on rank 0 for the file.
-        let whole = self.ranks.as_ref().and_then(|r| r.gather(model, &self.opt));
+        let whole = self.group.gather(model, &self.opt);
         let (model, opt) = match &whole {
             Some((m, o)) => (m, o),
             None => (model, &self.opt),
@@ -623,7 +627,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             bail!(
                 "the replicas diverged: after step {done} the weights of rank {r} (CUDA GPU {}) differ from rank 0's \
                  (CRC-32 {:08x} against {:08x}); the checkpoint holds rank 0's weights",
-                self.ranks.as_ref().map_or(0, |x| x.gpus[r]),
+                self.group.data_parallel().map_or(0, |x| x.gpus[r]),
                 checksums[r],
                 checksums[0]
             );
@@ -668,170 +672,6 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         )?;
         Ok(summary)
     }
-}
-
-/// What the forward and backward of a step read: the config, the data and the recipe's dtypes.
-/// Shared by the ranks of a data-parallel run, each on its own device.
-struct StepCtx<'a> {
-    cfg: &'a Config,
-    data: &'a Dataset,
-    compute_dtype: FloatDType,
-    gemm: kernels::Gemm,
-    fp8_linear: Option<kernels::Fp8LinearConfig>,
-}
-
-/// The device a step's forward and backward run on, and which rank of how many it is (`None`:
-/// the run's only device, which reads whole micro-batches).
-struct Rank<'a, B: Backend> {
-    device: &'a B::Device,
-    of: Option<(usize, usize)>,
-}
-
-impl<'a, B: Backend> Rank<'a, B> {
-    fn whole(device: &'a B::Device) -> Self {
-        Rank { device, of: None }
-    }
-}
-
-impl StepCtx<'_> {
-    /// The compute copy (weights cast to the compute dtype once per step; the master itself for
-    /// fp32) that runs forward and backward; its gradients arrive under the master's ids. With
-    /// the fused optimizer the copies written by the last step are reused (a resumed or first
-    /// step, or one after a skipped step with no copies, casts).
-    fn compute_copy<B: crate::TrainBackend>(
-        &self,
-        model: &Gpt<B>,
-        opt: &AdamW<B::InnerBackend>,
-    ) -> Gpt<B> {
-        model.compute_copy_with(self.compute_dtype, &|id| {
-            opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
-        })
-    }
-
-    /// The precision of this step's forwards: the recipe's, with the step's probes.
-    fn precision(&self, probes: &Probes) -> model::Precision {
-        model::Precision {
-            dtype: self.compute_dtype,
-            gemm: self.gemm,
-            fp8: self.fp8_linear,
-            probes: probes.for_model(self.compute_dtype),
-        }
-    }
-
-    /// Forward and backward of the step's `training.grad_accum` micro-batches: their gradients
-    /// under the master's ids. One micro-batch's stay in the dtypes they arrive in; several are
-    /// summed in f32 ([`accumulate_grads`], the cast in the same pass); a data-parallel rank's are
-    /// f32 for the mean over ranks.
-    fn backward<B: crate::TrainBackend>(
-        &self,
-        model: &Gpt<B>,
-        compute: &Gpt<B>,
-        rank: &Rank<'_, B>,
-        step: u64,
-        scale: f64,
-        probes: &Probes,
-        micro: &mut MicroBatches<B>,
-    ) -> GradientsParams {
-        let accum = self.cfg.training.grad_accum as u64;
-        let mut grads = (0..accum)
-            .map(|m| self.micro_batch(compute, rank, step * accum + m, scale, probes, micro))
-            .reduce(|sum, g| accumulate_grads::<B, _>(model, sum, g))
-            .expect("grad_accum >= 1");
-        // The norm and the AdamW kernel read bf16 and f16 gradients themselves (in f32); only the
-        // data-parallel mean runs on f32 gradients.
-        if rank.of.is_some() {
-            grads_to_f32::<B, _>(model, &mut grads);
-        }
-        grads
-    }
-
-    /// Forward and backward of micro-batch `index` on the compute copy: adds its loss to
-    /// `micro.loss_sum` and returns its gradients under the master's ids, each in the dtype its
-    /// weight computes in (bf16 or f16 for the weights with a low-precision copy, f32 for the
-    /// rest). On a numerics step, the first micro-batch's output and weight gradients are
-    /// measured into `micro.numerics`. A rank of a data-parallel run reads its rows of the
-    /// micro-batch.
-    fn micro_batch<B: crate::TrainBackend>(
-        &self,
-        compute: &Gpt<B>,
-        rank: &Rank<'_, B>,
-        index: u64,
-        scale: f64,
-        probes: &Probes,
-        micro: &mut MicroBatches<B>,
-    ) -> GradientsParams {
-        let cfg = self.cfg;
-        let batch = cfg.training.batch_size;
-        let (x, y) = match rank.of {
-            None => {
-                self.data
-                    .train_batch::<B>(cfg.seed, index, batch, cfg.model.context, rank.device)
-            }
-            Some((r, ranks)) => self.data.train_batch_rows::<B>(
-                cfg.seed,
-                index,
-                batch * ranks,
-                crate::parallel::rows(r, batch),
-                cfg.model.context,
-                rank.device,
-            ),
-        };
-        let loss = compute.forward_loss_in(x, y, &self.precision(probes));
-        model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
-        let l = loss.clone().inner();
-        micro.loss_sum = Some(match micro.loss_sum.take() {
-            Some(s) => s + l,
-            None => l,
-        });
-        let factor = scale / cfg.training.grad_accum as f64;
-        let loss = if factor == 1.0 {
-            loss
-        } else {
-            loss.mul_scalar(factor)
-        };
-        let raw = loss.backward();
-        let measure = probes.taps.is_some() && micro.numerics.is_empty();
-        if let Some(taps) = &probes.taps {
-            // Taken on every micro-batch, so the sink does not keep later ones' records. The
-            // backward made them from the last layer to the first: listed in forward order.
-            let recorded = kernels::format_stats::take_records::<B::InnerBackend>(taps);
-            if measure {
-                for (name, rows, elements) in recorded.into_iter().rev() {
-                    let s = numerics::Pending { rows, elements };
-                    micro.numerics.push((format!("{name}.grad_output"), s));
-                }
-            }
-        }
-        let g = GradientsParams::from_grads(raw, compute);
-        if measure {
-            for (name, lin) in compute.projections() {
-                if let Some(w) = g.get::<B::InnerBackend, 2>(lin.weight.id) {
-                    let s = numerics::stats(w, self.compute_dtype);
-                    micro.numerics.push((format!("{name}.weight_grad"), s));
-                }
-            }
-        }
-        g
-    }
-}
-
-/// The step's one read-back, [mean loss, scaled gradient norm]: the loss, the true gradient norm,
-/// and whether both are finite.
-fn read_stats<B: Backend>(stats: Tensor<B, 1>, scale: f64) -> (f64, f64, bool) {
-    let stats: Vec<f64> = stats
-        .into_data()
-        .convert::<f64>()
-        .into_vec()
-        .expect("f64 stats");
-    let (loss, grad_norm) = (stats[0], stats[1] / scale);
-    (loss, grad_norm, loss.is_finite() && grad_norm.is_finite())
-}
-
-/// What the micro-batches of one step gather: their summed loss and, on a numerics step, the
-/// first micro-batch's gradient statistics (still on the device).
-struct MicroBatches<B: crate::TrainBackend> {
-    loss_sum: Option<Tensor<B::InnerBackend, 1>>,
-    numerics: Vec<(String, numerics::Pending<B::InnerBackend>)>,
 }
 
 /// The data and tokenizer (a resumed run reuses its saved tokenizer) and the model's vocabulary
@@ -895,110 +735,6 @@ fn resume<B: crate::TrainBackend>(
     Ok((model, restored))
 }
 
-/// Console output that does not tear the progress bar.
-struct Console {
-    bar: Option<ProgressBar>,
-    verbose: bool,
-}
-
-impl Console {
-    fn line(&self, s: &str) {
-        if !self.verbose {
-            return;
-        }
-        match &self.bar {
-            Some(b) => b.println(s),
-            None => println!("{s}"),
-        }
-    }
-}
-
-/// A progress bar with ETA on stderr, when it is a terminal and the run is verbose.
-fn progress_bar(opts: &RunOptions, steps: u64, position: u64) -> Option<ProgressBar> {
-    if !(opts.verbose && std::io::stderr().is_terminal()) {
-        return None;
-    }
-    let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
-    b.set_style(
-        ProgressStyle::with_template(
-            "{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}",
-        )
-        .expect("valid template"),
-    );
-    b.set_position(position);
-    Some(b)
-}
-
-/// Where a run reports: console lines, `metrics.jsonl` and the loss plot.
-struct Logger {
-    console: Console,
-    metrics: Metrics,
-    run_dir: PathBuf,
-    plot_title: String,
-}
-
-impl Logger {
-    fn line(&self, s: &str) {
-        self.console.line(s);
-    }
-
-    /// Records a step in `metrics.jsonl` and prints its lines: the step line (when `log_line`),
-    /// FP8 health or numerics, and the evaluation (which also redraws the plot).
-    fn step(
-        &mut self,
-        r: &StepRecord,
-        steps: u64,
-        log_line: bool,
-        scaler: &LossScaler,
-        best_val: Option<f64>,
-    ) -> Result<()> {
-        self.metrics.record(r)?;
-        let done = r.step;
-        if log_line {
-            let mfu = r
-                .mfu
-                .map_or("-".to_string(), |m| format!("{:.1}%", m * 100.0));
-            let scaling = if scaler.setting.is_off() {
-                String::new()
-            } else {
-                format!(" | scale {} | skipped {}", r.loss_scale, r.overflows)
-            };
-            self.line(&format!(
-                "step {done:>6}/{steps} | loss {:.4} | lr {:.2e} | grad-norm {:.3}{scaling} | {} tok/s | MFU {mfu} | {:.0} ms/step",
-                r.loss,
-                r.lr,
-                r.grad_norm,
-                human(r.tokens_per_s),
-                r.step_ms
-            ));
-        }
-        if let Some(h) = &r.fp8 {
-            self.line(&numerics::health_line("fp8  ", done, steps, h));
-        }
-        if let Some(h) = &r.numerics {
-            self.line(&numerics::health_line(&r.precision, done, steps, h));
-        }
-        if let Some(v) = r.val_loss {
-            self.line(&format!(
-                "eval  {done:>6}/{steps} | val_loss {v:.4} | best {:.4}",
-                best_val.unwrap_or(v)
-            ));
-            self.metrics.plot(&self.run_dir, &self.plot_title)?;
-        }
-        Ok(())
-    }
-}
-
-fn human(x: f64) -> String {
-    if x >= 1e6 {
-        format!("{:.2}M", x / 1e6)
-    } else if x >= 1e3 {
-        format!("{:.1}k", x / 1e3)
-    } else {
-        format!("{x:.0}")
-    }
-}
-
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
 pub fn evaluate<B: crate::TrainBackend>(
     model: &Gpt<B>,
@@ -1031,14 +767,6 @@ pub fn evaluate<B: crate::TrainBackend>(
         .into_vec::<f64>()
         .expect("f64")[0];
     sum / cfg.training.eval_batches as f64
-}
-
-/// The weights that train through a copy in the compute dtype, with that dtype (none in f32).
-fn copied_weights<B: Backend>(
-    model: &Gpt<B>,
-    compute_dtype: FloatDType,
-) -> Option<(FloatDType, HashSet<burn::module::ParamId>)> {
-    (compute_dtype != FloatDType::F32).then(|| (compute_dtype, model.compute_copy_ids()))
 }
 
 /// Parameter ids that weight decay skips besides vectors: the embedding (and so the tied head)

@@ -24,8 +24,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_backend::DeviceId;
 
+use super::collective::{reduce, Collective, ReduceOperation};
 use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
-use crate::parallel::{reduce, Collective, ReduceOperation};
 
 /// Assigns each parameter, given by its number of elements, to one of `ranks` ranks: the largest
 /// first, each to the rank holding the fewest elements so far (the lowest rank on a tie). The

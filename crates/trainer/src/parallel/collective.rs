@@ -1,10 +1,7 @@
-//! Data parallelism: one replica of the model per GPU, each on its own part of every batch, their
-//! gradients averaged by Burn's collectives (`DistributedBackend`, NCCL on CUDA) before every rank
-//! applies the same update.
-//!
-//! The pieces that do not need a GPU live here: which rows of the global batch a rank reads, the
-//! checks that run before a multi-GPU run starts (GPU count, NCCL), the collective operations the
-//! step uses, and the weights checksum that catches replicas drifting apart.
+//! What the ranks of a data-parallel run exchange, and what needs no GPU to decide: which rows of
+//! the global batch a rank reads, the collective operations the step uses (Burn's
+//! `DistributedBackend`, NCCL on CUDA), the weights checksum that catches replicas drifting apart,
+//! and the checks that run before a multi-GPU run starts (GPU count, NCCL).
 
 use std::ops::Range;
 

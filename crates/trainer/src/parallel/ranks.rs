@@ -1,35 +1,29 @@
-//! The data-parallel step: every rank (one thread and one GPU each) runs the forward and backward
-//! of its rows of the step's micro-batches on its own replica, the gradients and the loss are
-//! averaged across the ranks (NCCL), and every rank applies the same update to its replica. The
-//! loss scaler decides once, on rank 0, from the averaged gradients' norm, which every rank shares,
-//! so its decision holds for all of them.
+//! Ranks 1.. of a data-parallel run, each with its GPU in a thread of its own for the whole run:
+//! every step each runs its part ([`crate::step::RankStep`], the same as rank 0's on the
+//! session's thread) on its own replica, then applies or drops the update it holds as the loss
+//! scaler decides once, on rank 0, from the averaged gradients' norm, which every rank shares. A
+//! failing or stuck rank ends the process with an error that names it.
 
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{bail, Result};
-use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
 use burn_backend::DeviceId;
 use model::Gpt;
 
-use super::{MicroBatches, Rank, Session, StepCtx, StepOutcome};
-use crate::numerics::{self, Probes};
-use crate::optim::{poison_grads, AdamW};
-use crate::parallel::{self as dp, Collective};
-use crate::precision::Verdict;
-use crate::rng::SplitMix64;
-use crate::schedule::lr_at;
-use crate::watchdog::{self, Progress, Watchdog};
-use crate::zero::{self, Shard, Split};
+use super::collective::{self as dp, Collective};
+use super::watchdog::{self, Progress, Watch, Watchdog};
+use super::zero::{self, Shard, Split};
+use crate::numerics::Probes;
+use crate::optim::AdamW;
+use crate::step::{self, update, Held, Plan, Rank, RankStep, StepCtx};
 
 /// The ranks of a data-parallel run beyond rank 0 (whose model and optimizer are the session's,
 /// on the calling thread). Each runs in a thread of its own for the whole run, so that its work
 /// always reaches the device from the same thread (CubeCL gives each thread its own stream).
-pub(super) struct Ranks<B: crate::TrainBackend> {
+pub(crate) struct Ranks<B: crate::TrainBackend> {
     /// Every rank's device, rank 0 first, and their ids as the collectives name them.
     pub devices: Vec<B::Device>,
     pub ids: Vec<DeviceId>,
@@ -51,13 +45,8 @@ pub(super) struct Ranks<B: crate::TrainBackend> {
 
 /// What a rank's thread is asked to do.
 enum Job {
-    /// Its part of step `step`, up to the update (with `update_now`, including it).
-    Step {
-        step: u64,
-        lr: f64,
-        scale: f64,
-        update_now: bool,
-    },
+    /// Its part of a step, up to the update (with `update_now`, including it).
+    Step(Plan),
     /// The update held for the loss scaler's verdict.
     Apply { lr: f64, scale: f64 },
     /// ZeRO-1: its share of the masters and moments, to the host (for rank 0's checkpoint).
@@ -99,15 +88,17 @@ impl<B: crate::TrainBackend> Drop for Ranks<B> {
 }
 
 impl<B: crate::TrainBackend> Ranks<B> {
-    /// Starts ranks 1.. as copies of rank 0's model (`model`) and optimizer state.
+    /// Starts ranks 1.. of `devices` (rank 0's first; `gpus` their CUDA indices) as copies of
+    /// rank 0's model (`model`) and optimizer state (`opt`), each running the steps `ctx` reads.
     pub fn start(
-        session: &Session<'_, B>,
+        ctx: &StepCtx<'_>,
+        opt: &AdamW<B::InnerBackend>,
         devices: Vec<B::Device>,
         gpus: Vec<usize>,
         model: &Gpt<B>,
     ) -> Self {
         let ids = dp::device_ids::<B>(&devices);
-        let timeout_s = session.cfg.training.step_timeout_s;
+        let timeout_s = ctx.cfg.training.step_timeout_s;
         let watched_gpus = gpus.clone();
         let watchdog = Arc::new(Watchdog::start(devices.len(), move |e| {
             eprintln!("{}", watchdog::message(&e, &watched_gpus));
@@ -118,9 +109,9 @@ impl<B: crate::TrainBackend> Ranks<B> {
         // ZeRO-1: every rank's share of the parameters (the weights with a compute copy are
         // held in the compute dtype by their non-owners).
         let params = zero::parameters(model);
-        let copy = super::copied_weights(model, session.compute_dtype);
+        let copy = step::copied_weights(model, ctx.compute_dtype);
         let shard = |rank: usize| {
-            (session.cfg.training.zero == 1)
+            (ctx.cfg.training.zero == 1)
                 .then(|| Shard::new(&params, rank, ids.clone(), copy.clone()))
         };
         let workers = (1..devices.len())
@@ -128,16 +119,16 @@ impl<B: crate::TrainBackend> Ranks<B> {
                 // Rank 0's model and optimizer state, which the rank's thread copies to its GPU:
                 // a rank allocates on its GPU from its own thread only, so the pool it reports
                 // (CubeCL keeps one per thread's stream) holds all of its memory.
-                let from = (model.clone(), session.opt.clone());
+                let from = (model.clone(), opt.clone());
                 let (jobs, rx) = channel();
                 let (tx, done) = channel();
                 let (share_tx, shares) = channel();
                 let own = Own {
-                    cfg: session.cfg.clone(),
-                    data: session.data.clone(),
-                    compute_dtype: session.compute_dtype,
-                    gemm: session.gemm,
-                    fp8_linear: session.fp8_linear,
+                    cfg: ctx.cfg.clone(),
+                    data: ctx.data.clone(),
+                    compute_dtype: ctx.compute_dtype,
+                    gemm: ctx.gemm,
+                    fp8_linear: ctx.fp8_linear,
                     ids: ids.clone(),
                     device: devices[rank].clone(),
                     zero: shard(rank),
@@ -202,7 +193,7 @@ impl<B: crate::TrainBackend> Ranks<B> {
     }
 
     /// Each rank's answer to the last job.
-    fn wait(&self) -> Vec<u64> {
+    pub fn wait(&self) -> Vec<u64> {
         self.workers
             .iter()
             .zip(1..)
@@ -212,6 +203,57 @@ impl<B: crate::TrainBackend> Ranks<B> {
                     .unwrap_or_else(|_| rank_gone(rank, self.gpus[rank]))
             })
             .collect()
+    }
+
+    /// Step `plan.step` begins: ranks 1.. start their part, and the watchdog watches the step
+    /// until the returned guard drops.
+    pub fn begin(&self, plan: Plan) -> Watch {
+        let watch = self
+            .watchdog
+            .arm(format!("step {}", plan.step + 1), self.limit());
+        self.send(|| Job::Step(plan));
+        watch
+    }
+
+    /// Runs rank 0's part of the step: a panic ends the process, as the other ranks may be
+    /// waiting for it inside NCCL (see [`rank_failed`]).
+    pub fn on_rank0<T>(&self, f: impl FnOnce() -> T) -> T {
+        as_rank(0, self.gpus[0], f)
+    }
+
+    /// Rank 0 finished its part of the armed work.
+    pub fn rank0_finished(&self) {
+        self.watchdog.progress().finished(0);
+    }
+
+    /// The update is the step's second part (with ZeRO-1, its own collectives): ranks 1.. apply
+    /// the update they hold while rank 0 applies its own (`rank0`). Returns rank 0's result and
+    /// each other rank's reserved memory after it.
+    pub fn apply<T>(&self, plan: Plan, rank0: impl FnOnce() -> T) -> (T, Vec<u64>) {
+        self.watchdog.reset_progress();
+        let (lr, scale) = (plan.lr, plan.scale);
+        self.send(|| Job::Apply { lr, scale });
+        let out = rank0();
+        self.watchdog.progress().finished(0);
+        (out, self.wait())
+    }
+
+    /// The loss scaler skipped the step: ranks 1.. drop the update they hold. Returns each other
+    /// rank's reserved memory after it.
+    pub fn skip(&self) -> Vec<u64> {
+        self.watchdog.reset_progress();
+        self.watchdog.progress().finished(0);
+        self.send(|| Job::Skip);
+        self.wait()
+    }
+
+    /// A step took `took`; the first compiles the kernels, so the limit follows the steps after
+    /// it.
+    pub fn timed(&self, took: Duration) {
+        if self.steps.replace(self.steps.get() + 1) > 0 {
+            self.slowest
+                .set(Some(self.slowest.get().map_or(took, |s| s.max(took))));
+        }
     }
 
     /// The CRC-32 of every rank's weights, rank 0 (`model`, `opt`) first; with ZeRO-1, of the
@@ -265,28 +307,12 @@ fn checksum<B: crate::TrainBackend>(
     }
 }
 
-/// The update of a step: AdamW on the averaged gradients, then with ZeRO-1 every rank's share
-/// handed to the others.
-fn update<B: crate::TrainBackend>(
-    opt: &mut AdamW<B::InnerBackend>,
-    zero: Option<&Shard>,
-    (lr, scale): (f64, f64),
-    model: Gpt<B>,
-    (grads, norm): (GradientsParams, Tensor<B::InnerBackend, 1>),
-) -> Gpt<B> {
-    let model = opt.step::<B, _>(lr, model, grads, norm, scale);
-    match zero {
-        Some(z) => z.publish::<B, _>(model, opt),
-        None => model,
-    }
-}
-
 /// A rank's copy of the model and of the optimizer state, on its own device, and the update it
 /// holds for the loss scaler's verdict.
 struct Replica<B: crate::TrainBackend> {
     model: Option<Gpt<B>>,
     opt: AdamW<B::InnerBackend>,
-    held: Option<(GradientsParams, Tensor<B::InnerBackend, 1>)>,
+    held: Option<Held<B>>,
 }
 
 /// What a rank's thread owns of the run.
@@ -343,12 +369,7 @@ impl<B: crate::TrainBackend> Own<B> {
         };
         for job in jobs {
             let answer = match job {
-                Job::Step {
-                    step,
-                    lr,
-                    scale,
-                    update_now,
-                } => {
+                Job::Step(plan) => {
                     let work = RankStep {
                         ctx: StepCtx {
                             cfg: &self.cfg,
@@ -357,16 +378,15 @@ impl<B: crate::TrainBackend> Own<B> {
                             gemm: self.gemm,
                             fp8_linear: self.fp8_linear,
                         },
-                        ids: &self.ids,
                         zero: self.zero.as_ref(),
-                        step,
-                        lr,
-                        scale,
-                        update_now,
+                        plan,
+                    };
+                    let at = Rank {
+                        device: &self.device,
+                        of: Some((rank, &self.ids[..])),
                     };
                     let model = r.model.take().expect("the replica's model");
-                    let out =
-                        work.run::<B>(rank, &self.device, model, &mut r.opt, &no_probes, false);
+                    let out = work.run::<B>(&at, model, &mut r.opt, &no_probes, false);
                     r.model = Some(out.model);
                     r.held = out.held;
                     B::memory_reserved(&self.device).unwrap_or(0)
@@ -407,105 +427,6 @@ impl<B: crate::TrainBackend> Own<B> {
     }
 }
 
-/// What one rank's forward and backward leave for the rest of the step.
-struct RankOut<B: crate::TrainBackend> {
-    model: Gpt<B>,
-    /// The averaged gradients and their norm, while the update waits for the loss scaler's
-    /// verdict (taken when the update was queued at once).
-    held: Option<(GradientsParams, Tensor<B::InnerBackend, 1>)>,
-    /// [mean loss over the ranks, scaled gradient norm] (read on rank 0).
-    stats: Tensor<B::InnerBackend, 1>,
-    numerics: Vec<(String, numerics::Pending<B::InnerBackend>)>,
-}
-
-/// A rank's part of a step, up to (and with `update_now`, including) the update.
-struct RankStep<'a> {
-    ctx: StepCtx<'a>,
-    ids: &'a [DeviceId],
-    /// ZeRO-1: this rank's share.
-    zero: Option<&'a Shard>,
-    step: u64,
-    lr: f64,
-    scale: f64,
-    update_now: bool,
-}
-
-impl RankStep<'_> {
-    fn run<B: crate::TrainBackend>(
-        &self,
-        rank: usize,
-        device: &B::Device,
-        model: Gpt<B>,
-        opt: &mut AdamW<B::InnerBackend>,
-        probes: &Probes,
-        poison: bool,
-    ) -> RankOut<B> {
-        let cfg = self.ctx.cfg;
-        let ranks = self.ids.len();
-        // The backends' generator is shared by the devices, so a rank's masks from Burn's dropout
-        // modules (the reference ops or plain attention) are seeded per (step, rank) and still
-        // race with the other ranks' draws: such a run is not bit-reproducible. The kernels'
-        // dropout (the fused ops with flash attention) draws from the rank's own seed.
-        let index = self.step * ranks as u64 + rank as u64;
-        B::seed(
-            device,
-            SplitMix64::for_stream(cfg.seed, 3, index).next_u64(),
-        );
-        let mut compute = self.ctx.compute_copy(&model, opt);
-        compute.set_dropout_seed(
-            SplitMix64::for_stream(cfg.seed, super::KERNEL_DROPOUT_STREAM, index).next_u64(),
-        );
-        let mut micro = MicroBatches {
-            loss_sum: None,
-            numerics: Vec::new(),
-        };
-        let at = Rank {
-            device,
-            of: Some((rank, ranks)),
-        };
-        let mut grads = self.ctx.backward(
-            &model, &compute, &at, self.step, self.scale, probes, &mut micro,
-        );
-        drop(compute);
-        if poison {
-            // Before the mean: the non-finite values reach every rank, as a real overflow would.
-            poison_grads::<B, _>(&model, &mut grads);
-        }
-        // The collectives, in the same order on every rank: each gradient, then [loss, norm].
-        dp::mean_grads::<B, _>(&model, &mut grads, self.ids);
-        let loss = micro
-            .loss_sum
-            .expect("at least one micro-batch")
-            .div_scalar(cfg.training.grad_accum as f64);
-        let inner = loss.device();
-        <B::InnerBackend as Collective>::sync(&inner);
-        // The norm (and so the clip factor) is averaged too, so that replicas never clip by
-        // different factors and drift apart: the kernels' sum of squares adds in a fixed order,
-        // but a backend's own full-tensor sum may not (Burn's adds with atomics on CUDA). NCCL
-        // gives every rank the same mean.
-        let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(&model, &grads);
-        let stats = dp::reduce(
-            Tensor::cat(vec![loss, norm], 0),
-            dp::ReduceOperation::Mean,
-            self.ids,
-        );
-        <B::InnerBackend as Collective>::sync(&inner);
-        let norm = stats.clone().narrow(0, 1, 1);
-        let (model, held) = if self.update_now {
-            let at = (self.lr, self.scale);
-            (update(opt, self.zero, at, model, (grads, norm)), None)
-        } else {
-            (model, Some((grads, norm)))
-        };
-        RankOut {
-            model,
-            held,
-            stats,
-            numerics: micro.numerics,
-        }
-    }
-}
-
 /// A rank that failed ends the process: the other ranks may be waiting inside NCCL for it, and
 /// nothing can release them, so returning would leave the run hanging. Checkpoints already
 /// written stay complete (they are written atomically).
@@ -541,108 +462,5 @@ fn as_rank<T>(rank: usize, gpu: usize, f: impl FnOnce() -> T) -> T {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(p) => rank_failed(rank, gpu, p),
-    }
-}
-
-impl<B: crate::TrainBackend> Session<'_, B> {
-    /// [`Session::step`] of a data-parallel run.
-    pub(super) fn step_parallel(
-        &mut self,
-        model: Gpt<B>,
-        step: u64,
-    ) -> Result<(Gpt<B>, StepOutcome)> {
-        let t0 = Instant::now();
-        let cfg = self.cfg;
-        let lr = lr_at(cfg, step as usize);
-        let probes = Probes::for_step(&self.recipe, cfg, step);
-        let scale = self.scaler.scale();
-        let update_now = self.scaler.setting.is_off();
-        let poison = self.opts.poison_steps.contains(&(step + 1));
-        let ranks = self.ranks.as_ref().expect("a data-parallel session");
-        let watch = ranks
-            .watchdog
-            .arm(format!("step {}", step + 1), ranks.limit());
-        ranks.send(|| Job::Step {
-            step,
-            lr,
-            scale,
-            update_now,
-        });
-        let work = RankStep {
-            ctx: StepCtx {
-                cfg,
-                data: &self.data,
-                compute_dtype: self.compute_dtype,
-                gemm: self.gemm,
-                fp8_linear: self.fp8_linear,
-            },
-            ids: &ranks.ids,
-            zero: ranks.zero.as_ref().map(|z| &z.0),
-            step,
-            lr,
-            scale,
-            update_now,
-        };
-        let device = &ranks.devices[0];
-        let out = as_rank(0, ranks.gpus[0], || {
-            work.run::<B>(0, device, model, &mut self.opt, &probes, poison)
-        });
-        // Each rank's reserved memory (bytes), as its thread sees it after its last job.
-        let mut memory = ranks.wait();
-        let numerics = probes.taps.is_some().then(|| numerics::read(out.numerics));
-        // One read-back per step, on rank 0, as on one device.
-        let (loss, grad_norm, finite) = super::read_stats(out.stats, scale);
-        ranks.watchdog.progress().finished(0);
-        let mut model = out.model;
-        let skipped = match self.scaler.update(finite, step + 1) {
-            Verdict::Apply => {
-                if let Some(held) = out.held {
-                    // The update is the step's second part (with ZeRO-1, its own collectives).
-                    ranks.watchdog.reset_progress();
-                    ranks.send(|| Job::Apply { lr, scale });
-                    let zero = ranks.zero.as_ref().map(|z| &z.0);
-                    model = update(&mut self.opt, zero, (lr, scale), model, held);
-                    ranks.watchdog.progress().finished(0);
-                    memory = ranks.wait();
-                }
-                false
-            }
-            Verdict::Skip => {
-                if !update_now {
-                    ranks.watchdog.reset_progress();
-                    ranks.watchdog.progress().finished(0);
-                    ranks.send(|| Job::Skip);
-                    memory = ranks.wait();
-                }
-                true
-            }
-            Verdict::Stop(why) => bail!(self.stop_message(step, loss, grad_norm, &why)),
-        };
-        drop(watch);
-        // The first step compiles the kernels: the limit follows the steps after it.
-        let took = t0.elapsed();
-        if ranks.steps.replace(ranks.steps.get() + 1) > 0 {
-            ranks
-                .slowest
-                .set(Some(ranks.slowest.get().map_or(took, |s| s.max(took))));
-        }
-        let memory: Vec<Option<u64>> = std::iter::once(B::memory_reserved(&ranks.devices[0]))
-            .chain(memory.into_iter().map(|m| (m > 0).then_some(m)))
-            .collect();
-        Ok((
-            model,
-            StepOutcome {
-                loss,
-                grad_norm,
-                lr,
-                scale,
-                skipped,
-                seconds: t0.elapsed().as_secs_f64(),
-                memory_reserved: memory[0],
-                memory_per_rank: memory,
-                numerics,
-                fp8_probe: probes.fp8,
-            },
-        ))
     }
 }

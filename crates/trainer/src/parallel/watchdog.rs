@@ -61,13 +61,15 @@ pub struct Watchdog {
     thread: Option<JoinHandle<()>>,
 }
 
-/// Disarms the watchdog when dropped (the watched work finished).
-pub struct Watch<'a>(&'a Watchdog);
+/// Disarms the watchdog when dropped (the watched work finished). It holds the watchdog's state
+/// rather than borrowing the watchdog, so a step can hold it while the session it belongs to
+/// changes.
+pub struct Watch(Arc<Shared>);
 
-impl Drop for Watch<'_> {
+impl Drop for Watch {
     fn drop(&mut self) {
-        self.0.shared.lock().armed = None;
-        self.0.shared.wake.notify_all();
+        self.0.lock().armed = None;
+        self.0.wake.notify_all();
     }
 }
 
@@ -125,7 +127,7 @@ impl Watchdog {
     }
 
     /// Watches `what` for `limit`, every rank's part unfinished, until the returned guard drops.
-    pub fn arm(&self, what: impl Into<String>, limit: Duration) -> Watch<'_> {
+    pub fn arm(&self, what: impl Into<String>, limit: Duration) -> Watch {
         let mut st = self.shared.lock();
         st.finished.iter_mut().for_each(|f| *f = false);
         st.armed = Some(Armed {
@@ -135,7 +137,7 @@ impl Watchdog {
         });
         drop(st);
         self.shared.wake.notify_all();
-        Watch(self)
+        Watch(self.shared.clone())
     }
 
     /// Marks every rank's part of the armed work unfinished again (a second part of it begins).

@@ -1,0 +1,23 @@
+//! Data parallelism: one replica of the model per GPU, each on its own part of every batch, their
+//! gradients averaged by Burn's collectives (NCCL on CUDA) before every rank applies the same
+//! update. One device is a group of one: the same step, with no thread, no watchdog and no
+//! collective.
+//!
+//! - [`group`]: the ranks a run trains on, of any size, as the step sees them.
+//! - [`ranks`]: ranks 1.. of a data-parallel run, each in a thread of its own.
+//! - [`collective`]: batch rows, the collectives, the weights checksum, the pre-run checks.
+//! - [`zero`]: ZeRO-1, each rank keeping the optimizer state of its share of the parameters.
+//! - [`watchdog`]: turns a rank stuck in NCCL into an error.
+//!
+//! The step itself, the same for every world size, is `crate::step`.
+
+pub mod collective;
+pub(crate) mod group;
+pub(crate) mod ranks;
+pub mod watchdog;
+pub mod zero;
+
+pub use collective::{
+    check_nccl, cuda_device_count, device_ids, mean_grads, reduce, rows, weights_checksum,
+    Collective, ReduceOperation,
+};

@@ -1,0 +1,366 @@
+//! One rank's part of a training step, the same for every world size (one device is a
+//! data-parallel group of one): the forward and backward of its rows of the step's micro-batches
+//! on its compute copy, the gradients and the loss averaged over the ranks (nothing to average for
+//! a group of one), the gradient norm, and the update, queued at once or held for the loss
+//! scaler's verdict. The session (`crate::train`) runs rank 0's part on its own thread; a
+//! data-parallel run's other ranks run theirs in threads of their own (`crate::parallel::ranks`).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use burn::module::ParamId;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor};
+use burn_backend::DeviceId;
+use model::Gpt;
+
+use crate::config::Config;
+use crate::data::Dataset;
+use crate::numerics::{self, Probes};
+use crate::optim::{accumulate_grads, grads_to_f32, poison_grads, AdamW};
+use crate::parallel::zero::Shard;
+use crate::parallel::{self as dp, Collective};
+use crate::rng::SplitMix64;
+
+/// The random stream of the dropout masks drawn inside the kernels (stream 3 seeds Burn's).
+pub(crate) const KERNEL_DROPOUT_STREAM: u64 = 5;
+
+/// What the session decided for a step before any rank starts it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Plan {
+    /// 0-based.
+    pub step: u64,
+    pub lr: f64,
+    /// The loss scale (1 without loss scaling).
+    pub scale: f64,
+    /// Queue the update with the step (no loss scaling: a non-finite step stops the run, so the
+    /// update never needs the verdict) rather than hold it for the loss scaler's verdict.
+    pub update_now: bool,
+}
+
+/// What the forward and backward of a step read: the config, the data and the recipe's dtypes.
+/// Shared by the ranks of a data-parallel run, each on its own device.
+pub(crate) struct StepCtx<'a> {
+    pub cfg: &'a Config,
+    pub data: &'a Arc<Dataset>,
+    pub compute_dtype: FloatDType,
+    pub gemm: kernels::Gemm,
+    pub fp8_linear: Option<kernels::Fp8LinearConfig>,
+}
+
+/// The device a step's part runs on, and its place in the group.
+pub(crate) struct Rank<'a, B: Backend> {
+    pub device: &'a B::Device,
+    /// `(rank, every rank's device id as the collectives name them)`; `None` for a group of one,
+    /// which reads whole micro-batches and has nothing to average.
+    pub of: Option<(usize, &'a [DeviceId])>,
+}
+
+impl<B: Backend> Rank<'_, B> {
+    /// The index that seeds this rank's dropout masks at `step`: the step itself on one device,
+    /// `(step, rank)` in a data-parallel run.
+    fn stream_index(&self, step: u64) -> u64 {
+        match self.of {
+            None => step,
+            Some((rank, ids)) => step * ids.len() as u64 + rank as u64,
+        }
+    }
+}
+
+impl StepCtx<'_> {
+    /// The compute copy (weights cast to the compute dtype once per step; the master itself for
+    /// fp32) that runs forward and backward; its gradients arrive under the master's ids. With
+    /// the fused optimizer the copies written by the last step are reused (a resumed or first
+    /// step, or one after a skipped step with no copies, casts).
+    fn compute_copy<B: crate::TrainBackend>(
+        &self,
+        model: &Gpt<B>,
+        opt: &AdamW<B::InnerBackend>,
+    ) -> Gpt<B> {
+        model.compute_copy_with(self.compute_dtype, &|id| {
+            opt.copies.get(&id).map(|c| B::from_inner(c.clone()))
+        })
+    }
+
+    /// The precision of this step's forwards: the recipe's, with the step's probes.
+    fn precision(&self, probes: &Probes) -> model::Precision {
+        model::Precision {
+            dtype: self.compute_dtype,
+            gemm: self.gemm,
+            fp8: self.fp8_linear,
+            probes: probes.for_model(self.compute_dtype),
+        }
+    }
+
+    /// Forward and backward of the step's `training.grad_accum` micro-batches: their gradients
+    /// under the master's ids. One micro-batch's stay in the dtypes they arrive in; several are
+    /// summed in f32 ([`accumulate_grads`], the cast in the same pass); a data-parallel rank's are
+    /// f32 for the mean over ranks.
+    fn backward<B: crate::TrainBackend>(
+        &self,
+        model: &Gpt<B>,
+        compute: &Gpt<B>,
+        rank: &Rank<'_, B>,
+        step: u64,
+        scale: f64,
+        probes: &Probes,
+        micro: &mut MicroBatches<B>,
+    ) -> GradientsParams {
+        let accum = self.cfg.training.grad_accum as u64;
+        let mut grads = (0..accum)
+            .map(|m| self.micro_batch(compute, rank, step * accum + m, scale, probes, micro))
+            .reduce(|sum, g| accumulate_grads::<B, _>(model, sum, g))
+            .expect("grad_accum >= 1");
+        // The norm and the AdamW kernel read bf16 and f16 gradients themselves (in f32); only the
+        // data-parallel mean runs on f32 gradients.
+        if rank.of.is_some() {
+            grads_to_f32::<B, _>(model, &mut grads);
+        }
+        grads
+    }
+
+    /// Forward and backward of micro-batch `index` on the compute copy: adds its loss to
+    /// `micro.loss_sum` and returns its gradients under the master's ids, each in the dtype its
+    /// weight computes in (bf16 or f16 for the weights with a low-precision copy, f32 for the
+    /// rest). On a numerics step, the first micro-batch's output and weight gradients are
+    /// measured into `micro.numerics`. A rank of a data-parallel run reads its rows of the
+    /// micro-batch.
+    fn micro_batch<B: crate::TrainBackend>(
+        &self,
+        compute: &Gpt<B>,
+        rank: &Rank<'_, B>,
+        index: u64,
+        scale: f64,
+        probes: &Probes,
+        micro: &mut MicroBatches<B>,
+    ) -> GradientsParams {
+        let cfg = self.cfg;
+        let batch = cfg.training.batch_size;
+        let (x, y) = match rank.of {
+            None => {
+                self.data
+                    .train_batch::<B>(cfg.seed, index, batch, cfg.model.context, rank.device)
+            }
+            Some((r, ids)) => self.data.train_batch_rows::<B>(
+                cfg.seed,
+                index,
+                batch * ids.len(),
+                dp::rows(r, batch),
+                cfg.model.context,
+                rank.device,
+            ),
+        };
+        let loss = compute.forward_loss_in(x, y, &self.precision(probes));
+        model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
+        let l = loss.clone().inner();
+        micro.loss_sum = Some(match micro.loss_sum.take() {
+            Some(s) => s + l,
+            None => l,
+        });
+        let factor = scale / cfg.training.grad_accum as f64;
+        let loss = if factor == 1.0 {
+            loss
+        } else {
+            loss.mul_scalar(factor)
+        };
+        let raw = loss.backward();
+        let measure = probes.taps.is_some() && micro.numerics.is_empty();
+        if let Some(taps) = &probes.taps {
+            // Taken on every micro-batch, so the sink does not keep later ones' records. The
+            // backward made them from the last layer to the first: listed in forward order.
+            let recorded = kernels::format_stats::take_records::<B::InnerBackend>(taps);
+            if measure {
+                for (name, rows, elements) in recorded.into_iter().rev() {
+                    let s = numerics::Pending { rows, elements };
+                    micro.numerics.push((format!("{name}.grad_output"), s));
+                }
+            }
+        }
+        let g = GradientsParams::from_grads(raw, compute);
+        if measure {
+            for (name, lin) in compute.projections() {
+                if let Some(w) = g.get::<B::InnerBackend, 2>(lin.weight.id) {
+                    let s = numerics::stats(w, self.compute_dtype);
+                    micro.numerics.push((format!("{name}.weight_grad"), s));
+                }
+            }
+        }
+        g
+    }
+}
+
+/// What the micro-batches of one step gather: their summed loss and, on a numerics step, the
+/// first micro-batch's gradient statistics (still on the device).
+struct MicroBatches<B: crate::TrainBackend> {
+    loss_sum: Option<Tensor<B::InnerBackend, 1>>,
+    numerics: Vec<(String, numerics::Pending<B::InnerBackend>)>,
+}
+
+/// A held update: the gradients (averaged over the ranks) and their scaled norm.
+pub(crate) type Held<B> = (
+    GradientsParams,
+    Tensor<<B as burn::tensor::backend::AutodiffBackend>::InnerBackend, 1>,
+);
+
+/// What one rank's part of a step leaves for the rest of the step.
+pub(crate) struct RankOut<B: crate::TrainBackend> {
+    pub model: Gpt<B>,
+    /// The update, while it waits for the loss scaler's verdict (`None` when it was queued at
+    /// once).
+    pub held: Option<Held<B>>,
+    /// [mean loss (over the ranks), scaled gradient norm]: the step's one read-back, on rank 0.
+    pub stats: Tensor<B::InnerBackend, 1>,
+    /// On a numerics step, the gradients' statistics, still on the device.
+    pub numerics: Vec<(String, numerics::Pending<B::InnerBackend>)>,
+}
+
+/// A rank's part of a step, up to (and with `plan.update_now`, including) the update.
+pub(crate) struct RankStep<'a> {
+    pub ctx: StepCtx<'a>,
+    /// ZeRO-1: this rank's share.
+    pub zero: Option<&'a Shard>,
+    pub plan: Plan,
+}
+
+impl RankStep<'_> {
+    /// Runs this part on `rank`. `poison` overwrites one gradient with inf/NaN (fault injection)
+    /// before any average, so that a data-parallel run sees it on every rank.
+    pub fn run<B: crate::TrainBackend>(
+        &self,
+        rank: &Rank<'_, B>,
+        model: Gpt<B>,
+        opt: &mut AdamW<B::InnerBackend>,
+        probes: &Probes,
+        poison: bool,
+    ) -> RankOut<B> {
+        let (cfg, plan) = (self.ctx.cfg, self.plan);
+        // Dropout masks depend only on (seed, step), like the batches, so a resumed run repeats
+        // them: Burn's dropout draws from the backend's generator, the kernels' from the model's
+        // dropout seed. In a data-parallel run each rank draws at (step, rank); the backends'
+        // generator is shared by the devices, so the masks of Burn's dropout modules (the
+        // reference ops or plain attention) still race with the other ranks' draws and such a run
+        // is not bit-reproducible. The kernels' dropout (the fused ops with flash attention)
+        // draws from the rank's own seed.
+        let index = rank.stream_index(plan.step);
+        B::seed(
+            rank.device,
+            SplitMix64::for_stream(cfg.seed, 3, index).next_u64(),
+        );
+        let mut compute = self.ctx.compute_copy(&model, opt);
+        compute.set_dropout_seed(
+            SplitMix64::for_stream(cfg.seed, KERNEL_DROPOUT_STREAM, index).next_u64(),
+        );
+        let mut micro = MicroBatches {
+            loss_sum: None,
+            numerics: Vec::new(),
+        };
+        let mut grads = self.ctx.backward(
+            &model, &compute, rank, plan.step, plan.scale, probes, &mut micro,
+        );
+        drop(compute);
+        if poison {
+            poison_grads::<B, _>(&model, &mut grads);
+        }
+        let loss_sum = micro.loss_sum.expect("at least one micro-batch");
+        let (stats, norm) = match rank.of {
+            None => self.alone::<B>(&model, &grads, loss_sum),
+            Some((_, ids)) => self.averaged::<B>(&model, &mut grads, loss_sum, ids),
+        };
+        let (model, held) = if plan.update_now {
+            // The update is queued before the step's read-back: the GPU runs it while the host
+            // waits, instead of idling while the host queues it afterwards. Without loss scaling
+            // a non-finite step ends the run and nothing of it is kept (the last checkpoint stays
+            // as it was); with loss scaling the verdict decides whether the update runs at all.
+            let at = (plan.lr, plan.scale);
+            (update(opt, self.zero, at, model, (grads, norm)), None)
+        } else {
+            (model, Some((grads, norm)))
+        };
+        RankOut {
+            model,
+            held,
+            stats,
+            numerics: micro.numerics,
+        }
+    }
+
+    /// A group of one: [mean loss, scaled gradient norm] and the norm, nothing exchanged. The
+    /// norm tells whether the gradients are finite (a single inf or NaN makes it non-finite).
+    fn alone<B: crate::TrainBackend>(
+        &self,
+        model: &Gpt<B>,
+        grads: &GradientsParams,
+        loss_sum: Tensor<B::InnerBackend, 1>,
+    ) -> (Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>) {
+        let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(model, grads);
+        let loss = loss_sum.div_scalar(self.ctx.cfg.training.grad_accum as f64);
+        (Tensor::cat(vec![loss, norm.clone()], 0), norm)
+    }
+
+    /// A data-parallel rank: the gradients, then [mean loss, scaled gradient norm] averaged over
+    /// the ranks (the collectives in the same order on every rank); that stats tensor and the
+    /// averaged norm.
+    fn averaged<B: crate::TrainBackend>(
+        &self,
+        model: &Gpt<B>,
+        grads: &mut GradientsParams,
+        loss_sum: Tensor<B::InnerBackend, 1>,
+        ids: &[DeviceId],
+    ) -> (Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>) {
+        dp::mean_grads::<B, _>(model, grads, ids);
+        let loss = loss_sum.div_scalar(self.ctx.cfg.training.grad_accum as f64);
+        let inner = loss.device();
+        <B::InnerBackend as Collective>::sync(&inner);
+        // The norm (and so the clip factor) is averaged too, so that replicas never clip by
+        // different factors and drift apart: the kernels' sum of squares adds in a fixed order,
+        // but a backend's own full-tensor sum may not (Burn's adds with atomics on CUDA). NCCL
+        // gives every rank the same mean.
+        let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(model, grads);
+        let stats = dp::reduce(
+            Tensor::cat(vec![loss, norm], 0),
+            dp::ReduceOperation::Mean,
+            ids,
+        );
+        <B::InnerBackend as Collective>::sync(&inner);
+        let norm = stats.clone().narrow(0, 1, 1);
+        (stats, norm)
+    }
+}
+
+/// The update of a step: AdamW on the (averaged) gradients, then with ZeRO-1 every rank's share
+/// handed to the others.
+pub(crate) fn update<B: crate::TrainBackend>(
+    opt: &mut AdamW<B::InnerBackend>,
+    zero: Option<&Shard>,
+    (lr, scale): (f64, f64),
+    model: Gpt<B>,
+    (grads, norm): Held<B>,
+) -> Gpt<B> {
+    let model = opt.step::<B, _>(lr, model, grads, norm, scale);
+    match zero {
+        Some(z) => z.publish::<B, _>(model, opt),
+        None => model,
+    }
+}
+
+/// The step's one read-back, [mean loss, scaled gradient norm] (see [`RankOut::stats`]): the
+/// loss, the true gradient norm, and whether both are finite. It synchronises, so the step's
+/// timing is real.
+pub(crate) fn read_stats<B: Backend>(stats: Tensor<B, 1>, scale: f64) -> (f64, f64, bool) {
+    let stats: Vec<f64> = stats
+        .into_data()
+        .convert::<f64>()
+        .into_vec()
+        .expect("f64 stats");
+    let (loss, grad_norm) = (stats[0], stats[1] / scale);
+    (loss, grad_norm, loss.is_finite() && grad_norm.is_finite())
+}
+
+/// The weights that train through a copy in the compute dtype, with that dtype (none in f32).
+pub(crate) fn copied_weights<B: Backend>(
+    model: &Gpt<B>,
+    compute_dtype: FloatDType,
+) -> Option<(FloatDType, HashSet<ParamId>)> {
+    (compute_dtype != FloatDType::F32).then(|| (compute_dtype, model.compute_copy_ids()))
+}
