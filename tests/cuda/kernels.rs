@@ -574,7 +574,9 @@ fn cuda_gemm_same_stream_chain() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_gemm_queued_fallback() {
-    let _order = gemms_in_order(kernels::settings::GemmOrder::Same);
+    // The order is fixed at the process's first GEMM, which `gemms_in_order` makes; its guard is
+    // dropped so that the refusal below can take the settings (`scoped` guards do not nest).
+    drop(gemms_in_order(kernels::settings::GemmOrder::Same));
     let dev = CudaDevice::default();
     let mut expected = 0;
     // |x w| <= 3 k: exact in f16 for k = 256 and in bf16 for k = 64.
