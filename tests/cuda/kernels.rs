@@ -575,7 +575,7 @@ fn cuda_gemm_same_stream_chain() {
 #[ignore = "needs CUDA"]
 fn cuda_gemm_queued_fallback() {
     // The order is fixed at the process's first GEMM, which `gemms_in_order` makes; its guard is
-    // dropped so that the refusal below can take the settings (`scoped` guards do not nest).
+    // not needed after that.
     drop(gemms_in_order(kernels::settings::GemmOrder::Same));
     let dev = CudaDevice::default();
     let mut expected = 0;

@@ -63,12 +63,26 @@ pub(crate) fn philox(c0: u32, c1: u32, c2: u32, c3: u32, k0: u32, k1: u32) -> Ar
     out
 }
 
-/// The factor of a 16-bit draw: `scale` when kept (`draw >= threshold`), else 0.
+/// A dropout mask's values inside a kernel, one launch argument: the seed as Philox's two key
+/// words, the threshold a 16-bit draw must reach for its entry to be kept, and a kept entry's
+/// factor. Built on the host by [`crate::dropout::DropArgs::scalars`]; whether dropout is on at
+/// all is a separate compile-time argument of each kernel.
+#[derive(CubeLaunch, CubeType, Clone, Copy)]
+pub(crate) struct DropScalars {
+    pub key0: u32,
+    pub key1: u32,
+    /// `round(p * 65536)`: draws below it are dropped.
+    pub threshold: u32,
+    /// `1 / keep probability`, the factor of a kept entry.
+    pub keep_scale: f32,
+}
+
+/// The factor of a 16-bit draw: `drop.keep_scale` when kept (`draw >= drop.threshold`), else 0.
 #[cube]
-pub(crate) fn factor(draw: u32, threshold: u32, scale: f32) -> f32 {
+pub(crate) fn factor(draw: u32, drop: &DropScalars) -> f32 {
     let mut f = 0.0f32;
-    if draw >= threshold {
-        f = scale;
+    if draw >= drop.threshold {
+        f = drop.keep_scale;
     }
     f
 }

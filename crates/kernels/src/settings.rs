@@ -47,7 +47,7 @@ pub const FLASH_TILES_ENV: &str = "BURNMIX_FLASH_TILES";
 /// `BURNMIX_EMBEDDING_GRAD`: [`Settings::embedding_atomic`].
 pub const EMBEDDING_GRAD_ENV: &str = "BURNMIX_EMBEDDING_GRAD";
 
-/// How a cuBLASLt GEMM is ordered with CubeCL's work on the same device (see `gemm/cublaslt.rs`).
+/// How a cuBLASLt GEMM is ordered with CubeCL's work on the same device (see `gemm/cublaslt/order.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmOrder {
     /// On CubeCL's own stream, behind CubeCL's earlier work and before its later work (the
@@ -282,34 +282,51 @@ pub fn update(f: impl FnOnce(&mut Settings)) {
 }
 
 /// Settings changed by `f` for as long as the returned guard lives, then restored (to what was
-/// set before, or to "not set yet", which reads the environment again). A second `scoped` waits
-/// until the first guard is dropped, so that tests running side by side in one process do not see
-/// each other's settings.
+/// set before, or to "not set yet", which reads the environment again). A `scoped` on another
+/// thread waits until this thread's guards are dropped, so that tests running side by side in one
+/// process do not see each other's settings; on the same thread guards nest (drop them in the
+/// reverse order of their making, as scopes do).
 ///
 /// ```
 /// let _tiles = kernels::settings::scoped(|s| s.flash_tiles = Some("bwd=split".parse().unwrap()));
 /// // ... the kernels launched here use the override ...
 /// ```
 pub fn scoped(f: impl FnOnce(&mut Settings)) -> Scoped {
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let lock = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    static ONE_THREAD_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let lock = if SCOPES_HELD.with(|n| n.get()) == 0 {
+        Some(
+            ONE_THREAD_AT_A_TIME
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        )
+    } else {
+        None
+    };
+    SCOPES_HELD.with(|n| n.set(n.get() + 1));
     let previous = SETTINGS.read().unwrap_or_else(|e| e.into_inner()).clone();
     update(f);
     Scoped {
         previous,
-        _one_at_a_time: lock,
+        _one_thread_at_a_time: lock,
     }
 }
 
-/// The guard of [`scoped`]: restores the settings when dropped.
+thread_local! {
+    /// How many [`Scoped`] guards this thread holds: only the outermost takes the lock.
+    static SCOPES_HELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The guard of [`scoped`]: restores the settings when dropped. It stays on the thread that made
+/// it (it holds a lock guard, which is not `Send`).
 pub struct Scoped {
     previous: Option<Settings>,
-    _one_at_a_time: std::sync::MutexGuard<'static, ()>,
+    _one_thread_at_a_time: Option<std::sync::MutexGuard<'static, ()>>,
 }
 
 impl Drop for Scoped {
     fn drop(&mut self) {
         *SETTINGS.write().unwrap_or_else(|e| e.into_inner()) = self.previous.take();
+        SCOPES_HELD.with(|n| n.set(n.get() - 1));
     }
 }
 
@@ -359,6 +376,23 @@ mod tests {
             Settings::from_lookup(lookup(&empty)),
             Ok(Settings::default())
         );
+    }
+
+    #[test]
+    fn scoped_guards_nest_on_one_thread_and_restore_in_turn() {
+        let outer = scoped(|s| s.gemm_queue = false);
+        {
+            // Would wait for ever if the guards did not nest.
+            let _inner = scoped(|s| s.embedding_atomic = false);
+            assert!(!get().gemm_queue && !get().embedding_atomic);
+        }
+        assert!(!get().gemm_queue);
+        assert_eq!(get().embedding_atomic, Settings::default().embedding_atomic);
+        drop(outer);
+        // Another thread takes the settings once this thread holds no guard.
+        std::thread::spawn(|| drop(scoped(|s| s.gemm_hold = false)))
+            .join()
+            .unwrap();
     }
 
     #[test]

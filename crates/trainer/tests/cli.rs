@@ -275,11 +275,9 @@ fn compare_trains_each_entry_once_and_reports() {
             "{r}"
         );
         assert!(r["tokens_per_s"].as_f64().is_some_and(|v| v > 0.0), "{r}");
-        assert!(
-            ["stable", "unstable", "diverged"]
-                .contains(&r["stability"]["verdict"].as_str().expect("verdict")),
-            "{r}"
-        );
+        // Six fp32 steps, all inside the 20-step warm-up: no spike can count, and the validation
+        // loss falls from step 3 to step 6 at these learning rates.
+        assert_eq!(r["stability"]["verdict"].as_str(), Some("stable"), "{r}");
     }
     // The fp32 entries are their own reference; the other recipe is compared with fp32 at its lr.
     assert_eq!(rows[0]["best_val_vs_fp32"].as_f64(), Some(0.0));

@@ -9,7 +9,7 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use super::kernel::{gelu_bwd, gelu_bwd_narrow, gelu_fwd, gelu_fwd_narrow, swiglu_bwd, swiglu_fwd};
+use super::kernel::{gelu_exact, gelu_narrow, swiglu_bwd, swiglu_fwd};
 use crate::check::{check_float, check_same_dtype, fail};
 use crate::launch::{contiguous, empty, vector_width};
 use crate::rms_norm::forward::rows_cols;
@@ -167,16 +167,22 @@ fn flat_width<R: CubeRuntime>(x: &CubeTensor<R>) -> (usize, usize) {
 /// Vectors per unit of the f16/bf16 GELU kernels.
 const NARROW_PER_UNIT: usize = 4;
 
-/// Whether GELU runs [`gelu_fwd_narrow`]/[`gelu_bwd_narrow`] (f16 and bf16 storage, where an
-/// approximation of `erf` to 1.5e-7 is far below the storage's rounding) rather than `erf` itself.
+/// Whether GELU runs [`gelu_narrow`] (f16 and bf16 storage, where an approximation of `erf` to
+/// 1.5e-7 is far below the storage's rounding) rather than [`gelu_exact`] with `erf` itself.
 fn narrow(dtype: DType) -> bool {
     dtype.size() < 4
 }
 
-/// Exact GELU.
-pub(crate) fn gelu_forward<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+/// Exact GELU of `x`, or with `dy` its gradient `dy * GELU'(x)`, in `x`'s dtype.
+pub(crate) fn gelu<R: CubeRuntime>(x: CubeTensor<R>, dy: Option<CubeTensor<R>>) -> CubeTensor<R> {
     check_float("gelu", "x", x.dtype);
     let x = contiguous(x);
+    let backward = dy.is_some();
+    // The forward reads no gradient: `x` stands in for it.
+    let dy = match dy {
+        Some(dy) => contiguous(burn_cubecl::kernel::cast(dy, x.dtype)),
+        None => x.clone(),
+    };
     let out = empty(&x, x.shape().as_slice().to_vec(), x.dtype);
     let (n, total) = flat_width(&x);
     if total == 0 {
@@ -186,81 +192,39 @@ pub(crate) fn gelu_forward<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     let client = x.client.clone();
     if narrow(dtype) {
         let (count, dim) = grid(&x, total.div_ceil(NARROW_PER_UNIT));
-        // SAFETY: `total` vectors of `x` and `out` (same shape, contiguous); the kernel masks
-        // the units past them.
-        unsafe {
-            gelu_fwd_narrow::launch_unchecked::<R>(
-                &client,
-                count,
-                dim,
-                n,
-                x.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                total,
-                NARROW_PER_UNIT,
-                dtype.into(),
-            )
-        };
-    } else {
-        let (count, dim) = grid(&x, total);
-        gelu_fwd::launch::<R>(
-            &client,
-            count,
-            dim,
-            n,
-            x.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            total,
-            dtype.into(),
-        );
-    }
-    out
-}
-
-/// Gradient of exact GELU.
-pub(crate) fn gelu_backward<R: CubeRuntime>(x: CubeTensor<R>, dy: CubeTensor<R>) -> CubeTensor<R> {
-    let x = contiguous(x);
-    let dy = contiguous(burn_cubecl::kernel::cast(dy, x.dtype));
-    let dx = empty(&x, x.shape().as_slice().to_vec(), x.dtype);
-    let (n, total) = flat_width(&x);
-    if total == 0 {
-        return dx;
-    }
-    let dtype = x.dtype;
-    let client = x.client.clone();
-    if narrow(dtype) {
-        let (count, dim) = grid(&x, total.div_ceil(NARROW_PER_UNIT));
-        // SAFETY: `total` vectors of `x`, `dy` and `dx` (same shape, contiguous); the kernel
+        // SAFETY: `total` vectors of `x`, `dy` and `out` (same shape, contiguous); the kernel
         // masks the units past them.
         unsafe {
-            gelu_bwd_narrow::launch_unchecked::<R>(
+            gelu_narrow::launch_unchecked::<R>(
                 &client,
                 count,
                 dim,
                 n,
                 x.into_tensor_arg(),
                 dy.into_tensor_arg(),
-                dx.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
                 total,
                 NARROW_PER_UNIT,
+                backward,
                 dtype.into(),
             )
         };
     } else {
         let (count, dim) = grid(&x, total);
-        gelu_bwd::launch::<R>(
+        gelu_exact::launch::<R>(
             &client,
             count,
             dim,
             n,
             x.into_tensor_arg(),
             dy.into_tensor_arg(),
-            dx.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
             total,
+            backward,
             dtype.into(),
         );
     }
-    dx
+    out
 }
 
 fn gate_up<R: CubeRuntime>(gate: CubeTensor<R>, up: Option<CubeTensor<R>>) -> GateUp<R> {
@@ -288,10 +252,10 @@ where
         swiglu_backward(gate_up(gate, up), dy)
     }
     fn gelu_erf_forward(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        gelu_forward(x)
+        gelu(x, None)
     }
     fn gelu_erf_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
-        gelu_backward(x, dy)
+        gelu(x, Some(dy))
     }
 }
 
@@ -309,6 +273,6 @@ where
         swiglu_forward(gate_up(gate_up_packed, None))
     }
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        gelu_forward(x)
+        gelu(x, None)
     }
 }

@@ -26,7 +26,7 @@ use cubecl::prelude::*;
 
 use crate::dropout::Dropout;
 pub use crate::philox::philox4x32_10;
-use crate::philox::{factor, half_word, philox};
+use crate::philox::{factor, half_word, philox, DropScalars};
 
 /// The 16-bit draw of entry `(bh, i, j)` (see the module documentation), on the host.
 pub fn draw(seed: u64, bh: usize, i: usize, j: usize) -> u32 {
@@ -68,24 +68,15 @@ pub fn keep_mask<B: BurnBackend>(
 /// The dropout factor of entry `(bh, i, j)` with one Philox call of its own (the portable
 /// kernels; the tensor-core kernels share a call between a lane's entries of a tile).
 #[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn entry_factor(
-    bh: usize,
-    i: usize,
-    j: usize,
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    scale: f32,
-) -> f32 {
+pub(crate) fn entry_factor(bh: usize, i: usize, j: usize, drop: &DropScalars) -> f32 {
     let lane = u32::cast_from((i % 8) * 4 + (j % 8) / 2);
     let w = philox(
         lane,
         u32::cast_from(j / 16),
         u32::cast_from(i / 16),
         u32::cast_from(bh),
-        key0,
-        key1,
+        drop.key0,
+        drop.key1,
     );
     let at = ((i % 16) / 8) * 2 + (j % 16) / 8;
     // Picked by comparisons: a runtime index into a local array is slow on some runtimes.
@@ -99,7 +90,7 @@ pub(crate) fn entry_factor(
     if at == 3 {
         word = w[3];
     }
-    factor(half_word(word, j % 2 == 1), threshold, scale)
+    factor(half_word(word, j % 2 == 1), drop)
 }
 
 #[cfg(test)]

@@ -190,10 +190,7 @@ pub(crate) fn forward<R: CubeRuntime>(
                     stages,
                     ow,
                     stmatrix,
-                    drop.key0,
-                    drop.key1,
-                    drop.threshold,
-                    drop.scale,
+                    drop.scalars(),
                     drop.on,
                     dtype,
                 );
@@ -217,10 +214,7 @@ pub(crate) fn forward<R: CubeRuntime>(
                     block,
                     block,
                     causal as u32,
-                    drop.key0,
-                    drop.key1,
-                    drop.threshold,
-                    drop.scale,
+                    drop.scalars(),
                     drop.on,
                     dtype,
                 );

@@ -25,6 +25,7 @@ use cubecl::prelude::*;
 
 use super::dropout::entry_factor;
 use crate::launch::lanes_sum;
+use crate::philox::DropScalars;
 
 /// A finite stand-in for minus infinity: `exp(NEG_BIG - m)` is 0 and `NEG_BIG - NEG_BIG` is 0,
 /// never NaN.
@@ -116,10 +117,7 @@ pub(crate) fn flash_forward<F: Float>(
     #[comptime] block_q: usize,
     #[comptime] block_k: usize,
     causal: u32,
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    keep_scale: f32,
+    drop: DropScalars,
     #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -208,7 +206,7 @@ pub(crate) fn flash_forward<F: Float>(
             l += p;
             // The softmax sum counts every probability; the output sees the kept ones, scaled.
             if comptime!(dropout) {
-                p *= entry_factor(bh, i, j0 + c, key0, key1, threshold, keep_scale);
+                p *= entry_factor(bh, i, j0 + c, &drop);
             }
             #[unroll]
             for d in 0..part {
@@ -312,10 +310,7 @@ pub(crate) fn flash_backward_dq<F: Float>(
     #[comptime] block_q: usize,
     #[comptime] block_k: usize,
     causal: u32,
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    keep_scale: f32,
+    drop: DropScalars,
     #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -396,7 +391,7 @@ pub(crate) fn flash_backward_dq<F: Float>(
                 let p = (s - row_lse).exp();
                 if comptime!(dropout) {
                     // dP of the kept probabilities, through the mask: dP * Z.
-                    dp *= entry_factor(bh, i, j0 + c, key0, key1, threshold, keep_scale);
+                    dp *= entry_factor(bh, i, j0 + c, &drop);
                 }
                 let ds = p * (dp - row_delta);
                 #[unroll]
@@ -435,10 +430,7 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
     #[comptime] block_q: usize,
     #[comptime] block_k: usize,
     causal: u32,
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    keep_scale: f32,
+    drop: DropScalars,
     #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -525,7 +517,7 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
                 let p = (s - lse_t[r]).exp();
                 let mut z = 1.0f32;
                 if comptime!(dropout) {
-                    z = entry_factor(bh, i, j, key0, key1, threshold, keep_scale);
+                    z = entry_factor(bh, i, j, &drop);
                 }
                 let ds = p * (dp * z - delta_t[r]);
                 let pz = p * z;

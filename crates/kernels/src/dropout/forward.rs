@@ -22,7 +22,6 @@ pub(crate) fn apply<R: CubeRuntime>(x: CubeTensor<R>, dropout: Dropout) -> CubeT
     if total == 0 {
         return out;
     }
-    let args = DropArgs::new(Some(dropout));
     // Vectors of 1 to 8 entries that divide the tensor and the eight entries of a Philox call.
     let width = vector_width(&x, &[x.dtype], &[total, 8]);
     let vectors = total / width;
@@ -38,10 +37,7 @@ pub(crate) fn apply<R: CubeRuntime>(x: CubeTensor<R>, dropout: Dropout) -> CubeT
         x.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         vectors,
-        args.key0,
-        args.key1,
-        args.threshold,
-        args.scale,
+        DropArgs::new(Some(dropout)).scalars(),
         width,
         dtype.into(),
     );

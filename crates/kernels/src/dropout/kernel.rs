@@ -2,7 +2,7 @@
 
 use cubecl::prelude::*;
 
-use crate::philox::{factor, half_word, philox};
+use crate::philox::{factor, half_word, philox, DropScalars};
 
 /// `out = x * Z` over `vectors` vectors of `width` elements: a unit takes one Philox call, eight
 /// draws, for eight consecutive entries (`8 / width` vectors), as described in [`super`].
@@ -12,10 +12,7 @@ pub(crate) fn dropout_fwd<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     out: &mut Tensor<Vector<F, N>>,
     vectors: usize,
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    scale: f32,
+    drop: DropScalars,
     #[comptime] width: usize,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -27,8 +24,8 @@ pub(crate) fn dropout_fwd<F: Float, N: Size>(
             0u32,
             0x6472_6f70u32,
             0u32,
-            key0,
-            key1,
+            drop.key0,
+            drop.key1,
         );
         #[unroll]
         for v in 0..per {
@@ -38,7 +35,7 @@ pub(crate) fn dropout_fwd<F: Float, N: Size>(
                 #[unroll]
                 for e in 0..width {
                     let pos = v * width + e;
-                    val[e] = val[e] * factor(half_word(w[pos / 2], pos % 2 == 1), threshold, scale);
+                    val[e] = val[e] * factor(half_word(w[pos / 2], pos % 2 == 1), &drop);
                 }
                 out[idx] = Vector::cast_from(val);
             }

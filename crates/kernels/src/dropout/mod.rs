@@ -16,7 +16,9 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Shape, Tensor, TensorData};
 
-use crate::philox::philox4x32_10;
+use cubecl::prelude::Runtime;
+
+use crate::philox::{philox4x32_10, DropScalarsLaunch};
 
 /// The third counter word of elementwise dropout's Philox calls ("drop").
 pub const STREAM: u32 = 0x6472_6f70;
@@ -99,6 +101,13 @@ impl DropArgs {
                 scale: 1.0,
             },
         }
+    }
+}
+
+impl DropArgs {
+    /// The key words, threshold and keep scale as the kernels' one launch argument.
+    pub(crate) fn scalars<R: Runtime>(&self) -> DropScalarsLaunch<R> {
+        DropScalarsLaunch::new(self.key0, self.key1, self.threshold, self.scale)
     }
 }
 

@@ -4,9 +4,12 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use crate::pipeline::{commit, wait_block};
+use crate::philox::DropScalars;
 
-use super::dkdv_shared::{dq_block_atomic, store_ds_t, transposed_scores};
+use super::dkdv_shared::{
+    dq_block_atomic, head_rows, next_query_block, stage_keys, start_query_blocks, store_ds_t,
+    transposed_scores,
+};
 use super::fragments::*;
 
 /// Tensor-core dK and dV. Grid `(key blocks, batch * heads)`, cube `(32, planes)`; each warp owns
@@ -38,10 +41,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
     #[comptime] width: usize,
     #[comptime] causal: bool,
     #[comptime] fuse_dq: bool,
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    keep_scale: f32,
+    drop: DropScalars,
     #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -57,8 +57,8 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
     let w0 = UNIT_POS_Y as usize * comptime!(mt * 16);
     let pitch = comptime!((hd + 8) / width);
     let per_row = comptime!(hd / width);
-    // q, dO and their rows' lse, delta are double-buffered: block qb + 1 is copied (cp.async)
-    // while block qb is used.
+    let threads = comptime!(planes * 32);
+    // q, dO and their rows' lse, delta are double-buffered (see `start_query_blocks`).
     let tile = comptime!(block_q * pitch);
     let mut kt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
     let mut vt = SharedMemory::<Vector<F, N>>::new_aligned(comptime!(block_k * pitch), ALIGN);
@@ -75,41 +75,10 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
     );
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let (qbase, qstride) = (
-        (b * q.stride(0) + h * q.stride(1)) / width,
-        q.stride(2) / width,
-    );
-    let (gbase, gstride) = (
-        (b * grad.stride(0) + h * grad.stride(1)) / width,
-        grad.stride(2) / width,
-    );
-    copy_head_rows(
-        k,
-        &mut kt,
-        b,
-        h,
-        k0,
-        seq_k,
-        block_k,
-        per_row,
-        pitch,
-        width,
-        false,
-        comptime!(planes * 32),
-    );
-    copy_head_rows(
-        v,
-        &mut vt,
-        b,
-        h,
-        k0,
-        seq_k,
-        block_k,
-        per_row,
-        pitch,
-        width,
-        false,
-        comptime!(planes * 32),
+    let (qbase, qstride) = head_rows(q, b, h, width);
+    let (gbase, gstride) = head_rows(grad, b, h, width);
+    stage_keys(
+        k, v, &mut kt, &mut vt, b, h, k0, seq_k, block_k, per_row, pitch, width, threads,
     );
 
     let s_tiles = comptime!(block_q / 8);
@@ -117,14 +86,33 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
     let mut dk_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
     let mut dv_acc = zeros::<NC>(comptime!(mt * o_tiles * 2));
 
-    let query_blocks = seq_q.div_ceil(block_q);
-    let mut first = 0usize;
-    if comptime!(causal) {
-        first = k0 / block_q;
-    }
-    sync_cube();
-    if first < query_blocks {
-        issue_query_block(
+    let (first, query_blocks) = start_query_blocks(
+        q,
+        grad,
+        lse,
+        delta,
+        &mut qt,
+        &mut gt,
+        &mut lse_t,
+        &mut delta_t,
+        &bar0,
+        &bar1,
+        qbase,
+        qstride,
+        gbase,
+        gstride,
+        bh,
+        k0,
+        seq_q,
+        block_q,
+        per_row,
+        pitch,
+        width,
+        threads,
+        causal,
+    );
+    for qb in first..query_blocks {
+        let (i0, cur) = next_query_block(
             q,
             grad,
             lse,
@@ -133,53 +121,23 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
             &mut gt,
             &mut lse_t,
             &mut delta_t,
-            0,
+            &bar0,
+            &bar1,
             qbase,
             qstride,
             gbase,
             gstride,
-            bh * seq_q,
-            first * block_q,
+            bh,
+            qb,
+            first,
+            query_blocks,
             seq_q,
             block_q,
             per_row,
             pitch,
             width,
-            comptime!(planes * 32),
+            threads,
         );
-        commit(&bar0, &bar1, 0);
-    }
-    for qb in first..query_blocks {
-        let i0 = qb * block_q;
-        let n = qb - first;
-        let cur = n % 2;
-        if qb + 1 < query_blocks {
-            issue_query_block(
-                q,
-                grad,
-                lse,
-                delta,
-                &mut qt,
-                &mut gt,
-                &mut lse_t,
-                &mut delta_t,
-                (n + 1) % 2,
-                qbase,
-                qstride,
-                gbase,
-                gstride,
-                bh * seq_q,
-                i0 + block_q,
-                seq_q,
-                block_q,
-                per_row,
-                pitch,
-                width,
-                comptime!(planes * 32),
-            );
-            commit(&bar0, &bar1, (n + 1) % 2);
-        }
-        wait_block(&bar0, &bar1, n);
         let lrow = cur * block_q;
 
         // Under a causal mask, a query block wholly before this warp's first key adds nothing;
@@ -227,10 +185,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
                 seq_k,
                 scale,
                 bh,
-                key0,
-                key1,
-                threshold,
-                keep_scale,
+                &drop,
                 mt,
                 s_tiles,
                 causal,

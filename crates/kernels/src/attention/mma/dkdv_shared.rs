@@ -1,12 +1,191 @@
-//! What the two dK/dV kernels share: the scores of a block transposed, and for the fused dQ, dS^T
-//! staged in shared memory and a block's partial dQ added to the f32 accumulator with atomics.
+//! What the two dK/dV kernels share: the staging of the cube's keys and the double-buffered walk
+//! over the query blocks, the scores of a block transposed, and for the fused dQ, dS^T staged in
+//! shared memory and a block's partial dQ added to the f32 accumulator with atomics.
 
+use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::super::kernel::{neg_big, visible};
-use crate::philox::{factor, half_word, philox};
+use crate::philox::{factor, half_word, philox, DropScalars};
+use crate::pipeline::{commit, wait_block};
 
 use super::fragments::*;
+
+/// `(base, row stride)` of batch `b` and head `h` of a `[batch, heads, seq, head_dim]` tensor, in
+/// vectors of `width` (its strides are multiples of `width`).
+#[cube]
+pub(crate) fn head_rows<F: Float, N: Size>(
+    t: &Tensor<Vector<F, N>>,
+    b: usize,
+    h: usize,
+    #[comptime] width: usize,
+) -> (usize, usize) {
+    (
+        (b * t.stride(0) + h * t.stride(1)) / width,
+        t.stride(2) / width,
+    )
+}
+
+/// Copies the cube's `block_k` rows of k and v from key `k0` on into `kt` and `vt` with plain
+/// loads and stores; they stay staged while the query blocks pass.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_keys<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    kt: &mut SharedMemory<Vector<F, N>>,
+    vt: &mut SharedMemory<Vector<F, N>>,
+    b: usize,
+    h: usize,
+    k0: usize,
+    seq_k: usize,
+    #[comptime] block_k: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] threads: usize,
+) {
+    copy_head_rows(
+        k, kt, b, h, k0, seq_k, block_k, per_row, pitch, width, false, threads,
+    );
+    copy_head_rows(
+        v, vt, b, h, k0, seq_k, block_k, per_row, pitch, width, false, threads,
+    );
+}
+
+/// The query blocks the cube walks, `(first, query_blocks)`: all of them, or under a causal mask
+/// those from the one holding the cube's first key `k0` on (earlier ones see none of its keys).
+/// Waits for the whole cube (the barriers are initialised and the keys staged before any unit
+/// goes on), then starts the copies of the first block into buffer 0. q, dO and their rows'
+/// log-sum-exp and delta are double-buffered (`qt`, `gt`: two tiles of `block_q * pitch` vectors;
+/// `lse_t`, `delta_t`: two runs of `block_q`): block `qb + 1` is copied (cp.async) while block
+/// `qb` is used, see [`next_query_block`]. `qbase`, `qstride`, `gbase`, `gstride`: q's and dO's
+/// rows of this batch and head ([`head_rows`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start_query_blocks<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    qt: &mut SharedMemory<Vector<F, N>>,
+    gt: &mut SharedMemory<Vector<F, N>>,
+    lse_t: &mut SharedMemory<f32>,
+    delta_t: &mut SharedMemory<f32>,
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    qbase: usize,
+    qstride: usize,
+    gbase: usize,
+    gstride: usize,
+    bh: usize,
+    k0: usize,
+    seq_q: usize,
+    #[comptime] block_q: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] threads: usize,
+    #[comptime] causal: bool,
+) -> (usize, usize) {
+    let query_blocks = seq_q.div_ceil(block_q);
+    let mut first = 0usize;
+    if comptime!(causal) {
+        first = k0 / block_q;
+    }
+    sync_cube();
+    if first < query_blocks {
+        issue_query_block(
+            q,
+            grad,
+            lse,
+            delta,
+            qt,
+            gt,
+            lse_t,
+            delta_t,
+            0,
+            qbase,
+            qstride,
+            gbase,
+            gstride,
+            bh * seq_q,
+            first * block_q,
+            seq_q,
+            block_q,
+            per_row,
+            pitch,
+            width,
+            threads,
+        );
+        commit(bar0, bar1, 0);
+    }
+    (first, query_blocks)
+}
+
+/// Query block `qb` of the walk that [`start_query_blocks`] began: starts the copies of the next
+/// block into the other buffer, if there is one, then waits for this block's. Returns `(i0,
+/// cur)`: the block's first query row and its buffer (0 or 1).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn next_query_block<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    qt: &mut SharedMemory<Vector<F, N>>,
+    gt: &mut SharedMemory<Vector<F, N>>,
+    lse_t: &mut SharedMemory<f32>,
+    delta_t: &mut SharedMemory<f32>,
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    qbase: usize,
+    qstride: usize,
+    gbase: usize,
+    gstride: usize,
+    bh: usize,
+    qb: usize,
+    first: usize,
+    query_blocks: usize,
+    seq_q: usize,
+    #[comptime] block_q: usize,
+    #[comptime] per_row: usize,
+    #[comptime] pitch: usize,
+    #[comptime] width: usize,
+    #[comptime] threads: usize,
+) -> (usize, usize) {
+    let i0 = qb * block_q;
+    let n = qb - first;
+    let cur = n % 2;
+    if qb + 1 < query_blocks {
+        issue_query_block(
+            q,
+            grad,
+            lse,
+            delta,
+            qt,
+            gt,
+            lse_t,
+            delta_t,
+            (n + 1) % 2,
+            qbase,
+            qstride,
+            gbase,
+            gstride,
+            bh * seq_q,
+            i0 + block_q,
+            seq_q,
+            block_q,
+            per_row,
+            pitch,
+            width,
+            threads,
+        );
+        commit(bar0, bar1, (n + 1) % 2);
+    }
+    wait_block(bar0, bar1, n);
+    (i0, cur)
+}
 
 /// Writes this warp's dS^T tiles (`dp`: rows = its keys from `w0`, columns = queries from vector
 /// `c0` of each row, `s_tiles` of 8) to `ds_t` in the input dtype, one A-fragment register (two
@@ -169,10 +348,7 @@ pub(crate) fn transposed_scores<NC: Size>(
     seq_k: usize,
     scale: f32,
     bh: usize,
-    seed0: u32,
-    seed1: u32,
-    threshold: u32,
-    keep_scale: f32,
+    drop: &DropScalars,
     #[comptime] mt: usize,
     #[comptime] s_tiles: usize,
     #[comptime] causal: bool,
@@ -224,8 +400,8 @@ pub(crate) fn transposed_scores<NC: Size>(
                         key_tile,
                         u32::cast_from(query0 / 16 + u),
                         u32::cast_from(bh),
-                        seed0,
-                        seed1,
+                        drop.key0,
+                        drop.key1,
                     );
                     #[unroll]
                     for tt in 0..2usize {
@@ -235,8 +411,7 @@ pub(crate) fn transposed_scores<NC: Size>(
                         #[unroll]
                         for half in 0..2usize {
                             let at = (m * s_tiles + u * 2 + tt) * 2 + half;
-                            let z =
-                                factor(half_word(w[tt * 2 + half], high), threshold, keep_scale);
+                            let z = factor(half_word(w[tt * 2 + half], high), drop);
                             let mut x = s[at];
                             let mut y = dp[at];
                             let p = (x[e] * scale - l).exp();

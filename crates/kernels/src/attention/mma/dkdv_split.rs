@@ -4,9 +4,12 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use crate::pipeline::{commit, wait_block};
+use crate::philox::DropScalars;
 
-use super::dkdv_shared::{dq_block_atomic, store_ds_t, transposed_scores};
+use super::dkdv_shared::{
+    dq_block_atomic, head_rows, next_query_block, stage_keys, start_query_blocks, store_ds_t,
+    transposed_scores,
+};
 use super::fragments::*;
 
 /// Tensor-core dK, dV and dQ with each query block's work split over the warps in three layouts
@@ -50,10 +53,7 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
     #[comptime] width: usize,
     #[comptime] causal: bool,
     #[comptime] fused_dq: bool,
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    keep_scale: f32,
+    drop: DropScalars,
     #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -93,19 +93,10 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
     let mut ds_t = SharedMemory::<Vector<F, NA>>::new_aligned(comptime!(block_k * ds_pitch), ALIGN);
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let (qbase, qstride) = (
-        (b * q.stride(0) + h * q.stride(1)) / width,
-        q.stride(2) / width,
-    );
-    let (gbase, gstride) = (
-        (b * grad.stride(0) + h * grad.stride(1)) / width,
-        grad.stride(2) / width,
-    );
-    copy_head_rows(
-        k, &mut kt, b, h, k0, seq_k, block_k, per_row, pitch, width, false, threads,
-    );
-    copy_head_rows(
-        v, &mut vt, b, h, k0, seq_k, block_k, per_row, pitch, width, false, threads,
+    let (qbase, qstride) = head_rows(q, b, h, width);
+    let (gbase, gstride) = head_rows(grad, b, h, width);
+    stage_keys(
+        k, v, &mut kt, &mut vt, b, h, k0, seq_k, block_k, per_row, pitch, width, threads,
     );
 
     let s_tiles = comptime!(sq / 8);
@@ -113,14 +104,33 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
     let mut dk_acc = zeros::<NC>(comptime!(2 * o_tiles * 2));
     let mut dv_acc = zeros::<NC>(comptime!(2 * o_tiles * 2));
 
-    let query_blocks = seq_q.div_ceil(block_q);
-    let mut first = 0usize;
-    if comptime!(causal) {
-        first = k0 / block_q;
-    }
-    sync_cube();
-    if first < query_blocks {
-        issue_query_block(
+    let (first, query_blocks) = start_query_blocks(
+        q,
+        grad,
+        lse,
+        delta,
+        &mut qt,
+        &mut gt,
+        &mut lse_t,
+        &mut delta_t,
+        &bar0,
+        &bar1,
+        qbase,
+        qstride,
+        gbase,
+        gstride,
+        bh,
+        k0,
+        seq_q,
+        block_q,
+        per_row,
+        pitch,
+        width,
+        threads,
+        causal,
+    );
+    for qb in first..query_blocks {
+        let (i0, cur) = next_query_block(
             q,
             grad,
             lse,
@@ -129,13 +139,16 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
             &mut gt,
             &mut lse_t,
             &mut delta_t,
-            0,
+            &bar0,
+            &bar1,
             qbase,
             qstride,
             gbase,
             gstride,
-            bh * seq_q,
-            first * block_q,
+            bh,
+            qb,
+            first,
+            query_blocks,
             seq_q,
             block_q,
             per_row,
@@ -143,39 +156,6 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
             width,
             threads,
         );
-        commit(&bar0, &bar1, 0);
-    }
-    for qb in first..query_blocks {
-        let i0 = qb * block_q;
-        let n = qb - first;
-        let cur = n % 2;
-        if qb + 1 < query_blocks {
-            issue_query_block(
-                q,
-                grad,
-                lse,
-                delta,
-                &mut qt,
-                &mut gt,
-                &mut lse_t,
-                &mut delta_t,
-                (n + 1) % 2,
-                qbase,
-                qstride,
-                gbase,
-                gstride,
-                bh * seq_q,
-                i0 + block_q,
-                seq_q,
-                block_q,
-                per_row,
-                pitch,
-                width,
-                threads,
-            );
-            commit(&bar0, &bar1, (n + 1) % 2);
-        }
-        wait_block(&bar0, &bar1, n);
         // This warp's queries: columns `qc0 ..` of the block.
         let lrow = cur * block_q + qc0;
         let j0 = i0 + qc0;
@@ -222,10 +202,7 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
                 seq_k,
                 scale,
                 bh,
-                key0,
-                key1,
-                threshold,
-                keep_scale,
+                &drop,
                 2usize,
                 s_tiles,
                 causal,

@@ -4,7 +4,7 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use crate::philox::{factor, half_word, philox};
+use crate::philox::{factor, half_word, philox, DropScalars};
 
 use super::fragments::*;
 
@@ -32,10 +32,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     #[comptime] block_k: usize,
     #[comptime] width: usize,
     #[comptime] causal: bool,
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    keep_scale: f32,
+    drop: DropScalars,
     #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -162,8 +159,8 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
                             u32::cast_from(j0 / 16 + u),
                             query_tile,
                             u32::cast_from(bh),
-                            key0,
-                            key1,
+                            drop.key0,
+                            drop.key1,
                         );
                         #[unroll]
                         for half in 0..2usize {
@@ -176,7 +173,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
                                 let y = dp[at];
                                 #[unroll]
                                 for e in 0..2usize {
-                                    let z = factor(half_word(word, e == 1), threshold, keep_scale);
+                                    let z = factor(half_word(word, e == 1), &drop);
                                     x[e] = (x[e] * scale - lse_r[r]).exp() * (y[e] * z - d_r[r]);
                                 }
                                 s[at] = x;

@@ -4,7 +4,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::super::kernel::neg_big;
-use crate::philox::{factor, half_word, philox};
+use crate::philox::{factor, half_word, philox, DropScalars};
 
 use super::fragments::*;
 
@@ -44,10 +44,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
     #[comptime] stages: usize,
     #[comptime] ow: usize,
     #[comptime] stmatrix: bool,
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    keep_scale: f32,
+    drop: DropScalars,
     #[comptime] dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -95,12 +92,6 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
         0.0f32
     } else {
         RESCALE_SLACK
-    };
-    let drop = DropKeys {
-        key0,
-        key1,
-        threshold,
-        keep_scale,
     };
 
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
@@ -211,15 +202,6 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
     );
 }
 
-/// The dropout keys and threshold of the forward's launch (see `crate::dropout`).
-#[derive(CubeType)]
-struct DropKeys {
-    key0: u32,
-    key1: u32,
-    threshold: u32,
-    keep_scale: f32,
-}
-
 /// The mask where this warp's rows meet the block's edge (past `seq_k` or, causal, above the
 /// diagonal; the test is uniform across the warp), then the online softmax's lazy rescale: a
 /// row's reference maximum `m_run` moves (and its output is rescaled) only when the block's
@@ -302,7 +284,7 @@ fn probabilities<NC: Size>(
     row0: usize,
     j0: usize,
     bh: usize,
-    drop: &DropKeys,
+    drop: &DropScalars,
     #[comptime] mt: usize,
     #[comptime] s_tiles: usize,
     #[comptime] dropout: bool,
@@ -350,10 +332,8 @@ fn probabilities<NC: Size>(
                         let at = (m * s_tiles + u * 2 + tt) * 2 + half;
                         let word = w[half * 2 + tt];
                         let mut x = s[at];
-                        x[0] =
-                            x[0] * factor(half_word(word, false), drop.threshold, drop.keep_scale);
-                        x[1] =
-                            x[1] * factor(half_word(word, true), drop.threshold, drop.keep_scale);
+                        x[0] = x[0] * factor(half_word(word, false), drop);
+                        x[1] = x[1] * factor(half_word(word, true), drop);
                         s[at] = x;
                     }
                 }
