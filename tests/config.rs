@@ -297,3 +297,40 @@ fn auto_precision_is_validated_as_bf16() {
     cfg.validate()
         .expect("auto precision with a fixed loss scale validates as bf16 would");
 }
+
+#[test]
+fn llama_presets_have_the_published_shapes() {
+    // Parameter counts of the Hugging Face checkpoints of the shapes (embedding and head of
+    // 128256 rows; Llama 3.2's heads are tied to the embedding, Llama 3 8B's is not); the small
+    // preset has 32000 rows and an untied head.
+    for (file, params) in [
+        ("llama_125m", 124_668_672usize),
+        ("llama_1b", 1_235_814_400),
+        ("llama_3b", 3_212_749_824),
+        ("llama_8b", 8_030_261_248),
+    ] {
+        let path = format!("{}/configs/{file}.toml", env!("CARGO_MANIFEST_DIR"));
+        let cfg = Config::load(std::path::Path::new(&path), &[]).unwrap();
+        assert_eq!(cfg.model.num_params(cfg.model.vocab_size), params, "{file}");
+        assert!(
+            cfg.model.kv_heads() < cfg.model.n_head,
+            "{file}: grouped-query"
+        );
+    }
+}
+
+#[test]
+fn grouped_query_heads_must_divide_the_query_heads() {
+    let e = err("[model]\nn_head = 6\nd_model = 48\nn_kv_head = 4\n", &[]);
+    assert!(
+        e.contains("model.n_kv_head = 4") && e.contains("model.n_head = 6"),
+        "{e}"
+    );
+    let cfg = Config::from_toml_str(
+        "[model]\nn_head = 6\nd_model = 48\nn_kv_head = 2\n",
+        &[],
+        "x",
+    )
+    .unwrap();
+    assert_eq!(cfg.model.qkv_width(), (6 + 2 * 2) * 8);
+}

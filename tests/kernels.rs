@@ -225,6 +225,79 @@ fn flash_attention_qkv() {
     }
 }
 
+/// Grouped-query attention on the portable kernels: 6 query heads over 2 and over 1 k/v heads
+/// (and 3 over 1 at head_dim 8), odd lengths, fewer queries than keys; output and dQ, dK, dV, full
+/// and causal, with and without dropout. (No case of a single causal query: its dQ is exactly 0,
+/// and with dropout the kernels' `delta` from the rounded output leaves f16 rounding there, as
+/// without grouping.)
+#[test]
+fn flash_attention_gqa() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    let cases = [
+        (2, 6, 2, 37, 37, 32),
+        (1, 6, 1, 37, 37, 64),
+        (1, 6, 2, 17, 40, 16),
+        (2, 3, 1, 5, 9, 8),
+    ];
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        kernel_cases::flash_attention_gqa::<B>(dtype, &device(), &cases, false);
+    }
+}
+
+/// The packed projection with fewer k/v heads than q heads (`[B, T, (H + 2 Hkv) hd]`).
+#[test]
+fn flash_attention_qkv_gqa() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    let shapes = [(2, 37, 6, 2, 32), (1, 19, 6, 1, 16)];
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        kernel_cases::flash_attention_qkv_gqa::<B>(dtype, &device(), &shapes, false);
+    }
+}
+
+#[test]
+fn flash_attention_refuses_kv_heads_not_dividing_heads() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    common::assert_panics_with(
+        "kernels::flash_attention: k has 4 heads, which does not divide q's 6",
+        || {
+            let dev = device();
+            let q = burn::tensor::Tensor::<B, 4>::zeros([1, 6, 8, 16], &dev);
+            let k = burn::tensor::Tensor::<B, 4>::zeros([1, 4, 8, 16], &dev);
+            let _ = kernels::flash_attention(q, k.clone(), k, false, None);
+        },
+    );
+    common::assert_panics_with(
+        "kernels::flash_attention_qkv: k has 4 heads, which does not divide q's 6",
+        || {
+            let dev = device();
+            let qkv = burn::tensor::Tensor::<B, 3>::zeros([1, 8, (6 + 2 * 4) * 16], &dev);
+            let (cos, sin) = kernels::rope::tables::<B>(8, 16, 10_000.0, &dev);
+            let _ = kernels::flash_attention_qkv(qkv, 6, 4, cos, sin, true, None, None);
+        },
+    );
+}
+
+/// The references refuse the same (Burn's CPU backend runs them).
+#[test]
+fn flash_attention_reference_refuses_kv_heads_not_dividing_heads() {
+    type Cpu = burn::backend::NdArray;
+    common::assert_panics_with(
+        "kernels::flash_attention: k has 4 heads, which does not divide q's 6",
+        || {
+            let dev = Default::default();
+            let q = burn::tensor::Tensor::<Cpu, 4>::zeros([1, 6, 8, 16], &dev);
+            let k = burn::tensor::Tensor::<Cpu, 4>::zeros([1, 4, 8, 16], &dev);
+            let _ = kernels::flash_attention(q, k.clone(), k, false, None);
+        },
+    );
+}
+
 #[test]
 fn flash_attention_refuses_dropout_of_one() {
     if !common::needs_wgpu() {

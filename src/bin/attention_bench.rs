@@ -185,7 +185,7 @@ fn packed(dev: &CudaDevice, dt: FloatDType, args: &Args) {
             .reshape([b, t, d])
     };
     let fused = |qkv: Tensor<A, 3>| {
-        kernels::flash_attention_qkv(qkv, h, cos.clone(), sin.clone(), true, None, None)
+        kernels::flash_attention_qkv(qkv, h, h, cos.clone(), sin.clone(), true, None, None)
     };
     println!("Attention of a packed qkv projection, {dt:?}, B={b} T={t} H={h} hd={hd}, causal (median of {} x {} calls)\n", args.reps, args.iters);
     println!("| path | fwd+bwd ms | kept by the forward, MiB |");

@@ -243,6 +243,77 @@ fn cuda_flash_attention_qkv() {
     }
 }
 
+/// Grouped-query attention (6 query heads over 2 and over 1 k/v heads) on tensor cores in bf16 at
+/// head dims 64 and 128 with the default layouts (hd 64: whole key rows, dQ fused; hd 128: the
+/// split dK/dV layout, dQ fused), odd lengths, fewer queries than keys, with and without dropout.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_gqa_bf16() {
+    flash_attention_gqa_cases(FloatDType::BF16);
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_gqa_f16() {
+    flash_attention_gqa_cases(FloatDType::F16);
+}
+
+/// As above in f32 (the portable kernels).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_gqa_f32() {
+    kernel_cases::flash_attention_gqa::<B>(
+        FloatDType::F32,
+        &CudaDevice::default(),
+        &[(2, 6, 2, 37, 37, 64), (1, 6, 1, 17, 40, 40)],
+        true,
+    );
+}
+
+/// Grouped-query attention in every backward layout at both head dims (the split dK/dV layout and
+/// whole key rows, each with the separate dQ kernel and with dQ fused, in the tiles the split
+/// backward's tests use); bf16 and f16.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_gqa_layouts() {
+    for spec in [
+        "bwd=split,dq=separate",
+        "bwd=split,dq=fused",
+        "bwd=rows,dq=separate,dkdv=1x64x8",
+        "bwd=rows,dq=fused,dkdv=2x32x4",
+    ] {
+        let _settings = kernels::settings::scoped(|s| {
+            s.flash_tiles = Some(spec.parse().expect("a valid tile override"))
+        });
+        flash_attention_gqa_cases(FloatDType::BF16);
+        flash_attention_gqa_cases(FloatDType::F16);
+    }
+}
+
+fn flash_attention_gqa_cases(dtype: FloatDType) {
+    let cases = [
+        (2, 6, 2, 37, 37, 64),
+        (2, 6, 2, 37, 37, 128),
+        (1, 6, 1, 130, 130, 64),
+        (1, 6, 1, 130, 130, 128),
+        (1, 6, 2, 17, 40, 64),
+        (1, 6, 2, 17, 40, 128),
+        (1, 8, 2, 1000, 1000, 128),
+    ];
+    kernel_cases::flash_attention_gqa::<B>(dtype, &CudaDevice::default(), &cases, true);
+}
+
+/// RoPE + FlashAttention of a packed projection with fewer k/v heads than q heads: tensor cores in
+/// f16/bf16 (head dims 64 and 128), the portable kernels in f32.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_qkv_gqa() {
+    let shapes = [(2, 37, 6, 2, 64), (1, 130, 6, 1, 128), (2, 33, 4, 2, 40)];
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        kernel_cases::flash_attention_qkv_gqa::<B>(dtype, &CudaDevice::default(), &shapes, true);
+    }
+}
+
 /// The f16/bf16 inputs above do run on tensor cores (a fallback would pass the numeric checks).
 #[test]
 #[ignore = "needs CUDA"]

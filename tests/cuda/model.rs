@@ -139,3 +139,37 @@ fn cuda_plain_attention_after_fused_rope() {
         }
     }
 }
+
+/// `model.recompute = "full"` against `"none"` (see `tests/model_cases/recompute.rs`): the fused
+/// kernels and FlashAttention with dropout in bf16 and f32, and multi-query attention (3 query
+/// heads over 1 key/value head) in bf16; within twice the run-to-run difference of the fused dQ's
+/// atomics plus a few roundings.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_recompute_matches_none() {
+    use model::config::{AttentionKind, KernelsKind};
+    use model_cases::recompute::{recompute_matches, Case};
+    let _guard = common::serial();
+    let fused = model_cases::Combo {
+        kernels: KernelsKind::Fused,
+        attention: AttentionKind::Flash,
+        gemm: GemmKind::Cublaslt,
+    };
+    for (dtype, kv_heads, dropout) in [
+        (FloatDType::BF16, AWKWARD.heads, 0.1),
+        (FloatDType::F32, AWKWARD.heads, 0.1),
+        (FloatDType::BF16, 1, 0.0),
+    ] {
+        for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
+            let case = Case {
+                mlp,
+                combo: fused,
+                dtype,
+                dropout,
+                kv_heads,
+                shape: AWKWARD,
+            };
+            recompute_matches::<B>(case, false, &CudaDevice::default());
+        }
+    }
+}

@@ -1,5 +1,5 @@
-//! Cases of FlashAttention: plain, with dropout, of a packed projection, strided, and its
-//! log-sum-exp.
+//! Cases of FlashAttention: plain, with dropout, grouped-query, of a packed projection, strided,
+//! and its log-sum-exp.
 #![allow(dead_code)]
 
 use super::*;
@@ -40,12 +40,51 @@ fn attention_cases<B: AutodiffBackend + kernels::Backend>(
     exact_by_sums: bool,
     variants: &[(bool, Option<f64>)],
 ) {
-    let mut cases: Vec<(usize, usize, usize, usize, usize)> = shapes
+    let mut cases: Vec<Gqa> = shapes
         .iter()
-        .map(|&(b, h, s, hd)| (b, h, s, s, hd))
+        .map(|&(b, h, s, hd)| (b, h, h, s, s, hd))
         .collect();
-    cases.push((1, 2, 17, 40, 64));
-    for (n, (b, h, sq, sk, hd)) in cases.into_iter().enumerate() {
+    cases.push((1, 2, 2, 17, 40, 64));
+    grouped_cases::<B>(dtype, dev, &cases, exact_by_sums, variants);
+}
+
+/// An attention case with its own k/v head count: `(batch, heads, kv_heads, seq_q, seq_k,
+/// head_dim)`.
+pub type Gqa = (usize, usize, usize, usize, usize, usize);
+
+/// Grouped-query attention (`kv_heads` dividing `heads`; k and v not repeated in memory):
+/// output and dQ, dK, dV (the sums over each group) against the naive formula on k and v
+/// repeated over the group, full (scale 0.3) and causal, without and with dropout (p = 0.2), at
+/// every `(batch, heads, kv_heads, seq_q, seq_k, head_dim)` of `cases`.
+pub fn flash_attention_gqa<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    cases: &[Gqa],
+    exact_by_sums: bool,
+) {
+    grouped_cases::<B>(
+        dtype,
+        dev,
+        cases,
+        exact_by_sums,
+        &[
+            (false, None),
+            (true, None),
+            (false, Some(0.2)),
+            (true, Some(0.2)),
+        ],
+    );
+}
+
+/// [`attention_cases`] at explicit k/v head counts.
+fn grouped_cases<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    cases: &[Gqa],
+    exact_by_sums: bool,
+    variants: &[(bool, Option<f64>)],
+) {
+    for (n, &(b, h, hkv, sq, sk, hd)) in cases.iter().enumerate() {
         for &(causal, p) in variants {
             let drop = p.map(|p| {
                 let seed = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(n as u64 * 4 + 1 + causal as u64)
@@ -58,9 +97,11 @@ fn attention_cases<B: AutodiffBackend + kernels::Backend>(
             };
             let started = std::time::Instant::now();
             let scale = if causal { None } else { Some(0.3) };
-            let (rq, rk) = (b * h * sq, b * h * sk);
+            let (rq, rk) = (b * h * sq, b * hkv * sk);
             check::<B>(
-                &format!("{op} q [{b}, {h}, {sq}, {hd}] k/v seq {sk} causal {causal}{tag}"),
+                &format!(
+                    "{op} q [{b}, {h}, {sq}, {hd}] k/v [{b}, {hkv}, {sk}, {hd}] causal {causal}{tag}"
+                ),
                 dtype,
                 4e-5 * (sk as f32 / 32.0).sqrt().max(1.0) / (1.0 - p.unwrap_or(0.0) as f32),
                 vec![
@@ -70,8 +111,8 @@ fn attention_cases<B: AutodiffBackend + kernels::Backend>(
                 ],
                 |v| {
                     let q = v[0].clone().reshape([b, h, sq, hd]);
-                    let k = v[1].clone().reshape([b, h, sk, hd]);
-                    let val = v[2].clone().reshape([b, h, sk, hd]);
+                    let k = v[1].clone().reshape([b, hkv, sk, hd]);
+                    let val = v[2].clone().reshape([b, hkv, sk, hd]);
                     match drop {
                         Some(d) => kernels::flash_attention_dropout(q, k, val, causal, scale, d),
                         None => kernels::flash_attention(q, k, val, causal, scale),
@@ -80,8 +121,8 @@ fn attention_cases<B: AutodiffBackend + kernels::Backend>(
                 },
                 |v| {
                     let q = v[0].clone().reshape([b, h, sq, hd]);
-                    let k = v[1].clone().reshape([b, h, sk, hd]);
-                    let val = v[2].clone().reshape([b, h, sk, hd]);
+                    let k = v[1].clone().reshape([b, hkv, sk, hd]);
+                    let val = v[2].clone().reshape([b, hkv, sk, hd]);
                     if exact_by_sums && q.dtype() == burn::tensor::DType::F32 {
                         attention_by_sums_dropout(q, k, val, causal, scale, drop).reshape([rq, hd])
                     } else {
@@ -96,7 +137,7 @@ fn attention_cases<B: AutodiffBackend + kernels::Backend>(
                 },
             );
             eprintln!(
-                "{op} [{b}, {h}, {sq}/{sk}, {hd}] causal {causal}{tag} {dtype:?}: {:.1?}",
+                "{op} [{b}, {h}/{hkv}, {sq}/{sk}, {hd}] causal {causal}{tag} {dtype:?}: {:.1?}",
                 started.elapsed()
             );
         }
@@ -172,7 +213,24 @@ pub fn flash_attention_qkv<B: AutodiffBackend + kernels::Backend>(
     shapes: &[(usize, usize, usize, usize)],
     exact_by_sums: bool,
 ) {
-    for (n, &(b, t, h, hd)) in shapes.iter().enumerate() {
+    let shapes: Vec<_> = shapes
+        .iter()
+        .map(|&(b, t, h, hd)| (b, t, h, h, hd))
+        .collect();
+    flash_attention_qkv_gqa::<B>(dtype, dev, &shapes, exact_by_sums);
+}
+
+/// [`flash_attention_qkv`] with `kv_heads` key and value heads in the projection (`[batch, seq,
+/// (heads + 2 x kv_heads) x head_dim]`), at each `(batch, seq, heads, kv_heads, head_dim)` of
+/// `shapes`: the projection's gradient of k and v is the sum over each group.
+pub fn flash_attention_qkv_gqa<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize, usize, usize)],
+    exact_by_sums: bool,
+) {
+    for (n, &(b, t, h, hkv, hd)) in shapes.iter().enumerate() {
+        let width = (h + 2 * hkv) * hd;
         let (cos, sin) = kernels::rope::tables::<B>(t + 3, hd, 10_000.0, dev);
         for (causal, p) in [(false, None), (true, None), (true, Some(0.2))] {
             let started = std::time::Instant::now();
@@ -180,41 +238,42 @@ pub fn flash_attention_qkv<B: AutodiffBackend + kernels::Backend>(
             let dropout = p.map(|p| kernels::Dropout::new(p, 0xabc0 + n as u64));
             check::<B>(
                 &format!(
-                    "flash_attention_qkv [{b}, {t}, 3 x {h} x {hd}] causal {causal} dropout {p:?}"
+                    "flash_attention_qkv [{b}, {t}, ({h} + 2 x {hkv}) x {hd}] causal {causal} dropout {p:?}"
                 ),
                 dtype,
                 4e-5 * (t as f32 / 32.0).sqrt().max(1.0) / (1.0 - p.unwrap_or(0.0) as f32),
                 vec![
-                    Input::act([b * t, 3 * h * hd], dev),
+                    Input::act([b * t, width], dev),
                     Input::constant(cos.clone()),
                     Input::constant(sin.clone()),
                 ],
                 |v| {
-                    let qkv = v[0].clone().reshape([b, t, 3 * h * hd]);
+                    let qkv = v[0].clone().reshape([b, t, width]);
                     let (c, s) = (v[1].clone(), v[2].clone());
-                    kernels::flash_attention_qkv(qkv, h, c, s, causal, scale, dropout)
+                    kernels::flash_attention_qkv(qkv, h, hkv, c, s, causal, scale, dropout)
                         .reshape([b * t, h * hd])
                 },
                 |v| {
-                    let qkv = v[0].clone().reshape([b, t, 3 * h * hd]);
+                    let qkv = v[0].clone().reshape([b, t, width]);
                     let (c, s) = (v[1].clone(), v[2].clone());
                     if exact_by_sums && qkv.dtype() == burn::tensor::DType::F32 {
-                        let x = qkv.reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+                        // [b, t, all heads, hd] -> [b, all heads, t, hd]: q's, then k's, v's.
+                        let x = qkv.reshape([b, t, h + 2 * hkv, hd]).swap_dims(1, 2);
                         let part =
-                            |i: usize| x.clone().slice([0..b, i * h..(i + 1) * h, 0..t, 0..hd]);
-                        let q = kernels::rope::reference(part(0), c.clone(), s.clone());
-                        let k = kernels::rope::reference(part(1), c, s);
-                        attention_by_sums_dropout(q, k, part(2), causal, scale, dropout)
+                            |from: usize, n: usize| x.clone().slice([0..b, from..from + n, 0..t, 0..hd]);
+                        let q = kernels::rope::reference(part(0, h), c.clone(), s.clone());
+                        let k = kernels::rope::reference(part(h, hkv), c, s);
+                        attention_by_sums_dropout(q, k, part(h + hkv, hkv), causal, scale, dropout)
                             .swap_dims(1, 2)
                             .reshape([b * t, h * hd])
                     } else {
-                        kernels::attention::reference_qkv(qkv, h, c, s, causal, scale, dropout)
+                        kernels::attention::reference_qkv(qkv, h, hkv, c, s, causal, scale, dropout)
                             .reshape([b * t, h * hd])
                     }
                 },
             );
             eprintln!(
-                "flash_attention_qkv [{b}, {t}, {h}, {hd}] causal {causal} dropout {p:?} {dtype:?}: {:.1?}",
+                "flash_attention_qkv [{b}, {t}, {h}/{hkv}, {hd}] causal {causal} dropout {p:?} {dtype:?}: {:.1?}",
                 started.elapsed()
             );
         }
@@ -233,7 +292,8 @@ pub fn attention_by_sums<B: burn::tensor::backend::Backend>(
     attention_by_sums_dropout(q, k, v, causal, scale, None)
 }
 
-/// [`attention_by_sums`] with the probabilities multiplied by the host's dropout mask.
+/// [`attention_by_sums`] with the probabilities multiplied by the host's dropout mask. k and v may
+/// have fewer heads than q (repeated over the group).
 pub fn attention_by_sums_dropout<B: burn::tensor::backend::Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -243,6 +303,10 @@ pub fn attention_by_sums_dropout<B: burn::tensor::backend::Backend>(
     dropout: Option<kernels::Dropout>,
 ) -> Tensor<B, 4> {
     let [b, h, sq, hd] = q.dims();
+    let (k, v) = (
+        kernels::attention::repeat_kv(k, h),
+        kernels::attention::repeat_kv(v, h),
+    );
     let sk = k.dims()[2];
     let scale = scale.unwrap_or_else(|| kernels::attention::default_scale(hd));
     let scores: Tensor<B, 4> = (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2))

@@ -23,6 +23,8 @@
 //! 50 steps there. The reference must learn.
 #![allow(dead_code)]
 
+pub mod recompute;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
@@ -147,6 +149,24 @@ pub fn loss_and_grads<B: AutodiffBackend + kernels::Backend>(
     x: &Tensor<B, 2, Int>,
     y: &Tensor<B, 2, Int>,
 ) -> (f64, Vec<(String, Vec<f32>)>) {
+    let copy = model.compute_copy(dtype);
+    let loss = copy.forward_loss(x.clone(), y.clone());
+    let value = loss
+        .clone()
+        .into_data()
+        .convert::<f64>()
+        .into_vec::<f64>()
+        .unwrap()[0];
+    let grads = GradientsParams::from_grads(loss.backward(), &copy);
+    (value, named_grads(&copy, &grads))
+}
+
+/// Every parameter gradient of `model` in `grads`, by parameter path, as f32 values; panics
+/// naming a parameter without one.
+pub fn named_grads<B: AutodiffBackend>(
+    model: &Gpt<B>,
+    grads: &GradientsParams,
+) -> Vec<(String, Vec<f32>)> {
     struct Named<'a, B: AutodiffBackend> {
         grads: &'a GradientsParams,
         path: Vec<String>,
@@ -176,30 +196,21 @@ pub fn loss_and_grads<B: AutodiffBackend + kernels::Backend>(
             ));
         }
     }
-    let copy = model.compute_copy(dtype);
-    let loss = copy.forward_loss(x.clone(), y.clone());
-    let value = loss
-        .clone()
-        .into_data()
-        .convert::<f64>()
-        .into_vec::<f64>()
-        .unwrap()[0];
-    let grads = GradientsParams::from_grads(loss.backward(), &copy);
     let mut v = Named::<B> {
-        grads: &grads,
+        grads,
         path: Vec::new(),
         out: Vec::new(),
         _b: std::marker::PhantomData,
     };
-    copy.visit(&mut v);
-    (value, v.out)
+    model.visit(&mut v);
+    v.out
 }
 
-fn max_abs(v: &[f32]) -> f64 {
+pub fn max_abs(v: &[f32]) -> f64 {
     v.iter().fold(0.0f64, |m, x| m.max(x.abs() as f64))
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f64 {
+pub fn max_diff(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).fold(0.0f64, |m, (x, y)| {
         let d = (*x as f64 - *y as f64).abs();

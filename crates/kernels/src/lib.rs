@@ -397,8 +397,11 @@ pub fn format_probe<B: Backend, const D: usize>(
 }
 
 /// FlashAttention (see [`attention`]): `softmax(scale * q k^T + mask) v` for `q` [batch, heads,
-/// seq_q, head_dim] and `k`, `v` [batch, heads, seq_k, head_dim] of one float dtype, without
-/// materialising the scores; `causal` lets query `i` see keys `j <= i`; `scale` defaults to
+/// seq_q, head_dim] and `k`, `v` [batch, kv_heads, seq_k, head_dim] of one float dtype, without
+/// materialising the scores. `kv_heads` is `heads` or a divisor of it (grouped-query attention:
+/// query head `h` attends with k/v head `h / (heads / kv_heads)`, without repeating k and v in
+/// memory; their gradients are summed over each group). `causal` lets query `i` see keys `j <= i`;
+/// `scale` defaults to
 /// `1 / sqrt(head_dim)` and must be positive and finite. Under `Autodiff` the backward
 /// recomputes the probabilities from the saved log-sum-exp. The output is laid out as
 /// `[batch, seq_q, heads, head_dim]` in memory, so
@@ -467,8 +470,10 @@ fn attend<B: Backend>(
 }
 
 /// Causal or full attention of a packed qkv projection with rotary embeddings: `qkv` is
-/// `[batch, seq, 3 x heads x head_dim]` (q, k, v side by side, as one linear layer writes them),
-/// q and k are rotated by `cos`, `sin` ([`rope`]'s tables), then [`flash_attention`] (or
+/// `[batch, seq, (heads + 2 x kv_heads) x head_dim]` (q's `heads` heads, then k's `kv_heads`, then
+/// v's, as one linear layer writes them; `kv_heads` = `heads` without grouping, else a divisor of
+/// it, see [`flash_attention`]), q and k are rotated by `cos`, `sin` ([`rope`]'s tables), then
+/// [`flash_attention`] (or
 /// [`flash_attention_dropout`] with `dropout`); returns `[batch, seq, heads x head_dim]`. The same
 /// result as slicing q, k, v, rotating and attending, at a lower cost under autodiff: it keeps only
 /// the projection (q and k are rotated again in the backward) and writes the projection's
@@ -479,25 +484,30 @@ fn attend<B: Backend>(
 pub fn flash_attention_qkv<B: Backend>(
     qkv: Tensor<B, 3>,
     heads: usize,
+    kv_heads: usize,
     cos: Tensor<B, 2>,
     sin: Tensor<B, 2>,
     causal: bool,
     scale: Option<f64>,
     dropout: Option<Dropout>,
 ) -> Tensor<B, 3> {
-    dropout::check("flash_attention_qkv", dropout);
-    let [_, _, d3] = qkv.dims();
-    if heads == 0 || !d3.is_multiple_of(3 * heads) {
+    let op = "flash_attention_qkv";
+    dropout::check(op, dropout);
+    let [_, _, width] = qkv.dims();
+    let all = heads + 2 * kv_heads;
+    if heads == 0 || !width.is_multiple_of(all) {
         check::fail(
-            "flash_attention_qkv",
-            format!("qkv has {d3} columns, not 3 x {heads} heads x head_dim"),
+            op,
+            format!("qkv has {width} columns, not ({heads} + 2 x {kv_heads}) heads x head_dim"),
         );
     }
-    let scale = scale.unwrap_or_else(|| attention::default_scale(d3 / (3 * heads)));
-    check::check_scale("flash_attention_qkv", scale);
+    attention::kv_group(op, heads, kv_heads);
+    let scale = scale.unwrap_or_else(|| attention::default_scale(width / all));
+    check::check_scale(op, scale);
     tensor(B::fused_flash_attention_qkv(
         prim(qkv),
         heads,
+        kv_heads,
         prim(cos),
         prim(sin),
         causal,

@@ -24,7 +24,15 @@ macro_rules! display_as_config_value {
     )+};
 }
 
-display_as_config_value!(MlpKind, AttentionKind, KernelsKind, GemmKind, HeadLossKind);
+display_as_config_value!(
+    RecomputeKind,
+    MlpKind,
+    AttentionKind,
+    KernelsKind,
+    GemmKind,
+    HeadLossKind,
+    RopeScalingKind
+);
 
 /// Which feed-forward block each transformer layer uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,6 +108,107 @@ pub enum HeadLossKind {
     Logits,
 }
 
+/// What the backward recomputes instead of keeping (`model.recompute`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecomputeKind {
+    /// Every block's activations are kept from the forward for the backward.
+    None,
+    /// A recomputed block keeps only its input: the forward runs it without autodiff, and the
+    /// backward runs it again, with autodiff, just before its gradients are taken.
+    Full,
+}
+
+/// Which stretch of RoPE's frequencies `[model.rope_scaling]` applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RopeScalingKind {
+    /// The frequencies `theta^(-2i / head_dim)` as they are.
+    None,
+    /// Llama 3.1's: wavelengths longer than `original_context / low_freq_factor` are divided by
+    /// `factor`, those shorter than `original_context / high_freq_factor` kept, and the ones
+    /// between interpolated smoothly (as Hugging Face `transformers`' `rope_type = "llama3"`).
+    Llama3,
+}
+
+/// `[model.rope_scaling]`: Llama 3.2 1B and 3B use `kind = "llama3"`, `factor = 32`,
+/// `low_freq_factor = 1`, `high_freq_factor = 4`, `original_context = 8192`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RopeScaling {
+    pub kind: RopeScalingKind,
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    /// The context the unscaled frequencies were trained at.
+    pub original_context: usize,
+}
+
+impl Default for RopeScaling {
+    fn default() -> Self {
+        Self {
+            kind: RopeScalingKind::None,
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 8192,
+        }
+    }
+}
+
+impl RopeScaling {
+    /// The rotation frequencies of the `head_dim / 2` pairs of a head, in radians per position.
+    pub fn inv_freq(&self, head_dim: usize, theta: f64) -> Vec<f32> {
+        let (old, low, high) = (
+            self.original_context as f64,
+            self.low_freq_factor,
+            self.high_freq_factor,
+        );
+        (0..head_dim / 2)
+            .map(|i| {
+                let f = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+                let scaled = match self.kind {
+                    RopeScalingKind::None => f,
+                    RopeScalingKind::Llama3 => {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < old / high {
+                            f
+                        } else if wavelen > old / low {
+                            f / self.factor
+                        } else {
+                            let smooth = (old / wavelen - low) / (high - low);
+                            (1.0 - smooth) * f / self.factor + smooth * f
+                        }
+                    }
+                };
+                scaled as f32
+            })
+            .collect()
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.kind == RopeScalingKind::None {
+            return Ok(());
+        }
+        if !(self.factor >= 1.0) {
+            return Err(format!(
+                "model.rope_scaling.factor must be >= 1, got {}",
+                self.factor
+            ));
+        }
+        if !(self.low_freq_factor > 0.0 && self.high_freq_factor > self.low_freq_factor) {
+            return Err(format!(
+                "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {} and {}",
+                self.low_freq_factor, self.high_freq_factor
+            ));
+        }
+        if self.original_context == 0 {
+            return Err("model.rope_scaling.original_context must be at least 1, got 0".into());
+        }
+        Ok(())
+    }
+}
+
 /// Shape and details of the GPT-style decoder.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -109,26 +218,35 @@ pub struct GptConfig {
     pub vocab_size: usize,
     /// Number of transformer blocks.
     pub n_layer: usize,
-    /// Number of attention heads; must divide `d_model`, and `d_model / n_head` must be even
-    /// (RoPE).
+    /// Number of attention (query) heads; must divide `d_model`, and `d_model / n_head` must be
+    /// even (RoPE).
     pub n_head: usize,
+    /// Number of key/value heads: `n_head` (or 0) is multi-head attention, fewer is grouped-query
+    /// attention (each key/value head serves `n_head / n_kv_head` query heads; Llama 3 uses 8),
+    /// 1 is multi-query attention. Must divide `n_head`.
+    pub n_kv_head: usize,
     /// Width of the residual stream.
     pub d_model: usize,
     /// Longest sequence the model is trained on (tokens per window).
     pub context: usize,
     /// Feed-forward block: "swiglu" or "gelu".
     pub mlp: MlpKind,
-    /// Hidden width of the feed-forward block; 0 picks 4 * d_model for GELU and
-    /// 8/3 * d_model rounded up to a multiple of 64 for SwiGLU (the same parameter count).
+    /// Hidden width of the feed-forward block; 0 picks 4 * d_model for GELU and 8/3 * d_model
+    /// rounded up to a multiple of `multiple_of` for SwiGLU (the same parameter count).
     pub d_ff: usize,
+    /// What SwiGLU's automatic `d_ff` is rounded up to a multiple of (Llama uses 256; 64 by
+    /// default). Ignored when `d_ff` is set.
+    pub multiple_of: usize,
     /// Dropout probability on attention weights and on each residual branch (0 disables it).
     pub dropout: f64,
     /// Share the token-embedding matrix with the LM head.
     pub tie_embeddings: bool,
     /// Add biases to the linear layers.
     pub bias: bool,
-    /// RoPE base frequency.
+    /// RoPE base frequency (10000 in GPT-NeoX and Llama 2, 500000 in Llama 3).
     pub rope_theta: f64,
+    /// How RoPE's frequencies are stretched for contexts longer than trained on (`[model.rope_scaling]`).
+    pub rope_scaling: RopeScaling,
     /// Epsilon of RMSNorm.
     pub norm_eps: f64,
     /// Standard deviation of the normal initialisation (residual projections are further scaled by
@@ -146,6 +264,12 @@ pub struct GptConfig {
     /// Engine of the linear layers' and the LM head's GEMMs: "burn" (Burn's matmul), "cublaslt"
     /// (NVIDIA cuBLASLt, CUDA only) or "auto" (cuBLASLt on CUDA, Burn's matmul elsewhere).
     pub gemm: GemmKind,
+    /// Activation recomputation: "none" or "full" (see [`RecomputeKind`]): trades a second forward
+    /// of the recomputed blocks for their activations' memory.
+    pub recompute: RecomputeKind,
+    /// With `recompute = "full"`: which blocks are recomputed, every k-th from the first (1: all of
+    /// them; 2: blocks 0, 2, 4, ...); the others keep their activations.
+    pub recompute_every: usize,
     /// How the fused kernels take the LM head's loss: "chunked" (the logits a chunk of rows at a
     /// time, never all at once: GPT-2's [16 x 1024, 50304] bf16 logits are 1.65 GB, and as much
     /// again for their gradient) or "logits" (all at once).
@@ -158,14 +282,17 @@ impl Default for GptConfig {
             vocab_size: 0,
             n_layer: 2,
             n_head: 4,
+            n_kv_head: 0,
             d_model: 64,
             context: 64,
             mlp: MlpKind::Swiglu,
             d_ff: 0,
+            multiple_of: 64,
             dropout: 0.0,
             tie_embeddings: true,
             bias: false,
             rope_theta: 10000.0,
+            rope_scaling: RopeScaling::default(),
             norm_eps: 1e-5,
             init_std: 0.02,
             attention: AttentionKind::Auto,
@@ -173,6 +300,8 @@ impl Default for GptConfig {
             z_loss: 0.0,
             gemm: GemmKind::Auto,
             head_loss: HeadLossKind::Chunked,
+            recompute: RecomputeKind::None,
+            recompute_every: 1,
         }
     }
 }
@@ -202,6 +331,25 @@ impl GptConfig {
         self.d_model / self.n_head.max(1)
     }
 
+    /// Number of key/value heads (`n_kv_head`, or `n_head` when 0).
+    pub fn kv_heads(&self) -> usize {
+        if self.n_kv_head == 0 {
+            self.n_head
+        } else {
+            self.n_kv_head
+        }
+    }
+
+    /// Whether block `layer` is recomputed in the backward (`recompute`, `recompute_every`).
+    pub fn recomputes(&self, layer: usize) -> bool {
+        self.recompute == RecomputeKind::Full && layer.is_multiple_of(self.recompute_every.max(1))
+    }
+
+    /// Width of the packed q, k, v projection: `(n_head + 2 * kv_heads) * head_dim`.
+    pub fn qkv_width(&self) -> usize {
+        (self.n_head + 2 * self.kv_heads()) * self.head_dim()
+    }
+
     /// Resolved hidden width of the feed-forward block.
     pub fn ff_width(&self) -> usize {
         if self.d_ff > 0 {
@@ -209,7 +357,10 @@ impl GptConfig {
         }
         match self.mlp {
             MlpKind::Gelu => 4 * self.d_model,
-            MlpKind::Swiglu => (8 * self.d_model / 3).div_ceil(64) * 64,
+            MlpKind::Swiglu => {
+                let m = self.multiple_of.max(1);
+                (8 * self.d_model / 3).div_ceil(m) * m
+            }
         }
     }
 
@@ -234,6 +385,17 @@ impl GptConfig {
                 divisors(self.d_model)
             ));
         }
+        if !self.n_head.is_multiple_of(self.kv_heads()) {
+            return Err(format!(
+                "model.n_kv_head = {} does not divide model.n_head = {}; choose a key/value head count that divides the query heads (e.g. {})",
+                self.n_kv_head,
+                self.n_head,
+                divisors(self.n_head)
+            ));
+        }
+        if self.multiple_of == 0 {
+            return Err("model.multiple_of must be at least 1, got 0".into());
+        }
         if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
                 "model.d_model / model.n_head = {} must be even for rotary embeddings",
@@ -252,6 +414,12 @@ impl GptConfig {
                 self.rope_theta
             ));
         }
+        self.rope_scaling.validate()?;
+        if self.recompute_every == 0 {
+            return Err(
+                "model.recompute_every must be at least 1 (1 recomputes every block), got 0".into(),
+            );
+        }
         if !(self.norm_eps > 0.0) {
             return Err(format!("model.norm_eps must be > 0, got {}", self.norm_eps));
         }
@@ -269,7 +437,8 @@ impl GptConfig {
         let d = self.d_model;
         let ff = self.ff_width();
         let b = self.bias as usize;
-        let attn = d * 3 * d + 3 * d * b + d * d + d * b;
+        let qkv = self.qkv_width();
+        let attn = d * qkv + qkv * b + d * d + d * b;
         let mlp = match self.mlp {
             MlpKind::Gelu => d * ff + ff * b + ff * d + d * b,
             MlpKind::Swiglu => d * 2 * ff + 2 * ff * b + ff * d + d * b,

@@ -12,17 +12,18 @@ use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
 use crate::config::{AttentionKind, GptConfig, HeadLossKind, KernelsKind, MlpKind};
 use crate::dtype::debug_assert_dtype;
-use crate::layers::{apply_rope, rope_tables, Embedding, Linear, RmsNorm};
+use crate::layers::{apply_rope, rope_tables_from_freqs, Embedding, Linear, RmsNorm};
 use crate::precision::{Precision, Projection};
 
 /// Score given to masked (future) positions: finite, because WGSL has no infinity literal, and far
 /// enough below any real score that its softmax weight is exactly 0 in f32.
 const MASKED: f32 = -1e9;
 
-/// Causal multi-head self-attention with rotary position embeddings.
+/// Causal self-attention with rotary position embeddings: multi-head, or grouped-query where
+/// `n_kv_head < n_head` (each key/value head serves `n_head / n_kv_head` query heads).
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
-    /// [d_model, 3 * d_model]: the q, k and v projections side by side.
+    /// [d_model, (n_head + 2 * n_kv_head) * head_dim]: the q, k and v projections side by side.
     pub qkv: Linear<B>,
     /// [d_model, d_model]: the output (residual) projection.
     pub proj: Linear<B>,
@@ -30,6 +31,8 @@ pub struct Attention<B: Backend> {
     pub resid_dropout: Dropout,
     #[module(skip)]
     pub n_head: usize,
+    #[module(skip)]
+    pub n_kv_head: usize,
 }
 
 impl<B: Backend> Attention<B> {
@@ -37,11 +40,12 @@ impl<B: Backend> Attention<B> {
         let d = cfg.d_model;
         let resid_std = cfg.init_std / (2.0 * cfg.n_layer as f64).sqrt();
         Self {
-            qkv: Linear::new(d, 3 * d, cfg.bias, cfg.init_std, device),
+            qkv: Linear::new(d, cfg.qkv_width(), cfg.bias, cfg.init_std, device),
             proj: Linear::new(d, d, cfg.bias, resid_std, device),
             attn_dropout: DropoutConfig::new(cfg.dropout).init(),
             resid_dropout: DropoutConfig::new(cfg.dropout).init(),
             n_head: cfg.n_head,
+            n_kv_head: cfg.kv_heads(),
         }
     }
 }
@@ -50,7 +54,7 @@ impl<B: kernels::Backend> Attention<B> {
     /// x: [B, T, d] -> [B, T, d]; `layer` numbers the block (it keys the dropout masks).
     fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>, layer: usize) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
-        let h = self.n_head;
+        let (h, hkv) = (self.n_head, self.n_kv_head);
         let hd = d / h;
         let scale = (hd as f64).powf(-0.5);
         let qkv = self
@@ -63,6 +67,7 @@ impl<B: kernels::Backend> Attention<B> {
             let y = kernels::flash_attention_qkv(
                 qkv,
                 h,
+                hkv,
                 cos.clone(),
                 sin.clone(),
                 true,
@@ -77,14 +82,15 @@ impl<B: kernels::Backend> Attention<B> {
                 Site::AttentionOut,
             );
         }
-        // [B, T, 3d] -> [B, T, 3H, hd] -> [B, 3H, T, hd]; heads 0..H are q, H..2H k, 2H..3H v.
-        let qkv = qkv.reshape([b, t, 3 * h, hd]).swap_dims(1, 2);
+        // [B, T, (H + 2 Hkv) hd] -> [B, H + 2 Hkv, T, hd]; heads 0..H are q, then Hkv of k, then
+        // Hkv of v.
+        let qkv = qkv.reshape([b, t, h + 2 * hkv, hd]).swap_dims(1, 2);
+        let (kh, vh) = (h..h + hkv, h + hkv..h + 2 * hkv);
         let (q, k, v) = match &ctx.tables {
             RopeTables::Reference { cos, sin } => {
-                let mut parts = qkv.chunk(3, 1);
-                let v = parts.pop().expect("v");
-                let k = parts.pop().expect("k");
-                let q = parts.pop().expect("q");
+                let q = qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]);
+                let k = qkv.clone().slice([0..b, kh, 0..t, 0..hd]);
+                let v = qkv.slice([0..b, vh, 0..t, 0..hd]);
                 (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
             }
             RopeTables::Fused { cos, sin } => {
@@ -99,11 +105,11 @@ impl<B: kernels::Backend> Attention<B> {
                     sin.clone(),
                 );
                 let k = kernels::rope(
-                    qkv.clone().slice([0..b, h..2 * h, 0..t, 0..hd]),
+                    qkv.clone().slice([0..b, kh, 0..t, 0..hd]),
                     cos.clone(),
                     sin.clone(),
                 );
-                (q, k, qkv.slice([0..b, 2 * h..3 * h, 0..t, 0..hd]))
+                (q, k, qkv.slice([0..b, vh, 0..t, 0..hd]))
             }
         };
 
@@ -126,6 +132,7 @@ impl<B: kernels::Backend> Attention<B> {
         // [B, H, T, T] scores, scaled, masked and normalised in f32; the additive mask is 0 on and
         // below the diagonal, MASKED above. The probabilities return to the compute dtype for P V.
         // q is scaled before the product so that large scores cannot overflow f16 in the matmul.
+        let (k, v) = (repeat_kv(k, h / hkv), repeat_kv(v, h / hkv));
         let scores = q
             .mul_scalar(scale)
             .matmul(k.swap_dims(2, 3))
@@ -160,22 +167,23 @@ impl<B: kernels::Backend> Attention<B> {
         slot: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
     ) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
-        let h = self.n_head;
+        let (h, hkv) = (self.n_head, self.n_kv_head);
         let hd = d / h;
         let qkv = self
             .qkv
             .forward(x)
-            .reshape([b, t, 3 * h, hd])
+            .reshape([b, t, h + 2 * hkv, hd])
             .swap_dims(1, 2);
-        let mut parts = qkv.chunk(3, 1);
-        let v = parts.pop().expect("v");
-        let k = apply_rope(parts.pop().expect("k"), cos, sin);
-        let q = apply_rope(parts.pop().expect("q"), cos, sin);
+        let q = apply_rope(qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]), cos, sin);
+        let k = apply_rope(qkv.clone().slice([0..b, h..h + hkv, 0..t, 0..hd]), cos, sin);
+        let v = qkv.slice([0..b, h + hkv..h + 2 * hkv, 0..t, 0..hd]);
         let (k, v) = match slot.take() {
             Some((pk, pv)) => (Tensor::cat(vec![pk, k], 2), Tensor::cat(vec![pv, v], 2)),
             None => (k, v),
         };
+        // The cache holds the key/value heads once; the product repeats them over their groups.
         *slot = Some((k.clone(), v.clone()));
+        let (k, v) = (repeat_kv(k, h / hkv), repeat_kv(v, h / hkv));
         let scale = (hd as f64).powf(-0.5);
         let scores = q
             .mul_scalar(scale)
@@ -188,10 +196,23 @@ impl<B: kernels::Backend> Attention<B> {
     }
 }
 
+/// `x` [B, Hkv, T, hd] with each head repeated `group` times in a row, [B, Hkv * group, T, hd]:
+/// query head `h` of grouped-query attention meets key/value head `h / group`. The identity when
+/// `group` is 1.
+fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+    if group == 1 {
+        return x;
+    }
+    let [b, hkv, t, hd] = x.dims();
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, hkv, group, t, hd])
+        .reshape([b, hkv * group, t, hd])
+}
+
 /// Keys and values of the positions seen so far, per layer, for [`Gpt::forward_cached`].
 #[derive(Debug)]
 pub struct KvCache<B: Backend> {
-    /// Per layer: k and v, [B, H, T_seen, head_dim] each.
+    /// Per layer: k and v, [B, n_kv_head, T_seen, head_dim] each.
     layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
     len: usize,
 }
@@ -321,6 +342,23 @@ impl<B: kernels::Backend> Block<B> {
         x + ctx.dropout(&self.mlp.dropout, m, layer, Site::MlpOut)
     }
 
+    /// One block on the residual stream `s`: [`Block::forward_fused`] with the fused kernels, else
+    /// [`Block::forward`].
+    pub(crate) fn step(&self, s: Stream<B>, ctx: &Ctx<B>, layer: usize, fused: bool) -> Stream<B> {
+        if fused {
+            let (x, delta) = self.forward_fused(s.x, s.pending, ctx, layer);
+            Stream {
+                x,
+                pending: Some(delta),
+            }
+        } else {
+            Stream {
+                x: self.forward(s.x, ctx, layer),
+                pending: None,
+            }
+        }
+    }
+
     /// Fused kernels: each residual add happens inside the following norm's kernel. Takes the
     /// residual stream and the previous block's MLP output not yet added to it; returns the same
     /// pair for the next block (or the final norm).
@@ -342,6 +380,14 @@ impl<B: kernels::Backend> Block<B> {
     }
 }
 
+/// The residual stream between blocks: with the fused kernels, the stream and the previous
+/// block's MLP output not yet added to it (the next norm's kernel adds it); else the stream alone.
+#[derive(Clone)]
+pub(crate) struct Stream<B: Backend> {
+    pub x: Tensor<B, 3>,
+    pub pending: Option<Tensor<B, 3>>,
+}
+
 /// RoPE tables in the layout each implementation takes.
 enum RopeTables<B: Backend> {
     /// [1, 1, T, head_dim / 2] each, in the compute dtype.
@@ -358,7 +404,7 @@ enum RopeTables<B: Backend> {
 
 /// What every layer of one forward shares: RoPE tables, the causal mask, the attention kind, the
 /// forward's precision and the seed of its in-kernel dropout masks.
-struct Ctx<'a, B: Backend> {
+pub(crate) struct Ctx<'a, B: Backend> {
     tables: RopeTables<B>,
     /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not.
     causal_mask: Tensor<B, 4>,
@@ -550,8 +596,15 @@ impl<B: Backend> Gpt<B> {
 
     /// Whether the memory-bound ops run the fused kernels (`model.kernels` other than
     /// "reference"; [`Gpt::new`] resolved "auto" to "fused").
-    fn fused(&self) -> bool {
+    pub(crate) fn fused(&self) -> bool {
         self.config.kernels != KernelsKind::Reference
+    }
+
+    /// RoPE's inverse frequencies (`model.rope_theta`, stretched by `model.rope_scaling`).
+    fn rope_freqs(&self) -> Vec<f32> {
+        self.config
+            .rope_scaling
+            .inv_freq(self.config.head_dim(), self.config.rope_theta)
     }
 
     /// The attention and MLP projections of every block with their module paths
@@ -601,6 +654,31 @@ impl<B: kernels::Backend> Gpt<B> {
 
     /// Token ids [B, T] -> the final norm's output [B, T, d] in the compute dtype.
     fn final_hidden(&self, ids: Tensor<B, 2, Int>, precision: &Precision) -> Tensor<B, 3> {
+        let masks = self.masks(&ids.device());
+        let ctx = self.ctx(&ids, precision, masks);
+        let mut s = self.embed(ids, &ctx);
+        for (layer, block) in self.blocks.iter().enumerate() {
+            s = block.step(s, &ctx, layer, self.fused());
+            debug_assert_dtype(&s.x, self.compute_dtype, "residual stream after a block");
+        }
+        self.final_norm(s)
+    }
+
+    /// `(p, seed)` of the next training forward's dropout masks: with `model.dropout > 0` and
+    /// autodiff (Burn's `Dropout` modules act only with autodiff; the kernels' dropout does the
+    /// same), else none.
+    pub(crate) fn masks(&self, device: &B::Device) -> Option<(f64, u64)> {
+        (self.config.dropout > 0.0 && B::ad_enabled(device))
+            .then(|| (self.config.dropout, self.dropout_seeds.next_forward()))
+    }
+
+    /// What every layer of a forward of `ids` [B, T] shares, with dropout `masks`.
+    pub(crate) fn ctx<'a>(
+        &self,
+        ids: &Tensor<B, 2, Int>,
+        precision: &'a Precision,
+        masks: Option<(f64, u64)>,
+    ) -> Ctx<'a, B> {
         let [_, t] = ids.dims();
         assert!(
             t <= self.config.context,
@@ -609,13 +687,13 @@ impl<B: kernels::Backend> Gpt<B> {
         );
         let device = ids.device();
         let dt = self.compute_dtype;
-        let (hd, theta) = (self.config.head_dim(), self.config.rope_theta);
+        let inv_freq = self.rope_freqs();
         let fused = self.fused();
         let tables = if fused {
-            let (cos, sin) = kernels::rope::tables::<B>(t, hd, theta, &device);
+            let (cos, sin) = kernels::rope::tables_from_freqs::<B>(t, &inv_freq, &device);
             RopeTables::Fused { cos, sin }
         } else {
-            let (cos, sin) = rope_tables::<B>(t, hd, theta, &device);
+            let (cos, sin) = rope_tables_from_freqs::<B>(t, &inv_freq, &device);
             RopeTables::Reference {
                 cos: cos.cast(dt),
                 sin: sin.cast(dt),
@@ -626,46 +704,37 @@ impl<B: kernels::Backend> Gpt<B> {
         let causal_mask = Tensor::<B, 2>::zeros([t, t], &device)
             .mask_fill(above, MASKED)
             .reshape([1, 1, t, t]);
-        // Burn's Dropout modules act only with autodiff; the kernels' dropout does the same.
-        let masks = (self.config.dropout > 0.0 && B::ad_enabled(&device))
-            .then(|| (self.config.dropout, self.dropout_seeds.next_forward()));
         let attention = self.config.attention_resolved();
-        let ctx = Ctx {
+        Ctx {
             tables,
             causal_mask,
             attention,
             precision,
             masks,
             kernel_dropout: fused && attention == AttentionKind::Flash,
-        };
+        }
+    }
 
-        // The lookup reads the f32 table; the residual stream then runs in the compute dtype.
-        // With the fused kernels its backward scatters with the kernels' atomic adds (CUDA).
-        let emb = if fused {
+    /// The embedding of `ids` as the residual stream entering the first block, in the compute
+    /// dtype. The lookup reads the f32 table; with the fused kernels its backward scatters with
+    /// the kernels' atomic adds (CUDA).
+    pub(crate) fn embed(&self, ids: Tensor<B, 2, Int>, ctx: &Ctx<B>) -> Stream<B> {
+        let emb = if self.fused() {
             kernels::embedding(self.wte.weight.val(), ids)
         } else {
             self.wte.forward(ids)
         };
-        let mut x = ctx.dropout(&self.drop, emb.cast(dt), 0, Site::Embedding);
-        let x = if fused {
-            let mut pending = None;
-            for (layer, block) in self.blocks.iter().enumerate() {
-                let (next, delta) = block.forward_fused(x, pending, &ctx, layer);
-                debug_assert_dtype(&next, dt, "residual stream after a block");
-                (x, pending) = (next, Some(delta));
-            }
-            match pending {
-                Some(delta) => self.norm_f.forward_add(delta, x).1,
-                None => self.norm_f.forward_fused(x),
-            }
-        } else {
-            for (layer, block) in self.blocks.iter().enumerate() {
-                x = block.forward(x, &ctx, layer);
-                debug_assert_dtype(&x, dt, "residual stream after a block");
-            }
-            self.norm_f.forward(x)
-        };
-        x
+        let x = ctx.dropout(&self.drop, emb.cast(self.compute_dtype), 0, Site::Embedding);
+        Stream { x, pending: None }
+    }
+
+    /// The final norm of the stream leaving the last block: [B, T, d].
+    pub(crate) fn final_norm(&self, s: Stream<B>) -> Tensor<B, 3> {
+        match (s.pending, self.fused()) {
+            (Some(delta), _) => self.norm_f.forward_add(delta, s.x).1,
+            (None, true) => self.norm_f.forward_fused(s.x),
+            (None, false) => self.norm_f.forward(s.x),
+        }
     }
 
     /// The LM head: the final norm's output [B, T, d] -> logits [B, T, vocab].
@@ -726,8 +795,8 @@ impl<B: kernels::Backend> Gpt<B> {
         );
         let device = ids.device();
         let dt = self.compute_dtype;
-        let (hd, theta) = (self.config.head_dim(), self.config.rope_theta);
-        let (cos, sin) = rope_tables::<B>(past + t, hd, theta, &device);
+        let hd = self.config.head_dim();
+        let (cos, sin) = rope_tables_from_freqs::<B>(past + t, &self.rope_freqs(), &device);
         let rows = [0..1, 0..1, past..past + t, 0..hd / 2];
         let (cos, sin) = (cos.slice(rows.clone()).cast(dt), sin.slice(rows).cast(dt));
         // Query i (position past + i) sees keys 0..=past + i.
@@ -806,10 +875,30 @@ impl<B: kernels::Backend> Gpt<B> {
         precision: &Precision,
         z: f64,
     ) -> Tensor<B, 1> {
+        let masks = self.masks(&ids.device());
+        let ctx = self.ctx(&ids, precision, masks);
+        let mut s = self.embed(ids, &ctx);
+        for (layer, block) in self.blocks.iter().enumerate() {
+            s = block.step(s, &ctx, layer, self.fused());
+            debug_assert_dtype(&s.x, self.compute_dtype, "residual stream after a block");
+        }
+        self.loss_from(s, targets, precision, z)
+    }
+
+    /// The loss of the stream leaving the last block against `targets` [B, T]: final norm, LM
+    /// head and cross-entropy (with the z-loss weight `z`).
+    pub(crate) fn loss_from(
+        &self,
+        s: Stream<B>,
+        targets: Tensor<B, 2, Int>,
+        precision: &Precision,
+        z: f64,
+    ) -> Tensor<B, 1> {
+        let x = self.final_norm(s);
+        let [b, t, d] = x.dims();
         if !self.fused() {
-            let x = self.final_hidden(ids, precision);
             let logits = self.head(x, precision.gemm);
-            let [b, t, v] = logits.dims();
+            let v = logits.dims()[2];
             return if z > 0.0 {
                 kernels::cross_entropy::reference(
                     logits.reshape([b * t, v]),
@@ -821,8 +910,6 @@ impl<B: kernels::Backend> Gpt<B> {
                 Self::loss(logits, targets)
             };
         }
-        let x = self.final_hidden(ids, precision);
-        let [b, t, d] = x.dims();
         if let (HeadLossKind::Chunked, Some(w)) = (self.config.head_loss, self.head_rows()) {
             let opts = kernels::cross_entropy::LinearCrossEntropy {
                 z_loss: z,

@@ -196,18 +196,29 @@ impl<B: kernels::Backend> RmsNorm<B> {
 }
 
 /// Cosine and sine tables of the rotary position embedding for `t` positions, each
-/// [1, 1, t, head_dim / 2], built on the device from the positions and inverse frequencies.
+/// [1, 1, t, head_dim / 2], built on the device from the positions and inverse frequencies
+/// `theta^(-2i / head_dim)`.
 pub fn rope_tables<B: Backend>(
     t: usize,
     head_dim: usize,
     theta: f64,
     device: &B::Device,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let half = head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
+    let inv_freq: Vec<f32> = (0..head_dim / 2)
         .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32)
         .collect();
-    let inv_freq = Tensor::<B, 1>::from_floats(inv_freq.as_slice(), device).reshape([1, half]);
+    rope_tables_from_freqs(t, &inv_freq, device)
+}
+
+/// [`rope_tables`] for any inverse frequencies (`inv_freq.len()` = head_dim / 2), e.g. from
+/// [`crate::RopeScaling::inv_freq`].
+pub fn rope_tables_from_freqs<B: Backend>(
+    t: usize,
+    inv_freq: &[f32],
+    device: &B::Device,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let half = inv_freq.len();
+    let inv_freq = Tensor::<B, 1>::from_floats(inv_freq, device).reshape([1, half]);
     let pos = Tensor::<B, 1, Int>::arange(0..t as i64, device)
         .float()
         .reshape([t, 1]);

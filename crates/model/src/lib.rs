@@ -1,8 +1,8 @@
 //! A GPT-style decoder-only transformer in Burn.
 //!
 //! Token embedding, rotary position embedding, `n_layer` pre-norm blocks (RMSNorm, causal
-//! multi-head self-attention, SwiGLU or GELU MLP), a final RMSNorm and an LM head, optionally tied
-//! to the embedding. Initialisation follows GPT-2: N(0, 0.02) everywhere, residual projections
+//! multi-head or grouped-query self-attention, SwiGLU or GELU MLP), a final RMSNorm and an LM
+//! head, optionally tied to the embedding: GPT-2's shape or Llama's. Initialisation follows GPT-2: N(0, 0.02) everywhere, residual projections
 //! scaled by 1/sqrt(2 * n_layer).
 //!
 //! ```no_run
@@ -32,7 +32,11 @@ pub mod dtype;
 pub mod gpt;
 pub mod layers;
 pub mod precision;
+pub mod recompute;
 
-pub use config::{AttentionKind, GemmKind, GptConfig, HeadLossKind, KernelsKind, MlpKind};
+pub use config::{
+    AttentionKind, GemmKind, GptConfig, HeadLossKind, KernelsKind, MlpKind, RecomputeKind,
+    RopeScaling, RopeScalingKind,
+};
 pub use gpt::{Gpt, KvCache};
 pub use precision::{GradFormat, Precision, Probes};

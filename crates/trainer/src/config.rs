@@ -167,6 +167,10 @@ pub struct TrainingConfig {
     /// step but the first, at least 5 minutes. Until a step after the first has finished, at least
     /// 30 minutes whatever the setting (the first step compiles every kernel).
     pub step_timeout_s: u64,
+    /// Before the first step, estimate the memory the run needs on each GPU and stop with what
+    /// to change when a CUDA device has less free (see `memory_plan`); false skips the check
+    /// (the estimate is still printed).
+    pub memory_check: bool,
 }
 
 /// `training.devices`: which GPUs a run trains on.
@@ -323,6 +327,7 @@ impl Default for TrainingConfig {
             devices: Devices::Count(1),
             zero: 0,
             step_timeout_s: 0,
+            memory_check: true,
         }
     }
 }
@@ -674,6 +679,19 @@ impl Config {
                     bail!("model.gemm = \"cublaslt\" needs CUDA, but this run is on the CPU. Use model.gemm = \"auto\" or \"burn\" here");
                 }
             }
+        }
+        let m = &self.model;
+        let seeded_masks = m.kernels != model::KernelsKind::Reference
+            && m.attention_resolved() == model::AttentionKind::Flash;
+        if m.recompute != model::RecomputeKind::None && m.dropout > 0.0 && !seeded_masks {
+            bail!(
+                "model.recompute = \"{}\" with model.dropout = {} needs the dropout masks the kernels draw from a seed (model.kernels = \"fused\" and model.attention = \"flash\", on a GPU), \
+                 so that a block run again draws the masks of its first run; here kernels = \"{}\" and attention = \"{}\". Set model.dropout = 0 or model.recompute = \"none\"",
+                m.recompute,
+                m.dropout,
+                m.kernels,
+                m.attention
+            );
         }
         Ok(())
     }

@@ -151,20 +151,25 @@ impl StepCtx<'_> {
                 rank.device,
             ),
         };
-        let loss = compute.forward_loss_in(x, y, &self.precision(probes));
-        model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
-        let l = loss.clone().inner();
+        let factor = scale / cfg.training.grad_accum as f64;
+        let precision = self.precision(probes);
+        let (l, pieces) = if cfg.model.recompute == model::RecomputeKind::None {
+            let loss = compute.forward_loss_in(x, y, &precision);
+            model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
+            let l = loss.clone().inner();
+            let loss = if factor == 1.0 {
+                loss
+            } else {
+                loss.mul_scalar(factor)
+            };
+            (l, vec![loss.backward()])
+        } else {
+            compute.loss_and_grads_recomputed(x, y, &precision, cfg.model.z_loss, factor)
+        };
         micro.loss_sum = Some(match micro.loss_sum.take() {
             Some(s) => s + l,
             None => l,
         });
-        let factor = scale / cfg.training.grad_accum as f64;
-        let loss = if factor == 1.0 {
-            loss
-        } else {
-            loss.mul_scalar(factor)
-        };
-        let raw = loss.backward();
         let measure = probes.taps.is_some() && micro.numerics.is_empty();
         if let Some(taps) = &probes.taps {
             // Taken on every micro-batch, so the sink does not keep later ones' records. The
@@ -177,7 +182,13 @@ impl StepCtx<'_> {
                 }
             }
         }
-        let g = GradientsParams::from_grads(raw, compute);
+        // With recomputation, the gradients of each piece of the model; only a tied embedding's
+        // are in two of them.
+        let g = pieces
+            .into_iter()
+            .map(|raw| GradientsParams::from_grads(raw, compute))
+            .reduce(|sum, g| accumulate_grads::<B, _>(compute, sum, g))
+            .expect("one backward at least");
         if measure {
             for (name, lin) in compute.projections() {
                 if let Some(w) = g.get::<B::InnerBackend, 2>(lin.weight.id) {

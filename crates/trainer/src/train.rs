@@ -25,6 +25,7 @@ use crate::checkpoint;
 use crate::config::{Config, Resolved};
 use crate::data::Dataset;
 use crate::fsutil::write_atomic;
+use crate::memory_plan::{self, MemoryPlan};
 use crate::metrics::{LayerHealth, Metrics, StepRecord};
 use crate::numerics::{self, Probes};
 use crate::optim::AdamW;
@@ -206,11 +207,12 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             verbose: opts.verbose,
         };
         let (data, vocab) = load_data(cfg, opts, &console)?;
+        let recipe = run.recipe.clone();
+        let compute_dtype = recipe.compute_dtype();
+        check_memory(cfg, opts, vocab, compute_dtype, &devices, &console)?;
 
         B::seed(&device, cfg.seed);
         let model = Gpt::<B>::new(&cfg.model, vocab, &device);
-        let recipe = run.recipe.clone();
-        let compute_dtype = recipe.compute_dtype();
         let mut opt =
             AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
         if cfg.model.kernels == model::config::KernelsKind::Fused {
@@ -303,10 +305,15 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     fn describe(&self) {
         let (cfg, console) = (self.cfg, &self.log.console);
         console.line(&format!(
-            "model: {} parameters ({} layers, {} heads, width {}, context {}, {:?} MLP; {:?} kernels, {:?} attention); {} tokens/step; device {}",
+            "model: {} parameters ({} layers, {} heads{}, width {}, context {}, {:?} MLP; {:?} kernels, {:?} attention); {} tokens/step; device {}",
             human(cfg.model.num_params(self.vocab) as f64),
             cfg.model.n_layer,
             cfg.model.n_head,
+            if cfg.model.kv_heads() < cfg.model.n_head {
+                format!(" over {} key/value heads", cfg.model.kv_heads())
+            } else {
+                String::new()
+            },
             cfg.model.d_model,
             cfg.model.context,
             cfg.model.mlp,
@@ -677,6 +684,44 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
 /// The data and tokenizer (a resumed run reuses its saved tokenizer) and the model's vocabulary
 /// size. Creates the run directory once the data is usable, so a bad data path leaves no empty
 /// run directory behind.
+/// Prints the memory estimate per GPU and, on CUDA with `training.memory_check`, stops the run
+/// before anything is allocated when a device has less free.
+fn check_memory<D>(
+    cfg: &Config,
+    opts: &RunOptions,
+    vocab: usize,
+    compute_dtype: FloatDType,
+    devices: &[(D, usize)],
+    console: &Console,
+) -> Result<()> {
+    let compute_bytes = if compute_dtype == FloatDType::F32 {
+        4
+    } else {
+        2
+    };
+    let plan = MemoryPlan::estimate(cfg, vocab, compute_bytes, devices.len());
+    let cuda = opts.device_name.starts_with("CUDA");
+    let free = devices
+        .iter()
+        .filter(|_| cuda)
+        .filter_map(|(_, index)| memory_plan::cuda_free_bytes(*index).map(|f| (*index, f)))
+        .min_by_key(|(_, f)| *f);
+    match free {
+        Some((index, bytes)) => {
+            console.line(&format!(
+                "memory estimate: {}; {:.1} GiB free on CUDA device {index}",
+                plan.describe(),
+                bytes as f64 / (1u64 << 30) as f64
+            ));
+            if cfg.training.memory_check {
+                plan.check(bytes, cfg, devices.len())?;
+            }
+        }
+        None => console.line(&format!("memory estimate: {}", plan.describe())),
+    }
+    Ok(())
+}
+
 fn load_data(cfg: &Config, opts: &RunOptions, console: &Console) -> Result<(Dataset, usize)> {
     let run_dir = &opts.run_dir;
     let tok_path = run_dir.join("tokenizer.json");

@@ -86,14 +86,14 @@ pub(crate) fn flash_attention<B: AttentionKernels, C: CheckpointStrategy>(
 #[derive(Debug)]
 struct FlashQkvBackward;
 
-/// (qkv, cos, sin, out, lse, heads, causal, scale, dropout)
+/// (qkv, cos, sin, out, lse, (heads, kv_heads), causal, scale, dropout)
 type QkvState<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
-    usize,
+    (usize, usize),
     bool,
     f32,
     Option<Dropout>,
@@ -105,7 +105,7 @@ impl<B: AttentionKernels> Backward<B, 1> for FlashQkvBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (qkv, cos, sin, out, lse, heads, causal, scale, dropout) = ops.state;
+        let (qkv, cos, sin, out, lse, (heads, kv_heads), causal, scale, dropout) = ops.state;
         let Some(node) = node else { return };
         // [B, T, H hd] -> [B, H, T, hd], as views.
         let s = out.shape();
@@ -116,7 +116,7 @@ impl<B: AttentionKernels> Backward<B, 1> for FlashQkvBackward {
             &[0, 2, 1, 3],
         );
         let dqkv = B::flash_attention_qkv_backward(
-            qkv, heads, cos, sin, out, lse, grad, causal, scale, dropout,
+            qkv, heads, kv_heads, cos, sin, out, lse, grad, causal, scale, dropout,
         );
         grads.register::<B>(node.id, dqkv);
     }
@@ -126,6 +126,7 @@ impl<B: AttentionKernels> Backward<B, 1> for FlashQkvBackward {
 pub(crate) fn flash_attention_qkv<B: AttentionKernels, C: CheckpointStrategy>(
     qkv: FloatTensor<Autodiff<B, C>>,
     heads: usize,
+    kv_heads: usize,
     cos: FloatTensor<Autodiff<B, C>>,
     sin: FloatTensor<Autodiff<B, C>>,
     causal: bool,
@@ -135,6 +136,7 @@ pub(crate) fn flash_attention_qkv<B: AttentionKernels, C: CheckpointStrategy>(
     let (out, lse) = B::flash_attention_qkv_forward(
         qkv.primitive.clone(),
         heads,
+        kv_heads,
         cos.primitive.clone(),
         sin.primitive.clone(),
         causal,
@@ -160,7 +162,7 @@ pub(crate) fn flash_attention_qkv<B: AttentionKernels, C: CheckpointStrategy>(
                 sin.primitive,
                 out,
                 lse,
-                heads,
+                (heads, kv_heads),
                 causal,
                 scale,
                 dropout,
@@ -175,13 +177,23 @@ impl<B: AttentionKernels, C: CheckpointStrategy> super::AttentionOps for Autodif
     fn fused_flash_attention_qkv(
         qkv: FloatTensor<Self>,
         heads: usize,
+        kv_heads: usize,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         causal: bool,
         scale: f64,
         dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
-        flash_attention_qkv::<B, C>(qkv, heads, cos, sin, causal, scale as f32, dropout)
+        flash_attention_qkv::<B, C>(
+            qkv,
+            heads,
+            kv_heads,
+            cos,
+            sin,
+            causal,
+            scale as f32,
+            dropout,
+        )
     }
     fn fused_flash_attention(
         q: FloatTensor<Self>,

@@ -43,17 +43,19 @@ where
     fn flash_attention_qkv_forward(
         qkv: FloatTensor<Self>,
         heads: usize,
+        kv_heads: usize,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         causal: bool,
         scale: f32,
         dropout: Option<Dropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::packed::forward(qkv, heads, cos, sin, causal, scale, dropout)
+        super::packed::forward(qkv, heads, kv_heads, cos, sin, causal, scale, dropout)
     }
     fn flash_attention_qkv_backward(
         qkv: FloatTensor<Self>,
         heads: usize,
+        kv_heads: usize,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         out: FloatTensor<Self>,
@@ -63,7 +65,9 @@ where
         scale: f32,
         dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
-        super::packed::backward(qkv, heads, cos, sin, out, lse, grad, causal, scale, dropout)
+        super::packed::backward(
+            qkv, heads, kv_heads, cos, sin, out, lse, grad, causal, scale, dropout,
+        )
     }
 }
 
@@ -87,13 +91,23 @@ where
     fn fused_flash_attention_qkv(
         qkv: FloatTensor<Self>,
         heads: usize,
+        kv_heads: usize,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         causal: bool,
         scale: f64,
         dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
-        let (out, _) = super::packed::forward(qkv, heads, cos, sin, causal, scale as f32, dropout);
+        let (out, _) = super::packed::forward(
+            qkv,
+            heads,
+            kv_heads,
+            cos,
+            sin,
+            causal,
+            scale as f32,
+            dropout,
+        );
         merge_heads(out)
     }
     fn flash_path(q: &FloatTensor<Self>) -> Option<FlashPath> {

@@ -16,12 +16,19 @@ use crate::launch::{contiguous, empty, vector_width};
 /// The sizes of an attention call.
 pub(crate) struct Dims {
     pub batch: usize,
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads: `heads`, or a divisor of it (grouped-query attention).
+    pub kv_heads: usize,
+    /// Query heads per key/value head, `heads / kv_heads`.
+    pub group: usize,
     pub seq_q: usize,
     pub seq_k: usize,
     pub hd: usize,
 }
 
+/// Checks q `[batch, heads, seq_q, hd]` and k, v `[batch, kv_heads, seq_k, hd]` (one float
+/// dtype, `kv_heads` dividing `heads`) and returns their sizes.
 pub(crate) fn check_inputs<R: CubeRuntime>(
     op: &str,
     q: &CubeTensor<R>,
@@ -36,15 +43,17 @@ pub(crate) fn check_inputs<R: CubeRuntime>(
     if qd.len() != 4 || kd.len() != 4 || vd.len() != 4 {
         fail(op, format!("q, k, v have shapes {qd:?}, {kd:?}, {vd:?}; each must be [batch, heads, seq, head_dim]"));
     }
-    if kd != vd || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] {
+    if kd != vd || qd[0] != kd[0] || qd[3] != kd[3] {
         fail(
             op,
-            format!("q, k, v have shapes {qd:?}, {kd:?}, {vd:?}; k and v must match, and share batch, heads and head_dim with q"),
+            format!("q, k, v have shapes {qd:?}, {kd:?}, {vd:?}; k and v must match, and share batch and head_dim with q"),
         );
     }
     let d = Dims {
         batch: qd[0],
         heads: qd[1],
+        kv_heads: kd[1],
+        group: super::kv_group(op, qd[1], kd[1]),
         seq_q: qd[2],
         seq_k: kd[2],
         hd: qd[3],
@@ -91,9 +100,10 @@ pub(crate) fn rows_readable<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
 pub(crate) fn empty_bshd<R: CubeRuntime>(
     like: &CubeTensor<R>,
     d: &Dims,
+    heads: usize,
     seq: usize,
 ) -> CubeTensor<R> {
-    let t = empty(like, vec![d.batch, seq, d.heads, d.hd], like.dtype);
+    let t = empty(like, vec![d.batch, seq, heads, d.hd], like.dtype);
     burn_cubecl::ops::permute(t, &[0, 2, 1, 3])
 }
 
@@ -124,7 +134,8 @@ pub(crate) fn portable_block<R: CubeRuntime>(q: &CubeTensor<R>, hd: usize) -> (u
 }
 
 /// `(out, lse)`: attention output [B, H, Sq, hd] in q's dtype and the f32 log-sum-exp of the
-/// scaled scores per query row, [B, H, Sq].
+/// scaled scores per query row, [B, H, Sq], from q [B, H, Sq, hd] and k, v [B, Hkv, Sk, hd]
+/// (query head `h` attends with k/v head `h / (H / Hkv)`).
 pub(crate) fn forward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
@@ -137,7 +148,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     check_scale("flash_attention", scale as f64);
     let drop = drop_args("flash_attention", dropout);
     let (q, k, v) = (rows_readable(q), rows_readable(k), rows_readable(v));
-    let out = empty_bshd(&q, &d, d.seq_q);
+    let out = empty_bshd(&q, &d, d.heads, d.seq_q);
     let lse = empty(&q, vec![d.batch, d.heads, d.seq_q], DType::F32);
     if d.seq_q == 0 || d.batch * d.heads == 0 {
         return (out, lse);
@@ -178,6 +189,7 @@ pub(crate) fn forward<R: CubeRuntime>(
                     out.clone().into_tensor_arg(),
                     lse.clone().into_tensor_arg(),
                     d.heads,
+                    d.group,
                     d.seq_q,
                     d.seq_k,
                     scale,
@@ -209,6 +221,7 @@ pub(crate) fn forward<R: CubeRuntime>(
                     out.clone().into_tensor_arg(),
                     lse.clone().into_tensor_arg(),
                     scale,
+                    d.group,
                     d.hd,
                     split,
                     block,

@@ -1,9 +1,11 @@
 //! Launches of the FlashAttention backward kernels on `CubeBackend` tensors: the delta pre-pass,
-//! then dQ and dK/dV on tensor cores or on the portable kernels.
+//! then dQ and dK/dV on tensor cores or on the portable kernels, and under grouped-query attention
+//! the sums of the per-query-head dK and dV over each group.
 
 use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use cubecl::calculate_cube_count_elemwise;
 use cubecl::ir::features::AtomicUsage;
 use cubecl::ir::{ElemType, FloatKind, Type};
 use cubecl::prelude::*;
@@ -11,7 +13,7 @@ use cubecl::prelude::*;
 use super::forward::{
     check_inputs, drop_args, empty_bshd, mma_width, portable_block, row_width, rows_readable, Dims,
 };
-use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta};
+use super::kernel::{flash_backward_dkdv, flash_backward_dq, flash_delta, sum_groups};
 use super::mma::{
     dq_from_f32, flash_backward_dkdv_mma, flash_backward_dq_mma, flash_backward_split_mma,
 };
@@ -31,7 +33,9 @@ struct Saved<R: CubeRuntime> {
     delta: CubeTensor<R>,
 }
 
-/// What they write: dQ, dK, dV, and the fused dQ's f32 accumulator (a stand-in otherwise).
+/// What they write: dQ, dK, dV, and the fused dQ's f32 accumulator (a stand-in otherwise). Under
+/// grouped-query attention `dk` and `dv` are f32 `[batch, heads, seq_k, hd]`, one row block per
+/// query head, which [`sum_over_groups`] reduces.
 struct Grads<R: CubeRuntime> {
     dq: CubeTensor<R>,
     dk: CubeTensor<R>,
@@ -78,7 +82,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     }
     let (q, k, v) = (rows_readable(q), rows_readable(k), rows_readable(v));
     let (out, grad, lse) = (rows_readable(out), rows_readable(grad), contiguous(lse));
-    let dq = empty_bshd(&q, &d, d.seq_q);
+    let dq = empty_bshd(&q, &d, d.heads, d.seq_q);
     if d.seq_q == 0 || d.batch * d.heads == 0 {
         // No queries: k and v received no attention, so their gradients are zero.
         let zeros = |t: &CubeTensor<R>| {
@@ -86,8 +90,17 @@ pub(crate) fn backward<R: CubeRuntime>(
         };
         return (dq, zeros(&k), zeros(&v));
     }
-    let dk = empty_bshd(&k, &d, d.seq_k);
-    let dv = empty_bshd(&v, &d, d.seq_k);
+    // Without grouping the kernels write dK and dV as they are. With it, each query head's share
+    // goes to f32 rows of its own (no atomics, deterministic), summed over the group below.
+    let per_head = |like: &CubeTensor<R>| {
+        if d.group == 1 {
+            empty_bshd(like, &d, d.kv_heads, d.seq_k)
+        } else {
+            empty(like, vec![d.batch, d.heads, d.seq_k, d.hd], DType::F32)
+        }
+    };
+    let (dk, dv) = (per_head(&k), per_head(&v));
+    let (k_dtype, v_dtype) = (k.dtype, v.dtype);
     let dtype: StorageType = q.dtype.into();
 
     let flash_path = path(&q);
@@ -127,7 +140,50 @@ pub(crate) fn backward<R: CubeRuntime>(
         FlashPath::TensorCores => backward_mma(op, saved, grads, &call, tiles),
         FlashPath::Portable => backward_portable(saved, grads, &call),
     }
-    (dq, dk, dv)
+    if call.d.group == 1 {
+        (dq, dk, dv)
+    } else {
+        let dk = sum_over_groups(dk, &call.d, k_dtype);
+        let dv = sum_over_groups(dv, &call.d, v_dtype);
+        (dq, dk, dv)
+    }
+}
+
+/// dK or dV of the k/v heads, `[batch, kv_heads, seq_k, hd]` in `dtype` (laid out as `[batch,
+/// seq_k, kv_heads, hd]`, as without grouping), from the dK/dV kernels' f32 rows per query head
+/// (dense `[batch, heads, seq_k, hd]`): each group's heads added in f32, in order.
+fn sum_over_groups<R: CubeRuntime>(
+    per_head: CubeTensor<R>,
+    d: &Dims,
+    dtype: DType,
+) -> CubeTensor<R> {
+    let out = empty(&per_head, vec![d.batch, d.seq_k, d.kv_heads, d.hd], dtype);
+    let out = burn_cubecl::ops::permute(out, &[0, 2, 1, 3]);
+    let width = row_width(&[&out], &[dtype, DType::F32], d.hd);
+    let per_row = d.hd / width;
+    let total = d.batch * d.kv_heads * d.seq_k * per_row;
+    if total == 0 {
+        return out;
+    }
+    let client = out.client.clone();
+    let dim = CubeDim::new_1d(256);
+    unsafe {
+        sum_groups::launch_unchecked::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, total, dim),
+            dim,
+            width,
+            per_head.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            d.kv_heads,
+            d.seq_k,
+            d.group,
+            total,
+            per_row,
+            dtype.into(),
+        );
+    }
+    out
 }
 
 /// The pre-pass: `delta = rowsum(dO * O)`, f32 `[batch, heads, seq_q]`; with the fused dQ it also
@@ -234,6 +290,7 @@ fn backward_mma<R: CubeRuntime>(
                 delta.clone().into_tensor_arg(),
                 dq.clone().into_tensor_arg(),
                 d.heads,
+                d.group,
                 d.seq_q,
                 d.seq_k,
                 scale,
@@ -267,6 +324,8 @@ fn backward_mma<R: CubeRuntime>(
     } else {
         1
     };
+    // The inputs' dtype and dK/dV's (f32 per query head under grouped-query attention).
+    let dkdv_dtypes: [StorageType; 2] = [dtype, dk.dtype.into()];
     // Both dK/dV kernels take the same arguments.
     macro_rules! launch_dkdv {
         ($kernel:ident) => {
@@ -287,6 +346,7 @@ fn backward_mma<R: CubeRuntime>(
                     dv.clone().into_tensor_arg(),
                     dq_acc.clone().into_tensor_arg(),
                     d.heads,
+                    d.group,
                     d.seq_q,
                     d.seq_k,
                     scale,
@@ -299,7 +359,7 @@ fn backward_mma<R: CubeRuntime>(
                     tiles.fused_dq,
                     drop.scalars(),
                     drop.on,
-                    dtype,
+                    dkdv_dtypes,
                 )
             }
         };
@@ -373,6 +433,7 @@ fn backward_portable<R: CubeRuntime>(saved: Saved<R>, grads: Grads<R>, call: &Ca
             delta.clone().into_tensor_arg(),
             dq.clone().into_tensor_arg(),
             scale,
+            d.group,
             d.hd,
             split,
             block,
@@ -397,6 +458,7 @@ fn backward_portable<R: CubeRuntime>(saved: Saved<R>, grads: Grads<R>, call: &Ca
             dk.clone().into_tensor_arg(),
             dv.clone().into_tensor_arg(),
             scale,
+            d.group,
             d.hd,
             split,
             block,
@@ -404,7 +466,7 @@ fn backward_portable<R: CubeRuntime>(saved: Saved<R>, grads: Grads<R>, call: &Ca
             causal as u32,
             drop.scalars(),
             drop.on,
-            dtype,
+            [dtype, dk.dtype.into()],
         );
     }
 }

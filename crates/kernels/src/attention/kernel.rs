@@ -18,8 +18,9 @@
 //! that for the sequence lengths CI runs (a few thousand).
 //!
 //! Layout: every 4-D tensor is `[batch, heads, seq, head_dim]` read through its strides (the last
-//! stride is 1); `lse` and `delta` are dense f32 `[batch * heads, seq_q]`. The cube grid is
-//! `(blocks along the sequence, batch * heads)`.
+//! stride is 1), k and v with `heads / group` heads (grouped-query attention: query head `h` reads
+//! k/v head `h / group`); `lse` and `delta` are dense f32 `[batch * heads, seq_q]`. The cube grid
+//! is `(blocks along the sequence, batch * heads)`, over the query heads in every kernel.
 
 use cubecl::prelude::*;
 
@@ -112,6 +113,7 @@ pub(crate) fn flash_forward<F: Float>(
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     scale: f32,
+    group: usize,
     #[comptime] hd: usize,
     #[comptime] split: usize,
     #[comptime] block_q: usize,
@@ -127,6 +129,8 @@ pub(crate) fn flash_forward<F: Float>(
     let seq_k = k.shape(2);
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
+    // The k/v head this query head shares with its group (itself when `group` is 1).
+    let hk = h / group;
     // Largest query blocks first, so causal work (proportional to the block index) is balanced.
     let qb = CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize;
     let unit = UNIT_POS as usize;
@@ -170,8 +174,8 @@ pub(crate) fn flash_forward<F: Float>(
     for kb in 0..key_blocks {
         let j0 = kb * block_k;
         sync_cube();
-        stage(k, &mut kt, b, h, j0, seq_k, block_k, hd);
-        stage(v, &mut vt, b, h, j0, seq_k, block_k, hd);
+        stage(k, &mut kt, b, hk, j0, seq_k, block_k, hd);
+        stage(v, &mut vt, b, hk, j0, seq_k, block_k, hd);
         sync_cube();
         for c in 0..block_k {
             let mut s = 0.0f32;
@@ -305,6 +309,7 @@ pub(crate) fn flash_backward_dq<F: Float>(
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
     scale: f32,
+    group: usize,
     #[comptime] hd: usize,
     #[comptime] split: usize,
     #[comptime] block_q: usize,
@@ -320,6 +325,7 @@ pub(crate) fn flash_backward_dq<F: Float>(
     let seq_k = k.shape(2);
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
+    let hk = h / group;
     let qb = CUBE_COUNT_X as usize - 1 - CUBE_POS_X as usize;
     let unit = UNIT_POS as usize;
     let row = unit / split;
@@ -369,8 +375,8 @@ pub(crate) fn flash_backward_dq<F: Float>(
     for kb in 0..key_blocks {
         let j0 = kb * block_k;
         sync_cube();
-        stage(k, &mut kt, b, h, j0, seq_k, block_k, hd);
-        stage(v, &mut vt, b, h, j0, seq_k, block_k, hd);
+        stage(k, &mut kt, b, hk, j0, seq_k, block_k, hd);
+        stage(v, &mut vt, b, hk, j0, seq_k, block_k, hd);
         sync_cube();
         for c in 0..block_k {
             let mut s = 0.0f32;
@@ -415,16 +421,17 @@ pub(crate) fn flash_backward_dq<F: Float>(
 /// shared memory. `dV = P^T dO`, `dK = scale * dS^T q`.
 #[cube(launch_unchecked)]
 #[allow(arithmetic_overflow)]
-pub(crate) fn flash_backward_dkdv<F: Float>(
+pub(crate) fn flash_backward_dkdv<F: Float, G: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
     grad: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    dk: &mut Tensor<F>,
-    dv: &mut Tensor<F>,
+    dk: &mut Tensor<G>,
+    dv: &mut Tensor<G>,
     scale: f32,
+    group: usize,
     #[comptime] hd: usize,
     #[comptime] split: usize,
     #[comptime] block_q: usize,
@@ -432,7 +439,7 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
     causal: u32,
     drop: DropScalars,
     #[comptime] dropout: bool,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, G)] _dtypes: [StorageType; 2],
 ) {
     let part = comptime!(hd / split);
     let heads = q.shape(1);
@@ -440,6 +447,9 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
     let seq_k = k.shape(2);
     let bh = CUBE_POS_Y as usize;
     let (b, h) = (bh / heads, bh % heads);
+    // Keys and values of the shared head; dK and dV go to this query head's rows of `dk` and `dv`
+    // (per query head where `group` > 1, summed over the group afterwards).
+    let hk = h / group;
     let kb = CUBE_POS_X as usize;
     let unit = UNIT_POS as usize;
     let row = unit / split;
@@ -451,8 +461,8 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
     let mut vr = Array::<f32>::new(part);
     let mut dk_acc = Array::<f32>::new(part);
     let mut dv_acc = Array::<f32>::new(part);
-    let kbase = at(k, b, h, j) + off;
-    let vbase = at(v, b, h, j) + off;
+    let kbase = at(k, b, hk, j) + off;
+    let vbase = at(v, b, hk, j) + off;
     #[unroll]
     for d in 0..part {
         let mut x = 0.0f32;
@@ -535,8 +545,43 @@ pub(crate) fn flash_backward_dkdv<F: Float>(
         let vb_out = at(dv, b, h, j) + off;
         #[unroll]
         for d in 0..part {
-            dk[kb_out + d] = F::cast_from(dk_acc[d] * scale);
-            dv[vb_out + d] = F::cast_from(dv_acc[d]);
+            dk[kb_out + d] = G::cast_from(dk_acc[d] * scale);
+            dv[vb_out + d] = G::cast_from(dv_acc[d]);
         }
+    }
+}
+
+/// dK or dV of grouped-query attention from the dK/dV kernels' per-query-head rows:
+/// `out[b, hk, s, :] = sum over g < group of heads[b, hk * group + g, s, :]`, added in f32 in the
+/// order of `g` (deterministic), stored in the output dtype. `heads`: dense f32 `[batch, heads,
+/// seq, hd]` (`heads = kv_heads x group`); `out`: `[batch, kv_heads, seq, hd]` with strides that
+/// are multiples of `N` and a unit last stride. One unit per vector of `N` elements (`per_row`
+/// vectors a row).
+#[cube(launch_unchecked)]
+pub(crate) fn sum_groups<F: Float, N: Size>(
+    heads: &Tensor<Vector<f32, N>>,
+    out: &mut Tensor<Vector<F, N>>,
+    kv_heads: usize,
+    seq: usize,
+    group: usize,
+    total: usize,
+    #[comptime] per_row: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        let c = i % per_row;
+        let row = i / per_row;
+        let s = row % seq;
+        let bk = row / seq;
+        let (b, hk) = (bk / kv_heads, bk % kv_heads);
+        // Query head hk * group + g of batch b is head bk * group + g of the dense buffer.
+        let mut acc = Vector::<f32, N>::new(0.0);
+        for g in 0..group {
+            acc += heads[((bk * group + g) * seq + s) * per_row + c];
+        }
+        let at =
+            (b * out.stride(0) + hk * out.stride(1) + s * out.stride(2)) / out.vector_size() + c;
+        out[at] = Vector::cast_from(acc);
     }
 }

@@ -39,6 +39,19 @@
 //! arithmetic. [`flash_attention_path`](crate::flash_attention_path) says which one a tensor gets.
 //! Gradients and outputs are in the input dtype; any sequence length works (partial blocks are
 //! masked); `k`/`v` may have a different length from `q`.
+//!
+//! **Grouped-query attention** (GQA; MQA with one k/v head): `k` and `v` may have fewer heads
+//! than `q`, `[batch, kv_heads, seq_k, head_dim]` with `kv_heads` dividing `heads`; query head `h`
+//! attends with k/v head `h / (heads / kv_heads)`, as Hugging Face's `repeat_kv` and PyTorch's
+//! `scaled_dot_product_attention(enable_gqa=True)` do. K and V are not repeated in memory: every
+//! kernel keeps its grid over the query heads and reads the keys and values of the shared head
+//! (the group size is a runtime argument, 1 without grouping). dK and dV are the sums over each
+//! group's query heads: the dK/dV kernels write one f32 row block per query head (as
+//! FlashAttention-2 does), and `kernel::sum_groups` adds each group's in f32, in a fixed order, and
+//! casts to the input dtype. Without grouping the kernels write dK and dV directly, as before. The
+//! dropout mask stays a function of the query head (`batch * heads + h`). [`reference`] and the
+//! other references repeat k and v over the group with ordinary tensor ops ([`repeat_kv`]), so
+//! their gradients come back summed over the group.
 
 pub(crate) mod backward;
 mod cube;
@@ -58,20 +71,57 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Int, Tensor};
 
+/// Query heads per key/value head, `heads / kv_heads`; refused (naming both counts) unless
+/// `kv_heads` divides `heads`.
+#[track_caller]
+pub(crate) fn kv_group(op: &str, heads: usize, kv_heads: usize) -> usize {
+    if kv_heads == 0 && heads == 0 {
+        return 1;
+    }
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        crate::check::fail(
+            op,
+            format!(
+                "k has {kv_heads} heads, which does not divide q's {heads} (grouped-query attention \
+                 shares each k/v head among heads / kv_heads query heads)"
+            ),
+        );
+    }
+    heads / kv_heads
+}
+
+/// Key or value heads `[batch, kv_heads, seq, head_dim]` repeated for grouped-query attention:
+/// `[batch, heads, seq, head_dim]`, head `h` a copy of head `h / (heads / kv_heads)` (Hugging
+/// Face's `repeat_kv`). A no-op when `kv_heads == heads`. Under autodiff its gradient is the sum
+/// over each group.
+pub fn repeat_kv<B: BurnBackend>(x: Tensor<B, 4>, heads: usize) -> Tensor<B, 4> {
+    let [b, hkv, s, d] = x.dims();
+    let group = kv_group("flash_attention", heads, hkv);
+    if group == 1 {
+        return x;
+    }
+    // [b, hkv, s, d] -> [b, hkv, group, s, d] -> [b, heads, s, d]
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, hkv, group, s, d])
+        .reshape([b, heads, s, d])
+}
+
 /// The softmax scale used when none is given: `1 / sqrt(head_dim)`.
 pub fn default_scale(head_dim: usize) -> f64 {
     1.0 / (head_dim as f64).sqrt()
 }
 
-/// Scaled scores `scale * q k^T` with the causal mask applied (-inf above the diagonal).
+/// Scaled scores `scale * q k^T` with the causal mask applied (-inf above the diagonal); `k`
+/// may have fewer heads than `q` (repeated over the group first).
 fn masked_scores<B: BurnBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     causal: bool,
     scale: f64,
 ) -> Tensor<B, 4> {
-    let [_, _, sq, _] = q.dims();
+    let [_, h, sq, _] = q.dims();
     let sk = k.dims()[2];
+    let k = repeat_kv(k, h);
     let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
     if causal {
         let dev = scores.device();
@@ -85,7 +135,9 @@ fn masked_scores<B: BurnBackend>(
 }
 
 /// Plain-Burn attention by the naive formula, computed in the inputs' dtype (it materialises the
-/// `[batch, heads, seq_q, seq_k]` scores). `scale` defaults to `1 / sqrt(head_dim)`.
+/// `[batch, heads, seq_q, seq_k]` scores). `q` is `[batch, heads, seq_q, head_dim]`, `k` and `v`
+/// `[batch, kv_heads, seq_k, head_dim]` with `kv_heads` dividing `heads` (repeated over the
+/// group, [`repeat_kv`]). `scale` defaults to `1 / sqrt(head_dim)`.
 pub fn reference<B: BurnBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -93,14 +145,15 @@ pub fn reference<B: BurnBackend>(
     causal: bool,
     scale: Option<f64>,
 ) -> Tensor<B, 4> {
-    let scale = scale.unwrap_or_else(|| default_scale(q.dims()[3]));
+    let [_, h, _, hd] = q.dims();
+    let scale = scale.unwrap_or_else(|| default_scale(hd));
     let p = burn::tensor::activation::softmax(masked_scores(q, k, causal, scale), 3);
-    p.matmul(v)
+    p.matmul(repeat_kv(v, h))
 }
 
 /// [`reference`] with dropout on the probabilities: `(softmax(scores) * mask) v`, `mask` the
 /// factors [`dropout::keep_mask`] draws on the host (0 or the keep scale), as the kernels apply
-/// them. It materialises the scores and the mask.
+/// them, per query head. It materialises the scores and the mask.
 pub fn reference_dropout<B: BurnBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -114,32 +167,33 @@ pub fn reference_dropout<B: BurnBackend>(
     let scale = scale.unwrap_or_else(|| default_scale(hd));
     let p = burn::tensor::activation::softmax(masked_scores(q, k, causal, scale), 3);
     let mask = dropout::keep_mask::<B>(dropout, [b, h, sq, sk], &p.device()).cast(p.dtype());
-    (p * mask).matmul(v)
+    (p * mask).matmul(repeat_kv(v, h))
 }
 
 /// Plain-Burn [`crate::flash_attention_qkv`]: q, k and v sliced out of the packed projection
-/// `qkv` `[batch, seq, 3 x heads x head_dim]`, RoPE on q and k ([`crate::rope::reference`]),
-/// [`reference`] or [`reference_dropout`], the heads merged back: `[batch, seq, heads x head_dim]`.
+/// `qkv` `[batch, seq, (heads + 2 x kv_heads) x head_dim]` (q's heads, then k's, then v's), RoPE
+/// on q and k ([`crate::rope::reference`]), [`reference`] or [`reference_dropout`], the heads
+/// merged back: `[batch, seq, heads x head_dim]`.
 #[allow(clippy::too_many_arguments)]
 pub fn reference_qkv<B: BurnBackend>(
     qkv: Tensor<B, 3>,
     heads: usize,
+    kv_heads: usize,
     cos: Tensor<B, 2>,
     sin: Tensor<B, 2>,
     causal: bool,
     scale: Option<f64>,
     dropout: Option<Dropout>,
 ) -> Tensor<B, 3> {
-    let [b, t, d3] = qkv.dims();
-    let hd = d3 / (3 * heads);
-    let x = qkv.reshape([b, t, 3 * heads, hd]).swap_dims(1, 2);
-    let part = |p: usize| {
-        x.clone()
-            .slice([0..b, p * heads..(p + 1) * heads, 0..t, 0..hd])
-    };
-    let q = crate::rope::reference(part(0), cos.clone(), sin.clone());
-    let k = crate::rope::reference(part(1), cos, sin);
-    let v = part(2);
+    let [b, t, width] = qkv.dims();
+    let all = heads + 2 * kv_heads;
+    let hd = width / all;
+    // [b, t, all heads, hd] -> [b, all heads, t, hd]
+    let x = qkv.reshape([b, t, all, hd]).swap_dims(1, 2);
+    let part = |from: usize, n: usize| x.clone().slice([0..b, from..from + n, 0..t, 0..hd]);
+    let q = crate::rope::reference(part(0, heads), cos.clone(), sin.clone());
+    let k = crate::rope::reference(part(heads, kv_heads), cos, sin);
+    let v = part(heads + kv_heads, kv_heads);
     let o = match dropout.filter(Dropout::is_active) {
         Some(d) => reference_dropout(q, k, v, causal, scale, d),
         None => reference(q, k, v, causal, scale),
@@ -148,7 +202,7 @@ pub fn reference_qkv<B: BurnBackend>(
 }
 
 /// Log-sum-exp over keys of the scaled, masked scores, `[batch, heads, seq_q]`, by the naive
-/// formula in the inputs' dtype.
+/// formula in the inputs' dtype (`k` may have fewer heads, as in [`reference`]).
 pub fn reference_lse<B: BurnBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -186,11 +240,12 @@ pub trait AttentionOps: BurnBackend {
     }
 
     /// [`crate::flash_attention_qkv`]: `[batch, seq, heads x head_dim]` from the packed projection
-    /// `[batch, seq, 3 x heads x head_dim]`.
+    /// `[batch, seq, (heads + 2 x kv_heads) x head_dim]`.
     #[allow(clippy::too_many_arguments)]
     fn fused_flash_attention_qkv(
         qkv: FloatTensor<Self>,
         heads: usize,
+        kv_heads: usize,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         causal: bool,
@@ -200,6 +255,7 @@ pub trait AttentionOps: BurnBackend {
         crate::primitive::prim(reference_qkv::<Self>(
             crate::primitive::tensor(qkv),
             heads,
+            kv_heads,
             crate::primitive::tensor(cos),
             crate::primitive::tensor(sin),
             causal,
@@ -218,7 +274,7 @@ pub trait AttentionOps: BurnBackend {
 /// records.
 pub trait AttentionKernels: AttentionOps {
     /// `(out, lse)` of FlashAttention (lse f32 `[batch, heads, seq_q]`, over all probabilities
-    /// whether dropped or not).
+    /// whether dropped or not); `k`, `v` may have fewer heads than `q` (a divisor of its count).
     fn flash_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -228,7 +284,8 @@ pub trait AttentionKernels: AttentionOps {
         dropout: Option<Dropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
     /// `(dq, dk, dv)` of FlashAttention from the forward's output and log-sum-exp; `dropout` must
-    /// be the forward's.
+    /// be the forward's. `dk` and `dv` have k's and v's shapes (under grouped-query attention the
+    /// sums over each group's query heads).
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_backward(
         q: FloatTensor<Self>,
@@ -247,18 +304,21 @@ pub trait AttentionKernels: AttentionOps {
     fn flash_attention_qkv_forward(
         qkv: FloatTensor<Self>,
         heads: usize,
+        kv_heads: usize,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         causal: bool,
         scale: f32,
         dropout: Option<Dropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
-    /// The packed projection's gradient `[batch, seq, 3 x heads x head_dim]` from the forward's
-    /// output and log-sum-exp and the output gradient `[batch, heads, seq, head_dim]`.
+    /// The packed projection's gradient `[batch, seq, (heads + 2 x kv_heads) x head_dim]` from
+    /// the forward's output and log-sum-exp and the output gradient `[batch, heads, seq,
+    /// head_dim]`.
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_qkv_backward(
         qkv: FloatTensor<Self>,
         heads: usize,
+        kv_heads: usize,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         out: FloatTensor<Self>,

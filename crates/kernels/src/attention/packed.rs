@@ -10,6 +10,9 @@
 //! keeps only the projection (plus the output and log-sum-exp), rotates q and k again in the
 //! backward, and writes the projection's gradient in its packed layout in one launch: the inverse
 //! rotation of dQ and dK and a copy of dV.
+//!
+//! The projection holds `heads` query heads, then `kv_heads` key heads, then `kv_heads` value
+//! heads (grouped-query attention where `kv_heads < heads`; see [`super`]).
 
 use burn::tensor::TensorMetadata;
 use burn_cubecl::tensor::CubeTensor;
@@ -21,40 +24,70 @@ use crate::check::{check_float, fail};
 use crate::dropout::Dropout;
 use crate::launch::{contiguous, empty, vector_width};
 
-/// The dims of a packed projection: (batch, seq, heads, head_dim).
+/// The sizes of a packed projection `[batch, seq, (heads + 2 kv_heads) hd]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Packed {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub hd: usize,
+}
+
+impl Packed {
+    /// Heads of all three parts together.
+    fn all_heads(&self) -> usize {
+        self.heads + 2 * self.kv_heads
+    }
+}
+
+/// The sizes of a packed projection, checked: rank 3, `kv_heads` dividing `heads`, the last dim
+/// `heads + 2 kv_heads` times an even head_dim.
 pub(crate) fn packed_dims<R: CubeRuntime>(
     op: &str,
     qkv: &CubeTensor<R>,
     heads: usize,
-) -> (usize, usize, usize, usize) {
+    kv_heads: usize,
+) -> Packed {
     check_float(op, "qkv", qkv.dtype);
     let shape = qkv.shape();
     let dims = shape.as_slice();
+    let all = heads + 2 * kv_heads;
     if dims.len() != 3
         || heads == 0
-        || !dims[2].is_multiple_of(3 * heads)
-        || !(dims[2] / (3 * heads)).is_multiple_of(2)
+        || !dims[2].is_multiple_of(all)
+        || !(dims[2] / all).is_multiple_of(2)
     {
         fail(
             op,
             format!(
-                "qkv has shape {dims:?} with {heads} heads; expected [batch, seq, 3 x heads x head_dim] with an even head_dim"
+                "qkv has shape {dims:?} with {heads} query and {kv_heads} key/value heads; expected [batch, seq, (heads + 2 x kv_heads) x head_dim] with an even head_dim"
             ),
         );
     }
-    (dims[0], dims[1], heads, dims[2] / (3 * heads))
+    super::kv_group(op, heads, kv_heads);
+    Packed {
+        batch: dims[0],
+        seq: dims[1],
+        heads,
+        kv_heads,
+        hd: dims[2] / all,
+    }
 }
 
-/// Part `p` (0: q, 1: k, 2: v) of a contiguous packed `[B, T, 3 H hd]` tensor, as a `[B, H, T,
-/// hd]` view (a copy where the device cannot offset a view there).
+/// Heads `first .. first + n` of a contiguous packed `[B, T, (H + 2 Hkv) hd]` tensor, as a `[B, n,
+/// T, hd]` view (a copy where the device cannot offset a view there): q is heads `0 .. H`, k
+/// `H .. H + Hkv`, v `H + Hkv .. H + 2 Hkv`.
 pub(crate) fn part<R: CubeRuntime>(
     qkv: &CubeTensor<R>,
-    (b, t, h, hd): (usize, usize, usize, usize),
-    p: usize,
+    p: Packed,
+    first: usize,
+    n: usize,
 ) -> CubeTensor<R> {
-    let x = burn_cubecl::ops::reshape(qkv.clone(), [b, t, 3 * h, hd].into());
+    let (b, t, hd) = (p.batch, p.seq, p.hd);
+    let x = burn_cubecl::ops::reshape(qkv.clone(), [b, t, p.all_heads(), hd].into());
     let x = burn_cubecl::ops::permute(x, &[0, 2, 1, 3]);
-    burn_cubecl::kernel::slice(x, &[0..b, p * h..(p + 1) * h, 0..t, 0..hd])
+    burn_cubecl::kernel::slice(x, &[0..b, first..first + n, 0..t, 0..hd])
 }
 
 /// Rotated q and k and the v view of a packed projection (made contiguous first if it is not).
@@ -63,14 +96,15 @@ pub(crate) fn unpack<R: CubeRuntime>(
     op: &str,
     qkv: CubeTensor<R>,
     heads: usize,
+    kv_heads: usize,
     cos: CubeTensor<R>,
     sin: CubeTensor<R>,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-    let dims = packed_dims(op, &qkv, heads);
+    let p = packed_dims(op, &qkv, heads, kv_heads);
     let qkv = contiguous(qkv);
-    let q = crate::rope::forward::rope(part(&qkv, dims, 0), cos.clone(), sin.clone(), false);
-    let k = crate::rope::forward::rope(part(&qkv, dims, 1), cos, sin, false);
-    let v = part(&qkv, dims, 2);
+    let q = crate::rope::forward::rope(part(&qkv, p, 0, heads), cos.clone(), sin.clone(), false);
+    let k = crate::rope::forward::rope(part(&qkv, p, heads, kv_heads), cos, sin, false);
+    let v = part(&qkv, p, heads + kv_heads, kv_heads);
     (qkv, q, k, v)
 }
 
@@ -80,22 +114,24 @@ pub(crate) fn unpack<R: CubeRuntime>(
 pub(crate) fn forward<R: CubeRuntime>(
     qkv: CubeTensor<R>,
     heads: usize,
+    kv_heads: usize,
     cos: CubeTensor<R>,
     sin: CubeTensor<R>,
     causal: bool,
     scale: f32,
     dropout: Option<Dropout>,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let (_, q, k, v) = unpack("flash_attention_qkv", qkv, heads, cos, sin);
+    let (_, q, k, v) = unpack("flash_attention_qkv", qkv, heads, kv_heads, cos, sin);
     super::forward::forward(q, k, v, causal, scale, dropout)
 }
 
-/// The gradient of the packed projection, `[B, T, 3 H hd]` (contiguous), from the output's
+/// The gradient of the packed projection, `[B, T, (H + 2 Hkv) hd]` (contiguous), from the output's
 /// gradient `grad` `[B, H, T, hd]` (any strides).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<R: CubeRuntime>(
     qkv: CubeTensor<R>,
     heads: usize,
+    kv_heads: usize,
     cos: CubeTensor<R>,
     sin: CubeTensor<R>,
     out: CubeTensor<R>,
@@ -106,27 +142,29 @@ pub(crate) fn backward<R: CubeRuntime>(
     dropout: Option<Dropout>,
 ) -> CubeTensor<R> {
     let op = "flash_attention_qkv backward";
-    let (b, t, h, hd) = packed_dims(op, &qkv, heads);
-    let (qkv, q, k, v) = unpack(op, qkv, heads, cos.clone(), sin.clone());
+    let p = packed_dims(op, &qkv, heads, kv_heads);
+    let (b, t, hd) = (p.batch, p.seq, p.hd);
+    let (qkv, q, k, v) = unpack(op, qkv, heads, kv_heads, cos.clone(), sin.clone());
     let (dq, dk, dv) = super::gradients::backward(q, k, v, out, lse, grad, causal, scale, dropout);
-    let dqkv = empty(&qkv, vec![b, t, 3 * h * hd], qkv.dtype);
-    if b * t * h == 0 {
+    let dqkv = empty(&qkv, vec![b, t, p.all_heads() * hd], qkv.dtype);
+    if b * t * heads == 0 {
         return dqkv;
     }
-    // One layout for the three gradients, so that one set of strides reads them all (they share
-    // one already: FlashAttention's backward allocates them alike).
-    let same = dk.meta.strides() == dq.meta.strides() && dv.meta.strides() == dq.meta.strides();
-    let (dq, dk, dv) = if same {
-        (dq, dk, dv)
+    // One layout for dK and dV, so that one set of strides reads both (they share one already:
+    // FlashAttention's backward allocates them alike); dQ has strides of its own (it has more
+    // heads under grouped-query attention).
+    let (dk, dv) = if dk.meta.strides() == dv.meta.strides() {
+        (dk, dv)
     } else {
-        (contiguous(dq), contiguous(dk), contiguous(dv))
+        (contiguous(dk), contiguous(dv))
     };
     let (cos, sin) = (contiguous(cos), contiguous(sin));
-    let s = dq.meta.strides().to_vec();
+    let (sq, skv) = (dq.meta.strides().to_vec(), dk.meta.strides().to_vec());
     let half = hd / 2;
     // Vectors of `n` along the head dim: every offset the kernel forms is a multiple of `n`.
-    let n = vector_width(&dqkv, &[qkv.dtype, cos.dtype], &[half, s[0], s[1], s[2]]);
-    let total = b * t * 3 * h * (half / n);
+    let lens = [half, sq[0], sq[1], sq[2], skv[0], skv[1], skv[2]];
+    let n = vector_width(&dqkv, &[qkv.dtype, cos.dtype], &lens);
+    let total = b * t * p.all_heads() * (half / n);
     let dim = CubeDim::new_1d(256);
     let count = calculate_cube_count_elemwise(&qkv.client, total, dim);
     let dtypes = [qkv.dtype.into(), cos.dtype.into()];
@@ -141,21 +179,26 @@ pub(crate) fn backward<R: CubeRuntime>(
         cos.into_tensor_arg(),
         sin.into_tensor_arg(),
         dqkv.clone().into_tensor_arg(),
-        h,
+        heads,
+        kv_heads,
         t,
         half / n,
-        s[0] / n,
-        s[1] / n,
-        s[2] / n,
+        sq[0] / n,
+        sq[1] / n,
+        sq[2] / n,
+        skv[0] / n,
+        skv[1] / n,
+        skv[2] / n,
         total,
         dtypes,
     );
     dqkv
 }
 
-/// `dqkv[b, t, p H + h, :]` from part `p`'s gradient at `[b, h, t, :]`: dQ and dK rotated back
-/// (by the opposite angle of position `t`), dV copied. One unit per vector of `N` pairs
-/// (i, i + half); `half` and the strides are in vectors.
+/// `dqkv[b, t, c, :]` for packed head `c` (query heads `0 .. heads`, then `kv_heads` key heads,
+/// then `kv_heads` value heads) from its part's gradient at `[b, head, t, :]`: dQ and dK rotated
+/// back (by the opposite angle of position `t`), dV copied. One unit per vector of `N` pairs
+/// (i, i + half); `half` and the strides are in vectors (`q_*`: dQ's, `kv_*`: dK's and dV's).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 #[allow(unused_assignments)] // the initial values are the kernel's declarations of x1, x2
@@ -167,11 +210,15 @@ fn pack_grad<F: Float, W: Float, N: Size>(
     sin: &Tensor<Vector<W, N>>,
     dqkv: &mut Tensor<Vector<F, N>>,
     heads: usize,
+    kv_heads: usize,
     seq: usize,
     half: usize,
-    stride_b: usize,
-    stride_h: usize,
-    stride_t: usize,
+    q_b: usize,
+    q_h: usize,
+    q_t: usize,
+    kv_b: usize,
+    kv_h: usize,
+    kv_t: usize,
     total: usize,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
@@ -179,32 +226,33 @@ fn pack_grad<F: Float, W: Float, N: Size>(
     if i < total {
         let j = i % half;
         let rest = i / half;
-        let h3 = rest % (3 * heads);
-        let bt = rest / (3 * heads);
+        let all = heads + 2 * kv_heads;
+        let c = rest % all;
+        let bt = rest / all;
         let t = bt % seq;
         let b = bt / seq;
-        let p = h3 / heads;
-        let h = h3 % heads;
-        let src = b * stride_b + h * stride_h + t * stride_t + j;
         let dst = rest * 2 * half + j;
-        if p == 2 {
+        if c >= heads + kv_heads {
+            let src = b * kv_b + (c - heads - kv_heads) * kv_h + t * kv_t + j;
             dqkv[dst] = dv[src];
             dqkv[dst + half] = dv[src + half];
         } else {
             let mut x1 = Vector::<f32, N>::new(0.0);
             let mut x2 = Vector::<f32, N>::new(0.0);
-            if p == 0 {
+            if c < heads {
+                let src = b * q_b + c * q_h + t * q_t + j;
                 x1 = Vector::cast_from(dq[src]);
                 x2 = Vector::cast_from(dq[src + half]);
             } else {
+                let src = b * kv_b + (c - heads) * kv_h + t * kv_t + j;
                 x1 = Vector::cast_from(dk[src]);
                 x2 = Vector::cast_from(dk[src + half]);
             }
             // The inverse rotation: by -angle.
-            let c = Vector::<f32, N>::cast_from(cos[t * half + j]);
-            let s = Vector::<f32, N>::cast_from(sin[t * half + j]);
-            dqkv[dst] = Vector::cast_from(x1 * c + x2 * s);
-            dqkv[dst + half] = Vector::cast_from(x2 * c - x1 * s);
+            let cv = Vector::<f32, N>::cast_from(cos[t * half + j]);
+            let sv = Vector::<f32, N>::cast_from(sin[t * half + j]);
+            dqkv[dst] = Vector::cast_from(x1 * cv + x2 * sv);
+            dqkv[dst + half] = Vector::cast_from(x2 * cv - x1 * sv);
         }
     }
 }

@@ -20,12 +20,23 @@ pub fn tables<B: BurnBackend>(
     theta: f64,
     device: &B::Device,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let half = head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
+    let inv_freq: Vec<f32> = (0..head_dim / 2)
         .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32)
         .collect();
+    tables_from_freqs(positions, &inv_freq, device)
+}
+
+/// `cos` and `sin` tables [positions, inv_freq.len()] (f32) for angles `pos * inv_freq[i]`: the
+/// frequencies of [`tables`] stretched for longer contexts (Llama 3's scaling, for example).
+pub fn tables_from_freqs<B: BurnBackend>(
+    positions: usize,
+    inv_freq: &[f32],
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let half = inv_freq.len();
     let inv_freq = Tensor::<B, 1>::from_data(
-        burn::tensor::TensorData::new(inv_freq, [half]).convert_dtype(burn::tensor::DType::F32),
+        burn::tensor::TensorData::new(inv_freq.to_vec(), [half])
+            .convert_dtype(burn::tensor::DType::F32),
         (device, burn::tensor::DType::F32),
     )
     .reshape([1, half]);

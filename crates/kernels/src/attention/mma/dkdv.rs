@@ -16,21 +16,24 @@ use super::fragments::*;
 /// `16 * mt` key rows (k and v stay staged) and walks the query blocks, computing the transposed
 /// products `S^T = k q^T`, `dP^T = v dO^T`, then `dV += P^T dO`, `dK += dS^T q` with P^T and
 /// dS^T taken from registers. Under a causal mask a warp skips the query blocks that end before
-/// its first key.
+/// its first key. k and v are read at the head `h / group` that query head `h` shares; dK and dV
+/// are written at `h` in `G` (the input dtype, or f32 rows per query head under grouped-query
+/// attention, which the launcher sums over the group).
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
+pub(crate) fn flash_backward_dkdv_mma<F: Float, G: Float, N: Size, NQ: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
     grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    dk: &mut Tensor<F>,
-    dv: &mut Tensor<F>,
+    dk: &mut Tensor<G>,
+    dv: &mut Tensor<G>,
     dq_acc: &mut Tensor<Atomic<Vector<f32, NQ>>>,
     heads: usize,
+    group: usize,
     seq_q: usize,
     seq_k: usize,
     scale: f32,
@@ -43,7 +46,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
     #[comptime] fuse_dq: bool,
     drop: DropScalars,
     #[comptime] dropout: bool,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, G)] _dtypes: [StorageType; 2],
 ) {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
@@ -77,8 +80,21 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let (qbase, qstride) = head_rows(q, b, h, width);
     let (gbase, gstride) = head_rows(grad, b, h, width);
+    // Keys and values of the head shared by this query head's group.
     stage_keys(
-        k, v, &mut kt, &mut vt, b, h, k0, seq_k, block_k, per_row, pitch, width, threads,
+        k,
+        v,
+        &mut kt,
+        &mut vt,
+        b,
+        h / group,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        threads,
     );
 
     let s_tiles = comptime!(block_q / 8);
@@ -239,7 +255,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
         sync_cube();
     }
 
-    store_rows::<F, NC>(
+    store_rows::<G, NC>(
         &dk_acc,
         dk,
         b * dk.stride(0) + h * dk.stride(1),
@@ -249,7 +265,7 @@ pub(crate) fn flash_backward_dkdv_mma<F: Float, N: Size, NQ: Size>(
         mt,
         hd,
     );
-    store_rows::<F, NC>(
+    store_rows::<G, NC>(
         &dv_acc,
         dv,
         b * dv.stride(0) + h * dv.stride(1),

@@ -28,21 +28,23 @@ use super::fragments::*;
 /// dK and dV, so at hd 128 one row tile of 16 keys for 128 f32 accumulators a lane), each warp
 /// here owns two row tiles, so every B fragment read from shared memory feeds two MMAs, at the
 /// cost of the trip of P^T and dS^T through shared memory. Under a causal mask a warp whose keys
-/// all come after its queries leaves its part of P^T and dS^T zero.
+/// all come after its queries leaves its part of P^T and dS^T zero. Grouped-query attention: as
+/// in [`flash_backward_dkdv_mma`] (k, v at head `h / group`; dK, dV at `h` in `G`).
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(arithmetic_overflow)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
+pub(crate) fn flash_backward_split_mma<F: Float, G: Float, N: Size, NQ: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
     grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    dk: &mut Tensor<F>,
-    dv: &mut Tensor<F>,
+    dk: &mut Tensor<G>,
+    dv: &mut Tensor<G>,
     dq_acc: &mut Tensor<Atomic<Vector<f32, NQ>>>,
     heads: usize,
+    group: usize,
     seq_q: usize,
     seq_k: usize,
     scale: f32,
@@ -55,7 +57,7 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
     #[comptime] fused_dq: bool,
     drop: DropScalars,
     #[comptime] dropout: bool,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, G)] _dtypes: [StorageType; 2],
 ) {
     let def = cmma::MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let size!(NA) = def.vector_size(cmma::MatrixIdent::A);
@@ -95,8 +97,21 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let (qbase, qstride) = head_rows(q, b, h, width);
     let (gbase, gstride) = head_rows(grad, b, h, width);
+    // Keys and values of the head shared by this query head's group.
     stage_keys(
-        k, v, &mut kt, &mut vt, b, h, k0, seq_k, block_k, per_row, pitch, width, threads,
+        k,
+        v,
+        &mut kt,
+        &mut vt,
+        b,
+        h / group,
+        k0,
+        seq_k,
+        block_k,
+        per_row,
+        pitch,
+        width,
+        threads,
     );
 
     let s_tiles = comptime!(sq / 8);
@@ -266,7 +281,7 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
         sync_cube();
     }
 
-    store_rows::<F, NC>(
+    store_rows::<G, NC>(
         &dk_acc,
         dk,
         b * dk.stride(0) + h * dk.stride(1) + hc0,
@@ -276,7 +291,7 @@ pub(crate) fn flash_backward_split_mma<F: Float, N: Size, NQ: Size>(
         2usize,
         oc,
     );
-    store_rows::<F, NC>(
+    store_rows::<G, NC>(
         &dv_acc,
         dv,
         b * dv.stride(0) + h * dv.stride(1) + hc0,

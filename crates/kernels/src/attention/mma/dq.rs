@@ -23,6 +23,7 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
     heads: usize,
+    group: usize,
     seq_q: usize,
     seq_k: usize,
     scale: f32,
@@ -60,7 +61,8 @@ pub(crate) fn flash_backward_dq_mma<F: Float, N: Size>(
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar2 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let kv = kv_source(k, v, b, h, seq_k, width);
+    // The k/v head shared by this query head's group.
+    let kv = kv_source(k, v, b, h / group, seq_k, width);
     let blocks = key_blocks(q0, seq_q, seq_k, block_q, block_k, causal);
     // q and dO are copied with the first key block (their copies complete with its barrier).
     if blocks > 0 {

@@ -32,6 +32,7 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
     out: &mut Tensor<Vector<F, NO>>,
     lse: &mut Tensor<f32>,
     heads: usize,
+    group: usize,
     seq_q: usize,
     seq_k: usize,
     scale: f32,
@@ -74,7 +75,9 @@ pub(crate) fn flash_forward_mma<F: Float, N: Size, NO: Size>(
     // The output rows on their way out (see `store_rows_staged`).
     let mut ot =
         SharedMemory::<Vector<F, NO>>::new_aligned(comptime!(block_q * ((hd + 8) / ow)), ALIGN);
-    let kv = kv_source(k, v, b, h, seq_k, width);
+    // Keys and values of the head this query head shares with its group (`group` query heads per
+    // k/v head; 1 without grouping).
+    let kv = kv_source(k, v, b, h / group, seq_k, width);
 
     let s_tiles = comptime!(block_k / 8);
     let o_tiles = comptime!(hd / 8);

@@ -1,0 +1,64 @@
+//! `model.recompute = "full"` against `"none"` (the cases of `tests/model_cases/recompute.rs`,
+//! which the CUDA suite runs too): the loss and every gradient with every block recomputed, and
+//! with every second one. On the CPU (Burn's ndarray backend: the reference ops and plain
+//! attention, f32, with multi-query attention) bit for bit; on wgpu (lavapipe in CI) with the
+//! fused kernels and FlashAttention, dropout on, in f32 and f16.
+
+mod common;
+mod model_cases;
+
+use burn::backend::ndarray::NdArrayDevice;
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::FloatDType;
+use model::config::{AttentionKind, GemmKind, KernelsKind, MlpKind};
+use model_cases::recompute::{recompute_matches, Case};
+use model_cases::{Combo, AWKWARD};
+
+const REFERENCE: Combo = Combo {
+    kernels: KernelsKind::Reference,
+    attention: AttentionKind::Plain,
+    gemm: GemmKind::Burn,
+};
+
+const FUSED_FLASH: Combo = Combo {
+    kernels: KernelsKind::Fused,
+    attention: AttentionKind::Flash,
+    gemm: GemmKind::Burn,
+};
+
+#[test]
+fn recompute_matches_none_bit_for_bit_on_the_cpu() {
+    let _guard = common::serial();
+    for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
+        let case = Case {
+            mlp,
+            combo: REFERENCE,
+            dtype: FloatDType::F32,
+            dropout: 0.0,
+            kv_heads: 1,
+            shape: AWKWARD,
+        };
+        recompute_matches::<Autodiff<NdArray>>(case, true, &NdArrayDevice::Cpu);
+    }
+}
+
+#[test]
+fn recompute_matches_none_with_the_fused_kernels_and_dropout() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    let _guard = common::serial();
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
+            let case = Case {
+                mlp,
+                combo: FUSED_FLASH,
+                dtype,
+                dropout: 0.1,
+                kv_heads: AWKWARD.heads,
+                shape: AWKWARD,
+            };
+            recompute_matches::<common::B>(case, false, &common::device());
+        }
+    }
+}
