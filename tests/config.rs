@@ -94,6 +94,17 @@ fn impossible_values_are_explained() {
     assert!(e.contains("data.val_fraction"), "{e}");
     let e = err("", &["nonsense"]);
     assert!(e.contains("key=value"), "{e}");
+    let e = err(
+        "",
+        &[
+            "model.recompute=\"selective\"",
+            "model.kernels=\"reference\"",
+        ],
+    );
+    assert!(
+        e.contains("model.recompute = \"selective\"") && e.contains("model.kernels"),
+        "{e}"
+    );
 }
 
 #[test]

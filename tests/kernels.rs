@@ -108,6 +108,23 @@ fn format_stats_refuses_a_negative_threshold() {
     );
 }
 
+/// The linear layers whose input is recomputed in the backward equal their compositions bit for
+/// bit (the portable GEMM; few sizes, as for `gemm`).
+#[test]
+fn recomputed_linear() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        kernel_cases::recomputed_linear::<B>(
+            dtype,
+            &device(),
+            kernels::Gemm::Auto,
+            &kernel_cases::RECOMPUTE_SIZES[1..3],
+        );
+    }
+}
+
 /// The portable GEMM path (`Gemm::Auto` resolves to Burn's matmul on wgpu) and its backward: the
 /// transpose flags and the gradient formulas. Few sizes, because Burn autotunes its matmul for
 /// every new shape and layout, which takes seconds each on lavapipe; the CUDA suite runs them all.

@@ -22,8 +22,10 @@
 //! `dq=fused` / `dq=separate` chooses whether the dK/dV kernel also computes dQ, and `bwd=split`
 //! runs the backward in FlashAttention-2's split warp layouts.
 //!
+//! `--gqa` instead compares grouped-query with multi-head attention at Llama 3.2 1B's shape.
+//!
 //! `cargo run --release --bin attention_bench -- [--dtype bf16] [--seqs 1024,2048,4096,8192]
-//!  [--head-dims 64,128] [--no-burn] [--memory]`
+//!  [--head-dims 64,128] [--no-burn] [--memory] [--qkv] [--gqa]`
 
 use std::time::Instant;
 
@@ -74,6 +76,11 @@ struct Args {
     /// forward keeps for the backward.
     #[arg(long)]
     qkv: bool,
+    /// Grouped-query attention against multi-head attention at Llama 3.2 1B's attention shape
+    /// (8 x 2048 tokens, 32 query heads of 64, causal): `kernels::flash_attention_qkv` with 32,
+    /// 8 and 1 key/value heads, forward and forward+backward, each as a share of the MHA time.
+    #[arg(long)]
+    gqa: bool,
     /// Report memory of forward+backward at B=1, H=16, S=16384, hd=128 instead.
     #[arg(long)]
     memory: bool,
@@ -214,6 +221,62 @@ fn packed(dev: &CudaDevice, dt: FloatDType, args: &Args) {
     }
 }
 
+/// Grouped-query against multi-head attention (see `--gqa`).
+fn gqa(dev: &CudaDevice, dt: FloatDType, args: &Args) {
+    let (b, t, h, hd) = (8, 2048, 32, 64);
+    let (cos, sin) = kernels::rope::tables::<A>(t, hd, 500_000.0, dev);
+    let (cos_c, sin_c) = (cos.clone().inner(), sin.clone().inner());
+    let flops = 4.0 * (b * h * t * t * hd) as f64 * 0.5;
+    println!("Grouped-query FlashAttention on a packed qkv projection, {dt:?}, B={b} T={t}, {h} query heads of {hd}, causal (median of {} x {} calls)\n", args.reps, args.iters);
+    println!("| key/value heads | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd / MHA's time | fwd+bwd / MHA's time |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut mha: Option<(f64, f64)> = None;
+    for hkv in [h, 8, 1] {
+        let width = (h + 2 * hkv) * hd;
+        let qkv = Tensor::<A, 3>::random([b, t, width], Distribution::Normal(0.0, 1.0), dev)
+            .cast(dt)
+            .require_grad();
+        let qkv_c = qkv.clone().inner();
+        let g =
+            Tensor::<A, 3>::random([b, t, h * hd], Distribution::Normal(0.0, 1.0), dev).cast(dt);
+        let fwd = time::<C>(dev, args.iters, args.reps, &mut || {
+            drop(kernels::flash_attention_qkv(
+                qkv_c.clone(),
+                h,
+                hkv,
+                cos_c.clone(),
+                sin_c.clone(),
+                true,
+                None,
+                None,
+            ))
+        });
+        let both = time::<A>(dev, args.iters, args.reps, &mut || {
+            let y = kernels::flash_attention_qkv(
+                qkv.clone(),
+                h,
+                hkv,
+                cos.clone(),
+                sin.clone(),
+                true,
+                None,
+                None,
+            );
+            drop((y * g.clone()).sum().backward())
+        });
+        let (f0, b0) = *mha.get_or_insert((fwd, both));
+        println!(
+            "| {hkv} | {:.3} | {:.0} | {:.3} | {:.0} | {:.3} | {:.3} |",
+            fwd * 1e3,
+            flops / fwd / 1e12,
+            both * 1e3,
+            3.5 * flops / both / 1e12,
+            fwd / f0,
+            both / b0
+        );
+    }
+}
+
 fn mib(b: u64) -> f64 {
     b as f64 / 1048576.0
 }
@@ -228,6 +291,10 @@ fn main() {
     }
     if args.qkv {
         packed(&dev, dt, &args);
+        return;
+    }
+    if args.gqa {
+        gqa(&dev, dt, &args);
         return;
     }
     let dropout = (args.dropout > 0.0).then(|| kernels::Dropout::new(args.dropout, 0x5eed));

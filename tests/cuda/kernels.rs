@@ -44,6 +44,20 @@ cases!(
     linear_cross_entropy => cuda_linear_cross_entropy
 );
 
+/// The linear layers whose input is recomputed in the backward equal their compositions bit for
+/// bit, on cuBLASLt, and in f32 on Burn's matmul too (whose half-precision kernels take seconds
+/// of NVRTC compilation per shape).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_recomputed_linear() {
+    let dev = CudaDevice::default();
+    let sizes = &kernel_cases::RECOMPUTE_SIZES;
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        kernel_cases::recomputed_linear::<B>(dtype, &dev, kernels::Gemm::CublasLt, sizes);
+    }
+    kernel_cases::recomputed_linear::<B>(FloatDType::F32, &dev, kernels::Gemm::Burn, sizes);
+}
+
 /// The f32-output GEMM on cuBLASLt (in place into an accumulator nothing else holds, added to one
 /// that is held), every transpose combination, pitched and odd sizes; no call falls back.
 #[test]

@@ -22,12 +22,14 @@ mod format;
 mod gemm;
 mod norms;
 mod optimizer;
+mod recompute;
 
 pub use attention::*;
 pub use format::*;
 pub use gemm::*;
 pub use norms::*;
 pub use optimizer::*;
+pub use recompute::*;
 
 /// An input of a case: its f32 values and whether it takes the dtype under test (activations)
 /// or stays f32 (master gains, RoPE tables).

@@ -1,10 +1,12 @@
-//! Activation recomputation (`model.recompute = "full"`) against keeping every activation: for
-//! one batch and one set of weights, the loss and every parameter gradient of a three-block model
-//! with every block recomputed, and with every second one (blocks 0 and 2 recomputed, block 1
-//! kept), against `recompute = "none"`.
+//! Activation recomputation (`model.recompute = "full"`, and `"selective"` with the fused
+//! kernels) against keeping every activation: for one batch and one set of weights, the loss and
+//! every parameter gradient of a three-block model with every block recomputed, and with every
+//! second one (blocks 0 and 2 recomputed, block 1 kept), against `recompute = "none"`.
 //!
-//! On the reference ops on the CPU the recomputed run does the same arithmetic in the same order,
-//! and the results must be equal bit for bit. On a GPU they need not be: on CUDA the fused dQ of
+//! On the CPU the recomputed run does the same arithmetic, and the results must be equal bit for
+//! bit with full recomputation on the reference ops and with selective recomputation on the fused
+//! ops' CPU versions (full recomputation on those adds a stream's gradients in another order). On
+//! a GPU they need not be: on CUDA the fused dQ of
 //! FlashAttention's backward adds f32 partial sums with atomics, and Burn's autotuned matmuls may
 //! pick another kernel (another order of additions) between two runs. There the difference may be
 //! no larger than twice the difference between two runs without recomputation, plus a few
@@ -15,7 +17,7 @@
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{FloatDType, Int, Tensor};
-use model::config::{MlpKind, RecomputeKind};
+use model::config::{KernelsKind, MlpKind, RecomputeKind};
 use model::Gpt;
 
 use super::{ids, loss_and_grads, max_abs, max_diff, model_config, named_grads, with_combo};
@@ -58,8 +60,9 @@ where
     (value, named_grads(&copy, &grads))
 }
 
-/// Checks `case` on `dev` (see the module docs); `bitwise` where the kernels are deterministic.
-pub fn recompute_matches<B>(case: Case, bitwise: bool, dev: &B::Device)
+/// Checks `case` on `dev` (see the module docs): the modes in `bit_for_bit` exactly, the others
+/// within the tolerance.
+pub fn recompute_matches<B>(case: Case, bit_for_bit: &[RecomputeKind], dev: &B::Device)
 where
     B: AutodiffBackend + kernels::Backend,
     B::InnerBackend: kernels::Backend,
@@ -82,9 +85,8 @@ where
         m
     };
     let (none_loss, none) = loss_and_grads(&with(RecomputeKind::None, 1), case.dtype, &x, &y);
-    let noise = if bitwise {
-        None
-    } else {
+    // The run-to-run difference without recomputation.
+    let noise = {
         let (loss, again) = loss_and_grads(&with(RecomputeKind::None, 1), case.dtype, &x, &y);
         let mut n = vec![(loss - none_loss).abs()];
         n.extend(
@@ -92,7 +94,7 @@ where
                 .zip(&again)
                 .map(|((_, a), (_, b))| max_diff(a, b)),
         );
-        Some(n)
+        n
     };
     let bits = match case.dtype {
         FloatDType::F32 => 18,
@@ -100,8 +102,18 @@ where
         _ => 6,
     };
     let mut failures = Vec::new();
-    for every in [1, 2] {
-        let (loss, grads) = recomputed(&with(RecomputeKind::Full, every), case.dtype, &x, &y);
+    // Selective recomputation recomputes the fused kernels' outputs: with the reference ops it
+    // would not differ from "none".
+    let mut modes = vec![RecomputeKind::Full];
+    if case.combo.kernels != KernelsKind::Reference {
+        modes.push(RecomputeKind::Selective);
+    }
+    for (mode, every) in modes.into_iter().flat_map(|m| [(m, 1), (m, 2)]) {
+        let model = with(mode, every);
+        let (loss, grads) = match mode {
+            RecomputeKind::Full => recomputed(&model, case.dtype, &x, &y),
+            _ => loss_and_grads(&model, case.dtype, &x, &y),
+        };
         assert_eq!(grads.len(), none.len(), "the same parameters get gradients");
         let mut rows = vec![(
             "loss".to_string(),
@@ -113,21 +125,22 @@ where
         }
         let mut worst = (String::new(), 0.0f64);
         for (i, (name, diff, scale)) in rows.iter().enumerate() {
-            let bound = match &noise {
-                None => 0.0,
-                Some(n) => 2.0 * n[i] + scale * f64::powi(2.0, -bits),
+            let bound = if bit_for_bit.contains(&mode) {
+                0.0
+            } else {
+                2.0 * noise[i] + scale * f64::powi(2.0, -bits)
             };
             if *diff > worst.1 {
                 worst = (name.clone(), *diff);
             }
             if !(*diff <= bound) {
                 failures.push(format!(
-                    "every {every}: {name} differs by {diff:.3e} from recompute = \"none\" (allowed {bound:.3e}, max |value| {scale:.3e})"
+                    "{mode:?} every {every}: {name} differs by {diff:.3e} from recompute = \"none\" (allowed {bound:.3e}, max |value| {scale:.3e})"
                 ));
             }
         }
         println!(
-            "{case:?} recompute every {every}: loss {loss:.6} (none {none_loss:.6}); largest difference {:.3e} ({})",
+            "{case:?} recompute {mode:?} every {every}: loss {loss:.6} (none {none_loss:.6}); largest difference {:.3e} ({})",
             worst.1, worst.0
         );
     }

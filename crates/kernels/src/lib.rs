@@ -23,6 +23,7 @@
 //! | FP8 quantizer of both orientations in one read | [`fp8_quantize_pair`] | [`fp8_quantize`] twice |
 //! | FP8 health (amax, underflow, saturation) of a quantized tensor | [`fp8_health`], [`fp8_health_pending`] | [`fp8::reference::health`] |
 //! | GEMM with transpose flags, linear layer (cuBLASLt on CUDA) | [`gemm()`], [`linear`] | [`gemm::reference`] (Burn's matmul) |
+//! | RMSNorm (+ residual add) or activation, then a linear layer, the norm's or activation's output recomputed in the backward | [`recompute::rms_norm_linear`], [`recompute::add_rms_norm_linear`], [`recompute::activation_linear`] | the composition of the ops |
 //! | FP8 GEMM and linear layer (experimental) | [`fp8_gemm`], [`fp8_linear`] | dequantize, then matmul |
 //!
 //! The functions take ordinary Burn tensors of any backend that implements [`Backend`]:
@@ -66,6 +67,7 @@ pub mod philox;
 mod pipeline;
 mod primitive;
 pub mod probe;
+pub mod recompute;
 pub mod reduce;
 pub mod rms_norm;
 pub mod rope;
@@ -129,6 +131,7 @@ pub use fp8::{
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
 pub use memory::MemoryOps;
 pub use probe::{probe_sink, ProbeSink};
+pub use recompute::RecomputeOps;
 pub use reduce::{ReduceOps, SumSquares};
 pub use rms_norm::{RmsNormKernels, RmsNormOps};
 pub use rope::{RopeKernels, RopeOps};
@@ -550,6 +553,7 @@ ops! {$
     attention::AttentionOps / AttentionKernels,
     dropout::DropoutOps / DropoutKernels,
     gemm::GemmOps,
+    recompute::RecomputeOps,
     fp8::Fp8Ops,
     adamw::AdamWOps,
     reduce::ReduceOps,

@@ -114,6 +114,11 @@ pub enum HeadLossKind {
 pub enum RecomputeKind {
     /// Every block's activations are kept from the forward for the backward.
     None,
+    /// A recomputed block keeps the outputs of its GEMMs and attention, but not those of its
+    /// norms and activation: the backward runs the norm's or activation's kernel again on the
+    /// input it keeps anyway, for the weight gradient of the projection after it
+    /// (`kernels::recompute`). Needs the fused kernels.
+    Selective,
     /// A recomputed block keeps only its input: the forward runs it without autodiff, and the
     /// backward runs it again, with autodiff, just before its gradients are taken.
     Full,
@@ -164,9 +169,9 @@ impl RopeScaling {
             self.low_freq_factor,
             self.high_freq_factor,
         );
-        (0..head_dim / 2)
-            .map(|i| {
-                let f = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+        kernels::rope::frequencies(head_dim, theta)
+            .into_iter()
+            .map(|f| {
                 let scaled = match self.kind {
                     RopeScalingKind::None => f,
                     RopeScalingKind::Llama3 => {
@@ -264,11 +269,11 @@ pub struct GptConfig {
     /// Engine of the linear layers' and the LM head's GEMMs: "burn" (Burn's matmul), "cublaslt"
     /// (NVIDIA cuBLASLt, CUDA only) or "auto" (cuBLASLt on CUDA, Burn's matmul elsewhere).
     pub gemm: GemmKind,
-    /// Activation recomputation: "none" or "full" (see [`RecomputeKind`]): trades a second forward
-    /// of the recomputed blocks for their activations' memory.
+    /// Activation recomputation: "none", "selective" or "full" (see [`RecomputeKind`]): trades
+    /// work in the backward for activations' memory.
     pub recompute: RecomputeKind,
-    /// With `recompute = "full"`: which blocks are recomputed, every k-th from the first (1: all of
-    /// them; 2: blocks 0, 2, 4, ...); the others keep their activations.
+    /// With `recompute = "selective"` or `"full"`: which blocks are recomputed, every k-th from the
+    /// first (1: all of them; 2: blocks 0, 2, 4, ...); the others keep their activations.
     pub recompute_every: usize,
     /// How the fused kernels take the LM head's loss: "chunked" (the logits a chunk of rows at a
     /// time, never all at once: GPT-2's [16 x 1024, 50304] bf16 logits are 1.65 GB, and as much
@@ -345,6 +350,13 @@ impl GptConfig {
         self.recompute == RecomputeKind::Full && layer.is_multiple_of(self.recompute_every.max(1))
     }
 
+    /// Whether block `layer` recomputes its norms' and activation's outputs
+    /// (`recompute = "selective"`, `recompute_every`).
+    pub fn recomputes_selectively(&self, layer: usize) -> bool {
+        self.recompute == RecomputeKind::Selective
+            && layer.is_multiple_of(self.recompute_every.max(1))
+    }
+
     /// Width of the packed q, k, v projection: `(n_head + 2 * kv_heads) * head_dim`.
     pub fn qkv_width(&self) -> usize {
         (self.n_head + 2 * self.kv_heads()) * self.head_dim()
@@ -418,6 +430,13 @@ impl GptConfig {
         if self.recompute_every == 0 {
             return Err(
                 "model.recompute_every must be at least 1 (1 recomputes every block), got 0".into(),
+            );
+        }
+        if self.recompute == RecomputeKind::Selective && self.kernels == KernelsKind::Reference {
+            return Err(
+                "model.recompute = \"selective\" recomputes the outputs of the fused norm and activation kernels, \
+                 so it needs model.kernels = \"fused\" or \"auto\", got \"reference\"; with the reference ops use recompute = \"full\""
+                    .into(),
             );
         }
         if !(self.norm_eps > 0.0) {

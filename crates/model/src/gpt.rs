@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
-use crate::config::{AttentionKind, GptConfig, HeadLossKind, KernelsKind, MlpKind};
+use crate::config::{AttentionKind, GptConfig, HeadLossKind, KernelsKind, MlpKind, RecomputeKind};
 use crate::dtype::debug_assert_dtype;
 use crate::layers::{apply_rope, rope_tables_from_freqs, Embedding, Linear, RmsNorm};
 use crate::precision::{Precision, Projection};
@@ -53,13 +53,20 @@ impl<B: Backend> Attention<B> {
 impl<B: kernels::Backend> Attention<B> {
     /// x: [B, T, d] -> [B, T, d]; `layer` numbers the block (it keys the dropout masks).
     fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>, layer: usize) -> Tensor<B, 3> {
-        let [b, t, d] = x.dims();
-        let (h, hkv) = (self.n_head, self.n_kv_head);
-        let hd = d / h;
-        let scale = (hd as f64).powf(-0.5);
         let qkv = self
             .qkv
             .forward_projection(x, &ctx.projection(layer, "attn.qkv"));
+        self.attend(qkv, ctx, layer)
+    }
+
+    /// The attention and output projection of the packed q/k/v projection `qkv`
+    /// [B, T, (H + 2 Hkv) hd] -> [B, T, d].
+    fn attend(&self, qkv: Tensor<B, 3>, ctx: &Ctx<B>, layer: usize) -> Tensor<B, 3> {
+        let [b, t, _] = qkv.dims();
+        let (h, hkv) = (self.n_head, self.n_kv_head);
+        let d = self.proj.weight.dims()[1];
+        let hd = d / h;
+        let scale = (hd as f64).powf(-0.5);
         if let (AttentionKind::Flash, RopeTables::Fused { cos, sin }) = (ctx.attention, &ctx.tables)
         {
             // RoPE and FlashAttention on the packed projection as one op, whose backward writes
@@ -137,7 +144,10 @@ impl<B: kernels::Backend> Attention<B> {
             .mul_scalar(scale)
             .matmul(k.swap_dims(2, 3))
             .cast(FloatDType::F32)
-            + ctx.causal_mask.clone();
+            + ctx
+                .causal_mask
+                .clone()
+                .expect("plain attention's context has the mask");
         let probs = self
             .attn_dropout
             .forward(softmax(scores, 3))
@@ -266,24 +276,31 @@ impl<B: Backend> Mlp<B> {
 }
 
 impl<B: kernels::Backend> Mlp<B> {
-    /// The feed-forward block with the activation of `kind`, before its dropout.
-    /// `fused`: the fused activation kernels, else their references; `fc` and `proj`: how the
-    /// two projections run.
-    fn forward(
-        &self,
-        x: Tensor<B, 3>,
-        fused: bool,
-        fc: &Projection,
-        proj: &Projection,
-    ) -> Tensor<B, 3> {
+    /// The feed-forward block on plain Burn ops (the activations' references), before its
+    /// dropout; `fc` and `proj`: how the two projections run.
+    fn forward(&self, x: Tensor<B, 3>, fc: &Projection, proj: &Projection) -> Tensor<B, 3> {
         let h = self.fc.forward_projection(x, fc);
-        let h = match (self.kind, fused) {
-            (MlpKind::Gelu, false) => kernels::activation::gelu_reference(h),
-            (MlpKind::Gelu, true) => kernels::gelu(h),
-            (MlpKind::Swiglu, false) => kernels::activation::swiglu_packed_reference(h),
-            (MlpKind::Swiglu, true) => kernels::swiglu_packed(h),
+        let h = match self.kind {
+            MlpKind::Gelu => kernels::activation::gelu_reference(h),
+            MlpKind::Swiglu => kernels::activation::swiglu_packed_reference(h),
         };
         self.proj.forward_projection(h, proj)
+    }
+
+    /// The fused activation kernel and the residual projection on the output `h` of `fc`, before
+    /// the dropout; with `recompute`, the activation's output is not kept for the backward.
+    fn activate_project(
+        &self,
+        h: Tensor<B, 3>,
+        proj: &Projection,
+        recompute: bool,
+    ) -> Tensor<B, 3> {
+        let activation = match self.kind {
+            MlpKind::Gelu => kernels::recompute::Activation::Gelu,
+            MlpKind::Swiglu => kernels::recompute::Activation::SwigluPacked,
+        };
+        self.proj
+            .forward_after_activation(h, activation, proj, recompute)
     }
 }
 
@@ -336,9 +353,7 @@ impl<B: kernels::Backend> Block<B> {
     fn forward(&self, x: Tensor<B, 3>, ctx: &Ctx<B>, layer: usize) -> Tensor<B, 3> {
         let x = x.clone() + self.attn.forward(self.norm1.forward(x), ctx, layer);
         let (fc, proj) = ctx.mlp_projections(layer);
-        let m = self
-            .mlp
-            .forward(self.norm2.forward(x.clone()), false, &fc, &proj);
+        let m = self.mlp.forward(self.norm2.forward(x.clone()), &fc, &proj);
         x + ctx.dropout(&self.mlp.dropout, m, layer, Site::MlpOut)
     }
 
@@ -369,13 +384,21 @@ impl<B: kernels::Backend> Block<B> {
         ctx: &Ctx<B>,
         layer: usize,
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let (x, h) = match pending {
-            Some(delta) => self.norm1.forward_add(delta, x),
-            None => (x.clone(), self.norm1.forward_fused(x)),
-        };
-        let (x, h) = self.norm2.forward_add(self.attn.forward(h, ctx, layer), x);
+        // With selective recomputation the norms' and the activation's outputs are computed
+        // again in the backward instead of kept.
+        let selective = ctx.selective(layer);
+        let qkv = ctx.projection(layer, "attn.qkv");
+        let (x, qkv) = self
+            .attn
+            .qkv
+            .forward_after_norm(&self.norm1, x, pending, &qkv, selective);
+        let a = self.attn.attend(qkv, ctx, layer);
         let (fc, proj) = ctx.mlp_projections(layer);
-        let m = self.mlp.forward(h, true, &fc, &proj);
+        let (x, h) = self
+            .mlp
+            .fc
+            .forward_after_norm(&self.norm2, x, Some(a), &fc, selective);
+        let m = self.mlp.activate_project(h, &proj, selective);
         (x, ctx.dropout(&self.mlp.dropout, m, layer, Site::MlpOut))
     }
 }
@@ -406,8 +429,9 @@ enum RopeTables<B: Backend> {
 /// forward's precision and the seed of its in-kernel dropout masks.
 pub(crate) struct Ctx<'a, B: Backend> {
     tables: RopeTables<B>,
-    /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not.
-    causal_mask: Tensor<B, 4>,
+    /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not; only for plain
+    /// attention (FlashAttention masks inside its kernels).
+    causal_mask: Option<Tensor<B, 4>>,
     attention: AttentionKind,
     precision: &'a Precision,
     /// `(p, seed)` when training with dropout.
@@ -416,6 +440,9 @@ pub(crate) struct Ctx<'a, B: Backend> {
     /// (`kernels::dropout`: with the fused ops and flash attention, so that every mask is the
     /// kernels') rather than in Burn's `Dropout` modules.
     kernel_dropout: bool,
+    /// With `model.recompute = "selective"`, the blocks that recompute their norms' and
+    /// activation's outputs: every k-th (`model.recompute_every`).
+    selective_every: Option<usize>,
 }
 
 /// Where a dropout mask applies; with the block index it keys the mask's seed.
@@ -428,6 +455,12 @@ enum Site {
 }
 
 impl<B: kernels::Backend> Ctx<'_, B> {
+    /// Whether block `layer` recomputes its norms' and activation's outputs in the backward.
+    fn selective(&self, layer: usize) -> bool {
+        self.selective_every
+            .is_some_and(|k| layer.is_multiple_of(k))
+    }
+
     /// How projection `path` of block `layer` runs.
     fn projection(&self, layer: usize, path: &str) -> Projection {
         self.precision.projection(layer, path)
@@ -699,12 +732,14 @@ impl<B: kernels::Backend> Gpt<B> {
                 sin: sin.cast(dt),
             }
         };
-        // Burn's tril_mask is true outside the lower triangle, i.e. at the future keys (j > i).
-        let above = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
-        let causal_mask = Tensor::<B, 2>::zeros([t, t], &device)
-            .mask_fill(above, MASKED)
-            .reshape([1, 1, t, t]);
         let attention = self.config.attention_resolved();
+        // Burn's tril_mask is true outside the lower triangle, i.e. at the future keys (j > i).
+        let causal_mask = (attention == AttentionKind::Plain).then(|| {
+            let above = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
+            Tensor::<B, 2>::zeros([t, t], &device)
+                .mask_fill(above, MASKED)
+                .reshape([1, 1, t, t])
+        });
         Ctx {
             tables,
             causal_mask,
@@ -712,6 +747,8 @@ impl<B: kernels::Backend> Gpt<B> {
             precision,
             masks,
             kernel_dropout: fused && attention == AttentionKind::Flash,
+            selective_every: (self.config.recompute == RecomputeKind::Selective)
+                .then_some(self.config.recompute_every.max(1)),
         }
     }
 
@@ -811,10 +848,7 @@ impl<B: kernels::Backend> Gpt<B> {
                     .attn
                     .forward_cached(block.norm1.forward(x), &cos, &sin, &mask, slot);
             let plain = Projection::plain(kernels::Gemm::Burn);
-            x = x.clone()
-                + block
-                    .mlp
-                    .forward(block.norm2.forward(x), false, &plain, &plain);
+            x = x.clone() + block.mlp.forward(block.norm2.forward(x), &plain, &plain);
         }
         cache.len += t;
         let x = self.norm_f.forward(x);

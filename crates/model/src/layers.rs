@@ -105,10 +105,89 @@ impl<B: kernels::Backend> Linear<B> {
             Some(cfg) => self.forward_fp8(x, cfg, p.fp8_probe.as_ref()),
             None => self.forward_mixed(x, p.gemm),
         };
-        match &p.grad_probe {
-            Some(probe) => kernels::format_probe(y, probe),
-            None => y,
+        probed(y, p)
+    }
+
+    /// The pre-norm and this projection after it, on the fused kernels: `(s, norm(s) W + b)` with
+    /// `s = delta + x` (the residual add inside the norm's kernel) when `delta` is given, else
+    /// `s = x`. With `recompute`, the norm's output is computed again in the backward instead of
+    /// kept (`kernels::recompute`), except in an FP8 projection, which keeps its input's FP8
+    /// codes for the weight gradient instead.
+    pub(crate) fn forward_after_norm(
+        &self,
+        norm: &RmsNorm<B>,
+        x: Tensor<B, 3>,
+        delta: Option<Tensor<B, 3>>,
+        p: &Projection,
+        recompute: bool,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        if !recompute || p.fp8.is_some() {
+            let (s, h) = match delta {
+                Some(delta) => norm.forward_add(delta, x),
+                None => (x.clone(), norm.forward_fused(x)),
+            };
+            return (s, self.forward_projection(h, p));
         }
+        let [b, t, d] = x.dims();
+        let (gain, w) = (norm.weight.val(), self.weight.val());
+        let x2 = x.clone().reshape([b * t, d]);
+        let (s, y) = match delta {
+            Some(delta) => {
+                let (s, y) = kernels::recompute::add_rms_norm_linear(
+                    delta.reshape([b * t, d]),
+                    x2,
+                    gain,
+                    norm.eps,
+                    w,
+                    p.gemm,
+                );
+                (s.reshape([b, t, d]), y)
+            }
+            None => (
+                x,
+                kernels::recompute::rms_norm_linear(x2, gain, norm.eps, w, p.gemm),
+            ),
+        };
+        (s, self.biased_probed(y, [b, t], p))
+    }
+
+    /// `activation(h) W + b` on the fused kernels (`h` packed gate and up for SwiGLU). With
+    /// `recompute`, the activation's output is computed again in the backward instead of kept,
+    /// except in an FP8 projection (which keeps its input's FP8 codes).
+    pub(crate) fn forward_after_activation(
+        &self,
+        h: Tensor<B, 3>,
+        activation: kernels::recompute::Activation,
+        p: &Projection,
+        recompute: bool,
+    ) -> Tensor<B, 3> {
+        use kernels::recompute::Activation;
+        if !recompute || p.fp8.is_some() {
+            let x = match activation {
+                Activation::SwigluPacked => kernels::swiglu_packed(h),
+                Activation::Gelu => kernels::gelu(h),
+            };
+            return self.forward_projection(x, p);
+        }
+        let [b, t, width] = h.dims();
+        let y = kernels::recompute::activation_linear(
+            h.reshape([b * t, width]),
+            activation,
+            self.weight.val(),
+            p.gemm,
+        );
+        self.biased_probed(y, [b, t], p)
+    }
+
+    /// `y` [B T, n] as [B, T, n], plus the bias (in the weight's dtype), probed as `p` says.
+    fn biased_probed(&self, y: Tensor<B, 2>, [b, t]: [usize; 2], p: &Projection) -> Tensor<B, 3> {
+        let n = y.dims()[1];
+        let y = y.reshape([b, t, n]);
+        let y = match &self.bias {
+            Some(bias) => y + bias.val().unsqueeze(),
+            None => y,
+        };
+        probed(y, p)
     }
 
     /// The GEMMs in FP8 (`kernels::fp8_linear_probed`), the bias added in the weight's dtype.
@@ -131,6 +210,14 @@ impl<B: kernels::Backend> Linear<B> {
         let mut out = dims;
         out[D - 1] = d_out;
         y.reshape(out)
+    }
+}
+
+/// `y` with the probe on its gradient that `p` has, if any.
+fn probed<B: kernels::Backend, const D: usize>(y: Tensor<B, D>, p: &Projection) -> Tensor<B, D> {
+    match &p.grad_probe {
+        Some(probe) => kernels::format_probe(y, probe),
+        None => y,
     }
 }
 
@@ -196,36 +283,31 @@ impl<B: kernels::Backend> RmsNorm<B> {
 }
 
 /// Cosine and sine tables of the rotary position embedding for `t` positions, each
-/// [1, 1, t, head_dim / 2], built on the device from the positions and inverse frequencies
-/// `theta^(-2i / head_dim)`.
+/// [1, 1, t, head_dim / 2] (f32), for the frequencies `theta^(-2i / head_dim)`.
 pub fn rope_tables<B: Backend>(
     t: usize,
     head_dim: usize,
     theta: f64,
     device: &B::Device,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let inv_freq: Vec<f32> = (0..head_dim / 2)
-        .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32)
+    let inv_freq: Vec<f32> = kernels::rope::frequencies(head_dim, theta)
+        .into_iter()
+        .map(|f| f as f32)
         .collect();
     rope_tables_from_freqs(t, &inv_freq, device)
 }
 
 /// [`rope_tables`] for any inverse frequencies (`inv_freq.len()` = head_dim / 2), e.g. from
-/// [`crate::RopeScaling::inv_freq`].
+/// [`crate::RopeScaling::inv_freq`]: `kernels::rope::tables_from_freqs` in the layout of
+/// [`apply_rope`].
 pub fn rope_tables_from_freqs<B: Backend>(
     t: usize,
     inv_freq: &[f32],
     device: &B::Device,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let half = inv_freq.len();
-    let inv_freq = Tensor::<B, 1>::from_floats(inv_freq, device).reshape([1, half]);
-    let pos = Tensor::<B, 1, Int>::arange(0..t as i64, device)
-        .float()
-        .reshape([t, 1]);
-    let angles = pos * inv_freq; // [t, half]
-    let cos = angles.clone().cos().reshape([1, 1, t, half]);
-    let sin = angles.sin().reshape([1, 1, t, half]);
-    (cos, sin)
+    let (cos, sin) = kernels::rope::tables_from_freqs::<B>(t, inv_freq, device);
+    (cos.reshape([1, 1, t, half]), sin.reshape([1, 1, t, half]))
 }
 
 /// Rotates each (x[i], x[i + half]) pair of the last dimension by its position's angle (the

@@ -5,19 +5,24 @@
 //! The estimate counts what this trainer keeps, per GPU:
 //! - the f32 master weights (4 bytes a parameter) and AdamW's two f32 moments (8), both split
 //!   across the GPUs under ZeRO-1;
-//! - the compute copy of the weights and their gradients in the compute dtype (2 bytes each in
-//!   bf16 and fp16, 0 and 4 in fp32);
+//! - the compute copy of the weights (2 bytes a parameter in bf16 and fp16, none in fp32);
+//! - the gradients: in the compute dtype for one micro-batch on one GPU; summed in f32 over
+//!   micro-batches (`training.grad_accum` > 1: 4 bytes a parameter, and the next micro-batch's
+//!   in the compute dtype beside them) and for the mean over several GPUs (4 bytes);
 //! - the activations the backward reads, per token and block: the block's input and the norms'
 //!   inputs and outputs (5 x width), the packed q/k/v projection, the attention output, and the
 //!   MLP's projection and activation (3 x d_ff for SwiGLU, 2 x d_ff for GELU), in the compute
 //!   dtype; with `model.attention = "plain"` also the `heads x context^2` scores and
-//!   probabilities of every sequence. A block that `model.recompute` recomputes keeps only its
-//!   input (twice the width with the fused kernels), plus one block's activations while its
-//!   gradients are taken;
+//!   probabilities of every sequence. A block that `model.recompute = "selective"` recomputes
+//!   keeps neither norm's output nor the activation's (2 x width + d_ff less); one that
+//!   `"full"` recomputes keeps only its input (twice the width with the fused kernels), plus one
+//!   block's activations while its gradients are taken;
 //! - the LM head's logits and their gradient (at most 256 MiB each with `head_loss = "chunked"`);
 //! - 1 GiB for the CUDA context, cuBLASLt's workspace and kernel modules.
 //!
-//! Allocators round and fragment, so a run is refused only when the estimate exceeds the free
+//! The estimate is a lower bound: it leaves out the allocator's pools and fragmentation (CubeCL
+//! reserves memory in pages and keeps freed pages for reuse), the temporaries of each kernel and
+//! the FP8 recipe's codes and scales. So a run is refused only when the estimate exceeds the free
 //! memory; `training.memory_check = false` skips the check.
 
 use std::process::{Command, Stdio};
@@ -66,6 +71,10 @@ impl MemoryPlan {
         let per_token_block = (5 * d + m.qkv_width() as u64 + mlp) * compute_bytes
             // the attention's f32 log-sum-exp of every query head
             + 4 * m.n_head as u64;
+        // Selective recomputation keeps neither norm's output nor the activation's.
+        let selective = (0..m.n_layer)
+            .filter(|&l| m.recomputes_selectively(l))
+            .count() as u64;
         // A recomputed block keeps only its input (with the fused kernels also the previous
         // block's MLP output not yet added), and one block's activations exist again while its
         // gradients are taken.
@@ -76,7 +85,7 @@ impl MemoryPlan {
         } else {
             2
         };
-        let block_bytes = kept * per_token_block
+        let block_bytes = kept * per_token_block - selective * (2 * d + ff) * compute_bytes
             + recomputed * streams * d * compute_bytes
             + if recomputed > 0 { per_token_block } else { 0 };
         let mut per_sequence = t * (block_bytes + d * compute_bytes);
@@ -95,7 +104,13 @@ impl MemoryPlan {
             master_weights: 4 * params / shards,
             optimizer_state: 8 * params / shards,
             compute_copy: if half { compute_bytes * params } else { 0 },
-            gradients: compute_bytes * params,
+            gradients: if cfg.training.grad_accum > 1 {
+                (4 + compute_bytes) * params
+            } else if gpus > 1 {
+                4 * params
+            } else {
+                compute_bytes * params
+            },
             activations: cfg.training.batch_size as u64 * per_sequence,
             logits,
             runtime: 1 << 30,
@@ -159,7 +174,7 @@ impl MemoryPlan {
         if cfg.model.attention_resolved() == AttentionKind::Plain {
             fixes.push("model.attention = \"flash\" (no context x context scores)".into());
         }
-        if cfg.model.recompute == model::RecomputeKind::None {
+        if cfg.model.recompute != model::RecomputeKind::Full {
             let mut full = cfg.clone();
             full.model.recompute = model::RecomputeKind::Full;
             full.model.recompute_every = 1;
@@ -252,6 +267,19 @@ mod tests {
             less.per_sequence,
             2048 * (16 * 2 * 2048 * 2 + block + 2048 * 2)
         );
+        // Selective recomputation keeps neither norm's output nor the SwiGLU's.
+        let mut selective = cfg.clone();
+        selective.model.recompute = model::RecomputeKind::Selective;
+        let fewer = MemoryPlan::estimate(&selective, 128_256, 2, 1);
+        assert_eq!(
+            plan.per_sequence - fewer.per_sequence,
+            2048 * 16 * (2 * 2048 + 8192) * 2
+        );
+        // Gradients summed in f32 over micro-batches, beside the next micro-batch's.
+        let mut accum = cfg.clone();
+        accum.training.grad_accum = 4;
+        assert_eq!(MemoryPlan::estimate(&accum, 128_256, 2, 1).gradients, 6 * p);
+        assert_eq!(plan.gradients, 2 * p);
         // ZeRO-1 on 4 GPUs splits the masters and the moments.
         let mut zero = cfg.clone();
         zero.training.zero = 1;

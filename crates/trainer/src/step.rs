@@ -153,7 +153,7 @@ impl StepCtx<'_> {
         };
         let factor = scale / cfg.training.grad_accum as f64;
         let precision = self.precision(probes);
-        let (l, pieces) = if cfg.model.recompute == model::RecomputeKind::None {
+        let (l, pieces) = if cfg.model.recompute != model::RecomputeKind::Full {
             let loss = compute.forward_loss_in(x, y, &precision);
             model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
             let l = loss.clone().inner();

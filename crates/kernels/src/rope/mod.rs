@@ -20,10 +20,19 @@ pub fn tables<B: BurnBackend>(
     theta: f64,
     device: &B::Device,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let inv_freq: Vec<f32> = (0..head_dim / 2)
-        .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32)
+    let inv_freq: Vec<f32> = frequencies(head_dim, theta)
+        .into_iter()
+        .map(|f| f as f32)
         .collect();
     tables_from_freqs(positions, &inv_freq, device)
+}
+
+/// RoPE's rotation frequencies `theta^(-2i / head_dim)` of the `head_dim / 2` pairs of a head, in
+/// radians per position.
+pub fn frequencies(head_dim: usize, theta: f64) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| theta.powf(-(2.0 * i as f64) / head_dim as f64))
+        .collect()
 }
 
 /// `cos` and `sin` tables [positions, inv_freq.len()] (f32) for angles `pos * inv_freq[i]`: the
