@@ -103,7 +103,7 @@ where
             loss.mul_scalar(loss_factor)
         };
         let mut grads = vec![root.backward()];
-        let mut grad = start.map(|leaves| stream_grad(&leaves, &grads[0]));
+        let mut grad = start.map(|leaves| stream_grad(&leaves, &mut grads[0]));
         for (layer, input) in saved.into_iter().rev() {
             let g = grad
                 .take()
@@ -112,7 +112,7 @@ where
             let leaves = leaves(input);
             let out = self.blocks[layer].step(leaves.clone(), &ctx, layer, fused);
             grads.push(weighted_sum(out, g).backward());
-            let g = stream_grad(&leaves, grads.last().expect("just pushed"));
+            let g = stream_grad(&leaves, grads.last_mut().expect("just pushed"));
             // The piece before it.
             let piece = pieces
                 .pop()
@@ -120,7 +120,7 @@ where
             grad = match piece.end {
                 Some(end) => {
                     grads.push(weighted_sum(end, g).backward());
-                    let last = grads.last().expect("just pushed");
+                    let last = grads.last_mut().expect("just pushed");
                     piece.start.map(|leaves| stream_grad(&leaves, last))
                 }
                 // No block between two recomputed blocks: the gradient passes through.
@@ -147,14 +147,21 @@ fn leaves<B: AutodiffBackend>(s: Stream<B::InnerBackend>) -> Stream<B> {
     }
 }
 
-/// The gradients that `grads` holds for the leaves of `s`.
-fn stream_grad<B: AutodiffBackend>(s: &Stream<B>, grads: &B::Gradients) -> Stream<B::InnerBackend> {
+/// The gradients that `grads` holds for the leaves of `s`, taken out of it: the containers are
+/// returned for the weights' gradients, and would otherwise keep two activations' worth of
+/// gradient per recomputed block until the step's end.
+fn stream_grad<B: AutodiffBackend>(
+    s: &Stream<B>,
+    grads: &mut B::Gradients,
+) -> Stream<B::InnerBackend> {
     Stream {
-        x: s.x.grad(grads).expect("the stream leaves reach the loss"),
-        pending: s
-            .pending
-            .as_ref()
-            .map(|p| p.grad(grads).expect("the pending leaves reach the loss")),
+        x: s.x
+            .grad_remove(grads)
+            .expect("the stream leaves reach the loss"),
+        pending: s.pending.as_ref().map(|p| {
+            p.grad_remove(grads)
+                .expect("the pending leaves reach the loss")
+        }),
     }
 }
 
