@@ -345,3 +345,28 @@ fn grouped_query_heads_must_divide_the_query_heads() {
     .unwrap();
     assert_eq!(cfg.model.qkv_width(), (6 + 2 * 2) * 8);
 }
+
+/// Full recomputation runs a block again and needs its dropout masks again, which only the
+/// kernels' seeded masks give; selective recomputation runs nothing twice.
+#[test]
+fn recomputation_with_dropout_needs_seeded_masks_only_when_full() {
+    use trainer::device::Selected;
+    let with = |mode: &str| {
+        Config::from_toml_str(
+            "precision = \"fp32\"\n",
+            &[
+                format!("model.recompute=\"{mode}\""),
+                "model.dropout=0.1".into(),
+                "model.attention=\"plain\"".into(),
+            ],
+            "x",
+        )
+        .unwrap()
+    };
+    let e = format!("{:#}", with("full").resolve(&Selected::Wgpu).unwrap_err());
+    assert!(
+        e.contains("model.recompute = \"full\"") && e.contains("model.dropout"),
+        "{e}"
+    );
+    with("selective").resolve(&Selected::Wgpu).unwrap();
+}

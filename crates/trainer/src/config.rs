@@ -683,10 +683,12 @@ impl Config {
         let m = &self.model;
         let seeded_masks = m.kernels != model::KernelsKind::Reference
             && m.attention_resolved() == model::AttentionKind::Flash;
-        if m.recompute != model::RecomputeKind::None && m.dropout > 0.0 && !seeded_masks {
+        // Selective recomputation runs no dropout again: only a block run a second time needs
+        // the masks of its first run.
+        if m.recompute == model::RecomputeKind::Full && m.dropout > 0.0 && !seeded_masks {
             bail!(
                 "model.recompute = \"{}\" with model.dropout = {} needs the dropout masks the kernels draw from a seed (model.kernels = \"fused\" and model.attention = \"flash\", on a GPU), \
-                 so that a block run again draws the masks of its first run; here kernels = \"{}\" and attention = \"{}\". Set model.dropout = 0 or model.recompute = \"none\"",
+                 so that a block run again draws the masks of its first run; here kernels = \"{}\" and attention = \"{}\". Set model.dropout = 0, or model.recompute = \"none\" or \"selective\"",
                 m.recompute,
                 m.dropout,
                 m.kernels,
