@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
-use crate::config::{AttentionKind, GptConfig, HeadLossKind, KernelsKind, MlpKind, RecomputeKind};
+use crate::config::{AttentionKind, GptConfig, HeadLossKind, KernelsKind, MlpKind};
 use crate::dtype::debug_assert_dtype;
 use crate::layers::{apply_rope, rope_tables_from_freqs, Embedding, Linear, RmsNorm};
 use crate::precision::{Precision, Projection};
@@ -440,9 +440,9 @@ pub(crate) struct Ctx<'a, B: Backend> {
     /// (`kernels::dropout`: with the fused ops and flash attention, so that every mask is the
     /// kernels') rather than in Burn's `Dropout` modules.
     kernel_dropout: bool,
-    /// With `model.recompute = "selective"`, the blocks that recompute their norms' and
-    /// activation's outputs: every k-th (`model.recompute_every`).
-    selective_every: Option<usize>,
+    /// Per block, whether it recomputes its norms' and activation's outputs
+    /// ([`GptConfig::recomputes_selectively`]).
+    selective: Vec<bool>,
 }
 
 /// Where a dropout mask applies; with the block index it keys the mask's seed.
@@ -457,8 +457,7 @@ enum Site {
 impl<B: kernels::Backend> Ctx<'_, B> {
     /// Whether block `layer` recomputes its norms' and activation's outputs in the backward.
     fn selective(&self, layer: usize) -> bool {
-        self.selective_every
-            .is_some_and(|k| layer.is_multiple_of(k))
+        self.selective.get(layer).copied().unwrap_or(false)
     }
 
     /// How projection `path` of block `layer` runs.
@@ -747,8 +746,9 @@ impl<B: kernels::Backend> Gpt<B> {
             precision,
             masks,
             kernel_dropout: fused && attention == AttentionKind::Flash,
-            selective_every: (self.config.recompute == RecomputeKind::Selective)
-                .then_some(self.config.recompute_every.max(1)),
+            selective: (0..self.config.n_layer)
+                .map(|l| self.config.recomputes_selectively(l))
+                .collect(),
         }
     }
 
