@@ -129,7 +129,7 @@ pub use fp8::{
     Fp8Probe, Fp8Tensor, PendingHealth, QuantSpec,
 };
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
-pub use memory::MemoryOps;
+pub use memory::{MemoryOps, MemoryUse};
 pub use probe::{probe_sink, ProbeSink};
 pub use recompute::RecomputeOps;
 pub use reduce::{ReduceOps, SumSquares};

@@ -1,17 +1,36 @@
-//! What a backend says about its device memory.
+//! What a backend says about its device memory, and an optional trace of it through a step.
+
+use std::sync::OnceLock;
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
+/// Bytes of device memory a backend's pools account for at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryUse {
+    /// Held by live tensors (PyTorch's `memory_allocated`). Allocation happens when an op is
+    /// queued, so this is the memory of the work queued so far, whether or not it ran.
+    pub in_use: u64,
+    /// Allocated from the device by the pools, in use or cached for reuse (PyTorch's
+    /// `memory_reserved`). CubeCL's pools take memory in pages (on CUDA up to a quarter of the
+    /// device for one page) and free them only on request, so this is at least `in_use` and
+    /// grows in steps.
+    pub reserved: u64,
+}
+
 /// Device memory queries. The default knows nothing; `CubeBackend` (and `Autodiff` over it)
 /// reports CubeCL's memory pools.
 pub trait MemoryOps: BurnBackend {
-    /// Bytes the device's memory pools hold now (allocated by the backend, in use or cached for
-    /// reuse, as PyTorch's `memory_reserved`), or `None` where the backend does not say.
-    fn memory_reserved(_device: &Self::Device) -> Option<u64> {
+    /// The pools' bytes in use and reserved now, or `None` where the backend does not say.
+    fn memory_use(_device: &Self::Device) -> Option<MemoryUse> {
         None
+    }
+
+    /// Bytes the device's memory pools hold now ([`MemoryUse::reserved`]).
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        Self::memory_use(device).map(|u| u.reserved)
     }
 }
 
@@ -22,11 +41,11 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    fn memory_reserved(device: &Self::Device) -> Option<u64> {
-        R::client(device)
-            .memory_usage()
-            .ok()
-            .map(|u| u.bytes_reserved)
+    fn memory_use(device: &Self::Device) -> Option<MemoryUse> {
+        R::client(device).memory_usage().ok().map(|u| MemoryUse {
+            in_use: u.bytes_in_use,
+            reserved: u.bytes_reserved,
+        })
     }
 }
 
@@ -38,7 +57,34 @@ where
     BT: BoolElement,
     C: CheckpointStrategy,
 {
-    fn memory_reserved(device: &Self::Device) -> Option<u64> {
-        CubeBackend::<R, F, I, BT>::memory_reserved(device)
+    fn memory_use(device: &Self::Device) -> Option<MemoryUse> {
+        CubeBackend::<R, F, I, BT>::memory_use(device)
+    }
+}
+
+/// The environment variable that turns [`trace`] on (any value but `0` or empty).
+pub const TRACE_VAR: &str = "BURNMIX_MEMORY_TRACE";
+
+/// Whether [`TRACE_VAR`] is set.
+pub fn tracing() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var(TRACE_VAR).is_ok_and(|v| !v.is_empty() && v != "0"))
+}
+
+/// With [`TRACE_VAR`] set, prints one line to stderr: `memory | <what>: in use X GiB, reserved
+/// Y GiB` (nothing where the backend does not report its memory). For finding where in a step
+/// memory peaks; `what` is only formed when tracing.
+pub fn trace<B: MemoryOps>(device: &B::Device, what: impl FnOnce() -> String) {
+    if !tracing() {
+        return;
+    }
+    if let Some(u) = B::memory_use(device) {
+        const GIB: f64 = (1u64 << 30) as f64;
+        eprintln!(
+            "memory | {}: in use {:.2} GiB, reserved {:.2} GiB",
+            what(),
+            u.in_use as f64 / GIB,
+            u.reserved as f64 / GIB
+        );
     }
 }

@@ -2,14 +2,15 @@
 //! loss in which the recomputed blocks keep only their input.
 //!
 //! The forward cuts the model into pieces at the recomputed blocks. A recomputed block runs on the
-//! inner backend, with no autodiff graph: nothing of it stays but its input (the residual stream,
-//! and with the fused kernels the previous block's MLP output not yet added to it), and its output
-//! enters the next piece as fresh leaves. The other blocks, the embedding and the loss run with
-//! autodiff as usual, so a piece keeps the activations of the blocks it holds. The backward then
-//! walks the pieces from the loss to the embedding: the last piece's backward gives the gradient
-//! of the stream leaving the last recomputed block; that block runs again from its saved input,
-//! with autodiff, and the backward of `sum(output * gradient)` gives its weights' gradients and
-//! the gradient of its input, which seeds the piece before it; and so on.
+//! inner backend, with no autodiff graph: nothing of it stays but its input, one tensor (with the
+//! fused kernels, the residual stream and the previous block's MLP output not yet added to it are
+//! added first: the block's first kernel would add them anyway), and its output, likewise joined
+//! into one tensor, enters the next piece as a fresh leaf. The other blocks, the embedding and the
+//! loss run with autodiff as usual, so a piece keeps the activations of the blocks it holds. The
+//! backward then walks the pieces from the loss to the embedding: the last piece's backward gives
+//! the gradient of the stream leaving the last recomputed block; that block runs again from its
+//! saved input, with autodiff, and the backward of `sum(output * gradient)` gives its weights'
+//! gradients and the gradient of its input, which seeds the piece before it; and so on.
 //!
 //! Why whole blocks outside the autodiff graph, rather than Burn's per-op checkpointing
 //! (`BalancedCheckpointing` recomputes the memory-bound ops that opt in through a retro-forward):
@@ -19,23 +20,25 @@
 //! config key; and a block run again from its input draws the same dropout masks only when every
 //! mask is a function of a seed, which is what the forward's context fixes for both runs.
 //!
-//! The recomputed forward is the same sequence of kernels on the same inputs as the first, so the
-//! gradients equal those of `recompute = "none"`; the weights' gradients of different pieces are
+//! The recomputed forward is the same sequence of kernels on the same input as the first, so the
+//! gradients are those of `recompute = "none"` (bit for bit where no stream is joined: the
+//! reference kernels; with the fused kernels the join is Burn's add instead of the norm kernel's,
+//! and a block's stream gradients add in another order); the weights' gradients of different pieces are
 //! returned separately and summed by the caller (only a tied embedding has gradients in two pieces:
 //! the lookup's and the LM head's).
 
 use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
 
 use crate::gpt::{Gpt, Stream};
 use crate::precision::{Precision, Probes};
 
 /// A piece of the forward between two recomputed blocks (or the embedding, or the loss): the
-/// leaves it starts from (none for the first piece, which starts at the token ids) and the stream
+/// leaf it starts from (none for the first piece, which starts at the token ids) and the stream
 /// it ends with (`None` when it holds no block: its end is its start).
 struct Piece<B: AutodiffBackend> {
-    start: Option<Stream<B>>,
+    start: Option<Tensor<B, 3>>,
     end: Option<Stream<B>>,
 }
 
@@ -59,8 +62,9 @@ where
         loss_factor: f64,
     ) -> (Tensor<B::InnerBackend, 1>, Vec<B::Gradients>) {
         let fused = self.fused();
+        let device = ids.device();
         // One draw of the dropout seed for both runs of every block.
-        let masks = self.masks(&ids.device());
+        let masks = self.masks(&device);
         let ctx = self.ctx(&ids, precision, masks);
         // The first run of a recomputed block measures nothing: its second run does.
         let quiet = Precision {
@@ -72,7 +76,7 @@ where
 
         // The forward, cut at the recomputed blocks.
         let mut pieces: Vec<Piece<B>> = Vec::new();
-        let mut saved: Vec<(usize, Stream<B::InnerBackend>)> = Vec::new();
+        let mut saved: Vec<(usize, Tensor<B::InnerBackend, 3>)> = Vec::new();
         let mut start = None;
         let mut s = self.embed(ids, &ctx);
         let mut holds_blocks = true;
@@ -82,19 +86,21 @@ where
                 holds_blocks = true;
                 continue;
             }
-            let input = inner_stream(&s);
+            let input = joined(inner_stream(&s));
             pieces.push(Piece {
                 start: start.take(),
                 end: holds_blocks.then(|| s.clone()),
             });
-            let out = inner.blocks[layer].step(input.clone(), &inner_ctx, layer, fused);
+            let out = inner.blocks[layer].step(alone(input.clone()), &inner_ctx, layer, fused);
             saved.push((layer, input));
-            s = leaves(out);
-            start = Some(s.clone());
+            let leaf = Tensor::from_inner(joined(out)).require_grad();
+            start = Some(leaf.clone());
+            s = alone(leaf);
             holds_blocks = false;
         }
         let loss = self.loss_from(s, targets, precision, z);
         let value = loss.clone().inner();
+        kernels::memory::trace::<B>(&device, || "recompute: after the forward".into());
 
         // The backward, from the loss to the embedding.
         let root = if loss_factor == 1.0 {
@@ -103,16 +109,17 @@ where
             loss.mul_scalar(loss_factor)
         };
         let mut grads = vec![root.backward()];
-        let mut grad = start.map(|leaves| stream_grad(&leaves, &mut grads[0]));
+        let mut grad = start.map(|leaf| take_grad(&leaf, &mut grads[0]));
+        kernels::memory::trace::<B>(&device, || "recompute: after the loss's backward".into());
         for (layer, input) in saved.into_iter().rev() {
             let g = grad
                 .take()
                 .expect("a recomputed block's output has a gradient");
             // The block again, from its saved input, with autodiff.
-            let leaves = leaves(input);
-            let out = self.blocks[layer].step(leaves.clone(), &ctx, layer, fused);
+            let leaf = Tensor::from_inner(input).require_grad();
+            let out = self.blocks[layer].step(alone(leaf.clone()), &ctx, layer, fused);
             grads.push(weighted_sum(out, g).backward());
-            let g = stream_grad(&leaves, grads.last_mut().expect("just pushed"));
+            let g = take_grad(&leaf, grads.last_mut().expect("just pushed"));
             // The piece before it.
             let piece = pieces
                 .pop()
@@ -121,11 +128,14 @@ where
                 Some(end) => {
                     grads.push(weighted_sum(end, g).backward());
                     let last = grads.last_mut().expect("just pushed");
-                    piece.start.map(|leaves| stream_grad(&leaves, last))
+                    piece.start.map(|leaf| take_grad(&leaf, last))
                 }
                 // No block between two recomputed blocks: the gradient passes through.
                 None => Some(g),
             };
+            kernels::memory::trace::<B>(&device, || {
+                format!("recompute: after block {layer}'s backward")
+            });
         }
         (value, grads)
     }
@@ -139,39 +149,34 @@ fn inner_stream<B: AutodiffBackend>(s: &Stream<B>) -> Stream<B::InnerBackend> {
     }
 }
 
-/// The stream's tensors as new leaves that collect gradients.
-fn leaves<B: AutodiffBackend>(s: Stream<B::InnerBackend>) -> Stream<B> {
-    Stream {
-        x: Tensor::from_inner(s.x).require_grad(),
-        pending: s.pending.map(|p| Tensor::from_inner(p).require_grad()),
+/// The stream as one tensor: the residual stream with the pending MLP output added (what the next
+/// block's first kernel computes first).
+fn joined<B: Backend>(s: Stream<B>) -> Tensor<B, 3> {
+    match s.pending {
+        Some(p) => s.x + p,
+        None => s.x,
     }
 }
 
-/// The gradients that `grads` holds for the leaves of `s`, taken out of it: the containers are
-/// returned for the weights' gradients, and would otherwise keep two activations' worth of
-/// gradient per recomputed block until the step's end.
-fn stream_grad<B: AutodiffBackend>(
-    s: &Stream<B>,
+/// A stream with nothing pending.
+fn alone<B: Backend>(x: Tensor<B, 3>) -> Stream<B> {
+    Stream { x, pending: None }
+}
+
+/// The gradient that `grads` holds for `leaf`, taken out of it: the containers are returned for
+/// the weights' gradients, and would otherwise keep an activation's worth of gradient per
+/// recomputed block until the step's end.
+fn take_grad<B: AutodiffBackend>(
+    leaf: &Tensor<B, 3>,
     grads: &mut B::Gradients,
-) -> Stream<B::InnerBackend> {
-    Stream {
-        x: s.x
-            .grad_remove(grads)
-            .expect("the stream leaves reach the loss"),
-        pending: s.pending.as_ref().map(|p| {
-            p.grad_remove(grads)
-                .expect("the pending leaves reach the loss")
-        }),
-    }
+) -> Tensor<B::InnerBackend, 3> {
+    leaf.grad_remove(grads)
+        .expect("a recomputed block's stream reaches the loss")
 }
 
-/// `sum(out.x * g.x) + sum(out.pending * g.pending)`: a scalar whose backward hands each of
-/// `out`'s tensors the gradient `g` has for it. Its value is not used (the sum of low-precision
-/// products may overflow; the backward only multiplies `g` by one).
-fn weighted_sum<B: AutodiffBackend>(out: Stream<B>, g: Stream<B::InnerBackend>) -> Tensor<B, 1> {
-    let mut total = (out.x * Tensor::from_inner(g.x)).sum();
-    if let (Some(o), Some(d)) = (out.pending, g.pending) {
-        total = total + (o * Tensor::from_inner(d)).sum();
-    }
-    total
+/// `sum(joined(out) * g)`: a scalar whose backward hands each of `out`'s tensors the gradient
+/// `g`. Its value is not used (the sum of low-precision products may overflow; the backward only
+/// multiplies `g` by one).
+fn weighted_sum<B: AutodiffBackend>(out: Stream<B>, g: Tensor<B::InnerBackend, 3>) -> Tensor<B, 1> {
+    (joined(out) * Tensor::from_inner(g)).sum()
 }

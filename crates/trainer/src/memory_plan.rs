@@ -15,8 +15,8 @@
 //!   dtype; with `model.attention = "plain"` also the `heads x context^2` scores and
 //!   probabilities of every sequence. A block that `model.recompute = "selective"` recomputes
 //!   keeps neither norm's output nor the activation's (2 x width + d_ff less); one that
-//!   `"full"` recomputes keeps only its input (twice the width with the fused kernels), plus one
-//!   block's activations while its gradients are taken;
+//!   `"full"` recomputes keeps only its input (width), plus one block's activations while its
+//!   gradients are taken;
 //! - the LM head's logits and their gradient (at most 256 MiB each with `head_loss = "chunked"`);
 //! - 1 GiB for the CUDA context, cuBLASLt's workspace and kernel modules.
 //!
@@ -75,18 +75,13 @@ impl MemoryPlan {
         let selective = (0..m.n_layer)
             .filter(|&l| m.recomputes_selectively(l))
             .count() as u64;
-        // A recomputed block keeps only its input (with the fused kernels also the previous
-        // block's MLP output not yet added), and one block's activations exist again while its
+        // A recomputed block keeps only its input (with the fused kernels, the previous block's
+        // MLP output already added to it), and one block's activations exist again while its
         // gradients are taken.
         let recomputed = (0..m.n_layer).filter(|&l| m.recomputes(l)).count() as u64;
         let kept = m.n_layer as u64 - recomputed;
-        let streams = if m.kernels == model::KernelsKind::Reference {
-            1
-        } else {
-            2
-        };
         let block_bytes = kept * per_token_block - selective * (2 * d + ff) * compute_bytes
-            + recomputed * streams * d * compute_bytes
+            + recomputed * d * compute_bytes
             + if recomputed > 0 { per_token_block } else { 0 };
         let mut per_sequence = t * (block_bytes + d * compute_bytes);
         if m.attention_resolved() == AttentionKind::Plain {
@@ -258,15 +253,11 @@ mod tests {
         // output and the log-sum-exp.
         let block = (5 * 2048 + 3072 + 3 * 8192) * 2 + 4 * 32;
         assert_eq!(plan.per_sequence, 2048 * (16 * block + 2048 * 2));
-        // Full recomputation keeps each block's input and pending MLP output, and one block's
-        // activations.
+        // Full recomputation keeps each block's input, and one block's activations.
         let mut full = cfg.clone();
         full.model.recompute = model::RecomputeKind::Full;
         let less = MemoryPlan::estimate(&full, 128_256, 2, 1);
-        assert_eq!(
-            less.per_sequence,
-            2048 * (16 * 2 * 2048 * 2 + block + 2048 * 2)
-        );
+        assert_eq!(less.per_sequence, 2048 * (16 * 2048 * 2 + block + 2048 * 2));
         // Selective recomputation keeps neither norm's output nor the SwiGLU's.
         let mut selective = cfg.clone();
         selective.model.recompute = model::RecomputeKind::Selective;

@@ -156,6 +156,7 @@ impl StepCtx<'_> {
         let (l, pieces) = if cfg.model.recompute != model::RecomputeKind::Full {
             let loss = compute.forward_loss_in(x, y, &precision);
             model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
+            kernels::memory::trace::<B>(rank.device, || "after the forward".into());
             let l = loss.clone().inner();
             let loss = if factor == 1.0 {
                 loss
@@ -166,6 +167,7 @@ impl StepCtx<'_> {
         } else {
             compute.loss_and_grads_recomputed(x, y, &precision, cfg.model.z_loss, factor)
         };
+        kernels::memory::trace::<B>(rank.device, || "after the backward".into());
         micro.loss_sum = Some(match micro.loss_sum.take() {
             Some(s) => s + l,
             None => l,
@@ -284,7 +286,9 @@ impl RankStep<'_> {
             // a non-finite step ends the run and nothing of it is kept (the last checkpoint stays
             // as it was); with loss scaling the verdict decides whether the update runs at all.
             let at = (plan.lr, plan.scale);
-            (update(opt, self.zero, at, model, (grads, norm)), None)
+            let model = update(opt, self.zero, at, model, (grads, norm));
+            kernels::memory::trace::<B>(rank.device, || "after the update".into());
+            (model, None)
         } else {
             (model, Some((grads, norm)))
         };
