@@ -8,12 +8,18 @@
 //! - [`collective`]: batch rows, the collectives, the weights checksum, the pre-run checks.
 //! - [`zero`]: ZeRO-1, each rank keeping the optimizer state of its share of the parameters.
 //! - [`watchdog`]: turns a rank stuck in NCCL into an error.
+//! - [`place`]: a process's rank, world size, GPU and rendezvous address, from torchrun's (or
+//!   SLURM's) variables, for runs of one process per GPU.
+//! - [`rendezvous`]: the TCP rendezvous in which rank 0 hands every process the same bytes
+//!   (NCCL's unique id), with errors that name a missing or mismatched rank.
 //!
 //! The step itself, the same for every world size, is `crate::step`.
 
 pub mod collective;
 pub(crate) mod group;
+pub mod place;
 pub(crate) mod ranks;
+pub mod rendezvous;
 pub mod watchdog;
 pub mod zero;
 
