@@ -1,7 +1,5 @@
 //! What a backend says about its device memory, and an optional trace of it through a step.
 
-use std::sync::OnceLock;
-
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend as BurnBackend;
@@ -62,20 +60,12 @@ where
     }
 }
 
-/// The environment variable that turns [`trace`] on (any value but `0` or empty).
-pub const TRACE_VAR: &str = "BURNMIX_MEMORY_TRACE";
-
-/// Whether [`TRACE_VAR`] is set.
-pub fn tracing() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var(TRACE_VAR).is_ok_and(|v| !v.is_empty() && v != "0"))
-}
-
-/// With [`TRACE_VAR`] set, prints one line to stderr: `memory | <what>: in use X GiB, reserved
-/// Y GiB` (nothing where the backend does not report its memory). For finding where in a step
-/// memory peaks; `what` is only formed when tracing.
+/// With the `memory_trace` setting on (`BURNMIX_MEMORY_TRACE=1`, [`crate::settings`]), prints one
+/// line to stderr: `memory | <what>: in use X GiB, reserved Y GiB` (nothing where the backend does
+/// not report its memory). For finding where in a step memory peaks; `what` is only formed when
+/// tracing.
 pub fn trace<B: MemoryOps>(device: &B::Device, what: impl FnOnce() -> String) {
-    if !tracing() {
+    if !crate::settings::read(|s| s.memory_trace) {
         return;
     }
     if let Some(u) = B::memory_use(device) {

@@ -20,6 +20,7 @@
 //! | [`Settings::fp8_pair`] | `BURNMIX_FP8_PAIR` | `auto` (default), `fused`, `separate` |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
 //! | [`Settings::embedding_atomic`] | `BURNMIX_EMBEDDING_GRAD` | `atomic` (default), `reference` |
+//! | [`Settings::memory_trace`] | `BURNMIX_MEMORY_TRACE` | `0` / `off` (default), `1` / `on` |
 
 use std::sync::RwLock;
 
@@ -46,6 +47,8 @@ pub const FP8_PAIR_ENV: &str = "BURNMIX_FP8_PAIR";
 pub const FLASH_TILES_ENV: &str = "BURNMIX_FLASH_TILES";
 /// `BURNMIX_EMBEDDING_GRAD`: [`Settings::embedding_atomic`].
 pub const EMBEDDING_GRAD_ENV: &str = "BURNMIX_EMBEDDING_GRAD";
+/// `BURNMIX_MEMORY_TRACE`: [`Settings::memory_trace`].
+pub const MEMORY_TRACE_ENV: &str = "BURNMIX_MEMORY_TRACE";
 
 /// How a cuBLASLt GEMM is ordered with CubeCL's work on the same device (see `gemm/cublaslt/order.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,6 +162,9 @@ pub struct Settings {
     /// The embedding backward's scatter with f32 atomic adds on CUDA (default); off: Burn's
     /// select-assign, the reference, for comparison.
     pub embedding_atomic: bool,
+    /// Print the memory pools' bytes in use and reserved at the points of a step that call
+    /// [`crate::memory::trace`] (off by default).
+    pub memory_trace: bool,
 }
 
 impl Default for Settings {
@@ -175,6 +181,7 @@ impl Default for Settings {
             fp8_pair: None,
             flash_tiles: None,
             embedding_atomic: true,
+            memory_trace: false,
         }
     }
 }
@@ -244,6 +251,15 @@ impl Settings {
             Some(v) => {
                 return Err(format!(
                     "{EMBEDDING_GRAD_ENV}: `{v}` is not one of atomic, reference"
+                ))
+            }
+        }
+        match var(MEMORY_TRACE_ENV).as_deref().map(str::trim) {
+            None | Some("") | Some("0") | Some("off") => {}
+            Some("1") | Some("on") => s.memory_trace = true,
+            Some(v) => {
+                return Err(format!(
+                    "{MEMORY_TRACE_ENV}: `{v}` is not one of 1, on, 0, off"
                 ))
             }
         }
@@ -408,6 +424,7 @@ mod tests {
             (FP8_PAIR_ENV, "fused"),
             (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
             (EMBEDDING_GRAD_ENV, "reference"),
+            (MEMORY_TRACE_ENV, "1"),
         ]))
         .unwrap();
         assert_eq!(s.gemm_order, GemmOrder::Host);
@@ -420,6 +437,7 @@ mod tests {
         assert_eq!(s.fp8_pair, Some(Fp8PairPath::Fused));
         assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
         assert!(!s.embedding_atomic);
+        assert!(s.memory_trace);
         // The FP8 order follows the other GEMMs' unless set.
         let s = Settings::from_lookup(lookup(&[(GEMM_ORDER_ENV, "host")])).unwrap();
         assert_eq!(s.fp8_order(), GemmOrder::Host);
@@ -440,6 +458,7 @@ mod tests {
             (FLASH_TILES_ENV, "attn=2x64", "expected fwd, dq, dkdv"),
             (FLASH_TILES_ENV, "bwd=2x64", "`split` or `rows`"),
             (EMBEDDING_GRAD_ENV, "fast", "atomic, reference"),
+            (MEMORY_TRACE_ENV, "yes", "1, on, 0, off"),
         ] {
             let e = Settings::from_lookup(lookup(&[(name, value)])).unwrap_err();
             assert!(

@@ -41,7 +41,7 @@ impl Place {
         let Some(world) = either("WORLD_SIZE", "SLURM_NTASKS") else {
             return Ok(None);
         };
-        let world_size = count(world.clone())?;
+        let world_size = count(&world)?;
         if world_size == 0 {
             bail!("{} = 0: a run needs at least one process", world.0);
         }
@@ -52,7 +52,7 @@ impl Place {
                 world.0
             );
         };
-        let rank_value = count(rank.clone())?;
+        let rank_value = count(&rank)?;
         if rank_value >= world_size {
             bail!(
                 "{} = {rank_value} is not below {} = {world_size}: ranks are 0..{world_size}",
@@ -61,7 +61,7 @@ impl Place {
             );
         }
         let local_rank = match either("LOCAL_RANK", "SLURM_LOCALID") {
-            Some(v) => count(v)?,
+            Some(v) => count(&v)?,
             // One node: the rank is the GPU.
             None if world_size == 1 => 0,
             None => bail!(
@@ -98,7 +98,7 @@ impl Place {
 }
 
 /// A variable's value as a count, or an error naming the variable.
-fn count((name, value): (&str, String)) -> Result<usize> {
+fn count((name, value): &(&str, String)) -> Result<usize> {
     value
         .trim()
         .parse::<usize>()

@@ -122,7 +122,7 @@ fn host(
                         place.master_addr,
                         place.master_port
                     );
-                    refuse_all(&mut arrived, &format!("{e}"));
+                    refuse_all(arrived.iter_mut().flatten(), &format!("{e}"));
                     return Err(e);
                 }
                 std::thread::sleep(Duration::from_millis(10));
@@ -168,7 +168,7 @@ fn host(
         if let Some(p) = problem {
             let e = anyhow!("rendezvous at {at}: {p}");
             let _ = answer(&mut stream, false, format!("{e}").as_bytes());
-            refuse_all(&mut arrived, &format!("{e}"));
+            refuse_all(arrived.iter_mut().flatten(), &format!("{e}"));
             return Err(e);
         }
         arrived[h.rank as usize - 1] = Some(stream);
@@ -179,9 +179,7 @@ fn host(
         Ok(b) => b,
         Err(e) => {
             let e = e.context(format!("rendezvous at {at}: rank 0 making the payload"));
-            for s in &mut links {
-                let _ = answer(s, false, format!("{e:#}").as_bytes());
-            }
+            refuse_all(links.iter_mut(), &format!("{e:#}"));
             return Err(e);
         }
     };
@@ -262,8 +260,8 @@ fn answer(stream: &mut TcpStream, ok: bool, bytes: &[u8]) -> std::io::Result<()>
 }
 
 /// Tells every rank that arrived that the rendezvous failed, and why.
-fn refuse_all(arrived: &mut [Option<TcpStream>], why: &str) {
-    for s in arrived.iter_mut().flatten() {
+fn refuse_all<'a>(arrived: impl Iterator<Item = &'a mut TcpStream>, why: &str) {
+    for s in arrived {
         let _ = answer(s, false, why.as_bytes());
     }
 }
