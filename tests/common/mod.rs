@@ -144,6 +144,7 @@ pub fn opts(dir: PathBuf, resume: bool) -> trainer::RunOptions {
         verbose: false,
         stop_at: None,
         poison_steps: Vec::new(),
+        place: None,
     }
 }
 

@@ -18,6 +18,7 @@
 //!   different points (the kernel keeps f32 where the baseline stores the dtype), so on a small
 //!   case whose baseline happens to land close to `exact` the ratio alone would fail a kernel
 //!   whose error is itself below one rounding.
+//!
 //! Gradients come from `sum(out * probe)` with a random `probe`.
 #![allow(dead_code)]
 

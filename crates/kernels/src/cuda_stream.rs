@@ -1,12 +1,13 @@
-//! The `Same` order's look-up of CubeCL's own `CUstream`, read from its CUDA server's `Debug`
-//! description (CubeCL 0.10 has no accessor) and checked with the driver.
+//! The look-up of CubeCL's own `CUstream`, read from its CUDA server's `Debug` description
+//! (CubeCL 0.10 has no accessor) and checked with the driver: what lets work issued outside
+//! CubeCL (the GEMMs' `Same` order, the collectives) run on CubeCL's stream, in its order.
 
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cudarc::driver::sys as dsys;
 
 /// Why [`find_cubecl_stream`] found no stream.
-pub(super) enum FindError {
+pub(crate) enum FindError {
     /// The server's description has no stream pool this can read.
     Description(String),
     /// The pool (of `slots` slots) was read, but the slot of this stream id holds no usable stream.
@@ -17,7 +18,7 @@ pub(super) enum FindError {
 /// stream pool and the slot's index: read from the CUDA server's `Debug` description
 /// ([`stream_slots`]; CubeCL 0.10 has no accessor), and checked to be a stream (not the null
 /// stream) of `ctx`. Runs on CubeCL's device thread, where the server call runs at once.
-pub(super) fn find_cubecl_stream(
+pub(crate) fn find_cubecl_stream(
     like: &CubeTensor<CudaRuntime>,
     id: u64,
     ctx: dsys::CUcontext,
@@ -71,7 +72,7 @@ pub(super) fn find_cubecl_stream(
 /// The CUDA streams of CubeCL's stream pool, slot by slot (`None`: not created), from the CUDA
 /// server's `Debug` description:
 /// `... streams: StreamPool { streams: [None, Some(StreamWrapper { stream: Stream { sys: 0x..., ...`.
-pub(super) fn stream_slots(description: &str) -> Result<Vec<Option<u64>>, String> {
+pub(crate) fn stream_slots(description: &str) -> Result<Vec<Option<u64>>, String> {
     const POOL: &str = "streams: StreamPool { streams: [";
     let start = description
         .find(POOL)

@@ -322,6 +322,7 @@ fn train_here(
         verbose: true,
         stop_at: None,
         poison_steps: Vec::new(),
+        place: None,
     };
     match trainer::run(&e.config, selected, &opts) {
         Ok(s) => println!(

@@ -72,6 +72,17 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
     // named, rather than at the first kernel.
     kernels::settings::init_from_env().map_err(|e| anyhow::anyhow!("{e}"))?;
     let run = cfg.resolve(device)?;
+    if let Some(place) = &opts.place {
+        if !matches!(device, device::Selected::Cuda { .. }) {
+            anyhow::bail!(
+                "this process is rank {} of a run of {} processes (WORLD_SIZE is set), which exchange gradients through NCCL, \
+                 but it trains on {}; runs of several processes need CUDA GPUs (device = \"cuda\")",
+                place.rank,
+                place.world_size,
+                device.describe()
+            );
+        }
+    }
     match device {
         device::Selected::Cuda { index, .. } => {
             if let Err(why) = kernels::gemm::cublaslt_status() {
@@ -80,6 +91,9 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
                     model::GemmKind::Auto => eprintln!("note: model.gemm = \"auto\": {why}; the GEMMs run on Burn's matmul (slower; see docs/gemm.md)"),
                     model::GemmKind::Burn => {}
                 }
+            }
+            if let Some(place) = &opts.place {
+                return train_process(&run, place, opts);
             }
             let devices = if run.ranks.is_empty() {
                 vec![(CudaDevice::new(*index), *index)]
@@ -93,6 +107,43 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
         }
         device::Selected::Cpu => train::train::<CpuBackend>(&run, NdArrayDevice::Cpu, opts),
     }
+}
+
+/// One rank of a run of one process per GPU, on GPU `LOCAL_RANK` of its node: joins the others
+/// (rendezvous, NCCL) and trains.
+fn train_process(
+    run: &config::Resolved,
+    place: &parallel::place::Place,
+    opts: &RunOptions,
+) -> Result<Summary> {
+    if !run.ranks.is_empty() {
+        anyhow::bail!(
+            "training.devices = {} asks this process for several GPUs, but it is rank {} of a run of {} processes, one GPU \
+             each (WORLD_SIZE is set): leave training.devices at 1 and start one process per GPU (train --nproc-per-node N)",
+            run.config.training.devices,
+            place.rank,
+            place.world_size
+        );
+    }
+    kernels::collective::library().map_err(|e| {
+        anyhow::anyhow!(
+            "a run of {} processes exchanges gradients through NCCL, but {e}",
+            place.world_size
+        )
+    })?;
+    let gpus = parallel::cuda_device_count()?;
+    let gpu = place.local_rank;
+    if gpu >= gpus {
+        anyhow::bail!(
+            "LOCAL_RANK = {gpu} asks for CUDA GPU {gpu}, but this node has {gpus} visible (CUDA_VISIBLE_DEVICES); \
+             start at most {gpus} processes per node"
+        );
+    }
+    let device = CudaDevice::new(gpu);
+    // Every rank must train the same run: the resolved config's hash is checked at the rendezvous.
+    let fingerprint = crc32fast::hash(run.config.to_toml().as_bytes()) as u64;
+    let membership = parallel::process::join::<Cuda>(place, fingerprint, &device)?;
+    train::train_process::<CudaBackend>(run, (device, gpu), membership, opts)
 }
 
 /// The `main` of the command-line tools: answers a device probe (the child process that

@@ -2,12 +2,17 @@
 //!
 //! ```text
 //! train [CONFIG.toml] [--set key=value]... [--out DIR] [--resume DIR] [--stop-at STEP] [--print-config]
+//!       [--nproc-per-node N [--nnodes M --node-rank R --master-addr HOST --master-port PORT]]
 //! ```
+//!
+//! Started with torchrun's variables set (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`, by torchrun, SLURM or `--nproc-per-node`), it is one rank of a run of one
+//! process per GPU.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Parser;
 use trainer::config::Config;
 use trainer::{device, RunOptions};
@@ -37,6 +42,102 @@ struct Cli {
     /// Print the resolved config as TOML and exit.
     #[arg(long)]
     print_config: bool,
+    /// Start N processes on this node, one per GPU (GPU i for process i), that train together:
+    /// each on its share of every batch, gradients averaged through NCCL.
+    #[arg(long, value_name = "N")]
+    nproc_per_node: Option<usize>,
+    /// With --nproc-per-node: the number of nodes (machines) in the run; start one `train` on
+    /// each, all with the same --out (on a shared file system) and --master-addr. Default 1.
+    #[arg(long, value_name = "M")]
+    nnodes: Option<usize>,
+    /// With --nproc-per-node and --nnodes: this node's index, 0..M (node 0 holds rank 0).
+    #[arg(long, value_name = "R")]
+    node_rank: Option<usize>,
+    /// With --nproc-per-node: node 0's address, where rank 0 listens for the others (default
+    /// 127.0.0.1, for one node).
+    #[arg(long, value_name = "HOST")]
+    master_addr: Option<String>,
+    /// With --nproc-per-node: the port rank 0 listens on (default 29500).
+    #[arg(long, value_name = "PORT")]
+    master_port: Option<u16>,
+}
+
+/// The flags that only the launcher reads (each with a value), left out of its processes' arguments.
+const LAUNCHER_FLAGS: [&str; 5] = [
+    "--nproc-per-node",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+];
+
+/// `args` without the launcher's flags and their values (`--flag value` or `--flag=value`).
+fn without_launcher_flags(
+    args: impl Iterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    let mut out = Vec::new();
+    let mut skip_value = false;
+    for a in args {
+        if std::mem::take(&mut skip_value) {
+            continue;
+        }
+        let text = a.to_string_lossy();
+        if let Some(flag) = LAUNCHER_FLAGS.iter().find(|f| text.starts_with(**f)) {
+            if text.len() == flag.len() {
+                skip_value = true;
+                continue;
+            }
+            if text[flag.len()..].starts_with('=') {
+                continue;
+            }
+        }
+        out.push(a);
+    }
+    out
+}
+
+/// `--nproc-per-node`: starts this node's processes of the run in `run_dir` and waits for them.
+fn launch(cli: &Cli, nproc: usize, run_dir: &std::path::Path) -> Result<()> {
+    use trainer::parallel::launch::{self, Launch};
+    if trainer::parallel::place::Place::from_env()?.is_some() {
+        bail!(
+            "--nproc-per-node starts one process per GPU itself, but this process already has a place in a run \
+             (WORLD_SIZE or SLURM_NTASKS is set: started by torchrun or SLURM?); use one or the other"
+        );
+    }
+    let mut plan = Launch::single_node(nproc);
+    plan.nnodes = cli.nnodes.unwrap_or(1);
+    plan.node_rank = cli.node_rank.unwrap_or(0);
+    if let Some(a) = &cli.master_addr {
+        plan.master_addr = a.clone();
+    }
+    if let Some(p) = cli.master_port {
+        plan.master_port = p;
+    }
+    plan.check()?;
+    if plan.nnodes > 1 && cli.out.is_none() && cli.resume.is_none() {
+        bail!(
+            "--nnodes {}: every node must name the same run directory; give --out DIR (on a file system every node sees)",
+            plan.nnodes
+        );
+    }
+    let mut args = without_launcher_flags(std::env::args_os().skip(1));
+    if cli.out.is_none() && cli.resume.is_none() {
+        // The default directory's time stamp is fixed here, once, for every process.
+        args.push("--out".into());
+        args.push(run_dir.as_os_str().to_owned());
+    }
+    let first = plan.node_rank * nproc;
+    println!(
+        "launching {nproc} processes on this node (ranks {first}..{} of {}, GPUs 0..{nproc}), rendezvous at {}:{}; run directory: {}",
+        first + nproc,
+        plan.nnodes * nproc,
+        plan.master_addr,
+        plan.master_port,
+        run_dir.display()
+    );
+    let program = std::env::current_exe().context("the path of this program")?;
+    launch::run(&program, &args, &plan)
 }
 
 /// `YYYYMMDD-HHMMSS` in UTC: the default run directory's suffix.
@@ -95,9 +196,35 @@ fn real_main() -> Result<()> {
         print!("{}", cfg.to_toml());
         return Ok(());
     }
+    if let Some(nproc) = cli.nproc_per_node {
+        return launch(&cli, nproc, &run_dir);
+    }
+    if cli.nnodes.is_some()
+        || cli.node_rank.is_some()
+        || cli.master_addr.is_some()
+        || cli.master_port.is_some()
+    {
+        bail!("--nnodes, --node-rank, --master-addr and --master-port go with --nproc-per-node");
+    }
+    // A rank of a run of processes (torchrun's or SLURM's variables): rank 0 speaks for the run.
+    let place = trainer::parallel::place::Place::from_env()?;
+    if let Some(p) = &place {
+        if cli.out.is_none() && cli.resume.is_none() {
+            bail!(
+                "this process is rank {} of a run of {} processes (WORLD_SIZE is set): every rank must name the same \
+                 run directory, so give --out DIR (or --resume DIR)",
+                p.rank,
+                p.world_size
+            );
+        }
+    }
+    let speaks = place.as_ref().is_none_or(|p| p.rank == 0);
+    let rank_prefix = place.as_ref().map_or(String::new(), |p| {
+        format!("rank {} of {}: ", p.rank, p.world_size)
+    });
 
     let (selected, note) = device::select(cfg.device)?;
-    if let Some(n) = note {
+    if let Some(n) = note.filter(|_| speaks) {
         println!("device: {n}");
     }
     let peak = if cfg.training.peak_tflops > 0.0 {
@@ -105,13 +232,15 @@ fn real_main() -> Result<()> {
     } else {
         selected.gpu_name().and_then(device::peak_bf16_tflops)
     };
-    println!(
-        "device: {}{}",
-        selected.describe(),
-        peak.map_or(String::new(), |p| format!(", MFU against {p} TFLOP/s"))
-    );
-    println!("run directory: {}", run_dir.display());
-    if matches!(selected, device::Selected::Cuda { .. }) {
+    if speaks {
+        println!(
+            "device: {}{}",
+            selected.describe(),
+            peak.map_or(String::new(), |p| format!(", MFU against {p} TFLOP/s"))
+        );
+        println!("run directory: {}", run_dir.display());
+    }
+    if speaks && matches!(selected, device::Selected::Cuda { .. }) {
         if cfg!(feature = "autotune") {
             println!(
                 "note: CUDA kernels are compiled and Burn's matmuls and reductions autotuned at the first use of each \
@@ -134,6 +263,7 @@ fn real_main() -> Result<()> {
         verbose: true,
         stop_at: cli.stop_at,
         poison_steps: Vec::new(),
+        place,
     };
     let existed = run_dir.exists();
     let s = match trainer::run(&cfg, &selected, &opts) {
@@ -144,16 +274,19 @@ fn real_main() -> Result<()> {
             let stepped = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
                 .map(|m| !m.trim().is_empty())
                 .unwrap_or(false);
-            if !existed && !stepped && run_dir.exists() {
+            if speaks && !existed && !stepped && run_dir.exists() {
                 let _ = std::fs::remove_dir_all(&run_dir);
                 return Err(e.context(format!(
-                    "run {} (removed: it failed before its first step)",
+                    "{rank_prefix}run {} (removed: it failed before its first step)",
                     run_dir.display()
                 )));
             }
-            return Err(e.context(format!("run {}", run_dir.display())));
+            return Err(e.context(format!("{rank_prefix}run {}", run_dir.display())));
         }
     };
+    if !speaks {
+        return Ok(());
+    }
     println!(
         "done: {} steps in {:.1}s (first step {:.1}s) | final loss {:.4} | best val_loss {} | median {} tokens/s{}",
         s.steps,

@@ -12,7 +12,6 @@ use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
-use burn_backend::DeviceId;
 use model::Gpt;
 
 use crate::config::Config;
@@ -20,7 +19,7 @@ use crate::data::Dataset;
 use crate::numerics::{self, Probes};
 use crate::optim::{accumulate_grads, grads_to_f32, poison_grads, AdamW};
 use crate::parallel::zero::Shard;
-use crate::parallel::{self as dp, Collective};
+use crate::parallel::{self as dp, Collective, Peers};
 use crate::rng::SplitMix64;
 
 /// The random stream of the dropout masks drawn inside the kernels (stream 3 seeds Burn's).
@@ -52,9 +51,9 @@ pub(crate) struct StepCtx<'a> {
 /// The device a step's part runs on, and its place in the group.
 pub(crate) struct Rank<'a, B: Backend> {
     pub device: &'a B::Device,
-    /// `(rank, every rank's device id as the collectives name them)`; `None` for a group of one,
-    /// which reads whole micro-batches and has nothing to average.
-    pub of: Option<(usize, &'a [DeviceId])>,
+    /// `(rank, the other ranks as the collectives reach them)`; `None` for a group of one, which
+    /// reads whole micro-batches and has nothing to average.
+    pub of: Option<(usize, Peers<'a>)>,
 }
 
 impl<B: Backend> Rank<'_, B> {
@@ -63,7 +62,7 @@ impl<B: Backend> Rank<'_, B> {
     fn stream_index(&self, step: u64) -> u64 {
         match self.of {
             None => step,
-            Some((rank, ids)) => step * ids.len() as u64 + rank as u64,
+            Some((rank, peers)) => step * peers.world_size() as u64 + rank as u64,
         }
     }
 }
@@ -142,10 +141,10 @@ impl StepCtx<'_> {
                 self.data
                     .train_batch::<B>(cfg.seed, index, batch, cfg.model.context, rank.device)
             }
-            Some((r, ids)) => self.data.train_batch_rows::<B>(
+            Some((r, peers)) => self.data.train_batch_rows::<B>(
                 cfg.seed,
                 index,
-                batch * ids.len(),
+                batch * peers.world_size(),
                 dp::rows(r, batch),
                 cfg.model.context,
                 rank.device,
@@ -278,7 +277,7 @@ impl RankStep<'_> {
         let loss_sum = micro.loss_sum.expect("at least one micro-batch");
         let (stats, norm) = match rank.of {
             None => self.alone::<B>(&model, &grads, loss_sum),
-            Some((_, ids)) => self.averaged::<B>(&model, &mut grads, loss_sum, ids),
+            Some((_, peers)) => self.averaged::<B>(&model, &mut grads, loss_sum, peers),
         };
         let (model, held) = if plan.update_now {
             // The update is queued before the step's read-back: the GPU runs it while the host
@@ -321,12 +320,12 @@ impl RankStep<'_> {
         model: &Gpt<B>,
         grads: &mut GradientsParams,
         loss_sum: Tensor<B::InnerBackend, 1>,
-        ids: &[DeviceId],
+        peers: Peers<'_>,
     ) -> (Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>) {
-        dp::mean_grads::<B, _>(model, grads, ids);
+        dp::mean_grads::<B, _>(model, grads, peers);
         let loss = loss_sum.div_scalar(self.ctx.cfg.training.grad_accum as f64);
         let inner = loss.device();
-        <B::InnerBackend as Collective>::sync(&inner);
+        sync::<B::InnerBackend>(peers, &inner);
         // The norm (and so the clip factor) is averaged too, so that replicas never clip by
         // different factors and drift apart: the kernels' sum of squares adds in a fixed order,
         // but a backend's own full-tensor sum may not (Burn's adds with atomics on CUDA). NCCL
@@ -335,11 +334,20 @@ impl RankStep<'_> {
         let stats = dp::reduce(
             Tensor::cat(vec![loss, norm], 0),
             dp::ReduceOperation::Mean,
-            ids,
+            peers,
         );
-        <B::InnerBackend as Collective>::sync(&inner);
+        sync::<B::InnerBackend>(peers, &inner);
         let norm = stats.clone().narrow(0, 1, 1);
         (stats, norm)
+    }
+}
+
+/// Makes `device`'s compute stream wait for the collectives of a run of threads
+/// ([`Collective::sync`]). Between processes there is nothing to wait for: the collectives run on
+/// CubeCL's own stream, in its order.
+fn sync<B: Collective>(peers: Peers<'_>, device: &B::Device) {
+    if let Peers::Threads(_) = peers {
+        <B as Collective>::sync(device);
     }
 }
 

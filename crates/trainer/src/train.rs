@@ -30,10 +30,12 @@ use crate::metrics::{LayerHealth, Metrics, StepRecord};
 use crate::numerics::{self, Probes};
 use crate::optim::AdamW;
 use crate::parallel::group::Group;
+use crate::parallel::process::Membership;
 use crate::parallel::watchdog::Watch;
 use crate::precision::{LossScaler, Recipe, Verdict};
 use crate::schedule::lr_at;
 use crate::step::{copied_weights, read_stats, update, Plan, RankOut, RankStep, StepCtx};
+use kernels::collective::ProcessGroup;
 
 /// What the caller chose besides the config.
 #[derive(Debug, Clone)]
@@ -54,6 +56,10 @@ pub struct RunOptions {
     /// Fault injection: after the backward of these steps (1-based), one parameter's gradient is
     /// overwritten with inf/NaN, as an overflowing FP16 backward would. Empty for normal runs.
     pub poison_steps: Vec<u64>,
+    /// A run of one process per GPU: this process's place in it (from torchrun's or SLURM's
+    /// variables, which `train --nproc-per-node` sets for the processes it starts); `None` for a
+    /// run of one process.
+    pub place: Option<crate::parallel::place::Place>,
 }
 
 /// What a finished run reports (also written to `summary.json`).
@@ -102,12 +108,37 @@ pub fn train_on<B: crate::TrainBackend>(
     devices: Vec<(B::Device, usize)>,
     opts: &RunOptions,
 ) -> Result<Summary> {
+    train_members::<B>(run, devices, None, opts)
+}
+
+/// [`train`] as one rank of a run of one process per GPU, joined by `membership`: the same step
+/// as every other rank's, on this rank's rows of each global batch, the gradients averaged
+/// through NCCL. Rank 0 writes the run's files and prints its progress; the other ranks write
+/// nothing and print only errors. Tells the other ranks when it finished.
+pub fn train_process<B: crate::TrainBackend>(
+    run: &Resolved,
+    device: (B::Device, usize),
+    membership: Membership,
+    opts: &RunOptions,
+) -> Result<Summary> {
+    let summary = train_members::<B>(run, vec![device], Some(membership.group.clone()), opts)?;
+    membership.finish();
+    Ok(summary)
+}
+
+/// [`train_on`], or with `process` one rank of a run of processes ([`train_process`]).
+fn train_members<B: crate::TrainBackend>(
+    run: &Resolved,
+    devices: Vec<(B::Device, usize)>,
+    process: Option<ProcessGroup>,
+    opts: &RunOptions,
+) -> Result<Summary> {
     // Every device's queue is drained on the way out (declared first, dropped last).
     let _drains: Vec<_> = devices
         .iter()
         .map(|(d, _)| crate::DrainOnDrop::<B>(d.clone()))
         .collect();
-    let (mut session, mut model) = Session::<B>::open(run, devices, opts)?;
+    let (mut session, mut model) = Session::<B>::open(run, devices, process, opts)?;
     let end = opts.stop_at.map_or(session.steps, |s| s.min(session.steps));
     for step in session.start_step..end {
         if step == session.start_step && !opts.device_name.starts_with("CPU") {
@@ -190,11 +221,14 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     fn open(
         run: &'a Resolved,
         devices: Vec<(B::Device, usize)>,
+        process: Option<ProcessGroup>,
         opts: &'a RunOptions,
     ) -> Result<(Self, Gpt<B>)> {
         let device = devices[0].0.clone();
         let cfg = &run.config;
         let run_dir = &opts.run_dir;
+        // Rank 0 of a run of processes writes the run's files and prints; the others read them.
+        let writes = process.as_ref().is_none_or(|p| p.rank() == 0);
         let existing = checkpoint::list(run_dir)?;
         if !opts.resume && !existing.is_empty() {
             bail!(
@@ -204,9 +238,9 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         }
         let console = Console {
             bar: None,
-            verbose: opts.verbose,
+            verbose: opts.verbose && writes,
         };
-        let (data, vocab) = load_data(cfg, opts, &console)?;
+        let (data, vocab) = load_data(cfg, opts, writes, &console)?;
         let recipe = run.recipe.clone();
         let compute_dtype = recipe.compute_dtype();
         check_memory(cfg, opts, vocab, compute_dtype, &devices, &console)?;
@@ -248,12 +282,16 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             (model, 0)
         };
         progress.completed = start_step;
-        write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
-        write_atomic(
-            &run_dir.join("precision.json"),
-            serde_json::to_string_pretty(&recipe)?.as_bytes(),
-        )?;
-        let metrics = Metrics::open(run_dir, opts.resume.then_some(start_step))?;
+        let metrics = if writes {
+            write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+            write_atomic(
+                &run_dir.join("precision.json"),
+                serde_json::to_string_pretty(&recipe)?.as_bytes(),
+            )?;
+            Some(Metrics::open(run_dir, opts.resume.then_some(start_step))?)
+        } else {
+            None
+        };
         let plot_title = format!(
             "{} ({})",
             run_dir
@@ -273,7 +311,10 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             gemm: run.precision.gemm,
             fp8_linear,
         };
-        let (group, model) = Group::start(devices, &ctx, &mut opt, model);
+        let (group, model) = match process {
+            Some(p) => (Group::start_process(device, p), model),
+            None => Group::start(devices, &ctx, &mut opt, model),
+        };
         let mut session = Session {
             cfg,
             opts,
@@ -297,7 +338,9 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             progress,
         };
         session.describe();
-        session.log.console.bar = progress_bar(opts, session.steps, start_step);
+        if writes {
+            session.log.console.bar = progress_bar(opts, session.steps, start_step);
+        }
         Ok((session, model))
     }
 
@@ -319,10 +362,20 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             cfg.model.mlp,
             cfg.model.kernels,
             cfg.model.attention,
-            cfg.tokens_per_step(),
+            cfg.tokens_per_step_per_device() * self.group.size(),
             self.opts.device_name
         ));
         console.line(&format!("precision: {}", self.recipe.describe()));
+        if let Some(p) = self.group.process() {
+            console.line(&format!(
+                "data parallel: {} processes, one GPU each (this is rank {}); every step each computes {} tokens ({} sequences x {} micro-batches), gradients averaged through NCCL",
+                p.world(),
+                p.rank(),
+                cfg.tokens_per_step_per_device(),
+                cfg.training.batch_size,
+                cfg.training.grad_accum
+            ));
+        }
         if let Some(r) = self.group.data_parallel() {
             console.line(&format!(
                 "data parallel: {} GPUs (CUDA {}), one replica each; every step each computes {} tokens ({} sequences x {} micro-batches), gradients averaged through NCCL",
@@ -432,6 +485,8 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         // finite (a single inf or NaN makes the norm non-finite), and it synchronises, so the
         // timing is real.
         let (loss, grad_norm, finite) = read_stats(out.stats, plan.scale);
+        // A run of processes: a collective that failed leaves the stats unreliable.
+        self.group.check()?;
         self.group.rank0_finished();
         let (mut model, mut others) = (out.model, others);
         let skipped = match self.scaler.update(finite, plan.step + 1) {
@@ -500,7 +555,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             p.first_step_s = o.seconds;
         }
         p.peak_memory = p.peak_memory.max(o.memory_reserved);
-        let tps = cfg.tokens_per_step() as f64 / o.seconds;
+        let tps = (cfg.tokens_per_step_per_device() * self.group.size()) as f64 / o.seconds;
         if step >= self.start_step + 3 {
             p.tok_rates.push(tps);
         }
@@ -609,6 +664,11 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     fn checkpoint(&self, model: &Gpt<B>, done: u64) -> Result<()> {
         let cfg = self.cfg;
         let checksums = self.group.checksums(model, &self.opt);
+        if !self.group.writes() {
+            // Rank 0 of a run of processes writes the checkpoint, and stops the run if the
+            // checksums differ.
+            return Ok(());
+        }
         // ZeRO-1: the whole masters and moments, gathered on rank 0 for the file.
         let whole = self.group.gather(model, &self.opt);
         let (model, opt) = match &whole {
@@ -631,10 +691,13 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             &checksums,
         )?;
         if let Some(r) = checksums.iter().position(|c| *c != checksums[0]) {
+            let gpu = self
+                .group
+                .data_parallel()
+                .map_or(String::new(), |x| format!(" (CUDA GPU {})", x.gpus[r]));
             bail!(
-                "the replicas diverged: after step {done} the weights of rank {r} (CUDA GPU {}) differ from rank 0's \
+                "the replicas diverged: after step {done} the weights of rank {r}{gpu} differ from rank 0's \
                  (CRC-32 {:08x} against {:08x}); the checkpoint holds rank 0's weights",
-                self.group.data_parallel().map_or(0, |x| x.gpus[r]),
                 checksums[r],
                 checksums[0]
             );
@@ -647,9 +710,9 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         if let Some(b) = &self.log.console.bar {
             b.finish_and_clear();
         }
-        self.log
-            .metrics
-            .plot(&self.log.run_dir, &self.log.plot_title)?;
+        if let Some(m) = &self.log.metrics {
+            m.plot(&self.log.run_dir, &self.log.plot_title)?;
+        }
         let mut p = self.progress;
         p.tok_rates
             .sort_by(|a, b| a.partial_cmp(b).expect("finite rates"));
@@ -673,10 +736,12 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             final_loss_scale: self.scaler.scale(),
             peak_memory_reserved: p.peak_memory,
         };
-        write_atomic(
-            &self.opts.run_dir.join("summary.json"),
-            serde_json::to_string_pretty(&summary)?.as_bytes(),
-        )?;
+        if self.group.writes() {
+            write_atomic(
+                &self.opts.run_dir.join("summary.json"),
+                serde_json::to_string_pretty(&summary)?.as_bytes(),
+            )?;
+        }
         Ok(summary)
     }
 }
@@ -722,7 +787,13 @@ fn check_memory<D>(
     Ok(())
 }
 
-fn load_data(cfg: &Config, opts: &RunOptions, console: &Console) -> Result<(Dataset, usize)> {
+/// `writes`: whether this rank saves the tokenizer (rank 0 of a run of processes).
+fn load_data(
+    cfg: &Config,
+    opts: &RunOptions,
+    writes: bool,
+    console: &Console,
+) -> Result<(Dataset, usize)> {
     let run_dir = &opts.run_dir;
     let tok_path = run_dir.join("tokenizer.json");
     let t_data = Instant::now();
@@ -730,7 +801,7 @@ fn load_data(cfg: &Config, opts: &RunOptions, console: &Console) -> Result<(Data
     let data = Dataset::build(cfg, reuse)?;
     std::fs::create_dir_all(run_dir)
         .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-    if reuse.is_none() {
+    if reuse.is_none() && writes {
         crate::tokenizer::save(&data.tokenizer, &tok_path)?;
     }
     let tok_vocab = data.vocab_size().max(data.max_id_bound());

@@ -214,6 +214,60 @@ fn a_bad_kernel_setting_is_one_clear_error() {
     assert!(!dir.join("run").exists(), "no run directory is left behind");
 }
 
+/// `--nproc-per-node 2` starts two ranks; off CUDA each refuses with one line naming its rank and
+/// the reason, and the launcher's error names the rank that failed first.
+#[test]
+fn processes_off_cuda_are_one_clear_error_per_rank() {
+    let dir = scratch("nproc-cpu");
+    let out = train_without_drivers(&dir, &["--set", "device=\"cpu\"", "--nproc-per-node", "2"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("launching 2 processes on this node"),
+        "{stdout}"
+    );
+    for rank in 0..2 {
+        assert!(
+            stderr.contains(&format!("rank {rank} of 2: "))
+                && stderr.contains("runs of several processes need CUDA GPUs"),
+            "{stderr}"
+        );
+    }
+    assert!(
+        stderr.contains("exited with status 1; the other processes of this node were stopped"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        !dir.join("runs").exists(),
+        "no run directory is left behind"
+    );
+}
+
+/// A process started with torchrun's variables but no run directory is told to name one.
+#[test]
+fn a_rank_without_a_run_directory_is_told_to_name_one() {
+    let dir = scratch("rank-no-out");
+    let out = without_drivers_with(
+        env!("CARGO_BIN_EXE_train"),
+        &dir,
+        &["--set", "device=\"cpu\""],
+        &[
+            ("WORLD_SIZE", "2"),
+            ("RANK", "1"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 of a run of 2 processes") && stderr.contains("--out DIR"),
+        "{stderr}"
+    );
+}
+
 /// `compare` on the CPU: two recipes (a built-in one and one defined by overrides) at two learning
 /// rates, two processes at a time, write every entry as a run, the report (markdown, JSON, plots);
 /// a second run of the same command trains nothing; an entry that lost its end resumes; bad

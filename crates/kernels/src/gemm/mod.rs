@@ -19,7 +19,7 @@
 //!   cuBLASLt's heuristic choice, cached per shape, layout and alignment: no autotuning. The call
 //!   runs on CubeCL's own CUDA stream, between CubeCL's earlier and later work (CubeCL 0.10 has no
 //!   accessor for its `CUstream`: it is read once per stream from the server's description; see
-//!   `cublaslt/same_stream.rs`). With `BURNMIX_GEMM_ORDER=stream` (and where that stream cannot be found) it
+//!   `cuda_stream.rs`). With `BURNMIX_GEMM_ORDER=stream` (and where that stream cannot be found) it
 //!   runs on a stream of its own, ordered on the GPU through flags and one-thread waiting kernels;
 //!   with `BURNMIX_GEMM_ORDER=host`, by synchronising CubeCL's stream before it and the GEMM's own
 //!   stream after it.

@@ -1,7 +1,8 @@
 //! What the ranks of a data-parallel run exchange, and what needs no GPU to decide: which rows of
-//! the global batch a rank reads, the collective operations the step uses (Burn's
-//! `DistributedBackend`, NCCL on CUDA), the weights checksum that catches replicas drifting apart,
-//! and the checks that run before a multi-GPU run starts (GPU count, NCCL).
+//! the global batch a rank reads, the collective operations the step uses (between threads of one
+//! process, Burn's `DistributedBackend`; between processes, the NCCL communicator of
+//! `kernels::collective`), the weights checksum that catches replicas drifting apart, and the
+//! checks that run before a multi-GPU run starts (GPU count, NCCL).
 
 use std::ops::Range;
 
@@ -22,14 +23,33 @@ pub fn rows(rank: usize, batch: usize) -> Range<usize> {
     rank * batch..(rank + 1) * batch
 }
 
+/// The other ranks of a data-parallel run, as the collectives reach them.
+#[derive(Clone, Copy)]
+pub enum Peers<'a> {
+    /// Ranks in threads of this process, one device each (every rank's device, rank order).
+    Threads(&'a [DeviceId]),
+    /// Ranks in processes of their own, one GPU each, joined in an NCCL communicator.
+    Processes(&'a kernels::collective::ProcessGroup),
+}
+
+impl Peers<'_> {
+    /// How many ranks the run has.
+    pub fn world_size(&self) -> usize {
+        match self {
+            Peers::Threads(ids) => ids.len(),
+            Peers::Processes(g) => g.world(),
+        }
+    }
+}
+
 /// Collective operations of a backend, as the data-parallel step uses them.
 pub trait Collective: Backend {
-    /// The mean or sum (`op`) of `tensor` over the ranks on `devices` (every rank calls it, in
-    /// the same order of tensors). The result may only be read after [`Collective::sync`].
+    /// The mean or sum (`op`) of `tensor` over the ranks (every rank calls it, in the same order
+    /// of tensors). The result may only be read after [`Collective::sync`].
     fn reduce(
         tensor: FloatTensor<Self>,
         op: ReduceOperation,
-        devices: &[DeviceId],
+        peers: Peers<'_>,
     ) -> FloatTensor<Self>;
 
     /// Makes the device's compute stream wait for the collectives queued on it.
@@ -55,8 +75,26 @@ where
     fn reduce(
         tensor: FloatTensor<Self>,
         op: ReduceOperation,
-        devices: &[DeviceId],
+        peers: Peers<'_>,
     ) -> FloatTensor<Self> {
+        let devices = match peers {
+            Peers::Threads(ids) => ids,
+            // On CubeCL's stream, in its order: `sync` has nothing to wait for.
+            Peers::Processes(group) => {
+                let op = match op {
+                    ReduceOperation::Sum => kernels::collective::ReduceOp::Sum,
+                    ReduceOperation::Mean => kernels::collective::ReduceOp::Mean,
+                };
+                let shape = tensor.meta.shape().clone();
+                let flat = burn_cubecl::ops::reshape(
+                    burn_cubecl::kernel::into_contiguous(tensor),
+                    burn::tensor::Shape::new([shape.num_elements()]),
+                );
+                let t = Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(flat));
+                let reduced = group.all_reduce(t, op).into_primitive().tensor();
+                return burn_cubecl::ops::reshape(reduced, shape);
+            }
+        };
         let shape = tensor.meta.shape().clone();
         let n = shape.num_elements();
         // Row-major (a copy of a pitched or strided tensor), then one dimension (a new view).
@@ -89,7 +127,7 @@ where
 }
 
 impl Collective for burn::backend::NdArray {
-    fn reduce(_: FloatTensor<Self>, _: ReduceOperation, _: &[DeviceId]) -> FloatTensor<Self> {
+    fn reduce(_: FloatTensor<Self>, _: ReduceOperation, _: Peers<'_>) -> FloatTensor<Self> {
         unreachable!("the config refuses training.devices above 1 off CUDA")
     }
 
@@ -107,7 +145,7 @@ pub fn device_ids<B: Backend>(devices: &[B::Device]) -> Vec<DeviceId> {
 /// parameter order (the same on every rank, as NCCL requires); read them after
 /// [`Collective::sync`]. Every rank calls it from its own thread: the first collective of a group
 /// initialises NCCL's communicator, which blocks until every rank has joined.
-pub fn mean_grads<AB, M>(module: &M, grads: &mut GradientsParams, devices: &[DeviceId])
+pub fn mean_grads<AB, M>(module: &M, grads: &mut GradientsParams, peers: Peers<'_>)
 where
     AB: AutodiffBackend,
     AB::InnerBackend: Collective,
@@ -115,7 +153,7 @@ where
 {
     struct Mean<'a> {
         grads: &'a mut GradientsParams,
-        devices: &'a [DeviceId],
+        peers: Peers<'a>,
     }
     impl<AB: AutodiffBackend> ModuleVisitor<AB> for Mean<'_>
     where
@@ -123,21 +161,21 @@ where
     {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             if let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) {
-                let mean = reduce(g, ReduceOperation::Mean, self.devices);
+                let mean = reduce(g, ReduceOperation::Mean, self.peers);
                 self.grads.register::<AB::InnerBackend, D>(param.id, mean);
             }
         }
     }
-    module.visit(&mut Mean { grads, devices });
+    module.visit(&mut Mean { grads, peers });
 }
 
 /// [`Collective::reduce`] of a tensor; read it after [`Collective::sync`].
 pub fn reduce<B: Collective, const D: usize>(
     t: Tensor<B, D>,
     op: ReduceOperation,
-    devices: &[DeviceId],
+    peers: Peers<'_>,
 ) -> Tensor<B, D> {
-    let reduced = B::reduce(t.into_primitive().tensor(), op, devices);
+    let reduced = B::reduce(t.into_primitive().tensor(), op, peers);
     Tensor::from_primitive(TensorPrimitive::Float(reduced))
 }
 

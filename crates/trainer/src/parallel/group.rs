@@ -1,12 +1,18 @@
 //! The ranks a run trains on, as the step sees them, for any world size: rank 0 on the calling
-//! thread and, in a data-parallel run, ranks 1.. in threads of their own ([`Ranks`]). One device
-//! is a group of one: it starts no thread and no watchdog, calls no collective, and every method
-//! below that involves the other ranks does nothing for it.
+//! thread and, in a data-parallel run of threads, ranks 1.. in threads of their own ([`Ranks`]);
+//! or, in a run of one process per GPU, this process's rank and the NCCL communicator that joins
+//! it to the others (each process's step is the same, so the methods that drive ranks 1.. do
+//! nothing there). One device is a group of one: it starts no thread and no watchdog, calls no
+//! collective, and every method below that involves the other ranks does nothing for it.
 
 use std::time::Duration;
 
 use model::Gpt;
 
+use burn::tensor::Tensor;
+use kernels::collective::ProcessGroup;
+
+use super::collective::{reduce, weights_checksum, Peers, ReduceOperation};
 use super::ranks::Ranks;
 use super::watchdog::Watch;
 use super::zero::Shard;
@@ -16,8 +22,10 @@ use crate::step::{Plan, Rank, StepCtx};
 pub(crate) struct Group<B: crate::TrainBackend> {
     /// Rank 0's device.
     pub device: B::Device,
-    /// Ranks 1.. of a data-parallel run; `None` for a group of one.
+    /// Ranks 1.. of a data-parallel run of threads; `None` otherwise.
     others: Option<Ranks<B>>,
+    /// A run of processes: this process's membership (its rank is the group's).
+    process: Option<ProcessGroup>,
 }
 
 impl<B: crate::TrainBackend> Group<B> {
@@ -36,6 +44,7 @@ impl<B: crate::TrainBackend> Group<B> {
                 Group {
                     device,
                     others: None,
+                    process: None,
                 },
                 model,
             );
@@ -50,8 +59,43 @@ impl<B: crate::TrainBackend> Group<B> {
         let group = Group {
             device,
             others: Some(ranks),
+            process: None,
         };
         (group, model)
+    }
+
+    /// This process's rank of a run of processes, on `device`, joined by `process`. Every rank
+    /// starts from the same seed (or checkpoint), so the replicas start equal with nothing sent.
+    pub fn start_process(device: B::Device, process: ProcessGroup) -> Self {
+        Group {
+            device,
+            others: None,
+            process: Some(process),
+        }
+    }
+
+    /// This process's rank: 0 unless it is one of a run of processes.
+    pub fn rank(&self) -> usize {
+        self.process.as_ref().map_or(0, |p| p.rank())
+    }
+
+    /// Whether this rank writes the run's files (config, metrics, checkpoints, summary) and
+    /// prints its progress: rank 0.
+    pub fn writes(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// A run of processes: the first error of the collectives (NCCL's, or an abort).
+    pub fn check(&self) -> anyhow::Result<()> {
+        match &self.process {
+            Some(p) => p.check().map_err(|e| anyhow::anyhow!("{e}")),
+            None => Ok(()),
+        }
+    }
+
+    /// A run of processes: the communicator.
+    pub fn process(&self) -> Option<&ProcessGroup> {
+        self.process.as_ref()
     }
 
     /// Ranks 1.. of a data-parallel run (`None` for a group of one), for what only such a run
@@ -62,19 +106,27 @@ impl<B: crate::TrainBackend> Group<B> {
 
     /// How many devices train.
     pub fn size(&self) -> usize {
-        self.others.as_ref().map_or(1, |r| r.gpus.len())
+        match (&self.others, &self.process) {
+            (Some(r), _) => r.gpus.len(),
+            (None, Some(p)) => p.world(),
+            (None, None) => 1,
+        }
     }
 
-    /// Rank 0, on the calling thread.
+    /// The rank on the calling thread: rank 0 of a run of threads, this process's of a run of
+    /// processes.
     pub fn rank0(&self) -> Rank<'_, B> {
         match &self.others {
             None => Rank {
                 device: &self.device,
-                of: None,
+                of: self
+                    .process
+                    .as_ref()
+                    .map(|p| (p.rank(), Peers::Processes(p))),
             },
             Some(r) => Rank {
                 device: &r.devices[0],
-                of: Some((0, &r.ids[..])),
+                of: Some((0, Peers::Threads(&r.ids[..]))),
             },
         }
     }
@@ -138,8 +190,12 @@ impl<B: crate::TrainBackend> Group<B> {
             .collect()
     }
 
-    /// The CRC-32 of every rank's weights, rank 0 first (none for a group of one).
+    /// The CRC-32 of every rank's weights, rank 0 first (none for a group of one). Every rank
+    /// of a run of processes calls it at the same step.
     pub fn checksums(&self, model: &Gpt<B>, opt: &AdamW<B::InnerBackend>) -> Vec<u32> {
+        if let Some(p) = &self.process {
+            return process_checksums::<B>(p, &self.device, model);
+        }
         self.others
             .as_ref()
             .map(|r| r.checksums(model, opt))
@@ -155,4 +211,25 @@ impl<B: crate::TrainBackend> Group<B> {
     ) -> Option<(Gpt<B>, AdamW<B::InnerBackend>)> {
         self.others.as_ref().and_then(|r| r.gather(model, opt))
     }
+}
+
+/// Every process's weights checksum, rank 0 first: each rank puts its CRC-32's two 16-bit halves
+/// (exact in f32) in its own two slots of a zero vector, and the sum over the ranks holds them all.
+fn process_checksums<B: crate::TrainBackend>(
+    process: &ProcessGroup,
+    device: &B::Device,
+    model: &Gpt<B>,
+) -> Vec<u32> {
+    let mine = weights_checksum::<B, _>(model);
+    let (rank, world) = (process.rank(), process.world());
+    let mut slots = vec![0f32; 2 * world];
+    slots[2 * rank] = (mine >> 16) as f32;
+    slots[2 * rank + 1] = (mine & 0xffff) as f32;
+    let all = Tensor::<B, 1>::from_floats(slots.as_slice(), device).inner();
+    let all = reduce(all, ReduceOperation::Sum, Peers::Processes(process));
+    let values = all.into_data().to_vec::<f32>().unwrap_or_default();
+    values
+        .chunks(2)
+        .map(|h| ((h[0] as u32) << 16) | h[1] as u32)
+        .collect()
 }

@@ -1,7 +1,9 @@
 //! Data parallelism: one replica of the model per GPU, each on its own part of every batch, their
-//! gradients averaged by Burn's collectives (NCCL on CUDA) before every rank applies the same
-//! update. One device is a group of one: the same step, with no thread, no watchdog and no
-//! collective.
+//! gradients averaged through NCCL before every rank applies the same update. The ranks are
+//! threads of one process (`training.devices`, Burn's collectives) or one process per GPU (on
+//! one node or many: `train --nproc-per-node`, torchrun's or SLURM's variables; the collectives
+//! of `kernels::collective`). One device is a group of one: the same step, with no thread, no
+//! watchdog and no collective.
 //!
 //! - [`group`]: the ranks a run trains on, of any size, as the step sees them.
 //! - [`ranks`]: ranks 1.. of a data-parallel run, each in a thread of its own.
@@ -12,12 +14,18 @@
 //!   SLURM's) variables, for runs of one process per GPU.
 //! - [`rendezvous`]: the TCP rendezvous in which rank 0 hands every process the same bytes
 //!   (NCCL's unique id), with errors that name a missing or mismatched rank.
+//! - [`process`]: a process's membership of a run of processes: the communicator joined from
+//!   that id, and the watch that stops every rank when one dies.
+//! - [`launch`]: `train --nproc-per-node N`, which starts and supervises the processes of one
+//!   node.
 //!
 //! The step itself, the same for every world size, is `crate::step`.
 
 pub mod collective;
 pub(crate) mod group;
+pub mod launch;
 pub mod place;
+pub mod process;
 pub(crate) mod ranks;
 pub mod rendezvous;
 pub mod watchdog;
@@ -25,5 +33,5 @@ pub mod zero;
 
 pub use collective::{
     check_nccl, cuda_device_count, device_ids, mean_grads, reduce, rows, weights_checksum,
-    Collective, ReduceOperation,
+    Collective, Peers, ReduceOperation,
 };

@@ -13,7 +13,7 @@ use std::time::Duration;
 use burn_backend::DeviceId;
 use model::Gpt;
 
-use super::collective::{self as dp, Collective};
+use super::collective::{self as dp, Collective, Peers};
 use super::watchdog::{self, Progress, Watch, Watchdog};
 use super::zero::{self, Shard, Split};
 use crate::numerics::Probes;
@@ -383,7 +383,7 @@ impl<B: crate::TrainBackend> Own<B> {
                     };
                     let at = Rank {
                         device: &self.device,
-                        of: Some((rank, &self.ids[..])),
+                        of: Some((rank, Peers::Threads(&self.ids[..]))),
                     };
                     let model = r.model.take().expect("the replica's model");
                     let out = work.run::<B>(&at, model, &mut r.opt, &no_probes, false);

@@ -24,7 +24,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_backend::DeviceId;
 
-use super::collective::{reduce, Collective, ReduceOperation};
+use super::collective::{reduce, Collective, Peers, ReduceOperation};
 use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
 
 /// Assigns each parameter, given by its number of elements, to one of `ranks` ranks: the largest
@@ -215,7 +215,7 @@ impl Shard {
                     (true, None) => x.clone(),
                     (false, _) => x.zeros_like(),
                 };
-                let got = reduce(mine, ReduceOperation::Sum, &self.shard.ids);
+                let got = reduce(mine, ReduceOperation::Sum, Peers::Threads(&self.shard.ids));
                 let value = match (owns, dt) {
                     (true, Some(_)) => {
                         self.copies.insert(id, to_prim(got));

@@ -46,10 +46,11 @@ pub(super) fn progress_bar(opts: &RunOptions, steps: u64, position: u64) -> Opti
     Some(b)
 }
 
-/// Where a run reports: console lines, `metrics.jsonl` and the loss plot.
+/// Where a run reports: console lines, `metrics.jsonl` and the loss plot (`metrics` is `None` on
+/// the ranks of a run of processes that write nothing: all but rank 0).
 pub(super) struct Logger {
     pub console: Console,
-    pub metrics: Metrics,
+    pub metrics: Option<Metrics>,
     pub run_dir: PathBuf,
     pub plot_title: String,
 }
@@ -69,7 +70,9 @@ impl Logger {
         scaler: &LossScaler,
         best_val: Option<f64>,
     ) -> Result<()> {
-        self.metrics.record(r)?;
+        if let Some(m) = &mut self.metrics {
+            m.record(r)?;
+        }
         let done = r.step;
         if log_line {
             let mfu = r
@@ -100,7 +103,9 @@ impl Logger {
                 "eval  {done:>6}/{steps} | val_loss {v:.4} | best {:.4}",
                 best_val.unwrap_or(v)
             ));
-            self.metrics.plot(&self.run_dir, &self.plot_title)?;
+            if let Some(m) = &self.metrics {
+                m.plot(&self.run_dir, &self.plot_title)?;
+            }
         }
         Ok(())
     }

@@ -12,8 +12,8 @@ use cudarc::driver::{result as drv, sys as dsys};
 use super::call::Call;
 use super::handover::Flags;
 use super::problem::Problem;
-use super::same_stream::{find_cubecl_stream, FindError};
 use super::WORKSPACE_BYTES;
+use crate::cuda_stream::{find_cubecl_stream, FindError};
 
 /// In-flight GEMMs held at most; past this the host waits for the oldest.
 const MAX_IN_FLIGHT: usize = 4096;

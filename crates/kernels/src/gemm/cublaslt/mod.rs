@@ -24,7 +24,7 @@
 //!   work and before its later work with nothing else on the GPU. CubeCL 0.10 has no accessor for
 //!   that `CUstream`; its CUDA server's `Debug` description prints it (`sys: 0x...` in the slot of
 //!   its stream pool that the thread's stream id maps to), so it is read from there once per stream
-//!   ([`stream_slots`](same_stream::stream_slots)) and checked with `cuStreamGetCtx` (it must be a
+//!   ([`stream_slots`](crate::cuda_stream::stream_slots)) and checked with `cuStreamGetCtx` (it must be a
 //!   live stream of the device's context). The buffers' addresses are taken through CubeCL on that
 //!   stream, which makes CubeCL order any buffer last written on another of its streams first.
 //!   CubeCL's memory pools are stream-ordered, so a buffer freed after the call is reused only
@@ -60,7 +60,6 @@ mod job;
 mod order;
 mod problem;
 mod queue;
-mod same_stream;
 #[cfg(test)]
 mod tests;
 

@@ -117,12 +117,12 @@ fn stream_slots_from_a_server_description() {
     };
     let description = format!("{server:?}");
     assert_eq!(
-        super::same_stream::stream_slots(&description),
+        crate::cuda_stream::stream_slots(&description),
         Ok(vec![None, Some(0x7f00_dead_beef), None, Some(0x55aa_0010)]),
         "{description}"
     );
-    assert!(super::same_stream::stream_slots("CudaServer { ctx: [] }").is_err());
+    assert!(crate::cuda_stream::stream_slots("CudaServer { ctx: [] }").is_err());
     assert!(
-        super::same_stream::stream_slots("streams: StreamPool { streams: [None, Some(").is_err()
+        crate::cuda_stream::stream_slots("streams: StreamPool { streams: [None, Some(").is_err()
     );
 }

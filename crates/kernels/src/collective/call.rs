@@ -1,0 +1,239 @@
+//! One collective call ([`Call`]) and how it is issued: queued on CubeCL's device thread, then, on
+//! that thread, issued on CubeCL's stream for the caller (or, where that stream cannot be found,
+//! on the communicator's own stream between two synchronisations).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use cudarc::driver::{result as drv, sys as dsys};
+use cudarc::nccl::{result as nccl, sys as nsys};
+
+use super::comm::{describe, Comm};
+use super::ReduceOp;
+use crate::cuda_stream::{find_cubecl_stream, FindError};
+
+/// Which collective.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Kind {
+    AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp),
+    AllGather,
+}
+
+/// A call on dense one-dimensional buffers: `send` of the call's input elements, `recv` of its
+/// output's (the same buffer for an all-reduce, which runs in place).
+pub(super) struct Call {
+    pub(super) kind: Kind,
+    pub(super) send: CubeTensor<CudaRuntime>,
+    pub(super) recv: CubeTensor<CudaRuntime>,
+}
+
+/// The collectives' service on CubeCL's device thread (as the GEMMs', `gemm/cublaslt/queue.rs`):
+/// a call queued there runs after every CubeCL task queued before it, and the caller does not
+/// wait.
+struct CollectiveService;
+
+impl cubecl_common::device::DeviceService for CollectiveService {
+    fn init(_: cubecl_common::device::DeviceId) -> Self {
+        CollectiveService
+    }
+    fn utilities(&self) -> cubecl_common::device::ServerUtilitiesHandle {
+        Arc::new(())
+    }
+}
+
+type Runner = cubecl_common::device_handle::DeviceHandle<CollectiveService>;
+
+/// The service on each device's thread, by device index.
+static RUNNERS: Mutex<Vec<Option<Runner>>> = Mutex::new(Vec::new());
+
+fn runner(device: &cubecl::cuda::CudaDevice) -> Runner {
+    use cubecl_common::device::Device as _;
+    let mut runners = RUNNERS.lock().unwrap_or_else(|p| p.into_inner());
+    if runners.len() <= device.index {
+        runners.resize_with(device.index + 1, || None);
+    }
+    runners[device.index]
+        .get_or_insert_with(|| Runner::new(device.to_id()))
+        .clone()
+}
+
+/// Queues `call` on its device's thread. A call on a tensor of another device than the
+/// communicator's, or after an error, is not issued (the error is recorded).
+pub(super) fn issue(comm: &Arc<Comm>, call: Call) {
+    if comm.error().is_some() {
+        return;
+    }
+    if call.send.device.index != comm.device || call.recv.device.index != comm.device {
+        comm.fail(format!(
+            "kernels::collective: a tensor on GPU {} was given to the process group of GPU {}",
+            call.send.device.index, comm.device
+        ));
+        return;
+    }
+    let runner = runner(&call.send.device);
+    let comm = comm.clone();
+    runner.submit(move |_| {
+        if comm.error().is_some() {
+            return;
+        }
+        if let Err(why) = run(&comm, &call) {
+            comm.fail(why);
+        }
+    });
+    // CubeCL's device thread takes its queue in batches: without this the call would wait for
+    // later tasks to fill one (the caller still does not wait).
+    runner.flush_queue();
+}
+
+/// Set once CubeCL's stream could not be found for a call (warned once).
+static OWN_STREAM_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Issues `call` on CubeCL's device thread, where CubeCL's own calls run at once.
+fn run(comm: &Comm, call: &Call) -> Result<(), String> {
+    // SAFETY: the pointers are CubeCL's live allocations of the buffers' sizes, held (the call's
+    // tensors and resources) until the call is issued on CubeCL's stream, in CubeCL's order, or
+    // has finished on the communicator's stream.
+    unsafe {
+        drv::ctx::set_current(comm.ctx).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+        let res = |t: &CubeTensor<CudaRuntime>| {
+            t.client
+                .get_resource(t.handle.clone())
+                .map_err(|e| format!("kernels::collective: CubeCL resource: {e:?}"))
+        };
+        // Taken on the caller's CubeCL stream (this task runs under its stream id), which CubeCL
+        // first orders behind any other of its streams that last wrote these buffers.
+        let (rs, rr) = (res(&call.send)?, res(&call.recv)?);
+        let (send, recv) = (rs.resource().ptr, rr.resource().ptr);
+        let (dtype, size) = nccl_type(call.send.dtype)?;
+        let send_count = call.send.meta.shape().num_elements();
+        let recv_count = call.recv.meta.shape().num_elements();
+        debug_assert!(
+            rs.resource().size >= (send_count * size) as u64
+                && rr.resource().size >= (recv_count * size) as u64
+        );
+        let (stream, own) = match cubecl_stream(comm, &call.send) {
+            Ok(s) => (s, false),
+            Err(why) => {
+                if !OWN_STREAM_WARNED.swap(true, Ordering::Relaxed) {
+                    eprintln!("warning: kernels::collective: CubeCL's CUDA stream was not found ({why}); collectives synchronise with CubeCL's work from the host instead, which is slower");
+                }
+                // Everything CubeCL queued before (the inputs, earlier users of the output's
+                // memory) has finished once its stream is synchronised.
+                cubecl::future::block_on(call.send.client.sync())
+                    .map_err(|e| format!("kernels::collective: CubeCL sync: {e:?}"))?;
+                (comm.own_stream, true)
+            }
+        };
+        let s = stream as nsys::cudaStream_t;
+        let issued = match call.kind {
+            Kind::AllReduce(op) => nccl::all_reduce(
+                send as *const _,
+                recv as *mut _,
+                send_count,
+                dtype,
+                nccl_op(op),
+                comm.raw,
+                s,
+            ),
+            Kind::ReduceScatter(op) => nccl::reduce_scatter(
+                send as *const _,
+                recv as *mut _,
+                recv_count,
+                dtype,
+                nccl_op(op),
+                comm.raw,
+                s,
+            ),
+            Kind::AllGather => nccl::all_gather(
+                send as *const _,
+                recv as *mut _,
+                send_count,
+                dtype,
+                comm.raw,
+                s,
+            ),
+        };
+        issued.map_err(|e| {
+            format!(
+                "NCCL {:?} of {send_count} elements on rank {} of {} failed: {}",
+                call.kind,
+                comm.rank,
+                comm.world,
+                describe(&e, Some(comm.raw))
+            )
+        })?;
+        if own {
+            drv::stream::synchronize(comm.own_stream).map_err(|e| {
+                format!("kernels::collective: the communicator's stream failed: {e:?}")
+            })?;
+        }
+        drop((rs, rr));
+    }
+    Ok(())
+}
+
+/// CubeCL's stream for the calling stream id, found once per slot of its stream pool.
+///
+/// # Safety
+/// On CubeCL's device thread, with the device's context current.
+unsafe fn cubecl_stream(
+    comm: &Comm,
+    like: &CubeTensor<CudaRuntime>,
+) -> Result<dsys::CUstream, String> {
+    let id = cubecl_common::stream_id::StreamId::current().value;
+    let slot_of = |n: usize| (id % (n as u64 - 1)) as usize;
+    let mut pool = comm.pool_slots.lock().unwrap_or_else(|p| p.into_inner());
+    let mut streams = comm.streams.lock().unwrap_or_else(|p| p.into_inner());
+    match &*pool {
+        Some(Err(why)) => return Err(why.clone()),
+        Some(Ok(n)) => {
+            if let Some(found) = streams.get(&slot_of(*n)) {
+                return found.clone();
+            }
+        }
+        None => {}
+    }
+    match find_cubecl_stream(like, id, comm.ctx) {
+        Ok((slots, slot, stream)) => {
+            *pool = Some(Ok(slots));
+            streams.insert(slot, Ok(stream));
+            Ok(stream)
+        }
+        Err(FindError::Description(why)) => {
+            *pool = Some(Err(why.clone()));
+            Err(why)
+        }
+        Err(FindError::Slot { slots, why }) => {
+            *pool = Some(Ok(slots));
+            streams.insert(slot_of(slots), Err(why.clone()));
+            Err(why)
+        }
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> nsys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => nsys::ncclRedOp_t::ncclSum,
+        ReduceOp::Mean => nsys::ncclRedOp_t::ncclAvg,
+    }
+}
+
+/// NCCL's type for `dtype` and its size in bytes.
+fn nccl_type(dtype: burn::tensor::DType) -> Result<(nsys::ncclDataType_t, usize), String> {
+    use burn::tensor::DType;
+    use nsys::ncclDataType_t as N;
+    Ok(match dtype {
+        DType::F32 => (N::ncclFloat32, 4),
+        DType::F16 => (N::ncclFloat16, 2),
+        DType::BF16 => (N::ncclBfloat16, 2),
+        DType::F64 => (N::ncclFloat64, 8),
+        other => {
+            return Err(format!(
+                "kernels::collective: {other:?} tensors are not supported (f32, f16, bf16, f64)"
+            ))
+        }
+    })
+}

@@ -1,0 +1,243 @@
+//! Collectives between processes, one GPU each: an NCCL communicator joined from a unique id that
+//! the caller hands every process (the trainer's TCP rendezvous carries it), and all-reduce,
+//! reduce-scatter and all-gather on CubeCL's CUDA tensors.
+//!
+//! The calls are queued on CubeCL's device thread, behind the work queued before them, and issued
+//! on CubeCL's own CUDA stream (found as the GEMMs find it, `crate::cuda_stream`): they run on
+//! the GPU in order with the kernels and GEMMs around them, and the caller does not wait. Where
+//! that stream cannot be found, a call synchronises CubeCL's stream, runs on the communicator's
+//! own stream and waits for it (warned once).
+//!
+//! A call that NCCL refuses is not retried: the error is kept ([`ProcessGroup::error`]), the
+//! communicator is aborted so that the other processes' calls fail instead of waiting, and later
+//! calls are not issued. Callers check [`ProcessGroup::error`] where a step ends.
+//!
+//! - `comm.rs`: the communicator (joining, abort, NCCL's error text);
+//! - `call.rs`: one call, issued on the device thread.
+//!
+//! ```no_run
+//! # fn run(device: burn::backend::cuda::CudaDevice, rank: usize, world: usize) -> Result<(), String> {
+//! use burn::backend::Cuda;
+//! use burn::tensor::Tensor;
+//! // Rank 0 draws the id and hands it to every rank (over TCP, say).
+//! let id = kernels::collective::unique_id()?;
+//! let group = kernels::collective::ProcessGroup::join::<Cuda>(&device, &id, rank, world)?;
+//! let grads = Tensor::<Cuda, 1>::ones([1000], &device);
+//! let mean = group.all_reduce(grads, kernels::collective::ReduceOp::Mean);
+//! group.check()?;
+//! # Ok(()) }
+//! ```
+
+mod call;
+mod comm;
+
+use std::any::Any;
+use std::sync::Arc;
+
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::cuda::CudaRuntime;
+
+use call::{Call, Kind};
+use comm::Comm;
+
+pub use comm::{library, unique_id, UNIQUE_ID_BYTES};
+
+/// How an all-reduce or reduce-scatter combines the ranks' values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// The sum divided by the number of ranks (NCCL's `ncclAvg`).
+    Mean,
+}
+
+/// A backend whose float tensors the collectives take: CubeCL's backends (on CUDA only; a tensor
+/// of another runtime panics, naming the call).
+pub trait CollectiveBackend: burn::tensor::backend::Backend {
+    /// The tensor as CubeCL's CUDA tensor, or `None` on another runtime.
+    #[doc(hidden)]
+    fn as_cuda(t: burn::tensor::ops::FloatTensor<Self>) -> Option<CubeTensor<CudaRuntime>>;
+    /// The inverse of [`CollectiveBackend::as_cuda`].
+    #[doc(hidden)]
+    fn from_cuda(t: CubeTensor<CudaRuntime>) -> burn::tensor::ops::FloatTensor<Self>;
+    /// The CUDA device's index, or `None` for a device of another runtime.
+    #[doc(hidden)]
+    fn cuda_index(device: &Self::Device) -> Option<usize>;
+}
+
+impl<R, F, I, BT> CollectiveBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn as_cuda(t: CubeTensor<R>) -> Option<CubeTensor<CudaRuntime>> {
+        (Box::new(t) as Box<dyn Any>)
+            .downcast::<CubeTensor<CudaRuntime>>()
+            .ok()
+            .map(|t| *t)
+    }
+    fn from_cuda(t: CubeTensor<CudaRuntime>) -> CubeTensor<R> {
+        *(Box::new(t) as Box<dyn Any>)
+            .downcast::<CubeTensor<R>>()
+            .expect("a CUDA tensor came from this backend")
+    }
+    fn cuda_index(device: &R::Device) -> Option<usize> {
+        (device as &dyn Any)
+            .downcast_ref::<cubecl::cuda::CudaDevice>()
+            .map(|d| d.index)
+    }
+}
+
+/// This process's membership of a group of processes, one GPU each: an NCCL communicator. Clones
+/// share it. Every rank must make the same calls, in the same order, on tensors of the same
+/// dtype and number of elements.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    comm: Arc<Comm>,
+}
+
+impl ProcessGroup {
+    /// Joins the group of `world` processes as `rank`, on `device` (a CUDA device of backend
+    /// `B`), from the unique id that [`unique_id`] drew on one rank. Blocks until every rank has
+    /// joined (NCCL's `ncclCommInitRank`).
+    pub fn join<B: CollectiveBackend>(
+        device: &B::Device,
+        id: &[u8; UNIQUE_ID_BYTES],
+        rank: usize,
+        world: usize,
+    ) -> Result<Self, String> {
+        let index = B::cuda_index(device).ok_or_else(|| {
+            "kernels::collective: a process group needs a CUDA device (NCCL); this device is on another runtime".to_string()
+        })?;
+        if world == 0 || rank >= world {
+            return Err(format!(
+                "kernels::collective: rank {rank} is not in a group of {world} processes (ranks 0..{world})"
+            ));
+        }
+        let comm = Comm::join(index, id, rank, world)?;
+        Ok(Self {
+            comm: Arc::new(comm),
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank
+    }
+
+    /// How many processes the group has.
+    pub fn world(&self) -> usize {
+        self.comm.world
+    }
+
+    /// The sum or mean (`op`) of `t` over the ranks, in `t`'s shape and dtype.
+    ///
+    /// # Panics
+    /// If `t` is not a CUDA tensor.
+    pub fn all_reduce<B: CollectiveBackend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Tensor<B, D> {
+        let shape = t.shape();
+        let buf = dense::<B, D>(t, "all_reduce");
+        self.issue(Kind::AllReduce(op), buf.clone(), buf.clone());
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::from_cuda(buf))).reshape(shape)
+    }
+
+    /// Reduce-scatter: the sum or mean (`op`) over the ranks of `t`'s elements (in row-major
+    /// order, `world * n` of them), of which this rank keeps elements `rank * n .. (rank + 1) *
+    /// n`, as a tensor of `n`.
+    ///
+    /// # Panics
+    /// If `t` is not a CUDA tensor, or its element count is not a multiple of the world size.
+    pub fn reduce_scatter<B: CollectiveBackend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Tensor<B, 1> {
+        let total = t.shape().num_elements();
+        let world = self.world();
+        assert!(
+            total.is_multiple_of(world),
+            "kernels::collective::reduce_scatter: {total} elements (shape {:?}) do not split into {world} equal shares",
+            t.dims()
+        );
+        let out = Tensor::<B, 1>::empty([total / world], (&t.device(), t.dtype()));
+        let send = dense::<B, D>(t, "reduce_scatter");
+        let recv = cuda::<B>(out.clone().into_primitive().tensor(), "reduce_scatter");
+        self.issue(Kind::ReduceScatter(op), send, recv);
+        out
+    }
+
+    /// All-gather: every rank's `t` (`n` elements each, the same `n` on every rank), rank 0's
+    /// first, as one tensor of `world * n`.
+    ///
+    /// # Panics
+    /// If `t` is not a CUDA tensor.
+    pub fn all_gather<B: CollectiveBackend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+    ) -> Tensor<B, 1> {
+        let n = t.shape().num_elements();
+        let out = Tensor::<B, 1>::empty([n * self.world()], (&t.device(), t.dtype()));
+        let send = dense::<B, D>(t, "all_gather");
+        let recv = cuda::<B>(out.clone().into_primitive().tensor(), "all_gather");
+        self.issue(Kind::AllGather, send, recv);
+        out
+    }
+
+    /// The first error of the group's calls (NCCL's refusal, a tensor not on CUDA, an abort), or
+    /// `Ok`. Once there is one, no later call is issued.
+    pub fn check(&self) -> Result<(), String> {
+        match self.comm.error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Aborts the communicator (NCCL's `ncclCommAbort`): calls in flight on this rank end, the
+    /// other ranks' calls fail instead of waiting for this one, and no later call is issued.
+    /// For a rank that leaves a run because another rank failed or a signal asked it to stop.
+    pub fn abort(&self, why: &str) {
+        self.comm.abort(why);
+    }
+
+    fn issue(&self, kind: Kind, send: CubeTensor<CudaRuntime>, recv: CubeTensor<CudaRuntime>) {
+        call::issue(&self.comm, Call { kind, send, recv });
+    }
+}
+
+/// `t` as CubeCL's CUDA tensor.
+///
+/// # Panics
+/// If it is on another runtime, naming the call (`what`).
+fn cuda<B: CollectiveBackend>(
+    t: burn::tensor::ops::FloatTensor<B>,
+    what: &str,
+) -> CubeTensor<CudaRuntime> {
+    B::as_cuda(t).unwrap_or_else(|| {
+        panic!("kernels::collective::{what}: the tensor is not on CUDA; a process group's calls take CUDA tensors (NCCL)")
+    })
+}
+
+/// `t`'s elements as a unique, dense, one-dimensional CUDA buffer of exactly those elements (a
+/// copy where `t` shares, pads or strides its buffer), which a call may write in place.
+fn dense<B: CollectiveBackend, const D: usize>(
+    t: Tensor<B, D>,
+    what: &str,
+) -> CubeTensor<CudaRuntime> {
+    let n = t.shape().num_elements();
+    // Row-major first (a copy of a pitched or strided tensor), so that the reshape is a view.
+    let t = cuda::<B>(t.into_primitive().tensor(), what);
+    let t = burn_cubecl::kernel::into_contiguous(t);
+    let flat = burn_cubecl::ops::reshape(t, burn::tensor::Shape::new([n]));
+    if flat.can_mut() {
+        flat
+    } else {
+        flat.copy()
+    }
+}
