@@ -20,6 +20,9 @@ use super::rendezvous::rendezvous;
 /// How long the rendezvous waits for every rank to arrive (a node can be slow to start).
 pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// How long a rank whose peer died waits for NCCL's abort before it exits anyway.
+const ABORT_WAIT: Duration = Duration::from_secs(10);
+
 /// The byte a rank sends on its rendezvous connections when it finished its part normally.
 const FINISHED: u8 = b'F';
 
@@ -128,9 +131,16 @@ fn watch(
                 "rank {me}: rank {peer} {why} before finishing: its process exited, was killed or lost the network. \
                  Stopping this rank too; its error (if any) is in rank {peer}'s output. Resume from the last checkpoint with --resume"
             );
-            group.abort(&message);
             eprintln!("error: {message}");
             let _ = std::io::stderr().flush();
+            // NCCL's abort ends this rank's calls that wait for the dead one; the process ends
+            // after it, or after ABORT_WAIT if the abort itself does not return.
+            let (done, aborted) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                group.abort(&message);
+                let _ = done.send(());
+            });
+            let _ = aborted.recv_timeout(ABORT_WAIT);
             // SAFETY: ends the process at once, as a fatal error; nothing is expected to run after.
             unsafe { libc::_exit(1) };
         })
