@@ -345,6 +345,8 @@ fn train_worker() {
     let mut opts = common::opts(dir.into(), false);
     opts.place = Place::from_env().unwrap();
     opts.verbose = true;
+    // As the `train` binary does: SIGTERM asks for a checkpoint at the next step boundary.
+    trainer::stop::install_handlers();
     trainer::run(&cfg, &cuda(), &opts).unwrap_or_else(|e| panic!("{e:#}"));
     println!("rank {}: trained", opts.place.unwrap().rank);
 }
@@ -463,4 +465,41 @@ fn a_killed_rank_ends_the_other_naming_it() {
         text.contains("rank 0: rank 1 closed its connection before finishing"),
         "{text}"
     );
+}
+
+/// SIGTERM to rank 1 alone (a preemption notice that reached one process) stops both ranks at the
+/// same step boundary, with that step's checkpoint, and both exit 0.
+#[test]
+#[ignore = "needs 2 GPUs"]
+fn a_signal_to_one_rank_stops_every_rank_with_a_checkpoint() {
+    let dir = common::scratch("mp_sigterm");
+    let mut workers = start_workers("train_worker", &format!("{};fp32;1000000", dir.display()));
+    let started = Instant::now();
+    let steps_logged =
+        || std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |m| m.lines().count());
+    while steps_logged() < 5 {
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "the run did not reach step 5"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // SAFETY: signals a child this test started and has not reaped.
+    unsafe { libc::kill(workers[1].id() as libc::pid_t, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let rank1 = workers.pop().unwrap();
+    let rank0 = workers.pop().unwrap();
+    for (rank, w) in [(0, rank0), (1, rank1)] {
+        let (status, text) = finish(w, deadline);
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "rank {rank} ({status:?}):\n{text}"
+        );
+    }
+    let last = steps_logged() as u64;
+    assert!(dir
+        .join("checkpoints")
+        .join(trainer::checkpoint::file_name(last))
+        .exists());
+    println!("both ranks stopped after step {last}, with its checkpoint");
 }

@@ -26,6 +26,10 @@
 //! | RMSNorm (+ residual add) or activation, then a linear layer, the norm's or activation's output recomputed in the backward | [`recompute::rms_norm_linear`], [`recompute::add_rms_norm_linear`], [`recompute::activation_linear`] | the composition of the ops |
 //! | FP8 GEMM and linear layer (experimental) | [`fp8_gemm`], [`fp8_linear`] | dequantize, then matmul |
 //!
+//! Beside the ops, [`collective`] joins processes (one GPU each) in an NCCL communicator and runs
+//! all-reduce, reduce-scatter and all-gather on CubeCL's CUDA stream, for data parallelism across
+//! processes and hosts.
+//!
 //! The functions take ordinary Burn tensors of any backend that implements [`Backend`]:
 //! - `CubeBackend` (Burn's `Cuda` and `Wgpu` without the `fusion` feature) runs the kernels;
 //! - `Autodiff` over it records their backward kernels, so `loss.backward()` uses them;

@@ -19,6 +19,7 @@ pub mod rng;
 pub mod sample;
 pub mod schedule;
 mod step;
+pub mod stop;
 pub mod tokenizer;
 pub mod train;
 

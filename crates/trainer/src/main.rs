@@ -218,6 +218,8 @@ fn real_main() -> Result<()> {
             );
         }
     }
+    // SIGINT or SIGTERM: a checkpoint at the next step boundary, then exit 0.
+    trainer::stop::install_handlers();
     let speaks = place.as_ref().is_none_or(|p| p.rank == 0);
     let rank_prefix = place.as_ref().map_or(String::new(), |p| {
         format!("rank {} of {}: ", p.rank, p.world_size)

@@ -299,8 +299,9 @@ impl RankStep<'_> {
         }
     }
 
-    /// A group of one: [mean loss, scaled gradient norm] and the norm, nothing exchanged. The
-    /// norm tells whether the gradients are finite (a single inf or NaN makes it non-finite).
+    /// A group of one: [mean loss, scaled gradient norm, stop] and the norm, nothing exchanged.
+    /// The norm tells whether the gradients are finite (a single inf or NaN makes it
+    /// non-finite); stop is 1 when a stop was asked for ([`crate::stop`]).
     fn alone<B: crate::TrainBackend>(
         &self,
         model: &Gpt<B>,
@@ -309,11 +310,12 @@ impl RankStep<'_> {
     ) -> (Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>) {
         let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(model, grads);
         let loss = loss_sum.div_scalar(self.ctx.cfg.training.grad_accum as f64);
-        (Tensor::cat(vec![loss, norm.clone()], 0), norm)
+        let stop = stop_flag::<B::InnerBackend>(&loss.device());
+        (Tensor::cat(vec![loss, norm.clone(), stop], 0), norm)
     }
 
-    /// A data-parallel rank: the gradients, then [mean loss, scaled gradient norm] averaged over
-    /// the ranks (the collectives in the same order on every rank); that stats tensor and the
+    /// A data-parallel rank: the gradients, then [mean loss, scaled gradient norm, stop] averaged
+    /// over the ranks (stop is above 0 when any rank was asked to stop) (the collectives in the same order on every rank); that stats tensor and the
     /// averaged norm.
     fn averaged<B: crate::TrainBackend>(
         &self,
@@ -331,8 +333,9 @@ impl RankStep<'_> {
         // but a backend's own full-tensor sum may not (Burn's adds with atomics on CUDA). NCCL
         // gives every rank the same mean.
         let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(model, grads);
+        let stop = stop_flag::<B::InnerBackend>(&inner);
         let stats = dp::reduce(
-            Tensor::cat(vec![loss, norm], 0),
+            Tensor::cat(vec![loss, norm, stop], 0),
             dp::ReduceOperation::Mean,
             peers,
         );
@@ -370,14 +373,42 @@ pub(crate) fn update<B: crate::TrainBackend>(
 /// The step's one read-back, [mean loss, scaled gradient norm] (see [`RankOut::stats`]): the
 /// loss, the true gradient norm, and whether both are finite. It synchronises, so the step's
 /// timing is real.
-pub(crate) fn read_stats<B: Backend>(stats: Tensor<B, 1>, scale: f64) -> (f64, f64, bool) {
+pub(crate) fn read_stats<B: Backend>(stats: Tensor<B, 1>, scale: f64) -> Stats {
     let stats: Vec<f64> = stats
         .into_data()
         .convert::<f64>()
         .into_vec()
         .expect("f64 stats");
     let (loss, grad_norm) = (stats[0], stats[1] / scale);
-    (loss, grad_norm, loss.is_finite() && grad_norm.is_finite())
+    Stats {
+        loss,
+        grad_norm,
+        finite: loss.is_finite() && grad_norm.is_finite(),
+        stop: stats[2] > 0.0,
+    }
+}
+
+/// A step's statistics, as read back once per step.
+pub(crate) struct Stats {
+    /// Mean loss over the ranks.
+    pub loss: f64,
+    /// Unscaled gradient norm (averaged over the ranks).
+    pub grad_norm: f64,
+    /// Whether the loss and gradients are finite.
+    pub finite: bool,
+    /// Whether some rank was asked to stop ([`crate::stop`]).
+    pub stop: bool,
+}
+
+/// 1 when this process was asked to stop ([`crate::stop`]), else 0, as a one-element tensor that
+/// joins the step's statistics.
+fn stop_flag<B: Backend>(device: &B::Device) -> Tensor<B, 1> {
+    let flag = if crate::stop::requested() {
+        1.0f32
+    } else {
+        0.0
+    };
+    Tensor::from_floats([flag], device)
 }
 
 /// The weights that train through a copy in the compute dtype, with that dtype (none in f32).

@@ -149,7 +149,14 @@ fn train_members<B: crate::TrainBackend>(
         }
         let outcome;
         (model, outcome) = session.step(model, step)?;
-        session.finish_step(&model, step, end, outcome)?;
+        if session.finish_step(&model, step, end, outcome)? {
+            session.log.line(&format!(
+                "stopped after step {} as asked (SIGINT or SIGTERM), with its checkpoint; continue with --resume {}",
+                step + 1,
+                opts.run_dir.display()
+            ));
+            break;
+        }
     }
     session.close()
 }
@@ -198,6 +205,9 @@ struct Progress {
 
 /// What one step did, for the bookkeeping after it.
 struct StepOutcome {
+    /// Some rank was asked to stop (SIGINT, SIGTERM): the run ends after this step, with its
+    /// checkpoint.
+    stop: bool,
     loss: f64,
     /// Unscaled (`NaN` or inf when the gradients overflowed).
     grad_norm: f64,
@@ -484,7 +494,8 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         // One read-back per step: [mean loss, scaled grad norm]. It tells whether the gradients are
         // finite (a single inf or NaN makes the norm non-finite), and it synchronises, so the
         // timing is real.
-        let (loss, grad_norm, finite) = read_stats(out.stats, plan.scale);
+        let stats = read_stats(out.stats, plan.scale);
+        let (loss, grad_norm, finite) = (stats.loss, stats.grad_norm, stats.finite);
         // A run of processes: a collective that failed leaves the stats unreliable.
         self.group.check()?;
         self.group.rank0_finished();
@@ -514,6 +525,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         self.group.timed(t0.elapsed());
         let memory = self.group.memory(others);
         let outcome = StepOutcome {
+            stop: stats.stop,
             loss,
             grad_norm,
             lr: plan.lr,
@@ -546,8 +558,10 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     }
 
     /// After step `step` (0-based) of a session ending at `end`: evaluation, metrics, log lines,
-    /// plot, checkpoint and progress bar.
-    fn finish_step(&mut self, model: &Gpt<B>, step: u64, end: u64, o: StepOutcome) -> Result<()> {
+    /// plot, checkpoint and progress bar. Returns whether the run was asked to stop here (it
+    /// then has this step's checkpoint).
+    fn finish_step(&mut self, model: &Gpt<B>, step: u64, end: u64, o: StepOutcome) -> Result<bool> {
+        let stop = o.stop;
         let cfg = self.cfg;
         let done = step + 1;
         let p = &mut self.progress;
@@ -625,6 +639,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         }
 
         let ckpt_now = is_last
+            || stop
             || done == end
             || (cfg.training.checkpoint_interval > 0
                 && done.is_multiple_of(cfg.training.checkpoint_interval as u64));
@@ -635,7 +650,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             b.set_position(done);
             b.set_message(format!("loss {:.4}", o.loss));
         }
-        Ok(())
+        Ok(stop)
     }
 
     /// A data-parallel run's log line of every GPU's reserved memory (rank 0 first).

@@ -268,6 +268,97 @@ fn a_rank_without_a_run_directory_is_told_to_name_one() {
     );
 }
 
+/// SIGTERM (a cluster preempting the job) stops the run at the next step boundary with that
+/// step's checkpoint and exit code 0, and `--resume` continues it with unbroken metrics.
+#[test]
+fn sigterm_checkpoints_the_step_and_exits_zero() {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let dir = scratch("sigterm");
+    let run = dir.join("run");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_train"))
+        .args([
+            "--set",
+            "device=\"cpu\"",
+            "--set",
+            "training.steps=100000",
+            "--set",
+            "training.eval_interval=0",
+            "--set",
+            "training.checkpoint_interval=0",
+            "--out",
+            "run",
+        ])
+        .current_dir(&dir)
+        .env("VK_ICD_FILENAMES", "/nonexistent")
+        .env("VK_DRIVER_FILES", "/nonexistent")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("train starts");
+    let steps_logged =
+        || std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count());
+    let start = Instant::now();
+    while steps_logged() < 3 {
+        if start.elapsed() > Duration::from_secs(600) || child.try_wait().unwrap().is_some() {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the run did not reach step 3: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: signals a child this test started and has not reaped.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let signalled = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if signalled.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("the run did not stop within 120 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{:?}: {text}", out.status);
+    let last = steps_logged() as u64;
+    assert!(
+        text.contains(&format!("stopped after step {last} as asked")),
+        "{text}"
+    );
+    assert!(run
+        .join("checkpoints")
+        .join(trainer::checkpoint::file_name(last))
+        .exists());
+    // Two more steps from there: the metrics read as one run.
+    let out = train_without_drivers(
+        &dir,
+        &["--resume", "run", "--stop-at", &(last + 2).to_string()],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let steps: Vec<u64> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<trainer::metrics::StepRecord>(l)
+                .unwrap()
+                .step
+        })
+        .collect();
+    assert_eq!(steps, (1..=last + 2).collect::<Vec<_>>());
+}
+
 /// `compare` on the CPU: two recipes (a built-in one and one defined by overrides) at two learning
 /// rates, two processes at a time, write every entry as a run, the report (markdown, JSON, plots);
 /// a second run of the same command trains nothing; an entry that lost its end resumes; bad

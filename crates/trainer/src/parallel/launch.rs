@@ -1,10 +1,14 @@
 //! `train --nproc-per-node N`: starts this node's processes of a run of one process per GPU, each
 //! with torchrun's variables (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`,
 //! `MASTER_ADDR`, `MASTER_PORT`), and supervises them. The first process that fails ends the
-//! others (SIGTERM, then SIGKILL after a grace period) and the launcher's error names it; SIGINT
-//! or SIGTERM to the launcher is passed on to every process.
+//! others (SIGTERM, then SIGKILL after a grace period) and the launcher's error names it. The
+//! processes run in a process group of their own, so a terminal's Ctrl-C reaches the launcher
+//! only; SIGINT or SIGTERM to the launcher is passed on to every process once per signal (the
+//! first asks them to stop at the next step with a checkpoint, a second ends them at once; see
+//! `crate::stop`).
 
 use std::ffi::OsString;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -105,7 +109,11 @@ pub fn run(program: &Path, args: &[OsString], launch: &Launch) -> Result<()> {
     for local in 0..launch.nproc_per_node {
         let vars = launch.variables(local);
         let rank: usize = vars[0].1.parse().expect("a number");
-        let spawned = Command::new(program).args(args).envs(vars).spawn();
+        let spawned = Command::new(program)
+            .args(args)
+            .envs(vars)
+            .process_group(0)
+            .spawn();
         match spawned {
             Ok(c) => children.push((rank, c)),
             Err(e) => {
