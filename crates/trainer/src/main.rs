@@ -154,6 +154,23 @@ fn utc_stamp() -> String {
     )
 }
 
+/// This process's place in a run of processes (torchrun's or SLURM's variables), which needs a
+/// run directory every rank names; `None` for a run of one process.
+fn rank_place(cli: &Cli) -> Result<Option<trainer::parallel::place::Place>> {
+    let place = trainer::parallel::place::Place::from_env()?;
+    if let Some(p) = &place {
+        if cli.out.is_none() && cli.resume.is_none() {
+            bail!(
+                "this process is rank {} of a run of {} processes (WORLD_SIZE is set): every rank must name the same \
+                 run directory, so give --out DIR (or --resume DIR)",
+                p.rank,
+                p.world_size
+            );
+        }
+    }
+    Ok(place)
+}
+
 fn real_main() -> Result<()> {
     let cli = Cli::parse();
     let (cfg, run_dir, resume) = match &cli.resume {
@@ -206,18 +223,7 @@ fn real_main() -> Result<()> {
     {
         bail!("--nnodes, --node-rank, --master-addr and --master-port go with --nproc-per-node");
     }
-    // A rank of a run of processes (torchrun's or SLURM's variables): rank 0 speaks for the run.
-    let place = trainer::parallel::place::Place::from_env()?;
-    if let Some(p) = &place {
-        if cli.out.is_none() && cli.resume.is_none() {
-            bail!(
-                "this process is rank {} of a run of {} processes (WORLD_SIZE is set): every rank must name the same \
-                 run directory, so give --out DIR (or --resume DIR)",
-                p.rank,
-                p.world_size
-            );
-        }
-    }
+    let place = rank_place(&cli)?;
     // SIGINT or SIGTERM: a checkpoint at the next step boundary, then exit 0.
     trainer::stop::install_handlers();
     let speaks = place.as_ref().is_none_or(|p| p.rank == 0);

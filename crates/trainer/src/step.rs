@@ -221,7 +221,7 @@ pub(crate) struct RankOut<B: crate::TrainBackend> {
     /// The update, while it waits for the loss scaler's verdict (`None` when it was queued at
     /// once).
     pub held: Option<Held<B>>,
-    /// [mean loss (over the ranks), scaled gradient norm]: the step's one read-back, on rank 0.
+    /// [mean loss (over the ranks), scaled gradient norm, stop]: the step's one read-back, on rank 0.
     pub stats: Tensor<B::InnerBackend, 1>,
     /// On a numerics step, the gradients' statistics, still on the device.
     pub numerics: Vec<(String, numerics::Pending<B::InnerBackend>)>,

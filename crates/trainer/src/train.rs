@@ -491,7 +491,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         watch: Option<Watch>,
     ) -> Result<(Gpt<B>, StepOutcome)> {
         let numerics = probes.taps.is_some().then(|| numerics::read(out.numerics));
-        // One read-back per step: [mean loss, scaled grad norm]. It tells whether the gradients are
+        // One read-back per step: [mean loss, scaled grad norm, stop]. It tells whether the gradients are
         // finite (a single inf or NaN makes the norm non-finite), and it synchronises, so the
         // timing is real.
         let stats = read_stats(out.stats, plan.scale);

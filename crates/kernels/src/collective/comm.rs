@@ -171,12 +171,13 @@ impl Drop for Comm {
     fn drop(&mut self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
             // SAFETY: the last clone of the group is gone, so no call of this process is issued
-            // any more; the ones issued finish first (their streams are in this context).
+            // any more; the ones issued finish first (their streams are in this context). Abort,
+            // not destroy: it does not wait for ranks that may already have exited.
             unsafe {
                 if drv::ctx::set_current(self.ctx).is_ok() {
                     let _ = drv::ctx::synchronize();
                 }
-                let _ = nccl::comm_destroy(self.raw);
+                let _ = nccl::comm_abort(self.raw);
             }
         }
     }

@@ -119,13 +119,15 @@ fn watch(
         .spawn(move || {
             let mut byte = [0u8; 1];
             let why = match link.read(&mut byte) {
-                Ok(1) if byte[0] == FINISHED => return,
+                // The group is left to the process's exit: dropping the last clone here would
+                // tear NCCL down while the main thread may be exiting.
+                Ok(1) if byte[0] == FINISHED => return std::mem::forget(group),
                 Ok(0) => "closed its connection".to_string(),
                 Ok(_) => format!("sent an unexpected byte {:#04x}", byte[0]),
                 Err(e) => format!("its connection failed ({e})"),
             };
             if finished.load(Ordering::SeqCst) {
-                return;
+                return std::mem::forget(group);
             }
             let message = format!(
                 "rank {me}: rank {peer} {why} before finishing: its process exited, was killed or lost the network. \
