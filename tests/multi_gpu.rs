@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{opts, read_metrics, scratch, serial, tiny_config};
+use common::{master_weights, opts, read_metrics, scratch, serial, tiny_config};
 use trainer::checkpoint;
 use trainer::config::{Config, DeviceKind, Devices, PrecisionKind};
 use trainer::device::Selected;
@@ -70,26 +70,18 @@ fn two_gpus_equal_one_gpu_with_the_doubled_batch() {
             hb.replica_checksums[0], hb.replica_checksums[1],
             "{precision}: the replicas differ"
         );
-        assert_eq!(la.len(), lb.len());
-        let worst = la
-            .iter()
-            .zip(&lb)
-            .map(|(a, b)| (a - b).abs() / a.abs())
-            .fold(0f64, f64::max);
-        println!("{precision}: largest relative loss difference over 20 steps {worst:.2e}");
-        for (step, (a, b)) in la.iter().zip(&lb).enumerate() {
-            assert!(
-                (a - b).abs() <= loss_tol * a.abs(),
-                "{precision} step {}: one GPU {a}, two GPUs {b}",
-                step + 1
-            );
-        }
+        common::assert_losses_agree(
+            &format!("{precision}, one GPU against two"),
+            &la,
+            &lb,
+            loss_tol,
+        );
         // Final master weights. A lost or doubled gradient would move every weight by about lr
         // per step; rounding moves most weights by a small fraction of lr, and AdamW's normalised
         // update can move a weight whose gradient is near zero by up to lr per step, so the bound
         // is on the mean difference, the largest is printed.
         let lr = one.optimizer.lr;
-        let (wa, wb) = (weights(&ha, &va), weights(&hb, &vb));
+        let (wa, wb) = (master_weights(&ha, &va), master_weights(&hb, &vb));
         assert_eq!(wa.len(), wb.len());
         let diffs: Vec<f64> = wa
             .iter()
@@ -106,19 +98,6 @@ fn two_gpus_equal_one_gpu_with_the_doubled_batch() {
             "{precision}: final weights differ by {mean:.2e} on average (lr {lr})"
         );
     }
-}
-
-/// The master weights of a checkpoint's values (each parameter's AdamW moments follow its value).
-fn weights(h: &checkpoint::Header, values: &[f32]) -> Vec<f32> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    for p in &h.params {
-        let n: usize = p.shape.iter().product();
-        out.extend_from_slice(&values[at..at + n]);
-        at += if p.has_moments { 3 * n } else { n };
-    }
-    assert_eq!(at, values.len());
-    out
 }
 
 /// A GPU that is not there is an error before anything trains.

@@ -18,6 +18,8 @@
 
 mod common;
 
+use common::master_weights;
+
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -388,7 +390,7 @@ fn two_processes_train_like_one_gpu_with_the_doubled_batch() {
             ),
             Duration::from_secs(300),
         );
-        let (la, _, va) = read_run(&one_dir, steps);
+        let (la, ha, va) = read_run(&one_dir, steps);
         let (lb, hb, vb) = read_run(&two_dir, steps);
         assert_eq!(
             hb.replica_checksums.len(),
@@ -405,30 +407,24 @@ fn two_processes_train_like_one_gpu_with_the_doubled_batch() {
             lb.len(),
             "{precision}: rank 0 logged every step once"
         );
-        let worst = la
-            .iter()
-            .zip(&lb)
-            .map(|(a, b)| (a - b).abs() / a.abs())
-            .fold(0f64, f64::max);
-        println!("{precision}: largest relative loss difference over {steps} steps {worst:.2e}");
-        for (step, (a, b)) in la.iter().zip(&lb).enumerate() {
-            assert!(
-                (a - b).abs() <= loss_tol * a.abs(),
-                "{precision} step {}: one GPU {a}, two processes {b}",
-                step + 1
-            );
-        }
+        common::assert_losses_agree(
+            &format!("{precision}, one GPU against two processes"),
+            &la,
+            &lb,
+            loss_tol,
+        );
         let lr = one.optimizer.lr;
-        let mean = va
+        let (wa, wb) = (master_weights(&ha, &va), master_weights(&hb, &vb));
+        let mean = wa
             .iter()
-            .zip(&vb)
+            .zip(&wb)
             .map(|(a, b)| (a - b).abs() as f64)
             .sum::<f64>()
-            / va.len() as f64;
-        println!("{precision}: final values differ by {mean:.2e} on average (lr {lr})");
+            / wa.len() as f64;
+        println!("{precision}: final master weights differ by {mean:.2e} on average (lr {lr})");
         assert!(
             mean < mean_tol * lr,
-            "{precision}: final values differ by {mean:.2e} on average (lr {lr})"
+            "{precision}: final master weights differ by {mean:.2e} on average (lr {lr})"
         );
     }
 }
@@ -441,14 +437,7 @@ fn a_killed_rank_ends_the_other_naming_it() {
     let dir = common::scratch("mp_killed");
     let mut workers = start_workers("train_worker", &format!("{};fp32;1000000", dir.display()));
     // Rank 0 writes metrics.jsonl once the steps run.
-    let started = Instant::now();
-    while std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 5 {
-        assert!(
-            started.elapsed() < Duration::from_secs(180),
-            "the run did not reach step 5"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_steps(&dir, 5);
     let rank1 = workers.pop().unwrap();
     let rank0 = workers.pop().unwrap();
     let mut rank1 = rank1;
@@ -474,16 +463,7 @@ fn a_killed_rank_ends_the_other_naming_it() {
 fn a_signal_to_one_rank_stops_every_rank_with_a_checkpoint() {
     let dir = common::scratch("mp_sigterm");
     let mut workers = start_workers("train_worker", &format!("{};fp32;1000000", dir.display()));
-    let started = Instant::now();
-    let steps_logged =
-        || std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |m| m.lines().count());
-    while steps_logged() < 5 {
-        assert!(
-            started.elapsed() < Duration::from_secs(180),
-            "the run did not reach step 5"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_steps(&dir, 5);
     // SAFETY: signals a child this test started and has not reaped.
     unsafe { libc::kill(workers[1].id() as libc::pid_t, libc::SIGTERM) };
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -496,10 +476,27 @@ fn a_signal_to_one_rank_stops_every_rank_with_a_checkpoint() {
             "rank {rank} ({status:?}):\n{text}"
         );
     }
-    let last = steps_logged() as u64;
+    let last = steps_logged(&dir) as u64;
     assert!(dir
         .join("checkpoints")
         .join(trainer::checkpoint::file_name(last))
         .exists());
     println!("both ranks stopped after step {last}, with its checkpoint");
+}
+
+/// Steps rank 0 has logged in `dir`'s `metrics.jsonl`.
+fn steps_logged(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+}
+
+/// Waits (at most 3 minutes: the first step compiles the kernels) until rank 0 logged `n` steps.
+fn wait_for_steps(dir: &Path, n: usize) {
+    let started = Instant::now();
+    while steps_logged(dir) < n {
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "the run did not reach step {n}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

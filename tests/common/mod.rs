@@ -197,3 +197,38 @@ pub fn assert_panics_with(expected: &str, f: impl FnOnce()) {
         "panicked with {msg:?}, expected a message containing {expected:?}"
     );
 }
+
+/// Per-step losses of two runs that must agree (e.g. two GPUs against one with the doubled
+/// batch): every step within `tol` of `a`, relative; prints the largest difference.
+pub fn assert_losses_agree(what: &str, a: &[f64], b: &[f64], tol: f64) {
+    assert_eq!(a.len(), b.len(), "{what}: runs of different lengths");
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs() / a.abs())
+        .fold(0f64, f64::max);
+    println!(
+        "{what}: largest relative loss difference over {} steps {worst:.2e}",
+        a.len()
+    );
+    for (step, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= tol * x.abs(),
+            "{what} step {}: {x} against {y}",
+            step + 1
+        );
+    }
+}
+
+/// The master weights of a checkpoint's values (each parameter's AdamW moments follow its value).
+pub fn master_weights(h: &trainer::checkpoint::Header, values: &[f32]) -> Vec<f32> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for p in &h.params {
+        let n: usize = p.shape.iter().product();
+        out.extend_from_slice(&values[at..at + n]);
+        at += if p.has_moments { 3 * n } else { n };
+    }
+    assert_eq!(at, values.len());
+    out
+}

@@ -62,6 +62,7 @@ mod check;
 pub mod collective;
 pub mod cross_entropy;
 mod cuda_stream;
+mod device_thread;
 pub mod dropout;
 pub mod embedding;
 pub mod format_stats;

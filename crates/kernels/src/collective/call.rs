@@ -44,21 +44,8 @@ impl cubecl_common::device::DeviceService for CollectiveService {
     }
 }
 
-type Runner = cubecl_common::device_handle::DeviceHandle<CollectiveService>;
-
 /// The service on each device's thread, by device index.
-static RUNNERS: Mutex<Vec<Option<Runner>>> = Mutex::new(Vec::new());
-
-fn runner(device: &cubecl::cuda::CudaDevice) -> Runner {
-    use cubecl_common::device::Device as _;
-    let mut runners = RUNNERS.lock().unwrap_or_else(|p| p.into_inner());
-    if runners.len() <= device.index {
-        runners.resize_with(device.index + 1, || None);
-    }
-    runners[device.index]
-        .get_or_insert_with(|| Runner::new(device.to_id()))
-        .clone()
-}
+static RUNNERS: crate::device_thread::Runners<CollectiveService> = Mutex::new(Vec::new());
 
 /// Queues `call` on its device's thread. A call on a tensor of another device than the
 /// communicator's, or after an error, is not issued (the error is recorded).
@@ -73,7 +60,7 @@ pub(super) fn issue(comm: &Arc<Comm>, call: Call) {
         ));
         return;
     }
-    let runner = runner(&call.send.device);
+    let runner = crate::device_thread::runner(&RUNNERS, &call.send.device);
     let comm = comm.clone();
     runner.submit(move |_| {
         if comm.error().is_some() {

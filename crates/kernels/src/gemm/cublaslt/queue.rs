@@ -35,18 +35,11 @@ impl cubecl_common::device::DeviceService for GemmService {
 pub(super) type Runner = cubecl_common::device_handle::DeviceHandle<GemmService>;
 
 /// The queues the GEMMs were sent to, by device index.
-static RUNNERS: Mutex<Vec<Option<Runner>>> = Mutex::new(Vec::new());
+static RUNNERS: crate::device_thread::Runners<GemmService> = Mutex::new(Vec::new());
 
 /// The GEMM service on `device`'s CubeCL thread.
 pub(super) fn runner(device: &cubecl::cuda::CudaDevice) -> Runner {
-    use cubecl_common::device::Device as _;
-    let mut runners = RUNNERS.lock().unwrap_or_else(|p| p.into_inner());
-    if runners.len() <= device.index {
-        runners.resize_with(device.index + 1, || None);
-    }
-    runners[device.index]
-        .get_or_insert_with(|| Runner::new(device.to_id()))
-        .clone()
+    crate::device_thread::runner(&RUNNERS, device)
 }
 
 /// Waits until every GEMM queued so far, on every device, has been issued (not run).
