@@ -157,7 +157,7 @@ fn training_devices_takes_a_count_all_or_indices() {
 }
 
 #[test]
-fn training_zero_is_0_or_1_on_several_gpus() {
+fn training_zero_is_0_1_or_2_and_fits_the_runs_world() {
     let parse = |sets: &[&str]| {
         Config::from_toml_str(
             "",
@@ -175,18 +175,26 @@ fn training_zero_is_0_or_1_on_several_gpus() {
     }
     let again = Config::from_toml_str(&two.to_toml(), &[], "again").unwrap();
     assert_eq!(again.training.zero, 1);
-    for (sets, want) in [
-        (&["training.zero=1"][..], "training.devices = 1"),
-        (&["training.devices=2", "training.zero=2"][..], "got 2"),
-        (
-            &["training.devices=2", "training.zero=3"][..],
-            "0 (every GPU keeps",
-        ),
+    let e = err("", &["training.devices=2", "training.zero=3"]);
+    assert!(
+        e.contains("training.zero") && e.contains("got 3") && e.contains("2 (ZeRO-2"),
+        "{e}"
+    );
+    // The world decides the rest, once the run knows it.
+    let zero = |z: &str| parse(&[&format!("training.zero={z}")]).unwrap();
+    assert!(zero("1").check_zero(2, false).is_ok());
+    assert!(zero("1").check_zero(4, true).is_ok());
+    assert!(zero("2").check_zero(2, true).is_ok());
+    assert!(zero("0").check_zero(1, false).is_ok());
+    for (z, world, processes, want) in [
+        ("1", 1, false, "trains on one GPU"),
+        ("2", 1, true, "trains on one GPU"),
+        ("2", 2, false, "--nproc-per-node 2"),
     ] {
-        let e = err("", sets);
+        let e = zero(z).check_zero(world, processes).unwrap_err();
         assert!(
-            e.contains("training.zero") && e.contains(want),
-            "{sets:?}: {e}"
+            e.contains(&format!("training.zero = {z}")) && e.contains(want),
+            "zero {z}, world {world}, processes {processes}: {e}"
         );
     }
 }

@@ -1,20 +1,28 @@
-//! Runs of one process per GPU, on two GPUs. Each test starts this test binary twice as its
-//! workers (tests named `*_worker`, which do nothing unless the parent set their variables), with
-//! torchrun's variables, as `train --nproc-per-node 2` would.
+//! Runs of one process per GPU, on two GPUs or on one. Each test starts this test binary twice as
+//! its workers (tests named `*_worker`, which do nothing unless the parent set their variables),
+//! with torchrun's variables, as `train --nproc-per-node 2` would.
 //!
 //! - Collectives (`kernels::collective`): the two processes meet in the trainer's TCP rendezvous,
 //!   join an NCCL communicator from the unique id it hands them, and check all-reduce,
-//!   reduce-scatter and all-gather against values each rank can compute alone, in f32, bf16 and
-//!   f16, on awkward shapes, on strided and pitched inputs, and in a chain of collectives and
+//!   reduce-scatter, all-gather, reduce and broadcast against values each rank can compute alone,
+//!   in f32, bf16 and f16, on awkward shapes, on strided and pitched inputs, and in a chain of collectives and
 //!   CubeCL kernels with no host synchronisation between them (the calls run on CubeCL's stream,
 //!   in its order). Then the all-reduce's bus bandwidth, for the record.
 //! - Training: two processes with 4 sequences each reach the losses and weights of one GPU with 8
-//!   (as `multi_gpu.rs` checks for two threads), and a rank killed with SIGKILL ends the other
-//!   with an error naming it, within a minute.
+//!   (as `multi_gpu.rs` checks for two threads), on one node and as two nodes whose NCCL traffic
+//!   goes through its socket transport over loopback; a rank killed with SIGKILL ends the other
+//!   with an error naming it, within a minute; SIGTERM to one rank stops both with a checkpoint.
 //!
-//! The tests are marked `#[ignore = "needs 2 GPUs"]`: run on a machine with two CUDA GPUs and
-//! NCCL with `cargo test --release --test multi_process -- --ignored --test-threads=1` (or the
-//! staged binary, `--ignored`).
+//! Layouts ([`Layout`]): with two GPUs, the ranks are one node's processes on GPUs 0 and 1, and
+//! the two-node test runs beside. With one GPU, every test runs its two ranks as two "nodes" that
+//! share the GPU: NCCL refuses two ranks of one host on one GPU, so each rank gets its own host id
+//! (`NCCL_HOSTID`), which also puts their traffic on the socket transport. That checks every
+//! collective and every training path on a machine of one GPU; only the bandwidth figure then
+//! means nothing.
+//!
+//! The tests are marked `#[ignore = "needs a GPU and NCCL"]`: run them with
+//! `cargo test --release --test multi_process -- --ignored --test-threads=1` (or the staged
+//! binary, `--ignored`).
 
 mod common;
 
@@ -34,34 +42,78 @@ use trainer::parallel::rendezvous::rendezvous;
 /// The variable that makes a `*_worker` test a worker (its value: what the worker needs).
 const WORKER: &str = "BURNMIX_PROCESS_WORKER";
 
+/// Where the two ranks of a test run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Layout {
+    /// One node: ranks 0 and 1 on GPUs 0 and 1 (NCCL picks its fastest transport).
+    OneNode,
+    /// Two nodes of one process each on this host: rank r on GPU r modulo the GPU count, its own
+    /// NCCL host id, and NCCL's peer-to-peer, shared-memory and InfiniBand transports off, so that
+    /// everything goes through sockets over loopback, as between machines without InfiniBand.
+    TwoNodes,
+}
+
+impl Layout {
+    /// The layout of the tests that do not choose: one node where there are two GPUs.
+    fn default_here() -> Layout {
+        if gpus() >= 2 {
+            Layout::OneNode
+        } else {
+            Layout::TwoNodes
+        }
+    }
+}
+
+/// The CUDA GPUs this process sees.
+fn gpus() -> usize {
+    trainer::parallel::cuda_device_count().expect("the CUDA driver")
+}
+
 /// Starts two workers: this test binary running only the test `worker`, as ranks 0 and 1 of a run
-/// on GPUs 0 and 1 whose rendezvous is on a free local port, with `WORKER` set to `arg`.
-fn start_workers(worker: &str, arg: &str) -> Vec<Child> {
+/// laid out as `layout`, whose rendezvous is on a free local port, with `WORKER` set to `arg`.
+/// A worker dies with the thread of the test that started it (a test that panics leaves none behind).
+fn start_workers(worker: &str, arg: &str, layout: Layout) -> Vec<Child> {
+    use std::os::unix::process::CommandExt;
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
         l.local_addr().unwrap().port()
     };
     let exe = std::env::current_exe().unwrap();
+    let gpus = gpus();
     (0..2)
         .map(|rank| {
-            Command::new(&exe)
-                .args([
-                    "--exact",
-                    worker,
-                    "--include-ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(WORKER, arg)
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("the test binary starts again")
+            let mut c = Command::new(&exe);
+            c.args([
+                "--exact",
+                worker,
+                "--include-ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(WORKER, arg)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+            match layout {
+                Layout::OneNode => c.env("LOCAL_RANK", rank.to_string()),
+                Layout::TwoNodes => c
+                    .env("LOCAL_RANK", (rank % gpus).to_string())
+                    .env("NCCL_HOSTID", format!("burnmix-test-node-{rank}"))
+                    .env("NCCL_P2P_DISABLE", "1")
+                    .env("NCCL_SHM_DISABLE", "1")
+                    .env("NCCL_IB_DISABLE", "1"),
+            };
+            // SAFETY: prctl is async-signal-safe, and the closure touches nothing else.
+            unsafe {
+                c.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+            c.spawn().expect("the test binary starts again")
         })
         .collect()
 }
@@ -107,10 +159,10 @@ fn expect_success(workers: Vec<Child>, limit: Duration) {
 }
 
 #[test]
-#[ignore = "needs 2 GPUs"]
+#[ignore = "needs a GPU and NCCL"]
 fn two_processes_reduce_scatter_and_gather() {
     expect_success(
-        start_workers("collective_worker", "1"),
+        start_workers("collective_worker", "1", Layout::default_here()),
         Duration::from_secs(240),
     );
 }
@@ -232,6 +284,29 @@ fn check_calls(group: &ProcessGroup, device: &CudaDevice, dtype: FloatDType) {
     let all = every(27 * 37, 4);
     let got = read(group.all_gather(tensor(all[rank].clone(), [27, 37], device, dtype)));
     assert_eq!(got, all.concat(), "rank {rank}: all_gather {dtype:?}");
+    // Reduce (mean) to each rank in turn, of a pitched 2-D tensor: the result on that rank only.
+    for root in 0..world {
+        let all = every(rows * cols, 5 + root);
+        let got = group.reduce(
+            tensor(all[rank].clone(), [rows, cols], device, dtype),
+            ReduceOp::Mean,
+            root,
+        );
+        if rank == root {
+            let want: Vec<f32> = sum(&all).iter().map(|s| s / world as f32).collect();
+            assert_eq!(read(got), want, "rank {rank}: reduce to {root}, {dtype:?}");
+        }
+    }
+    // Broadcast from each rank in turn: the others' values are overwritten with the root's.
+    for root in 0..world {
+        let all = every(rows * cols, 9 + root);
+        let got =
+            read(group.broadcast(tensor(all[rank].clone(), [rows, cols], device, dtype), root));
+        assert_eq!(
+            got, all[root],
+            "rank {rank}: broadcast from {root}, {dtype:?}"
+        );
+    }
     group.check().unwrap();
 }
 
@@ -332,7 +407,7 @@ fn train_config(
     cfg
 }
 
-/// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS`.
+/// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS[;ZERO]`.
 #[test]
 #[ignore = "a worker of the training tests"]
 fn train_worker() {
@@ -343,7 +418,8 @@ fn train_worker() {
     let (dir, precision, steps) = (parts[0], parts[1], parts[2]);
     let precision: trainer::config::PrecisionKind =
         serde_json::from_str(&format!("\"{precision}\"")).unwrap();
-    let cfg = train_config(precision, 4, steps.parse().unwrap());
+    let mut cfg = train_config(precision, 4, steps.parse().unwrap());
+    cfg.training.zero = parts.get(3).map_or(0, |z| z.parse().unwrap());
     let mut opts = common::opts(dir.into(), false);
     opts.place = Place::from_env().unwrap();
     opts.verbose = true;
@@ -364,78 +440,132 @@ fn read_run(dir: &Path, steps: usize) -> (Vec<f64>, trainer::checkpoint::Header,
     (losses, h, v)
 }
 
-/// 20 steps in 2 processes with 4 sequences each equal 20 steps on one GPU with 8: per-step
-/// losses within the precision's rounding, final weights within a small fraction of one AdamW
-/// step on average, the two replicas' checksums equal, and only rank 0 wrote the run's files.
+/// The two-process run in `two` against the one-GPU run in `one`, both `steps` long: per-step
+/// losses within `loss_tol`, final master weights within `mean_tol * lr` on average, the two
+/// replicas' checksums equal, and rank 0 wrote the summary and logged every step once.
+fn assert_like_one_gpu(
+    what: &str,
+    one: &Path,
+    two: &Path,
+    steps: usize,
+    tols: (f64, f64),
+    lr: f64,
+) {
+    let (loss_tol, mean_tol) = tols;
+    let (la, ha, va) = read_run(one, steps);
+    let (lb, hb, vb) = read_run(two, steps);
+    assert_eq!(
+        hb.replica_checksums.len(),
+        2,
+        "{what}: checksums of both ranks"
+    );
+    assert_eq!(
+        hb.replica_checksums[0], hb.replica_checksums[1],
+        "{what}: the replicas differ"
+    );
+    assert!(two.join("summary.json").exists());
+    assert_eq!(la.len(), lb.len(), "{what}: rank 0 logged every step once");
+    common::assert_losses_agree(what, &la, &lb, loss_tol);
+    let (wa, wb) = (master_weights(&ha, &va), master_weights(&hb, &vb));
+    let mean = wa
+        .iter()
+        .zip(&wb)
+        .map(|(a, b)| (a - b).abs() as f64)
+        .sum::<f64>()
+        / wa.len() as f64;
+    println!("{what}: final master weights differ by {mean:.2e} on average (lr {lr})");
+    assert!(
+        mean < mean_tol * lr,
+        "{what}: final master weights differ by {mean:.2e} on average (lr {lr})"
+    );
+}
+
+/// The tolerances of multi_gpu.rs (see there): per-step loss, and mean final weight difference
+/// as a fraction of the learning rate.
+fn tolerances(precision: trainer::config::PrecisionKind) -> (f64, f64) {
+    match precision {
+        trainer::config::PrecisionKind::Fp32 => (1e-3, 0.01),
+        _ => (4.0 * 2f64.powi(-8), 0.1),
+    }
+}
+
+/// A one-GPU run with 8 sequences per step, in a fresh directory named after `name`.
+fn one_gpu_run(
+    name: &str,
+    precision: trainer::config::PrecisionKind,
+    steps: usize,
+) -> std::path::PathBuf {
+    let one = train_config(precision, 8, steps);
+    let dir = common::scratch(name);
+    trainer::run(&one, &cuda(), &common::opts(dir.clone(), false))
+        .unwrap_or_else(|e| panic!("one GPU: {e:#}"));
+    dir
+}
+
+/// 20 steps in 2 processes with 4 sequences each equal 20 steps on one GPU with 8 (see
+/// [`assert_like_one_gpu`]). On one node where there are two GPUs, and as two nodes whose NCCL
+/// traffic goes through sockets.
 #[test]
-#[ignore = "needs 2 GPUs"]
+#[ignore = "needs a GPU and NCCL"]
 fn two_processes_train_like_one_gpu_with_the_doubled_batch() {
     use trainer::config::PrecisionKind;
     let _guard = common::serial();
     let steps = 20;
-    // The tolerances of multi_gpu.rs (see there).
-    for (precision, loss_tol, mean_tol) in [
-        (PrecisionKind::Fp32, 1e-3, 0.01),
-        (PrecisionKind::Bf16, 4.0 * 2f64.powi(-8), 0.1),
-    ] {
-        let one = train_config(precision, 8, steps);
-        let one_dir = common::scratch(&format!("mp_one_{precision}"));
-        trainer::run(&one, &cuda(), &common::opts(one_dir.clone(), false))
-            .unwrap_or_else(|e| panic!("one GPU: {e:#}"));
-        let two_dir = common::scratch(&format!("mp_two_{precision}"));
+    let layouts = if gpus() >= 2 {
+        vec![Layout::OneNode, Layout::TwoNodes]
+    } else {
+        vec![Layout::TwoNodes]
+    };
+    for precision in [PrecisionKind::Fp32, PrecisionKind::Bf16] {
+        let one = one_gpu_run(&format!("mp_one_{precision}"), precision, steps);
+        for &layout in &layouts {
+            let what = format!("{precision}, one GPU against two processes ({layout:?})");
+            let two = common::scratch(&format!("mp_two_{precision}_{layout:?}"));
+            let arg = format!("{};{precision};{steps}", two.display());
+            expect_success(
+                start_workers("train_worker", &arg, layout),
+                Duration::from_secs(300),
+            );
+            let lr = train_config(precision, 8, steps).optimizer.lr;
+            assert_like_one_gpu(&what, &one, &two, steps, tolerances(precision), lr);
+        }
+    }
+}
+
+/// ZeRO-1 and ZeRO-2 between two processes train as one GPU with the doubled batch does (see
+/// [`assert_like_one_gpu`]; the checkpoint's masters and moments are gathered from both ranks),
+/// in bf16, where the weights that a rank does not own travel as their bf16 compute copy.
+#[test]
+#[ignore = "needs a GPU and NCCL"]
+fn zero_1_and_2_between_processes_train_like_one_gpu() {
+    use trainer::config::PrecisionKind;
+    let _guard = common::serial();
+    let (steps, precision) = (20, PrecisionKind::Bf16);
+    let one = one_gpu_run("mp_zero_one", precision, steps);
+    for zero in [1, 2] {
+        let what = format!("{precision}, one GPU against two processes with ZeRO-{zero}");
+        let two = common::scratch(&format!("mp_zero_{zero}"));
+        let arg = format!("{};{precision};{steps};{zero}", two.display());
         expect_success(
-            start_workers(
-                "train_worker",
-                &format!("{};{precision};{steps}", two_dir.display()),
-            ),
+            start_workers("train_worker", &arg, Layout::default_here()),
             Duration::from_secs(300),
         );
-        let (la, ha, va) = read_run(&one_dir, steps);
-        let (lb, hb, vb) = read_run(&two_dir, steps);
-        assert_eq!(
-            hb.replica_checksums.len(),
-            2,
-            "{precision}: checksums of both ranks"
-        );
-        assert_eq!(
-            hb.replica_checksums[0], hb.replica_checksums[1],
-            "{precision}: the replicas differ"
-        );
-        assert!(two_dir.join("summary.json").exists());
-        assert_eq!(
-            la.len(),
-            lb.len(),
-            "{precision}: rank 0 logged every step once"
-        );
-        common::assert_losses_agree(
-            &format!("{precision}, one GPU against two processes"),
-            &la,
-            &lb,
-            loss_tol,
-        );
-        let lr = one.optimizer.lr;
-        let (wa, wb) = (master_weights(&ha, &va), master_weights(&hb, &vb));
-        let mean = wa
-            .iter()
-            .zip(&wb)
-            .map(|(a, b)| (a - b).abs() as f64)
-            .sum::<f64>()
-            / wa.len() as f64;
-        println!("{precision}: final master weights differ by {mean:.2e} on average (lr {lr})");
-        assert!(
-            mean < mean_tol * lr,
-            "{precision}: final master weights differ by {mean:.2e} on average (lr {lr})"
-        );
+        let lr = train_config(precision, 8, steps).optimizer.lr;
+        assert_like_one_gpu(&what, &one, &two, steps, tolerances(precision), lr);
     }
 }
 
 /// SIGKILL of rank 1 while both train ends rank 0 with an error naming rank 1 within a minute
 /// (rank 0 is then waiting in NCCL or on the GPU for rank 1's share).
 #[test]
-#[ignore = "needs 2 GPUs"]
+#[ignore = "needs a GPU and NCCL"]
 fn a_killed_rank_ends_the_other_naming_it() {
     let dir = common::scratch("mp_killed");
-    let mut workers = start_workers("train_worker", &format!("{};fp32;1000000", dir.display()));
+    let mut workers = start_workers(
+        "train_worker",
+        &format!("{};fp32;1000000", dir.display()),
+        Layout::default_here(),
+    );
     // Rank 0 writes metrics.jsonl once the steps run.
     wait_for_steps(&dir, 5);
     let rank1 = workers.pop().unwrap();
@@ -459,10 +589,14 @@ fn a_killed_rank_ends_the_other_naming_it() {
 /// SIGTERM to rank 1 alone (a preemption notice that reached one process) stops both ranks at the
 /// same step boundary, with that step's checkpoint, and both exit 0.
 #[test]
-#[ignore = "needs 2 GPUs"]
+#[ignore = "needs a GPU and NCCL"]
 fn a_signal_to_one_rank_stops_every_rank_with_a_checkpoint() {
     let dir = common::scratch("mp_sigterm");
-    let mut workers = start_workers("train_worker", &format!("{};fp32;1000000", dir.display()));
+    let mut workers = start_workers(
+        "train_worker",
+        &format!("{};fp32;1000000", dir.display()),
+        Layout::default_here(),
+    );
     wait_for_steps(&dir, 5);
     // SAFETY: signals a child this test started and has not reaped.
     unsafe { libc::kill(workers[1].id() as libc::pid_t, libc::SIGTERM) };

@@ -556,22 +556,38 @@ impl Config {
         Ok(())
     }
 
-    /// `training.zero`: 0, or 1 on several GPUs.
+    /// `training.zero`: 0, 1 or 2 (whether the run has the GPUs and the mode a stage needs is
+    /// [`Config::check_zero`]'s, once the run's world is known).
     fn validate_zero(&self) -> std::result::Result<(), String> {
-        let t = &self.training;
-        match t.zero {
-            0 => Ok(()),
-            1 if t.devices.is_single() => Err(
-                "training.zero = 1 shards the optimizer state across the GPUs of training.devices, but training.devices = 1; \
-                 train on several GPUs (e.g. training.devices = 2) or set training.zero = 0"
-                    .into(),
-            ),
-            1 => Ok(()),
+        match self.training.zero {
+            0..=2 => Ok(()),
             z => Err(format!(
-                "training.zero must be 0 (every GPU keeps the whole optimizer state) or 1 (ZeRO-1: the f32 masters and AdamW \
-                 moments sharded across the GPUs), got {z}"
+                "training.zero must be 0 (every GPU keeps the whole optimizer state), 1 (ZeRO-1: the f32 masters and AdamW \
+                 moments sharded across the GPUs) or 2 (ZeRO-2: the gradients too; runs of one process per GPU), got {z}"
             )),
         }
+    }
+
+    /// Whether `training.zero` fits a run of `world` GPUs, in processes of their own
+    /// (`processes`) or in threads of one process: ZeRO needs several GPUs, and ZeRO-2 reduces
+    /// each gradient onto one rank, which Burn's collectives between threads cannot (they only
+    /// all-reduce).
+    pub fn check_zero(&self, world: usize, processes: bool) -> std::result::Result<(), String> {
+        let z = self.training.zero;
+        if z > 0 && world < 2 {
+            return Err(format!(
+                "training.zero = {z} shards the optimizer state across the GPUs of a data-parallel run, but this run trains on one GPU; \
+                 train on several (train --nproc-per-node 2, or training.devices = 2) or set training.zero = 0"
+            ));
+        }
+        if z == 2 && !processes {
+            return Err(format!(
+                "training.zero = 2 (ZeRO-2) needs a run of one process per GPU: start it with train --nproc-per-node {world} \
+                 (and training.devices = 1); the {world} GPUs of training.devices share gradients through in-process collectives \
+                 that only all-reduce, so they take training.zero = 0 or 1"
+            ));
+        }
+        Ok(())
     }
 
     /// The precision recipe of `precision`, `[loss_scale]` and `[fp8]` (`precision = "auto"` as
@@ -609,13 +625,6 @@ impl Config {
                 .map_err(|e| anyhow!(e))?;
             if ranks.len() > 1 {
                 crate::parallel::check_nccl(ranks.len())?;
-            } else if config.training.zero > 0 {
-                bail!(
-                    "training.zero = {} shards the optimizer state across GPUs, but training.devices = {} gives this run one GPU; \
-                     set training.zero = 0",
-                    config.training.zero,
-                    config.training.devices
-                );
             }
             // The run's config records the GPUs it trained on ("all" becomes the list).
             if config.training.devices == Devices::All {

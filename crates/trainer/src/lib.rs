@@ -73,6 +73,13 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
     // named, rather than at the first kernel.
     kernels::settings::init_from_env().map_err(|e| anyhow::anyhow!("{e}"))?;
     let run = cfg.resolve(device)?;
+    let (world, processes) = match &opts.place {
+        Some(place) => (place.world_size, true),
+        None => (run.ranks.len().max(1), false),
+    };
+    run.config
+        .check_zero(world, processes)
+        .map_err(|e| anyhow::anyhow!(e))?;
     if let Some(place) = &opts.place {
         if !matches!(device, device::Selected::Cuda { .. }) {
             anyhow::bail!(

@@ -123,12 +123,23 @@ impl<B: Backend> AdamW<B> {
         B: kernels::Backend,
         M: AutodiffModule<AB>,
     {
-        let mut v = NormVisitor::<AB> { grads, sum: None };
-        module.visit(&mut v);
-        match v.sum {
-            Some(sq) => sq.finish().sqrt(),
+        match Self::grad_sum_squares::<AB, M>(module, grads) {
+            Some(sq) => sq.sqrt(),
             None => panic!("no parameter received a gradient"),
         }
+    }
+
+    /// The sum of the squares of every gradient in `grads` (shape [1], on the device), read as
+    /// [`AdamW::grad_norm`] reads them; `None` when `grads` holds none of `module`'s parameters.
+    pub fn grad_sum_squares<AB, M>(module: &M, grads: &GradientsParams) -> Option<Tensor<B, 1>>
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        B: kernels::Backend,
+        M: AutodiffModule<AB>,
+    {
+        let mut v = NormVisitor::<AB> { grads, sum: None };
+        module.visit(&mut v);
+        v.sum.map(|sq| sq.finish())
     }
 
     /// One AdamW step at learning rate `lr` on gradients that are `loss_scale` times the true ones

@@ -230,7 +230,7 @@ pub(crate) struct RankOut<B: crate::TrainBackend> {
 /// A rank's part of a step, up to (and with `plan.update_now`, including) the update.
 pub(crate) struct RankStep<'a> {
     pub ctx: StepCtx<'a>,
-    /// ZeRO-1: this rank's share.
+    /// ZeRO: this rank's share.
     pub zero: Option<&'a Shard>,
     pub plan: Plan,
 }
@@ -315,8 +315,10 @@ impl RankStep<'_> {
     }
 
     /// A data-parallel rank: the gradients, then [mean loss, scaled gradient norm, stop] averaged
-    /// over the ranks (stop is above 0 when any rank was asked to stop) (the collectives in the same order on every rank); that stats tensor and the
-    /// averaged norm.
+    /// over the ranks (stop is above 0 when any rank was asked to stop), the collectives in the
+    /// same order on every rank; that stats tensor and the norm. Under ZeRO-2 each gradient is
+    /// averaged onto its owner alone, and the norm is the square root of the ranks' summed sums
+    /// of squares over their own gradients.
     fn averaged<B: crate::TrainBackend>(
         &self,
         model: &Gpt<B>,
@@ -324,22 +326,39 @@ impl RankStep<'_> {
         loss_sum: Tensor<B::InnerBackend, 1>,
         peers: Peers<'_>,
     ) -> (Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>) {
-        dp::mean_grads::<B, _>(model, grads, peers);
+        let zero2 = self.zero.filter(|z| z.stage == 2);
+        match zero2 {
+            Some(z) => z.reduce_grads::<B, _>(model, grads),
+            None => dp::mean_grads::<B, _>(model, grads, peers),
+        }
         let loss = loss_sum.div_scalar(self.ctx.cfg.training.grad_accum as f64);
         let inner = loss.device();
         sync::<B::InnerBackend>(peers, &inner);
         // The norm (and so the clip factor) is averaged too, so that replicas never clip by
         // different factors and drift apart: the kernels' sum of squares adds in a fixed order,
         // but a backend's own full-tensor sum may not (Burn's adds with atomics on CUDA). NCCL
-        // gives every rank the same mean.
-        let norm = AdamW::<B::InnerBackend>::grad_norm::<B, _>(model, grads);
+        // gives every rank the same mean. Under ZeRO-2 a rank's part is its own gradients' sum of
+        // squares times the world size, whose mean over the ranks is the sum.
+        let norm_part = match zero2 {
+            None => AdamW::<B::InnerBackend>::grad_norm::<B, _>(model, grads),
+            Some(z) => AdamW::<B::InnerBackend>::grad_sum_squares::<B, _>(model, grads)
+                .unwrap_or_else(|| Tensor::zeros([1], &inner))
+                .mul_scalar(z.world() as f64),
+        };
         let stop = stop_flag::<B::InnerBackend>(&inner);
         let stats = dp::reduce(
-            Tensor::cat(vec![loss, norm, stop], 0),
+            Tensor::cat(vec![loss, norm_part, stop], 0),
             dp::ReduceOperation::Mean,
             peers,
         );
         sync::<B::InnerBackend>(peers, &inner);
+        let stats = match zero2 {
+            None => stats,
+            Some(_) => {
+                let part = |i| stats.clone().narrow(0, i, 1);
+                Tensor::cat(vec![part(0), part(1).sqrt(), part(2)], 0)
+            }
+        };
         let norm = stats.clone().narrow(0, 1, 1);
         (stats, norm)
     }
@@ -354,7 +373,7 @@ fn sync<B: Collective>(peers: Peers<'_>, device: &B::Device) {
     }
 }
 
-/// The update of a step: AdamW on the (averaged) gradients, then with ZeRO-1 every rank's share
+/// The update of a step: AdamW on the (averaged) gradients, then with ZeRO every rank's share
 /// handed to the others.
 pub(crate) fn update<B: crate::TrainBackend>(
     opt: &mut AdamW<B::InnerBackend>,

@@ -20,7 +20,7 @@ use serde::Serialize;
 
 mod log;
 
-use self::log::{human, progress_bar, Console, Logger};
+use self::log::{human, progress_bar, zero_line, Console, Logger};
 use crate::checkpoint;
 use crate::config::{Config, Resolved};
 use crate::data::Dataset;
@@ -322,7 +322,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             fp8_linear,
         };
         let (group, model) = match process {
-            Some(p) => (Group::start_process(device, p), model),
+            Some(p) => Group::start_process(device, p, &ctx, &mut opt, model),
             None => Group::start(devices, &ctx, &mut opt, model),
         };
         let mut session = Session {
@@ -385,6 +385,10 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 cfg.training.batch_size,
                 cfg.training.grad_accum
             ));
+            if let Some((shard, split)) = self.group.zero_split() {
+                let ranks = (0..p.world()).map(|r| format!("rank {r}"));
+                console.line(&zero_line(shard, split, ranks));
+            }
         }
         if let Some(r) = self.group.data_parallel() {
             console.line(&format!(
@@ -399,18 +403,9 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 cfg.training.batch_size,
                 cfg.training.grad_accum
             ));
-            if let Some((_, split)) = &r.zero {
-                console.line(&format!(
-                    "ZeRO-1: each GPU keeps the f32 master weights and AdamW moments of its share of the {} parameters ({}); \
-                     the other weights it holds only as the compute copy",
-                    human(split.total as f64),
-                    r.gpus
-                        .iter()
-                        .zip(&split.owned)
-                        .map(|(g, n)| format!("GPU {g} {}", human(*n as f64)))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ));
+            if let Some((shard, split)) = &r.zero {
+                let gpus = r.gpus.iter().map(|g| format!("GPU {g}"));
+                console.line(&zero_line(shard, split, gpus));
             }
         }
         let probe = Tensor::<B, 2>::zeros(
@@ -679,13 +674,14 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     fn checkpoint(&self, model: &Gpt<B>, done: u64) -> Result<()> {
         let cfg = self.cfg;
         let checksums = self.group.checksums(model, &self.opt);
+        // ZeRO: the whole masters and moments, gathered on rank 0 for the file (every rank of a
+        // run of processes takes part).
+        let whole = self.group.gather(model, &self.opt);
         if !self.group.writes() {
             // Rank 0 of a run of processes writes the checkpoint, and stops the run if the
             // checksums differ.
             return Ok(());
         }
-        // ZeRO-1: the whole masters and moments, gathered on rank 0 for the file.
-        let whole = self.group.gather(model, &self.opt);
         let (model, opt) = match &whole {
             Some((m, o)) => (m, o),
             None => (model, &self.opt),

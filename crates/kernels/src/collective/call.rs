@@ -20,6 +20,15 @@ pub(super) enum Kind {
     AllReduce(ReduceOp),
     ReduceScatter(ReduceOp),
     AllGather,
+    /// The reduction lands on rank `root` only.
+    Reduce {
+        op: ReduceOp,
+        root: usize,
+    },
+    /// Rank `root`'s buffer to every rank.
+    Broadcast {
+        root: usize,
+    },
 }
 
 /// A call on dense one-dimensional buffers: `send` of the call's input elements, `recv` of its
@@ -139,6 +148,25 @@ fn run(comm: &Comm, call: &Call) -> Result<(), String> {
                 recv as *mut _,
                 send_count,
                 dtype,
+                comm.raw,
+                s,
+            ),
+            Kind::Reduce { op, root } => nccl::reduce(
+                send as *const _,
+                recv as *mut _,
+                send_count,
+                dtype,
+                nccl_op(op),
+                root as i32,
+                comm.raw,
+                s,
+            ),
+            Kind::Broadcast { root } => nccl::broadcast(
+                send as *const _,
+                recv as *mut _,
+                send_count,
+                dtype,
+                root as i32,
                 comm.raw,
                 s,
             ),

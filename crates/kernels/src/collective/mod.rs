@@ -1,6 +1,6 @@
 //! Collectives between processes, one GPU each: an NCCL communicator joined from a unique id that
 //! the caller hands every process (the trainer's TCP rendezvous carries it), and all-reduce,
-//! reduce-scatter and all-gather on CubeCL's CUDA tensors.
+//! reduce-scatter, all-gather, reduce (to one rank) and broadcast on CubeCL's CUDA tensors.
 //!
 //! The calls are queued on CubeCL's device thread, behind the work queued before them, and issued
 //! on CubeCL's own CUDA stream (found as the GEMMs find it, `crate::cuda_stream`): they run on
@@ -188,6 +188,50 @@ impl ProcessGroup {
         let recv = cuda::<B>(out.clone().into_primitive().tensor(), "all_gather");
         self.issue(Kind::AllGather, send, recv);
         out
+    }
+
+    /// Reduce to one rank: on rank `root`, the sum or mean (`op`) of `t` over the ranks, in `t`'s
+    /// shape and dtype; on the other ranks the result holds nothing to read (NCCL writes it on
+    /// `root` only).
+    ///
+    /// # Panics
+    /// If `t` is not a CUDA tensor, or `root` is not a rank of the group.
+    pub fn reduce<B: CollectiveBackend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Tensor<B, D> {
+        self.check_root(root, "reduce");
+        let shape = t.shape();
+        let buf = dense::<B, D>(t, "reduce");
+        self.issue(Kind::Reduce { op, root }, buf.clone(), buf.clone());
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::from_cuda(buf))).reshape(shape)
+    }
+
+    /// Broadcast: rank `root`'s `t` on every rank, in `t`'s shape and dtype (the other ranks' `t`
+    /// gives only the shape and dtype; its values are overwritten).
+    ///
+    /// # Panics
+    /// If `t` is not a CUDA tensor, or `root` is not a rank of the group.
+    pub fn broadcast<B: CollectiveBackend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        root: usize,
+    ) -> Tensor<B, D> {
+        self.check_root(root, "broadcast");
+        let shape = t.shape();
+        let buf = dense::<B, D>(t, "broadcast");
+        self.issue(Kind::Broadcast { root }, buf.clone(), buf.clone());
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::from_cuda(buf))).reshape(shape)
+    }
+
+    fn check_root(&self, root: usize, what: &str) {
+        assert!(
+            root < self.world(),
+            "kernels::collective::{what}: root {root} is not a rank of this group of {} processes",
+            self.world()
+        );
     }
 
     /// The first error of the group's calls (NCCL's refusal, a tensor not on CUDA, an abort), or

@@ -15,6 +15,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use burn_backend::distributed::DistributedBackend;
 pub use burn_backend::distributed::ReduceOperation;
 use burn_backend::{DeviceId, DeviceOps};
+use burn_cubecl::tensor::CubeTensor;
 
 /// The rows of a global batch of `ranks * batch` sequences that rank `rank` computes: rank 0 the
 /// first `batch`, rank 1 the next, and so on. With windows drawn in order from one stream, a run on
@@ -54,6 +55,31 @@ pub trait Collective: Backend {
 
     /// Makes the device's compute stream wait for the collectives queued on it.
     fn sync(device: &Self::Device);
+
+    /// Between processes: on rank `root`, the mean or sum (`op`) of `tensor` over the ranks
+    /// (nothing to read elsewhere).
+    fn reduce_to(
+        tensor: FloatTensor<Self>,
+        op: ReduceOperation,
+        root: usize,
+        group: &kernels::collective::ProcessGroup,
+    ) -> FloatTensor<Self>;
+
+    /// Between processes: rank `root`'s `tensor` on every rank (the others' give the shape and
+    /// dtype).
+    fn broadcast(
+        tensor: FloatTensor<Self>,
+        root: usize,
+        group: &kernels::collective::ProcessGroup,
+    ) -> FloatTensor<Self>;
+}
+
+/// The process group's reduce operation of `op`.
+fn process_op(op: ReduceOperation) -> kernels::collective::ReduceOp {
+    match op {
+        ReduceOperation::Sum => kernels::collective::ReduceOp::Sum,
+        ReduceOperation::Mean => kernels::collective::ReduceOp::Mean,
+    }
 }
 
 impl<R, F, I, BT> Collective for burn_cubecl::CubeBackend<R, F, I, BT>
@@ -81,18 +107,7 @@ where
             Peers::Threads(ids) => ids,
             // On CubeCL's stream, in its order: `sync` has nothing to wait for.
             Peers::Processes(group) => {
-                let op = match op {
-                    ReduceOperation::Sum => kernels::collective::ReduceOp::Sum,
-                    ReduceOperation::Mean => kernels::collective::ReduceOp::Mean,
-                };
-                let shape = tensor.meta.shape().clone();
-                let flat = burn_cubecl::ops::reshape(
-                    burn_cubecl::kernel::into_contiguous(tensor),
-                    burn::tensor::Shape::new([shape.num_elements()]),
-                );
-                let t = Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(flat));
-                let reduced = group.all_reduce(t, op).into_primitive().tensor();
-                return burn_cubecl::ops::reshape(reduced, shape);
+                return on_flat::<R, F, I, BT>(tensor, |t| group.all_reduce(t, process_op(op)));
             }
         };
         let shape = tensor.meta.shape().clone();
@@ -124,6 +139,45 @@ where
     fn sync(device: &Self::Device) {
         <Self as DistributedBackend>::sync_collective(device);
     }
+
+    fn reduce_to(
+        tensor: FloatTensor<Self>,
+        op: ReduceOperation,
+        root: usize,
+        group: &kernels::collective::ProcessGroup,
+    ) -> FloatTensor<Self> {
+        on_flat::<R, F, I, BT>(tensor, |t| group.reduce(t, process_op(op), root))
+    }
+
+    fn broadcast(
+        tensor: FloatTensor<Self>,
+        root: usize,
+        group: &kernels::collective::ProcessGroup,
+    ) -> FloatTensor<Self> {
+        on_flat::<R, F, I, BT>(tensor, |t| group.broadcast(t, root))
+    }
+}
+
+/// `call` on `tensor`'s elements as one row-major dimension, its result in `tensor`'s shape.
+fn on_flat<R, F, I, BT>(
+    tensor: CubeTensor<R>,
+    call: impl FnOnce(
+        Tensor<burn_cubecl::CubeBackend<R, F, I, BT>, 1>,
+    ) -> Tensor<burn_cubecl::CubeBackend<R, F, I, BT>, 1>,
+) -> CubeTensor<R>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    let shape = tensor.meta.shape().clone();
+    let flat = burn_cubecl::ops::reshape(
+        burn_cubecl::kernel::into_contiguous(tensor),
+        burn::tensor::Shape::new([shape.num_elements()]),
+    );
+    let out = call(Tensor::from_primitive(TensorPrimitive::Float(flat)));
+    burn_cubecl::ops::reshape(out.into_primitive().tensor(), shape)
 }
 
 impl Collective for burn::backend::NdArray {
@@ -133,6 +187,23 @@ impl Collective for burn::backend::NdArray {
 
     fn sync(_: &Self::Device) {
         unreachable!("the config refuses training.devices above 1 off CUDA")
+    }
+
+    fn reduce_to(
+        _: FloatTensor<Self>,
+        _: ReduceOperation,
+        _: usize,
+        _: &kernels::collective::ProcessGroup,
+    ) -> FloatTensor<Self> {
+        unreachable!("runs of processes train on CUDA only")
+    }
+
+    fn broadcast(
+        _: FloatTensor<Self>,
+        _: usize,
+        _: &kernels::collective::ProcessGroup,
+    ) -> FloatTensor<Self> {
+        unreachable!("runs of processes train on CUDA only")
     }
 }
 
@@ -177,6 +248,27 @@ pub fn reduce<B: Collective, const D: usize>(
 ) -> Tensor<B, D> {
     let reduced = B::reduce(t.into_primitive().tensor(), op, peers);
     Tensor::from_primitive(TensorPrimitive::Float(reduced))
+}
+
+/// [`Collective::reduce_to`] of a tensor.
+pub fn reduce_to<B: Collective, const D: usize>(
+    t: Tensor<B, D>,
+    op: ReduceOperation,
+    root: usize,
+    group: &kernels::collective::ProcessGroup,
+) -> Tensor<B, D> {
+    let out = B::reduce_to(t.into_primitive().tensor(), op, root, group);
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// [`Collective::broadcast`] of a tensor.
+pub fn broadcast<B: Collective, const D: usize>(
+    t: Tensor<B, D>,
+    root: usize,
+    group: &kernels::collective::ProcessGroup,
+) -> Tensor<B, D> {
+    let out = B::broadcast(t.into_primitive().tensor(), root, group);
+    Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
 /// CRC-32 of a module's parameter values (as stored, in parameter order): replicas that stayed

@@ -15,7 +15,7 @@ use kernels::collective::ProcessGroup;
 use super::collective::{reduce, weights_checksum, Peers, ReduceOperation};
 use super::ranks::Ranks;
 use super::watchdog::Watch;
-use super::zero::Shard;
+use super::zero::{self, Members, Shard, Split};
 use crate::optim::AdamW;
 use crate::step::{Plan, Rank, StepCtx};
 
@@ -26,6 +26,8 @@ pub(crate) struct Group<B: crate::TrainBackend> {
     others: Option<Ranks<B>>,
     /// A run of processes: this process's membership (its rank is the group's).
     process: Option<ProcessGroup>,
+    /// A run of processes under ZeRO: this rank's share, and how the parameters are split.
+    process_zero: Option<(Shard, Split)>,
 }
 
 impl<B: crate::TrainBackend> Group<B> {
@@ -45,6 +47,7 @@ impl<B: crate::TrainBackend> Group<B> {
                     device,
                     others: None,
                     process: None,
+                    process_zero: None,
                 },
                 model,
             );
@@ -60,18 +63,41 @@ impl<B: crate::TrainBackend> Group<B> {
             device,
             others: Some(ranks),
             process: None,
+            process_zero: None,
         };
         (group, model)
     }
 
     /// This process's rank of a run of processes, on `device`, joined by `process`. Every rank
-    /// starts from the same seed (or checkpoint), so the replicas start equal with nothing sent.
-    pub fn start_process(device: B::Device, process: ProcessGroup) -> Self {
-        Group {
+    /// starts from the same seed (or checkpoint), so the replicas start equal with nothing sent;
+    /// under ZeRO each then keeps its share of the state only: the model comes back.
+    pub fn start_process(
+        device: B::Device,
+        process: ProcessGroup,
+        ctx: &StepCtx<'_>,
+        opt: &mut AdamW<B::InnerBackend>,
+        model: Gpt<B>,
+    ) -> (Self, Gpt<B>) {
+        let stage = ctx.cfg.training.zero;
+        let process_zero = (stage > 0).then(|| {
+            let params = zero::parameters(&model);
+            let copy = crate::step::copied_weights(&model, ctx.compute_dtype);
+            let members = Members::Processes(process.clone());
+            let shard = Shard::new(&params, process.rank(), members, copy, stage);
+            let split = shard.split(&params);
+            (shard, split)
+        });
+        let model = match &process_zero {
+            Some((shard, _)) => shard.take_share::<B, _>(model, opt),
+            None => model,
+        };
+        let group = Group {
             device,
             others: None,
             process: Some(process),
-        }
+            process_zero,
+        };
+        (group, model)
     }
 
     /// This process's rank: 0 unless it is one of a run of processes.
@@ -131,9 +157,17 @@ impl<B: crate::TrainBackend> Group<B> {
         }
     }
 
-    /// ZeRO-1: rank 0's share.
+    /// ZeRO: this rank's share (rank 0's in a run of threads), and how the parameters are split.
+    pub fn zero_split(&self) -> Option<&(Shard, Split)> {
+        match &self.others {
+            Some(r) => r.zero.as_ref(),
+            None => self.process_zero.as_ref(),
+        }
+    }
+
+    /// ZeRO: this rank's share (rank 0's in a run of threads).
     pub fn zero(&self) -> Option<&Shard> {
-        self.others.as_ref()?.zero.as_ref().map(|z| &z.0)
+        self.zero_split().map(|z| &z.0)
     }
 
     /// Step `plan.step` begins: ranks 1.. start their part, watched until the returned guard
@@ -194,7 +228,11 @@ impl<B: crate::TrainBackend> Group<B> {
     /// of a run of processes calls it at the same step.
     pub fn checksums(&self, model: &Gpt<B>, opt: &AdamW<B::InnerBackend>) -> Vec<u32> {
         if let Some(p) = &self.process {
-            return process_checksums::<B>(p, &self.device, model);
+            let mine = match self.zero() {
+                Some(shard) => shard.checksum::<B, _>(model, opt),
+                None => weights_checksum::<B, _>(model),
+            };
+            return process_checksums::<B>(p, &self.device, mine);
         }
         self.others
             .as_ref()
@@ -202,25 +240,30 @@ impl<B: crate::TrainBackend> Group<B> {
             .unwrap_or_default()
     }
 
-    /// ZeRO-1: the whole model and optimizer state on rank 0, for a checkpoint (`None` without
-    /// ZeRO: rank 0 holds them).
+    /// ZeRO: the whole model and optimizer state on rank 0, for a checkpoint (`None` without
+    /// ZeRO, where rank 0 holds them, and on the other ranks). Every rank of a run of processes
+    /// calls it at the same step.
     pub fn gather(
         &self,
         model: &Gpt<B>,
         opt: &AdamW<B::InnerBackend>,
     ) -> Option<(Gpt<B>, AdamW<B::InnerBackend>)> {
-        self.others.as_ref().and_then(|r| r.gather(model, opt))
+        match (&self.others, &self.process_zero) {
+            (Some(r), _) => r.gather(model, opt),
+            (None, Some((shard, _))) => shard.gather_whole::<B, _>(model, opt),
+            (None, None) => None,
+        }
     }
 }
 
-/// Every process's weights checksum, rank 0 first: each rank puts its CRC-32's two 16-bit halves
-/// (exact in f32) in its own two slots of a zero vector, and the sum over the ranks holds them all.
+/// Every process's weights checksum (this one's: `mine`), rank 0 first: each rank puts its
+/// CRC-32's two 16-bit halves (exact in f32) in its own two slots of a zero vector, and the sum
+/// over the ranks holds them all.
 fn process_checksums<B: crate::TrainBackend>(
     process: &ProcessGroup,
     device: &B::Device,
-    model: &Gpt<B>,
+    mine: u32,
 ) -> Vec<u32> {
-    let mine = weights_checksum::<B, _>(model);
     let (rank, world) = (process.rank(), process.world());
     let mut slots = vec![0f32; 2 * world];
     slots[2 * rank] = (mine >> 16) as f32;

@@ -111,8 +111,10 @@ impl<B: crate::TrainBackend> Ranks<B> {
         let params = zero::parameters(model);
         let copy = step::copied_weights(model, ctx.compute_dtype);
         let shard = |rank: usize| {
-            (ctx.cfg.training.zero == 1)
-                .then(|| Shard::new(&params, rank, ids.clone(), copy.clone()))
+            (ctx.cfg.training.zero > 0).then(|| {
+                let members = zero::Members::Threads(ids.clone());
+                Shard::new(&params, rank, members, copy.clone(), ctx.cfg.training.zero)
+            })
         };
         let workers = (1..devices.len())
             .map(|rank| {

@@ -1,30 +1,41 @@
-//! ZeRO stage 1 (`training.zero = 1`): in a data-parallel run, each rank keeps the AdamW moments
-//! and the f32 master weights of its own share of the parameters only.
+//! ZeRO (`training.zero = 1 | 2`): in a data-parallel run, each rank keeps the AdamW moments and
+//! the f32 master weights of its own share of the parameters only.
 //!
-//! Every parameter has one owner. After the gradients are averaged, a rank updates the parameters
-//! it owns and drops the other gradients; the owners then hand every rank the new compute form of
-//! their parameters (the bf16 or f16 copy of the weights that run in the compute dtype, the f32
-//! value of the others). A rank that does not own a weight with a low-precision copy holds that
-//! copy only: its f32 master and moments live on the owner.
+//! Every parameter has one owner. A rank updates the parameters it owns; the owners then hand
+//! every rank the new compute form of their parameters (the bf16 or f16 copy of the weights that
+//! run in the compute dtype, the f32 value of the others). A rank that does not own a weight with
+//! a low-precision copy holds that copy only: its f32 master and moments live on the owner.
 //!
-//! Burn's collectives offer all-reduce alone, so the hand-over is an all-reduce sum in which every
-//! rank but the owner contributes zeros (exact: `x + 0 = x`). It moves each value twice over the
-//! links where NCCL's all-gather would move it once, and the gradient average stays a full
-//! all-reduce (a reduce-scatter would move half): ZeRO-1 here trades communication for memory.
+//! - **Stage 1**: the gradients are averaged on every rank (an all-reduce, as without ZeRO); a
+//!   rank then drops the gradients of the parameters it does not own.
+//! - **Stage 2** (runs of one process per GPU): each gradient is averaged onto its owner alone
+//!   (NCCL's reduce), and every other rank drops it as soon as it is sent; the global gradient
+//!   norm (for clipping) is the square root of the ranks' summed sums of squares over their own
+//!   gradients. The gradients move as much as in an all-reduce, and the hand-over of the
+//!   compute weights is a broadcast from each owner: stage 2 costs about what plain data
+//!   parallelism costs.
 //!
-//! A checkpoint needs the whole masters and moments on rank 0: every rank reads its share back
-//! ([`Shard::share`]) and rank 0 assembles them ([`Shard::whole`]) for the moment it writes the
-//! file. Evaluation needs nothing more: it runs on the compute weights, which every rank holds.
+//! How the hand-over travels: between processes, NCCL's broadcast from the owner. Between the
+//! threads of one process, Burn's collectives offer all-reduce alone, so it is an all-reduce sum
+//! in which every rank but the owner contributes zeros (exact: `x + 0 = x`), which moves each
+//! value twice over the links; stage 2 is refused there.
+//!
+//! A checkpoint needs the whole masters and moments on rank 0. Threads: every rank reads its share
+//! back ([`Shard::share`]) and rank 0 assembles them ([`Shard::whole`]). Processes: every rank
+//! takes part in one broadcast per tensor from its owner ([`Shard::gather_whole`]). Evaluation
+//! needs nothing more: it runs on the compute weights, which every rank holds.
 
 use std::collections::{HashMap, HashSet};
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_backend::DeviceId;
+use kernels::collective::ProcessGroup;
 
-use super::collective::{reduce, Collective, Peers, ReduceOperation};
+use super::collective::{broadcast, reduce, reduce_to, Collective, Peers, ReduceOperation};
 use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
 
 /// Assigns each parameter, given by its number of elements, to one of `ranks` ranks: the largest
@@ -60,12 +71,31 @@ pub fn parameters<B: Backend, M: burn::module::Module<B>>(module: &M) -> Vec<(Pa
     l.0
 }
 
-/// One rank's share of a ZeRO-1 run.
+/// The ranks of a ZeRO run, as the hand-over reaches them.
+#[derive(Clone)]
+pub enum Members {
+    /// Threads of this process: every rank's device id, as Burn's collectives name them.
+    Threads(Vec<DeviceId>),
+    /// Processes of their own, in an NCCL communicator.
+    Processes(ProcessGroup),
+}
+
+impl Members {
+    fn world(&self) -> usize {
+        match self {
+            Members::Threads(ids) => ids.len(),
+            Members::Processes(g) => g.world(),
+        }
+    }
+}
+
+/// One rank's share of a ZeRO run.
 #[derive(Clone)]
 pub struct Shard {
     pub rank: usize,
-    /// Every rank's device id, as the collectives name them.
-    pub ids: Vec<DeviceId>,
+    /// 1 or 2 (see the module's description).
+    pub stage: u8,
+    members: Members,
     owner: HashMap<ParamId, usize>,
     /// The compute dtype and the weights that run in it through a copy (none when it is f32).
     copy: Option<(FloatDType, HashSet<ParamId>)>,
@@ -86,27 +116,42 @@ pub struct Split {
 }
 
 impl Shard {
-    /// Rank `rank`'s share of `params` (see [`parameters`]) over the ranks of `ids`; `copy` as in
-    /// [`Shard::copy`].
+    /// Rank `rank`'s share of `params` (see [`parameters`]) over `members`, at ZeRO stage
+    /// `stage`; `copy`: the compute dtype and the weights that run in it through a copy (none in
+    /// f32).
+    ///
+    /// # Panics
+    /// At stage 2 between threads (Burn's collectives have no reduce to one rank).
     pub fn new(
         params: &[(ParamId, usize)],
         rank: usize,
-        ids: Vec<DeviceId>,
+        members: Members,
         copy: Option<(FloatDType, HashSet<ParamId>)>,
+        stage: u8,
     ) -> Self {
+        assert!(
+            stage == 1 || matches!(members, Members::Processes(_)),
+            "ZeRO-{stage} needs a run of processes"
+        );
         let sizes: Vec<usize> = params.iter().map(|p| p.1).collect();
-        let owners = partition(&sizes, ids.len());
+        let owners = partition(&sizes, members.world());
         Self {
             rank,
-            ids,
+            stage,
+            members,
             owner: params.iter().map(|p| p.0).zip(owners).collect(),
             copy,
         }
     }
 
+    /// How many ranks share the state.
+    pub fn world(&self) -> usize {
+        self.members.world()
+    }
+
     /// The elements each rank owns, for the log.
     pub fn split(&self, params: &[(ParamId, usize)]) -> Split {
-        let mut owned = vec![0; self.ids.len()];
+        let mut owned = vec![0; self.world()];
         for (id, n) in params {
             owned[self.owner[id]] += n;
         }
@@ -213,9 +258,19 @@ impl Shard {
                         None => x.clone().cast(dt),
                     },
                     (true, None) => x.clone(),
-                    (false, _) => x.zeros_like(),
+                    // The parameter's value on a non-owner is already in the compute form's
+                    // dtype (the copy, or f32).
+                    (false, _) => match &self.shard.members {
+                        Members::Threads(_) => x.zeros_like(),
+                        Members::Processes(_) => Tensor::empty(x.shape(), (&x.device(), x.dtype())),
+                    },
                 };
-                let got = reduce(mine, ReduceOperation::Sum, Peers::Threads(&self.shard.ids));
+                let got = match &self.shard.members {
+                    Members::Threads(ids) => {
+                        reduce(mine, ReduceOperation::Sum, Peers::Threads(ids))
+                    }
+                    Members::Processes(g) => broadcast(mine, self.shard.owner[&id], g),
+                };
                 let value = match (owns, dt) {
                     (true, Some(_)) => {
                         self.copies.insert(id, to_prim(got));
@@ -236,10 +291,132 @@ impl Shard {
             device: None,
         };
         let model = model.map(&mut p);
-        if let Some(d) = p.device {
+        // Between processes the broadcasts run on CubeCL's stream, in its order.
+        if let (Some(d), Members::Threads(_)) = (p.device, &self.members) {
             <AB::InnerBackend as Collective>::sync(&d);
         }
         model
+    }
+
+    /// ZeRO-2: averages each gradient onto its owner (NCCL's reduce, in the module's order, the
+    /// same on every rank); a rank keeps the gradients of the parameters it owns and drops the
+    /// others once sent.
+    pub fn reduce_grads<AB, M>(&self, module: &M, grads: &mut GradientsParams)
+    where
+        AB: AutodiffBackend,
+        AB::InnerBackend: Collective,
+        M: AutodiffModule<AB>,
+    {
+        let Members::Processes(group) = &self.members else {
+            unreachable!("ZeRO-2 runs between processes only")
+        };
+        struct ToOwner<'a> {
+            shard: &'a Shard,
+            group: &'a ProcessGroup,
+            grads: &'a mut GradientsParams,
+        }
+        impl<AB: AutodiffBackend> ModuleVisitor<AB> for ToOwner<'_>
+        where
+            AB::InnerBackend: Collective,
+        {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) else {
+                    return;
+                };
+                let owner = self.shard.owner[&param.id];
+                let mean = reduce_to(g, ReduceOperation::Mean, owner, self.group);
+                if owner == self.shard.rank {
+                    self.grads.register::<AB::InnerBackend, D>(param.id, mean);
+                }
+            }
+        }
+        module.visit(&mut ToOwner {
+            shard: self,
+            group,
+            grads,
+        });
+    }
+
+    /// A run of processes, on every rank at the same step: the whole f32 model and optimizer
+    /// state on rank 0 (`Some` there, for a checkpoint), each parameter's master and moments
+    /// broadcast from its owner in the module's order. Moments travel once the optimizer has
+    /// stepped (every owned parameter has them then; before, no rank has any).
+    pub fn gather_whole<AB, M>(
+        &self,
+        model: &M,
+        opt: &AdamW<AB::InnerBackend>,
+    ) -> Option<(M, AdamW<AB::InnerBackend>)>
+    where
+        AB: AutodiffBackend,
+        AB::InnerBackend: Collective,
+        M: AutodiffModule<AB>,
+    {
+        let Members::Processes(group) = &self.members else {
+            unreachable!("threads gather through Shard::share and Shard::whole")
+        };
+        struct Gather<'a, B: Backend> {
+            shard: &'a Shard,
+            group: &'a ProcessGroup,
+            opt: &'a AdamW<B>,
+            moments: HashMap<ParamId, Moments<B>>,
+        }
+        impl<AB: AutodiffBackend> ModuleMapper<AB> for Gather<'_, AB::InnerBackend>
+        where
+            AB::InnerBackend: Collective,
+        {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<AB, D>>,
+            ) -> Param<Tensor<AB, D>> {
+                let (id, tensor, mapper) = param.consume();
+                let grad = tensor.is_require_grad();
+                let x = tensor.inner();
+                let owner = self.shard.owner[&id];
+                let mine = owner == self.shard.rank;
+                // The owner's master and moments (zeros, AdamW's start, for a parameter that
+                // never had a gradient); elsewhere, f32 buffers of the same shape to receive them.
+                let (shape, device) = (x.shape(), x.device());
+                let send = |t: Option<Tensor<AB::InnerBackend, D>>| {
+                    let t = match (mine, t) {
+                        (true, Some(t)) => t,
+                        (true, None) => Tensor::zeros(shape.clone(), (&device, DType::F32)),
+                        (false, _) => Tensor::empty(shape.clone(), (&device, DType::F32)),
+                    };
+                    broadcast(t, owner, self.group)
+                };
+                let master = send(Some(x.clone()));
+                if self.opt.step > 0 {
+                    let held = self.opt.moments.get(&id);
+                    let (m, v) = (
+                        send(held.map(|s| to_tensor::<_, D>(&s.m))),
+                        send(held.map(|s| to_tensor::<_, D>(&s.v))),
+                    );
+                    self.moments.insert(
+                        id,
+                        Moments {
+                            m: to_prim(m),
+                            v: to_prim(v),
+                        },
+                    );
+                }
+                Param::from_mapped_value(id, with_grad(Tensor::from_inner(master), grad), mapper)
+            }
+        }
+        let mut g = Gather {
+            shard: self,
+            group,
+            opt,
+            moments: HashMap::new(),
+        };
+        let whole_model = model.clone().map(&mut g);
+        if self.rank != 0 {
+            return None;
+        }
+        let mut whole_opt = opt.clone();
+        whole_opt.owned = None;
+        whole_opt.copies.clear();
+        whole_opt.moments = g.moments;
+        Some((whole_model, whole_opt))
     }
 
     /// This rank's share of the state, read back to the host: the f32 master of every parameter it

@@ -121,3 +121,27 @@ pub(super) fn human(x: f64) -> String {
         format!("{x:.0}")
     }
 }
+
+/// The log line of a ZeRO run: the stage, and how many parameters each rank (`names`) owns.
+pub(super) fn zero_line(
+    shard: &crate::parallel::zero::Shard,
+    split: &crate::parallel::zero::Split,
+    names: impl Iterator<Item = String>,
+) -> String {
+    let shares = names
+        .zip(&split.owned)
+        .map(|(name, n)| format!("{name} {}", human(*n as f64)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let kept = if shard.stage == 2 {
+        "the f32 master weights, AdamW moments and averaged gradients"
+    } else {
+        "the f32 master weights and AdamW moments"
+    };
+    format!(
+        "ZeRO-{}: each GPU keeps {kept} of its share of the {} parameters ({shares}); \
+         the other weights it holds only as the compute copy",
+        shard.stage,
+        human(split.total as f64),
+    )
+}
