@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{master_weights, opts, read_metrics, scratch, serial, tiny_config};
+use common::{master_weights, opts, read_metrics, scratch, serial, tiny_config_on};
 use trainer::checkpoint;
 use trainer::config::{Config, DeviceKind, Devices, PrecisionKind};
 use trainer::device::Selected;
@@ -17,8 +17,7 @@ fn cuda() -> Selected {
 }
 
 fn config(precision: PrecisionKind, batch: usize, devices: Devices) -> Config {
-    let mut cfg = tiny_config(20);
-    cfg.device = DeviceKind::Cuda;
+    let mut cfg = tiny_config_on(DeviceKind::Cuda, 20);
     cfg.precision = precision;
     // The GPU's own kernels, as a real run uses them.
     cfg.model.kernels = model::KernelsKind::Auto;

@@ -395,8 +395,7 @@ fn train_config(
     batch: usize,
     steps: usize,
 ) -> trainer::config::Config {
-    let mut cfg = common::tiny_config(steps);
-    cfg.device = trainer::config::DeviceKind::Cuda;
+    let mut cfg = common::tiny_config_on(trainer::config::DeviceKind::Cuda, steps);
     cfg.precision = precision;
     cfg.model.kernels = model::KernelsKind::Auto;
     cfg.model.attention = model::AttentionKind::Auto;
@@ -429,14 +428,16 @@ fn train_worker() {
     println!("rank {}: trained", opts.place.unwrap().rank);
 }
 
-/// A run's per-step losses and final checkpoint (header and values).
+/// A run's per-step losses and final checkpoint (header and values; a sharded checkpoint reads
+/// as the whole one).
 fn read_run(dir: &Path, steps: usize) -> (Vec<f64>, trainer::checkpoint::Header, Vec<f32>) {
     let losses = common::read_metrics(dir).iter().map(|r| r.loss).collect();
-    let (h, v) = trainer::checkpoint::read(
-        &dir.join("checkpoints")
-            .join(trainer::checkpoint::file_name(steps as u64)),
-    )
-    .unwrap();
+    let (step, path) = trainer::checkpoint::list(dir)
+        .unwrap()
+        .pop()
+        .expect("a checkpoint");
+    assert_eq!(step, steps as u64, "{}", path.display());
+    let (h, v) = trainer::checkpoint::read(&path).unwrap();
     (losses, h, v)
 }
 
@@ -533,8 +534,9 @@ fn two_processes_train_like_one_gpu_with_the_doubled_batch() {
 }
 
 /// ZeRO-1 and ZeRO-2 between two processes train as one GPU with the doubled batch does (see
-/// [`assert_like_one_gpu`]; the checkpoint's masters and moments are gathered from both ranks),
-/// in bf16, where the weights that a rank does not own travel as their bf16 compute copy.
+/// [`assert_like_one_gpu`]), in bf16, where the weights that a rank does not own travel as their
+/// bf16 compute copy. Their checkpoints are sharded (each rank wrote its masters and moments) and
+/// read as the whole one; consolidated into one file, they read the same.
 #[test]
 #[ignore = "needs a GPU and NCCL"]
 fn zero_1_and_2_between_processes_train_like_one_gpu() {
@@ -552,6 +554,17 @@ fn zero_1_and_2_between_processes_train_like_one_gpu() {
         );
         let lr = train_config(precision, 8, steps).optimizer.lr;
         assert_like_one_gpu(&what, &one, &two, steps, tolerances(precision), lr);
+        let (_, sharded) = trainer::checkpoint::list(&two).unwrap().pop().unwrap();
+        assert!(
+            sharded.is_dir(),
+            "{what}: not sharded: {}",
+            sharded.display()
+        );
+        let out = two.join("consolidated.ckpt");
+        trainer::checkpoint::shards::consolidate(&sharded, &out).unwrap();
+        let (hs, vs) = trainer::checkpoint::read(&sharded).unwrap();
+        let (hc, vc) = trainer::checkpoint::read(&out).unwrap();
+        assert_eq!((hs.params, hs.devices, vs), (hc.params, 2, vc), "{what}");
     }
 }
 

@@ -222,7 +222,7 @@ fn checkpoints_are_complete_or_refused() {
     let (mut header, _) = checkpoint::read(&newest).unwrap();
     assert_eq!(header.devices, 1);
     header.devices = 2;
-    let e = trainer::resume::check_continues(&header, &cfg).unwrap_err();
+    let e = trainer::resume::check_continues(&header, &cfg, 1).unwrap_err();
     assert!(
         e.contains("training.devices = 2 GPUs") && e.contains("this run: 1"),
         "{e}"
@@ -240,4 +240,122 @@ fn checkpoints_are_complete_or_refused() {
     assert_eq!(s.resumed_from, Some(6));
     assert_eq!(read_metrics(&dir).len(), 8);
     assert!(!stray.exists(), "the next save removes stray temporaries");
+}
+
+/// A sharded checkpoint (each of 3 ranks' share of the parameters, then rank 0's manifest) reads
+/// as the whole checkpoint of the same state and consolidates into a file that reads the same; it
+/// is listed only once sealed; a missing, damaged or misplaced shard is refused, naming the file.
+#[test]
+fn a_sharded_checkpoint_reads_as_the_whole_one() {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    use checkpoint::shards;
+    use std::collections::HashSet;
+    type B = trainer::CpuBackend;
+    type Inner = burn::backend::NdArray;
+
+    let cfg = tiny_config(1);
+    let device = burn::backend::ndarray::NdArrayDevice::Cpu;
+    let model = model::Gpt::<B>::new(&cfg.model, 40, &device);
+    let mut opt = trainer::optim::AdamW::<Inner>::new(cfg.optimizer.clone(), HashSet::new());
+    opt.step = 7;
+    // Moments for every other parameter (one without them checks `has_moments` per shard).
+    struct Fill<'a>(&'a mut trainer::optim::AdamW<Inner>, usize);
+    impl ModuleVisitor<B> for Fill<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.1 += 1;
+            if self.1.is_multiple_of(2) {
+                let x = p.val().inner();
+                let m = x.clone().mul_scalar(0.5).into_primitive().tensor();
+                let v = x.powf_scalar(2.0).into_primitive().tensor();
+                self.0
+                    .moments
+                    .insert(p.id, trainer::optim::Moments { m, v });
+            }
+        }
+    }
+    model.visit(&mut Fill(&mut opt, 0));
+    let recipe = cfg.recipe().unwrap();
+    let scaler = trainer::precision::LossScaler::new(recipe.loss_scaling().clone());
+    let (step, world) = (5, 3);
+    let info = checkpoint::SaveInfo {
+        cfg: &cfg,
+        vocab_size: 40,
+        step,
+        best_val_loss: Some(1.5),
+        elapsed_s: 3.0,
+        precision: (&recipe, &scaler.state),
+        replica_checksums: &[9, 9, 9],
+        world,
+    };
+    let whole_dir = scratch("ckpt_whole");
+    let whole = checkpoint::save::<B, _>(&whole_dir, &model, &opt, &info, 10).unwrap();
+    let (hw, vw) = checkpoint::read(&whole).unwrap();
+
+    let dir = scratch("ckpt_sharded");
+    let params = trainer::parallel::zero::parameters(&model);
+    let sizes: Vec<usize> = params.iter().map(|p| p.1).collect();
+    let owners = trainer::parallel::zero::partition(&sizes, world);
+    let owned = |rank: usize| -> HashSet<_> {
+        params
+            .iter()
+            .zip(&owners)
+            .filter(|(_, o)| **o == rank)
+            .map(|(p, _)| p.0)
+            .collect()
+    };
+    for rank in 0..2 {
+        shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(rank), rank).unwrap();
+    }
+    // Not complete: neither listed nor read, and rank 0 refuses to seal it.
+    assert!(checkpoint::list(&dir).unwrap().is_empty());
+    let sharded = checkpoint::dir(&dir).join(shards::dir_name(step));
+    let e = format!("{:#}", checkpoint::read(&sharded).unwrap_err());
+    assert!(e.contains("unfinished"), "{e}");
+    let e = format!(
+        "{:#}",
+        shards::seal::<B, _>(&dir, &model, step, world, 10).unwrap_err()
+    );
+    assert!(
+        e.contains("rank_00002.ckpt") && e.contains("missing"),
+        "{e}"
+    );
+    shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(2), 2).unwrap();
+    shards::seal::<B, _>(&dir, &model, step, world, 10).unwrap();
+    assert_eq!(
+        checkpoint::list(&dir).unwrap(),
+        vec![(step, sharded.clone())]
+    );
+
+    let (hs, vs) = checkpoint::read(&sharded).unwrap();
+    assert_eq!(hs.params, hw.params);
+    assert_eq!(vs, vw);
+    assert_eq!(
+        (hs.step, hs.optimizer_step, hs.devices, hs.shard),
+        (step, 7, world, None)
+    );
+    assert!(hs.params.iter().any(|p| p.has_moments) && hs.params.iter().any(|p| !p.has_moments));
+    let out = checkpoint::dir(&dir).join("consolidated.ckpt");
+    shards::consolidate(&sharded, &out).unwrap();
+    let (hc, vc) = checkpoint::read(&out).unwrap();
+    assert_eq!((hc.params, vc), (hw.params, vw));
+
+    // A damaged shard, and a shard in another rank's place, are refused by name.
+    let shard1 = sharded.join("rank_00001.ckpt");
+    let good = std::fs::read(&shard1).unwrap();
+    let mut bad = good.clone();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0xff;
+    std::fs::write(&shard1, &bad).unwrap();
+    let e = format!("{:#}", checkpoint::read(&sharded).unwrap_err());
+    assert!(
+        e.contains("rank_00001.ckpt") && e.contains("damaged"),
+        "{e}"
+    );
+    std::fs::copy(sharded.join("rank_00000.ckpt"), &shard1).unwrap();
+    let e = format!("{:#}", checkpoint::read(&sharded).unwrap_err());
+    assert!(
+        e.contains("rank_00001.ckpt") && e.contains("not rank 1's shard"),
+        "{e}"
+    );
 }

@@ -102,8 +102,14 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 /// A model and run small enough for a test: 1-2 seconds of lavapipe per few steps.
 pub fn tiny_config(steps: usize) -> Config {
+    tiny_config_on(device_kind(), steps)
+}
+
+/// [`tiny_config`] on `device` (without probing wgpu, whose probe prints a panic's message
+/// where there is no Vulkan driver).
+pub fn tiny_config_on(device: trainer::config::DeviceKind, steps: usize) -> Config {
     let mut cfg = Config {
-        device: device_kind(),
+        device,
         ..Config::default()
     };
     // Explicit rather than "auto": these tests exercise the trainer, not the kernels.

@@ -128,9 +128,21 @@ fn launch(cli: &Cli, nproc: usize, run_dir: &std::path::Path) -> Result<()> {
         args.push(run_dir.as_os_str().to_owned());
     }
     let first = plan.node_rank * nproc;
+    let (processes, ranks, gpus) = if nproc == 1 {
+        (
+            "1 process".to_string(),
+            format!("rank {first}"),
+            "GPU 0".to_string(),
+        )
+    } else {
+        (
+            format!("{nproc} processes"),
+            format!("ranks {first}..{}", first + nproc),
+            format!("GPUs 0..{nproc}"),
+        )
+    };
     println!(
-        "launching {nproc} processes on this node (ranks {first}..{} of {}, GPUs 0..{nproc}), rendezvous at {}:{}; run directory: {}",
-        first + nproc,
+        "launching {processes} on this node ({ranks} of {}, {gpus}), rendezvous at {}:{}; run directory: {}",
         plan.nnodes * nproc,
         plan.master_addr,
         plan.master_port,

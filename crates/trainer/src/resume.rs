@@ -34,8 +34,14 @@ pub fn newest(run_dir: &Path, existing: &[(u64, PathBuf)]) -> Result<(PathBuf, H
 /// Whether training `cfg` may continue from a checkpoint with `header`: the batches and dropout
 /// masks of a resumed run are functions of the seed, the batch shape and the data, so changing any
 /// of them would silently continue a different run; and a recipe switched mid-run is a different
-/// experiment (master weights are f32 whatever the recipe). The error lists every difference.
-pub fn check_continues(header: &Header, cfg: &Config) -> std::result::Result<(), String> {
+/// experiment (master weights are f32 whatever the recipe). `world`: the GPUs this run trains on
+/// (threads of one process or processes), each of which reads its own share of every batch. The
+/// error lists every difference.
+pub fn check_continues(
+    header: &Header,
+    cfg: &Config,
+    world: usize,
+) -> std::result::Result<(), String> {
     let mut differ = Vec::new();
     if header.seed != cfg.seed {
         differ.push(format!("seed = {} (this run: {})", header.seed, cfg.seed));
@@ -52,10 +58,9 @@ pub fn check_continues(header: &Header, cfg: &Config) -> std::result::Result<(),
             header.grad_accum, cfg.training.grad_accum
         ));
     }
-    let devices = cfg.training.devices.count().unwrap_or(1);
-    if header.devices != devices {
+    if header.devices != world {
         differ.push(format!(
-            "training.devices = {} GPU{} (this run: {devices}; each GPU reads its own share of every batch)",
+            "training.devices = {} GPU{} (this run: {world}; each GPU reads its own share of every batch)",
             header.devices,
             if header.devices == 1 { "" } else { "s" }
         ));

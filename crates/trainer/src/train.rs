@@ -670,38 +670,40 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
     }
 
     /// Writes the checkpoint of step `done`; in a data-parallel run, with every rank's weights
-    /// checksum, and an error (after writing rank 0's) when the replicas differ.
+    /// checksum, and an error (after writing the checkpoint) when the replicas differ. A run of
+    /// processes under ZeRO writes a sharded checkpoint: every rank its share.
     fn checkpoint(&self, model: &Gpt<B>, done: u64) -> Result<()> {
         let cfg = self.cfg;
         let checksums = self.group.checksums(model, &self.opt);
-        // ZeRO: the whole masters and moments, gathered on rank 0 for the file (every rank of a
-        // run of processes takes part).
-        let whole = self.group.gather(model, &self.opt);
-        if !self.group.writes() {
-            // Rank 0 of a run of processes writes the checkpoint, and stops the run if the
-            // checksums differ.
-            return Ok(());
-        }
-        let (model, opt) = match &whole {
-            Some((m, o)) => (m, o),
-            None => (model, &self.opt),
-        };
         let p = &self.progress;
-        let elapsed = p.elapsed_before + p.session_start.elapsed().as_secs_f64();
-        checkpoint::save::<B, _>(
-            &self.opts.run_dir,
-            model,
-            opt,
+        let info = checkpoint::SaveInfo {
             cfg,
-            self.vocab,
-            done,
-            p.best_val,
-            elapsed,
-            cfg.training.keep_checkpoints,
-            (&self.recipe, &self.scaler.state),
-            &checksums,
-        )?;
-        if let Some(r) = checksums.iter().position(|c| *c != checksums[0]) {
+            vocab_size: self.vocab,
+            step: done,
+            best_val_loss: p.best_val,
+            elapsed_s: p.elapsed_before + p.session_start.elapsed().as_secs_f64(),
+            precision: (&self.recipe, &self.scaler.state),
+            replica_checksums: &checksums,
+            world: self.group.size(),
+        };
+        let keep = cfg.training.keep_checkpoints;
+        if let (Some(shard), Some(_)) = (self.group.zero(), self.group.process()) {
+            self.save_shards(model, shard, &info)?;
+        } else if self.group.writes() {
+            // ZeRO between threads: the whole masters and moments, gathered on rank 0.
+            let whole = self.group.gather(model, &self.opt);
+            let (model, opt) = match &whole {
+                Some((m, o)) => (m, o),
+                None => (model, &self.opt),
+            };
+            checkpoint::save::<B, _>(&self.opts.run_dir, model, opt, &info, keep)?;
+        }
+        // Rank 0 stops the run if the replicas differ (and the others then end with it).
+        if let Some(r) = checksums
+            .iter()
+            .position(|c| *c != checksums[0])
+            .filter(|_| self.group.writes())
+        {
             let gpu = self
                 .group
                 .data_parallel()
@@ -712,6 +714,40 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 checksums[r],
                 checksums[0]
             );
+        }
+        Ok(())
+    }
+
+    /// A run of processes under ZeRO: every rank writes its shard of the checkpoint; once all
+    /// have (they say so through one all-reduce), rank 0 writes the manifest that completes it.
+    fn save_shards(
+        &self,
+        model: &Gpt<B>,
+        shard: &crate::parallel::zero::Shard,
+        info: &checkpoint::SaveInfo<'_>,
+    ) -> Result<()> {
+        let (run_dir, step) = (&self.opts.run_dir, info.step);
+        let wrote = checkpoint::shards::save_shard::<B, _>(
+            run_dir,
+            model,
+            &self.opt,
+            info,
+            &shard.owned(),
+            shard.rank,
+        );
+        let failed = self.group.failed_ranks(wrote.is_err());
+        wrote?;
+        if !failed.is_empty() {
+            let ranks: Vec<String> = failed.iter().map(|r| r.to_string()).collect();
+            bail!(
+                "rank {} could not write its shard of the checkpoint of step {step}; that checkpoint is incomplete \
+                 and will not be resumed from (the previous one stays)",
+                ranks.join(", ")
+            );
+        }
+        if self.group.writes() {
+            let keep = self.cfg.training.keep_checkpoints;
+            checkpoint::shards::seal::<B, _>(run_dir, model, step, info.world, keep)?;
         }
         Ok(())
     }
@@ -849,7 +885,11 @@ fn resume<B: crate::TrainBackend>(
     console: &Console,
 ) -> Result<(Gpt<B>, checkpoint::Restored)> {
     let (path, header, values) = crate::resume::newest(&opts.run_dir, existing)?;
-    crate::resume::check_continues(&header, cfg).map_err(|why| {
+    let world = match &opts.place {
+        Some(place) => place.world_size,
+        None => cfg.training.devices.count().unwrap_or(1),
+    };
+    crate::resume::check_continues(&header, cfg, world).map_err(|why| {
         anyhow::anyhow!("checkpoint {} does not fit this run: {why}", path.display())
     })?;
     let (model, restored) =

@@ -240,19 +240,31 @@ impl<B: crate::TrainBackend> Group<B> {
             .unwrap_or_default()
     }
 
-    /// ZeRO: the whole model and optimizer state on rank 0, for a checkpoint (`None` without
-    /// ZeRO, where rank 0 holds them, and on the other ranks). Every rank of a run of processes
-    /// calls it at the same step.
+    /// ZeRO between threads: the whole model and optimizer state on rank 0, for a checkpoint
+    /// (`None` without ZeRO: rank 0 holds them). A run of processes under ZeRO writes a sharded
+    /// checkpoint instead.
     pub fn gather(
         &self,
         model: &Gpt<B>,
         opt: &AdamW<B::InnerBackend>,
     ) -> Option<(Gpt<B>, AdamW<B::InnerBackend>)> {
-        match (&self.others, &self.process_zero) {
-            (Some(r), _) => r.gather(model, opt),
-            (None, Some((shard, _))) => shard.gather_whole::<B, _>(model, opt),
-            (None, None) => None,
-        }
+        self.others.as_ref().and_then(|r| r.gather(model, opt))
+    }
+
+    /// The ranks that report `failed` (this one's), in order; every rank of a run of processes
+    /// calls it at the same point (one all-reduce). Without other processes, this rank's alone.
+    pub fn failed_ranks(&self, failed: bool) -> Vec<usize> {
+        let Some(p) = &self.process else {
+            return if failed { vec![0] } else { Vec::new() };
+        };
+        let mut slots = vec![0f32; p.world()];
+        slots[p.rank()] = if failed { 1.0 } else { 0.0 };
+        let all = Tensor::<B, 1>::from_floats(slots.as_slice(), &self.device).inner();
+        let all = reduce(all, ReduceOperation::Sum, Peers::Processes(p));
+        let values = all.into_data().to_vec::<f32>().unwrap_or_default();
+        (0..p.world())
+            .filter(|&r| values.get(r).is_some_and(|v| *v > 0.0))
+            .collect()
     }
 }
 

@@ -20,10 +20,11 @@
 //! in which every rank but the owner contributes zeros (exact: `x + 0 = x`), which moves each
 //! value twice over the links; stage 2 is refused there.
 //!
-//! A checkpoint needs the whole masters and moments on rank 0. Threads: every rank reads its share
-//! back ([`Shard::share`]) and rank 0 assembles them ([`Shard::whole`]). Processes: every rank
-//! takes part in one broadcast per tensor from its owner ([`Shard::gather_whole`]). Evaluation
-//! needs nothing more: it runs on the compute weights, which every rank holds.
+//! Checkpoints. Threads: every rank reads its share back ([`Shard::share`]) and rank 0 assembles
+//! the whole masters and moments ([`Shard::whole`]) for one file. Processes: every rank writes its
+//! share from its own GPU as a shard of a sharded checkpoint (`crate::checkpoint::shards`), so no
+//! rank ever holds the whole state. Evaluation needs nothing more: it runs on the compute weights,
+//! which every rank holds.
 
 use std::collections::{HashMap, HashSet};
 
@@ -335,88 +336,6 @@ impl Shard {
             group,
             grads,
         });
-    }
-
-    /// A run of processes, on every rank at the same step: the whole f32 model and optimizer
-    /// state on rank 0 (`Some` there, for a checkpoint), each parameter's master and moments
-    /// broadcast from its owner in the module's order. Moments travel once the optimizer has
-    /// stepped (every owned parameter has them then; before, no rank has any).
-    pub fn gather_whole<AB, M>(
-        &self,
-        model: &M,
-        opt: &AdamW<AB::InnerBackend>,
-    ) -> Option<(M, AdamW<AB::InnerBackend>)>
-    where
-        AB: AutodiffBackend,
-        AB::InnerBackend: Collective,
-        M: AutodiffModule<AB>,
-    {
-        let Members::Processes(group) = &self.members else {
-            unreachable!("threads gather through Shard::share and Shard::whole")
-        };
-        struct Gather<'a, B: Backend> {
-            shard: &'a Shard,
-            group: &'a ProcessGroup,
-            opt: &'a AdamW<B>,
-            moments: HashMap<ParamId, Moments<B>>,
-        }
-        impl<AB: AutodiffBackend> ModuleMapper<AB> for Gather<'_, AB::InnerBackend>
-        where
-            AB::InnerBackend: Collective,
-        {
-            fn map_float<const D: usize>(
-                &mut self,
-                param: Param<Tensor<AB, D>>,
-            ) -> Param<Tensor<AB, D>> {
-                let (id, tensor, mapper) = param.consume();
-                let grad = tensor.is_require_grad();
-                let x = tensor.inner();
-                let owner = self.shard.owner[&id];
-                let mine = owner == self.shard.rank;
-                // The owner's master and moments (zeros, AdamW's start, for a parameter that
-                // never had a gradient); elsewhere, f32 buffers of the same shape to receive them.
-                let (shape, device) = (x.shape(), x.device());
-                let send = |t: Option<Tensor<AB::InnerBackend, D>>| {
-                    let t = match (mine, t) {
-                        (true, Some(t)) => t,
-                        (true, None) => Tensor::zeros(shape.clone(), (&device, DType::F32)),
-                        (false, _) => Tensor::empty(shape.clone(), (&device, DType::F32)),
-                    };
-                    broadcast(t, owner, self.group)
-                };
-                let master = send(Some(x.clone()));
-                if self.opt.step > 0 {
-                    let held = self.opt.moments.get(&id);
-                    let (m, v) = (
-                        send(held.map(|s| to_tensor::<_, D>(&s.m))),
-                        send(held.map(|s| to_tensor::<_, D>(&s.v))),
-                    );
-                    self.moments.insert(
-                        id,
-                        Moments {
-                            m: to_prim(m),
-                            v: to_prim(v),
-                        },
-                    );
-                }
-                Param::from_mapped_value(id, with_grad(Tensor::from_inner(master), grad), mapper)
-            }
-        }
-        let mut g = Gather {
-            shard: self,
-            group,
-            opt,
-            moments: HashMap::new(),
-        };
-        let whole_model = model.clone().map(&mut g);
-        if self.rank != 0 {
-            return None;
-        }
-        let mut whole_opt = opt.clone();
-        whole_opt.owned = None;
-        whole_opt.copies.clear();
-        whole_opt.moments = g.moments;
-        Some((whole_model, whole_opt))
     }
 
     /// This rank's share of the state, read back to the host: the f32 master of every parameter it

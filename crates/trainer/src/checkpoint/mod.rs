@@ -13,7 +13,15 @@
 //!
 //! Batches, dropout masks and the learning rate are pure functions of (seed, step), so `step` is
 //! all the data-loader and RNG position a resumed run needs.
+//!
+//! A run of one process per GPU under ZeRO writes sharded checkpoints instead
+//! (`checkpoints/step_NNNNNNNN.shards/`, [`shards`]): each rank its own parameters in this format,
+//! then rank 0 a manifest. [`list`] and [`read`] take either form; a sharded one reads as the
+//! whole checkpoint it makes up.
 
+pub mod shards;
+
+use std::collections::HashSet;
 use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -73,7 +81,35 @@ pub struct Header {
     /// (rank 0's are the ones saved); equal when the replicas stayed identical.
     #[serde(default)]
     pub replica_checksums: Vec<u32>,
+    /// A shard of a sharded checkpoint ([`shards`]): whose, of how many. `None` for a whole
+    /// checkpoint (and for the whole that a sharded one reads as).
+    #[serde(default)]
+    pub shard: Option<ShardOf>,
     pub params: Vec<ParamEntry>,
+}
+
+/// Rank `rank`'s shard of a checkpoint of `world` ranks.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct ShardOf {
+    pub rank: usize,
+    pub world: usize,
+}
+
+/// What a checkpoint records besides the model and optimizer state.
+pub struct SaveInfo<'a> {
+    pub cfg: &'a Config,
+    pub vocab_size: usize,
+    /// Optimizer steps completed.
+    pub step: u64,
+    pub best_val_loss: Option<f64>,
+    /// Training wall time so far, seconds.
+    pub elapsed_s: f64,
+    pub precision: (&'a Recipe, &'a ScalerState),
+    /// A data-parallel run: each rank's weights checksum, rank 0's first.
+    pub replica_checksums: &'a [u32],
+    /// How many GPUs train (threads of one process, or processes); each reads its share of every
+    /// batch.
+    pub world: usize,
 }
 
 fn one() -> usize {
@@ -121,23 +157,29 @@ pub fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     for entry in fs::read_dir(&d).with_context(|| format!("cannot list {}", d.display()))? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().to_string();
-        if let Some(step) = name
-            .strip_prefix("step_")
-            .and_then(|s| s.strip_suffix(".ckpt"))
-        {
-            if let Ok(step) = step.parse::<u64>() {
-                out.push((step, entry.path()));
-            }
+        let Some(rest) = name.strip_prefix("step_") else {
+            continue;
+        };
+        let step = match (rest.strip_suffix(".ckpt"), rest.strip_suffix(".shards")) {
+            (Some(step), _) => step,
+            // A sharded checkpoint is complete once its manifest is in place.
+            (None, Some(step)) if shards::is_sealed(&entry.path()) => step,
+            _ => continue,
+        };
+        if let Ok(step) = step.parse::<u64>() {
+            out.push((step, entry.path()));
         }
     }
     out.sort();
     Ok(out)
 }
 
-/// Collects parameter names, shapes and values in module order.
+/// Collects parameter names, shapes and values in module order (of the parameters in `only`,
+/// when it is given).
 struct Collect<'a, B: Backend> {
     path: Vec<String>,
     opt: &'a AdamW<B>,
+    only: Option<&'a HashSet<ParamId>>,
     entries: Vec<ParamEntry>,
     payload: Vec<u8>,
 }
@@ -161,6 +203,9 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collect<'_, AB::InnerBackend> {
         self.path.pop();
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        if self.only.is_some_and(|only| !only.contains(&param.id)) {
+            return;
+        }
         // The path's last element is the field holding this parameter.
         let name = self.path.join(".");
         let value = param.val().inner();
@@ -186,19 +231,12 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collect<'_, AB::InnerBackend> {
 }
 
 /// Writes a checkpoint atomically and keeps only the newest `keep` complete ones.
-#[allow(clippy::too_many_arguments)]
 pub fn save<AB, M>(
     run_dir: &Path,
     module: &M,
     opt: &AdamW<AB::InnerBackend>,
-    cfg: &Config,
-    vocab_size: usize,
-    step: u64,
-    best_val_loss: Option<f64>,
-    elapsed_s: f64,
+    info: &SaveInfo<'_>,
     keep: usize,
-    precision: (&Recipe, &ScalerState),
-    replica_checksums: &[u32],
 ) -> Result<PathBuf>
 where
     AB: AutodiffBackend,
@@ -206,62 +244,116 @@ where
 {
     let d = dir(run_dir);
     fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
+    let bytes = encode_module::<AB, M>(module, opt, info, None, None);
+    let final_path = d.join(file_name(info.step));
+    crate::fsutil::write_atomic(&final_path, &bytes)
+        .with_context(|| format!("cannot save checkpoint {}", final_path.display()))?;
+    prune(run_dir, keep, &final_path)?;
+    Ok(final_path)
+}
+
+/// The bytes of a checkpoint of `module` and `opt` (only the parameters in `only`, when given;
+/// `shard` records whose shard that is).
+fn encode_module<AB, M>(
+    module: &M,
+    opt: &AdamW<AB::InnerBackend>,
+    info: &SaveInfo<'_>,
+    only: Option<&HashSet<ParamId>>,
+    shard: Option<ShardOf>,
+) -> Vec<u8>
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+{
     let mut c = Collect::<AB::InnerBackend> {
         path: Vec::new(),
         opt,
+        only,
         entries: Vec::new(),
         payload: Vec::new(),
     };
     module.visit(&mut c);
+    let cfg = info.cfg;
     let header = Header {
         format_version: FORMAT_VERSION,
-        step,
+        step: info.step,
         seed: cfg.seed,
         batch_size: cfg.training.batch_size,
         grad_accum: cfg.training.grad_accum,
         data: cfg.data.clone(),
         model: cfg.model.clone(),
-        vocab_size,
+        vocab_size: info.vocab_size,
         optimizer_step: opt.step,
-        best_val_loss,
-        elapsed_s,
-        precision: Some(precision.0.clone()),
-        loss_scaler: Some(precision.1.clone()),
-        devices: cfg.training.devices.count().unwrap_or(1),
-        replica_checksums: replica_checksums.to_vec(),
+        best_val_loss: info.best_val_loss,
+        elapsed_s: info.elapsed_s,
+        precision: Some(info.precision.0.clone()),
+        loss_scaler: Some(info.precision.1.clone()),
+        devices: info.world,
+        replica_checksums: info.replica_checksums.to_vec(),
+        shard,
         params: c.entries,
     };
-    let header_json = serde_json::to_vec(&header)?;
-    let mut bytes = Vec::with_capacity(c.payload.len() + header_json.len() + 24);
+    encode(&header, &c.payload)
+}
+
+/// A checkpoint's bytes: signature, header, payload (f32 LE) and the CRC-32 of all of them.
+pub(crate) fn encode(header: &Header, payload: &[u8]) -> Vec<u8> {
+    let header_json = serde_json::to_vec(header).expect("a header serialises");
+    let mut bytes = Vec::with_capacity(payload.len() + header_json.len() + 24);
     bytes.extend_from_slice(MAGIC);
     bytes.extend_from_slice(&(header_json.len() as u64).to_le_bytes());
     bytes.extend_from_slice(&header_json);
-    bytes.extend_from_slice(&c.payload);
+    bytes.extend_from_slice(payload);
     let crc = crc32fast::hash(&bytes);
     bytes.extend_from_slice(&crc.to_le_bytes());
+    bytes
+}
 
-    let final_path = d.join(file_name(step));
-    let tmp = crate::fsutil::temp_path(&final_path);
-    crate::fsutil::write_atomic(&final_path, &bytes)
-        .with_context(|| format!("cannot save checkpoint {}", final_path.display()))?;
-    // Remove stray temporaries of crashed saves and checkpoints beyond `keep`.
+/// After `written` (a checkpoint file or a sealed shard directory) is in place: removes stray
+/// temporaries of crashed saves, shard directories that never got their manifest and are older
+/// than `written`, and complete checkpoints beyond the newest `keep`.
+pub(crate) fn prune(run_dir: &Path, keep: usize, written: &Path) -> Result<()> {
+    let d = dir(run_dir);
+    let tmp = crate::fsutil::temp_path(written);
+    let all = list(run_dir)?;
+    let newest = all.last().map_or(0, |(s, _)| *s);
     for entry in fs::read_dir(&d)?.flatten() {
         let n = entry.file_name().to_string_lossy().to_string();
         if n.starts_with('.') && n.ends_with(".tmp") && entry.path() != tmp {
             let _ = fs::remove_file(entry.path());
         }
-    }
-    let all = list(run_dir)?;
-    if all.len() > keep {
-        for (_, p) in &all[..all.len() - keep] {
-            let _ = fs::remove_file(p);
+        let unsealed_step = n
+            .strip_prefix("step_")
+            .and_then(|r| r.strip_suffix(".shards"))
+            .and_then(|s| s.parse::<u64>().ok())
+            .filter(|_| !shards::is_sealed(&entry.path()));
+        if unsealed_step.is_some_and(|s| s < newest) {
+            let _ = fs::remove_dir_all(entry.path());
         }
     }
-    Ok(final_path)
+    if all.len() > keep {
+        for (_, p) in &all[..all.len() - keep] {
+            let _ = if p.is_dir() {
+                fs::remove_dir_all(p)
+            } else {
+                fs::remove_file(p)
+            };
+        }
+    }
+    Ok(())
 }
 
-/// Reads and verifies a checkpoint file; returns its header and tensor payload.
+/// Reads and verifies a checkpoint (a file, or a sharded checkpoint's directory, which reads as
+/// the whole checkpoint its shards make up); returns its header and tensor payload.
 pub fn read(path: &Path) -> Result<(Header, Vec<f32>)> {
+    if path.is_dir() {
+        return shards::read(path);
+    }
+    read_file(path)
+}
+
+/// [`read`] of one file.
+fn read_file(path: &Path) -> Result<(Header, Vec<f32>)> {
     let mut bytes = Vec::new();
     File::open(path)
         .and_then(|mut f| f.read_to_end(&mut bytes))

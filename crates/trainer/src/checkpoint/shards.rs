@@ -1,0 +1,239 @@
+//! Sharded checkpoints, written by a run of one process per GPU under ZeRO: each rank writes the
+//! parameters it owns (f32 masters and AdamW moments) from its own GPU, so that no rank ever holds
+//! the whole state.
+//!
+//! Layout of `checkpoints/step_NNNNNNNN.shards/`:
+//!
+//! ```text
+//! rank_00000.ckpt ... rank_WWWWW.ckpt   one per rank, each a checkpoint file of its parameters
+//! manifest.json                         the step, the world size, the shard files, every parameter
+//!                                       name in module order; written last, by rank 0
+//! ```
+//!
+//! Each shard is written atomically (a temporary file renamed into place); rank 0 writes the
+//! manifest once every rank has said its shard is in place, so a directory without a manifest is
+//! an unfinished save and is neither listed nor read (the next save removes it). Reading checks
+//! every shard's checksum, step and place, and assembles the whole checkpoint in module order:
+//! resuming reads a sharded checkpoint as it reads a whole one, and [`consolidate`] writes that
+//! whole checkpoint as one file.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+
+use super::{dir, encode, encode_module, prune, read_file, Header, SaveInfo, ShardOf};
+use crate::optim::AdamW;
+
+const MANIFEST: &str = "manifest.json";
+const MANIFEST_VERSION: u32 = 1;
+
+/// Directory name of the sharded checkpoint after `step` steps.
+pub fn dir_name(step: u64) -> String {
+    format!("step_{step:08}.shards")
+}
+
+/// File name of rank `rank`'s shard.
+fn shard_file(rank: usize) -> String {
+    format!("rank_{rank:05}.ckpt")
+}
+
+/// What rank 0 writes once every shard is in place.
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    format_version: u32,
+    step: u64,
+    world: usize,
+    /// The shard files, rank 0's first.
+    files: Vec<String>,
+    /// Every parameter's name, in module order.
+    params: Vec<String>,
+}
+
+/// Whether a shard directory is complete (its manifest is in place).
+pub fn is_sealed(shards: &Path) -> bool {
+    shards.join(MANIFEST).is_file()
+}
+
+/// Writes rank `rank`'s shard of the checkpoint of step `info.step`: the parameters in `owned`,
+/// with their moments. Every rank of the run calls it; then, once all have succeeded, rank 0
+/// calls [`seal`].
+pub fn save_shard<AB, M>(
+    run_dir: &Path,
+    module: &M,
+    opt: &AdamW<AB::InnerBackend>,
+    info: &SaveInfo<'_>,
+    owned: &HashSet<ParamId>,
+    rank: usize,
+) -> Result<PathBuf>
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+{
+    let d = dir(run_dir).join(dir_name(info.step));
+    std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
+    let shard = ShardOf {
+        rank,
+        world: info.world,
+    };
+    let bytes = encode_module::<AB, M>(module, opt, info, Some(owned), Some(shard));
+    let path = d.join(shard_file(rank));
+    crate::fsutil::write_atomic(&path, &bytes)
+        .with_context(|| format!("cannot save checkpoint shard {}", path.display()))?;
+    Ok(path)
+}
+
+/// On rank 0, after every rank's [`save_shard`] of step `step` succeeded: writes the manifest
+/// (which makes the checkpoint complete), then keeps only the newest `keep` checkpoints.
+pub fn seal<AB, M>(
+    run_dir: &Path,
+    module: &M,
+    step: u64,
+    world: usize,
+    keep: usize,
+) -> Result<PathBuf>
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+{
+    let d = dir(run_dir).join(dir_name(step));
+    let files: Vec<String> = (0..world).map(shard_file).collect();
+    if let Some(missing) = files.iter().find(|f| !d.join(f).is_file()) {
+        bail!(
+            "checkpoint shard {} is missing although its rank reported it written; the checkpoint of step {step} is incomplete",
+            d.join(missing).display()
+        );
+    }
+    let manifest = Manifest {
+        format_version: MANIFEST_VERSION,
+        step,
+        world,
+        files,
+        params: param_names::<AB, M>(module),
+    };
+    let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
+    crate::fsutil::write_atomic(&d.join(MANIFEST), &json)
+        .with_context(|| format!("cannot write {}", d.join(MANIFEST).display()))?;
+    prune(run_dir, keep, &d)?;
+    Ok(d)
+}
+
+/// Reads a sharded checkpoint as the whole checkpoint it makes up: the first shard's header (with
+/// no shard) and every parameter in module order, each from the shard that holds it.
+pub fn read(d: &Path) -> Result<(Header, Vec<f32>)> {
+    let m = d.join(MANIFEST);
+    if !m.is_file() {
+        bail!(
+            "{} is an unfinished sharded checkpoint: it has no {MANIFEST} (a save that did not complete); use an earlier checkpoint",
+            d.display()
+        );
+    }
+    let manifest: Manifest = std::fs::read(&m)
+        .with_context(|| format!("cannot read {}", m.display()))
+        .and_then(|b| {
+            serde_json::from_slice(&b).with_context(|| format!("{} is not a manifest", m.display()))
+        })?;
+    if manifest.files.len() != manifest.world {
+        bail!(
+            "{} lists {} shard files for {} ranks",
+            m.display(),
+            manifest.files.len(),
+            manifest.world
+        );
+    }
+    let mut first: Option<Header> = None;
+    // Each parameter's entry and values, by name.
+    let mut found: HashMap<String, (super::ParamEntry, Vec<f32>)> = HashMap::new();
+    for (rank, file) in manifest.files.iter().enumerate() {
+        let path = d.join(file);
+        let (header, values) = read_file(&path)?;
+        let want = ShardOf {
+            rank,
+            world: manifest.world,
+        };
+        if header.shard != Some(want) || header.step != manifest.step {
+            bail!(
+                "{} is not rank {rank}'s shard of step {} of {} ranks (it says {:?}, step {})",
+                path.display(),
+                manifest.step,
+                manifest.world,
+                header.shard,
+                header.step
+            );
+        }
+        let mut at = 0;
+        for entry in &header.params {
+            let n = entry.shape.iter().product::<usize>() * if entry.has_moments { 3 } else { 1 };
+            let name = entry.name.clone();
+            let values = values[at..at + n].to_vec();
+            at += n;
+            if found
+                .insert(name.clone(), (entry.clone(), values))
+                .is_some()
+            {
+                bail!("parameter {name} is in two shards of {}", d.display());
+            }
+        }
+        first.get_or_insert(header);
+    }
+    let mut header = first.expect("at least one shard");
+    header.shard = None;
+    header.params = Vec::with_capacity(manifest.params.len());
+    let mut values = Vec::new();
+    for name in &manifest.params {
+        let Some((entry, v)) = found.remove(name) else {
+            bail!(
+                "parameter {name} of {} is in none of its shards",
+                d.display()
+            );
+        };
+        header.params.push(entry);
+        values.extend(v);
+    }
+    if let Some(extra) = found.keys().next() {
+        bail!(
+            "{} holds parameter {extra}, which its manifest does not list",
+            d.display()
+        );
+    }
+    Ok((header, values))
+}
+
+/// Writes the whole checkpoint that the sharded checkpoint `shards` makes up as one checkpoint
+/// file at `out` (atomically), readable by every tool that reads checkpoints.
+pub fn consolidate(shards: &Path, out: &Path) -> Result<Header> {
+    let (header, values) = read(shards)?;
+    let payload: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+    crate::fsutil::write_atomic(out, &encode(&header, &payload))
+        .with_context(|| format!("cannot write {}", out.display()))?;
+    Ok(header)
+}
+
+/// Every parameter's name (its module path), in module order.
+fn param_names<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M) -> Vec<String> {
+    struct Names {
+        path: Vec<String>,
+        names: Vec<String>,
+    }
+    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Names {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<B, D>>) {
+            self.names.push(self.path.join("."));
+        }
+    }
+    let mut n = Names {
+        path: Vec::new(),
+        names: Vec::new(),
+    };
+    module.visit(&mut n);
+    n.names
+}
