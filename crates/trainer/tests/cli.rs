@@ -509,3 +509,33 @@ fn compare_trains_each_entry_once_and_reports() {
         );
     }
 }
+
+/// `consolidate` refuses what is not a finished sharded checkpoint with one line each: a path that
+/// is not a directory, a directory without its manifest (a save that did not complete), and an
+/// existing output file.
+#[test]
+fn consolidate_refuses_what_is_not_a_finished_sharded_checkpoint() {
+    let dir = scratch("consolidate");
+    let consolidate =
+        |args: &[&str]| without_drivers(env!("CARGO_BIN_EXE_consolidate"), &dir, args);
+    let unfinished = dir.join("step_00000010.shards");
+    std::fs::create_dir_all(&unfinished).unwrap();
+    std::fs::write(dir.join("step_00000010.ckpt"), b"in the way").unwrap();
+    for (args, want) in [
+        (vec!["missing.shards"], "is not a directory"),
+        (
+            vec!["step_00000010.shards", "--out", "out.ckpt"],
+            "unfinished sharded checkpoint",
+        ),
+        (vec!["step_00000010.shards"], "already exists"),
+    ] {
+        let out = consolidate(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains(want) && stderr.lines().count() == 1,
+            "{args:?}: {stderr}"
+        );
+    }
+    assert!(!dir.join("out.ckpt").exists());
+}
