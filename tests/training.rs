@@ -224,7 +224,7 @@ fn checkpoints_are_complete_or_refused() {
     header.devices = 2;
     let e = trainer::resume::check_continues(&header, &cfg, 1).unwrap_err();
     assert!(
-        e.contains("training.devices = 2 GPUs") && e.contains("this run: 1"),
+        e.contains("trained with 2 GPUs") && e.contains("this run: 1"),
         "{e}"
     );
     // A refused resume leaves the run's config.toml as it was.
@@ -339,6 +339,37 @@ fn a_sharded_checkpoint_reads_as_the_whole_one() {
     shards::consolidate(&sharded, &out).unwrap();
     let (hc, vc) = checkpoint::read(&out).unwrap();
     assert_eq!((hc.params, vc), (hw.params, vw));
+
+    // Pruning keeps the newest `keep` steps, each in every form it has: step 5 as a file and as
+    // shards goes once steps 6 and 7 are saved with keep = 2.
+    std::fs::copy(
+        &out,
+        checkpoint::dir(&dir).join(checkpoint::file_name(step)),
+    )
+    .unwrap();
+    for later in [step + 1, step + 2] {
+        let info = checkpoint::SaveInfo {
+            step: later,
+            ..info
+        };
+        for rank in 0..world {
+            shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(rank), rank).unwrap();
+        }
+        shards::seal::<B, _>(&dir, &model, later, world, 2).unwrap();
+    }
+    let kept: Vec<u64> = checkpoint::list(&dir)
+        .unwrap()
+        .iter()
+        .map(|c| c.0)
+        .collect();
+    assert_eq!(kept, vec![step + 1, step + 2]);
+    assert!(
+        !sharded.exists()
+            && !checkpoint::dir(&dir)
+                .join(checkpoint::file_name(step))
+                .exists()
+    );
+    let sharded = checkpoint::dir(&dir).join(shards::dir_name(step + 2));
 
     // A damaged shard, and a shard in another rank's place, are refused by name.
     let shard1 = sharded.join("rank_00001.ckpt");

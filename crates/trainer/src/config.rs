@@ -575,9 +575,14 @@ impl Config {
     pub fn check_zero(&self, world: usize, processes: bool) -> std::result::Result<(), String> {
         let z = self.training.zero;
         if z > 0 && world < 2 {
+            let how = if z == 2 {
+                "train --nproc-per-node 2"
+            } else {
+                "train --nproc-per-node 2, or training.devices = 2"
+            };
             return Err(format!(
                 "training.zero = {z} shards the optimizer state across the GPUs of a data-parallel run, but this run trains on one GPU; \
-                 train on several (train --nproc-per-node 2, or training.devices = 2) or set training.zero = 0"
+                 train on several ({how}) or set training.zero = 0"
             ));
         }
         if z == 2 && !processes {

@@ -58,11 +58,13 @@ pub fn check_continues(
             header.grad_accum, cfg.training.grad_accum
         ));
     }
-    if header.devices != world {
+    // Checkpoints of runs of processes written before they recorded their world size say 1 GPU;
+    // their replicas' checksums (one per rank) tell how many trained.
+    let recorded = header.devices.max(header.replica_checksums.len());
+    if recorded != world {
         differ.push(format!(
-            "training.devices = {} GPU{} (this run: {world}; each GPU reads its own share of every batch)",
-            header.devices,
-            if header.devices == 1 { "" } else { "s" }
+            "{recorded} GPU{} (training.devices, or one process each; this run: {world}; each GPU reads its own share of every batch)",
+            if recorded == 1 { "" } else { "s" }
         ));
     }
     if header.data != cfg.data {

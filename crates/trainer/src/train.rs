@@ -687,7 +687,10 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             world: self.group.size(),
         };
         let keep = cfg.training.keep_checkpoints;
-        if let (Some(shard), Some(_)) = (self.group.zero(), self.group.process()) {
+        // A run of processes under ZeRO: every rank writes its share.
+        let shard = self.group.zero().filter(|_| self.group.process().is_some());
+        let sharded = shard.is_some();
+        if let Some(shard) = shard {
             self.save_shards(model, shard, &info)?;
         } else if self.group.writes() {
             // ZeRO between threads: the whole masters and moments, gathered on rank 0.
@@ -708,9 +711,14 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 .group
                 .data_parallel()
                 .map_or(String::new(), |x| format!(" (CUDA GPU {})", x.gpus[r]));
+            let holds = if sharded {
+                "each shard of the checkpoint holds its rank's share of the weights"
+            } else {
+                "the checkpoint holds rank 0's weights"
+            };
             bail!(
                 "the replicas diverged: after step {done} the weights of rank {r}{gpu} differ from rank 0's \
-                 (CRC-32 {:08x} against {:08x}); the checkpoint holds rank 0's weights",
+                 (CRC-32 {:08x} against {:08x}); {holds}",
                 checksums[r],
                 checksums[0]
             );

@@ -78,7 +78,8 @@ pub struct Header {
     #[serde(default = "one")]
     pub devices: usize,
     /// A data-parallel run: the CRC-32 of each rank's weights when this checkpoint was written
-    /// (rank 0's are the ones saved); equal when the replicas stayed identical.
+    /// (rank 0's are the ones saved, or under ZeRO each owner's share); equal when the replicas
+    /// stayed identical.
     #[serde(default)]
     pub replica_checksums: Vec<u32>,
     /// A shard of a sharded checkpoint ([`shards`]): whose, of how many. `None` for a whole
@@ -311,7 +312,8 @@ pub(crate) fn encode(header: &Header, payload: &[u8]) -> Vec<u8> {
 
 /// After `written` (a checkpoint file or a sealed shard directory) is in place: removes stray
 /// temporaries of crashed saves, shard directories that never got their manifest and are older
-/// than `written`, and complete checkpoints beyond the newest `keep`.
+/// than `written`, and the checkpoints of every step but the newest `keep` (each step's every
+/// form: its file and its shard directory); `written` itself always stays.
 pub(crate) fn prune(run_dir: &Path, keep: usize, written: &Path) -> Result<()> {
     let d = dir(run_dir);
     let tmp = crate::fsutil::temp_path(written);
@@ -331,14 +333,18 @@ pub(crate) fn prune(run_dir: &Path, keep: usize, written: &Path) -> Result<()> {
             let _ = fs::remove_dir_all(entry.path());
         }
     }
-    if all.len() > keep {
-        for (_, p) in &all[..all.len() - keep] {
-            let _ = if p.is_dir() {
-                fs::remove_dir_all(p)
-            } else {
-                fs::remove_file(p)
-            };
+    let mut steps: Vec<u64> = all.iter().map(|(s, _)| *s).collect();
+    steps.dedup();
+    let kept = &steps[steps.len().saturating_sub(keep.max(1))..];
+    for (step, p) in &all {
+        if kept.contains(step) || p == written {
+            continue;
         }
+        let _ = if p.is_dir() {
+            fs::remove_dir_all(p)
+        } else {
+            fs::remove_file(p)
+        };
     }
     Ok(())
 }

@@ -137,7 +137,7 @@ pub fn read(d: &Path) -> Result<(Header, Vec<f32>)> {
         .and_then(|b| {
             serde_json::from_slice(&b).with_context(|| format!("{} is not a manifest", m.display()))
         })?;
-    if manifest.files.len() != manifest.world {
+    if manifest.world == 0 || manifest.files.len() != manifest.world {
         bail!(
             "{} lists {} shard files for {} ranks",
             m.display(),
@@ -164,6 +164,21 @@ pub fn read(d: &Path) -> Result<(Header, Vec<f32>)> {
                 header.shard,
                 header.step
             );
+        }
+        if let Some(f) = &first {
+            let same = (f.seed, f.optimizer_step, &f.model, f.devices)
+                == (
+                    header.seed,
+                    header.optimizer_step,
+                    &header.model,
+                    header.devices,
+                );
+            if !same {
+                bail!(
+                    "{} belongs to another run or step than rank 0's shard (seed, model, optimizer step or GPU count differ)",
+                    path.display()
+                );
+            }
         }
         let mut at = 0;
         for entry in &header.params {
