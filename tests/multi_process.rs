@@ -139,10 +139,11 @@ fn finish(mut w: Child, deadline: Instant) -> (Option<std::process::ExitStatus>,
     (status, text)
 }
 
-/// Waits for both workers and fails the test with their output if either failed.
-fn expect_success(workers: Vec<Child>, limit: Duration) {
+/// Waits for both workers and fails the test with their output if either failed; their outputs.
+fn expect_success(workers: Vec<Child>, limit: Duration) -> Vec<String> {
     let deadline = Instant::now() + limit;
     let mut failed = Vec::new();
+    let mut outputs = Vec::new();
     for (rank, w) in workers.into_iter().enumerate() {
         let (status, text) = finish(w, deadline);
         for line in text
@@ -154,8 +155,10 @@ fn expect_success(workers: Vec<Child>, limit: Duration) {
         if status.is_none_or(|s| !s.success()) {
             failed.push(format!("rank {rank} ({status:?}):\n{text}"));
         }
+        outputs.push(text);
     }
     assert!(failed.is_empty(), "workers failed:\n{}", failed.join("\n"));
+    outputs
 }
 
 #[test]
@@ -406,7 +409,7 @@ fn train_config(
     cfg
 }
 
-/// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS[;ZERO]`.
+/// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS[;ZERO[;BUCKET_MB;GRAD_ACCUM]]`.
 #[test]
 #[ignore = "a worker of the training tests"]
 fn train_worker() {
@@ -419,6 +422,10 @@ fn train_worker() {
         serde_json::from_str(&format!("\"{precision}\"")).unwrap();
     let mut cfg = train_config(precision, 4, steps.parse().unwrap());
     cfg.training.zero = parts.get(3).map_or(0, |z| z.parse().unwrap());
+    if let Some(mb) = parts.get(4) {
+        cfg.training.bucket_mb = mb.parse().unwrap();
+        cfg.training.grad_accum = parts[5].parse().unwrap();
+    }
     let mut opts = common::opts(dir.into(), false);
     opts.place = Place::from_env().unwrap();
     opts.verbose = true;
@@ -496,7 +503,18 @@ fn one_gpu_run(
     precision: trainer::config::PrecisionKind,
     steps: usize,
 ) -> std::path::PathBuf {
-    let one = train_config(precision, 8, steps);
+    one_gpu_run_accumulating(name, precision, steps, 1)
+}
+
+/// [`one_gpu_run`] with `grad_accum` micro-batches of 8 per step.
+fn one_gpu_run_accumulating(
+    name: &str,
+    precision: trainer::config::PrecisionKind,
+    steps: usize,
+    grad_accum: usize,
+) -> std::path::PathBuf {
+    let mut one = train_config(precision, 8, steps);
+    one.training.grad_accum = grad_accum;
     let dir = common::scratch(name);
     trainer::run(&one, &cuda(), &common::opts(dir.clone(), false))
         .unwrap_or_else(|e| panic!("one GPU: {e:#}"));
@@ -528,6 +546,48 @@ fn two_processes_train_like_one_gpu_with_the_doubled_batch() {
                 Duration::from_secs(300),
             );
             let lr = train_config(precision, 8, steps).optimizer.lr;
+            assert_like_one_gpu(&what, &one, &two, steps, tolerances(precision), lr);
+        }
+    }
+}
+
+/// The gradients averaged while the backward runs, in many small buckets (about 0.1 MB: several
+/// per block of the test model), with one micro-batch and with two (the first one's gradients
+/// carried into the second's buckets), and averaged after the backward (`bucket_mb = 0`), train as
+/// one GPU with the doubled batch does (see [`assert_like_one_gpu`]); ZeRO-1 takes the buckets too.
+/// The other process tests run with the default buckets (one bucket for the test model).
+#[test]
+#[ignore = "needs a GPU and NCCL"]
+fn bucketed_gradients_train_like_one_gpu() {
+    use trainer::config::PrecisionKind;
+    let _guard = common::serial();
+    let (steps, precision) = (20, PrecisionKind::Bf16);
+    let lr = train_config(precision, 8, steps).optimizer.lr;
+    for accum in [1, 2] {
+        let one =
+            one_gpu_run_accumulating(&format!("mp_bucket_one_{accum}"), precision, steps, accum);
+        let cases: &[(f64, u8)] = match accum {
+            1 => &[(0.0, 0), (0.1, 0), (0.1, 1)],
+            _ => &[(0.1, 0)],
+        };
+        for &(mb, zero) in cases {
+            let what = format!("{precision}, bucket_mb {mb}, grad_accum {accum}, ZeRO-{zero}");
+            let two = common::scratch(&format!("mp_bucket_{mb}_{accum}_{zero}"));
+            let arg = format!("{};{precision};{steps};{zero};{mb};{accum}", two.display());
+            let outputs = expect_success(
+                start_workers("train_worker", &arg, Layout::default_here()),
+                Duration::from_secs(300),
+            );
+            let how = if mb > 0.0 {
+                "averaged in buckets of up to"
+            } else {
+                "averaged one tensor at a time after the backward"
+            };
+            assert!(
+                outputs[0].contains(how),
+                "{what}: rank 0 did not say \"{how}\":\n{}",
+                outputs[0]
+            );
             assert_like_one_gpu(&what, &one, &two, steps, tolerances(precision), lr);
         }
     }

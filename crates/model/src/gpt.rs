@@ -909,10 +909,25 @@ impl<B: kernels::Backend> Gpt<B> {
         precision: &Precision,
         z: f64,
     ) -> Tensor<B, 1> {
+        self.forward_loss_through(ids, targets, precision, z, None)
+    }
+
+    /// [`Gpt::forward_loss_with`], each block first passed through `hook` where there is one
+    /// ([`crate::block_hook`]).
+    pub(crate) fn forward_loss_through(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        precision: &Precision,
+        z: f64,
+        hook: Option<&dyn crate::BlockHook<B>>,
+    ) -> Tensor<B, 1> {
         let masks = self.masks(&ids.device());
         let ctx = self.ctx(&ids, precision, masks);
         let mut s = self.embed(ids, &ctx);
         for (layer, block) in self.blocks.iter().enumerate() {
+            let hooked = hook.map(|h| h.block(layer, block, &s.x));
+            let block = hooked.as_ref().unwrap_or(block);
             s = block.step(s, &ctx, layer, self.fused());
             debug_assert_dtype(&s.x, self.compute_dtype, "residual stream after a block");
         }

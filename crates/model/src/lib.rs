@@ -27,6 +27,7 @@
 //! f32; [`Gpt::forward`] returns them cast to f32). The model that created the copy keeps the f32
 //! master weights.
 
+pub mod block_hook;
 pub mod config;
 pub mod dtype;
 pub mod gpt;
@@ -34,6 +35,7 @@ pub mod layers;
 pub mod precision;
 pub mod recompute;
 
+pub use block_hook::BlockHook;
 pub use config::{
     AttentionKind, GemmKind, GptConfig, HeadLossKind, KernelsKind, MlpKind, RecomputeKind,
     RopeScaling, RopeScalingKind,

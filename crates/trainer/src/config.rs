@@ -161,6 +161,11 @@ pub struct TrainingConfig {
     /// f32 master weights and AdamW moments across them (each GPU updates its share, then sends
     /// the others the new compute weights): less memory per GPU, more communication per step.
     pub zero: u8,
+    /// Runs of one process per GPU with `zero` 0 or 1: the gradients are averaged in buckets of
+    /// about this many MB (f32) while the backward still runs, each bucket as soon as the
+    /// backward has finished with its blocks; 0 averages them one tensor at a time after the
+    /// backward. See `parallel::overlap` for when a step falls back to the latter.
+    pub bucket_mb: f64,
     /// With several GPUs: seconds a step (or the replicas' start, or a checkpoint's gathering) may
     /// take before the run stops with an error naming the ranks that had not finished (a GPU or
     /// an NCCL call that stopped responding would otherwise hang the run). 0: 20 times the slowest
@@ -326,6 +331,7 @@ impl Default for TrainingConfig {
             numerics_interval: 100,
             devices: Devices::Count(1),
             zero: 0,
+            bucket_mb: 25.0,
             step_timeout_s: 0,
             memory_check: true,
         }
@@ -540,6 +546,12 @@ impl Config {
         }
         t.devices.validate()?;
         self.validate_zero()?;
+        if !(t.bucket_mb.is_finite() && t.bucket_mb >= 0.0) {
+            return Err(format!(
+                "training.bucket_mb must be a size in MB >= 0 (0 averages the gradients after the backward, one tensor at a time), got {}",
+                t.bucket_mb
+            ));
+        }
         if !(t.peak_tflops >= 0.0) {
             return Err(format!(
                 "training.peak_tflops must be >= 0 (0 looks it up), got {}",

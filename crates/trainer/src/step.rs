@@ -18,6 +18,7 @@ use crate::config::Config;
 use crate::data::Dataset;
 use crate::numerics::{self, Probes};
 use crate::optim::{accumulate_grads, grads_to_f32, poison_grads, AdamW};
+use crate::parallel::overlap::{self, BucketPlan, Hooks, Reducer};
 use crate::parallel::zero::Shard;
 use crate::parallel::{self as dp, Collective, Peers};
 use crate::rng::SplitMix64;
@@ -95,7 +96,10 @@ impl StepCtx<'_> {
     /// Forward and backward of the step's `training.grad_accum` micro-batches: their gradients
     /// under the master's ids. One micro-batch's stay in the dtypes they arrive in; several are
     /// summed in f32 ([`accumulate_grads`], the cast in the same pass); a data-parallel rank's are
-    /// f32 for the mean over ranks.
+    /// f32 for the mean over ranks. With `overlap`, the last micro-batch's backward hands each
+    /// block's gradients (plus the earlier micro-batches') to the reducer as it produces them,
+    /// and the gradients returned are already averaged over the ranks.
+    #[allow(clippy::too_many_arguments)]
     fn backward<B: crate::TrainBackend>(
         &self,
         model: &Gpt<B>,
@@ -105,12 +109,26 @@ impl StepCtx<'_> {
         scale: f64,
         probes: &Probes,
         micro: &mut MicroBatches<B>,
+        overlap: Option<&Reducer<B::InnerBackend>>,
     ) -> GradientsParams {
         let accum = self.cfg.training.grad_accum as u64;
-        let mut grads = (0..accum)
-            .map(|m| self.micro_batch(compute, rank, step * accum + m, scale, probes, micro))
-            .reduce(|sum, g| accumulate_grads::<B, _>(model, sum, g))
-            .expect("grad_accum >= 1");
+        let mut sum: Option<GradientsParams> = None;
+        for m in 0..accum {
+            let hook = overlap.filter(|_| m + 1 == accum);
+            if let (Some(reducer), Some(earlier)) = (hook, sum.take()) {
+                reducer.carry::<B, _>(model, earlier);
+            }
+            let index = step * accum + m;
+            let g = self.micro_batch(compute, rank, index, scale, probes, micro, hook);
+            sum = Some(match sum {
+                Some(earlier) => accumulate_grads::<B, _>(model, earlier, g),
+                None => g,
+            });
+        }
+        let mut grads = sum.expect("grad_accum >= 1");
+        if let Some(reducer) = overlap {
+            return reducer.clone().finish::<B, _>(model, grads);
+        }
         // The norm and the AdamW kernel read bf16 and f16 gradients themselves (in f32); only the
         // data-parallel mean runs on f32 gradients.
         if rank.of.is_some() {
@@ -124,7 +142,8 @@ impl StepCtx<'_> {
     /// weight computes in (bf16 or f16 for the weights with a low-precision copy, f32 for the
     /// rest). On a numerics step, the first micro-batch's output and weight gradients are
     /// measured into `micro.numerics`. A rank of a data-parallel run reads its rows of the
-    /// micro-batch.
+    /// micro-batch. With `hook`, the blocks' gradients go to that reducer instead.
+    #[allow(clippy::too_many_arguments)]
     fn micro_batch<B: crate::TrainBackend>(
         &self,
         compute: &Gpt<B>,
@@ -133,6 +152,7 @@ impl StepCtx<'_> {
         scale: f64,
         probes: &Probes,
         micro: &mut MicroBatches<B>,
+        hook: Option<&Reducer<B::InnerBackend>>,
     ) -> GradientsParams {
         let cfg = self.cfg;
         let batch = cfg.training.batch_size;
@@ -153,7 +173,15 @@ impl StepCtx<'_> {
         let factor = scale / cfg.training.grad_accum as f64;
         let precision = self.precision(probes);
         let (l, pieces) = if cfg.model.recompute != model::RecomputeKind::Full {
-            let loss = compute.forward_loss_in(x, y, &precision);
+            let loss = match hook {
+                Some(reducer) => {
+                    let hooks = Hooks::<B> {
+                        reducer: reducer.clone(),
+                    };
+                    compute.forward_loss_hooked(x, y, &precision, &hooks)
+                }
+                None => compute.forward_loss_in(x, y, &precision),
+            };
             model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
             kernels::memory::trace::<B>(rank.device, || "after the forward".into());
             let l = loss.clone().inner();
@@ -267,8 +295,16 @@ impl RankStep<'_> {
             loss_sum: None,
             numerics: Vec::new(),
         };
+        let overlap = self.overlap::<B>(&model, rank, probes, poison);
         let mut grads = self.ctx.backward(
-            &model, &compute, rank, plan.step, plan.scale, probes, &mut micro,
+            &model,
+            &compute,
+            rank,
+            plan.step,
+            plan.scale,
+            probes,
+            &mut micro,
+            overlap.as_ref(),
         );
         drop(compute);
         if poison {
@@ -277,7 +313,10 @@ impl RankStep<'_> {
         let loss_sum = micro.loss_sum.expect("at least one micro-batch");
         let (stats, norm) = match rank.of {
             None => self.alone::<B>(&model, &grads, loss_sum),
-            Some((_, peers)) => self.averaged::<B>(&model, &mut grads, loss_sum, peers),
+            Some((_, peers)) => {
+                let averaged = overlap.is_some();
+                self.averaged::<B>(&model, &mut grads, loss_sum, peers, averaged)
+            }
         };
         let (model, held) = if plan.update_now {
             // The update is queued before the step's read-back: the GPU runs it while the host
@@ -299,6 +338,30 @@ impl RankStep<'_> {
         }
     }
 
+    /// The bucketed reduction during the backward ([`crate::parallel::overlap`]), where this step
+    /// takes it: a rank of a run of processes that takes the buckets
+    /// ([`overlap::after_backward_because`]), on neither a numerics step (whose statistics read the weight gradients of each micro-batch) nor a
+    /// poisoned one (whose non-finite gradient must reach every rank through the mean).
+    fn overlap<B: crate::TrainBackend>(
+        &self,
+        model: &Gpt<B>,
+        rank: &Rank<'_, B>,
+        probes: &Probes,
+        poison: bool,
+    ) -> Option<Reducer<B::InnerBackend>> {
+        let cfg = self.ctx.cfg;
+        let Some((_, Peers::Processes(group))) = rank.of else {
+            return None;
+        };
+        let zero = self.zero.map_or(0, |z| z.stage);
+        let after = overlap::after_backward_because(cfg, zero).is_some();
+        if after || probes.taps.is_some() || poison {
+            return None;
+        }
+        let bytes = (cfg.training.bucket_mb * 1024.0 * 1024.0) as usize;
+        Some(Reducer::new(group.clone(), BucketPlan::new(model, bytes)))
+    }
+
     /// A group of one: [mean loss, scaled gradient norm, stop] and the norm, nothing exchanged.
     /// The norm tells whether the gradients are finite (a single inf or NaN makes it
     /// non-finite); stop is 1 when a stop was asked for ([`crate::stop`]).
@@ -318,17 +381,20 @@ impl RankStep<'_> {
     /// over the ranks (stop is above 0 when any rank was asked to stop), the collectives in the
     /// same order on every rank; that stats tensor and the norm. Under ZeRO-2 each gradient is
     /// averaged onto its owner alone, and the norm is the square root of the ranks' summed sums
-    /// of squares over their own gradients.
+    /// of squares over their own gradients. `averaged`: the backward averaged the gradients
+    /// already ([`crate::parallel::overlap`]).
     fn averaged<B: crate::TrainBackend>(
         &self,
         model: &Gpt<B>,
         grads: &mut GradientsParams,
         loss_sum: Tensor<B::InnerBackend, 1>,
         peers: Peers<'_>,
+        averaged: bool,
     ) -> (Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>) {
         let zero2 = self.zero.filter(|z| z.stage == 2);
         match zero2 {
             Some(z) => z.reduce_grads::<B, _>(model, grads),
+            None if averaged => {}
             None => dp::mean_grads::<B, _>(model, grads, peers),
         }
         let loss = loss_sum.div_scalar(self.ctx.cfg.training.grad_accum as f64);

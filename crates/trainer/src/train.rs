@@ -385,6 +385,8 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 cfg.training.batch_size,
                 cfg.training.grad_accum
             ));
+            let zero = self.group.zero_split().map_or(0, |(shard, _)| shard.stage);
+            console.line(&crate::parallel::overlap::describe(cfg, zero));
             if let Some((shard, split)) = self.group.zero_split() {
                 let ranks = (0..p.world()).map(|r| format!("rank {r}"));
                 console.line(&zero_line(shard, split, ranks));

@@ -1,6 +1,8 @@
 //! One collective call ([`Call`]) and how it is issued: queued on CubeCL's device thread, then, on
 //! that thread, issued on CubeCL's stream for the caller (or, where that stream cannot be found,
-//! on the communicator's own stream between two synchronisations).
+//! on the communicator's own stream between two synchronisations). An overlapped call runs on the
+//! communicator's own stream once CubeCL's stream has reached it, beside CubeCL's later work,
+//! until [`wait_overlapped`] makes CubeCL's stream wait for it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,6 +39,8 @@ pub(super) struct Call {
     pub(super) kind: Kind,
     pub(super) send: CubeTensor<CudaRuntime>,
     pub(super) recv: CubeTensor<CudaRuntime>,
+    /// Run beside CubeCL's later work, on the communicator's own stream.
+    pub(super) overlapped: bool,
 }
 
 /// The collectives' service on CubeCL's device thread (as the GEMMs', `gemm/cublaslt/queue.rs`):
@@ -75,8 +79,14 @@ pub(super) fn issue(comm: &Arc<Comm>, call: Call) {
         if comm.error().is_some() {
             return;
         }
-        if let Err(why) = run(&comm, &call) {
-            comm.fail(why);
+        match run(&comm, &call) {
+            Ok(Issued::Overlapped) => {
+                let mut held = comm.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+                held.push(call.send);
+                held.push(call.recv);
+            }
+            Ok(Issued::InOrder) => {}
+            Err(why) => comm.fail(why),
         }
     });
     // CubeCL's device thread takes its queue in batches: without this the call would wait for
@@ -84,11 +94,62 @@ pub(super) fn issue(comm: &Arc<Comm>, call: Call) {
     runner.flush_queue();
 }
 
+/// Queues, on `like`'s device thread, the wait of CubeCL's stream for the overlapped calls issued
+/// so far: CubeCL's work queued after it (reading their results, or reusing their memory) runs
+/// once they have finished. Nothing to do when none is in flight.
+pub(super) fn wait_overlapped(comm: &Arc<Comm>, like: CubeTensor<CudaRuntime>) {
+    let runner = crate::device_thread::runner(&RUNNERS, &like.device);
+    let comm = comm.clone();
+    runner.submit(move |_| {
+        let held = std::mem::take(&mut *comm.in_flight.lock().unwrap_or_else(|p| p.into_inner()));
+        if held.is_empty() {
+            return;
+        }
+        // SAFETY: on CubeCL's device thread; the event and both streams are live. The held
+        // buffers are released only once CubeCL's stream waits for the calls that use them.
+        let waited = unsafe {
+            drv::ctx::set_current(comm.ctx)
+                .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))
+                .and_then(|()| cubecl_stream(&comm, &like))
+                .and_then(|cubecl| {
+                    drv::event::record(comm.overlapped_done, comm.own_stream)
+                        .and_then(|()| {
+                            drv::stream::wait_event(
+                                cubecl,
+                                comm.overlapped_done,
+                                dsys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                            )
+                        })
+                        .map_err(|e| {
+                            format!("kernels::collective: waiting for the overlapped calls: {e:?}")
+                        })
+                })
+        };
+        if let Err(why) = waited {
+            // Without the wait the buffers must outlive the calls: wait on the host.
+            // SAFETY: the communicator's stream is live.
+            let _ = unsafe { drv::stream::synchronize(comm.own_stream) };
+            comm.fail(why);
+        }
+        drop(held);
+    });
+    runner.flush_queue();
+}
+
+/// Where a call was issued.
+enum Issued {
+    /// On CubeCL's stream, in its order (or finished, on the communicator's stream).
+    InOrder,
+    /// On the communicator's stream, behind an event on CubeCL's: its buffers are held until
+    /// [`wait_overlapped`].
+    Overlapped,
+}
+
 /// Set once CubeCL's stream could not be found for a call (warned once).
 static OWN_STREAM_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// Issues `call` on CubeCL's device thread, where CubeCL's own calls run at once.
-fn run(comm: &Comm, call: &Call) -> Result<(), String> {
+fn run(comm: &Comm, call: &Call) -> Result<Issued, String> {
     // SAFETY: the pointers are CubeCL's live allocations of the buffers' sizes, held (the call's
     // tensors and resources) until the call is issued on CubeCL's stream, in CubeCL's order, or
     // has finished on the communicator's stream.
@@ -122,6 +183,22 @@ fn run(comm: &Comm, call: &Call) -> Result<(), String> {
                     .map_err(|e| format!("kernels::collective: CubeCL sync: {e:?}"))?;
                 (comm.own_stream, true)
             }
+        };
+        let overlapped = call.overlapped && !own;
+        let stream = if overlapped {
+            // The inputs are written once CubeCL's stream reaches this point.
+            drv::event::record(comm.inputs_ready, stream)
+                .and_then(|()| {
+                    drv::stream::wait_event(
+                        comm.own_stream,
+                        comm.inputs_ready,
+                        dsys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                })
+                .map_err(|e| format!("kernels::collective: ordering an overlapped call: {e:?}"))?;
+            comm.own_stream
+        } else {
+            stream
         };
         let s = stream as nsys::cudaStream_t;
         let issued = match call.kind {
@@ -186,8 +263,12 @@ fn run(comm: &Comm, call: &Call) -> Result<(), String> {
             })?;
         }
         drop((rs, rr));
+        Ok(if overlapped {
+            Issued::Overlapped
+        } else {
+            Issued::InOrder
+        })
     }
-    Ok(())
 }
 
 /// CubeCL's stream for the calling stream id, found once per slot of its stream pool.

@@ -72,8 +72,16 @@ pub(super) struct Comm {
     pub(super) device: usize,
     /// The device's primary context, CubeCL's.
     pub(super) ctx: dsys::CUcontext,
-    /// The communicator's own stream, for calls whose CubeCL stream could not be found.
+    /// The communicator's own stream: for overlapped calls, and for calls whose CubeCL stream
+    /// could not be found.
     pub(super) own_stream: dsys::CUstream,
+    /// Recorded on CubeCL's stream before an overlapped call, which the own stream waits for.
+    pub(super) inputs_ready: dsys::CUevent,
+    /// Recorded on the own stream when CubeCL's stream is to wait for the overlapped calls.
+    pub(super) overlapped_done: dsys::CUevent,
+    /// The buffers of the overlapped calls issued since CubeCL's stream last waited for them,
+    /// held so that CubeCL's pool does not hand their memory to its own work meanwhile.
+    pub(super) in_flight: Mutex<Vec<burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>>>,
     /// Per slot of CubeCL's stream pool: its stream, or why it could not be found.
     pub(super) streams: Mutex<HashMap<usize, Result<dsys::CUstream, String>>>,
     /// The slots of CubeCL's stream pool, once read.
@@ -111,6 +119,11 @@ impl Comm {
             drv::ctx::set_current(ctx).map_err(|e| at("cuCtxSetCurrent", e))?;
             let own_stream = drv::stream::create(drv::stream::StreamKind::NonBlocking)
                 .map_err(|e| at("cuStreamCreate", e))?;
+            let event = || {
+                drv::event::create(dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| at("cuEventCreate", e))
+            };
+            let (inputs_ready, overlapped_done) = (event()?, event()?);
             let uid = nsys::ncclUniqueId {
                 internal: id.map(|b| b as c_char),
             };
@@ -128,6 +141,9 @@ impl Comm {
                 device,
                 ctx,
                 own_stream,
+                inputs_ready,
+                overlapped_done,
+                in_flight: Mutex::new(Vec::new()),
                 streams: Mutex::new(HashMap::new()),
                 pool_slots: Mutex::new(None),
                 first_error: Mutex::new(None),

@@ -8,6 +8,11 @@
 //! that stream cannot be found, a call synchronises CubeCL's stream, runs on the communicator's
 //! own stream and waits for it (warned once).
 //!
+//! [`ProcessGroup::all_reduce_overlapped`] runs instead on the group's own stream, behind an event
+//! that CubeCL's stream records, so that the kernels queued after it run meanwhile (a gradient
+//! bucket's reduction beside the rest of the backward); [`ProcessGroup::wait_overlapped`] makes
+//! CubeCL's stream wait for it before its result is read.
+//!
 //! A call that NCCL refuses is not retried: the error is kept ([`ProcessGroup::error`]), the
 //! communicator is aborted so that the other processes' calls fail instead of waiting, and later
 //! calls are not issued. Callers check [`ProcessGroup::error`] where a step ends.
@@ -88,6 +93,20 @@ where
         (device as &dyn Any)
             .downcast_ref::<cubecl::cuda::CudaDevice>()
             .map(|d| d.index)
+    }
+}
+
+/// Burn's CPU backend: no tensor of it reaches a process group (runs of processes train on CUDA);
+/// it implements the trait so that code generic over training backends compiles for it.
+impl CollectiveBackend for burn::backend::NdArray {
+    fn as_cuda(_: burn::tensor::ops::FloatTensor<Self>) -> Option<CubeTensor<CudaRuntime>> {
+        None
+    }
+    fn from_cuda(_: CubeTensor<CudaRuntime>) -> burn::tensor::ops::FloatTensor<Self> {
+        unreachable!("no NdArray tensor is on CUDA")
+    }
+    fn cuda_index(_: &Self::Device) -> Option<usize> {
+        None
     }
 }
 
@@ -250,8 +269,53 @@ impl ProcessGroup {
         self.comm.abort(why);
     }
 
+    /// [`ProcessGroup::all_reduce`] beside CubeCL's later work: the call runs on the group's own
+    /// stream once CubeCL's stream has produced `t`, while kernels queued after it run. Its result
+    /// may be read only after [`ProcessGroup::wait_overlapped`]. Every rank issues the same
+    /// overlapped calls in the same order, as for the others.
+    ///
+    /// # Panics
+    /// If `t` is not a CUDA tensor.
+    pub fn all_reduce_overlapped<B: CollectiveBackend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Tensor<B, D> {
+        let shape = t.shape();
+        let buf = dense::<B, D>(t, "all_reduce_overlapped");
+        let call = Call {
+            kind: Kind::AllReduce(op),
+            send: buf.clone(),
+            recv: buf.clone(),
+            overlapped: true,
+        };
+        call::issue(&self.comm, call);
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::from_cuda(buf))).reshape(shape)
+    }
+
+    /// Makes CubeCL's stream on `device` wait for the overlapped calls issued so far: work queued
+    /// after this reads their results. The caller does not wait.
+    pub fn wait_overlapped<B: CollectiveBackend>(&self, device: &B::Device) {
+        let Some(index) = B::cuda_index(device) else {
+            return;
+        };
+        let like = Tensor::<B, 1>::empty([1], device);
+        let like = cuda::<B>(like.into_primitive().tensor(), "wait_overlapped");
+        debug_assert_eq!(index, like.device.index);
+        call::wait_overlapped(&self.comm, like);
+    }
+
     fn issue(&self, kind: Kind, send: CubeTensor<CudaRuntime>, recv: CubeTensor<CudaRuntime>) {
-        call::issue(&self.comm, Call { kind, send, recv });
+        let overlapped = false;
+        call::issue(
+            &self.comm,
+            Call {
+                kind,
+                send,
+                recv,
+                overlapped,
+            },
+        );
     }
 }
 

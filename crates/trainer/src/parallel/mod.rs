@@ -8,7 +8,9 @@
 //! - [`group`]: the ranks a run trains on, of any size, as the step sees them.
 //! - [`ranks`]: ranks 1.. of a data-parallel run, each in a thread of its own.
 //! - [`collective`]: batch rows, the collectives, the weights checksum, the pre-run checks.
-//! - [`zero`]: ZeRO-1, each rank keeping the optimizer state of its share of the parameters.
+//! - [`zero`]: ZeRO-1 and ZeRO-2, each rank keeping the optimizer state (and under ZeRO-2 the
+//!   averaged gradients) of its share of the parameters.
+//! - [`overlap`]: between processes, gradients averaged in buckets while the backward runs.
 //! - [`watchdog`]: turns a rank stuck in NCCL into an error.
 //! - [`place`]: a process's rank, world size, GPU and rendezvous address, from torchrun's (or
 //!   SLURM's) variables, for runs of one process per GPU.
@@ -24,6 +26,7 @@
 pub mod collective;
 pub(crate) mod group;
 pub mod launch;
+pub mod overlap;
 pub mod place;
 pub mod process;
 pub(crate) mod ranks;

@@ -1,0 +1,38 @@
+//! A training forward that hands each block's parameters to a hook just before the block runs,
+//! with the stream entering it: what a data-parallel trainer needs to reduce a block's gradients
+//! as soon as the backward has finished with that block, while earlier blocks' backward runs.
+//!
+//! Burn's backward runs its steps from the deepest node of the graph to the shallowest. An op
+//! that takes a block's parameter and the stream entering the block sits one level below that
+//! stream; every use of its output in the block is deeper, so its backward runs once the block's
+//! backward has produced the whole gradient of the parameter, and before the backward of the
+//! blocks below. The op itself is the hook's to build (the trainer's `parallel::overlap` builds
+//! one that hands the gradient to its bucketed reduction).
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+
+use crate::gpt::Block;
+use crate::{Gpt, Precision};
+
+/// What a hooked forward does with each block's parameters.
+pub trait BlockHook<B: Backend> {
+    /// Block `layer` as the forward is to use it (its parameters passed through ops of the
+    /// hook's), given the stream `input` entering it.
+    fn block(&self, layer: usize, block: &Block<B>, input: &Tensor<B, 3>) -> Block<B>;
+}
+
+impl<B: kernels::Backend> Gpt<B> {
+    /// [`Gpt::forward_loss_in`] with each block's parameters passed through `hook` just before
+    /// the block runs. The loss is the same; what the hook's ops do in the backward is theirs.
+    /// Not with `model.recompute = "full"`, whose blocks run in backwards of their own.
+    pub fn forward_loss_hooked(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        precision: &Precision,
+        hook: &dyn BlockHook<B>,
+    ) -> Tensor<B, 1> {
+        self.forward_loss_through(ids, targets, precision, self.config.z_loss, Some(hook))
+    }
+}
