@@ -435,21 +435,26 @@ fn train_worker() {
     println!("rank {}: trained", opts.place.unwrap().rank);
 }
 
-/// A run's per-step losses and final checkpoint (header and values; a sharded checkpoint reads
-/// as the whole one).
-fn read_run(dir: &Path, steps: usize) -> (Vec<f64>, trainer::checkpoint::Header, Vec<f32>) {
-    let losses = common::read_metrics(dir).iter().map(|r| r.loss).collect();
+/// A run's per-step losses and gradient norms and its final checkpoint (header and values; a
+/// sharded checkpoint reads as the whole one).
+type Run = (Vec<f64>, Vec<f64>, trainer::checkpoint::Header, Vec<f32>);
+
+fn read_run(dir: &Path, steps: usize) -> Run {
+    let records = common::read_metrics(dir);
+    let losses = records.iter().map(|r| r.loss).collect();
+    let norms = records.iter().map(|r| r.grad_norm).collect();
     let (step, path) = trainer::checkpoint::list(dir)
         .unwrap()
         .pop()
         .expect("a checkpoint");
     assert_eq!(step, steps as u64, "{}", path.display());
     let (h, v) = trainer::checkpoint::read(&path).unwrap();
-    (losses, h, v)
+    (losses, norms, h, v)
 }
 
 /// The two-process run in `two` against the one-GPU run in `one`, both `steps` long: per-step
-/// losses within `loss_tol`, final master weights within `mean_tol * lr` on average, the two
+/// losses within `loss_tol` and gradient norms within 4 times that (a norm summed wrongly across
+/// the ranks, say under ZeRO-2, is off by a factor near sqrt(2)), final master weights within `mean_tol * lr` on average, the two
 /// replicas' checksums equal, and rank 0 wrote the summary and logged every step once.
 fn assert_like_one_gpu(
     what: &str,
@@ -460,8 +465,8 @@ fn assert_like_one_gpu(
     lr: f64,
 ) {
     let (loss_tol, mean_tol) = tols;
-    let (la, ha, va) = read_run(one, steps);
-    let (lb, hb, vb) = read_run(two, steps);
+    let (la, na, ha, va) = read_run(one, steps);
+    let (lb, nb, hb, vb) = read_run(two, steps);
     assert_eq!(
         hb.replica_checksums.len(),
         2,
@@ -474,6 +479,8 @@ fn assert_like_one_gpu(
     assert!(two.join("summary.json").exists());
     assert_eq!(la.len(), lb.len(), "{what}: rank 0 logged every step once");
     common::assert_losses_agree(what, &la, &lb, loss_tol);
+    let norms = format!("{what}, gradient norm");
+    common::assert_losses_agree(&norms, &na, &nb, 4.0 * loss_tol);
     let (wa, wb) = (master_weights(&ha, &va), master_weights(&hb, &vb));
     let mean = wa
         .iter()

@@ -50,11 +50,8 @@ pub type CudaBackend = Autodiff<Cuda>;
 /// What the trainer needs of a backend: autodiff, and the fused kernels (or their references) on
 /// it and on its inner backend (where the optimizer runs).
 pub trait TrainBackend:
-    burn::tensor::backend::AutodiffBackend<
-        InnerBackend: kernels::Backend
-                          + parallel::Collective
-                          + kernels::collective::CollectiveBackend,
-    > + kernels::Backend
+    burn::tensor::backend::AutodiffBackend<InnerBackend: kernels::Backend + parallel::Collective>
+    + kernels::Backend
     + parallel::overlap::GradHook
 {
 }
@@ -62,8 +59,7 @@ pub trait TrainBackend:
 impl<B> TrainBackend for B
 where
     B: burn::tensor::backend::AutodiffBackend + kernels::Backend + parallel::overlap::GradHook,
-    B::InnerBackend:
-        kernels::Backend + parallel::Collective + kernels::collective::CollectiveBackend,
+    B::InnerBackend: kernels::Backend + parallel::Collective,
 {
 }
 /// Training backend on everything else (Vulkan, Metal, DX12; lavapipe on a CPU-only machine).

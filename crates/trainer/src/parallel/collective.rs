@@ -43,8 +43,10 @@ impl Peers<'_> {
     }
 }
 
-/// Collective operations of a backend, as the data-parallel step uses them.
-pub trait Collective: Backend {
+/// Collective operations of a backend, as the data-parallel step uses them. Between processes the
+/// step also calls `kernels::collective::ProcessGroup`'s own operations (reduce to one rank,
+/// broadcast), which take any [`kernels::collective::CollectiveBackend`].
+pub trait Collective: Backend + kernels::collective::CollectiveBackend {
     /// The mean or sum (`op`) of `tensor` over the ranks (every rank calls it, in the same order
     /// of tensors). The result may only be read after [`Collective::sync`].
     fn reduce(
@@ -55,23 +57,6 @@ pub trait Collective: Backend {
 
     /// Makes the device's compute stream wait for the collectives queued on it.
     fn sync(device: &Self::Device);
-
-    /// Between processes: on rank `root`, the mean or sum (`op`) of `tensor` over the ranks
-    /// (nothing to read elsewhere).
-    fn reduce_to(
-        tensor: FloatTensor<Self>,
-        op: ReduceOperation,
-        root: usize,
-        group: &kernels::collective::ProcessGroup,
-    ) -> FloatTensor<Self>;
-
-    /// Between processes: rank `root`'s `tensor` on every rank (the others' give the shape and
-    /// dtype).
-    fn broadcast(
-        tensor: FloatTensor<Self>,
-        root: usize,
-        group: &kernels::collective::ProcessGroup,
-    ) -> FloatTensor<Self>;
 }
 
 /// The process group's reduce operation of `op`.
@@ -139,23 +124,6 @@ where
     fn sync(device: &Self::Device) {
         <Self as DistributedBackend>::sync_collective(device);
     }
-
-    fn reduce_to(
-        tensor: FloatTensor<Self>,
-        op: ReduceOperation,
-        root: usize,
-        group: &kernels::collective::ProcessGroup,
-    ) -> FloatTensor<Self> {
-        on_flat::<R, F, I, BT>(tensor, |t| group.reduce(t, process_op(op), root))
-    }
-
-    fn broadcast(
-        tensor: FloatTensor<Self>,
-        root: usize,
-        group: &kernels::collective::ProcessGroup,
-    ) -> FloatTensor<Self> {
-        on_flat::<R, F, I, BT>(tensor, |t| group.broadcast(t, root))
-    }
 }
 
 /// `call` on `tensor`'s elements as one row-major dimension, its result in `tensor`'s shape.
@@ -187,23 +155,6 @@ impl Collective for burn::backend::NdArray {
 
     fn sync(_: &Self::Device) {
         unreachable!("the config refuses training.devices above 1 off CUDA")
-    }
-
-    fn reduce_to(
-        _: FloatTensor<Self>,
-        _: ReduceOperation,
-        _: usize,
-        _: &kernels::collective::ProcessGroup,
-    ) -> FloatTensor<Self> {
-        unreachable!("runs of processes train on CUDA only")
-    }
-
-    fn broadcast(
-        _: FloatTensor<Self>,
-        _: usize,
-        _: &kernels::collective::ProcessGroup,
-    ) -> FloatTensor<Self> {
-        unreachable!("runs of processes train on CUDA only")
     }
 }
 
@@ -248,27 +199,6 @@ pub fn reduce<B: Collective, const D: usize>(
 ) -> Tensor<B, D> {
     let reduced = B::reduce(t.into_primitive().tensor(), op, peers);
     Tensor::from_primitive(TensorPrimitive::Float(reduced))
-}
-
-/// [`Collective::reduce_to`] of a tensor.
-pub fn reduce_to<B: Collective, const D: usize>(
-    t: Tensor<B, D>,
-    op: ReduceOperation,
-    root: usize,
-    group: &kernels::collective::ProcessGroup,
-) -> Tensor<B, D> {
-    let out = B::reduce_to(t.into_primitive().tensor(), op, root, group);
-    Tensor::from_primitive(TensorPrimitive::Float(out))
-}
-
-/// [`Collective::broadcast`] of a tensor.
-pub fn broadcast<B: Collective, const D: usize>(
-    t: Tensor<B, D>,
-    root: usize,
-    group: &kernels::collective::ProcessGroup,
-) -> Tensor<B, D> {
-    let out = B::broadcast(t.into_primitive().tensor(), root, group);
-    Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
 /// CRC-32 of a module's parameter values (as stored, in parameter order): replicas that stayed

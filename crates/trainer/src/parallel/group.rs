@@ -257,34 +257,38 @@ impl<B: crate::TrainBackend> Group<B> {
         let Some(p) = &self.process else {
             return if failed { vec![0] } else { Vec::new() };
         };
-        let mut slots = vec![0f32; p.world()];
-        slots[p.rank()] = if failed { 1.0 } else { 0.0 };
-        let all = Tensor::<B, 1>::from_floats(slots.as_slice(), &self.device).inner();
-        let all = reduce(all, ReduceOperation::Sum, Peers::Processes(p));
-        let values = all.into_data().to_vec::<f32>().unwrap_or_default();
-        (0..p.world())
-            .filter(|&r| values.get(r).is_some_and(|v| *v > 0.0))
-            .collect()
+        let flags = each_rank::<B>(p, &self.device, &[if failed { 1.0 } else { 0.0 }]);
+        (0..p.world()).filter(|&r| flags[r][0] > 0.0).collect()
     }
 }
 
-/// Every process's weights checksum (this one's: `mine`), rank 0 first: each rank puts its
-/// CRC-32's two 16-bit halves (exact in f32) in its own two slots of a zero vector, and the sum
-/// over the ranks holds them all.
+/// Every process's `mine` (the same length on every rank), rank 0 first: each rank puts its
+/// values in its own slots of a zero vector, and one all-reduce sum over the ranks holds them all.
+fn each_rank<B: crate::TrainBackend>(
+    process: &ProcessGroup,
+    device: &B::Device,
+    mine: &[f32],
+) -> Vec<Vec<f32>> {
+    let (rank, world, n) = (process.rank(), process.world(), mine.len());
+    let mut slots = vec![0f32; n * world];
+    slots[rank * n..(rank + 1) * n].copy_from_slice(mine);
+    let all = Tensor::<B, 1>::from_floats(slots.as_slice(), device).inner();
+    let all = reduce(all, ReduceOperation::Sum, Peers::Processes(process));
+    let mut values = all.into_data().to_vec::<f32>().unwrap_or_default();
+    values.resize(n * world, 0.0);
+    values.chunks(n).map(<[f32]>::to_vec).collect()
+}
+
+/// Every process's weights checksum (this one's: `mine`), rank 0 first, as its two 16-bit halves
+/// (exact in f32) through [`each_rank`].
 fn process_checksums<B: crate::TrainBackend>(
     process: &ProcessGroup,
     device: &B::Device,
     mine: u32,
 ) -> Vec<u32> {
-    let (rank, world) = (process.rank(), process.world());
-    let mut slots = vec![0f32; 2 * world];
-    slots[2 * rank] = (mine >> 16) as f32;
-    slots[2 * rank + 1] = (mine & 0xffff) as f32;
-    let all = Tensor::<B, 1>::from_floats(slots.as_slice(), device).inner();
-    let all = reduce(all, ReduceOperation::Sum, Peers::Processes(process));
-    let values = all.into_data().to_vec::<f32>().unwrap_or_default();
-    values
-        .chunks(2)
+    let halves = [(mine >> 16) as f32, (mine & 0xffff) as f32];
+    each_rank::<B>(process, device, &halves)
+        .iter()
         .map(|h| ((h[0] as u32) << 16) | h[1] as u32)
         .collect()
 }

@@ -36,7 +36,7 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_backend::DeviceId;
 use kernels::collective::ProcessGroup;
 
-use super::collective::{broadcast, reduce, reduce_to, Collective, Peers, ReduceOperation};
+use super::collective::{reduce, Collective, Peers, ReduceOperation};
 use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
 
 /// Assigns each parameter, given by its number of elements, to one of `ranks` ranks: the largest
@@ -270,7 +270,7 @@ impl Shard {
                     Members::Threads(ids) => {
                         reduce(mine, ReduceOperation::Sum, Peers::Threads(ids))
                     }
-                    Members::Processes(g) => broadcast(mine, self.shard.owner[&id], g),
+                    Members::Processes(g) => g.broadcast(mine, self.shard.owner[&id]),
                 };
                 let value = match (owns, dt) {
                     (true, Some(_)) => {
@@ -325,7 +325,9 @@ impl Shard {
                     return;
                 };
                 let owner = self.shard.owner[&param.id];
-                let mean = reduce_to(g, ReduceOperation::Mean, owner, self.group);
+                let mean = self
+                    .group
+                    .reduce(g, kernels::collective::ReduceOp::Mean, owner);
                 if owner == self.shard.rank {
                     self.grads.register::<AB::InnerBackend, D>(param.id, mean);
                 }
