@@ -409,7 +409,8 @@ fn train_config(
     cfg
 }
 
-/// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS[;ZERO[;BUCKET_MB;GRAD_ACCUM]]`.
+/// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS`, then any of `zero=N`,
+/// `bucket_mb=X`, `grad_accum=N` and `stop_at=STEP`, separated by `;`.
 #[test]
 #[ignore = "a worker of the training tests"]
 fn train_worker() {
@@ -421,12 +422,19 @@ fn train_worker() {
     let precision: trainer::config::PrecisionKind =
         serde_json::from_str(&format!("\"{precision}\"")).unwrap();
     let mut cfg = train_config(precision, 4, steps.parse().unwrap());
-    cfg.training.zero = parts.get(3).map_or(0, |z| z.parse().unwrap());
-    if let Some(mb) = parts.get(4) {
-        cfg.training.bucket_mb = mb.parse().unwrap();
-        cfg.training.grad_accum = parts[5].parse().unwrap();
+    let mut stop_at = None;
+    for setting in &parts[3..] {
+        let (key, value) = setting.split_once('=').unwrap();
+        match key {
+            "zero" => cfg.training.zero = value.parse().unwrap(),
+            "bucket_mb" => cfg.training.bucket_mb = value.parse().unwrap(),
+            "grad_accum" => cfg.training.grad_accum = value.parse().unwrap(),
+            "stop_at" => stop_at = Some(value.parse().unwrap()),
+            _ => panic!("unknown worker setting {setting}"),
+        }
     }
     let mut opts = common::opts(dir.into(), false);
+    opts.stop_at = stop_at;
     opts.place = Place::from_env().unwrap();
     opts.verbose = true;
     // As the `train` binary does: SIGTERM asks for a checkpoint at the next step boundary.
@@ -452,10 +460,9 @@ fn read_run(dir: &Path, steps: usize) -> Run {
     (losses, norms, h, v)
 }
 
-/// The two-process run in `two` against the one-GPU run in `one`, both `steps` long: per-step
-/// losses within `loss_tol` and gradient norms within 4 times that (a norm summed wrongly across
-/// the ranks, say under ZeRO-2, is off by a factor near sqrt(2)), final master weights within `mean_tol * lr` on average, the two
-/// replicas' checksums equal, and rank 0 wrote the summary and logged every step once.
+/// The two-process run in `two` against the one-GPU run in `one`, both `steps` long: the two
+/// replicas' checksums equal, rank 0 wrote the summary, and the training agrees
+/// ([`assert_trains_like`]).
 fn assert_like_one_gpu(
     what: &str,
     one: &Path,
@@ -464,9 +471,7 @@ fn assert_like_one_gpu(
     tols: (f64, f64),
     lr: f64,
 ) {
-    let (loss_tol, mean_tol) = tols;
-    let (la, na, ha, va) = read_run(one, steps);
-    let (lb, nb, hb, vb) = read_run(two, steps);
+    let (_, _, hb, _) = read_run(two, steps);
     assert_eq!(
         hb.replica_checksums.len(),
         2,
@@ -477,6 +482,23 @@ fn assert_like_one_gpu(
         "{what}: the replicas differ"
     );
     assert!(two.join("summary.json").exists());
+    assert_trains_like(what, one, two, steps, tols, lr);
+}
+
+/// The run in `other` against the one in `one`, both `steps` long: every step logged once,
+/// per-step losses within `loss_tol` and gradient norms within 4 times that (a norm summed
+/// wrongly across the ranks, say under ZeRO-2, is off by a factor near sqrt(2)), final master
+/// weights within `mean_tol * lr` on average.
+fn assert_trains_like(
+    what: &str,
+    one: &Path,
+    other: &Path,
+    steps: usize,
+    (loss_tol, mean_tol): (f64, f64),
+    lr: f64,
+) {
+    let (la, na, ha, va) = read_run(one, steps);
+    let (lb, nb, hb, vb) = read_run(other, steps);
     assert_eq!(la.len(), lb.len(), "{what}: rank 0 logged every step once");
     common::assert_losses_agree(what, &la, &lb, loss_tol);
     let norms = format!("{what}, gradient norm");
@@ -580,7 +602,10 @@ fn bucketed_gradients_train_like_one_gpu() {
         for &(mb, zero) in cases {
             let what = format!("{precision}, bucket_mb {mb}, grad_accum {accum}, ZeRO-{zero}");
             let two = common::scratch(&format!("mp_bucket_{mb}_{accum}_{zero}"));
-            let arg = format!("{};{precision};{steps};{zero};{mb};{accum}", two.display());
+            let arg = format!(
+                "{};{precision};{steps};zero={zero};bucket_mb={mb};grad_accum={accum}",
+                two.display()
+            );
             let outputs = expect_success(
                 start_workers("train_worker", &arg, Layout::default_here()),
                 Duration::from_secs(300),
@@ -614,7 +639,7 @@ fn zero_1_and_2_between_processes_train_like_one_gpu() {
     for zero in [1, 2] {
         let what = format!("{precision}, one GPU against two processes with ZeRO-{zero}");
         let two = common::scratch(&format!("mp_zero_{zero}"));
-        let arg = format!("{};{precision};{steps};{zero}", two.display());
+        let arg = format!("{};{precision};{steps};zero={zero}", two.display());
         expect_success(
             start_workers("train_worker", &arg, Layout::default_here()),
             Duration::from_secs(300),
@@ -633,6 +658,49 @@ fn zero_1_and_2_between_processes_train_like_one_gpu() {
         let (hc, vc) = trainer::checkpoint::read(&out).unwrap();
         assert_eq!((hs.params, hs.devices, vs), (hc.params, 2, vc), "{what}");
     }
+}
+
+/// A ZeRO-2 run of two processes with 4 sequences each, stopped after 10 of 20 steps with its
+/// sharded checkpoint, continues on one GPU with 8 sequences (the same sequences per micro-batch):
+/// the checkpoint is read whole and the run trains as the uninterrupted one-GPU run does (see
+/// [`assert_trains_like`]). A batch size that changes the sequences per micro-batch is refused.
+#[test]
+#[ignore = "needs a GPU and NCCL"]
+fn a_sharded_run_continues_on_another_gpu_count() {
+    use trainer::config::PrecisionKind;
+    let _guard = common::serial();
+    let (steps, precision) = (20, PrecisionKind::Bf16);
+    let one = one_gpu_run("mp_regroup_one", precision, steps);
+    let dir = common::scratch("mp_regroup");
+    let arg = format!(
+        "{};{precision};{steps};zero=2;stop_at={}",
+        dir.display(),
+        steps / 2
+    );
+    expect_success(
+        start_workers("train_worker", &arg, Layout::default_here()),
+        Duration::from_secs(300),
+    );
+    let (_, sharded) = trainer::checkpoint::list(&dir).unwrap().pop().unwrap();
+    assert!(sharded.is_dir(), "not sharded: {}", sharded.display());
+    let mut wrong = train_config(precision, 4, steps);
+    wrong.training.zero = 0;
+    let e = trainer::run(&wrong, &cuda(), &common::opts(dir.clone(), true)).unwrap_err();
+    let e = format!("{e:#}");
+    assert!(e.contains("sequences per micro-batch"), "{e}");
+    let rest = train_config(precision, 8, steps);
+    let s = trainer::run(&rest, &cuda(), &common::opts(dir.clone(), true))
+        .unwrap_or_else(|e| panic!("resumed on one GPU: {e:#}"));
+    assert_eq!(s.resumed_from, Some((steps / 2) as u64));
+    let what = format!("{precision}, ZeRO-2 on two processes then one GPU");
+    assert_trains_like(
+        &what,
+        &one,
+        &dir,
+        steps,
+        tolerances(precision),
+        rest.optimizer.lr,
+    );
 }
 
 /// SIGKILL of rank 1 while both train ends rank 0 with an error naming rank 1 within a minute

@@ -217,16 +217,29 @@ fn checkpoints_are_complete_or_refused() {
         e.contains("seed") && e.contains("training.batch_size"),
         "{e}"
     );
-    // A checkpoint of a run on 2 GPUs does not continue on one: each GPU read its own rows.
+    // A checkpoint of a run on 2 GPUs continues on one only with the same sequences per
+    // micro-batch (each GPU read its own rows of them): twice the batch size here.
     let (_, newest) = checkpoint::list(&dir).unwrap().pop().unwrap();
     let (mut header, _) = checkpoint::read(&newest).unwrap();
     assert_eq!(header.devices, 1);
     header.devices = 2;
     let e = trainer::resume::check_continues(&header, &cfg, 1).unwrap_err();
     assert!(
-        e.contains("trained with 2 GPUs") && e.contains("this run: 1"),
+        e.contains("trained with 2 GPUs x training.batch_size")
+            && e.contains(&format!(
+                "this run: 1 GPU x {0} = {0}",
+                cfg.training.batch_size
+            )),
         "{e}"
     );
+    header.batch_size = cfg.training.batch_size / 2;
+    assert_eq!(header.batch_size * 2, cfg.training.batch_size);
+    trainer::resume::check_continues(&header, &cfg, 1).unwrap();
+    let mut four = cfg.clone();
+    four.training.batch_size = cfg.training.batch_size / 4;
+    trainer::resume::check_continues(&header, &four, 4).unwrap();
+    let e = trainer::resume::check_continues(&header, &four, 2).unwrap_err();
+    assert!(e.contains("this run: 2 GPUs"), "{e}");
     // A refused resume leaves the run's config.toml as it was.
     assert_eq!(
         std::fs::read_to_string(dir.join("config.toml")).unwrap(),

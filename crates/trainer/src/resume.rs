@@ -31,11 +31,14 @@ pub fn newest(run_dir: &Path, existing: &[(u64, PathBuf)]) -> Result<(PathBuf, H
     Ok((path.clone(), header, values))
 }
 
-/// Whether training `cfg` may continue from a checkpoint with `header`: the batches and dropout
-/// masks of a resumed run are functions of the seed, the batch shape and the data, so changing any
-/// of them would silently continue a different run; and a recipe switched mid-run is a different
-/// experiment (master weights are f32 whatever the recipe). `world`: the GPUs this run trains on
-/// (threads of one process or processes), each of which reads its own share of every batch. The
+/// Whether training `cfg` may continue from a checkpoint with `header`: the batches of a resumed
+/// run are functions of the seed, the batch shape and the data, so changing any of them would
+/// silently continue a different run; and a recipe switched mid-run is a different experiment
+/// (master weights are f32 whatever the recipe). `world`: the GPUs this run trains on (threads of
+/// one process or processes). Each GPU reads its own rows of every micro-batch's windows, drawn as
+/// one global batch of `GPUs x training.batch_size`, so the run may continue on another number of
+/// GPUs as long as that product stays the same (4 GPUs x 8 sequences continue as 2 x 16): it reads
+/// the same data, and the checkpoint (a sharded one too) is read whole and shared out again. The
 /// error lists every difference.
 pub fn check_continues(
     header: &Header,
@@ -46,25 +49,26 @@ pub fn check_continues(
     if header.seed != cfg.seed {
         differ.push(format!("seed = {} (this run: {})", header.seed, cfg.seed));
     }
-    if header.batch_size != cfg.training.batch_size {
+    // Checkpoints of runs of processes written before they recorded their world size say 1 GPU;
+    // their replicas' checksums (one per rank) tell how many trained.
+    let recorded = header.devices.max(header.replica_checksums.len());
+    let batch = cfg.training.batch_size;
+    if recorded * header.batch_size != world * batch {
+        let gpus = |n: usize| format!("{n} GPU{}", if n == 1 { "" } else { "s" });
         differ.push(format!(
-            "training.batch_size = {} (this run: {})",
-            header.batch_size, cfg.training.batch_size
+            "{} x training.batch_size = {} = {} sequences per micro-batch (this run: {} x {batch} = {}; \
+             the GPU count may change when that product does not)",
+            gpus(recorded),
+            header.batch_size,
+            recorded * header.batch_size,
+            gpus(world),
+            world * batch
         ));
     }
     if header.grad_accum != cfg.training.grad_accum {
         differ.push(format!(
             "training.grad_accum = {} (this run: {})",
             header.grad_accum, cfg.training.grad_accum
-        ));
-    }
-    // Checkpoints of runs of processes written before they recorded their world size say 1 GPU;
-    // their replicas' checksums (one per rank) tell how many trained.
-    let recorded = header.devices.max(header.replica_checksums.len());
-    if recorded != world {
-        differ.push(format!(
-            "{recorded} GPU{} (training.devices, or one process each; this run: {world}; each GPU reads its own share of every batch)",
-            if recorded == 1 { "" } else { "s" }
         ));
     }
     if header.data != cfg.data {
