@@ -2,8 +2,10 @@
 //! backward still runs (`trainer::parallel::overlap`), on the CPU: a hooked forward's backward
 //! hands every block parameter's gradient to the sink exactly once, bit for bit the gradient of
 //! the plain backward, the last block's first and each block's before any of the blocks below it;
-//! the parameters outside the blocks keep their gradients in Burn's. And the buckets that the
-//! gradients are averaged in cover every parameter once, in that order. The reduction itself
+//! the parameters outside the blocks keep their gradients in Burn's. The buckets that the
+//! gradients are averaged in cover every parameter once, in that order, and the reducer that
+//! packs them, carries the earlier micro-batches' gradients into them and unpacks them gives back
+//! exactly the summed gradients when the exchange is a group of one. The exchange between ranks
 //! needs NCCL: `tests/multi_process.rs` trains with it against one GPU.
 
 mod common;
@@ -21,7 +23,7 @@ use model::config::{AttentionKind, GemmKind, KernelsKind, MlpKind, RecomputeKind
 use model::gpt::Block;
 use model::{BlockHook, Gpt};
 use model_cases::{ids, model_config, with_combo, Combo, AWKWARD};
-use trainer::parallel::overlap::{hook_block, BucketPlan};
+use trainer::parallel::overlap::{hook_block, BucketExchange, BucketPlan, Hooks, Reducer};
 
 type B = Autodiff<NdArray>;
 
@@ -214,5 +216,66 @@ fn buckets_hold_every_parameter_once_in_backward_order() {
             at >= blocks,
             "{bytes} B: the embedding after every block parameter"
         );
+    }
+}
+
+/// A group of one: averaging over the ranks leaves a bucket as it is. Counts the buckets.
+struct Alone(Mutex<usize>);
+
+impl BucketExchange<NdArray> for Alone {
+    fn launch(&self, bucket: Tensor<NdArray, 1>) -> Tensor<NdArray, 1> {
+        *self.0.lock().unwrap() += 1;
+        bucket
+    }
+    fn wait(&self, _: &NdArrayDevice) {}
+}
+
+#[test]
+fn the_reducer_hands_back_the_summed_gradients_of_its_micro_batches() {
+    let _guard = common::serial();
+    let dev = NdArrayDevice::Cpu;
+    for (mlp, combo) in [(MlpKind::Gelu, REFERENCE), (MlpKind::Swiglu, FUSED_CPU)] {
+        let copy = model(mlp, combo, RecomputeKind::None).compute_copy(FloatDType::F32);
+        let precision = copy.precision();
+        let batch = |seed| {
+            let ids = |s| ids::<B>(AWKWARD.batch, AWKWARD.seq, AWKWARD.vocab, s, &dev);
+            (ids(seed), ids(seed + 1))
+        };
+        let plain = |seed| {
+            let (x, y) = batch(seed);
+            let loss = copy.forward_loss_in(x, y, &precision);
+            GradientsParams::from_grads(loss.backward(), &copy)
+        };
+        // Two micro-batches summed, as the trainer's step sums them.
+        let summed = trainer::optim::accumulate_grads::<B, _>(&copy, plain(5), plain(7));
+        let expected = by_id(&copy, &summed);
+        for bytes in [4096, 100_000, usize::MAX] {
+            let exchange = Arc::new(Alone(Mutex::new(0)));
+            let plan = BucketPlan::new(&copy, bytes);
+            let buckets = plan.buckets.len();
+            let reducer = Reducer::new(exchange.clone(), plan);
+            reducer.carry::<B, _>(&copy, plain(5));
+            let (x, y) = batch(7);
+            let hooks = Hooks::<B> {
+                reducer: reducer.clone(),
+            };
+            let loss = copy.forward_loss_hooked(x, y, &precision, &hooks);
+            let rest = GradientsParams::from_grads(loss.backward(), &copy);
+            let got = by_id(&copy, &reducer.finish::<B, _>(&copy, rest));
+            let what = format!("{mlp:?}, buckets of {bytes} B");
+            assert_eq!(
+                *exchange.0.lock().unwrap(),
+                buckets,
+                "{what}: every bucket once"
+            );
+            assert_eq!(got.len(), expected.len(), "{what}: every parameter");
+            for (id, g) in &expected {
+                let mine = got
+                    .get(id)
+                    .unwrap_or_else(|| panic!("{what}: a gradient is missing"));
+                // The same additions: the carried sum plus this micro-batch's gradient.
+                assert_eq!(mine, g, "{what}: a gradient differs");
+            }
+        }
     }
 }

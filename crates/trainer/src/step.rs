@@ -99,7 +99,6 @@ impl StepCtx<'_> {
     /// f32 for the mean over ranks. With `overlap`, the last micro-batch's backward hands each
     /// block's gradients (plus the earlier micro-batches') to the reducer as it produces them,
     /// and the gradients returned are already averaged over the ranks.
-    #[allow(clippy::too_many_arguments)]
     fn backward<B: crate::TrainBackend>(
         &self,
         model: &Gpt<B>,
@@ -143,7 +142,6 @@ impl StepCtx<'_> {
     /// rest). On a numerics step, the first micro-batch's output and weight gradients are
     /// measured into `micro.numerics`. A rank of a data-parallel run reads its rows of the
     /// micro-batch. With `hook`, the blocks' gradients go to that reducer instead.
-    #[allow(clippy::too_many_arguments)]
     fn micro_batch<B: crate::TrainBackend>(
         &self,
         compute: &Gpt<B>,
@@ -359,7 +357,10 @@ impl RankStep<'_> {
             return None;
         }
         let bytes = (cfg.training.bucket_mb * 1024.0 * 1024.0) as usize;
-        Some(Reducer::new(group.clone(), BucketPlan::new(model, bytes)))
+        Some(Reducer::new(
+            Arc::new(group.clone()),
+            BucketPlan::new(model, bytes),
+        ))
     }
 
     /// A group of one: [mean loss, scaled gradient norm, stop] and the norm, nothing exchanged.

@@ -170,7 +170,25 @@ fn param_sizes<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, usize)> {
     s.0
 }
 
-/// One step's bucketed reduction of gradients over a process group; clones share it.
+/// How a reducer averages a bucket over the ranks: a process group's all-reduce beside CubeCL's
+/// work, and the wait for it.
+pub trait BucketExchange<B: Backend>: Send + Sync {
+    /// Starts averaging `bucket` over the ranks; the result is read after [`BucketExchange::wait`].
+    fn launch(&self, bucket: Tensor<B, 1>) -> Tensor<B, 1>;
+    /// Orders `device`'s later work behind every bucket launched so far.
+    fn wait(&self, device: &B::Device);
+}
+
+impl<B: CollectiveBackend> BucketExchange<B> for ProcessGroup {
+    fn launch(&self, bucket: Tensor<B, 1>) -> Tensor<B, 1> {
+        self.all_reduce_overlapped(bucket, ReduceOp::Mean)
+    }
+    fn wait(&self, device: &B::Device) {
+        self.wait_overlapped::<B>(device);
+    }
+}
+
+/// One step's bucketed reduction of gradients over the ranks; clones share it.
 pub struct Reducer<B: Backend> {
     state: Arc<Mutex<State<B>>>,
 }
@@ -184,7 +202,7 @@ impl<B: Backend> Clone for Reducer<B> {
 }
 
 struct State<B: Backend> {
-    group: ProcessGroup,
+    exchange: Arc<dyn BucketExchange<B>>,
     plan: BucketPlan,
     /// Each parameter's bucket and place in it.
     slot: HashMap<ParamId, (usize, usize)>,
@@ -192,14 +210,21 @@ struct State<B: Backend> {
     received: Vec<Vec<Option<Tensor<B, 1>>>>,
     /// The earlier micro-batches' summed gradients (flat, f32), added as each one arrives.
     carry: HashMap<ParamId, Tensor<B, 1>>,
-    /// The launched buckets' averaged gradients (readable after the group's wait; `None` for a
-    /// bucket that received nothing).
-    launched: Vec<Option<Tensor<B, 1>>>,
+    /// The launched buckets, in order.
+    launched: Vec<Launched<B>>,
 }
 
-impl<B: Backend + CollectiveBackend + kernels::Backend> Reducer<B> {
-    /// A reducer for one step of `model` over `group`, with `plan`'s buckets.
-    pub fn new(group: ProcessGroup, plan: BucketPlan) -> Self {
+/// A launched bucket: its averaged gradients (readable after the group's wait; `None` when it
+/// received nothing), and where each of its parameters starts in them (`None` for a parameter
+/// that received no gradient, left out).
+struct Launched<B: Backend> {
+    reduced: Option<Tensor<B, 1>>,
+    starts: Vec<Option<usize>>,
+}
+
+impl<B: kernels::Backend> Reducer<B> {
+    /// A reducer for one step, with `plan`'s buckets averaged through `exchange`.
+    pub fn new(exchange: Arc<dyn BucketExchange<B>>, plan: BucketPlan) -> Self {
         let mut slot = HashMap::new();
         for (b, params) in plan.buckets.iter().enumerate() {
             for (i, (id, _)) in params.iter().enumerate() {
@@ -209,7 +234,7 @@ impl<B: Backend + CollectiveBackend + kernels::Backend> Reducer<B> {
         let received = plan.buckets.iter().map(|p| vec![None; p.len()]).collect();
         Self {
             state: Arc::new(Mutex::new(State {
-                group,
+                exchange,
                 plan,
                 slot,
                 received,
@@ -277,8 +302,8 @@ impl<B: Backend + CollectiveBackend + kernels::Backend> Reducer<B> {
         while s.launched.len() < s.plan.buckets.len() {
             s.launch_next();
         }
-        if let Some(first) = s.launched.iter().flatten().next() {
-            s.group.wait_overlapped::<B>(&first.device());
+        if let Some(first) = s.launched.iter().find_map(|l| l.reduced.as_ref()) {
+            s.exchange.wait(&first.device());
         }
         let mut out = Averaged {
             state: &s,
@@ -293,7 +318,7 @@ impl<B: Backend + CollectiveBackend + kernels::Backend> Reducer<B> {
     }
 }
 
-impl<B: Backend + CollectiveBackend + kernels::Backend> State<B> {
+impl<B: kernels::Backend> State<B> {
     /// Launches, in order, every bucket whose gradients have all arrived.
     fn launch_full(&mut self) {
         while let Some(bucket) = self.received.get(self.launched.len()) {
@@ -305,20 +330,30 @@ impl<B: Backend + CollectiveBackend + kernels::Backend> State<B> {
     }
 
     /// Launches the next bucket with what it received (a parameter that received nothing is left
-    /// out on every rank alike).
+    /// out, on every rank alike: no rank computed a gradient for it).
     fn launch_next(&mut self) {
         let index = self.launched.len();
-        let parts: Vec<Tensor<B, 1>> = self.received[index]
-            .iter_mut()
-            .flat_map(Option::take)
-            .collect();
+        let sizes = self.plan.buckets[index].iter().map(|p| p.1);
+        let mut starts = Vec::new();
+        let mut parts: Vec<Tensor<B, 1>> = Vec::new();
+        let mut at = 0;
+        for (got, n) in self.received[index].iter_mut().zip(sizes) {
+            match got.take() {
+                Some(g) => {
+                    starts.push(Some(at));
+                    parts.push(g);
+                    at += n;
+                }
+                None => starts.push(None),
+            }
+        }
         let bucket = match parts.len() {
             0 => None,
-            1 => parts.into_iter().next(),
+            1 => parts.pop(),
             _ => Some(Tensor::cat(parts, 0)),
         };
-        let reduced = bucket.map(|b| self.group.all_reduce_overlapped(b, ReduceOp::Mean));
-        self.launched.push(reduced);
+        let reduced = bucket.map(|b| self.exchange.launch(b));
+        self.launched.push(Launched { reduced, starts });
     }
 }
 
@@ -333,15 +368,12 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Averaged<'_, AB::InnerBackend> {
         let Some(&(b, i)) = self.state.slot.get(&param.id) else {
             return;
         };
-        let Some(bucket) = &self.state.launched[b] else {
+        let launched = &self.state.launched[b];
+        let (Some(bucket), Some(offset)) = (&launched.reduced, launched.starts[i]) else {
+            // It received no gradient (see `State::launch_next`).
             return;
         };
-        let offset: usize = self.state.plan.buckets[b][..i].iter().map(|p| p.1).sum();
         let n = self.state.plan.buckets[b][i].1;
-        if offset + n > bucket.dims()[0] {
-            // Received nothing (see `launch_next`).
-            return;
-        }
         let g = bucket.clone().narrow(0, offset, n).reshape(param.shape());
         self.grads.register::<AB::InnerBackend, D>(param.id, g);
     }
@@ -417,7 +449,7 @@ pub struct Hooks<AB: GradHook> {
 impl<AB> BlockHook<AB> for Hooks<AB>
 where
     AB: GradHook,
-    AB::InnerBackend: CollectiveBackend + kernels::Backend,
+    AB::InnerBackend: kernels::Backend,
 {
     fn block(&self, _layer: usize, block: &Block<AB>, input: &Tensor<AB, 3>) -> Block<AB> {
         let reducer = self.reducer.clone();
