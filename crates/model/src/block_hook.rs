@@ -1,10 +1,11 @@
 //! A training forward that hands each block's parameters to a hook just before the block runs,
-//! with the stream entering it: what a data-parallel trainer needs to reduce a block's gradients
+//! with the deepest tensor entering it (the stream, or the previous block's output not yet added
+//! to it): what a data-parallel trainer needs to reduce a block's gradients
 //! as soon as the backward has finished with that block, while earlier blocks' backward runs.
 //!
 //! Burn's backward runs its steps from the deepest node of the graph to the shallowest. An op
-//! that takes a block's parameter and the stream entering the block sits one level below that
-//! stream; every use of its output in the block is deeper, so its backward runs once the block's
+//! that takes a block's parameter and the deepest tensor entering the block sits one level below
+//! that tensor; every use of its output in the block is deeper, so its backward runs once the block's
 //! backward has produced the whole gradient of the parameter, and before the backward of the
 //! blocks below. The op itself is the hook's to build (the trainer's `parallel::overlap` builds
 //! one that hands the gradient to its bucketed reduction).
@@ -18,7 +19,8 @@ use crate::{Gpt, Precision};
 /// What a hooked forward does with each block's parameters.
 pub trait BlockHook<B: Backend> {
     /// Block `layer` as the forward is to use it (its parameters passed through ops of the
-    /// hook's), given the stream `input` entering it.
+    /// hook's), given `input`, the deepest tensor entering it: the residual stream, or with the
+    /// fused kernels the previous block's MLP output that the block's first norm adds to it.
     fn block(&self, layer: usize, block: &Block<B>, input: &Tensor<B, 3>) -> Block<B>;
 }
 

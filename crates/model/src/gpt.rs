@@ -926,7 +926,10 @@ impl<B: kernels::Backend> Gpt<B> {
         let ctx = self.ctx(&ids, precision, masks);
         let mut s = self.embed(ids, &ctx);
         for (layer, block) in self.blocks.iter().enumerate() {
-            let hooked = hook.map(|h| h.block(layer, block, &s.x));
+            // The deepest tensor entering the block: with the fused kernels, the previous block's
+            // MLP output not yet added to the stream.
+            let entering = s.pending.as_ref().unwrap_or(&s.x);
+            let hooked = hook.map(|h| h.block(layer, block, entering));
             let block = hooked.as_ref().unwrap_or(block);
             s = block.step(s, &ctx, layer, self.fused());
             debug_assert_dtype(&s.x, self.compute_dtype, "residual stream after a block");

@@ -38,8 +38,10 @@ pub fn newest(run_dir: &Path, existing: &[(u64, PathBuf)]) -> Result<(PathBuf, H
 /// one process or processes). Each GPU reads its own rows of every micro-batch's windows, drawn as
 /// one global batch of `GPUs x training.batch_size`, so the run may continue on another number of
 /// GPUs as long as that product stays the same (4 GPUs x 8 sequences continue as 2 x 16): it reads
-/// the same data, and the checkpoint (a sharded one too) is read whole and shared out again. The
-/// error lists every difference.
+/// the same training data, and the checkpoint (a sharded one too) is read whole and shared out
+/// again. What changes with the count: the dropout masks (drawn per GPU), the order in which the
+/// mean gradient adds up (rounding), and the validation batches (`training.batch_size` sequences
+/// each; the session restarts the best validation loss). The error lists every difference.
 pub fn check_continues(
     header: &Header,
     cfg: &Config,

@@ -338,8 +338,11 @@ impl RankStep<'_> {
 
     /// The bucketed reduction during the backward ([`crate::parallel::overlap`]), where this step
     /// takes it: a rank of a run of processes that takes the buckets
-    /// ([`overlap::after_backward_because`]), on neither a numerics step (whose statistics read the weight gradients of each micro-batch) nor a
-    /// poisoned one (whose non-finite gradient must reach every rank through the mean).
+    /// ([`overlap::after_backward_because`]), on neither a numerics step (whose statistics read
+    /// the weight gradients of each micro-batch) nor a poisoned one (whose non-finite gradient
+    /// must reach every rank through the mean). Every rank decides alike (the probes and the
+    /// poisoned steps come from the run's config and options, the same on every rank), as their
+    /// NCCL calls must match.
     fn overlap<B: crate::TrainBackend>(
         &self,
         model: &Gpt<B>,

@@ -902,13 +902,23 @@ fn resume<B: crate::TrainBackend>(
     crate::resume::check_continues(&header, cfg, world).map_err(|why| {
         anyhow::anyhow!("checkpoint {} does not fit this run: {why}", path.display())
     })?;
-    let (model, restored) =
+    // On another GPU count the batch size changed with it, and so did the validation batches
+    // (`training.batch_size` sequences each): the best validation loss so far measured others.
+    let other_eval = header.batch_size != cfg.training.batch_size;
+    let was_batch = header.batch_size;
+    let (model, mut restored) =
         checkpoint::apply::<B, _>(&path, header, values, model, opt, &cfg.model, vocab)?;
     console.line(&format!(
         "resumed from {} (step {})",
         restored.path.display(),
         restored.step
     ));
+    if other_eval && restored.best_val_loss.take().is_some() {
+        console.line(&format!(
+            "validation batches now hold {} sequences (they held {was_batch}): the best validation loss starts afresh",
+            cfg.training.batch_size
+        ));
+    }
     Ok((model, restored))
 }
 

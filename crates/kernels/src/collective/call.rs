@@ -126,10 +126,11 @@ pub(super) fn wait_overlapped(comm: &Arc<Comm>, like: CubeTensor<CudaRuntime>) {
                 })
         };
         if let Err(why) = waited {
-            // Without the wait the buffers must outlive the calls: wait on the host.
+            // Abort first, which ends the calls in flight (a peer may never join them); then the
+            // buffers must outlive them: wait on the host.
+            comm.fail(why);
             // SAFETY: the communicator's stream is live.
             let _ = unsafe { drv::stream::synchronize(comm.own_stream) };
-            comm.fail(why);
         }
         drop(held);
     });

@@ -196,5 +196,13 @@ impl Drop for Comm {
                 let _ = nccl::comm_abort(self.raw);
             }
         }
+        // SAFETY: no call records or waits on the events any more (CUDA releases an event whose
+        // recorded work is still pending once that work completes).
+        unsafe {
+            if drv::ctx::set_current(self.ctx).is_ok() {
+                let _ = drv::event::destroy(self.inputs_ready);
+                let _ = drv::event::destroy(self.overlapped_done);
+            }
+        }
     }
 }

@@ -1,8 +1,8 @@
 //! Gradients averaged in buckets while the backward still runs, for runs of one process per GPU
 //! (`training.bucket_mb`).
 //!
-//! Each block's parameters pass through a hook op ([`GradHook`]) placed one level below the stream
-//! entering the block (`model::block_hook`): its backward runs as soon as the block's backward
+//! Each block's parameters pass through a hook op ([`GradHook`]) placed one level below the deepest
+//! tensor entering the block (`model::block_hook`): its backward runs as soon as the block's backward
 //! has produced the whole gradient of the parameter, and hands that gradient (in f32, plus the
 //! step's earlier micro-batches') to the [`Reducer`] instead of to Burn's gradients. The reducer
 //! packs the gradients into buckets of about `training.bucket_mb` MB, laid out once from the
@@ -413,7 +413,7 @@ where
 pub type ParamSink<B> = Arc<dyn Fn(ParamId, FloatTensor<B>) + Send + Sync>;
 
 /// `block` with each of its parameters passed through [`GradHook::grad_hook`], anchored at the
-/// stream `input` entering the block: in the backward, `sink` receives each parameter's whole
+/// deepest tensor `input` entering the block: in the backward, `sink` receives each parameter's whole
 /// gradient as soon as the block's backward is done with it.
 pub fn hook_block<AB: GradHook>(
     block: &Block<AB>,
