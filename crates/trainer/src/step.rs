@@ -114,8 +114,11 @@ impl StepCtx<'_> {
         let mut sum: Option<GradientsParams> = None;
         for m in 0..accum {
             let hook = overlap.filter(|_| m + 1 == accum);
-            if let (Some(reducer), Some(earlier)) = (hook, sum.take()) {
-                reducer.carry::<B, _>(model, earlier);
+            if let Some(reducer) = hook {
+                // The earlier micro-batches' sum joins the last one's gradients in the buckets.
+                if let Some(earlier) = sum.take() {
+                    reducer.carry::<B, _>(model, earlier);
+                }
             }
             let index = step * accum + m;
             let g = self.micro_batch(compute, rank, index, scale, probes, micro, hook);
