@@ -19,27 +19,13 @@ use burn::backend::{Autodiff, NdArray};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
-use model::config::{AttentionKind, GemmKind, KernelsKind, MlpKind, RecomputeKind};
+use model::config::{MlpKind, RecomputeKind};
 use model::gpt::Block;
 use model::{BlockHook, Gpt};
-use model_cases::{ids, model_config, with_combo, Combo, AWKWARD};
+use model_cases::{ids, model_config, with_combo, Combo, AWKWARD, FUSED_CPU, REFERENCE};
 use trainer::parallel::overlap::{hook_block, BucketExchange, BucketPlan, Hooks, Reducer};
 
 type B = Autodiff<NdArray>;
-
-const REFERENCE: Combo = Combo {
-    kernels: KernelsKind::Reference,
-    attention: AttentionKind::Plain,
-    gemm: GemmKind::Burn,
-};
-
-/// The fused ops' CPU versions, with the GEMMs through `kernels::gemm` (as selective
-/// recomputation's are).
-const FUSED_CPU: Combo = Combo {
-    kernels: KernelsKind::Fused,
-    attention: AttentionKind::Flash,
-    gemm: GemmKind::Auto,
-};
 
 /// What the sink received: (layer, parameter, gradient values), in the order received.
 type Received = Arc<Mutex<Vec<(usize, ParamId, Vec<f32>)>>>;

@@ -13,26 +13,12 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::FloatDType;
 use model::config::{AttentionKind, GemmKind, KernelsKind, MlpKind, RecomputeKind};
 use model_cases::recompute::{recompute_matches, Case};
-use model_cases::{Combo, AWKWARD};
-
-const REFERENCE: Combo = Combo {
-    kernels: KernelsKind::Reference,
-    attention: AttentionKind::Plain,
-    gemm: GemmKind::Burn,
-};
+use model_cases::{Combo, AWKWARD, FUSED_CPU, REFERENCE};
 
 const FUSED_FLASH: Combo = Combo {
     kernels: KernelsKind::Fused,
     attention: AttentionKind::Flash,
     gemm: GemmKind::Burn,
-};
-
-/// The fused ops on the CPU run their references; the GEMMs go through `kernels::gemm`, as the
-/// selective recomputation's do.
-const FUSED_CPU: Combo = Combo {
-    kernels: KernelsKind::Fused,
-    attention: AttentionKind::Flash,
-    gemm: GemmKind::Auto,
 };
 
 #[test]

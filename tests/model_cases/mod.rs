@@ -67,6 +67,21 @@ pub struct Combo {
     pub gemm: GemmKind,
 }
 
+/// The reference model: the reference ops, plain attention, Burn's matmul.
+pub const REFERENCE: Combo = Combo {
+    kernels: KernelsKind::Reference,
+    attention: AttentionKind::Plain,
+    gemm: GemmKind::Burn,
+};
+
+/// The fused ops' CPU versions (they run their references there), with the GEMMs through
+/// `kernels::gemm`, as selective recomputation's are.
+pub const FUSED_CPU: Combo = Combo {
+    kernels: KernelsKind::Fused,
+    attention: AttentionKind::Flash,
+    gemm: GemmKind::Auto,
+};
+
 /// Every `kernels` x `attention` combination except the reference itself.
 pub fn combos() -> Vec<Combo> {
     let mut out = Vec::new();

@@ -510,3 +510,120 @@ pub(crate) fn copied_weights<B: Backend>(
 ) -> Option<(FloatDType, HashSet<ParamId>)> {
     (compute_dtype != FloatDType::F32).then(|| (compute_dtype, model.compute_copy_ids()))
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::ndarray::NdArrayDevice;
+    use burn::module::{Module, ModuleVisitor, Param};
+
+    use super::*;
+    use crate::CpuBackend as B;
+
+    /// Every gradient of `g`, as f32 values in module order.
+    fn values(model: &Gpt<B>, g: &GradientsParams) -> Vec<Vec<f32>> {
+        struct Values<'a>(&'a GradientsParams, Vec<Vec<f32>>);
+        impl ModuleVisitor<B> for Values<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                let g = self
+                    .0
+                    .get::<burn::backend::NdArray, D>(p.id)
+                    .expect("a gradient");
+                self.1
+                    .push(g.into_data().convert::<f32>().into_vec().unwrap());
+            }
+        }
+        let mut v = Values(g, Vec::new());
+        model.visit(&mut v);
+        v.1
+    }
+
+    /// With `training.grad_accum = 3` the step's gradients are the sum of its three
+    /// micro-batches' (each scaled by 1/3), every micro-batch counted once.
+    #[test]
+    fn accumulation_sums_every_micro_batch() {
+        let mut cfg = Config::default();
+        cfg.model.kernels = model::KernelsKind::Reference;
+        cfg.model.attention = model::AttentionKind::Plain;
+        cfg.model.n_layer = 2;
+        cfg.model.n_head = 2;
+        cfg.model.d_model = 32;
+        cfg.model.context = 16;
+        cfg.data.embedded_chars = 20_000;
+        cfg.training.batch_size = 4;
+        cfg.training.grad_accum = 3;
+        let data = Arc::new(Dataset::build(&cfg, None).expect("the embedded corpus"));
+        let device = NdArrayDevice::Cpu;
+        let model = Gpt::<B>::new(&cfg.model, data.vocab_size(), &device);
+        let ctx = StepCtx {
+            cfg: &cfg,
+            data: &data,
+            compute_dtype: FloatDType::F32,
+            gemm: model.precision().gemm,
+            fp8_linear: None,
+        };
+        let rank = Rank::<B> {
+            device: &device,
+            of: None,
+        };
+        let probes = Probes {
+            fp8: None,
+            taps: None,
+        };
+        let micro = || MicroBatches::<B> {
+            loss_sum: None,
+            numerics: Vec::new(),
+        };
+        let step = 5;
+        let got = ctx.backward(
+            &model,
+            &model,
+            &rank,
+            step,
+            1.0,
+            &probes,
+            &mut micro(),
+            None,
+        );
+        let got = values(&model, &got);
+        let mut want: Option<Vec<Vec<f32>>> = None;
+        for m in 0..3 {
+            let g = ctx.micro_batch(
+                &model,
+                &rank,
+                step * 3 + m,
+                1.0,
+                &probes,
+                &mut micro(),
+                None,
+            );
+            let g = values(&model, &g);
+            want = Some(match want {
+                None => g,
+                Some(w) => w
+                    .iter()
+                    .zip(&g)
+                    .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x + y).collect())
+                    .collect(),
+            });
+        }
+        let want = want.unwrap();
+        let one = ctx.micro_batch(&model, &rank, step * 3, 1.0, &probes, &mut micro(), None);
+        let one = values(&model, &one);
+        let mut largest = 0f32;
+        let mut from_one = 0f32;
+        for ((g, w), o) in got.iter().zip(&want).zip(&one) {
+            for ((a, b), c) in g.iter().zip(w).zip(o) {
+                largest = largest.max((a - b).abs() / b.abs().max(1e-3));
+                from_one = from_one.max((a - c).abs());
+            }
+        }
+        assert!(
+            largest < 1e-4,
+            "accumulated gradients differ from the sum by {largest}"
+        );
+        assert!(
+            from_one > 1e-4,
+            "the micro-batches' gradients are all alike"
+        );
+    }
+}

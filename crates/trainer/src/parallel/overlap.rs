@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use super::zero::parameters;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -130,13 +131,13 @@ impl BucketPlan {
     pub fn new<B: Backend>(model: &Gpt<B>, bucket_bytes: usize) -> Self {
         let mut order: Vec<(ParamId, usize)> = Vec::new();
         for block in model.blocks.iter().rev() {
-            let mut ids = param_sizes(block);
+            let mut ids = parameters(block);
             ids.reverse();
             order.extend(ids);
         }
         let in_blocks: std::collections::HashSet<ParamId> = order.iter().map(|p| p.0).collect();
         order.extend(
-            param_sizes(model)
+            parameters(model)
                 .into_iter()
                 .filter(|(id, _)| !in_blocks.contains(id)),
         );
@@ -155,19 +156,6 @@ impl BucketPlan {
         }
         Self { buckets }
     }
-}
-
-/// A module's float parameters and their element counts, in module order.
-fn param_sizes<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, usize)> {
-    struct Sizes(Vec<(ParamId, usize)>);
-    impl<B: Backend> ModuleVisitor<B> for Sizes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push((param.id, param.shape().num_elements()));
-        }
-    }
-    let mut s = Sizes(Vec::new());
-    module.visit(&mut s);
-    s.0
 }
 
 /// How a reducer averages a bucket over the ranks: a process group's all-reduce beside CubeCL's
