@@ -49,8 +49,14 @@ where
 {
     let copy = model.compute_copy(dtype);
     let precision = copy.precision();
-    let (loss, pieces) =
-        copy.loss_and_grads_recomputed(x.clone(), y.clone(), &precision, copy.config.z_loss, 1.0);
+    let (loss, pieces) = copy.loss_and_grads_recomputed(
+        x.clone(),
+        y.clone(),
+        &precision,
+        copy.config.z_loss,
+        1.0,
+        None,
+    );
     let grads = pieces
         .into_iter()
         .map(|g| GradientsParams::from_grads(g, &copy))

@@ -1,7 +1,9 @@
-//! A training forward that hands each block's parameters to a hook just before the block runs,
-//! with the deepest tensor entering it (the stream, or the previous block's output not yet added
-//! to it): what a data-parallel trainer needs to reduce a block's gradients
-//! as soon as the backward has finished with that block, while earlier blocks' backward runs.
+//! A forward that hands each block's parameters to a hook just before the block runs, with the
+//! deepest tensor entering it (the stream, or the previous block's output not yet added to it),
+//! and the parameters outside the blocks before the embedding: what a data-parallel trainer needs
+//! to reduce a block's gradients as soon as the backward has finished with that block, while
+//! earlier blocks' backward runs, and what a sharded one (ZeRO-3) needs to gather a block's
+//! weights just before it runs.
 //!
 //! Burn's backward runs its steps from the deepest node of the graph to the shallowest. An op
 //! that takes a block's parameter and the deepest tensor entering the block sits one level below
@@ -22,6 +24,13 @@ pub trait BlockHook<B: Backend> {
     /// hook's), given `input`, the deepest tensor entering it: the residual stream, or with the
     /// fused kernels the previous block's MLP output that the block's first norm adds to it.
     fn block(&self, layer: usize, block: &Block<B>, input: &Tensor<B, 3>) -> Block<B>;
+
+    /// The parameters outside the blocks (the embedding, the final norm and an untied LM head) as
+    /// the forward is to use them, in a model whose blocks the forward does not read: `None`, the
+    /// default, uses the model's own.
+    fn outside(&self, _model: &Gpt<B>) -> Option<Gpt<B>> {
+        None
+    }
 }
 
 impl<B: kernels::Backend> Gpt<B> {
@@ -36,5 +45,18 @@ impl<B: kernels::Backend> Gpt<B> {
         hook: &dyn BlockHook<B>,
     ) -> Tensor<B, 1> {
         self.forward_loss_through(ids, targets, precision, self.config.z_loss, Some(hook))
+    }
+
+    /// [`Gpt::forward_loss_hooked`] with the z-loss weight `z` (0 gives the plain cross-entropy,
+    /// as evaluation reports it).
+    pub fn forward_loss_hooked_with(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        precision: &Precision,
+        z: f64,
+        hook: &dyn BlockHook<B>,
+    ) -> Tensor<B, 1> {
+        self.forward_loss_through(ids, targets, precision, z, Some(hook))
     }
 }

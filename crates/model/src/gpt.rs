@@ -924,7 +924,9 @@ impl<B: kernels::Backend> Gpt<B> {
     ) -> Tensor<B, 1> {
         let masks = self.masks(&ids.device());
         let ctx = self.ctx(&ids, precision, masks);
-        let mut s = self.embed(ids, &ctx);
+        let outside = hook.and_then(|h| h.outside(self));
+        let me = outside.as_ref().unwrap_or(self);
+        let mut s = me.embed(ids, &ctx);
         for (layer, block) in self.blocks.iter().enumerate() {
             // The deepest tensor entering the block: with the fused kernels, the previous block's
             // MLP output not yet added to the stream.
@@ -934,7 +936,7 @@ impl<B: kernels::Backend> Gpt<B> {
             s = block.step(s, &ctx, layer, self.fused());
             debug_assert_dtype(&s.x, self.compute_dtype, "residual stream after a block");
         }
-        self.loss_from(s, targets, precision, z)
+        me.loss_from(s, targets, precision, z)
     }
 
     /// The loss of the stream leaving the last block against `targets` [B, T]: final norm, LM

@@ -31,6 +31,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
 
+use crate::block_hook::BlockHook;
 use crate::gpt::{Gpt, Stream};
 use crate::precision::{Precision, Probes};
 
@@ -53,6 +54,10 @@ where
     /// and the share of a micro-batch). Returns the loss, unscaled, and the gradients of each
     /// piece, from the last to the first; every parameter's gradient is in exactly one of them,
     /// except a tied embedding's, which is in the first and the last.
+    ///
+    /// With `hook` ([`crate::block_hook`]), the parameters outside the blocks are the hook's, and
+    /// every run of a block, the recomputed blocks' first (whose result leaves autodiff) and
+    /// second, takes the block as the hook hands it over.
     pub fn loss_and_grads_recomputed(
         &self,
         ids: Tensor<B, 2, Int>,
@@ -60,6 +65,7 @@ where
         precision: &Precision,
         z: f64,
         loss_factor: f64,
+        hook: Option<&dyn BlockHook<B>>,
     ) -> (Tensor<B::InnerBackend, 1>, Vec<B::Gradients>) {
         let fused = self.fused();
         let device = ids.device();
@@ -78,11 +84,15 @@ where
         let mut pieces: Vec<Piece<B>> = Vec::new();
         let mut saved: Vec<(usize, Tensor<B::InnerBackend, 3>)> = Vec::new();
         let mut start = None;
-        let mut s = self.embed(ids, &ctx);
+        let outside = hook.and_then(|h| h.outside(self));
+        let me = outside.as_ref().unwrap_or(self);
+        let mut s = me.embed(ids, &ctx);
         let mut holds_blocks = true;
         for (layer, block) in self.blocks.iter().enumerate() {
             if !self.config.recomputes(layer) {
-                s = block.step(s, &ctx, layer, fused);
+                let entering = s.pending.as_ref().unwrap_or(&s.x);
+                let hooked = hook.map(|h| h.block(layer, block, entering));
+                s = hooked.as_ref().unwrap_or(block).step(s, &ctx, layer, fused);
                 holds_blocks = true;
                 continue;
             }
@@ -91,14 +101,26 @@ where
                 start: start.take(),
                 end: holds_blocks.then(|| s.clone()),
             });
-            let out = inner.blocks[layer].step(alone(input.clone()), &inner_ctx, layer, fused);
+            // The hook's block, out of autodiff: this run keeps nothing for a backward.
+            let hooked = hook.map(|h| h.block(layer, block, &s.x).valid());
+            let out = hooked.as_ref().unwrap_or(&inner.blocks[layer]).step(
+                alone(input.clone()),
+                &inner_ctx,
+                layer,
+                fused,
+            );
             saved.push((layer, input));
             let leaf = Tensor::from_inner(joined(out)).require_grad();
             start = Some(leaf.clone());
             s = alone(leaf);
             holds_blocks = false;
         }
-        let loss = self.loss_from(s, targets, precision, z);
+        // The loss's piece takes the hook's parameters outside the blocks again: a tied
+        // embedding's gather then has a backward in each piece that uses it (one gathered tensor
+        // shared by two pieces would reach the shard from the first backward alone).
+        let outside = hook.and_then(|h| h.outside(self));
+        let me = outside.as_ref().unwrap_or(self);
+        let loss = me.loss_from(s, targets, precision, z);
         let value = loss.clone().inner();
         kernels::memory::trace::<B>(&device, || "recompute: after the forward".into());
 
@@ -117,7 +139,13 @@ where
                 .expect("a recomputed block's output has a gradient");
             // The block again, from its saved input, with autodiff.
             let leaf = Tensor::from_inner(input).require_grad();
-            let out = self.blocks[layer].step(alone(leaf.clone()), &ctx, layer, fused);
+            let block = &self.blocks[layer];
+            let hooked = hook.map(|h| h.block(layer, block, &leaf));
+            let out =
+                hooked
+                    .as_ref()
+                    .unwrap_or(block)
+                    .step(alone(leaf.clone()), &ctx, layer, fused);
             grads.push(weighted_sum(out, g).backward());
             let g = take_grad(&leaf, grads.last_mut().expect("just pushed"));
             // The piece before it.

@@ -193,7 +193,7 @@ impl StepCtx<'_> {
             };
             (l, vec![loss.backward()])
         } else {
-            compute.loss_and_grads_recomputed(x, y, &precision, cfg.model.z_loss, factor)
+            compute.loss_and_grads_recomputed(x, y, &precision, cfg.model.z_loss, factor, None)
         };
         kernels::memory::trace::<B>(rank.device, || "after the backward".into());
         micro.loss_sum = Some(match micro.loss_sum.take() {

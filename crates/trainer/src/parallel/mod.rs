@@ -10,6 +10,8 @@
 //! - [`collective`]: batch rows, the collectives, the weights checksum, the pre-run checks.
 //! - [`zero`]: ZeRO-1 and ZeRO-2, each rank keeping the optimizer state (and under ZeRO-2 the
 //!   averaged gradients) of its share of the parameters.
+//! - [`fsdp`]: ZeRO-3, each rank keeping a share of the rows of every parameter, a block's
+//!   parameters gathered just before it runs.
 //! - [`overlap`]: between processes, gradients averaged in buckets while the backward runs.
 //! - [`watchdog`]: turns a rank stuck in NCCL into an error.
 //! - [`place`]: a process's rank, world size, GPU and rendezvous address, from torchrun's (or
@@ -24,6 +26,7 @@
 //! The step itself, the same for every world size, is `crate::step`.
 
 pub mod collective;
+pub mod fsdp;
 pub(crate) mod group;
 pub mod launch;
 pub mod overlap;

@@ -1,0 +1,373 @@
+//! ZeRO-3 (FSDP): every rank keeps a share of the rows of every parameter, and a layer's
+//! parameters are whole only while it runs.
+//!
+//! **Row shards**, as PyTorch's FSDP2 lays them out: a parameter of `rows` rows (dimension 0) is
+//! padded with zero rows to `world * share` rows, `share = ceil(rows / world)`, and rank `r`
+//! keeps rows `r * share .. (r + 1) * share`. The padding rows stay zero: their gradient is zero,
+//! and AdamW moves a zero weight with zero moments by nothing. Every rank holds the same number of
+//! elements of every parameter, so an all-gather of the shards, rank 0's first, is the padded
+//! parameter and a reduce-scatter of its padded gradient hands each rank its rows' mean.
+//!
+//! **The gather is an autodiff op** ([`RowGather::gather_rows`]): its forward all-gathers the
+//! shard (in the dtype the shard computes in: the compute copy's bf16 or f16 shard) and trims the
+//! padding; its backward pads the whole gradient, cast to f32, and reduce-scatters its mean over
+//! the ranks onto the shard. The gradients that reach the optimizer are each rank's shares,
+//! averaged, and no step of the trainer averages them again. A block's gather takes the deepest
+//! tensor entering the block as a second input that only places it in the graph (as
+//! `parallel::overlap`'s hook does): Burn's backward runs the deepest nodes first, so the
+//! reduce-scatter of a block's gradients runs as soon as the block's backward is done with them,
+//! and its whole gradients are freed then.
+//!
+//! **The hooks** ([`GatherBlocks`] under autodiff, [`GatherBlocksPlain`] for evaluation) hand the
+//! model's forward ([`model::BlockHook`]) each block with its parameters gathered just before it
+//! runs, and the parameters outside the blocks (the embedding, the final norm, an untied LM head)
+//! gathered before the embedding. With `model.recompute = "full"` a block's gathered weights live
+//! only while it runs: its first run keeps nothing, and the backward gathers them again to run it
+//! again (FSDP with activation checkpointing). Without, Burn's backward keeps what the block's
+//! ops saved, the gathered weights among them, until the block's backward.
+//!
+//! The collectives run in the order of the forward and of Burn's backward, which are the same on
+//! every rank: the graph is built by the same code over tensors of the same shapes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{FloatDType, Shape, Tensor, TensorPrimitive};
+use kernels::collective::{CollectiveBackend, ProcessGroup, ReduceOp};
+use model::gpt::Block;
+use model::{BlockHook, Gpt};
+
+use crate::optim::with_grad;
+
+/// Rows a rank keeps of a parameter of `rows` rows over `world` ranks (the padded parameter has
+/// `world` times as many).
+pub fn share(rows: usize, world: usize) -> usize {
+    rows.div_ceil(world)
+}
+
+/// How the ranks of a ZeRO-3 run split the parameters: every parameter's whole row count, and
+/// this rank's place.
+#[derive(Debug, Clone)]
+pub struct RowShards {
+    pub rank: usize,
+    pub world: usize,
+    /// Rows (dimension 0) of each whole parameter.
+    rows: HashMap<ParamId, usize>,
+}
+
+impl RowShards {
+    /// The split of `model`'s parameters (whole, as every rank builds or reads them) for rank
+    /// `rank` of `world`.
+    pub fn new<B: Backend, M: Module<B>>(model: &M, rank: usize, world: usize) -> Self {
+        assert!(rank < world, "rank {rank} of a world of {world}");
+        struct Rows(HashMap<ParamId, usize>);
+        impl<B: Backend> ModuleVisitor<B> for Rows {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                self.0.insert(param.id, param.shape().dims::<D>()[0]);
+            }
+        }
+        let mut r = Rows(HashMap::new());
+        model.visit(&mut r);
+        Self {
+            rank,
+            world,
+            rows: r.0,
+        }
+    }
+
+    /// Rows of the whole parameter `id`.
+    ///
+    /// # Panics
+    /// If `id` is not a parameter of the model the split was made from.
+    pub fn rows(&self, id: &ParamId) -> usize {
+        *self
+            .rows
+            .get(id)
+            .unwrap_or_else(|| panic!("parameter {id} is not in the row split"))
+    }
+
+    /// The first row of this rank's shard of `id` in the padded parameter, and the shard's rows.
+    pub fn range(&self, id: &ParamId) -> (usize, usize) {
+        let n = share(self.rows(id), self.world);
+        (self.rank * n, n)
+    }
+
+    /// `model` with every parameter replaced by this rank's shard of it (padded with zero rows
+    /// where the parameter's rows run out), a leaf that trains as the whole one did.
+    pub fn shard<AB: AutodiffBackend, M: AutodiffModule<AB>>(&self, model: M) -> M {
+        struct Cut<'a>(&'a RowShards);
+        impl<AB: AutodiffBackend> ModuleMapper<AB> for Cut<'_> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<AB, D>>,
+            ) -> Param<Tensor<AB, D>> {
+                let (id, tensor, mapper) = param.consume();
+                let grad = tensor.is_require_grad();
+                let (start, n) = self.0.range(&id);
+                let cut = rows_of(tensor.inner(), start, n);
+                Param::from_mapped_value(id, with_grad(Tensor::from_inner(cut), grad), mapper)
+            }
+        }
+        model.map(&mut Cut(self))
+    }
+}
+
+/// Rows `start .. start + n` of `t`, zero rows where `t`'s run out.
+fn rows_of<B: Backend, const D: usize>(t: Tensor<B, D>, start: usize, n: usize) -> Tensor<B, D> {
+    let rows = t.dims()[0];
+    let have = rows.saturating_sub(start).min(n);
+    let mut pad_shape = t.dims();
+    pad_shape[0] = n - have;
+    let (device, dtype) = (t.device(), t.dtype());
+    let kept = (have > 0).then(|| t.narrow(0, start.min(rows), have));
+    let pad = (have < n).then(|| Tensor::zeros(pad_shape, (&device, dtype)));
+    match (kept, pad) {
+        (Some(k), Some(p)) => Tensor::cat(vec![k, p], 0),
+        (Some(k), None) => k,
+        (None, Some(p)) => p,
+        (None, None) => unreachable!("a shard has at least one row"),
+    }
+}
+
+/// How row shards travel between the ranks: NCCL's all-gather and reduce-scatter in a run of
+/// processes ([`ProcessGroup`]). Every tensor is flat; `id` names the parameter, for an exchange
+/// that needs it (the CPU tests' stand-in for other ranks).
+pub trait RowExchange<B: Backend>: Send + Sync {
+    /// How many ranks hold shards.
+    fn world(&self) -> usize;
+    /// Every rank's `shard` (the same number of elements on every rank), rank 0's first.
+    fn all_gather(&self, id: ParamId, shard: Tensor<B, 1>) -> Tensor<B, 1>;
+    /// The mean over the ranks of `whole` (a multiple of the world size in elements), this
+    /// rank's equal part of it.
+    fn reduce_scatter_mean(&self, id: ParamId, whole: Tensor<B, 1>) -> Tensor<B, 1>;
+}
+
+impl<B: CollectiveBackend> RowExchange<B> for ProcessGroup {
+    fn world(&self) -> usize {
+        ProcessGroup::world(self)
+    }
+    fn all_gather(&self, _id: ParamId, shard: Tensor<B, 1>) -> Tensor<B, 1> {
+        ProcessGroup::all_gather(self, shard)
+    }
+    fn reduce_scatter_mean(&self, _id: ParamId, whole: Tensor<B, 1>) -> Tensor<B, 1> {
+        self.reduce_scatter(whole, ReduceOp::Mean)
+    }
+}
+
+/// The whole parameter of `rows` rows from the ranks' shards, `shard` this rank's.
+pub fn gather<B: Backend, const D: usize>(
+    shard: Tensor<B, D>,
+    rows: usize,
+    id: ParamId,
+    exchange: &dyn RowExchange<B>,
+) -> Tensor<B, D> {
+    let mut dims = shard.dims();
+    let per_row: usize = dims[1..].iter().product();
+    let n = shard.shape().num_elements();
+    let padded = exchange.all_gather(id, shard.reshape([n]));
+    dims[0] = rows;
+    padded.narrow(0, 0, rows * per_row).reshape(dims)
+}
+
+/// The mean over the ranks of the whole gradient `grad` (any float dtype, summed in f32), this
+/// rank's shard of it, shaped `shard`.
+fn scatter_grad<B: Backend>(
+    grad: FloatTensor<B>,
+    shard: &Shape,
+    world: usize,
+    id: ParamId,
+    exchange: &dyn RowExchange<B>,
+) -> FloatTensor<B> {
+    let g = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(grad));
+    let g = g.cast(FloatDType::F32);
+    let n = g.shape().num_elements();
+    let g = g.reshape([n]);
+    let padded = shard.num_elements() * world;
+    let g = if padded > n {
+        let zeros = Tensor::zeros([padded - n], (&g.device(), burn::tensor::DType::F32));
+        Tensor::cat(vec![g, zeros], 0)
+    } else {
+        g
+    };
+    let mine = exchange.reduce_scatter_mean(id, g);
+    B::float_reshape(mine.into_primitive().tensor(), shard.clone())
+}
+
+/// An autodiff backend that gathers row shards as an op of its graph.
+pub trait RowGather: AutodiffBackend {
+    /// The whole parameter `id` of `rows` rows, from this rank's `shard` and the others'
+    /// (through `exchange`); in the backward, the shard receives its rows of the whole gradient
+    /// averaged over the ranks, in f32. `anchor` only places the op in the graph: one level
+    /// below it, so that its backward runs after that of everything deeper. An untracked shard is
+    /// gathered and nothing more.
+    fn gather_rows<const D: usize>(
+        shard: Tensor<Self, D>,
+        anchor: Option<&Tensor<Self, 3>>,
+        rows: usize,
+        id: ParamId,
+        exchange: &Arc<dyn RowExchange<Self::InnerBackend>>,
+    ) -> Tensor<Self, D>;
+}
+
+/// The backward of the gather: the reduce-scatter onto the shard.
+#[derive(Debug)]
+struct GatherBackward;
+
+/// What the gather's backward needs: the parameter, the shard's shape, the world size and the
+/// exchange.
+#[derive(Clone)]
+struct GatherState<B: Backend> {
+    id: ParamId,
+    shard: Shape,
+    world: usize,
+    exchange: Arc<dyn RowExchange<B>>,
+}
+
+impl<B: Backend> std::fmt::Debug for GatherState<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "gather of {} ({:?})", self.id, self.shard)
+    }
+}
+
+impl<B: Backend> Backward<B, 2> for GatherBackward {
+    type State = GatherState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [shard, _anchor] = ops.parents;
+        if let Some(node) = shard {
+            let s = ops.state;
+            let mine = scatter_grad::<B>(grad, &s.shard, s.world, s.id, s.exchange.as_ref());
+            grads.register::<B>(node.id, mine);
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> RowGather for Autodiff<B, C> {
+    fn gather_rows<const D: usize>(
+        shard: Tensor<Self, D>,
+        anchor: Option<&Tensor<Self, 3>>,
+        rows: usize,
+        id: ParamId,
+        exchange: &Arc<dyn RowExchange<B>>,
+    ) -> Tensor<Self, D> {
+        let shard_shape = shard.shape();
+        let whole = gather(shard.clone().inner(), rows, id, exchange.as_ref());
+        let p = shard.into_primitive().tensor();
+        if !p.is_tracked() {
+            return Tensor::from_inner(whole);
+        }
+        // Without an anchor the shard stands in for it (the op's level is the shard's).
+        let anchor = anchor.map_or_else(
+            || p.node.clone(),
+            |a| a.clone().into_primitive().tensor().node,
+        );
+        let out = whole.into_primitive().tensor();
+        let state = GatherState {
+            id,
+            shard: shard_shape,
+            world: exchange.world(),
+            exchange: exchange.clone(),
+        };
+        let out = match GatherBackward
+            .prepare::<C>([p.node.clone(), anchor])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(out))
+    }
+}
+
+/// `block` (or the parameters outside the blocks) with each parameter gathered through
+/// [`RowGather::gather_rows`], anchored at `anchor`.
+struct GatherMapper<'a, AB: RowGather> {
+    shards: &'a RowShards,
+    exchange: &'a Arc<dyn RowExchange<AB::InnerBackend>>,
+    anchor: Option<&'a Tensor<AB, 3>>,
+}
+
+impl<AB: RowGather> ModuleMapper<AB> for GatherMapper<'_, AB> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let rows = self.shards.rows(&id);
+        let whole = AB::gather_rows(tensor, self.anchor, rows, id, self.exchange);
+        Param::from_mapped_value(id, whole, mapper)
+    }
+}
+
+/// The training forward's hook of a ZeRO-3 rank: each block gathered just before it runs, the
+/// parameters outside the blocks before the embedding; in the backward each gathered parameter's
+/// gradient is reduce-scattered onto its shard.
+pub struct GatherBlocks<AB: RowGather> {
+    pub shards: Arc<RowShards>,
+    pub exchange: Arc<dyn RowExchange<AB::InnerBackend>>,
+}
+
+impl<AB: RowGather> BlockHook<AB> for GatherBlocks<AB> {
+    fn block(&self, _layer: usize, block: &Block<AB>, input: &Tensor<AB, 3>) -> Block<AB> {
+        block.clone().map(&mut GatherMapper {
+            shards: &self.shards,
+            exchange: &self.exchange,
+            anchor: Some(input),
+        })
+    }
+
+    fn outside(&self, model: &Gpt<AB>) -> Option<Gpt<AB>> {
+        let mut m = GatherMapper {
+            shards: &self.shards,
+            exchange: &self.exchange,
+            anchor: None,
+        };
+        Some(outside_gathered(model, &mut m))
+    }
+}
+
+/// The forward's hook of a ZeRO-3 rank without autodiff (evaluation): each block, and the
+/// parameters outside the blocks, gathered just before they run.
+pub struct GatherBlocksPlain<B: Backend> {
+    pub shards: Arc<RowShards>,
+    pub exchange: Arc<dyn RowExchange<B>>,
+}
+
+/// [`GatherBlocksPlain`]'s gather of every parameter of a module.
+struct PlainMapper<'a, B: Backend>(&'a GatherBlocksPlain<B>);
+
+impl<B: Backend> ModuleMapper<B> for PlainMapper<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let rows = self.0.shards.rows(&id);
+        let whole = gather(tensor, rows, id, self.0.exchange.as_ref());
+        Param::from_mapped_value(id, whole, mapper)
+    }
+}
+
+impl<B: Backend> BlockHook<B> for GatherBlocksPlain<B> {
+    fn block(&self, _layer: usize, block: &Block<B>, _input: &Tensor<B, 3>) -> Block<B> {
+        block.clone().map(&mut PlainMapper(self))
+    }
+
+    fn outside(&self, model: &Gpt<B>) -> Option<Gpt<B>> {
+        Some(outside_gathered(model, &mut PlainMapper(self)))
+    }
+}
+
+/// `model` with its parameters outside the blocks passed through `mapper`; the blocks stay
+/// shards (the forward gathers them one at a time).
+fn outside_gathered<B: Backend, M: ModuleMapper<B>>(model: &Gpt<B>, mapper: &mut M) -> Gpt<B> {
+    let mut m = model.clone();
+    m.wte = m.wte.map(mapper);
+    m.norm_f = m.norm_f.map(mapper);
+    m.lm_head = m.lm_head.map(|h| h.map(mapper));
+    m
+}
