@@ -157,7 +157,7 @@ fn training_devices_takes_a_count_all_or_indices() {
 }
 
 #[test]
-fn training_zero_is_0_1_or_2_and_fits_the_runs_world() {
+fn training_zero_is_0_to_3_and_fits_the_runs_world() {
     let parse = |sets: &[&str]| {
         Config::from_toml_str(
             "",
@@ -175,9 +175,9 @@ fn training_zero_is_0_1_or_2_and_fits_the_runs_world() {
     }
     let again = Config::from_toml_str(&two.to_toml(), &[], "again").unwrap();
     assert_eq!(again.training.zero, 1);
-    let e = err("", &["training.devices=2", "training.zero=3"]);
+    let e = err("", &["training.devices=2", "training.zero=4"]);
     assert!(
-        e.contains("training.zero") && e.contains("got 3") && e.contains("2 (ZeRO-2"),
+        e.contains("training.zero") && e.contains("got 4") && e.contains("3 (ZeRO-3"),
         "{e}"
     );
     // The world decides the rest, once the run knows it.
@@ -185,11 +185,14 @@ fn training_zero_is_0_1_or_2_and_fits_the_runs_world() {
     assert!(zero("1").check_zero(2, false).is_ok());
     assert!(zero("1").check_zero(4, true).is_ok());
     assert!(zero("2").check_zero(2, true).is_ok());
+    assert!(zero("3").check_zero(3, true).is_ok());
     assert!(zero("0").check_zero(1, false).is_ok());
     for (z, world, processes, want) in [
         ("1", 1, false, "trains on one GPU"),
         ("2", 1, true, "trains on one GPU"),
         ("2", 2, false, "--nproc-per-node 2"),
+        ("3", 1, true, "trains on one GPU"),
+        ("3", 4, false, "--nproc-per-node 4"),
     ] {
         let e = zero(z).check_zero(world, processes).unwrap_err();
         assert!(

@@ -28,7 +28,7 @@ mod common;
 
 use common::master_weights;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -410,7 +410,8 @@ fn train_config(
 }
 
 /// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS`, then any of `zero=N`,
-/// `bucket_mb=X`, `grad_accum=N` and `stop_at=STEP`, separated by `;`.
+/// `bucket_mb=X`, `grad_accum=N`, `stop_at=STEP`, `recompute=MODE` and `resume=1`, separated by
+/// `;`.
 #[test]
 #[ignore = "a worker of the training tests"]
 fn train_worker() {
@@ -422,7 +423,7 @@ fn train_worker() {
     let precision: trainer::config::PrecisionKind =
         serde_json::from_str(&format!("\"{precision}\"")).unwrap();
     let mut cfg = train_config(precision, 4, steps.parse().unwrap());
-    let mut stop_at = None;
+    let (mut stop_at, mut resume) = (None, false);
     for setting in &parts[3..] {
         let (key, value) = setting.split_once('=').unwrap();
         match key {
@@ -430,10 +431,14 @@ fn train_worker() {
             "bucket_mb" => cfg.training.bucket_mb = value.parse().unwrap(),
             "grad_accum" => cfg.training.grad_accum = value.parse().unwrap(),
             "stop_at" => stop_at = Some(value.parse().unwrap()),
+            "recompute" => {
+                cfg.model.recompute = serde_json::from_str(&format!("\"{value}\"")).unwrap()
+            }
+            "resume" => resume = value == "1",
             _ => panic!("unknown worker setting {setting}"),
         }
     }
-    let mut opts = common::opts(dir.into(), false);
+    let mut opts = common::opts(dir.into(), resume);
     opts.stop_at = stop_at;
     opts.place = Place::from_env().unwrap();
     opts.verbose = true;
@@ -662,6 +667,71 @@ fn zero_1_and_2_between_processes_train_like_one_gpu() {
         let (hc, vc) = trainer::checkpoint::read(&out).unwrap();
         assert_eq!((hs.params, hs.devices, vs), (hc.params, 2, vc), "{what}");
     }
+}
+
+/// ZeRO-3 between two processes (each block's weights gathered as it runs, its gradients
+/// reduce-scattered onto row shards) trains as one GPU with the doubled batch does (see
+/// [`assert_trains_like`]), in bf16: as it is; with every block recomputed (gathered again for its
+/// backward) and two micro-batches per step; and stopped halfway and resumed from its sharded
+/// checkpoint, whose row shards read as the whole checkpoint and consolidate into one file.
+#[test]
+#[ignore = "needs a GPU and NCCL"]
+fn zero_3_between_processes_trains_like_one_gpu() {
+    use trainer::config::PrecisionKind;
+    let _guard = common::serial();
+    let (steps, precision) = (20, PrecisionKind::Bf16);
+    let lr = train_config(precision, 8, steps).optimizer.lr;
+    for (name, accum, settings) in [
+        ("plain", 1, ""),
+        ("recomputed", 2, ";recompute=full;grad_accum=2"),
+    ] {
+        let one =
+            one_gpu_run_accumulating(&format!("mp_zero3_one_{name}"), precision, steps, accum);
+        let what = format!("{precision}, one GPU against two processes with ZeRO-3, {name}");
+        let two = common::scratch(&format!("mp_zero3_{name}"));
+        let arg = format!("{};{precision};{steps};zero=3{settings}", two.display());
+        expect_success(
+            start_workers("train_worker", &arg, Layout::default_here()),
+            Duration::from_secs(300),
+        );
+        assert!(
+            two.join("summary.json").exists(),
+            "{what}: rank 0's summary"
+        );
+        assert_trains_like(&what, &one, &two, steps, tolerances(precision), lr);
+        if name == "plain" {
+            let (_, sharded) = trainer::checkpoint::list(&two).unwrap().pop().unwrap();
+            assert!(
+                sharded.is_dir(),
+                "{what}: not sharded: {}",
+                sharded.display()
+            );
+            let out = two.join("consolidated.ckpt");
+            trainer::checkpoint::shards::consolidate(&sharded, &out).unwrap();
+            let (hs, vs) = trainer::checkpoint::read(&sharded).unwrap();
+            let (hc, vc) = trainer::checkpoint::read(&out).unwrap();
+            assert!(
+                hs.params.iter().all(|p| p.rows.is_none()),
+                "{what}: whole parameters"
+            );
+            assert_eq!((hs.params, hs.devices, vs), (hc.params, 2, vc), "{what}");
+        }
+    }
+    let one = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mp_zero3_one_plain");
+    let dir = common::scratch("mp_zero3_resumed");
+    let arg = format!("{};{precision};{steps};zero=3", dir.display());
+    for more in [format!(";stop_at={}", steps / 2), ";resume=1".to_string()] {
+        expect_success(
+            start_workers(
+                "train_worker",
+                &format!("{arg}{more}"),
+                Layout::default_here(),
+            ),
+            Duration::from_secs(300),
+        );
+    }
+    let what = format!("{precision}, ZeRO-3 on two processes, stopped and resumed");
+    assert_trains_like(&what, &one, &dir, steps, tolerances(precision), lr);
 }
 
 /// A ZeRO-2 run of two processes with 4 sequences each, stopped after 10 of 20 steps with its

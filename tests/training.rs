@@ -255,27 +255,26 @@ fn checkpoints_are_complete_or_refused() {
     assert!(!stray.exists(), "the next save removes stray temporaries");
 }
 
-/// A sharded checkpoint (each of 3 ranks' share of the parameters, then rank 0's manifest) reads
-/// as the whole checkpoint of the same state and consolidates into a file that reads the same; it
-/// is listed only once sealed; a missing, damaged or misplaced shard is refused, naming the file.
-#[test]
-fn a_sharded_checkpoint_reads_as_the_whole_one() {
+type CkptB = trainer::CpuBackend;
+type CkptInner = burn::backend::NdArray;
+
+/// A model and optimizer state to checkpoint: a tiny model of 40 tokens, AdamW at step 7 with
+/// moments for every other parameter (one without them checks `has_moments` per shard).
+fn state_to_checkpoint(
+    cfg: &trainer::config::Config,
+) -> (model::Gpt<CkptB>, trainer::optim::AdamW<CkptInner>) {
     use burn::module::{Module, ModuleVisitor, Param};
     use burn::tensor::Tensor;
-    use checkpoint::shards;
-    use std::collections::HashSet;
-    type B = trainer::CpuBackend;
-    type Inner = burn::backend::NdArray;
-
-    let cfg = tiny_config(1);
     let device = burn::backend::ndarray::NdArrayDevice::Cpu;
-    let model = model::Gpt::<B>::new(&cfg.model, 40, &device);
-    let mut opt = trainer::optim::AdamW::<Inner>::new(cfg.optimizer.clone(), HashSet::new());
+    let model = model::Gpt::<CkptB>::new(&cfg.model, 40, &device);
+    let mut opt = trainer::optim::AdamW::<CkptInner>::new(
+        cfg.optimizer.clone(),
+        std::collections::HashSet::new(),
+    );
     opt.step = 7;
-    // Moments for every other parameter (one without them checks `has_moments` per shard).
-    struct Fill<'a>(&'a mut trainer::optim::AdamW<Inner>, usize);
-    impl ModuleVisitor<B> for Fill<'_> {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+    struct Fill<'a>(&'a mut trainer::optim::AdamW<CkptInner>, usize);
+    impl ModuleVisitor<CkptB> for Fill<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<CkptB, D>>) {
             self.1 += 1;
             if self.1.is_multiple_of(2) {
                 let x = p.val().inner();
@@ -288,6 +287,20 @@ fn a_sharded_checkpoint_reads_as_the_whole_one() {
         }
     }
     model.visit(&mut Fill(&mut opt, 0));
+    (model, opt)
+}
+
+/// A sharded checkpoint (each of 3 ranks' share of the parameters, then rank 0's manifest) reads
+/// as the whole checkpoint of the same state and consolidates into a file that reads the same; it
+/// is listed only once sealed; a missing, damaged or misplaced shard is refused, naming the file.
+#[test]
+fn a_sharded_checkpoint_reads_as_the_whole_one() {
+    use checkpoint::shards;
+    use std::collections::HashSet;
+    type B = CkptB;
+
+    let cfg = tiny_config(1);
+    let (model, opt) = state_to_checkpoint(&cfg);
     let recipe = cfg.recipe().unwrap();
     let scaler = trainer::precision::LossScaler::new(recipe.loss_scaling().clone());
     let (step, world) = (5, 3);
@@ -318,7 +331,7 @@ fn a_sharded_checkpoint_reads_as_the_whole_one() {
             .collect()
     };
     for rank in 0..2 {
-        shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(rank), rank).unwrap();
+        shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(rank), None, rank).unwrap();
     }
     // Not complete: neither listed nor read, and rank 0 refuses to seal it.
     assert!(checkpoint::list(&dir).unwrap().is_empty());
@@ -333,7 +346,7 @@ fn a_sharded_checkpoint_reads_as_the_whole_one() {
         e.contains("rank_00002.ckpt") && e.contains("missing"),
         "{e}"
     );
-    shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(2), 2).unwrap();
+    shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(2), None, 2).unwrap();
     shards::seal::<B, _>(&dir, &model, step, world, 10).unwrap();
     assert_eq!(
         checkpoint::list(&dir).unwrap(),
@@ -366,7 +379,8 @@ fn a_sharded_checkpoint_reads_as_the_whole_one() {
             ..info
         };
         for rank in 0..world {
-            shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(rank), rank).unwrap();
+            shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(rank), None, rank)
+                .unwrap();
         }
         shards::seal::<B, _>(&dir, &model, later, world, 2).unwrap();
     }
@@ -402,4 +416,50 @@ fn a_sharded_checkpoint_reads_as_the_whole_one() {
         e.contains("rank_00001.ckpt") && e.contains("not rank 1's shard"),
         "{e}"
     );
+}
+
+/// ZeRO-3's sharded checkpoint (each of 3 ranks' rows of every parameter and of its moments; 40
+/// vocabulary rows and 32 model rows leave padding rows) reads as the whole checkpoint of the same
+/// state: the rows are put back together.
+#[test]
+fn row_shards_read_as_the_whole_checkpoint() {
+    use checkpoint::shards;
+    use std::collections::HashSet;
+    type B = CkptB;
+
+    let cfg = tiny_config(1);
+    let (model, opt) = state_to_checkpoint(&cfg);
+    let recipe = cfg.recipe().unwrap();
+    let scaler = trainer::precision::LossScaler::new(recipe.loss_scaling().clone());
+    let (step, world) = (5, 3);
+    let info = checkpoint::SaveInfo {
+        cfg: &cfg,
+        vocab_size: 40,
+        step,
+        best_val_loss: None,
+        elapsed_s: 3.0,
+        precision: (&recipe, &scaler.state),
+        replica_checksums: &[],
+        world,
+    };
+    let whole_dir = scratch("ckpt_rows_whole");
+    let whole = checkpoint::save::<B, _>(&whole_dir, &model, &opt, &info, 10).unwrap();
+    let (hw, vw) = checkpoint::read(&whole).unwrap();
+    let rows_dir = scratch("ckpt_rows");
+    let every: HashSet<_> = trainer::parallel::zero::parameters(&model)
+        .iter()
+        .map(|p| p.0)
+        .collect();
+    for rank in 0..world {
+        let rows = trainer::parallel::fsdp::RowShards::new(&model, rank, world);
+        let mut mine = opt.clone();
+        let shard = rows.take_share::<B, _>(model.clone(), &mut mine);
+        let ranges = rows.ranges();
+        shards::save_shard::<B, _>(&rows_dir, &shard, &mine, &info, &every, Some(&ranges), rank)
+            .unwrap();
+    }
+    shards::seal::<B, _>(&rows_dir, &model, step, world, 10).unwrap();
+    let (hr, vr) =
+        checkpoint::read(&checkpoint::dir(&rows_dir).join(shards::dir_name(step))).unwrap();
+    assert_eq!((hr.params, vr), (hw.params, vw));
 }

@@ -159,7 +159,9 @@ pub struct TrainingConfig {
     pub devices: Devices,
     /// ZeRO stage with several GPUs: 0 keeps the whole optimizer state on every GPU; 1 shards the
     /// f32 master weights and AdamW moments across them (each GPU updates its share, then sends
-    /// the others the new compute weights): less memory per GPU, more communication per step.
+    /// the others the new compute weights): less memory per GPU, more communication per step;
+    /// 2 (processes) also keeps only each GPU's share of the averaged gradients; 3 (processes,
+    /// FSDP) shards the weights too, gathering each block just before it runs.
     pub zero: u8,
     /// Runs of one process per GPU with `zero` 0 or 1: the gradients are averaged in buckets of
     /// about this many MB (f32) while the backward still runs, each bucket as soon as the
@@ -568,14 +570,15 @@ impl Config {
         Ok(())
     }
 
-    /// `training.zero`: 0, 1 or 2 (whether the run has the GPUs and the mode a stage needs is
+    /// `training.zero`: 0, 1, 2 or 3 (whether the run has the GPUs and the mode a stage needs is
     /// [`Config::check_zero`]'s, once the run's world is known).
     fn validate_zero(&self) -> std::result::Result<(), String> {
         match self.training.zero {
-            0..=2 => Ok(()),
+            0..=3 => Ok(()),
             z => Err(format!(
                 "training.zero must be 0 (every GPU keeps the whole optimizer state), 1 (ZeRO-1: the f32 masters and AdamW \
-                 moments sharded across the GPUs) or 2 (ZeRO-2: the gradients too; runs of one process per GPU), got {z}"
+                 moments sharded across the GPUs), 2 (ZeRO-2: the gradients too; runs of one process per GPU) or 3 (ZeRO-3, \
+                 FSDP: the weights too, each block gathered as it runs; runs of one process per GPU), got {z}"
             )),
         }
     }
@@ -587,7 +590,7 @@ impl Config {
     pub fn check_zero(&self, world: usize, processes: bool) -> std::result::Result<(), String> {
         let z = self.training.zero;
         if z > 0 && world < 2 {
-            let how = if z == 2 {
+            let how = if z >= 2 {
                 "train --nproc-per-node 2"
             } else {
                 "train --nproc-per-node 2, or training.devices = 2"
@@ -597,9 +600,9 @@ impl Config {
                  train on several ({how}) or set training.zero = 0"
             ));
         }
-        if z == 2 && !processes {
+        if z >= 2 && !processes {
             return Err(format!(
-                "training.zero = 2 (ZeRO-2) needs a run of one process per GPU: start it with train --nproc-per-node {world} \
+                "training.zero = {z} (ZeRO-{z}) needs a run of one process per GPU: start it with train --nproc-per-node {world} \
                  (and training.devices = 1); the {world} GPUs of training.devices share gradients through in-process collectives \
                  that only all-reduce, so they take training.zero = 0 or 1"
             ));

@@ -53,12 +53,16 @@ pub trait TrainBackend:
     burn::tensor::backend::AutodiffBackend<InnerBackend: kernels::Backend + parallel::Collective>
     + kernels::Backend
     + parallel::overlap::GradHook
+    + parallel::fsdp::RowGather
 {
 }
 
 impl<B> TrainBackend for B
 where
-    B: burn::tensor::backend::AutodiffBackend + kernels::Backend + parallel::overlap::GradHook,
+    B: burn::tensor::backend::AutodiffBackend
+        + kernels::Backend
+        + parallel::overlap::GradHook
+        + parallel::fsdp::RowGather,
     B::InnerBackend: kernels::Backend + parallel::Collective,
 {
 }

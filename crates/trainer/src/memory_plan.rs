@@ -57,7 +57,7 @@ impl MemoryPlan {
     pub fn estimate(cfg: &Config, vocab: usize, compute_bytes: u64, gpus: usize) -> Self {
         let m = &cfg.model;
         let params = m.num_params(vocab) as u64;
-        // ZeRO-1 splits the masters and the moments across the GPUs.
+        // ZeRO splits the masters and the moments across the GPUs.
         let shards = if cfg.training.zero >= 1 {
             gpus.max(1) as u64
         } else {
@@ -95,11 +95,30 @@ impl MemoryPlan {
             HeadLossKind::Logits => all_logits,
         };
         let half = compute_bytes < 4;
+        // ZeRO-3 holds 1/N of every weight and gradient, and whole only the weights gathered at
+        // once: the parameters outside the blocks and, when every block is recomputed, two
+        // blocks' (the one running and the next), else every block's until its backward.
+        let zero3 = cfg.training.zero == 3 && shards > 1;
+        let outside = vocab as u64 * d * if m.tie_embeddings { 1 } else { 2 } + d;
+        let block = params.saturating_sub(outside) / m.n_layer.max(1) as u64;
+        let gathered = if recomputed == m.n_layer as u64 {
+            outside + 2 * block
+        } else {
+            params
+        };
+        let compute_copy = match (zero3, half) {
+            (true, _) => compute_bytes * (params / shards + gathered),
+            (false, true) => compute_bytes * params,
+            (false, false) => 0,
+        };
         Self {
             master_weights: 4 * params / shards,
             optimizer_state: 8 * params / shards,
-            compute_copy: if half { compute_bytes * params } else { 0 },
-            gradients: if cfg.training.grad_accum > 1 {
+            compute_copy,
+            gradients: if zero3 {
+                // f32 shards, and one block's whole gradients while they are reduce-scattered.
+                4 * (params / shards + block) * if cfg.training.grad_accum > 1 { 2 } else { 1 }
+            } else if cfg.training.grad_accum > 1 {
                 (4 + compute_bytes) * params
             } else if gpus > 1 {
                 4 * params

@@ -12,12 +12,13 @@ use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
-use model::Gpt;
+use model::{BlockHook, Gpt};
 
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::numerics::{self, Probes};
 use crate::optim::{accumulate_grads, grads_to_f32, poison_grads, AdamW};
+use crate::parallel::fsdp::GatherBlocks;
 use crate::parallel::overlap::{self, BucketPlan, Hooks, Reducer};
 use crate::parallel::zero::Shard;
 use crate::parallel::{self as dp, Collective, Peers};
@@ -99,6 +100,10 @@ impl StepCtx<'_> {
     /// f32 for the mean over ranks. With `overlap`, the last micro-batch's backward hands each
     /// block's gradients (plus the earlier micro-batches') to the reducer as it produces them,
     /// and the gradients returned are already averaged over the ranks.
+    ///
+    /// Under ZeRO-3 (`gathers`) every micro-batch's forward gathers each block just before it
+    /// runs, and its backward reduce-scatters the block's gradients onto this rank's shards: the
+    /// gradients returned are this rank's shares, averaged over the ranks.
     fn backward<B: crate::TrainBackend>(
         &self,
         model: &Gpt<B>,
@@ -109,17 +114,26 @@ impl StepCtx<'_> {
         probes: &Probes,
         micro: &mut MicroBatches<B>,
         overlap: Option<&Reducer<B::InnerBackend>>,
+        gathers: Option<&GatherBlocks<B>>,
     ) -> GradientsParams {
         let accum = self.cfg.training.grad_accum as u64;
         let mut sum: Option<GradientsParams> = None;
+        let hooks = overlap.map(|reducer| Hooks::<B> {
+            reducer: reducer.clone(),
+        });
         for m in 0..accum {
-            let hook = overlap.filter(|_| m + 1 == accum);
-            if let Some(reducer) = hook {
+            let last = m + 1 == accum;
+            if let (true, Some(reducer)) = (last, overlap) {
                 // The earlier micro-batches' sum joins the last one's gradients in the buckets.
                 if let Some(earlier) = sum.take() {
                     reducer.carry::<B, _>(model, earlier);
                 }
             }
+            let hook: Option<&dyn BlockHook<B>> = match (&hooks, gathers) {
+                (Some(h), _) if last => Some(h),
+                (_, Some(g)) => Some(g),
+                _ => None,
+            };
             let index = step * accum + m;
             let g = self.micro_batch(compute, rank, index, scale, probes, micro, hook);
             sum = Some(match sum {
@@ -132,8 +146,8 @@ impl StepCtx<'_> {
             return reducer.clone().finish::<B, _>(model, grads);
         }
         // The norm and the AdamW kernel read bf16 and f16 gradients themselves (in f32); only the
-        // data-parallel mean runs on f32 gradients.
-        if rank.of.is_some() {
+        // data-parallel mean runs on f32 gradients (ZeRO-3's arrive averaged, in f32).
+        if rank.of.is_some() && gathers.is_none() {
             grads_to_f32::<B, _>(model, &mut grads);
         }
         grads
@@ -144,7 +158,8 @@ impl StepCtx<'_> {
     /// weight computes in (bf16 or f16 for the weights with a low-precision copy, f32 for the
     /// rest). On a numerics step, the first micro-batch's output and weight gradients are
     /// measured into `micro.numerics`. A rank of a data-parallel run reads its rows of the
-    /// micro-batch. With `hook`, the blocks' gradients go to that reducer instead.
+    /// micro-batch. With `hook`, the forward takes each block as the hook hands it over (the
+    /// overlapped reducer's or ZeRO-3's gathers, [`model::BlockHook`]).
     fn micro_batch<B: crate::TrainBackend>(
         &self,
         compute: &Gpt<B>,
@@ -153,7 +168,7 @@ impl StepCtx<'_> {
         scale: f64,
         probes: &Probes,
         micro: &mut MicroBatches<B>,
-        hook: Option<&Reducer<B::InnerBackend>>,
+        hook: Option<&dyn BlockHook<B>>,
     ) -> GradientsParams {
         let cfg = self.cfg;
         let batch = cfg.training.batch_size;
@@ -175,12 +190,7 @@ impl StepCtx<'_> {
         let precision = self.precision(probes);
         let (l, pieces) = if cfg.model.recompute != model::RecomputeKind::Full {
             let loss = match hook {
-                Some(reducer) => {
-                    let hooks = Hooks::<B> {
-                        reducer: reducer.clone(),
-                    };
-                    compute.forward_loss_hooked(x, y, &precision, &hooks)
-                }
+                Some(hook) => compute.forward_loss_hooked(x, y, &precision, hook),
                 None => compute.forward_loss_in(x, y, &precision),
             };
             model::dtype::debug_assert_dtype(&loss, FloatDType::F32, "loss");
@@ -193,7 +203,7 @@ impl StepCtx<'_> {
             };
             (l, vec![loss.backward()])
         } else {
-            compute.loss_and_grads_recomputed(x, y, &precision, cfg.model.z_loss, factor, None)
+            compute.loss_and_grads_recomputed(x, y, &precision, cfg.model.z_loss, factor, hook)
         };
         kernels::memory::trace::<B>(rank.device, || "after the backward".into());
         micro.loss_sum = Some(match micro.loss_sum.take() {
@@ -297,6 +307,7 @@ impl RankStep<'_> {
             numerics: Vec::new(),
         };
         let overlap = self.overlap::<B>(&model, rank, probes, poison);
+        let gathers = self.zero.and_then(|z| z.gathers::<B>());
         let mut grads = self.ctx.backward(
             &model,
             &compute,
@@ -306,6 +317,7 @@ impl RankStep<'_> {
             probes,
             &mut micro,
             overlap.as_ref(),
+            gathers.as_ref(),
         );
         drop(compute);
         if poison {
@@ -387,8 +399,9 @@ impl RankStep<'_> {
     /// A data-parallel rank: the gradients, then [mean loss, scaled gradient norm, stop] averaged
     /// over the ranks (stop is above 0 when any rank was asked to stop), the collectives in the
     /// same order on every rank; that stats tensor and the norm. Under ZeRO-2 each gradient is
-    /// averaged onto its owner alone, and the norm is the square root of the ranks' summed sums
-    /// of squares over their own gradients. `averaged`: the backward averaged the gradients
+    /// averaged onto its owner alone (under ZeRO-3 the backward averaged each onto the ranks'
+    /// shards), and the norm is the square root of the ranks' summed sums of squares over their
+    /// own gradients. `averaged`: the backward averaged the gradients
     /// already ([`crate::parallel::overlap`]).
     fn averaged<B: crate::TrainBackend>(
         &self,
@@ -398,9 +411,12 @@ impl RankStep<'_> {
         peers: Peers<'_>,
         averaged: bool,
     ) -> (Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>) {
-        let zero2 = self.zero.filter(|z| z.stage == 2);
-        match zero2 {
-            Some(z) => z.reduce_grads::<B, _>(model, grads),
+        // ZeRO-2 and 3: each rank holds its share of the averaged gradients.
+        let sharded = self.zero.filter(|z| z.stage >= 2);
+        match sharded {
+            Some(z) if z.stage == 2 => z.reduce_grads::<B, _>(model, grads),
+            // ZeRO-3's backward reduce-scattered them onto the shards.
+            Some(_) => {}
             None if averaged => {}
             None => dp::mean_grads::<B, _>(model, grads, peers),
         }
@@ -412,7 +428,7 @@ impl RankStep<'_> {
         // but a backend's own full-tensor sum may not (Burn's adds with atomics on CUDA). NCCL
         // gives every rank the same mean. Under ZeRO-2 a rank's part is its own gradients' sum of
         // squares times the world size, whose mean over the ranks is the sum.
-        let norm_part = match zero2 {
+        let norm_part = match sharded {
             None => AdamW::<B::InnerBackend>::grad_norm::<B, _>(model, grads),
             Some(z) => AdamW::<B::InnerBackend>::grad_sum_squares::<B, _>(model, grads)
                 .unwrap_or_else(|| Tensor::zeros([1], &inner))
@@ -425,7 +441,7 @@ impl RankStep<'_> {
             peers,
         );
         sync::<B::InnerBackend>(peers, &inner);
-        let stats = match zero2 {
+        let stats = match sharded {
             None => stats,
             Some(_) => {
                 let part = |i| stats.clone().narrow(0, i, 1);
@@ -582,6 +598,7 @@ mod tests {
             1.0,
             &probes,
             &mut micro(),
+            None,
             None,
         );
         let got = values(&model, &got);

@@ -587,11 +587,13 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 fp8: self.fp8_linear,
                 ..model::Precision::new(self.compute_dtype, self.gemm)
             };
+            let gathers = self.group.zero().and_then(|z| z.plain_gathers());
             evaluate(
                 &model.compute_copy(self.compute_dtype),
                 &precision,
                 &self.data,
                 cfg,
+                gathers.as_ref().map(|g| g as &dyn model::BlockHook<_>),
             )
         });
         if let Some(v) = val_loss {
@@ -737,12 +739,14 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         info: &checkpoint::SaveInfo<'_>,
     ) -> Result<()> {
         let (run_dir, step) = (&self.opts.run_dir, info.step);
+        let rows = shard.row_shards().map(|r| r.ranges());
         let wrote = checkpoint::shards::save_shard::<B, _>(
             run_dir,
             model,
             &self.opt,
             info,
             &shard.owned(),
+            rows.as_ref(),
             shard.rank,
         );
         let failed = self.group.failed_ranks(wrote.is_err());
@@ -922,12 +926,14 @@ fn resume<B: crate::TrainBackend>(
     Ok((model, restored))
 }
 
-/// Mean validation loss over `training.eval_batches` fixed batches, without autodiff.
+/// Mean validation loss over `training.eval_batches` fixed batches, without autodiff. Under
+/// ZeRO-3 `gathers` gathers each block (and the parameters outside the blocks) as it runs.
 pub fn evaluate<B: crate::TrainBackend>(
     model: &Gpt<B>,
     precision: &model::Precision,
     data: &Dataset,
     cfg: &Config,
+    gathers: Option<&dyn model::BlockHook<B::InnerBackend>>,
 ) -> f64 {
     let m = model.valid();
     let inner_device = m.wte.weight.val().device();
@@ -941,7 +947,10 @@ pub fn evaluate<B: crate::TrainBackend>(
             &inner_device,
         );
         // Plain cross-entropy, without the z-loss term, so that runs compare whatever their z_loss.
-        let l = m.forward_loss_with(x, y, precision, 0.0);
+        let l = match gathers {
+            Some(g) => m.forward_loss_hooked_with(x, y, precision, 0.0, g),
+            None => m.forward_loss_with(x, y, precision, 0.0),
+        };
         total = Some(match total {
             Some(t) => t + l,
             None => l,

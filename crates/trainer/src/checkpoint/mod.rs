@@ -21,7 +21,7 @@
 
 pub mod shards;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -48,6 +48,17 @@ pub struct ParamEntry {
     pub shape: Vec<usize>,
     /// Whether AdamW moments (m, v) follow the value.
     pub has_moments: bool,
+    /// In a ZeRO-3 shard: which rows of the whole parameter these are (`shape` is the shard's,
+    /// padded with zero rows past the parameter's end). Absent for a whole parameter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<RowRange>,
+}
+
+/// Rows `start ..` of a whole parameter of `of` rows: a ZeRO-3 rank's row shard.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RowRange {
+    pub start: usize,
+    pub of: usize,
 }
 
 /// Everything in a checkpoint besides the tensor payload.
@@ -181,6 +192,7 @@ struct Collect<'a, B: Backend> {
     path: Vec<String>,
     opt: &'a AdamW<B>,
     only: Option<&'a HashSet<ParamId>>,
+    rows: Option<&'a HashMap<ParamId, RowRange>>,
     entries: Vec<ParamEntry>,
     payload: Vec<u8>,
 }
@@ -227,6 +239,7 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collect<'_, AB::InnerBackend> {
             name,
             shape,
             has_moments: moments.is_some(),
+            rows: self.rows.and_then(|r| r.get(&param.id)).copied(),
         });
     }
 }
@@ -245,7 +258,7 @@ where
 {
     let d = dir(run_dir);
     fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
-    let bytes = encode_module::<AB, M>(module, opt, info, None, None);
+    let bytes = encode_module::<AB, M>(module, opt, info, None, None, None);
     let final_path = d.join(file_name(info.step));
     crate::fsutil::write_atomic(&final_path, &bytes)
         .with_context(|| format!("cannot save checkpoint {}", final_path.display()))?;
@@ -254,13 +267,15 @@ where
 }
 
 /// The bytes of a checkpoint of `module` and `opt` (only the parameters in `only`, when given;
-/// `shard` records whose shard that is).
+/// `shard` records whose shard that is, and `rows` which rows of each parameter it holds under
+/// ZeRO-3).
 fn encode_module<AB, M>(
     module: &M,
     opt: &AdamW<AB::InnerBackend>,
     info: &SaveInfo<'_>,
     only: Option<&HashSet<ParamId>>,
     shard: Option<ShardOf>,
+    rows: Option<&HashMap<ParamId, RowRange>>,
 ) -> Vec<u8>
 where
     AB: AutodiffBackend,
@@ -270,6 +285,7 @@ where
         path: Vec::new(),
         opt,
         only,
+        rows,
         entries: Vec::new(),
         payload: Vec::new(),
     };

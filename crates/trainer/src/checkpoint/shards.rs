@@ -1,6 +1,7 @@
 //! Sharded checkpoints, written by a run of one process per GPU under ZeRO: each rank writes the
 //! parameters it owns (f32 masters and AdamW moments) from its own GPU, so that no rank ever holds
-//! the whole state.
+//! the whole state. Under ZeRO-3 every rank owns its rows of every parameter: each entry of its
+//! file says which rows of the whole parameter it holds, and reading puts the rows together.
 //!
 //! Layout of `checkpoints/step_NNNNNNNN.shards/`:
 //!
@@ -26,7 +27,9 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
-use super::{dir, encode, encode_module, prune, read_file, Header, SaveInfo, ShardOf};
+use super::{
+    dir, encode, encode_module, prune, read_file, Header, ParamEntry, RowRange, SaveInfo, ShardOf,
+};
 use crate::optim::AdamW;
 
 const MANIFEST: &str = "manifest.json";
@@ -60,14 +63,15 @@ pub fn is_sealed(shards: &Path) -> bool {
 }
 
 /// Writes rank `rank`'s shard of the checkpoint of step `info.step`: the parameters in `owned`,
-/// with their moments. Every rank of the run calls it; then, once all have succeeded, rank 0
-/// calls [`seal`].
+/// with their moments (under ZeRO-3, `rows`: the rows of every parameter that `module` holds).
+/// Every rank of the run calls it; then, once all have succeeded, rank 0 calls [`seal`].
 pub fn save_shard<AB, M>(
     run_dir: &Path,
     module: &M,
     opt: &AdamW<AB::InnerBackend>,
     info: &SaveInfo<'_>,
     owned: &HashSet<ParamId>,
+    rows: Option<&HashMap<ParamId, RowRange>>,
     rank: usize,
 ) -> Result<PathBuf>
 where
@@ -80,7 +84,7 @@ where
         rank,
         world: info.world,
     };
-    let bytes = encode_module::<AB, M>(module, opt, info, Some(owned), Some(shard));
+    let bytes = encode_module::<AB, M>(module, opt, info, Some(owned), Some(shard), rows);
     let path = d.join(shard_file(rank));
     crate::fsutil::write_atomic(&path, &bytes)
         .with_context(|| format!("cannot save checkpoint shard {}", path.display()))?;
@@ -146,8 +150,9 @@ pub fn read(d: &Path) -> Result<(Header, Vec<f32>)> {
         );
     }
     let mut first: Option<Header> = None;
-    // Each parameter's entry and values, by name.
-    let mut found: HashMap<String, (super::ParamEntry, Vec<f32>)> = HashMap::new();
+    // Each parameter's entry and values, by name; ZeRO-3's row shards of each, by name.
+    let mut found: HashMap<String, (ParamEntry, Vec<f32>)> = HashMap::new();
+    let mut pieces: HashMap<String, Vec<(ParamEntry, Vec<f32>)>> = HashMap::new();
     for (rank, file) in manifest.files.iter().enumerate() {
         let path = d.join(file);
         let (header, values) = read_file(&path)?;
@@ -186,6 +191,13 @@ pub fn read(d: &Path) -> Result<(Header, Vec<f32>)> {
             let name = entry.name.clone();
             let values = values[at..at + n].to_vec();
             at += n;
+            if entry.rows.is_some() {
+                pieces
+                    .entry(name)
+                    .or_default()
+                    .push((entry.clone(), values));
+                continue;
+            }
             if found
                 .insert(name.clone(), (entry.clone(), values))
                 .is_some()
@@ -194,6 +206,12 @@ pub fn read(d: &Path) -> Result<(Header, Vec<f32>)> {
             }
         }
         first.get_or_insert(header);
+    }
+    for (name, p) in pieces {
+        let whole = assemble(&name, p).with_context(|| format!("in {}", d.display()))?;
+        if found.insert(name.clone(), whole).is_some() {
+            bail!("parameter {name} is in two shards of {}", d.display());
+        }
     }
     let mut header = first.expect("at least one shard");
     header.shard = None;
@@ -216,6 +234,57 @@ pub fn read(d: &Path) -> Result<(Header, Vec<f32>)> {
         );
     }
     Ok((header, values))
+}
+
+/// The whole parameter `name` from its ZeRO-3 row shards (each its value, then its moments when
+/// it has them): the shards in row order, trimmed to the parameter's rows. They must cover every
+/// row once, with the same row width and the same moments.
+fn assemble(name: &str, mut pieces: Vec<(ParamEntry, Vec<f32>)>) -> Result<(ParamEntry, Vec<f32>)> {
+    pieces.sort_by_key(|(e, _)| e.rows.map_or(0, |r| r.start));
+    let first = pieces[0].0.clone();
+    let of = first.rows.map_or(0, |r| r.of);
+    let row_width: usize = first.shape.iter().skip(1).product();
+    let mut next = 0;
+    for (e, _) in &pieces {
+        let r = e.rows.expect("row shards only");
+        let same = r.of == of
+            && e.shape.get(1..) == first.shape.get(1..)
+            && e.has_moments == first.has_moments;
+        if !same || r.start != next || e.shape.is_empty() {
+            bail!(
+                "the row shards of parameter {name} do not fit together (a shard of rows {}.. of {} shaped {:?}, expected rows {next}.. of {of} shaped like {:?})",
+                r.start,
+                r.of,
+                e.shape,
+                first.shape
+            );
+        }
+        next += e.shape[0];
+    }
+    if next < of {
+        bail!("the row shards of parameter {name} hold {next} of its {of} rows");
+    }
+    // Each shard's payload holds its value, then m and v; the whole one holds each of them
+    // whole, trimmed to `of` rows.
+    let parts = if first.has_moments { 3 } else { 1 };
+    let mut values = Vec::with_capacity(of * row_width * parts);
+    for part in 0..parts {
+        let mut this: Vec<f32> = Vec::with_capacity(next * row_width);
+        for (e, v) in &pieces {
+            let n = e.shape[0] * row_width;
+            this.extend_from_slice(&v[part * n..(part + 1) * n]);
+        }
+        values.extend_from_slice(&this[..of * row_width]);
+    }
+    let mut shape = first.shape.clone();
+    shape[0] = of;
+    let entry = ParamEntry {
+        name: name.to_string(),
+        shape,
+        has_moments: first.has_moments,
+        rows: None,
+    };
+    Ok((entry, values))
 }
 
 /// Writes the whole checkpoint that the sharded checkpoint `shards` makes up as one checkpoint

@@ -45,7 +45,8 @@ use kernels::collective::{CollectiveBackend, ProcessGroup, ReduceOp};
 use model::gpt::Block;
 use model::{BlockHook, Gpt};
 
-use crate::optim::with_grad;
+use crate::checkpoint::RowRange;
+use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
 
 /// Rows a rank keeps of a parameter of `rows` rows over `world` ranks (the padded parameter has
 /// `world` times as many).
@@ -100,23 +101,65 @@ impl RowShards {
         (self.rank * n, n)
     }
 
+    /// The rows of every parameter this rank keeps, as a checkpoint shard records them.
+    pub fn ranges(&self) -> HashMap<ParamId, RowRange> {
+        self.rows
+            .iter()
+            .map(|(id, &of)| {
+                let start = self.range(id).0;
+                (*id, RowRange { start, of })
+            })
+            .collect()
+    }
+
     /// `model` with every parameter replaced by this rank's shard of it (padded with zero rows
     /// where the parameter's rows run out), a leaf that trains as the whole one did.
     pub fn shard<AB: AutodiffBackend, M: AutodiffModule<AB>>(&self, model: M) -> M {
-        struct Cut<'a>(&'a RowShards);
-        impl<AB: AutodiffBackend> ModuleMapper<AB> for Cut<'_> {
-            fn map_float<const D: usize>(
-                &mut self,
-                param: Param<Tensor<AB, D>>,
-            ) -> Param<Tensor<AB, D>> {
-                let (id, tensor, mapper) = param.consume();
-                let grad = tensor.is_require_grad();
-                let (start, n) = self.0.range(&id);
-                let cut = rows_of(tensor.inner(), start, n);
-                Param::from_mapped_value(id, with_grad(Tensor::from_inner(cut), grad), mapper)
-            }
+        model.map(&mut Cut::<AB::InnerBackend> {
+            shards: self,
+            moments: None,
+        })
+    }
+
+    /// Turns a whole replica (as every rank starts, fresh or resumed) into this rank's share:
+    /// every parameter and its AdamW moments cut to this rank's rows. The optimizer updates every
+    /// parameter it holds (its shards), and the compute copies are cast again from the shards.
+    pub fn take_share<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+        &self,
+        model: M,
+        opt: &mut AdamW<AB::InnerBackend>,
+    ) -> M {
+        opt.copies.clear();
+        opt.owned = None;
+        model.map(&mut Cut {
+            shards: self,
+            moments: Some(&mut opt.moments),
+        })
+    }
+}
+
+/// Cuts parameters (and their moments, where given) to a rank's rows.
+struct Cut<'a, B: Backend> {
+    shards: &'a RowShards,
+    moments: Option<&'a mut HashMap<ParamId, Moments<B>>>,
+}
+
+impl<AB: AutodiffBackend> ModuleMapper<AB> for Cut<'_, AB::InnerBackend> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let grad = tensor.is_require_grad();
+        let (start, n) = self.shards.range(&id);
+        if let Some(m) = self.moments.as_mut().and_then(|all| all.get_mut(&id)) {
+            let cut = |t: &FloatTensor<AB::InnerBackend>| {
+                to_prim(rows_of(to_tensor::<AB::InnerBackend, D>(t), start, n))
+            };
+            *m = Moments {
+                m: cut(&m.m),
+                v: cut(&m.v),
+            };
         }
-        model.map(&mut Cut(self))
+        let cut = rows_of(tensor.inner(), start, n);
+        Param::from_mapped_value(id, with_grad(Tensor::from_inner(cut), grad), mapper)
     }
 }
 

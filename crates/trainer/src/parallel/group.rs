@@ -81,9 +81,13 @@ impl<B: crate::TrainBackend> Group<B> {
         let stage = ctx.cfg.training.zero;
         let process_zero = (stage > 0).then(|| {
             let params = zero::parameters(&model);
-            let copy = crate::step::copied_weights(&model, ctx.compute_dtype);
-            let members = Members::Processes(process.clone());
-            let shard = Shard::new(&params, process.rank(), members, copy, stage);
+            let shard = if stage == 3 {
+                Shard::rows(&model, process.clone())
+            } else {
+                let copy = crate::step::copied_weights(&model, ctx.compute_dtype);
+                let members = Members::Processes(process.clone());
+                Shard::new(&params, process.rank(), members, copy, stage)
+            };
             let split = shard.split(&params);
             (shard, split)
         });
@@ -224,9 +228,13 @@ impl<B: crate::TrainBackend> Group<B> {
             .collect()
     }
 
-    /// The CRC-32 of every rank's weights, rank 0 first (none for a group of one). Every rank
-    /// of a run of processes calls it at the same step.
+    /// The CRC-32 of every rank's weights, rank 0 first (none for a group of one, nor under
+    /// ZeRO-3, whose ranks hold no replicas). Every rank of a run of processes calls it at the
+    /// same step.
     pub fn checksums(&self, model: &Gpt<B>, opt: &AdamW<B::InnerBackend>) -> Vec<u32> {
+        if self.zero().is_some_and(|z| z.stage == 3) {
+            return Vec::new();
+        }
         if let Some(p) = &self.process {
             let mine = match self.zero() {
                 Some(shard) => shard.checksum::<B, _>(model, opt),

@@ -40,6 +40,8 @@ pub fn after_backward_because(cfg: &crate::config::Config, zero: u8) -> Option<&
         Some("training.bucket_mb = 0")
     } else if zero == 2 {
         Some("ZeRO-2 reduces each gradient onto its owner")
+    } else if zero == 3 {
+        Some("ZeRO-3 reduce-scatters each block's gradients onto the shards as the backward leaves the block")
     } else if cfg.model.recompute == model::RecomputeKind::Full {
         Some("model.recompute = \"full\" runs each block's backward on its own")
     } else {
@@ -49,6 +51,10 @@ pub fn after_backward_because(cfg: &crate::config::Config, zero: u8) -> Option<&
 
 /// The log line of a run of processes on how its gradients are averaged.
 pub fn describe(cfg: &crate::config::Config, zero: u8) -> String {
+    if zero == 3 {
+        return "gradients: reduce-scattered onto each rank's row shards as the backward leaves each block (ZeRO-3)"
+            .into();
+    }
     match after_backward_because(cfg, zero) {
         Some(why) => format!("gradients: averaged one tensor at a time after the backward ({why})"),
         None => format!(

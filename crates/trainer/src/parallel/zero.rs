@@ -1,5 +1,5 @@
-//! ZeRO (`training.zero = 1 | 2`): in a data-parallel run, each rank keeps the AdamW moments and
-//! the f32 master weights of its own share of the parameters only.
+//! ZeRO (`training.zero = 1 | 2 | 3`): in a data-parallel run, each rank keeps the AdamW moments
+//! and the f32 master weights of its own share of the parameters only.
 //!
 //! Every parameter has one owner. A rank updates the parameters it owns; the owners then hand
 //! every rank the new compute form of their parameters (the bf16 or f16 copy of the weights that
@@ -15,6 +15,12 @@
 //!   compute weights is a broadcast from each owner: stage 2 costs about what plain data
 //!   parallelism costs.
 //!
+//! - **Stage 3** (runs of one process per GPU; `super::fsdp`): the share is not whole
+//!   parameters but each rank's rows of every parameter, and the weights themselves are sharded
+//!   too: a block's are gathered just before it runs, its gradients reduce-scattered onto the
+//!   shards during the backward. Each rank updates its shards; there is no hand-over, and the
+//!   global gradient norm is taken as under stage 2.
+//!
 //! How the hand-over travels: between processes, NCCL's broadcast from the owner. Between the
 //! threads of one process, Burn's collectives offer all-reduce alone, so it is an all-reduce sum
 //! in which every rank but the owner contributes zeros (exact: `x + 0 = x`), which moves each
@@ -27,6 +33,7 @@
 //! which every rank holds.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -37,6 +44,7 @@ use burn_backend::DeviceId;
 use kernels::collective::ProcessGroup;
 
 use super::collective::{reduce, Collective, Peers, ReduceOperation};
+use super::fsdp::{GatherBlocks, GatherBlocksPlain, RowGather, RowShards};
 use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
 
 /// Assigns each parameter, given by its number of elements, to one of `ranks` ranks: the largest
@@ -100,6 +108,8 @@ pub struct Shard {
     owner: HashMap<ParamId, usize>,
     /// The compute dtype and the weights that run in it through a copy (none when it is f32).
     copy: Option<(FloatDType, HashSet<ParamId>)>,
+    /// Stage 3: the rows of every parameter this rank keeps.
+    rows: Option<Arc<RowShards>>,
 }
 
 /// One parameter of a rank's share, on the host: its f32 master, and its moments once it has them.
@@ -134,6 +144,7 @@ impl Shard {
             stage == 1 || matches!(members, Members::Processes(_)),
             "ZeRO-{stage} needs a run of processes"
         );
+        assert!(stage < 3, "ZeRO-3 shards rows: Shard::rows");
         let sizes: Vec<usize> = params.iter().map(|p| p.1).collect();
         let owners = partition(&sizes, members.world());
         Self {
@@ -142,7 +153,54 @@ impl Shard {
             members,
             owner: params.iter().map(|p| p.0).zip(owners).collect(),
             copy,
+            rows: None,
         }
+    }
+
+    /// Rank `group.rank()`'s share of `model`'s parameters under ZeRO-3: its rows of every one.
+    pub fn rows<B: Backend, M: burn::module::Module<B>>(model: &M, group: ProcessGroup) -> Self {
+        let params = parameters(model);
+        let rank = group.rank();
+        let rows = RowShards::new(model, rank, group.world());
+        Self {
+            rank,
+            stage: 3,
+            members: Members::Processes(group),
+            owner: params.iter().map(|p| (p.0, rank)).collect(),
+            copy: None,
+            rows: Some(Arc::new(rows)),
+        }
+    }
+
+    /// Stage 3: how the rows are split.
+    pub fn row_shards(&self) -> Option<&Arc<RowShards>> {
+        self.rows.as_ref()
+    }
+
+    /// Stage 3: the training forward's hook that gathers each block just before it runs.
+    pub fn gathers<AB>(&self) -> Option<GatherBlocks<AB>>
+    where
+        AB: RowGather,
+        AB::InnerBackend: Collective,
+    {
+        let (rows, Members::Processes(group)) = (self.rows.as_ref()?, &self.members) else {
+            return None;
+        };
+        Some(GatherBlocks {
+            shards: rows.clone(),
+            exchange: Arc::new(group.clone()),
+        })
+    }
+
+    /// Stage 3: [`Shard::gathers`] without autodiff (evaluation).
+    pub fn plain_gathers<B: Collective>(&self) -> Option<GatherBlocksPlain<B>> {
+        let (rows, Members::Processes(group)) = (self.rows.as_ref()?, &self.members) else {
+            return None;
+        };
+        Some(GatherBlocksPlain {
+            shards: rows.clone(),
+            exchange: Arc::new(group.clone()),
+        })
     }
 
     /// How many ranks share the state.
@@ -152,6 +210,19 @@ impl Shard {
 
     /// The elements each rank owns, for the log.
     pub fn split(&self, params: &[(ParamId, usize)]) -> Split {
+        if let Some(rows) = &self.rows {
+            let per_rank: usize = params
+                .iter()
+                .map(|(id, n)| {
+                    let r = rows.rows(id);
+                    super::fsdp::share(r, self.world()) * (n / r.max(1))
+                })
+                .sum();
+            return Split {
+                owned: vec![per_rank; self.world()],
+                total: params.iter().map(|p| p.1).sum(),
+            };
+        }
         let mut owned = vec![0; self.world()];
         for (id, n) in params {
             owned[self.owner[id]] += n;
@@ -191,6 +262,9 @@ impl Shard {
         AB: AutodiffBackend,
         M: AutodiffModule<AB>,
     {
+        if let Some(rows) = &self.rows {
+            return rows.take_share::<AB, M>(model, opt);
+        }
         opt.moments.retain(|id, _| self.owns(id));
         opt.copies.retain(|id, _| self.owns(id));
         opt.owned = Some(self.owned());
@@ -233,6 +307,10 @@ impl Shard {
         AB::InnerBackend: Collective,
         M: AutodiffModule<AB>,
     {
+        if self.rows.is_some() {
+            // Every rank updated its own rows; nobody else holds them.
+            return model;
+        }
         struct Publish<'a, B: Backend> {
             shard: &'a Shard,
             copies: &'a mut HashMap<ParamId, FloatTensor<B>>,

@@ -133,6 +133,15 @@ pub(super) fn zero_line(
         .map(|(name, n)| format!("{name} {}", human(*n as f64)))
         .collect::<Vec<_>>()
         .join(", ");
+    if shard.stage == 3 {
+        return format!(
+            "ZeRO-3: each GPU keeps its rows of every one of the {} parameters ({shares}): f32 master weights, \
+             AdamW moments, gradients and compute copy; each block's weights are gathered just before it runs \
+             (again for its backward with model.recompute = \"full\") and its gradients reduce-scattered as the \
+             backward leaves it",
+            human(split.total as f64),
+        );
+    }
     let kept = if shard.stage == 2 {
         "the f32 master weights, AdamW moments and averaged gradients"
     } else {
