@@ -1,7 +1,8 @@
 //! ZeRO-3's row shards and gathers (`trainer::parallel::fsdp`) on the CPU: a model cut into one
 //! rank's row shards, whose forward gathers each block (and the parameters outside the blocks)
-//! just before it runs, gives the whole model's loss, and each shard receives exactly its rows of
-//! the whole model's gradients (zero in the padding rows), with the reference ops and the fused
+//! just before it runs, gives the whole model's loss, and each shard receives its rows of the
+//! whole model's gradients (zero in the padding rows; bit for bit on the reference ops, within
+//! f32 rounding of the order of the stream's additions on the fused ops), with the reference ops and the fused
 //! ops' CPU versions, with and without recomputation, with a tied and an untied embedding, at
 //! world sizes that leave padding rows. The other ranks are played by an exchange that holds the
 //! whole parameters: its gather hands back the whole (padded) parameter after checking that the
@@ -21,8 +22,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::{FloatDType, Int, Tensor};
 use model::config::{MlpKind, RecomputeKind};
 use model::Gpt;
+use model_cases::recompute::summed_recomputed;
 use model_cases::{ids, model_config, with_combo, Combo, AWKWARD, FUSED_CPU, REFERENCE};
-use trainer::optim::accumulate_grads;
 use trainer::parallel::fsdp::{share, GatherBlocks, RowExchange, RowShards};
 
 type B = Autodiff<NdArray>;
@@ -117,19 +118,7 @@ fn loss_and_grads(
     let precision = copy.precision();
     let (loss, grads) = if copy.config.recompute == RecomputeKind::Full {
         let hook = hook.map(|h| h as &dyn model::BlockHook<B>);
-        let (loss, pieces) = copy.loss_and_grads_recomputed(
-            x.clone(),
-            y.clone(),
-            &precision,
-            copy.config.z_loss,
-            1.0,
-            hook,
-        );
-        let grads = pieces
-            .into_iter()
-            .map(|g| GradientsParams::from_grads(g, copy))
-            .reduce(|a, b| accumulate_grads::<B, _>(copy, a, b))
-            .unwrap();
+        let (loss, grads) = summed_recomputed(copy, x, y, hook);
         (values(loss)[0], grads)
     } else {
         let loss = match hook {
@@ -196,10 +185,18 @@ fn a_sharded_model_gives_the_whole_models_loss_and_each_shard_its_rows_of_the_gr
                 let want = rows_of(g, shards.rows(id), shards.range(id));
                 let got = grads.get(id).expect("a gradient");
                 assert_eq!(got.len(), want.len(), "{what}: the shard of {id}");
-                let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-                assert_eq!(
-                    differ, 0,
-                    "{what}: {differ} elements of {id}'s gradient differ"
+                // Bit for bit on the reference ops; with the fused ops, where the gathers' places
+                // in the graph change the order in which Burn's backward adds the residual
+                // stream's gradients, within f32 rounding of that order.
+                let big = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let atol = if combo == REFERENCE { 0.0 } else { 1e-5 * big };
+                let worst = got
+                    .iter()
+                    .zip(&want)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    worst <= atol,
+                    "{what}: {id}'s gradient is off by {worst:e} (largest {big:e})"
                 );
             }
         }

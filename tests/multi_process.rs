@@ -655,18 +655,28 @@ fn zero_1_and_2_between_processes_train_like_one_gpu() {
         );
         let lr = train_config(precision, 8, steps).optimizer.lr;
         assert_like_one_gpu(&what, &one, &two, steps, tolerances(precision), lr);
-        let (_, sharded) = trainer::checkpoint::list(&two).unwrap().pop().unwrap();
-        assert!(
-            sharded.is_dir(),
-            "{what}: not sharded: {}",
-            sharded.display()
-        );
-        let out = two.join("consolidated.ckpt");
-        trainer::checkpoint::shards::consolidate(&sharded, &out).unwrap();
-        let (hs, vs) = trainer::checkpoint::read(&sharded).unwrap();
-        let (hc, vc) = trainer::checkpoint::read(&out).unwrap();
-        assert_eq!((hs.params, hs.devices, vs), (hc.params, 2, vc), "{what}");
+        assert_consolidates(&what, &two);
     }
+}
+
+/// The newest checkpoint in `dir` is sharded, and consolidated into one file it reads as the
+/// shards do (as the whole checkpoint of a run of two).
+fn assert_consolidates(what: &str, dir: &Path) {
+    let (_, sharded) = trainer::checkpoint::list(dir).unwrap().pop().unwrap();
+    assert!(
+        sharded.is_dir(),
+        "{what}: not sharded: {}",
+        sharded.display()
+    );
+    let out = dir.join("consolidated.ckpt");
+    trainer::checkpoint::shards::consolidate(&sharded, &out).unwrap();
+    let (hs, vs) = trainer::checkpoint::read(&sharded).unwrap();
+    let (hc, vc) = trainer::checkpoint::read(&out).unwrap();
+    assert!(
+        hs.params.iter().all(|p| p.rows.is_none()),
+        "{what}: whole parameters"
+    );
+    assert_eq!((hs.params, hs.devices, vs), (hc.params, 2, vc), "{what}");
 }
 
 /// ZeRO-3 between two processes (each block's weights gathered as it runs, its gradients
@@ -700,21 +710,7 @@ fn zero_3_between_processes_trains_like_one_gpu() {
         );
         assert_trains_like(&what, &one, &two, steps, tolerances(precision), lr);
         if name == "plain" {
-            let (_, sharded) = trainer::checkpoint::list(&two).unwrap().pop().unwrap();
-            assert!(
-                sharded.is_dir(),
-                "{what}: not sharded: {}",
-                sharded.display()
-            );
-            let out = two.join("consolidated.ckpt");
-            trainer::checkpoint::shards::consolidate(&sharded, &out).unwrap();
-            let (hs, vs) = trainer::checkpoint::read(&sharded).unwrap();
-            let (hc, vc) = trainer::checkpoint::read(&out).unwrap();
-            assert!(
-                hs.params.iter().all(|p| p.rows.is_none()),
-                "{what}: whole parameters"
-            );
-            assert_eq!((hs.params, hs.devices, vs), (hc.params, 2, vc), "{what}");
+            assert_consolidates(&what, &two);
         }
     }
     let one = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mp_zero3_one_plain");

@@ -48,6 +48,23 @@ where
     B::InnerBackend: kernels::Backend,
 {
     let copy = model.compute_copy(dtype);
+    let (loss, grads) = summed_recomputed(&copy, x, y, None);
+    let value = loss.into_data().convert::<f64>().to_vec::<f64>().unwrap()[0];
+    (value, named_grads(&copy, &grads))
+}
+
+/// [`Gpt::loss_and_grads_recomputed`] of `copy` at its own precision, with `hook`: the loss and
+/// the gradients of every piece summed.
+pub fn summed_recomputed<B>(
+    copy: &Gpt<B>,
+    x: &Tensor<B, 2, Int>,
+    y: &Tensor<B, 2, Int>,
+    hook: Option<&dyn model::BlockHook<B>>,
+) -> (Tensor<B::InnerBackend, 1>, GradientsParams)
+where
+    B: AutodiffBackend + kernels::Backend,
+    B::InnerBackend: kernels::Backend,
+{
     let precision = copy.precision();
     let (loss, pieces) = copy.loss_and_grads_recomputed(
         x.clone(),
@@ -55,15 +72,14 @@ where
         &precision,
         copy.config.z_loss,
         1.0,
-        None,
+        hook,
     );
     let grads = pieces
         .into_iter()
-        .map(|g| GradientsParams::from_grads(g, &copy))
-        .reduce(|a, b| trainer::optim::accumulate_grads::<B, _>(&copy, a, b))
+        .map(|g| GradientsParams::from_grads(g, copy))
+        .reduce(|a, b| trainer::optim::accumulate_grads::<B, _>(copy, a, b))
         .expect("one backward at least");
-    let value = loss.into_data().convert::<f64>().to_vec::<f64>().unwrap()[0];
-    (value, named_grads(&copy, &grads))
+    (loss, grads)
 }
 
 /// Checks `case` on `dev` (see the module docs): the modes in `bit_for_bit` exactly, the others

@@ -15,7 +15,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use crate::gpt::Block;
+use crate::gpt::{Block, Outside};
 use crate::{Gpt, Precision};
 
 /// What a hooked forward does with each block's parameters.
@@ -25,10 +25,23 @@ pub trait BlockHook<B: Backend> {
     /// fused kernels the previous block's MLP output that the block's first norm adds to it.
     fn block(&self, layer: usize, block: &Block<B>, input: &Tensor<B, 3>) -> Block<B>;
 
-    /// The parameters outside the blocks (the embedding, the final norm and an untied LM head) as
-    /// the forward is to use them, in a model whose blocks the forward does not read: `None`, the
+    /// Block `layer` for a run whose result leaves autodiff (a recomputed block's first run,
+    /// which keeps nothing for a backward): by default as [`BlockHook::block`] hands it over; a
+    /// hook may hand over untracked tensors instead, so that the run adds nothing to the graph.
+    fn block_untracked(&self, layer: usize, block: &Block<B>, input: &Tensor<B, 3>) -> Block<B> {
+        self.block(layer, block, input)
+    }
+
+    /// `model` with its parameters of `part` as the forward is to use them (its blocks, and its
+    /// other parameters, as they are), just before the forward reads them; `input` is the deepest
+    /// tensor entering the final norm for [`Outside::Head`], none for the embedding. `None`, the
     /// default, uses the model's own.
-    fn outside(&self, _model: &Gpt<B>) -> Option<Gpt<B>> {
+    fn outside(
+        &self,
+        _model: &Gpt<B>,
+        _part: Outside,
+        _input: Option<&Tensor<B, 3>>,
+    ) -> Option<Gpt<B>> {
         None
     }
 }

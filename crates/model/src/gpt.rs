@@ -1,8 +1,5 @@
 //! The GPT-style decoder: embedding, N pre-norm blocks, final norm, LM head.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-
 use burn::module::{Module, ParamId};
 use burn::nn::{Dropout, DropoutConfig};
 use burn::tensor::activation::softmax;
@@ -11,6 +8,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
 use crate::config::{AttentionKind, GptConfig, HeadLossKind, KernelsKind, MlpKind};
+use crate::dropout_seeds::{mix64, DropoutSeeds};
 use crate::dtype::debug_assert_dtype;
 use crate::layers::{apply_rope, rope_tables_from_freqs, Embedding, Linear, RmsNorm};
 use crate::precision::{Precision, Projection};
@@ -503,37 +501,14 @@ impl<B: kernels::Backend> Ctx<'_, B> {
     }
 }
 
-/// SplitMix64's finaliser: a bijective mix of the 64 bits.
-fn mix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// Seeds of the dropout masks drawn inside the kernels (with `model.dropout > 0`: FlashAttention's,
-/// and with the fused ops and flash attention the embedding's and residual branches'): forward
-/// number `n` since [`Gpt::set_dropout_seed`] draws its masks from `(seed, n, layer)`, so the masks
-/// of a step repeat when its seed and forwards do. Clones share the count.
-#[derive(Clone, Debug, Default)]
-pub struct DropoutSeeds {
-    seed: u64,
-    forwards: Arc<AtomicU64>,
-}
-
-impl DropoutSeeds {
-    fn new(seed: u64) -> Self {
-        Self {
-            seed,
-            forwards: Arc::new(AtomicU64::new(0)),
-        }
-    }
-
-    /// The seed of the next forward's masks.
-    fn next_forward(&self) -> u64 {
-        let n = self.forwards.fetch_add(1, Ordering::Relaxed);
-        mix64(self.seed ^ mix64(n))
-    }
+/// Which parameters outside the blocks a forward is about to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outside {
+    /// The embedding, for the lookup.
+    Embedding,
+    /// The final norm's gain and an untied LM head (a tied head reads the embedding, which the
+    /// forward passed through the hook for the lookup).
+    Head,
 }
 
 /// The decoder-only transformer.
@@ -924,9 +899,12 @@ impl<B: kernels::Backend> Gpt<B> {
     ) -> Tensor<B, 1> {
         let masks = self.masks(&ids.device());
         let ctx = self.ctx(&ids, precision, masks);
-        let outside = hook.and_then(|h| h.outside(self));
-        let me = outside.as_ref().unwrap_or(self);
-        let mut s = me.embed(ids, &ctx);
+        let mut embedding = hook.and_then(|h| h.outside(self, Outside::Embedding, None));
+        let mut s = embedding.as_ref().unwrap_or(self).embed(ids, &ctx);
+        if self.lm_head.is_some() {
+            // An untied embedding is read by the lookup alone.
+            embedding = None;
+        }
         for (layer, block) in self.blocks.iter().enumerate() {
             // The deepest tensor entering the block: with the fused kernels, the previous block's
             // MLP output not yet added to the stream.
@@ -936,7 +914,14 @@ impl<B: kernels::Backend> Gpt<B> {
             s = block.step(s, &ctx, layer, self.fused());
             debug_assert_dtype(&s.x, self.compute_dtype, "residual stream after a block");
         }
-        me.loss_from(s, targets, precision, z)
+        // The final norm's and LM head's parameters as the hook hands them over, just before they
+        // run (a tied head reads the embedding handed over for the lookup).
+        let base = embedding.as_ref().unwrap_or(self);
+        let entering = s.pending.as_ref().unwrap_or(&s.x);
+        let head = hook.and_then(|h| h.outside(base, Outside::Head, Some(entering)));
+        head.as_ref()
+            .unwrap_or(base)
+            .loss_from(s, targets, precision, z)
     }
 
     /// The loss of the stream leaving the last block against `targets` [B, T]: final norm, LM

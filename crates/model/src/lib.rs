@@ -29,6 +29,7 @@
 
 pub mod block_hook;
 pub mod config;
+pub mod dropout_seeds;
 pub mod dtype;
 pub mod gpt;
 pub mod layers;
@@ -40,5 +41,5 @@ pub use config::{
     AttentionKind, GemmKind, GptConfig, HeadLossKind, KernelsKind, MlpKind, RecomputeKind,
     RopeScaling, RopeScalingKind,
 };
-pub use gpt::{Gpt, KvCache};
+pub use gpt::{Gpt, KvCache, Outside};
 pub use precision::{GradFormat, Precision, Probes};

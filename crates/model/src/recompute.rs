@@ -32,7 +32,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
 
 use crate::block_hook::BlockHook;
-use crate::gpt::{Gpt, Stream};
+use crate::gpt::{Gpt, Outside, Stream};
 use crate::precision::{Precision, Probes};
 
 /// A piece of the forward between two recomputed blocks (or the embedding, or the loss): the
@@ -84,9 +84,11 @@ where
         let mut pieces: Vec<Piece<B>> = Vec::new();
         let mut saved: Vec<(usize, Tensor<B::InnerBackend, 3>)> = Vec::new();
         let mut start = None;
-        let outside = hook.and_then(|h| h.outside(self));
-        let me = outside.as_ref().unwrap_or(self);
-        let mut s = me.embed(ids, &ctx);
+        let mut s = {
+            // Handed over for the lookup alone: the loss's piece takes what it reads again.
+            let embedding = hook.and_then(|h| h.outside(self, Outside::Embedding, None));
+            embedding.as_ref().unwrap_or(self).embed(ids, &ctx)
+        };
         let mut holds_blocks = true;
         for (layer, block) in self.blocks.iter().enumerate() {
             if !self.config.recomputes(layer) {
@@ -102,7 +104,7 @@ where
                 end: holds_blocks.then(|| s.clone()),
             });
             // The hook's block, out of autodiff: this run keeps nothing for a backward.
-            let hooked = hook.map(|h| h.block(layer, block, &s.x).valid());
+            let hooked = hook.map(|h| h.block_untracked(layer, block, &s.x).valid());
             let out = hooked.as_ref().unwrap_or(&inner.blocks[layer]).step(
                 alone(input.clone()),
                 &inner_ctx,
@@ -115,12 +117,21 @@ where
             s = alone(leaf);
             holds_blocks = false;
         }
-        // The loss's piece takes the hook's parameters outside the blocks again: a tied
-        // embedding's gather then has a backward in each piece that uses it (one gathered tensor
-        // shared by two pieces would reach the shard from the first backward alone).
-        let outside = hook.and_then(|h| h.outside(self));
-        let me = outside.as_ref().unwrap_or(self);
-        let loss = me.loss_from(s, targets, precision, z);
+        // The loss's piece takes the hook's final norm and head, and a tied head's embedding
+        // again: the hook's op then has a backward in each piece that reads the embedding (one
+        // handed-over tensor shared by two pieces would reach the parameter from the first
+        // backward alone).
+        let tied = match (hook, &self.lm_head) {
+            (Some(h), None) => h.outside(self, Outside::Embedding, None),
+            _ => None,
+        };
+        let base = tied.as_ref().unwrap_or(self);
+        let entering = s.pending.as_ref().unwrap_or(&s.x);
+        let head = hook.and_then(|h| h.outside(base, Outside::Head, Some(entering)));
+        let loss = head
+            .as_ref()
+            .unwrap_or(base)
+            .loss_from(s, targets, precision, z);
         let value = loss.clone().inner();
         kernels::memory::trace::<B>(&device, || "recompute: after the forward".into());
 

@@ -96,18 +96,33 @@ impl MemoryPlan {
         };
         let half = compute_bytes < 4;
         // ZeRO-3 holds 1/N of every weight and gradient, and whole only the weights gathered at
-        // once: the parameters outside the blocks and, when every block is recomputed, two
-        // blocks' (the one running and the next), else every block's until its backward.
+        // once: the parameters outside the blocks (the embedding in f32, an untied head in the
+        // compute dtype) and, when every block is recomputed, two blocks' (the one running and
+        // the next), else every block's until its backward. In f32 the master shards compute.
         let zero3 = cfg.training.zero == 3 && shards > 1;
-        let outside = vocab as u64 * d * if m.tie_embeddings { 1 } else { 2 } + d;
-        let block = params.saturating_sub(outside) / m.n_layer.max(1) as u64;
-        let gathered = if recomputed == m.n_layer as u64 {
-            outside + 2 * block
+        let (embedding, head) = (
+            vocab as u64 * d,
+            if m.tie_embeddings {
+                0
+            } else {
+                vocab as u64 * d
+            },
+        );
+        let block = params.saturating_sub(embedding + head + d) / m.n_layer.max(1) as u64;
+        let gathered_blocks = if recomputed == m.n_layer as u64 {
+            2
         } else {
-            params
+            m.n_layer as u64
         };
         let compute_copy = match (zero3, half) {
-            (true, _) => compute_bytes * (params / shards + gathered),
+            (true, _) => {
+                (if half {
+                    compute_bytes * params / shards
+                } else {
+                    0
+                }) + 4 * embedding
+                    + compute_bytes * (head + gathered_blocks * block)
+            }
             (false, true) => compute_bytes * params,
             (false, false) => 0,
         };
@@ -116,8 +131,10 @@ impl MemoryPlan {
             optimizer_state: 8 * params / shards,
             compute_copy,
             gradients: if zero3 {
-                // f32 shards, and one block's whole gradients while they are reduce-scattered.
-                4 * (params / shards + block) * if cfg.training.grad_accum > 1 { 2 } else { 1 }
+                // f32 shards (and their sum under accumulation), and one block's whole
+                // gradients while they are reduce-scattered.
+                let sums = if cfg.training.grad_accum > 1 { 2 } else { 1 };
+                4 * (sums * params / shards + block)
             } else if cfg.training.grad_accum > 1 {
                 (4 + compute_bytes) * params
             } else if gpus > 1 {

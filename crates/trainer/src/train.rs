@@ -825,7 +825,9 @@ fn check_memory<D>(
     } else {
         2
     };
-    let plan = MemoryPlan::estimate(cfg, vocab, compute_bytes, devices.len());
+    // The GPUs that share the state: a run of processes has one device per process.
+    let gpus = opts.place.as_ref().map_or(devices.len(), |p| p.world_size);
+    let plan = MemoryPlan::estimate(cfg, vocab, compute_bytes, gpus);
     let cuda = opts.device_name.starts_with("CUDA");
     let free = devices
         .iter()
@@ -840,7 +842,7 @@ fn check_memory<D>(
                 bytes as f64 / (1u64 << 30) as f64
             ));
             if cfg.training.memory_check {
-                plan.check(bytes, cfg, devices.len())?;
+                plan.check(bytes, cfg, gpus)?;
             }
         }
         None => console.line(&format!("memory estimate: {}", plan.describe())),

@@ -9,8 +9,8 @@
 //! parameter and a reduce-scatter of its padded gradient hands each rank its rows' mean.
 //!
 //! **The gather is an autodiff op** ([`RowGather::gather_rows`]): its forward all-gathers the
-//! shard (in the dtype the shard computes in: the compute copy's bf16 or f16 shard) and trims the
-//! padding; its backward pads the whole gradient, cast to f32, and reduce-scatters its mean over
+//! shard (in the dtype the shard computes in: the compute copy's bf16 or f16 shard of a
+//! projection, f32 for the embedding and the norms' gains) and trims the padding; its backward pads the whole gradient, cast to f32, and reduce-scatters its mean over
 //! the ranks onto the shard. The gradients that reach the optimizer are each rank's shares,
 //! averaged, and no step of the trainer averages them again. A block's gather takes the deepest
 //! tensor entering the block as a second input that only places it in the graph (as
@@ -20,8 +20,8 @@
 //!
 //! **The hooks** ([`GatherBlocks`] under autodiff, [`GatherBlocksPlain`] for evaluation) hand the
 //! model's forward ([`model::BlockHook`]) each block with its parameters gathered just before it
-//! runs, and the parameters outside the blocks (the embedding, the final norm, an untied LM head)
-//! gathered before the embedding. With `model.recompute = "full"` a block's gathered weights live
+//! runs, the embedding before the lookup, and the final norm and an untied LM head just before
+//! they run (anchored at the stream entering the final norm). With `model.recompute = "full"` a block's gathered weights live
 //! only while it runs: its first run keeps nothing, and the backward gathers them again to run it
 //! again (FSDP with activation checkpointing). Without, Burn's backward keeps what the block's
 //! ops saved, the gathered weights among them, until the block's backward.
@@ -43,7 +43,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Shape, Tensor, TensorPrimitive};
 use kernels::collective::{CollectiveBackend, ProcessGroup, ReduceOp};
 use model::gpt::Block;
-use model::{BlockHook, Gpt};
+use model::{BlockHook, Gpt, Outside};
 
 use crate::checkpoint::RowRange;
 use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
@@ -163,21 +163,21 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Cut<'_, AB::InnerBackend> {
     }
 }
 
-/// Rows `start .. start + n` of `t`, zero rows where `t`'s run out.
+/// Rows `start .. start + n` of `t`, zero rows where `t`'s run out, in a buffer of their own (a
+/// slice of rows can be a view that keeps the whole tensor's buffer alive).
 fn rows_of<B: Backend, const D: usize>(t: Tensor<B, D>, start: usize, n: usize) -> Tensor<B, D> {
     let rows = t.dims()[0];
     let have = rows.saturating_sub(start).min(n);
-    let mut pad_shape = t.dims();
-    pad_shape[0] = n - have;
-    let (device, dtype) = (t.device(), t.dtype());
-    let kept = (have > 0).then(|| t.narrow(0, start.min(rows), have));
-    let pad = (have < n).then(|| Tensor::zeros(pad_shape, (&device, dtype)));
-    match (kept, pad) {
-        (Some(k), Some(p)) => Tensor::cat(vec![k, p], 0),
-        (Some(k), None) => k,
-        (None, Some(p)) => p,
-        (None, None) => unreachable!("a shard has at least one row"),
+    let mut shape = t.dims();
+    shape[0] = n;
+    let out = Tensor::zeros(shape, (&t.device(), t.dtype()));
+    if have == 0 {
+        return out;
     }
+    // Burn's slice argument: the range of rows (dimension 0), the other dimensions whole.
+    #[allow(clippy::single_range_in_vec_init)]
+    let kept = [0..have];
+    out.slice_assign(kept, t.narrow(0, start, have))
 }
 
 /// How row shards travel between the ranks: NCCL's all-gather and reduce-scatter in a run of
@@ -366,13 +366,39 @@ impl<AB: RowGather> BlockHook<AB> for GatherBlocks<AB> {
         })
     }
 
-    fn outside(&self, model: &Gpt<AB>) -> Option<Gpt<AB>> {
+    fn block_untracked(
+        &self,
+        _layer: usize,
+        block: &Block<AB>,
+        _input: &Tensor<AB, 3>,
+    ) -> Block<AB> {
+        struct Untracked<'a, AB: RowGather>(&'a GatherBlocks<AB>);
+        impl<AB: RowGather> ModuleMapper<AB> for Untracked<'_, AB> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<AB, D>>,
+            ) -> Param<Tensor<AB, D>> {
+                let (id, tensor, mapper) = param.consume();
+                let rows = self.0.shards.rows(&id);
+                let whole = gather(tensor.inner(), rows, id, self.0.exchange.as_ref());
+                Param::from_mapped_value(id, Tensor::from_inner(whole), mapper)
+            }
+        }
+        block.clone().map(&mut Untracked(self))
+    }
+
+    fn outside(
+        &self,
+        model: &Gpt<AB>,
+        part: Outside,
+        input: Option<&Tensor<AB, 3>>,
+    ) -> Option<Gpt<AB>> {
         let mut m = GatherMapper {
             shards: &self.shards,
             exchange: &self.exchange,
-            anchor: None,
+            anchor: input,
         };
-        Some(outside_gathered(model, &mut m))
+        Some(outside_gathered(model, part, &mut m))
     }
 }
 
@@ -400,17 +426,30 @@ impl<B: Backend> BlockHook<B> for GatherBlocksPlain<B> {
         block.clone().map(&mut PlainMapper(self))
     }
 
-    fn outside(&self, model: &Gpt<B>) -> Option<Gpt<B>> {
-        Some(outside_gathered(model, &mut PlainMapper(self)))
+    fn outside(
+        &self,
+        model: &Gpt<B>,
+        part: Outside,
+        _input: Option<&Tensor<B, 3>>,
+    ) -> Option<Gpt<B>> {
+        Some(outside_gathered(model, part, &mut PlainMapper(self)))
     }
 }
 
-/// `model` with its parameters outside the blocks passed through `mapper`; the blocks stay
-/// shards (the forward gathers them one at a time).
-fn outside_gathered<B: Backend, M: ModuleMapper<B>>(model: &Gpt<B>, mapper: &mut M) -> Gpt<B> {
+/// `model` with its parameters of `part` passed through `mapper`: the embedding, or the final
+/// norm and an untied LM head. The rest stays as it is (the blocks are gathered one at a time).
+fn outside_gathered<B: Backend, M: ModuleMapper<B>>(
+    model: &Gpt<B>,
+    part: Outside,
+    mapper: &mut M,
+) -> Gpt<B> {
     let mut m = model.clone();
-    m.wte = m.wte.map(mapper);
-    m.norm_f = m.norm_f.map(mapper);
-    m.lm_head = m.lm_head.map(|h| h.map(mapper));
+    match part {
+        Outside::Embedding => m.wte = m.wte.map(mapper),
+        Outside::Head => {
+            m.norm_f = m.norm_f.map(mapper);
+            m.lm_head = m.lm_head.map(|h| h.map(mapper));
+        }
+    }
     m
 }

@@ -1,7 +1,7 @@
 //! ZeRO (`training.zero = 1 | 2 | 3`): in a data-parallel run, each rank keeps the AdamW moments
 //! and the f32 master weights of its own share of the parameters only.
 //!
-//! Every parameter has one owner. A rank updates the parameters it owns; the owners then hand
+//! At stages 1 and 2 every parameter has one owner. A rank updates the parameters it owns; the owners then hand
 //! every rank the new compute form of their parameters (the bf16 or f16 copy of the weights that
 //! run in the compute dtype, the f32 value of the others). A rank that does not own a weight with
 //! a low-precision copy holds that copy only: its f32 master and moments live on the owner.
