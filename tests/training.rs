@@ -290,6 +290,28 @@ fn state_to_checkpoint(
     (model, opt)
 }
 
+/// Calls `f` with [`state_to_checkpoint`]'s model and optimizer state and what a checkpoint of
+/// step 5 of a run of 3 GPUs records besides them.
+fn with_state_to_checkpoint(
+    f: impl FnOnce(&model::Gpt<CkptB>, &trainer::optim::AdamW<CkptInner>, &checkpoint::SaveInfo<'_>),
+) {
+    let cfg = tiny_config(1);
+    let (model, opt) = state_to_checkpoint(&cfg);
+    let recipe = cfg.recipe().unwrap();
+    let scaler = trainer::precision::LossScaler::new(recipe.loss_scaling().clone());
+    let info = checkpoint::SaveInfo {
+        cfg: &cfg,
+        vocab_size: 40,
+        step: 5,
+        best_val_loss: Some(1.5),
+        elapsed_s: 3.0,
+        precision: (&recipe, &scaler.state),
+        replica_checksums: &[9, 9, 9],
+        world: 3,
+    };
+    f(&model, &opt, &info);
+}
+
 /// A sharded checkpoint (each of 3 ranks' share of the parameters, then rank 0's manifest) reads
 /// as the whole checkpoint of the same state and consolidates into a file that reads the same; it
 /// is listed only once sealed; a missing, damaged or misplaced shard is refused, naming the file.
@@ -299,123 +321,113 @@ fn a_sharded_checkpoint_reads_as_the_whole_one() {
     use std::collections::HashSet;
     type B = CkptB;
 
-    let cfg = tiny_config(1);
-    let (model, opt) = state_to_checkpoint(&cfg);
-    let recipe = cfg.recipe().unwrap();
-    let scaler = trainer::precision::LossScaler::new(recipe.loss_scaling().clone());
-    let (step, world) = (5, 3);
-    let info = checkpoint::SaveInfo {
-        cfg: &cfg,
-        vocab_size: 40,
-        step,
-        best_val_loss: Some(1.5),
-        elapsed_s: 3.0,
-        precision: (&recipe, &scaler.state),
-        replica_checksums: &[9, 9, 9],
-        world,
-    };
-    let whole_dir = scratch("ckpt_whole");
-    let whole = checkpoint::save::<B, _>(&whole_dir, &model, &opt, &info, 10).unwrap();
-    let (hw, vw) = checkpoint::read(&whole).unwrap();
+    with_state_to_checkpoint(|model, opt, info| {
+        let (step, world) = (info.step, info.world);
+        let whole_dir = scratch("ckpt_whole");
+        let whole = checkpoint::save::<B, _>(&whole_dir, model, opt, info, 10).unwrap();
+        let (hw, vw) = checkpoint::read(&whole).unwrap();
 
-    let dir = scratch("ckpt_sharded");
-    let params = trainer::parallel::zero::parameters(&model);
-    let sizes: Vec<usize> = params.iter().map(|p| p.1).collect();
-    let owners = trainer::parallel::zero::partition(&sizes, world);
-    let owned = |rank: usize| -> HashSet<_> {
-        params
-            .iter()
-            .zip(&owners)
-            .filter(|(_, o)| **o == rank)
-            .map(|(p, _)| p.0)
-            .collect()
-    };
-    for rank in 0..2 {
-        shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(rank), None, rank).unwrap();
-    }
-    // Not complete: neither listed nor read, and rank 0 refuses to seal it.
-    assert!(checkpoint::list(&dir).unwrap().is_empty());
-    let sharded = checkpoint::dir(&dir).join(shards::dir_name(step));
-    let e = format!("{:#}", checkpoint::read(&sharded).unwrap_err());
-    assert!(e.contains("unfinished"), "{e}");
-    let e = format!(
-        "{:#}",
-        shards::seal::<B, _>(&dir, &model, step, world, 10).unwrap_err()
-    );
-    assert!(
-        e.contains("rank_00002.ckpt") && e.contains("missing"),
-        "{e}"
-    );
-    shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(2), None, 2).unwrap();
-    shards::seal::<B, _>(&dir, &model, step, world, 10).unwrap();
-    assert_eq!(
-        checkpoint::list(&dir).unwrap(),
-        vec![(step, sharded.clone())]
-    );
-
-    let (hs, vs) = checkpoint::read(&sharded).unwrap();
-    assert_eq!(hs.params, hw.params);
-    assert_eq!(vs, vw);
-    assert_eq!(
-        (hs.step, hs.optimizer_step, hs.devices, hs.shard),
-        (step, 7, world, None)
-    );
-    assert!(hs.params.iter().any(|p| p.has_moments) && hs.params.iter().any(|p| !p.has_moments));
-    let out = checkpoint::dir(&dir).join("consolidated.ckpt");
-    shards::consolidate(&sharded, &out).unwrap();
-    let (hc, vc) = checkpoint::read(&out).unwrap();
-    assert_eq!((hc.params, vc), (hw.params, vw));
-
-    // Pruning keeps the newest `keep` steps, each in every form it has: step 5 as a file and as
-    // shards goes once steps 6 and 7 are saved with keep = 2.
-    std::fs::copy(
-        &out,
-        checkpoint::dir(&dir).join(checkpoint::file_name(step)),
-    )
-    .unwrap();
-    for later in [step + 1, step + 2] {
-        let info = checkpoint::SaveInfo {
-            step: later,
-            ..info
+        let dir = scratch("ckpt_sharded");
+        let params = trainer::parallel::zero::parameters(model);
+        let sizes: Vec<usize> = params.iter().map(|p| p.1).collect();
+        let owners = trainer::parallel::zero::partition(&sizes, world);
+        let owned = |rank: usize| -> HashSet<_> {
+            params
+                .iter()
+                .zip(&owners)
+                .filter(|(_, o)| **o == rank)
+                .map(|(p, _)| p.0)
+                .collect()
         };
-        for rank in 0..world {
-            shards::save_shard::<B, _>(&dir, &model, &opt, &info, &owned(rank), None, rank)
-                .unwrap();
+        for rank in 0..2 {
+            shards::save_shard::<B, _>(&dir, model, opt, info, &owned(rank), None, rank).unwrap();
         }
-        shards::seal::<B, _>(&dir, &model, later, world, 2).unwrap();
-    }
-    let kept: Vec<u64> = checkpoint::list(&dir)
-        .unwrap()
-        .iter()
-        .map(|c| c.0)
-        .collect();
-    assert_eq!(kept, vec![step + 1, step + 2]);
-    assert!(
-        !sharded.exists()
-            && !checkpoint::dir(&dir)
-                .join(checkpoint::file_name(step))
-                .exists()
-    );
-    let sharded = checkpoint::dir(&dir).join(shards::dir_name(step + 2));
+        // Not complete: neither listed nor read, and rank 0 refuses to seal it.
+        assert!(checkpoint::list(&dir).unwrap().is_empty());
+        let sharded = checkpoint::dir(&dir).join(shards::dir_name(step));
+        let e = format!("{:#}", checkpoint::read(&sharded).unwrap_err());
+        assert!(e.contains("unfinished"), "{e}");
+        let e = format!(
+            "{:#}",
+            shards::seal::<B, _>(&dir, model, step, world, 10).unwrap_err()
+        );
+        assert!(
+            e.contains("rank_00002.ckpt") && e.contains("missing"),
+            "{e}"
+        );
+        shards::save_shard::<B, _>(&dir, model, opt, info, &owned(2), None, 2).unwrap();
+        shards::seal::<B, _>(&dir, model, step, world, 10).unwrap();
+        assert_eq!(
+            checkpoint::list(&dir).unwrap(),
+            vec![(step, sharded.clone())]
+        );
 
-    // A damaged shard, and a shard in another rank's place, are refused by name.
-    let shard1 = sharded.join("rank_00001.ckpt");
-    let good = std::fs::read(&shard1).unwrap();
-    let mut bad = good.clone();
-    let mid = bad.len() / 2;
-    bad[mid] ^= 0xff;
-    std::fs::write(&shard1, &bad).unwrap();
-    let e = format!("{:#}", checkpoint::read(&sharded).unwrap_err());
-    assert!(
-        e.contains("rank_00001.ckpt") && e.contains("damaged"),
-        "{e}"
-    );
-    std::fs::copy(sharded.join("rank_00000.ckpt"), &shard1).unwrap();
-    let e = format!("{:#}", checkpoint::read(&sharded).unwrap_err());
-    assert!(
-        e.contains("rank_00001.ckpt") && e.contains("not rank 1's shard"),
-        "{e}"
-    );
+        let (hs, vs) = checkpoint::read(&sharded).unwrap();
+        assert_eq!(hs.params, hw.params);
+        assert_eq!(vs, vw);
+        assert_eq!(
+            (hs.step, hs.optimizer_step, hs.devices, hs.shard),
+            (step, 7, world, None)
+        );
+        assert!(
+            hs.params.iter().any(|p| p.has_moments) && hs.params.iter().any(|p| !p.has_moments)
+        );
+        let out = checkpoint::dir(&dir).join("consolidated.ckpt");
+        shards::consolidate(&sharded, &out).unwrap();
+        let (hc, vc) = checkpoint::read(&out).unwrap();
+        assert_eq!((hc.params, vc), (hw.params, vw));
+
+        // Pruning keeps the newest `keep` steps, each in every form it has: step 5 as a file and as
+        // shards goes once steps 6 and 7 are saved with keep = 2.
+        std::fs::copy(
+            &out,
+            checkpoint::dir(&dir).join(checkpoint::file_name(step)),
+        )
+        .unwrap();
+        for later in [step + 1, step + 2] {
+            let info = checkpoint::SaveInfo {
+                step: later,
+                ..*info
+            };
+            for rank in 0..world {
+                shards::save_shard::<B, _>(&dir, model, opt, &info, &owned(rank), None, rank)
+                    .unwrap();
+            }
+            shards::seal::<B, _>(&dir, model, later, world, 2).unwrap();
+        }
+        let kept: Vec<u64> = checkpoint::list(&dir)
+            .unwrap()
+            .iter()
+            .map(|c| c.0)
+            .collect();
+        assert_eq!(kept, vec![step + 1, step + 2]);
+        assert!(
+            !sharded.exists()
+                && !checkpoint::dir(&dir)
+                    .join(checkpoint::file_name(step))
+                    .exists()
+        );
+        let sharded = checkpoint::dir(&dir).join(shards::dir_name(step + 2));
+
+        // A damaged shard, and a shard in another rank's place, are refused by name.
+        let shard1 = sharded.join("rank_00001.ckpt");
+        let good = std::fs::read(&shard1).unwrap();
+        let mut bad = good.clone();
+        let mid = bad.len() / 2;
+        bad[mid] ^= 0xff;
+        std::fs::write(&shard1, &bad).unwrap();
+        let e = format!("{:#}", checkpoint::read(&sharded).unwrap_err());
+        assert!(
+            e.contains("rank_00001.ckpt") && e.contains("damaged"),
+            "{e}"
+        );
+        std::fs::copy(sharded.join("rank_00000.ckpt"), &shard1).unwrap();
+        let e = format!("{:#}", checkpoint::read(&sharded).unwrap_err());
+        assert!(
+            e.contains("rank_00001.ckpt") && e.contains("not rank 1's shard"),
+            "{e}"
+        );
+    });
 }
 
 /// ZeRO-3's sharded checkpoint (each of 3 ranks' rows of every parameter and of its moments; 40
@@ -427,39 +439,27 @@ fn row_shards_read_as_the_whole_checkpoint() {
     use std::collections::HashSet;
     type B = CkptB;
 
-    let cfg = tiny_config(1);
-    let (model, opt) = state_to_checkpoint(&cfg);
-    let recipe = cfg.recipe().unwrap();
-    let scaler = trainer::precision::LossScaler::new(recipe.loss_scaling().clone());
-    let (step, world) = (5, 3);
-    let info = checkpoint::SaveInfo {
-        cfg: &cfg,
-        vocab_size: 40,
-        step,
-        best_val_loss: None,
-        elapsed_s: 3.0,
-        precision: (&recipe, &scaler.state),
-        replica_checksums: &[],
-        world,
-    };
-    let whole_dir = scratch("ckpt_rows_whole");
-    let whole = checkpoint::save::<B, _>(&whole_dir, &model, &opt, &info, 10).unwrap();
-    let (hw, vw) = checkpoint::read(&whole).unwrap();
-    let rows_dir = scratch("ckpt_rows");
-    let every: HashSet<_> = trainer::parallel::zero::parameters(&model)
-        .iter()
-        .map(|p| p.0)
-        .collect();
-    for rank in 0..world {
-        let rows = trainer::parallel::fsdp::RowShards::new(&model, rank, world);
-        let mut mine = opt.clone();
-        let shard = rows.take_share::<B, _>(model.clone(), &mut mine);
-        let ranges = rows.ranges();
-        shards::save_shard::<B, _>(&rows_dir, &shard, &mine, &info, &every, Some(&ranges), rank)
-            .unwrap();
-    }
-    shards::seal::<B, _>(&rows_dir, &model, step, world, 10).unwrap();
-    let (hr, vr) =
-        checkpoint::read(&checkpoint::dir(&rows_dir).join(shards::dir_name(step))).unwrap();
-    assert_eq!((hr.params, vr), (hw.params, vw));
+    with_state_to_checkpoint(|model, opt, info| {
+        let (step, world) = (info.step, info.world);
+        let whole_dir = scratch("ckpt_rows_whole");
+        let whole = checkpoint::save::<B, _>(&whole_dir, model, opt, info, 10).unwrap();
+        let (hw, vw) = checkpoint::read(&whole).unwrap();
+        let rows_dir = scratch("ckpt_rows");
+        let every: HashSet<_> = trainer::parallel::zero::parameters(model)
+            .iter()
+            .map(|p| p.0)
+            .collect();
+        for rank in 0..world {
+            let rows = trainer::parallel::fsdp::RowShards::new(model, rank, world);
+            let mut mine = opt.clone();
+            let shard = rows.take_share::<B, _>(model.clone(), &mut mine);
+            let ranges = rows.ranges();
+            shards::save_shard::<B, _>(&rows_dir, &shard, &mine, info, &every, Some(&ranges), rank)
+                .unwrap();
+        }
+        shards::seal::<B, _>(&rows_dir, model, step, world, 10).unwrap();
+        let (hr, vr) =
+            checkpoint::read(&checkpoint::dir(&rows_dir).join(shards::dir_name(step))).unwrap();
+        assert_eq!((hr.params, vr), (hw.params, vw));
+    });
 }

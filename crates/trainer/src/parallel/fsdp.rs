@@ -10,8 +10,9 @@
 //!
 //! **The gather is an autodiff op** ([`RowGather::gather_rows`]): its forward all-gathers the
 //! shard (in the dtype the shard computes in: the compute copy's bf16 or f16 shard of a
-//! projection, f32 for the embedding and the norms' gains) and trims the padding; its backward pads the whole gradient, cast to f32, and reduce-scatters its mean over
-//! the ranks onto the shard. The gradients that reach the optimizer are each rank's shares,
+//! projection, f32 for the embedding and the norms' gains) and trims the padding; its backward
+//! pads the whole gradient, cast to f32, and reduce-scatters its mean over the ranks onto the
+//! shard. The gradients that reach the optimizer are each rank's shares,
 //! averaged, and no step of the trainer averages them again. A block's gather takes the deepest
 //! tensor entering the block as a second input that only places it in the graph (as
 //! `parallel::overlap`'s hook does): Burn's backward runs the deepest nodes first, so the
@@ -21,10 +22,11 @@
 //! **The hooks** ([`GatherBlocks`] under autodiff, [`GatherBlocksPlain`] for evaluation) hand the
 //! model's forward ([`model::BlockHook`]) each block with its parameters gathered just before it
 //! runs, the embedding before the lookup, and the final norm and an untied LM head just before
-//! they run (anchored at the stream entering the final norm). With `model.recompute = "full"` a block's gathered weights live
-//! only while it runs: its first run keeps nothing, and the backward gathers them again to run it
-//! again (FSDP with activation checkpointing). Without, Burn's backward keeps what the block's
-//! ops saved, the gathered weights among them, until the block's backward.
+//! they run (anchored at the stream entering the final norm). With `model.recompute = "full"` a
+//! block's gathered weights live only while it runs: its first run keeps nothing, and the
+//! backward gathers them again to run it again (FSDP with activation checkpointing). Without,
+//! Burn's backward keeps what the block's ops saved, the gathered weights among them, until the
+//! block's backward.
 //!
 //! The collectives run in the order of the forward and of Burn's backward, which are the same on
 //! every rank: the graph is built by the same code over tensors of the same shapes.
@@ -225,7 +227,6 @@ pub fn gather<B: Backend, const D: usize>(
 fn scatter_grad<B: Backend>(
     grad: FloatTensor<B>,
     shard: &Shape,
-    world: usize,
     id: ParamId,
     exchange: &dyn RowExchange<B>,
 ) -> FloatTensor<B> {
@@ -233,7 +234,7 @@ fn scatter_grad<B: Backend>(
     let g = g.cast(FloatDType::F32);
     let n = g.shape().num_elements();
     let g = g.reshape([n]);
-    let padded = shard.num_elements() * world;
+    let padded = shard.num_elements() * exchange.world();
     let g = if padded > n {
         let zeros = Tensor::zeros([padded - n], (&g.device(), burn::tensor::DType::F32));
         Tensor::cat(vec![g, zeros], 0)
@@ -264,13 +265,11 @@ pub trait RowGather: AutodiffBackend {
 #[derive(Debug)]
 struct GatherBackward;
 
-/// What the gather's backward needs: the parameter, the shard's shape, the world size and the
-/// exchange.
+/// What the gather's backward needs: the parameter, the shard's shape and the exchange.
 #[derive(Clone)]
 struct GatherState<B: Backend> {
     id: ParamId,
     shard: Shape,
-    world: usize,
     exchange: Arc<dyn RowExchange<B>>,
 }
 
@@ -288,7 +287,7 @@ impl<B: Backend> Backward<B, 2> for GatherBackward {
         let [shard, _anchor] = ops.parents;
         if let Some(node) = shard {
             let s = ops.state;
-            let mine = scatter_grad::<B>(grad, &s.shard, s.world, s.id, s.exchange.as_ref());
+            let mine = scatter_grad::<B>(grad, &s.shard, s.id, s.exchange.as_ref());
             grads.register::<B>(node.id, mine);
         }
     }
@@ -317,7 +316,6 @@ impl<B: Backend, C: CheckpointStrategy> RowGather for Autodiff<B, C> {
         let state = GatherState {
             id,
             shard: shard_shape,
-            world: exchange.world(),
             exchange: exchange.clone(),
         };
         let out = match GatherBackward
@@ -333,17 +331,23 @@ impl<B: Backend, C: CheckpointStrategy> RowGather for Autodiff<B, C> {
 }
 
 /// `block` (or the parameters outside the blocks) with each parameter gathered through
-/// [`RowGather::gather_rows`], anchored at `anchor`.
+/// [`RowGather::gather_rows`], anchored at `anchor`; `tracked: false` gathers the shards without
+/// their autodiff history, so that nothing enters the graph.
 struct GatherMapper<'a, AB: RowGather> {
     shards: &'a RowShards,
     exchange: &'a Arc<dyn RowExchange<AB::InnerBackend>>,
     anchor: Option<&'a Tensor<AB, 3>>,
+    tracked: bool,
 }
 
 impl<AB: RowGather> ModuleMapper<AB> for GatherMapper<'_, AB> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
         let (id, tensor, mapper) = param.consume();
         let rows = self.shards.rows(&id);
+        let tensor = match self.tracked {
+            true => tensor,
+            false => Tensor::from_inner(tensor.inner()),
+        };
         let whole = AB::gather_rows(tensor, self.anchor, rows, id, self.exchange);
         Param::from_mapped_value(id, whole, mapper)
     }
@@ -357,13 +361,24 @@ pub struct GatherBlocks<AB: RowGather> {
     pub exchange: Arc<dyn RowExchange<AB::InnerBackend>>,
 }
 
-impl<AB: RowGather> BlockHook<AB> for GatherBlocks<AB> {
-    fn block(&self, _layer: usize, block: &Block<AB>, input: &Tensor<AB, 3>) -> Block<AB> {
-        block.clone().map(&mut GatherMapper {
+impl<AB: RowGather> GatherBlocks<AB> {
+    fn mapper<'a>(
+        &'a self,
+        anchor: Option<&'a Tensor<AB, 3>>,
+        tracked: bool,
+    ) -> GatherMapper<'a, AB> {
+        GatherMapper {
             shards: &self.shards,
             exchange: &self.exchange,
-            anchor: Some(input),
-        })
+            anchor,
+            tracked,
+        }
+    }
+}
+
+impl<AB: RowGather> BlockHook<AB> for GatherBlocks<AB> {
+    fn block(&self, _layer: usize, block: &Block<AB>, input: &Tensor<AB, 3>) -> Block<AB> {
+        block.clone().map(&mut self.mapper(Some(input), true))
     }
 
     fn block_untracked(
@@ -372,19 +387,7 @@ impl<AB: RowGather> BlockHook<AB> for GatherBlocks<AB> {
         block: &Block<AB>,
         _input: &Tensor<AB, 3>,
     ) -> Block<AB> {
-        struct Untracked<'a, AB: RowGather>(&'a GatherBlocks<AB>);
-        impl<AB: RowGather> ModuleMapper<AB> for Untracked<'_, AB> {
-            fn map_float<const D: usize>(
-                &mut self,
-                param: Param<Tensor<AB, D>>,
-            ) -> Param<Tensor<AB, D>> {
-                let (id, tensor, mapper) = param.consume();
-                let rows = self.0.shards.rows(&id);
-                let whole = gather(tensor.inner(), rows, id, self.0.exchange.as_ref());
-                Param::from_mapped_value(id, Tensor::from_inner(whole), mapper)
-            }
-        }
-        block.clone().map(&mut Untracked(self))
+        block.clone().map(&mut self.mapper(None, false))
     }
 
     fn outside(
@@ -393,12 +396,7 @@ impl<AB: RowGather> BlockHook<AB> for GatherBlocks<AB> {
         part: Outside,
         input: Option<&Tensor<AB, 3>>,
     ) -> Option<Gpt<AB>> {
-        let mut m = GatherMapper {
-            shards: &self.shards,
-            exchange: &self.exchange,
-            anchor: input,
-        };
-        Some(outside_gathered(model, part, &mut m))
+        Some(outside_gathered(model, part, &mut self.mapper(input, true)))
     }
 }
 
