@@ -37,7 +37,6 @@ use burn::backend::Cuda;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use kernels::collective::{ProcessGroup, ReduceOp};
 use trainer::parallel::place::Place;
-use trainer::parallel::rendezvous::rendezvous;
 
 /// The variable that makes a `*_worker` test a worker (its value: what the worker needs).
 const WORKER: &str = "BURNMIX_PROCESS_WORKER";
@@ -182,19 +181,9 @@ fn collective_worker() {
         .expect("the parent sets WORLD_SIZE");
     let (rank, world) = (place.rank, place.world_size);
     let device = CudaDevice::new(place.local_rank);
-    let joined = rendezvous(
-        &place,
-        0xC011_EC71,
-        || {
-            Ok(kernels::collective::unique_id()
-                .map_err(anyhow::Error::msg)?
-                .to_vec())
-        },
-        Duration::from_secs(60),
-    )
-    .unwrap();
-    let id: [u8; 128] = joined.payload.as_slice().try_into().expect("128 bytes");
-    let group = ProcessGroup::join::<Cuda>(&device, &id, rank, world).unwrap();
+    let membership =
+        trainer::parallel::process::join::<Cuda>(&place, 0xC011_EC71, &device).unwrap();
+    let group = membership.group.clone();
     assert_eq!((group.rank(), group.world()), (rank, world));
 
     for dtype in [FloatDType::F32, FloatDType::BF16, FloatDType::F16] {
@@ -204,8 +193,10 @@ fn collective_worker() {
     group.check().unwrap();
     bandwidth(&group, &device);
     group.check().unwrap();
-    // Every free reaches the device before the process exits.
+    // Every free reaches the device, and every rank has its collectives' results, before the
+    // process exits.
     <Cuda as burn::tensor::backend::Backend>::sync(&device).unwrap();
+    membership.finish();
     println!("rank {rank}: ok");
 }
 

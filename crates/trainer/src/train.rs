@@ -121,7 +121,9 @@ pub fn train_process<B: crate::TrainBackend>(
     membership: Membership,
     opts: &RunOptions,
 ) -> Result<Summary> {
+    let gpu = device.0.clone();
     let summary = train_members::<B>(run, vec![device], Some(membership.group.clone()), opts)?;
+    B::sync(&gpu).map_err(|e| anyhow::anyhow!("the GPU's last work failed: {e:?}"))?;
     membership.finish();
     Ok(summary)
 }

@@ -4,11 +4,17 @@
 //! rank that finishes says so on them; a connection that closes without that means the rank at
 //! the other end died, and this rank stops within a second with an error that names it, instead
 //! of waiting in NCCL for a peer that will never come.
+//!
+//! Finishing is a barrier on those connections: every rank says it finished once its GPU work is
+//! done, and no rank exits before its peers said so (rank 0 answers only after every other rank
+//! did). NCCL's socket transport sends a collective's last bytes from a helper thread after the
+//! sending rank's kernel has ended, so a rank that exited at once could take them with it and
+//! leave a peer waiting for them.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
@@ -23,8 +29,36 @@ pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long a rank whose peer died waits for NCCL's abort before it exits anyway.
 const ABORT_WAIT: Duration = Duration::from_secs(10);
 
+/// How long a finished rank waits for its peers to finish before it exits anyway.
+const FINISH_WAIT: Duration = Duration::from_secs(60);
+
 /// The byte a rank sends on its rendezvous connections when it finished its part normally.
 const FINISHED: u8 = b'F';
+
+/// How many peers have finished (or gone after this rank finished), and a wake-up for the rank
+/// that waits for them.
+#[derive(Default)]
+struct Finishes {
+    count: Mutex<usize>,
+    wake: Condvar,
+}
+
+impl Finishes {
+    fn arrive(&self) {
+        *self.count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.wake.notify_all();
+    }
+
+    /// Waits until `n` peers have arrived or `limit` has passed; whether they all arrived.
+    fn wait_for(&self, n: usize, limit: Duration) -> bool {
+        let count = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        let (count, _) = self
+            .wake
+            .wait_timeout_while(count, limit, |c| *c < n)
+            .unwrap_or_else(|e| e.into_inner());
+        *count >= n
+    }
+}
 
 /// This process's membership of a run of processes.
 pub struct Membership {
@@ -34,6 +68,9 @@ pub struct Membership {
     links: Vec<(usize, TcpStream)>,
     /// Set once this rank has finished: connections closing after that are expected.
     finished: Arc<AtomicBool>,
+    /// The peers at the other ends of `links` that have finished.
+    peers_finished: Arc<Finishes>,
+    rank: usize,
 }
 
 /// Joins the run `place` describes, on `device` (GPU `place.local_rank`): the rendezvous (every
@@ -77,24 +114,55 @@ pub fn join<B: CollectiveBackend>(
     };
     let links: Vec<(usize, TcpStream)> = peers.into_iter().zip(joined.links).collect();
     let finished = Arc::new(AtomicBool::new(false));
+    let peers_finished = Arc::new(Finishes::default());
     for (peer, link) in &links {
         let link = link
             .try_clone()
             .context("a rendezvous connection could not be watched")?;
-        watch(place.rank, *peer, link, group.clone(), finished.clone());
+        let watched = Watched {
+            me: place.rank,
+            peer: *peer,
+            group: group.clone(),
+            finished: finished.clone(),
+            peers_finished: peers_finished.clone(),
+        };
+        watch(link, watched);
     }
     Ok(Membership {
         group,
         links,
         finished,
+        peers_finished,
+        rank: place.rank,
     })
 }
 
 impl Membership {
-    /// This rank finished its part of the run normally: tells the ranks at the other ends, whose
-    /// watch then lets this process exit.
+    /// This rank finished its part of the run normally; call it once the device has finished
+    /// this rank's work (`Backend::sync`). Tells the ranks at the other ends, whose watch then
+    /// lets them exit, and returns once they have finished too (rank 0 answers the others only
+    /// after all of them), or after a minute with a warning.
     pub fn finish(mut self) {
         self.finished.store(true, Ordering::SeqCst);
+        let peers = self.links.len();
+        let waited = if self.rank == 0 {
+            let all = self.peers_finished.wait_for(peers, FINISH_WAIT);
+            self.tell_finished();
+            all
+        } else {
+            self.tell_finished();
+            self.peers_finished.wait_for(peers, FINISH_WAIT)
+        };
+        if !waited {
+            eprintln!(
+                "warning: rank {}: finished, but not every other rank said it finished within {} s; exiting anyway",
+                self.rank,
+                FINISH_WAIT.as_secs()
+            );
+        }
+    }
+
+    fn tell_finished(&mut self) {
         for (_, link) in &mut self.links {
             let _ = link.write_all(&[FINISHED]);
             let _ = link.flush();
@@ -102,17 +170,27 @@ impl Membership {
     }
 }
 
+/// What the watch of one connection needs.
+struct Watched {
+    me: usize,
+    peer: usize,
+    group: ProcessGroup,
+    finished: Arc<AtomicBool>,
+    peers_finished: Arc<Finishes>,
+}
+
 /// Watches the connection to rank `peer` in a thread of its own: if it closes before `peer` said
 /// it finished, and before this rank finished, this rank aborts its communicator and exits with
 /// an error naming `peer` (without running exit handlers: a thread may be waiting in NCCL or on
 /// the GPU for the dead rank's share).
-fn watch(
-    me: usize,
-    peer: usize,
-    mut link: TcpStream,
-    group: ProcessGroup,
-    finished: Arc<AtomicBool>,
-) {
+fn watch(mut link: TcpStream, watched: Watched) {
+    let Watched {
+        me,
+        peer,
+        group,
+        finished,
+        peers_finished,
+    } = watched;
     let _ = link.set_read_timeout(None);
     std::thread::Builder::new()
         .name(format!("rank {peer} watch"))
@@ -121,12 +199,17 @@ fn watch(
             let why = match link.read(&mut byte) {
                 // The group is left to the process's exit: dropping the last clone here would
                 // tear NCCL down while the main thread may be exiting.
-                Ok(1) if byte[0] == FINISHED => return std::mem::forget(group),
+                Ok(1) if byte[0] == FINISHED => {
+                    peers_finished.arrive();
+                    return std::mem::forget(group);
+                }
                 Ok(0) => "closed its connection".to_string(),
                 Ok(_) => format!("sent an unexpected byte {:#04x}", byte[0]),
                 Err(e) => format!("its connection failed ({e})"),
             };
             if finished.load(Ordering::SeqCst) {
+                // Gone after this rank finished: nothing left to wait for from it.
+                peers_finished.arrive();
                 return std::mem::forget(group);
             }
             let message = format!(
