@@ -7,13 +7,17 @@
 //! world sizes that leave padding rows. The other ranks are played by an exchange that holds the
 //! whole parameters: its gather hands back the whole (padded) parameter after checking that the
 //! rank's own shard is its rows, and its reduce-scatter, the mean of identical gradients, is this
-//! rank's rows of the gradient. NCCL's gathers between processes run in `tests/multi_process.rs`.
+//! rank's rows of the gradient. It also checks the prefetch: every block but the first is
+//! gathered ahead, once per forward, and no call in order is made while gathers started ahead
+//! have not been waited for. NCCL's gathers between processes run in
+//! `tests/multi_process.rs`.
 
 mod common;
 mod model_cases;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
@@ -34,6 +38,12 @@ struct Loopback {
     rank: usize,
     /// Each whole parameter, flat and padded with zero rows to `world` equal shares.
     whole: HashMap<ParamId, Tensor<NdArray, 1>>,
+    /// Gathers started ahead and not yet waited for.
+    pending: AtomicBool,
+    /// Parameters gathered ahead so far.
+    ahead: AtomicUsize,
+    /// Gathers in order so far, by parameter.
+    in_order_gathers: Mutex<HashMap<ParamId, usize>>,
 }
 
 impl Loopback {
@@ -56,7 +66,18 @@ impl Loopback {
             world,
             rank,
             whole: w.1,
+            pending: AtomicBool::new(false),
+            ahead: AtomicUsize::new(0),
+            in_order_gathers: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Panics if gathers started ahead were not waited for before a call in order.
+    fn in_order(&self, what: &str) {
+        assert!(
+            !self.pending.load(Ordering::SeqCst),
+            "{what} while gathers started ahead were in flight"
+        );
     }
 
     /// This rank's part of a flat tensor of `world` equal parts.
@@ -66,12 +87,9 @@ impl Loopback {
     }
 }
 
-impl RowExchange<NdArray> for Loopback {
-    fn world(&self) -> usize {
-        self.world
-    }
-
-    fn all_gather(&self, id: ParamId, shard: Tensor<NdArray, 1>) -> Tensor<NdArray, 1> {
+impl Loopback {
+    /// The whole padded parameter `id`, after checking that `shard` is this rank's rows of it.
+    fn whole_checked(&self, id: ParamId, shard: Tensor<NdArray, 1>) -> Tensor<NdArray, 1> {
         let whole = self.whole[&id].clone();
         assert_eq!(
             values(shard),
@@ -81,15 +99,60 @@ impl RowExchange<NdArray> for Loopback {
         );
         whole
     }
+}
+
+impl RowExchange<NdArray> for Loopback {
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(&self, id: ParamId, shard: Tensor<NdArray, 1>) -> Tensor<NdArray, 1> {
+        self.in_order("an all-gather");
+        *self.in_order_gathers.lock().unwrap().entry(id).or_default() += 1;
+        self.whole_checked(id, shard)
+    }
 
     fn reduce_scatter_mean(&self, _id: ParamId, whole: Tensor<NdArray, 1>) -> Tensor<NdArray, 1> {
+        self.in_order("a reduce-scatter");
         self.mine(whole)
+    }
+
+    fn all_gather_ahead(
+        &self,
+        shards: Vec<(ParamId, Tensor<NdArray, 1>)>,
+    ) -> Vec<Tensor<NdArray, 1>> {
+        self.in_order("gathers started ahead");
+        let n = shards.len();
+        let gathered = shards
+            .into_iter()
+            .map(|(id, shard)| self.whole_checked(id, shard))
+            .collect();
+        self.pending.store(true, Ordering::SeqCst);
+        self.ahead.fetch_add(n, Ordering::SeqCst);
+        gathered
+    }
+
+    fn wait_ahead(&self, _device: &NdArrayDevice) {
+        self.pending.store(false, Ordering::SeqCst);
     }
 }
 
 fn values<const D: usize>(t: Tensor<NdArray, D>) -> Vec<f32> {
     let t = t.cast(FloatDType::F32);
     t.into_data().convert::<f32>().into_vec().unwrap()
+}
+
+/// The ids of `module`'s parameters.
+fn ids_of<M: Module<B>>(module: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl ModuleVisitor<B> for Ids {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0.push(p.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
 }
 
 /// Every gradient in `grads` of `module`'s parameters, flat, by parameter.
@@ -170,12 +233,30 @@ fn a_sharded_model_gives_the_whole_models_loss_and_each_shard_its_rows_of_the_gr
             );
             let shards = Arc::new(RowShards::new(&copy, rank, world));
             let sharded = shards.shard(copy.clone());
-            let hook = GatherBlocks::<B> {
-                shards: shards.clone(),
-                exchange: Arc::new(Loopback::new(&copy, world, rank)),
-            };
+            let exchange = Arc::new(Loopback::new(&copy, world, rank));
+            let hook = GatherBlocks::<B>::new(shards.clone(), exchange.clone());
             let (loss, grads) = loss_and_grads(&sharded, &x, &y, Some(&hook));
             assert_eq!(loss, plain_loss, "{what}: the loss");
+            let later_blocks: usize = copy.blocks[1..].iter().map(|b| ids_of(b).len()).sum();
+            assert_eq!(
+                exchange.ahead.load(Ordering::SeqCst),
+                later_blocks,
+                "{what}: every block but the first gathered ahead, once"
+            );
+            exchange.in_order("the step's end");
+            // A later block's weights come from the gathers started ahead, and are gathered in
+            // order only for a recomputed block's second run.
+            let in_order = exchange.in_order_gathers.lock().unwrap().clone();
+            for (layer, block) in copy.blocks.iter().enumerate().skip(1) {
+                let again = usize::from(cfg.recomputes(layer));
+                for id in ids_of(block) {
+                    assert_eq!(
+                        in_order.get(&id).copied().unwrap_or(0),
+                        again,
+                        "{what}: block {layer}'s {id} gathered in order"
+                    );
+                }
+            }
             assert_eq!(
                 grads.len(),
                 plain.len(),

@@ -63,27 +63,44 @@ static RUNNERS: crate::device_thread::Runners<CollectiveService> = Mutex::new(Ve
 /// Queues `call` on its device's thread. A call on a tensor of another device than the
 /// communicator's, or after an error, is not issued (the error is recorded).
 pub(super) fn issue(comm: &Arc<Comm>, call: Call) {
+    issue_group(comm, vec![call]);
+}
+
+/// Queues `calls` on their device's thread as one NCCL group (`ncclGroupStart` .. `ncclGroupEnd`:
+/// one launch for all of them), every one overlapped or every one in order. Not issued at all if
+/// one of them is on another device than the communicator's, or after an error.
+pub(super) fn issue_group(comm: &Arc<Comm>, calls: Vec<Call>) {
+    let Some(first) = calls.first() else {
+        return;
+    };
     if comm.error().is_some() {
         return;
     }
-    if call.send.device.index != comm.device || call.recv.device.index != comm.device {
+    if let Some(other) = calls
+        .iter()
+        .flat_map(|c| [&c.send, &c.recv])
+        .find(|t| t.device.index != comm.device)
+    {
         comm.fail(format!(
             "kernels::collective: a tensor on GPU {} was given to the process group of GPU {}",
-            call.send.device.index, comm.device
+            other.device.index, comm.device
         ));
         return;
     }
-    let runner = crate::device_thread::runner(&RUNNERS, &call.send.device);
+    debug_assert!(calls.iter().all(|c| c.overlapped == first.overlapped));
+    let runner = crate::device_thread::runner(&RUNNERS, &first.send.device);
     let comm = comm.clone();
     runner.submit(move |_| {
         if comm.error().is_some() {
             return;
         }
-        match run(&comm, &call) {
+        match run(&comm, &calls) {
             Ok(Issued::Overlapped) => {
                 let mut held = comm.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-                held.push(call.send);
-                held.push(call.recv);
+                for call in calls {
+                    held.push(call.send);
+                    held.push(call.recv);
+                }
             }
             Ok(Issued::InOrder) => {}
             Err(why) => comm.fail(why),
@@ -149,11 +166,13 @@ enum Issued {
 /// Set once CubeCL's stream could not be found for a call (warned once).
 static OWN_STREAM_WARNED: AtomicBool = AtomicBool::new(false);
 
-/// Issues `call` on CubeCL's device thread, where CubeCL's own calls run at once.
-fn run(comm: &Comm, call: &Call) -> Result<Issued, String> {
-    // SAFETY: the pointers are CubeCL's live allocations of the buffers' sizes, held (the call's
-    // tensors and resources) until the call is issued on CubeCL's stream, in CubeCL's order, or
-    // has finished on the communicator's stream.
+/// Issues `calls` (one or more, one NCCL group) on CubeCL's device thread, where CubeCL's own
+/// calls run at once.
+fn run(comm: &Comm, calls: &[Call]) -> Result<Issued, String> {
+    let first = &calls[0];
+    // SAFETY: the pointers are CubeCL's live allocations of the buffers' sizes, held (the calls'
+    // tensors and resources) until the calls are issued on CubeCL's stream, in CubeCL's order, or
+    // have finished on the communicator's stream.
     unsafe {
         drv::ctx::set_current(comm.ctx).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
         let res = |t: &CubeTensor<CudaRuntime>| {
@@ -163,16 +182,11 @@ fn run(comm: &Comm, call: &Call) -> Result<Issued, String> {
         };
         // Taken on the caller's CubeCL stream (this task runs under its stream id), which CubeCL
         // first orders behind any other of its streams that last wrote these buffers.
-        let (rs, rr) = (res(&call.send)?, res(&call.recv)?);
-        let (send, recv) = (rs.resource().ptr, rr.resource().ptr);
-        let (dtype, size) = nccl_type(call.send.dtype)?;
-        let send_count = call.send.meta.shape().num_elements();
-        let recv_count = call.recv.meta.shape().num_elements();
-        debug_assert!(
-            rs.resource().size >= (send_count * size) as u64
-                && rr.resource().size >= (recv_count * size) as u64
-        );
-        let (stream, own) = match cubecl_stream(comm, &call.send) {
+        let mut resources = Vec::with_capacity(calls.len());
+        for call in calls {
+            resources.push((res(&call.send)?, res(&call.recv)?));
+        }
+        let (stream, own) = match cubecl_stream(comm, &first.send) {
             Ok(s) => (s, false),
             Err(why) => {
                 if !OWN_STREAM_WARNED.swap(true, Ordering::Relaxed) {
@@ -180,12 +194,12 @@ fn run(comm: &Comm, call: &Call) -> Result<Issued, String> {
                 }
                 // Everything CubeCL queued before (the inputs, earlier users of the output's
                 // memory) has finished once its stream is synchronised.
-                cubecl::future::block_on(call.send.client.sync())
+                cubecl::future::block_on(first.send.client.sync())
                     .map_err(|e| format!("kernels::collective: CubeCL sync: {e:?}"))?;
                 (comm.own_stream, true)
             }
         };
-        let overlapped = call.overlapped && !own;
+        let overlapped = first.overlapped && !own;
         let stream = if overlapped {
             // The inputs are written once CubeCL's stream reaches this point.
             drv::event::record(comm.inputs_ready, stream)
@@ -201,75 +215,112 @@ fn run(comm: &Comm, call: &Call) -> Result<Issued, String> {
         } else {
             stream
         };
-        let s = stream as nsys::cudaStream_t;
-        let issued = match call.kind {
-            Kind::AllReduce(op) => nccl::all_reduce(
-                send as *const _,
-                recv as *mut _,
-                send_count,
-                dtype,
-                nccl_op(op),
-                comm.raw,
-                s,
-            ),
-            Kind::ReduceScatter(op) => nccl::reduce_scatter(
-                send as *const _,
-                recv as *mut _,
-                recv_count,
-                dtype,
-                nccl_op(op),
-                comm.raw,
-                s,
-            ),
-            Kind::AllGather => nccl::all_gather(
-                send as *const _,
-                recv as *mut _,
-                send_count,
-                dtype,
-                comm.raw,
-                s,
-            ),
-            Kind::Reduce { op, root } => nccl::reduce(
-                send as *const _,
-                recv as *mut _,
-                send_count,
-                dtype,
-                nccl_op(op),
-                root as i32,
-                comm.raw,
-                s,
-            ),
-            Kind::Broadcast { root } => nccl::broadcast(
-                send as *const _,
-                recv as *mut _,
-                send_count,
-                dtype,
-                root as i32,
-                comm.raw,
-                s,
-            ),
-        };
-        issued.map_err(|e| {
-            format!(
-                "NCCL {:?} of {send_count} elements on rank {} of {} failed: {}",
-                call.kind,
-                comm.rank,
-                comm.world,
-                describe(&e, Some(comm.raw))
-            )
-        })?;
+        let grouped = calls.len() > 1;
+        if grouped {
+            nccl::group_start().map_err(|e| {
+                format!(
+                    "NCCL ncclGroupStart failed: {}",
+                    describe(&e, Some(comm.raw))
+                )
+            })?;
+        }
+        let mut issued = Ok(());
+        for (call, (rs, rr)) in calls.iter().zip(&resources) {
+            let (send, recv) = (rs.resource(), rr.resource());
+            issued = issue_one(
+                comm,
+                call,
+                (send.ptr, send.size),
+                (recv.ptr, recv.size),
+                stream,
+            );
+            if issued.is_err() {
+                break;
+            }
+        }
+        if grouped {
+            // Ends the group even after a refusal (NCCL's groups must be balanced).
+            let ended = nccl::group_end().map(|_| ()).map_err(|e| {
+                format!(
+                    "NCCL group of {} calls on rank {} of {} failed: {}",
+                    calls.len(),
+                    comm.rank,
+                    comm.world,
+                    describe(&e, Some(comm.raw))
+                )
+            });
+            issued = issued.and(ended);
+        }
+        issued?;
         if own {
             drv::stream::synchronize(comm.own_stream).map_err(|e| {
                 format!("kernels::collective: the communicator's stream failed: {e:?}")
             })?;
         }
-        drop((rs, rr));
+        drop(resources);
         Ok(if overlapped {
             Issued::Overlapped
         } else {
             Issued::InOrder
         })
     }
+}
+
+/// Issues one NCCL call of `call`'s kind on `stream`, from buffer `send` into `recv` (each an
+/// address and its size in bytes).
+///
+/// # Safety
+/// On CubeCL's device thread with the context current; `send` and `recv` are live buffers, and
+/// `stream` is ordered after what wrote them.
+unsafe fn issue_one(
+    comm: &Comm,
+    call: &Call,
+    (send, send_bytes): (u64, u64),
+    (recv, recv_bytes): (u64, u64),
+    stream: dsys::CUstream,
+) -> Result<(), String> {
+    let (dtype, size) = nccl_type(call.send.dtype)?;
+    let send_count = call.send.meta.shape().num_elements();
+    let recv_count = call.recv.meta.shape().num_elements();
+    debug_assert!(
+        send_bytes >= (send_count * size) as u64 && recv_bytes >= (recv_count * size) as u64
+    );
+    let s = stream as nsys::cudaStream_t;
+    let (send, recv) = (
+        send as *const std::ffi::c_void,
+        recv as *mut std::ffi::c_void,
+    );
+    let issued = match call.kind {
+        Kind::AllReduce(op) => {
+            nccl::all_reduce(send, recv, send_count, dtype, nccl_op(op), comm.raw, s)
+        }
+        Kind::ReduceScatter(op) => {
+            nccl::reduce_scatter(send, recv, recv_count, dtype, nccl_op(op), comm.raw, s)
+        }
+        Kind::AllGather => nccl::all_gather(send, recv, send_count, dtype, comm.raw, s),
+        Kind::Reduce { op, root } => nccl::reduce(
+            send,
+            recv,
+            send_count,
+            dtype,
+            nccl_op(op),
+            root as i32,
+            comm.raw,
+            s,
+        ),
+        Kind::Broadcast { root } => {
+            nccl::broadcast(send, recv, send_count, dtype, root as i32, comm.raw, s)
+        }
+    };
+    issued.map(|_| ()).map_err(|e| {
+        format!(
+            "NCCL {:?} of {send_count} elements on rank {} of {} failed: {}",
+            call.kind,
+            comm.rank,
+            comm.world,
+            describe(&e, Some(comm.raw))
+        )
+    })
 }
 
 /// CubeCL's stream for the calling stream id, found once per slot of its stream pool.

@@ -8,10 +8,13 @@
 //! that stream cannot be found, a call synchronises CubeCL's stream, runs on the communicator's
 //! own stream and waits for it (warned once).
 //!
-//! [`ProcessGroup::all_reduce_overlapped`] runs instead on the group's own stream, behind an event
-//! that CubeCL's stream records, so that the kernels queued after it run meanwhile (a gradient
-//! bucket's reduction beside the rest of the backward); [`ProcessGroup::wait_overlapped`] makes
-//! CubeCL's stream wait for it before its result is read.
+//! [`ProcessGroup::all_reduce_overlapped`] and [`ProcessGroup::all_gather_overlapped`] run instead
+//! on the group's own stream, behind an event that CubeCL's stream records, so that the kernels
+//! queued after them run meanwhile (a gradient bucket's reduction beside the rest of the backward,
+//! the next layer's weights gathered beside this one's forward; the latter's calls go to NCCL as
+//! one group, one launch); [`ProcessGroup::wait_overlapped`] makes CubeCL's stream wait for them
+//! before their results are read. The caller keeps overlapped calls from running beside calls in
+//! CubeCL's order: it waits for them before it issues one of those.
 //!
 //! A call that NCCL refuses is not retried: the error is kept ([`ProcessGroup::error`]), the
 //! communicator is aborted so that the other processes' calls fail instead of waiting, and later
@@ -291,6 +294,39 @@ impl ProcessGroup {
         };
         call::issue(&self.comm, call);
         Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::from_cuda(buf))).reshape(shape)
+    }
+
+    /// [`ProcessGroup::all_gather`] of every tensor of `ts` (each gathered on its own, in its
+    /// dtype), as one NCCL launch beside CubeCL's later work: the calls run on the group's own
+    /// stream once CubeCL's stream has produced the inputs. The results may be read only after
+    /// [`ProcessGroup::wait_overlapped`]. For gathering the next layer's weights while this one
+    /// computes.
+    ///
+    /// # Panics
+    /// If a tensor is not a CUDA tensor.
+    pub fn all_gather_overlapped<B: CollectiveBackend>(
+        &self,
+        ts: Vec<Tensor<B, 1>>,
+    ) -> Vec<Tensor<B, 1>> {
+        let world = self.world();
+        let mut outs = Vec::with_capacity(ts.len());
+        let mut calls = Vec::with_capacity(ts.len());
+        for t in ts {
+            let n = t.shape().num_elements();
+            let out = Tensor::<B, 1>::empty([n * world], (&t.device(), t.dtype()));
+            calls.push(Call {
+                kind: Kind::AllGather,
+                send: dense::<B, 1>(t, "all_gather_overlapped"),
+                recv: cuda::<B>(
+                    out.clone().into_primitive().tensor(),
+                    "all_gather_overlapped",
+                ),
+                overlapped: true,
+            });
+            outs.push(out);
+        }
+        call::issue_group(&self.comm, calls);
+        outs
     }
 
     /// Makes CubeCL's stream on `device` wait for the overlapped calls issued so far: work queued

@@ -32,7 +32,7 @@
 //! every rank: the graph is built by the same code over tensors of the same shapes.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -193,6 +193,17 @@ pub trait RowExchange<B: Backend>: Send + Sync {
     /// The mean over the ranks of `whole` (a multiple of the world size in elements), this
     /// rank's equal part of it.
     fn reduce_scatter_mean(&self, id: ParamId, whole: Tensor<B, 1>) -> Tensor<B, 1>;
+    /// [`RowExchange::all_gather`] of each shard, started now beside the device's later work; the
+    /// results may be read only after [`RowExchange::wait_ahead`], which also comes before any
+    /// other call of the exchange. By default they are gathered at once, in order.
+    fn all_gather_ahead(&self, shards: Vec<(ParamId, Tensor<B, 1>)>) -> Vec<Tensor<B, 1>> {
+        shards
+            .into_iter()
+            .map(|(id, shard)| self.all_gather(id, shard))
+            .collect()
+    }
+    /// Makes `device`'s later work wait for the gathers started ahead.
+    fn wait_ahead(&self, _device: &B::Device) {}
 }
 
 impl<B: CollectiveBackend> RowExchange<B> for ProcessGroup {
@@ -205,6 +216,12 @@ impl<B: CollectiveBackend> RowExchange<B> for ProcessGroup {
     fn reduce_scatter_mean(&self, _id: ParamId, whole: Tensor<B, 1>) -> Tensor<B, 1> {
         self.reduce_scatter(whole, ReduceOp::Mean)
     }
+    fn all_gather_ahead(&self, shards: Vec<(ParamId, Tensor<B, 1>)>) -> Vec<Tensor<B, 1>> {
+        self.all_gather_overlapped(shards.into_iter().map(|(_, s)| s).collect())
+    }
+    fn wait_ahead(&self, device: &B::Device) {
+        self.wait_overlapped::<B>(device);
+    }
 }
 
 /// The whole parameter of `rows` rows from the ranks' shards, `shard` this rank's.
@@ -214,10 +231,19 @@ pub fn gather<B: Backend, const D: usize>(
     id: ParamId,
     exchange: &dyn RowExchange<B>,
 ) -> Tensor<B, D> {
-    let mut dims = shard.dims();
-    let per_row: usize = dims[1..].iter().product();
+    let dims = shard.dims();
     let n = shard.shape().num_elements();
-    let padded = exchange.all_gather(id, shard.reshape([n]));
+    trimmed(exchange.all_gather(id, shard.reshape([n])), dims, rows)
+}
+
+/// The whole parameter of `rows` rows from `padded`, the all-gather of shards shaped `shard`.
+fn trimmed<B: Backend, const D: usize>(
+    padded: Tensor<B, 1>,
+    shard: [usize; D],
+    rows: usize,
+) -> Tensor<B, D> {
+    let per_row: usize = shard[1..].iter().product();
+    let mut dims = shard;
     dims[0] = rows;
     padded.narrow(0, 0, rows * per_row).reshape(dims)
 }
@@ -247,15 +273,15 @@ fn scatter_grad<B: Backend>(
 
 /// An autodiff backend that gathers row shards as an op of its graph.
 pub trait RowGather: AutodiffBackend {
-    /// The whole parameter `id` of `rows` rows, from this rank's `shard` and the others'
-    /// (through `exchange`); in the backward, the shard receives its rows of the whole gradient
-    /// averaged over the ranks, in f32. `anchor` only places the op in the graph: one level
-    /// below it, so that its backward runs after that of everything deeper. An untracked shard is
-    /// gathered and nothing more.
+    /// The whole parameter `id`, `whole` (gathered from this rank's `shard` and the others'),
+    /// as an op of the graph: in the backward, the shard receives its rows of the whole gradient
+    /// averaged over the ranks (through `exchange`), in f32. `anchor` only places the op in the
+    /// graph: one level below it, so that its backward runs after that of everything deeper. An
+    /// untracked shard gives `whole` and nothing more.
     fn gather_rows<const D: usize>(
         shard: Tensor<Self, D>,
+        whole: Tensor<Self::InnerBackend, D>,
         anchor: Option<&Tensor<Self, 3>>,
-        rows: usize,
         id: ParamId,
         exchange: &Arc<dyn RowExchange<Self::InnerBackend>>,
     ) -> Tensor<Self, D>;
@@ -296,13 +322,12 @@ impl<B: Backend> Backward<B, 2> for GatherBackward {
 impl<B: Backend, C: CheckpointStrategy> RowGather for Autodiff<B, C> {
     fn gather_rows<const D: usize>(
         shard: Tensor<Self, D>,
+        whole: Tensor<B, D>,
         anchor: Option<&Tensor<Self, 3>>,
-        rows: usize,
         id: ParamId,
         exchange: &Arc<dyn RowExchange<B>>,
     ) -> Tensor<Self, D> {
         let shard_shape = shard.shape();
-        let whole = gather(shard.clone().inner(), rows, id, exchange.as_ref());
         let p = shard.into_primitive().tensor();
         if !p.is_tracked() {
             return Tensor::from_inner(whole);
@@ -332,23 +357,29 @@ impl<B: Backend, C: CheckpointStrategy> RowGather for Autodiff<B, C> {
 
 /// `block` (or the parameters outside the blocks) with each parameter gathered through
 /// [`RowGather::gather_rows`], anchored at `anchor`; `tracked: false` gathers the shards without
-/// their autodiff history, so that nothing enters the graph.
+/// their autodiff history, so that nothing enters the graph. A parameter found in `ahead` (its
+/// padded all-gather, started earlier and waited for) is taken from there instead of gathered.
 struct GatherMapper<'a, AB: RowGather> {
     shards: &'a RowShards,
     exchange: &'a Arc<dyn RowExchange<AB::InnerBackend>>,
     anchor: Option<&'a Tensor<AB, 3>>,
     tracked: bool,
+    ahead: HashMap<ParamId, Tensor<AB::InnerBackend, 1>>,
 }
 
 impl<AB: RowGather> ModuleMapper<AB> for GatherMapper<'_, AB> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
         let (id, tensor, mapper) = param.consume();
         let rows = self.shards.rows(&id);
+        let whole = match self.ahead.remove(&id) {
+            Some(padded) => trimmed(padded, tensor.dims(), rows),
+            None => gather(tensor.clone().inner(), rows, id, self.exchange.as_ref()),
+        };
         let tensor = match self.tracked {
             true => tensor,
             false => Tensor::from_inner(tensor.inner()),
         };
-        let whole = AB::gather_rows(tensor, self.anchor, rows, id, self.exchange);
+        let whole = AB::gather_rows(tensor, whole, self.anchor, id, self.exchange);
         Param::from_mapped_value(id, whole, mapper)
     }
 }
@@ -356,38 +387,121 @@ impl<AB: RowGather> ModuleMapper<AB> for GatherMapper<'_, AB> {
 /// The training forward's hook of a ZeRO-3 rank: each block gathered just before it runs, the
 /// parameters outside the blocks before the embedding; in the backward each gathered parameter's
 /// gradient is reduce-scattered onto its shard.
+///
+/// **Prefetch:** while the forward runs (from the embedding's gather to the head's), a block's
+/// hook starts the next block's all-gathers ahead ([`RowExchange::all_gather_ahead`], one NCCL
+/// launch on the communicator's own stream), so that they run beside this block's compute; the
+/// next hook waits for them. The last block starts none, so nothing is in flight when the
+/// gathers and reduce-scatters in CubeCL's order (the head's, the backward's) begin. A recomputed
+/// block's second run, in the backward, gathers in order.
 pub struct GatherBlocks<AB: RowGather> {
     pub shards: Arc<RowShards>,
     pub exchange: Arc<dyn RowExchange<AB::InnerBackend>>,
+    ahead: Mutex<Ahead<AB>>,
+}
+
+/// The forward's blocks while it runs, and the gathers started ahead for one of them.
+struct Ahead<AB: RowGather> {
+    blocks: Vec<Block<AB>>,
+    next: Option<(usize, HashMap<ParamId, Tensor<AB::InnerBackend, 1>>)>,
 }
 
 impl<AB: RowGather> GatherBlocks<AB> {
+    pub fn new(shards: Arc<RowShards>, exchange: Arc<dyn RowExchange<AB::InnerBackend>>) -> Self {
+        Self {
+            shards,
+            exchange,
+            ahead: Mutex::new(Ahead {
+                blocks: Vec::new(),
+                next: None,
+            }),
+        }
+    }
+
     fn mapper<'a>(
         &'a self,
         anchor: Option<&'a Tensor<AB, 3>>,
         tracked: bool,
+        ahead: HashMap<ParamId, Tensor<AB::InnerBackend, 1>>,
     ) -> GatherMapper<'a, AB> {
         GatherMapper {
             shards: &self.shards,
             exchange: &self.exchange,
             anchor,
             tracked,
+            ahead,
         }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ahead<AB>> {
+        self.ahead.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for the gathers started ahead, if any: block `layer`'s, or none if they were for
+    /// another block (then they are dropped).
+    fn take_ahead(&self, layer: usize) -> HashMap<ParamId, Tensor<AB::InnerBackend, 1>> {
+        let Some((of, gathered)) = self.lock().next.take() else {
+            return HashMap::new();
+        };
+        if let Some(t) = gathered.values().next() {
+            self.exchange.wait_ahead(&t.device());
+        }
+        if of == layer {
+            gathered
+        } else {
+            HashMap::new()
+        }
+    }
+
+    /// Starts the gathers of block `layer` ahead, while the forward runs and the block exists.
+    fn start_ahead(&self, layer: usize) {
+        let mut ahead = self.lock();
+        let Some(block) = ahead.blocks.get(layer) else {
+            return;
+        };
+        struct Shards<B: Backend>(Vec<(ParamId, Tensor<B, 1>)>);
+        impl<AB: AutodiffBackend> ModuleVisitor<AB> for Shards<AB::InnerBackend> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                let t = param.val().inner();
+                let n = t.shape().num_elements();
+                self.0.push((param.id, t.reshape([n])));
+            }
+        }
+        let mut shards = Shards(Vec::new());
+        block.visit(&mut shards);
+        let ids: Vec<ParamId> = shards.0.iter().map(|(id, _)| *id).collect();
+        let gathered = self.exchange.all_gather_ahead(shards.0);
+        ahead.next = Some((layer, ids.into_iter().zip(gathered).collect()));
+    }
+
+    /// Block `layer` gathered (from the gathers started ahead where they are its), then the next
+    /// block's gathers started.
+    fn gathered_block(
+        &self,
+        layer: usize,
+        block: &Block<AB>,
+        anchor: Option<&Tensor<AB, 3>>,
+        tracked: bool,
+    ) -> Block<AB> {
+        let ahead = self.take_ahead(layer);
+        let whole = block.clone().map(&mut self.mapper(anchor, tracked, ahead));
+        self.start_ahead(layer + 1);
+        whole
     }
 }
 
 impl<AB: RowGather> BlockHook<AB> for GatherBlocks<AB> {
-    fn block(&self, _layer: usize, block: &Block<AB>, input: &Tensor<AB, 3>) -> Block<AB> {
-        block.clone().map(&mut self.mapper(Some(input), true))
+    fn block(&self, layer: usize, block: &Block<AB>, input: &Tensor<AB, 3>) -> Block<AB> {
+        self.gathered_block(layer, block, Some(input), true)
     }
 
     fn block_untracked(
         &self,
-        _layer: usize,
+        layer: usize,
         block: &Block<AB>,
         _input: &Tensor<AB, 3>,
     ) -> Block<AB> {
-        block.clone().map(&mut self.mapper(None, false))
+        self.gathered_block(layer, block, None, false)
     }
 
     fn outside(
@@ -396,7 +510,17 @@ impl<AB: RowGather> BlockHook<AB> for GatherBlocks<AB> {
         part: Outside,
         input: Option<&Tensor<AB, 3>>,
     ) -> Option<Gpt<AB>> {
-        Some(outside_gathered(model, part, &mut self.mapper(input, true)))
+        match part {
+            // The forward begins: its blocks may be gathered ahead.
+            Outside::Embedding => self.lock().blocks = model.blocks.clone(),
+            // The forward ends: nothing is gathered ahead from here on.
+            Outside::Head => {
+                self.take_ahead(usize::MAX);
+                self.lock().blocks.clear();
+            }
+        }
+        let mut mapper = self.mapper(input, true, HashMap::new());
+        Some(outside_gathered(model, part, &mut mapper))
     }
 }
 

@@ -186,10 +186,7 @@ impl Shard {
         let (rows, Members::Processes(group)) = (self.rows.as_ref()?, &self.members) else {
             return None;
         };
-        Some(GatherBlocks {
-            shards: rows.clone(),
-            exchange: Arc::new(group.clone()),
-        })
+        Some(GatherBlocks::new(rows.clone(), Arc::new(group.clone())))
     }
 
     /// Stage 3: [`Shard::gathers`] without autodiff (evaluation).
