@@ -4,10 +4,11 @@
 //!
 //! - Collectives (`kernels::collective`): the two processes meet in the trainer's TCP rendezvous,
 //!   join an NCCL communicator from the unique id it hands them, and check all-reduce,
-//!   reduce-scatter, all-gather, reduce and broadcast against values each rank can compute alone,
-//!   in f32, bf16 and f16, on awkward shapes, on strided and pitched inputs, and in a chain of collectives and
-//!   CubeCL kernels with no host synchronisation between them (the calls run on CubeCL's stream,
-//!   in its order). Then the all-reduce's bus bandwidth, for the record.
+//!   reduce-scatter, all-gather (alone, and overlapped in a group), reduce and broadcast against
+//!   values each rank can compute alone, in f32, bf16 and f16, on awkward shapes, on strided and
+//!   pitched inputs, and in a chain of collectives and CubeCL kernels with no host
+//!   synchronisation between them (the calls run on CubeCL's stream, in its order). Then the
+//!   all-reduce's bus bandwidth, for the record.
 //! - Training: two processes with 4 sequences each reach the losses and weights of one GPU with 8
 //!   (as `multi_gpu.rs` checks for two threads), on one node and as two nodes whose NCCL traffic
 //!   goes through its socket transport over loopback; a rank killed with SIGKILL ends the other
@@ -278,6 +279,31 @@ fn check_calls(group: &ProcessGroup, device: &CudaDevice, dtype: FloatDType) {
     let all = every(27 * 37, 4);
     let got = read(group.all_gather(tensor(all[rank].clone(), [27, 37], device, dtype)));
     assert_eq!(got, all.concat(), "rank {rank}: all_gather {dtype:?}");
+    // Overlapped all-gathers of three tensors in one NCCL group (one of them f32, one of one
+    // element), read after the wait: each as its own all-gather.
+    let sizes = [999, 1, 4099];
+    let all: Vec<Vec<Vec<f32>>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| every(n, 20 + k))
+        .collect();
+    let inputs = sizes
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            let d = if k == 1 { FloatDType::F32 } else { dtype };
+            tensor(all[k][rank].clone(), [n], device, d)
+        })
+        .collect();
+    let outs = group.all_gather_overlapped(inputs);
+    group.wait_overlapped::<Cuda>(device);
+    for (k, out) in outs.into_iter().enumerate() {
+        assert_eq!(
+            read(out),
+            all[k].concat(),
+            "rank {rank}: overlapped all_gather {k} of a group, {dtype:?}"
+        );
+    }
     // Reduce (mean) to each rank in turn, of a pitched 2-D tensor: the result on that rank only.
     for root in 0..world {
         let all = every(rows * cols, 5 + root);
