@@ -700,7 +700,8 @@ fn assert_consolidates(what: &str, dir: &Path) {
 /// reduce-scattered onto row shards) trains as one GPU with the doubled batch does (see
 /// [`assert_trains_like`]), in bf16: as it is; with every block recomputed (gathered again for its
 /// backward) and two micro-batches per step; and stopped halfway and resumed from its sharded
-/// checkpoint, whose row shards read as the whole checkpoint and consolidate into one file.
+/// checkpoint, whose row shards read as the whole checkpoint and consolidate into one file. Then
+/// in fp16 and FP8.
 #[test]
 #[ignore = "needs a GPU and NCCL"]
 fn zero_3_between_processes_trains_like_one_gpu() {
@@ -745,6 +746,29 @@ fn zero_3_between_processes_trains_like_one_gpu() {
     }
     let what = format!("{precision}, ZeRO-3 on two processes, stopped and resumed");
     assert_trains_like(&what, &one, &dir, steps, tolerances(precision), lr);
+
+    // fp16 with its loss scaling, against one GPU; FP8, whose scales follow each GPU's own rows of
+    // the batch, against two processes without ZeRO.
+    let fp16 = PrecisionKind::Fp16;
+    let one = one_gpu_run("mp_zero3_one_fp16", fp16, steps);
+    for (precision, one) in [(fp16, Some(one)), (PrecisionKind::Fp8, None)] {
+        let run = |zero: usize| {
+            let dir = common::scratch(&format!("mp_zero{zero}_{precision}"));
+            let arg = format!("{};{precision};{steps};zero={zero}", dir.display());
+            expect_success(
+                start_workers("train_worker", &arg, Layout::default_here()),
+                Duration::from_secs(300),
+            );
+            dir
+        };
+        let (against, one) = match one {
+            Some(one) => ("one GPU", one),
+            None => ("two processes without ZeRO", run(0)),
+        };
+        let what = format!("{precision}, {against} against two processes with ZeRO-3");
+        let lr = train_config(precision, 8, steps).optimizer.lr;
+        assert_trains_like(&what, &one, &run(3), steps, tolerances(precision), lr);
+    }
 }
 
 /// A ZeRO-2 run of two processes with 4 sequences each, stopped after 10 of 20 steps with its
