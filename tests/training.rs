@@ -292,6 +292,39 @@ fn state_to_checkpoint(
 
 /// Calls `f` with [`state_to_checkpoint`]'s model and optimizer state and what a checkpoint of
 /// step 5 of a run of 3 GPUs records besides them.
+/// Every parameter's values, flat, by parameter.
+fn values_by_id(
+    model: &model::Gpt<CkptB>,
+) -> std::collections::HashMap<burn::module::ParamId, Vec<f32>> {
+    use burn::module::{Module, ModuleVisitor, Param, ParamId};
+    struct Get(std::collections::HashMap<ParamId, Vec<f32>>);
+    impl ModuleVisitor<CkptB> for Get {
+        fn visit_float<const D: usize>(&mut self, p: &Param<burn::tensor::Tensor<CkptB, D>>) {
+            let v = p.val().into_data().convert::<f32>().into_vec().unwrap();
+            self.0.insert(p.id, v);
+        }
+    }
+    let mut get = Get(Default::default());
+    model.visit(&mut get);
+    get.0
+}
+
+/// Every parameter's AdamW moments, flat, by parameter.
+fn moments_by_id(
+    opt: &trainer::optim::AdamW<CkptInner>,
+) -> std::collections::HashMap<burn::module::ParamId, (Vec<f32>, Vec<f32>)> {
+    let flat = |t: &burn::tensor::ops::FloatTensor<CkptInner>| {
+        let t = burn::tensor::Tensor::<CkptInner, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(t.clone()),
+        );
+        t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+    };
+    opt.moments
+        .iter()
+        .map(|(id, m)| (*id, (flat(&m.m), flat(&m.v))))
+        .collect()
+}
+
 fn with_state_to_checkpoint(
     f: impl FnOnce(&model::Gpt<CkptB>, &trainer::optim::AdamW<CkptInner>, &checkpoint::SaveInfo<'_>),
 ) {
@@ -432,7 +465,9 @@ fn a_sharded_checkpoint_reads_as_the_whole_one() {
 
 /// ZeRO-3's sharded checkpoint (each of 3 ranks' rows of every parameter and of its moments; 40
 /// vocabulary rows and 32 model rows leave padding rows) reads as the whole checkpoint of the same
-/// state: the rows are put back together.
+/// state: the rows are put back together. And the whole checkpoint read into a model already cut
+/// to a rank's rows (as a ZeRO-3 run resumes) gives that rank its rows, moments included, as
+/// cutting the whole state does.
 #[test]
 fn row_shards_read_as_the_whole_checkpoint() {
     use checkpoint::shards;
@@ -456,6 +491,31 @@ fn row_shards_read_as_the_whole_checkpoint() {
             let ranges = rows.ranges();
             shards::save_shard::<B, _>(&rows_dir, &shard, &mine, info, &every, Some(&ranges), rank)
                 .unwrap();
+
+            let (h, v) = checkpoint::read(&whole).unwrap();
+            let mut read = opt.clone();
+            read.moments.clear();
+            let into = (rows.shard(model.clone()), Some(&ranges));
+            let (got, _) = checkpoint::apply::<B, _>(
+                &whole,
+                h,
+                v,
+                into,
+                &mut read,
+                &info.cfg.model,
+                info.vocab_size,
+            )
+            .unwrap();
+            assert_eq!(
+                values_by_id(&got),
+                values_by_id(&shard),
+                "rank {rank}: the rows read"
+            );
+            assert_eq!(
+                moments_by_id(&read),
+                moments_by_id(&mine),
+                "rank {rank}: the moments' rows read"
+            );
         }
         shards::seal::<B, _>(&rows_dir, model, step, world, 10).unwrap();
         let (hr, vr) =

@@ -207,7 +207,7 @@ fn generate<B: crate::TrainBackend>(
         &path,
         header,
         values,
-        Gpt::<B>::new(&cfg.model, vocab, &device),
+        (Gpt::<B>::new(&cfg.model, vocab, &device), None),
         &mut opt,
         &cfg.model,
         vocab,

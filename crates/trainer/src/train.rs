@@ -29,6 +29,7 @@ use crate::memory_plan::{self, MemoryPlan};
 use crate::metrics::{LayerHealth, Metrics, StepRecord};
 use crate::numerics::{self, Probes};
 use crate::optim::AdamW;
+use crate::parallel::fsdp::RowShards;
 use crate::parallel::group::Group;
 use crate::parallel::process::Membership;
 use crate::parallel::watchdog::Watch;
@@ -259,6 +260,16 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
 
         B::seed(&device, cfg.seed);
         let model = Gpt::<B>::new(&cfg.model, vocab, &device);
+        // ZeRO-3 keeps each rank's rows from here on: a checkpoint's rows are read into the cut
+        // model, so that no whole state but the freshly built f32 weights is ever on the GPU.
+        let row_split = match (&process, cfg.training.zero) {
+            (Some(p), 3) => Some(Arc::new(RowShards::new(&model, p.rank(), p.world()))),
+            _ => None,
+        };
+        let model = match &row_split {
+            Some(rows) => rows.shard(model),
+            None => model,
+        };
         let mut opt =
             AdamW::<B::InnerBackend>::new(cfg.optimizer.clone(), no_decay_ids(&model, cfg));
         if cfg.model.kernels == model::config::KernelsKind::Fused {
@@ -279,8 +290,9 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             peak_memory: None,
         };
         let (model, start_step) = if opts.resume {
+            let into = (model, row_split.as_deref());
             let (model, restored) =
-                resume::<B>(opts, &existing, model, &mut opt, cfg, vocab, &console)?;
+                resume::<B>(opts, &existing, into, &mut opt, cfg, vocab, &console)?;
             if let Some(state) = restored.loss_scaler {
                 if let Some(note) = scaler.restore(state, restored.precision.as_ref()) {
                     console.line(&note);
@@ -324,7 +336,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             fp8_linear,
         };
         let (group, model) = match process {
-            Some(p) => Group::start_process(device, p, &ctx, &mut opt, model),
+            Some(p) => Group::start_process(device, p, &ctx, &mut opt, (model, row_split)),
             None => Group::start(devices, &ctx, &mut opt, model),
         };
         let mut session = Session {
@@ -892,11 +904,12 @@ fn load_data(
     Ok((data, vocab))
 }
 
-/// Restores the newest of `existing` checkpoints into the model and optimizer.
+/// Restores the newest of `existing` checkpoints into the model and optimizer; under ZeRO-3
+/// (`rows`) the model is cut to this rank's rows and so are the values read into it.
 fn resume<B: crate::TrainBackend>(
     opts: &RunOptions,
     existing: &[(u64, PathBuf)],
-    model: Gpt<B>,
+    (model, rows): (Gpt<B>, Option<&RowShards>),
     opt: &mut AdamW<B::InnerBackend>,
     cfg: &Config,
     vocab: usize,
@@ -914,8 +927,10 @@ fn resume<B: crate::TrainBackend>(
     // (`training.batch_size` sequences each): the best validation loss so far measured others.
     let other_eval = header.batch_size != cfg.training.batch_size;
     let was_batch = header.batch_size;
+    let ranges = rows.map(RowShards::ranges);
+    let into = (model, ranges.as_ref());
     let (model, mut restored) =
-        checkpoint::apply::<B, _>(&path, header, values, model, opt, &cfg.model, vocab)?;
+        checkpoint::apply::<B, _>(&path, header, values, into, opt, &cfg.model, vocab)?;
     console.line(&format!(
         "resumed from {} (step {})",
         restored.path.display(),

@@ -428,11 +428,14 @@ fn read_file(path: &Path) -> Result<(Header, Vec<f32>)> {
 }
 
 /// Writes values from a checkpoint into the module's parameters, in module order, checking each
-/// name and shape; returns the parameter ids in that order and the moments read.
+/// name and shape; returns the parameter ids in that order and the moments read. With `rows`, a
+/// parameter found there is a row shard of the whole one (ZeRO-3): it receives those rows of the
+/// checkpoint's values, zero rows where they run out, and its moments likewise.
 struct Restore<'a, B: Backend> {
     path: Vec<String>,
     header: &'a Header,
     values: &'a [f32],
+    rows: Option<&'a HashMap<ParamId, RowRange>>,
     cursor: usize,
     index: usize,
     moments: Vec<(ParamId, Moments<B>)>,
@@ -440,11 +443,28 @@ struct Restore<'a, B: Backend> {
 }
 
 impl<B: Backend> Restore<'_, B> {
-    fn take<const D: usize>(&mut self, shape: &[usize], device: &B::Device) -> Tensor<B, D> {
-        let n: usize = shape.iter().product();
-        let v = self.values[self.cursor..self.cursor + n].to_vec();
+    /// The next whole value of shape `whole`, or with `cut` (its first row and row count) those
+    /// rows of it, zero rows where the value's run out; cut on the host, so that only the rows
+    /// reach the device.
+    fn take<const D: usize>(
+        &mut self,
+        whole: &[usize],
+        cut: Option<(usize, usize)>,
+        device: &B::Device,
+    ) -> Tensor<B, D> {
+        let n: usize = whole.iter().product();
+        let value = &self.values[self.cursor..self.cursor + n];
         self.cursor += n;
-        Tensor::from_data(TensorData::new(v, shape.to_vec()), device)
+        let Some((start, count)) = cut else {
+            return Tensor::from_data(TensorData::new(value.to_vec(), whole.to_vec()), device);
+        };
+        let per_row: usize = whole[1..].iter().product();
+        let have = whole[0].saturating_sub(start).min(count);
+        let mut v = vec![0f32; count * per_row];
+        v[..have * per_row].copy_from_slice(&value[start * per_row..(start + have) * per_row]);
+        let mut shape = whole.to_vec();
+        shape[0] = count;
+        Tensor::from_data(TensorData::new(v, shape), device)
     }
 }
 
@@ -461,7 +481,13 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Restore<'_, AB::InnerBackend> {
         }
         let name = self.path.join(".");
         let (id, tensor, mapper) = param.consume();
-        let shape = tensor.dims().to_vec();
+        // A row shard's whole shape, and its rows.
+        let range = self.rows.and_then(|r| r.get(&id));
+        let cut = range.map(|r| (r.start, tensor.dims()[0]));
+        let mut shape = tensor.dims().to_vec();
+        if let Some(r) = range {
+            shape[0] = r.of;
+        }
         let Some(entry) = self.header.params.get(self.index) else {
             self.error = Some(format!(
                 "the model has more parameters than the checkpoint's {}",
@@ -478,10 +504,10 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Restore<'_, AB::InnerBackend> {
         }
         self.index += 1;
         let device = tensor.clone().inner().device();
-        let value = self.take::<D>(&shape, &device);
+        let value = self.take::<D>(&shape, cut, &device);
         if entry.has_moments {
-            let m = to_prim(self.take::<D>(&shape, &device));
-            let v = to_prim(self.take::<D>(&shape, &device));
+            let m = to_prim(self.take::<D>(&shape, cut, &device));
+            let v = to_prim(self.take::<D>(&shape, cut, &device));
             self.moments.push((id, Moments { m, v }));
         }
         let out = with_grad(Tensor::<AB, D>::from_inner(value), tensor.is_require_grad());
@@ -491,12 +517,13 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Restore<'_, AB::InnerBackend> {
 
 /// Writes a checkpoint read by [`read`] (from `path`) into `module` and `opt`, after checking that
 /// it holds a model of this configuration and vocabulary. (Whether training may continue from it
-/// is `crate::resume`'s question.)
+/// is `crate::resume`'s question.) With `rows` (ZeRO-3: `RowShards::ranges`), `module` is cut
+/// to a rank's row shards, which receive their rows of the whole values, moments included.
 pub fn apply<AB, M>(
     path: &Path,
     header: Header,
     values: Vec<f32>,
-    module: M,
+    (module, rows): (M, Option<&HashMap<ParamId, RowRange>>),
     opt: &mut AdamW<AB::InnerBackend>,
     model: &GptConfig,
     vocab_size: usize,
@@ -535,6 +562,7 @@ where
         path: Vec::new(),
         header: &header,
         values: &values,
+        rows,
         cursor: 0,
         index: 0,
         moments: Vec::new(),

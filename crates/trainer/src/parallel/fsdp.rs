@@ -62,19 +62,21 @@ pub fn share(rows: usize, world: usize) -> usize {
 pub struct RowShards {
     pub rank: usize,
     pub world: usize,
-    /// Rows (dimension 0) of each whole parameter.
-    rows: HashMap<ParamId, usize>,
+    /// Rows (dimension 0) of each whole parameter, and the elements of one row.
+    rows: HashMap<ParamId, (usize, usize)>,
 }
 
 impl RowShards {
-    /// The split of `model`'s parameters (whole, as every rank builds or reads them) for rank
-    /// `rank` of `world`.
+    /// The split of `model`'s parameters (whole, as every rank builds them) for rank `rank` of
+    /// `world`.
     pub fn new<B: Backend, M: Module<B>>(model: &M, rank: usize, world: usize) -> Self {
         assert!(rank < world, "rank {rank} of a world of {world}");
-        struct Rows(HashMap<ParamId, usize>);
+        struct Rows(HashMap<ParamId, (usize, usize)>);
         impl<B: Backend> ModuleVisitor<B> for Rows {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                self.0.insert(param.id, param.shape().dims::<D>()[0]);
+                let dims = param.shape().dims::<D>();
+                self.0
+                    .insert(param.id, (dims[0], dims[1..].iter().product()));
             }
         }
         let mut r = Rows(HashMap::new());
@@ -91,6 +93,27 @@ impl RowShards {
     /// # Panics
     /// If `id` is not a parameter of the model the split was made from.
     pub fn rows(&self, id: &ParamId) -> usize {
+        self.entry(id).0
+    }
+
+    /// Elements of the whole parameter `id`.
+    pub fn elements(&self, id: &ParamId) -> usize {
+        let (rows, per_row) = self.entry(id);
+        rows * per_row
+    }
+
+    /// Elements of each rank's shard of `id`, padding rows included.
+    pub fn shard_elements(&self, id: &ParamId) -> usize {
+        let (rows, per_row) = self.entry(id);
+        share(rows, self.world) * per_row
+    }
+
+    /// Every parameter of the split.
+    pub fn ids(&self) -> impl Iterator<Item = &ParamId> {
+        self.rows.keys()
+    }
+
+    fn entry(&self, id: &ParamId) -> (usize, usize) {
         *self
             .rows
             .get(id)
@@ -107,7 +130,7 @@ impl RowShards {
     pub fn ranges(&self) -> HashMap<ParamId, RowRange> {
         self.rows
             .iter()
-            .map(|(id, &of)| {
+            .map(|(id, &(of, _))| {
                 let start = self.range(id).0;
                 (*id, RowRange { start, of })
             })
@@ -123,20 +146,29 @@ impl RowShards {
         })
     }
 
-    /// Turns a whole replica (as every rank starts, fresh or resumed) into this rank's share:
-    /// every parameter and its AdamW moments cut to this rank's rows. The optimizer updates every
-    /// parameter it holds (its shards), and the compute copies are cast again from the shards.
+    /// Turns a whole replica into this rank's share: every parameter and its AdamW moments cut
+    /// to this rank's rows. The optimizer updates every parameter it holds (its shards), and the
+    /// compute copies are cast again from the shards. (A run cuts its model with
+    /// [`RowShards::shard`] as soon as it is built, and reads a checkpoint's rows into it
+    /// directly, so that no whole state is ever on the GPU: then [`RowShards::keep_shards`].)
     pub fn take_share<AB: AutodiffBackend, M: AutodiffModule<AB>>(
         &self,
         model: M,
         opt: &mut AdamW<AB::InnerBackend>,
     ) -> M {
-        opt.copies.clear();
-        opt.owned = None;
+        self.keep_shards(opt);
         model.map(&mut Cut {
             shards: self,
             moments: Some(&mut opt.moments),
         })
+    }
+
+    /// Readies the optimizer of a model already cut to this rank's rows (and of moments read as
+    /// rows): it updates every parameter it holds, and the compute copies are cast again from the
+    /// shards.
+    pub fn keep_shards<B: Backend>(&self, opt: &mut AdamW<B>) {
+        opt.copies.clear();
+        opt.owned = None;
     }
 }
 

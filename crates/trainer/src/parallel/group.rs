@@ -5,6 +5,7 @@
 //! nothing there). One device is a group of one: it starts no thread and no watchdog, calls no
 //! collective, and every method below that involves the other ranks does nothing for it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use model::Gpt;
@@ -13,6 +14,7 @@ use burn::tensor::Tensor;
 use kernels::collective::ProcessGroup;
 
 use super::collective::{reduce, weights_checksum, Peers, ReduceOperation};
+use super::fsdp::RowShards;
 use super::ranks::Ranks;
 use super::watchdog::Watch;
 use super::zero::{self, Members, Shard, Split};
@@ -70,19 +72,25 @@ impl<B: crate::TrainBackend> Group<B> {
 
     /// This process's rank of a run of processes, on `device`, joined by `process`. Every rank
     /// starts from the same seed (or checkpoint), so the replicas start equal with nothing sent;
-    /// under ZeRO each then keeps its share of the state only: the model comes back.
+    /// under ZeRO each then keeps its share of the state only: the model comes back. Under ZeRO-3
+    /// the model and the optimizer's moments come already cut to the rows of `row_split`.
     pub fn start_process(
         device: B::Device,
         process: ProcessGroup,
         ctx: &StepCtx<'_>,
         opt: &mut AdamW<B::InnerBackend>,
-        model: Gpt<B>,
+        (model, row_split): (Gpt<B>, Option<Arc<RowShards>>),
     ) -> (Self, Gpt<B>) {
         let stage = ctx.cfg.training.zero;
+        assert_eq!(
+            stage == 3,
+            row_split.is_some(),
+            "ZeRO-3 runs on a row split"
+        );
         let process_zero = (stage > 0).then(|| {
             let params = zero::parameters(&model);
-            let shard = if stage == 3 {
-                Shard::rows(&model, process.clone())
+            let shard = if let Some(rows) = row_split {
+                Shard::rows(rows, process.clone())
             } else {
                 let copy = crate::step::copied_weights(&model, ctx.compute_dtype);
                 let members = Members::Processes(process.clone());

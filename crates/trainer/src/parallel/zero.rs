@@ -157,18 +157,22 @@ impl Shard {
         }
     }
 
-    /// Rank `group.rank()`'s share of `model`'s parameters under ZeRO-3: its rows of every one.
-    pub fn rows<B: Backend, M: burn::module::Module<B>>(model: &M, group: ProcessGroup) -> Self {
-        let params = parameters(model);
+    /// Rank `group.rank()`'s share under ZeRO-3: its rows of every parameter, as `rows` splits
+    /// them (made for this rank and world).
+    pub fn rows(rows: Arc<RowShards>, group: ProcessGroup) -> Self {
         let rank = group.rank();
-        let rows = RowShards::new(model, rank, group.world());
+        assert_eq!(
+            (rows.rank, rows.world),
+            (rank, group.world()),
+            "the row split is made for this rank"
+        );
         Self {
             rank,
             stage: 3,
             members: Members::Processes(group),
-            owner: params.iter().map(|p| (p.0, rank)).collect(),
+            owner: rows.ids().map(|id| (*id, rank)).collect(),
             copy: None,
-            rows: Some(Arc::new(rows)),
+            rows: Some(rows),
         }
     }
 
@@ -208,16 +212,10 @@ impl Shard {
     /// The elements each rank owns, for the log.
     pub fn split(&self, params: &[(ParamId, usize)]) -> Split {
         if let Some(rows) = &self.rows {
-            let per_rank: usize = params
-                .iter()
-                .map(|(id, n)| {
-                    let r = rows.rows(id);
-                    super::fsdp::share(r, self.world()) * (n / r.max(1))
-                })
-                .sum();
+            let per_rank = params.iter().map(|(id, _)| rows.shard_elements(id)).sum();
             return Split {
                 owned: vec![per_rank; self.world()],
-                total: params.iter().map(|p| p.1).sum(),
+                total: params.iter().map(|(id, _)| rows.elements(id)).sum(),
             };
         }
         let mut owned = vec![0; self.world()];
@@ -254,13 +252,17 @@ impl Shard {
     /// Turns a whole replica (rank 0's state, as a fresh or resumed run starts) into this rank's
     /// share: the optimizer keeps the moments of the owned parameters only and updates only those;
     /// a weight with a copy that another rank owns keeps only its copy, as the parameter's value.
+    /// Under ZeRO-3 the model comes already cut to this rank's rows, and only the optimizer is
+    /// readied.
     pub fn take_share<AB, M>(&self, model: M, opt: &mut AdamW<AB::InnerBackend>) -> M
     where
         AB: AutodiffBackend,
         M: AutodiffModule<AB>,
     {
         if let Some(rows) = &self.rows {
-            return rows.take_share::<AB, M>(model, opt);
+            // The run cut the model to its rows as soon as it was built (`RowShards::shard`).
+            rows.keep_shards(opt);
+            return model;
         }
         opt.moments.retain(|id, _| self.owns(id));
         opt.copies.retain(|id, _| self.owns(id));
