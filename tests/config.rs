@@ -88,6 +88,19 @@ fn impossible_values_are_explained() {
     assert!(e.contains("training.batch_size"), "{e}");
     let e = err("", &["data.source=file"]);
     assert!(e.contains("data.path"), "{e}");
+    let e = err("", &["data.source=shards"]);
+    assert!(e.contains("data.path") && e.contains("shards"), "{e}");
+    let e = err("", &["data.source=shards", "data.path=\"x/*.bin\""]);
+    assert!(e.contains("data.val_path"), "{e}");
+    let e = err(
+        "",
+        &[
+            "data.source=shards",
+            "data.path=\"x/*.bin\"",
+            "data.val_path=\"y.bin\"",
+        ],
+    );
+    assert!(e.contains("data.tokenizer_path"), "{e}");
     let e = err("", &["schedule.min_lr=1.0"]);
     assert!(e.contains("schedule.min_lr"), "{e}");
     let e = err("", &["data.val_fraction=0.9"]);

@@ -24,6 +24,9 @@ pub enum TextSource {
     Embedded,
     /// The UTF-8 text file at `data.path`.
     File,
+    /// Token shards (`prepare`'s, llm.c's or nanoGPT's), memory-mapped: `data.path` and
+    /// `data.val_path`.
+    Shards,
 }
 
 /// How text becomes tokens.
@@ -44,10 +47,15 @@ model::display_as_config_value!(TextSource, TokenizerKind);
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// "embedded" (generated in process) or "file".
+    /// "embedded" (generated in process), "file" or "shards".
     pub source: TextSource,
-    /// Text file when `source = "file"`; relative paths are resolved against the current directory.
+    /// Text file when `source = "file"`; with `source = "shards"`, the training shards: a
+    /// directory (its `.bin` files whose names contain "train"), a file or a glob pattern.
+    /// Relative paths are resolved against the current directory.
     pub path: String,
+    /// With `source = "shards"`, the validation shards (as `path`); empty: the `.bin` files
+    /// whose names contain "val" in `path`'s directory.
+    pub val_path: String,
     /// Characters of embedded corpus to generate.
     pub embedded_chars: usize,
     /// "char", "bpe" or "file".
@@ -65,6 +73,7 @@ impl Default for DataConfig {
         Self {
             source: TextSource::Embedded,
             path: String::new(),
+            val_path: String::new(),
             embedded_chars: 400_000,
             tokenizer: TokenizerKind::Char,
             bpe_vocab_size: 1024,
@@ -469,6 +478,17 @@ impl Config {
         let d = &self.data;
         if d.source == TextSource::File && d.path.is_empty() {
             return Err("data.source = \"file\" needs data.path, the text file to train on".into());
+        }
+        if d.source == TextSource::Shards {
+            if d.path.is_empty() {
+                return Err("data.source = \"shards\" needs data.path: a directory of token shards (prepare's train_*.bin and val_*.bin), a file or a glob pattern".into());
+            }
+            if d.val_path.is_empty() && !std::path::Path::new(&d.path).is_dir() {
+                return Err("data.source = \"shards\" with data.path a file or pattern needs data.val_path, the validation shards".into());
+            }
+            if d.tokenizer != TokenizerKind::File {
+                return Err("data.source = \"shards\" needs the tokenizer the shards were made with: data.tokenizer = \"file\" and data.tokenizer_path (prepare writes tokenizer.json beside its shards)".into());
+            }
         }
         if d.source == TextSource::Embedded && d.embedded_chars < 10_000 {
             return Err(format!(

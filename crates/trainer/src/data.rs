@@ -1,4 +1,6 @@
-//! The token stream, its train/validation split and the random windows drawn from it.
+//! The token stream, its train/validation split and the random windows drawn from it: text
+//! tokenized at start and held in memory, or token shards read through memory maps
+//! (`crate::tokens`).
 //!
 //! Windows are a pure function of (seed, step, micro-batch), so a resumed run reads exactly the
 //! batches the uninterrupted run would have read, with no sampler state to save.
@@ -12,6 +14,7 @@ use tokenizers::Tokenizer;
 
 use crate::config::{Config, TextSource, TokenizerKind};
 use crate::rng::SplitMix64;
+use crate::tokens::{self, ShardSet, Tokens};
 use crate::{corpus, tokenizer};
 
 /// Seed of the embedded corpus: the same text for every run, whatever its `seed`.
@@ -22,8 +25,8 @@ const VAL_STREAM: u64 = 2;
 
 /// Tokenized corpus split into training and validation tokens.
 pub struct Dataset {
-    pub train: Vec<u32>,
-    pub val: Vec<u32>,
+    pub train: Tokens,
+    pub val: Tokens,
     pub tokenizer: Tokenizer,
     /// Where the text came from, for the log.
     pub description: String,
@@ -34,7 +37,11 @@ impl Dataset {
     /// `existing_tokenizer` (a resumed run's `tokenizer.json`) takes precedence over training one.
     pub fn build(cfg: &Config, existing_tokenizer: Option<&Path>) -> Result<Self> {
         let d = &cfg.data;
+        if d.source == TextSource::Shards {
+            return Self::shards(cfg, existing_tokenizer);
+        }
         let (text, description) = match d.source {
+            TextSource::Shards => unreachable!("read above"),
             TextSource::Embedded => (
                 corpus::generate(EMBEDDED_CORPUS_SEED, d.embedded_chars),
                 "embedded corpus".to_string(),
@@ -69,25 +76,61 @@ impl Dataset {
             (None, TokenizerKind::File) => tokenizer::load(&PathBuf::from(&d.tokenizer_path))
                 .with_context(|| "data.tokenizer_path")?,
         };
-        let train = tokenizer::encode_corpus(&tok, &text[..cut])?;
-        let val = tokenizer::encode_corpus(&tok, &text[cut..])?;
-        let need = cfg.model.context + 1;
-        if train.len() < need || val.len() < need {
-            let (short, advice) = if train.len() < need {
-                ("training", "use more text or a shorter model.context")
-            } else {
-                (
-                    "validation",
-                    "use more text, a shorter model.context or a larger data.val_fraction",
-                )
-            };
+        let train = Tokens::Memory(tokenizer::encode_corpus(&tok, &text[..cut])?);
+        let val = Tokens::Memory(tokenizer::encode_corpus(&tok, &text[cut..])?);
+        check_lengths(&train, &val, cfg.model.context, &description)?;
+        Ok(Self {
+            train,
+            val,
+            tokenizer: tok,
+            description,
+        })
+    }
+
+    /// The token shards of `data.path` and `data.val_path`, memory-mapped, with the tokenizer
+    /// they were made with (a resumed run's copy, or `data.tokenizer_path`): ours must record
+    /// that tokenizer's hash.
+    fn shards(cfg: &Config, existing_tokenizer: Option<&Path>) -> Result<Self> {
+        let d = &cfg.data;
+        let train_files = tokens::resolve(&d.path, "train", "data.path")?;
+        let val_files = if d.val_path.is_empty() {
+            tokens::resolve(&d.path, "val", "data.path (for the validation shards)")?
+        } else {
+            tokens::resolve(&d.val_path, "val", "data.val_path")?
+        };
+        if let Some(both) = train_files.iter().find(|f| val_files.contains(f)) {
             bail!(
-                "{description} gives {} training and {} validation tokens; the {short} split is shorter than one window \
-                 (model.context + 1 = {need} tokens): {advice}",
-                train.len(),
-                val.len()
+                "{} is among both the training and the validation shards; set data.val_path to other files",
+                both.display()
             );
         }
+        let tok_path =
+            existing_tokenizer.map_or_else(|| PathBuf::from(&d.tokenizer_path), Path::to_path_buf);
+        let tok = tokenizer::load(&tok_path).context("data.tokenizer_path")?;
+        let want = tokenizer::hash(&tok)?;
+        let (train, val) = (ShardSet::open(&train_files)?, ShardSet::open(&val_files)?);
+        let mut kind = None;
+        for set in [&train, &val] {
+            let (k, hash) = set.kind_and_hash()?;
+            if hash.is_some_and(|h| h != want) {
+                bail!(
+                    "{} was made with another tokenizer than {} (the tokenizer hash in its header differs); use the tokenizer.json that `prepare` wrote beside it",
+                    set.paths().next().expect("a shard").display(),
+                    tok_path.display()
+                );
+            }
+            kind = Some(k);
+        }
+        let description = format!(
+            "{} {} file(s) ({} train, {} val) under {}",
+            train_files.len() + val_files.len(),
+            kind.expect("two sets"),
+            train_files.len(),
+            val_files.len(),
+            d.path
+        );
+        let (train, val) = (Tokens::Mapped(train), Tokens::Mapped(val));
+        check_lengths(&train, &val, cfg.model.context, &description)?;
         Ok(Self {
             train,
             val,
@@ -101,14 +144,10 @@ impl Dataset {
         self.tokenizer.get_vocab_size(true)
     }
 
-    /// Largest token id in either split, plus one.
+    /// Largest token id in either split, plus one (shards of ours record it in their headers;
+    /// others are read once).
     pub fn max_id_bound(&self) -> usize {
-        self.train
-            .iter()
-            .chain(&self.val)
-            .copied()
-            .max()
-            .map_or(0, |m| m as usize + 1)
+        self.train.max_id_bound().max(self.val.max_id_bound())
     }
 
     /// The `index`-th training micro-batch: inputs and next-token targets, each [batch, context].
@@ -169,6 +208,28 @@ impl Dataset {
     }
 }
 
+/// An error unless both splits hold at least one window (`context + 1` tokens).
+fn check_lengths(train: &Tokens, val: &Tokens, context: usize, description: &str) -> Result<()> {
+    let need = context + 1;
+    if train.len() < need || val.len() < need {
+        let (short, advice) = if train.len() < need {
+            ("training", "use more text or a shorter model.context")
+        } else {
+            (
+                "validation",
+                "use more text, a shorter model.context or a larger data.val_fraction",
+            )
+        };
+        bail!(
+                "{description} gives {} training and {} validation tokens; the {short} split is shorter than one window \
+                 (model.context + 1 = {need} tokens): {advice}",
+                train.len(),
+                val.len()
+            );
+    }
+    Ok(())
+}
+
 /// Byte offset (on a char boundary) where the validation part begins.
 pub fn split_point(text: &str, val_fraction: f64) -> usize {
     let mut cut = ((text.len() as f64) * (1.0 - val_fraction)) as usize;
@@ -184,7 +245,7 @@ pub fn window_starts(mut rng: SplitMix64, len: usize, batch: usize, context: usi
 }
 
 fn windows<B: Backend>(
-    tokens: &[u32],
+    tokens: &Tokens,
     rng: SplitMix64,
     batch: usize,
     context: usize,
@@ -196,7 +257,7 @@ fn windows<B: Backend>(
 
 /// Inputs and next-token targets of the windows starting at `starts`, each [starts, context].
 fn gather<B: Backend>(
-    tokens: &[u32],
+    tokens: &Tokens,
     starts: &[usize],
     context: usize,
     device: &B::Device,
@@ -204,9 +265,12 @@ fn gather<B: Backend>(
     let batch = starts.len();
     let mut x = Vec::with_capacity(batch * context);
     let mut y = Vec::with_capacity(batch * context);
+    let mut window = Vec::with_capacity(context + 1);
     for &s in starts {
-        x.extend(tokens[s..s + context].iter().map(|&t| t as i64));
-        y.extend(tokens[s + 1..s + context + 1].iter().map(|&t| t as i64));
+        window.clear();
+        tokens.extend_window(s, context + 1, &mut window);
+        x.extend_from_slice(&window[..context]);
+        y.extend_from_slice(&window[1..]);
     }
     let x = Tensor::from_data(TensorData::new(x, [batch, context]), device);
     let y = Tensor::from_data(TensorData::new(y, [batch, context]), device);

@@ -14,6 +14,7 @@ pub mod numerics;
 pub mod optim;
 pub mod parallel;
 pub mod precision;
+pub mod prepare;
 pub mod resume;
 pub mod rng;
 pub mod sample;
@@ -21,6 +22,7 @@ pub mod schedule;
 mod step;
 pub mod stop;
 pub mod tokenizer;
+pub mod tokens;
 pub mod train;
 
 use anyhow::Result;

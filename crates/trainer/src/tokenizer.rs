@@ -77,6 +77,16 @@ pub fn load(path: &Path) -> Result<Tokenizer> {
     Tokenizer::from_file(path).map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))
 }
 
+/// The SHA-256 of the tokenizer's JSON, as token shards record it: the same tokenizer (loaded
+/// from any copy of its file) gives the same hash.
+pub fn hash(tok: &Tokenizer) -> Result<[u8; 32]> {
+    use sha2::Digest;
+    let json = tok
+        .to_string(false)
+        .map_err(|e| anyhow!("serialising the tokenizer: {e}"))?;
+    Ok(sha2::Sha256::digest(json.as_bytes()).into())
+}
+
 /// Saves a tokenizer as JSON.
 pub fn save(tok: &Tokenizer, path: &Path) -> Result<()> {
     tok.save(path, false)

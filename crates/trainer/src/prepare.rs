@@ -1,0 +1,319 @@
+//! `prepare`: text files and JSON Lines to token shards (`crate::tokens::format`), which
+//! `data.source = "shards"` reads through memory maps.
+//!
+//! - **Documents**: a text file's blank-line-separated paragraphs; a JSON Lines file's lines
+//!   (the text in a named field). Inputs are files, directories (every file under them) and glob
+//!   patterns, read in path order; documents are numbered in that order.
+//! - **Split by document**: every `val_every`-th document (the last of each run of
+//!   `val_every`) goes to validation, the rest to training.
+//! - **End of text**: the tokenizer's end-of-text token follows every document.
+//! - **Shards**: the inputs are cut into chunks of about `chunk_bytes` of text at file
+//!   boundaries, from the files' sizes alone; chunk `k` becomes `train_{k:05}.bin` and, if it
+//!   holds validation documents, `val_{k:05}.bin`. Each is complete once renamed into place, the
+//!   training shard last, so a run that is stopped and started again skips the chunks whose
+//!   training shard exists, and the same inputs give the same shards.
+//! - Documents are tokenized on every core; a progress bar shows MB/s and tokens/s.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+use tokenizers::Tokenizer;
+
+use crate::tokenizer;
+use crate::tokens::format::{self, ShardInfo};
+
+/// What to prepare, and how.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub inputs: Vec<String>,
+    pub out: PathBuf,
+    /// The JSON field holding a JSON Lines document's text.
+    pub field: String,
+    /// Every `val_every`-th document goes to validation.
+    pub val_every: usize,
+    /// About this many bytes of text per shard.
+    pub chunk_bytes: u64,
+    /// The end-of-text token's text (it must be in the tokenizer's vocabulary).
+    pub eot: String,
+    /// Show a progress bar.
+    pub progress: bool,
+}
+
+/// What a finished `prepare` made.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prepared {
+    pub documents: usize,
+    pub train_tokens: usize,
+    pub val_tokens: usize,
+    /// Chunks written by this call, and chunks found complete from an earlier one.
+    pub written: usize,
+    pub skipped: usize,
+    pub text_bytes: u64,
+}
+
+/// One input file and how its documents are cut.
+#[derive(Debug, Clone)]
+struct Input {
+    path: PathBuf,
+    jsonl: bool,
+    bytes: u64,
+}
+
+/// The files `specs` name, in path order (each spec's files sorted, specs in the order given).
+fn input_files(specs: &[String]) -> Result<Vec<Input>> {
+    let mut files = Vec::new();
+    for spec in specs {
+        let path = Path::new(spec);
+        let mut found: Vec<PathBuf> = if path.is_file() {
+            vec![path.to_path_buf()]
+        } else if path.is_dir() {
+            let mut all = Vec::new();
+            walk(path, &mut all)?;
+            all
+        } else {
+            glob::glob(spec)
+                .with_context(|| {
+                    format!("input {spec:?}: not a file, a directory or a valid glob pattern")
+                })?
+                .filter_map(|p| p.ok())
+                .filter(|p| p.is_file())
+                .collect()
+        };
+        if found.is_empty() {
+            bail!("input {spec:?}: no such file, or no file under it or matching it");
+        }
+        found.sort();
+        for p in found {
+            let bytes = std::fs::metadata(&p)
+                .with_context(|| format!("{}: cannot read its size", p.display()))?
+                .len();
+            let jsonl = p.extension().is_some_and(|e| e == "jsonl" || e == "json");
+            files.push(Input {
+                path: p,
+                jsonl,
+                bytes,
+            });
+        }
+    }
+    if files.iter().all(|f| f.bytes == 0) {
+        bail!("the inputs hold no text (every file is empty)");
+    }
+    Ok(files)
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let p = entry?.path();
+        if p.is_dir() {
+            walk(&p, out)?;
+        } else if p.is_file() {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+/// The documents of `input`, in order: paragraphs of a text file, or the `field` of each line
+/// of a JSON Lines file (an error names the file and line).
+fn documents(input: &Input, field: &str) -> Result<Vec<String>> {
+    let bytes = std::fs::read(&input.path)
+        .with_context(|| format!("cannot read {}", input.path.display()))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        anyhow!(
+            "{}: not UTF-8 text (invalid byte at offset {})",
+            input.path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })?;
+    if !input.jsonl {
+        return Ok(paragraphs(&text));
+    }
+    let mut docs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{}:{}", input.path.display(), i + 1);
+        let value: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}: not a JSON line", at()))?;
+        let doc = value
+            .get(field)
+            .with_context(|| format!("{}: no field {field:?} (choose it with --field)", at()))?
+            .as_str()
+            .with_context(|| format!("{}: field {field:?} is not a string", at()))?;
+        docs.push(doc.to_string());
+    }
+    Ok(docs)
+}
+
+/// A text's blank-line-separated paragraphs, without the blank lines.
+pub fn paragraphs(text: &str) -> Vec<String> {
+    let mut docs = Vec::new();
+    let mut current = String::new();
+    for line in text.split_inclusive('\n') {
+        if line.trim().is_empty() {
+            if !current.is_empty() {
+                docs.push(std::mem::take(&mut current));
+            }
+        } else {
+            current.push_str(line);
+        }
+    }
+    if !current.is_empty() {
+        docs.push(current);
+    }
+    docs
+}
+
+/// The inputs cut into chunks of about `chunk_bytes` of text, at file boundaries (a file larger
+/// than a chunk is a chunk of its own).
+fn chunks(inputs: Vec<Input>, chunk_bytes: u64) -> Vec<Vec<Input>> {
+    let mut out: Vec<Vec<Input>> = Vec::new();
+    let mut size = 0;
+    for input in inputs {
+        if out.is_empty() || size >= chunk_bytes {
+            out.push(Vec::new());
+            size = 0;
+        }
+        size += input.bytes;
+        out.last_mut().expect("a chunk").push(input);
+    }
+    out
+}
+
+/// The first `mb` MB of the inputs' documents, joined by newlines: what a BPE is trained on.
+pub fn sample_text(specs: &[String], field: &str, mb: usize) -> Result<String> {
+    let limit = mb.max(1) * 1_000_000;
+    let mut sample = String::new();
+    for input in input_files(specs)? {
+        for doc in documents(&input, field)? {
+            sample.push_str(&doc);
+            sample.push('\n');
+            if sample.len() >= limit {
+                return Ok(sample);
+            }
+        }
+    }
+    Ok(sample)
+}
+
+/// The end-of-text token's id: `eot` in the tokenizer's vocabulary.
+pub fn eot_id(tok: &Tokenizer, eot: &str) -> Result<u32> {
+    tok.token_to_id(eot).with_context(|| {
+        format!("the tokenizer has no token {eot:?} to end documents with; name its end-of-text token with --eot")
+    })
+}
+
+/// Prepares the shards `plan` describes with `tok`, writing `tokenizer.json` beside them.
+pub fn prepare(plan: &Plan, tok: &Tokenizer) -> Result<Prepared> {
+    if plan.val_every < 2 {
+        bail!(
+            "--val-every must be at least 2 (one document in N goes to validation), got {}",
+            plan.val_every
+        );
+    }
+    let eot = eot_id(tok, &plan.eot)?;
+    let width = format::width_for(tok.get_vocab_size(true));
+    let hash = tokenizer::hash(tok)?;
+    std::fs::create_dir_all(&plan.out)
+        .with_context(|| format!("cannot create {}", plan.out.display()))?;
+    tokenizer::save(tok, &plan.out.join("tokenizer.json"))?;
+    let inputs = input_files(&plan.inputs)?;
+    let total: u64 = inputs.iter().map(|i| i.bytes).sum();
+    let bar = progress_bar(plan.progress, total);
+    let started = Instant::now();
+    let mut done = Prepared::default();
+    let mut doc_index = 0usize;
+    for (k, chunk) in chunks(inputs, plan.chunk_bytes.max(1))
+        .into_iter()
+        .enumerate()
+    {
+        let train_path = plan.out.join(format!("train_{k:05}.bin"));
+        let val_path = plan.out.join(format!("val_{k:05}.bin"));
+        let bytes: u64 = chunk.iter().map(|i| i.bytes).sum();
+        let mut docs = Vec::new();
+        for input in &chunk {
+            docs.extend(documents(input, &plan.field)?);
+        }
+        let first = doc_index;
+        doc_index += docs.len();
+        done.documents += docs.len();
+        done.text_bytes += bytes;
+        if train_path.exists() {
+            done.skipped += 1;
+            bar.inc(bytes);
+            continue;
+        }
+        let encoded: Vec<Vec<u32>> = docs
+            .par_iter()
+            .map(|d| tok.encode(d.as_str(), false).map(|e| e.get_ids().to_vec()))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| anyhow!("tokenizing chunk {k}: {e}"))?;
+        let (mut train, mut val) = (Split::default(), Split::default());
+        for (i, ids) in encoded.into_iter().enumerate() {
+            let to_val = (first + i) % plan.val_every == plan.val_every - 1;
+            let split = if to_val { &mut val } else { &mut train };
+            split.doc_starts.push(split.tokens.len() as u64);
+            split.tokens.extend(ids);
+            split.tokens.push(eot);
+        }
+        if !val.tokens.is_empty() {
+            val.write(&val_path, width, hash)?;
+        }
+        if !train.tokens.is_empty() {
+            train.write(&train_path, width, hash)?;
+        }
+        done.train_tokens += train.tokens.len();
+        done.val_tokens += val.tokens.len();
+        done.written += 1;
+        bar.inc(bytes);
+        let secs = started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!(
+            "{:.0} tokens/s",
+            (done.train_tokens + done.val_tokens) as f64 / secs
+        ));
+    }
+    bar.finish_and_clear();
+    if done.val_tokens == 0 && done.written > 0 && done.skipped == 0 {
+        bail!(
+            "the inputs hold {} documents, fewer than --val-every = {}: no document went to validation; lower --val-every",
+            done.documents,
+            plan.val_every
+        );
+    }
+    Ok(done)
+}
+
+/// One split's tokens and document starts in a chunk.
+#[derive(Default)]
+struct Split {
+    tokens: Vec<u32>,
+    doc_starts: Vec<u64>,
+}
+
+impl Split {
+    fn write(&self, path: &Path, width: usize, tokenizer_hash: [u8; 32]) -> Result<()> {
+        let info = ShardInfo {
+            doc_starts: &self.doc_starts,
+            tokenizer_hash,
+        };
+        format::write(path, &self.tokens, width, &info)
+    }
+}
+
+fn progress_bar(show: bool, total: u64) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} {msg} (eta {eta})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}

@@ -1,0 +1,219 @@
+//! Token streams a run draws its windows from: in memory (text tokenized at start), or token
+//! shard files read through memory maps ([`ShardSet`]), never loaded whole. Both read as one
+//! stream, the shards one after another in name order, so windows stay a pure function of
+//! (seed, step, rank) whichever the source.
+//!
+//! - `format.rs`: the shard files (ours, llm.c's, nanoGPT's) and writing ours.
+
+pub mod format;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use memmap2::Mmap;
+use rayon::prelude::*;
+
+use format::{Kind, Layout};
+
+/// A stream of tokens.
+pub enum Tokens {
+    Memory(Vec<u32>),
+    Mapped(ShardSet),
+}
+
+impl Tokens {
+    /// Tokens in the stream.
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Memory(t) => t.len(),
+            Tokens::Mapped(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends tokens `start .. start + n` to `out`.
+    ///
+    /// # Panics
+    /// If the range runs past the stream's end.
+    pub fn extend_window(&self, start: usize, n: usize, out: &mut Vec<i64>) {
+        match self {
+            Tokens::Memory(t) => out.extend(t[start..start + n].iter().map(|&x| x as i64)),
+            Tokens::Mapped(s) => s.extend_window(start, n, out),
+        }
+    }
+
+    /// The largest token id plus one: from the shards' headers where they record it, else by
+    /// reading every token once (on every core).
+    pub fn max_id_bound(&self) -> usize {
+        match self {
+            Tokens::Memory(t) => t.iter().max().map_or(0, |&m| m as usize + 1),
+            Tokens::Mapped(s) => s.max_id_bound(),
+        }
+    }
+}
+
+/// One memory-mapped shard.
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+    layout: Layout,
+}
+
+impl Shard {
+    fn token(&self, i: usize) -> u32 {
+        let at = self.layout.offset + i * self.layout.width;
+        let b = &self.map[at..at + self.layout.width];
+        match self.layout.width {
+            2 => u16::from_le_bytes([b[0], b[1]]) as u32,
+            _ => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    }
+}
+
+/// Token shard files read through memory maps, as one stream in the order given.
+pub struct ShardSet {
+    shards: Vec<Shard>,
+    /// The stream offset of each shard's first token, and the total at the end.
+    starts: Vec<usize>,
+}
+
+impl ShardSet {
+    /// Maps `paths` (in this order) and checks each file's header and size.
+    pub fn open(paths: &[PathBuf]) -> Result<Self> {
+        let mut shards = Vec::with_capacity(paths.len());
+        let mut starts = vec![0];
+        for path in paths {
+            let file = std::fs::File::open(path)
+                .with_context(|| format!("cannot open the token shard {}", path.display()))?;
+            // SAFETY: the file is only read; a shard changed while a run reads it is the
+            // user's to avoid, as with any memory-mapped dataset.
+            let map = unsafe { Mmap::map(&file) }
+                .with_context(|| format!("cannot map the token shard {}", path.display()))?;
+            let layout = format::layout(&map, path)?;
+            if layout.count == 0 {
+                bail!("{}: the shard holds no tokens", path.display());
+            }
+            starts.push(starts.last().expect("a start") + layout.count);
+            shards.push(Shard {
+                path: path.clone(),
+                map,
+                layout,
+            });
+        }
+        Ok(Self { shards, starts })
+    }
+
+    pub fn len(&self) -> usize {
+        *self.starts.last().expect("a start")
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The shards' paths, in stream order.
+    pub fn paths(&self) -> impl Iterator<Item = &Path> {
+        self.shards.iter().map(|s| s.path.as_path())
+    }
+
+    /// Which format the shards are in, and the tokenizer hash every one of ours records (the
+    /// first shard whose hash differs from the first's is an error naming both files).
+    pub fn kind_and_hash(&self) -> Result<(Kind, Option<[u8; 32]>)> {
+        let first = &self.shards[0];
+        for s in &self.shards[1..] {
+            if s.layout.kind != first.layout.kind {
+                bail!(
+                    "{} is a {} but {} is a {}: one run reads shards of one kind",
+                    first.path.display(),
+                    first.layout.kind,
+                    s.path.display(),
+                    s.layout.kind
+                );
+            }
+            if s.layout.tokenizer_hash != first.layout.tokenizer_hash {
+                bail!(
+                    "{} and {} were made with different tokenizers (their tokenizer hashes differ)",
+                    first.path.display(),
+                    s.path.display()
+                );
+            }
+        }
+        Ok((first.layout.kind, first.layout.tokenizer_hash))
+    }
+
+    fn max_id_bound(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| match s.layout.max_id_bound {
+                Some(m) => m as usize,
+                None => (0..s.layout.count)
+                    .into_par_iter()
+                    .map(|i| s.token(i))
+                    .max()
+                    .map_or(0, |m| m as usize + 1),
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The shard holding stream token `i`, and `i` within it.
+    fn find(&self, i: usize) -> (usize, usize) {
+        let k = self.starts.partition_point(|&s| s <= i) - 1;
+        (k, i - self.starts[k])
+    }
+
+    fn extend_window(&self, start: usize, n: usize, out: &mut Vec<i64>) {
+        assert!(start + n <= self.len(), "a window past the stream's end");
+        let (mut k, mut i) = self.find(start);
+        for _ in 0..n {
+            while i == self.shards[k].layout.count {
+                k += 1;
+                i = 0;
+            }
+            out.push(self.shards[k].token(i) as i64);
+            i += 1;
+        }
+    }
+}
+
+/// The files `spec` names, sorted by path: a file; a directory's files whose names contain
+/// `within_dir` (`"train"` or `"val"`) and end in `.bin`; or a glob pattern. An error when none
+/// match, naming the `key` it came from.
+pub fn resolve(spec: &str, within_dir: &str, key: &str) -> Result<Vec<PathBuf>> {
+    let path = Path::new(spec);
+    let mut files: Vec<PathBuf> = if path.is_file() {
+        vec![path.to_path_buf()]
+    } else if path.is_dir() {
+        std::fs::read_dir(path)
+            .with_context(|| format!("{key} = {spec:?}: cannot list the directory"))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.is_file()
+                    && p.extension().is_some_and(|e| e == "bin")
+                    && p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().contains(within_dir))
+            })
+            .collect()
+    } else {
+        glob::glob(spec)
+            .with_context(|| {
+                format!("{key} = {spec:?}: not a file, a directory or a valid glob pattern")
+            })?
+            .filter_map(|p| p.ok())
+            .filter(|p| p.is_file())
+            .collect()
+    };
+    files.sort();
+    if files.is_empty() {
+        let what = if path.is_dir() {
+            format!("the directory has no .bin file whose name contains \"{within_dir}\"")
+        } else {
+            "no file matches".to_string()
+        };
+        bail!("{key} = {spec:?}: {what}; `prepare` writes train_*.bin and val_*.bin shards");
+    }
+    Ok(files)
+}
