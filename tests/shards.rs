@@ -77,6 +77,7 @@ fn decoded_docs(tok: &tokenizers::Tokenizer, tokens: &[i64], eot: i64) -> Vec<St
 #[test]
 fn prepare_round_trips_documents_and_keeps_finished_shards() {
     let dir = scratch("shards_prepare");
+    // Six files, then two whose pieces of 8 kB make several shards each.
     let docs = corpus_files(&dir, 60_000, 6);
     let tok = bpe(&docs.join("\n"));
     let out = dir.join("out");
@@ -131,6 +132,32 @@ fn prepare_round_trips_documents_and_keeps_finished_shards() {
     let resumed: Prepared = prepare(&plan(inputs, &out), &tok).unwrap();
     assert_eq!((resumed.skipped, resumed.written), (train.len() - 1, 1));
     assert_eq!(std::fs::read(last).unwrap(), kept);
+
+    // Two large files cut into pieces at paragraph boundaries: the same documents, in order.
+    let big = scratch("shards_prepare_big");
+    let docs = corpus_files(&big, 60_000, 2);
+    let mut cut = plan(
+        vec![big.join("part*.txt").to_str().unwrap().into()],
+        &big.join("out"),
+    );
+    cut.chunk_bytes = 8_000;
+    let done = prepare(&cut, &tok).unwrap();
+    assert!(done.written >= 6, "pieces of each file: {done:?}");
+    let got = decoded_docs(
+        &tok,
+        &tokens_of(&shard_files(&big.join("out"), "train")),
+        eot,
+    );
+    let want: Vec<&String> = docs
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 5 != 4)
+        .map(|(_, d)| d)
+        .collect();
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.trim(), w.trim());
+    }
 }
 
 #[test]
@@ -146,12 +173,12 @@ fn json_lines_documents_come_from_their_field() {
     std::fs::write(dir.join("a.jsonl"), lines.join("\n")).unwrap();
     let tok = bpe(&docs.join("\n"));
     let out = dir.join("out");
-    let done = prepare(
-        &plan(vec![dir.join("a.jsonl").to_str().unwrap().into()], &out),
-        &tok,
-    )
-    .unwrap();
+    // Pieces of 500 bytes: the file's lines over several shards.
+    let mut cut = plan(vec![dir.join("a.jsonl").to_str().unwrap().into()], &out);
+    cut.chunk_bytes = 500;
+    let done = prepare(&cut, &tok).unwrap();
     assert_eq!(done.documents, 40);
+    assert!(done.written > 2, "{done:?}");
     let eot = trainer::prepare::eot_id(&tok, "<|endoftext|>").unwrap() as i64;
     let got = decoded_docs(&tok, &tokens_of(&shard_files(&out, "val")), eot);
     assert_eq!(
@@ -285,6 +312,19 @@ fn bad_input_is_refused_naming_the_file() {
         prep("nofield.jsonl", "{\"body\": \"a\"}\n"),
         &["nofield.jsonl:1", "\"text\""],
     );
+    // A bad line in a later piece of a file is named by its line in the file.
+    let lines: Vec<String> = (0..30)
+        .map(|i| match i {
+            24 => "{\"text\": nope}".to_string(),
+            _ => format!("{{\"text\": \"line {i}\"}}"),
+        })
+        .collect();
+    let p = dir.join("late.jsonl");
+    std::fs::write(&p, lines.join("\n")).unwrap();
+    let mut cut = plan(vec![p.to_str().unwrap().into()], &dir.join("late.out"));
+    cut.chunk_bytes = 100;
+    let err = prepare(&cut, &tok).expect_err("refused");
+    assert_mentions(err, &["late.jsonl:25"]);
 }
 
 /// A config that trains on the shards in `dir`, made with the tokenizer saved there.

@@ -7,8 +7,9 @@
 //! - **Split by document**: every `val_every`-th document (the last of each run of
 //!   `val_every`) goes to validation, the rest to training.
 //! - **End of text**: the tokenizer's end-of-text token follows every document.
-//! - **Shards**: the inputs are cut into chunks of about `chunk_bytes` of text at file
-//!   boundaries, from the files' sizes alone; chunk `k` becomes `train_{k:05}.bin` and, if it
+//! - **Shards**: the inputs are cut into chunks of at least `chunk_bytes` of text: whole files,
+//!   and pieces of larger files cut at document boundaries found near each multiple of
+//!   `chunk_bytes`, from the files alone; chunk `k` becomes `train_{k:05}.bin` and, if it
 //!   holds validation documents, `val_{k:05}.bin`. Each is complete once renamed into place, the
 //!   training shard last, so a run that is stopped and started again skips the chunks whose
 //!   training shard exists, and the same inputs give the same shards.
@@ -54,12 +55,73 @@ pub struct Prepared {
     pub text_bytes: u64,
 }
 
-/// One input file and how its documents are cut.
+/// One input file, or a piece of one (bytes `start .. start + bytes`), and how its documents
+/// are cut.
 #[derive(Debug, Clone)]
 struct Input {
     path: PathBuf,
     jsonl: bool,
+    start: u64,
     bytes: u64,
+}
+
+impl Input {
+    /// This input cut into pieces of at least `piece` bytes at document boundaries (after a
+    /// blank line in text, after a line end in JSON Lines), so that a file of many gigabytes
+    /// makes many shards; the cuts depend on the file alone.
+    fn pieces(self, piece: u64) -> Result<Vec<Input>> {
+        if self.bytes <= piece {
+            return Ok(vec![self]);
+        }
+        let mut file = std::fs::File::open(&self.path)
+            .with_context(|| format!("cannot open {}", self.path.display()))?;
+        let sep: &[u8] = if self.jsonl { b"\n" } else { b"\n\n" };
+        let mut cuts = vec![0u64];
+        let mut at = piece;
+        while at < self.bytes {
+            match find_after(&mut file, at, sep)
+                .with_context(|| format!("reading {}", self.path.display()))?
+            {
+                Some(cut) if cut < self.bytes => cuts.push(cut),
+                _ => break,
+            }
+            at = cuts.last().expect("a cut") + piece;
+        }
+        cuts.push(self.bytes);
+        Ok(cuts
+            .windows(2)
+            .map(|w| Input {
+                path: self.path.clone(),
+                jsonl: self.jsonl,
+                start: w[0],
+                bytes: w[1] - w[0],
+            })
+            .collect())
+    }
+}
+
+/// The offset just past the first `sep` at or after byte `from` of `file`, if any.
+fn find_after(file: &mut std::fs::File, from: u64, sep: &[u8]) -> std::io::Result<Option<u64>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut buf = vec![0u8; 1 << 16];
+    let mut base = from;
+    file.seek(SeekFrom::Start(from))?;
+    // The last `sep.len() - 1` bytes of a window are kept for a separator across two windows.
+    let mut kept = 0;
+    loop {
+        let n = file.read(&mut buf[kept..])?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let have = kept + n;
+        if let Some(i) = buf[..have].windows(sep.len()).position(|w| w == sep) {
+            return Ok(Some(base + (i + sep.len()) as u64));
+        }
+        let keep = (sep.len() - 1).min(have);
+        buf.copy_within(have - keep..have, 0);
+        base += (have - keep) as u64;
+        kept = keep;
+    }
 }
 
 /// The files `specs` name, in path order (each spec's files sorted, specs in the order given).
@@ -94,6 +156,7 @@ fn input_files(specs: &[String]) -> Result<Vec<Input>> {
             files.push(Input {
                 path: p,
                 jsonl,
+                start: 0,
                 bytes,
             });
         }
@@ -119,13 +182,20 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 /// The documents of `input`, in order: paragraphs of a text file, or the `field` of each line
 /// of a JSON Lines file (an error names the file and line).
 fn documents(input: &Input, field: &str) -> Result<Vec<String>> {
-    let bytes = std::fs::read(&input.path)
-        .with_context(|| format!("cannot read {}", input.path.display()))?;
+    use std::io::{Read, Seek, SeekFrom};
+    let read = || -> std::io::Result<Vec<u8>> {
+        let mut file = std::fs::File::open(&input.path)?;
+        file.seek(SeekFrom::Start(input.start))?;
+        let mut bytes = Vec::with_capacity(input.bytes as usize);
+        file.take(input.bytes).read_to_end(&mut bytes)?;
+        Ok(bytes)
+    };
+    let bytes = read().with_context(|| format!("cannot read {}", input.path.display()))?;
     let text = String::from_utf8(bytes).map_err(|e| {
         anyhow!(
             "{}: not UTF-8 text (invalid byte at offset {})",
             input.path.display(),
-            e.utf8_error().valid_up_to()
+            input.start as usize + e.utf8_error().valid_up_to()
         )
     })?;
     if !input.jsonl {
@@ -136,7 +206,7 @@ fn documents(input: &Input, field: &str) -> Result<Vec<String>> {
         if line.trim().is_empty() {
             continue;
         }
-        let at = || format!("{}:{}", input.path.display(), i + 1);
+        let at = || format!("{}:{}", input.path.display(), line_number(input, i));
         let value: serde_json::Value =
             serde_json::from_str(line).with_context(|| format!("{}: not a JSON line", at()))?;
         let doc = value
@@ -147,6 +217,20 @@ fn documents(input: &Input, field: &str) -> Result<Vec<String>> {
         docs.push(doc.to_string());
     }
     Ok(docs)
+}
+
+/// The file's line number (from 1) of line `i` of `input`'s piece: the lines before the piece
+/// are counted (only when an error names a line).
+fn line_number(input: &Input, i: usize) -> usize {
+    let before = std::fs::read(&input.path)
+        .map(|b| {
+            b[..(input.start as usize).min(b.len())]
+                .iter()
+                .filter(|&&c| c == b'\n')
+                .count()
+        })
+        .unwrap_or(0);
+    before + i + 1
 }
 
 /// A text's blank-line-separated paragraphs, without the blank lines.
@@ -168,12 +252,16 @@ pub fn paragraphs(text: &str) -> Vec<String> {
     docs
 }
 
-/// The inputs cut into chunks of about `chunk_bytes` of text, at file boundaries (a file larger
-/// than a chunk is a chunk of its own).
-fn chunks(inputs: Vec<Input>, chunk_bytes: u64) -> Vec<Vec<Input>> {
+/// The inputs cut into chunks of at least `chunk_bytes` of text (the last may hold less): whole
+/// files, and pieces of files larger than that cut at document boundaries.
+fn chunks(inputs: Vec<Input>, chunk_bytes: u64) -> Result<Vec<Vec<Input>>> {
     let mut out: Vec<Vec<Input>> = Vec::new();
     let mut size = 0;
+    let mut pieces = Vec::new();
     for input in inputs {
+        pieces.extend(input.pieces(chunk_bytes)?);
+    }
+    for input in pieces {
         if out.is_empty() || size >= chunk_bytes {
             out.push(Vec::new());
             size = 0;
@@ -181,7 +269,7 @@ fn chunks(inputs: Vec<Input>, chunk_bytes: u64) -> Vec<Vec<Input>> {
         size += input.bytes;
         out.last_mut().expect("a chunk").push(input);
     }
-    out
+    Ok(out)
 }
 
 /// The first `mb` MB of the inputs' documents, joined by newlines: what a BPE is trained on.
@@ -189,11 +277,14 @@ pub fn sample_text(specs: &[String], field: &str, mb: usize) -> Result<String> {
     let limit = mb.max(1) * 1_000_000;
     let mut sample = String::new();
     for input in input_files(specs)? {
-        for doc in documents(&input, field)? {
-            sample.push_str(&doc);
-            sample.push('\n');
-            if sample.len() >= limit {
-                return Ok(sample);
+        // Read piece by piece: a file of many gigabytes is not read whole for a sample.
+        for piece in input.pieces(limit as u64)? {
+            for doc in documents(&piece, field)? {
+                sample.push_str(&doc);
+                sample.push('\n');
+                if sample.len() >= limit {
+                    return Ok(sample);
+                }
             }
         }
     }
@@ -227,7 +318,7 @@ pub fn prepare(plan: &Plan, tok: &Tokenizer) -> Result<Prepared> {
     let started = Instant::now();
     let mut done = Prepared::default();
     let mut doc_index = 0usize;
-    for (k, chunk) in chunks(inputs, plan.chunk_bytes.max(1))
+    for (k, chunk) in chunks(inputs, plan.chunk_bytes.max(1))?
         .into_iter()
         .enumerate()
     {

@@ -1,0 +1,139 @@
+//! `prepare` throughput beside Python's tokenizers on the same text, tokenizer and thread count.
+//!
+//! Writes a text file of `--mb` MB (the generated corpus: blank-line-separated paragraphs, as
+//! `prepare` cuts documents), takes `--tokenizer` or trains a byte-level BPE of `--bpe-vocab`
+//! tokens on its first 20 MB, then times `prepare` on it with `--threads` threads (reading,
+//! tokenizing and writing the shards: all of it) and, unless `--no-peer`,
+//! `tools/peers/tokenize_bench.py` (Hugging Face `tokenizers`' `encode_batch` with the same
+//! tokenizer and threads; `tiktoken` where it is installed, with its own GPT-2 vocabulary), which
+//! time tokenizing alone. Prints a table of MB/s and tokens/s with the ratio to ours.
+//!
+//! `cargo run --release --bin prepare_bench -- [--mb 1000] [--threads N] [--tokenizer FILE]`
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(about = "prepare's throughput beside Python's tokenizers")]
+struct Args {
+    /// MB of generated text.
+    #[arg(long, default_value_t = 1000)]
+    mb: usize,
+    /// Threads for every tool (default: every core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// A tokenizer.json (default: a BPE trained on the text's first 20 MB).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Vocabulary of the trained BPE.
+    #[arg(long, default_value_t = 8192)]
+    bpe_vocab: usize,
+    /// Where the text, tokenizer and shards go.
+    #[arg(long, default_value = "/tmp/prepare_bench")]
+    work: PathBuf,
+    /// Skip the Python peers.
+    #[arg(long)]
+    no_peer: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    std::fs::create_dir_all(&args.work)?;
+    let text_path = args.work.join(format!("corpus_{}mb.txt", args.mb));
+    if !text_path.exists() {
+        let t = Instant::now();
+        let text = trainer::corpus::generate(11, args.mb * 1_000_000);
+        std::fs::write(&text_path, &text)?;
+        eprintln!(
+            "wrote {} in {:.1} s",
+            text_path.display(),
+            t.elapsed().as_secs_f64()
+        );
+    }
+    let tok_path = match &args.tokenizer {
+        Some(p) => p.clone(),
+        None => {
+            let p = args.work.join(format!("bpe_{}.json", args.bpe_vocab));
+            if !p.exists() {
+                let spec = vec![text_path.to_string_lossy().into_owned()];
+                let sample = trainer::prepare::sample_text(&spec, "text", 20)?;
+                let mut tok = trainer::tokenizer::train_bpe(&sample, args.bpe_vocab)?;
+                tok.add_special_tokens(vec![tokenizers::AddedToken::from("<|endoftext|>", true)])
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                trainer::tokenizer::save(&tok, &p)?;
+            }
+            p
+        }
+    };
+    let tok = trainer::tokenizer::load(&tok_path)?;
+    let out = args.work.join("shards");
+    let _ = std::fs::remove_dir_all(&out);
+    let plan = trainer::prepare::Plan {
+        inputs: vec![text_path.to_string_lossy().into_owned()],
+        out,
+        field: "text".into(),
+        val_every: 100,
+        chunk_bytes: 64_000_000,
+        eot: "<|endoftext|>".into(),
+        progress: false,
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("a thread pool")?;
+    let t = Instant::now();
+    let done = pool.install(|| trainer::prepare::prepare(&plan, &tok))?;
+    let secs = t.elapsed().as_secs_f64();
+    let mb = done.text_bytes as f64 / 1e6;
+    let tokens = (done.train_tokens + done.val_tokens) as f64;
+    let mut rows = vec![(
+        "burnmix prepare (read, tokenize, write)".to_string(),
+        mb / secs,
+        tokens / secs,
+    )];
+    if !args.no_peer {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/peers/tokenize_bench.py");
+        let peer = Command::new("python3")
+            .arg(script)
+            .args(["--text", &text_path.to_string_lossy()])
+            .args(["--tokenizer", &tok_path.to_string_lossy()])
+            .args(["--threads", &threads.to_string()])
+            .output()
+            .context("running python3 tools/peers/tokenize_bench.py")?;
+        if !peer.status.success() {
+            bail!(
+                "the Python peer failed:\n{}",
+                String::from_utf8_lossy(&peer.stderr)
+            );
+        }
+        for line in String::from_utf8_lossy(&peer.stdout).lines() {
+            let v: serde_json::Value = serde_json::from_str(line)?;
+            let name = v["peer"].as_str().unwrap_or("?").to_string();
+            match (v["mb_s"].as_f64(), v["tokens_s"].as_f64()) {
+                (Some(m), Some(t)) => rows.push((name, m, t)),
+                _ => println!("{name}: not run ({})", v["skipped"].as_str().unwrap_or("?")),
+            }
+        }
+    }
+    println!(
+        "\n{:.0} MB of text, {} threads, tokenizer {} ({} tokens in the vocabulary)\n",
+        mb,
+        threads,
+        tok_path.display(),
+        tok.get_vocab_size(true)
+    );
+    println!("| tool | MB/s | tokens/s | ours / theirs (MB/s) |");
+    println!("|---|---|---|---|");
+    let ours = rows[0].1;
+    for (name, m, t) in &rows {
+        println!("| {name} | {m:.1} | {t:.3e} | {:.2}x |", ours / m);
+    }
+    Ok(())
+}
