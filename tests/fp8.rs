@@ -286,6 +286,47 @@ fn fp8_recipe_trains() {
     assert_eq!(s8.precision.kind(), trainer::precision::PrecisionKind::Fp8);
 }
 
+/// `fp8.bf16_edge_blocks = 1` keeps the first and last blocks' projections out of FP8: only the
+/// middle block's projections record FP8 health, and the run trains.
+#[test]
+fn fp8_edge_blocks_stay_out_of_fp8() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    use trainer::config::{Fp8ComputeKind, PrecisionKind};
+    let _guard = common::serial();
+    let mut cfg = common::tiny_config(3);
+    cfg.model.n_layer = 3;
+    cfg.precision = PrecisionKind::Fp8;
+    cfg.fp8.compute = Fp8ComputeKind::F32;
+    cfg.fp8.health_interval = 1;
+    cfg.fp8.bf16_edge_blocks = 1;
+    let dir = common::scratch("fp8_edge_blocks");
+    let s = trainer::run(
+        &cfg,
+        &trainer::device::Selected::Wgpu,
+        &common::opts(dir.clone(), false),
+    )
+    .unwrap();
+    assert!(s.final_loss.is_finite());
+    let m = common::read_metrics(&dir);
+    let h = m[0].fp8.as_ref().expect("FP8 health on step 1");
+    assert_eq!(
+        h.len(),
+        12,
+        "the middle block's 4 projections x 3 tensors: {h:?}"
+    );
+    assert!(h.iter().all(|l| l.layer.starts_with("blocks.1.")), "{h:?}");
+
+    let mut all = cfg.clone();
+    all.fp8.bf16_edge_blocks = 2;
+    let e = all.validate().unwrap_err();
+    assert!(
+        e.contains("fp8.bf16_edge_blocks") && e.contains("at most 1"),
+        "{e}"
+    );
+}
+
 /// Config errors name the key and what is valid.
 #[test]
 fn fp8_config_errors() {

@@ -438,8 +438,8 @@ pub(crate) struct Ctx<'a, B: Backend> {
     /// (`kernels::dropout`: with the fused ops and flash attention, so that every mask is the
     /// kernels') rather than in Burn's `Dropout` modules.
     kernel_dropout: bool,
-    /// Per block, whether it recomputes its norms' and activation's outputs
-    /// ([`GptConfig::recomputes_selectively`]).
+    /// Per block (one entry for each of the model's blocks), whether it recomputes its norms'
+    /// and activation's outputs ([`GptConfig::recomputes_selectively`]).
     selective: Vec<bool>,
 }
 
@@ -460,7 +460,7 @@ impl<B: kernels::Backend> Ctx<'_, B> {
 
     /// How projection `path` of block `layer` runs.
     fn projection(&self, layer: usize, path: &str) -> Projection {
-        self.precision.projection(layer, path)
+        self.precision.projection(layer, self.selective.len(), path)
     }
 
     /// How the MLP's two projections of block `layer` run.

@@ -16,6 +16,9 @@ pub struct Precision {
     /// When set, the attention and MLP projections run their GEMMs in FP8 (the embedding, the LM
     /// head, the norms and attention do not).
     pub fp8: Option<kernels::Fp8LinearConfig>,
+    /// With `fp8`, the first and the last this many blocks keep their projections in the compute
+    /// dtype (0: every block in FP8).
+    pub fp8_edge_blocks: usize,
     /// What this forward measures.
     pub probes: Probes,
 }
@@ -47,18 +50,27 @@ impl Precision {
             dtype,
             gemm,
             fp8: None,
+            fp8_edge_blocks: 0,
             probes: Probes::default(),
         }
     }
 
-    /// The part of this precision that projection `path` of block `layer` runs with (probes
-    /// named `blocks.{layer}.{path}`).
-    pub(crate) fn projection(&self, layer: usize, path: &str) -> Projection {
+    /// The FP8 settings block `layer` of `n_layer` runs its projections with: none for the edge
+    /// blocks that `fp8_edge_blocks` keeps in the compute dtype.
+    pub fn fp8_in_block(&self, layer: usize, n_layer: usize) -> Option<kernels::Fp8LinearConfig> {
+        let edge = self.fp8_edge_blocks;
+        self.fp8.filter(|_| layer >= edge && layer + edge < n_layer)
+    }
+
+    /// The part of this precision that projection `path` of block `layer` (of `n_layer`) runs
+    /// with (probes named `blocks.{layer}.{path}`).
+    pub(crate) fn projection(&self, layer: usize, n_layer: usize, path: &str) -> Projection {
         let name = || format!("blocks.{layer}.{path}");
+        let fp8 = self.fp8_in_block(layer, n_layer);
         Projection {
             gemm: self.gemm,
-            fp8: self.fp8,
-            fp8_probe: match (&self.fp8, &self.probes.fp8_health) {
+            fp8,
+            fp8_probe: match (&fp8, &self.probes.fp8_health) {
                 (Some(_), Some(sink)) => Some(kernels::Fp8Probe {
                     name: name(),
                     sink: sink.clone(),

@@ -586,6 +586,13 @@ impl Config {
                 self.precision
             ));
         }
+        let (edge, layers) = (self.fp8.bf16_edge_blocks, self.model.n_layer);
+        if 2 * edge >= layers && edge > 0 {
+            return Err(format!(
+                "fp8.bf16_edge_blocks = {edge} keeps every one of the model's {layers} blocks (model.n_layer) in bf16; at most {} leaves a block in FP8",
+                (layers.max(1) - 1) / 2
+            ));
+        }
         self.recipe()?;
         Ok(())
     }
@@ -674,6 +681,7 @@ impl Config {
         };
         let precision = model::Precision {
             fp8: recipe.fp8_linear(),
+            fp8_edge_blocks: config.fp8.bf16_edge_blocks,
             ..model::Precision::new(
                 recipe.compute_dtype(),
                 gemm_engine(config.model.gemm, device),

@@ -108,6 +108,10 @@ pub struct Fp8Config {
     pub dgrad: bool,
     pub wgrad: bool,
     pub compute: Fp8ComputeKind,
+    /// The first and the last this many blocks keep their projections in the compute dtype
+    /// (bf16), as is common for the layers nearest the embedding and the head; 0: every block
+    /// in FP8.
+    pub bf16_edge_blocks: usize,
     /// Log FP8 health (per projection weight, input and output gradient: amax, underflow and
     /// saturation shares) to `metrics.jsonl` on step 1 and every this many steps; 0 turns it off.
     pub health_interval: u64,
@@ -124,6 +128,7 @@ impl Default for Fp8Config {
             dgrad: true,
             wgrad: true,
             compute: Fp8ComputeKind::Bf16,
+            bf16_edge_blocks: 0,
             health_interval: 100,
         }
     }
@@ -510,8 +515,12 @@ impl Recipe {
                     .filter(|p| p.0)
                     .map(|p| p.1)
                     .collect();
+                let edges = match r.fp8.bf16_edge_blocks {
+                    0 => String::new(),
+                    n => format!(" except the first and last {n} block(s)"),
+                };
                 format!(
-                    "fp8, experimental (projection GEMMs {} in FP8: {}, {} scales{}, {} elsewhere; f32 master weights; {})",
+                    "fp8, experimental (projection GEMMs {}{edges} in FP8: {}, {} scales{}, {} elsewhere; f32 master weights; {})",
                     if passes.is_empty() { "none".to_string() } else { passes.join("+") },
                     match r.fp8.format {
                         Fp8FormatKind::E4m3 => "E4M3",

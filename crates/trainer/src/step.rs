@@ -90,6 +90,7 @@ impl StepCtx<'_> {
             dtype: self.compute_dtype,
             gemm: self.gemm,
             fp8: self.fp8_linear,
+            fp8_edge_blocks: self.cfg.fp8.bf16_edge_blocks,
             probes: probes.for_model(self.compute_dtype),
         }
     }

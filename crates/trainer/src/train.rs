@@ -600,6 +600,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         let val_loss = eval_now.then(|| {
             let precision = model::Precision {
                 fp8: self.fp8_linear,
+                fp8_edge_blocks: cfg.fp8.bf16_edge_blocks,
                 ..model::Precision::new(self.compute_dtype, self.gemm)
             };
             let gathers = self.group.zero().and_then(|z| z.plain_gathers());
@@ -617,7 +618,8 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         }
         let fp8 = match (&o.fp8_probe, &self.fp8_linear) {
             (Some(probe), Some(lin)) => {
-                Some(numerics::fp8_health(model, self.compute_dtype, lin, probe))
+                let edge = (lin, self.cfg.fp8.bf16_edge_blocks);
+                Some(numerics::fp8_health(model, self.compute_dtype, edge, probe))
             }
             _ => None,
         };
