@@ -279,6 +279,10 @@ pub struct GptConfig {
     /// time, never all at once: GPT-2's [16 x 1024, 50304] bf16 logits are 1.65 GB, and as much
     /// again for their gradient) or "logits" (all at once).
     pub head_loss: HeadLossKind,
+    /// A Hugging Face `LlamaForCausalLM` directory (safetensors and `config.json`) that a fresh
+    /// run's weights are read from instead of drawn; empty: drawn from the seed. The trainer
+    /// reads it (`trainer::interop::init_from`); the model ignores it.
+    pub init_from: String,
 }
 
 impl Default for GptConfig {
@@ -305,6 +309,7 @@ impl Default for GptConfig {
             z_loss: 0.0,
             gemm: GemmKind::Auto,
             head_loss: HeadLossKind::Chunked,
+            init_from: String::new(),
             recompute: RecomputeKind::None,
             recompute_every: 1,
         }

@@ -261,6 +261,14 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
 
         B::seed(&device, cfg.seed);
         let model = Gpt::<B>::new(&cfg.model, vocab, &device);
+        let model = match (cfg.model.init_from.as_str(), opts.resume) {
+            ("", _) | (_, true) => model,
+            (dir, false) => {
+                let model = crate::interop::init_from(model, std::path::Path::new(dir))?;
+                console.line(&format!("weights read from {dir} (model.init_from)"));
+                model
+            }
+        };
         // ZeRO-3 keeps each rank's rows from here on: a checkpoint's rows are read into the cut
         // model, so that no whole state but the freshly built f32 weights is ever on the GPU.
         let row_split = match (&process, cfg.training.zero) {
