@@ -352,3 +352,91 @@ fn what_does_not_fit_is_refused() {
         "{e:#}"
     );
 }
+
+/// With `BURNMIX_HF_EXPORT=DIR`: trains the tiny Llama of [`llama_config`] and exports it to DIR
+/// in f32 with token ids and our logits (`ids.json`, `logits.json`), for
+/// `tools/peers/hf_check.py load DIR` to compare with `transformers`' on a machine that has it.
+#[test]
+#[ignore = "writes an export for tools/peers/hf_check.py"]
+fn export_for_transformers() {
+    let Ok(dir) = std::env::var("BURNMIX_HF_EXPORT") else {
+        return;
+    };
+    let cfg = llama_config(false);
+    let run = scratch("interop_for_transformers");
+    trainer::run(
+        &cfg,
+        &trainer::device::Selected::Cpu,
+        &opts(run.clone(), false),
+    )
+    .unwrap();
+    let out = Path::new(&dir);
+    export(&run, out, None, ExportDtype::F32).unwrap();
+    let m = trained(&run, &cfg);
+    let vocab = m.wte.weight.dims()[0];
+    let ids: Vec<usize> = (0..cfg.model.context)
+        .map(|i| (i * 7 + 3) % vocab)
+        .collect();
+    let logits = logits_of(&m, &ids);
+    std::fs::write(out.join("ids.json"), serde_json::to_string(&ids).unwrap()).unwrap();
+    std::fs::write(
+        out.join("logits.json"),
+        serde_json::to_string(&logits).unwrap(),
+    )
+    .unwrap();
+}
+
+/// Our logits [T][vocab] for one sequence.
+fn logits_of(m: &model::Gpt<B>, ids: &[usize]) -> Vec<Vec<f32>> {
+    let ids_t = Tensor::<B, 2, burn::tensor::Int>::from_data(
+        burn::tensor::TensorData::new(ids.iter().map(|&i| i as i64).collect(), [1, ids.len()]),
+        &Default::default(),
+    );
+    let flat: Vec<f32> = m
+        .forward(ids_t)
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .unwrap();
+    flat.chunks(flat.len() / ids.len())
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+/// With `BURNMIX_HF_SAVED=DIR` (written by `tools/peers/hf_check.py save DIR`, `transformers`'
+/// `save_pretrained` of a tiny random Llama): `model.init_from` reads it, and our logits match
+/// `transformers`' in DIR/logits.json.
+#[test]
+#[ignore = "reads a directory that tools/peers/hf_check.py saved"]
+fn a_transformers_checkpoint_imports() {
+    let Ok(dir) = std::env::var("BURNMIX_HF_SAVED") else {
+        return;
+    };
+    let dir = Path::new(&dir);
+    let mut cfg = llama_config(false).model;
+    (
+        cfg.d_model,
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_kv_head,
+        cfg.d_ff,
+    ) = (64, 2, 4, 2, 192);
+    (cfg.vocab_size, cfg.rope_theta, cfg.norm_eps, cfg.context) = (97, 10000.0, 1e-5, 64);
+    let m = init_from(model::Gpt::<B>::new(&cfg, 97, &Default::default()), dir).unwrap();
+    let ids: Vec<usize> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("ids.json")).unwrap()).unwrap();
+    let theirs: Vec<Vec<f32>> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("logits.json")).unwrap()).unwrap();
+    let ours = logits_of(&m, &ids);
+    let big = theirs.iter().flatten().fold(0f32, |a, x| a.max(x.abs()));
+    let worst = ours
+        .iter()
+        .flatten()
+        .zip(theirs.iter().flatten())
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    eprintln!("transformers' checkpoint: logits differ by {worst:e} (largest {big})");
+    assert!(
+        worst <= 1e-5 * big.max(1.0),
+        "logits differ by {worst} (largest {big})"
+    );
+}
