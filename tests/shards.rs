@@ -371,6 +371,23 @@ fn a_run_on_shards_reads_them_and_resumes_exactly() {
         assert_eq!(y[r * 16..(r + 1) * 16], all[s + 1..s + 17]);
     }
 
+    // Shards of another tokenizer's ids (llm.c's, which record no tokenizer) are refused,
+    // naming the shard and the id.
+    let foreign = dir.join("foreign");
+    std::fs::create_dir_all(&foreign).unwrap();
+    llmc(
+        &foreign.join("x_train_000000.bin"),
+        &[1, 2, 3, 50_000],
+        false,
+    );
+    llmc(&foreign.join("x_val_000000.bin"), &[1, 2, 3], false);
+    let mut wide = cfg.clone();
+    wide.data.path = foreign.to_str().unwrap().into();
+    let err = trainer::data::Dataset::build(&wide, None)
+        .err()
+        .expect("refused");
+    assert_mentions(err, &["x_train_000000.bin", "token id 50000"]);
+
     // Another tokenizer is refused, naming the shard.
     let mut other = cfg.clone();
     let other_tok = dir.join("other.json");

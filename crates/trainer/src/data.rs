@@ -120,6 +120,7 @@ impl Dataset {
                 );
             }
             kind = Some(k);
+            set.check_ids_below(tok.get_vocab_size(true), &tok_path)?;
         }
         let description = format!(
             "{} {} file(s) ({} train, {} val) under {}",

@@ -78,6 +78,8 @@ pub struct ShardSet {
     shards: Vec<Shard>,
     /// The stream offset of each shard's first token, and the total at the end.
     starts: Vec<usize>,
+    /// Each shard's largest token id plus one, once found.
+    bounds: std::sync::OnceLock<Vec<usize>>,
 }
 
 impl ShardSet {
@@ -103,7 +105,11 @@ impl ShardSet {
                 layout,
             });
         }
-        Ok(Self { shards, starts })
+        Ok(Self {
+            shards,
+            starts,
+            bounds: Default::default(),
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -145,6 +151,15 @@ impl ShardSet {
     }
 
     fn max_id_bound(&self) -> usize {
+        self.bounds().into_iter().max().unwrap_or(0)
+    }
+
+    /// Each shard's largest token id plus one: from its header (ours), else by reading it once.
+    fn bounds(&self) -> Vec<usize> {
+        self.bounds.get_or_init(|| self.find_bounds()).clone()
+    }
+
+    fn find_bounds(&self) -> Vec<usize> {
         self.shards
             .iter()
             .map(|s| match s.layout.max_id_bound {
@@ -155,8 +170,23 @@ impl ShardSet {
                     .max()
                     .map_or(0, |m| m as usize + 1),
             })
-            .max()
-            .unwrap_or(0)
+            .collect()
+    }
+
+    /// An error naming the first shard holding a token id not below `vocab` (the tokenizer's
+    /// vocabulary): its tokens were made with another tokenizer.
+    pub fn check_ids_below(&self, vocab: usize, tokenizer: &Path) -> Result<()> {
+        for (s, bound) in self.shards.iter().zip(self.bounds()) {
+            if bound > vocab {
+                bail!(
+                    "{} holds token id {} but the tokenizer {} has {vocab} tokens: the shard was made with another tokenizer",
+                    s.path.display(),
+                    bound - 1,
+                    tokenizer.display()
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The shard holding stream token `i`, and `i` within it.
