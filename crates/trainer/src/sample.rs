@@ -24,6 +24,9 @@ pub struct SampleOptions {
     pub temperature: f64,
     /// Sample among the `top_k` most likely tokens only (0: all).
     pub top_k: usize,
+    /// Then among the fewest most likely tokens whose probabilities sum to at least `top_p`
+    /// (nucleus sampling; 1: all).
+    pub top_p: f64,
     pub seed: u64,
     /// Checkpoint step to load (default: the newest).
     pub checkpoint: Option<u64>,
@@ -107,11 +110,13 @@ fn encode_prompt(tok: &tokenizers::Tokenizer, prompt: &str) -> Result<Vec<u32>> 
     Ok(ids)
 }
 
-/// Next token from `logits` (one row) with temperature and top-k, drawn with `rng`.
+/// Next token from `logits` (one row) with temperature, top-k and top-p (the fewest most likely
+/// tokens whose probabilities, after temperature and top-k, sum to at least `top_p`), drawn with
+/// `rng`.
 pub fn pick(
     logits: &[f32],
     temperature: f64,
-    top_k: usize,
+    (top_k, top_p): (usize, f64),
     rng: &mut crate::rng::SplitMix64,
 ) -> u32 {
     let argmax = || {
@@ -138,10 +143,23 @@ pub fn pick(
         order.truncate(top_k);
     }
     let top = logits[order[0]] as f64;
-    let weights: Vec<f64> = order
+    let mut weights: Vec<f64> = order
         .iter()
         .map(|&i| ((logits[i] as f64 - top) / temperature).exp())
         .collect();
+    if top_p < 1.0 {
+        let total: f64 = weights.iter().sum();
+        let mut sum = 0.0;
+        let keep = weights
+            .iter()
+            .position(|w| {
+                sum += w;
+                sum >= top_p * total
+            })
+            .map_or(weights.len(), |i| i + 1);
+        weights.truncate(keep);
+        order.truncate(keep);
+    }
     let total: f64 = weights.iter().sum();
     // A uniform draw in [0, 1) from the top 53 bits.
     let mut u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
@@ -242,7 +260,7 @@ fn generate<B: crate::TrainBackend>(
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| anyhow!("{e:?}"))?;
-        let next = pick(&last, opts.temperature, opts.top_k, &mut rng);
+        let next = pick(&last, opts.temperature, (opts.top_k, opts.top_p), &mut rng);
         generated.push(next);
         write!(out, "{}", crate::tokenizer::decode(&tok, &[next])?)?;
         out.flush()?;
@@ -267,4 +285,35 @@ fn generate<B: crate::TrainBackend>(
         checkpoint: path,
         step,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick;
+    use crate::rng::SplitMix64;
+
+    /// Top-p keeps the fewest most likely tokens that reach it; temperature 0 and top-k as before.
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        // Probabilities at temperature 1: about 0.64, 0.24, 0.09, 0.03.
+        let logits = [3.0f32, 2.0, 1.0, 0.0];
+        let draws = |k: usize, p: f64| -> Vec<u32> {
+            let mut rng = SplitMix64::new(5);
+            let mut seen: Vec<u32> = (0..2000)
+                .map(|_| pick(&logits, 1.0, (k, p), &mut rng))
+                .collect();
+            seen.sort();
+            seen.dedup();
+            seen
+        };
+        assert_eq!(draws(0, 0.5), vec![0]);
+        assert_eq!(draws(0, 0.8), vec![0, 1]);
+        assert_eq!(draws(0, 0.95), vec![0, 1, 2]);
+        assert_eq!(draws(0, 1.0), vec![0, 1, 2, 3]);
+        assert_eq!(draws(2, 1.0), vec![0, 1]);
+        // Top-p among the top-k: 0.64 / 0.88 of the two is below 0.8, so both stay.
+        assert_eq!(draws(2, 0.8), vec![0, 1]);
+        let mut rng = SplitMix64::new(5);
+        assert_eq!(pick(&logits, 0.0, (0, 0.1), &mut rng), 0);
+    }
 }

@@ -1,7 +1,7 @@
 //! `sample`: generates text from a run's checkpoint.
 //!
 //! ```text
-//! sample RUN_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--checkpoint STEP]
+//! sample RUN_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--checkpoint STEP]
 //! ```
 
 use std::path::PathBuf;
@@ -30,6 +30,9 @@ struct Cli {
     /// Sample among the K most likely tokens only (0 = all).
     #[arg(long, default_value_t = 200)]
     top_k: usize,
+    /// Then among the fewest most likely tokens whose probabilities sum to P (1 = all).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
     /// Seed of the sampling.
     #[arg(long, default_value_t = 1337)]
     seed: u64,
@@ -48,12 +51,16 @@ fn main() -> ExitCode {
                 cli.temperature
             );
         }
+        if !(cli.top_p > 0.0 && cli.top_p <= 1.0) {
+            anyhow::bail!("--top-p must be in (0, 1], got {}", cli.top_p);
+        }
         let opts = SampleOptions {
             run_dir: cli.run_dir,
             prompt: cli.prompt,
             max_new_tokens: cli.max_new_tokens,
             temperature: cli.temperature,
             top_k: cli.top_k,
+            top_p: cli.top_p,
             seed: cli.seed,
             checkpoint: cli.checkpoint,
         };
