@@ -27,6 +27,9 @@ pub struct SampleOptions {
     /// Then among the fewest most likely tokens whose probabilities sum to at least `top_p`
     /// (nucleus sampling; 1: all).
     pub top_p: f64,
+    /// Continuations of the prompt generated side by side (one batch); one is printed as it
+    /// comes, several once they are done.
+    pub num_samples: usize,
     pub seed: u64,
     /// Checkpoint step to load (default: the newest).
     pub checkpoint: Option<u64>,
@@ -35,7 +38,11 @@ pub struct SampleOptions {
 /// What a generation produced.
 #[derive(Debug, Clone)]
 pub struct Sampled {
+    /// The first continuation (without the prompt).
     pub text: String,
+    /// Every continuation, the first included.
+    pub samples: Vec<String>,
+    /// New tokens over every sample.
     pub new_tokens: usize,
     pub tokens_per_s: f64,
     pub checkpoint: PathBuf,
@@ -234,54 +241,75 @@ fn generate<B: crate::TrainBackend>(
     let context = cfg.model.context;
 
     let prompt = encode_prompt(&tok, &opts.prompt)?;
+    let n = opts.num_samples.max(1);
     let mut rng = crate::rng::SplitMix64::new(opts.seed);
     let inner = model.wte.weight.val().device();
-    let ids = |v: &[u32]| {
-        Tensor::<B::InnerBackend, 2, Int>::from_data(
-            TensorData::new(
-                v.iter().map(|&i| i as i64).collect::<Vec<_>>(),
-                [1, v.len()],
-            ),
-            &inner,
-        )
+    // Row r of a batch holds `rows[r]`, all of one length.
+    let ids = |rows: &[Vec<u32>]| {
+        let t = rows[0].len();
+        let flat: Vec<i64> = rows.iter().flatten().map(|&i| i as i64).collect();
+        Tensor::<B::InnerBackend, 2, Int>::from_data(TensorData::new(flat, [rows.len(), t]), &inner)
     };
     // A prompt longer than the context keeps its end.
-    let mut window: Vec<u32> = prompt[prompt.len().saturating_sub(context)..].to_vec();
+    let start_window: Vec<u32> = prompt[prompt.len().saturating_sub(context)..].to_vec();
+    let mut windows = vec![start_window; n];
     let mut cache = KvCache::new(cfg.model.n_layer);
-    let mut logits = model.forward_cached(ids(&window), &mut cache);
-    let mut generated = Vec::with_capacity(opts.max_new_tokens);
-    write!(out, "{}", opts.prompt)?;
+    let mut logits = model.forward_cached(ids(&windows), &mut cache);
+    let mut generated: Vec<Vec<u32>> = vec![Vec::with_capacity(opts.max_new_tokens); n];
+    let stream = n == 1;
+    if stream {
+        write!(out, "{}", opts.prompt)?;
+    }
     let start = Instant::now();
     for _ in 0..opts.max_new_tokens {
         let [_, t, v] = logits.dims();
         let last: Vec<f32> = logits
-            .slice([0..1, t - 1..t, 0..v])
+            .slice([0..n, t - 1..t, 0..v])
             .into_data()
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| anyhow!("{e:?}"))?;
-        let next = pick(&last, opts.temperature, (opts.top_k, opts.top_p), &mut rng);
-        generated.push(next);
-        write!(out, "{}", crate::tokenizer::decode(&tok, &[next])?)?;
-        out.flush()?;
-        window.push(next);
+        let mut next = Vec::with_capacity(n);
+        for (r, row) in last.chunks(v).enumerate() {
+            let token = pick(row, opts.temperature, (opts.top_k, opts.top_p), &mut rng);
+            generated[r].push(token);
+            windows[r].push(token);
+            next.push(vec![token]);
+        }
+        if stream {
+            write!(out, "{}", crate::tokenizer::decode(&tok, &[next[0][0]])?)?;
+            out.flush()?;
+        }
         if cache.len() + 1 > context {
             // The cache is full: start again from the last half context (rare; each restart
             // costs one prompt-sized forward).
-            window = window[window.len() - context / 2..].to_vec();
+            for w in &mut windows {
+                *w = w[w.len() - context / 2..].to_vec();
+            }
             cache = KvCache::new(cfg.model.n_layer);
-            logits = model.forward_cached(ids(&window), &mut cache);
+            logits = model.forward_cached(ids(&windows), &mut cache);
         } else {
-            logits = model.forward_cached(ids(&[next]), &mut cache);
+            logits = model.forward_cached(ids(&next), &mut cache);
         }
     }
-    writeln!(out)?;
     let secs = start.elapsed().as_secs_f64();
-    let text = crate::tokenizer::decode(&tok, &generated)?;
+    let samples = generated
+        .iter()
+        .map(|g| crate::tokenizer::decode(&tok, g))
+        .collect::<Result<Vec<_>>>()?;
+    if stream {
+        writeln!(out)?;
+    } else {
+        for (k, text) in samples.iter().enumerate() {
+            writeln!(out, "--- sample {} of {n}\n{}{text}", k + 1, opts.prompt)?;
+        }
+    }
+    let new_tokens = generated.iter().map(Vec::len).sum::<usize>();
     Ok(Sampled {
-        text,
-        new_tokens: generated.len(),
-        tokens_per_s: generated.len() as f64 / secs.max(1e-9),
+        text: samples[0].clone(),
+        samples,
+        new_tokens,
+        tokens_per_s: new_tokens as f64 / secs.max(1e-9),
         checkpoint: path,
         step,
     })

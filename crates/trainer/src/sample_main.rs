@@ -1,7 +1,7 @@
 //! `sample`: generates text from a run's checkpoint.
 //!
 //! ```text
-//! sample RUN_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--checkpoint STEP]
+//! sample RUN_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--num-samples N] [--seed S] [--checkpoint STEP]
 //! ```
 
 use std::path::PathBuf;
@@ -33,6 +33,9 @@ struct Cli {
     /// Then among the fewest most likely tokens whose probabilities sum to P (1 = all).
     #[arg(long, default_value_t = 1.0)]
     top_p: f64,
+    /// Continuations generated side by side, in one batch.
+    #[arg(long, default_value_t = 1)]
+    num_samples: usize,
     /// Seed of the sampling.
     #[arg(long, default_value_t = 1337)]
     seed: u64,
@@ -51,6 +54,9 @@ fn main() -> ExitCode {
                 cli.temperature
             );
         }
+        if cli.num_samples == 0 {
+            anyhow::bail!("--num-samples must be at least 1");
+        }
         if !(cli.top_p > 0.0 && cli.top_p <= 1.0) {
             anyhow::bail!("--top-p must be in (0, 1], got {}", cli.top_p);
         }
@@ -61,6 +67,7 @@ fn main() -> ExitCode {
             temperature: cli.temperature,
             top_k: cli.top_k,
             top_p: cli.top_p,
+            num_samples: cli.num_samples,
             seed: cli.seed,
             checkpoint: cli.checkpoint,
         };

@@ -122,6 +122,38 @@ fn auto_device_falls_back_to_the_cpu_and_learns() {
         "same seed, same text"
     );
 
+    // Three samples side by side, each printed after the prompt; the first is the single run's
+    // text when greedy (every row takes the most likely token).
+    let greedy = |n: &str| {
+        sample(&[
+            "run",
+            "--prompt",
+            "The ",
+            "--max-new-tokens",
+            "30",
+            "--temperature",
+            "0",
+            "--num-samples",
+            n,
+        ])
+    };
+    let (one, three) = (greedy("1"), greedy("3"));
+    let three_out = String::from_utf8_lossy(&three.stdout);
+    assert!(three.status.success(), "{three_out}");
+    let texts: Vec<&str> = three_out
+        .split("--- sample ")
+        .skip(1)
+        .map(|s| s.split_once('\n').unwrap().1.trim_end())
+        .collect();
+    assert_eq!(texts.len(), 3, "{three_out}");
+    assert!(
+        texts
+            .iter()
+            .all(|t| *t == String::from_utf8_lossy(&one.stdout).trim_end()),
+        "{three_out}"
+    );
+    assert!(String::from_utf8_lossy(&three.stderr).contains("90 tokens in"));
+
     // Clear errors: a prompt character the tokenizer never saw, a missing checkpoint, not a run.
     let out = sample(&["run", "--prompt", "\u{1F600}"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
