@@ -286,6 +286,15 @@ fn an_export_reads_back_bit_for_bit_and_starts_a_run() {
         )
         .unwrap();
         let first = common::read_metrics(&next)[0].loss;
+        // The run resumes with model.init_from changed (it only decides a fresh start).
+        let mut on = from.clone();
+        (on.model.init_from, on.training.steps) = (String::new(), 2);
+        trainer::run(
+            &on,
+            &trainer::device::Selected::Cpu,
+            &opts(next.clone(), true),
+        )
+        .unwrap();
         let trained_first = common::read_metrics(&run)[0].loss;
         assert!(
             first < trained_first,
@@ -332,6 +341,28 @@ fn what_does_not_fit_is_refused() {
         text.contains("intermediate_size") && text.contains("model.d_ff"),
         "{text}"
     );
+
+    // Another RoPE scaling is refused.
+    let mut scaled = cfg.model.clone();
+    scaled.rope_scaling.kind = model::config::RopeScalingKind::Llama3;
+    let e = init_from(
+        model::Gpt::<B>::new(&scaled, vocab, &Default::default()),
+        &out,
+    )
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("rope_scaling"), "{e:#}");
+
+    // An earlier export's weight files are removed: only the new ones are read.
+    std::fs::write(out.join("model-00001-of-00002.safetensors"), b"old").unwrap();
+    std::fs::write(out.join("model.safetensors.index.json"), b"{}").unwrap();
+    export(&run, &out, None, ExportDtype::F32).unwrap();
+    assert!(!out.join("model-00001-of-00002.safetensors").exists());
+    assert!(!out.join("model.safetensors.index.json").exists());
+    init_from(
+        model::Gpt::<B>::new(&cfg.model, vocab, &Default::default()),
+        &out,
+    )
+    .unwrap();
 
     // A missing tensor is named.
     let hf = std::fs::read(out.join("model.safetensors")).unwrap();

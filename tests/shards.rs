@@ -133,6 +133,23 @@ fn prepare_round_trips_documents_and_keeps_finished_shards() {
     assert_eq!((resumed.skipped, resumed.written), (train.len() - 1, 1));
     assert_eq!(std::fs::read(last).unwrap(), kept);
 
+    // Other settings into the same directory are refused, naming the setting; so are .bin files
+    // that no prepare.json describes.
+    let mut other = plan(vec![dir.join("part*.txt").to_str().unwrap().into()], &out);
+    other.chunk_bytes = 30_000;
+    assert_mentions(
+        prepare(&other, &tok).expect_err("refused"),
+        &["chunk_bytes"],
+    );
+    let stray = dir.join("stray");
+    std::fs::create_dir_all(&stray).unwrap();
+    std::fs::write(stray.join("train.bin"), [0u8; 8]).unwrap();
+    let into_stray = plan(vec![dir.join("part0.txt").to_str().unwrap().into()], &stray);
+    assert_mentions(
+        prepare(&into_stray, &tok).expect_err("refused"),
+        &["no prepare.json"],
+    );
+
     // Two large files cut into pieces at paragraph boundaries: the same documents, in order.
     let big = scratch("shards_prepare_big");
     let docs = corpus_files(&big, 60_000, 2);
@@ -148,6 +165,24 @@ fn prepare_round_trips_documents_and_keeps_finished_shards() {
         &tokens_of(&shard_files(&big.join("out"), "train")),
         eot,
     );
+    // The same files with Windows line ends (blank lines "\r\n") are cut into pieces too.
+    let crlf = scratch("shards_prepare_crlf");
+    for k in 0..2 {
+        let text = std::fs::read_to_string(big.join(format!("part{k}.txt"))).unwrap();
+        std::fs::write(
+            crlf.join(format!("part{k}.txt")),
+            text.replace('\n', "\r\n"),
+        )
+        .unwrap();
+    }
+    let mut cut = plan(
+        vec![crlf.join("part*.txt").to_str().unwrap().into()],
+        &crlf.join("out"),
+    );
+    cut.chunk_bytes = 8_000;
+    let done_crlf = prepare(&cut, &tok).unwrap();
+    assert_eq!(done_crlf.documents, docs.len());
+    assert!(done_crlf.written >= 6, "pieces of each file: {done_crlf:?}");
     let want: Vec<&String> = docs
         .iter()
         .enumerate()

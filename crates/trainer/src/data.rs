@@ -213,13 +213,17 @@ impl Dataset {
 fn check_lengths(train: &Tokens, val: &Tokens, context: usize, description: &str) -> Result<()> {
     let need = context + 1;
     if train.len() < need || val.len() < need {
-        let (short, advice) = if train.len() < need {
-            ("training", "use more text or a shorter model.context")
-        } else {
-            (
+        let shards = matches!(train, Tokens::Mapped(_));
+        let (short, advice) = match (train.len() < need, shards) {
+            (true, _) => ("training", "use more text or a shorter model.context"),
+            (false, false) => (
                 "validation",
                 "use more text, a shorter model.context or a larger data.val_fraction",
-            )
+            ),
+            (false, true) => (
+                "validation",
+                "prepare with a smaller --val-every, point data.val_path at more shards, or use a shorter model.context",
+            ),
         };
         bail!(
                 "{description} gives {} training and {} validation tokens; the {short} split is shorter than one window \

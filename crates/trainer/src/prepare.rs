@@ -12,7 +12,9 @@
 //!   `chunk_bytes`, from the files alone; chunk `k` becomes `train_{k:05}.bin` and, if it
 //!   holds validation documents, `val_{k:05}.bin`. Each is complete once renamed into place, the
 //!   training shard last, so a run that is stopped and started again skips the chunks whose
-//!   training shard exists, and the same inputs give the same shards.
+//!   training shard exists, and the same inputs give the same shards. `prepare.json` records
+//!   what decides the shards (inputs and sizes, chunk size, split, field, end-of-text token,
+//!   tokenizer); a run with other settings into the same directory is refused.
 //! - Documents are tokenized on every core; a progress bar shows MB/s and tokens/s.
 
 use std::path::{Path, PathBuf};
@@ -75,11 +77,15 @@ impl Input {
         }
         let mut file = std::fs::File::open(&self.path)
             .with_context(|| format!("cannot open {}", self.path.display()))?;
-        let sep: &[u8] = if self.jsonl { b"\n" } else { b"\n\n" };
+        let seps: &[&[u8]] = if self.jsonl {
+            &[b"\n"]
+        } else {
+            &[b"\n\n", b"\n\r\n"]
+        };
         let mut cuts = vec![0u64];
         let mut at = piece;
         while at < self.bytes {
-            match find_after(&mut file, at, sep)
+            match find_after(&mut file, at, seps)
                 .with_context(|| format!("reading {}", self.path.display()))?
             {
                 Some(cut) if cut < self.bytes => cuts.push(cut),
@@ -100,13 +106,15 @@ impl Input {
     }
 }
 
-/// The offset just past the first `sep` at or after byte `from` of `file`, if any.
-fn find_after(file: &mut std::fs::File, from: u64, sep: &[u8]) -> std::io::Result<Option<u64>> {
+/// The offset just past the first of `seps` (the earliest found) at or after byte `from` of
+/// `file`, if any.
+fn find_after(file: &mut std::fs::File, from: u64, seps: &[&[u8]]) -> std::io::Result<Option<u64>> {
     use std::io::{Read, Seek, SeekFrom};
+    let longest = seps.iter().map(|s| s.len()).max().unwrap_or(1);
     let mut buf = vec![0u8; 1 << 16];
     let mut base = from;
     file.seek(SeekFrom::Start(from))?;
-    // The last `sep.len() - 1` bytes of a window are kept for a separator across two windows.
+    // The last `longest - 1` bytes of a window are kept for a separator across two windows.
     let mut kept = 0;
     loop {
         let n = file.read(&mut buf[kept..])?;
@@ -114,10 +122,17 @@ fn find_after(file: &mut std::fs::File, from: u64, sep: &[u8]) -> std::io::Resul
             return Ok(None);
         }
         let have = kept + n;
-        if let Some(i) = buf[..have].windows(sep.len()).position(|w| w == sep) {
-            return Ok(Some(base + (i + sep.len()) as u64));
+        let found = seps
+            .iter()
+            .filter_map(|sep| {
+                let at = buf[..have].windows(sep.len()).position(|w| w == *sep)?;
+                Some(at + sep.len())
+            })
+            .min();
+        if let Some(end) = found {
+            return Ok(Some(base + end as u64));
         }
-        let keep = (sep.len() - 1).min(have);
+        let keep = (longest - 1).min(have);
         buf.copy_within(have - keep..have, 0);
         base += (have - keep) as u64;
         kept = keep;
@@ -222,14 +237,18 @@ fn documents(input: &Input, field: &str) -> Result<Vec<String>> {
 /// The file's line number (from 1) of line `i` of `input`'s piece: the lines before the piece
 /// are counted (only when an error names a line).
 fn line_number(input: &Input, i: usize) -> usize {
-    let before = std::fs::read(&input.path)
-        .map(|b| {
-            b[..(input.start as usize).min(b.len())]
-                .iter()
-                .filter(|&&c| c == b'\n')
-                .count()
-        })
-        .unwrap_or(0);
+    use std::io::Read;
+    let mut before = 0;
+    if let Ok(file) = std::fs::File::open(&input.path) {
+        let mut head = file.take(input.start);
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n) = head.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            before += buf[..n].iter().filter(|&&c| c == b'\n').count();
+        }
+    }
     before + i + 1
 }
 
@@ -309,10 +328,11 @@ pub fn prepare(plan: &Plan, tok: &Tokenizer) -> Result<Prepared> {
     let eot = eot_id(tok, &plan.eot)?;
     let width = format::width_for(tok.get_vocab_size(true));
     let hash = tokenizer::hash(tok)?;
+    let inputs = input_files(&plan.inputs)?;
     std::fs::create_dir_all(&plan.out)
         .with_context(|| format!("cannot create {}", plan.out.display()))?;
+    check_or_write_manifest(plan, &inputs, hash)?;
     tokenizer::save(tok, &plan.out.join("tokenizer.json"))?;
-    let inputs = input_files(&plan.inputs)?;
     let total: u64 = inputs.iter().map(|i| i.bytes).sum();
     let bar = progress_bar(plan.progress, total);
     let started = Instant::now();
@@ -376,6 +396,65 @@ pub fn prepare(plan: &Plan, tok: &Tokenizer) -> Result<Prepared> {
         );
     }
     Ok(done)
+}
+
+/// What decides a prepare's shards, kept as `prepare.json` beside them: the inputs (paths and
+/// sizes), the chunk size, the split, the JSON field, the end-of-text token and the tokenizer.
+fn manifest(plan: &Plan, inputs: &[Input], hash: [u8; 32]) -> serde_json::Value {
+    let files: Vec<serde_json::Value> = inputs
+        .iter()
+        .map(|i| serde_json::json!([i.path.display().to_string(), i.bytes]))
+        .collect();
+    let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
+    serde_json::json!({
+        "format": format::VERSION,
+        "inputs": files,
+        "chunk_bytes": plan.chunk_bytes,
+        "val_every": plan.val_every,
+        "field": plan.field,
+        "eot": plan.eot,
+        "tokenizer_sha256": hex,
+    })
+}
+
+/// Shards already in `plan.out` are kept only if they were made the same way: an error names
+/// the first setting that differs (or says that no `prepare.json` records them). Otherwise
+/// records how the shards are made.
+fn check_or_write_manifest(plan: &Plan, inputs: &[Input], hash: [u8; 32]) -> Result<()> {
+    let path = plan.out.join("prepare.json");
+    let want = manifest(plan, inputs, hash);
+    let advice = "give another --out, or remove its shards to make them anew";
+    if path.exists() {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let had: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+        let keys = want.as_object().expect("an object").keys();
+        if let Some(key) = keys
+            .into_iter()
+            .find(|k| had[k.as_str()] != want[k.as_str()])
+        {
+            bail!(
+                "{} holds shards made with another {key} ({} there, {} now): {advice}",
+                plan.out.display(),
+                had[key.as_str()],
+                want[key.as_str()]
+            );
+        }
+        return Ok(());
+    }
+    let existing = std::fs::read_dir(&plan.out)
+        .with_context(|| format!("cannot list {}", plan.out.display()))?
+        .filter_map(|e| e.ok())
+        .any(|e| e.path().extension().is_some_and(|x| x == "bin"));
+    if existing {
+        bail!(
+            "{} already holds .bin files that no prepare.json describes: {advice}",
+            plan.out.display()
+        );
+    }
+    let text = serde_json::to_string_pretty(&want).expect("JSON serialises");
+    crate::fsutil::write_atomic(&path, text.as_bytes())
 }
 
 /// One split's tokens and document starts in a chunk.

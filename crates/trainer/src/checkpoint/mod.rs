@@ -461,7 +461,10 @@ impl<B: Backend> Restore<'_, B> {
         let per_row: usize = whole[1..].iter().product();
         let have = whole[0].saturating_sub(start).min(count);
         let mut v = vec![0f32; count * per_row];
-        v[..have * per_row].copy_from_slice(&value[start * per_row..(start + have) * per_row]);
+        // A rank whose rows all lie past the parameter's end (`have` 0) keeps only padding.
+        if have > 0 {
+            v[..have * per_row].copy_from_slice(&value[start * per_row..(start + have) * per_row]);
+        }
         let mut shape = whole.to_vec();
         shape[0] = count;
         Tensor::from_data(TensorData::new(v, shape), device)
@@ -534,10 +537,11 @@ where
 {
     let incompatible =
         |why: String| anyhow!("checkpoint {} does not fit this run: {why}", path.display());
+    // The vocabulary is compared below; where a fresh run's weights came from is not the model.
     let mut saved = header.model.clone();
-    saved.vocab_size = 0;
+    (saved.vocab_size, saved.init_from) = (0, String::new());
     let mut ours = model.clone();
-    ours.vocab_size = 0;
+    (ours.vocab_size, ours.init_from) = (0, String::new());
     if saved != ours {
         let a = toml::to_string(&saved).unwrap_or_default();
         let b = toml::to_string(&ours).unwrap_or_default();

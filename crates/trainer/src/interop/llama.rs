@@ -281,6 +281,29 @@ pub fn check_config(json: &serde_json::Value, cfg: &GptConfig, vocab: usize) -> 
             bail!("config.json has {key} = {a}, this run's {ours} gives {b}");
         }
     }
+    let (theirs, ours) = (&json["rope_scaling"], &want["rope_scaling"]);
+    let scaled = |v: &serde_json::Value| !v.is_null() && v["rope_type"].as_str() != Some("default");
+    let same_scaling = match (scaled(theirs), scaled(ours)) {
+        (false, false) => true,
+        (true, true) => [
+            "rope_type",
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ]
+        .iter()
+        .all(|k| match (theirs[k].as_f64(), ours[k].as_f64()) {
+            (Some(a), Some(b)) => (a - b).abs() <= 1e-9 * b.abs().max(1.0),
+            _ => theirs[k] == ours[k],
+        }),
+        _ => false,
+    };
+    if !same_scaling {
+        bail!(
+            "config.json has rope_scaling = {theirs}, this run's [model.rope_scaling] gives {ours}"
+        );
+    }
     if json["hidden_act"].as_str().is_some_and(|a| a != "silu") {
         bail!(
             "config.json has hidden_act = {}: only silu (SwiGLU) is Llama's",

@@ -94,6 +94,7 @@ pub fn export(
     let tensors = llama::to_llama(&header.model, params)?;
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    remove_old_weights(out_dir)?;
     let files = write_safetensors(out_dir, &tensors, dtype)?;
     let config = llama::config_json(&header.model, header.vocab_size, dtype.torch_name());
     write_json(&out_dir.join("config.json"), &config)?;
@@ -103,7 +104,11 @@ pub fn export(
         std::fs::copy(&tokenizer, out_dir.join("tokenizer.json"))
             .with_context(|| format!("copying {}", tokenizer.display()))?;
         if let Ok(tok) = crate::tokenizer::load(&tokenizer) {
-            if let Some(eos) = tok.token_to_id("<|endoftext|>") {
+            // GPT-2's and prepare's end of text, Llama 3's, Llama 2's.
+            let eos = ["<|endoftext|>", "<|end_of_text|>", "</s>"]
+                .iter()
+                .find_map(|t| tok.token_to_id(t));
+            if let Some(eos) = eos {
                 generation["eos_token_id"] = eos.into();
             }
         }
@@ -114,6 +119,23 @@ pub fn export(
         tensors: tensors.len(),
         files,
     })
+}
+
+/// Removes an earlier export's weights from `dir` (its safetensors files and their index), so
+/// that none of them is read with the new ones.
+fn remove_old_weights(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let weights = name.ends_with(".safetensors") || name == "model.safetensors.index.json";
+        if name.starts_with("model") && weights {
+            std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    Ok(())
 }
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {

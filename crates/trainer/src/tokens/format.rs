@@ -94,7 +94,14 @@ pub fn layout(bytes: &[u8], path: &Path) -> Result<Layout> {
         let docs = u64_at(bytes, 24) as usize;
         let max_id_bound = u32_at(bytes, 32);
         let tokenizer_hash: [u8; 32] = bytes[40..72].try_into().expect("32 bytes");
-        let want = HEADER_BYTES + count * width + docs * 8;
+        let want = count
+            .checked_mul(width)
+            .zip(docs.checked_mul(8))
+            .and_then(|(t, d)| t.checked_add(d))
+            .and_then(|n| n.checked_add(HEADER_BYTES));
+        let Some(want) = want else {
+            bail!("{name}: the header's counts ({count} tokens, {docs} documents) are impossible: the file is damaged");
+        };
         if bytes.len() != want {
             bail!(
                 "{name}: the header promises {count} tokens and {docs} documents ({want} bytes) but the file has {} bytes: it is truncated or damaged; prepare it again",
