@@ -142,17 +142,9 @@ fn values<const D: usize>(t: Tensor<NdArray, D>) -> Vec<f32> {
     t.into_data().convert::<f32>().into_vec().unwrap()
 }
 
-/// The ids of `module`'s parameters.
+/// The ids of a module's parameters, in module order.
 fn ids_of<M: Module<B>>(module: &M) -> Vec<ParamId> {
-    struct Ids(Vec<ParamId>);
-    impl ModuleVisitor<B> for Ids {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            self.0.push(p.id);
-        }
-    }
-    let mut ids = Ids(Vec::new());
-    module.visit(&mut ids);
-    ids.0
+    common::param_ids::<B, M>(module)
 }
 
 /// Every gradient in `grads` of `module`'s parameters, flat, by parameter.

@@ -65,15 +65,7 @@ fn by_id<M: Module<B>>(module: &M, grads: &GradientsParams) -> HashMap<ParamId, 
 
 /// The ids of a module's parameters, in module order.
 fn ids_of<M: Module<B>>(module: &M) -> Vec<ParamId> {
-    struct Ids(Vec<ParamId>);
-    impl ModuleVisitor<B> for Ids {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            self.0.push(p.id);
-        }
-    }
-    let mut ids = Ids(Vec::new());
-    module.visit(&mut ids);
-    ids.0
+    common::param_ids::<B, M>(module)
 }
 
 fn model(mlp: MlpKind, combo: Combo, recompute: RecomputeKind) -> Gpt<B> {

@@ -238,3 +238,18 @@ pub fn master_weights(h: &trainer::checkpoint::Header, values: &[f32]) -> Vec<f3
     assert_eq!(at, values.len());
     out
 }
+
+/// The ids of a module's parameters, in module order (any backend).
+pub fn param_ids<Bk: burn::tensor::backend::Backend, M: Module<Bk>>(
+    module: &M,
+) -> Vec<burn::module::ParamId> {
+    struct Ids(Vec<burn::module::ParamId>);
+    impl<Bk: burn::tensor::backend::Backend> ModuleVisitor<Bk> for Ids {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Bk, D>>) {
+            self.0.push(p.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
