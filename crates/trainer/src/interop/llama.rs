@@ -256,9 +256,26 @@ pub fn config_json(cfg: &GptConfig, vocab: usize, dtype: &str) -> serde_json::Va
     })
 }
 
-/// The first difference between a `config.json` and the model `cfg` with `vocab` tokens that
-/// changes the weights' shapes or the forward, named by both keys.
+/// `json` with RoPE's settings where `transformers` 4 writes them (`rope_theta`, `rope_scaling`):
+/// `transformers` 5 writes both as one `rope_parameters` object.
+fn with_rope_keys(json: &serde_json::Value) -> serde_json::Value {
+    let mut json = json.clone();
+    let params = json["rope_parameters"].clone();
+    if params.is_object() {
+        if json["rope_theta"].is_null() {
+            json["rope_theta"] = params["rope_theta"].clone();
+        }
+        if json["rope_scaling"].is_null() {
+            json["rope_scaling"] = params;
+        }
+    }
+    json
+}
+
+/// The first difference between a `config.json` (`transformers` 4's or 5's) and the model `cfg`
+/// with `vocab` tokens that changes the weights' shapes or the forward, named by both keys.
 pub fn check_config(json: &serde_json::Value, cfg: &GptConfig, vocab: usize) -> Result<()> {
+    let json = &with_rope_keys(json);
     let want = config_json(cfg, vocab, "float32");
     let pairs = [
         ("vocab_size", "model.vocab_size (or the tokenizer's)"),
@@ -311,4 +328,37 @@ pub fn check_config(json: &serde_json::Value, cfg: &GptConfig, vocab: usize) -> 
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `transformers` 5 writes RoPE's theta and scaling as one `rope_parameters` object.
+    #[test]
+    fn a_transformers_5_config_is_read() {
+        let cfg = GptConfig {
+            n_kv_head: 2,
+            ..GptConfig::default()
+        };
+        let mut json = config_json(&cfg, 97, "float32");
+        let obj = json.as_object_mut().unwrap();
+        obj.remove("rope_theta");
+        obj.remove("rope_scaling");
+        obj.insert(
+            "rope_parameters".into(),
+            json!({ "rope_theta": cfg.rope_theta, "rope_type": "default" }),
+        );
+        check_config(&json, &cfg, 97).unwrap();
+        json["rope_parameters"]["rope_theta"] = json!(500000.0);
+        let e = check_config(&json, &cfg, 97).unwrap_err().to_string();
+        assert!(
+            e.contains("rope_theta") && e.contains("model.rope_theta"),
+            "{e}"
+        );
+        json["rope_parameters"] =
+            json!({ "rope_theta": cfg.rope_theta, "rope_type": "llama3", "factor": 8.0 });
+        let e = check_config(&json, &cfg, 97).unwrap_err().to_string();
+        assert!(e.contains("rope_scaling"), "{e}");
+    }
 }
