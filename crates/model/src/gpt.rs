@@ -624,6 +624,22 @@ impl<B: Backend> Gpt<B> {
             .collect()
     }
 
+    /// The projections that run in FP8 under `precision` ([`Precision::fp8_in_block`]), with
+    /// the FP8 settings each runs with.
+    pub fn fp8_projections(
+        &self,
+        precision: &Precision,
+    ) -> Vec<(String, &Linear<B>, kernels::Fp8LinearConfig)> {
+        let n_layer = self.blocks.len();
+        let blocks = self.blocks.iter().enumerate();
+        blocks
+            .filter_map(|(i, b)| Some((i, b, precision.fp8_in_block(i, n_layer)?)))
+            .flat_map(|(i, b, cfg)| {
+                named_projections(i, block_projections!(b)).map(move |(n, l)| (n, l, cfg))
+            })
+            .collect()
+    }
+
     /// [`Gpt::projections`], mutable.
     pub fn projections_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
         let blocks = self.blocks.iter_mut().enumerate();

@@ -123,25 +123,17 @@ impl Probes {
     }
 }
 
-/// FP8 health of a step: every projection weight that runs in FP8 (`edge_blocks` at each end of
-/// the model do not) as the fprop GEMM quantizes it (128x128 blocks, or per tensor), from the
-/// master weights cast to `dtype` (`blocks.N.attn.qkv.weight`, ...), then the inputs and output
-/// gradients the projections recorded in `probe` (the step's first micro-batch's entry per
-/// tensor).
+/// FP8 health of a step: every projection weight that runs in FP8 under `precision` (the edge
+/// blocks it keeps in the compute dtype do not) as the fprop GEMM quantizes it (128x128 blocks,
+/// or per tensor), from the master weights cast to `dtype` (`blocks.N.attn.qkv.weight`, ...),
+/// then the inputs and output gradients the projections recorded in `probe` (the step's first
+/// micro-batch's entry per tensor).
 pub fn fp8_health<B: crate::TrainBackend>(
     model: &Gpt<B>,
     dtype: FloatDType,
-    (cfg, edge_blocks): (&kernels::Fp8LinearConfig, usize),
+    precision: &model::Precision,
     probe: &kernels::ProbeSink,
 ) -> Vec<LayerHealth> {
-    let n_layer = model.blocks.len();
-    let in_fp8 = |name: &str| {
-        let layer: Option<usize> = name
-            .strip_prefix("blocks.")
-            .and_then(|r| r.split('.').next())
-            .and_then(|i| i.parse().ok());
-        layer.is_some_and(|l| l >= edge_blocks && l + edge_blocks < n_layer)
-    };
     let health = |layer: String, h: kernels::Fp8Health| LayerHealth {
         layer,
         amax: h.amax,
@@ -150,10 +142,9 @@ pub fn fp8_health<B: crate::TrainBackend>(
     };
     // Every measurement is queued before the first is read back.
     let weights: Vec<_> = model
-        .projections()
+        .fp8_projections(precision)
         .into_iter()
-        .filter(|(name, _)| in_fp8(name))
-        .map(|(name, lin)| {
+        .map(|(name, lin, cfg)| {
             let w = lin.weight.val().inner().cast(dtype);
             (
                 format!("{name}.weight"),

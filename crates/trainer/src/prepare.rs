@@ -151,13 +151,7 @@ fn input_files(specs: &[String]) -> Result<Vec<Input>> {
             walk(path, &mut all)?;
             all
         } else {
-            glob::glob(spec)
-                .with_context(|| {
-                    format!("input {spec:?}: not a file, a directory or a valid glob pattern")
-                })?
-                .filter_map(|p| p.ok())
-                .filter(|p| p.is_file())
-                .collect()
+            crate::tokens::glob_files(spec, &format!("input {spec:?}"))?
         };
         if found.is_empty() {
             bail!("input {spec:?}: no such file, or no file under it or matching it");

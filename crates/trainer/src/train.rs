@@ -605,12 +605,13 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         let eval_now = is_last
             || (cfg.training.eval_interval > 0
                 && done.is_multiple_of(cfg.training.eval_interval as u64));
+        // The recipe's precision, without the step's probes.
+        let precision = model::Precision {
+            fp8: self.fp8_linear,
+            fp8_edge_blocks: cfg.fp8.bf16_edge_blocks,
+            ..model::Precision::new(self.compute_dtype, self.gemm)
+        };
         let val_loss = eval_now.then(|| {
-            let precision = model::Precision {
-                fp8: self.fp8_linear,
-                fp8_edge_blocks: cfg.fp8.bf16_edge_blocks,
-                ..model::Precision::new(self.compute_dtype, self.gemm)
-            };
             let gathers = self.group.zero().and_then(|z| z.plain_gathers());
             evaluate(
                 &model.compute_copy(self.compute_dtype),
@@ -624,11 +625,13 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             p.best_val = Some(p.best_val.map_or(v, |b: f64| b.min(v)));
             p.last_val = Some(v);
         }
-        let fp8 = match (&o.fp8_probe, &self.fp8_linear) {
-            (Some(probe), Some(lin)) => {
-                let edge = (lin, self.cfg.fp8.bf16_edge_blocks);
-                Some(numerics::fp8_health(model, self.compute_dtype, edge, probe))
-            }
+        let fp8 = match (&o.fp8_probe, self.fp8_linear) {
+            (Some(probe), Some(_)) => Some(numerics::fp8_health(
+                model,
+                self.compute_dtype,
+                &precision,
+                probe,
+            )),
             _ => None,
         };
         let record = StepRecord {

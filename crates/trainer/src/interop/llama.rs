@@ -44,13 +44,7 @@ pub fn check_layout(cfg: &GptConfig) -> Result<()> {
 
 /// `m` [rows, cols] transposed.
 fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut t = vec![0f32; m.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            t[c * rows + r] = m[r * cols + c];
-        }
-    }
-    t
+    columns_transposed(m, rows, cols, 0, cols)
 }
 
 /// Columns `from .. from + n` of `m` [rows, cols], transposed: [n, rows].

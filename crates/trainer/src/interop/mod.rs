@@ -207,8 +207,8 @@ fn write_safetensors(dir: &Path, tensors: &[Named], dtype: ExportDtype) -> Resul
 pub struct LlamaDir {
     dir: PathBuf,
     config: serde_json::Value,
-    /// Each file's bytes, and the names it holds.
-    files: Vec<(PathBuf, Vec<u8>)>,
+    /// Each file, memory-mapped (a model of many gigabytes is not copied into memory whole).
+    files: Vec<(PathBuf, memmap2::Mmap)>,
     /// Tensor name -> index into `files`.
     by_name: HashMap<String, usize>,
 }
@@ -253,8 +253,11 @@ impl LlamaDir {
         let mut files = Vec::new();
         let mut by_name = HashMap::new();
         for path in names {
-            let bytes =
-                std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            let file = std::fs::File::open(&path)
+                .with_context(|| format!("cannot open {}", path.display()))?;
+            // SAFETY: the file is only read, while this directory is being loaded.
+            let bytes = unsafe { memmap2::Mmap::map(&file) }
+                .with_context(|| format!("cannot map {}", path.display()))?;
             let st = SafeTensors::deserialize(&bytes)
                 .map_err(|e| anyhow!("{}: not a safetensors file ({e})", path.display()))?;
             for name in st.names() {

@@ -228,13 +228,7 @@ pub fn resolve(spec: &str, within_dir: &str, key: &str) -> Result<Vec<PathBuf>> 
             })
             .collect()
     } else {
-        glob::glob(spec)
-            .with_context(|| {
-                format!("{key} = {spec:?}: not a file, a directory or a valid glob pattern")
-            })?
-            .filter_map(|p| p.ok())
-            .filter(|p| p.is_file())
-            .collect()
+        glob_files(spec, &format!("{key} = {spec:?}"))?
     };
     files.sort();
     if files.is_empty() {
@@ -246,4 +240,14 @@ pub fn resolve(spec: &str, within_dir: &str, key: &str) -> Result<Vec<PathBuf>> 
         bail!("{key} = {spec:?}: {what}; `prepare` writes train_*.bin and val_*.bin shards");
     }
     Ok(files)
+}
+
+/// The files (not directories) the glob pattern `spec` matches, in the pattern's order; an
+/// invalid pattern is an error that starts with `named` (where the pattern came from).
+pub(crate) fn glob_files(spec: &str, named: &str) -> Result<Vec<PathBuf>> {
+    Ok(glob::glob(spec)
+        .with_context(|| format!("{named}: not a file, a directory or a valid glob pattern"))?
+        .filter_map(|p| p.ok())
+        .filter(|p| p.is_file())
+        .collect())
 }
