@@ -63,3 +63,33 @@ tracks! {
     model_training_tracks_fp32_gelu => Fp32, Gelu;
     model_training_tracks_fp16_swiglu => Fp16, Swiglu;
 }
+
+/// `Gpt::decode` (generation with a KV cache written in place) against the full forward
+/// (`tests/model_cases/decode.rs`) with the fused kernels and either attention, and with
+/// FlashAttention on the reference kernels, in f32 and f16, with grouped-query attention (4 query
+/// heads over 2 key/value heads) and without.
+#[test]
+fn decode_matches_the_full_forward() {
+    use model::{AttentionKind, KernelsKind};
+    let _guard = common::serial();
+    for (kernels, attention, mlp, kv_heads) in [
+        (KernelsKind::Fused, AttentionKind::Flash, MlpKind::Swiglu, 2),
+        (KernelsKind::Fused, AttentionKind::Plain, MlpKind::Gelu, 4),
+        (
+            KernelsKind::Reference,
+            AttentionKind::Flash,
+            MlpKind::Gelu,
+            2,
+        ),
+    ] {
+        let cfg = model_cases::decode::config(kernels, attention, mlp, kv_heads);
+        for dtype in [FloatDType::F32, FloatDType::F16] {
+            model_cases::decode::decode_matches_forward::<common::Inner>(
+                &cfg,
+                dtype,
+                f64::powi(2.0, -24),
+                &device(),
+            );
+        }
+    }
+}

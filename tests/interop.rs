@@ -408,6 +408,35 @@ fn export_for_transformers() {
     .unwrap();
 }
 
+/// With `BURNMIX_HF_RUN=RUN_DIR` and `BURNMIX_HF_EXPORT=DIR`: exports that run's newest
+/// checkpoint to DIR in f32 with token ids and our logits on the CPU, as
+/// [`export_for_transformers`] does for the tiny model; for a preset's full-size run
+/// (`llama_125m`) trained elsewhere.
+#[test]
+#[ignore = "writes an export of a given run for tools/peers/hf_check.py"]
+fn export_run_for_transformers() {
+    let (Ok(run), Ok(dir)) = (
+        std::env::var("BURNMIX_HF_RUN"),
+        std::env::var("BURNMIX_HF_EXPORT"),
+    ) else {
+        return;
+    };
+    let run = Path::new(&run);
+    let cfg = trainer::Config::load(&run.join("config.toml"), &[]).unwrap();
+    let out = Path::new(&dir);
+    export(run, out, None, ExportDtype::F32).unwrap();
+    let m = trained(run, &cfg);
+    let vocab = m.wte.weight.dims()[0];
+    let ids: Vec<usize> = (0..64).map(|i| (i * 7919 + 3) % vocab).collect();
+    let logits = logits_of(&m, &ids);
+    std::fs::write(out.join("ids.json"), serde_json::to_string(&ids).unwrap()).unwrap();
+    std::fs::write(
+        out.join("logits.json"),
+        serde_json::to_string(&logits).unwrap(),
+    )
+    .unwrap();
+}
+
 /// Our logits [T][vocab] for one sequence.
 fn logits_of(m: &model::Gpt<B>, ids: &[usize]) -> Vec<Vec<f32>> {
     let ids_t = Tensor::<B, 2, burn::tensor::Int>::from_data(

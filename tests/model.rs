@@ -5,6 +5,7 @@
 //! initialisation, Burn's dropout) holds `common::serial()`.
 
 mod common;
+mod model_cases;
 
 use burn::module::Module;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -181,38 +182,29 @@ fn rope_scores_depend_only_on_relative_position() {
     });
 }
 
-/// `Gpt::forward_cached` (the KV cache of `sample`): a prompt and then one token at a time give the
-/// logits of `forward` on the whole sequence, for tied and untied heads, on Burn's CPU backend.
+/// `Gpt::decode` (the KV cache of `sample`) on the reference model: a prompt and then one token
+/// at a time give the logits of `forward` on the whole sequence (`tests/model_cases/decode.rs`),
+/// for tied and untied heads, with 1, 2 and 4 key/value heads, on Burn's CPU backend.
 #[test]
-fn cached_forward_matches_the_full_forward() {
+fn decode_matches_the_full_forward() {
     use burn::backend::NdArray;
-    let dev = Default::default();
-    for (mlp, tie) in [(MlpKind::Swiglu, true), (MlpKind::Gelu, false)] {
-        let cfg = small(mlp, tie);
-        let gpt = Gpt::<NdArray>::new(&cfg, 37, &dev);
-        let t = 13;
-        let v: Vec<i64> = (0..2 * t).map(|i| (i * 7 % 37) as i64).collect();
-        let ids = Tensor::<NdArray, 2, Int>::from_data(TensorData::new(v, [2, t]), &dev);
-        let full = gpt
-            .forward(ids.clone())
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap();
-        let mut cache = model::KvCache::new(cfg.n_layer);
-        let mut parts = vec![gpt.forward_cached(ids.clone().slice([0..2, 0..5]), &mut cache)];
-        for i in 5..t {
-            parts.push(gpt.forward_cached(ids.clone().slice([0..2, i..i + 1]), &mut cache));
-        }
-        assert_eq!(cache.len(), t);
-        let cached = Tensor::cat(parts, 1).into_data().to_vec::<f32>().unwrap();
-        let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let err = full
-            .iter()
-            .zip(&cached)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            err <= 1e-5 * scale.max(1.0),
-            "{mlp:?} tie {tie}: cached logits differ by {err} (scale {scale})"
+    use model::{AttentionKind, KernelsKind};
+    for (mlp, kv_heads) in [
+        (MlpKind::Swiglu, 4),
+        (MlpKind::Gelu, 2),
+        (MlpKind::Swiglu, 1),
+    ] {
+        let cfg = model_cases::decode::config(
+            KernelsKind::Reference,
+            AttentionKind::Plain,
+            mlp,
+            kv_heads,
+        );
+        model_cases::decode::decode_matches_forward::<NdArray>(
+            &cfg,
+            burn::tensor::FloatDType::F32,
+            f64::powi(2.0, -24),
+            &Default::default(),
         );
     }
 }

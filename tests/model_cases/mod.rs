@@ -23,6 +23,7 @@
 //! 50 steps there. The reference must learn.
 #![allow(dead_code)]
 
+pub mod decode;
 pub mod recompute;
 
 use burn::module::{Module, ModuleVisitor, Param};

@@ -15,7 +15,7 @@ use crate::precision::{Precision, Projection};
 
 /// Score given to masked (future) positions: finite, because WGSL has no infinity literal, and far
 /// enough below any real score that its softmax weight is exactly 0 in f32.
-const MASKED: f32 = -1e9;
+pub(crate) const MASKED: f32 = -1e9;
 
 /// Causal self-attention with rotary position embeddings: multi-head, or grouped-query where
 /// `n_kv_head < n_head` (each key/value head serves `n_head / n_kv_head` query heads).
@@ -60,6 +60,9 @@ impl<B: kernels::Backend> Attention<B> {
     /// The attention and output projection of the packed q/k/v projection `qkv`
     /// [B, T, (H + 2 Hkv) hd] -> [B, T, d].
     fn attend(&self, qkv: Tensor<B, 3>, ctx: &Ctx<B>, layer: usize) -> Tensor<B, 3> {
+        if let Some(cache) = ctx.decode {
+            return self.attend_cached(qkv, ctx, layer, cache);
+        }
         let [b, t, _] = qkv.dims();
         let (h, hkv) = (self.n_head, self.n_kv_head);
         let d = self.proj.weight.dims()[1];
@@ -87,36 +90,7 @@ impl<B: kernels::Backend> Attention<B> {
                 Site::AttentionOut,
             );
         }
-        // [B, T, (H + 2 Hkv) hd] -> [B, H + 2 Hkv, T, hd]; heads 0..H are q, then Hkv of k, then
-        // Hkv of v.
-        let qkv = qkv.reshape([b, t, h + 2 * hkv, hd]).swap_dims(1, 2);
-        let (kh, vh) = (h..h + hkv, h + hkv..h + 2 * hkv);
-        let (q, k, v) = match &ctx.tables {
-            RopeTables::Reference { cos, sin } => {
-                let q = qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]);
-                let k = qkv.clone().slice([0..b, kh, 0..t, 0..hd]);
-                let v = qkv.slice([0..b, vh, 0..t, 0..hd]);
-                (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-            }
-            RopeTables::Fused { cos, sin } => {
-                // The kernel reads q and k strided out of the projection and writes each to its own
-                // dense tensor. Rotating both in one launch and chunking the result would hand the
-                // attention matmuls views with a gap between batch entries, which Burn 0.21's CUDA
-                // matmul multiplies wrongly (docs/results/2026-11-23-late.md, "shakespeare_char on
-                // CUDA (H200): the matrix and the bar", the fused + plain fault).
-                let q = kernels::rope(
-                    qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]),
-                    cos.clone(),
-                    sin.clone(),
-                );
-                let k = kernels::rope(
-                    qkv.clone().slice([0..b, kh, 0..t, 0..hd]),
-                    cos.clone(),
-                    sin.clone(),
-                );
-                (q, k, qkv.slice([0..b, vh, 0..t, 0..hd]))
-            }
-        };
+        let (q, k, v) = self.rotated(qkv, &ctx.tables);
 
         if ctx.attention == AttentionKind::Flash {
             // f32 softmax statistics inside the kernel; the output is laid out [B, T, H, hd], so
@@ -163,51 +137,53 @@ impl<B: kernels::Backend> Attention<B> {
 }
 
 impl<B: kernels::Backend> Attention<B> {
-    /// [`Attention::forward`] on plain Burn ops for new positions `x` [B, T, d] after those whose
-    /// keys and values `slot` holds ([B, H, T_past, hd] each), which it extends. `cos`, `sin` are
-    /// the RoPE tables of the new positions ([1, 1, T, hd / 2]); `mask` [1, 1, T, T_past + T].
-    fn forward_cached(
+    /// The packed projection `qkv` [B, T, (H + 2 Hkv) hd] split into q [B, H, T, hd] and k, v
+    /// [B, Hkv, T, hd], q and k rotated with `tables` (one row per position of `qkv`).
+    pub(crate) fn rotated(
         &self,
-        x: Tensor<B, 3>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
-        mask: &Tensor<B, 4>,
-        slot: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
-    ) -> Tensor<B, 3> {
-        let [b, t, d] = x.dims();
+        qkv: Tensor<B, 3>,
+        tables: &RopeTables<B>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+        let [b, t, _] = qkv.dims();
         let (h, hkv) = (self.n_head, self.n_kv_head);
-        let hd = d / h;
-        let qkv = self
-            .qkv
-            .forward(x)
-            .reshape([b, t, h + 2 * hkv, hd])
-            .swap_dims(1, 2);
-        let q = apply_rope(qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]), cos, sin);
-        let k = apply_rope(qkv.clone().slice([0..b, h..h + hkv, 0..t, 0..hd]), cos, sin);
-        let v = qkv.slice([0..b, h + hkv..h + 2 * hkv, 0..t, 0..hd]);
-        let (k, v) = match slot.take() {
-            Some((pk, pv)) => (Tensor::cat(vec![pk, k], 2), Tensor::cat(vec![pv, v], 2)),
-            None => (k, v),
-        };
-        // The cache holds the key/value heads once; the product repeats them over their groups.
-        *slot = Some((k.clone(), v.clone()));
-        let (k, v) = (repeat_kv(k, h / hkv), repeat_kv(v, h / hkv));
-        let scale = (hd as f64).powf(-0.5);
-        let scores = q
-            .mul_scalar(scale)
-            .matmul(k.swap_dims(2, 3))
-            .cast(FloatDType::F32)
-            + mask.clone();
-        let probs = softmax(scores, 3).cast(v.dtype());
-        let y = probs.matmul(v).swap_dims(1, 2).reshape([b, t, d]);
-        self.proj.forward(y)
+        let hd = self.proj.weight.dims()[1] / h;
+        // [B, T, (H + 2 Hkv) hd] -> [B, H + 2 Hkv, T, hd]; heads 0..H are q, then Hkv of k, then
+        // Hkv of v.
+        let qkv = qkv.reshape([b, t, h + 2 * hkv, hd]).swap_dims(1, 2);
+        let (kh, vh) = (h..h + hkv, h + hkv..h + 2 * hkv);
+        match tables {
+            RopeTables::Reference { cos, sin } => {
+                let q = qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]);
+                let k = qkv.clone().slice([0..b, kh, 0..t, 0..hd]);
+                let v = qkv.slice([0..b, vh, 0..t, 0..hd]);
+                (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+            }
+            RopeTables::Fused { cos, sin } => {
+                // The kernel reads q and k strided out of the projection and writes each to its own
+                // dense tensor. Rotating both in one launch and chunking the result would hand the
+                // attention matmuls views with a gap between batch entries, which Burn 0.21's CUDA
+                // matmul multiplies wrongly (docs/results/2026-11-23-late.md, "shakespeare_char on
+                // CUDA (H200): the matrix and the bar", the fused + plain fault).
+                let q = kernels::rope(
+                    qkv.clone().slice([0..b, 0..h, 0..t, 0..hd]),
+                    cos.clone(),
+                    sin.clone(),
+                );
+                let k = kernels::rope(
+                    qkv.clone().slice([0..b, kh, 0..t, 0..hd]),
+                    cos.clone(),
+                    sin.clone(),
+                );
+                (q, k, qkv.slice([0..b, vh, 0..t, 0..hd]))
+            }
+        }
     }
 }
 
 /// `x` [B, Hkv, T, hd] with each head repeated `group` times in a row, [B, Hkv * group, T, hd]:
 /// query head `h` of grouped-query attention meets key/value head `h / group`. The identity when
 /// `group` is 1.
-fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+pub(crate) fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
     if group == 1 {
         return x;
     }
@@ -215,33 +191,6 @@ fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
     x.unsqueeze_dim::<5>(2)
         .expand([b, hkv, group, t, hd])
         .reshape([b, hkv * group, t, hd])
-}
-
-/// Keys and values of the positions seen so far, per layer, for [`Gpt::forward_cached`].
-#[derive(Debug)]
-pub struct KvCache<B: Backend> {
-    /// Per layer: k and v, [B, n_kv_head, T_seen, head_dim] each.
-    layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
-    len: usize,
-}
-
-impl<B: Backend> KvCache<B> {
-    /// An empty cache for a model of `n_layer` blocks.
-    pub fn new(n_layer: usize) -> Self {
-        Self {
-            layers: (0..n_layer).map(|_| None).collect(),
-            len: 0,
-        }
-    }
-
-    /// Positions cached so far.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 /// Feed-forward block, SwiGLU or GELU.
@@ -410,7 +359,7 @@ pub(crate) struct Stream<B: Backend> {
 }
 
 /// RoPE tables in the layout each implementation takes.
-enum RopeTables<B: Backend> {
+pub(crate) enum RopeTables<B: Backend> {
     /// [1, 1, T, head_dim / 2] each, in the compute dtype.
     Reference {
         cos: Tensor<B, 4>,
@@ -426,21 +375,24 @@ enum RopeTables<B: Backend> {
 /// What every layer of one forward shares: RoPE tables, the causal mask, the attention kind, the
 /// forward's precision and the seed of its in-kernel dropout masks.
 pub(crate) struct Ctx<'a, B: Backend> {
-    tables: RopeTables<B>,
+    pub(crate) tables: RopeTables<B>,
     /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not; only for plain
     /// attention (FlashAttention masks inside its kernels).
-    causal_mask: Option<Tensor<B, 4>>,
-    attention: AttentionKind,
-    precision: &'a Precision,
+    pub(crate) causal_mask: Option<Tensor<B, 4>>,
+    pub(crate) attention: AttentionKind,
+    pub(crate) precision: &'a Precision,
     /// `(p, seed)` when training with dropout.
-    masks: Option<(f64, u64)>,
+    pub(crate) masks: Option<(f64, u64)>,
     /// Whether the embedding's and residual branches' dropout runs in the kernels
     /// (`kernels::dropout`: with the fused ops and flash attention, so that every mask is the
     /// kernels') rather than in Burn's `Dropout` modules.
-    kernel_dropout: bool,
+    pub(crate) kernel_dropout: bool,
     /// Per block (one entry for each of the model's blocks), whether it recomputes its norms'
     /// and activation's outputs ([`GptConfig::recomputes_selectively`]).
-    selective: Vec<bool>,
+    pub(crate) selective: Vec<bool>,
+    /// While generating: the keys and values of the positions before this forward's, which
+    /// the attention extends and attends over ([`crate::decode`]).
+    pub(crate) decode: Option<&'a crate::decode::DecodeCache<B>>,
 }
 
 /// Where a dropout mask applies; with the block index it keys the mask's seed.
@@ -459,7 +411,7 @@ impl<B: kernels::Backend> Ctx<'_, B> {
     }
 
     /// How projection `path` of block `layer` runs.
-    fn projection(&self, layer: usize, path: &str) -> Projection {
+    pub(crate) fn projection(&self, layer: usize, path: &str) -> Projection {
         self.precision.projection(layer, self.selective.len(), path)
     }
 
@@ -608,7 +560,7 @@ impl<B: Backend> Gpt<B> {
     }
 
     /// RoPE's inverse frequencies (`model.rope_theta`, stretched by `model.rope_scaling`).
-    fn rope_freqs(&self) -> Vec<f32> {
+    pub(crate) fn rope_freqs(&self) -> Vec<f32> {
         self.config
             .rope_scaling
             .inv_freq(self.config.head_dim(), self.config.rope_theta)
@@ -740,6 +692,7 @@ impl<B: kernels::Backend> Gpt<B> {
             selective: (0..self.config.n_layer)
                 .map(|l| self.config.recomputes_selectively(l))
                 .collect(),
+            decode: None,
         }
     }
 
@@ -766,7 +719,7 @@ impl<B: kernels::Backend> Gpt<B> {
     }
 
     /// The LM head: the final norm's output [B, T, d] -> logits [B, T, vocab].
-    fn head(&self, x: Tensor<B, 3>, gemm: kernels::Gemm) -> Tensor<B, 3> {
+    pub(crate) fn head(&self, x: Tensor<B, 3>, gemm: kernels::Gemm) -> Tensor<B, 3> {
         let dt = self.compute_dtype;
         let logits = match (&self.lm_head, gemm) {
             (Some(head), gemm) => head.forward_mixed(x, gemm),
@@ -800,54 +753,6 @@ impl<B: kernels::Backend> Gpt<B> {
             Some(h) if h.bias.is_none() => Some(h.weight.val().transpose()),
             Some(_) => None,
         }
-    }
-
-    /// Logits [B, T, vocab] (f32) of `ids` [B, T] as the continuation of the positions in `cache`,
-    /// whose keys and values it extends: a prompt, then one token at a time, gives the logits
-    /// [`Gpt::forward`] gives on the whole sequence, in time linear in its length. Plain Burn ops
-    /// (the reference path), no dropout: for generation. Panics if the cache would exceed
-    /// `model.context`.
-    pub fn forward_cached(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
-        let [_, t] = ids.dims();
-        let past = cache.len;
-        assert!(
-            past + t <= self.config.context,
-            "{past} cached and {t} new positions exceed model.context = {}",
-            self.config.context
-        );
-        assert_eq!(
-            cache.layers.len(),
-            self.blocks.len(),
-            "a cache made for {} layers",
-            cache.layers.len()
-        );
-        let device = ids.device();
-        let dt = self.compute_dtype;
-        let hd = self.config.head_dim();
-        let (cos, sin) = rope_tables_from_freqs::<B>(past + t, &self.rope_freqs(), &device);
-        let rows = [0..1, 0..1, past..past + t, 0..hd / 2];
-        let (cos, sin) = (cos.slice(rows.clone()).cast(dt), sin.slice(rows).cast(dt));
-        // Query i (position past + i) sees keys 0..=past + i.
-        let above = Tensor::<B, 2, Bool>::tril_mask([t, past + t], past as i64, &device);
-        let mask = Tensor::<B, 2>::zeros([t, past + t], &device)
-            .mask_fill(above, MASKED)
-            .reshape([1, 1, t, past + t]);
-        let mut x = self.wte.forward(ids).cast(dt);
-        for (block, slot) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            x = x.clone()
-                + block
-                    .attn
-                    .forward_cached(block.norm1.forward(x), &cos, &sin, &mask, slot);
-            let plain = Projection::plain(kernels::Gemm::Burn);
-            x = x.clone() + block.mlp.forward(block.norm2.forward(x), &plain, &plain);
-        }
-        cache.len += t;
-        let x = self.norm_f.forward(x);
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(x),
-            None => x.matmul(self.wte.weight.val().cast(dt).transpose().unsqueeze()),
-        };
-        logits.cast(FloatDType::F32)
     }
 
     /// Mean next-token cross-entropy (natural log) of `logits` [B, T, V] against `targets` [B, T].

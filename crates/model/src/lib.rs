@@ -29,6 +29,7 @@
 
 pub mod block_hook;
 pub mod config;
+pub mod decode;
 pub mod dropout_seeds;
 pub mod dtype;
 pub mod gpt;
@@ -41,5 +42,6 @@ pub use config::{
     AttentionKind, GemmKind, GptConfig, HeadLossKind, KernelsKind, MlpKind, RecomputeKind,
     RopeScaling, RopeScalingKind,
 };
-pub use gpt::{Gpt, KvCache, Outside};
+pub use decode::DecodeCache;
+pub use gpt::{Gpt, Outside};
 pub use precision::{GradFormat, Precision, Probes};

@@ -98,15 +98,3 @@ pub(crate) struct Projection {
     pub fp8_probe: Option<kernels::Fp8Probe>,
     pub grad_probe: Option<kernels::FormatProbe>,
 }
-
-impl Projection {
-    /// GEMMs on `gemm`, nothing else.
-    pub fn plain(gemm: kernels::Gemm) -> Self {
-        Self {
-            gemm,
-            fp8: None,
-            fp8_probe: None,
-            grad_probe: None,
-        }
-    }
-}

@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use burn::module::AutodiffModule;
-use burn::tensor::{Int, Tensor, TensorData};
-use model::{Gpt, KvCache};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use model::Gpt;
 
 use crate::config::Config;
 use crate::optim::AdamW;
@@ -33,6 +33,9 @@ pub struct SampleOptions {
     pub seed: u64,
     /// Checkpoint step to load (default: the newest).
     pub checkpoint: Option<u64>,
+    /// Dtype of the matmuls and activations (default: the run's compute dtype on CUDA, f32
+    /// elsewhere).
+    pub dtype: Option<FloatDType>,
 }
 
 /// What a generation produced.
@@ -44,7 +47,13 @@ pub struct Sampled {
     pub samples: Vec<String>,
     /// New tokens over every sample.
     pub new_tokens: usize,
+    /// New tokens over every sample per second, from the prompt's forward to the last token.
     pub tokens_per_s: f64,
+    /// Seconds from the start of the prompt's forward to the first new token (kernels compiled
+    /// on first use included).
+    pub first_token_s: f64,
+    /// Dtype the model computed in.
+    pub dtype: FloatDType,
     pub checkpoint: PathBuf,
     pub step: u64,
 }
@@ -145,10 +154,13 @@ pub fn pick(
     if order.is_empty() {
         return argmax();
     }
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    if top_k > 0 {
+    let descending = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]);
+    if top_k > 0 && top_k < order.len() {
+        // The k largest in linear time, then only those sorted.
+        order.select_nth_unstable_by(top_k - 1, descending);
         order.truncate(top_k);
     }
+    order.sort_by(descending);
     let top = logits[order[0]] as f64;
     let mut weights: Vec<f64> = order
         .iter()
@@ -187,12 +199,20 @@ pub fn sample(opts: &SampleOptions, out: &mut dyn Write) -> Result<Sampled> {
         eprintln!("device: {n}");
     }
     match selected {
-        device::Selected::Cuda { index, .. } => generate::<crate::CudaBackend>(
-            opts,
-            run,
-            burn::backend::cuda::CudaDevice::new(index),
-            out,
-        ),
+        device::Selected::Cuda { index, .. } => {
+            // The dtype the run trained in (precision = "auto" is bf16 on CUDA).
+            let recipe = run.0.recipe().map_err(|e| anyhow!("{e}"))?;
+            let opts = SampleOptions {
+                dtype: opts.dtype.or(Some(recipe.compute_dtype())),
+                ..opts.clone()
+            };
+            generate::<crate::CudaBackend>(
+                &opts,
+                run,
+                burn::backend::cuda::CudaDevice::new(index),
+                out,
+            )
+        }
         device::Selected::Wgpu => generate::<crate::WgpuBackend>(
             opts,
             run,
@@ -208,7 +228,7 @@ pub fn sample(opts: &SampleOptions, out: &mut dyn Write) -> Result<Sampled> {
     }
 }
 
-/// [`sample`] on a given backend (f32 weights, the model's plain-Burn path).
+/// [`sample`] on a given backend (in f32 unless `opts.dtype` says otherwise).
 pub fn sample_on<B: crate::TrainBackend>(
     opts: &SampleOptions,
     device: B::Device,
@@ -237,12 +257,12 @@ fn generate<B: crate::TrainBackend>(
         &cfg.model,
         vocab,
     )?;
-    let model = model.valid();
+    let dtype = opts.dtype.unwrap_or(FloatDType::F32);
+    let model = model.valid().compute_copy(dtype);
     let context = cfg.model.context;
 
     let prompt = encode_prompt(&tok, &opts.prompt)?;
     let n = opts.num_samples.max(1);
-    let mut rng = crate::rng::SplitMix64::new(opts.seed);
     let inner = model.wte.weight.val().device();
     // Row r of a batch holds `rows[r]`, all of one length.
     let ids = |rows: &[Vec<u32>]| {
@@ -252,44 +272,46 @@ fn generate<B: crate::TrainBackend>(
     };
     // A prompt longer than the context keeps its end.
     let start_window: Vec<u32> = prompt[prompt.len().saturating_sub(context)..].to_vec();
+    // Room for the prompt and every new token but the last (never fed back), up to the context.
+    let capacity = (start_window.len() + opts.max_new_tokens.max(1) - 1).min(context);
     let mut windows = vec![start_window; n];
-    let mut cache = KvCache::new(cfg.model.n_layer);
-    let mut logits = model.forward_cached(ids(&windows), &mut cache);
+    let mut cache = model.decode_cache(n, capacity, &inner);
+    let picker = Picker::new(opts, n);
     let mut generated: Vec<Vec<u32>> = vec![Vec::with_capacity(opts.max_new_tokens); n];
     let stream = n == 1;
     if stream {
         write!(out, "{}", opts.prompt)?;
     }
     let start = Instant::now();
-    for _ in 0..opts.max_new_tokens {
-        let [_, t, v] = logits.dims();
-        let last: Vec<f32> = logits
-            .slice([0..n, t - 1..t, 0..v])
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .map_err(|e| anyhow!("{e:?}"))?;
-        let mut next = Vec::with_capacity(n);
-        for (r, row) in last.chunks(v).enumerate() {
-            let token = pick(row, opts.temperature, (opts.top_k, opts.top_p), &mut rng);
+    let mut first_token_s = 0.0;
+    let mut logits = model.decode(ids(&windows), &mut cache);
+    for made in 0..opts.max_new_tokens {
+        let next = picker.pick(logits)?;
+        if made == 0 {
+            first_token_s = start.elapsed().as_secs_f64();
+        }
+        for (r, &token) in next.iter().enumerate() {
             generated[r].push(token);
             windows[r].push(token);
-            next.push(vec![token]);
         }
         if stream {
-            write!(out, "{}", crate::tokenizer::decode(&tok, &[next[0][0]])?)?;
+            write!(out, "{}", crate::tokenizer::decode(&tok, &next[..1])?)?;
             out.flush()?;
         }
-        if cache.len() + 1 > context {
-            // The cache is full: start again from the last half context (rare; each restart
-            // costs one prompt-sized forward).
+        if made + 1 == opts.max_new_tokens {
+            break;
+        }
+        if cache.len() == cache.capacity() {
+            // The cache holds the whole context: start again from the last half context (rare;
+            // each restart costs one prompt-sized forward).
             for w in &mut windows {
                 *w = w[w.len() - context / 2..].to_vec();
             }
-            cache = KvCache::new(cfg.model.n_layer);
-            logits = model.forward_cached(ids(&windows), &mut cache);
+            cache.clear();
+            logits = model.decode(ids(&windows), &mut cache);
         } else {
-            logits = model.forward_cached(ids(&next), &mut cache);
+            let last: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+            logits = model.decode(ids(&last), &mut cache);
         }
     }
     let secs = start.elapsed().as_secs_f64();
@@ -310,9 +332,79 @@ fn generate<B: crate::TrainBackend>(
         samples,
         new_tokens,
         tokens_per_s: new_tokens as f64 / secs.max(1e-9),
+        first_token_s,
+        dtype,
         checkpoint: path,
         step,
     })
+}
+
+/// How the next tokens are chosen from the logits of a batch.
+struct Picker {
+    temperature: f64,
+    top_k: usize,
+    top_p: f64,
+    /// One generator per row, so that rows can be drawn in parallel and row 0 draws as a
+    /// single sample does.
+    rngs: Vec<std::sync::Mutex<crate::rng::SplitMix64>>,
+}
+
+impl Picker {
+    fn new(opts: &SampleOptions, rows: usize) -> Self {
+        let rngs = (0..rows as u64)
+            .map(|r| {
+                let seed = opts.seed ^ r.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                std::sync::Mutex::new(crate::rng::SplitMix64::new(seed))
+            })
+            .collect();
+        Self {
+            temperature: opts.temperature,
+            top_k: opts.top_k,
+            top_p: opts.top_p,
+            rngs,
+        }
+    }
+
+    /// One token per row of `logits` [rows, vocab]. Greedy picks take the argmax on the device
+    /// and read back one id a row; sampling reads the logits and draws each row on its own
+    /// thread.
+    fn pick<B: burn::tensor::backend::Backend>(&self, logits: Tensor<B, 2>) -> Result<Vec<u32>> {
+        let [rows, vocab] = logits.dims();
+        if self.temperature <= 0.0 {
+            let ids = logits.argmax(1).into_data().convert::<i64>();
+            let ids = ids.into_vec::<i64>().map_err(|e| anyhow!("{e:?}"))?;
+            return Ok(ids.into_iter().map(|i| i as u32).collect());
+        }
+        let values = logits
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| anyhow!("{e:?}"))?;
+        let draw = |r: usize| {
+            let mut rng = self.rngs[r].lock().expect("a row's generator");
+            let row = &values[r * vocab..(r + 1) * vocab];
+            pick(row, self.temperature, (self.top_k, self.top_p), &mut rng)
+        };
+        if rows == 1 {
+            return Ok(vec![draw(0)]);
+        }
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(rows);
+        let mut next = vec![0u32; rows];
+        std::thread::scope(|scope| {
+            for (part, chunk) in next.chunks_mut(rows.div_ceil(threads)).enumerate() {
+                let first = part * rows.div_ceil(threads);
+                let draw = &draw;
+                scope.spawn(move || {
+                    for (i, slot) in chunk.iter_mut().enumerate() {
+                        *slot = draw(first + i);
+                    }
+                });
+            }
+        });
+        Ok(next)
+    }
 }
 
 #[cfg(test)]

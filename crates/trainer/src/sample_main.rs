@@ -1,7 +1,7 @@
 //! `sample`: generates text from a run's checkpoint.
 //!
 //! ```text
-//! sample RUN_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--num-samples N] [--seed S] [--checkpoint STEP]
+//! sample RUN_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--num-samples N] [--seed S] [--checkpoint STEP] [--dtype f32|bf16|f16]
 //! ```
 
 use std::path::PathBuf;
@@ -12,7 +12,8 @@ use trainer::sample::{sample, SampleOptions};
 
 /// Generate text with a model trained by `train`: loads the run's newest (or given) checkpoint and
 /// tokenizer, continues the prompt one token at a time (keys and values cached, so the cost is
-/// linear in the length), and prints the text as it comes.
+/// linear in the length) on the model's own kernels in the run's compute dtype, and prints the
+/// text as it comes.
 #[derive(Parser, Debug)]
 #[command(version, about, long_about = None)]
 struct Cli {
@@ -42,6 +43,10 @@ struct Cli {
     /// Step of the checkpoint to load (default: the newest).
     #[arg(long, value_name = "STEP")]
     checkpoint: Option<u64>,
+    /// Dtype of the matmuls and activations: f32, bf16 or f16 (default: the run's on CUDA, f32
+    /// elsewhere).
+    #[arg(long, value_name = "DTYPE")]
+    dtype: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -60,6 +65,13 @@ fn main() -> ExitCode {
         if !(cli.top_p > 0.0 && cli.top_p <= 1.0) {
             anyhow::bail!("--top-p must be in (0, 1], got {}", cli.top_p);
         }
+        let dtype = match cli.dtype.as_deref() {
+            None => None,
+            Some("f32") => Some(burn::tensor::FloatDType::F32),
+            Some("bf16") => Some(burn::tensor::FloatDType::BF16),
+            Some("f16") => Some(burn::tensor::FloatDType::F16),
+            Some(other) => anyhow::bail!("--dtype must be f32, bf16 or f16, got {other:?}"),
+        };
         let opts = SampleOptions {
             run_dir: cli.run_dir,
             prompt: cli.prompt,
@@ -70,6 +82,7 @@ fn main() -> ExitCode {
             num_samples: cli.num_samples,
             seed: cli.seed,
             checkpoint: cli.checkpoint,
+            dtype,
         };
         let s = match sample(&opts, &mut std::io::stdout()) {
             Ok(s) => s,
@@ -85,10 +98,12 @@ fn main() -> ExitCode {
             Err(e) => return Err(e),
         };
         eprintln!(
-            "{} tokens in {:.2} s ({:.1} tokens/s) from {} (step {})",
+            "{} tokens in {:.2} s ({:.1} tokens/s, {:?}; first token after {:.3} s) from {} (step {})",
             s.new_tokens,
             s.new_tokens as f64 / s.tokens_per_s.max(1e-9),
             s.tokens_per_s,
+            s.dtype,
+            s.first_token_s,
             s.checkpoint.display(),
             s.step
         );

@@ -1,0 +1,229 @@
+//! Generation: a cache of every block's keys and values, allocated once and written in place,
+//! and a forward that runs only the new positions against it.
+//!
+//! [`Gpt::decode_cache`] allocates, per block, keys and values `[rows, n_kv_head, capacity,
+//! head_dim]` in the model's compute dtype, and the RoPE tables of all `capacity` positions.
+//! [`Gpt::decode`] runs new positions (a prompt, then one token at a time) through the model's own
+//! path (the fused kernels, FlashAttention and cuBLASLt where the config selects them), writes
+//! their keys and values into the cache at their positions and returns the last position's
+//! logits. Shapes do not grow with the length, so no kernel is compiled again as the text grows.
+//!
+//! Attention over the cache:
+//! - FlashAttention reads the cached positions in place (a view of the first `len` rows): a
+//!   prompt into an empty cache with the causal mask, a single new position without a mask;
+//! - the plain path (and several new positions after earlier ones) scores every capacity
+//!   position, masked beyond each query's own (the cache starts zeroed, so the masked ones are
+//!   finite and weigh exactly 0).
+
+use std::cell::RefCell;
+
+use burn::tensor::activation::softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, FloatDType, Int, Tensor};
+
+use crate::config::AttentionKind;
+use crate::dtype::debug_assert_dtype;
+use crate::gpt::{repeat_kv, Attention, Ctx, Gpt, RopeTables, MASKED};
+
+/// Keys and values of the positions generated so far, for [`Gpt::decode`].
+#[derive(Debug)]
+pub struct DecodeCache<B: Backend> {
+    /// Per block: keys and values, [rows, n_kv_head, capacity, head_dim] each, in the compute
+    /// dtype. Taken out while a forward writes them, so that the write happens in place.
+    layers: RefCell<Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>>,
+    /// RoPE's cosines and sines of every position, [capacity, head_dim / 2] f32.
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    rows: usize,
+    capacity: usize,
+    len: usize,
+}
+
+impl<B: Backend> DecodeCache<B> {
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions it can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Sequences it holds side by side (the batch of every [`Gpt::decode`]).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Forgets every position (the memory stays allocated): the next [`Gpt::decode`] starts a
+    /// new text at position 0.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Writes `k`, `v` [rows, n_kv_head, t, head_dim] at positions `len..len + t` of `layer`
+    /// and returns the whole cache of that layer.
+    fn write(
+        &self,
+        layer: usize,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let mut layers = self.layers.borrow_mut();
+        let (ck, cv) = layers[layer]
+            .take()
+            .expect("each block writes its cache once per forward");
+        let [b, hkv, t, hd] = k.dims();
+        let at = [0..b, 0..hkv, self.len..self.len + t, 0..hd];
+        debug_assert_dtype(&k, ck.dtype().into(), "keys written to the decode cache");
+        let ck = ck.slice_assign(at.clone(), k);
+        let cv = cv.slice_assign(at, v);
+        layers[layer] = Some((ck.clone(), cv.clone()));
+        (ck, cv)
+    }
+}
+
+impl<B: kernels::Backend> Gpt<B> {
+    /// A [`DecodeCache`] for `rows` sequences of up to `capacity` positions (at most
+    /// `model.context`), zeroed, on `device`.
+    pub fn decode_cache(&self, rows: usize, capacity: usize, device: &B::Device) -> DecodeCache<B> {
+        assert!(
+            (1..=self.config.context).contains(&capacity),
+            "a decode cache holds 1 to model.context = {} positions, not {capacity}",
+            self.config.context
+        );
+        assert!(rows >= 1, "a decode cache holds at least one sequence");
+        let (hkv, hd) = (self.config.kv_heads(), self.config.head_dim());
+        let zeros =
+            || Tensor::<B, 4>::zeros([rows, hkv, capacity, hd], device).cast(self.compute_dtype);
+        let layers = (0..self.blocks.len())
+            .map(|_| Some((zeros(), zeros())))
+            .collect();
+        let (cos, sin) =
+            kernels::rope::tables_from_freqs::<B>(capacity, &self.rope_freqs(), device);
+        DecodeCache {
+            layers: RefCell::new(layers),
+            cos,
+            sin,
+            rows,
+            capacity,
+            len: 0,
+        }
+    }
+
+    /// Logits [rows, vocab] (f32) of the position after `ids` [rows, T], which continue the
+    /// positions in `cache`; their keys and values are added to it. A prompt and then one token
+    /// at a time give the logits [`Gpt::forward`] gives on the whole text. No dropout: call it on
+    /// a model without autodiff (`model.valid()`). Panics if `ids` has another number of rows
+    /// than the cache or more positions than it has room for.
+    pub fn decode(&self, ids: Tensor<B, 2, Int>, cache: &mut DecodeCache<B>) -> Tensor<B, 2> {
+        let [rows, t] = ids.dims();
+        assert_eq!(
+            rows, cache.rows,
+            "{rows} sequences given to a decode cache of {}",
+            cache.rows
+        );
+        assert!(
+            t >= 1 && cache.len + t <= cache.capacity,
+            "{} cached and {t} new positions exceed the decode cache's {} (clear it first)",
+            cache.len,
+            cache.capacity
+        );
+        let precision = self.precision();
+        let hd = self.config.head_dim();
+        let positions = [cache.len..cache.len + t, 0..hd / 2];
+        let (cos, sin) = (
+            cache.cos.clone().slice(positions.clone()),
+            cache.sin.clone().slice(positions),
+        );
+        let tables = if self.fused() {
+            RopeTables::Fused { cos, sin }
+        } else {
+            let dt = self.compute_dtype;
+            RopeTables::Reference {
+                cos: cos.reshape([1, 1, t, hd / 2]).cast(dt),
+                sin: sin.reshape([1, 1, t, hd / 2]).cast(dt),
+            }
+        };
+        let x = {
+            let ctx = Ctx {
+                tables,
+                causal_mask: None,
+                attention: self.config.attention_resolved(),
+                precision: &precision,
+                masks: None,
+                kernel_dropout: false,
+                selective: vec![false; self.blocks.len()],
+                decode: Some(&*cache),
+            };
+            let mut s = self.embed(ids, &ctx);
+            for (layer, block) in self.blocks.iter().enumerate() {
+                s = block.step(s, &ctx, layer, self.fused());
+            }
+            self.final_norm(s)
+        };
+        cache.len += t;
+        let d = self.config.d_model;
+        let last = x.slice([0..rows, t - 1..t, 0..d]);
+        let vocab = self.wte.weight.dims()[0];
+        self.head(last, precision.gemm)
+            .reshape([rows, vocab])
+            .cast(FloatDType::F32)
+    }
+}
+
+impl<B: kernels::Backend> Attention<B> {
+    /// The attention of the packed projection `qkv` [B, T, (H + 2 Hkv) hd] of new positions over
+    /// `cache`'s and their own keys and values (written into `cache`), and the output
+    /// projection: [B, T, d].
+    pub(crate) fn attend_cached(
+        &self,
+        qkv: Tensor<B, 3>,
+        ctx: &Ctx<B>,
+        layer: usize,
+        cache: &DecodeCache<B>,
+    ) -> Tensor<B, 3> {
+        let [b, t, _] = qkv.dims();
+        let (h, hkv) = (self.n_head, self.n_kv_head);
+        let d = self.proj.weight.dims()[1];
+        let hd = d / h;
+        let scale = (hd as f64).powf(-0.5);
+        let (q, k, v) = self.rotated(qkv, &ctx.tables);
+        let (past, end) = (cache.len, cache.len + t);
+        let (keys, values) = cache.write(layer, k, v);
+        let y = if ctx.attention == AttentionKind::Flash && (past == 0 || t == 1) {
+            // Causal within a prompt (queries and keys both start at position 0); a single new
+            // position sees every cached one.
+            let seen = [0..b, 0..hkv, 0..end, 0..hd];
+            kernels::flash_attention(
+                q,
+                keys.slice(seen.clone()),
+                values.slice(seen),
+                t > 1,
+                Some(scale),
+            )
+        } else {
+            // Query i (position past + i) sees keys 0..=past + i of all capacity positions.
+            let device = q.device();
+            let capacity = cache.capacity;
+            let above = Tensor::<B, 2, Bool>::tril_mask([t, capacity], past as i64, &device);
+            let mask = Tensor::<B, 2>::zeros([t, capacity], &device)
+                .mask_fill(above, MASKED)
+                .reshape([1, 1, t, capacity]);
+            let (keys, values) = (repeat_kv(keys, h / hkv), repeat_kv(values, h / hkv));
+            let scores = q
+                .mul_scalar(scale)
+                .matmul(keys.swap_dims(2, 3))
+                .cast(FloatDType::F32)
+                + mask;
+            softmax(scores, 3).cast(values.dtype()).matmul(values)
+        };
+        let y = y.swap_dims(1, 2).reshape([b, t, d]);
+        self.proj
+            .forward_projection(y, &ctx.projection(layer, "attn.proj"))
+    }
+}
