@@ -99,7 +99,17 @@ fn main() -> Result<()> {
         tokens / secs,
     )];
     if !args.no_peer {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/peers/tokenize_bench.py");
+        // The repository's copy: the working directory's when run from its root (as on a
+        // machine that only has the binary), else the one it was built from.
+        let local = PathBuf::from("tools/peers/tokenize_bench.py");
+        let script = if local.exists() {
+            local
+        } else {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tools/peers/tokenize_bench.py"
+            ))
+        };
         let peer = Command::new("python3")
             .arg(script)
             .args(["--text", &text_path.to_string_lossy()])

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The Python peers of `prepare_bench`: Hugging Face `tokenizers`' batch encode and, where it is
-installed with an encoding it can load offline, `tiktoken`'s `encode_ordinary_batch`, on the same
+installed, `tiktoken`'s `encode_ordinary_batch` (with the named encoding, or, where that cannot
+be fetched offline, with the same byte-level BPE built from the tokenizer.json), on the same
 documents (a text file's blank-line-separated paragraphs, as `prepare` cuts them) with the same
 number of threads.
 
@@ -56,18 +57,44 @@ def main():
 
     try:
         import tiktoken
-
-        enc = tiktoken.get_encoding(args.tiktoken)
-    except Exception as e:  # not installed, or its encoding cannot be fetched offline
+    except ImportError as e:
         print(json.dumps({"peer": "tiktoken", "skipped": f"{type(e).__name__}: {e}"[:200]}))
         return
+    try:
+        enc, name = tiktoken.get_encoding(args.tiktoken), f"tiktoken {args.tiktoken} (its own vocabulary)"
+    except Exception:  # its encoding cannot be fetched offline: the same BPE as ours instead
+        enc, name = tiktoken_from(args.tokenizer), "tiktoken (the same byte-level BPE)"
     t = time.perf_counter()
     ids = enc.encode_ordinary_batch(docs, num_threads=args.threads)
     secs = time.perf_counter() - t
     tokens = sum(len(i) for i in ids)
-    print(json.dumps({"peer": f"tiktoken {args.tiktoken} (its own vocabulary)",
-                      "threads": args.threads, "mb_s": mb / secs, "tokens_s": tokens / secs,
-                      "tokens": tokens}))
+    print(json.dumps({"peer": name, "threads": args.threads, "mb_s": mb / secs,
+                      "tokens_s": tokens / secs, "tokens": tokens}))
+
+
+def tiktoken_from(tokenizer_json):
+    """A tiktoken encoding of a byte-level BPE `tokenizer.json` (GPT-2's scheme, as `prepare
+    --bpe-vocab` trains): each token's bytes ranked by its id (merged tokens' ids follow the
+    merge order), GPT-2's pre-tokenization pattern."""
+    import tiktoken
+
+    model = json.load(open(tokenizer_json))["model"]
+    # GPT-2's map from bytes to the printable characters byte-level tokens are spelled with.
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    chars, extra = dict(), 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    ranks = {}
+    for token, i in model["vocab"].items():
+        if all(c in chars for c in token):
+            ranks[bytes(chars[c] for c in token)] = i
+    pattern = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    return tiktoken.Encoding(name="same-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod numerics;
 pub mod optim;
 pub mod parallel;
+pub mod parquet;
 pub mod precision;
 pub mod prepare;
 pub mod resume;

@@ -2,14 +2,17 @@
 //! `data.source = "shards"` reads through memory maps.
 //!
 //! - **Documents**: a text file's blank-line-separated paragraphs; a JSON Lines file's lines
-//!   (the text in a named field). Inputs are files, directories (every file under them) and glob
-//!   patterns, read in path order; documents are numbered in that order.
+//!   (the text in a named field); a Parquet file's rows (the text in a named column, row group
+//!   by row group; null rows are skipped, `crate::parquet`). Inputs are files, directories
+//!   (every file under them) and glob patterns, read in path order; documents are numbered in
+//!   that order.
 //! - **Split by document**: every `val_every`-th document (the last of each run of
 //!   `val_every`) goes to validation, the rest to training.
 //! - **End of text**: the tokenizer's end-of-text token follows every document.
 //! - **Shards**: the inputs are cut into chunks of at least `chunk_bytes` of text: whole files,
 //!   and pieces of larger files cut at document boundaries found near each multiple of
-//!   `chunk_bytes`, from the files alone; chunk `k` becomes `train_{k:05}.bin` and, if it
+//!   `chunk_bytes` (a Parquet file's row groups, counted by their compressed size), from the
+//!   files alone; chunk `k` becomes `train_{k:05}.bin` and, if it
 //!   holds validation documents, `val_{k:05}.bin`. Each is complete once renamed into place, the
 //!   training shard last, so a run that is stopped and started again skips the chunks whose
 //!   training shard exists, and the same inputs give the same shards. `prepare.json` records
@@ -33,7 +36,7 @@ use crate::tokens::format::{self, ShardInfo};
 pub struct Plan {
     pub inputs: Vec<String>,
     pub out: PathBuf,
-    /// The JSON field holding a JSON Lines document's text.
+    /// The JSON field holding a JSON Lines document's text, or the column of a Parquet file's.
     pub field: String,
     /// Every `val_every`-th document goes to validation.
     pub val_every: usize,
@@ -57,27 +60,48 @@ pub struct Prepared {
     pub text_bytes: u64,
 }
 
-/// One input file, or a piece of one (bytes `start .. start + bytes`), and how its documents
-/// are cut.
+/// One input file, or a piece of one (bytes `start .. start + bytes`; of a Parquet file, row
+/// group `start`, of `bytes` compressed bytes), and how its documents are cut.
 #[derive(Debug, Clone)]
 struct Input {
     path: PathBuf,
-    jsonl: bool,
+    kind: Kind,
     start: u64,
     bytes: u64,
+}
+
+/// How an input file holds its documents (by its extension).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Paragraphs of text.
+    Text,
+    /// `.jsonl` / `.json`: a JSON object per line.
+    Jsonl,
+    /// `.parquet`: a row per document.
+    Parquet,
 }
 
 impl Input {
     /// This input cut into pieces of at least `piece` bytes at document boundaries (after a
     /// blank line in text, after a line end in JSON Lines), so that a file of many gigabytes
     /// makes many shards; the cuts depend on the file alone.
-    fn pieces(self, piece: u64) -> Result<Vec<Input>> {
+    fn pieces(self, piece: u64, field: &str) -> Result<Vec<Input>> {
+        if self.kind == Kind::Parquet {
+            let column = crate::parquet::TextColumn::open(&self.path, field)?;
+            return Ok((0..column.row_groups())
+                .map(|g| Input {
+                    start: g as u64,
+                    bytes: column.chunk_bytes(g),
+                    ..self.clone()
+                })
+                .collect());
+        }
         if self.bytes <= piece {
             return Ok(vec![self]);
         }
         let mut file = std::fs::File::open(&self.path)
             .with_context(|| format!("cannot open {}", self.path.display()))?;
-        let seps: &[&[u8]] = if self.jsonl {
+        let seps: &[&[u8]] = if self.kind == Kind::Jsonl {
             &[b"\n"]
         } else {
             &[b"\n\n", b"\n\r\n"]
@@ -98,7 +122,7 @@ impl Input {
             .windows(2)
             .map(|w| Input {
                 path: self.path.clone(),
-                jsonl: self.jsonl,
+                kind: self.kind,
                 start: w[0],
                 bytes: w[1] - w[0],
             })
@@ -161,10 +185,14 @@ fn input_files(specs: &[String]) -> Result<Vec<Input>> {
             let bytes = std::fs::metadata(&p)
                 .with_context(|| format!("{}: cannot read its size", p.display()))?
                 .len();
-            let jsonl = p.extension().is_some_and(|e| e == "jsonl" || e == "json");
+            let kind = match p.extension().and_then(|e| e.to_str()) {
+                Some("jsonl" | "json") => Kind::Jsonl,
+                Some("parquet") => Kind::Parquet,
+                _ => Kind::Text,
+            };
             files.push(Input {
                 path: p,
-                jsonl,
+                kind,
                 start: 0,
                 bytes,
             });
@@ -188,10 +216,18 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     Ok(())
 }
 
-/// The documents of `input`, in order: paragraphs of a text file, or the `field` of each line
-/// of a JSON Lines file (an error names the file and line).
+/// The documents of `input`, in order: paragraphs of a text file, the `field` of each line of a
+/// JSON Lines file (an error names the file and line), or column `field` of a Parquet row group.
 fn documents(input: &Input, field: &str) -> Result<Vec<String>> {
     use std::io::{Read, Seek, SeekFrom};
+    if input.kind == Kind::Parquet {
+        let column = crate::parquet::TextColumn::open(&input.path, field)?;
+        return Ok(column
+            .read(input.start as usize)?
+            .into_iter()
+            .flatten()
+            .collect());
+    }
     let read = || -> std::io::Result<Vec<u8>> {
         let mut file = std::fs::File::open(&input.path)?;
         file.seek(SeekFrom::Start(input.start))?;
@@ -207,7 +243,7 @@ fn documents(input: &Input, field: &str) -> Result<Vec<String>> {
             input.start as usize + e.utf8_error().valid_up_to()
         )
     })?;
-    if !input.jsonl {
+    if input.kind == Kind::Text {
         return Ok(paragraphs(&text));
     }
     let mut docs = Vec::new();
@@ -267,12 +303,12 @@ pub fn paragraphs(text: &str) -> Vec<String> {
 
 /// The inputs cut into chunks of at least `chunk_bytes` of text (the last may hold less): whole
 /// files, and pieces of files larger than that cut at document boundaries.
-fn chunks(inputs: Vec<Input>, chunk_bytes: u64) -> Result<Vec<Vec<Input>>> {
+fn chunks(inputs: Vec<Input>, chunk_bytes: u64, field: &str) -> Result<Vec<Vec<Input>>> {
     let mut out: Vec<Vec<Input>> = Vec::new();
     let mut size = 0;
     let mut pieces = Vec::new();
     for input in inputs {
-        pieces.extend(input.pieces(chunk_bytes)?);
+        pieces.extend(input.pieces(chunk_bytes, field)?);
     }
     for input in pieces {
         if out.is_empty() || size >= chunk_bytes {
@@ -291,7 +327,7 @@ pub fn sample_text(specs: &[String], field: &str, mb: usize) -> Result<String> {
     let mut sample = String::new();
     for input in input_files(specs)? {
         // Read piece by piece: a file of many gigabytes is not read whole for a sample.
-        for piece in input.pieces(limit as u64)? {
+        for piece in input.pieces(limit as u64, field)? {
             for doc in documents(&piece, field)? {
                 sample.push_str(&doc);
                 sample.push('\n');
@@ -327,15 +363,13 @@ pub fn prepare(plan: &Plan, tok: &Tokenizer) -> Result<Prepared> {
         .with_context(|| format!("cannot create {}", plan.out.display()))?;
     check_or_write_manifest(plan, &inputs, hash)?;
     tokenizer::save(tok, &plan.out.join("tokenizer.json"))?;
-    let total: u64 = inputs.iter().map(|i| i.bytes).sum();
+    let chunks = chunks(inputs, plan.chunk_bytes.max(1), &plan.field)?;
+    let total: u64 = chunks.iter().flatten().map(|i| i.bytes).sum();
     let bar = progress_bar(plan.progress, total);
     let started = Instant::now();
     let mut done = Prepared::default();
     let mut doc_index = 0usize;
-    for (k, chunk) in chunks(inputs, plan.chunk_bytes.max(1))?
-        .into_iter()
-        .enumerate()
-    {
+    for (k, chunk) in chunks.into_iter().enumerate() {
         let train_path = plan.out.join(format!("train_{k:05}.bin"));
         let val_path = plan.out.join(format!("val_{k:05}.bin"));
         let bytes: u64 = chunk.iter().map(|i| i.bytes).sum();

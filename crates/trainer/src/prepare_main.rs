@@ -1,4 +1,4 @@
-//! `prepare`: text and JSON Lines to token shards for `data.source = "shards"`.
+//! `prepare`: text, JSON Lines and Parquet to token shards for `data.source = "shards"`.
 //!
 //! ```text
 //! prepare INPUT... --out DIR (--tokenizer tokenizer.json | --bpe-vocab N) [--field text]
@@ -11,8 +11,9 @@ use std::process::ExitCode;
 use anyhow::{anyhow, bail, Context};
 use clap::Parser;
 
-/// Tokenize text files (each blank-line-separated paragraph a document) and JSON Lines files
-/// (`.jsonl` / `.json`, each line a document) into token shards: `train_NNNNN.bin` and
+/// Tokenize text files (each blank-line-separated paragraph a document), JSON Lines files
+/// (`.jsonl` / `.json`, each line a document) and Parquet files (`.parquet`, each row a document)
+/// into token shards: `train_NNNNN.bin` and
 /// `val_NNNNN.bin` in OUT with the `tokenizer.json` they were made with. Train on them with
 /// `--set data.source=shards --set data.path=OUT --set data.tokenizer=file --set
 /// data.tokenizer_path=OUT/tokenizer.json`. Stopped and started again, it keeps the shards it
@@ -35,7 +36,7 @@ struct Cli {
     /// MB of text the BPE is trained on.
     #[arg(long, default_value_t = 100)]
     sample_mb: usize,
-    /// The field holding a JSON line's text.
+    /// The field holding a JSON line's text, or the column holding a Parquet row's.
     #[arg(long, default_value = "text")]
     field: String,
     /// Every N-th document goes to validation.

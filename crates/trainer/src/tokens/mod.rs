@@ -73,6 +73,36 @@ impl Shard {
     }
 }
 
+/// The largest token id plus one of shard `s`, read from its file in blocks on every core.
+fn scan_bound(s: &Shard) -> std::io::Result<usize> {
+    use std::io::{Read, Seek, SeekFrom};
+    const BLOCK: usize = 8 << 20;
+    let (width, bytes) = (s.layout.width, s.layout.count * s.layout.width);
+    let block_max = |b: usize| -> std::io::Result<u32> {
+        let (start, len) = (b * BLOCK, BLOCK.min(bytes - b * BLOCK));
+        let mut file = std::fs::File::open(&s.path)?;
+        file.seek(SeekFrom::Start((s.layout.offset + start) as u64))?;
+        let mut buf = vec![0u8; len];
+        file.read_exact(&mut buf)?;
+        Ok(match width {
+            2 => buf
+                .chunks_exact(2)
+                .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])))
+                .max(),
+            _ => buf
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .max(),
+        }
+        .unwrap_or(0))
+    };
+    let max = (0..bytes.div_ceil(BLOCK))
+        .into_par_iter()
+        .map(block_max)
+        .try_reduce(|| 0, |a, b| Ok(a.max(b)))?;
+    Ok(if bytes == 0 { 0 } else { max as usize + 1 })
+}
+
 /// Token shard files read through memory maps, as one stream in the order given.
 pub struct ShardSet {
     shards: Vec<Shard>,
@@ -164,11 +194,16 @@ impl ShardSet {
             .iter()
             .map(|s| match s.layout.max_id_bound {
                 Some(m) => m as usize,
-                None => (0..s.layout.count)
-                    .into_par_iter()
-                    .map(|i| s.token(i))
-                    .max()
-                    .map_or(0, |m| m as usize + 1),
+                // Through reads, so that a scan of many gigabytes leaves no page mapped into
+                // the process (through the map it would count them all toward its resident
+                // memory); through the map if a read fails.
+                None => scan_bound(s).unwrap_or_else(|_| {
+                    (0..s.layout.count)
+                        .into_par_iter()
+                        .map(|i| s.token(i))
+                        .max()
+                        .map_or(0, |m| m as usize + 1)
+                }),
             })
             .collect()
     }
