@@ -15,77 +15,12 @@
 //!   position, masked beyond each query's own (the cache starts zeroed, so the masked ones are
 //!   finite and weigh exactly 0).
 
-use std::cell::RefCell;
-
 use burn::tensor::activation::softmax;
-use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
 use crate::config::AttentionKind;
-use crate::dtype::debug_assert_dtype;
+use crate::decode_cache::DecodeCache;
 use crate::gpt::{repeat_kv, Attention, Ctx, Gpt, RopeTables, MASKED};
-
-/// Keys and values of the positions generated so far, for [`Gpt::decode`].
-#[derive(Debug)]
-pub struct DecodeCache<B: Backend> {
-    /// Per block: keys and values, [rows, n_kv_head, capacity, head_dim] each, in the compute
-    /// dtype. Taken out while a forward writes them, so that the write happens in place.
-    layers: RefCell<Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>>,
-    /// RoPE's cosines and sines of every position, [capacity, head_dim / 2] f32.
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
-    rows: usize,
-    capacity: usize,
-    len: usize,
-}
-
-impl<B: Backend> DecodeCache<B> {
-    /// Positions cached so far.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Positions it can hold.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Sequences it holds side by side (the batch of every [`Gpt::decode`]).
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Forgets every position (the memory stays allocated): the next [`Gpt::decode`] starts a
-    /// new text at position 0.
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    /// Writes `k`, `v` [rows, n_kv_head, t, head_dim] at positions `len..len + t` of `layer`
-    /// and returns the whole cache of that layer.
-    fn write(
-        &self,
-        layer: usize,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let mut layers = self.layers.borrow_mut();
-        let (ck, cv) = layers[layer]
-            .take()
-            .expect("each block writes its cache once per forward");
-        let [b, hkv, t, hd] = k.dims();
-        let at = [0..b, 0..hkv, self.len..self.len + t, 0..hd];
-        debug_assert_dtype(&k, ck.dtype().into(), "keys written to the decode cache");
-        let ck = ck.slice_assign(at.clone(), k);
-        let cv = cv.slice_assign(at, v);
-        layers[layer] = Some((ck.clone(), cv.clone()));
-        (ck, cv)
-    }
-}
 
 impl<B: kernels::Backend> Gpt<B> {
     /// A [`DecodeCache`] for `rows` sequences of up to `capacity` positions (at most
@@ -105,14 +40,7 @@ impl<B: kernels::Backend> Gpt<B> {
             .collect();
         let (cos, sin) =
             kernels::rope::tables_from_freqs::<B>(capacity, &self.rope_freqs(), device);
-        DecodeCache {
-            layers: RefCell::new(layers),
-            cos,
-            sin,
-            rows,
-            capacity,
-            len: 0,
-        }
+        DecodeCache::new(layers, (cos, sin), rows, capacity)
     }
 
     /// Logits [rows, vocab] (f32) of the position after `ids` [rows, T], which continue the
@@ -123,19 +51,20 @@ impl<B: kernels::Backend> Gpt<B> {
     pub fn decode(&self, ids: Tensor<B, 2, Int>, cache: &mut DecodeCache<B>) -> Tensor<B, 2> {
         let [rows, t] = ids.dims();
         assert_eq!(
-            rows, cache.rows,
+            rows,
+            cache.rows(),
             "{rows} sequences given to a decode cache of {}",
-            cache.rows
+            cache.rows()
         );
         assert!(
-            t >= 1 && cache.len + t <= cache.capacity,
+            t >= 1 && cache.len() + t <= cache.capacity(),
             "{} cached and {t} new positions exceed the decode cache's {} (clear it first)",
-            cache.len,
-            cache.capacity
+            cache.len(),
+            cache.capacity()
         );
         let precision = self.precision();
         let hd = self.config.head_dim();
-        let positions = [cache.len..cache.len + t, 0..hd / 2];
+        let positions = [cache.len()..cache.len() + t, 0..hd / 2];
         let (cos, sin) = (
             cache.cos.clone().slice(positions.clone()),
             cache.sin.clone().slice(positions),
@@ -166,7 +95,7 @@ impl<B: kernels::Backend> Gpt<B> {
             }
             self.final_norm(s)
         };
-        cache.len += t;
+        cache.advance(t);
         let d = self.config.d_model;
         let last = x.slice([0..rows, t - 1..t, 0..d]);
         let vocab = self.wte.weight.dims()[0];
@@ -193,7 +122,7 @@ impl<B: kernels::Backend> Attention<B> {
         let hd = d / h;
         let scale = (hd as f64).powf(-0.5);
         let (q, k, v) = self.rotated(qkv, &ctx.tables);
-        let (past, end) = (cache.len, cache.len + t);
+        let (past, end) = (cache.len(), cache.len() + t);
         let (keys, values) = cache.write(layer, k, v);
         let y = if ctx.attention == AttentionKind::Flash && (past == 0 || t == 1) {
             // Causal within a prompt (queries and keys both start at position 0); a single new
@@ -209,7 +138,7 @@ impl<B: kernels::Backend> Attention<B> {
         } else {
             // Query i (position past + i) sees keys 0..=past + i of all capacity positions.
             let device = q.device();
-            let capacity = cache.capacity;
+            let capacity = cache.capacity();
             let above = Tensor::<B, 2, Bool>::tril_mask([t, capacity], past as i64, &device);
             let mask = Tensor::<B, 2>::zeros([t, capacity], &device)
                 .mask_fill(above, MASKED)

@@ -392,7 +392,7 @@ pub(crate) struct Ctx<'a, B: Backend> {
     pub(crate) selective: Vec<bool>,
     /// While generating: the keys and values of the positions before this forward's, which
     /// the attention extends and attends over ([`crate::decode`]).
-    pub(crate) decode: Option<&'a crate::decode::DecodeCache<B>>,
+    pub(crate) decode: Option<&'a crate::decode_cache::DecodeCache<B>>,
 }
 
 /// Where a dropout mask applies; with the block index it keys the mask's seed.

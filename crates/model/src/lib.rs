@@ -30,6 +30,7 @@
 pub mod block_hook;
 pub mod config;
 pub mod decode;
+pub mod decode_cache;
 pub mod dropout_seeds;
 pub mod dtype;
 pub mod gpt;
@@ -42,6 +43,6 @@ pub use config::{
     AttentionKind, GemmKind, GptConfig, HeadLossKind, KernelsKind, MlpKind, RecomputeKind,
     RopeScaling, RopeScalingKind,
 };
-pub use decode::DecodeCache;
+pub use decode_cache::DecodeCache;
 pub use gpt::{Gpt, Outside};
 pub use precision::{GradFormat, Precision, Probes};
