@@ -72,24 +72,19 @@ tracks! {
 fn decode_matches_the_full_forward() {
     use model::{AttentionKind, KernelsKind};
     let _guard = common::serial();
-    for (kernels, attention, mlp, kv_heads) in [
-        (KernelsKind::Fused, AttentionKind::Flash, MlpKind::Swiglu, 2),
-        (KernelsKind::Fused, AttentionKind::Plain, MlpKind::Gelu, 4),
-        (
-            KernelsKind::Reference,
-            AttentionKind::Flash,
-            MlpKind::Gelu,
-            2,
-        ),
-    ] {
-        let cfg = model_cases::decode::config(kernels, attention, mlp, kv_heads);
-        for dtype in [FloatDType::F32, FloatDType::F16] {
-            model_cases::decode::decode_matches_forward::<common::Inner>(
-                &cfg,
-                dtype,
-                f64::powi(2.0, -24),
-                &device(),
-            );
-        }
-    }
+    model_cases::decode::each::<common::Inner>(
+        &[
+            (KernelsKind::Fused, AttentionKind::Flash, MlpKind::Swiglu, 2),
+            (KernelsKind::Fused, AttentionKind::Plain, MlpKind::Gelu, 4),
+            (
+                KernelsKind::Reference,
+                AttentionKind::Flash,
+                MlpKind::Gelu,
+                2,
+            ),
+        ],
+        &[FloatDType::F32, FloatDType::F16],
+        f64::powi(2.0, -24),
+        &device(),
+    );
 }

@@ -392,20 +392,7 @@ fn export_for_transformers() {
         &opts(run.clone(), false),
     )
     .unwrap();
-    let out = Path::new(&dir);
-    export(&run, out, None, ExportDtype::F32).unwrap();
-    let m = trained(&run, &cfg);
-    let vocab = m.wte.weight.dims()[0];
-    let ids: Vec<usize> = (0..cfg.model.context)
-        .map(|i| (i * 7 + 3) % vocab)
-        .collect();
-    let logits = logits_of(&m, &ids);
-    std::fs::write(out.join("ids.json"), serde_json::to_string(&ids).unwrap()).unwrap();
-    std::fs::write(
-        out.join("logits.json"),
-        serde_json::to_string(&logits).unwrap(),
-    )
-    .unwrap();
+    export_with_logits(&run, &cfg, Path::new(&dir), (cfg.model.context, 7));
 }
 
 /// With `BURNMIX_HF_RUN=RUN_DIR` and `BURNMIX_HF_EXPORT=DIR`: exports that run's newest
@@ -423,11 +410,21 @@ fn export_run_for_transformers() {
     };
     let run = Path::new(&run);
     let cfg = trainer::Config::load(&run.join("config.toml"), &[]).unwrap();
-    let out = Path::new(&dir);
+    export_with_logits(run, &cfg, Path::new(&dir), (64, 7919));
+}
+
+/// Exports `run`'s newest checkpoint to `out` in f32 with `len` token ids (`(i * stride + 3) mod
+/// vocab`) and our logits on them (`ids.json`, `logits.json`).
+fn export_with_logits(
+    run: &Path,
+    cfg: &trainer::Config,
+    out: &Path,
+    (len, stride): (usize, usize),
+) {
     export(run, out, None, ExportDtype::F32).unwrap();
-    let m = trained(run, &cfg);
+    let m = trained(run, cfg);
     let vocab = m.wte.weight.dims()[0];
-    let ids: Vec<usize> = (0..64).map(|i| (i * 7919 + 3) % vocab).collect();
+    let ids: Vec<usize> = (0..len).map(|i| (i * stride + 3) % vocab).collect();
     let logits = logits_of(&m, &ids);
     std::fs::write(out.join("ids.json"), serde_json::to_string(&ids).unwrap()).unwrap();
     std::fs::write(

@@ -189,24 +189,17 @@ fn rope_scores_depend_only_on_relative_position() {
 fn decode_matches_the_full_forward() {
     use burn::backend::NdArray;
     use model::{AttentionKind, KernelsKind};
-    for (mlp, kv_heads) in [
-        (MlpKind::Swiglu, 4),
-        (MlpKind::Gelu, 2),
-        (MlpKind::Swiglu, 1),
-    ] {
-        let cfg = model_cases::decode::config(
-            KernelsKind::Reference,
-            AttentionKind::Plain,
-            mlp,
-            kv_heads,
-        );
-        model_cases::decode::decode_matches_forward::<NdArray>(
-            &cfg,
-            burn::tensor::FloatDType::F32,
-            f64::powi(2.0, -24),
-            &Default::default(),
-        );
-    }
+    let (reference, plain) = (KernelsKind::Reference, AttentionKind::Plain);
+    model_cases::decode::each::<NdArray>(
+        &[
+            (reference, plain, MlpKind::Swiglu, 4),
+            (reference, plain, MlpKind::Gelu, 2),
+            (reference, plain, MlpKind::Swiglu, 1),
+        ],
+        &[burn::tensor::FloatDType::F32],
+        f64::powi(2.0, -24),
+        &Default::default(),
+    );
 }
 
 /// With `attention = "flash"` and dropout, the kernels drop attention probabilities from the

@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use common::scratch;
 use trainer::parquet::TextColumn;
 use trainer::prepare::{prepare, Plan};
-use trainer::tokens::ShardSet;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/parquet")
@@ -57,32 +56,16 @@ fn every_layout_pyarrow_writes_reads_back() {
     }
 }
 
+/// `prepare`'s settings, with chunks small enough that each row group makes a shard.
 fn plan(inputs: Vec<String>, out: &Path) -> Plan {
     Plan {
-        inputs,
-        out: out.to_path_buf(),
-        field: "text".into(),
-        val_every: 7,
         chunk_bytes: 1_000,
-        eot: "<|endoftext|>".into(),
-        progress: false,
+        ..common::prepare_plan(inputs, out)
     }
 }
 
-fn bpe(text: &str) -> tokenizers::Tokenizer {
-    let mut tok = trainer::tokenizer::train_bpe(text, 300).unwrap();
-    tok.add_special_tokens(vec![tokenizers::AddedToken::from("<|endoftext|>", true)])
-        .unwrap();
-    tok
-}
-
 fn tokens(dir: &Path, split: &str) -> Vec<i64> {
-    let files = trainer::tokens::resolve(dir.to_str().unwrap(), split, "test").unwrap();
-    let set = ShardSet::open(&files).unwrap();
-    let n = set.len();
-    let mut out = Vec::new();
-    trainer::tokens::Tokens::Mapped(set).extend_window(0, n, &mut out);
-    out
+    common::shard_tokens(&common::shard_files(dir, split))
 }
 
 /// Null rows are no documents; every other row is one, as the same texts in a JSON Lines file.
@@ -96,7 +79,7 @@ fn prepare_reads_a_parquet_file_as_the_same_json_lines() {
         .collect();
     let jsonl = dir.join("same.jsonl");
     std::fs::write(&jsonl, lines.join("\n")).unwrap();
-    let tok = bpe(&texts.join("\n"));
+    let tok = common::bpe_with_eot(&texts.join("\n"));
     let from_json = prepare(
         &plan(vec![jsonl.to_str().unwrap().into()], &dir.join("json")),
         &tok,
@@ -166,7 +149,7 @@ fn bad_parquet_is_refused_naming_the_file() {
     // prepare names the file too.
     let e = prepare(
         &plan(vec![path.to_str().unwrap().into()], &dir.join("out")),
-        &bpe("some text\nmore"),
+        &common::bpe_with_eot("some text\nmore"),
     )
     .unwrap_err();
     assert_mentions(e, &["damaged.parquet"]);

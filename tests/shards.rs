@@ -8,9 +8,12 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{opts, read_metrics, scratch, tiny_config};
+use common::{
+    bpe_with_eot as bpe, opts, prepare_plan as plan, read_metrics, scratch, shard_files,
+    shard_tokens as tokens_of, tiny_config,
+};
 use trainer::config::{TextSource, TokenizerKind};
-use trainer::prepare::{prepare, Plan, Prepared};
+use trainer::prepare::{prepare, Prepared};
 use trainer::tokens::{format, ShardSet};
 
 /// Writes the generated corpus cut into `files` text files in `dir`, and returns its paragraphs.
@@ -24,38 +27,8 @@ fn corpus_files(dir: &Path, chars: usize, files: usize) -> Vec<String> {
     docs
 }
 
-fn plan(inputs: Vec<String>, out: &Path) -> Plan {
-    Plan {
-        inputs,
-        out: out.to_path_buf(),
-        field: "text".into(),
-        val_every: 5,
-        chunk_bytes: 20_000,
-        eot: "<|endoftext|>".into(),
-        progress: false,
-    }
-}
-
-fn bpe(text: &str) -> tokenizers::Tokenizer {
-    let mut tok = trainer::tokenizer::train_bpe(text, 300).unwrap();
-    tok.add_special_tokens(vec![tokenizers::AddedToken::from("<|endoftext|>", true)])
-        .unwrap();
-    tok
-}
-
-fn tokens_of(files: &[PathBuf]) -> Vec<i64> {
-    let set = ShardSet::open(files).unwrap();
-    let mut out = Vec::new();
-    trainer::tokens::Tokens::Mapped(set).extend_window(0, total(files), &mut out);
-    out
-}
-
 fn total(files: &[PathBuf]) -> usize {
     ShardSet::open(files).unwrap().len()
-}
-
-fn shard_files(dir: &Path, split: &str) -> Vec<PathBuf> {
-    trainer::tokens::resolve(dir.to_str().unwrap(), split, "test").unwrap()
 }
 
 /// The documents of a split: its tokens cut after each end-of-text token, decoded.

@@ -253,3 +253,38 @@ pub fn param_ids<Bk: burn::tensor::backend::Backend, M: Module<Bk>>(
     module.visit(&mut ids);
     ids.0
 }
+
+/// `prepare`'s settings for the token-shard tests: split every 5th document, chunks of 20 kB.
+pub fn prepare_plan(inputs: Vec<String>, out: &std::path::Path) -> trainer::prepare::Plan {
+    trainer::prepare::Plan {
+        inputs,
+        out: out.to_path_buf(),
+        field: "text".into(),
+        val_every: 5,
+        chunk_bytes: 20_000,
+        eot: "<|endoftext|>".into(),
+        progress: false,
+    }
+}
+
+/// A byte-level BPE of 300 tokens trained on `text`, with `<|endoftext|>` added.
+pub fn bpe_with_eot(text: &str) -> tokenizers::Tokenizer {
+    let mut tok = trainer::tokenizer::train_bpe(text, 300).unwrap();
+    tok.add_special_tokens(vec![tokenizers::AddedToken::from("<|endoftext|>", true)])
+        .unwrap();
+    tok
+}
+
+/// Every token of the shard `files`, as one stream.
+pub fn shard_tokens(files: &[PathBuf]) -> Vec<i64> {
+    let set = trainer::tokens::ShardSet::open(files).unwrap();
+    let n = set.len();
+    let mut out = Vec::new();
+    trainer::tokens::Tokens::Mapped(set).extend_window(0, n, &mut out);
+    out
+}
+
+/// The shards of `split` in `dir`.
+pub fn shard_files(dir: &std::path::Path, split: &str) -> Vec<PathBuf> {
+    trainer::tokens::resolve(dir.to_str().unwrap(), split, "test").unwrap()
+}

@@ -184,25 +184,20 @@ fn cuda_decode_matches_the_full_forward() {
     use model::config::{AttentionKind, KernelsKind};
     let _guard = common::serial();
     let dev = CudaDevice::default();
-    for (kernels, attention, mlp, kv_heads) in [
-        (KernelsKind::Fused, AttentionKind::Flash, MlpKind::Swiglu, 2),
-        (KernelsKind::Fused, AttentionKind::Flash, MlpKind::Gelu, 4),
-        (KernelsKind::Fused, AttentionKind::Plain, MlpKind::Swiglu, 1),
-        (
-            KernelsKind::Reference,
-            AttentionKind::Plain,
-            MlpKind::Gelu,
-            2,
-        ),
-    ] {
-        let cfg = model_cases::decode::config(kernels, attention, mlp, kv_heads);
-        for dtype in [FloatDType::F32, FloatDType::BF16, FloatDType::F16] {
-            model_cases::decode::decode_matches_forward::<Cuda>(
-                &cfg,
-                dtype,
-                TF32_UNIT_ROUNDOFF,
-                &dev,
-            );
-        }
-    }
+    model_cases::decode::each::<Cuda>(
+        &[
+            (KernelsKind::Fused, AttentionKind::Flash, MlpKind::Swiglu, 2),
+            (KernelsKind::Fused, AttentionKind::Flash, MlpKind::Gelu, 4),
+            (KernelsKind::Fused, AttentionKind::Plain, MlpKind::Swiglu, 1),
+            (
+                KernelsKind::Reference,
+                AttentionKind::Plain,
+                MlpKind::Gelu,
+                2,
+            ),
+        ],
+        &[FloatDType::F32, FloatDType::BF16, FloatDType::F16],
+        TF32_UNIT_ROUNDOFF,
+        &dev,
+    );
 }

@@ -93,3 +93,26 @@ pub fn config(
         ..GptConfig::default()
     }
 }
+
+/// A case: the model's kernels, attention, MLP and key/value heads ([`config`]).
+pub type Case = (
+    model::KernelsKind,
+    model::AttentionKind,
+    model::MlpKind,
+    usize,
+);
+
+/// [`decode_matches_forward`] for every case of `cases` in every dtype of `dtypes`.
+pub fn each<B: kernels::Backend>(
+    cases: &[Case],
+    dtypes: &[FloatDType],
+    f32_unit_roundoff: f64,
+    dev: &B::Device,
+) {
+    for &(kernels, attention, mlp, kv_heads) in cases {
+        let cfg = config(kernels, attention, mlp, kv_heads);
+        for &dtype in dtypes {
+            decode_matches_forward::<B>(&cfg, dtype, f32_unit_roundoff, dev);
+        }
+    }
+}

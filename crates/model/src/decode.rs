@@ -78,11 +78,24 @@ impl<B: kernels::Backend> Gpt<B> {
                 sin: sin.reshape([1, 1, t, hd / 2]).cast(dt),
             }
         };
+        let attention = self.config.attention_resolved();
+        let past = cache.len();
+        // The plain path's mask (and FlashAttention's where its causal mask cannot say it:
+        // several new positions after earlier ones), once for every block: query i (position
+        // past + i) sees keys 0..=past + i of all capacity positions.
+        let causal_mask = (!flash_reads_cache(attention, past, t)).then(|| {
+            let device = ids.device();
+            let capacity = cache.capacity();
+            let above = Tensor::<B, 2, Bool>::tril_mask([t, capacity], past as i64, &device);
+            Tensor::<B, 2>::zeros([t, capacity], &device)
+                .mask_fill(above, MASKED)
+                .reshape([1, 1, t, capacity])
+        });
         let x = {
             let ctx = Ctx {
                 tables,
-                causal_mask: None,
-                attention: self.config.attention_resolved(),
+                causal_mask,
+                attention,
                 precision: &precision,
                 masks: None,
                 kernel_dropout: false,
@@ -124,9 +137,7 @@ impl<B: kernels::Backend> Attention<B> {
         let (q, k, v) = self.rotated(qkv, &ctx.tables);
         let (past, end) = (cache.len(), cache.len() + t);
         let (keys, values) = cache.write(layer, k, v);
-        let y = if ctx.attention == AttentionKind::Flash && (past == 0 || t == 1) {
-            // Causal within a prompt (queries and keys both start at position 0); a single new
-            // position sees every cached one.
+        let y = if flash_reads_cache(ctx.attention, past, t) {
             let seen = [0..b, 0..hkv, 0..end, 0..hd];
             kernels::flash_attention(
                 q,
@@ -136,13 +147,10 @@ impl<B: kernels::Backend> Attention<B> {
                 Some(scale),
             )
         } else {
-            // Query i (position past + i) sees keys 0..=past + i of all capacity positions.
-            let device = q.device();
-            let capacity = cache.capacity();
-            let above = Tensor::<B, 2, Bool>::tril_mask([t, capacity], past as i64, &device);
-            let mask = Tensor::<B, 2>::zeros([t, capacity], &device)
-                .mask_fill(above, MASKED)
-                .reshape([1, 1, t, capacity]);
+            let mask = ctx
+                .causal_mask
+                .clone()
+                .expect("Gpt::decode builds the mask where FlashAttention does not mask");
             let (keys, values) = (repeat_kv(keys, h / hkv), repeat_kv(values, h / hkv));
             let scores = q
                 .mul_scalar(scale)
@@ -155,4 +163,11 @@ impl<B: kernels::Backend> Attention<B> {
         self.proj
             .forward_projection(y, &ctx.projection(layer, "attn.proj"))
     }
+}
+
+/// Whether FlashAttention attends `t` new positions after `past` cached ones straight from the
+/// cache: causal within a prompt (queries and keys both start at position 0), unmasked for a
+/// single new position (it sees every cached one). Otherwise the plain path runs with a mask.
+fn flash_reads_cache(attention: AttentionKind, past: usize, t: usize) -> bool {
+    attention == AttentionKind::Flash && (past == 0 || t == 1)
 }

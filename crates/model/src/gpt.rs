@@ -376,8 +376,9 @@ pub(crate) enum RopeTables<B: Backend> {
 /// forward's precision and the seed of its in-kernel dropout masks.
 pub(crate) struct Ctx<'a, B: Backend> {
     pub(crate) tables: RopeTables<B>,
-    /// [1, 1, T, T], f32: 0 where a query may attend, MASKED where it may not; only for plain
-    /// attention (FlashAttention masks inside its kernels).
+    /// [1, 1, T, T] ([1, 1, T, capacity] while generating), f32: 0 where a query may attend,
+    /// MASKED where it may not; only where plain attention runs (FlashAttention masks inside its
+    /// kernels).
     pub(crate) causal_mask: Option<Tensor<B, 4>>,
     pub(crate) attention: AttentionKind,
     pub(crate) precision: &'a Precision,

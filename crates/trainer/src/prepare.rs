@@ -68,6 +68,8 @@ struct Input {
     kind: Kind,
     start: u64,
     bytes: u64,
+    /// A Parquet file's text column, once its footer is read (its row groups share it).
+    column: Option<std::sync::Arc<crate::parquet::TextColumn>>,
 }
 
 /// How an input file holds its documents (by its extension).
@@ -87,11 +89,12 @@ impl Input {
     /// makes many shards; the cuts depend on the file alone.
     fn pieces(self, piece: u64, field: &str) -> Result<Vec<Input>> {
         if self.kind == Kind::Parquet {
-            let column = crate::parquet::TextColumn::open(&self.path, field)?;
+            let column = std::sync::Arc::new(crate::parquet::TextColumn::open(&self.path, field)?);
             return Ok((0..column.row_groups())
                 .map(|g| Input {
                     start: g as u64,
                     bytes: column.chunk_bytes(g),
+                    column: Some(column.clone()),
                     ..self.clone()
                 })
                 .collect());
@@ -125,6 +128,7 @@ impl Input {
                 kind: self.kind,
                 start: w[0],
                 bytes: w[1] - w[0],
+                column: None,
             })
             .collect())
     }
@@ -195,6 +199,7 @@ fn input_files(specs: &[String]) -> Result<Vec<Input>> {
                 kind,
                 start: 0,
                 bytes,
+                column: None,
             });
         }
     }
@@ -221,7 +226,10 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 fn documents(input: &Input, field: &str) -> Result<Vec<String>> {
     use std::io::{Read, Seek, SeekFrom};
     if input.kind == Kind::Parquet {
-        let column = crate::parquet::TextColumn::open(&input.path, field)?;
+        let column = input
+            .column
+            .as_ref()
+            .expect("a Parquet file is read through its row groups (Input::pieces)");
         return Ok(column
             .read(input.start as usize)?
             .into_iter()

@@ -276,7 +276,7 @@ fn generate<B: crate::TrainBackend>(
     let capacity = (start_window.len() + opts.max_new_tokens.max(1) - 1).min(context);
     let mut windows = vec![start_window; n];
     let mut cache = model.decode_cache(n, capacity, &inner);
-    let picker = Picker::new(opts, n);
+    let mut picker = Picker::new(opts, n);
     let mut generated: Vec<Vec<u32>> = vec![Vec::with_capacity(opts.max_new_tokens); n];
     let stream = n == 1;
     if stream {
@@ -346,16 +346,13 @@ struct Picker {
     top_p: f64,
     /// One generator per row, so that rows can be drawn in parallel and row 0 draws as a
     /// single sample does.
-    rngs: Vec<std::sync::Mutex<crate::rng::SplitMix64>>,
+    rngs: Vec<crate::rng::SplitMix64>,
 }
 
 impl Picker {
     fn new(opts: &SampleOptions, rows: usize) -> Self {
         let rngs = (0..rows as u64)
-            .map(|r| {
-                let seed = opts.seed ^ r.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                std::sync::Mutex::new(crate::rng::SplitMix64::new(seed))
-            })
+            .map(|r| crate::rng::SplitMix64::new(opts.seed ^ r.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
             .collect();
         Self {
             temperature: opts.temperature,
@@ -366,10 +363,13 @@ impl Picker {
     }
 
     /// One token per row of `logits` [rows, vocab]. Greedy picks take the argmax on the device
-    /// and read back one id a row; sampling reads the logits and draws each row on its own
-    /// thread.
-    fn pick<B: burn::tensor::backend::Backend>(&self, logits: Tensor<B, 2>) -> Result<Vec<u32>> {
-        let [rows, vocab] = logits.dims();
+    /// and read back one id a row; sampling reads the logits and draws the rows in parallel.
+    fn pick<B: burn::tensor::backend::Backend>(
+        &mut self,
+        logits: Tensor<B, 2>,
+    ) -> Result<Vec<u32>> {
+        use rayon::prelude::*;
+        let [_, vocab] = logits.dims();
         if self.temperature <= 0.0 {
             let ids = logits.argmax(1).into_data().convert::<i64>();
             let ids = ids.into_vec::<i64>().map_err(|e| anyhow!("{e:?}"))?;
@@ -380,30 +380,12 @@ impl Picker {
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| anyhow!("{e:?}"))?;
-        let draw = |r: usize| {
-            let mut rng = self.rngs[r].lock().expect("a row's generator");
-            let row = &values[r * vocab..(r + 1) * vocab];
-            pick(row, self.temperature, (self.top_k, self.top_p), &mut rng)
-        };
-        if rows == 1 {
-            return Ok(vec![draw(0)]);
-        }
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(rows);
-        let mut next = vec![0u32; rows];
-        std::thread::scope(|scope| {
-            for (part, chunk) in next.chunks_mut(rows.div_ceil(threads)).enumerate() {
-                let first = part * rows.div_ceil(threads);
-                let draw = &draw;
-                scope.spawn(move || {
-                    for (i, slot) in chunk.iter_mut().enumerate() {
-                        *slot = draw(first + i);
-                    }
-                });
-            }
-        });
-        Ok(next)
+        let (temperature, filter) = (self.temperature, (self.top_k, self.top_p));
+        Ok(values
+            .par_chunks(vocab)
+            .zip(self.rngs.par_iter_mut())
+            .map(|(row, rng)| pick(row, temperature, filter, rng))
+            .collect())
     }
 }
 

@@ -72,8 +72,10 @@ impl TextColumn {
                 found = Some((el.clone(), el.int(5).unwrap_or(0), leaf));
             }
             names.push(name);
-            leaf += leaves(schema, i).with_context(|| format!("{}: its schema", at()))?;
-            i += 1 + descendants(schema, i).with_context(|| format!("{}: its schema", at()))?;
+            let end =
+                i + 1 + descendants(schema, i).with_context(|| format!("{}: its schema", at()))?;
+            leaf += leaves(&schema[i..end]);
+            i = end;
         }
         let Some((el, children, index)) = found else {
             bail!(
@@ -218,13 +220,12 @@ fn descendants(schema: &[Value], i: usize) -> Result<usize> {
     Ok(n)
 }
 
-/// Leaf columns (elements without children) from element `i` through its descendants.
-fn leaves(schema: &[Value], i: usize) -> Result<usize> {
-    let end = i + 1 + descendants(schema, i)?;
-    Ok(schema[i..end]
+/// Leaf columns (elements without children) among `elements`.
+fn leaves(elements: &[Value]) -> usize {
+    elements
         .iter()
         .filter(|v| matches!(v, Value::Struct(el) if el.int(5).unwrap_or(0) == 0))
-        .count())
+        .count()
 }
 
 fn type_name(t: Option<i64>) -> &'static str {
