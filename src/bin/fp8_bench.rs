@@ -18,7 +18,8 @@
 //! proj 768 -> 768, fc 768 -> 3072, mlp proj 3072 -> 768).
 //!
 //! With `--quantizers`, it prints the quantizer alone instead: for GPT-2 small's activations,
-//! output gradients and weights at 16 x 1024 tokens, every granularity, each as stored and
+//! output gradients and weights at 16 x 1024 tokens and the activations of a width-2048 model
+//! (d_ff 8192) at the same tokens, every granularity, each as stored and
 //! transposed (the wgrad operands) and both ([`kernels::fp8_quantize_pair`], what the FP8 linear
 //! layer runs: one fused kernel, or two passes), the time per call and GB/s of the bytes one read
 //! of the input and the codes and scales written come to.
@@ -187,6 +188,8 @@ fn quantizers<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, compute: Floa
         ("x (d_ff)", 16384, 3072),
         ("weight fc", 768, 3072),
         ("weight qkv", 768, 2304),
+        ("x (width 2048)", 16384, 2048),
+        ("x (width 2048, d_ff)", 16384, 8192),
     ] {
         let x = Tensor::<Bk, 2>::random([rows, cols], Distribution::Normal(0.0, 1.0), dev)
             .cast(compute);

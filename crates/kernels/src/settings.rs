@@ -155,7 +155,7 @@ pub struct Settings {
     /// The tensor-core FP8 GEMM's cube shape; `None`: [`MmaShape::DEFAULT`].
     pub fp8_mma_shape: Option<MmaShape>,
     /// How the FP8 quantizer takes both orientations of an operand
-    /// ([`crate::fp8::fp8_quantize_pair`]); `None`: per granularity ([`crate::fp8::fp8_pair_path`]).
+    /// ([`crate::fp8::fp8_quantize_pair`]); `None`: fused ([`crate::fp8::fp8_pair_path`]).
     pub fp8_pair: Option<Fp8PairPath>,
     /// FlashAttention tile overrides; `None`: the defaults.
     pub flash_tiles: Option<FlashTiles>,

@@ -9,7 +9,7 @@ use cubecl::prelude::*;
 
 use super::kernel::{
     dequantize as dequantize_kernel, health as health_kernel, quantize as quantize_kernel,
-    quantize_cols, quantize_pair as quantize_pair_kernel, tensor_amax,
+    quantize_cols, quantize_pair as quantize_pair_kernel, quantize_pair_tiles, tensor_amax,
 };
 use super::{Fp8Granularity, QuantSpec, TILE};
 use crate::check::{check_float, fail};
@@ -210,6 +210,9 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         return (quantize(x, &spec), t);
     }
     let transposed = spec.transposed(true);
+    if !args.block {
+        return quantize_pair_tiles_of(x, &spec, &args);
+    }
     let payload = empty(&x, vec![rows, col_tiles * TILE / 4], DType::I32);
     let scales = empty(
         &x,
@@ -244,6 +247,59 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         spec.pow2,
         args.vec4,
         args.plane,
+        spec.format.consts(),
+        dtype.into(),
+    );
+    ((payload, scales), (payload_t, scales_t))
+}
+
+/// [`quantize_pair`] for 1x128 tiles or one scale per tensor: the [`quantize_pair_tiles`] kernel,
+/// reading rows as vectors of up to 8 elements (16 bytes of bf16) when they are contiguous.
+fn quantize_pair_tiles_of<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    spec: &QuantSpec,
+    args: &TileArgs,
+) -> (Quantized<R>, Quantized<R>) {
+    let (rows, cols, stride_i, stride_j) = (args.rows, args.k, args.stride_i, args.stride_j);
+    let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
+    let transposed = spec.transposed(true);
+    let payload = empty(&x, vec![rows, col_tiles * TILE / 4], DType::I32);
+    let scales = empty(
+        &x,
+        vec![spec.scale_rows(rows), spec.scale_cols(cols)],
+        DType::F32,
+    );
+    let payload_t = empty(&x, vec![cols, row_tiles * TILE / 4], DType::I32);
+    let scales_t = empty(
+        &x,
+        vec![transposed.scale_rows(cols), transposed.scale_cols(rows)],
+        DType::F32,
+    );
+    let width = if stride_j == 1 {
+        crate::launch::vector_width(&x, &[x.dtype], &[8, cols, stride_i])
+    } else {
+        1
+    };
+    let amax = args.amax(&x);
+    let (client, dtype) = (x.client.clone(), x.dtype);
+    quantize_pair_tiles::launch::<R>(
+        &client,
+        CubeCount::Static(col_tiles as u32, row_tiles as u32, 1),
+        CubeDim::new_1d(256),
+        width,
+        x.into_tensor_arg(),
+        amax.into_tensor_arg(),
+        payload.clone().into_tensor_arg(),
+        scales.clone().into_tensor_arg(),
+        payload_t.clone().into_tensor_arg(),
+        scales_t.clone().into_tensor_arg(),
+        rows,
+        cols,
+        stride_i,
+        stride_j,
+        width,
+        args.tensor_scale,
+        spec.pow2,
         spec.format.consts(),
         dtype.into(),
     );

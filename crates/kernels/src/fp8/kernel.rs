@@ -33,53 +33,42 @@ pub(crate) struct FormatConsts {
     pub max_exp: u32,
 }
 
-/// The magnitude code of `x * scale` (see `reference::encode`): `x` finite and normal.
-#[cube]
-fn encode_positive(y: u32, #[comptime] f: FormatConsts) -> u32 {
-    let m = comptime!(f.mant);
-    let first_normal = comptime!(128 - f.bias);
-    let ef = y >> 23;
-    let mant = y & 0x7F_FFFFu32;
-    let mut code = 0u32;
-    if ef >= first_normal {
-        code = ((ef - comptime!(127 - f.bias)) << m) | (mant >> comptime!(23 - m));
-        let rem = mant & comptime!((1u32 << (23 - m)) - 1);
-        let half = comptime!(1u32 << (22 - m));
-        if rem > half || (rem == half && (code & 1) == 1) {
-            code += 1;
-        }
-        if code > comptime!(f.max_code) {
-            code = comptime!(f.max_code);
-        }
-    } else if ef > 0 {
-        let shift = (first_normal - ef) + comptime!(23 - m);
-        if shift <= 24 {
-            let full = 0x80_0000u32 | mant;
-            code = full >> shift;
-            let rem = full & ((1u32 << shift) - 1);
-            let half = 1u32 << (shift - 1);
-            if rem > half || (rem == half && (code & 1) == 1) {
-                code += 1;
-            }
-        }
-    }
-    code
-}
-
 /// The code (sign in bit 7) of `x * scale`; NaN -> NaN, inf -> the format's inf code, |x| below
-/// the smallest f32 normal -> 0 with x's sign.
+/// the smallest f32 normal -> 0 with x's sign: the same bytes as `reference::encode`, without
+/// branches. `y = |x| * scale` is rounded to nearest-even on the format's grid in one of two ways,
+/// and the right one selected:
+/// - normal range (`y` >= the format's smallest normal): adding `half - 1` plus the lowest kept
+///   mantissa bit to the f32 bits and dropping the low `23 - mant` bits rounds the mantissa to
+///   nearest-even (a carry moves into the exponent, as it should); re-biasing the exponent gives
+///   the code, capped at the largest finite one (saturation);
+/// - subnormal range: `y * 2^(bias - 1 + mant)` is the code as a real number below `2^mant`;
+///   adding `2^23` makes the f32 addition round it to an integer, nearest-even, which the low bits
+///   then hold. A `y` that rounds up to the smallest normal gives its code, `2^mant`.
 #[cube]
 fn encode(x: f32, scale: f32, #[comptime] f: FormatConsts) -> u32 {
+    let m = comptime!(f.mant);
+    let shift = comptime!(23 - m);
     let bits = u32::reinterpret(x);
     let a = bits & 0x7FFF_FFFFu32;
-    let mut mag = 0u32;
-    if a > 0x7F80_0000u32 {
-        mag = 0x7Fu32;
-    } else if a == 0x7F80_0000u32 {
-        mag = comptime!(f.inf_code);
-    } else if a >= 0x80_0000u32 {
-        mag = encode_positive(u32::reinterpret(f32::reinterpret(a) * scale), f);
-    }
+    let y = u32::reinterpret(f32::reinterpret(a) * scale);
+    let rounded = (y + comptime!((1u32 << (22 - m)) - 1) + ((y >> shift) & 1u32)) >> shift;
+    let normal_code = rounded - comptime!((127 - f.bias) << m);
+    let normal = select(
+        normal_code > comptime!(f.max_code),
+        comptime!(f.max_code),
+        normal_code,
+    );
+    let sub = u32::reinterpret(
+        f32::reinterpret(y) * f32::new(comptime!(f32::from_bits((126 + f.bias + m) << 23)))
+            + f32::new(8_388_608.0),
+    ) - 0x4B00_0000u32;
+    let mut mag = select(y < comptime!((128 - f.bias) << 23), sub, normal);
+    mag = select(a < 0x80_0000u32, 0u32, mag);
+    mag = select(
+        a >= 0x7F80_0000u32,
+        select(a == 0x7F80_0000u32, comptime!(f.inf_code), 0x7Fu32),
+        mag,
+    );
     ((bits >> 31) << 7) | mag
 }
 
@@ -465,7 +454,9 @@ pub(crate) fn quantize_cols<F: Float>(
 /// strides as given) and `payload_t` / `scales_t` its transpose `[cols, rows]` quantized along
 /// `rows` (as [`quantize`] does with the strides swapped). Tiles: 1x128 in each orientation (a
 /// row's 128-column tile as stored, a column's 128-row tile for the transpose), one 128x128
-/// `block` amax that both orientations share, or `amax[0]` for every tile (`given_amax`).
+/// `block` amax that both orientations share, or `amax[0]` for every tile (`given_amax`). The
+/// launcher runs it for 128x128 blocks; 1x128 tiles and per-tensor scales take
+/// [`quantize_pair_tiles`], laid out for bandwidth.
 ///
 /// A 32 x 8 cube covers a 128 x 128 tile of the stored matrix. Unit (x, y) loads columns
 /// `4x .. 4x + 4` of the 16 rows `4 (y + 8g) + q` (g, q in 0..4; as 4-element vectors with `vec4`)
@@ -660,6 +651,192 @@ pub(crate) fn quantize_pair<F: Float, N: Size>(
     }
     if comptime!(given_amax) && CUBE_POS_X == 0 && CUBE_POS_Y == 0 && UNIT_POS == 0 {
         let d = dequant_scale(multiplier(row_local[0usize], f, pow2), pow2);
+        scales[0usize] = d;
+        scales_t[0usize] = d;
+    }
+}
+
+/// [`quantize_pair`] for 1x128 tiles in both orientations (or `amax[0]` for every tile with
+/// `given_amax`: per-tensor scaling), laid out for bandwidth: a cube of 256
+/// units covers a 128 x 128 tile of the stored `[rows, cols]` matrix, unit `t` the 8 x 8 block of
+/// rows `8 (t / 16) ..` and columns `8 (t % 16) ..`, loaded as vectors of `N` elements when the
+/// rows are contiguous (16 bytes of bf16 on CUDA) and kept in registers.
+/// - Tile amaxes go through shared memory: each unit writes the maxima of its 8 rows and of its 8
+///   columns, then 128 units take a row's maximum and 128 a column's (no planes, so every backend
+///   runs the same code).
+/// - Stored codes: each unit encodes 2 words of each of its rows (adjacent units write a row's
+///   128 bytes).
+/// - Transposed codes: a unit's 8 rows of a column are 2 whole words of the transposed row; they
+///   are staged in shared memory (word index XOR-swizzled by the column's unit, so that neither
+///   the writes nor the reads conflict more than 2-way) and each plane then stores whole
+///   128-byte rows of the transpose.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    amax: &Tensor<f32>,
+    payload: &mut Tensor<u32>,
+    scales: &mut Tensor<f32>,
+    payload_t: &mut Tensor<u32>,
+    scales_t: &mut Tensor<f32>,
+    rows: usize,
+    cols: usize,
+    stride_i: usize,
+    stride_j: usize,
+    #[comptime] width: usize,
+    #[comptime] given_amax: bool,
+    #[comptime] pow2: bool,
+    #[comptime] f: FormatConsts,
+    #[define(F)] _dtype: StorageType,
+) {
+    let unit = UNIT_POS as usize;
+    let cu = unit % 16;
+    let ru = unit / 16;
+    let ct = CUBE_POS_X as usize;
+    let rt = CUBE_POS_Y as usize;
+    let col_tiles = CUBE_COUNT_X as usize;
+    let row_tiles = CUBE_COUNT_Y as usize;
+    let words = col_tiles * 32;
+    let words_t = row_tiles * 32;
+    let row0 = rt * 128 + ru * 8;
+    let col0 = ct * 128 + cu * 8;
+
+    // vals[i * 8 + e]: row `row0 + i`, column `col0 + e` (0 outside the matrix).
+    let mut vals = Array::<f32>::new(64usize);
+    #[unroll]
+    for i in 0..8usize {
+        let row = row0 + i;
+        if comptime!(width > 1) {
+            #[unroll]
+            for g in 0..comptime!(8 / width) {
+                let col = col0 + g * width;
+                if row < rows && col < cols {
+                    let v = x[(row * stride_i + col) / width];
+                    #[unroll]
+                    for e in 0..width {
+                        vals[i * 8 + g * width + e] = f32::cast_from(v[e]);
+                    }
+                } else {
+                    #[unroll]
+                    for e in 0..width {
+                        vals[i * 8 + g * width + e] = 0.0f32;
+                    }
+                }
+            }
+        } else {
+            #[unroll]
+            for e in 0..8usize {
+                let col = col0 + e;
+                let mut v = 0.0f32;
+                if row < rows && col < cols {
+                    v = f32::cast_from(x[row * stride_i + col * stride_j][0usize]);
+                }
+                vals[i * 8 + e] = v;
+            }
+        }
+    }
+
+    // Partial maxima as f32 bits: rows at `r * 16 + cu`, columns (of unit row `ru`) at
+    // `2048 + ru * 128 + e * 16 + cu` for column `cu * 8 + e`. The buffer later stages the
+    // transposed codes.
+    let mut buf = SharedMemory::<u32>::new(4096usize);
+    let mut maxima = SharedMemory::<f32>::new(256usize);
+    let mut m = 0.0f32;
+    if comptime!(given_amax) {
+        m = amax[0usize];
+    } else {
+        #[unroll]
+        for i in 0..8usize {
+            let mut rm = 0.0f32;
+            #[unroll]
+            for e in 0..8usize {
+                rm = f32::max(rm, amax_term(vals[i * 8 + e]));
+            }
+            buf[(ru * 8 + i) * 16 + cu] = u32::reinterpret(rm);
+        }
+        #[unroll]
+        for e in 0..8usize {
+            let mut cm = 0.0f32;
+            #[unroll]
+            for i in 0..8usize {
+                cm = f32::max(cm, amax_term(vals[i * 8 + e]));
+            }
+            buf[2048 + ru * 128 + e * 16 + cu] = u32::reinterpret(cm);
+        }
+        sync_cube();
+        // This unit's row (units 0..128) or column (128..256) amax, kept in `m`.
+        if unit < 128 {
+            // Row `unit`, its 16 partials read in a rotated order (fewer bank conflicts).
+            for p in 0..16usize {
+                let q = (p + unit) % 16;
+                m = f32::max(m, f32::reinterpret(buf[unit * 16 + q]));
+            }
+        } else {
+            let c = unit - 128;
+            for p in 0..16usize {
+                m = f32::max(
+                    m,
+                    f32::reinterpret(buf[2048 + p * 128 + (c % 8) * 16 + c / 8]),
+                );
+            }
+        }
+        maxima[unit] = m;
+        sync_cube();
+    }
+
+    // As stored: words `2 cu`, `2 cu + 1` of each of the unit's rows.
+    #[unroll]
+    for i in 0..8usize {
+        let row = row0 + i;
+        if row < rows {
+            let mut t = m;
+            if !comptime!(given_amax) {
+                t = maxima[ru * 8 + i];
+            }
+            let s = multiplier(t, f, pow2);
+            let v = i * 8;
+            let at = row * words + ct * 32 + cu * 2;
+            payload[at] = encode_word(vals[v], vals[v + 1], vals[v + 2], vals[v + 3], s, f);
+            payload[at + 1] = encode_word(vals[v + 4], vals[v + 5], vals[v + 6], vals[v + 7], s, f);
+            if !comptime!(given_amax) && cu == 0 {
+                scales[row * col_tiles + ct] = dequant_scale(s, pow2);
+            }
+        }
+    }
+    // Transposed: column `cu * 8 + e`'s words `2 ru`, `2 ru + 1`, staged at
+    // `c * 32 + (word ^ 2 cu)`.
+    #[unroll]
+    for e in 0..8usize {
+        let c = cu * 8 + e;
+        let mut t = m;
+        if !comptime!(given_amax) {
+            t = maxima[128 + c];
+        }
+        let s = multiplier(t, f, pow2);
+        let w0 = encode_word(vals[e], vals[8 + e], vals[16 + e], vals[24 + e], s, f);
+        let w1 = encode_word(vals[32 + e], vals[40 + e], vals[48 + e], vals[56 + e], s, f);
+        buf[c * 32 + ((ru * 2) ^ (cu * 2))] = w0;
+        buf[c * 32 + ((ru * 2 + 1) ^ (cu * 2))] = w1;
+    }
+    sync_cube();
+    let lane = unit % 32;
+    let warp = unit / 32;
+    #[unroll]
+    for q in 0..16usize {
+        let c = warp * 16 + q;
+        let col = ct * 128 + c;
+        if col < cols {
+            payload_t[col * words_t + rt * 32 + lane] = buf[c * 32 + (lane ^ ((c / 8) * 2))];
+        }
+    }
+    if !comptime!(given_amax) && unit >= 128 {
+        let col = ct * 128 + unit - 128;
+        if col < cols {
+            scales_t[col * row_tiles + rt] = dequant_scale(multiplier(m, f, pow2), pow2);
+        }
+    }
+    if comptime!(given_amax) && ct == 0 && rt == 0 && unit == 0 {
+        let d = dequant_scale(multiplier(m, f, pow2), pow2);
         scales[0usize] = d;
         scales_t[0usize] = d;
     }

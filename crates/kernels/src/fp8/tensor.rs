@@ -101,15 +101,10 @@ pub fn fp8_quantize<B: Fp8Ops + GemmOps>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp
 }
 
 /// The path [`fp8_quantize_pair`] takes for `spec` ([`crate::settings::Settings::fp8_pair`],
-/// `BURNMIX_FP8_PAIR`, chooses): by default fused for 128x128 blocks and per-tensor scales, and
-/// two passes for 1x128 tiles, where the fused kernel measured slower on an H200 (see
-/// `docs/results/2026-11-26-night-fp8-pairs.md`, "Both orientations of an operand").
-pub fn fp8_pair_path(spec: &QuantSpec) -> Fp8PairPath {
-    match crate::settings::read(|s| s.fp8_pair) {
-        Some(path) => path,
-        None if spec.granularity == Fp8Granularity::Tile1x128 => Fp8PairPath::Separate,
-        None => Fp8PairPath::Fused,
-    }
+/// `BURNMIX_FP8_PAIR`, chooses): fused by default, every granularity (1x128 tiles have their own
+/// kernel, laid out for bandwidth).
+pub fn fp8_pair_path(_spec: &QuantSpec) -> Fp8PairPath {
+    crate::settings::read(|s| s.fp8_pair).unwrap_or(Fp8PairPath::Fused)
 }
 
 /// Quantizes the 2-D `x` `[r, c]` in both orientations: `(as stored, transposed)`, the first
