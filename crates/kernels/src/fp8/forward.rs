@@ -9,7 +9,7 @@ use cubecl::prelude::*;
 
 use super::kernel::{
     dequantize as dequantize_kernel, health as health_kernel, quantize as quantize_kernel,
-    quantize_cols, quantize_pair as quantize_pair_kernel, quantize_pair_tiles, tensor_amax,
+    quantize_cols, quantize_pair_tiles, tensor_amax,
 };
 use super::{Fp8Granularity, QuantSpec, TILE};
 use crate::check::{check_float, fail};
@@ -37,7 +37,7 @@ fn view<R: CubeRuntime>(
     }
 }
 
-/// What the tile quantizers ([`quantize_kernel`], [`quantize_pair_kernel`]) take beside their
+/// What the tile quantizers ([`quantize_kernel`], [`quantize_pair_tiles`]) take beside their
 /// outputs, for a 2-D float `x` under a spec: the logical `[rows, k]` view and the compile-time
 /// choices that follow from the spec and the device.
 struct TileArgs {
@@ -189,8 +189,9 @@ pub(crate) fn quantize<R: CubeRuntime>(
 pub(crate) type Quantized<R> = (CubeTensor<R>, CubeTensor<R>);
 
 /// `x` quantized as `spec` says along its columns (as stored) and along its rows (its transpose),
-/// from one read of `x` when `fused` and the grid allows, else in two passes (`spec.transpose`
-/// is ignored).
+/// from one read of `x` ([`quantize_pair_tiles`]) when `fused` and the grid allows, else in two
+/// passes (`spec.transpose` is ignored). The transposed view of a row-major matrix is read element
+/// by element (correct, not fast).
 pub(crate) fn quantize_pair<R: CubeRuntime>(
     x: CubeTensor<R>,
     spec: &QuantSpec,
@@ -210,9 +211,6 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         return (quantize(x, &spec), t);
     }
     let transposed = spec.transposed(true);
-    if !args.block {
-        return quantize_pair_tiles_of(x, &spec, &args);
-    }
     let payload = empty(&x, vec![rows, col_tiles * TILE / 4], DType::I32);
     let scales = empty(
         &x,
@@ -225,58 +223,8 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         vec![transposed.scale_rows(cols), transposed.scale_cols(rows)],
         DType::F32,
     );
-    let amax = args.amax(&x);
-    let (client, dtype) = (x.client.clone(), x.dtype);
-    quantize_pair_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(col_tiles as u32, row_tiles as u32, 1),
-        CubeDim::new_2d(32, 8),
-        args.width(),
-        x.into_tensor_arg(),
-        amax.into_tensor_arg(),
-        payload.clone().into_tensor_arg(),
-        scales.clone().into_tensor_arg(),
-        payload_t.clone().into_tensor_arg(),
-        scales_t.clone().into_tensor_arg(),
-        rows,
-        cols,
-        args.stride_i,
-        args.stride_j,
-        args.block,
-        args.tensor_scale,
-        spec.pow2,
-        args.vec4,
-        args.plane,
-        spec.format.consts(),
-        dtype.into(),
-    );
-    ((payload, scales), (payload_t, scales_t))
-}
-
-/// [`quantize_pair`] for 1x128 tiles or one scale per tensor: the [`quantize_pair_tiles`] kernel,
-/// reading rows as vectors of up to 8 elements (16 bytes of bf16) when they are contiguous.
-fn quantize_pair_tiles_of<R: CubeRuntime>(
-    x: CubeTensor<R>,
-    spec: &QuantSpec,
-    args: &TileArgs,
-) -> (Quantized<R>, Quantized<R>) {
-    let (rows, cols, stride_i, stride_j) = (args.rows, args.k, args.stride_i, args.stride_j);
-    let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
-    let transposed = spec.transposed(true);
-    let payload = empty(&x, vec![rows, col_tiles * TILE / 4], DType::I32);
-    let scales = empty(
-        &x,
-        vec![spec.scale_rows(rows), spec.scale_cols(cols)],
-        DType::F32,
-    );
-    let payload_t = empty(&x, vec![cols, row_tiles * TILE / 4], DType::I32);
-    let scales_t = empty(
-        &x,
-        vec![transposed.scale_rows(cols), transposed.scale_cols(rows)],
-        DType::F32,
-    );
-    let width = if stride_j == 1 {
-        crate::launch::vector_width(&x, &[x.dtype], &[8, cols, stride_i])
+    let width = if args.stride_j == 1 {
+        crate::launch::vector_width(&x, &[x.dtype], &[8, cols, args.stride_i])
     } else {
         1
     };
@@ -295,9 +243,10 @@ fn quantize_pair_tiles_of<R: CubeRuntime>(
         scales_t.clone().into_tensor_arg(),
         rows,
         cols,
-        stride_i,
-        stride_j,
+        args.stride_i,
+        args.stride_j,
         width,
+        args.block,
         args.tensor_scale,
         spec.pow2,
         spec.format.consts(),

@@ -454,216 +454,15 @@ pub(crate) fn quantize_cols<F: Float>(
 /// strides as given) and `payload_t` / `scales_t` its transpose `[cols, rows]` quantized along
 /// `rows` (as [`quantize`] does with the strides swapped). Tiles: 1x128 in each orientation (a
 /// row's 128-column tile as stored, a column's 128-row tile for the transpose), one 128x128
-/// `block` amax that both orientations share, or `amax[0]` for every tile (`given_amax`). The
-/// launcher runs it for 128x128 blocks; 1x128 tiles and per-tensor scales take
-/// [`quantize_pair_tiles`], laid out for bandwidth.
+/// `block` amax that both orientations share, or `amax[0]` for every tile (`given_amax`:
+/// per-tensor scaling).
 ///
-/// A 32 x 8 cube covers a 128 x 128 tile of the stored matrix. Unit (x, y) loads columns
-/// `4x .. 4x + 4` of the 16 rows `4 (y + 8g) + q` (g, q in 0..4; as 4-element vectors with `vec4`)
-/// and keeps the 64 values in registers. A row's 128 values lie in the 32 units of one plane (row
-/// amax: a plane max, or a shared-memory pass without planes); a column's in one unit of each
-/// plane (column amax: shared memory across the 8 planes). Each unit encodes 16 stored words
-/// (4 columns of one row: each plane stores 32 adjacent words) and 16 transposed words (4 rows of
-/// one column), which go through shared memory (rows XOR-swizzled, free of bank conflicts) so
-/// that each plane stores whole rows of the transpose.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments, unused_assignments)]
-pub(crate) fn quantize_pair<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    amax: &Tensor<f32>,
-    payload: &mut Tensor<u32>,
-    scales: &mut Tensor<f32>,
-    payload_t: &mut Tensor<u32>,
-    scales_t: &mut Tensor<f32>,
-    rows: usize,
-    cols: usize,
-    stride_i: usize,
-    stride_j: usize,
-    #[comptime] block: bool,
-    #[comptime] given_amax: bool,
-    #[comptime] pow2: bool,
-    #[comptime] vec4: bool,
-    #[comptime] plane: bool,
-    #[comptime] f: FormatConsts,
-    #[define(F)] _dtype: StorageType,
-) {
-    let x_unit = UNIT_POS_X as usize;
-    let y_unit = UNIT_POS_Y as usize;
-    let ct = CUBE_POS_X as usize;
-    let rt = CUBE_POS_Y as usize;
-    let col_tiles = CUBE_COUNT_X as usize;
-    let row_tiles = CUBE_COUNT_Y as usize;
-    let words = col_tiles * 32;
-    let words_t = row_tiles * 32;
-    let j0 = ct * 128 + x_unit * 4;
-
-    // 16 KiB: transposed codes (and, without planes, row partials first); with the column
-    // partials 20.5 KiB of shared memory in all, within every backend's 32 KiB.
-    let mut staged = SharedMemory::<u32>::new(4096usize);
-    // vals[r * 4 + e]: row `4 (y + 8 (r / 4)) + r % 4` of the tile, column `4x + e`.
-    let mut vals = Array::<f32>::new(64usize);
-    let mut row_local = Array::<f32>::new(16usize);
-    let mut col_local = Array::<f32>::new(4usize);
-    #[unroll]
-    for e in 0..4usize {
-        col_local[e] = 0.0f32;
-    }
-    let mut local = 0.0f32;
-    #[unroll]
-    for r in 0..16usize {
-        let i = rt * 128 + (y_unit + 8 * (r / 4)) * 4 + r % 4;
-        load4::<F, N>(
-            x,
-            &mut vals,
-            r * 4,
-            i,
-            j0,
-            rows,
-            cols,
-            stride_i,
-            stride_j,
-            vec4,
-        );
-        if !comptime!(given_amax) {
-            let mut m = 0.0f32;
-            #[unroll]
-            for e in 0..4usize {
-                let a = amax_term(vals[r * 4 + e]);
-                m = f32::max(m, a);
-                col_local[e] = f32::max(col_local[e], a);
-            }
-            row_local[r] = m;
-            local = f32::max(local, m);
-        }
-    }
-
-    // The amax of each stored row's tile (`row_local`) and of each transposed row's tile
-    // (`col_local`); the multipliers are derived where they are used, so that no more than these
-    // 20 values stay live beside the 64 inputs.
-    if comptime!(given_amax || block) {
-        let mut t = 0.0f32;
-        if comptime!(given_amax) {
-            t = amax[0usize];
-        } else {
-            t = tile_max(local, true, plane);
-        }
-        #[unroll]
-        for r in 0..16usize {
-            row_local[r] = t;
-        }
-        #[unroll]
-        for e in 0..4usize {
-            col_local[e] = t;
-        }
-    } else {
-        if comptime!(plane) {
-            #[unroll]
-            for r in 0..16usize {
-                row_local[r] = plane_max(row_local[r]);
-            }
-        } else {
-            // Row maxima without planes: 32 partials per row (as f32 bits, in the buffer that
-            // later stages the transposed codes), then one unit per row.
-            let mut row_max = SharedMemory::<f32>::new(128usize);
-            #[unroll]
-            for r in 0..16usize {
-                staged[((y_unit + 8 * (r / 4)) * 4 + r % 4) * 32 + x_unit] =
-                    u32::reinterpret(row_local[r]);
-            }
-            sync_cube();
-            let unit = UNIT_POS as usize;
-            if unit < 128 {
-                let mut m = 0.0f32;
-                for l in 0..32usize {
-                    m = f32::max(m, f32::reinterpret(staged[unit * 32 + l]));
-                }
-                row_max[unit] = m;
-            }
-            sync_cube();
-            #[unroll]
-            for r in 0..16usize {
-                row_local[r] = row_max[(y_unit + 8 * (r / 4)) * 4 + r % 4];
-            }
-        }
-        let mut cpart = SharedMemory::<f32>::new(1024usize);
-        #[unroll]
-        for e in 0..4usize {
-            cpart[y_unit * 128 + x_unit * 4 + e] = col_local[e];
-        }
-        sync_cube();
-        #[unroll]
-        for e in 0..4usize {
-            let mut m = 0.0f32;
-            #[unroll]
-            for p in 0..8usize {
-                m = f32::max(m, cpart[p * 128 + x_unit * 4 + e]);
-            }
-            col_local[e] = m;
-        }
-    }
-
-    // As stored: 4 codes of one row per word; a plane stores 32 adjacent words.
-    #[unroll]
-    for r in 0..16usize {
-        let i = rt * 128 + (y_unit + 8 * (r / 4)) * 4 + r % 4;
-        if i < rows {
-            let s = multiplier(row_local[r], f, pow2);
-            let v = r * 4;
-            payload[i * words + ct * 32 + x_unit] =
-                encode_word(vals[v], vals[v + 1], vals[v + 2], vals[v + 3], s, f);
-            if comptime!(!block && !given_amax) && x_unit == 0 {
-                scales[i * col_tiles + ct] = dequant_scale(s, pow2);
-            }
-        }
-    }
-    // Transposed: 4 codes of one column (4 adjacent rows) per word, staged as transposed row
-    // `4x + e`, word `y + 8g`, at `(4x + e) * 32 + ((y + 8g) ^ x)`.
-    #[unroll]
-    for e in 0..4usize {
-        let s = multiplier(col_local[e], f, pow2);
-        #[unroll]
-        for g in 0..4usize {
-            // Column `4x + e` of tile rows `4 (y + 8g) + q`, q in 0..4: `vals[(4g + q) * 4 + e]`.
-            let v = g * 16 + e;
-            let word = encode_word(vals[v], vals[v + 4], vals[v + 8], vals[v + 12], s, f);
-            let w = (y_unit + 8 * g) as u32;
-            staged[(x_unit * 4 + e) * 32 + (w ^ x_unit as u32) as usize] = word;
-        }
-        let c = ct * 128 + x_unit * 4 + e;
-        if comptime!(!block && !given_amax) && y_unit == 0 && c < cols {
-            scales_t[c * row_tiles + rt] = dequant_scale(s, pow2);
-        }
-    }
-    sync_cube();
-    #[unroll]
-    for t in 0..16usize {
-        let row = y_unit * 16 + t;
-        let c = ct * 128 + row;
-        if c < cols {
-            payload_t[c * words_t + rt * 32 + x_unit] =
-                staged[row * 32 + (x_unit as u32 ^ (row / 4) as u32) as usize];
-        }
-    }
-    if comptime!(block) && UNIT_POS == 0 {
-        let d = dequant_scale(multiplier(row_local[0usize], f, pow2), pow2);
-        scales[rt * col_tiles + ct] = d;
-        scales_t[ct * row_tiles + rt] = d;
-    }
-    if comptime!(given_amax) && CUBE_POS_X == 0 && CUBE_POS_Y == 0 && UNIT_POS == 0 {
-        let d = dequant_scale(multiplier(row_local[0usize], f, pow2), pow2);
-        scales[0usize] = d;
-        scales_t[0usize] = d;
-    }
-}
-
-/// [`quantize_pair`] for 1x128 tiles in both orientations (or `amax[0]` for every tile with
-/// `given_amax`: per-tensor scaling), laid out for bandwidth: a cube of 256
-/// units covers a 128 x 128 tile of the stored `[rows, cols]` matrix, unit `t` the 8 x 8 block of
-/// rows `8 (t / 16) ..` and columns `8 (t % 16) ..`, loaded as vectors of `N` elements when the
+/// A cube of 256 units covers a 128 x 128 tile of the stored matrix, unit `t` the 8 x 8 block of
+/// rows `8 (t / 16) ..` and columns `8 (t % 16) ..`, loaded as vectors of `width` elements when the
 /// rows are contiguous (16 bytes of bf16 on CUDA) and kept in registers.
 /// - Tile amaxes go through shared memory: each unit writes the maxima of its 8 rows and of its 8
 ///   columns, then 128 units take a row's maximum and 128 a column's (no planes, so every backend
-///   runs the same code).
+///   runs the same code); a block's amax is the largest row maximum.
 /// - Stored codes: each unit encodes 2 words of each of its rows (adjacent units write a row's
 ///   128 bytes).
 /// - Transposed codes: a unit's 8 rows of a column are 2 whole words of the transposed row; they
@@ -684,6 +483,7 @@ pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
     stride_i: usize,
     stride_j: usize,
     #[comptime] width: usize,
+    #[comptime] block: bool,
     #[comptime] given_amax: bool,
     #[comptime] pow2: bool,
     #[comptime] f: FormatConsts,
@@ -782,6 +582,13 @@ pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
         }
         maxima[unit] = m;
         sync_cube();
+        if comptime!(block) {
+            // The 128x128 block's amax: the largest of its rows' (broadcast reads).
+            m = 0.0f32;
+            for r in 0..128usize {
+                m = f32::max(m, maxima[r]);
+            }
+        }
     }
 
     // As stored: words `2 cu`, `2 cu + 1` of each of the unit's rows.
@@ -790,7 +597,7 @@ pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
         let row = row0 + i;
         if row < rows {
             let mut t = m;
-            if !comptime!(given_amax) {
+            if comptime!(!given_amax && !block) {
                 t = maxima[ru * 8 + i];
             }
             let s = multiplier(t, f, pow2);
@@ -798,7 +605,7 @@ pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
             let at = row * words + ct * 32 + cu * 2;
             payload[at] = encode_word(vals[v], vals[v + 1], vals[v + 2], vals[v + 3], s, f);
             payload[at + 1] = encode_word(vals[v + 4], vals[v + 5], vals[v + 6], vals[v + 7], s, f);
-            if !comptime!(given_amax) && cu == 0 {
+            if comptime!(!given_amax && !block) && cu == 0 {
                 scales[row * col_tiles + ct] = dequant_scale(s, pow2);
             }
         }
@@ -809,7 +616,7 @@ pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
     for e in 0..8usize {
         let c = cu * 8 + e;
         let mut t = m;
-        if !comptime!(given_amax) {
+        if comptime!(!given_amax && !block) {
             t = maxima[128 + c];
         }
         let s = multiplier(t, f, pow2);
@@ -829,11 +636,16 @@ pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
             payload_t[col * words_t + rt * 32 + lane] = buf[c * 32 + (lane ^ ((c / 8) * 2))];
         }
     }
-    if !comptime!(given_amax) && unit >= 128 {
+    if comptime!(!given_amax && !block) && unit >= 128 {
         let col = ct * 128 + unit - 128;
         if col < cols {
             scales_t[col * row_tiles + rt] = dequant_scale(multiplier(m, f, pow2), pow2);
         }
+    }
+    if comptime!(block) && unit == 0 {
+        let d = dequant_scale(multiplier(m, f, pow2), pow2);
+        scales[rt * col_tiles + ct] = d;
+        scales_t[ct * row_tiles + rt] = d;
     }
     if comptime!(given_amax) && ct == 0 && rt == 0 && unit == 0 {
         let d = dequant_scale(multiplier(m, f, pow2), pow2);
