@@ -11,7 +11,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
@@ -180,24 +180,40 @@ fn trained(run: &Path, cfg: &trainer::Config) -> model::Gpt<B> {
     m
 }
 
+/// Trains `cfg` on the CPU into `run`, then exports its newest checkpoint in f32 to `run/hf`:
+/// `(the trained model, its vocabulary, the export's directory, the export's step)`.
+fn train_and_export(cfg: &trainer::Config, run: &Path) -> (model::Gpt<B>, usize, PathBuf, u64) {
+    trainer::run(
+        cfg,
+        &trainer::device::Selected::Cpu,
+        &opts(run.to_path_buf(), false),
+    )
+    .unwrap();
+    let want = trained(run, cfg);
+    let vocab = want.wte.weight.dims()[0];
+    let out = run.join("hf");
+    let done = export(run, &out, None, ExportDtype::F32).unwrap();
+    (want, vocab, out, done.step)
+}
+
+/// `(largest |ours - theirs|, largest |ours|)` over two logit lists of the same length.
+fn logit_gap(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
+    let big = ours.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = ours
+        .iter()
+        .zip(theirs)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    (worst, big)
+}
+
 #[test]
 fn an_export_reads_back_bit_for_bit_and_starts_a_run() {
     let _guard = common::serial();
     for tied in [false, true] {
         let cfg = llama_config(tied);
         let run = scratch(&format!("interop_run_{tied}"));
-        trainer::run(
-            &cfg,
-            &trainer::device::Selected::Cpu,
-            &opts(run.clone(), false),
-        )
-        .unwrap();
-        let want = trained(&run, &cfg);
-        let vocab = want.wte.weight.dims()[0];
-
-        let out = run.join("hf");
-        let done = export(&run, &out, None, ExportDtype::F32).unwrap();
-        assert_eq!(done.step, 2);
+        let (want, vocab, out, step) = train_and_export(&cfg, &run);
+        assert_eq!(step, 2);
         for f in [
             "model.safetensors",
             "config.json",
@@ -235,11 +251,7 @@ fn an_export_reads_back_bit_for_bit_and_starts_a_run() {
             .collect();
         let theirs = llama_forward(&hf, &ids);
         let ours: Vec<f32> = logits_of(&want, &ids).concat();
-        let big = ours.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let worst = ours
-            .iter()
-            .zip(&theirs)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let (worst, big) = logit_gap(&ours, &theirs);
         eprintln!("tied {tied}: logits differ by {worst:e} (largest {big})");
         // f32 on both sides, in other orders: a few units in the last place of the largest.
         assert!(
@@ -319,17 +331,7 @@ fn llama_125m_export_round_trips() {
     .collect();
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/llama_125m.toml");
     let cfg = trainer::Config::load(&path, &overrides).unwrap();
-    let run = scratch("interop_llama_125m");
-    trainer::run(
-        &cfg,
-        &trainer::device::Selected::Cpu,
-        &opts(run.clone(), false),
-    )
-    .unwrap();
-    let want = trained(&run, &cfg);
-    let vocab = want.wte.weight.dims()[0];
-    let out = run.join("hf");
-    export(&run, &out, None, ExportDtype::F32).unwrap();
+    let (want, vocab, out, _) = train_and_export(&cfg, &scratch("interop_llama_125m"));
 
     let fresh = model::Gpt::<B>::new(&cfg.model, vocab, &Default::default());
     let got = init_from(fresh, &out).unwrap();
@@ -347,11 +349,7 @@ fn llama_125m_export_round_trips() {
         "the imported model's logits"
     );
     let theirs = llama_forward(&trainer::interop::LlamaDir::open(&out).unwrap(), &ids);
-    let big = ours.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let worst = ours
-        .iter()
-        .zip(&theirs)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let (worst, big) = logit_gap(&ours, &theirs);
     eprintln!("llama_125m: logits differ by {worst:e} (largest {big})");
     assert!(
         worst <= 1e-5 * big.max(1.0),
@@ -541,12 +539,7 @@ fn a_transformers_checkpoint_imports() {
     let theirs: Vec<Vec<f32>> =
         serde_json::from_str(&std::fs::read_to_string(dir.join("logits.json")).unwrap()).unwrap();
     let ours = logits_of(&m, &ids);
-    let big = theirs.iter().flatten().fold(0f32, |a, x| a.max(x.abs()));
-    let worst = ours
-        .iter()
-        .flatten()
-        .zip(theirs.iter().flatten())
-        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    let (worst, big) = logit_gap(&theirs.concat(), &ours.concat());
     eprintln!("transformers' checkpoint: logits differ by {worst:e} (largest {big})");
     assert!(
         worst <= 1e-5 * big.max(1.0),
