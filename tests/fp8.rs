@@ -174,7 +174,12 @@ fn quantize_pair_bit_identical() {
     }
     let shapes = [(1, 1), (37, 300), (130, 128), (257, 129)];
     for dtype in [FloatDType::F32, FloatDType::F16] {
-        fp8_cases::quantize_pair_bit_identical::<Inner>(dtype, &device(), &shapes);
+        fp8_cases::quantize_pair_bit_identical::<Inner>(
+            dtype,
+            &device(),
+            &shapes,
+            kernels::Fp8PairPath::Fused,
+        );
     }
 }
 

@@ -21,7 +21,7 @@
 //! output gradients and weights at 16 x 1024 tokens and the activations of a width-2048 model
 //! (d_ff 8192) at the same tokens, every granularity, each as stored and
 //! transposed (the wgrad operands) and both ([`kernels::fp8_quantize_pair`], what the FP8 linear
-//! layer runs: one fused kernel, or two passes), the time per call and GB/s of the bytes one read
+//! layer runs: the CUDA C++ kernel, the CubeCL kernel, or two passes), the time per call and GB/s of the bytes one read
 //! of the input and the codes and scales written come to.
 //!
 //! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--scaling block|tensor] [--shapes 4096x4096x4096,...] [--quantizers]`
@@ -33,8 +33,8 @@ use burn::tensor::{Distribution, ElementConversion, FloatDType, Tensor};
 use burnmix::bench::{DeviceArg, Triple};
 use clap::Parser;
 use kernels::{
-    fp8_gemm_on, fp8_pair_path, fp8_quantize, fp8_quantize_pair_on, Fp8Format, Fp8GemmPath,
-    Fp8Granularity, Fp8PairPath, Gemm, QuantSpec,
+    fp8_gemm_on, fp8_pair_path, fp8_pair_path_run, fp8_quantize, fp8_quantize_pair_on, Fp8Format,
+    Fp8GemmPath, Fp8Granularity, Fp8PairPath, Gemm, QuantSpec,
 };
 
 const CUBLAS_FP8: f64 = 1446.0;
@@ -225,7 +225,18 @@ fn quantizers<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, compute: Floa
                 + spec.scale_rows(cols) * spec.scale_cols(rows)) as f64
                 * 4.0;
             let bytes = (rows * cols) as f64 * (elem + 2.0) + scales;
-            for path in [Fp8PairPath::Fused, Fp8PairPath::Separate] {
+            for path in [
+                Fp8PairPath::Native,
+                Fp8PairPath::Fused,
+                Fp8PairPath::Separate,
+            ] {
+                let runs = fp8_pair_path_run(&x, path);
+                if runs != path {
+                    println!(
+                        "| {name} | [{rows}, {cols}] | {granularity:?} | both: {path:?} (not on this device: runs {runs:?}) | | |"
+                    );
+                    continue;
+                }
                 let t = time::<Bk>(dev, args, &mut || {
                     let _ = fp8_quantize_pair_on(x.clone(), spec, path);
                 });

@@ -6,12 +6,14 @@
 //! tokenizing and writing the shards: all of it) and, unless `--no-peer`,
 //! `tools/peers/tokenize_bench.py` (Hugging Face `tokenizers`' `encode_batch` with the same
 //! tokenizer and threads; `tiktoken` where it is installed, with its own GPT-2 vocabulary), which
-//! time tokenizing alone. Prints a table of MB/s and tokens/s with the ratio to ours.
+//! time tokenizing alone. Prints a table of MB/s and tokens/s with the ratio to ours, a row as each
+//! tool finishes.
 //!
 //! `cargo run --release --bin prepare_bench -- [--mb 1000] [--threads N] [--tokenizer FILE]`
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -93,11 +95,26 @@ fn main() -> Result<()> {
     let secs = t.elapsed().as_secs_f64();
     let mb = done.text_bytes as f64 / 1e6;
     let tokens = (done.train_tokens + done.val_tokens) as f64;
-    let mut rows = vec![(
-        "burnmix prepare (read, tokenize, write)".to_string(),
-        mb / secs,
+    let ours = mb / secs;
+    println!(
+        "\n{:.0} MB of text, {} threads, tokenizer {} ({} tokens in the vocabulary)\n",
+        mb,
+        threads,
+        tok_path.display(),
+        tok.get_vocab_size(true)
+    );
+    println!("| tool | MB/s | tokens/s | ours / theirs (MB/s) |");
+    println!("|---|---|---|---|");
+    // Each row as soon as its tool has finished, so that a run stopped by a time limit keeps
+    // what it measured.
+    let row = |name: &str, m: f64, t: f64| {
+        println!("| {name} | {m:.1} | {t:.3e} | {:.2}x |", ours / m);
+    };
+    row(
+        "burnmix prepare (read, tokenize, write)",
+        ours,
         tokens / secs,
-    )];
+    );
     if !args.no_peer {
         // The repository's copy: the working directory's when run from its root (as on a
         // machine that only has the binary), else the one it was built from.
@@ -110,40 +127,30 @@ fn main() -> Result<()> {
                 "/tools/peers/tokenize_bench.py"
             ))
         };
-        let peer = Command::new("python3")
+        let mut peer = Command::new("python3")
             .arg(script)
             .args(["--text", &text_path.to_string_lossy()])
             .args(["--tokenizer", &tok_path.to_string_lossy()])
             .args(["--threads", &threads.to_string()])
-            .output()
+            .env("PYTHONUNBUFFERED", "1")
+            .stdout(Stdio::piped())
+            .spawn()
             .context("running python3 tools/peers/tokenize_bench.py")?;
-        if !peer.status.success() {
-            bail!(
-                "the Python peer failed:\n{}",
-                String::from_utf8_lossy(&peer.stderr)
-            );
-        }
-        for line in String::from_utf8_lossy(&peer.stdout).lines() {
-            let v: serde_json::Value = serde_json::from_str(line)?;
-            let name = v["peer"].as_str().unwrap_or("?").to_string();
+        let stdout = peer.stdout.take().context("the Python peer's output")?;
+        for line in BufReader::new(stdout).lines() {
+            let line = line?;
+            let v: serde_json::Value = serde_json::from_str(&line)
+                .with_context(|| format!("the Python peer printed `{line}`"))?;
+            let name = v["peer"].as_str().unwrap_or("?");
             match (v["mb_s"].as_f64(), v["tokens_s"].as_f64()) {
-                (Some(m), Some(t)) => rows.push((name, m, t)),
+                (Some(m), Some(t)) => row(name, m, t),
                 _ => println!("{name}: not run ({})", v["skipped"].as_str().unwrap_or("?")),
             }
         }
-    }
-    println!(
-        "\n{:.0} MB of text, {} threads, tokenizer {} ({} tokens in the vocabulary)\n",
-        mb,
-        threads,
-        tok_path.display(),
-        tok.get_vocab_size(true)
-    );
-    println!("| tool | MB/s | tokens/s | ours / theirs (MB/s) |");
-    println!("|---|---|---|---|");
-    let ours = rows[0].1;
-    for (name, m, t) in &rows {
-        println!("| {name} | {m:.1} | {t:.3e} | {:.2}x |", ours / m);
+        let status = peer.wait()?;
+        if !status.success() {
+            bail!("the Python peer failed ({status}); its errors are above");
+        }
     }
     Ok(())
 }

@@ -360,13 +360,54 @@ fn cuda_fp8_quantizer() {
     }
 }
 
-/// The fused two-orientation FP8 quantizer bit-identical to the CPU reference (f32, f16, bf16).
+/// Shapes for the two-orientation quantizers: some take the native kernel's 8-wide loads
+/// ([130, 128], [1000, 768], [136, 2056]), the others its element-wise reads (odd widths; the
+/// transposed views are read element by element too).
+const PAIR_SHAPES: [(usize, usize); 6] = [
+    (1, 1),
+    (37, 300),
+    (130, 128),
+    (257, 129),
+    (1000, 768),
+    (136, 2056),
+];
+
+/// The CubeCL two-orientation FP8 quantizer bit-identical to the CPU reference (f32, f16, bf16).
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_quantize_pair() {
-    let shapes = [(1, 1), (37, 300), (130, 128), (257, 129), (1000, 768)];
+    let dev = CudaDevice::default();
     for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
-        fp8_cases::quantize_pair_bit_identical::<Cuda>(dtype, &CudaDevice::default(), &shapes);
+        fp8_cases::quantize_pair_bit_identical::<Cuda>(
+            dtype,
+            &dev,
+            &PAIR_SHAPES,
+            kernels::Fp8PairPath::Fused,
+        );
+    }
+}
+
+/// The CUDA C++ two-orientation FP8 quantizer (the GPU's FP8 conversions) bit-identical to the
+/// CPU reference (f32, f16, bf16); fails on a GPU where it would not run.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_quantize_pair_native() {
+    use burn::tensor::Tensor;
+    use kernels::{fp8_pair_path_run, Fp8PairPath};
+    let dev = CudaDevice::default();
+    let probe = Tensor::<Cuda, 2>::zeros([8, 8], &dev);
+    assert_eq!(
+        fp8_pair_path_run(&probe, Fp8PairPath::Native),
+        Fp8PairPath::Native,
+        "the native FP8 quantizer does not run on this GPU (compute capability 8.9+ needed)"
+    );
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        fp8_cases::quantize_pair_bit_identical::<Cuda>(
+            dtype,
+            &dev,
+            &PAIR_SHAPES,
+            Fp8PairPath::Native,
+        );
     }
 }
 

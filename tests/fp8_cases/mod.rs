@@ -136,19 +136,20 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(
     }
 }
 
-/// The fused [`kernels::fp8_quantize_pair`] kernel, bit for bit against the CPU reference in both
-/// orientations, for every format, granularity and scale rounding, of the matrix and of its
-/// transposed view (strided reads); input in `dtype`.
+/// A one-read [`kernels::fp8_quantize_pair`] kernel (`path`: `Native` or `Fused`), bit for bit
+/// against the CPU reference in both orientations, for every format, granularity and scale
+/// rounding, of the matrix and of its transposed view (strided reads); input in `dtype`.
 pub fn quantize_pair_bit_identical<B: kernels::Backend>(
     dtype: FloatDType,
     dev: &B::Device,
     shapes: &[(usize, usize)],
+    path: Fp8PairPath,
 ) {
     for (n, &(rows, cols)) in shapes.iter().enumerate() {
         let (x, rounded) = adversarial_tensor::<B>(rows, cols, 11 + n as u64, dtype, dev);
         for spec in specs().into_iter().filter(|s| !s.transpose) {
-            let ctx = format!("fp8_quantize_pair {dtype:?} [{rows}, {cols}] {spec:?}");
-            let (stored, transposed) = fp8_quantize_pair_on(x.clone(), spec, Fp8PairPath::Fused);
+            let ctx = format!("fp8_quantize_pair {path:?} {dtype:?} [{rows}, {cols}] {spec:?}");
+            let (stored, transposed) = fp8_quantize_pair_on(x.clone(), spec, path);
             assert_matches_reference(
                 &stored,
                 &rounded,
@@ -166,8 +167,7 @@ pub fn quantize_pair_bit_identical<B: kernels::Backend>(
                 &spec_t,
                 &format!("{ctx}, transposed"),
             );
-            let (stored, transposed) =
-                fp8_quantize_pair_on(x.clone().transpose(), spec, Fp8PairPath::Fused);
+            let (stored, transposed) = fp8_quantize_pair_on(x.clone().transpose(), spec, path);
             let ctx = format!("{ctx} of the transposed view");
             assert_matches_reference(
                 &stored,

@@ -17,7 +17,7 @@
 //! | [`Settings::gemm_spare_sm`] | `BURNMIX_GEMM_SPARE_SM` | `on` (default), `off` (a comparison) |
 //! | [`Settings::fp8_gemm`] | `BURNMIX_FP8_GEMM` | `auto` (default), `cublaslt`, `mma`, `dequantize` |
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
-//! | [`Settings::fp8_pair`] | `BURNMIX_FP8_PAIR` | `auto` (default), `fused`, `separate` |
+//! | [`Settings::fp8_pair`] | `BURNMIX_FP8_PAIR` | `auto` (default), `native`, `fused`, `separate` |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
 //! | [`Settings::embedding_atomic`] | `BURNMIX_EMBEDDING_GRAD` | `atomic` (default), `reference` |
 //! | [`Settings::memory_trace`] | `BURNMIX_MEMORY_TRACE` | `0` / `off` (default), `1` / `on` |
@@ -155,7 +155,8 @@ pub struct Settings {
     /// The tensor-core FP8 GEMM's cube shape; `None`: [`MmaShape::DEFAULT`].
     pub fp8_mma_shape: Option<MmaShape>,
     /// How the FP8 quantizer takes both orientations of an operand
-    /// ([`crate::fp8::fp8_quantize_pair`]); `None`: fused ([`crate::fp8::fp8_pair_path`]).
+    /// ([`crate::fp8::fp8_quantize_pair`]); `None`: native where it applies
+    /// ([`crate::fp8::fp8_pair_path`]).
     pub fp8_pair: Option<Fp8PairPath>,
     /// FlashAttention tile overrides; `None`: the defaults.
     pub flash_tiles: Option<FlashTiles>,
@@ -236,11 +237,12 @@ impl Settings {
         };
         s.fp8_pair = match var(FP8_PAIR_ENV).as_deref().map(str::trim) {
             None | Some("") | Some("auto") => None,
+            Some("native") => Some(Fp8PairPath::Native),
             Some("fused") => Some(Fp8PairPath::Fused),
             Some("separate") => Some(Fp8PairPath::Separate),
             Some(v) => {
                 return Err(format!(
-                    "{FP8_PAIR_ENV}: `{v}` is not one of auto, fused, separate"
+                    "{FP8_PAIR_ENV}: `{v}` is not one of auto, native, fused, separate"
                 ))
             }
         };

@@ -230,14 +230,14 @@ where
     fn fp8_quantize_pair(
         x: FloatTensor<Self>,
         spec: &super::QuantSpec,
-        fused: bool,
+        path: super::Fp8PairPath,
     ) -> (
         (IntTensor<Self>, FloatTensor<Self>),
         (IntTensor<Self>, FloatTensor<Self>),
     ) {
         use burn::tensor::backend::AutodiffBackend;
         let ((p, s), (pt, st)) =
-            CubeBackend::<R, F, I, BT>::fp8_quantize_pair(x.primitive, spec, fused);
+            CubeBackend::<R, F, I, BT>::fp8_quantize_pair(x.primitive, spec, path);
         ((p, Self::from_inner(s)), (pt, Self::from_inner(st)))
     }
     fn fp8_dequantize(
@@ -279,6 +279,9 @@ where
             scales.primitive,
             spec,
         ))
+    }
+    fn fp8_native_supported(x: &FloatTensor<Self>) -> bool {
+        CubeBackend::<R, F, I, BT>::fp8_native_supported(&x.primitive)
     }
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         CubeBackend::<R, F, I, BT>::fp8_mma_supported(payload)

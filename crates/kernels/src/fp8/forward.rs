@@ -11,7 +11,7 @@ use super::kernel::{
     dequantize as dequantize_kernel, health as health_kernel, quantize as quantize_kernel,
     quantize_cols, quantize_pair_tiles, tensor_amax,
 };
-use super::{Fp8Granularity, QuantSpec, TILE};
+use super::{Fp8Granularity, Fp8PairPath, QuantSpec, TILE};
 use crate::check::{check_float, fail};
 use crate::launch::empty;
 
@@ -188,15 +188,17 @@ pub(crate) fn quantize<R: CubeRuntime>(
 /// `(payload, scales)` of a quantized matrix.
 pub(crate) type Quantized<R> = (CubeTensor<R>, CubeTensor<R>);
 
-/// `x` quantized as `spec` says along its columns (as stored) and along its rows (its transpose),
-/// from one read of `x` ([`quantize_pair_tiles`]) when `fused` and the grid allows, else in two
-/// passes (`spec.transpose` is ignored). The transposed view of a row-major matrix is read element
-/// by element (correct, not fast).
+/// `x` quantized as `spec` says along its columns (as stored) and along its rows (its transpose)
+/// (`spec.transpose` is ignored), on `path`: from one read of `x` by the CUDA C++ kernel
+/// ([`super::native`], where it applies) or by [`quantize_pair_tiles`] when the grid allows, else
+/// in two passes. The transposed view of a row-major matrix is read element by element (correct,
+/// not fast).
 pub(crate) fn quantize_pair<R: CubeRuntime>(
     x: CubeTensor<R>,
     spec: &QuantSpec,
-    fused: bool,
+    path: Fp8PairPath,
 ) -> (Quantized<R>, Quantized<R>) {
+    let fused = path != Fp8PairPath::Separate;
     let spec = spec.transposed(false);
     let args = TileArgs::new("fp8_quantize_pair", &x, &spec);
     let (rows, cols) = (args.rows, args.k);
@@ -229,6 +231,18 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         1
     };
     let amax = args.amax(&x);
+    if path == Fp8PairPath::Native {
+        let view = super::native::PairView {
+            rows,
+            cols,
+            stride_i: args.stride_i,
+            stride_j: args.stride_j,
+        };
+        let outputs = [&payload, &scales, &payload_t, &scales_t];
+        if super::native::launch_pair(&x, &amax, outputs, &view, &spec) {
+            return ((payload, scales), (payload_t, scales_t));
+        }
+    }
     let (client, dtype) = (x.client.clone(), x.dtype);
     quantize_pair_tiles::launch::<R>(
         &client,
@@ -583,12 +597,12 @@ where
     fn fp8_quantize_pair(
         x: FloatTensor<Self>,
         spec: &QuantSpec,
-        fused: bool,
+        path: Fp8PairPath,
     ) -> (
         (IntTensor<Self>, FloatTensor<Self>),
         (IntTensor<Self>, FloatTensor<Self>),
     ) {
-        quantize_pair(x, spec, fused)
+        quantize_pair(x, spec, path)
     }
     fn fp8_dequantize(
         payload: IntTensor<Self>,
@@ -607,6 +621,9 @@ where
         spec: &QuantSpec,
     ) -> FloatTensor<Self> {
         health_partials(x, payload, scales, spec)
+    }
+    fn fp8_native_supported(x: &FloatTensor<Self>) -> bool {
+        super::native::supported(x) && matches!(x.dtype, DType::F32 | DType::F16 | DType::BF16)
     }
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         mma_supported(payload)

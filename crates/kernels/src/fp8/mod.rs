@@ -45,6 +45,7 @@ mod health;
 pub(crate) mod kernel;
 mod linear;
 pub(crate) mod mma;
+mod native;
 pub(crate) mod path;
 pub mod reference;
 mod tensor;
@@ -58,8 +59,8 @@ pub use mma::MmaShape;
 pub use path::{Fp8GemmPath, Fp8PairPath};
 pub(crate) use tensor::{f32_values, words_of};
 pub use tensor::{
-    fp8_pair_path, fp8_quantize, fp8_quantize_pair, fp8_quantize_pair_on, words_of_tensor,
-    Fp8Tensor,
+    fp8_pair_path, fp8_pair_path_run, fp8_quantize, fp8_quantize_pair, fp8_quantize_pair_on,
+    words_of_tensor, Fp8Tensor,
 };
 
 use burn::tensor::backend::Backend as BurnBackend;
@@ -95,12 +96,12 @@ pub trait Fp8Ops: BurnBackend {
     }
 
     /// `((payload, scales), (payload, scales))` of [`fp8_quantize_pair`], from one kernel when
-    /// `fused` and the backend has it (two [`Self::fp8_quantize`] calls by default).
+    /// `path` asks for it and the backend has one (two [`Self::fp8_quantize`] calls by default).
     #[allow(clippy::type_complexity)]
     fn fp8_quantize_pair(
         x: FloatTensor<Self>,
         spec: &QuantSpec,
-        _fused: bool,
+        _path: Fp8PairPath,
     ) -> (
         (IntTensor<Self>, FloatTensor<Self>),
         (IntTensor<Self>, FloatTensor<Self>),
@@ -158,6 +159,12 @@ pub trait Fp8Ops: BurnBackend {
             TensorData::new(rows, [n, 4]),
             (&device, DType::F32),
         ))
+    }
+
+    /// Whether [`Fp8PairPath::Native`] runs its own kernel for the float tensor `x` (else it
+    /// runs [`Fp8PairPath::Fused`]).
+    fn fp8_native_supported(_x: &FloatTensor<Self>) -> bool {
+        false
     }
 
     /// Whether the device has the FP8 tensor-core GEMM.

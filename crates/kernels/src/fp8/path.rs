@@ -4,8 +4,13 @@
 /// How [`fp8_quantize_pair`](super::fp8_quantize_pair) runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fp8PairPath {
-    /// One kernel reads `x` once and writes both orientations (`CubeBackend`; elsewhere, and for
-    /// matrices beyond its launch grid, two passes).
+    /// One kernel in CUDA C++ reads `x` once and writes both orientations, encoding with the
+    /// GPU's FP8 conversion instruction (CUDA, compute capability 8.9+; f32, f16 or bf16 input).
+    /// Elsewhere the [`Fp8PairPath::Fused`] kernel runs.
+    Native,
+    /// One CubeCL kernel reads `x` once and writes both orientations, encoding with integer
+    /// operations (`CubeBackend` on every GPU; elsewhere, and for matrices beyond its launch grid,
+    /// two passes).
     Fused,
     /// Two quantizer passes, one per orientation.
     Separate,

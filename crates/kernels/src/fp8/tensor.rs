@@ -101,10 +101,22 @@ pub fn fp8_quantize<B: Fp8Ops + GemmOps>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp
 }
 
 /// The path [`fp8_quantize_pair`] takes for `spec` ([`crate::settings::Settings::fp8_pair`],
-/// `BURNMIX_FP8_PAIR`, chooses): fused by default, every granularity (1x128 tiles have their own
-/// kernel, laid out for bandwidth).
+/// `BURNMIX_FP8_PAIR`, chooses): [`Fp8PairPath::Native`] by default (the CUDA C++ kernel where it
+/// applies, the CubeCL one elsewhere), every granularity.
 pub fn fp8_pair_path(_spec: &QuantSpec) -> Fp8PairPath {
-    crate::settings::read(|s| s.fp8_pair).unwrap_or(Fp8PairPath::Fused)
+    crate::settings::read(|s| s.fp8_pair).unwrap_or(Fp8PairPath::Native)
+}
+
+/// The path [`fp8_quantize_pair_on`] runs for `x` on `path`: [`Fp8PairPath::Native`] becomes
+/// [`Fp8PairPath::Fused`] where the CUDA C++ kernel does not apply (not CUDA, a GPU without FP8
+/// conversions, an input other than f32, f16 or bf16).
+pub fn fp8_pair_path_run<B: Fp8Ops>(x: &Tensor<B, 2>, path: Fp8PairPath) -> Fp8PairPath {
+    let native = || B::fp8_native_supported(&x.clone().into_primitive().tensor());
+    if path == Fp8PairPath::Native && !native() {
+        Fp8PairPath::Fused
+    } else {
+        path
+    }
 }
 
 /// Quantizes the 2-D `x` `[r, c]` in both orientations: `(as stored, transposed)`, the first
@@ -127,8 +139,7 @@ pub fn fp8_quantize_pair_on<B: Fp8Ops + GemmOps>(
     path: Fp8PairPath,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
     let [r, c] = x.dims();
-    let fused = path == Fp8PairPath::Fused;
-    let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.into_primitive().tensor(), &spec, fused);
+    let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.into_primitive().tensor(), &spec, path);
     let q = |payload, scales, rows, k, spec| Fp8Tensor {
         payload: Tensor::from_primitive(payload),
         scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),

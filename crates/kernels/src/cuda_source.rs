@@ -1,0 +1,121 @@
+//! Kernels written in CUDA C++ for this project, compiled at run time by NVRTC through CubeCL's
+//! CUDA server and launched on CubeCL's stream with CubeCL's buffers: the route for instructions
+//! CubeCL 0.10 cannot express (the FP8 conversion instructions, warpgroup MMA). Each such kernel
+//! has a CubeCL counterpart that stays the portable path and its reference.
+//!
+//! A kernel's parameters are its buffers in the order given to [`launch`], then one
+//! `const __grid_constant__` struct holding the 64-bit words given as `info` (CubeCL passes
+//! launch metadata by value on the GPUs it supports grid constants on, compute capability 7.0+;
+//! callers use this route on newer GPUs only). Its shared memory is static (`__shared__`, at most
+//! 48 KB): CubeCL reserves no dynamic shared memory for it.
+//!
+//! CubeCL caches the compiled kernel in memory and its PTX on disk under the kernel's id, which
+//! holds a hash of the full source, so a changed source is compiled anew.
+
+use cubecl::cuda::{CudaCompiler, CudaRuntime};
+use cubecl::ir::{ElemType, StorageType, UIntKind};
+use cubecl::prelude::*;
+use cubecl::server::{Binding, KernelArguments, MetadataBindingInfo};
+use cubecl::{CompilationError, Compiler, CubeTask};
+
+/// A CUDA C++ kernel: its source, its entry point (an `extern "C" __global__` function) and its
+/// block size.
+pub(crate) struct CudaSource {
+    entry: &'static str,
+    source: String,
+    cube_dim: CubeDim,
+    id: KernelId,
+}
+
+impl CudaSource {
+    /// The kernel `entry` of `source`, launched with blocks of `cube_dim` threads.
+    pub(crate) fn new(entry: &'static str, source: String, cube_dim: CubeDim) -> Self {
+        let id = KernelId::new::<Self>()
+            .cube_dim(cube_dim)
+            .info((entry, fnv1a(source.as_bytes())));
+        Self {
+            entry,
+            source,
+            cube_dim,
+            id,
+        }
+    }
+}
+
+/// FNV-1a, 64 bits: a hash that is the same in every process (the disk cache's key outlives one).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl KernelMetadata for CudaSource {
+    fn name(&self) -> &'static str {
+        self.entry
+    }
+
+    fn id(&self) -> KernelId {
+        self.id.clone()
+    }
+
+    fn address_type(&self) -> StorageType {
+        StorageType::Scalar(ElemType::UInt(UIntKind::U64))
+    }
+}
+
+impl CubeTask<CudaCompiler> for CudaSource {
+    fn compile(
+        &self,
+        compiler: &mut CudaCompiler,
+        options: &<CudaCompiler as Compiler>::CompilationOptions,
+        mode: ExecutionMode,
+        address_type: StorageType,
+    ) -> Result<CompiledKernel<CudaCompiler>, CompilationError> {
+        // CubeCL reads the dynamic shared memory to reserve from a compiled representation: that
+        // of an empty kernel, which reserves none. NVRTC compiles `source` itself.
+        let empty = KernelDefinition {
+            buffers: Vec::new(),
+            tensor_maps: Vec::new(),
+            scalars: Vec::new(),
+            cube_dim: self.cube_dim,
+            body: Scope::root(false),
+            options: KernelOptions {
+                kernel_name: self.entry.to_string(),
+                debug_symbols: false,
+                cluster_dim: None,
+            },
+        };
+        let repr = compiler.compile(empty, options, mode, address_type)?;
+        Ok(CompiledKernel {
+            entrypoint_name: self.entry.to_string(),
+            debug_name: Some(self.entry),
+            source: self.source.clone(),
+            repr: Some(repr),
+            cube_dim: self.cube_dim,
+            debug_info: None,
+        })
+    }
+}
+
+/// Queues `kernel` on `client`'s stream over a grid of `cubes` blocks, with `buffers` as its
+/// pointer parameters (in order) and `info` as its trailing by-value struct of 64-bit words.
+pub(crate) fn launch(
+    client: &ComputeClient<CudaRuntime>,
+    kernel: CudaSource,
+    cubes: (u32, u32, u32),
+    buffers: Vec<Binding>,
+    info: Vec<u64>,
+) {
+    let words = info.len();
+    let mut args = KernelArguments::new();
+    for b in buffers {
+        args = args.with_buffer(b);
+    }
+    // No dynamically sized part: CubeCL would pass it as one more buffer.
+    args.info = MetadataBindingInfo::new(info, words);
+    client.launch(
+        Box::new(kernel),
+        CubeCount::Static(cubes.0, cubes.1, cubes.2),
+        args,
+    );
+}

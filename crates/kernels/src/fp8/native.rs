@@ -1,0 +1,106 @@
+//! The FP8 quantizer pair in CUDA C++ (`native_pair.cu`): the CubeCL kernel
+//! `quantize_pair_tiles`'s tiles and bytes, with the GPU's FP8 conversion instruction in place of
+//! the integer encoding that CubeCL 0.10 emits (its E4M3 / E5M2 casts do not saturate, so the
+//! CubeCL kernels encode with integer operations, about 25 per value). CUDA, compute capability
+//! 8.9+ (Ada, Hopper and later); [`launch_pair`] says where it applies.
+
+use std::any::Any;
+
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::cuda::CudaRuntime;
+use cubecl::ir::{ElemType, FloatKind, StorageType};
+use cubecl::prelude::*;
+
+use super::{Fp8Format, Fp8Granularity, QuantSpec};
+use crate::cuda_source::{launch, CudaSource};
+
+const SOURCE: &str = include_str!("native_pair.cu");
+const ENTRY: &str = "fp8_quantize_pair_native";
+
+fn cuda<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<&CubeTensor<CudaRuntime>> {
+    (t as &dyn Any).downcast_ref::<CubeTensor<CudaRuntime>>()
+}
+
+/// Whether `x`'s GPU has the FP8 conversion instructions the kernel uses: a CUDA device of
+/// compute capability 8.9+ (where CubeCL registers FP8 conversions).
+pub(crate) fn supported<R: CubeRuntime>(x: &CubeTensor<R>) -> bool {
+    cuda(x).is_some_and(|x| {
+        let e4m3 = StorageType::Scalar(ElemType::Float(FloatKind::E4M3));
+        x.client
+            .properties()
+            .type_usage(e4m3)
+            .contains(cubecl::ir::features::TypeUsage::Conversion)
+    })
+}
+
+/// The stored matrix the pair kernel reads: `[rows, cols]`, element `(i, j)` at
+/// `i * stride_i + j * stride_j` of `x`.
+pub(crate) struct PairView {
+    pub rows: usize,
+    pub cols: usize,
+    pub stride_i: usize,
+    pub stride_j: usize,
+}
+
+/// Quantizes `x` in both orientations into `payload`, `scales`, `payload_t`, `scales_t` (shaped
+/// and laid out as for the CubeCL kernel `quantize_pair_tiles`; `amax` holds the tensor's amax for
+/// per-tensor scaling) with the CUDA C++ kernel, or returns `false` without launching anything
+/// where it does not apply: not CUDA, a GPU without FP8 conversions, an input other than f32,
+/// f16 or bf16.
+pub(crate) fn launch_pair<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    amax: &CubeTensor<R>,
+    outputs: [&CubeTensor<R>; 4],
+    view: &PairView,
+    spec: &QuantSpec,
+) -> bool {
+    let in_kind = match x.dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        _ => return false,
+    };
+    if !supported(x) {
+        return false;
+    }
+    let (Some(xc), Some(amax)) = (cuda(x), cuda(amax)) else {
+        return false;
+    };
+    let Some(outputs) = outputs
+        .into_iter()
+        .map(cuda)
+        .collect::<Option<Vec<&CubeTensor<CudaRuntime>>>>()
+    else {
+        return false;
+    };
+    // 8 values per row at once: 16-byte loads (two for f32) from 16-byte aligned addresses.
+    let aligned = x.handle.offset_start.unwrap_or(0).is_multiple_of(16);
+    let vec = view.stride_j == 1
+        && view.cols.is_multiple_of(8)
+        && view.stride_i.is_multiple_of(8)
+        && aligned;
+    let defines = format!(
+        "#define IN_KIND {in_kind}\n#define VEC {}\n#define BLOCK {}\n#define GIVEN_AMAX {}\n\
+         #define POW2 {}\n#define E5M2 {}\n",
+        u8::from(vec),
+        u8::from(spec.granularity == Fp8Granularity::Block128),
+        u8::from(spec.granularity == Fp8Granularity::Tensor),
+        u8::from(spec.pow2),
+        u8::from(spec.format == Fp8Format::E5M2),
+    );
+    let kernel = CudaSource::new(ENTRY, defines + SOURCE, CubeDim::new_1d(256));
+    let mut buffers = vec![xc.handle.clone().binding(), amax.handle.clone().binding()];
+    buffers.extend(outputs.iter().map(|t| t.handle.clone().binding()));
+    let info = [view.rows, view.cols, view.stride_i, view.stride_j]
+        .map(|v| v as u64)
+        .to_vec();
+    let cubes = (
+        view.cols.div_ceil(super::TILE) as u32,
+        view.rows.div_ceil(super::TILE) as u32,
+        1,
+    );
+    launch(&xc.client, kernel, cubes, buffers, info);
+    true
+}
