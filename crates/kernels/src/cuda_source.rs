@@ -10,7 +10,11 @@
 //! 48 KB): CubeCL reserves no dynamic shared memory for it.
 //!
 //! CubeCL caches the compiled kernel in memory and its PTX on disk under the kernel's id, which
-//! holds a hash of the full source, so a changed source is compiled anew.
+//! holds the variant's `#define` lines and a hash of the kernel text, so a changed source is compiled
+//! anew.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 use cubecl::cuda::{CudaCompiler, CudaRuntime};
 use cubecl::ir::{ElemType, StorageType, UIntKind};
@@ -18,28 +22,47 @@ use cubecl::prelude::*;
 use cubecl::server::{Binding, KernelArguments, MetadataBindingInfo};
 use cubecl::{CompilationError, Compiler, CubeTask};
 
-/// A CUDA C++ kernel: its source, its entry point (an `extern "C" __global__` function) and its
-/// block size.
+/// A CUDA C++ kernel: its source (a few `#define` lines that pick a variant, then the kernel
+/// text), its entry point (an `extern "C" __global__` function) and its block size.
 pub(crate) struct CudaSource {
     entry: &'static str,
-    source: String,
+    defines: String,
+    body: &'static str,
     cube_dim: CubeDim,
     id: KernelId,
 }
 
 impl CudaSource {
-    /// The kernel `entry` of `source`, launched with blocks of `cube_dim` threads.
-    pub(crate) fn new(entry: &'static str, source: String, cube_dim: CubeDim) -> Self {
-        let id = KernelId::new::<Self>()
-            .cube_dim(cube_dim)
-            .info((entry, fnv1a(source.as_bytes())));
+    /// The kernel `entry` of `defines` followed by `body`, launched with blocks of `cube_dim`
+    /// threads. Cheap to call per launch: `body` is hashed once per process.
+    pub(crate) fn new(
+        entry: &'static str,
+        defines: String,
+        body: &'static str,
+        cube_dim: CubeDim,
+    ) -> Self {
+        let id = KernelId::new::<Self>().cube_dim(cube_dim).info((
+            entry,
+            defines.clone(),
+            body_hash(body),
+        ));
         Self {
             entry,
-            source,
+            defines,
+            body,
             cube_dim,
             id,
         }
     }
+}
+
+/// The [`fnv1a`] hash of a kernel text, computed on its first use in the process.
+fn body_hash(body: &'static str) -> u64 {
+    static HASHES: Mutex<BTreeMap<usize, u64>> = Mutex::new(BTreeMap::new());
+    let mut hashes = HASHES.lock().unwrap_or_else(|e| e.into_inner());
+    *hashes
+        .entry(body.as_ptr() as usize)
+        .or_insert_with(|| fnv1a(body.as_bytes()))
 }
 
 /// FNV-1a, 64 bits: a hash that is the same in every process (the disk cache's key outlives one).
@@ -89,7 +112,7 @@ impl CubeTask<CudaCompiler> for CudaSource {
         Ok(CompiledKernel {
             entrypoint_name: self.entry.to_string(),
             debug_name: Some(self.entry),
-            source: self.source.clone(),
+            source: format!("{}{}", self.defines, self.body),
             repr: Some(repr),
             cube_dim: self.cube_dim,
             debug_info: None,

@@ -90,7 +90,7 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
         u8::from(spec.pow2),
         u8::from(spec.format == Fp8Format::E5M2),
     );
-    let kernel = CudaSource::new(ENTRY, defines + SOURCE, CubeDim::new_1d(256));
+    let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(256));
     let mut buffers = vec![xc.handle.clone().binding(), amax.handle.clone().binding()];
     buffers.extend(outputs.iter().map(|t| t.handle.clone().binding()));
     let info = [view.rows, view.cols, view.stride_i, view.stride_j]

@@ -17,7 +17,8 @@
 // `payload_t` [cols, row_tiles * 32] its transpose quantized along rows, four codes per
 // little-endian word, zero codes past the matrix. Scales are dequantization factors (1 / s).
 // A block of 256 threads covers a 128 x 128 tile, thread t the 8 x 8 values of rows
-// 8 (t / 16) .. and columns 8 (t % 16) .., kept in registers.
+// 8 (t / 16) .. and columns 8 (t % 16) .., kept in registers (16-bit inputs packed two to a
+// register).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -57,14 +58,12 @@ __device__ __forceinline__ float to_f32(in_t v) {
 #endif
 }
 
-// The two 16-bit values of a word, low half first, as f32.
-__device__ __forceinline__ void unpack2(u32 w, float* out) {
+// The value of 16-bit input bits h (in the low half of a word).
+__device__ __forceinline__ float half_bits_to_f32(u32 h) {
 #if IN_KIND == 1
-    out[0] = to_f32((in_t)(w & 0xFFFFu));
-    out[1] = to_f32((in_t)(w >> 16));
-#elif IN_KIND == 2
-    out[0] = __uint_as_float(w << 16);
-    out[1] = __uint_as_float(w & 0xFFFF0000u);
+    return to_f32((in_t)h);
+#else
+    return __uint_as_float(h << 16);
 #endif
 }
 
@@ -135,16 +134,16 @@ __device__ __forceinline__ u32 code_of(float x, float s) {
     return cvt2(x, 0.0f, s) & 0xFFu;
 }
 
-// Four codes in a little-endian word: v[0] (low byte) .. v[3], each v[k * step].
-__device__ __forceinline__ u32 word_of(const float* v, int step, float s, bool slow) {
+// Four codes in a little-endian word, a in the low byte .. d in the high byte.
+__device__ __forceinline__ u32 word_of(float a, float b, float c, float d, float s, bool slow) {
     if (slow) {
-        return code_of(v[0], s) | (code_of(v[step], s) << 8) | (code_of(v[2 * step], s) << 16)
-            | (code_of(v[3 * step], s) << 24);
+        return code_of(a, s) | (code_of(b, s) << 8) | (code_of(c, s) << 16) | (code_of(d, s) << 24);
     }
-    return cvt2(v[0], v[step], s) | (cvt2(v[2 * step], v[3 * step], s) << 16);
+    return cvt2(a, b, s) | (cvt2(c, d, s) << 16);
 }
 
-extern "C" __global__ void __launch_bounds__(256) fp8_quantize_pair_native(
+// At least two blocks a multiprocessor (at most 128 registers a thread).
+extern "C" __global__ void __launch_bounds__(256, 2) fp8_quantize_pair_native(
     const in_t* __restrict__ x,
     const float* __restrict__ amax,
     u32* __restrict__ payload,
@@ -169,42 +168,60 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_pair_native(
     const u64 row0 = (u64)rt * 128u + ru * 8u;
     const u64 col0 = (u64)ct * 128u + cu * 8u;
 
-    // v[i * 8 + e]: row row0 + i, column col0 + e (0 outside the matrix).
+    // The thread's values: V(i * 8 + e) is row row0 + i, column col0 + e (0 outside the
+    // matrix). 16-bit inputs stay packed two to a register (V(k) unpacks one in one instruction),
+    // so that the 64 values take 32 registers and more blocks fit on a multiprocessor.
+#if IN_KIND == 0
     float v[64];
+#define V(k) v[k]
+#else
+    u32 v[32];
+#define V(k) half_bits_to_f32(((k) & 1) ? (v[(k) >> 1] >> 16) : (v[(k) >> 1] & 0xFFFFu))
+#endif
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const u64 row = row0 + i;
 #if VEC
-        if (row < rows && col0 < cols) {
-            const in_t* p = x + row * info.stride_i + col0;
+        const bool inside = row < rows && col0 < cols;
+        const in_t* p = x + row * info.stride_i + col0;
 #if IN_KIND == 0
-            const float4 a = *reinterpret_cast<const float4*>(p);
-            const float4 b = *reinterpret_cast<const float4*>(p + 4);
-            v[i * 8 + 0] = a.x;
-            v[i * 8 + 1] = a.y;
-            v[i * 8 + 2] = a.z;
-            v[i * 8 + 3] = a.w;
-            v[i * 8 + 4] = b.x;
-            v[i * 8 + 5] = b.y;
-            v[i * 8 + 6] = b.z;
-            v[i * 8 + 7] = b.w;
-#else
-            const uint4 a = *reinterpret_cast<const uint4*>(p);
-            unpack2(a.x, &v[i * 8 + 0]);
-            unpack2(a.y, &v[i * 8 + 2]);
-            unpack2(a.z, &v[i * 8 + 4]);
-            unpack2(a.w, &v[i * 8 + 6]);
-#endif
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; e++) v[i * 8 + e] = 0.0f;
+        float4 a = {0.0f, 0.0f, 0.0f, 0.0f};
+        float4 b = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (inside) {
+            a = *reinterpret_cast<const float4*>(p);
+            b = *reinterpret_cast<const float4*>(p + 4);
         }
+        v[i * 8 + 0] = a.x;
+        v[i * 8 + 1] = a.y;
+        v[i * 8 + 2] = a.z;
+        v[i * 8 + 3] = a.w;
+        v[i * 8 + 4] = b.x;
+        v[i * 8 + 5] = b.y;
+        v[i * 8 + 6] = b.z;
+        v[i * 8 + 7] = b.w;
+#else
+        uint4 a = {0u, 0u, 0u, 0u};
+        if (inside) a = *reinterpret_cast<const uint4*>(p);
+        v[i * 4 + 0] = a.x;
+        v[i * 4 + 1] = a.y;
+        v[i * 4 + 2] = a.z;
+        v[i * 4 + 3] = a.w;
+#endif
 #else
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             const u64 col = col0 + e;
-            v[i * 8 + e] =
-                (row < rows && col < cols) ? to_f32(x[row * info.stride_i + col * info.stride_j]) : 0.0f;
+            const bool inside = row < rows && col < cols;
+#if IN_KIND == 0
+            v[i * 8 + e] = inside ? x[row * info.stride_i + col * info.stride_j] : 0.0f;
+#else
+            const u32 h = inside ? (u32)x[row * info.stride_i + col * info.stride_j] : 0u;
+            if (e % 2 == 0) {
+                v[i * 4 + e / 2] = h;
+            } else {
+                v[i * 4 + e / 2] |= h << 16;
+            }
+#endif
         }
 #endif
     }
@@ -213,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_pair_native(
     // subnormals); decided per thread, so the fast path has no per-value branch.
     bool slow = false;
 #pragma unroll
-    for (int k = 0; k < 64; k++) slow |= special(v[k]);
+    for (int k = 0; k < 64; k++) slow |= special(V(k));
 
     // The amax of each tile this thread's values belong to, as f32 bits.
     u32 m = 0u;
@@ -226,14 +243,14 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_pair_native(
     for (int i = 0; i < 8; i++) {
         u32 rm = 0u;
 #pragma unroll
-        for (int e = 0; e < 8; e++) rm = umax(rm, amax_term(v[i * 8 + e]));
+        for (int e = 0; e < 8; e++) rm = umax(rm, amax_term(V(i * 8 + e)));
         buf[(ru * 8u + i) * 16u + cu] = rm;
     }
 #pragma unroll
     for (int e = 0; e < 8; e++) {
         u32 cm = 0u;
 #pragma unroll
-        for (int i = 0; i < 8; i++) cm = umax(cm, amax_term(v[i * 8 + e]));
+        for (int i = 0; i < 8; i++) cm = umax(cm, amax_term(V(i * 8 + e)));
         buf[2048u + ru * 128u + e * 16u + cu] = cm;
     }
     __syncthreads();
@@ -263,8 +280,9 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_pair_native(
         if (row < rows) {
             const float s = multiplier(__uint_as_float(per_tile ? maxima[ru * 8u + i] : m));
             uint2 w;
-            w.x = word_of(&v[i * 8], 1, s, slow);
-            w.y = word_of(&v[i * 8 + 4], 1, s, slow);
+            const int k = i * 8;
+            w.x = word_of(V(k), V(k + 1), V(k + 2), V(k + 3), s, slow);
+            w.y = word_of(V(k + 4), V(k + 5), V(k + 6), V(k + 7), s, slow);
             *reinterpret_cast<uint2*>(&payload[row * words + ct * 32u + cu * 2u]) = w;
             if (per_tile && cu == 0u) scales[row * col_tiles + ct] = dequant_scale(s);
         }
@@ -277,8 +295,8 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_pair_native(
         const u32 c = cu * 8u + e;
         const float s = multiplier(__uint_as_float(per_tile ? maxima[128u + c] : m));
         uint2 w;
-        w.x = word_of(&v[e], 8, s, slow);
-        w.y = word_of(&v[32 + e], 8, s, slow);
+        w.x = word_of(V(e), V(8 + e), V(16 + e), V(24 + e), s, slow);
+        w.y = word_of(V(32 + e), V(40 + e), V(48 + e), V(56 + e), s, slow);
         *reinterpret_cast<uint2*>(&buf[c * 32u + ((ru ^ cu) * 2u)]) = w;
     }
     __syncthreads();
