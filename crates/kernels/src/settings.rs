@@ -455,7 +455,7 @@ mod tests {
             (GEMM_SPARE_SM_ENV, "1", "`on` or `off`"),
             (FP8_GEMM_ENV, "fast", "auto, cublaslt, mma, dequantize"),
             (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
-            (FP8_PAIR_ENV, "one", "auto, fused, separate"),
+            (FP8_PAIR_ENV, "one", "auto, native, fused, separate"),
             (FLASH_TILES_ENV, "fwd=3x64", "row tiles must be 1, 2 or 4"),
             (FLASH_TILES_ENV, "attn=2x64", "expected fwd, dq, dkdv"),
             (FLASH_TILES_ENV, "bwd=2x64", "`split` or `rows`"),
