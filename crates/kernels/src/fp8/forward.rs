@@ -623,7 +623,7 @@ where
         health_partials(x, payload, scales, spec)
     }
     fn fp8_native_supported(x: &FloatTensor<Self>) -> bool {
-        super::native::supported(x) && matches!(x.dtype, DType::F32 | DType::F16 | DType::BF16)
+        super::native::supported(x)
     }
     fn fp8_mma_supported(payload: &IntTensor<Self>) -> bool {
         mma_supported(payload)

@@ -4,8 +4,6 @@
 //! CubeCL kernels encode with integer operations, about 25 per value). CUDA, compute capability
 //! 8.9+ (Ada, Hopper and later); [`launch_pair`] says where it applies.
 
-use std::any::Any;
-
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
@@ -15,24 +13,32 @@ use cubecl::prelude::*;
 
 use super::{Fp8Format, Fp8Granularity, QuantSpec};
 use crate::cuda_source::{launch, CudaSource};
+use crate::gemm::cublaslt::as_cuda as cuda;
 
 const SOURCE: &str = include_str!("native_pair.cu");
 const ENTRY: &str = "fp8_quantize_pair_native";
 
-fn cuda<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<&CubeTensor<CudaRuntime>> {
-    (t as &dyn Any).downcast_ref::<CubeTensor<CudaRuntime>>()
+/// The kernel's `IN_KIND` for an input dtype it reads (f32, f16, bf16).
+fn in_kind(dtype: DType) -> Option<u8> {
+    match dtype {
+        DType::F32 => Some(0),
+        DType::F16 => Some(1),
+        DType::BF16 => Some(2),
+        _ => None,
+    }
 }
 
-/// Whether `x`'s GPU has the FP8 conversion instructions the kernel uses: a CUDA device of
-/// compute capability 8.9+ (where CubeCL registers FP8 conversions).
+/// Whether the kernel runs for `x`: an input dtype it reads, on a CUDA GPU with the FP8
+/// conversion instructions (compute capability 8.9+, where CubeCL registers FP8 conversions).
 pub(crate) fn supported<R: CubeRuntime>(x: &CubeTensor<R>) -> bool {
-    cuda(x).is_some_and(|x| {
-        let e4m3 = StorageType::Scalar(ElemType::Float(FloatKind::E4M3));
-        x.client
-            .properties()
-            .type_usage(e4m3)
-            .contains(cubecl::ir::features::TypeUsage::Conversion)
-    })
+    in_kind(x.dtype).is_some()
+        && cuda(x).is_some_and(|x| {
+            let e4m3 = StorageType::Scalar(ElemType::Float(FloatKind::E4M3));
+            x.client
+                .properties()
+                .type_usage(e4m3)
+                .contains(cubecl::ir::features::TypeUsage::Conversion)
+        })
 }
 
 /// The stored matrix the pair kernel reads: `[rows, cols]`, element `(i, j)` at
@@ -56,16 +62,10 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
     view: &PairView,
     spec: &QuantSpec,
 ) -> bool {
-    let in_kind = match x.dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-        _ => return false,
-    };
     if !supported(x) {
         return false;
     }
-    let (Some(xc), Some(amax)) = (cuda(x), cuda(amax)) else {
+    let (Some(in_kind), Some(xc), Some(amax)) = (in_kind(x.dtype), cuda(x), cuda(amax)) else {
         return false;
     };
     let Some(outputs) = outputs
