@@ -16,9 +16,19 @@
 // x[i * stride_i + j * stride_j]. `payload` [rows, col_tiles * 32] holds it quantized along cols,
 // `payload_t` [cols, row_tiles * 32] its transpose quantized along rows, four codes per
 // little-endian word, zero codes past the matrix. Scales are dequantization factors (1 / s).
+//
 // A block of 256 threads covers a 128 x 128 tile, thread t the 8 x 8 values of rows
-// 8 (t / 16) .. and columns 8 (t % 16) .., kept in registers (16-bit inputs packed two to a
-// register).
+// 8 (t / 16) .. and columns 8 (t % 16) .., kept in registers as loaded (16-bit inputs two to a
+// word). The fast path, taken by every tile without NaN or infinities:
+//   1. tile maxima from the bits: for non-negative floats, comparing the bits as integers
+//      compares the values, so each thread takes |x| with a mask and the maxima of its rows and
+//      columns with integer max (two 16-bit values at once), and the block reduces the
+//      partial maxima through shared memory;
+//   2. scales: one thread a row or column computes its multiplier once, into shared memory;
+//   3. codes: x * s (flushing f32 subnormals to zero, as the reference does) converted two at a
+//      time; rows written directly, the transpose staged in shared memory and written by rows.
+// A tile with NaN or an infinity (which the conversion instruction encodes differently from the
+// reference, and which the tile maxima skip) takes `slow_tile`, value by value.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -40,11 +50,36 @@ struct Info {
 #define INF_CODE 0x7Fu
 #endif
 
+// WORD_VALUES: input values a 32-bit word holds; ABS_MASK clears their signs; NONFINITE: the
+// smallest |x| bits of an infinity or NaN in the input format.
 #if IN_KIND == 0
 typedef float in_t;
+#define WORD_VALUES 1
+#define ABS_MASK 0x7FFFFFFFu
+#define NONFINITE 0x7F800000u
 #else
 typedef unsigned short in_t;
+#define WORD_VALUES 2
+#define ABS_MASK 0x7FFF7FFFu
+#if IN_KIND == 1
+#define NONFINITE 0x7C00u
+#else
+#define NONFINITE 0x7F80u
 #endif
+#endif
+// Words holding one of a thread's rows (8 values), and the thread's 64 values.
+#define ROW_WORDS (8 / WORD_VALUES)
+#define WORDS (64 / WORD_VALUES)
+// Stride, in words, of the row partial maxima in shared memory: a warp's writes do not conflict
+// for 16-bit inputs (its two thread rows 80 words apart) and its 16-byte reads never do.
+#define ROW_PART_STRIDE 20u
+
+// Shared memory: `stage` holds the partial maxima, then the transposed codes (4096 words).
+__shared__ __align__(16) u32 stage[4608];
+__shared__ float row_mult[128];
+__shared__ float col_mult[128];
+__shared__ u32 warp_max[8];
+__shared__ u32 maxima[256];
 
 __device__ __forceinline__ float to_f32(in_t v) {
 #if IN_KIND == 0
@@ -69,19 +104,47 @@ __device__ __forceinline__ float half_bits_to_f32(u32 h) {
 
 __device__ __forceinline__ u32 umax(u32 a, u32 b) { return a > b ? a : b; }
 
-// |x| as f32 bits if x is finite and normal, else 0 (the tile amax ignores NaN, infinities and
-// subnormals). For non-negative floats, comparing the bits as integers compares the values.
+// The maximum of each value of two words (each 16-bit half apart for 16-bit inputs).
+__device__ __forceinline__ u32 word_max(u32 a, u32 b) {
+#if WORD_VALUES == 2
+#if __CUDA_ARCH__ >= 900
+    u32 r;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+#else
+    return __vmaxu2(a, b);
+#endif
+#else
+    return umax(a, b);
+#endif
+}
+
+// The larger of a word's values (the word itself for f32).
+__device__ __forceinline__ u32 word_top(u32 a) {
+#if WORD_VALUES == 2
+    return umax(a & 0xFFFFu, a >> 16);
+#else
+    return a;
+#endif
+}
+
+// The tile amax, as f32, for the largest |x| bits of a tile's finite values in the input format.
+// The reference's amax skips f32 subnormals: a tile whose largest value is one has amax 0.
+__device__ __forceinline__ float amax_of_bits(u32 h) {
+#if IN_KIND == 0
+    const u32 b = h;
+#elif IN_KIND == 1
+    const u32 b = __float_as_uint(half_bits_to_f32(h));
+#else
+    const u32 b = h << 16;
+#endif
+    return __uint_as_float(b < 0x800000u ? 0u : b);
+}
+
+// |x| as f32 bits if x is finite and normal, else 0 (the reference's amax term).
 __device__ __forceinline__ u32 amax_term(float x) {
     u32 a = __float_as_uint(x) & 0x7FFFFFFFu;
     return (a - 0x800000u < 0x7F000000u) ? a : 0u;
-}
-
-// Whether x is an input the conversion instruction does not encode as the reference does: a
-// nonzero f32 subnormal (the reference flushes it to zero) or NaN / an infinity (the instruction
-// saturates infinities and drops the sign of NaN).
-__device__ __forceinline__ bool special(float x) {
-    u32 a = __float_as_uint(x) & 0x7FFFFFFFu;
-    return a - 1u < 0x7FFFFFu || a >= 0x7F800000u;
 }
 
 // The quantization multiplier s for a tile amax (see reference::scales_for).
@@ -113,18 +176,34 @@ __device__ __forceinline__ float dequant_scale(float s) {
 #endif
 }
 
-// Two codes: x0 * s in the low byte, x1 * s in the high byte (round to nearest even, saturating).
+// x * s rounded to nearest, f32 subnormal inputs (and products) flushed to zero of x's sign: the
+// reference encodes an f32 subnormal input as a zero code.
+__device__ __forceinline__ float scaled(float x, float s) {
+    float r;
+    asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(s));
+    return r;
+}
+
+// Two codes: x0 * s in the low byte, x1 * s in the high byte (round to nearest even, saturating;
+// x0, x1 finite).
 __device__ __forceinline__ u32 cvt2(float x0, float x1, float s) {
+    const float y0 = scaled(x0, s);
+    const float y1 = scaled(x1, s);
     unsigned short r;
 #if E5M2
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(x1 * s), "f"(x0 * s));
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(y1), "f"(y0));
 #else
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(x1 * s), "f"(x0 * s));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(y1), "f"(y0));
 #endif
     return r;
 }
 
-// The code of x * s as the reference writes it, for any x (the slow path of special inputs).
+// Four codes in a little-endian word, a in the low byte .. d in the high byte (all finite).
+__device__ __forceinline__ u32 word_of(float a, float b, float c, float d, float s) {
+    return __byte_perm(cvt2(a, b, s), cvt2(c, d, s), 0x5410);
+}
+
+// The code of x * s as the reference writes it, for any x.
 __device__ __forceinline__ u32 code_of(float x, float s) {
     u32 bits = __float_as_uint(x);
     u32 a = bits & 0x7FFFFFFFu;
@@ -134,16 +213,148 @@ __device__ __forceinline__ u32 code_of(float x, float s) {
     return cvt2(x, 0.0f, s) & 0xFFu;
 }
 
-// Four codes in a little-endian word, a in the low byte .. d in the high byte.
-__device__ __forceinline__ u32 word_of(float a, float b, float c, float d, float s, bool slow) {
-    if (slow) {
-        return code_of(a, s) | (code_of(b, s) << 8) | (code_of(c, s) << 16) | (code_of(d, s) << 24);
-    }
-    return cvt2(a, b, s) | (cvt2(c, d, s) << 16);
+__device__ __forceinline__ u32 word_of_any(float a, float b, float c, float d, float s) {
+    return code_of(a, s) | (code_of(b, s) << 8) | (code_of(c, s) << 16) | (code_of(d, s) << 24);
 }
 
-// At least two blocks a multiprocessor (at most 128 registers a thread).
-extern "C" __global__ void __launch_bounds__(256, 2) fp8_quantize_pair_native(
+// Element (row, col) of x, as f32, or 0 outside the matrix.
+__device__ __forceinline__ float element(const in_t* x, const Info& info, u64 row, u64 col) {
+    return row < info.rows && col < info.cols ? to_f32(x[row * info.stride_i + col * info.stride_j])
+                                              : 0.0f;
+}
+
+// The transposed codes staged in `stage` (column c's words at c * 32 + (word ^ 2 (c / 8))) to
+// payload_t, a warp writing a column's 128 codes at a time.
+__device__ __forceinline__ void write_transposed(u32* __restrict__ payload_t, const Info& info) {
+    const u32 lane = threadIdx.x % 32u;
+    const u32 warp = threadIdx.x / 32u;
+    const u64 words_t = (u64)gridDim.y * 32u;
+#pragma unroll
+    for (u32 q = 0; q < 16u; q++) {
+        const u32 c = warp * 16u + q;
+        const u64 col = (u64)blockIdx.x * 128u + c;
+        if (col < info.cols) {
+            payload_t[col * words_t + blockIdx.y * 32u + lane] = stage[c * 32u + (lane ^ ((c / 8u) * 2u))];
+        }
+    }
+}
+
+// The scale of a tile quantized with one multiplier s: its 128x128 block's, or the tensor's
+// (written once).
+__device__ __forceinline__ void write_tile_scale(float* __restrict__ scales, float* __restrict__ scales_t, float s) {
+#if BLOCK
+    if (threadIdx.x == 0u) {
+        const float d = dequant_scale(s);
+        scales[(u64)blockIdx.y * gridDim.x + blockIdx.x] = d;
+        scales_t[(u64)blockIdx.x * gridDim.y + blockIdx.y] = d;
+    }
+#elif GIVEN_AMAX
+    if (blockIdx.x == 0u && blockIdx.y == 0u && threadIdx.x == 0u) {
+        const float d = dequant_scale(s);
+        scales[0] = d;
+        scales_t[0] = d;
+    }
+#endif
+}
+
+// The tile of this block when it holds NaN or an infinity, one value at a time: the tile maxima
+// skip them, and their codes are the reference's (the conversion instruction saturates
+// infinities and drops the sign of NaN). Called by every thread of the block; reads x again.
+__device__ __noinline__ void slow_tile(
+    const in_t* __restrict__ x,
+    const float* __restrict__ amax,
+    u32* __restrict__ payload,
+    float* __restrict__ scales,
+    u32* __restrict__ payload_t,
+    float* __restrict__ scales_t,
+    const Info info) {
+    const u32 unit = threadIdx.x;
+    const u32 cu = unit % 16u;
+    const u32 ru = unit / 16u;
+    const u32 ct = blockIdx.x;
+    const u32 col_tiles = gridDim.x;
+    const u64 words = (u64)col_tiles * 32u;
+    const u64 row0 = (u64)blockIdx.y * 128u + ru * 8u;
+    const u64 col0 = (u64)ct * 128u + cu * 8u;
+    const bool per_tile = !GIVEN_AMAX && !BLOCK;
+
+    u32 m = 0u;
+#if GIVEN_AMAX
+    m = __float_as_uint(amax[0]);
+#else
+    // Partial maxima: rows at r * 16 + cu, columns (of thread row ru) at
+    // 2048 + ru * 128 + e * 16 + cu for column cu * 8 + e.
+    for (int i = 0; i < 8; i++) {
+        u32 rm = 0u;
+        for (int e = 0; e < 8; e++) rm = umax(rm, amax_term(element(x, info, row0 + i, col0 + e)));
+        stage[(ru * 8u + i) * 16u + cu] = rm;
+    }
+    for (int e = 0; e < 8; e++) {
+        u32 cm = 0u;
+        for (int i = 0; i < 8; i++) cm = umax(cm, amax_term(element(x, info, row0 + i, col0 + e)));
+        stage[2048u + ru * 128u + e * 16u + cu] = cm;
+    }
+    __syncthreads();
+    // Threads 0..128 take a row's amax, 128..256 a column's.
+    if (unit < 128u) {
+        for (u32 p = 0; p < 16u; p++) m = umax(m, stage[unit * 16u + p]);
+    } else {
+        const u32 c = unit - 128u;
+        for (u32 p = 0; p < 16u; p++) m = umax(m, stage[2048u + p * 128u + (c % 8u) * 16u + c / 8u]);
+    }
+    maxima[unit] = m;
+    __syncthreads();
+#if BLOCK
+    m = 0u;
+    for (u32 r = 0; r < 128u; r++) m = umax(m, maxima[r]);
+#endif
+#endif
+    const float s_all = multiplier(__uint_as_float(m));
+
+    for (int i = 0; i < 8; i++) {
+        const u64 row = row0 + i;
+        if (row < info.rows) {
+            const float s = per_tile ? multiplier(__uint_as_float(maxima[ru * 8u + i])) : s_all;
+            float r[8];
+            for (int e = 0; e < 8; e++) r[e] = element(x, info, row, col0 + e);
+            uint2 w;
+            w.x = word_of_any(r[0], r[1], r[2], r[3], s);
+            w.y = word_of_any(r[4], r[5], r[6], r[7], s);
+            *reinterpret_cast<uint2*>(&payload[row * words + ct * 32u + cu * 2u]) = w;
+            if (per_tile && cu == 0u) scales[row * col_tiles + ct] = dequant_scale(s);
+        }
+    }
+    // Every read of the partial maxima in `stage` came before the last barrier.
+    for (int e = 0; e < 8; e++) {
+        const u32 c = cu * 8u + e;
+        const float s = per_tile ? multiplier(__uint_as_float(maxima[128u + c])) : s_all;
+        float r[8];
+        for (int i = 0; i < 8; i++) r[i] = element(x, info, row0 + i, col0 + e);
+        uint2 w;
+        w.x = word_of_any(r[0], r[1], r[2], r[3], s);
+        w.y = word_of_any(r[4], r[5], r[6], r[7], s);
+        *reinterpret_cast<uint2*>(&stage[c * 32u + ((ru ^ cu) * 2u)]) = w;
+    }
+    __syncthreads();
+    write_transposed(payload_t, info);
+    if (per_tile && unit >= 128u) {
+        const u64 col = (u64)ct * 128u + unit - 128u;
+        if (col < info.cols) scales_t[col * gridDim.y + blockIdx.y] = dequant_scale(multiplier(__uint_as_float(m)));
+    }
+    write_tile_scale(scales, scales_t, s_all);
+}
+
+// Where the column partial maxima start in `stage` (after the row partial maxima).
+#define COL_PART 2560u
+
+// Blocks a multiprocessor holds at least (64 registers a thread for 16-bit inputs).
+#if IN_KIND == 0
+#define MIN_BLOCKS 2
+#else
+#define MIN_BLOCKS 4
+#endif
+
+extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_native(
     const in_t* __restrict__ x,
     const float* __restrict__ amax,
     u32* __restrict__ payload,
@@ -151,9 +362,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) fp8_quantize_pair_native(
     u32* __restrict__ payload_t,
     float* __restrict__ scales_t,
     const __grid_constant__ Info info) {
-    __shared__ __align__(16) u32 buf[4096];
-    __shared__ u32 maxima[256];
-
     const u64 rows = info.rows;
     const u64 cols = info.cols;
     const u32 unit = threadIdx.x;
@@ -164,56 +372,41 @@ extern "C" __global__ void __launch_bounds__(256, 2) fp8_quantize_pair_native(
     const u32 col_tiles = gridDim.x;
     const u32 row_tiles = gridDim.y;
     const u64 words = (u64)col_tiles * 32u;
-    const u64 words_t = (u64)row_tiles * 32u;
     const u64 row0 = (u64)rt * 128u + ru * 8u;
     const u64 col0 = (u64)ct * 128u + cu * 8u;
+    const bool per_tile = !GIVEN_AMAX && !BLOCK;
 
-    // The thread's values: V(i * 8 + e) is row row0 + i, column col0 + e (0 outside the
-    // matrix). 16-bit inputs stay packed two to a register (V(k) unpacks one in one instruction),
-    // so that the 64 values take 32 registers and more blocks fit on a multiprocessor.
+    // The thread's values as loaded: row row0 + i in words i * ROW_WORDS .. (for 16-bit inputs,
+    // column col0 + e in the low half of word e / 2 for even e, the high half for odd e); 0
+    // outside the matrix. V(k) is value k = i * 8 + e as f32.
+    u32 v[WORDS];
 #if IN_KIND == 0
-    float v[64];
-#define V(k) v[k]
+#define V(k) __uint_as_float(v[k])
 #else
-    u32 v[32];
 #define V(k) half_bits_to_f32(((k) & 1) ? (v[(k) >> 1] >> 16) : (v[(k) >> 1] & 0xFFFFu))
 #endif
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const u64 row = row0 + i;
 #if VEC
+        const uint4* p = reinterpret_cast<const uint4*>(x + row * info.stride_i + col0);
         const bool inside = row < rows && col0 < cols;
-        const in_t* p = x + row * info.stride_i + col0;
-#if IN_KIND == 0
-        float4 a = {0.0f, 0.0f, 0.0f, 0.0f};
-        float4 b = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (inside) {
-            a = *reinterpret_cast<const float4*>(p);
-            b = *reinterpret_cast<const float4*>(p + 4);
+#pragma unroll
+        for (int h = 0; h < ROW_WORDS / 4; h++) {
+            uint4 a = {0u, 0u, 0u, 0u};
+            if (inside) a = p[h];
+            v[i * ROW_WORDS + h * 4 + 0] = a.x;
+            v[i * ROW_WORDS + h * 4 + 1] = a.y;
+            v[i * ROW_WORDS + h * 4 + 2] = a.z;
+            v[i * ROW_WORDS + h * 4 + 3] = a.w;
         }
-        v[i * 8 + 0] = a.x;
-        v[i * 8 + 1] = a.y;
-        v[i * 8 + 2] = a.z;
-        v[i * 8 + 3] = a.w;
-        v[i * 8 + 4] = b.x;
-        v[i * 8 + 5] = b.y;
-        v[i * 8 + 6] = b.z;
-        v[i * 8 + 7] = b.w;
-#else
-        uint4 a = {0u, 0u, 0u, 0u};
-        if (inside) a = *reinterpret_cast<const uint4*>(p);
-        v[i * 4 + 0] = a.x;
-        v[i * 4 + 1] = a.y;
-        v[i * 4 + 2] = a.z;
-        v[i * 4 + 3] = a.w;
-#endif
 #else
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             const u64 col = col0 + e;
             const bool inside = row < rows && col < cols;
 #if IN_KIND == 0
-            v[i * 8 + e] = inside ? x[row * info.stride_i + col * info.stride_j] : 0.0f;
+            v[i * 8 + e] = inside ? __float_as_uint(x[row * info.stride_i + col * info.stride_j]) : 0u;
 #else
             const u32 h = inside ? (u32)x[row * info.stride_i + col * info.stride_j] : 0u;
             if (e % 2 == 0) {
@@ -226,104 +419,130 @@ extern "C" __global__ void __launch_bounds__(256, 2) fp8_quantize_pair_native(
 #endif
     }
 
-    // Whether any of this thread's values needs the slow encoding (rare: NaN, infinities, f32
-    // subnormals); decided per thread, so the fast path has no per-value branch.
-    bool slow = false;
+    // 1. The maxima of |x| as integers: of each row's words and of each column word.
+    u32 row_max[8];
+    u32 col_max[ROW_WORDS];
 #pragma unroll
-    for (int k = 0; k < 64; k++) slow |= special(V(k));
-
-    // The amax of each tile this thread's values belong to, as f32 bits.
-    u32 m = 0u;
-#if GIVEN_AMAX
-    m = __float_as_uint(amax[0]);
-#else
-    // Partial maxima: rows at r * 16 + cu, columns (of thread row ru) at
-    // 2048 + ru * 128 + e * 16 + cu for column cu * 8 + e. buf later stages the transposed codes.
+    for (int q = 0; q < ROW_WORDS; q++) col_max[q] = 0u;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        u32 rm = 0u;
+        row_max[i] = 0u;
 #pragma unroll
-        for (int e = 0; e < 8; e++) rm = umax(rm, amax_term(V(i * 8 + e)));
-        buf[(ru * 8u + i) * 16u + cu] = rm;
+        for (int q = 0; q < ROW_WORDS; q++) {
+            const u32 a = v[i * ROW_WORDS + q] & ABS_MASK;
+            row_max[i] = word_max(row_max[i], a);
+            col_max[q] = word_max(col_max[q], a);
+        }
     }
+    u32 top = 0u;
 #pragma unroll
-    for (int e = 0; e < 8; e++) {
-        u32 cm = 0u;
-#pragma unroll
-        for (int i = 0; i < 8; i++) cm = umax(cm, amax_term(V(i * 8 + e)));
-        buf[2048u + ru * 128u + e * 16u + cu] = cm;
-    }
-    __syncthreads();
-    // Threads 0..128 take a row's amax, 128..256 a column's.
-    if (unit < 128u) {
-#pragma unroll
-        for (u32 p = 0; p < 16u; p++) m = umax(m, buf[unit * 16u + ((p + unit) % 16u)]);
-    } else {
-        const u32 c = unit - 128u;
-#pragma unroll
-        for (u32 p = 0; p < 16u; p++) m = umax(m, buf[2048u + p * 128u + (c % 8u) * 16u + c / 8u]);
-    }
-    maxima[unit] = m;
-    __syncthreads();
-#if BLOCK
-    m = 0u;
-#pragma unroll 8
-    for (u32 r = 0; r < 128u; r++) m = umax(m, maxima[r]);
-#endif
-#endif
-    const bool per_tile = !GIVEN_AMAX && !BLOCK;
+    for (int q = 0; q < ROW_WORDS; q++) top = word_max(top, col_max[q]);
+    top = word_top(top);
 
-    // As stored: words 2 cu, 2 cu + 1 of each of the thread's rows.
+#if BLOCK
+    const u32 warp_top = __reduce_max_sync(0xFFFFFFFFu, top);
+    if (unit % 32u == 0u) warp_max[unit / 32u] = warp_top;
+#elif !GIVEN_AMAX
+    // Row partial maxima, a word for rows WORD_VALUES (ru * ROW_WORDS + j) ..: at
+    // (ru * ROW_WORDS + j) * ROW_PART_STRIDE + cu. Column partial maxima, a word for columns
+    // WORD_VALUES (cu * ROW_WORDS + q) ..: at COL_PART + ru * 16 ROW_WORDS + cu * ROW_WORDS + q.
+#pragma unroll
+    for (int j = 0; j < ROW_WORDS; j++) {
+#if WORD_VALUES == 2
+        const u32 r = word_max(__byte_perm(row_max[2 * j], row_max[2 * j + 1], 0x5410),
+                               __byte_perm(row_max[2 * j], row_max[2 * j + 1], 0x7632));
+#else
+        const u32 r = row_max[j];
+#endif
+        stage[(ru * ROW_WORDS + j) * ROW_PART_STRIDE + cu] = r;
+    }
+    uint4* col_part = reinterpret_cast<uint4*>(&stage[COL_PART + ru * (16u * ROW_WORDS) + cu * ROW_WORDS]);
+#pragma unroll
+    for (int h = 0; h < ROW_WORDS / 4; h++) {
+        uint4 a;
+        a.x = col_max[h * 4 + 0];
+        a.y = col_max[h * 4 + 1];
+        a.z = col_max[h * 4 + 2];
+        a.w = col_max[h * 4 + 3];
+        col_part[h] = a;
+    }
+#endif
+    if (__syncthreads_or(top >= NONFINITE)) {
+        slow_tile(x, amax, payload, scales, payload_t, scales_t, info);
+        return;
+    }
+
+    // 2. The multipliers.
+    float s_all = 1.0f;
+#if GIVEN_AMAX
+    s_all = multiplier(amax[0]);
+#elif BLOCK
+    u32 m = 0u;
+#pragma unroll
+    for (int w = 0; w < 8; w++) m = umax(m, warp_max[w]);
+    s_all = multiplier(amax_of_bits(m));
+#else
+    // Thread w < 16 ROW_WORDS reduces row word w, the next 16 ROW_WORDS threads column word w.
+    const u32 lines = 16u * ROW_WORDS;
+    if (unit < 2u * lines) {
+        const bool is_row = unit < lines;
+        const u32 w = is_row ? unit : unit - lines;
+        u32 m = 0u;
+        if (is_row) {
+            const uint4* part = reinterpret_cast<const uint4*>(&stage[w * ROW_PART_STRIDE]);
+#pragma unroll
+            for (int h = 0; h < 4; h++) {
+                const uint4 a = part[h];
+                m = word_max(word_max(m, a.x), word_max(a.y, word_max(a.z, a.w)));
+            }
+        } else {
+#pragma unroll
+            for (u32 p = 0; p < 16u; p++) m = word_max(m, stage[COL_PART + p * (16u * ROW_WORDS) + w]);
+        }
+#pragma unroll
+        for (u32 h = 0; h < WORD_VALUES; h++) {
+            const float s = multiplier(amax_of_bits(WORD_VALUES == 2 ? (m >> (16u * h)) & 0xFFFFu : m));
+            const u32 k = w * WORD_VALUES + h;
+            if (is_row) {
+                row_mult[k] = s;
+                const u64 row = (u64)rt * 128u + k;
+                if (row < rows) scales[row * col_tiles + ct] = dequant_scale(s);
+            } else {
+                col_mult[k] = s;
+                const u64 col = (u64)ct * 128u + k;
+                if (col < cols) scales_t[col * row_tiles + rt] = dequant_scale(s);
+            }
+        }
+    }
+    __syncthreads();
+#endif
+
+    // 3. The codes. As stored: words 2 cu, 2 cu + 1 of each of the thread's rows.
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const u64 row = row0 + i;
         if (row < rows) {
-            const float s = multiplier(__uint_as_float(per_tile ? maxima[ru * 8u + i] : m));
-            uint2 w;
+            const float s = per_tile ? row_mult[ru * 8u + i] : s_all;
             const int k = i * 8;
-            w.x = word_of(V(k), V(k + 1), V(k + 2), V(k + 3), s, slow);
-            w.y = word_of(V(k + 4), V(k + 5), V(k + 6), V(k + 7), s, slow);
+            uint2 w;
+            w.x = word_of(V(k), V(k + 1), V(k + 2), V(k + 3), s);
+            w.y = word_of(V(k + 4), V(k + 5), V(k + 6), V(k + 7), s);
             *reinterpret_cast<uint2*>(&payload[row * words + ct * 32u + cu * 2u]) = w;
-            if (per_tile && cu == 0u) scales[row * col_tiles + ct] = dequant_scale(s);
         }
     }
     // Transposed: column cu * 8 + e's words 2 ru, 2 ru + 1, staged at c * 32 + (word ^ 2 cu)
-    // (XOR-swizzled: neither the writes nor the reads below conflict more than 2-way). Every
-    // read of the partial maxima in buf came before the last barrier.
+    // (XOR-swizzled: neither the writes nor the reads of write_transposed conflict more than
+    // 2-way). Every read of the partial maxima in `stage` came before the last barrier.
 #pragma unroll
     for (int e = 0; e < 8; e++) {
         const u32 c = cu * 8u + e;
-        const float s = multiplier(__uint_as_float(per_tile ? maxima[128u + c] : m));
+        const float s = per_tile ? col_mult[c] : s_all;
         uint2 w;
-        w.x = word_of(V(e), V(8 + e), V(16 + e), V(24 + e), s, slow);
-        w.y = word_of(V(32 + e), V(40 + e), V(48 + e), V(56 + e), s, slow);
-        *reinterpret_cast<uint2*>(&buf[c * 32u + ((ru ^ cu) * 2u)]) = w;
+        w.x = word_of(V(e), V(8 + e), V(16 + e), V(24 + e), s);
+        w.y = word_of(V(32 + e), V(40 + e), V(48 + e), V(56 + e), s);
+        *reinterpret_cast<uint2*>(&stage[c * 32u + ((ru ^ cu) * 2u)]) = w;
     }
     __syncthreads();
-    const u32 lane = unit % 32u;
-    const u32 warp = unit / 32u;
-#pragma unroll
-    for (u32 q = 0; q < 16u; q++) {
-        const u32 c = warp * 16u + q;
-        const u64 col = (u64)ct * 128u + c;
-        if (col < cols) payload_t[col * words_t + rt * 32u + lane] = buf[c * 32u + (lane ^ ((c / 8u) * 2u))];
-    }
-    if (per_tile && unit >= 128u) {
-        const u64 col = (u64)ct * 128u + unit - 128u;
-        if (col < cols) scales_t[col * row_tiles + rt] = dequant_scale(multiplier(__uint_as_float(m)));
-    }
-#if BLOCK
-    if (unit == 0u) {
-        const float d = dequant_scale(multiplier(__uint_as_float(m)));
-        scales[(u64)rt * col_tiles + ct] = d;
-        scales_t[(u64)ct * row_tiles + rt] = d;
-    }
-#endif
-#if GIVEN_AMAX
-    if (ct == 0u && rt == 0u && unit == 0u) {
-        const float d = dequant_scale(multiplier(__uint_as_float(m)));
-        scales[0] = d;
-        scales_t[0] = d;
-    }
-#endif
+    write_transposed(payload_t, info);
+    write_tile_scale(scales, scales_t, s_all);
 }
