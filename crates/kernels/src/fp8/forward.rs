@@ -270,8 +270,21 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
 }
 
 /// `[1]`: the largest finite normal `|x|` of `x` (per-tensor scaling): one grid-stride pass over
-/// `x`'s stored layout writing per-cube maxima, then their max.
+/// `x`'s stored layout writing per-cube maxima (the CUDA C++ kernel where it applies, else the
+/// CubeCL one), then their max.
 fn tensor_amax_of<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+    let partials = match super::native::tensor_amax_partials(&x) {
+        Some(partials) => partials,
+        None => tensor_amax_partials(x),
+    };
+    let partials = burn::tensor::Tensor::<CubeBackend<R, f32, i32, u32>, 1>::from_primitive(
+        burn::tensor::TensorPrimitive::Float(partials),
+    );
+    partials.max().into_primitive().tensor()
+}
+
+/// Per-cube maxima of the CubeCL kernel `tensor_amax` (f32 `[cubes]`).
+fn tensor_amax_partials<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     use crate::reduce::forward::{flat_cubes, SUM_UNITS};
     let read = crate::launch::flat_read(x);
     let cubes = flat_cubes(&read);
@@ -294,10 +307,7 @@ fn tensor_amax_of<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
         plane,
         dtype.into(),
     );
-    let partials = burn::tensor::Tensor::<CubeBackend<R, f32, i32, u32>, 1>::from_primitive(
-        burn::tensor::TensorPrimitive::Float(partials),
-    );
-    partials.max().into_primitive().tensor()
+    partials
 }
 
 /// Per-cube rows `[amax, nonzero, underflow, saturated]` (f32, `[cubes, 4]`) of `x` against its

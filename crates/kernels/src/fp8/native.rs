@@ -17,6 +17,7 @@ use crate::gemm::cublaslt::as_cuda as cuda;
 
 const SOURCE: &str = include_str!("native_pair.cu");
 const ENTRY: &str = "fp8_quantize_pair_native";
+const AMAX_ENTRY: &str = "fp8_tensor_amax_native";
 
 /// The kernel's `IN_KIND` for an input dtype it reads (f32, f16, bf16).
 fn in_kind(dtype: DType) -> Option<u8> {
@@ -103,4 +104,43 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
     );
     launch(&xc.client, kernel, cubes, buffers, info);
     true
+}
+
+/// Per-block maxima of `|x|` (f32 `[blocks]`, their max is `x`'s amax for per-tensor scaling:
+/// the largest finite normal `|x|`) from the CUDA C++ kernel, or `None` without launching
+/// anything where it does not apply: where [`launch_pair`] does not, or `x` is not dense
+/// row-major in whole 16-byte chunks from a 16-byte aligned start.
+pub(crate) fn tensor_amax_partials<R: CubeRuntime>(x: &CubeTensor<R>) -> Option<CubeTensor<R>> {
+    if !supported(x) || !x.is_contiguous() {
+        return None;
+    }
+    let (in_kind, xc) = (in_kind(x.dtype)?, cuda(x)?);
+    let bytes = x.meta.num_elements() * x.dtype.size();
+    let aligned = x.handle.offset_start.unwrap_or(0).is_multiple_of(16);
+    if bytes == 0 || !bytes.is_multiple_of(16) || !aligned {
+        return None;
+    }
+    let chunks = bytes / 16;
+    // Four chunks a thread and step, at most 1024 blocks (about 8 a multiprocessor on an H100).
+    let blocks = chunks.div_ceil(256 * 4).min(1024);
+    let partials = crate::launch::empty(x, vec![blocks], DType::F32);
+    let partials_cuda = cuda(&partials)?;
+    // The pair kernel's other macros are unused by this entry point but must be defined.
+    let defines = format!(
+        "#define IN_KIND {in_kind}\n#define VEC 1\n#define BLOCK 0\n#define GIVEN_AMAX 1\n\
+         #define POW2 1\n#define E5M2 0\n"
+    );
+    let kernel = CudaSource::new(AMAX_ENTRY, defines, SOURCE, CubeDim::new_1d(256));
+    let buffers = vec![
+        xc.handle.clone().binding(),
+        partials_cuda.handle.clone().binding(),
+    ];
+    launch(
+        &xc.client,
+        kernel,
+        (blocks as u32, 1, 1),
+        buffers,
+        vec![chunks as u64],
+    );
+    Some(partials)
 }

@@ -546,3 +546,67 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     write_transposed(payload_t, info);
     write_tile_scale(scales, scales_t, s_all);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The amax of a whole tensor, for per-tensor scaling (GIVEN_AMAX above): the CUDA C++ counterpart
+// of the CubeCL kernel `tensor_amax` (fp8/kernel.rs), for a dense tensor read in 16-byte chunks
+// (IN_KIND only matters here). Block b writes the largest finite normal |x| of its chunks to
+// partials[b]; their max is the tensor's amax. As in the pair kernel, |x| comes from the bits by
+// a mask and integer max, two 16-bit values at once; a thread that met NaN or an infinity takes
+// its chunks again value by value, skipping them.
+
+struct AmaxInfo {
+    u64 chunks;
+};
+
+// |x| of a chunk's values, folded to one word by word_max.
+__device__ __forceinline__ u32 chunk_max(uint4 a) {
+    return word_max(word_max(a.x & ABS_MASK, a.y & ABS_MASK), word_max(a.z & ABS_MASK, a.w & ABS_MASK));
+}
+
+// The reference's amax term of a word's values (NaN, infinities and f32 subnormals skipped).
+__device__ __forceinline__ u32 word_amax_terms(u32 w) {
+#if WORD_VALUES == 2
+    return umax(amax_term(half_bits_to_f32(w & 0xFFFFu)), amax_term(half_bits_to_f32(w >> 16)));
+#else
+    return amax_term(__uint_as_float(w));
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_tensor_amax_native(
+    const uint4* __restrict__ x,
+    float* __restrict__ partials,
+    const __grid_constant__ AmaxInfo info) {
+    const u64 step = (u64)gridDim.x * 256u;
+    const u64 first = (u64)blockIdx.x * 256u + threadIdx.x;
+    u32 m = 0u;
+    u64 c = first;
+    // Four chunks in flight a thread.
+    for (; c + 3u * step < info.chunks; c += 4u * step) {
+        uint4 a[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) a[k] = x[c + k * step];
+#pragma unroll
+        for (int k = 0; k < 4; k++) m = word_max(m, chunk_max(a[k]));
+    }
+    for (; c < info.chunks; c += step) m = word_max(m, chunk_max(x[c]));
+    const u32 top = word_top(m);
+    u32 bits = __float_as_uint(amax_of_bits(top));
+    if (top >= NONFINITE) {
+        bits = 0u;
+        for (u64 d = first; d < info.chunks; d += step) {
+            const uint4 a = x[d];
+            bits = umax(umax(word_amax_terms(a.x), word_amax_terms(a.y)),
+                        umax(bits, umax(word_amax_terms(a.z), word_amax_terms(a.w))));
+        }
+    }
+    bits = __reduce_max_sync(0xFFFFFFFFu, bits);
+    if (threadIdx.x % 32u == 0u) warp_max[threadIdx.x / 32u] = bits;
+    __syncthreads();
+    if (threadIdx.x == 0u) {
+        u32 b = 0u;
+#pragma unroll
+        for (int w = 0; w < 8; w++) b = umax(b, warp_max[w]);
+        partials[blockIdx.x] = __uint_as_float(b);
+    }
+}
