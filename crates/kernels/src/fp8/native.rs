@@ -2,7 +2,9 @@
 //! `quantize_pair_tiles`'s tiles and bytes, with the GPU's FP8 conversion instruction in place of
 //! the integer encoding that CubeCL 0.10 emits (its E4M3 / E5M2 casts do not saturate, so the
 //! CubeCL kernels encode with integer operations, about 25 per value). CUDA, compute capability
-//! 8.9+ (Ada, Hopper and later); [`launch_pair`] says where it applies.
+//! 8.9+ (Ada, Hopper and later); [`launch_pair`] says where it applies. The same source holds the
+//! per-tensor amax of dense tensors ([`tensor_amax_partials`], the CubeCL `tensor_amax`'s
+//! counterpart), which every quantizer path that scales per tensor takes where it applies.
 
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
@@ -108,8 +110,9 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
 
 /// Per-block maxima of `|x|` (f32 `[blocks]`, their max is `x`'s amax for per-tensor scaling:
 /// the largest finite normal `|x|`) from the CUDA C++ kernel, or `None` without launching
-/// anything where it does not apply: where [`launch_pair`] does not, or `x` is not dense
-/// row-major in whole 16-byte chunks from a 16-byte aligned start.
+/// anything where it does not apply: on the GPUs and dtypes [`supported`] excludes (those the
+/// pair kernel does not run on), or where `x` is not dense row-major in whole 16-byte chunks
+/// from a 16-byte aligned start.
 pub(crate) fn tensor_amax_partials<R: CubeRuntime>(x: &CubeTensor<R>) -> Option<CubeTensor<R>> {
     if !supported(x) || !x.is_contiguous() {
         return None;

@@ -6,7 +6,8 @@
 // Compiled at run time by NVRTC (through CubeCL, see cuda_source.rs) with these macros defined
 // before this text:
 //   IN_KIND     0: f32 input, 1: f16, 2: bf16
-//   VEC         1: rows contiguous and 16-byte aligned, 8 elements loaded per row at once
+//   VEC         1: rows contiguous and 16-byte aligned, a thread's 8 elements of a row read
+//               with 16-byte loads (one for 16-bit inputs, two for f32)
 //   BLOCK       1: one amax per 128x128 block, shared by both orientations
 //   GIVEN_AMAX  1: per-tensor scaling, every tile takes amax[0]
 //   POW2        1: scales rounded down to powers of two
@@ -24,7 +25,9 @@
 //      compares the values, so each thread takes |x| with a mask and the maxima of its rows and
 //      columns with integer max (two 16-bit values at once), and the block reduces the
 //      partial maxima through shared memory;
-//   2. scales: one thread a row or column computes its multiplier once, into shared memory;
+//   2. multipliers: with 1x128 tiles, each row's and column's multiplier is computed once (by
+//      one of 128 threads, for two rows or columns with 16-bit inputs) into shared memory, with
+//      its scale; with one amax a block or a tensor, every thread computes the one multiplier;
 //   3. codes: x * s (flushing f32 subnormals to zero, as the reference does) converted two at a
 //      time; rows written directly, the transpose staged in shared memory and written by rows.
 // A tile with NaN or an infinity (which the conversion instruction encodes differently from the

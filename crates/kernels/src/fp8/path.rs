@@ -1,7 +1,9 @@
 //! The paths an FP8 quantization pair and an FP8 GEMM can take (chosen in `tensor.rs` and
 //! `gemm.rs`, named by the settings).
 
-/// How [`fp8_quantize_pair`](super::fp8_quantize_pair) runs.
+/// How [`fp8_quantize_pair`](super::fp8_quantize_pair) runs. On every path, per-tensor scaling
+/// takes the tensor's amax from the CUDA C++ kernel where it applies (dense inputs on the GPUs
+/// of [`Fp8PairPath::Native`]) and from a CubeCL pass elsewhere.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fp8PairPath {
     /// One kernel in CUDA C++ reads `x` once and writes both orientations, encoding with the
