@@ -44,6 +44,28 @@ pub(crate) fn supported<R: CubeRuntime>(x: &CubeTensor<R>) -> bool {
         })
 }
 
+/// Whether `x`'s data starts on a 16-byte boundary (the kernels' 16-byte loads need it).
+fn aligned_16<R: CubeRuntime>(x: &CubeTensor<R>) -> bool {
+    x.handle.offset_start.unwrap_or(0).is_multiple_of(16)
+}
+
+/// The `#define` lines that pick a variant of `native_pair.cu` (its header lists them): input
+/// kind, 8-wide loads, and the granularity, scale rounding and format of `spec`.
+fn defines(in_kind: u8, vec: bool, spec: &QuantSpec) -> String {
+    let flags = [
+        vec,
+        spec.granularity == Fp8Granularity::Block128,
+        spec.granularity == Fp8Granularity::Tensor,
+        spec.pow2,
+        spec.format == Fp8Format::E5M2,
+    ];
+    let [vec, block, given_amax, pow2, e5m2] = flags.map(u8::from);
+    format!(
+        "#define IN_KIND {in_kind}\n#define VEC {vec}\n#define BLOCK {block}\n\
+         #define GIVEN_AMAX {given_amax}\n#define POW2 {pow2}\n#define E5M2 {e5m2}\n"
+    )
+}
+
 /// The stored matrix the pair kernel reads: `[rows, cols]`, element `(i, j)` at
 /// `i * stride_i + j * stride_j` of `x`.
 pub(crate) struct PairView {
@@ -79,20 +101,11 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
         return false;
     };
     // 8 values per row at once: 16-byte loads (two for f32) from 16-byte aligned addresses.
-    let aligned = x.handle.offset_start.unwrap_or(0).is_multiple_of(16);
     let vec = view.stride_j == 1
         && view.cols.is_multiple_of(8)
         && view.stride_i.is_multiple_of(8)
-        && aligned;
-    let defines = format!(
-        "#define IN_KIND {in_kind}\n#define VEC {}\n#define BLOCK {}\n#define GIVEN_AMAX {}\n\
-         #define POW2 {}\n#define E5M2 {}\n",
-        u8::from(vec),
-        u8::from(spec.granularity == Fp8Granularity::Block128),
-        u8::from(spec.granularity == Fp8Granularity::Tensor),
-        u8::from(spec.pow2),
-        u8::from(spec.format == Fp8Format::E5M2),
-    );
+        && aligned_16(x);
+    let defines = defines(in_kind, vec, spec);
     let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(256));
     let mut buffers = vec![xc.handle.clone().binding(), amax.handle.clone().binding()];
     buffers.extend(outputs.iter().map(|t| t.handle.clone().binding()));
@@ -119,8 +132,7 @@ pub(crate) fn tensor_amax_partials<R: CubeRuntime>(x: &CubeTensor<R>) -> Option<
     }
     let (in_kind, xc) = (in_kind(x.dtype)?, cuda(x)?);
     let bytes = x.meta.num_elements() * x.dtype.size();
-    let aligned = x.handle.offset_start.unwrap_or(0).is_multiple_of(16);
-    if bytes == 0 || !bytes.is_multiple_of(16) || !aligned {
+    if bytes == 0 || !bytes.is_multiple_of(16) || !aligned_16(x) {
         return None;
     }
     let chunks = bytes / 16;
@@ -128,11 +140,9 @@ pub(crate) fn tensor_amax_partials<R: CubeRuntime>(x: &CubeTensor<R>) -> Option<
     let blocks = chunks.div_ceil(256 * 4).min(1024);
     let partials = crate::launch::empty(x, vec![blocks], DType::F32);
     let partials_cuda = cuda(&partials)?;
-    // The pair kernel's other macros are unused by this entry point but must be defined.
-    let defines = format!(
-        "#define IN_KIND {in_kind}\n#define VEC 1\n#define BLOCK 0\n#define GIVEN_AMAX 1\n\
-         #define POW2 1\n#define E5M2 0\n"
-    );
+    // Only IN_KIND matters to this entry point; the pair kernel's other macros must be defined.
+    let per_tensor = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Tensor);
+    let defines = defines(in_kind, true, &per_tensor);
     let kernel = CudaSource::new(AMAX_ENTRY, defines, SOURCE, CubeDim::new_1d(256));
     let buffers = vec![
         xc.handle.clone().binding(),
