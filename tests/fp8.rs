@@ -183,6 +183,18 @@ fn quantize_pair_bit_identical() {
     }
 }
 
+/// Delayed per-tensor scaling (amax histories) against the CPU reference.
+#[test]
+fn delayed_scaling() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    let shapes = [(3, 5), (37, 300), (257, 129)];
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        fp8_cases::delayed_scaling::<Inner>(dtype, &device(), &shapes);
+    }
+}
+
 /// FP8 health on the device (and through `Autodiff`) against the CPU reference.
 #[test]
 fn health_matches_reference() {
@@ -366,4 +378,80 @@ fn fp8_config_errors() {
     let lin = ok.recipe().unwrap().fp8_linear().unwrap();
     assert_eq!(lin.grad_format, kernels::Fp8Format::E5M2);
     assert!(lin.per_tensor);
+    let e = trainer::Config::from_toml_str(
+        "precision = \"fp8\"\n[fp8]\namax_history = 16\n",
+        &[],
+        "test",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("fp8.amax_history = 16") && e.contains("scaling = \"tensor\""),
+        "{e}"
+    );
+    let e = trainer::Config::from_toml_str(
+        "precision = \"fp8\"\n[fp8]\nscaling = \"tensor\"\namax_history = 5000\n",
+        &[],
+        "test",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("fp8.amax_history = 5000") && e.contains("1 to 1024"),
+        "{e}"
+    );
+    let delayed = trainer::Config::from_toml_str(
+        "precision = \"fp8\"\n[fp8]\nscaling = \"tensor\"\namax_history = 16\n",
+        &[],
+        "test",
+    )
+    .unwrap();
+    assert_eq!(delayed.fp8.amax_history().map(|h| h.len()), Some(16));
+}
+
+/// `fp8.scaling = "tensor"` with `fp8.amax_history` (delayed scaling) trains a tiny model to the
+/// loss of current per-tensor scaling, with every projection's scales from its history after the
+/// first step.
+#[test]
+fn fp8_delayed_scaling_trains() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    use trainer::config::{Fp8ComputeKind, Fp8ScalingKind, PrecisionKind};
+    use trainer::device::Selected;
+    let _guard = common::serial();
+    let steps = 30;
+    let mut current = common::tiny_config(steps);
+    current.training.eval_interval = steps;
+    current.precision = PrecisionKind::Fp8;
+    current.fp8.compute = Fp8ComputeKind::F32;
+    current.fp8.scaling = Fp8ScalingKind::Tensor;
+    current.fp8.health_interval = 10;
+    let mut delayed = current.clone();
+    delayed.fp8.amax_history = 4;
+    let dir_c = common::scratch("fp8_tensor_current");
+    let dir_d = common::scratch("fp8_tensor_delayed");
+    let sc = trainer::run(&current, &Selected::Wgpu, &common::opts(dir_c, false)).unwrap();
+    let sd = trainer::run(
+        &delayed,
+        &Selected::Wgpu,
+        &common::opts(dir_d.clone(), false),
+    )
+    .unwrap();
+    let (vc, vd) = (sc.best_val_loss.unwrap(), sd.best_val_loss.unwrap());
+    eprintln!("best validation loss after {steps} steps: current {vc:.4}, delayed {vd:.4}");
+    assert!(sd.final_loss.is_finite() && vd.is_finite());
+    assert!(
+        (vd - vc).abs() <= 0.03 * vc,
+        "delayed scaling's validation loss {vd} vs current scaling's {vc}"
+    );
+    let m = common::read_metrics(&dir_d);
+    assert!(
+        m[0].loss > m[steps - 1].loss + 0.3,
+        "the loss did not fall: {} -> {}",
+        m[0].loss,
+        m[steps - 1].loss
+    );
+    let h = m[9].fp8.as_ref().expect("health at step 10");
+    assert!(h.iter().all(|l| l.amax > 0.0), "{h:?}");
 }

@@ -411,6 +411,19 @@ fn cuda_fp8_quantize_pair_native() {
     }
 }
 
+/// Delayed per-tensor FP8 scaling (amax histories) on the CUDA C++ pair kernel, which records
+/// the amax from its own read, and on the single quantizer, bit for bit against the CPU reference
+/// (f32 with NaN and infinities, f16, bf16).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_delayed_scaling() {
+    let dev = CudaDevice::default();
+    let shapes = [(3, 5), (37, 300), (257, 129), (1000, 768)];
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        fp8_cases::delayed_scaling::<Cuda>(dtype, &dev, &shapes);
+    }
+}
+
 /// FP8 health (one kernel over values and codes) against the CPU reference (f32, f16, bf16).
 #[test]
 #[ignore = "needs CUDA"]

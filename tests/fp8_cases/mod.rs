@@ -189,6 +189,87 @@ pub fn quantize_pair_bit_identical<B: kernels::Backend>(
     }
 }
 
+/// Delayed per-tensor scaling ([`kernels::Fp8AmaxHistory`], history of 2 steps) on the backend's
+/// pair path ([`kernels::fp8_pair_path`]: on CUDA the C++ kernel, which records the amax from its
+/// own read) and single quantizer, bit for bit against the CPU reference scaled for the amax the
+/// history should hold: a site's first step takes its tensor's own amax; later steps the largest
+/// recorded amax of the last two steps, whatever the tensor (values above it saturate); within a
+/// step every quantization takes the same scale; an evaluation (`Fp8Record::No`) records nothing;
+/// the oldest step leaves the history; two sites keep apart. Input in `dtype`: x/2, then x
+/// (larger, saturating) and x/8 (smaller), NaN and infinities included for f32.
+pub fn delayed_scaling<B: kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize)],
+) {
+    use kernels::{Fp8AmaxHistory, Fp8Record};
+    for (n, &(rows, cols)) in shapes.iter().enumerate() {
+        let (x, _) = adversarial_tensor::<B>(rows, cols, 31 + n as u64, dtype, dev);
+        let scaled = |f: f32| {
+            let t = x.clone().mul_scalar(f);
+            let h = host(t.clone());
+            (t, h)
+        };
+        // x itself is the largest: f16 inputs near its largest value would overflow at 2x.
+        let (small, plain, big) = (scaled(0.125), scaled(0.5), (x.clone(), host(x.clone())));
+        let amax = |h: &[f32]| reference::tensor_amax(h);
+        let (a_small, a_plain, a_big) = (amax(&small.1), amax(&plain.1), amax(&big.1));
+        assert!(
+            a_small < a_plain && a_plain < a_big,
+            "[{rows}, {cols}]: distinct amaxes {a_small} {a_plain} {a_big}"
+        );
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for pow2 in [true, false] {
+                let spec = QuantSpec {
+                    format,
+                    granularity: Fp8Granularity::Tensor,
+                    pow2,
+                    transpose: false,
+                };
+                let ctx = format!("delayed {dtype:?} [{rows}, {cols}] {format:?} pow2 {pow2}");
+                let history = Fp8AmaxHistory::new(2);
+                let (site, other) = (history.site("a"), history.site("b"));
+                // Quantizes `t` at site `a` in both orientations, checked against the reference
+                // scaled for `want` (None: the tensor's own amax).
+                let pair = |t: &(Tensor<B, 2>, Vec<f32>), rec, want: Option<f32>, what: &str| {
+                    let (s, tr) = site.quantize_pair("x", t.0.clone(), spec, rec);
+                    let c = format!("{ctx}: {what}");
+                    assert_matches_scaled(&s, &t.1, [rows, cols], &spec, want, &c);
+                    let spec_t = spec.transposed(true);
+                    assert_matches_scaled(&tr, &t.1, [rows, cols], &spec_t, want, &c);
+                };
+                let single = |t: &(Tensor<B, 2>, Vec<f32>), want: Option<f32>, what: &str| {
+                    let q = other.quantize("x", t.0.clone(), spec, Fp8Record::Yes);
+                    let c = format!("{ctx}: site b, {what}");
+                    assert_matches_scaled(&q, &t.1, [rows, cols], &spec, want, &c);
+                };
+                // Step 1: no history, each tensor its own amax.
+                pair(&plain, Fp8Record::Yes, None, "step 1");
+                single(&small, None, "step 1");
+                history.advance();
+                // Step 2: everything at `a` scales by step 1's amax; the larger tensor saturates.
+                pair(&big, Fp8Record::Yes, Some(a_plain), "step 2, larger");
+                pair(&small, Fp8Record::Yes, Some(a_plain), "step 2, smaller");
+                single(&big, Some(a_small), "step 2");
+                history.advance();
+                // Step 3: the largest of steps 1 and 2.
+                pair(&small, Fp8Record::Yes, Some(a_big), "step 3");
+                single(&small, Some(a_big), "step 3");
+                history.advance();
+                // Step 4: steps 2 and 3 (larger and smaller at `a`); the evaluation records nothing.
+                pair(&small, Fp8Record::Yes, Some(a_big), "step 4");
+                pair(&big, Fp8Record::No, Some(a_big), "step 4, evaluation");
+                single(&small, Some(a_big), "step 4");
+                history.advance();
+                // Step 5: steps 3 and 4, the smaller only: step 2 has left the history.
+                pair(&plain, Fp8Record::No, Some(a_small), "step 5");
+                single(&plain, Some(a_small), "step 5");
+                assert_eq!(history.steps(), 4, "{ctx}: steps");
+            }
+        }
+    }
+}
+
 /// FP8 health ([`kernels::fp8_health`]: the quantizer, then one kernel over the values and codes)
 /// against the CPU reference, exactly, for every specification, of the matrix and of its
 /// transposed view quantized the other way round (the same logical matrix); then against scales
@@ -256,7 +337,23 @@ fn assert_matches_reference<B: kernels::Backend>(
     spec: &QuantSpec,
     ctx: &str,
 ) {
-    let (words, scales) = reference::quantize(data, rows, cols, spec);
+    assert_matches_scaled(q, data, [rows, cols], spec, None, ctx);
+}
+
+/// [`assert_matches_reference`], against the reference scaled for `given_amax` when given
+/// (per-tensor delayed scaling).
+fn assert_matches_scaled<B: kernels::Backend>(
+    q: &kernels::Fp8Tensor<B>,
+    data: &[f32],
+    [rows, cols]: [usize; 2],
+    spec: &QuantSpec,
+    given_amax: Option<f32>,
+    ctx: &str,
+) {
+    let (words, scales) = match given_amax {
+        Some(amax) => reference::quantize_with_amax(data, rows, cols, spec, amax),
+        None => reference::quantize(data, rows, cols, spec),
+    };
     assert_eq!(q.spec.granularity, spec.granularity, "{ctx}: granularity");
     let got_words = kernels::fp8::words_of_tensor(&q.payload);
     let got_scales = q.scales.clone().into_data().to_vec::<f32>().unwrap();

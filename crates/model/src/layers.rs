@@ -102,7 +102,7 @@ impl<B: kernels::Backend> Linear<B> {
         p: &Projection,
     ) -> Tensor<B, D> {
         let y = match &p.fp8 {
-            Some(cfg) => self.forward_fp8(x, cfg, p.fp8_probe.as_ref()),
+            Some(cfg) => self.forward_fp8(x, cfg, p),
             None => self.forward_mixed(x, p.gemm),
         };
         probed(y, p)
@@ -190,19 +190,21 @@ impl<B: kernels::Backend> Linear<B> {
         probed(y, p)
     }
 
-    /// The GEMMs in FP8 (`kernels::fp8_linear_probed`), the bias added in the weight's dtype.
+    /// The GEMMs in FP8 (`kernels::fp8_linear_scaled`, with the projection's health probe and
+    /// scale site), the bias added in the weight's dtype.
     fn forward_fp8<const D: usize>(
         &self,
         x: Tensor<B, D>,
         cfg: &kernels::Fp8LinearConfig,
-        probe: Option<&kernels::Fp8Probe>,
+        p: &Projection,
     ) -> Tensor<B, D> {
         let dims = x.dims();
         let d_in = dims[D - 1];
         let rows = dims[..D - 1].iter().product::<usize>();
         let w = self.weight.val();
         let d_out = w.dims()[1];
-        let y = kernels::fp8_linear_probed(x.reshape([rows, d_in]), w, cfg, probe);
+        let (probe, site) = (p.fp8_probe.as_ref(), p.fp8_site.as_ref());
+        let y = kernels::fp8_linear_scaled(x.reshape([rows, d_in]), w, cfg, probe, site);
         let y = match &self.bias {
             Some(b) => y + b.val().unsqueeze::<2>(),
             None => y,

@@ -19,6 +19,9 @@ pub struct Precision {
     /// With `fp8`, the first and the last this many blocks keep their projections in the compute
     /// dtype (0: every block in FP8).
     pub fp8_edge_blocks: usize,
+    /// With per-tensor FP8 scaling: the amax histories the projections take their scales from
+    /// (delayed scaling, `blocks.N.attn.qkv.input` and so on); none: each tensor's own amax.
+    pub fp8_history: Option<kernels::Fp8AmaxHistory>,
     /// What this forward measures.
     pub probes: Probes,
 }
@@ -51,6 +54,7 @@ impl Precision {
             gemm,
             fp8: None,
             fp8_edge_blocks: 0,
+            fp8_history: None,
             probes: Probes::default(),
         }
     }
@@ -70,6 +74,10 @@ impl Precision {
         Projection {
             gemm: self.gemm,
             fp8,
+            fp8_site: match (&fp8, &self.fp8_history) {
+                (Some(cfg), Some(history)) if cfg.per_tensor => Some(history.site(name())),
+                _ => None,
+            },
             fp8_probe: match (&fp8, &self.probes.fp8_health) {
                 (Some(_), Some(sink)) => Some(kernels::Fp8Probe {
                     name: name(),
@@ -95,6 +103,8 @@ impl Precision {
 pub(crate) struct Projection {
     pub gemm: kernels::Gemm,
     pub fp8: Option<kernels::Fp8LinearConfig>,
+    /// Where the projection's per-tensor FP8 scales come from (delayed scaling).
+    pub fp8_site: Option<kernels::Fp8ScaleSite>,
     pub fp8_probe: Option<kernels::Fp8Probe>,
     pub grad_probe: Option<kernels::FormatProbe>,
 }

@@ -80,7 +80,8 @@ pub enum Fp8FormatKind {
 pub enum Fp8ScalingKind {
     /// One scale per 1x`tile` slice of activations and gradients, per `tile`x`tile` weight block.
     Tile,
-    /// One scale per tensor (current scaling), for comparison.
+    /// One scale per tensor: the tensor's own amax (current scaling), or with
+    /// `fp8.amax_history` the largest amax of the last steps (delayed scaling).
     Tensor,
 }
 
@@ -112,6 +113,10 @@ pub struct Fp8Config {
     /// (bf16), as is common for the layers nearest the embedding and the head; 0: every block
     /// in FP8.
     pub bf16_edge_blocks: usize,
+    /// With `scaling = "tensor"`: 0 scales each tensor by its own amax (current scaling, one more
+    /// read of it); N >= 1 by the largest amax its projection's tensor had over the last N
+    /// optimizer steps (delayed scaling: the amax is recorded as the tensor is quantized).
+    pub amax_history: usize,
     /// Log FP8 health (per projection weight, input and output gradient: amax, underflow and
     /// saturation shares) to `metrics.jsonl` on step 1 and every this many steps; 0 turns it off.
     pub health_interval: u64,
@@ -129,10 +134,14 @@ impl Default for Fp8Config {
             wgrad: true,
             compute: Fp8ComputeKind::Bf16,
             bf16_edge_blocks: 0,
+            amax_history: 0,
             health_interval: 100,
         }
     }
 }
+
+/// The longest `fp8.amax_history`.
+pub const MAX_AMAX_HISTORY: usize = 1024;
 
 impl Fp8Config {
     pub fn validate(&self) -> Result<(), String> {
@@ -143,7 +152,24 @@ impl Fp8Config {
                 kernels::fp8::TILE
             ));
         }
+        if self.amax_history > 0 && self.scaling != Fp8ScalingKind::Tensor {
+            return Err(format!(
+                "fp8.amax_history = {} needs fp8.scaling = \"tensor\" (scaling is \"tile\", whose scales come from each tile's own amax); set scaling = \"tensor\" or amax_history = 0",
+                self.amax_history
+            ));
+        }
+        if self.amax_history > MAX_AMAX_HISTORY {
+            return Err(format!(
+                "fp8.amax_history = {} is too long; use 1 to {MAX_AMAX_HISTORY} steps (or 0 for current scaling)",
+                self.amax_history
+            ));
+        }
         Ok(())
+    }
+
+    /// The amax histories of a run's model replica, for delayed scaling (`amax_history` > 0).
+    pub fn amax_history(&self) -> Option<kernels::Fp8AmaxHistory> {
+        (self.amax_history > 0).then(|| kernels::Fp8AmaxHistory::new(self.amax_history))
     }
 
     /// The layer settings the model takes.

@@ -48,6 +48,8 @@ pub(crate) struct StepCtx<'a> {
     pub compute_dtype: FloatDType,
     pub gemm: kernels::Gemm,
     pub fp8_linear: Option<kernels::Fp8LinearConfig>,
+    /// The rank's FP8 amax histories (delayed scaling), advanced after each step.
+    pub fp8_history: Option<&'a kernels::Fp8AmaxHistory>,
 }
 
 /// The device a step's part runs on, and its place in the group.
@@ -91,6 +93,7 @@ impl StepCtx<'_> {
             gemm: self.gemm,
             fp8: self.fp8_linear,
             fp8_edge_blocks: self.cfg.fp8.bf16_edge_blocks,
+            fp8_history: self.fp8_history.cloned(),
             probes: probes.for_model(self.compute_dtype),
         }
     }
@@ -321,6 +324,11 @@ impl RankStep<'_> {
             gathers.as_ref(),
         );
         drop(compute);
+        // The step's amaxes join the FP8 histories whatever the step's verdict: the amax skips
+        // non-finite values, and the next step's scales need them either way.
+        if let Some(history) = self.ctx.fp8_history {
+            history.advance();
+        }
         if poison {
             poison_grads::<B, _>(&model, &mut grads);
         }
@@ -577,6 +585,7 @@ mod tests {
             compute_dtype: FloatDType::F32,
             gemm: model.precision().gemm,
             fp8_linear: None,
+            fp8_history: None,
         };
         let rank = Rank::<B> {
             device: &device,

@@ -183,6 +183,8 @@ struct Session<'a, B: crate::TrainBackend> {
     /// The GEMM engine, resolved for the device.
     gemm: kernels::Gemm,
     fp8_linear: Option<kernels::Fp8LinearConfig>,
+    /// Rank 0's FP8 amax histories (`fp8.amax_history`; each other rank holds its own).
+    fp8_history: Option<kernels::Fp8AmaxHistory>,
     log: Logger,
     /// `training.steps`: where the schedule ends.
     steps: u64,
@@ -337,12 +339,14 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         // in its own thread.
         let data = Arc::new(data);
         let fp8_linear = recipe.fp8_linear();
+        let fp8_history = fp8_linear.and_then(|_| cfg.fp8.amax_history());
         let ctx = StepCtx {
             cfg,
             data: &data,
             compute_dtype,
             gemm: run.precision.gemm,
             fp8_linear,
+            fp8_history: None,
         };
         let (group, model) = match process {
             Some(p) => Group::start_process(device, p, &ctx, &mut opt, (model, row_split)),
@@ -357,6 +361,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             opt,
             scaler,
             fp8_linear,
+            fp8_history,
             recipe,
             compute_dtype,
             gemm: run.precision.gemm,
@@ -483,6 +488,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 compute_dtype: self.compute_dtype,
                 gemm: self.gemm,
                 fp8_linear: self.fp8_linear,
+                fp8_history: self.fp8_history.as_ref(),
             },
             zero: self.group.zero(),
             plan,
@@ -609,6 +615,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         let precision = model::Precision {
             fp8: self.fp8_linear,
             fp8_edge_blocks: cfg.fp8.bf16_edge_blocks,
+            fp8_history: self.fp8_history.clone(),
             ..model::Precision::new(self.compute_dtype, self.gemm)
         };
         let val_loss = eval_now.then(|| {

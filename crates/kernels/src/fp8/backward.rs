@@ -18,7 +18,8 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorMetadata, TensorPrimitive};
 
 use super::Fp8Ops;
 use super::{
-    fp8_gemm, fp8_quantize, fp8_quantize_pair, Fp8LinearConfig, Fp8Probe, Fp8Tensor, QuantSpec,
+    fp8_gemm, fp8_quantize, fp8_quantize_pair, Fp8Granularity, Fp8LinearConfig, Fp8Probe,
+    Fp8Record, Fp8ScaleSite, Fp8Tensor, QuantSpec,
 };
 use crate::gemm::GemmOps;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
@@ -33,18 +34,57 @@ pub(crate) fn float_dtype(d: DType) -> FloatDType {
     }
 }
 
-/// `y = x w` (fprop), in FP8 when `cfg.fprop`.
+/// `x` quantized as `spec` says: scaled from `site`'s history at `role` where a site is given
+/// and `spec` scales per tensor (delayed scaling), else from `x`'s own amaxes.
+fn quantize_at<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    spec: QuantSpec,
+    site: Option<&Fp8ScaleSite>,
+    role: &str,
+    record: Fp8Record,
+) -> Fp8Tensor<B> {
+    match site {
+        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
+            site.quantize(role, x, spec, record)
+        }
+        _ => fp8_quantize(x, spec),
+    }
+}
+
+/// [`fp8_quantize_pair`], scaled as [`quantize_at`] says.
+fn quantize_pair_at<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    spec: QuantSpec,
+    site: Option<&Fp8ScaleSite>,
+    role: &str,
+    record: Fp8Record,
+) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    match site {
+        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
+            site.quantize_pair(role, x, spec, record)
+        }
+        _ => fp8_quantize_pair(x, spec),
+    }
+}
+
+/// The site roles of a projection's operands.
+const INPUT: &str = "input";
+const WEIGHT: &str = "weight";
+const GRAD_OUTPUT: &str = "grad_output";
+
+/// `y = x w` (fprop), in FP8 when `cfg.fprop`; an untracked forward, recording no amax.
 pub(crate) fn fprop<B: Fp8Ops + GemmOps>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
     cfg: &Fp8LinearConfig,
+    site: Option<&Fp8ScaleSite>,
 ) -> Tensor<B, 2> {
     if !cfg.fprop {
         return x.matmul(w);
     }
     let out = float_dtype(x.dtype());
-    let a = fp8_quantize(x, cfg.act_spec(false));
-    let b = fp8_quantize(w, cfg.weight_spec(true));
+    let a = quantize_at(x, cfg.act_spec(false), site, INPUT, Fp8Record::No);
+    let b = quantize_at(w, cfg.weight_spec(true), site, WEIGHT, Fp8Record::No);
     fp8_gemm(&a, &b, out)
 }
 
@@ -84,7 +124,9 @@ pub(crate) fn fprop_saved<B: Fp8Ops + GemmOps>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
     cfg: &Fp8LinearConfig,
+    site: Option<&Fp8ScaleSite>,
 ) -> (Tensor<B, 2>, Saved<B>, Saved<B>) {
+    let rec = Fp8Record::Yes;
     if !cfg.fprop {
         return (
             x.clone().matmul(w.clone()),
@@ -94,45 +136,49 @@ pub(crate) fn fprop_saved<B: Fp8Ops + GemmOps>(
     }
     let out = float_dtype(x.dtype());
     let (a, x_saved) = if cfg.wgrad {
-        let (a, a_t) = fp8_quantize_pair(x, cfg.act_spec(false));
+        let (a, a_t) = quantize_pair_at(x, cfg.act_spec(false), site, INPUT, rec);
         (a, Saved::Fp8(a_t))
     } else {
-        (
-            fp8_quantize(x.clone(), cfg.act_spec(false)),
-            Saved::Plain(x),
-        )
+        let a = quantize_at(x.clone(), cfg.act_spec(false), site, INPUT, rec);
+        (a, Saved::Plain(x))
     };
     let (b, w_saved) = if cfg.dgrad {
-        let (w_q, w_t) = fp8_quantize_pair(w, cfg.weight_spec(false));
+        let (w_q, w_t) = quantize_pair_at(w, cfg.weight_spec(false), site, WEIGHT, rec);
         (w_t, Saved::Fp8(w_q))
     } else {
-        (
-            fp8_quantize(w.clone(), cfg.weight_spec(true)),
-            Saved::Plain(w),
-        )
+        let b = quantize_at(w.clone(), cfg.weight_spec(true), site, WEIGHT, rec);
+        (b, Saved::Plain(w))
     };
     (fp8_gemm(&a, &b, out), x_saved, w_saved)
 }
 
 /// `(dx, dw)` of `y = x w` (dgrad, wgrad), each in FP8 when configured, from what
 /// [`fprop_saved`] kept; `dx` in `x_dtype`, `dw` in `w_dtype`. With both in FP8, `dy` is quantized
-/// in both orientations in one pass.
+/// in both orientations in one pass. With a `site`, `dy` is scaled from its history (and records
+/// its amax); an operand kept as a tensor is quantized here with its own amax.
 pub(crate) fn backward<B: Fp8Ops + GemmOps>(
     x: Saved<B>,
     w: Saved<B>,
     dy: Tensor<B, 2>,
     cfg: &Fp8LinearConfig,
-    x_dtype: FloatDType,
-    w_dtype: FloatDType,
+    (x_dtype, w_dtype): (FloatDType, FloatDType),
+    site: Option<&Fp8ScaleSite>,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let dy = dy.cast(x_dtype);
+    let rec = Fp8Record::Yes;
     let (dy_a, dy_b) = match (cfg.dgrad, cfg.wgrad) {
         (true, true) => {
-            let (a, b) = fp8_quantize_pair(dy.clone(), cfg.grad_spec(false));
+            let (a, b) = quantize_pair_at(dy.clone(), cfg.grad_spec(false), site, GRAD_OUTPUT, rec);
             (Some(a), Some(b))
         }
-        (true, false) => (Some(fp8_quantize(dy.clone(), cfg.grad_spec(false))), None),
-        (false, true) => (None, Some(fp8_quantize(dy.clone(), cfg.grad_spec(true)))),
+        (true, false) => {
+            let a = quantize_at(dy.clone(), cfg.grad_spec(false), site, GRAD_OUTPUT, rec);
+            (Some(a), None)
+        }
+        (false, true) => {
+            let b = quantize_at(dy.clone(), cfg.grad_spec(true), site, GRAD_OUTPUT, rec);
+            (None, Some(b))
+        }
         (false, false) => (None, None),
     };
     let dx = match dy_a {
@@ -150,24 +196,25 @@ pub(crate) fn backward<B: Fp8Ops + GemmOps>(
 struct Fp8LinearBackward;
 
 impl<B: Fp8Ops + GemmOps> Backward<B, 2> for Fp8LinearBackward {
-    /// (x, w as the backward needs them, their dtypes, config, health probe)
+    /// (x, w as the backward needs them, their dtypes, config, health probe, scale site)
     type State = (
         Saved<B>,
         Saved<B>,
         (FloatDType, FloatDType),
         Fp8LinearConfig,
         Option<Fp8Probe>,
+        Option<Fp8ScaleSite>,
     );
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_w] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
-        let (x, w, (x_dtype, w_dtype), cfg, probe) = ops.state;
+        let (x, w, dtypes, cfg, probe, site) = ops.state;
         let dy = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(dy));
         if let Some(p) = &probe {
             p.record("grad_output", dy.clone(), cfg.grad_spec(false));
         }
-        let (dx, dw) = backward(x, w, dy, &cfg, x_dtype, w_dtype);
+        let (dx, dw) = backward(x, w, dy, &cfg, dtypes, site.as_ref());
         if let Some(node) = node_x {
             grads.register::<B>(node.id, dx.into_primitive().tensor());
         }
@@ -182,6 +229,7 @@ pub(crate) fn fp8_linear<B: Fp8Ops + GemmOps, C: CheckpointStrategy>(
     w: FloatTensor<Autodiff<B, C>>,
     cfg: &Fp8LinearConfig,
     probe: Option<Fp8Probe>,
+    site: Option<Fp8ScaleSite>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let t = |p: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
     match Fp8LinearBackward
@@ -194,14 +242,15 @@ pub(crate) fn fp8_linear<B: Fp8Ops + GemmOps, C: CheckpointStrategy>(
                 float_dtype(x.primitive.dtype()),
                 float_dtype(w.primitive.dtype()),
             );
-            let (y, x_saved, w_saved) = fprop_saved(t(x.primitive), t(w.primitive), cfg);
+            let (y, x_saved, w_saved) =
+                fprop_saved(t(x.primitive), t(w.primitive), cfg, site.as_ref());
             prep.finish(
-                (x_saved, w_saved, dtypes, *cfg, probe),
+                (x_saved, w_saved, dtypes, *cfg, probe, site),
                 y.into_primitive().tensor(),
             )
         }
         OpsKind::UnTracked(prep) => prep.finish(
-            fprop(t(x.primitive), t(w.primitive), cfg)
+            fprop(t(x.primitive), t(w.primitive), cfg, site.as_ref())
                 .into_primitive()
                 .tensor(),
         ),
@@ -263,8 +312,9 @@ where
         w: FloatTensor<Self>,
         cfg: &Fp8LinearConfig,
         probe: Option<Fp8Probe>,
+        site: Option<Fp8ScaleSite>,
     ) -> FloatTensor<Self> {
-        fp8_linear::<CubeBackend<R, F, I, BT>, C>(x, w, cfg, probe)
+        fp8_linear::<CubeBackend<R, F, I, BT>, C>(x, w, cfg, probe, site)
     }
     fn fp8_health_partials(
         x: FloatTensor<Self>,

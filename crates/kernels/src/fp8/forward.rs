@@ -84,14 +84,39 @@ impl TileArgs {
         }
     }
 
-    /// The kernels' `amax` input: `[1]` with the amax of `x` for per-tensor scaling, else an
-    /// unread placeholder.
-    fn amax<R: CubeRuntime>(&self, x: &CubeTensor<R>) -> CubeTensor<R> {
-        if self.tensor_scale {
-            tensor_amax_of(x.clone())
-        } else {
-            empty(x, vec![1], DType::F32)
+    /// The kernels' `amax` input: `[1]` with the amax of `x` for per-tensor scaling (`given`
+    /// where the caller gives one), else an unread placeholder.
+    fn amax<R: CubeRuntime>(
+        &self,
+        x: &CubeTensor<R>,
+        given: Option<CubeTensor<R>>,
+    ) -> CubeTensor<R> {
+        match given {
+            Some(amax) if self.tensor_scale => crate::launch::contiguous(amax),
+            _ if self.tensor_scale => tensor_amax_of(x.clone()),
+            _ => empty(x, vec![1], DType::F32),
         }
+    }
+}
+
+/// Checks that a given per-tensor amax goes with a per-tensor spec and holds one f32 (else fails
+/// `op`).
+fn check_given<R: CubeRuntime>(op: &str, spec: &QuantSpec, amax: &CubeTensor<R>) {
+    if spec.granularity != Fp8Granularity::Tensor {
+        fail(
+            op,
+            "a given amax needs per-tensor scaling (Fp8Granularity::Tensor)".to_string(),
+        );
+    }
+    if amax.dtype != DType::F32 || amax.shape().num_elements() != 1 {
+        fail(
+            op,
+            format!(
+                "the given amax is {:?} of shape {:?}; expected one f32",
+                amax.dtype,
+                amax.shape().as_slice()
+            ),
+        );
     }
 }
 
@@ -100,7 +125,19 @@ pub(crate) fn quantize<R: CubeRuntime>(
     x: CubeTensor<R>,
     spec: &QuantSpec,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
+    quantize_given(x, spec, None)
+}
+
+/// [`quantize`], with per-tensor scaling taking `given_amax` (`[1]` f32) when given.
+pub(crate) fn quantize_given<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    spec: &QuantSpec,
+    given_amax: Option<CubeTensor<R>>,
+) -> (CubeTensor<R>, CubeTensor<R>) {
     let op = "fp8_quantize";
+    if let Some(amax) = &given_amax {
+        check_given(op, spec, amax);
+    }
     let args = TileArgs::new(op, &x, spec);
     let (rows, k) = (args.rows, args.k);
     let k_tiles = k.div_ceil(TILE);
@@ -130,7 +167,7 @@ pub(crate) fn quantize<R: CubeRuntime>(
         );
     }
     let client = x.client.clone();
-    let amax = args.amax(&x);
+    let amax = args.amax(&x, given_amax);
     if args.stride_i == 1
         && args.stride_j > 1
         && !args.block
@@ -198,6 +235,34 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
     spec: &QuantSpec,
     path: Fp8PairPath,
 ) -> (Quantized<R>, Quantized<R>) {
+    quantize_pair_given(x, spec, path, None).0
+}
+
+/// A per-tensor amax given to [`quantize_pair_given`] (delayed scaling), and where to record
+/// `x`'s own amax.
+pub(crate) struct GivenAmax<R: CubeRuntime> {
+    /// `[1]` f32: the amax the scale is taken from.
+    pub amax: CubeTensor<R>,
+    /// `(buffer, slot)`: the CUDA C++ kernel raises the f32 `buffer[slot]` to `x`'s amax in place.
+    pub record: Option<(CubeTensor<R>, usize)>,
+}
+
+/// [`quantize_pair`], with per-tensor scaling taking the amax `given` holds; `true` beside the
+/// pair when the kernel also recorded `x`'s amax as `given.record` asks (the CUDA C++ kernel;
+/// the other paths record nothing).
+pub(crate) fn quantize_pair_given<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    spec: &QuantSpec,
+    path: Fp8PairPath,
+    given: Option<GivenAmax<R>>,
+) -> ((Quantized<R>, Quantized<R>), bool) {
+    let (given_amax, record) = match given {
+        Some(g) => {
+            check_given("fp8_quantize_pair", spec, &g.amax);
+            (Some(g.amax), g.record)
+        }
+        None => (None, None),
+    };
     let fused = path != Fp8PairPath::Separate;
     let spec = spec.transposed(false);
     let args = TileArgs::new("fp8_quantize_pair", &x, &spec);
@@ -209,8 +274,8 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         || row_tiles > MAX_CUBES_Y
         || col_tiles > crate::launch::max_cubes_x(&x)
     {
-        let t = quantize(x.clone(), &spec.transposed(true));
-        return (quantize(x, &spec), t);
+        let t = quantize_given(x.clone(), &spec.transposed(true), given_amax.clone());
+        return ((quantize_given(x, &spec, given_amax), t), false);
     }
     let transposed = spec.transposed(true);
     let payload = empty(&x, vec![rows, col_tiles * TILE / 4], DType::I32);
@@ -230,7 +295,7 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
     } else {
         1
     };
-    let amax = args.amax(&x);
+    let amax = args.amax(&x, given_amax);
     if path == Fp8PairPath::Native {
         let view = super::native::PairView {
             rows,
@@ -239,8 +304,9 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
             stride_j: args.stride_j,
         };
         let outputs = [&payload, &scales, &payload_t, &scales_t];
-        if super::native::launch_pair(&x, &amax, outputs, &view, &spec) {
-            return ((payload, scales), (payload_t, scales_t));
+        let record = record.as_ref().map(|(buffer, slot)| (buffer, *slot));
+        if super::native::launch_pair(&x, &amax, outputs, &view, &spec, record) {
+            return (((payload, scales), (payload_t, scales_t)), record.is_some());
         }
     }
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -266,13 +332,13 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
         spec.format.consts(),
         dtype.into(),
     );
-    ((payload, scales), (payload_t, scales_t))
+    (((payload, scales), (payload_t, scales_t)), false)
 }
 
 /// `[1]`: the largest finite normal `|x|` of `x` (per-tensor scaling): one grid-stride pass over
 /// `x`'s stored layout writing per-cube maxima (the CUDA C++ kernel where it applies, else the
 /// CubeCL one), then their max.
-fn tensor_amax_of<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+pub(crate) fn tensor_amax_of<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     let partials = match super::native::tensor_amax_partials(&x) {
         Some(partials) => partials,
         None => tensor_amax_partials(x),
@@ -613,6 +679,39 @@ where
         (IntTensor<Self>, FloatTensor<Self>),
     ) {
         quantize_pair(x, spec, path)
+    }
+    fn fp8_tensor_amax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        check_float("fp8_tensor_amax", "x", x.dtype);
+        if x.shape().num_elements() == 0 {
+            let zero = burn::tensor::Tensor::<CubeBackend<R, f32, i32, u32>, 1>::zeros(
+                [1],
+                (&x.device, DType::F32),
+            );
+            return zero.into_primitive().tensor();
+        }
+        tensor_amax_of(x)
+    }
+    fn fp8_quantize_given(
+        x: FloatTensor<Self>,
+        spec: &QuantSpec,
+        amax: FloatTensor<Self>,
+    ) -> (IntTensor<Self>, FloatTensor<Self>) {
+        quantize_given(x, spec, Some(amax))
+    }
+    fn fp8_quantize_pair_given(
+        x: FloatTensor<Self>,
+        spec: &QuantSpec,
+        path: Fp8PairPath,
+        amax: FloatTensor<Self>,
+        record: Option<(FloatTensor<Self>, usize)>,
+    ) -> (
+        (
+            (IntTensor<Self>, FloatTensor<Self>),
+            (IntTensor<Self>, FloatTensor<Self>),
+        ),
+        bool,
+    ) {
+        quantize_pair_given(x, spec, path, Some(GivenAmax { amax, record }))
     }
     fn fp8_dequantize(
         payload: IntTensor<Self>,

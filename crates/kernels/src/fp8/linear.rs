@@ -108,6 +108,21 @@ pub fn fp8_linear_probed<B: Fp8Ops + GemmOps>(
     cfg: &Fp8LinearConfig,
     probe: Option<&Fp8Probe>,
 ) -> Tensor<B, 2> {
+    fp8_linear_scaled(x, w, cfg, probe, None)
+}
+
+/// [`fp8_linear_probed`]; with `cfg.per_tensor` and a `site`, every operand is scaled from the
+/// site's amax history (delayed scaling, see [`Fp8AmaxHistory`]) instead of its own amax. The
+/// forward records the input's and weight's amaxes and the backward the output gradient's, where
+/// the layer is tracked by `Autodiff` (training); an untracked forward (evaluation) records
+/// nothing.
+pub fn fp8_linear_scaled<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    cfg: &Fp8LinearConfig,
+    probe: Option<&Fp8Probe>,
+    site: Option<&Fp8ScaleSite>,
+) -> Tensor<B, 2> {
     let [t, d_in] = x.dims();
     let [w_in, _] = w.dims();
     if d_in != w_in {
@@ -131,5 +146,6 @@ pub fn fp8_linear_probed<B: Fp8Ops + GemmOps>(
         w.into_primitive().tensor(),
         cfg,
         probe.cloned(),
+        site.filter(|_| cfg.per_tensor).cloned(),
     )))
 }

@@ -38,6 +38,7 @@
 //! FP8, each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
 
 pub(crate) mod backward;
+mod delayed;
 mod format;
 pub(crate) mod forward;
 mod gemm;
@@ -50,11 +51,12 @@ pub(crate) mod path;
 pub mod reference;
 mod tensor;
 
+pub use delayed::{Fp8AmaxHistory, Fp8Record, Fp8ScaleSite};
 pub use format::{Fp8Format, Fp8Granularity, QuantSpec, TILE};
 pub(crate) use gemm::mma_shape;
 pub use gemm::{fp8_gemm, fp8_gemm_on, fp8_gemm_path};
 pub use health::{fp8_health, fp8_health_pending, Fp8Health, PendingHealth};
-pub use linear::{fp8_linear, fp8_linear_probed, Fp8LinearConfig, Fp8Probe};
+pub use linear::{fp8_linear, fp8_linear_probed, fp8_linear_scaled, Fp8LinearConfig, Fp8Probe};
 pub use mma::MmaShape;
 pub use path::{Fp8GemmPath, Fp8PairPath};
 pub(crate) use tensor::{f32_values, words_of};
@@ -108,6 +110,65 @@ pub trait Fp8Ops: BurnBackend {
     ) {
         let stored = Self::fp8_quantize(x.clone(), &spec.transposed(false));
         (stored, Self::fp8_quantize(x, &spec.transposed(true)))
+    }
+
+    /// `[1]` f32: the amax per-tensor scaling takes of the float `x`, its largest finite normal
+    /// `|x|` (0 if none; the CPU reference by default).
+    fn fp8_tensor_amax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
+        let device = t.device();
+        let amax = reference::tensor_amax(&f32_values(t, "data"));
+        crate::primitive::prim(Tensor::<Self, 1>::from_data(
+            TensorData::new(vec![amax], [1]),
+            (&device, DType::F32),
+        ))
+    }
+
+    /// [`Self::fp8_quantize`] under a per-tensor `spec`, scaled for the given `amax` (`[1]` f32)
+    /// instead of `x`'s own (delayed scaling; the CPU reference by default).
+    fn fp8_quantize_given(
+        x: FloatTensor<Self>,
+        spec: &QuantSpec,
+        amax: FloatTensor<Self>,
+    ) -> (IntTensor<Self>, FloatTensor<Self>) {
+        let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
+        let [r, c] = t.dims();
+        let device = t.device();
+        let data = f32_values(t, "data");
+        let amax = f32_values(crate::primitive::tensor::<Self, 1>(amax), "amax");
+        let (words, scales) = reference::quantize_with_amax(&data, r, c, spec, amax[0]);
+        let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
+        let width = k.div_ceil(TILE) * TILE / 4;
+        let words: Vec<i32> = words.into_iter().map(|w| w as i32).collect();
+        let payload =
+            Tensor::<Self, 2, Int>::from_data(TensorData::new(words, [rows, width]), &device);
+        let scales =
+            Tensor::<Self, 2>::from_data(TensorData::new(scales, [1, 1]), (&device, DType::F32));
+        (payload.into_primitive(), crate::primitive::prim(scales))
+    }
+
+    /// [`Self::fp8_quantize_pair`] under a per-tensor `spec`, scaled for the given `amax` (`[1]`
+    /// f32). With `record = Some((buffer, slot))` a backend may also raise the f32
+    /// `buffer[slot]` to `x`'s amax in place, from the same read, and say so with `true` (the
+    /// CUDA C++ kernel does); with `false` nothing was recorded (by default: two
+    /// [`Self::fp8_quantize_given`] calls).
+    #[allow(clippy::type_complexity)]
+    fn fp8_quantize_pair_given(
+        x: FloatTensor<Self>,
+        spec: &QuantSpec,
+        _path: Fp8PairPath,
+        amax: FloatTensor<Self>,
+        _record: Option<(FloatTensor<Self>, usize)>,
+    ) -> (
+        (
+            (IntTensor<Self>, FloatTensor<Self>),
+            (IntTensor<Self>, FloatTensor<Self>),
+        ),
+        bool,
+    ) {
+        let stored = Self::fp8_quantize_given(x.clone(), &spec.transposed(false), amax.clone());
+        let transposed = Self::fp8_quantize_given(x, &spec.transposed(true), amax);
+        ((stored, transposed), false)
     }
 
     /// `[rows, k_out]` values of an FP8 payload in `dtype` (the CPU reference by default).
@@ -209,13 +270,15 @@ pub trait Fp8Ops: BurnBackend {
         None
     }
 
-    /// [`fp8_linear`]; by default its forward only (backends without autodiff). Under `Autodiff`,
-    /// `probe` receives the output gradient's health in the backward.
+    /// [`fp8_linear`]; by default its forward only (backends without autodiff), recording no
+    /// amax. Under `Autodiff`, `probe` receives the output gradient's health in the backward; with
+    /// a `site`, per-tensor scales come from its amax history ([`fp8_linear_scaled`]).
     fn fp8_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         cfg: &Fp8LinearConfig,
         _probe: Option<Fp8Probe>,
+        site: Option<Fp8ScaleSite>,
     ) -> FloatTensor<Self>
     where
         Self: Fp8Ops + GemmOps,
@@ -224,6 +287,7 @@ pub trait Fp8Ops: BurnBackend {
             crate::primitive::tensor(x),
             crate::primitive::tensor(w),
             cfg,
+            site.as_ref(),
         ))
     }
 }

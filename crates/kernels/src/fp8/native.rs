@@ -20,6 +20,8 @@ use crate::gemm::cublaslt::as_cuda as cuda;
 const SOURCE: &str = include_str!("native_pair.cu");
 const ENTRY: &str = "fp8_quantize_pair_native";
 const AMAX_ENTRY: &str = "fp8_tensor_amax_native";
+/// The pair kernel's `record_slot` when it records no amax.
+const NO_SLOT: u64 = u64::MAX;
 
 /// The kernel's `IN_KIND` for an input dtype it reads (f32, f16, bf16).
 fn in_kind(dtype: DType) -> Option<u8> {
@@ -79,19 +81,30 @@ pub(crate) struct PairView {
 /// and laid out as for the CubeCL kernel `quantize_pair_tiles`; `amax` holds the tensor's amax for
 /// per-tensor scaling) with the CUDA C++ kernel, or returns `false` without launching anything
 /// where it does not apply: not CUDA, a GPU without FP8 conversions, an input other than f32,
-/// f16 or bf16.
+/// f16 or bf16. With per-tensor scaling and `record = Some((buffer, slot))`, the kernel also
+/// raises the f32 `buffer[slot]` to `x`'s amax (the largest finite normal `|x|`), in place.
 pub(crate) fn launch_pair<R: CubeRuntime>(
     x: &CubeTensor<R>,
     amax: &CubeTensor<R>,
     outputs: [&CubeTensor<R>; 4],
     view: &PairView,
     spec: &QuantSpec,
+    record: Option<(&CubeTensor<R>, usize)>,
 ) -> bool {
     if !supported(x) {
         return false;
     }
     let (Some(in_kind), Some(xc), Some(amax)) = (in_kind(x.dtype), cuda(x), cuda(amax)) else {
         return false;
+    };
+    let (record_buffer, record_slot) = match record {
+        Some((buffer, slot)) => match cuda(buffer) {
+            Some(buffer) if buffer.dtype == DType::F32 && buffer.is_contiguous() => {
+                (buffer, slot as u64)
+            }
+            _ => return false,
+        },
+        None => (amax, NO_SLOT),
     };
     let Some(outputs) = outputs
         .into_iter()
@@ -109,9 +122,11 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
     let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(256));
     let mut buffers = vec![xc.handle.clone().binding(), amax.handle.clone().binding()];
     buffers.extend(outputs.iter().map(|t| t.handle.clone().binding()));
-    let info = [view.rows, view.cols, view.stride_i, view.stride_j]
+    buffers.push(record_buffer.handle.clone().binding());
+    let mut info = [view.rows, view.cols, view.stride_i, view.stride_j]
         .map(|v| v as u64)
         .to_vec();
+    info.push(record_slot);
     let cubes = (
         view.cols.div_ceil(super::TILE) as u32,
         view.rows.div_ceil(super::TILE) as u32,

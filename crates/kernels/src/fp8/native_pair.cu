@@ -9,7 +9,10 @@
 //   VEC         1: rows contiguous and 16-byte aligned, a thread's 8 elements of a row read
 //               with 16-byte loads (one for 16-bit inputs, two for f32)
 //   BLOCK       1: one amax per 128x128 block, shared by both orientations
-//   GIVEN_AMAX  1: per-tensor scaling, every tile takes amax[0]
+//   GIVEN_AMAX  1: per-tensor scaling, every tile takes amax[0]; unless info.record_slot is
+//               NO_SLOT, the kernel also records x's amax (its largest finite normal |x|, as
+//               the reference takes it) into record[info.record_slot] (f32 bits, atomic max over
+//               the blocks: the slot only grows), for delayed scaling (fp8/delayed.rs)
 //   POW2        1: scales rounded down to powers of two
 //   E5M2        1: E5M2 codes, 0: E4M3
 //
@@ -41,7 +44,11 @@ struct Info {
     u64 cols;
     u64 stride_i;
     u64 stride_j;
+    u64 record_slot;
 };
+
+// `record_slot` when the kernel records no amax.
+#define NO_SLOT 0xFFFFFFFFFFFFFFFFull
 
 #if E5M2
 #define MAX_EXP 15u
@@ -260,6 +267,17 @@ __device__ __forceinline__ void write_tile_scale(float* __restrict__ scales, flo
 #endif
 }
 
+// Block-wide: records the largest of the warps' maxima in `warp_max` (f32 bits of finite normal
+// |x|, written before the last barrier) into record[info.record_slot] (GIVEN_AMAX).
+__device__ __forceinline__ void record_amax(u32* record, const Info& info) {
+    if (threadIdx.x == 0u && info.record_slot != NO_SLOT) {
+        u32 b = 0u;
+#pragma unroll
+        for (int w = 0; w < 8; w++) b = umax(b, warp_max[w]);
+        if (b != 0u) atomicMax(record + info.record_slot, b);
+    }
+}
+
 // The tile of this block when it holds NaN or an infinity, one value at a time: the tile maxima
 // skip them, and their codes are the reference's (the conversion instruction saturates
 // infinities and drops the sign of NaN). Called by every thread of the block; reads x again.
@@ -270,6 +288,7 @@ __device__ __noinline__ void slow_tile(
     float* __restrict__ scales,
     u32* __restrict__ payload_t,
     float* __restrict__ scales_t,
+    u32* record,
     const Info info) {
     const u32 unit = threadIdx.x;
     const u32 cu = unit % 16u;
@@ -284,6 +303,15 @@ __device__ __noinline__ void slow_tile(
     u32 m = 0u;
 #if GIVEN_AMAX
     m = __float_as_uint(amax[0]);
+    // The tile's amax for the record, skipping NaN and infinities as the reference does (every
+    // write of `warp_max` in the caller came before its last barrier).
+    u32 t = 0u;
+    for (int i = 0; i < 8; i++)
+        for (int e = 0; e < 8; e++) t = umax(t, amax_term(element(x, info, row0 + i, col0 + e)));
+    t = __reduce_max_sync(0xFFFFFFFFu, t);
+    if (unit % 32u == 0u) warp_max[unit / 32u] = t;
+    __syncthreads();
+    record_amax(record, info);
 #else
     // Partial maxima: rows at r * 16 + cu, columns (of thread row ru) at
     // 2048 + ru * 128 + e * 16 + cu for column cu * 8 + e.
@@ -364,6 +392,7 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     float* __restrict__ scales,
     u32* __restrict__ payload_t,
     float* __restrict__ scales_t,
+    u32* record,
     const __grid_constant__ Info info) {
     const u64 rows = info.rows;
     const u64 cols = info.cols;
@@ -442,10 +471,14 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     for (int q = 0; q < ROW_WORDS; q++) top = word_max(top, col_max[q]);
     top = word_top(top);
 
-#if BLOCK
+#if GIVEN_AMAX
+    // For the record: the warp's largest |x| as f32 bits (read only if the tile is finite).
+    const u32 warp_top = __reduce_max_sync(0xFFFFFFFFu, top);
+    if (unit % 32u == 0u) warp_max[unit / 32u] = __float_as_uint(amax_of_bits(warp_top));
+#elif BLOCK
     const u32 warp_top = __reduce_max_sync(0xFFFFFFFFu, top);
     if (unit % 32u == 0u) warp_max[unit / 32u] = warp_top;
-#elif !GIVEN_AMAX
+#else
     // Row partial maxima, a word for rows WORD_VALUES (ru * ROW_WORDS + j) ..: at
     // (ru * ROW_WORDS + j) * ROW_PART_STRIDE + cu. Column partial maxima, a word for columns
     // WORD_VALUES (cu * ROW_WORDS + q) ..: at COL_PART + ru * 16 ROW_WORDS + cu * ROW_WORDS + q.
@@ -471,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     }
 #endif
     if (__syncthreads_or(top >= NONFINITE)) {
-        slow_tile(x, amax, payload, scales, payload_t, scales_t, info);
+        slow_tile(x, amax, payload, scales, payload_t, scales_t, record, info);
         return;
     }
 
@@ -479,6 +512,7 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     float s_all = 1.0f;
 #if GIVEN_AMAX
     s_all = multiplier(amax[0]);
+    record_amax(record, info);
 #elif BLOCK
     u32 m = 0u;
 #pragma unroll

@@ -138,6 +138,38 @@ pub fn quantize(
     cols_in: usize,
     spec: &QuantSpec,
 ) -> (Vec<u32>, Vec<f32>) {
+    quantize_scaled(data, rows_in, cols_in, spec, None)
+}
+
+/// [`quantize`] with per-tensor `spec` (panics otherwise), scaled for `amax` instead of the
+/// data's own (delayed scaling: values above it saturate).
+pub fn quantize_with_amax(
+    data: &[f32],
+    rows_in: usize,
+    cols_in: usize,
+    spec: &QuantSpec,
+    amax: f32,
+) -> (Vec<u32>, Vec<f32>) {
+    assert_eq!(
+        spec.granularity,
+        Fp8Granularity::Tensor,
+        "quantize reference: a given amax needs per-tensor scaling"
+    );
+    quantize_scaled(data, rows_in, cols_in, spec, Some(amax))
+}
+
+/// The amax per-tensor scaling takes of `data`: its largest finite normal `|x|` (0 if none).
+pub fn tensor_amax(data: &[f32]) -> f32 {
+    data.iter().fold(0.0f32, |m, &x| m.max(amax_term(x)))
+}
+
+fn quantize_scaled(
+    data: &[f32],
+    rows_in: usize,
+    cols_in: usize,
+    spec: &QuantSpec,
+    given_amax: Option<f32>,
+) -> (Vec<u32>, Vec<f32>) {
     assert_eq!(
         data.len(),
         rows_in * cols_in,
@@ -164,6 +196,9 @@ pub fn quantize(
             let t = tile_index(i, j);
             amax[t] = amax[t].max(amax_term(at(i, j)));
         }
+    }
+    if let Some(given) = given_amax {
+        amax.fill(given);
     }
     let factors: Vec<(f32, f32)> = amax
         .iter()

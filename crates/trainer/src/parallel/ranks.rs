@@ -131,6 +131,8 @@ impl<B: crate::TrainBackend> Ranks<B> {
                     compute_dtype: ctx.compute_dtype,
                     gemm: ctx.gemm,
                     fp8_linear: ctx.fp8_linear,
+                    // Its own: device buffers come with the first step, on the rank's device.
+                    fp8_history: ctx.fp8_linear.and_then(|_| ctx.cfg.fp8.amax_history()),
                     ids: ids.clone(),
                     device: devices[rank].clone(),
                     zero: shard(rank),
@@ -324,6 +326,8 @@ struct Own<B: crate::TrainBackend> {
     compute_dtype: burn::tensor::FloatDType,
     gemm: kernels::Gemm,
     fp8_linear: Option<kernels::Fp8LinearConfig>,
+    /// The rank's own FP8 amax histories (`fp8.amax_history`).
+    fp8_history: Option<kernels::Fp8AmaxHistory>,
     ids: Vec<DeviceId>,
     device: B::Device,
     /// ZeRO-1: this rank's share.
@@ -379,6 +383,7 @@ impl<B: crate::TrainBackend> Own<B> {
                             compute_dtype: self.compute_dtype,
                             gemm: self.gemm,
                             fp8_linear: self.fp8_linear,
+                            fp8_history: self.fp8_history.as_ref(),
                         },
                         zero: self.zero.as_ref(),
                         plan,

@@ -1,0 +1,361 @@
+//! Delayed per-tensor scaling: each per-tensor FP8 quantization of a run (a projection's input,
+//! weight or output gradient: a *site*, named) takes its scale from the largest amax its site
+//! recorded over the last `len` optimizer steps, instead of reading the tensor once more for its
+//! own amax before quantizing it (current scaling). Values above that amax saturate.
+//!
+//! [`Fp8AmaxHistory`] holds every site's history on the device:
+//! - within a step, every quantization of a site takes the same scale (the history's max as the
+//!   step began), so micro-batches and recomputed forwards quantize alike; each raises the site's
+//!   amax of the step to its tensor's amax (the CUDA C++ pair kernel from the read it quantizes
+//!   from; other paths by an amax pass);
+//! - [`Fp8AmaxHistory::advance`], after each optimizer step, moves the step's amaxes into the
+//!   history (a ring of `len` steps) and takes the next step's scales, in three small launches
+//!   for all sites together;
+//! - a site without a recorded step (the first step of a run, or of a site) is scaled by its
+//!   tensor's own amax (current scaling), and records it.
+//!
+//! Forwards that record nothing (evaluation, [`Fp8Record::No`]) take the scales without changing
+//! the history, so evaluating does not change training.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use burn::tensor::backend::Backend as BurnBackend;
+use burn::tensor::{s, DType, Tensor, TensorPrimitive};
+
+use super::{fp8_pair_path, Fp8Granularity, Fp8Ops, Fp8Tensor, QuantSpec};
+use crate::gemm::GemmOps;
+
+/// The amax histories of a run's per-tensor FP8 quantizations (see the module docs). Clones share
+/// the histories; a model replica on another device needs its own.
+#[derive(Clone)]
+pub struct Fp8AmaxHistory {
+    state: Arc<Mutex<History>>,
+}
+
+impl std::fmt::Debug for Fp8AmaxHistory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let h = self.lock();
+        f.debug_struct("Fp8AmaxHistory")
+            .field("len", &h.len)
+            .field("sites", &h.slots.len())
+            .field("steps", &h.steps)
+            .finish()
+    }
+}
+
+struct History {
+    /// Steps a site's scale looks back over.
+    len: usize,
+    /// Each site's row in the device buffers, by name.
+    slots: HashMap<String, usize>,
+    /// Sites (rows) below this have a recorded step and scale from their history.
+    seeded: usize,
+    /// [`Fp8AmaxHistory::advance`] calls so far.
+    steps: u64,
+    /// The device buffers, on the backend and device of the first quantization.
+    buffers: Option<Box<dyn Buffers>>,
+}
+
+/// The device buffers of a history, whatever their backend.
+trait Buffers: Send {
+    fn advance(&mut self);
+    fn as_any(&mut self) -> &mut dyn Any;
+}
+
+/// `rows` sites (rows of the buffers, more than are used: they grow by doubling).
+struct Device<B: BurnBackend> {
+    rows: usize,
+    /// `[rows, len]`: each site's amax in each of the last `len` steps; column `next` is the
+    /// oldest, overwritten by the next advance.
+    history: Tensor<B, 2>,
+    next: usize,
+    /// `[rows]`: the amax each site's quantizations take this step (its history's max).
+    scale_amax: Tensor<B, 1>,
+    /// `[rows]` f32: the largest amax each site's tensors had this step so far.
+    seen: Tensor<B, 1>,
+}
+
+impl<B: BurnBackend> Device<B> {
+    fn zeros(rows: usize, len: usize, device: &B::Device) -> Self {
+        let opts = (device, DType::F32);
+        Self {
+            rows,
+            history: Tensor::zeros([rows, len], opts),
+            next: 0,
+            scale_amax: Tensor::zeros([rows], opts),
+            seen: Tensor::zeros([rows], opts),
+        }
+    }
+
+    /// Grows the buffers to hold row `slot` (new rows hold zeros).
+    fn reserve(&mut self, slot: usize) {
+        if slot < self.rows {
+            return;
+        }
+        let rows = (slot + 1).next_power_of_two().max(64);
+        let extra = rows - self.rows;
+        let device = self.seen.device();
+        let opts = (&device, DType::F32);
+        let len = self.history.dims()[1];
+        self.history = Tensor::cat(
+            vec![self.history.clone(), Tensor::zeros([extra, len], opts)],
+            0,
+        );
+        self.scale_amax = Tensor::cat(
+            vec![self.scale_amax.clone(), Tensor::zeros([extra], opts)],
+            0,
+        );
+        self.seen = Tensor::cat(vec![self.seen.clone(), Tensor::zeros([extra], opts)], 0);
+        self.rows = rows;
+    }
+
+    /// Raises `seen[slot]` to `amax` (`[1]`).
+    fn record(&mut self, slot: usize, amax: Tensor<B, 1>) {
+        let raised = self.seen.clone().slice(s![slot..slot + 1]).max_pair(amax);
+        self.seen = self.seen.clone().slice_assign(s![slot..slot + 1], raised);
+    }
+}
+
+impl<B: BurnBackend> Buffers for Device<B> {
+    fn advance(&mut self) {
+        let len = self.history.dims()[1];
+        let column = self.seen.clone().reshape([self.rows, 1]);
+        self.history = self
+            .history
+            .clone()
+            .slice_assign([0..self.rows, self.next..self.next + 1], column);
+        self.next = (self.next + 1) % len;
+        self.scale_amax = self.history.clone().max_dim(1).reshape([self.rows]);
+        self.seen = Tensor::zeros([self.rows], (&self.seen.device(), DType::F32));
+    }
+    fn as_any(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl Fp8AmaxHistory {
+    /// Histories of `len` optimizer steps (at least 1: the previous step's amax alone).
+    pub fn new(len: usize) -> Self {
+        assert!(
+            len >= 1,
+            "Fp8AmaxHistory::new: len is 0; keep at least one step"
+        );
+        Self {
+            state: Arc::new(Mutex::new(History {
+                len,
+                slots: HashMap::new(),
+                seeded: 0,
+                steps: 0,
+                buffers: None,
+            })),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, History> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Steps a site's scale looks back over.
+    pub fn len(&self) -> usize {
+        self.lock().len
+    }
+
+    /// Whether no site has quantized yet.
+    pub fn is_empty(&self) -> bool {
+        self.lock().slots.is_empty()
+    }
+
+    /// Ends an optimizer step: every site's amax of the step joins its history, and the next
+    /// step's scales are taken (on the device, without waiting for it).
+    pub fn advance(&self) {
+        let mut h = self.lock();
+        h.steps += 1;
+        h.seeded = h.slots.len();
+        if let Some(buffers) = h.buffers.as_mut() {
+            buffers.advance();
+        }
+    }
+
+    /// [`Self::advance`] calls so far.
+    pub fn steps(&self) -> u64 {
+        self.lock().steps
+    }
+
+    /// The site named `name` of this history.
+    pub fn site(&self, name: impl Into<String>) -> Fp8ScaleSite {
+        Fp8ScaleSite {
+            history: self.clone(),
+            name: name.into(),
+        }
+    }
+}
+
+/// Whether a quantization records its tensor's amax into its site's history: training forwards
+/// and backwards do, evaluation forwards do not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Record {
+    Yes,
+    No,
+}
+
+/// A projection's sites in an [`Fp8AmaxHistory`]: `{name}.input`, `{name}.weight` and
+/// `{name}.grad_output`.
+#[derive(Clone, Debug)]
+pub struct Fp8ScaleSite {
+    history: Fp8AmaxHistory,
+    name: String,
+}
+
+/// What one quantization takes from its site: the amax to scale by, and where its own goes.
+struct Taken<B: BurnBackend> {
+    /// `[1]`: the amax the quantization scales by.
+    amax: Tensor<B, 1>,
+    /// `[1]`: the tensor's own amax where it was already taken (a site without history).
+    own: Option<Tensor<B, 1>>,
+    slot: usize,
+    /// `[rows]`: the buffer the step's amaxes are recorded in, where asked for and the site has
+    /// a history (a site without one records the amax it already took).
+    seen: Option<Tensor<B, 1>>,
+}
+
+impl Fp8ScaleSite {
+    /// The device buffers for `B`, created on `x`'s device on first use, with room for `slot`.
+    fn buffers<'h, B: BurnBackend>(
+        h: &'h mut History,
+        device: &B::Device,
+        slot: usize,
+    ) -> &'h mut Device<B> {
+        let len = h.len;
+        let buffers = h
+            .buffers
+            .get_or_insert_with(|| Box::new(Device::<B>::zeros(64, len, device)));
+        let Some(device_buffers) = buffers.as_any().downcast_mut::<Device<B>>() else {
+            panic!(
+                "kernels::fp8: an Fp8AmaxHistory is used on two backends; give each model replica its own"
+            );
+        };
+        device_buffers.reserve(slot);
+        device_buffers
+    }
+
+    /// The amax the quantization of `x` at `role` takes, and where to record its own (`seen`
+    /// when `want_seen`).
+    fn take<B: Fp8Ops>(&self, role: &str, x: &Tensor<B, 2>, want_seen: bool) -> Taken<B> {
+        let mut h = self.history.lock();
+        let key = format!("{}.{role}", self.name);
+        let next = h.slots.len();
+        let slot = *h.slots.entry(key).or_insert(next);
+        let seeded = slot < h.seeded;
+        let buffers = Self::buffers::<B>(&mut h, &x.device(), slot);
+        if seeded {
+            let amax = buffers.scale_amax.clone().slice(s![slot..slot + 1]);
+            return Taken {
+                amax,
+                own: None,
+                slot,
+                seen: want_seen.then(|| buffers.seen.clone()),
+            };
+        }
+        let own =
+            crate::primitive::tensor::<B, 1>(B::fp8_tensor_amax(crate::primitive::prim(x.clone())));
+        Taken {
+            amax: own.clone(),
+            own: Some(own),
+            slot,
+            seen: None,
+        }
+    }
+
+    /// Raises the site's amax of the step to `x`'s (`own` where already taken).
+    fn record<B: Fp8Ops>(&self, slot: usize, x: Tensor<B, 2>, own: Option<Tensor<B, 1>>) {
+        let amax = own.unwrap_or_else(|| {
+            crate::primitive::tensor::<B, 1>(B::fp8_tensor_amax(crate::primitive::prim(x)))
+        });
+        let device = amax.device();
+        let mut h = self.history.lock();
+        Self::buffers::<B>(&mut h, &device, slot).record(slot, amax);
+    }
+
+    /// `x` quantized as the per-tensor `spec` says (panics for another granularity), scaled from
+    /// the site's history at `role` (`"input"`, `"weight"`, `"grad_output"` in the FP8 linear
+    /// layer; any name in layers of one's own).
+    pub fn quantize<B: Fp8Ops + GemmOps>(
+        &self,
+        role: &str,
+        x: Tensor<B, 2>,
+        spec: QuantSpec,
+        record: Fp8Record,
+    ) -> Fp8Tensor<B> {
+        check_spec(&spec);
+        let taken = self.take(role, &x, false);
+        let [r, c] = x.dims();
+        let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
+        let (payload, scales) = B::fp8_quantize_given(
+            x.clone().into_primitive().tensor(),
+            &spec,
+            crate::primitive::prim(taken.amax),
+        );
+        if record == Fp8Record::Yes {
+            self.record(taken.slot, x, taken.own);
+        }
+        Fp8Tensor {
+            payload: Tensor::from_primitive(payload),
+            scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
+            rows,
+            k,
+            spec,
+        }
+    }
+
+    /// [`super::fp8_quantize_pair`] under the per-tensor `spec`, scaled from the site's history at
+    /// `role` as [`Self::quantize`] is; where the pair kernel can record `x`'s amax from its own
+    /// read, it does.
+    pub fn quantize_pair<B: Fp8Ops + GemmOps>(
+        &self,
+        role: &str,
+        x: Tensor<B, 2>,
+        spec: QuantSpec,
+        record: Fp8Record,
+    ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+        check_spec(&spec);
+        let taken = self.take(role, &x, record == Fp8Record::Yes);
+        let [r, c] = x.dims();
+        let in_kernel = taken
+            .seen
+            .map(|seen| (crate::primitive::prim(seen), taken.slot));
+        let ((p, s), (pt, st)) = {
+            let ((stored, transposed), recorded) = B::fp8_quantize_pair_given(
+                x.clone().into_primitive().tensor(),
+                &spec,
+                fp8_pair_path(&spec),
+                crate::primitive::prim(taken.amax),
+                in_kernel,
+            );
+            if record == Fp8Record::Yes && !recorded {
+                self.record(taken.slot, x, taken.own);
+            }
+            (stored, transposed)
+        };
+        let q = |payload, scales, rows, k, spec| Fp8Tensor {
+            payload: Tensor::from_primitive(payload),
+            scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
+            rows,
+            k,
+            spec,
+        };
+        (
+            q(p, s, r, c, spec.transposed(false)),
+            q(pt, st, c, r, spec.transposed(true)),
+        )
+    }
+}
+
+fn check_spec(spec: &QuantSpec) {
+    assert_eq!(
+        spec.granularity,
+        Fp8Granularity::Tensor,
+        "kernels::fp8: delayed scaling applies to per-tensor scaling only"
+    );
+}
