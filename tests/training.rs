@@ -62,11 +62,48 @@ fn resumed_run_with_kernel_dropout_matches_uninterrupted_run() {
     resumed_run_matches(model::AttentionKind::Flash, "resume_flash");
 }
 
+/// FP8 with delayed per-tensor scaling: the amax histories travel in the checkpoint, so the
+/// resumed run scales (and so trains) as the uninterrupted one.
+#[test]
+fn resumed_run_with_fp8_delayed_scaling_matches_uninterrupted_run() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    resumed_run_matches_with(model::AttentionKind::Plain, "resume_fp8_delayed", |cfg| {
+        cfg.precision = trainer::config::PrecisionKind::Fp8;
+        cfg.fp8.compute = trainer::config::Fp8ComputeKind::F32;
+        cfg.fp8.scaling = trainer::config::Fp8ScalingKind::Tensor;
+        cfg.fp8.amax_history = 3;
+    });
+    let full =
+        std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("resume_fp8_delayed_full");
+    let last = full.join("checkpoints").join(checkpoint::file_name(12));
+    let (header, _) = checkpoint::read(&last).unwrap();
+    let history = header.fp8_amax_history.expect("the amax histories");
+    assert_eq!((history.len, history.steps), (3, 12));
+    // Four projections a block, each with an input, a weight and an output gradient.
+    assert_eq!(history.sites.len(), 12 * tiny_config(12).model.n_layer);
+    assert!(history
+        .sites
+        .iter()
+        .all(|(_, amax)| amax.len() == 3 && amax.iter().all(|a| *a > 0.0)));
+}
+
 /// A run stopped at step 7, its last checkpoint lost, resumed from step 4, repeats the
 /// uninterrupted run: losses, norms, learning rates, evaluations, final weights and moments.
 fn resumed_run_matches(attention: model::AttentionKind, tag: &str) {
+    resumed_run_matches_with(attention, tag, |_| {});
+}
+
+/// [`resumed_run_matches`] with the config changed by `tweak`.
+fn resumed_run_matches_with(
+    attention: model::AttentionKind,
+    tag: &str,
+    tweak: impl Fn(&mut trainer::Config),
+) {
     let _guard = common::serial();
     let mut cfg = tiny_config(12);
+    tweak(&mut cfg);
     cfg.model.attention = attention;
     if attention == model::AttentionKind::Flash {
         cfg.model.kernels = model::KernelsKind::Fused;
@@ -341,6 +378,7 @@ fn with_state_to_checkpoint(
         precision: (&recipe, &scaler.state),
         replica_checksums: &[9, 9, 9],
         world: 3,
+        fp8_amax_history: None,
     };
     f(&model, &opt, &info);
 }

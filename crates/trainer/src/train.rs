@@ -300,6 +300,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             tok_rates: Vec::new(),
             peak_memory: None,
         };
+        let mut restored_history = None;
         let (model, start_step) = if opts.resume {
             let into = (model, row_split.as_deref());
             let (model, restored) =
@@ -312,6 +313,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             progress.best_val = restored.best_val_loss;
             progress.elapsed_before = restored.elapsed_s;
             progress.resumed_from = Some(restored.step);
+            restored_history = restored.fp8_amax_history;
             (model, restored.step)
         } else {
             (model, 0)
@@ -340,6 +342,11 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         let data = Arc::new(data);
         let fp8_linear = recipe.fp8_linear();
         let fp8_history = fp8_linear.and_then(|_| cfg.fp8.amax_history());
+        // A resumed run scales as the uninterrupted one would have (rank 0's histories; the other
+        // ranks of a data-parallel run start theirs again).
+        if let (Some(history), Some(record)) = (&fp8_history, &restored_history) {
+            history.restore(&record.into());
+        }
         let ctx = StepCtx {
             cfg,
             data: &data,
@@ -715,6 +722,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         let cfg = self.cfg;
         let checksums = self.group.checksums(model, &self.opt);
         let p = &self.progress;
+        let history = self.fp8_history.as_ref().map(|h| h.state().into());
         let info = checkpoint::SaveInfo {
             cfg,
             vocab_size: self.vocab,
@@ -724,6 +732,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             precision: (&self.recipe, &self.scaler.state),
             replica_checksums: &checksums,
             world: self.group.size(),
+            fp8_amax_history: history.as_ref(),
         };
         let keep = cfg.training.keep_checkpoints;
         // A run of processes under ZeRO: every rank writes its share.

@@ -15,14 +15,15 @@
 //!   tensor's own amax (current scaling), and records it.
 //!
 //! Forwards that record nothing (evaluation, [`Fp8Record::No`]) take the scales without changing
-//! the history, so evaluating does not change training.
+//! the history, so evaluating does not change training. [`Fp8AmaxHistory::state`] and
+//! [`Fp8AmaxHistory::restore`] carry the histories through a checkpoint.
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::tensor::backend::Backend as BurnBackend;
-use burn::tensor::{s, DType, Tensor, TensorPrimitive};
+use burn::tensor::{s, DType, Tensor, TensorData, TensorPrimitive};
 
 use super::{fp8_pair_path, Fp8Granularity, Fp8Ops, Fp8Tensor, QuantSpec};
 use crate::gemm::GemmOps;
@@ -56,12 +57,26 @@ struct History {
     steps: u64,
     /// The device buffers, on the backend and device of the first quantization.
     buffers: Option<Box<dyn Buffers>>,
+    /// Restored amaxes (`[sites, len]`, oldest first) waiting for the buffers to be created.
+    restored: Option<Vec<f32>>,
 }
 
 /// The device buffers of a history, whatever their backend.
 trait Buffers: Send {
     fn advance(&mut self);
+    /// Row `slot`'s recorded amaxes, oldest first (reads the device).
+    fn read_rows(&mut self, slots: &[usize]) -> Vec<Vec<f32>>;
     fn as_any(&mut self) -> &mut dyn Any;
+}
+
+/// A history on the host ([`Fp8AmaxHistory::state`], for checkpoints): each site with a recorded
+/// step and its amaxes of the last `len` steps, oldest first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8AmaxHistoryState {
+    pub len: usize,
+    /// [`Fp8AmaxHistory::steps`].
+    pub steps: u64,
+    pub sites: Vec<(String, Vec<f32>)>,
 }
 
 /// `rows` sites (rows of the buffers, more than are used: they grow by doubling).
@@ -78,13 +93,19 @@ struct Device<B: BurnBackend> {
 }
 
 impl<B: BurnBackend> Device<B> {
-    fn zeros(rows: usize, len: usize, device: &B::Device) -> Self {
+    /// Buffers for `rows` sites holding `restored` (`[sites, len]`, oldest first; zeros past it).
+    fn new(rows: usize, len: usize, restored: Option<Vec<f32>>, device: &B::Device) -> Self {
         let opts = (device, DType::F32);
+        let mut values = restored.unwrap_or_default();
+        let rows = rows.max(values.len() / len).next_power_of_two().max(64);
+        values.resize(rows * len, 0.0);
+        let history = Tensor::from_data(TensorData::new(values, [rows, len]), opts);
         Self {
             rows,
-            history: Tensor::zeros([rows, len], opts),
+            scale_amax: history.clone().max_dim(1).reshape([rows]),
+            history,
+            // The oldest step is column 0.
             next: 0,
-            scale_amax: Tensor::zeros([rows], opts),
             seen: Tensor::zeros([rows], opts),
         }
     }
@@ -130,6 +151,22 @@ impl<B: BurnBackend> Buffers for Device<B> {
         self.scale_amax = self.history.clone().max_dim(1).reshape([self.rows]);
         self.seen = Tensor::zeros([self.rows], (&self.seen.device(), DType::F32));
     }
+    fn read_rows(&mut self, slots: &[usize]) -> Vec<Vec<f32>> {
+        let len = self.history.dims()[1];
+        let all = self
+            .history
+            .clone()
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 amax history");
+        slots
+            .iter()
+            .map(|&slot| {
+                let row = &all[slot * len..(slot + 1) * len];
+                (0..len).map(|i| row[(self.next + i) % len]).collect()
+            })
+            .collect()
+    }
     fn as_any(&mut self) -> &mut dyn Any {
         self
     }
@@ -149,8 +186,62 @@ impl Fp8AmaxHistory {
                 seeded: 0,
                 steps: 0,
                 buffers: None,
+                restored: None,
             })),
         }
+    }
+
+    /// The histories on the host (reads the device; sites that have not finished a step yet are
+    /// left out).
+    pub fn state(&self) -> Fp8AmaxHistoryState {
+        let mut h = self.lock();
+        let mut seeded: Vec<(String, usize)> = h
+            .slots
+            .iter()
+            .filter(|(_, &slot)| slot < h.seeded)
+            .map(|(name, &slot)| (name.clone(), slot))
+            .collect();
+        seeded.sort_by_key(|(_, slot)| *slot);
+        let slots: Vec<usize> = seeded.iter().map(|(_, slot)| *slot).collect();
+        let len = h.len;
+        let History {
+            buffers, restored, ..
+        } = &mut *h;
+        let rows = match (buffers.as_mut(), restored.as_ref()) {
+            (Some(buffers), _) => buffers.read_rows(&slots),
+            (None, Some(values)) => slots
+                .iter()
+                .map(|&s| values[s * len..(s + 1) * len].to_vec())
+                .collect(),
+            (None, None) => vec![vec![0.0; len]; slots.len()],
+        };
+        Fp8AmaxHistoryState {
+            len: h.len,
+            steps: h.steps,
+            sites: seeded.into_iter().map(|(name, _)| name).zip(rows).collect(),
+        }
+    }
+
+    /// Takes the histories of `state` (a resumed run), before this history's first use. Each
+    /// site keeps its most recent `self.len()` steps where `state` kept more; where it kept fewer,
+    /// the older steps are empty.
+    pub fn restore(&self, state: &Fp8AmaxHistoryState) {
+        let mut h = self.lock();
+        assert!(
+            h.buffers.is_none() && h.slots.is_empty(),
+            "Fp8AmaxHistory::restore: the history is already in use"
+        );
+        let len = h.len;
+        let mut values = Vec::with_capacity(state.sites.len() * len);
+        for (slot, (name, amaxes)) in state.sites.iter().enumerate() {
+            h.slots.insert(name.clone(), slot);
+            let kept = &amaxes[amaxes.len().saturating_sub(len)..];
+            values.extend(std::iter::repeat_n(0.0, len - kept.len()));
+            values.extend_from_slice(kept);
+        }
+        h.seeded = state.sites.len();
+        h.steps = state.steps;
+        h.restored = Some(values);
     }
 
     fn lock(&self) -> MutexGuard<'_, History> {
@@ -228,9 +319,11 @@ impl Fp8ScaleSite {
         slot: usize,
     ) -> &'h mut Device<B> {
         let len = h.len;
-        let buffers = h
-            .buffers
-            .get_or_insert_with(|| Box::new(Device::<B>::zeros(64, len, device)));
+        if h.buffers.is_none() {
+            let restored = h.restored.take();
+            h.buffers = Some(Box::new(Device::<B>::new(slot + 1, len, restored, device)));
+        }
+        let buffers = h.buffers.as_mut().expect("created above");
         let Some(device_buffers) = buffers.as_any().downcast_mut::<Device<B>>() else {
             panic!(
                 "kernels::fp8: an Fp8AmaxHistory is used on two backends; give each model replica its own"

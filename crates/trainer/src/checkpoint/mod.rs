@@ -85,6 +85,9 @@ pub struct Header {
     /// Loss-scaler state after `step` steps.
     #[serde(default)]
     pub loss_scaler: Option<ScalerState>,
+    /// FP8 delayed scaling (`fp8.amax_history`): rank 0's amax histories after `step` steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8_amax_history: Option<AmaxHistoryRecord>,
     /// GPUs the run trains on (`training.devices`); each computes its share of every batch.
     #[serde(default = "one")]
     pub devices: usize,
@@ -98,6 +101,35 @@ pub struct Header {
     #[serde(default)]
     pub shard: Option<ShardOf>,
     pub params: Vec<ParamEntry>,
+}
+
+/// The FP8 amax histories of delayed scaling (`kernels::Fp8AmaxHistoryState`): per projection
+/// tensor (`blocks.N.attn.qkv.input`, ...), its amaxes of the last `len` steps, oldest first.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct AmaxHistoryRecord {
+    pub len: usize,
+    pub steps: u64,
+    pub sites: Vec<(String, Vec<f32>)>,
+}
+
+impl From<kernels::Fp8AmaxHistoryState> for AmaxHistoryRecord {
+    fn from(s: kernels::Fp8AmaxHistoryState) -> Self {
+        Self {
+            len: s.len,
+            steps: s.steps,
+            sites: s.sites,
+        }
+    }
+}
+
+impl From<&AmaxHistoryRecord> for kernels::Fp8AmaxHistoryState {
+    fn from(r: &AmaxHistoryRecord) -> Self {
+        Self {
+            len: r.len,
+            steps: r.steps,
+            sites: r.sites.clone(),
+        }
+    }
 }
 
 /// Rank `rank`'s shard of a checkpoint of `world` ranks.
@@ -122,6 +154,8 @@ pub struct SaveInfo<'a> {
     /// How many GPUs train (threads of one process, or processes); each reads its share of every
     /// batch.
     pub world: usize,
+    /// FP8 delayed scaling: rank 0's amax histories.
+    pub fp8_amax_history: Option<&'a AmaxHistoryRecord>,
 }
 
 fn one() -> usize {
@@ -144,6 +178,8 @@ pub struct Restored {
     pub best_val_loss: Option<f64>,
     pub elapsed_s: f64,
     pub loss_scaler: Option<ScalerState>,
+    /// FP8 delayed scaling: the amax histories.
+    pub fp8_amax_history: Option<AmaxHistoryRecord>,
     /// The recipe the checkpoint was trained with.
     pub precision: Option<Recipe>,
     pub path: PathBuf,
@@ -305,6 +341,7 @@ where
         elapsed_s: info.elapsed_s,
         precision: Some(info.precision.0.clone()),
         loss_scaler: Some(info.precision.1.clone()),
+        fp8_amax_history: info.fp8_amax_history.cloned(),
         devices: info.world,
         replica_checksums: info.replica_checksums.to_vec(),
         shard,
@@ -592,6 +629,7 @@ where
             best_val_loss: header.best_val_loss,
             elapsed_s: header.elapsed_s,
             loss_scaler: header.loss_scaler.clone(),
+            fp8_amax_history: header.fp8_amax_history.clone(),
             precision: header.precision.clone(),
             path: path.to_path_buf(),
         },
