@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::tensor::backend::Backend as BurnBackend;
-use burn::tensor::{s, DType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{s, DType, Tensor, TensorData};
 
 use super::{fp8_pair_path, Fp8Granularity, Fp8Ops, Fp8Tensor, QuantSpec};
 use crate::gemm::GemmOps;
@@ -383,9 +383,8 @@ impl Fp8ScaleSite {
     ) -> Fp8Tensor<B> {
         check_spec(&spec);
         let taken = self.take(role, &x, false);
-        let [r, c] = x.dims();
-        let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
-        let (payload, scales) = B::fp8_quantize_given(
+        let dims = x.dims();
+        let parts = B::fp8_quantize_given(
             x.clone().into_primitive().tensor(),
             &spec,
             crate::primitive::prim(taken.amax),
@@ -393,13 +392,7 @@ impl Fp8ScaleSite {
         if record == Fp8Record::Yes {
             self.record(taken.slot, x, taken.own);
         }
-        Fp8Tensor {
-            payload: Tensor::from_primitive(payload),
-            scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
-            rows,
-            k,
-            spec,
-        }
+        Fp8Tensor::from_parts(parts, dims, spec)
     }
 
     /// [`super::fp8_quantize_pair`] under the per-tensor `spec`, scaled from the site's history at
@@ -414,34 +407,21 @@ impl Fp8ScaleSite {
     ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
         check_spec(&spec);
         let taken = self.take(role, &x, record == Fp8Record::Yes);
-        let [r, c] = x.dims();
+        let dims = x.dims();
         let in_kernel = taken
             .seen
             .map(|seen| (crate::primitive::prim(seen), taken.slot));
-        let ((p, s), (pt, st)) = {
-            let ((stored, transposed), recorded) = B::fp8_quantize_pair_given(
-                x.clone().into_primitive().tensor(),
-                &spec,
-                fp8_pair_path(&spec),
-                crate::primitive::prim(taken.amax),
-                in_kernel,
-            );
-            if record == Fp8Record::Yes && !recorded {
-                self.record(taken.slot, x, taken.own);
-            }
-            (stored, transposed)
-        };
-        let q = |payload, scales, rows, k, spec| Fp8Tensor {
-            payload: Tensor::from_primitive(payload),
-            scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
-            rows,
-            k,
-            spec,
-        };
-        (
-            q(p, s, r, c, spec.transposed(false)),
-            q(pt, st, c, r, spec.transposed(true)),
-        )
+        let (parts, recorded) = B::fp8_quantize_pair_given(
+            x.clone().into_primitive().tensor(),
+            &spec,
+            fp8_pair_path(&spec),
+            crate::primitive::prim(taken.amax),
+            in_kernel,
+        );
+        if record == Fp8Record::Yes && !recorded {
+            self.record(taken.slot, x, taken.own);
+        }
+        Fp8Tensor::pair_from_parts(parts, dims, spec)
     }
 }
 

@@ -81,20 +81,7 @@ pub trait Fp8Ops: BurnBackend {
         x: FloatTensor<Self>,
         spec: &QuantSpec,
     ) -> (IntTensor<Self>, FloatTensor<Self>) {
-        let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
-        let [r, c] = t.dims();
-        let device = t.device();
-        let data = f32_values(t, "data");
-        let (words, scales) = reference::quantize(&data, r, c, spec);
-        let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
-        let width = k.div_ceil(TILE) * TILE / 4;
-        let words: Vec<i32> = words.into_iter().map(|w| w as i32).collect();
-        let payload =
-            Tensor::<Self, 2, Int>::from_data(TensorData::new(words, [rows, width]), &device);
-        let shape = [spec.scale_rows(rows), spec.scale_cols(k)];
-        let scales =
-            Tensor::<Self, 2>::from_data(TensorData::new(scales, shape), (&device, DType::F32));
-        (payload.into_primitive(), crate::primitive::prim(scales))
+        reference_quantize::<Self>(x, spec, None)
     }
 
     /// `((payload, scales), (payload, scales))` of [`fp8_quantize_pair`], from one kernel when
@@ -131,20 +118,8 @@ pub trait Fp8Ops: BurnBackend {
         spec: &QuantSpec,
         amax: FloatTensor<Self>,
     ) -> (IntTensor<Self>, FloatTensor<Self>) {
-        let t = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(x));
-        let [r, c] = t.dims();
-        let device = t.device();
-        let data = f32_values(t, "data");
         let amax = f32_values(crate::primitive::tensor::<Self, 1>(amax), "amax");
-        let (words, scales) = reference::quantize_with_amax(&data, r, c, spec, amax[0]);
-        let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
-        let width = k.div_ceil(TILE) * TILE / 4;
-        let words: Vec<i32> = words.into_iter().map(|w| w as i32).collect();
-        let payload =
-            Tensor::<Self, 2, Int>::from_data(TensorData::new(words, [rows, width]), &device);
-        let scales =
-            Tensor::<Self, 2>::from_data(TensorData::new(scales, [1, 1]), (&device, DType::F32));
-        (payload.into_primitive(), crate::primitive::prim(scales))
+        reference_quantize::<Self>(x, spec, Some(amax[0]))
     }
 
     /// [`Self::fp8_quantize_pair`] under a per-tensor `spec`, scaled for the given `amax` (`[1]`
@@ -290,4 +265,28 @@ pub trait Fp8Ops: BurnBackend {
             site.as_ref(),
         ))
     }
+}
+
+/// `(payload, scales)` of the 2-D `x` from the CPU reference codec (scaled for `given_amax` when
+/// given, per-tensor specs only), on `x`'s device: the quantizers' default.
+fn reference_quantize<B: BurnBackend>(
+    x: FloatTensor<B>,
+    spec: &QuantSpec,
+    given_amax: Option<f32>,
+) -> (IntTensor<B>, FloatTensor<B>) {
+    let t = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x));
+    let [r, c] = t.dims();
+    let device = t.device();
+    let data = f32_values(t, "data");
+    let (words, scales) = match given_amax {
+        Some(amax) => reference::quantize_with_amax(&data, r, c, spec, amax),
+        None => reference::quantize(&data, r, c, spec),
+    };
+    let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
+    let width = k.div_ceil(TILE) * TILE / 4;
+    let words: Vec<i32> = words.into_iter().map(|w| w as i32).collect();
+    let payload = Tensor::<B, 2, Int>::from_data(TensorData::new(words, [rows, width]), &device);
+    let shape = [spec.scale_rows(rows), spec.scale_cols(k)];
+    let scales = Tensor::<B, 2>::from_data(TensorData::new(scales, shape), (&device, DType::F32));
+    (payload.into_primitive(), crate::primitive::prim(scales))
 }

@@ -18,7 +18,39 @@ pub struct Fp8Tensor<B: BurnBackend> {
     pub spec: QuantSpec,
 }
 
+/// A quantizer's `(payload, scales)` as the backend ops return them.
+pub(crate) type Parts<B> = (IntTensor<B>, FloatTensor<B>);
+
 impl<B: Fp8Ops + GemmOps> Fp8Tensor<B> {
+    /// The quantized matrix of a quantizer's `parts` for an `[r, c]` input under `spec`.
+    pub(crate) fn from_parts(
+        (payload, scales): Parts<B>,
+        [r, c]: [usize; 2],
+        spec: QuantSpec,
+    ) -> Self {
+        let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
+        Self {
+            payload: Tensor::from_primitive(payload),
+            scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
+            rows,
+            k,
+            spec,
+        }
+    }
+
+    /// Both orientations of an `[r, c]` input from a pair quantizer's parts under `spec` (as
+    /// stored, then transposed).
+    pub(crate) fn pair_from_parts(
+        (stored, transposed): (Parts<B>, Parts<B>),
+        dims: [usize; 2],
+        spec: QuantSpec,
+    ) -> (Self, Self) {
+        (
+            Self::from_parts(stored, dims, spec.transposed(false)),
+            Self::from_parts(transposed, dims, spec.transposed(true)),
+        )
+    }
+
     /// `k` rounded up to a multiple of 128 (the payload's width in codes).
     pub fn k_padded(&self) -> usize {
         self.k.div_ceil(TILE) * TILE
@@ -88,16 +120,12 @@ pub(crate) fn f32_values<B: BurnBackend, const D: usize>(t: Tensor<B, D>, what: 
 
 /// Quantizes the 2-D `x` (f32, f16 or bf16) as `spec` says.
 pub fn fp8_quantize<B: Fp8Ops + GemmOps>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8Tensor<B> {
-    let [r, c] = x.dims();
-    let (rows, k) = if spec.transpose { (c, r) } else { (r, c) };
-    let (payload, scales) = B::fp8_quantize(x.into_primitive().tensor(), &spec);
-    Fp8Tensor {
-        payload: Tensor::from_primitive(payload),
-        scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
-        rows,
-        k,
+    let dims = x.dims();
+    Fp8Tensor::from_parts(
+        B::fp8_quantize(x.into_primitive().tensor(), &spec),
+        dims,
         spec,
-    }
+    )
 }
 
 /// The path [`fp8_quantize_pair`] takes for `spec` ([`crate::settings::Settings::fp8_pair`],
@@ -138,17 +166,7 @@ pub fn fp8_quantize_pair_on<B: Fp8Ops + GemmOps>(
     spec: QuantSpec,
     path: Fp8PairPath,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
-    let [r, c] = x.dims();
-    let ((p, s), (pt, st)) = B::fp8_quantize_pair(x.into_primitive().tensor(), &spec, path);
-    let q = |payload, scales, rows, k, spec| Fp8Tensor {
-        payload: Tensor::from_primitive(payload),
-        scales: Tensor::from_primitive(TensorPrimitive::Float(scales)),
-        rows,
-        k,
-        spec,
-    };
-    (
-        q(p, s, r, c, spec.transposed(false)),
-        q(pt, st, c, r, spec.transposed(true)),
-    )
+    let dims = x.dims();
+    let parts = B::fp8_quantize_pair(x.into_primitive().tensor(), &spec, path);
+    Fp8Tensor::pair_from_parts(parts, dims, spec)
 }
