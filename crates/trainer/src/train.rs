@@ -93,6 +93,21 @@ pub struct Summary {
     pub peak_memory_reserved: Option<u64>,
 }
 
+/// Rank 0's FP8 amax histories for delayed scaling (`fp8.amax_history` with an FP8 recipe), holding
+/// `restored`'s where the run resumes: a resumed run scales as the uninterrupted one would have
+/// (the other ranks of a data-parallel run start theirs again).
+fn rank0_fp8_history(
+    cfg: &Config,
+    fp8_linear: Option<kernels::Fp8LinearConfig>,
+    restored: Option<&checkpoint::AmaxHistoryRecord>,
+) -> Option<kernels::Fp8AmaxHistory> {
+    let history = fp8_linear.and_then(|_| cfg.fp8.amax_history())?;
+    if let Some(record) = restored {
+        history.restore(&record.into());
+    }
+    Some(history)
+}
+
 /// Trains as configured. Writes `config.toml`, `tokenizer.json`, `metrics.jsonl`, `loss.svg`,
 /// `checkpoints/` and `summary.json` into the run directory.
 pub fn train<B: crate::TrainBackend>(
@@ -341,12 +356,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         // in its own thread.
         let data = Arc::new(data);
         let fp8_linear = recipe.fp8_linear();
-        let fp8_history = fp8_linear.and_then(|_| cfg.fp8.amax_history());
-        // A resumed run scales as the uninterrupted one would have (rank 0's histories; the other
-        // ranks of a data-parallel run start theirs again).
-        if let (Some(history), Some(record)) = (&fp8_history, &restored_history) {
-            history.restore(&record.into());
-        }
+        let fp8_history = rank0_fp8_history(cfg, fp8_linear, restored_history.as_ref());
         let ctx = StepCtx {
             cfg,
             data: &data,
