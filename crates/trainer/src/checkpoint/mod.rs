@@ -19,14 +19,15 @@
 //! then rank 0 a manifest. [`list`] and [`read`] take either form; a sharded one reads as the
 //! whole checkpoint it makes up.
 
+mod file;
 pub mod shards;
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{self, File};
-use std::io::Read;
+use std::fs;
+use std::io;
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
@@ -37,7 +38,6 @@ use crate::config::{Config, DataConfig};
 use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
 use crate::precision::{PrecisionKind, Recipe, ScalerState};
 
-const MAGIC: &[u8; 8] = b"BMXCKPT1";
 const FORMAT_VERSION: u32 = 1;
 
 /// One parameter as stored.
@@ -222,25 +222,29 @@ pub fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(out)
 }
 
-/// Collects parameter names, shapes and values in module order (of the parameters in `only`,
-/// when it is given).
+/// Visits the parameters (those in `only`, when given) in module order: the first pass records
+/// each one's entry for the header; the second, given the file's writer, writes each one's value
+/// and moments, one tensor's host copy at a time.
 struct Collect<'a, B: Backend> {
     path: Vec<String>,
     opt: &'a AdamW<B>,
     only: Option<&'a HashSet<ParamId>>,
     rows: Option<&'a HashMap<ParamId, RowRange>>,
     entries: Vec<ParamEntry>,
-    payload: Vec<u8>,
+    out: Option<file::Writer>,
+    /// The second pass's first write error (later tensors are skipped).
+    error: Option<io::Error>,
 }
 
-fn push_f32(buf: &mut Vec<u8>, data: TensorData) {
-    let v: Vec<f32> = data
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .expect("f32 tensor data");
-    buf.reserve(v.len() * 4);
-    for x in v {
-        buf.extend_from_slice(&x.to_le_bytes());
+impl<B: Backend> Collect<'_, B> {
+    fn write(&mut self, data: TensorData) {
+        let (Some(out), None) = (self.out.as_mut(), &self.error) else {
+            return;
+        };
+        let data = data.convert::<f32>();
+        if let Err(e) = out.values(data.as_slice::<f32>().expect("f32 tensor data")) {
+            self.error = Some(e);
+        }
     }
 }
 
@@ -255,28 +259,23 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collect<'_, AB::InnerBackend> {
         if self.only.is_some_and(|only| !only.contains(&param.id)) {
             return;
         }
-        // The path's last element is the field holding this parameter.
-        let name = self.path.join(".");
         let value = param.val().inner();
-        let shape = value.dims().to_vec();
-        push_f32(&mut self.payload, value.into_data());
         let moments = self.opt.moments.get(&param.id);
-        if let Some(m) = moments {
-            push_f32(
-                &mut self.payload,
-                to_tensor::<AB::InnerBackend, D>(&m.m).into_data(),
-            );
-            push_f32(
-                &mut self.payload,
-                to_tensor::<AB::InnerBackend, D>(&m.v).into_data(),
-            );
+        if self.out.is_none() {
+            self.entries.push(ParamEntry {
+                // The path's last element is the field holding this parameter.
+                name: self.path.join("."),
+                shape: value.dims().to_vec(),
+                has_moments: moments.is_some(),
+                rows: self.rows.and_then(|r| r.get(&param.id)).copied(),
+            });
+            return;
         }
-        self.entries.push(ParamEntry {
-            name,
-            shape,
-            has_moments: moments.is_some(),
-            rows: self.rows.and_then(|r| r.get(&param.id)).copied(),
-        });
+        self.write(value.into_data());
+        if let Some(m) = moments {
+            self.write(to_tensor::<AB::InnerBackend, D>(&m.m).into_data());
+            self.write(to_tensor::<AB::InnerBackend, D>(&m.v).into_data());
+        }
     }
 }
 
@@ -294,25 +293,25 @@ where
 {
     let d = dir(run_dir);
     fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
-    let bytes = encode_module::<AB, M>(module, opt, info, None, None, None);
     let final_path = d.join(file_name(info.step));
-    crate::fsutil::write_atomic(&final_path, &bytes)
+    write_module::<AB, M>(&final_path, module, opt, info, None, None, None)
         .with_context(|| format!("cannot save checkpoint {}", final_path.display()))?;
     prune(run_dir, keep, &final_path)?;
     Ok(final_path)
 }
 
-/// The bytes of a checkpoint of `module` and `opt` (only the parameters in `only`, when given;
-/// `shard` records whose shard that is, and `rows` which rows of each parameter it holds under
-/// ZeRO-3).
-fn encode_module<AB, M>(
+/// Writes a checkpoint of `module` and `opt` to `path` atomically, streaming one tensor at a time
+/// (only the parameters in `only`, when given; `shard` records whose shard that is, and `rows`
+/// which rows of each parameter it holds under ZeRO-3).
+fn write_module<AB, M>(
+    path: &Path,
     module: &M,
     opt: &AdamW<AB::InnerBackend>,
     info: &SaveInfo<'_>,
     only: Option<&HashSet<ParamId>>,
     shard: Option<ShardOf>,
     rows: Option<&HashMap<ParamId, RowRange>>,
-) -> Vec<u8>
+) -> Result<()>
 where
     AB: AutodiffBackend,
     M: AutodiffModule<AB>,
@@ -323,7 +322,8 @@ where
         only,
         rows,
         entries: Vec::new(),
-        payload: Vec::new(),
+        out: None,
+        error: None,
     };
     module.visit(&mut c);
     let cfg = info.cfg;
@@ -345,22 +345,18 @@ where
         devices: info.world,
         replica_checksums: info.replica_checksums.to_vec(),
         shard,
-        params: c.entries,
+        params: std::mem::take(&mut c.entries),
     };
-    encode(&header, &c.payload)
-}
-
-/// A checkpoint's bytes: signature, header, payload (f32 LE) and the CRC-32 of all of them.
-pub(crate) fn encode(header: &Header, payload: &[u8]) -> Vec<u8> {
-    let header_json = serde_json::to_vec(header).expect("a header serialises");
-    let mut bytes = Vec::with_capacity(payload.len() + header_json.len() + 24);
-    bytes.extend_from_slice(MAGIC);
-    bytes.extend_from_slice(&(header_json.len() as u64).to_le_bytes());
-    bytes.extend_from_slice(&header_json);
-    bytes.extend_from_slice(payload);
-    let crc = crc32fast::hash(&bytes);
-    bytes.extend_from_slice(&crc.to_le_bytes());
-    bytes
+    crate::fsutil::replace_with(path, |tmp| {
+        c.out = Some(file::Writer::create(tmp, &header)?);
+        module.visit(&mut c);
+        let out = c.out.take().expect("the writer stays until the pass ends");
+        c.error
+            .take()
+            .map_or(Ok(()), Err)
+            .and_then(|()| out.finish())
+            .with_context(|| format!("cannot write {}", tmp.display()))
+    })
 }
 
 /// After `written` (a checkpoint file or a sealed shard directory) is in place: removes stray
@@ -408,60 +404,7 @@ pub fn read(path: &Path) -> Result<(Header, Vec<f32>)> {
     if path.is_dir() {
         return shards::read(path);
     }
-    read_file(path)
-}
-
-/// [`read`] of one file.
-fn read_file(path: &Path) -> Result<(Header, Vec<f32>)> {
-    let mut bytes = Vec::new();
-    File::open(path)
-        .and_then(|mut f| f.read_to_end(&mut bytes))
-        .with_context(|| format!("cannot read checkpoint {}", path.display()))?;
-    let bad = |why: &str| anyhow!("checkpoint {} is damaged: {why}", path.display());
-    if bytes.len() < 8 + 8 + 4 || &bytes[..8] != MAGIC {
-        return Err(bad(
-            "it does not start with the checkpoint signature (not a checkpoint, or truncated)",
-        ));
-    }
-    let body_len = bytes.len() - 4;
-    let stored = u32::from_le_bytes(bytes[body_len..].try_into().expect("4 bytes"));
-    let actual = crc32fast::hash(&bytes[..body_len]);
-    if stored != actual {
-        return Err(bad(&format!("checksum mismatch (stored {stored:08x}, computed {actual:08x}): the file was truncated or altered")));
-    }
-    let hlen = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")) as usize;
-    if 16 + hlen > body_len {
-        return Err(bad("header length runs past the end of the file"));
-    }
-    let header: Header = serde_json::from_slice(&bytes[16..16 + hlen])
-        .map_err(|e| bad(&format!("unreadable header: {e}")))?;
-    if header.format_version != FORMAT_VERSION {
-        bail!(
-            "checkpoint {} has format version {}, this build reads version {FORMAT_VERSION}",
-            path.display(),
-            header.format_version
-        );
-    }
-    let payload = &bytes[16 + hlen..body_len];
-    if payload.len() % 4 != 0 {
-        return Err(bad("tensor payload is not a whole number of f32 values"));
-    }
-    let expected: usize = header
-        .params
-        .iter()
-        .map(|p| p.shape.iter().product::<usize>() * if p.has_moments { 3 } else { 1 })
-        .sum();
-    if expected * 4 != payload.len() {
-        return Err(bad(&format!(
-            "header lists {expected} values but the payload holds {}",
-            payload.len() / 4
-        )));
-    }
-    let values = payload
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect();
-    Ok((header, values))
+    file::read(path)
 }
 
 /// Writes values from a checkpoint into the module's parameters, in module order, checking each

@@ -27,9 +27,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
-use super::{
-    dir, encode, encode_module, prune, read_file, Header, ParamEntry, RowRange, SaveInfo, ShardOf,
-};
+use super::{dir, file, prune, write_module, Header, ParamEntry, RowRange, SaveInfo, ShardOf};
 use crate::optim::AdamW;
 
 const MANIFEST: &str = "manifest.json";
@@ -84,9 +82,8 @@ where
         rank,
         world: info.world,
     };
-    let bytes = encode_module::<AB, M>(module, opt, info, Some(owned), Some(shard), rows);
     let path = d.join(shard_file(rank));
-    crate::fsutil::write_atomic(&path, &bytes)
+    write_module::<AB, M>(&path, module, opt, info, Some(owned), Some(shard), rows)
         .with_context(|| format!("cannot save checkpoint shard {}", path.display()))?;
     Ok(path)
 }
@@ -153,9 +150,9 @@ pub fn read(d: &Path) -> Result<(Header, Vec<f32>)> {
     // Each parameter's entry and values, by name; ZeRO-3's row shards of each, by name.
     let mut found: HashMap<String, (ParamEntry, Vec<f32>)> = HashMap::new();
     let mut pieces: HashMap<String, Vec<(ParamEntry, Vec<f32>)>> = HashMap::new();
-    for (rank, file) in manifest.files.iter().enumerate() {
-        let path = d.join(file);
-        let (header, values) = read_file(&path)?;
+    for (rank, name) in manifest.files.iter().enumerate() {
+        let path = d.join(name);
+        let (header, values) = file::read(&path)?;
         let want = ShardOf {
             rank,
             world: manifest.world,
@@ -291,8 +288,7 @@ fn assemble(name: &str, mut pieces: Vec<(ParamEntry, Vec<f32>)>) -> Result<(Para
 /// file at `out` (atomically), readable by every tool that reads checkpoints.
 pub fn consolidate(shards: &Path, out: &Path) -> Result<Header> {
     let (header, values) = read(shards)?;
-    let payload: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
-    crate::fsutil::write_atomic(out, &encode(&header, &payload))
+    crate::fsutil::replace_with(out, |tmp| file::write(tmp, &header, &values))
         .with_context(|| format!("cannot write {}", out.display()))?;
     Ok(header)
 }
