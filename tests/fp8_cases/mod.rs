@@ -195,8 +195,10 @@ pub fn quantize_pair_bit_identical<B: kernels::Backend>(
 /// history should hold: a site's first step takes its tensor's own amax; later steps the largest
 /// recorded amax of the last two steps, whatever the tensor (values above it saturate); within a
 /// step every quantization takes the same scale; an evaluation (`Fp8Record::No`) records nothing;
-/// the oldest step leaves the history; two sites keep apart. Input in `dtype`: x/2, then x
-/// (larger, saturating) and x/8 (smaller), NaN and infinities included for f32.
+/// the oldest step leaves the history; two sites keep apart; the health probe at a site
+/// ([`kernels::fp8_health_pending_at`]) counts the values above the history's amax as saturated.
+/// Input in `dtype`: x/2, then x (larger, saturating) and x/8 (smaller), NaN and infinities
+/// included for f32.
 pub fn delayed_scaling<B: kernels::Backend>(
     dtype: FloatDType,
     dev: &B::Device,
@@ -251,6 +253,20 @@ pub fn delayed_scaling<B: kernels::Backend>(
                 pair(&big, Fp8Record::Yes, Some(a_plain), "step 2, larger");
                 pair(&small, Fp8Record::Yes, Some(a_plain), "step 2, smaller");
                 single(&big, Some(a_small), "step 2");
+                // The health probe sees what the GEMM quantizes: at `b`, the larger tensor scaled
+                // by the smaller's amax saturates (and probing records nothing).
+                let probed =
+                    kernels::fp8_health_pending_at(big.0.clone(), spec, Some((&other, "x")))
+                        .resolve();
+                let (words, scales) =
+                    reference::quantize_with_amax(&big.1, rows, cols, &spec, a_small);
+                let rows_want = reference::health_rows(&big.1, rows, cols, &spec, &words, &scales);
+                let want = kernels::Fp8Health::from_rows(&rows_want, rows * cols);
+                assert_eq!(probed, want, "{ctx}: health at b, step 2");
+                assert!(
+                    probed.saturated > 0.0,
+                    "{ctx}: values above the history's amax saturate"
+                );
                 history.advance();
                 // Step 3: the largest of steps 1 and 2.
                 pair(&small, Fp8Record::Yes, Some(a_big), "step 3");

@@ -124,10 +124,10 @@ impl Probes {
 }
 
 /// FP8 health of a step: every projection weight that runs in FP8 under `precision` (the edge
-/// blocks it keeps in the compute dtype do not) as the fprop GEMM quantizes it (128x128 blocks,
-/// or per tensor), from the master weights cast to `dtype` (`blocks.N.attn.qkv.weight`, ...),
-/// then the inputs and output gradients the projections recorded in `probe` (the step's first
-/// micro-batch's entry per tensor).
+/// blocks it keeps in the compute dtype do not) as the next fprop GEMM quantizes it (128x128
+/// blocks, or per tensor, under delayed scaling by the amax its history gives), from the master
+/// weights cast to `dtype` (`blocks.N.attn.qkv.weight`, ...), then the inputs and output gradients
+/// the projections recorded in `probe` (the step's first micro-batch's entry per tensor).
 pub fn fp8_health<B: crate::TrainBackend>(
     model: &Gpt<B>,
     dtype: FloatDType,
@@ -146,10 +146,15 @@ pub fn fp8_health<B: crate::TrainBackend>(
         .into_iter()
         .map(|(name, lin, cfg)| {
             let w = lin.weight.val().inner().cast(dtype);
-            (
-                format!("{name}.weight"),
-                kernels::fp8_health_pending(w, cfg.weight_spec(true)),
-            )
+            let site = (precision.fp8_history.as_ref())
+                .filter(|_| cfg.per_tensor)
+                .map(|h| h.site(&name));
+            let h = kernels::fp8_health_pending_at(
+                w,
+                cfg.weight_spec(true),
+                site.as_ref().map(|s| (s, "weight")),
+            );
+            (format!("{name}.weight"), h)
         })
         .collect();
     let recorded = kernels::probe::take::<kernels::PendingHealth>(probe);

@@ -68,9 +68,9 @@ fn quantize_pair_at<B: Fp8Ops + GemmOps>(
 }
 
 /// The site roles of a projection's operands.
-const INPUT: &str = "input";
-const WEIGHT: &str = "weight";
-const GRAD_OUTPUT: &str = "grad_output";
+pub(super) const INPUT: &str = "input";
+pub(super) const WEIGHT: &str = "weight";
+pub(super) const GRAD_OUTPUT: &str = "grad_output";
 
 /// `y = x w` (fprop), in FP8 when `cfg.fprop`; an untracked forward, recording no amax.
 pub(crate) fn fprop<B: Fp8Ops + GemmOps>(
@@ -212,7 +212,7 @@ impl<B: Fp8Ops + GemmOps> Backward<B, 2> for Fp8LinearBackward {
         let (x, w, dtypes, cfg, probe, site) = ops.state;
         let dy = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(dy));
         if let Some(p) = &probe {
-            p.record("grad_output", dy.clone(), cfg.grad_spec(false));
+            p.record(GRAD_OUTPUT, dy.clone(), cfg.grad_spec(false), site.as_ref());
         }
         let (dx, dw) = backward(x, w, dy, &cfg, dtypes, site.as_ref());
         if let Some(node) = node_x {
@@ -232,6 +232,9 @@ pub(crate) fn fp8_linear<B: Fp8Ops + GemmOps, C: CheckpointStrategy>(
     site: Option<Fp8ScaleSite>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let t = |p: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
+    if let Some(p) = &probe {
+        p.record_input(t(x.primitive.clone()), cfg, site.as_ref());
+    }
     match Fp8LinearBackward
         .prepare::<C>([x.node.clone(), w.node.clone()])
         .compute_bound()

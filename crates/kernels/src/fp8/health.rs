@@ -14,7 +14,8 @@ pub struct Fp8Health {
     pub underflow: f64,
     /// Share of the finite values clipped at the largest code of their tile (beyond the max by more
     /// than half an ulp). Zero by construction under current (amax) scaling, which maps the amax to
-    /// at most the max; nonzero only from non-finite inputs' neighbours or future delayed scaling.
+    /// at most the max; under delayed scaling, the values above the amax the site's history gave
+    /// (a tensor that outgrew its history).
     pub saturated: f64,
 }
 
@@ -64,8 +65,23 @@ pub fn fp8_health<B: Fp8Ops + GemmOps>(x: Tensor<B, 2>, spec: QuantSpec) -> Fp8H
 /// [`fp8_health`] without waiting: the work is queued and the result read when resolved (the FP8
 /// layers record their operands' health this way in the middle of a step).
 pub fn fp8_health_pending<B: Fp8Ops + GemmOps>(x: Tensor<B, 2>, spec: QuantSpec) -> PendingHealth {
+    fp8_health_pending_at(x, spec, None)
+}
+
+/// [`fp8_health_pending`] of `x` quantized as its GEMM quantizes it: with a delayed-scaling site
+/// and role (`(site, "input")`, ...) and a per-tensor `spec`, scaled by the amax the site's history
+/// gives, so values above it count as saturated; otherwise by `x`'s own amax. Records nothing into
+/// the history.
+pub fn fp8_health_pending_at<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    spec: QuantSpec,
+    site: Option<(&Fp8ScaleSite, &str)>,
+) -> PendingHealth {
     let [r, c] = x.dims();
-    let q = fp8_quantize(x.clone(), spec);
+    let q = match site.filter(|_| spec.granularity == Fp8Granularity::Tensor) {
+        Some((site, role)) => site.quantize(role, x.clone(), spec, Fp8Record::No),
+        None => fp8_quantize(x.clone(), spec),
+    };
     let rows = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::fp8_health_partials(
         x.into_primitive().tensor(),
         q.payload.into_primitive(),

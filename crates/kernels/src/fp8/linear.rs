@@ -68,9 +68,9 @@ impl Fp8LinearConfig {
 
 /// A layer's handle on a [`ProbeSink`](crate::probe::ProbeSink): [`fp8_linear_probed`] records
 /// the FP8 health of its input as `{name}.input` and, under `Autodiff`, of its output gradient as
-/// `{name}.grad_output`, each as the GEMM that consumes it quantizes it: a [`PendingHealth`] that
-/// stays on the device until [`PendingHealth::resolve`] reads it (take them with
-/// `kernels::probe::take::<PendingHealth>`).
+/// `{name}.grad_output`, each as the GEMM that consumes it quantizes it (under delayed scaling,
+/// by the amax its site's history gives): a [`PendingHealth`] that stays on the device until
+/// [`PendingHealth::resolve`] reads it (take them with `kernels::probe::take::<PendingHealth>`).
 #[derive(Clone, Debug)]
 pub struct Fp8Probe {
     pub name: String,
@@ -78,14 +78,35 @@ pub struct Fp8Probe {
 }
 
 impl Fp8Probe {
-    pub(crate) fn record<B: Fp8Ops + GemmOps>(&self, what: &str, x: Tensor<B, 2>, spec: QuantSpec) {
+    /// Records the health of `x`, the operand `what` (`"input"`, `"grad_output"`), quantized as
+    /// `spec` says, from `site`'s history where it is given.
+    pub(crate) fn record<B: Fp8Ops + GemmOps>(
+        &self,
+        what: &str,
+        x: Tensor<B, 2>,
+        spec: QuantSpec,
+        site: Option<&Fp8ScaleSite>,
+    ) {
         let elements = x.shape().num_elements();
         let sample = crate::probe::Sample {
             name: format!("{}.{what}", self.name),
-            value: Box::new(fp8_health_pending(x, spec)),
+            value: Box::new(fp8_health_pending_at(x, spec, site.map(|s| (s, what)))),
             elements,
         };
         crate::probe::record(&self.sink, sample);
+    }
+
+    /// Records the health of a projection's input `x` as its fprop GEMM quantizes it (`site`:
+    /// the projection's delayed-scaling site, used under per-tensor scaling). The FP8 linear ops
+    /// call it on the backend that runs the quantizers, where a site's histories live.
+    pub(crate) fn record_input<B: Fp8Ops + GemmOps>(
+        &self,
+        x: Tensor<B, 2>,
+        cfg: &Fp8LinearConfig,
+        site: Option<&Fp8ScaleSite>,
+    ) {
+        let site = site.filter(|_| cfg.per_tensor);
+        self.record(backward::INPUT, x, cfg.act_spec(false), site);
     }
 }
 
@@ -137,9 +158,6 @@ pub fn fp8_linear_scaled<B: Fp8Ops + GemmOps>(
             x.dtype(),
             w.dtype()
         );
-    }
-    if let Some(p) = probe {
-        p.record("input", x.clone().detach(), cfg.act_spec(false));
     }
     Tensor::from_primitive(TensorPrimitive::Float(B::fp8_linear(
         x.into_primitive().tensor(),

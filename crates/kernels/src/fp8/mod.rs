@@ -55,7 +55,7 @@ pub use delayed::{Fp8AmaxHistory, Fp8AmaxHistoryState, Fp8Record, Fp8ScaleSite};
 pub use format::{Fp8Format, Fp8Granularity, QuantSpec, TILE};
 pub(crate) use gemm::mma_shape;
 pub use gemm::{fp8_gemm, fp8_gemm_on, fp8_gemm_path};
-pub use health::{fp8_health, fp8_health_pending, Fp8Health, PendingHealth};
+pub use health::{fp8_health, fp8_health_pending, fp8_health_pending_at, Fp8Health, PendingHealth};
 pub use linear::{fp8_linear, fp8_linear_probed, fp8_linear_scaled, Fp8LinearConfig, Fp8Probe};
 pub use mma::MmaShape;
 pub use path::{Fp8GemmPath, Fp8PairPath};
@@ -246,20 +246,25 @@ pub trait Fp8Ops: BurnBackend {
     }
 
     /// [`fp8_linear`]; by default its forward only (backends without autodiff), recording no
-    /// amax. Under `Autodiff`, `probe` receives the output gradient's health in the backward; with
-    /// a `site`, per-tensor scales come from its amax history ([`fp8_linear_scaled`]).
+    /// amax. `probe` receives the input's health and, under `Autodiff`, the output gradient's in
+    /// the backward; with a `site`, per-tensor scales come from its amax history
+    /// ([`fp8_linear_scaled`]).
     fn fp8_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         cfg: &Fp8LinearConfig,
-        _probe: Option<Fp8Probe>,
+        probe: Option<Fp8Probe>,
         site: Option<Fp8ScaleSite>,
     ) -> FloatTensor<Self>
     where
         Self: Fp8Ops + GemmOps,
     {
+        let x = crate::primitive::tensor::<Self, 2>(x);
+        if let Some(p) = &probe {
+            p.record_input(x.clone(), cfg, site.as_ref());
+        }
         crate::primitive::prim(backward::fprop::<Self>(
-            crate::primitive::tensor(x),
+            x,
             crate::primitive::tensor(w),
             cfg,
             site.as_ref(),
