@@ -146,9 +146,7 @@ pub fn fp8_health<B: crate::TrainBackend>(
         .into_iter()
         .map(|(name, lin, cfg)| {
             let w = lin.weight.val().inner().cast(dtype);
-            let site = (precision.fp8_history.as_ref())
-                .filter(|_| cfg.per_tensor)
-                .map(|h| h.site(&name));
+            let site = precision.fp8_history.as_ref().map(|h| h.site(&name));
             let h = kernels::fp8_health_pending_at(
                 w,
                 cfg.weight_spec(true),

@@ -69,8 +69,8 @@ fn quantize_pair_at<B: Fp8Ops + GemmOps>(
 
 /// The site roles of a projection's operands.
 pub(super) const INPUT: &str = "input";
-pub(super) const WEIGHT: &str = "weight";
-pub(super) const GRAD_OUTPUT: &str = "grad_output";
+const WEIGHT: &str = "weight";
+const GRAD_OUTPUT: &str = "grad_output";
 
 /// `y = x w` (fprop), in FP8 when `cfg.fprop`; an untracked forward, recording no amax.
 pub(crate) fn fprop<B: Fp8Ops + GemmOps>(

@@ -79,7 +79,7 @@ pub struct Fp8Probe {
 
 impl Fp8Probe {
     /// Records the health of `x`, the operand `what` (`"input"`, `"grad_output"`), quantized as
-    /// `spec` says, from `site`'s history where it is given.
+    /// `spec` says, from `site`'s history where it is given and `spec` is per tensor.
     pub(crate) fn record<B: Fp8Ops + GemmOps>(
         &self,
         what: &str,
@@ -97,15 +97,14 @@ impl Fp8Probe {
     }
 
     /// Records the health of a projection's input `x` as its fprop GEMM quantizes it (`site`:
-    /// the projection's delayed-scaling site, used under per-tensor scaling). The FP8 linear ops
-    /// call it on the backend that runs the quantizers, where a site's histories live.
+    /// the projection's delayed-scaling site, which only per-tensor scaling uses). The FP8 linear
+    /// ops call it on the backend that runs the quantizers, where a site's histories live.
     pub(crate) fn record_input<B: Fp8Ops + GemmOps>(
         &self,
         x: Tensor<B, 2>,
         cfg: &Fp8LinearConfig,
         site: Option<&Fp8ScaleSite>,
     ) {
-        let site = site.filter(|_| cfg.per_tensor);
         self.record(backward::INPUT, x, cfg.act_spec(false), site);
     }
 }

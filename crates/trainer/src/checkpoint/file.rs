@@ -12,7 +12,7 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use super::{Header, FORMAT_VERSION};
+use super::{Header, ParamEntry, FORMAT_VERSION};
 
 const MAGIC: &[u8; 8] = b"BMXCKPT1";
 
@@ -94,11 +94,7 @@ impl Writer {
 
 /// The f32 values the payload of a checkpoint with this header holds.
 fn payload_values(header: &Header) -> usize {
-    header
-        .params
-        .iter()
-        .map(|p| p.shape.iter().product::<usize>() * if p.has_moments { 3 } else { 1 })
-        .sum()
+    header.params.iter().map(ParamEntry::stored_values).sum()
 }
 
 /// Writes a checkpoint of `header` and the whole payload `values` to `path` in one go.
@@ -186,7 +182,6 @@ pub(crate) fn read(path: &Path) -> Result<(Header, Vec<f32>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::ParamEntry;
     use crate::config::Config;
 
     fn header(shapes: &[(&[usize], bool)]) -> Header {

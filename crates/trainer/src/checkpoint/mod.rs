@@ -54,6 +54,14 @@ pub struct ParamEntry {
     pub rows: Option<RowRange>,
 }
 
+impl ParamEntry {
+    /// The f32 values the payload holds for this parameter: its value, then m and v when it has
+    /// moments.
+    pub fn stored_values(&self) -> usize {
+        self.shape.iter().product::<usize>() * if self.has_moments { 3 } else { 1 }
+    }
+}
+
 /// Rows `start ..` of a whole parameter of `of` rows: a ZeRO-3 rank's row shard.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 pub struct RowRange {

@@ -184,7 +184,7 @@ pub fn read(d: &Path) -> Result<(Header, Vec<f32>)> {
         }
         let mut at = 0;
         for entry in &header.params {
-            let n = entry.shape.iter().product::<usize>() * if entry.has_moments { 3 } else { 1 };
+            let n = entry.stored_values();
             let name = entry.name.clone();
             let values = values[at..at + n].to_vec();
             at += n;
