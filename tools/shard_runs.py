@@ -6,10 +6,16 @@ shard): --big-gb and --small-mb of tokens, each with a validation shard, then ru
 `train` binary on each (gpt2_small by default, --steps steps, `data.source = "shards"`,
 `model.vocab_size = 50304`) and prints one table: the set's size, the run's median tokens/s
 (summary.json) and its peak resident memory (the child's max RSS, which counts the pages of the
-memory-mapped shards it touched).
+memory-mapped shards it touched). For each run it also prints where the resident memory was at
+its peak: anonymous, file-backed and shared pages (/proc/PID/status), the largest mappings
+(/proc/PID/smaps, grouped by what they map) and the run's last log line at that moment.
 
     python3 tools/shard_runs.py TRAIN_BINARY TOKENIZER_JSON [--big-gb 10] [--small-mb 100]
         [--steps 60] [--config configs/gpt2_small.toml] [--work /tmp/shard_runs]
+
+TOKENIZER_JSON is any tokenizer of at least 50,257 tokens (GPT-2's); `synthetic` writes one of
+that size with the `tokenizers` library (byte-level BPE whose merges are byte pairs), for machines
+that cannot download GPT-2's.
 
 Runs on a GPU machine with numpy; each run in its own directory with a CubeCL cache of its own.
 """
@@ -19,6 +25,8 @@ import os
 import resource
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -46,6 +54,29 @@ def write_set(directory, tokens, seed):
         os.rename(path + ".partial", path)
 
 
+def synthetic_tokenizer(path):
+    """A byte-level BPE of GPT-2's size: the 256 bytes, 50,000 merges of byte pairs, and
+    <|endoftext|> as id 50256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges = []
+    for a in alphabet:
+        for b in alphabet:
+            if len(vocab) == 50256:
+                break
+            if a + b not in vocab:
+                vocab[a + b] = len(vocab)
+                merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    assert tok.get_vocab_size() == 50257, tok.get_vocab_size()
+    tok.save(path)
+    return path
+
+
 def run(train, config, tokenizer, shards, out, steps):
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "cubecl.toml"), "w") as f:
@@ -55,16 +86,85 @@ def run(train, config, tokenizer, shards, out, steps):
            "--set", "data.tokenizer=file", "--set", f"data.tokenizer_path={tokenizer}",
            "--set", "model.vocab_size=50304", "--set", f"training.steps={steps}",
            "--set", f"training.eval_interval={steps}", "--set", f"training.checkpoint_interval={steps}"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    done = subprocess.run(cmd, cwd=out, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"train failed on {shards}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if rss_kb <= before:
-        print(f"note: the max RSS did not grow past an earlier run's ({before} kB)")
+    log_path = os.path.join(out, "train.log")
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(cmd, cwd=out, stdout=log, stderr=subprocess.STDOUT, text=True)
+        peak = PeakWatcher(child.pid, log_path)
+        peak.start()
+        code = child.wait()
+        peak.stop()
+    if code != 0:
+        with open(log_path) as f:
+            sys.exit(f"train failed on {shards}:\n{f.read()[-6000:]}")
+    peak.report(os.path.basename(out))
+    rss_kb = peak.hwm_kb or resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     with open(os.path.join(out, "run", "summary.json")) as f:
         summary = json.load(f)
     return summary["median_tokens_per_s"], rss_kb / 1024 / 1024
+
+
+class PeakWatcher(threading.Thread):
+    """Polls a process's resident memory and keeps the breakdown of its highest reading."""
+
+    def __init__(self, pid, log_path):
+        super().__init__(daemon=True)
+        self.pid, self.log_path, self.done = pid, log_path, threading.Event()
+        self.best_kb, self.best, self.hwm_kb = 0, None, 0
+
+    def run(self):
+        while not self.done.is_set():
+            try:
+                status = self.read_status()
+                self.hwm_kb = max(self.hwm_kb, status.get("VmHWM", 0))
+                if status.get("VmRSS", 0) > self.best_kb:
+                    self.best_kb = status["VmRSS"]
+                    self.best = (status, self.read_smaps(), self.last_log_line(), time.time())
+            except (OSError, ValueError):
+                pass
+            self.done.wait(0.2)
+
+    def stop(self):
+        self.done.set()
+        self.join()
+
+    def read_status(self):
+        out = {}
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin", "Threads"):
+                    out[key] = int(rest.split()[0])
+        return out
+
+    def read_smaps(self):
+        """Resident kB by what a mapping maps (a file's name, or [heap], [anon] ...)."""
+        by_name, name = {}, None
+        with open(f"/proc/{self.pid}/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+                    name = parts[5] if len(parts) > 5 else "[anon]"
+                elif parts[0] == "Rss:":
+                    by_name[name] = by_name.get(name, 0) + int(parts[1])
+        return sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+
+    def last_log_line(self):
+        with open(self.log_path, errors="replace") as f:
+            lines = [l for l in f.read().splitlines() if l.strip()]
+        return lines[-1][:160] if lines else ""
+
+    def report(self, name):
+        if self.best is None:
+            print(f"{name}: no resident memory reading")
+            return
+        status, maps, line, _ = self.best
+        print(f"{name}: peak VmRSS {status.get('VmRSS', 0) / 2**20:.2f} GiB (VmHWM {status.get('VmHWM', 0) / 2**20:.2f}),"
+              f" anon {status.get('RssAnon', 0) / 2**20:.2f}, file {status.get('RssFile', 0) / 2**20:.2f},"
+              f" shmem {status.get('RssShmem', 0) / 2**20:.2f}, locked {status.get('VmLck', 0) / 2**20:.2f},"
+              f" pinned {status.get('VmPin', 0) / 2**20:.2f} GiB, {status.get('Threads', 0)} threads")
+        print(f"  last log line then: {line}")
+        for what, kb in maps:
+            print(f"  {kb / 2**20:8.3f} GiB  {what}")
 
 
 def main():
@@ -79,10 +179,12 @@ def main():
     args = ap.parse_args()
     train = os.path.realpath(args.train)
     config = os.path.realpath(args.config)
-    tokenizer = os.path.realpath(args.tokenizer)
+    os.makedirs(args.work, exist_ok=True)
+    if args.tokenizer == "synthetic":
+        tokenizer = synthetic_tokenizer(os.path.join(os.path.realpath(args.work), "tokenizer.json"))
+    else:
+        tokenizer = os.path.realpath(args.tokenizer)
     rows = []
-    # The small set first: the max RSS of the children only grows, so the big set's figure is
-    # its own only if it is at least the small one's.
     for name, nbytes in [("small", args.small_mb * 1e6), ("big", args.big_gb * 1e9)]:
         shards = os.path.join(args.work, name)
         write_set(shards, int(nbytes // 2), seed=len(name))

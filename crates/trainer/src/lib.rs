@@ -8,6 +8,7 @@ pub mod corpus;
 pub mod data;
 pub mod device;
 pub mod fsutil;
+pub mod host_copy;
 pub mod interop;
 pub mod memory_plan;
 pub mod metrics;

@@ -35,6 +35,7 @@ use model::GptConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, DataConfig};
+use crate::host_copy;
 use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
 use crate::precision::{PrecisionKind, Recipe, ScalerState};
 
@@ -232,7 +233,7 @@ pub fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
 
 /// Visits the parameters (those in `only`, when given) in module order: the first pass records
 /// each one's entry for the header; the second, given the file's writer, writes each one's value
-/// and moments, one tensor's host copy at a time.
+/// and moments, a piece of a tensor at a time.
 struct Collect<'a, B: Backend> {
     path: Vec<String>,
     opt: &'a AdamW<B>,
@@ -245,12 +246,12 @@ struct Collect<'a, B: Backend> {
 }
 
 impl<B: Backend> Collect<'_, B> {
-    fn write(&mut self, data: TensorData) {
+    /// Writes `t`'s values as f32, read from the device in pieces ([`crate::host_copy`]).
+    fn write<const D: usize>(&mut self, t: Tensor<B, D>) {
         let (Some(out), None) = (self.out.as_mut(), &self.error) else {
             return;
         };
-        let data = data.convert::<f32>();
-        if let Err(e) = out.values(data.as_slice::<f32>().expect("f32 tensor data")) {
+        if let Err(e) = host_copy::read_pieces(t, |piece| out.values(piece)) {
             self.error = Some(e);
         }
     }
@@ -279,10 +280,10 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collect<'_, AB::InnerBackend> {
             });
             return;
         }
-        self.write(value.into_data());
+        self.write(value);
         if let Some(m) = moments {
-            self.write(to_tensor::<AB::InnerBackend, D>(&m.m).into_data());
-            self.write(to_tensor::<AB::InnerBackend, D>(&m.v).into_data());
+            self.write(to_tensor::<AB::InnerBackend, D>(&m.m));
+            self.write(to_tensor::<AB::InnerBackend, D>(&m.v));
         }
     }
 }

@@ -17,6 +17,8 @@ pub use burn_backend::distributed::ReduceOperation;
 use burn_backend::{DeviceId, DeviceOps};
 use burn_cubecl::tensor::CubeTensor;
 
+use crate::host_copy;
+
 /// The rows of a global batch of `ranks * batch` sequences that rank `rank` computes: rank 0 the
 /// first `batch`, rank 1 the next, and so on. With windows drawn in order from one stream, a run on
 /// `ranks` GPUs therefore reads exactly the batches of a one-GPU run with `ranks` times the batch.
@@ -207,7 +209,7 @@ pub fn weights_checksum<B: Backend, M: burn::module::Module<B>>(module: &M) -> u
     struct Crc(crc32fast::Hasher);
     impl<B: Backend> ModuleVisitor<B> for Crc {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.update(&param.val().into_data().bytes);
+            host_copy::read_bytes(param.val(), |b| self.0.update(b));
         }
     }
     let mut c = Crc(crc32fast::Hasher::new());

@@ -45,6 +45,7 @@ use kernels::collective::ProcessGroup;
 
 use super::collective::{reduce, Collective, Peers, ReduceOperation};
 use super::fsdp::{GatherBlocks, GatherBlocksPlain, RowGather, RowShards};
+use crate::host_copy;
 use crate::optim::{to_prim, to_tensor, with_grad, AdamW, Moments};
 
 /// Assigns each parameter, given by its number of elements, to one of `ranks` ranks: the largest
@@ -436,13 +437,13 @@ impl Shard {
                 }
                 let moments = self.opt.moments.get(&param.id).map(|s| {
                     (
-                        to_tensor::<AB::InnerBackend, D>(&s.m).into_data(),
-                        to_tensor::<AB::InnerBackend, D>(&s.v).into_data(),
+                        host_copy::read_f32_data(to_tensor::<AB::InnerBackend, D>(&s.m)),
+                        host_copy::read_f32_data(to_tensor::<AB::InnerBackend, D>(&s.v)),
                     )
                 });
                 self.out.push(Owned {
                     id: param.id,
-                    value: param.val().inner().into_data(),
+                    value: host_copy::read_f32_data(param.val().inner()),
                     moments,
                 });
             }
@@ -533,7 +534,7 @@ impl Shard {
                     (Some(dt), None) => x.cast(dt),
                     (None, _) => x,
                 };
-                self.hasher.update(&form.into_data().bytes);
+                host_copy::read_bytes(form, |b| self.hasher.update(b));
             }
         }
         let mut c = Crc::<AB> {
