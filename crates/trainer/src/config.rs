@@ -24,7 +24,7 @@ pub enum TextSource {
     Embedded,
     /// The UTF-8 text file at `data.path`.
     File,
-    /// Token shards (`prepare`'s, llm.c's or nanoGPT's), memory-mapped: `data.path` and
+    /// Token shards (`prepare`'s, llm.c's or nanoGPT's), read a window at a time: `data.path` and
     /// `data.val_path`.
     Shards,
 }

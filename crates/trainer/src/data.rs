@@ -1,5 +1,5 @@
 //! The token stream, its train/validation split and the random windows drawn from it: text
-//! tokenized at start and held in memory, or token shards read through memory maps
+//! tokenized at start and held in memory, or token shards read a window at a time
 //! (`crate::tokens`).
 //!
 //! Windows are a pure function of (seed, step, micro-batch), so a resumed run reads exactly the
@@ -87,7 +87,7 @@ impl Dataset {
         })
     }
 
-    /// The token shards of `data.path` and `data.val_path`, memory-mapped, with the tokenizer
+    /// The token shards of `data.path` and `data.val_path`, opened for reading, with the tokenizer
     /// they were made with (a resumed run's copy, or `data.tokenizer_path`): ours must record
     /// that tokenizer's hash.
     fn shards(cfg: &Config, existing_tokenizer: Option<&Path>) -> Result<Self> {

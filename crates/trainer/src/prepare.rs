@@ -1,5 +1,5 @@
 //! `prepare`: text files and JSON Lines to token shards (`crate::tokens::format`), which
-//! `data.source = "shards"` reads through memory maps.
+//! `data.source = "shards"` reads a window at a time.
 //!
 //! - **Documents**: a text file's blank-line-separated paragraphs; a JSON Lines file's lines
 //!   (the text in a named field); a Parquet file's rows (the text in a named column, row group
