@@ -1,9 +1,10 @@
 //! One checkpoint file's bytes: `b"BMXCKPT1" | header length: u64 LE | header: JSON | tensors: f32 LE
 //! | CRC32 of all before: u32 LE`.
 //!
-//! Both directions stream: [`Writer`] takes the tensors one at a time and [`read`] fills the value
-//! vector straight from the file, so saving holds one tensor's host copy at a time beside the
-//! device state and loading holds the values once (a model of N parameters with its AdamW moments
+//! Both directions stream: [`Writer`] takes the values in pieces (the caller reads each tensor
+//! from the device a piece at a time, `crate::host_copy`) and [`read`] fills the value vector
+//! straight from the file, so saving holds one piece on the host at a time and loading holds the
+//! values once (a model of N parameters with its AdamW moments
 //! is 12 N bytes: 1.5 GB for `gpt2_small`, 96 GB for 8B parameters).
 
 use std::fs::File;

@@ -309,7 +309,7 @@ where
     Ok(final_path)
 }
 
-/// Writes a checkpoint of `module` and `opt` to `path` atomically, streaming one tensor at a time
+/// Writes a checkpoint of `module` and `opt` to `path` atomically, streaming each tensor in pieces
 /// (only the parameters in `only`, when given; `shard` records whose shard that is, and `rows`
 /// which rows of each parameter it holds under ZeRO-3).
 fn write_module<AB, M>(
