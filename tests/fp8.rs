@@ -344,6 +344,72 @@ fn fp8_edge_blocks_stay_out_of_fp8() {
     );
 }
 
+/// `fp8.projections` as a list runs only those projections in FP8 (only they record FP8 health);
+/// `"auto"` times the projections when the run starts and records its decision in the run's
+/// config as such a list, which the run then follows.
+#[test]
+fn fp8_projections_listed_or_timed() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    use trainer::config::{Fp8ComputeKind, Fp8Projections, PrecisionKind};
+    let _guard = common::serial();
+    let mut cfg = common::tiny_config(2);
+    cfg.precision = PrecisionKind::Fp8;
+    cfg.fp8.compute = Fp8ComputeKind::F32;
+    cfg.fp8.health_interval = 1;
+    // The FP8 health's projections (`blocks.N.attn.qkv.input` -> `attn.qkv`).
+    let fp8_paths = |dir: &std::path::Path| -> std::collections::BTreeSet<String> {
+        let m = common::read_metrics(dir);
+        m[0].fp8
+            .iter()
+            .flatten()
+            .map(|l| {
+                let rest = l.layer.splitn(3, '.').nth(2).unwrap();
+                rest.rsplit_once('.').unwrap().0.to_string()
+            })
+            .collect()
+    };
+
+    cfg.fp8.projections = Fp8Projections::Paths(vec!["mlp.proj".into(), "attn.qkv".into()]);
+    let dir = common::scratch("fp8_projections_list");
+    let s = trainer::run(
+        &cfg,
+        &trainer::device::Selected::Wgpu,
+        &common::opts(dir.clone(), false),
+    )
+    .unwrap();
+    assert!(s.final_loss.is_finite());
+    let want: std::collections::BTreeSet<String> =
+        ["attn.qkv", "mlp.proj"].map(String::from).into();
+    assert_eq!(fp8_paths(&dir), want);
+    let h = common::read_metrics(&dir)[0].fp8.clone().unwrap();
+    assert_eq!(h.len(), 2 * 3 * cfg.model.n_layer, "{h:?}");
+
+    cfg.fp8.projections = Fp8Projections::Rule("auto".into());
+    let dir = common::scratch("fp8_projections_auto");
+    let s = trainer::run(
+        &cfg,
+        &trainer::device::Selected::Wgpu,
+        &common::opts(dir.clone(), false),
+    )
+    .unwrap();
+    assert!(s.final_loss.is_finite());
+    let saved = trainer::Config::load(&dir.join("config.toml"), &[]).unwrap();
+    let Fp8Projections::Paths(chosen) = &saved.fp8.projections else {
+        panic!(
+            "config.toml keeps {:?}, not the decision",
+            saved.fp8.projections
+        );
+    };
+    let chosen: std::collections::BTreeSet<String> = chosen.iter().cloned().collect();
+    assert_eq!(
+        fp8_paths(&dir),
+        chosen,
+        "the run follows its recorded decision"
+    );
+}
+
 /// Config errors name the key and what is valid.
 #[test]
 fn fp8_config_errors() {
@@ -407,6 +473,39 @@ fn fp8_config_errors() {
     )
     .unwrap();
     assert_eq!(delayed.fp8.amax_history().map(|h| h.len()), Some(16));
+    for (value, words) in [
+        (
+            "\"some\"",
+            &["fp8.projections = \"some\"", "\"auto\"", "\"mlp.fc\""][..],
+        ),
+        (
+            "[\"mlp.up\"]",
+            &["\"mlp.up\"", "not a projection", "\"attn.qkv\""],
+        ),
+        ("[\"mlp.fc\", \"mlp.fc\"]", &["\"mlp.fc\" twice"]),
+    ] {
+        let e = trainer::Config::from_toml_str(
+            &format!("precision = \"fp8\"\n[fp8]\nprojections = {value}\n"),
+            &[],
+            "test",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(words.iter().all(|w| e.contains(w)), "{value}: {e}");
+    }
+    let listed = trainer::Config::from_toml_str(
+        "precision = \"fp8\"\n[fp8]\nprojections = [\"mlp.fc\"]\n",
+        &["fp8.projections=[\"mlp.fc\", \"mlp.proj\"]".into()],
+        "test",
+    )
+    .unwrap();
+    assert_eq!(
+        listed.fp8.projections.compute_paths(),
+        vec!["attn.qkv", "attn.proj"]
+    );
+    let toml = listed.to_toml();
+    let again = trainer::Config::from_toml_str(&toml, &[], "round trip").unwrap();
+    assert_eq!(again.fp8.projections, listed.fp8.projections);
 }
 
 /// `fp8.scaling = "tensor"` with `fp8.amax_history` (delayed scaling) trains a tiny model to the

@@ -11,7 +11,7 @@ use crate::config::{AttentionKind, GptConfig, HeadLossKind, KernelsKind, MlpKind
 use crate::dropout_seeds::{mix64, DropoutSeeds};
 use crate::dtype::debug_assert_dtype;
 use crate::layers::{apply_rope, rope_tables_from_freqs, Embedding, Linear, RmsNorm};
-use crate::precision::{Precision, Projection};
+use crate::precision::{Precision, Projection, PROJECTION_PATHS};
 
 /// Score given to masked (future) positions: finite, because WGSL has no infinity literal, and far
 /// enough below any real score that its softmax weight is exactly 0 in f32.
@@ -252,7 +252,7 @@ impl<B: kernels::Backend> Mlp<B> {
 }
 
 /// A block's projection layers, by reference (`block_projections!(b)`) or mutable reference
-/// (`block_projections!(b, mut)`), in the order of [`PROJECTIONS`].
+/// (`block_projections!(b, mut)`), in the order of [`PROJECTION_PATHS`].
 macro_rules! block_projections {
     ($b:expr $(, $m:tt)?) => {
         [
@@ -264,12 +264,9 @@ macro_rules! block_projections {
     };
 }
 
-/// Module paths of a block's projections, relative to the block.
-const PROJECTIONS: [&str; 4] = ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"];
-
 /// Block `i`'s projections with their module paths (`blocks.{i}.attn.qkv`, ...).
 fn named_projections<L>(i: usize, layers: [L; 4]) -> impl Iterator<Item = (String, L)> {
-    PROJECTIONS
+    PROJECTION_PATHS
         .iter()
         .zip(layers)
         .map(move |(name, l)| (format!("blocks.{i}.{name}"), l))
@@ -577,8 +574,8 @@ impl<B: Backend> Gpt<B> {
             .collect()
     }
 
-    /// The projections that run in FP8 under `precision` ([`Precision::fp8_in_block`]), with
-    /// the FP8 settings each runs with.
+    /// The projections that run in FP8 under `precision` ([`Precision::fp8_at`]), with the FP8
+    /// settings each runs with.
     pub fn fp8_projections(
         &self,
         precision: &Precision,
@@ -586,9 +583,12 @@ impl<B: Backend> Gpt<B> {
         let n_layer = self.blocks.len();
         let blocks = self.blocks.iter().enumerate();
         blocks
-            .filter_map(|(i, b)| Some((i, b, precision.fp8_in_block(i, n_layer)?)))
-            .flat_map(|(i, b, cfg)| {
-                named_projections(i, block_projections!(b)).map(move |(n, l)| (n, l, cfg))
+            .flat_map(|(i, b)| {
+                named_projections(i, block_projections!(b))
+                    .zip(PROJECTION_PATHS)
+                    .filter_map(move |((n, l), path)| {
+                        Some((n, l, precision.fp8_at(i, n_layer, path)?))
+                    })
             })
             .collect()
     }

@@ -108,6 +108,18 @@ impl<B: kernels::Backend> Linear<B> {
         probed(y, p)
     }
 
+    /// This layer as projection `path` ([`crate::PROJECTION_PATHS`]) of a one-block model under
+    /// `precision`: in FP8 when `precision` runs that projection in FP8. For measuring one
+    /// projection alone (the trainer's `fp8.projections = "auto"`).
+    pub fn forward_as_projection<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        precision: &crate::Precision,
+        path: &str,
+    ) -> Tensor<B, D> {
+        self.forward_projection(x, &precision.projection(0, 1, path))
+    }
+
     /// The pre-norm and this projection after it, on the fused kernels: `(s, norm(s) W + b)` with
     /// `s = delta + x` (the residual add inside the norm's kernel) when `delta` is given, else
     /// `s = x`. With `recompute`, the norm's output is computed again in the backward instead of

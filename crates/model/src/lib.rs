@@ -45,4 +45,4 @@ pub use config::{
 };
 pub use decode_cache::DecodeCache;
 pub use gpt::{Gpt, Outside};
-pub use precision::{GradFormat, Precision, Probes};
+pub use precision::{GradFormat, Precision, Probes, PROJECTION_PATHS};

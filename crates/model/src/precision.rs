@@ -6,6 +6,9 @@
 use burn::tensor::FloatDType;
 use kernels::ProbeSink;
 
+/// Module paths of a block's projections, relative to the block, in module order.
+pub const PROJECTION_PATHS: [&str; 4] = ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"];
+
 /// A forward's precision.
 #[derive(Clone, Debug)]
 pub struct Precision {
@@ -19,6 +22,9 @@ pub struct Precision {
     /// With `fp8`, the first and the last this many blocks keep their projections in the compute
     /// dtype (0: every block in FP8).
     pub fp8_edge_blocks: usize,
+    /// With `fp8`, the projections (paths within a block, [`PROJECTION_PATHS`]) that keep the
+    /// compute dtype in every block (empty: all four run in FP8).
+    pub fp8_compute_paths: Vec<String>,
     /// With per-tensor FP8 scaling: the amax histories the projections take their scales from
     /// (delayed scaling, `blocks.N.attn.qkv.input` and so on); none: each tensor's own amax.
     pub fp8_history: Option<kernels::Fp8AmaxHistory>,
@@ -54,6 +60,7 @@ impl Precision {
             gemm,
             fp8: None,
             fp8_edge_blocks: 0,
+            fp8_compute_paths: Vec::new(),
             fp8_history: None,
             probes: Probes::default(),
         }
@@ -66,11 +73,23 @@ impl Precision {
         self.fp8.filter(|_| layer >= edge && layer + edge < n_layer)
     }
 
+    /// The FP8 settings projection `path` ([`PROJECTION_PATHS`]) of block `layer` runs with: those
+    /// of its block, unless `fp8_compute_paths` keeps the projection in the compute dtype.
+    pub fn fp8_at(
+        &self,
+        layer: usize,
+        n_layer: usize,
+        path: &str,
+    ) -> Option<kernels::Fp8LinearConfig> {
+        let kept = self.fp8_compute_paths.iter().any(|p| p == path);
+        self.fp8_in_block(layer, n_layer).filter(|_| !kept)
+    }
+
     /// The part of this precision that projection `path` of block `layer` (of `n_layer`) runs
     /// with (probes named `blocks.{layer}.{path}`).
     pub(crate) fn projection(&self, layer: usize, n_layer: usize, path: &str) -> Projection {
         let name = || format!("blocks.{layer}.{path}");
-        let fp8 = self.fp8_in_block(layer, n_layer);
+        let fp8 = self.fp8_at(layer, n_layer, path);
         Projection {
             gemm: self.gemm,
             fp8,

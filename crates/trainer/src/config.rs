@@ -351,8 +351,8 @@ impl Default for TrainingConfig {
 
 // The `precision`, `[loss_scale]` and `[fp8]` sections belong to the precision module.
 pub use crate::precision::{
-    Fp8ComputeKind, Fp8Config, Fp8FormatKind, Fp8ScalingKind, LossScaleConfig, LossScaleMode,
-    PrecisionKind,
+    Fp8ComputeKind, Fp8Config, Fp8FormatKind, Fp8Projections, Fp8ScalingKind, LossScaleConfig,
+    LossScaleMode, PrecisionKind,
 };
 
 /// A whole training run.
@@ -682,6 +682,11 @@ impl Config {
         let precision = model::Precision {
             fp8: recipe.fp8_linear(),
             fp8_edge_blocks: config.fp8.bf16_edge_blocks,
+            // "auto" is measured when the run starts (`crate::fp8_policy`), which replaces this.
+            fp8_compute_paths: match config.fp8.projections.is_auto() {
+                true => Vec::new(),
+                false => config.fp8.projections.compute_paths(),
+            },
             ..model::Precision::new(
                 recipe.compute_dtype(),
                 gemm_engine(config.model.gemm, device),

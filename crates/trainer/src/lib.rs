@@ -7,6 +7,7 @@ pub mod config;
 pub mod corpus;
 pub mod data;
 pub mod device;
+pub mod fp8_policy;
 pub mod fsutil;
 pub mod host_copy;
 pub mod interop;

@@ -113,6 +113,10 @@ pub struct Fp8Config {
     /// (bf16), as is common for the layers nearest the embedding and the head; 0: every block
     /// in FP8.
     pub bf16_edge_blocks: usize,
+    /// Which of an FP8 block's projections run in FP8: `"all"`, `"auto"` (each where a
+    /// measurement at the run's shapes finds FP8 faster than the compute dtype, decided when the
+    /// run starts; `crate::fp8_policy`), or a list of paths (`["mlp.fc", "mlp.proj"]`).
+    pub projections: Fp8Projections,
     /// With `scaling = "tensor"`: 0 scales each tensor by its own amax (current scaling, one more
     /// read of it); N >= 1 by the largest amax its projection's tensor had over the last N
     /// optimizer steps (delayed scaling: the amax is recorded as the tensor is quantized).
@@ -134,8 +138,76 @@ impl Default for Fp8Config {
             wgrad: true,
             compute: Fp8ComputeKind::Bf16,
             bf16_edge_blocks: 0,
+            projections: Fp8Projections::default(),
             amax_history: 0,
             health_interval: 100,
+        }
+    }
+}
+
+/// `fp8.projections`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Fp8Projections {
+    /// `"all"` or `"auto"`.
+    Rule(String),
+    /// The projection paths that run in FP8 ([`model::PROJECTION_PATHS`]); the others keep the
+    /// compute dtype.
+    Paths(Vec<String>),
+}
+
+impl Default for Fp8Projections {
+    fn default() -> Self {
+        Fp8Projections::Rule("all".into())
+    }
+}
+
+impl Fp8Projections {
+    pub fn is_auto(&self) -> bool {
+        matches!(self, Fp8Projections::Rule(r) if r == "auto")
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let valid = model::PROJECTION_PATHS
+            .map(|p| format!("\"{p}\""))
+            .join(", ");
+        match self {
+            Fp8Projections::Rule(r) if r == "all" || r == "auto" => Ok(()),
+            Fp8Projections::Rule(r) => Err(format!(
+                "fp8.projections = \"{r}\" is not valid: \"all\", \"auto\" or a list of projections from {valid}"
+            )),
+            Fp8Projections::Paths(paths) => {
+                for (i, p) in paths.iter().enumerate() {
+                    if !model::PROJECTION_PATHS.contains(&p.as_str()) {
+                        return Err(format!(
+                            "fp8.projections names \"{p}\", which is not a projection; each block has {valid}"
+                        ));
+                    }
+                    if paths[..i].contains(p) {
+                        return Err(format!("fp8.projections names \"{p}\" twice"));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The projection paths that keep the compute dtype ([`model::Precision::fp8_compute_paths`]):
+    /// none for `"all"`, the paths not listed for a list.
+    ///
+    /// # Panics
+    /// For `"auto"`, which is decided by measuring before a run builds its precision.
+    pub fn compute_paths(&self) -> Vec<String> {
+        match self {
+            Fp8Projections::Paths(paths) => model::PROJECTION_PATHS
+                .iter()
+                .filter(|p| !paths.iter().any(|q| q == *p))
+                .map(|p| p.to_string())
+                .collect(),
+            Fp8Projections::Rule(r) if r == "auto" => {
+                panic!("fp8.projections = \"auto\" is decided before the precision is built")
+            }
+            Fp8Projections::Rule(_) => Vec::new(),
         }
     }
 }
@@ -158,6 +230,7 @@ impl Fp8Config {
                 self.amax_history
             ));
         }
+        self.projections.validate()?;
         if self.amax_history > MAX_AMAX_HISTORY {
             return Err(format!(
                 "fp8.amax_history = {} is too long; use 1 to {MAX_AMAX_HISTORY} steps (or 0 for current scaling)",
@@ -541,10 +614,15 @@ impl Recipe {
                     .filter(|p| p.0)
                     .map(|p| p.1)
                     .collect();
-                let edges = match r.fp8.bf16_edge_blocks {
+                let mut edges = match r.fp8.bf16_edge_blocks {
                     0 => String::new(),
                     n => format!(" except the first and last {n} block(s)"),
                 };
+                match &r.fp8.projections {
+                    Fp8Projections::Paths(p) => edges += &format!(" (only {})", if p.is_empty() { "none".to_string() } else { p.join(", ") }),
+                    Fp8Projections::Rule(rule) if rule == "auto" => edges += " (those measured faster in FP8)",
+                    Fp8Projections::Rule(_) => {}
+                }
                 format!(
                     "fp8, experimental (projection GEMMs {}{edges} in FP8: {}, {} scales{}, {} elsewhere; f32 master weights; {})",
                     if passes.is_empty() { "none".to_string() } else { passes.join("+") },

@@ -93,6 +93,7 @@ impl StepCtx<'_> {
             gemm: self.gemm,
             fp8: self.fp8_linear,
             fp8_edge_blocks: self.cfg.fp8.bf16_edge_blocks,
+            fp8_compute_paths: self.cfg.fp8.projections.compute_paths(),
             fp8_history: self.fp8_history.cloned(),
             probes: probes.for_model(self.compute_dtype),
         }

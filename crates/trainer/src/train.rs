@@ -157,6 +157,15 @@ fn train_members<B: crate::TrainBackend>(
         .iter()
         .map(|(d, _)| crate::DrainOnDrop::<B>(d.clone()))
         .collect();
+    // `fp8.projections = "auto"` is timed on rank 0's device before anything else is built.
+    let console = Console {
+        bar: None,
+        verbose: opts.verbose,
+    };
+    let timed = crate::fp8_policy::resolve::<B>(run, &devices[0].0, process.is_some(), &|s| {
+        console.line(s)
+    })?;
+    let run = timed.as_ref().unwrap_or(run);
     let (mut session, mut model) = Session::<B>::open(run, devices, process, opts)?;
     let end = opts.stop_at.map_or(session.steps, |s| s.min(session.steps));
     for step in session.start_step..end {
@@ -632,6 +641,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         let precision = model::Precision {
             fp8: self.fp8_linear,
             fp8_edge_blocks: cfg.fp8.bf16_edge_blocks,
+            fp8_compute_paths: cfg.fp8.projections.compute_paths(),
             fp8_history: self.fp8_history.clone(),
             ..model::Precision::new(self.compute_dtype, self.gemm)
         };
