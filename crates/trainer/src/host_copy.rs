@@ -21,16 +21,25 @@ pub fn read_pieces<B: Backend, const D: usize, E>(
     t: Tensor<B, D>,
     mut f: impl FnMut(&[f32]) -> Result<(), E>,
 ) -> Result<(), E> {
+    for_each_piece(t, |data| f(&as_f32(data)))
+}
+
+/// Calls `f` with each piece of `t` (at most [`PIECE_BYTES`] in its own dtype) as host data, in
+/// row-major order; stops at the first error `f` returns.
+fn for_each_piece<B: Backend, const D: usize, E>(
+    t: Tensor<B, D>,
+    mut f: impl FnMut(TensorData) -> Result<(), E>,
+) -> Result<(), E> {
     let n = t.shape().num_elements();
     let per_piece = (PIECE_BYTES / t.dtype().size()).max(1);
     if n <= per_piece {
-        return f(&as_f32(t.into_data()));
+        return f(t.into_data());
     }
     let flat = t.reshape([n]);
     let mut start = 0;
     while start < n {
         let end = (start + per_piece).min(n);
-        f(&as_f32(flat.clone().slice(start..end).into_data()))?;
+        f(flat.clone().slice(start..end).into_data())?;
         start = end;
     }
     Ok(())
@@ -55,19 +64,11 @@ pub fn read_f32_data<B: Backend, const D: usize>(t: Tensor<B, D>) -> TensorData 
 
 /// Calls `f` with `t`'s bytes as stored (its own dtype), in row-major order, one piece at a time.
 pub fn read_bytes<B: Backend, const D: usize>(t: Tensor<B, D>, mut f: impl FnMut(&[u8])) {
-    let n = t.shape().num_elements();
-    let per_piece = (PIECE_BYTES / t.dtype().size()).max(1);
-    if n <= per_piece {
-        f(&t.into_data().bytes);
-        return;
-    }
-    let flat = t.reshape([n]);
-    let mut start = 0;
-    while start < n {
-        let end = (start + per_piece).min(n);
-        f(&flat.clone().slice(start..end).into_data().bytes);
-        start = end;
-    }
+    for_each_piece(t, |data| {
+        f(&data.bytes);
+        Ok::<(), std::convert::Infallible>(())
+    })
+    .unwrap_or_else(|never| match never {});
 }
 
 fn as_f32(data: TensorData) -> Vec<f32> {

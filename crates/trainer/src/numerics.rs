@@ -150,7 +150,7 @@ pub fn fp8_health<B: crate::TrainBackend>(
             let h = kernels::fp8_health_pending_at(
                 w,
                 cfg.weight_spec(true),
-                site.as_ref().map(|s| (s, "weight")),
+                site.as_ref().map(|s| (s, kernels::fp8::role::WEIGHT)),
             );
             (format!("{name}.weight"), h)
         })

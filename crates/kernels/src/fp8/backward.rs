@@ -16,6 +16,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::ops::IntTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorMetadata, TensorPrimitive};
 
+use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
 use super::Fp8Ops;
 use super::{
     fp8_gemm, fp8_quantize, fp8_quantize_pair, Fp8Granularity, Fp8LinearConfig, Fp8Probe,
@@ -66,11 +67,6 @@ fn quantize_pair_at<B: Fp8Ops + GemmOps>(
         _ => fp8_quantize_pair(x, spec),
     }
 }
-
-/// The site roles of a projection's operands.
-pub(super) const INPUT: &str = "input";
-const WEIGHT: &str = "weight";
-const GRAD_OUTPUT: &str = "grad_output";
 
 /// `y = x w` (fprop), in FP8 when `cfg.fprop`; an untracked forward, recording no amax.
 pub(crate) fn fprop<B: Fp8Ops + GemmOps>(

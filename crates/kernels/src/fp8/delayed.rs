@@ -28,6 +28,14 @@ use burn::tensor::{s, DType, Tensor, TensorData};
 use super::{fp8_pair_path, Fp8Granularity, Fp8Ops, Fp8Tensor, QuantSpec};
 use crate::gemm::GemmOps;
 
+/// The roles of an FP8 linear layer's operands at its site: `{site}.{role}` names the history of
+/// one operand ([`Fp8ScaleSite::quantize`]).
+pub mod role {
+    pub const INPUT: &str = "input";
+    pub const WEIGHT: &str = "weight";
+    pub const GRAD_OUTPUT: &str = "grad_output";
+}
+
 /// The amax histories of a run's per-tensor FP8 quantizations (see the module docs). Clones share
 /// the histories; a model replica on another device needs its own.
 #[derive(Clone)]

@@ -105,7 +105,7 @@ impl Fp8Probe {
         cfg: &Fp8LinearConfig,
         site: Option<&Fp8ScaleSite>,
     ) {
-        self.record(backward::INPUT, x, cfg.act_spec(false), site);
+        self.record(role::INPUT, x, cfg.act_spec(false), site);
     }
 }
 

@@ -51,7 +51,7 @@ pub(crate) mod path;
 pub mod reference;
 mod tensor;
 
-pub use delayed::{Fp8AmaxHistory, Fp8AmaxHistoryState, Fp8Record, Fp8ScaleSite};
+pub use delayed::{role, Fp8AmaxHistory, Fp8AmaxHistoryState, Fp8Record, Fp8ScaleSite};
 pub use format::{Fp8Format, Fp8Granularity, QuantSpec, TILE};
 pub(crate) use gemm::mma_shape;
 pub use gemm::{fp8_gemm, fp8_gemm_on, fp8_gemm_path};
