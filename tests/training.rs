@@ -127,20 +127,25 @@ fn resumed_run_matches_with(
     let s = trainer::run(&cfg, &common::selected(), &opts(split.clone(), true)).unwrap();
     assert_eq!(s.resumed_from, Some(4));
 
-    let a = read_metrics(&full);
-    let b = read_metrics(&split);
-    assert_eq!(a.len(), 12);
+    assert_runs_agree(&full, &split, 12, "resumed");
+}
+
+/// The runs in `a` and `b` logged the same `steps` steps (losses, gradient norms, learning rates
+/// and evaluations within float rounding) and end with the same weights and AdamW moments.
+fn assert_runs_agree(a: &std::path::Path, b: &std::path::Path, steps: u64, what: &str) {
+    let (ma, mb) = (read_metrics(a), read_metrics(b));
+    assert_eq!(ma.len() as u64, steps);
     assert_eq!(
-        b.len(),
-        12,
-        "metrics.jsonl of the resumed run should read as one run"
+        mb.len() as u64,
+        steps,
+        "metrics.jsonl of the {what} run should read as one run"
     );
-    for (x, y) in a.iter().zip(&b) {
+    for (x, y) in ma.iter().zip(&mb) {
         assert_eq!(x.step, y.step);
         let tol = 1e-5 * x.loss.abs().max(1.0);
         assert!(
             (x.loss - y.loss).abs() <= tol,
-            "step {}: loss {} vs resumed {}",
+            "step {}: loss {} vs {what} {}",
             x.step,
             x.loss,
             y.loss
@@ -158,18 +163,46 @@ fn resumed_run_matches_with(
         }
     }
     // The final weights and AdamW moments agree too.
-    let last = checkpoint::file_name(12);
-    let (ha, va) = checkpoint::read(&full.join("checkpoints").join(&last)).unwrap();
-    let (hb, vb) = checkpoint::read(&split.join("checkpoints").join(&last)).unwrap();
+    let last = checkpoint::file_name(steps);
+    let (ha, va) = checkpoint::read(&a.join("checkpoints").join(&last)).unwrap();
+    let (hb, vb) = checkpoint::read(&b.join("checkpoints").join(&last)).unwrap();
     assert_eq!(ha.params, hb.params);
-    assert_eq!(ha.optimizer_step, 12);
-    assert_eq!(hb.optimizer_step, 12);
+    assert_eq!(ha.optimizer_step, steps);
+    assert_eq!(hb.optimizer_step, steps);
     let worst = va
         .iter()
         .zip(&vb)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(worst <= 1e-5, "weights or moments differ by up to {worst}");
+}
+
+/// Reading each step's statistics one step late (the default) and at once give the same run:
+/// the same losses, evaluations, checkpoints and final weights, and every step logged once.
+#[test]
+fn reading_statistics_late_changes_no_result() {
+    let _guard = common::serial();
+    let mut cfg = tiny_config(11);
+    cfg.training.checkpoint_interval = 4;
+    cfg.training.keep_checkpoints = 3;
+    cfg.training.eval_interval = 5;
+    cfg.model.dropout = 0.1;
+    assert!(cfg.training.read_back_late, "the default reads late");
+    let late = scratch("read_back_late");
+    let s = trainer::run(&cfg, &common::selected(), &opts(late.clone(), false)).unwrap();
+    // Read at once: the first step, the evaluations (5, 10), checkpoints (4, 8) and the last.
+    assert_eq!(s.steps_read_late, 5, "steps 2, 3, 6, 7 and 9 are read late");
+    cfg.training.read_back_late = false;
+    let at_once = scratch("read_back_at_once");
+    let s = trainer::run(&cfg, &common::selected(), &opts(at_once.clone(), false)).unwrap();
+    assert_eq!(s.steps_read_late, 0);
+    assert_runs_agree(&at_once, &late, 11, "late-read");
+    let steps: Vec<u64> = read_metrics(&late).iter().map(|r| r.step).collect();
+    assert_eq!(steps, (1..=11).collect::<Vec<_>>());
+    for step in [4, 8, 11] {
+        let file = late.join("checkpoints").join(checkpoint::file_name(step));
+        assert!(file.exists(), "{} missing", file.display());
+    }
 }
 
 #[test]

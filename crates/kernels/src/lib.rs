@@ -75,6 +75,7 @@ pub mod philox;
 mod pipeline;
 mod primitive;
 pub mod probe;
+pub mod read_back;
 pub mod recompute;
 pub mod reduce;
 pub mod rms_norm;
@@ -140,6 +141,7 @@ pub use fp8::{
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
 pub use memory::{MemoryOps, MemoryUse};
 pub use probe::{probe_sink, ProbeSink};
+pub use read_back::{ReadBackOps, StartedRead};
 pub use recompute::RecomputeOps;
 pub use reduce::{ReduceOps, SumSquares};
 pub use rms_norm::{RmsNormKernels, RmsNormOps};
@@ -568,6 +570,7 @@ ops! {$
     reduce::ReduceOps,
     format_stats::FormatStatsOps,
     memory::MemoryOps,
+    read_back::ReadBackOps,
 }
 
 impl<R, F, I, BT> KernelOps for CubeBackend<R, F, I, BT>

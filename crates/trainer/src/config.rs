@@ -187,6 +187,11 @@ pub struct TrainingConfig {
     /// to change when a CUDA device has less free (see `memory_plan`); false skips the check
     /// (the estimate is still printed).
     pub memory_check: bool,
+    /// Read each step's statistics (loss, gradient norm) one step late, once the next step is
+    /// queued, so that the GPU never waits for the host between steps; steps whose result the
+    /// host needs at once (evaluation, checkpoint, numerics probes, loss scaling, several GPUs)
+    /// are read at once whatever the setting. false reads every step at once (a comparison).
+    pub read_back_late: bool,
 }
 
 /// `training.devices`: which GPUs a run trains on.
@@ -345,6 +350,7 @@ impl Default for TrainingConfig {
             bucket_mb: 25.0,
             step_timeout_s: 0,
             memory_check: true,
+            read_back_late: true,
         }
     }
 }

@@ -265,8 +265,9 @@ pub(crate) struct RankOut<B: crate::TrainBackend> {
     /// The update, while it waits for the loss scaler's verdict (`None` when it was queued at
     /// once).
     pub held: Option<Held<B>>,
-    /// [mean loss (over the ranks), scaled gradient norm, stop]: the step's one read-back, on rank 0.
-    pub stats: Tensor<B::InnerBackend, 1>,
+    /// [mean loss (over the ranks), scaled gradient norm, stop]: the step's one read-back, on
+    /// rank 0, started as soon as they are computed (before the update is queued).
+    pub stats: kernels::StartedRead,
     /// On a numerics step, the gradients' statistics, still on the device.
     pub numerics: Vec<(String, numerics::Pending<B::InnerBackend>)>,
 }
@@ -341,6 +342,8 @@ impl RankStep<'_> {
                 self.averaged::<B>(&model, &mut grads, loss_sum, peers, averaged)
             }
         };
+        let stats =
+            <B::InnerBackend as kernels::ReadBackOps>::start_read(stats.into_primitive().tensor());
         let (model, held) = if plan.update_now {
             // The update is queued before the step's read-back: the GPU runs it while the host
             // waits, instead of idling while the host queues it afterwards. Without loss scaling
@@ -488,15 +491,11 @@ pub(crate) fn update<B: crate::TrainBackend>(
     }
 }
 
-/// The step's one read-back, [mean loss, scaled gradient norm] (see [`RankOut::stats`]): the
-/// loss, the true gradient norm, and whether both are finite. It synchronises, so the step's
-/// timing is real.
-pub(crate) fn read_stats<B: Backend>(stats: Tensor<B, 1>, scale: f64) -> Stats {
-    let stats: Vec<f64> = stats
-        .into_data()
-        .convert::<f64>()
-        .into_vec()
-        .expect("f64 stats");
+/// The step's one read-back, [mean loss, scaled gradient norm, stop] (see [`RankOut::stats`]):
+/// the loss, the true gradient norm, and whether both are finite. It waits for the step's work up
+/// to the statistics, so the step's timing is real.
+pub(crate) fn read_stats(stats: kernels::StartedRead, scale: f64) -> Stats {
+    let stats: Vec<f64> = stats.wait().convert::<f64>().into_vec().expect("f64 stats");
     let (loss, grad_norm) = (stats[0], stats[1] / scale);
     Stats {
         loss,

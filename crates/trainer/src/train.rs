@@ -1,9 +1,10 @@
 //! The training loop, generic over the autodiff backend.
 //!
-//! [`train`] is the loop: [`Session::open`] sets the run up (or resumes it), then every step is
-//! [`Session::step`] (every rank's part of it, `crate::step`, then the loss scaler's verdict,
-//! [`Session::settle`]) and [`Session::finish_step`] (evaluation, metrics, log lines,
-//! checkpoint); [`Session::close`] writes the summary. One device and several train through the
+//! [`train`] is the loop: [`Session::open`] sets the run up (or resumes it), then
+//! [`Session::run_steps`] queues every step (every rank's part of it, `crate::step`), reads its
+//! statistics at once or one step late and applies the loss scaler's verdict ([`read_back`]), and
+//! finishes it with [`Session::finish_step`] (evaluation, metrics, log lines, checkpoint);
+//! [`Session::close`] writes the summary. One device and several train through the
 //! same step: one device is a data-parallel group of one (`crate::parallel::group`).
 
 use std::collections::HashSet;
@@ -19,6 +20,7 @@ use model::Gpt;
 use serde::Serialize;
 
 mod log;
+mod read_back;
 mod start;
 
 use self::log::{human, progress_bar, zero_line, Console, Logger};
@@ -28,15 +30,13 @@ use crate::config::{Config, Resolved};
 use crate::data::Dataset;
 use crate::fsutil::write_atomic;
 use crate::metrics::{LayerHealth, Metrics, StepRecord};
-use crate::numerics::{self, Probes};
+use crate::numerics;
 use crate::optim::AdamW;
 use crate::parallel::fsdp::RowShards;
 use crate::parallel::group::Group;
 use crate::parallel::process::Membership;
-use crate::parallel::watchdog::Watch;
-use crate::precision::{LossScaler, Recipe, Verdict};
-use crate::schedule::lr_at;
-use crate::step::{copied_weights, read_stats, update, Plan, RankOut, RankStep, StepCtx};
+use crate::precision::{LossScaler, Recipe};
+use crate::step::{copied_weights, StepCtx};
 use kernels::collective::ProcessGroup;
 
 /// What the caller chose besides the config.
@@ -91,6 +91,9 @@ pub struct Summary {
     /// Largest memory the device's pools held at the end of a step of this session (bytes), where
     /// the backend says.
     pub peak_memory_reserved: Option<u64>,
+    /// Steps of this session whose statistics were read one step late, while the next step was
+    /// already queued (`training.read_back_late`).
+    pub steps_read_late: u64,
 }
 
 /// Rank 0's FP8 amax histories for delayed scaling (`fp8.amax_history` with an FP8 recipe), holding
@@ -166,26 +169,9 @@ fn train_members<B: crate::TrainBackend>(
         console.line(s)
     })?;
     let run = timed.as_ref().unwrap_or(run);
-    let (mut session, mut model) = Session::<B>::open(run, devices, process, opts)?;
+    let (mut session, model) = Session::<B>::open(run, devices, process, opts)?;
     let end = opts.stop_at.map_or(session.steps, |s| s.min(session.steps));
-    for step in session.start_step..end {
-        if step == session.start_step && !opts.device_name.starts_with("CPU") {
-            session.log.line(&format!(
-                "step {}: compiling the GPU kernels at this model's shapes (once per shape)...",
-                step + 1
-            ));
-        }
-        let outcome;
-        (model, outcome) = session.step(model, step)?;
-        if session.finish_step(&model, step, end, outcome)? {
-            session.log.line(&format!(
-                "stopped after step {} as asked (SIGINT or SIGTERM), with its checkpoint; continue with --resume {}",
-                step + 1,
-                opts.run_dir.display()
-            ));
-            break;
-        }
-    }
+    session.run_steps(model, end)?;
     session.close()
 }
 
@@ -215,6 +201,8 @@ struct Session<'a, B: crate::TrainBackend> {
     /// The first step of this session (the checkpoint's step when resuming).
     start_step: u64,
     progress: Progress,
+    /// When the last step's statistics were read ([`read_back`]).
+    last_read_back: Option<Instant>,
 }
 
 /// How far the run got; the checkpoint carries the best validation loss and the wall time of
@@ -230,6 +218,8 @@ struct Progress {
     first_step_s: f64,
     /// Tokens/s of this session's steps after the first three.
     tok_rates: Vec<f64>,
+    /// Steps of this session read one step late ([`read_back`]).
+    read_late: u64,
     peak_memory: Option<u64>,
 }
 
@@ -322,6 +312,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             session_start: Instant::now(),
             first_step_s: f64::NAN,
             tok_rates: Vec::new(),
+            read_late: 0,
             peak_memory: None,
         };
         let mut restored_history = None;
@@ -400,6 +391,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             steps: cfg.training.steps as u64,
             start_step,
             progress,
+            last_read_back: None,
         };
         session.describe();
         if writes {
@@ -490,108 +482,6 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         }
     }
 
-    /// One optimizer step on every rank of the group (one device is a group of one): each runs
-    /// the forward and backward of its part of `training.grad_accum` micro-batches on its compute
-    /// copy, the gradients are averaged over the ranks, then the update follows unless the loss
-    /// scaler skips the step or stops the run ([`Session::settle`]).
-    fn step(&mut self, model: Gpt<B>, step: u64) -> Result<(Gpt<B>, StepOutcome)> {
-        let t0 = Instant::now();
-        let cfg = self.cfg;
-        let plan = Plan {
-            step,
-            lr: lr_at(cfg, step as usize),
-            scale: self.scaler.scale(),
-            update_now: self.scaler.setting.is_off(),
-        };
-        let probes = Probes::for_step(&self.recipe, cfg, step);
-        let poison = self.opts.poison_steps.contains(&(step + 1));
-        // Ranks 1.. start their part (a group of one has none), watched until the step ends.
-        let watch = self.group.begin(plan);
-        let part = RankStep {
-            ctx: StepCtx {
-                cfg,
-                data: &self.data,
-                compute_dtype: self.compute_dtype,
-                gemm: self.gemm,
-                fp8_linear: self.fp8_linear,
-                fp8_history: self.fp8_history.as_ref(),
-            },
-            zero: self.group.zero(),
-            plan,
-        };
-        let rank = self.group.rank0();
-        let opt = &mut self.opt;
-        let out = self
-            .group
-            .on_rank0(|| part.run::<B>(&rank, model, opt, &probes, poison));
-        // Each other rank's reserved memory (bytes), as its thread sees it after its part.
-        let others = self.group.wait();
-        self.settle(t0, plan, probes, out, others, watch)
-    }
-
-    /// The end of every step, for any world size: the step's one read-back (on rank 0), the loss
-    /// scaler's verdict on it, applied on every rank (Apply: the held update runs; Skip: it is
-    /// dropped; Stop: the run ends with an error), and the step's [`StepOutcome`]. `watch` (the
-    /// watchdog of a data-parallel run) is held until the verdict has been applied everywhere.
-    fn settle(
-        &mut self,
-        t0: Instant,
-        plan: Plan,
-        probes: Probes,
-        out: RankOut<B>,
-        others: Vec<u64>,
-        watch: Option<Watch>,
-    ) -> Result<(Gpt<B>, StepOutcome)> {
-        let numerics = probes.taps.is_some().then(|| numerics::read(out.numerics));
-        // One read-back per step: [mean loss, scaled grad norm, stop]. It tells whether the gradients are
-        // finite (a single inf or NaN makes the norm non-finite), and it synchronises, so the
-        // timing is real.
-        let stats = read_stats(out.stats, plan.scale);
-        let (loss, grad_norm, finite) = (stats.loss, stats.grad_norm, stats.finite);
-        // A run of processes: a collective that failed leaves the stats unreliable.
-        self.group.check()?;
-        self.group.rank0_finished();
-        let (mut model, mut others) = (out.model, others);
-        let skipped = match self.scaler.update(finite, plan.step + 1) {
-            Verdict::Apply => {
-                // Unless it was queued with the step (no loss scaling), the update is the step's
-                // second part on every rank (with ZeRO-1, its own collectives).
-                if let Some(held) = out.held {
-                    let (opt, zero) = (&mut self.opt, self.group.zero());
-                    let at = (plan.lr, plan.scale);
-                    (model, others) = self
-                        .group
-                        .apply(plan, || update(opt, zero, at, model, held));
-                }
-                false
-            }
-            Verdict::Skip => {
-                if !plan.update_now {
-                    others = self.group.skip();
-                }
-                true
-            }
-            Verdict::Stop(why) => bail!(self.stop_message(plan.step, loss, grad_norm, &why)),
-        };
-        drop(watch);
-        self.group.timed(t0.elapsed());
-        let memory = self.group.memory(others);
-        let outcome = StepOutcome {
-            stop: stats.stop,
-            loss,
-            grad_norm,
-            lr: plan.lr,
-            scale: plan.scale,
-            skipped,
-            seconds: t0.elapsed().as_secs_f64(),
-            memory_reserved: memory[0],
-            memory_per_rank: memory,
-            numerics,
-            fp8_probe: probes.fp8,
-        };
-        Ok((model, outcome))
-    }
-
     /// Why the run stops at `step` (the loss scaler said so).
     fn stop_message(&self, step: u64, loss: f64, grad_norm: f64, why: &str) -> String {
         if !self.scaler.setting.is_off() {
@@ -633,10 +523,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         p.last_loss = o.loss;
         p.completed = done;
 
-        let is_last = done == self.steps;
-        let eval_now = is_last
-            || (cfg.training.eval_interval > 0
-                && done.is_multiple_of(cfg.training.eval_interval as u64));
+        let eval_now = self.evaluates_at(done);
         // The recipe's precision, without the step's probes.
         let precision = model::Precision {
             fp8: self.fp8_linear,
@@ -656,6 +543,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             )
         });
         if let Some(v) = val_loss {
+            let p = &mut self.progress;
             p.best_val = Some(p.best_val.map_or(v, |b: f64| b.min(v)));
             p.last_val = Some(v);
         }
@@ -686,7 +574,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             memory_reserved: o.memory_reserved,
         };
         let log_line = done.is_multiple_of(cfg.training.log_interval as u64)
-            || is_last
+            || done == self.steps
             || done == self.start_step + 1;
         self.log.step(
             &record,
@@ -699,11 +587,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             self.log_memory(done, &o.memory_per_rank);
         }
 
-        let ckpt_now = is_last
-            || stop
-            || done == end
-            || (cfg.training.checkpoint_interval > 0
-                && done.is_multiple_of(cfg.training.checkpoint_interval as u64));
+        let ckpt_now = stop || self.checkpoints_at(done, end);
         if ckpt_now {
             self.checkpoint(model, done)?;
         }
@@ -712,6 +596,21 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             b.set_message(format!("loss {:.4}", o.loss));
         }
         Ok(stop)
+    }
+
+    /// Whether the run evaluates after `done` steps: every `training.eval_interval` and at the
+    /// last step.
+    fn evaluates_at(&self, done: u64) -> bool {
+        let every = self.cfg.training.eval_interval as u64;
+        done == self.steps || (every > 0 && done.is_multiple_of(every))
+    }
+
+    /// Whether the run writes a checkpoint after `done` steps of a session ending at `end`: every
+    /// `training.checkpoint_interval`, at the last step and at the session's end (and when asked to
+    /// stop).
+    fn checkpoints_at(&self, done: u64, end: u64) -> bool {
+        let every = self.cfg.training.checkpoint_interval as u64;
+        done == self.steps || done == end || (every > 0 && done.is_multiple_of(every))
     }
 
     /// A data-parallel run's log line of every GPU's reserved memory (rank 0 first).
@@ -860,6 +759,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             skipped_steps: self.scaler.state.overflows,
             final_loss_scale: self.scaler.scale(),
             peak_memory_reserved: p.peak_memory,
+            steps_read_late: p.read_late,
         };
         if self.group.writes() {
             write_atomic(
