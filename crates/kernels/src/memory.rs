@@ -61,20 +61,25 @@ where
 }
 
 /// With the `memory_trace` setting on (`BURNMIX_MEMORY_TRACE=1`, [`crate::settings`]), prints one
-/// line to stderr: `memory | <what>: in use X GiB, reserved Y GiB` (nothing where the backend does
-/// not report its memory). For finding where in a step memory peaks; `what` is only formed when
-/// tracing.
+/// line to stderr: `memory | <what>: in use X GiB, reserved Y GiB, host +T ms` (nothing where the
+/// backend does not report its memory), T the host's time since the first traced line. For finding
+/// where in a step memory peaks, and where the host waits for the device while it queues a step
+/// (the work is queued asynchronously, so T runs ahead of the device unless something waits);
+/// `what` is only formed when tracing.
 pub fn trace<B: MemoryOps>(device: &B::Device, what: impl FnOnce() -> String) {
     if !crate::settings::read(|s| s.memory_trace) {
         return;
     }
+    static FIRST: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let since = FIRST.get_or_init(std::time::Instant::now).elapsed();
     if let Some(u) = B::memory_use(device) {
         const GIB: f64 = (1u64 << 30) as f64;
         eprintln!(
-            "memory | {}: in use {:.2} GiB, reserved {:.2} GiB",
+            "memory | {}: in use {:.2} GiB, reserved {:.2} GiB, host +{:.3} ms",
             what(),
             u.in_use as f64 / GIB,
-            u.reserved as f64 / GIB
+            u.reserved as f64 / GIB,
+            since.as_secs_f64() * 1e3
         );
     }
 }

@@ -35,6 +35,11 @@ pub struct StepRecord {
     pub overflows: u64,
     pub tokens_per_s: f64,
     pub step_ms: f64,
+    /// Milliseconds the host took to queue the step's work (batch, forward, backward and, without
+    /// loss scaling, the update), waits for the device included. Close to `step_ms`, the step is
+    /// bound by the host's launches (or by a wait inside it), not by the GPU.
+    #[serde(default)]
+    pub host_ms: f64,
     /// Model FLOPs utilisation against the device's peak; absent when the peak is unknown.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub mfu: Option<f64>,

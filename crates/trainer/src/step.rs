@@ -191,6 +191,7 @@ impl StepCtx<'_> {
                 rank.device,
             ),
         };
+        kernels::memory::trace::<B>(rank.device, || "the batch queued".into());
         let factor = scale / cfg.training.grad_accum as f64;
         let precision = self.precision(probes);
         let (l, pieces) = if cfg.model.recompute != model::RecomputeKind::Full {
@@ -342,6 +343,7 @@ impl RankStep<'_> {
                 self.averaged::<B>(&model, &mut grads, loss_sum, peers, averaged)
             }
         };
+        kernels::memory::trace::<B>(rank.device, || "the statistics computed".into());
         let stats =
             <B::InnerBackend as kernels::ReadBackOps>::start_read(stats.into_primitive().tensor());
         let (model, held) = if plan.update_now {

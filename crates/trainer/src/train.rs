@@ -235,6 +235,8 @@ struct StepOutcome {
     scale: f64,
     skipped: bool,
     seconds: f64,
+    /// Of which the host spent queuing the step's work.
+    host_seconds: f64,
     memory_reserved: Option<u64>,
     /// Every rank's reserved memory, rank 0 first (logged for a data-parallel run).
     memory_per_rank: Vec<Option<u64>>,
@@ -567,6 +569,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             overflows: self.scaler.state.overflows,
             tokens_per_s: tps,
             step_ms: o.seconds * 1e3,
+            host_ms: o.host_seconds * 1e3,
             mfu,
             val_loss,
             fp8,

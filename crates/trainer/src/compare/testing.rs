@@ -14,6 +14,7 @@ fn rec(step: u64, loss: f64, grad_norm: f64, val: Option<f64>) -> StepRecord {
         overflows: 0,
         tokens_per_s: 1000.0,
         step_ms: 1.0,
+        host_ms: 0.5,
         mfu: None,
         val_loss: val,
         fp8: None,

@@ -35,6 +35,8 @@ pub(super) struct Queued<B: crate::TrainBackend> {
     step: u64,
     /// When the host started queuing it.
     t0: Instant,
+    /// How long the host took to queue it.
+    queuing: std::time::Duration,
     plan: Plan,
     probes: Probes,
     poison: bool,
@@ -134,6 +136,7 @@ impl<B: crate::TrainBackend> Session<'_, B> {
         let queued = Queued {
             step,
             t0,
+            queuing: t0.elapsed(),
             plan,
             probes,
             poison,
@@ -216,6 +219,7 @@ impl<B: crate::TrainBackend> Session<'_, B> {
             scale: plan.scale,
             skipped,
             seconds: began.elapsed().as_secs_f64(),
+            host_seconds: q.queuing.as_secs_f64(),
             memory_reserved: memory[0],
             memory_per_rank: memory,
             numerics,
