@@ -223,6 +223,25 @@ struct Progress {
     peak_memory: Option<u64>,
 }
 
+impl Progress {
+    /// A session that starts now, with nothing done yet.
+    fn new() -> Self {
+        Progress {
+            completed: 0,
+            best_val: None,
+            last_val: None,
+            last_loss: f64::NAN,
+            resumed_from: None,
+            elapsed_before: 0.0,
+            session_start: Instant::now(),
+            first_step_s: f64::NAN,
+            tok_rates: Vec::new(),
+            read_late: 0,
+            peak_memory: None,
+        }
+    }
+}
+
 /// What one step did, for the bookkeeping after it.
 struct StepOutcome {
     /// Some rank was asked to stop (SIGINT, SIGTERM): the run ends after this step, with its
@@ -304,19 +323,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             opt = opt.with_fused(copied_weights(&model, compute_dtype));
         }
         let mut scaler = LossScaler::new(recipe.loss_scaling().clone());
-        let mut progress = Progress {
-            completed: 0,
-            best_val: None,
-            last_val: None,
-            last_loss: f64::NAN,
-            resumed_from: None,
-            elapsed_before: 0.0,
-            session_start: Instant::now(),
-            first_step_s: f64::NAN,
-            tok_rates: Vec::new(),
-            read_late: 0,
-            peak_memory: None,
-        };
+        let mut progress = Progress::new();
         let mut restored_history = None;
         let (model, start_step) = if opts.resume {
             let into = (model, row_split.as_deref());
