@@ -243,20 +243,14 @@ fn fp8_recipe_trains() {
     if !common::needs_wgpu() {
         return;
     }
-    use trainer::config::{Fp8ComputeKind, PrecisionKind};
-    use trainer::device::Selected;
     let _guard = common::serial();
     let steps = 30;
     let mut fp32 = common::tiny_config(steps);
     fp32.training.eval_interval = steps;
-    let mut fp8 = fp32.clone();
-    fp8.precision = PrecisionKind::Fp8;
-    fp8.fp8.compute = Fp8ComputeKind::F32;
-    fp8.fp8.health_interval = 10;
-    let dir32 = common::scratch("fp8_recipe_fp32");
-    let dir8 = common::scratch("fp8_recipe_fp8");
-    let s32 = trainer::run(&fp32, &Selected::Wgpu, &common::opts(dir32, false)).unwrap();
-    let s8 = trainer::run(&fp8, &Selected::Wgpu, &common::opts(dir8.clone(), false)).unwrap();
+    let mut fp8 = tiny_fp8_config(steps, 10);
+    fp8.training.eval_interval = steps;
+    let (s32, _) = train_on_wgpu(&fp32, "fp8_recipe_fp32");
+    let (s8, dir8) = train_on_wgpu(&fp8, "fp8_recipe_fp8");
     let (v32, v8) = (s32.best_val_loss.unwrap(), s8.best_val_loss.unwrap());
     eprintln!("best validation loss after {steps} steps: fp32 {v32:.4}, fp8 {v8:.4}");
     assert!(s8.final_loss.is_finite() && v8.is_finite());
@@ -310,21 +304,11 @@ fn fp8_edge_blocks_stay_out_of_fp8() {
     if !common::needs_wgpu() {
         return;
     }
-    use trainer::config::{Fp8ComputeKind, PrecisionKind};
     let _guard = common::serial();
-    let mut cfg = common::tiny_config(3);
+    let mut cfg = tiny_fp8_config(3, 1);
     cfg.model.n_layer = 3;
-    cfg.precision = PrecisionKind::Fp8;
-    cfg.fp8.compute = Fp8ComputeKind::F32;
-    cfg.fp8.health_interval = 1;
     cfg.fp8.bf16_edge_blocks = 1;
-    let dir = common::scratch("fp8_edge_blocks");
-    let s = trainer::run(
-        &cfg,
-        &trainer::device::Selected::Wgpu,
-        &common::opts(dir.clone(), false),
-    )
-    .unwrap();
+    let (s, dir) = train_on_wgpu(&cfg, "fp8_edge_blocks");
     assert!(s.final_loss.is_finite());
     let m = common::read_metrics(&dir);
     let h = m[0].fp8.as_ref().expect("FP8 health on step 1");
@@ -352,12 +336,9 @@ fn fp8_projections_listed_or_timed() {
     if !common::needs_wgpu() {
         return;
     }
-    use trainer::config::{Fp8ComputeKind, Fp8Projections, PrecisionKind};
+    use trainer::config::Fp8Projections;
     let _guard = common::serial();
-    let mut cfg = common::tiny_config(2);
-    cfg.precision = PrecisionKind::Fp8;
-    cfg.fp8.compute = Fp8ComputeKind::F32;
-    cfg.fp8.health_interval = 1;
+    let mut cfg = tiny_fp8_config(2, 1);
     // The FP8 health's projections (`blocks.N.attn.qkv.input` -> `attn.qkv`).
     let fp8_paths = |dir: &std::path::Path| -> std::collections::BTreeSet<String> {
         let m = common::read_metrics(dir);
@@ -372,13 +353,7 @@ fn fp8_projections_listed_or_timed() {
     };
 
     cfg.fp8.projections = Fp8Projections::Paths(vec!["mlp.proj".into(), "attn.qkv".into()]);
-    let dir = common::scratch("fp8_projections_list");
-    let s = trainer::run(
-        &cfg,
-        &trainer::device::Selected::Wgpu,
-        &common::opts(dir.clone(), false),
-    )
-    .unwrap();
+    let (s, dir) = train_on_wgpu(&cfg, "fp8_projections_list");
     assert!(s.final_loss.is_finite());
     let want: std::collections::BTreeSet<String> =
         ["attn.qkv", "mlp.proj"].map(String::from).into();
@@ -387,13 +362,7 @@ fn fp8_projections_listed_or_timed() {
     assert_eq!(h.len(), 2 * 3 * cfg.model.n_layer, "{h:?}");
 
     cfg.fp8.projections = Fp8Projections::Rule("auto".into());
-    let dir = common::scratch("fp8_projections_auto");
-    let s = trainer::run(
-        &cfg,
-        &trainer::device::Selected::Wgpu,
-        &common::opts(dir.clone(), false),
-    )
-    .unwrap();
+    let (s, dir) = train_on_wgpu(&cfg, "fp8_projections_auto");
     assert!(s.final_loss.is_finite());
     let saved = trainer::Config::load(&dir.join("config.toml"), &[]).unwrap();
     let Fp8Projections::Paths(chosen) = &saved.fp8.projections else {
@@ -516,27 +485,16 @@ fn fp8_delayed_scaling_trains() {
     if !common::needs_wgpu() {
         return;
     }
-    use trainer::config::{Fp8ComputeKind, Fp8ScalingKind, PrecisionKind};
-    use trainer::device::Selected;
+    use trainer::config::Fp8ScalingKind;
     let _guard = common::serial();
     let steps = 30;
-    let mut current = common::tiny_config(steps);
+    let mut current = tiny_fp8_config(steps, 10);
     current.training.eval_interval = steps;
-    current.precision = PrecisionKind::Fp8;
-    current.fp8.compute = Fp8ComputeKind::F32;
     current.fp8.scaling = Fp8ScalingKind::Tensor;
-    current.fp8.health_interval = 10;
     let mut delayed = current.clone();
     delayed.fp8.amax_history = 4;
-    let dir_c = common::scratch("fp8_tensor_current");
-    let dir_d = common::scratch("fp8_tensor_delayed");
-    let sc = trainer::run(&current, &Selected::Wgpu, &common::opts(dir_c, false)).unwrap();
-    let sd = trainer::run(
-        &delayed,
-        &Selected::Wgpu,
-        &common::opts(dir_d.clone(), false),
-    )
-    .unwrap();
+    let (sc, _) = train_on_wgpu(&current, "fp8_tensor_current");
+    let (sd, dir_d) = train_on_wgpu(&delayed, "fp8_tensor_delayed");
     let (vc, vd) = (sc.best_val_loss.unwrap(), sd.best_val_loss.unwrap());
     eprintln!("best validation loss after {steps} steps: current {vc:.4}, delayed {vd:.4}");
     assert!(sd.final_loss.is_finite() && vd.is_finite());
@@ -553,4 +511,27 @@ fn fp8_delayed_scaling_trains() {
     );
     let h = m[9].fp8.as_ref().expect("health at step 10");
     assert!(h.iter().all(|l| l.amax > 0.0), "{h:?}");
+}
+
+/// A tiny config trained in FP8 on wgpu: f32 compute (lavapipe has no bf16), FP8 health every
+/// `health_interval` steps.
+fn tiny_fp8_config(steps: usize, health_interval: u64) -> trainer::Config {
+    let mut cfg = common::tiny_config(steps);
+    cfg.precision = trainer::config::PrecisionKind::Fp8;
+    cfg.fp8.compute = trainer::config::Fp8ComputeKind::F32;
+    cfg.fp8.health_interval = health_interval;
+    cfg
+}
+
+/// Trains `cfg` on wgpu into a fresh scratch directory named `name`: its summary and the run
+/// directory.
+fn train_on_wgpu(cfg: &trainer::Config, name: &str) -> (trainer::Summary, std::path::PathBuf) {
+    let dir = common::scratch(name);
+    let summary = trainer::run(
+        cfg,
+        &trainer::device::Selected::Wgpu,
+        &common::opts(dir.clone(), false),
+    )
+    .unwrap();
+    (summary, dir)
 }
