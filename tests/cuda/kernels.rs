@@ -145,13 +145,28 @@ fn flash_attention_cases(dtype: FloatDType) {
     kernel_cases::flash_attention::<B>(dtype, &CudaDevice::default(), &shapes, true);
 }
 
-/// The tensor-core forward on the output path of devices without `stmatrix` (before sm_90):
-/// `BURNMIX_FLASH_TILES=stmatrix=off`, the shapes above in bf16 and f16.
+/// The CubeCL tensor-core forward where the Hopper kernel would otherwise run
+/// (`BURNMIX_FLASH_HOPPER=off`): the shapes and layouts above in bf16 and f16, so that the
+/// portable tensor-core path stays tested on Hopper GPUs too.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_cubecl_forward() {
+    let _settings = kernels::settings::scoped(|s| s.flash_hopper = false);
+    for dtype in [FloatDType::BF16, FloatDType::F16] {
+        flash_attention_cases(dtype);
+        flash_attention_layouts(dtype);
+    }
+}
+
+/// The CubeCL tensor-core forward on the output path of devices without `stmatrix` (before
+/// sm_90): `BURNMIX_FLASH_TILES=stmatrix=off` (and the Hopper kernel off), the shapes above in
+/// bf16 and f16.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_flash_attention_without_stmatrix() {
     let _settings = kernels::settings::scoped(|s| {
-        s.flash_tiles = Some("stmatrix=off".parse().expect("a valid tile override"))
+        s.flash_tiles = Some("stmatrix=off".parse().expect("a valid tile override"));
+        s.flash_hopper = false;
     });
     flash_attention_cases(FloatDType::BF16);
     flash_attention_cases(FloatDType::F16);

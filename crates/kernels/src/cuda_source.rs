@@ -7,7 +7,8 @@
 //! `const __grid_constant__` struct holding the 64-bit words given as `info` (CubeCL passes
 //! launch metadata by value on the GPUs it supports grid constants on, compute capability 7.0+;
 //! callers use this route on newer GPUs only). Its shared memory is static (`__shared__`, at most
-//! 48 KB): CubeCL reserves no dynamic shared memory for it.
+//! 48 KB), or dynamic (`extern __shared__`) where it is built [`CudaSource::with_shared`]: CubeCL's
+//! server raises the kernel's limit and gives each launch that many bytes.
 //!
 //! CubeCL caches the compiled kernel in memory and its PTX on disk under the kernel's id, which
 //! holds the variant's `#define` lines and a hash of the kernel text, so a changed source is compiled
@@ -29,6 +30,7 @@ pub(crate) struct CudaSource {
     defines: String,
     body: &'static str,
     cube_dim: CubeDim,
+    shared_bytes: usize,
     id: KernelId,
 }
 
@@ -41,19 +43,41 @@ impl CudaSource {
         body: &'static str,
         cube_dim: CubeDim,
     ) -> Self {
-        let id = KernelId::new::<Self>().cube_dim(cube_dim).info((
-            entry,
-            defines.clone(),
-            body_hash(body),
-        ));
+        let id = kernel_id(entry, &defines, body, cube_dim, 0);
         Self {
             entry,
             defines,
             body,
             cube_dim,
+            shared_bytes: 0,
             id,
         }
     }
+
+    /// The same kernel with `bytes` of dynamic shared memory a block (its `extern __shared__`
+    /// array; more than 48 KB where the device allows it).
+    pub(crate) fn with_shared(mut self, bytes: usize) -> Self {
+        self.shared_bytes = bytes;
+        self.id = kernel_id(self.entry, &self.defines, self.body, self.cube_dim, bytes);
+        self
+    }
+}
+
+/// The id CubeCL caches a kernel under (in memory, and its PTX on disk): everything that changes
+/// the compiled kernel or its launch.
+fn kernel_id(
+    entry: &'static str,
+    defines: &str,
+    body: &'static str,
+    cube_dim: CubeDim,
+    shared_bytes: usize,
+) -> KernelId {
+    KernelId::new::<CudaSource>().cube_dim(cube_dim).info((
+        entry,
+        defines.to_string(),
+        body_hash(body),
+        shared_bytes,
+    ))
 }
 
 /// The [`fnv1a`] hash of a kernel text, computed on its first use in the process.
@@ -108,7 +132,19 @@ impl CubeTask<CudaCompiler> for CudaSource {
                 cluster_dim: None,
             },
         };
-        let repr = compiler.compile(empty, options, mode, address_type)?;
+        let mut repr = compiler.compile(empty, options, mode, address_type)?;
+        // The server gives a launch the end of the last shared memory listed here as dynamic
+        // shared memory (and records it with the PTX in its disk cache).
+        if self.shared_bytes > 0 {
+            use cubecl_cpp::shared::{Elem, Item, SharedMemory};
+            repr.body.shared_memories.push(SharedMemory::Array {
+                index: 0,
+                item: Item::new(Elem::U8, 1, false),
+                length: self.shared_bytes,
+                align: 16,
+                offset: 0,
+            });
+        }
         Ok(CompiledKernel {
             entrypoint_name: self.entry.to_string(),
             debug_name: Some(self.entry),
@@ -141,4 +177,33 @@ pub(crate) fn launch(
         CubeCount::Static(cubes.0, cubes.1, cubes.2),
         args,
     );
+}
+
+/// The compute capability `(major, minor)` of the GPU that holds `t`, or `None` where the driver
+/// does not say. Read once per device.
+pub(crate) fn compute_capability(
+    t: &burn_cubecl::tensor::CubeTensor<CudaRuntime>,
+) -> Option<(i32, i32)> {
+    use cudarc::driver::{result as drv, sys};
+    static KNOWN: Mutex<BTreeMap<usize, Option<(i32, i32)>>> = Mutex::new(BTreeMap::new());
+    let index = t.device.index;
+    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+    *known.entry(index).or_insert_with(|| {
+        // SAFETY: the driver was initialised by CubeCL's client (the tensor exists); the
+        // attribute queries read the device's fixed properties.
+        unsafe {
+            let dev = drv::device::get(index as i32).ok()?;
+            let major = drv::device::get_attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )
+            .ok()?;
+            let minor = drv::device::get_attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+            )
+            .ok()?;
+            Some((major, minor))
+        }
+    })
 }

@@ -19,6 +19,7 @@
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
 //! | [`Settings::fp8_pair`] | `BURNMIX_FP8_PAIR` | `auto` (default), `native`, `fused`, `separate` |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
+//! | [`Settings::flash_hopper`] | `BURNMIX_FLASH_HOPPER` | `on` (default), `off` (the CubeCL forward on Hopper too) |
 //! | [`Settings::embedding_atomic`] | `BURNMIX_EMBEDDING_GRAD` | `atomic` (default), `reference` |
 //! | [`Settings::memory_trace`] | `BURNMIX_MEMORY_TRACE` | `0` / `off` (default), `1` / `on` |
 
@@ -45,6 +46,8 @@ pub const FP8_MMA_SHAPE_ENV: &str = "BURNMIX_FP8_MMA_SHAPE";
 pub const FP8_PAIR_ENV: &str = "BURNMIX_FP8_PAIR";
 /// `BURNMIX_FLASH_TILES`: [`Settings::flash_tiles`].
 pub const FLASH_TILES_ENV: &str = "BURNMIX_FLASH_TILES";
+/// `BURNMIX_FLASH_HOPPER`: [`Settings::flash_hopper`].
+pub const FLASH_HOPPER_ENV: &str = "BURNMIX_FLASH_HOPPER";
 /// `BURNMIX_EMBEDDING_GRAD`: [`Settings::embedding_atomic`].
 pub const EMBEDDING_GRAD_ENV: &str = "BURNMIX_EMBEDDING_GRAD";
 /// `BURNMIX_MEMORY_TRACE`: [`Settings::memory_trace`].
@@ -160,6 +163,9 @@ pub struct Settings {
     pub fp8_pair: Option<Fp8PairPath>,
     /// FlashAttention tile overrides; `None`: the defaults.
     pub flash_tiles: Option<FlashTiles>,
+    /// FlashAttention's forward on Hopper GPUs runs the warpgroup-MMA kernel where it applies
+    /// (default; see `attention::hopper`); off: the CubeCL tensor-core kernel, for comparison.
+    pub flash_hopper: bool,
     /// The embedding backward's scatter with f32 atomic adds on CUDA (default); off: Burn's
     /// select-assign, the reference, for comparison.
     pub embedding_atomic: bool,
@@ -181,6 +187,7 @@ impl Default for Settings {
             fp8_mma_shape: None,
             fp8_pair: None,
             flash_tiles: None,
+            flash_hopper: true,
             embedding_atomic: true,
             memory_trace: false,
         }
@@ -247,6 +254,11 @@ impl Settings {
             }
         };
         s.flash_tiles = parse(&var, FLASH_TILES_ENV)?;
+        match var(FLASH_HOPPER_ENV).as_deref().map(str::trim) {
+            None | Some("") | Some("on") => {}
+            Some("off") => s.flash_hopper = false,
+            Some(v) => return Err(format!("{FLASH_HOPPER_ENV}: `{v}` is not `on` or `off`")),
+        }
         match var(EMBEDDING_GRAD_ENV).as_deref().map(str::trim) {
             None | Some("") | Some("atomic") => {}
             Some("reference") => s.embedding_atomic = false,
@@ -425,6 +437,7 @@ mod tests {
             (FP8_MMA_SHAPE_ENV, "4,2,2,8"),
             (FP8_PAIR_ENV, "fused"),
             (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
+            (FLASH_HOPPER_ENV, "off"),
             (EMBEDDING_GRAD_ENV, "reference"),
             (MEMORY_TRACE_ENV, "1"),
         ]))
@@ -438,6 +451,7 @@ mod tests {
         assert_eq!(s.fp8_mma_shape, Some(MmaShape::parse("4,2,2,8").unwrap()));
         assert_eq!(s.fp8_pair, Some(Fp8PairPath::Fused));
         assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
+        assert!(!s.flash_hopper);
         assert!(!s.embedding_atomic);
         assert!(s.memory_trace);
         // The FP8 order follows the other GEMMs' unless set.
@@ -457,6 +471,7 @@ mod tests {
             (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
             (FP8_PAIR_ENV, "one", "auto, native, fused, separate"),
             (FLASH_TILES_ENV, "fwd=3x64", "row tiles must be 1, 2 or 4"),
+            (FLASH_HOPPER_ENV, "yes", "`on` or `off`"),
             (FLASH_TILES_ENV, "attn=2x64", "expected fwd, dq, dkdv"),
             (FLASH_TILES_ENV, "bwd=2x64", "`split` or `rows`"),
             (EMBEDDING_GRAD_ENV, "fast", "atomic, reference"),

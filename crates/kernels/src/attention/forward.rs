@@ -157,6 +157,9 @@ pub(crate) fn forward<R: CubeRuntime>(
     let dtype: StorageType = q.dtype.into();
     let bh = (d.batch * d.heads) as u32;
     match path(&q) {
+        FlashPath::TensorCores if super::hopper::applies(&q, &k, &v, &d, drop.on) => {
+            super::hopper::forward(&q, &k, &v, &out, &lse, &d, causal, scale);
+        }
         FlashPath::TensorCores => {
             // Tiles are copied with cp.async, which moves 4, 8 or 16 bytes: rows whose strides
             // are odd (in elements) are copied to a contiguous layout first.

@@ -58,6 +58,7 @@ mod cube;
 pub mod dropout;
 pub(crate) mod forward;
 pub(crate) mod gradients;
+mod hopper;
 pub(crate) mod kernel;
 pub(crate) mod mma;
 pub(crate) mod packed;
