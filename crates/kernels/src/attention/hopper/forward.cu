@@ -15,18 +15,21 @@
 // log-sum-exp of each query row's scaled scores, which the backward recomputes P from.
 //
 // A block of 256 threads (two warpgroups) owns BR = 128 query rows, each warpgroup 64 of them,
-// and walks the key/value blocks of BC = 128 keys. Q and two stages of K and V live in shared
+// and walks the key/value blocks of BC = 128 keys. Q and three stages of K and V live in shared
 // memory in the layout `wgmma` reads with its 128-byte swizzle: each tile is split into HD / 64
 // column segments of 64 elements (128 bytes a row), a segment's rows are consecutive 128-byte
-// lines, and the 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its line. The copies of
-// the next K/V block (cp.async, 16 bytes each) are in flight while the current one is computed.
-// Per key block, in each warpgroup:
+// lines, and the 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its line. Every thread
+// copies (cp.async, 16 bytes each); block j + 2's copies are in flight while blocks j and j + 1
+// are computed. Each warpgroup:
 //   1. S = Q K^T: HD / 16 `wgmma` m64n128k16 from shared memory (both operands K-major);
 //   2. the online softmax on S in registers (scores scaled by scale * log2(e), exp2 through
 //      `ex2.approx`), rescaling the output accumulator when a row's maximum grows;
 //   3. O += P V: P converted to 16 bits in the registers `wgmma` takes its A operand from (the
 //      accumulator's fragment of S is the A fragment of P, element for element), V from shared
-//      memory read transposed (MN-major), 8 `wgmma` m64nHDk16.
+//      memory read transposed (MN-major), BC / 16 `wgmma` m64nHDk16.
+// Steps 1 and 3 of consecutive blocks overlap (FlashAttention-3's intra-warpgroup pipelining):
+// block j + 1's scores and block j's P V are issued together, and block j + 1's softmax runs
+// while P V is still on the tensor cores; only the rescaling of O waits for it.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -46,7 +49,9 @@ typedef unsigned long long u64;
 #define SEGS (HD / 64)
 #define Q_BYTES (BR * HD * 2)
 #define KV_BYTES (BC * HD * 2)
-#define SMEM_BYTES (Q_BYTES + 4 * KV_BYTES)
+// K/V stages: block j + 2 is copied while block j + 1's scores and block j's P V are computed.
+#define STAGES 3
+#define SMEM_BYTES (Q_BYTES + 2 * STAGES * KV_BYTES)
 
 struct Info {
     u64 heads;
@@ -201,6 +206,96 @@ __device__ __forceinline__ void load_tile(u32 dst, const unsigned short* src, u6
     }
 }
 
+// Issues S = Q K^T for this warpgroup's 64 query rows against the BC keys of `k_tile` (both
+// K-major), into `s` (not committed).
+__device__ __forceinline__ void issue_scores(float (&s)[BC / 2], u32 sq, u32 k_tile, u32 wg) {
+#pragma unroll
+    for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < HD / 16; ++t) {
+        // k steps of 16 columns (32 bytes) within a 128-byte segment.
+        const u32 seg = (u32)t / 4u, within = ((u32)t % 4u) * 32u;
+        const u64 da = descriptor(sq + seg * (BR * 128) + wg * (64 * 128) + within, 16u, 1024u);
+        const u64 db = descriptor(k_tile + seg * (BC * 128) + within, 16u, 1024u);
+        wgmma_ss_n128(s, da, db, t > 0 ? 1u : 0u);
+    }
+}
+
+// Issues O += P V for the BC keys of `v_tile` (MN-major: its 64-column segments are the leading
+// offset apart), P from registers (not committed).
+__device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const u32 (&p)[BC / 16][4], u32 v_tile) {
+    fence_regs(o);
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < BC / 16; ++t) {
+        // Keys 16t .. 16t + 15: two 8-row groups of 1024 bytes.
+        wgmma_pv(o, p[t], descriptor(v_tile + (u32)t * 2048u, BC * 128, 1024u));
+    }
+}
+
+// The scores of keys at or past seq_k, and under the causal mask of keys after their query row,
+// to -inf (a block that needs it: at the end of the keys or on the diagonal).
+__device__ __forceinline__ void mask_scores(float (&s)[BC / 2], long long kv0, long long seq_k, long long row0,
+                                            long long row1, u32 col_in) {
+#pragma unroll
+    for (int i = 0; i < BC / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const long long col = kv0 + i * 8 + col_in + (e & 1);
+            const long long row = e < 2 ? row0 : row1;
+            if (col >= seq_k || (CAUSAL && col > row)) s[i * 4 + e] = __int_as_float(0xff800000);
+        }
+    }
+}
+
+// The online softmax's step over one block of scores, for this thread's two rows: the new
+// maxima (of the scores times scale * log2(e), over the row's four lanes) into m, s turned into
+// exp2(s * scale_log2 - m), the factors that rescale what the old maxima weighted into alpha, and
+// this thread's share of the new terms into sum.
+__device__ __forceinline__ void softmax_step(float (&s)[BC / 2], float scale_log2, float (&m)[2], float (&alpha)[2],
+                                             float (&sum)[2]) {
+    const float neg_inf = __int_as_float(0xff800000);
+    float x[2] = {neg_inf, neg_inf};
+#pragma unroll
+    for (int i = 0; i < BC / 8; ++i) {
+        x[0] = fmaxf(x[0], fmaxf(s[i * 4], s[i * 4 + 1]));
+        x[1] = fmaxf(x[1], fmaxf(s[i * 4 + 2], s[i * 4 + 3]));
+    }
+    float u[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        x[r] = fmaxf(x[r], __shfl_xor_sync(0xffffffffu, x[r], 1));
+        x[r] = fmaxf(x[r], __shfl_xor_sync(0xffffffffu, x[r], 2));
+        const float n = fmaxf(m[r], x[r] * scale_log2);
+        // A row with no visible key yet keeps the maximum -inf: subtract 0 from its -inf scores.
+        u[r] = n == neg_inf ? 0.f : n;
+        alpha[r] = ex2(m[r] - u[r]);
+        m[r] = n;
+        sum[r] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < BC / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[i * 4 + e] = ex2(fmaf(s[i * 4 + e], scale_log2, -u[e >> 1]));
+            sum[e >> 1] += s[i * 4 + e];
+        }
+    }
+}
+
+// P in 16 bits as `wgmma`'s A fragments: keys 16t .. 16t + 15 are accumulator groups 2t, 2t + 1.
+__device__ __forceinline__ void to_fragments(const float (&s)[BC / 2], u32 (&p)[BC / 16][4]) {
+#pragma unroll
+    for (int t = 0; t < BC / 16; ++t) {
+        p[t][0] = pack(s[8 * t], s[8 * t + 1]);
+        p[t][1] = pack(s[8 * t + 2], s[8 * t + 3]);
+        p[t][2] = pack(s[8 * t + 4], s[8 * t + 5]);
+        p[t][3] = pack(s[8 * t + 6], s[8 * t + 7]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
     const unsigned short* __restrict__ q,
     const unsigned short* __restrict__ k,
@@ -212,8 +307,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
     // The swizzle is a function of the address bits: tiles start on 1024-byte boundaries.
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sq = base;
-    const u32 sk = base + Q_BYTES;      // stage s at sk + s * KV_BYTES
-    const u32 sv = sk + 2 * KV_BYTES;   // likewise
+    // Block j's keys and values: stage j % STAGES.
+    const u32 sk = base + Q_BYTES, sv = sk + STAGES * KV_BYTES;
 
     const u64 bh = blockIdx.y;
     const u64 h = bh % info.heads, b = bh / info.heads;
@@ -226,10 +321,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
     const unsigned short* kp = k + b * info.k_b + kvh * info.k_h;
     const unsigned short* vp = v + b * info.v_b + kvh * info.v_h;
 
-    long long kv_blocks = (seq_k + BC - 1) / BC;
+    long long blocks = (seq_k + BC - 1) / BC;
     if (CAUSAL) {
         const long long seen = (q0 + BR - 1) / BC + 1;
-        kv_blocks = kv_blocks < seen ? kv_blocks : seen;
+        blocks = blocks < seen ? blocks : seen;
     }
 
     const u32 tid = threadIdx.x, wg = tid / 128u, warp = (tid / 32u) % 4u, lane = tid % 32u;
@@ -240,141 +335,105 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
     const u32 col_in = (lane % 4u) * 2u;
     const float scale_log2 = __uint_as_float((u32)info.scale_log2);
     const float neg_inf = __int_as_float(0xff800000);
+    // Whether block j's scores need the mask.
+    auto masked = [&](long long j) { return (j + 1) * BC > seq_k || (CAUSAL && (j + 1) * BC - 1 > q0); };
+    auto load_block = [&](long long j) {
+        const u32 st = (u32)(j % STAGES);
+        const long long kv0 = j * BC;
+        load_tile<BC>(sk + st * KV_BYTES, kp + (u64)kv0 * info.k_s, info.k_s, seq_k - kv0);
+        load_tile<BC>(sv + st * KV_BYTES, vp + (u64)kv0 * info.v_s, info.v_s, seq_k - kv0);
+        cp_async_commit();
+    };
 
+    // Q and block 0 in one group, block 1 in the next.
     load_tile<BR>(sq, qp, info.q_s, seq_q - q0);
-    load_tile<BC>(sk, kp, info.k_s, seq_k);
-    load_tile<BC>(sv, vp, info.v_s, seq_k);
-    cp_async_commit();
+    load_block(0);
+    if (blocks > 1) {
+        load_block(1);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
 
+    float s[BC / 2];
     float o[HD / 2];
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
-    // Running maxima (of scores times scale * log2(e)) and partial sums of this thread's columns.
-    float m0 = neg_inf, m1 = neg_inf, l0 = 0.f, l1 = 0.f;
+    u32 p[BC / 16][4];
+    // Running maxima (of the scores times scale * log2(e)) and this thread's partial sums.
+    float m[2] = {neg_inf, neg_inf}, l[2] = {0.f, 0.f}, alpha[2], sum[2];
 
-    for (long long j = 0; j < kv_blocks; ++j) {
-        const u32 st = (u32)(j & 1);
-        if (j + 1 < kv_blocks) {
-            const long long next = (j + 1) * BC;
-            load_tile<BC>(sk + (st ^ 1u) * KV_BYTES, kp + (u64)next * info.k_s, info.k_s, seq_k - next);
-            load_tile<BC>(sv + (st ^ 1u) * KV_BYTES, vp + (u64)next * info.v_s, info.v_s, seq_k - next);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
+    issue_scores(s, sq, sk, wg);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    if (masked(0)) mask_scores(s, 0, seq_k, row0, row1, col_in);
+    softmax_step(s, scale_log2, m, alpha, sum);
+    l[0] = sum[0];
+    l[1] = sum[1];
+    to_fragments(s, p);
+
+    // Iteration j: block j + 1's scores and block j's P V on the tensor cores together, then
+    // block j + 1's softmax while P V finishes.
+    for (long long j = 0; j < blocks; ++j) {
+        const u32 st = (u32)(j % STAGES);
+        if (j + 1 < blocks) {
             cp_async_wait<0>();
-        }
-        fence_proxy_async();
-        __syncthreads();
-
-        // 1. S = Q K^T, [64, BC] per warpgroup.
-        float s[BC / 2];
+            fence_proxy_async();
+            // Block j + 1 has landed for every thread, and every thread is done with block
+            // j - 1, whose stage block j + 2 takes.
+            __syncthreads();
+            if (j + 2 < blocks) load_block(j + 2);
+            issue_scores(s, sq, sk + (u32)((j + 1) % STAGES) * KV_BYTES, wg);
+            wgmma_commit();
+            issue_pv(o, p, sv + st * KV_BYTES);
+            wgmma_commit();
+            wgmma_wait<1>();
+            fence_regs(s);
+            if (masked(j + 1)) mask_scores(s, (j + 1) * BC, seq_k, row0, row1, col_in);
+            softmax_step(s, scale_log2, m, alpha, sum);
+            wgmma_wait<0>();
+            fence_regs(o);
 #pragma unroll
-        for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
-        fence_regs(s);
-        wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < HD / 16; ++t) {
-            const u32 seg = (u32)t / 4u, within = ((u32)t % 4u) * 32u;
-            const u64 da = descriptor(sq + seg * (BR * 128) + wg * (64 * 128) + within, 16u, 1024u);
-            const u64 db = descriptor(sk + st * KV_BYTES + seg * (BC * 128) + within, 16u, 1024u);
-            wgmma_ss_n128(s, da, db, t > 0 ? 1u : 0u);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
-
-        // 2. Online softmax. Keys past seq_k, and under the causal mask keys after the row,
-        //    score -inf.
-        const long long kv0 = j * BC;
-        if (kv0 + BC > seq_k || (CAUSAL && kv0 + BC - 1 > q0)) {
-#pragma unroll
-            for (int i = 0; i < BC / 8; ++i) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const long long col = kv0 + i * 8 + col_in + (e & 1);
-                    const long long row = e < 2 ? row0 : row1;
-                    if (col >= seq_k || (CAUSAL && col > row)) s[i * 4 + e] = neg_inf;
-                }
+            for (int i = 0; i < HD / 8; ++i) {
+                o[i * 4] *= alpha[0];
+                o[i * 4 + 1] *= alpha[0];
+                o[i * 4 + 2] *= alpha[1];
+                o[i * 4 + 3] *= alpha[1];
             }
+            l[0] = l[0] * alpha[0] + sum[0];
+            l[1] = l[1] * alpha[1] + sum[1];
+            to_fragments(s, p);
+        } else {
+            issue_pv(o, p, sv + st * KV_BYTES);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(o);
         }
-        float x0 = neg_inf, x1 = neg_inf;
-#pragma unroll
-        for (int i = 0; i < BC / 8; ++i) {
-            x0 = fmaxf(x0, fmaxf(s[i * 4], s[i * 4 + 1]));
-            x1 = fmaxf(x1, fmaxf(s[i * 4 + 2], s[i * 4 + 3]));
-        }
-        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
-        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
-        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 1));
-        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 2));
-        const float n0 = fmaxf(m0, x0 * scale_log2), n1 = fmaxf(m1, x1 * scale_log2);
-        // A row with no visible key yet keeps the maximum -inf; subtract 0 from its -inf scores.
-        const float u0 = n0 == neg_inf ? 0.f : n0, u1 = n1 == neg_inf ? 0.f : n1;
-        const float a0 = ex2(m0 - u0), a1 = ex2(m1 - u1);
-        m0 = n0;
-        m1 = n1;
-        float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-        for (int i = 0; i < BC / 8; ++i) {
-            s[i * 4] = ex2(fmaf(s[i * 4], scale_log2, -u0));
-            s[i * 4 + 1] = ex2(fmaf(s[i * 4 + 1], scale_log2, -u0));
-            s[i * 4 + 2] = ex2(fmaf(s[i * 4 + 2], scale_log2, -u1));
-            s[i * 4 + 3] = ex2(fmaf(s[i * 4 + 3], scale_log2, -u1));
-            sum0 += s[i * 4] + s[i * 4 + 1];
-            sum1 += s[i * 4 + 2] + s[i * 4 + 3];
-        }
-        l0 = l0 * a0 + sum0;
-        l1 = l1 * a1 + sum1;
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) {
-            o[i * 4] *= a0;
-            o[i * 4 + 1] *= a0;
-            o[i * 4 + 2] *= a1;
-            o[i * 4 + 3] *= a1;
-        }
-
-        // 3. O += P V. The A fragment of keys 16t .. 16t + 15 is accumulator groups 2t, 2t + 1.
-        u32 p[BC / 16][4];
-#pragma unroll
-        for (int t = 0; t < BC / 16; ++t) {
-            p[t][0] = pack(s[8 * t], s[8 * t + 1]);
-            p[t][1] = pack(s[8 * t + 2], s[8 * t + 3]);
-            p[t][2] = pack(s[8 * t + 4], s[8 * t + 5]);
-            p[t][3] = pack(s[8 * t + 6], s[8 * t + 7]);
-        }
-        fence_regs(o);
-        wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < BC / 16; ++t) {
-            // Keys 16t .. 16t + 15 are two 8-row groups of 1024 bytes each.
-            const u64 dv = descriptor(sv + st * KV_BYTES + (u32)t * 2048u, BC * 128, 1024u);
-            wgmma_pv(o, p[t], dv);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(o);
-        // The next iteration's copies overwrite this stage.
-        __syncthreads();
     }
 
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    }
     unsigned short* op = out + b * info.o_b + h * info.o_h;
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i) {
         const u32 col = (u32)i * 8u + col_in;
         if (row0 < seq_q)
-            *reinterpret_cast<u32*>(op + (u64)row0 * info.o_s + col) = pack(o[i * 4] * inv0, o[i * 4 + 1] * inv0);
+            *reinterpret_cast<u32*>(op + (u64)row0 * info.o_s + col) = pack(o[i * 4] * inv[0], o[i * 4 + 1] * inv[0]);
         if (row1 < seq_q)
-            *reinterpret_cast<u32*>(op + (u64)row1 * info.o_s + col) = pack(o[i * 4 + 2] * inv1, o[i * 4 + 3] * inv1);
+            *reinterpret_cast<u32*>(op + (u64)row1 * info.o_s + col) = pack(o[i * 4 + 2] * inv[1], o[i * 4 + 3] * inv[1]);
     }
     if (lane % 4u == 0u) {
         const float ln2 = 0.6931471805599453f;
         float* lp = lse + bh * info.seq_q;
-        if (row0 < seq_q) lp[row0] = (m0 + lg2(l0)) * ln2;
-        if (row1 < seq_q) lp[row1] = (m1 + lg2(l1)) * ln2;
+        if (row0 < seq_q) lp[row0] = (m[0] + lg2(l[0])) * ln2;
+        if (row1 < seq_q) lp[row1] = (m[1] + lg2(l[1])) * ln2;
     }
 }
