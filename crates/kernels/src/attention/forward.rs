@@ -6,26 +6,13 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
+pub(crate) use super::dims::Dims;
 use super::kernel::flash_forward;
 use super::mma::flash_forward_mma;
 use super::tiles::{path, FlashPath, MmaTiles, MAX_HEAD_DIM};
 use crate::check::{check_float, check_same_dtype, check_scale, fail};
 use crate::dropout::{DropArgs, Dropout};
 use crate::launch::{contiguous, empty, vector_width};
-
-/// The sizes of an attention call.
-pub(crate) struct Dims {
-    pub batch: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads: `heads`, or a divisor of it (grouped-query attention).
-    pub kv_heads: usize,
-    /// Query heads per key/value head, `heads / kv_heads`.
-    pub group: usize,
-    pub seq_q: usize,
-    pub seq_k: usize,
-    pub hd: usize,
-}
 
 /// Checks q `[batch, heads, seq_q, hd]` and k, v `[batch, kv_heads, seq_k, hd]` (one float
 /// dtype, `kv_heads` dividing `heads`) and returns their sizes.

@@ -55,6 +55,7 @@
 
 pub(crate) mod backward;
 mod cube;
+mod dims;
 pub mod dropout;
 pub(crate) mod forward;
 pub(crate) mod gradients;

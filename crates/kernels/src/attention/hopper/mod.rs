@@ -13,7 +13,7 @@ use burn_cubecl::CubeRuntime;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 
-use super::forward::Dims;
+use super::dims::Dims;
 use crate::cuda_source::{compute_capability, launch, CudaSource};
 use crate::gemm::cublaslt::as_cuda as cuda;
 
