@@ -47,7 +47,7 @@ pub(crate) fn applies<R: CubeRuntime>(
     if dropout || !(d.hd == 64 || d.hd == 128) || !matches!(q.dtype, DType::F16 | DType::BF16) {
         return false;
     }
-    if !crate::settings::get().flash_hopper {
+    if !crate::settings::read(|s| s.flash_hopper) {
         return false;
     }
     let Some(qc) = cuda(q) else {
