@@ -179,13 +179,22 @@ pub(crate) fn launch(
     );
 }
 
-/// The compute capability `(major, minor)` of the GPU that holds `t`, or `None` where the driver
-/// does not say. Read once per device.
-pub(crate) fn compute_capability(
+/// What the driver says of a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DeviceFacts {
+    /// `(major, minor)`.
+    pub(crate) compute_capability: (i32, i32),
+    pub(crate) multiprocessors: u32,
+    pub(crate) l2_bytes: u64,
+}
+
+/// The facts of the GPU that holds `t`, or `None` where the driver does not say. Read once per
+/// device.
+pub(crate) fn device_facts(
     t: &burn_cubecl::tensor::CubeTensor<CudaRuntime>,
-) -> Option<(i32, i32)> {
-    use cudarc::driver::{result as drv, sys};
-    static KNOWN: Mutex<BTreeMap<usize, Option<(i32, i32)>>> = Mutex::new(BTreeMap::new());
+) -> Option<DeviceFacts> {
+    use cudarc::driver::{result as drv, sys::CUdevice_attribute as A};
+    static KNOWN: Mutex<BTreeMap<usize, Option<DeviceFacts>>> = Mutex::new(BTreeMap::new());
     let index = t.device.index;
     let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
     *known.entry(index).or_insert_with(|| {
@@ -193,17 +202,15 @@ pub(crate) fn compute_capability(
         // attribute queries read the device's fixed properties.
         unsafe {
             let dev = drv::device::get(index as i32).ok()?;
-            let major = drv::device::get_attribute(
-                dev,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-            )
-            .ok()?;
-            let minor = drv::device::get_attribute(
-                dev,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-            )
-            .ok()?;
-            Some((major, minor))
+            let get = |a| drv::device::get_attribute(dev, a).ok();
+            Some(DeviceFacts {
+                compute_capability: (
+                    get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                    get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+                ),
+                multiprocessors: get(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+                l2_bytes: get(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64,
+            })
         }
     })
 }

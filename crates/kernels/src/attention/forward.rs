@@ -143,10 +143,14 @@ pub(crate) fn forward<R: CubeRuntime>(
     let client = q.client.clone();
     let dtype: StorageType = q.dtype.into();
     let bh = (d.batch * d.heads) as u32;
-    match path(&q) {
-        FlashPath::TensorCores if super::hopper::applies(&q, &k, &v, &d, drop.on) => {
-            super::hopper::forward(&q, &k, &v, &out, &lse, &d, causal, scale);
+    let tensor_cores = matches!(path(&q), FlashPath::TensorCores);
+    if tensor_cores && super::hopper::applies(&q, &k, &v, &d, drop.on) {
+        match super::hopper::forward(&q, &k, &v, &out, &lse, &d, causal, scale) {
+            Ok(()) => return (out, lse),
+            Err(why) => warn_hopper_refused(&why),
         }
+    }
+    match path(&q) {
         FlashPath::TensorCores => {
             // Tiles are copied with cp.async, which moves 4, 8 or 16 bytes: rows whose strides
             // are odd (in elements) are copied to a contiguous layout first.
@@ -262,4 +266,13 @@ pub(crate) fn mma_width<R: CubeRuntime>(
         .flatten()
         .collect();
     row_width(&ts, &[q.dtype], d.hd)
+}
+
+/// The Hopper forward could not run a call it applies to (the driver refused a tensor map): the
+/// CubeCL kernel runs it instead, said once per process.
+fn warn_hopper_refused(why: &str) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!("warning: kernels::attention: the Hopper forward cannot run ({why}); the CubeCL forward runs instead");
+    }
 }

@@ -1,35 +1,46 @@
-// FlashAttention forward for Hopper (compute capability 9.0): warpgroup MMA (`wgmma`) from
-// shared memory, the online softmax in registers, P fed back to the tensor cores from registers.
-// The CUDA C++ counterpart of the CubeCL kernel `flash_forward_mma` (attention/mma/forward.rs):
-// the same inputs, output and log-sum-exp, for 16-bit inputs at head_dim 64 and 128 without
-// dropout. Compiled at run time by NVRTC for sm_90a (through CubeCL, see cuda_source.rs) with
-// these macros defined before this text:
+// FlashAttention forward for Hopper (compute capability 9.0), as FlashAttention-3 builds it: TMA
+// copies by a producer warp, warpgroup MMA (`wgmma`) from shared memory in consumer warpgroups
+// that take the producer's registers, the online softmax in registers with P fed back to the
+// tensor cores from registers, and the consumers' GEMMs issued in turn so that one warpgroup's
+// softmax runs while another's products are on the tensor cores. The CUDA C++ counterpart of the
+// CubeCL kernel `flash_forward_mma` (attention/mma/forward.rs): the same inputs, output and
+// log-sum-exp, for 16-bit inputs at head_dim 64 and 128 without dropout. Compiled at run time by
+// NVRTC for sm_90a (through CubeCL, see cuda_source.rs) with these macros defined before this
+// text:
 //   HD        head_dim: 64 or 128
 //   IS_BF16   1: bf16 inputs and output, 0: f16
 //   CAUSAL    1: query i sees keys j <= i (aligned at the first position, as PyTorch's
 //             `is_causal`); 0: every key
+//   CONSUMERS consumer warpgroups, each of 64 query rows (2 or 3)
+//   STAGES    key/value blocks in shared memory at once (the launcher takes 2)
 //
-// Tensors (element strides, the last dimension contiguous): q [batch, heads, seq_q, HD],
-// k and v [batch, kv_heads, seq_k, HD] (query head h reads k/v head h / group), out
-// [batch, heads, seq_q, HD] and lse [batch, heads, seq_q] (f32, contiguous): the natural
-// log-sum-exp of each query row's scaled scores, which the backward recomputes P from.
+// Tensors: q [batch, heads, seq_q, HD], k and v [batch, kv_heads, seq_k, HD] (query head h reads
+// k/v head h / group), each read through a TMA tensor map the launcher encodes (innermost first:
+// HD, seq, heads, batch; boxes of 64 columns by a tile's rows, 128-byte swizzle; rows past the end
+// read as zeros); out [batch, heads, seq_q, HD] (element strides, the last one 1) and lse [batch,
+// heads, seq_q] (f32, contiguous): the natural log-sum-exp of each query row's scaled scores,
+// which the backward recomputes P from.
 //
-// A block of 256 threads (two warpgroups) owns BR = 128 query rows, each warpgroup 64 of them,
-// and walks the key/value blocks of BC = 128 keys. Q and three stages of K and V live in shared
-// memory in the layout `wgmma` reads with its 128-byte swizzle: each tile is split into HD / 64
-// column segments of 64 elements (128 bytes a row), a segment's rows are consecutive 128-byte
-// lines, and the 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its line. Every thread
-// copies (cp.async, 16 bytes each); block j + 2's copies are in flight while blocks j and j + 1
-// are computed. Each warpgroup:
+// The work is split into tiles of BR = 64 * CONSUMERS query rows of one (batch, head), each
+// walking the key/value blocks of BC = 128 keys; blocks are persistent (one per SM) and take the
+// tiles in turn (see `Tile`). A block's first warpgroup is the producer: one thread copies each
+// tile's Q into one of two buffers (the next tile's Q lands while the current one finishes) and
+// each key/value block into a ring of STAGES stages (a "full" barrier per buffer and stage that
+// the copy completes, an "empty" barrier that the consumers release), and the warpgroup gives up
+// its registers (`setmaxnreg`) to the consumers. Tiles are in the layout `wgmma` reads with the 128-byte swizzle (what TMA writes):
+// each is split into HD / 64 column segments of 64 elements, a segment's rows are consecutive
+// 128-byte lines, and the 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its line. Each
+// consumer warpgroup:
 //   1. S = Q K^T: HD / 16 `wgmma` m64n128k16 from shared memory (both operands K-major);
 //   2. the online softmax on S in registers (scores scaled by scale * log2(e), exp2 through
 //      `ex2.approx`), rescaling the output accumulator when a row's maximum grows;
 //   3. O += P V: P converted to 16 bits in the registers `wgmma` takes its A operand from (the
 //      accumulator's fragment of S is the A fragment of P, element for element), V from shared
 //      memory read transposed (MN-major), BC / 16 `wgmma` m64nHDk16.
-// Steps 1 and 3 of consecutive blocks overlap (FlashAttention-3's intra-warpgroup pipelining):
-// block j + 1's scores and block j's P V are issued together, and block j + 1's softmax runs
-// while P V is still on the tensor cores; only the rescaling of O waits for it.
+// Steps 1 and 3 of consecutive blocks overlap within a warpgroup (block j + 1's scores and block
+// j's P V are issued together, and block j + 1's softmax runs while P V is still on the tensor
+// cores), and the warpgroups issue their products in turn (named barriers), so the tensor cores
+// take one warpgroup's products while the others compute their softmax.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -42,28 +53,86 @@ typedef unsigned long long u64;
 #define CVT_PAIR "cvt.rn.f16x2.f32"
 #endif
 
-#define BR 128
+#define BR (64 * CONSUMERS)
 #define BC 128
-#define THREADS 256
-// 128-byte column segments per row of a tile.
-#define SEGS (HD / 64)
+#define THREADS (128 * (CONSUMERS + 1))
 #define Q_BYTES (BR * HD * 2)
 #define KV_BYTES (BC * HD * 2)
-// K/V stages: block j + 2 is copied while block j + 1's scores and block j's P V are computed.
-#define STAGES 3
-#define SMEM_BYTES (Q_BYTES + 2 * STAGES * KV_BYTES)
+// Shared memory from a 1024-byte aligned base: two Q buffers (a block's next tile is copied while
+// it finishes the current one), the K stages, the V stages, then the barriers (per Q buffer full
+// and empty; per stage k full, k empty, v full, v empty), 8 bytes each.
+#define BARRIERS_AT (2 * Q_BYTES + 2 * STAGES * KV_BYTES)
+#define SMEM_BYTES (BARRIERS_AT + 8 * (4 + 4 * STAGES))
+// Registers a thread keeps after the hand-over: the producer's few, the consumers' share of the
+// rest of the 64K (the launch gives each thread 65536 / THREADS, rounded down to 8).
+#if CONSUMERS == 2
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 240
+#else
+#define PRODUCER_REGS 32
+#define CONSUMER_REGS 160
+#endif
+
+// A TMA tensor map (CUtensorMap): 128 opaque bytes, 64-byte aligned.
+struct __align__(64) TensorMap {
+    u64 words[16];
+};
 
 struct Info {
+    TensorMap q_map, k_map, v_map;
     u64 heads;
     u64 group;
     u64 seq_q;
     u64 seq_k;
-    u64 q_b, q_h, q_s;
-    u64 k_b, k_h, k_s;
-    u64 v_b, v_h, v_s;
     u64 o_b, o_h, o_s;
     // scale * log2(e), f32 bits.
     u64 scale_log2;
+    // Query blocks per (batch, head), batch * heads, and the (batch, head) pairs a section of
+    // the tile order holds (see `Tile`).
+    u64 q_blocks, bh_count, section;
+};
+
+// One tile of the work: a block of BR query rows of one (batch, head). Blocks are persistent:
+// in round n, block i takes tile n * gridDim.x + i. Without the mask, the tiles go by (batch,
+// head) pair, then by query block. Under the causal mask, where tiles' work differs, they go
+// through sections of `section` pairs whose keys and values fit in L2 together, and within a
+// section by query block, the ones with the most keys (the last) first, then by pair; and block
+// i takes tile n * gridDim.x + gridDim.x - 1 - i in odd rounds, so that a block that took one of
+// the heavier tiles of a round takes one of the lighter ones of the next.
+struct Tile {
+    u64 b, h;
+    long long q0;
+    // Key blocks the tile reads.
+    long long blocks;
+
+    // Round n's tile for this block, or `tiles` (none) past the end.
+    static __device__ __forceinline__ u64 index(u64 n, u64 tiles) {
+        const u64 i = (CAUSAL && (n & 1)) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+        const u64 t = n * gridDim.x + i;
+        return t < tiles ? t : tiles;
+    }
+
+    __device__ __forceinline__ Tile(u64 t, const Info& info) {
+#if CAUSAL
+        const u64 per_section = info.section * info.q_blocks;
+        const u64 sec = t / per_section, r = t % per_section;
+        const u64 first = sec * info.section;
+        const u64 len = info.bh_count - first < info.section ? info.bh_count - first : info.section;
+        const u64 qi = r / len, bh = first + r % len;
+#else
+        const u64 qi = t % info.q_blocks, bh = t / info.q_blocks;
+#endif
+        const u64 qb = CAUSAL ? info.q_blocks - 1 - qi : qi;
+        h = bh % info.heads;
+        b = bh / info.heads;
+        q0 = (long long)qb * BR;
+        const long long seq_k = (long long)info.seq_k;
+        blocks = (seq_k + BC - 1) / BC;
+        if (CAUSAL) {
+            const long long seen = (q0 + BR - 1) / BC + 1;
+            blocks = blocks < seen ? blocks : seen;
+        }
+    }
 };
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -91,15 +160,49 @@ __device__ __forceinline__ u32 pack(float lo, float hi) {
     return r;
 }
 
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+// mbarriers in shared memory: the producer's copies complete the "full" ones (the expected byte
+// count set by its arrival), the consumers' arrivals the "empty" ones.
+__device__ __forceinline__ void bar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-// Shared memory written through the generic proxy (cp.async) and read next by `wgmma` (the async
-// proxy): each writer fences before the barrier that publishes it.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase of this parity has completed (a fresh barrier counts the phase
+// before its first, parity 1, as completed).
+__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// One TMA copy of a box of `map` at coordinates (column, row, head, batch) into shared memory at
+// `dst`, completing `bar` with its bytes.
+__device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar, int col, int row, int head,
+                                         int batch) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+        "%5}], [%6];\n" ::"r"(dst),
+        "l"((u64)map), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
+        : "memory");
+}
+
+// The consumers' turns at the tensor cores: named barrier 1 + i is consumer i's turn, which the
+// consumer before it grants after issuing its products.
+__device__ __forceinline__ void turn_wait(u32 consumer) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1u + consumer) : "memory");
+}
+__device__ __forceinline__ void turn_grant(u32 consumer) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(1u + consumer) : "memory");
+}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -191,24 +294,9 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4],
 #define wgmma_pv wgmma_rs_n128
 #endif
 
-// Copies rows [0, ROWS) of a [rows, HD] tile (row stride `stride` elements) to `dst` in the
-// swizzled layout, 16 bytes a copy; rows at or past `valid` are filled with zeros.
-template <int ROWS>
-__device__ __forceinline__ void load_tile(u32 dst, const unsigned short* src, u64 stride, long long valid) {
-    constexpr int CHUNKS = HD / 8;
-#pragma unroll
-    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
-        const int idx = (int)threadIdx.x + i * THREADS;
-        const int r = idx / CHUNKS, c = idx % CHUNKS;
-        const u32 d = dst + (u32)(c / 8) * (ROWS * 128) + (u32)r * 128u + ((u32)((c % 8) ^ (r & 7)) << 4);
-        const bool inside = r < valid;
-        cp_async_16(d, inside ? (const void*)(src + (u64)r * stride + (u64)c * 8u) : (const void*)src, inside ? 16u : 0u);
-    }
-}
-
-// Issues S = Q K^T for this warpgroup's 64 query rows against the BC keys of `k_tile` (both
-// K-major), into `s` (not committed).
-__device__ __forceinline__ void issue_scores(float (&s)[BC / 2], u32 sq, u32 k_tile, u32 wg) {
+// Issues S = Q K^T for consumer warpgroup `cw`'s 64 query rows against the BC keys of `k_tile`
+// (both K-major), into `s` (not committed).
+__device__ __forceinline__ void issue_scores(float (&s)[BC / 2], u32 sq, u32 k_tile, u32 cw) {
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
     fence_regs(s);
@@ -217,7 +305,7 @@ __device__ __forceinline__ void issue_scores(float (&s)[BC / 2], u32 sq, u32 k_t
     for (int t = 0; t < HD / 16; ++t) {
         // k steps of 16 columns (32 bytes) within a 128-byte segment.
         const u32 seg = (u32)t / 4u, within = ((u32)t % 4u) * 32u;
-        const u64 da = descriptor(sq + seg * (BR * 128) + wg * (64 * 128) + within, 16u, 1024u);
+        const u64 da = descriptor(sq + seg * (BR * 128) + cw * (64 * 128) + within, 16u, 1024u);
         const u64 db = descriptor(k_tile + seg * (BC * 128) + within, 16u, 1024u);
         wgmma_ss_n128(s, da, db, t > 0 ? 1u : 0u);
     }
@@ -306,134 +394,193 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
     extern __shared__ unsigned char smem_raw[];
     // The swizzle is a function of the address bits: tiles start on 1024-byte boundaries.
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
-    const u32 sq = base;
-    // Block j's keys and values: stage j % STAGES.
-    const u32 sk = base + Q_BYTES, sv = sk + STAGES * KV_BYTES;
+    // A block's n-th tile uses Q buffer n % 2; key/value block i of all it reads, stage i % STAGES.
+    auto sq = [&](u32 buf) { return base + buf * Q_BYTES; };
+    const u32 sk = base + 2 * Q_BYTES, sv = sk + STAGES * KV_BYTES;
+    const u32 bars = base + BARRIERS_AT;
+    auto q_full = [&](u32 buf) { return bars + 8u * buf; };
+    auto q_empty = [&](u32 buf) { return bars + 8u * (2u + buf); };
+    auto k_full = [&](u32 st) { return bars + 8u * (4u + st); };
+    auto k_empty = [&](u32 st) { return bars + 8u * (4u + STAGES + st); };
+    auto v_full = [&](u32 st) { return bars + 8u * (4u + 2 * STAGES + st); };
+    auto v_empty = [&](u32 st) { return bars + 8u * (4u + 3 * STAGES + st); };
+    const u64 tiles = info.q_blocks * info.bh_count;
+    const u32 tid = threadIdx.x, wg = tid / 128u;
 
-    const u64 bh = blockIdx.y;
-    const u64 h = bh % info.heads, b = bh / info.heads;
-    const u64 kvh = h / info.group;
-    // Under the causal mask the last query blocks have the most keys: they start first.
-    const u32 qb = CAUSAL ? gridDim.x - 1u - blockIdx.x : blockIdx.x;
-    const long long q0 = (long long)qb * BR;
-    const long long seq_q = (long long)info.seq_q, seq_k = (long long)info.seq_k;
-    const unsigned short* qp = q + b * info.q_b + h * info.q_h + (u64)q0 * info.q_s;
-    const unsigned short* kp = k + b * info.k_b + kvh * info.k_h;
-    const unsigned short* vp = v + b * info.v_b + kvh * info.v_h;
+    if (tid == 0) {
+        for (u32 buf = 0; buf < 2; ++buf) {
+            bar_init(q_full(buf), 1);
+            bar_init(q_empty(buf), 4 * CONSUMERS);
+        }
+        for (u32 st = 0; st < STAGES; ++st) {
+            bar_init(k_full(st), 1);
+            bar_init(v_full(st), 1);
+            // One arrival per consumer warp.
+            bar_init(k_empty(st), 4 * CONSUMERS);
+            bar_init(v_empty(st), 4 * CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
 
-    long long blocks = (seq_k + BC - 1) / BC;
-    if (CAUSAL) {
-        const long long seen = (q0 + BR - 1) / BC + 1;
-        blocks = blocks < seen ? blocks : seen;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+        if (tid == 0) {
+            u64 kv = 0;
+            for (u32 n = 0; Tile::index(n, tiles) < tiles; ++n) {
+                const u64 t = Tile::index(n, tiles);
+                const Tile tile(t, info);
+                const int hq = (int)tile.h, hk = (int)(tile.h / info.group), bb = (int)tile.b;
+                const u32 buf = n % 2u;
+                bar_wait(q_empty(buf), ((n / 2u) & 1u) ^ 1u);
+                bar_expect(q_full(buf), Q_BYTES);
+#pragma unroll
+                for (int seg = 0; seg < HD / 64; ++seg)
+                    tma_load(sq(buf) + seg * (BR * 128), &info.q_map, q_full(buf), seg * 64, (int)tile.q0, hq, bb);
+                for (long long j = 0; j < tile.blocks; ++j, ++kv) {
+                    const u32 st = (u32)(kv % STAGES), parity = (u32)((kv / STAGES) & 1);
+                    bar_wait(k_empty(st), parity ^ 1u);
+                    bar_expect(k_full(st), KV_BYTES);
+#pragma unroll
+                    for (int seg = 0; seg < HD / 64; ++seg)
+                        tma_load(sk + st * KV_BYTES + seg * (BC * 128), &info.k_map, k_full(st), seg * 64,
+                                 (int)(j * BC), hk, bb);
+                    bar_wait(v_empty(st), parity ^ 1u);
+                    bar_expect(v_full(st), KV_BYTES);
+#pragma unroll
+                    for (int seg = 0; seg < HD / 64; ++seg)
+                        tma_load(sv + st * KV_BYTES + seg * (BC * 128), &info.v_map, v_full(st), seg * 64,
+                                 (int)(j * BC), hk, bb);
+                }
+            }
+        }
+        return;
     }
 
-    const u32 tid = threadIdx.x, wg = tid / 128u, warp = (tid / 32u) % 4u, lane = tid % 32u;
-    // This thread's two rows of the warpgroup's 64 (`wgmma`'s accumulator layout): row0 holds
-    // accumulator elements 4i, 4i + 1, row1 = row0 + 8 holds 4i + 2, 4i + 3, at columns
-    // 8i + 2 (lane % 4) and the next.
-    const long long row0 = q0 + wg * 64u + warp * 16u + lane / 4u, row1 = row0 + 8;
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+    const u32 cw = wg - 1u, warp = (tid / 32u) % 4u, lane = tid % 32u;
+    const u32 next = (cw + 1u) % CONSUMERS;
     const u32 col_in = (lane % 4u) * 2u;
     const float scale_log2 = __uint_as_float((u32)info.scale_log2);
     const float neg_inf = __int_as_float(0xff800000);
-    // Whether block j's scores need the mask.
-    auto masked = [&](long long j) { return (j + 1) * BC > seq_k || (CAUSAL && (j + 1) * BC - 1 > q0); };
-    auto load_block = [&](long long j) {
-        const u32 st = (u32)(j % STAGES);
-        const long long kv0 = j * BC;
-        load_tile<BC>(sk + st * KV_BYTES, kp + (u64)kv0 * info.k_s, info.k_s, seq_k - kv0);
-        load_tile<BC>(sv + st * KV_BYTES, vp + (u64)kv0 * info.v_s, info.v_s, seq_k - kv0);
-        cp_async_commit();
+    const long long seq_q = (long long)info.seq_q, seq_k = (long long)info.seq_k;
+    // This warp is done reading a buffer or stage.
+    auto release = [&](u32 bar) {
+        if (lane == 0) bar_arrive(bar);
     };
+    // The first turn is the first consumer's: the last one grants it.
+    if (cw == CONSUMERS - 1) turn_grant(0);
 
-    // Q and block 0 in one group, block 1 in the next.
-    load_tile<BR>(sq, qp, info.q_s, seq_q - q0);
-    load_block(0);
-    if (blocks > 1) {
-        load_block(1);
-        cp_async_wait<1>();
-    } else {
-        cp_async_wait<0>();
-    }
-    fence_proxy_async();
-    __syncthreads();
+    u64 kv = 0;
+    for (u32 n = 0; Tile::index(n, tiles) < tiles; ++n) {
+        const Tile tile(Tile::index(n, tiles), info);
+        const long long q0 = tile.q0, blocks = tile.blocks;
+        const bool last_tile = Tile::index(n + 1, tiles) == tiles;
+        const u32 buf = n % 2u, q_tile = sq(buf);
+        // This thread's two rows of the warpgroup's 64 (`wgmma`'s accumulator layout): row0
+        // holds accumulator elements 4i, 4i + 1, row1 = row0 + 8 holds 4i + 2, 4i + 3, at
+        // columns 8i + 2 (lane % 4) and the next.
+        const long long row0 = q0 + cw * 64u + warp * 16u + lane / 4u, row1 = row0 + 8;
+        // Whether block j's scores need the mask.
+        auto masked = [&](long long j) { return (j + 1) * BC > seq_k || (CAUSAL && (j + 1) * BC - 1 > q0); };
+        auto stage = [&](long long j) { return (u32)((kv + (u64)j) % STAGES); };
+        auto parity = [&](long long j) { return (u32)(((kv + (u64)j) / STAGES) & 1); };
 
-    float s[BC / 2];
-    float o[HD / 2];
+        float s[BC / 2];
+        float o[HD / 2];
 #pragma unroll
-    for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
-    u32 p[BC / 16][4];
-    // Running maxima (of the scores times scale * log2(e)) and this thread's partial sums.
-    float m[2] = {neg_inf, neg_inf}, l[2] = {0.f, 0.f}, alpha[2], sum[2];
+        for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
+        u32 p[BC / 16][4];
+        // Running maxima (of the scores times scale * log2(e)) and this thread's partial sums.
+        float m[2] = {neg_inf, neg_inf}, l[2] = {0.f, 0.f}, alpha[2], sum[2];
 
-    issue_scores(s, sq, sk, wg);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
-    if (masked(0)) mask_scores(s, 0, seq_k, row0, row1, col_in);
-    softmax_step(s, scale_log2, m, alpha, sum);
-    l[0] = sum[0];
-    l[1] = sum[1];
-    to_fragments(s, p);
+        bar_wait(q_full(buf), (n / 2u) & 1u);
+        bar_wait(k_full(stage(0)), parity(0));
+        turn_wait(cw);
+        issue_scores(s, q_tile, sk + stage(0) * KV_BYTES, cw);
+        wgmma_commit();
+        turn_grant(next);
+        wgmma_wait<0>();
+        fence_regs(s);
+        release(k_empty(stage(0)));
+        if (blocks == 1) release(q_empty(buf));
+        if (masked(0)) mask_scores(s, 0, seq_k, row0, row1, col_in);
+        softmax_step(s, scale_log2, m, alpha, sum);
+        l[0] = sum[0];
+        l[1] = sum[1];
+        to_fragments(s, p);
 
-    // Iteration j: block j + 1's scores and block j's P V on the tensor cores together, then
-    // block j + 1's softmax while P V finishes.
-    for (long long j = 0; j < blocks; ++j) {
-        const u32 st = (u32)(j % STAGES);
-        if (j + 1 < blocks) {
-            cp_async_wait<0>();
-            fence_proxy_async();
-            // Block j + 1 has landed for every thread, and every thread is done with block
-            // j - 1, whose stage block j + 2 takes.
-            __syncthreads();
-            if (j + 2 < blocks) load_block(j + 2);
-            issue_scores(s, sq, sk + (u32)((j + 1) % STAGES) * KV_BYTES, wg);
-            wgmma_commit();
-            issue_pv(o, p, sv + st * KV_BYTES);
-            wgmma_commit();
-            wgmma_wait<1>();
-            fence_regs(s);
-            if (masked(j + 1)) mask_scores(s, (j + 1) * BC, seq_k, row0, row1, col_in);
-            softmax_step(s, scale_log2, m, alpha, sum);
-            wgmma_wait<0>();
-            fence_regs(o);
+        // Iteration j: block j + 1's scores and block j's P V on the tensor cores together,
+        // then block j + 1's softmax while P V finishes.
+        for (long long j = 0; j < blocks; ++j) {
+            const u32 st = stage(j);
+            if (j + 1 < blocks) {
+                const u32 st1 = stage(j + 1);
+                bar_wait(k_full(st1), parity(j + 1));
+                bar_wait(v_full(st), parity(j));
+                turn_wait(cw);
+                issue_scores(s, q_tile, sk + st1 * KV_BYTES, cw);
+                wgmma_commit();
+                issue_pv(o, p, sv + st * KV_BYTES);
+                wgmma_commit();
+                turn_grant(next);
+                wgmma_wait<1>();
+                fence_regs(s);
+                release(k_empty(st1));
+                // The tile's last scores are done: its Q buffer takes the tile after next.
+                if (j + 2 == blocks) release(q_empty(buf));
+                if (masked(j + 1)) mask_scores(s, (j + 1) * BC, seq_k, row0, row1, col_in);
+                softmax_step(s, scale_log2, m, alpha, sum);
+                wgmma_wait<0>();
+                fence_regs(o);
+                release(v_empty(st));
 #pragma unroll
-            for (int i = 0; i < HD / 8; ++i) {
-                o[i * 4] *= alpha[0];
-                o[i * 4 + 1] *= alpha[0];
-                o[i * 4 + 2] *= alpha[1];
-                o[i * 4 + 3] *= alpha[1];
+                for (int i = 0; i < HD / 8; ++i) {
+                    o[i * 4] *= alpha[0];
+                    o[i * 4 + 1] *= alpha[0];
+                    o[i * 4 + 2] *= alpha[1];
+                    o[i * 4 + 3] *= alpha[1];
+                }
+                l[0] = l[0] * alpha[0] + sum[0];
+                l[1] = l[1] * alpha[1] + sum[1];
+                to_fragments(s, p);
+            } else {
+                bar_wait(v_full(st), parity(j));
+                turn_wait(cw);
+                issue_pv(o, p, sv + st * KV_BYTES);
+                wgmma_commit();
+                // The last consumer's very last grant would open a turn nobody takes.
+                if (!(last_tile && cw == CONSUMERS - 1)) turn_grant(next);
+                wgmma_wait<0>();
+                fence_regs(o);
+                release(v_empty(st));
             }
-            l[0] = l[0] * alpha[0] + sum[0];
-            l[1] = l[1] * alpha[1] + sum[1];
-            to_fragments(s, p);
-        } else {
-            issue_pv(o, p, sv + st * KV_BYTES);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(o);
         }
-    }
+        kv += (u64)blocks;
 
-    float inv[2];
+        float inv[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    }
-    unsigned short* op = out + b * info.o_b + h * info.o_h;
+        for (int r = 0; r < 2; ++r) {
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+            inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        }
+        unsigned short* op = out + tile.b * info.o_b + tile.h * info.o_h;
 #pragma unroll
-    for (int i = 0; i < HD / 8; ++i) {
-        const u32 col = (u32)i * 8u + col_in;
-        if (row0 < seq_q)
-            *reinterpret_cast<u32*>(op + (u64)row0 * info.o_s + col) = pack(o[i * 4] * inv[0], o[i * 4 + 1] * inv[0]);
-        if (row1 < seq_q)
-            *reinterpret_cast<u32*>(op + (u64)row1 * info.o_s + col) = pack(o[i * 4 + 2] * inv[1], o[i * 4 + 3] * inv[1]);
-    }
-    if (lane % 4u == 0u) {
-        const float ln2 = 0.6931471805599453f;
-        float* lp = lse + bh * info.seq_q;
-        if (row0 < seq_q) lp[row0] = (m[0] + lg2(l[0])) * ln2;
-        if (row1 < seq_q) lp[row1] = (m[1] + lg2(l[1])) * ln2;
+        for (int i = 0; i < HD / 8; ++i) {
+            const u32 col = (u32)i * 8u + col_in;
+            if (row0 < seq_q)
+                *reinterpret_cast<u32*>(op + (u64)row0 * info.o_s + col) =
+                    pack(o[i * 4] * inv[0], o[i * 4 + 1] * inv[0]);
+            if (row1 < seq_q)
+                *reinterpret_cast<u32*>(op + (u64)row1 * info.o_s + col) =
+                    pack(o[i * 4 + 2] * inv[1], o[i * 4 + 3] * inv[1]);
+        }
+        if (lane % 4u == 0u) {
+            const float ln2 = 0.6931471805599453f;
+            float* lp = lse + (tile.b * info.heads + tile.h) * info.seq_q;
+            if (row0 < seq_q) lp[row0] = (m[0] + lg2(l[0])) * ln2;
+            if (row1 < seq_q) lp[row1] = (m[1] + lg2(l[1])) * ln2;
+        }
     }
 }

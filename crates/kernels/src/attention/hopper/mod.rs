@@ -1,11 +1,16 @@
-//! FlashAttention's forward on Hopper GPUs (compute capability 9.0) in CUDA C++ (`forward.cu`):
-//! warpgroup MMA (`wgmma`) from 128-byte-swizzled shared memory, which CubeCL 0.10 cannot
-//! express, compiled by NVRTC for sm_90a and launched on CubeCL's stream with CubeCL's buffers
+//! FlashAttention's forward on Hopper GPUs (compute capability 9.0) in CUDA C++ (`forward.cu`),
+//! built as FlashAttention-3 builds it: TMA copies from a producer warp (through the tensor maps
+//! of `tensor_map.rs`), warpgroup MMA (`wgmma`) from 128-byte-swizzled shared memory in consumer
+//! warpgroups that take turns at the tensor cores. CubeCL 0.10 can express none of these; the
+//! kernel is compiled by NVRTC for sm_90a and launched on CubeCL's stream with CubeCL's buffers
 //! (see `cuda_source.rs`). It computes what the CubeCL kernel `flash_forward_mma` computes (the
 //! output and the f32 log-sum-exp the backward recomputes P from) for f16 and bf16 inputs at
 //! head_dim 64 and 128 without dropout; every other call, and every GPU other than sm_90, takes
 //! the CubeCL kernels, which stay the reference. `BURNMIX_FLASH_HOPPER=off`
 //! ([`crate::settings::Settings::flash_hopper`]) turns it off.
+
+mod launch;
+mod tensor_map;
 
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
@@ -14,29 +19,62 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 
 use super::dims::Dims;
-use crate::cuda_source::{compute_capability, launch, CudaSource};
+use crate::cuda_source::{device_facts, CudaSource};
 use crate::gemm::cublaslt::as_cuda as cuda;
+use launch::Launch;
+use tensor_map::{MapOf, STAND_IN_ADDRESS};
 
 const SOURCE: &str = include_str!("forward.cu");
 const ENTRY: &str = "flash_forward_hopper";
-/// Query rows a block owns (two warpgroups of 64) and keys per step; threads a block.
-const BLOCK_Q: usize = 128;
+/// Keys per step.
 const BLOCK_K: usize = 128;
-const THREADS: u32 = 256;
-/// Key/value blocks in shared memory at once.
-const STAGES: usize = 3;
 
-/// Dynamic shared memory a block takes: Q and the stages of K and V (16-bit), plus 1 KB so that
-/// the kernel can start its tiles on 1024-byte boundaries (its swizzle is a function of the
-/// address). 225 KB at head_dim 128, within the 227 KB a Hopper block may have.
-fn shared_bytes(hd: usize) -> usize {
-    (BLOCK_Q + 2 * STAGES * BLOCK_K) * hd * 2 + 1024
+/// A block's shape at one head_dim: its consumer warpgroups (64 query rows each; one producer
+/// warpgroup more) and the key/value blocks in shared memory at once.
+struct Shape {
+    consumers: usize,
+    stages: usize,
+}
+
+impl Shape {
+    /// Two consumers (128 query rows) at head_dim 128, where each takes 240 registers. Three
+    /// (192 rows, 160 registers each) at head_dim 64, except under the causal mask over fewer
+    /// than 2048 queries: there the diagonal blocks, half masked, are a larger share of the work
+    /// at 192 rows than at 128 (on an H200 at 1024 positions, 201 against 223 TFLOP/s; 358
+    /// against 328 without the mask, and 385 against 355 causal at 4096).
+    fn at(hd: usize, causal: bool, seq_q: usize) -> Self {
+        let consumers = if hd == 64 && !(causal && seq_q < 2048) {
+            3
+        } else {
+            2
+        };
+        Shape {
+            consumers,
+            stages: 2,
+        }
+    }
+
+    fn block_q(&self) -> usize {
+        64 * self.consumers
+    }
+
+    fn threads(&self) -> u32 {
+        128 * (self.consumers as u32 + 1)
+    }
+
+    /// Dynamic shared memory a block takes: two Q buffers and the stages of K and V (16-bit),
+    /// their barriers (8 bytes each), plus 1 KB so that the kernel can start its tiles on
+    /// 1024-byte boundaries (its swizzle is a function of the address). 193 KB at head_dim 128,
+    /// within the 227 KB a Hopper block may have; 113 KB at most at head_dim 64.
+    fn shared_bytes(&self, hd: usize) -> usize {
+        (2 * self.block_q() + 2 * self.stages * BLOCK_K) * hd * 2 + 8 * (4 + 4 * self.stages) + 1024
+    }
 }
 
 /// Whether `forward` runs for these tensors: CUDA on a compute capability 9.0 GPU with enough
-/// shared memory, f16 or bf16, head_dim 64 or 128, no dropout, the setting on, and every row
-/// start 16-byte aligned (the kernel copies 16 bytes at a time): unit last strides, the other
-/// strides multiples of 8 elements and 16-byte aligned starts.
+/// shared memory, f16 or bf16, head_dim 64 or 128, no dropout, the setting on, and what TMA
+/// copies: unit last strides, the other strides non-zero multiples of 8 elements (16 bytes) where
+/// their dimension has more than one entry, and 16-byte aligned starts.
 pub(crate) fn applies<R: CubeRuntime>(
     q: &CubeTensor<R>,
     k: &CubeTensor<R>,
@@ -53,21 +91,24 @@ pub(crate) fn applies<R: CubeRuntime>(
     let Some(qc) = cuda(q) else {
         return false;
     };
-    if compute_capability(qc) != Some((9, 0)) {
+    if device_facts(qc).map(|f| f.compute_capability) != Some((9, 0)) {
         return false;
     }
     let smem = q.client.properties().hardware.max_shared_memory_size;
-    smem >= shared_bytes(d.hd)
+    // Without the mask: the head_dim's largest shape.
+    smem >= Shape::at(d.hd, false, d.seq_q).shared_bytes(d.hd)
         && [q, k, v].iter().all(|t| {
-            let s = t.meta.strides();
+            let (shape, s) = (t.meta.shape(), t.meta.strides());
             s[3] == 1
-                && s[..3].iter().all(|x| x.is_multiple_of(8))
+                && (0..3).all(|i| shape[i] == 1 || (s[i] > 0 && s[i].is_multiple_of(8)))
                 && t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
         })
 }
 
 /// Writes `out` (`[batch, heads, seq_q, hd]`, any strides with a unit last one and even others)
 /// and `lse` (`[batch, heads, seq_q]` f32, contiguous) from q, k, v, where [`applies`] said yes.
+/// The launch is queued on CubeCL's device thread (see `launch.rs`) and this returns at once;
+/// where the driver refuses a tensor map, nothing is queued and the error says why.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<R: CubeRuntime>(
     q: &CubeTensor<R>,
@@ -78,37 +119,64 @@ pub(crate) fn forward<R: CubeRuntime>(
     d: &Dims,
     causal: bool,
     scale: f32,
-) {
+) -> Result<(), String> {
     let tensors: Option<Vec<&CubeTensor<CudaRuntime>>> =
         [q, k, v, out, lse].into_iter().map(cuda).collect();
     let tensors = tensors.expect("hopper::forward runs only where `applies` said yes (CUDA)");
-    let defines = format!(
-        "#define HD {}\n#define IS_BF16 {}\n#define CAUSAL {}\n",
-        d.hd,
-        u8::from(q.dtype == DType::BF16),
-        u8::from(causal)
-    );
-    let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(THREADS))
-        .with_shared(shared_bytes(d.hd));
-    let buffers = tensors.iter().map(|t| t.handle.clone().binding()).collect();
-    let strides = |t: &CubeTensor<CudaRuntime>| {
-        let s = t.meta.strides();
-        [s[0] as u64, s[1] as u64, s[2] as u64]
-    };
-    let mut info = vec![
-        d.heads as u64,
-        d.group as u64,
-        d.seq_q as u64,
-        d.seq_k as u64,
-    ];
-    for t in &tensors[..4] {
-        info.extend(strides(t));
+    let shape = Shape::at(d.hd, causal, d.seq_q);
+    let bf16 = q.dtype == DType::BF16;
+    // The tensor maps: q in boxes of a block's query rows, k and v in blocks of keys.
+    let maps = [shape.block_q(), BLOCK_K, BLOCK_K].map(|rows| rows as u32);
+    let mut maps = tensors[..3].iter().zip(maps).map(|(t, rows)| {
+        let (dims, s) = (t.meta.shape(), t.meta.strides());
+        MapOf {
+            shape: [dims[0], dims[1], dims[2], dims[3]],
+            strides: [s[0], s[1], s[2]],
+            rows,
+            bf16,
+        }
+    });
+    let maps = [(); 3].map(|()| maps.next().expect("three tensors"));
+    // The driver checks shapes, strides and boxes here, at an address as aligned as the real one
+    // (CubeCL's allocations start at 256-byte multiples, `applies` checked the offsets), so that
+    // a refusal falls back before anything is queued.
+    for m in &maps {
+        m.encode(STAND_IN_ADDRESS)?;
     }
-    info.push(u64::from((scale * std::f32::consts::LOG2_E).to_bits()));
+    let so = tensors[3].meta.strides();
+    let mut words: Vec<u64> = [d.heads, d.group, d.seq_q, d.seq_k, so[0], so[1], so[2]]
+        .map(|x| x as u64)
+        .to_vec();
+    words.push(u64::from((scale * std::f32::consts::LOG2_E).to_bits()));
+    // Persistent blocks, one per SM, over q_blocks x (batch x heads) tiles; under the causal mask
+    // the tiles go through sections of (batch, head) pairs whose keys and values fill half of L2.
+    let facts = device_facts(tensors[0]).ok_or("the driver did not give the GPU's attributes")?;
+    let q_blocks = d.seq_q.div_ceil(shape.block_q());
+    let pairs = d.batch * d.heads;
+    let kv_bytes = 2 * d.seq_k * d.hd * 2;
+    let section = (facts.l2_bytes as usize / 2 / kv_bytes.max(1)).clamp(1, pairs.max(1));
+    words.extend([q_blocks, pairs, section].map(|x| x as u64));
+    let defines = format!(
+        "#define HD {}\n#define IS_BF16 {}\n#define CAUSAL {}\n#define CONSUMERS {}\n#define STAGES {}\n",
+        d.hd,
+        u8::from(bf16),
+        u8::from(causal),
+        shape.consumers,
+        shape.stages
+    );
+    let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(shape.threads()))
+        .with_shared(shape.shared_bytes(d.hd));
     let cubes = (
-        d.seq_q.div_ceil(BLOCK_Q) as u32,
-        (d.batch * d.heads) as u32,
+        (q_blocks * pairs).min(facts.multiprocessors as usize) as u32,
+        1,
         1,
     );
-    launch(&tensors[0].client, kernel, cubes, buffers, info);
+    launch::queue(Launch {
+        tensors: tensors.into_iter().cloned().collect(),
+        maps,
+        words,
+        kernel,
+        cubes,
+    });
+    Ok(())
 }

@@ -1,0 +1,86 @@
+//! TMA tensor maps (CUDA's `CUtensorMap`) over attention's q, k and v for the Hopper forward: the
+//! 128 bytes from which the kernel's bulk copies read a tensor's address, shape, strides and box,
+//! encoded on the host by the driver and passed to the kernel by value.
+
+use cudarc::driver::sys;
+
+/// A device address as aligned as any the forward passes (CubeCL's allocations start at 256-byte
+/// multiples): the caller encodes each map at it first, so that the driver's checks of shapes,
+/// strides and boxes are answered before the launch is queued.
+pub(super) const STAND_IN_ADDRESS: u64 = 1 << 20;
+
+/// A tensor map but for its address: over a 16-bit `[batch, heads, seq, hd]` tensor with element
+/// strides `strides` (batch, heads, seq; the last dimension contiguous), copied in boxes of 64
+/// columns by `rows` rows with the 128-byte swizzle (the layout `wgmma` reads); rows past `seq`
+/// read as zeros.
+pub(super) struct MapOf {
+    pub(super) shape: [usize; 4],
+    pub(super) strides: [usize; 3],
+    pub(super) rows: u32,
+    pub(super) bf16: bool,
+}
+
+impl MapOf {
+    /// The map at device address `ptr`: its 16 words, as the kernel's `TensorMap`, or the
+    /// driver's refusal.
+    pub(super) fn encode(&self, ptr: u64) -> Result<[u64; 16], String> {
+        encode(ptr, self.shape, self.strides, self.rows, self.bf16)
+    }
+}
+
+fn encode(
+    ptr: u64,
+    shape: [usize; 4],
+    strides: [usize; 3],
+    rows: u32,
+    bf16: bool,
+) -> Result<[u64; 16], String> {
+    let [batch, heads, seq, hd] = shape;
+    // Innermost first: hd, seq, heads, batch. A dimension of size 1 is never stepped, so its
+    // stride may be anything the driver accepts: the extent of the ones inside it.
+    let dims = [hd as u64, seq as u64, heads as u64, batch as u64];
+    let mut bytes = [
+        strides[2] as u64 * 2,
+        strides[1] as u64 * 2,
+        strides[0] as u64 * 2,
+    ];
+    let mut extent = hd as u64 * 2;
+    for (i, stride) in bytes.iter_mut().enumerate() {
+        if dims[i + 1] == 1 {
+            *stride = extent.next_multiple_of(16);
+        }
+        extent = extent.max(*stride * dims[i + 1]);
+    }
+    let boxes = [64u32, rows, 1, 1];
+    let unit = [1u32; 4];
+    let data = if bf16 {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    } else {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    };
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every array holds the rank's (4, or 3 for the strides) entries the driver reads;
+    // encoding only writes `map` and does not touch the device memory at `ptr`.
+    let result = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            data,
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            bytes.as_ptr(),
+            boxes.as_ptr(),
+            unit.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if result != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!(
+            "cuTensorMapEncodeTiled refused shape {shape:?}, element strides {strides:?}, box 64 x {rows}: {result:?}"
+        ));
+    }
+    Ok(map.opaque)
+}

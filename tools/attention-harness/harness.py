@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Builds the Hopper FlashAttention forward (crates/kernels/src/attention/hopper/forward.cu) with
+nvcc and checks and times it from PyTorch, without Rust: the quick loop for changing the kernel on a
+GPU machine. For an H100 or H200 with nvcc and PyTorch:
+
+    python3 tools/attention-harness/harness.py [--no-bench]
+
+1. Builds every variant the launcher picks (head_dim 64 / 128, bf16 / f16, full / causal, two or
+   three consumer warpgroups) side by side into --build-dir and prints ptxas's register and spill
+   report for the kernel. host.cu encodes the TMA tensor maps as the Rust launcher does.
+2. The forward against an f64 reference at awkward shapes, grouped-query layouts included: the
+   output's largest error must be within 2x SDPA's (+1e-3), the log-sum-exp within 1e-3.
+3. Forward TFLOP/s beside SDPA's FlashAttention-2 and cuDNN backends at attention_bench's shapes
+   (batch x seq = 16384, heads x head_dim = 2048; FLOPs 4 b h s^2 d, halved when causal).
+
+Exits with 1 if a check fails. What the Rust side runs is tested by the CUDA suite
+(tests/cuda/kernels.rs); this harness does not replace it.
+"""
+import argparse
+import ctypes
+import math
+import os
+import re
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STAGES = 2
+
+
+def consumers(hd, causal, seq_q):
+    """Consumer warpgroups a block has: the rule of `Shape::at` in hopper/mod.rs."""
+    return 3 if hd == 64 and not (causal and seq_q < 2048) else 2
+
+
+def variants():
+    """(hd, bf16, causal, consumers): every variant `consumers` picks."""
+    out = []
+    for hd in (64, 128):
+        for bf16 in (1, 0):
+            for causal in (0, 1):
+                for cons in sorted({consumers(hd, causal, 1), consumers(hd, causal, 4096)}):
+                    out.append((hd, bf16, causal, cons))
+    return out
+
+
+def lib_name(hd, bf16, causal, cons):
+    return f"fa_{hd}_{bf16}_{causal}_{cons}.so"
+
+
+def build(out_dir, nvcc):
+    os.makedirs(out_dir, exist_ok=True)
+    procs = {}
+    for hd, bf16, causal, cons in variants():
+        lib = os.path.join(out_dir, lib_name(hd, bf16, causal, cons))
+        cmd = [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared",
+               "-Xcompiler", "-fPIC", f"-DHD={hd}", f"-DIS_BF16={bf16}", f"-DCAUSAL={causal}",
+               f"-DCONSUMERS={cons}", f"-DSTAGES={STAGES}",
+               "-Xptxas", "-v", os.path.join(HERE, "host.cu"), "-o", lib, "-lcuda"]
+        procs[(hd, bf16, causal, cons)] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                           text=True)
+    ok = True
+    for key, p in procs.items():
+        log = p.communicate()[0]
+        if p.returncode != 0:
+            ok = False
+            print(f"build {key} failed:\n{log}")
+            continue
+        # ptxas reports each kernel's function, then its registers and spills.
+        m = re.search(r"flash_forward_hopper.*?\n(?:.*\n)*?.*?Used (\d+) registers", log)
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        for x in [x for x in log.splitlines() if "warning" in x.lower()][:6]:
+            print("  " + x)
+        print(f"built hd {key[0]} {'bf16' if key[1] else 'f16'} {'causal' if key[2] else 'full'} {key[3]} consumers: "
+              f"{m.group(1) if m else '?'} registers, spill stores {max(map(int, spills)) if spills else 0} bytes")
+    return ok
+
+
+class Kernel:
+    def __init__(self, out_dir):
+        self.out_dir, self.libs = out_dir, {}
+
+    def lib(self, hd, bf16, causal, seq_q):
+        key = (hd, int(bf16), int(causal), consumers(hd, causal, seq_q))
+        if key not in self.libs:
+            self.libs[key] = ctypes.CDLL(os.path.join(self.out_dir, lib_name(*key)))
+        return self.libs[key]
+
+    def forward(self, q, k, v, causal):
+        """out [B, H, S, D] (laid out [B, S, H, D], as the Rust side allocates it) and lse [B, H, S]."""
+        b, h, s, d = q.shape
+        out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
+        lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+        scale_log2 = torch.tensor([math.log2(math.e) / math.sqrt(d)], dtype=torch.float32)
+        dims = (ctypes.c_uint64 * 5)(b, h, k.shape[1], s, k.shape[2])
+        strides = (ctypes.c_uint64 * 12)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+        rc = self.lib(d, q.dtype == torch.bfloat16, causal, s).launch(
+            *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, out, lse)), dims, strides,
+            ctypes.c_uint64(scale_log2.view(torch.int32).item() & 0xFFFFFFFF),
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        if rc != 0:
+            raise RuntimeError(f"launch failed with CUDA error {rc}")
+        return out, lse
+
+
+def reference(q, k, v, causal):
+    """Output and natural log-sum-exp in f64, k and v repeated over each query group."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1).double(), v.repeat_interleave(g, 1).double()
+    s = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def check_forward(kernel):
+    failures = 0
+    shapes = [(2, 4, 2, 1000), (1, 3, 3, 128), (1, 2, 1, 1), (3, 2, 2, 333), (1, 1, 1, 4096), (2, 8, 1, 77),
+              (1, 2, 1, 2500)]
+    for hd in (64, 128):
+        for dtype in (torch.bfloat16, torch.float16):
+            for causal in (False, True):
+                for b, h, hkv, s in shapes:
+                    q = torch.randn(b, h, s, hd, device="cuda", dtype=dtype)
+                    k, v = (torch.randn(b, hkv, s, hd, device="cuda", dtype=dtype) for _ in range(2))
+                    out, lse = kernel.forward(q, k, v, causal)
+                    ref, ref_lse = reference(q, k, v, causal)
+                    g = h // hkv
+                    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                                          is_causal=causal)
+                    err = (out.double() - ref).abs().max().item()
+                    err_sdpa = (sdpa.double() - ref).abs().max().item()
+                    err_lse = (lse.double() - ref_lse).abs().max().item()
+                    ok = err <= 2 * err_sdpa + 1e-3 and err_lse < 1e-3
+                    failures += not ok
+                    if not ok:
+                        print(f"FAIL hd {hd} {dtype} causal {causal} {b}x{h}/{hkv}x{s}: error {err:.2e} "
+                              f"(SDPA {err_sdpa:.2e}), lse {err_lse:.2e}")
+    print(f"forward against f64: {failures} failures")
+    return failures
+
+
+def timed(fn, iters=20, reps=5):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def bench(kernel):
+    print("| hd | mask | S | ours fwd | SDPA FlashAttention-2 | SDPA cuDNN | ours / cuDNN |")
+    print("|---|---|---|---|---|---|---|")
+    for hd in (64, 128):
+        for causal in (False, True):
+            for s in (1024, 4096):
+                b, h = 16384 // s, 2048 // hd
+                q, k, v = (torch.randn(b, h, s, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = 4 * b * h * s * s * hd * (0.5 if causal else 1.0)
+                ours = timed(lambda: kernel.forward(q, k, v, causal))
+                peers = []
+                for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                    with sdpa_kernel(backend):
+                        peers.append(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+                tf = lambda t: flops / t / 1e12
+                print(f"| {hd} | {'causal' if causal else 'full'} | {s} | {tf(ours):.1f} | {tf(peers[0]):.1f} | "
+                      f"{tf(peers[1]):.1f} | {peers[1] / ours:.2f}x |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build-dir", default="/tmp/attention-harness")
+    ap.add_argument("--nvcc", default="nvcc")
+    ap.add_argument("--no-bench", action="store_true")
+    a = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if torch.cuda.get_device_capability() != (9, 0):
+        sys.exit("the kernel needs a compute capability 9.0 GPU (H100, H200)")
+    if not build(a.build_dir, a.nvcc):
+        sys.exit(1)
+    kernel = Kernel(a.build_dir)
+    torch.manual_seed(0)
+    failures = check_forward(kernel)
+    if not a.no_bench:
+        bench(kernel)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+// Host entry point around the Hopper FlashAttention forward (crates/kernels/src/attention/
+// hopper/forward.cu), built by nvcc into a shared library that harness.py calls from PyTorch. The
+// variant's macros (HD, IS_BF16, CAUSAL, CONSUMERS, STAGES) come from the nvcc command line.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "../../crates/kernels/src/attention/hopper/forward.cu"
+
+// A tensor map over t [batch, heads, seq, HD] (element strides sb, sh, ss), boxes of 64 columns by
+// `rows` rows, 128-byte swizzle.
+static int encode(TensorMap* map, const void* t, u64 heads, u64 seq, u64 batch, u64 sb, u64 sh, u64 ss, u32 rows) {
+    cuuint64_t dims[4] = {HD, seq, heads, batch};
+    cuuint64_t strides[3] = {ss * 2, sh * 2, sb * 2};
+    cuuint32_t box[4] = {64, rows, 1, 1};
+    cuuint32_t unit[4] = {1, 1, 1, 1};
+    CUresult r = cuTensorMapEncodeTiled(
+        (CUtensorMap*)map, IS_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+        const_cast<void*>(t), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+        CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return (int)r;
+}
+
+// dims: batch, heads, kv_heads, seq_q, seq_k; strides: q, k, v, out (b, h, s each).
+extern "C" int launch(const void* q, const void* k, const void* v, void* o, float* lse, const u64* dims,
+                      const u64* st, u64 scale_bits, void* stream) {
+    Info info;
+    const u64 batch = dims[0], heads = dims[1], kv_heads = dims[2], seq_q = dims[3], seq_k = dims[4];
+    int r = encode(&info.q_map, q, heads, seq_q, batch, st[0], st[1], st[2], BR);
+    if (!r) r = encode(&info.k_map, k, kv_heads, seq_k, batch, st[3], st[4], st[5], BC);
+    if (!r) r = encode(&info.v_map, v, kv_heads, seq_k, batch, st[6], st[7], st[8], BC);
+    if (r) return 1000 + r;
+    info.heads = heads;
+    info.group = heads / kv_heads;
+    info.seq_q = seq_q;
+    info.seq_k = seq_k;
+    info.o_b = st[9];
+    info.o_h = st[10];
+    info.o_s = st[11];
+    info.scale_log2 = scale_bits;
+    // Persistent blocks, one per SM; sections of (batch, head) pairs whose keys and values fill
+    // half of L2 (as the Rust launcher computes them).
+    int dev = 0, sms = 0, l2 = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
+    info.q_blocks = (seq_q + BR - 1) / BR;
+    info.bh_count = batch * heads;
+    const u64 kv_bytes = 2 * seq_k * HD * 2;
+    u64 section = (u64)l2 / 2 / kv_bytes;
+    info.section = section < 1 ? 1 : (section > info.bh_count ? info.bh_count : section);
+    const u64 tiles = info.q_blocks * info.bh_count;
+    const int grid = tiles < (u64)sms ? (int)tiles : sms;
+    const int smem = SMEM_BYTES + 1024;
+    cudaError_t e = cudaFuncSetAttribute(flash_forward_hopper, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+    flash_forward_hopper<<<grid, THREADS, smem, (cudaStream_t)stream>>>(
+        (const unsigned short*)q, (const unsigned short*)k, (const unsigned short*)v, (unsigned short*)o, lse, info);
+    return (int)cudaGetLastError();
+}
