@@ -148,15 +148,26 @@ fn flash_attention_cases(dtype: FloatDType) {
 /// More tiles of query rows than an H100 or H200 has SMs, so that each persistent block of the
 /// Hopper forward takes several in turn: its second Q buffer, its key/value ring carried from
 /// tile to tile, the causal order by L2-sized sections. Many heads at both head dims (full and
-/// causal), 2100 positions at hd 64 (three consumer warpgroups under the causal mask too), and
+/// causal), 2048 positions at hd 64 (three consumer warpgroups under the causal mask too), and
 /// grouped k/v heads; bf16. On other GPUs, the CubeCL kernels at the same shapes.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_flash_attention_many_tiles() {
     let dev = CudaDevice::default();
-    let shapes = [(4, 24, 700, 64), (4, 24, 700, 128), (1, 24, 2100, 64)];
+    let shapes = [(4, 24, 700, 64), (4, 24, 700, 128), (2, 24, 2048, 64)];
+    let refusals = kernels::attention::hopper_forward_refusals();
     kernel_cases::flash_attention::<B>(FloatDType::BF16, &dev, &shapes, true);
-    kernel_cases::flash_attention_gqa::<B>(FloatDType::BF16, &dev, &[(4, 24, 6, 700, 700, 128)], true);
+    kernel_cases::flash_attention_gqa::<B>(
+        FloatDType::BF16,
+        &dev,
+        &[(4, 24, 6, 700, 700, 128)],
+        true,
+    );
+    assert_eq!(
+        kernels::attention::hopper_forward_refusals(),
+        refusals,
+        "the Hopper forward applied but fell back to the CubeCL kernel"
+    );
 }
 
 /// The CubeCL tensor-core forward where the Hopper kernel would otherwise run

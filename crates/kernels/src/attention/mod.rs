@@ -73,6 +73,13 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Int, Tensor};
 
+/// FlashAttention forwards in this process that the Hopper kernel applied to (compute capability
+/// 9.0, f16/bf16, head_dim 64 or 128, no dropout) but could not run, so that the CubeCL kernel
+/// ran them instead (a warning says why, once): 0 unless the driver refused a tensor map.
+pub fn hopper_forward_refusals() -> usize {
+    forward::HOPPER_REFUSALS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Query heads per key/value head, `heads / kv_heads`; refused (naming both counts) unless
 /// `kv_heads` divides `heads`.
 #[track_caller]

@@ -130,6 +130,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     let mut maps = tensors[..3].iter().zip(maps).map(|(t, rows)| {
         let (dims, s) = (t.meta.shape(), t.meta.strides());
         MapOf {
+            device: t.device.index,
             shape: [dims[0], dims[1], dims[2], dims[3]],
             strides: [s[0], s[1], s[2]],
             rows,

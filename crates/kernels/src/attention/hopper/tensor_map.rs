@@ -2,6 +2,9 @@
 //! 128 bytes from which the kernel's bulk copies read a tensor's address, shape, strides and box,
 //! encoded on the host by the driver and passed to the kernel by value.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
 use cudarc::driver::sys;
 
 /// A device address as aligned as any the forward passes (CubeCL's allocations start at 256-byte
@@ -14,6 +17,8 @@ pub(super) const STAND_IN_ADDRESS: u64 = 1 << 20;
 /// columns by `rows` rows with the 128-byte swizzle (the layout `wgmma` reads); rows past `seq`
 /// read as zeros.
 pub(super) struct MapOf {
+    /// The CUDA device (index) that holds the tensor.
+    pub(super) device: usize,
     pub(super) shape: [usize; 4],
     pub(super) strides: [usize; 3],
     pub(super) rows: u32,
@@ -24,7 +29,33 @@ impl MapOf {
     /// The map at device address `ptr`: its 16 words, as the kernel's `TensorMap`, or the
     /// driver's refusal.
     pub(super) fn encode(&self, ptr: u64) -> Result<[u64; 16], String> {
+        primary_context_current(self.device)?;
         encode(ptr, self.shape, self.strides, self.rows, self.bf16)
+    }
+}
+
+/// Makes the device's primary context (the one CubeCL uses) current on this thread: the driver
+/// refuses to encode a tensor map without a current context, and a caller's thread has none of
+/// its own (CubeCL's calls run on its device thread).
+fn primary_context_current(device: usize) -> Result<(), String> {
+    use cudarc::driver::result as drv;
+    static CONTEXTS: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+    let mut contexts = CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
+    // SAFETY: the driver was initialised by CubeCL's client (the tensor exists); the primary
+    // context is retained once per device and lives as long as the process.
+    unsafe {
+        let ctx = match contexts.get(&device) {
+            Some(&ctx) => ctx as sys::CUcontext,
+            None => {
+                let dev = drv::device::get(device as i32)
+                    .map_err(|e| format!("cuDeviceGet({device}): {e:?}"))?;
+                let ctx = drv::primary_ctx::retain(dev)
+                    .map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
+                contexts.insert(device, ctx as usize);
+                ctx
+            }
+        };
+        drv::ctx::set_current(ctx).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))
     }
 }
 
