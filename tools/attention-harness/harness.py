@@ -29,6 +29,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The peer script's timing (CUDA events, the median of `reps` runs of `iters` calls), so that both
+# sides are timed alike.
+sys.path.insert(0, os.path.join(HERE, "..", "peers"))
+from sdpa_bench import timed  # noqa: E402
 STAGES = 2
 
 
@@ -146,21 +150,6 @@ def check_forward(kernel):
     return failures
 
 
-def timed(fn, iters=20, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def bench(kernel):
     print("| hd | mask | S | ours fwd | SDPA FlashAttention-2 | SDPA cuDNN | ours / cuDNN |")
     print("|---|---|---|---|---|---|---|")
@@ -170,11 +159,11 @@ def bench(kernel):
                 b, h = 16384 // s, 2048 // hd
                 q, k, v = (torch.randn(b, h, s, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 flops = 4 * b * h * s * s * hd * (0.5 if causal else 1.0)
-                ours = timed(lambda: kernel.forward(q, k, v, causal))
+                ours = timed(lambda: kernel.forward(q, k, v, causal), 20, 5)
                 peers = []
                 for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
                     with sdpa_kernel(backend):
-                        peers.append(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+                        peers.append(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), 20, 5))
                 tf = lambda t: flops / t / 1e12
                 print(f"| {hd} | {'causal' if causal else 'full'} | {s} | {tf(ours):.1f} | {tf(peers[0]):.1f} | "
                       f"{tf(peers[1]):.1f} | {peers[1] / ours:.2f}x |")

@@ -143,14 +143,14 @@ pub(crate) fn forward<R: CubeRuntime>(
     let client = q.client.clone();
     let dtype: StorageType = q.dtype.into();
     let bh = (d.batch * d.heads) as u32;
-    let tensor_cores = matches!(path(&q), FlashPath::TensorCores);
-    if tensor_cores && super::hopper::applies(&q, &k, &v, &d, drop.on) {
+    let flash_path = path(&q);
+    if flash_path == FlashPath::TensorCores && super::hopper::applies(&q, &k, &v, &d, drop.on) {
         match super::hopper::forward(&q, &k, &v, &out, &lse, &d, causal, scale) {
             Ok(()) => return (out, lse),
             Err(why) => warn_hopper_refused(&why),
         }
     }
-    match path(&q) {
+    match flash_path {
         FlashPath::TensorCores => {
             // Tiles are copied with cp.async, which moves 4, 8 or 16 bytes: rows whose strides
             // are odd (in elements) are copied to a contiguous layout first.
