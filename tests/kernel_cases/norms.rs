@@ -41,15 +41,33 @@ pub fn add_rms_norm<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, de
         let rows = rows_for(c);
         // Both outputs at once: [sum | normed] side by side, so both gradients paths are checked.
         let both = |s: Tensor<B, 2>, y: Tensor<B, 2>| Tensor::cat(vec![s, y], 1);
-        check::<B>(
-            &format!("add_rms_norm [{rows}, {c}]"),
-            dtype,
-            FLOOR,
+        // At width 1 the norm's input x + r must stay away from 0 (see `rms_norm`): both addends
+        // take one random sign per row, |x| >= 0.5 and |r| >= 0.25, so |x + r| >= 0.75.
+        let inputs = if c == 1 {
+            let shape = [rows, c];
+            let sign = randn::<B>(shape, dev).sign();
+            let away = |at_least: f64| {
+                let values = (randn::<B>(shape, dev).abs().add_scalar(at_least)) * sign.clone();
+                Input {
+                    values,
+                    low_precision: true,
+                    needs_grad: true,
+                }
+            };
+            vec![away(0.5), away(0.25), Input::master(w)]
+        } else {
             vec![
                 Input::act([rows, c], dev),
                 Input::act([rows, c], dev),
                 Input::master(w),
-            ],
+            ]
+        };
+        check::<B>(
+            &format!("add_rms_norm [{rows}, {c}]"),
+            dtype,
+            // With one column, the bound of `rms_norm`'s width-1 case.
+            if c == 1 { 1e-5 } else { FLOOR },
+            inputs,
             |v| {
                 let (s, y) = kernels::add_rms_norm(
                     v[0].clone(),
