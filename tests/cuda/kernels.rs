@@ -149,13 +149,15 @@ fn flash_attention_cases(dtype: FloatDType) {
 /// Hopper forward takes several in turn: its second Q buffer, its key/value ring carried from
 /// tile to tile, the causal order by L2-sized sections. Many heads at both head dims (full and
 /// causal), 2048 positions at hd 64 (three consumer warpgroups under the causal mask too), and
-/// grouped k/v heads; bf16. On other GPUs, the CubeCL kernels at the same shapes.
+/// grouped k/v heads; bf16. The same shapes give the Hopper backward many key blocks. On other
+/// GPUs, the CubeCL kernels at the same shapes. Where the Hopper forward ran, the backward must
+/// have run too, and neither may have fallen back.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_flash_attention_many_tiles() {
     let dev = CudaDevice::default();
     let shapes = [(4, 24, 700, 64), (4, 24, 700, 128), (2, 24, 2048, 64)];
-    let refusals = kernels::attention::hopper_forward_refusals();
+    let before = kernels::attention::hopper_calls();
     kernel_cases::flash_attention::<B>(FloatDType::BF16, &dev, &shapes, true);
     kernel_cases::flash_attention_gqa::<B>(
         FloatDType::BF16,
@@ -163,11 +165,17 @@ fn cuda_flash_attention_many_tiles() {
         &[(4, 24, 6, 700, 700, 128)],
         true,
     );
+    let after = kernels::attention::hopper_calls();
     assert_eq!(
-        kernels::attention::hopper_forward_refusals(),
-        refusals,
-        "the Hopper forward applied but fell back to the CubeCL kernel"
+        after.refused, before.refused,
+        "a Hopper kernel applied but fell back to the CubeCL kernels"
     );
+    if after.forward > before.forward {
+        assert!(
+            after.backward > before.backward,
+            "the Hopper forward ran but the Hopper backward never did: {before:?} -> {after:?}"
+        );
+    }
 }
 
 /// The CubeCL tensor-core forward where the Hopper kernel would otherwise run

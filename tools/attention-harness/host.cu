@@ -4,6 +4,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "../../crates/kernels/src/attention/hopper/common.cuh"
 #include "../../crates/kernels/src/attention/hopper/forward.cu"
 
 // A tensor map over t [batch, heads, seq, HD] (element strides sb, sh, ss), boxes of 64 columns by

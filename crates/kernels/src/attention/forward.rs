@@ -147,7 +147,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     if flash_path == FlashPath::TensorCores && super::hopper::applies(&q, &k, &v, &d, drop.on) {
         match super::hopper::forward(&q, &k, &v, &out, &lse, &d, causal, scale) {
             Ok(()) => return (out, lse),
-            Err(why) => warn_hopper_refused(&why),
+            Err(why) => super::hopper::refused("forward", &why),
         }
     }
     match flash_path {
@@ -266,18 +266,4 @@ pub(crate) fn mma_width<R: CubeRuntime>(
         .flatten()
         .collect();
     row_width(&ts, &[q.dtype], d.hd)
-}
-
-/// Calls the Hopper forward applied to but could not run (see [`super::hopper_forward_refusals`]).
-pub(crate) static HOPPER_REFUSALS: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(0);
-
-/// The Hopper forward could not run a call it applies to (the driver refused a tensor map): the
-/// CubeCL kernel runs it instead, counted and said once per process.
-fn warn_hopper_refused(why: &str) {
-    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    HOPPER_REFUSALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        eprintln!("warning: kernels::attention: the Hopper forward cannot run ({why}); the CubeCL forward runs instead");
-    }
 }

@@ -1,6 +1,6 @@
 //! Launches of the FlashAttention backward kernels on `CubeBackend` tensors: the delta pre-pass,
-//! then dQ and dK/dV on tensor cores or on the portable kernels, and under grouped-query attention
-//! the sums of the per-query-head dK and dV over each group.
+//! then dQ and dK/dV in the Hopper kernel (`hopper/`), on tensor cores or on the portable kernels,
+//! and under grouped-query attention the sums of the per-query-head dK and dV over each group.
 
 use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
@@ -104,6 +104,28 @@ pub(crate) fn backward<R: CubeRuntime>(
     let dtype: StorageType = q.dtype.into();
 
     let flash_path = path(&q);
+    if flash_path == FlashPath::TensorCores
+        && super::hopper::applies_backward(&q, &k, &v, &grad, &d, drop.on)
+    {
+        // No fused CubeCL dQ: its accumulator is a stand-in.
+        let stand_in = empty(&q, vec![4], DType::F32);
+        let delta = launch_delta(&q, out.clone(), &grad, &d, &stand_in, false, dtype);
+        match super::hopper::backward(
+            &q,
+            &k,
+            &v,
+            &grad,
+            &lse,
+            &delta,
+            [&dq, &dk, &dv],
+            &d,
+            causal,
+            scale,
+        ) {
+            Ok(()) => return finish(dq, dk, dv, &d, k_dtype, v_dtype),
+            Err(why) => super::hopper::refused("backward", &why),
+        }
+    }
     let tiles = MmaTiles::get(d.hd, causal);
     let fused_dq = flash_path == FlashPath::TensorCores && tiles.fused_dq;
     // The fused dQ accumulates in f32 through atomics from every key block's cube; the delta
@@ -140,12 +162,26 @@ pub(crate) fn backward<R: CubeRuntime>(
         FlashPath::TensorCores => backward_mma(op, saved, grads, &call, tiles),
         FlashPath::Portable => backward_portable(saved, grads, &call),
     }
-    if call.d.group == 1 {
+    finish(dq, dk, dv, &call.d, k_dtype, v_dtype)
+}
+
+/// The gradients as returned: under grouping, dK and dV summed over each group's query heads.
+fn finish<R: CubeRuntime>(
+    dq: CubeTensor<R>,
+    dk: CubeTensor<R>,
+    dv: CubeTensor<R>,
+    d: &Dims,
+    k_dtype: DType,
+    v_dtype: DType,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    if d.group == 1 {
         (dq, dk, dv)
     } else {
-        let dk = sum_over_groups(dk, &call.d, k_dtype);
-        let dv = sum_over_groups(dv, &call.d, v_dtype);
-        (dq, dk, dv)
+        (
+            dq,
+            sum_over_groups(dk, d, k_dtype),
+            sum_over_groups(dv, d, v_dtype),
+        )
     }
 }
 

@@ -73,11 +73,27 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Int, Tensor};
 
-/// FlashAttention forwards in this process that the Hopper kernel applied to (compute capability
-/// 9.0, f16/bf16, head_dim 64 or 128, no dropout) but could not run, so that the CubeCL kernel
-/// ran them instead (a warning says why, once): 0 unless the driver refused a tensor map.
-pub fn hopper_forward_refusals() -> usize {
-    forward::HOPPER_REFUSALS.load(std::sync::atomic::Ordering::Relaxed)
+/// How often the Hopper attention kernels ran in this process (compute capability 9.0, f16/bf16,
+/// head_dim 64 or 128, no dropout; see `hopper/`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperCalls {
+    /// Forwards the Hopper kernel ran.
+    pub forward: usize,
+    /// Backwards the Hopper kernel ran.
+    pub backward: usize,
+    /// Calls a Hopper kernel applied to but could not run, which the CubeCL kernels ran instead
+    /// (a warning says why, once): 0 unless the driver refused a tensor map.
+    pub refused: usize,
+}
+
+/// The counts of [`HopperCalls`] so far.
+pub fn hopper_calls() -> HopperCalls {
+    let (forward, backward, refused) = hopper::calls();
+    HopperCalls {
+        forward,
+        backward,
+        refused,
+    }
 }
 
 /// Query heads per key/value head, `heads / kv_heads`; refused (naming both counts) unless

@@ -1,7 +1,7 @@
-//! The Hopper forward's launch, queued on CubeCL's CUDA device thread: the tensor maps need the
-//! buffers' device addresses, which only that thread knows. Asked for from the caller, each
-//! address would be a blocking round trip to it (three per attention call); queued there, they
-//! are read at once and the caller does not wait.
+//! The Hopper attention kernels' launches, queued on CubeCL's CUDA device thread: the tensor maps
+//! need the buffers' device addresses, which only that thread knows. Asked for from the caller,
+//! each address would be a blocking round trip to it (three or four per attention call); queued
+//! there, they are read at once and the caller does not wait.
 
 use std::sync::{Arc, Mutex};
 
@@ -12,17 +12,17 @@ use super::tensor_map::MapOf;
 use crate::cuda_source::{launch, CudaSource};
 use crate::device_thread::{runner, Runners};
 
-/// One launch of the forward: its tensors (q, k, v, out, lse), the tensor maps of the first three
+/// One launch: the kernel's buffers in order, the tensor maps of the first `maps.len()` of them
 /// but for their addresses, the `Info` words after the maps, the kernel and its grid.
 pub(super) struct Launch {
     pub(super) tensors: Vec<CubeTensor<CudaRuntime>>,
-    pub(super) maps: [MapOf; 3],
+    pub(super) maps: Vec<MapOf>,
     pub(super) words: Vec<u64>,
     pub(super) kernel: CudaSource,
     pub(super) cubes: (u32, u32, u32),
 }
 
-/// The Hopper forward's service on CubeCL's device thread.
+/// The Hopper kernels' service on CubeCL's device thread.
 struct HopperService;
 
 impl cubecl_common::device::DeviceService for HopperService {
@@ -63,7 +63,7 @@ impl Launch {
             match words {
                 Ok(words) => info.extend(words),
                 Err(why) => {
-                    eprintln!("error: kernels::attention: the Hopper forward's launch failed after it was queued: {why}");
+                    eprintln!("error: kernels::attention: a Hopper attention kernel's launch failed after it was queued: {why}");
                     std::process::abort();
                 }
             }
@@ -71,8 +71,8 @@ impl Launch {
         info.extend(&self.words);
         // The kernel's `Info` is 64-byte aligned: its size is a multiple of 8 words.
         info.resize(info.len().next_multiple_of(8), 0);
-        // q, k and v are passed as buffers too (the kernel reads them through the maps), so that
-        // CubeCL orders the launch after their writers.
+        // The mapped tensors are passed as buffers too (the kernel reads them through the maps),
+        // so that CubeCL orders the launch after their writers.
         let buffers = self
             .tensors
             .iter()

@@ -9,8 +9,11 @@
 //! the CubeCL kernels, which stay the reference. `BURNMIX_FLASH_HOPPER=off`
 //! ([`crate::settings::Settings::flash_hopper`]) turns it off.
 
+mod backward;
 mod launch;
 mod tensor_map;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
@@ -21,10 +24,36 @@ use cubecl::prelude::*;
 use super::dims::Dims;
 use crate::cuda_source::{device_facts, CudaSource};
 use crate::gemm::cublaslt::as_cuda as cuda;
+pub(crate) use backward::{applies_backward, backward};
 use launch::Launch;
 use tensor_map::{MapOf, STAND_IN_ADDRESS};
 
-const SOURCE: &str = include_str!("forward.cu");
+/// How often the Hopper kernels ran, and how often one applied but could not run, in this
+/// process (see [`crate::attention::hopper_calls`]).
+static FORWARD_RUNS: AtomicUsize = AtomicUsize::new(0);
+static BACKWARD_RUNS: AtomicUsize = AtomicUsize::new(0);
+static REFUSALS: AtomicUsize = AtomicUsize::new(0);
+
+/// `(forward runs, backward runs, refusals)`.
+pub(crate) fn calls() -> (usize, usize, usize) {
+    let load = |c: &AtomicUsize| c.load(Ordering::Relaxed);
+    (load(&FORWARD_RUNS), load(&BACKWARD_RUNS), load(&REFUSALS))
+}
+
+/// A Hopper kernel (`what`: "forward" or "backward") could not run a call it applies to (the
+/// driver refused a tensor map), so the CubeCL kernels run it: counted, and said once per process.
+pub(crate) fn refused(what: &str, why: &str) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    REFUSALS.fetch_add(1, Ordering::Relaxed);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "warning: kernels::attention: the Hopper {what} cannot run ({why}); the CubeCL kernels run instead"
+        );
+    }
+}
+
+/// The forward's NVRTC source: the shared helpers, then the kernel.
+const SOURCE: &str = concat!(include_str!("common.cuh"), include_str!("forward.cu"));
 const ENTRY: &str = "flash_forward_hopper";
 /// Keys per step.
 const BLOCK_K: usize = 128;
@@ -71,10 +100,8 @@ impl Shape {
     }
 }
 
-/// Whether `forward` runs for these tensors: CUDA on a compute capability 9.0 GPU with enough
-/// shared memory, f16 or bf16, head_dim 64 or 128, no dropout, the setting on, and what TMA
-/// copies: unit last strides, the other strides non-zero multiples of 8 elements (16 bytes) where
-/// their dimension has more than one entry, and 16-byte aligned starts.
+/// Whether `forward` runs for these tensors: see [`runs_on`]; the largest block shape of the
+/// head_dim (the one without the mask) must fit in shared memory.
 pub(crate) fn applies<R: CubeRuntime>(
     q: &CubeTensor<R>,
     k: &CubeTensor<R>,
@@ -82,7 +109,31 @@ pub(crate) fn applies<R: CubeRuntime>(
     d: &Dims,
     dropout: bool,
 ) -> bool {
-    if dropout || !(d.hd == 64 || d.hd == 128) || !matches!(q.dtype, DType::F16 | DType::BF16) {
+    runs_on(
+        &[q, k, v],
+        d,
+        dropout,
+        Shape::at(d.hd, false, d.seq_q).shared_bytes(d.hd),
+    )
+}
+
+/// Whether a Hopper attention kernel runs for these tensors (q first): CUDA on a compute
+/// capability 9.0 GPU with `shared` bytes of shared memory a block, f16 or bf16, head_dim 64 or
+/// 128, some keys, no dropout, the setting on, and what TMA copies: unit last strides, the other
+/// strides non-zero multiples of 8 elements (16 bytes) where their dimension has more than one
+/// entry, and 16-byte aligned starts.
+fn runs_on<R: CubeRuntime>(
+    tensors: &[&CubeTensor<R>],
+    d: &Dims,
+    dropout: bool,
+    shared: usize,
+) -> bool {
+    let q = tensors[0];
+    if dropout
+        || !(d.hd == 64 || d.hd == 128)
+        || d.seq_k == 0
+        || !matches!(q.dtype, DType::F16 | DType::BF16)
+    {
         return false;
     }
     if !crate::settings::read(|s| s.flash_hopper) {
@@ -94,15 +145,34 @@ pub(crate) fn applies<R: CubeRuntime>(
     if device_facts(qc).map(|f| f.compute_capability) != Some((9, 0)) {
         return false;
     }
-    let smem = q.client.properties().hardware.max_shared_memory_size;
-    // Without the mask: the head_dim's largest shape.
-    smem >= Shape::at(d.hd, false, d.seq_q).shared_bytes(d.hd)
-        && [q, k, v].iter().all(|t| {
+    q.client.properties().hardware.max_shared_memory_size >= shared
+        && tensors.iter().all(|t| {
             let (shape, s) = (t.meta.shape(), t.meta.strides());
             s[3] == 1
                 && (0..3).all(|i| shape[i] == 1 || (s[i] > 0 && s[i].is_multiple_of(8)))
                 && t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
         })
+}
+
+/// The TMA tensor map (but for its address) over a `[batch, heads, seq, hd]` tensor, in boxes of
+/// `rows` rows.
+fn map_of(t: &CubeTensor<CudaRuntime>, rows: usize) -> MapOf {
+    let (dims, s) = (t.meta.shape(), t.meta.strides());
+    MapOf {
+        device: t.device.index,
+        shape: [dims[0], dims[1], dims[2], dims[3]],
+        strides: [s[0], s[1], s[2]],
+        rows: rows as u32,
+        bf16: t.dtype == DType::BF16,
+    }
+}
+
+/// The maps encoded at a stand-in address as aligned as the real ones (CubeCL's allocations
+/// start at 256-byte multiples, [`runs_on`] checked the offsets): the driver checks shapes,
+/// strides and boxes here, so that a refusal falls back before anything is queued.
+fn check_maps(maps: &[MapOf]) -> Result<(), String> {
+    maps.iter()
+        .try_for_each(|m| m.encode(STAND_IN_ADDRESS).map(|_| ()))
 }
 
 /// Writes `out` (`[batch, heads, seq_q, hd]`, any strides with a unit last one and even others)
@@ -126,24 +196,12 @@ pub(crate) fn forward<R: CubeRuntime>(
     let shape = Shape::at(d.hd, causal, d.seq_q);
     let bf16 = q.dtype == DType::BF16;
     // The tensor maps: q in boxes of a block's query rows, k and v in blocks of keys.
-    let maps = [shape.block_q(), BLOCK_K, BLOCK_K].map(|rows| rows as u32);
-    let mut maps = tensors[..3].iter().zip(maps).map(|(t, rows)| {
-        let (dims, s) = (t.meta.shape(), t.meta.strides());
-        MapOf {
-            device: t.device.index,
-            shape: [dims[0], dims[1], dims[2], dims[3]],
-            strides: [s[0], s[1], s[2]],
-            rows,
-            bf16,
-        }
-    });
-    let maps = [(); 3].map(|()| maps.next().expect("three tensors"));
-    // The driver checks shapes, strides and boxes here, at an address as aligned as the real one
-    // (CubeCL's allocations start at 256-byte multiples, `applies` checked the offsets), so that
-    // a refusal falls back before anything is queued.
-    for m in &maps {
-        m.encode(STAND_IN_ADDRESS)?;
-    }
+    let maps: Vec<MapOf> = tensors[..3]
+        .iter()
+        .zip([shape.block_q(), BLOCK_K, BLOCK_K])
+        .map(|(t, rows)| map_of(t, rows))
+        .collect();
+    check_maps(&maps)?;
     let so = tensors[3].meta.strides();
     let mut words: Vec<u64> = [d.heads, d.group, d.seq_q, d.seq_k, so[0], so[1], so[2]]
         .map(|x| x as u64)
@@ -154,9 +212,16 @@ pub(crate) fn forward<R: CubeRuntime>(
     let facts = device_facts(tensors[0]).ok_or("the driver did not give the GPU's attributes")?;
     let q_blocks = d.seq_q.div_ceil(shape.block_q());
     let pairs = d.batch * d.heads;
-    let kv_bytes = 2 * d.seq_k * d.hd * 2;
+    // A k/v head's keys and values serve `group` consecutive pairs.
+    let kv_bytes = (2 * d.seq_k * d.hd * 2).div_ceil(d.group.max(1));
     let section = (facts.l2_bytes as usize / 2 / kv_bytes.max(1)).clamp(1, pairs.max(1));
     words.extend([q_blocks, pairs, section].map(|x| x as u64));
+    // `Info` in forward.cu: the three maps, then these words, in this order.
+    debug_assert_eq!(
+        words.len(),
+        11,
+        "forward.cu's Info has 11 words after its maps"
+    );
     let defines = format!(
         "#define HD {}\n#define IS_BF16 {}\n#define CAUSAL {}\n#define CONSUMERS {}\n#define STAGES {}\n",
         d.hd,
@@ -179,5 +244,6 @@ pub(crate) fn forward<R: CubeRuntime>(
         kernel,
         cubes,
     });
+    FORWARD_RUNS.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }

@@ -29,34 +29,49 @@ impl MapOf {
     /// The map at device address `ptr`: its 16 words, as the kernel's `TensorMap`, or the
     /// driver's refusal.
     pub(super) fn encode(&self, ptr: u64) -> Result<[u64; 16], String> {
-        primary_context_current(self.device)?;
-        encode(ptr, self.shape, self.strides, self.rows, self.bf16)
+        with_primary_context(self.device, || {
+            encode(ptr, self.shape, self.strides, self.rows, self.bf16)
+        })?
     }
 }
 
-/// Makes the device's primary context (the one CubeCL uses) current on this thread: the driver
-/// refuses to encode a tensor map without a current context, and a caller's thread has none of
-/// its own (CubeCL's calls run on its device thread).
-fn primary_context_current(device: usize) -> Result<(), String> {
+/// Runs `f` with the device's primary context (the one CubeCL uses) current on this thread, then
+/// makes the thread's earlier context (or none) current again: the driver refuses to encode a
+/// tensor map without a current context, a caller's thread has none of its own (CubeCL's calls
+/// run on its device thread), and a context left current would change what the caller's own
+/// CUDA calls act on.
+fn with_primary_context<T>(device: usize, f: impl FnOnce() -> T) -> Result<T, String> {
+    use cudarc::driver::result as drv;
+    let earlier = drv::ctx::get_current().map_err(|e| format!("cuCtxGetCurrent: {e:?}"))?;
+    let primary = primary_context(device)?;
+    // SAFETY: both contexts are live: the primary one is retained for the process's life, the
+    // earlier one was current on this thread a moment ago (null: none).
+    unsafe {
+        drv::ctx::set_current(primary).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+        let result = f();
+        drv::ctx::set_current(earlier.unwrap_or(std::ptr::null_mut()))
+            .map_err(|e| format!("cuCtxSetCurrent (restoring the caller's context): {e:?}"))?;
+        Ok(result)
+    }
+}
+
+/// The device's primary context, retained once per device for the process's life.
+fn primary_context(device: usize) -> Result<sys::CUcontext, String> {
     use cudarc::driver::result as drv;
     static CONTEXTS: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
     let mut contexts = CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
-    // SAFETY: the driver was initialised by CubeCL's client (the tensor exists); the primary
-    // context is retained once per device and lives as long as the process.
-    unsafe {
-        let ctx = match contexts.get(&device) {
-            Some(&ctx) => ctx as sys::CUcontext,
-            None => {
-                let dev = drv::device::get(device as i32)
-                    .map_err(|e| format!("cuDeviceGet({device}): {e:?}"))?;
-                let ctx = drv::primary_ctx::retain(dev)
-                    .map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
-                contexts.insert(device, ctx as usize);
-                ctx
-            }
-        };
-        drv::ctx::set_current(ctx).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))
+    if let Some(&ctx) = contexts.get(&device) {
+        return Ok(ctx as sys::CUcontext);
     }
+    // SAFETY: the driver was initialised by CubeCL's client (the tensor exists); the retained
+    // context is never released.
+    let ctx = unsafe {
+        let dev =
+            drv::device::get(device as i32).map_err(|e| format!("cuDeviceGet({device}): {e:?}"))?;
+        drv::primary_ctx::retain(dev).map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?
+    };
+    contexts.insert(device, ctx as usize);
+    Ok(ctx)
 }
 
 fn encode(
