@@ -45,7 +45,7 @@ def lib_name(hd, bf16, causal, f32):
     return f"fa_bwd_{hd}_{bf16}_{causal}_{f32}.so"
 
 
-def build(out_dir, nvcc):
+def build(out_dir, nvcc, kernel_file=None):
     os.makedirs(out_dir, exist_ok=True)
     procs = {}
     for key in variants():
@@ -53,6 +53,8 @@ def build(out_dir, nvcc):
         cmd = [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
                "-fPIC", f"-DHD={hd}", f"-DIS_BF16={bf16}", f"-DCAUSAL={causal}", f"-DDKV_F32={f32}", "-Xptxas",
                "-v", os.path.join(HERE, "backward_host.cu"), "-o", os.path.join(out_dir, lib_name(*key)), "-lcuda"]
+        if kernel_file:
+            cmd.append(f'-DBACKWARD_SOURCE="{os.path.abspath(kernel_file)}"')
         procs[key] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ok = True
     for key, p in procs.items():
@@ -208,11 +210,13 @@ def main():
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--kernel", help="another version of backward.cu to build instead (to compare versions; "
+                    "give each its own --build-dir)")
     a = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if torch.cuda.get_device_capability() != (9, 0):
         sys.exit("the kernel needs a compute capability 9.0 GPU (H100, H200)")
-    if not build(a.build_dir, a.nvcc):
+    if not build(a.build_dir, a.nvcc, a.kernel):
         sys.exit(1)
     kernel = Kernel(a.build_dir)
     torch.manual_seed(0)

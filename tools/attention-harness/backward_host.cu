@@ -5,7 +5,12 @@
 #include <cuda_runtime.h>
 
 #include "../../crates/kernels/src/attention/hopper/common.cuh"
+// BACKWARD_SOURCE (backward.py --kernel) builds another version of the kernel file, to compare.
+#ifdef BACKWARD_SOURCE
+#include BACKWARD_SOURCE
+#else
 #include "../../crates/kernels/src/attention/hopper/backward.cu"
+#endif
 
 // A tensor map over t [batch, heads, seq, HD] (element strides sb, sh, ss), boxes of 64 columns by
 // `rows` rows, 128-byte swizzle: as tensor_map.rs encodes it.
