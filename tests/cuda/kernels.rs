@@ -332,24 +332,40 @@ fn cuda_flash_attention_gqa_f32() {
     );
 }
 
-/// Grouped-query attention in every backward layout at both head dims (the split dK/dV layout and
-/// whole key rows, each with the separate dQ kernel and with dQ fused, in the tiles the split
-/// backward's tests use); bf16 and f16.
+/// Grouped-query attention in every backward layout of the CubeCL kernels at both head dims (the
+/// split dK/dV layout and whole key rows, each with the separate dQ kernel and with dQ fused, in
+/// the tiles the split backward's tests use); bf16 and f16. One test per layout: each compiles its
+/// own kernels at every shape, and the CUDA suite runs tests side by side.
 #[test]
 #[ignore = "needs CUDA"]
-fn cuda_flash_attention_gqa_layouts() {
-    for spec in [
-        "bwd=split,dq=separate",
-        "bwd=split,dq=fused",
-        "bwd=rows,dq=separate,dkdv=1x64x8",
-        "bwd=rows,dq=fused,dkdv=2x32x4",
-    ] {
-        let _settings = kernels::settings::scoped(|s| {
-            s.flash_tiles = Some(spec.parse().expect("a valid tile override"))
-        });
-        flash_attention_gqa_cases(FloatDType::BF16);
-        flash_attention_gqa_cases(FloatDType::F16);
-    }
+fn cuda_flash_attention_gqa_split_separate_dq() {
+    flash_attention_gqa_layout("bwd=split,dq=separate");
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_gqa_split_fused_dq() {
+    flash_attention_gqa_layout("bwd=split,dq=fused");
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_gqa_rows_separate_dq() {
+    flash_attention_gqa_layout("bwd=rows,dq=separate,dkdv=1x64x8");
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_gqa_rows_fused_dq() {
+    flash_attention_gqa_layout("bwd=rows,dq=fused,dkdv=2x32x4");
+}
+
+fn flash_attention_gqa_layout(spec: &str) {
+    let _settings = kernels::settings::scoped(|s| {
+        s.flash_tiles = Some(spec.parse().expect("a valid tile override"))
+    });
+    flash_attention_gqa_cases(FloatDType::BF16);
+    flash_attention_gqa_cases(FloatDType::F16);
 }
 
 fn flash_attention_gqa_cases(dtype: FloatDType) {
