@@ -19,7 +19,7 @@
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
 //! | [`Settings::fp8_pair`] | `BURNMIX_FP8_PAIR` | `auto` (default), `native`, `fused`, `separate` |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
-//! | [`Settings::flash_hopper`] | `BURNMIX_FLASH_HOPPER` | `on` (default), `off` (the CubeCL forward on Hopper too) |
+//! | [`Settings::flash_hopper`] | `BURNMIX_FLASH_HOPPER` | `on` (default), `off` (the CubeCL forward and backward on Hopper too) |
 //! | [`Settings::embedding_atomic`] | `BURNMIX_EMBEDDING_GRAD` | `atomic` (default), `reference` |
 //! | [`Settings::memory_trace`] | `BURNMIX_MEMORY_TRACE` | `0` / `off` (default), `1` / `on` |
 
@@ -110,7 +110,9 @@ impl std::str::FromStr for Fp8GemmChoice {
 /// `stmatrix=off` makes the forward stage its output without `stmatrix` (as on devices before
 /// sm_90); `bwd=split` runs the dK/dV kernel in FlashAttention-2's warp layouts (32 keys a warp;
 /// dQ inside it with `dq=fused`, in its own kernel with `dq=separate`; the default at head_dim
-/// 128), `bwd=rows` with whole key rows a warp (the default at 64).
+/// 128), `bwd=rows` with whole key rows a warp (the default at 64). Any override also keeps the
+/// backward on these kernels where the Hopper backward would run (the forward stays on the Hopper
+/// kernel).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlashTiles(String);
 
@@ -163,8 +165,9 @@ pub struct Settings {
     pub fp8_pair: Option<Fp8PairPath>,
     /// FlashAttention tile overrides; `None`: the defaults.
     pub flash_tiles: Option<FlashTiles>,
-    /// FlashAttention's forward on Hopper GPUs runs the warpgroup-MMA kernel where it applies
-    /// (default; see `attention::hopper`); off: the CubeCL tensor-core kernel, for comparison.
+    /// FlashAttention's forward and backward on Hopper GPUs run the CUDA C++ kernels on TMA and
+    /// warpgroup MMA where they apply (default; see `attention::hopper`); off: the CubeCL
+    /// tensor-core kernels, for comparison.
     pub flash_hopper: bool,
     /// The embedding backward's scatter with f32 atomic adds on CUDA (default); off: Burn's
     /// select-assign, the reference, for comparison.

@@ -33,6 +33,12 @@
 //! backward's layouts, swept");
 //! `BURNMIX_FLASH_TILES=bwd=rows` or `bwd=split` chooses either at any head_dim.
 //!
+//! **On Hopper** (sm_90), f16/bf16 at head_dim 64 and 128 without dropout run kernels in CUDA C++
+//! on TMA and warpgroup MMA instead (`hopper/`): the forward, and the backward unless a
+//! `BURNMIX_FLASH_TILES` override is set. That backward's dK/dV blocks also compute dQ, added to
+//! f32 by bulk reductions, so its dQ too can differ in its last bits between runs;
+//! `BURNMIX_FLASH_HOPPER=off` selects the kernels below.
+//!
 //! **Kernels**: f16/bf16 on CUDA with head_dim a multiple of 16 up to 128 run on tensor cores
 //! (warp-level `mma.sync` m16n8k16, f32 accumulation, see `mma/`); everything else (f32, wgpu,
 //! other head dims up to [`MAX_HEAD_DIM`]) runs the portable kernels, one unit per row with f32

@@ -58,8 +58,8 @@ fn shared_bytes(hd: usize) -> usize {
         + 1024
 }
 
-/// Whether [`backward`] runs for these tensors: those of [`runs_on`], with the output gradient's
-/// layout as q's, and no `BURNMIX_FLASH_TILES` override.
+/// Whether [`backward`] runs for these tensors: the conditions of [`runs_on`], which the output
+/// gradient must meet too, and no `BURNMIX_FLASH_TILES` override.
 pub(crate) fn applies_backward<R: CubeRuntime>(
     q: &CubeTensor<R>,
     k: &CubeTensor<R>,

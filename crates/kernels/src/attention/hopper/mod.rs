@@ -1,13 +1,15 @@
-//! FlashAttention's forward on Hopper GPUs (compute capability 9.0) in CUDA C++ (`forward.cu`),
-//! built as FlashAttention-3 builds it: TMA copies from a producer warp (through the tensor maps
-//! of `tensor_map.rs`), warpgroup MMA (`wgmma`) from 128-byte-swizzled shared memory in consumer
-//! warpgroups that take turns at the tensor cores. CubeCL 0.10 can express none of these; the
-//! kernel is compiled by NVRTC for sm_90a and launched on CubeCL's stream with CubeCL's buffers
-//! (see `cuda_source.rs`). It computes what the CubeCL kernel `flash_forward_mma` computes (the
-//! output and the f32 log-sum-exp the backward recomputes P from) for f16 and bf16 inputs at
-//! head_dim 64 and 128 without dropout; every other call, and every GPU other than sm_90, takes
-//! the CubeCL kernels, which stay the reference. `BURNMIX_FLASH_HOPPER=off`
-//! ([`crate::settings::Settings::flash_hopper`]) turns it off.
+//! FlashAttention's forward (`forward.cu`, launched here) and backward (`backward.cu`, see
+//! `backward.rs`) on Hopper GPUs (compute capability 9.0) in CUDA C++, sharing the device helpers
+//! of `common.cuh`. The forward is built as FlashAttention-3 builds it: TMA copies from a
+//! producer warp (through the tensor maps of `tensor_map.rs`), warpgroup MMA (`wgmma`) from
+//! 128-byte-swizzled shared memory in consumer warpgroups that take turns at the tensor cores.
+//! CubeCL 0.10 can express none of these; the kernels are compiled by NVRTC for sm_90a and
+//! launched on CubeCL's stream with CubeCL's buffers (see `cuda_source.rs`). The forward computes
+//! what the CubeCL kernel `flash_forward_mma` computes (the output and the f32 log-sum-exp the
+//! backward recomputes P from) for f16 and bf16 inputs at head_dim 64 and 128 without dropout;
+//! every other call, and every GPU other than sm_90, takes the CubeCL kernels, which stay the
+//! reference. `BURNMIX_FLASH_HOPPER=off`
+//! ([`crate::settings::Settings::flash_hopper`]) turns both kernels off.
 
 mod backward;
 mod launch;
@@ -28,8 +30,8 @@ pub(crate) use backward::{applies_backward, backward};
 use launch::Launch;
 use tensor_map::{MapOf, STAND_IN_ADDRESS};
 
-/// How often the Hopper kernels ran, and how often one applied but could not run, in this
-/// process (see [`crate::attention::hopper_calls`]).
+// How often the Hopper kernels ran, and how often one applied but could not run, in this process
+// (see `crate::attention::hopper_calls`).
 static FORWARD_RUNS: AtomicUsize = AtomicUsize::new(0);
 static BACKWARD_RUNS: AtomicUsize = AtomicUsize::new(0);
 static REFUSALS: AtomicUsize = AtomicUsize::new(0);

@@ -1,15 +1,15 @@
-//! TMA tensor maps (CUDA's `CUtensorMap`) over attention's q, k and v for the Hopper forward: the
-//! 128 bytes from which the kernel's bulk copies read a tensor's address, shape, strides and box,
-//! encoded on the host by the driver and passed to the kernel by value.
+//! TMA tensor maps (CUDA's `CUtensorMap`) over attention's q, k, v (and dO in the backward) for the
+//! Hopper kernels: the 128 bytes from which a kernel's bulk copies read a tensor's address, shape,
+//! strides and box, encoded on the host by the driver and passed to the kernel by value.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use cudarc::driver::sys;
 
-/// A device address as aligned as any the forward passes (CubeCL's allocations start at 256-byte
-/// multiples): the caller encodes each map at it first, so that the driver's checks of shapes,
-/// strides and boxes are answered before the launch is queued.
+/// A device address as aligned as any the Hopper kernels pass (CubeCL's allocations start at
+/// 256-byte multiples): the caller encodes each map at it first, so that the driver's checks of
+/// shapes, strides and boxes are answered before the launch is queued.
 pub(super) const STAND_IN_ADDRESS: u64 = 1 << 20;
 
 /// A tensor map but for its address: over a 16-bit `[batch, heads, seq, hd]` tensor with element
