@@ -24,8 +24,6 @@ import argparse
 import ctypes
 import math
 import os
-import re
-import subprocess
 import sys
 
 import torch
@@ -35,6 +33,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "peers"))
 from sdpa_bench import timed  # noqa: E402
+
+from nvcc_build import build_variants  # noqa: E402
 
 
 def variants():
@@ -47,30 +47,14 @@ def lib_name(hd, bf16, causal, f32):
 
 def build(out_dir, nvcc, kernel_file=None):
     os.makedirs(out_dir, exist_ok=True)
-    procs = {}
-    for key in variants():
-        hd, bf16, causal, f32 = key
-        cmd = [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
-               "-fPIC", f"-DHD={hd}", f"-DIS_BF16={bf16}", f"-DCAUSAL={causal}", f"-DDKV_F32={f32}", "-Xptxas",
-               "-v", os.path.join(HERE, "backward_host.cu"), "-o", os.path.join(out_dir, lib_name(*key)), "-lcuda"]
-        if kernel_file:
-            cmd.append(f'-DBACKWARD_SOURCE="{os.path.abspath(kernel_file)}"')
-        procs[key] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ok = True
-    for key, p in procs.items():
-        log = p.communicate()[0]
-        if p.returncode != 0:
-            ok = False
-            print(f"build {key} failed:\n{log[-6000:]}")
-            continue
-        m = re.search(r"flash_backward_hopper.*?\n(?:.*\n)*?.*?Used (\d+) registers", log)
-        spills = re.findall(r"(\d+) bytes spill stores", log)
-        for x in [x for x in log.splitlines() if "warning" in x.lower()][:6]:
-            print("  " + x)
-        print(f"built hd {key[0]} {'bf16' if key[1] else 'f16'} {'causal' if key[2] else 'full'} "
-              f"{'f32 dK/dV' if key[3] else '16-bit dK/dV'}: {m.group(1) if m else '?'} registers, "
-              f"spill stores {max(map(int, spills)) if spills else 0} bytes")
-    return ok
+    jobs = {}
+    for hd, bf16, causal, f32 in variants():
+        label = (f"hd {hd} {'bf16' if bf16 else 'f16'} {'causal' if causal else 'full'} "
+                 f"{'f32 dK/dV' if f32 else '16-bit dK/dV'}")
+        jobs[label] = (os.path.join(out_dir, lib_name(hd, bf16, causal, f32)),
+                       [f"-DHD={hd}", f"-DIS_BF16={bf16}", f"-DCAUSAL={causal}", f"-DDKV_F32={f32}"])
+    extra = [f'-DBACKWARD_SOURCE="{os.path.abspath(kernel_file)}"'] if kernel_file else []
+    return build_variants(nvcc, os.path.join(HERE, "backward_host.cu"), "flash_backward_hopper", jobs, extra)
 
 
 def bits(x):

@@ -20,8 +20,6 @@ import argparse
 import ctypes
 import math
 import os
-import re
-import subprocess
 import sys
 
 import torch
@@ -33,6 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # sides are timed alike.
 sys.path.insert(0, os.path.join(HERE, "..", "peers"))
 from sdpa_bench import timed  # noqa: E402
+
+from nvcc_build import build_variants  # noqa: E402
 STAGES = 2
 
 
@@ -58,30 +58,13 @@ def lib_name(hd, bf16, causal, cons):
 
 def build(out_dir, nvcc):
     os.makedirs(out_dir, exist_ok=True)
-    procs = {}
+    jobs = {}
     for hd, bf16, causal, cons in variants():
-        lib = os.path.join(out_dir, lib_name(hd, bf16, causal, cons))
-        cmd = [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared",
-               "-Xcompiler", "-fPIC", f"-DHD={hd}", f"-DIS_BF16={bf16}", f"-DCAUSAL={causal}",
-               f"-DCONSUMERS={cons}", f"-DSTAGES={STAGES}",
-               "-Xptxas", "-v", os.path.join(HERE, "host.cu"), "-o", lib, "-lcuda"]
-        procs[(hd, bf16, causal, cons)] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                           text=True)
-    ok = True
-    for key, p in procs.items():
-        log = p.communicate()[0]
-        if p.returncode != 0:
-            ok = False
-            print(f"build {key} failed:\n{log}")
-            continue
-        # ptxas reports each kernel's function, then its registers and spills.
-        m = re.search(r"flash_forward_hopper.*?\n(?:.*\n)*?.*?Used (\d+) registers", log)
-        spills = re.findall(r"(\d+) bytes spill stores", log)
-        for x in [x for x in log.splitlines() if "warning" in x.lower()][:6]:
-            print("  " + x)
-        print(f"built hd {key[0]} {'bf16' if key[1] else 'f16'} {'causal' if key[2] else 'full'} {key[3]} consumers: "
-              f"{m.group(1) if m else '?'} registers, spill stores {max(map(int, spills)) if spills else 0} bytes")
-    return ok
+        label = f"hd {hd} {'bf16' if bf16 else 'f16'} {'causal' if causal else 'full'} {cons} consumers"
+        jobs[label] = (os.path.join(out_dir, lib_name(hd, bf16, causal, cons)),
+                       [f"-DHD={hd}", f"-DIS_BF16={bf16}", f"-DCAUSAL={causal}", f"-DCONSUMERS={cons}",
+                        f"-DSTAGES={STAGES}"])
+    return build_variants(nvcc, os.path.join(HERE, "host.cu"), "flash_forward_hopper", jobs)
 
 
 class Kernel:
