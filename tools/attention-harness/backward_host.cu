@@ -1,10 +1,12 @@
 // Host entry points around the Hopper FlashAttention backward (crates/kernels/src/attention/
-// hopper/backward.cu), built by nvcc into a shared library that backward.py calls from PyTorch.
+// hopper/backward.cu, its cast in dq_cast.cu), built by nvcc into a shared library that
+// backward.py calls from PyTorch.
 // The variant's macros (HD, IS_BF16, CAUSAL, DKV_F32) come from the nvcc command line.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "../../crates/kernels/src/attention/hopper/common.cuh"
+#include "../../crates/kernels/src/attention/hopper/dq_cast.cu"
 // BACKWARD_SOURCE (backward.py --kernel) builds another version of the kernel file, to compare.
 #ifdef BACKWARD_SOURCE
 #include BACKWARD_SOURCE

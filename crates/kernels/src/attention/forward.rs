@@ -147,7 +147,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     if flash_path == FlashPath::TensorCores && super::hopper::applies(&q, &k, &v, &d, drop.on) {
         match super::hopper::forward(&q, &k, &v, &out, &lse, &d, causal, scale) {
             Ok(()) => return (out, lse),
-            Err(why) => super::hopper::refused("forward", &why),
+            Err(why) => super::hopper::refused(super::hopper::Kernel::Forward, &why),
         }
     }
     match flash_path {

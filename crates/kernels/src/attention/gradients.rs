@@ -107,23 +107,26 @@ pub(crate) fn backward<R: CubeRuntime>(
     if flash_path == FlashPath::TensorCores
         && super::hopper::applies_backward(&q, &k, &v, &grad, &d, drop.on)
     {
-        // No fused CubeCL dQ: its accumulator is a stand-in.
-        let stand_in = empty(&q, vec![4], DType::F32);
-        let delta = launch_delta(&q, out.clone(), &grad, &d, &stand_in, false, dtype);
+        // The delta pre-pass, queued once the tensor maps are accepted; no fused CubeCL dQ, so
+        // its accumulator is a stand-in.
+        let delta = || {
+            let stand_in = empty(&q, vec![4], DType::F32);
+            launch_delta(&q, out.clone(), &grad, &d, &stand_in, false, dtype)
+        };
         match super::hopper::backward(
             &q,
             &k,
             &v,
             &grad,
             &lse,
-            &delta,
+            delta,
             [&dq, &dk, &dv],
             &d,
             causal,
             scale,
         ) {
             Ok(()) => return finish(dq, dk, dv, &d, k_dtype, v_dtype),
-            Err(why) => super::hopper::refused("backward", &why),
+            Err(why) => super::hopper::refused(super::hopper::Kernel::Backward, &why),
         }
     }
     let tiles = MmaTiles::get(d.hd, causal);

@@ -4,7 +4,8 @@
 // added to an f32 buffer by bulk reductions (`cp.reduce.async.bulk`). The CUDA C++ counterpart of
 // the CubeCL dK/dV kernels with the fused dQ (attention/mma/): the same gradients, for 16-bit
 // inputs at head_dim 64 and 128 without dropout. Compiled at run time by NVRTC for sm_90a (through
-// CubeCL, see cuda_source.rs) after common.cuh, with these macros defined before both:
+// CubeCL, see cuda_source.rs) after common.cuh and dq_cast.cu, with these macros defined before
+// all three:
 //   HD        head_dim: 64 or 128
 //   IS_BF16   1: bf16 inputs and gradients, 0: f16
 //   CAUSAL    1: query i sees keys j <= i (aligned at the first position); 0: every key
@@ -16,7 +17,7 @@
 // batch; boxes of 64 columns by a tile's rows, 128-byte swizzle; rows past the end read as zeros);
 // lse and delta [batch, heads, seq_q] f32 (the forward's natural log-sum-exp and rowsum(dO * O));
 // dk and dv with element strides (b, h, s; the last one 1) at query head h; dq_acc f32, cleared by
-// the launcher, in the layout `dq_at` gives, turned into dQ by `flash_dq_hopper`.
+// the launcher, in the layout `dq_at` gives (dq_cast.cu), turned into dQ by `flash_dq_hopper`.
 //
 // Each block holds its keys' K and V (BN x HD each) and a ring of two stages of the query blocks'
 // Q and dO (BM x HD each: BM = 128 at head_dim 64, 64 at 128). Consumer warpgroup w owns keys
@@ -75,15 +76,6 @@ struct Info {
     u64 rows_pad;
 };
 
-// Where dQ's f32 element (row, column) of (batch, head) pair `bh` sits in dq_acc: in HD / 64
-// column segments of rows_pad rows by 64 columns, each row's 8-column chunks swizzled by the row
-// (chunk ^ row % 8), so that the consumers' writes of a part to shared memory, in this layout,
-// avoid bank conflicts and each part is one contiguous 16 KB range.
-__device__ __forceinline__ u64 dq_at(u64 bh, u64 row, u32 col, u64 rows_pad) {
-    const u64 seg = col / 64u, c = col % 64u;
-    return ((bh * (HD / 64) + seg) * rows_pad + row) * 64u + (c ^ ((row & 7u) << 3));
-}
-
 __device__ __forceinline__ void wg_sync(u32 w) { asm volatile("bar.sync %0, 128;\n" ::"r"(1u + w) : "memory"); }
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, 256;\n" ::: "memory"); }
 // Orders this thread's shared-memory writes before later reads by the async proxy (`wgmma`
@@ -99,11 +91,6 @@ __device__ __forceinline__ void bulk_add(float* dst, u32 src, u32 bytes) {
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-#if BM == 64
-#define wgmma_rows wgmma_ss_n64
-#else
-#define wgmma_rows wgmma_ss_n128
-#endif
 #if HD == 64
 #define wgmma_cols wgmma_rs_n64
 #else
@@ -113,15 +100,7 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 // Issues D^T = A_w B^T for warpgroup w's 64 rows of the key tile `a` (K or V) against the BM rows
 // of the query tile `b` (Q or dO), both K-major, into `d` (not committed).
 __device__ __forceinline__ void issue_rows(float (&d)[BM / 2], u32 a, u32 b, u32 w) {
-    fence_regs(d);
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < HD / 16; ++t) {
-        const u32 seg = (u32)t / 4u, within = ((u32)t % 4u) * 32u;
-        const u64 da = descriptor(a + seg * (BN * 128) + w * (64 * 128) + within, 16u, 1024u);
-        const u64 db = descriptor(b + seg * (BM * 128) + within, 16u, 1024u);
-        wgmma_rows(d, da, db, t > 0 ? 1u : 0u);
-    }
+    issue_kmajor<BN, BM>(d, a + w * (64u * 128u), b);
 }
 
 // Issues D += F B: F the 64 x BM fragments (P^T or dS^T), B the query tile (dO or Q, MN-major:
@@ -398,28 +377,4 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
                r0, seq_k - k0, col_in, scale);
     store_rows(dvr, (char*)dv + (b * info.dv_b + h * info.dv_h + (u64)k0 * info.dv_s) * (DKV_F32 ? 4 : 2), info.dv_s,
                r0, seq_k - k0, col_in, 1.f);
-}
-
-// dQ from dq_acc: dq [batch, heads, seq_q, HD] at element strides (b, h, s; the last one 1) =
-// scale * the f32 sums, two columns a thread.
-struct CastInfo {
-    u64 heads, seq_q, rows_pad;
-    u64 dq_b, dq_h, dq_s;
-    // The scale, f32 bits.
-    u64 scale;
-    // batch * heads * seq_q * HD / 2.
-    u64 pairs;
-};
-
-extern "C" __global__ void flash_dq_hopper(const float* __restrict__ dq_acc, unsigned short* __restrict__ dq,
-                                           const __grid_constant__ CastInfo info) {
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= info.pairs) return;
-    const u32 col = (u32)(i % (HD / 2)) * 2u;
-    const u64 row = (i / (HD / 2)) % info.seq_q, bh = i / (HD / 2) / info.seq_q;
-    const u64 h = bh % info.heads, b = bh / info.heads;
-    const float scale = __uint_as_float((u32)info.scale);
-    const float2 x = *reinterpret_cast<const float2*>(dq_acc + dq_at(bh, row, col, info.rows_pad));
-    *reinterpret_cast<u32*>(dq + b * info.dq_b + h * info.dq_h + row * info.dq_s + col) =
-        pack(x.x * scale, x.y * scale);
 }

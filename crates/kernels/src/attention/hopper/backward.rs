@@ -21,8 +21,15 @@ use super::{check_maps, map_of, runs_on, Dims, BACKWARD_RUNS};
 use crate::cuda_source::{launch as launch_cuda, CudaSource};
 use crate::gemm::cublaslt::as_cuda as cuda;
 
-/// The backward's NVRTC source: the shared helpers, then the kernels.
-const SOURCE: &str = concat!(include_str!("common.cuh"), include_str!("backward.cu"));
+/// The backward's NVRTC source: the shared helpers, dQ's layout (and its cast), then the kernel.
+const SOURCE: &str = concat!(
+    include_str!("common.cuh"),
+    include_str!("dq_cast.cu"),
+    include_str!("backward.cu")
+);
+/// The cast's NVRTC source: the shared helpers and the cast alone, so that it compiles once per
+/// head_dim and dtype, and quickly.
+const CAST_SOURCE: &str = concat!(include_str!("common.cuh"), include_str!("dq_cast.cu"));
 const ENTRY: &str = "flash_backward_hopper";
 /// The kernel that turns the f32 dQ sums into dQ.
 const CAST_ENTRY: &str = "flash_dq_hopper";
@@ -75,9 +82,10 @@ pub(crate) fn applies_backward<R: CubeRuntime>(
 /// Writes dq (`[batch, heads, seq_q, hd]`), dk and dv (`[batch, kv_heads, seq_k, hd]` in the
 /// inputs' dtype, or under grouping f32 `[batch, heads, seq_k, hd]`, one row block per query
 /// head), each with a unit last stride, from the inputs, the output gradient `grad`, the
-/// forward's log-sum-exp and the pre-pass's `delta` (f32 `[batch, heads, seq_q]`, contiguous),
-/// where [`applies_backward`] said yes. The launches are queued and this returns at once; where
-/// the driver refuses a tensor map, nothing is queued and the error says why.
+/// forward's log-sum-exp and the pre-pass's `delta` (f32 `[batch, heads, seq_q]`, contiguous,
+/// queued by `delta` once the tensor maps are accepted), where [`applies_backward`] said yes. The
+/// launches are queued and this returns at once; where the driver refuses a tensor map, nothing is
+/// queued (`delta` is not called) and the error says why.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<R: CubeRuntime>(
     q: &CubeTensor<R>,
@@ -85,7 +93,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     v: &CubeTensor<R>,
     grad: &CubeTensor<R>,
     lse: &CubeTensor<R>,
-    delta: &CubeTensor<R>,
+    delta: impl FnOnce() -> CubeTensor<R>,
     grads: [&CubeTensor<R>; 3],
     d: &Dims,
     causal: bool,
@@ -99,6 +107,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         .collect::<Option<_>>()
         .expect("hopper::backward runs only where `applies_backward` said yes (CUDA)");
     check_maps(&maps)?;
+    let delta = delta();
     // dQ's f32 sums: per (batch, head), head_dim / 64 column segments of the query rows rounded
     // up to whole blocks, cleared.
     let rows_pad = d.seq_q.div_ceil(bq) * bq;
@@ -107,7 +116,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         [d.batch * d.heads * rows_pad * d.hd].into(),
         DType::F32,
     );
-    let tensors: Vec<CubeTensor<CudaRuntime>> = [q, k, v, grad, lse, delta, dk, dv, &dq_acc]
+    let tensors: Vec<CubeTensor<CudaRuntime>> = [q, k, v, grad, lse, &delta, dk, dv, &dq_acc]
         .into_iter()
         .map(|t| cuda(t).cloned().expect("CUDA tensors"))
         .collect();
@@ -121,14 +130,17 @@ pub(crate) fn backward<R: CubeRuntime>(
     words.push(u64::from(scale.to_bits()));
     words.push(rows_pad as u64);
     debug_assert_eq!(words.len(), INFO_WORDS, "backward.cu's Info words");
-    let defines = format!(
-        "#define HD {}\n#define IS_BF16 {}\n#define CAUSAL {}\n#define DKV_F32 {}\n",
+    let cast_defines = format!(
+        "#define HD {}\n#define IS_BF16 {}\n",
         d.hd,
-        u8::from(q.dtype == DType::BF16),
+        u8::from(q.dtype == DType::BF16)
+    );
+    let defines = format!(
+        "{cast_defines}#define CAUSAL {}\n#define DKV_F32 {}\n",
         u8::from(causal),
         u8::from(dk.dtype == DType::F32)
     );
-    let kernel = CudaSource::new(ENTRY, defines.clone(), SOURCE, CubeDim::new_1d(THREADS))
+    let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(THREADS))
         .with_shared(shared_bytes(d.hd));
     let cubes = (
         d.seq_k.div_ceil(BLOCK_K) as u32,
@@ -153,7 +165,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         .into_iter()
         .chain([u64::from(scale.to_bits()), pairs as u64])
         .collect();
-    let cast = CudaSource::new(CAST_ENTRY, defines, SOURCE, CubeDim::new_1d(256));
+    let cast = CudaSource::new(CAST_ENTRY, cast_defines, CAST_SOURCE, CubeDim::new_1d(256));
     launch_cuda(
         &dq_cuda.client,
         cast,

@@ -1,6 +1,6 @@
 // Device helpers shared by the Hopper attention kernels (forward.cu, backward.cu): TMA copies,
 // mbarriers, warpgroup MMA (`wgmma`) and its shared-memory descriptors, 16-bit conversions. The
-// kernel files follow this text in one NVRTC source; IS_BF16 is defined before it.
+// kernel files follow this text in one NVRTC source; HD and IS_BF16 are defined before it.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -173,4 +173,29 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4],
         "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1u));
+}
+
+// The m64nNk16 products from shared memory by D's size (N = 128 or 64), for `issue_kmajor`.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a, u64 b, u32 accumulate) {
+    wgmma_ss_n128(d, a, b, accumulate);
+}
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 a, u64 b, u32 accumulate) {
+    wgmma_ss_n64(d, a, b, accumulate);
+}
+
+// Issues D = A B^T over HD columns into `d` (not committed): A the 64 rows at `a` of a tile of
+// A_ROWS rows, B the tile of B_ROWS rows at `b` (D's N), both K-major with the 128-byte swizzle,
+// each tile HD / 64 segments of 64 columns one after the other.
+template <int A_ROWS, int B_ROWS>
+__device__ __forceinline__ void issue_kmajor(float (&d)[B_ROWS / 2], u32 a, u32 b) {
+    fence_regs(d);
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < HD / 16; ++t) {
+        // k steps of 16 columns (32 bytes) within a 128-byte segment.
+        const u32 seg = (u32)t / 4u, within = ((u32)t % 4u) * 32u;
+        const u64 da = descriptor(a + seg * (A_ROWS * 128) + within, 16u, 1024u);
+        const u64 db = descriptor(b + seg * (B_ROWS * 128) + within, 16u, 1024u);
+        wgmma_ss(d, da, db, t > 0 ? 1u : 0u);
+    }
 }

@@ -141,16 +141,7 @@ __device__ __forceinline__ void turn_grant(u32 consumer) {
 __device__ __forceinline__ void issue_scores(float (&s)[BC / 2], u32 sq, u32 k_tile, u32 cw) {
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
-    fence_regs(s);
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < HD / 16; ++t) {
-        // k steps of 16 columns (32 bytes) within a 128-byte segment.
-        const u32 seg = (u32)t / 4u, within = ((u32)t % 4u) * 32u;
-        const u64 da = descriptor(sq + seg * (BR * 128) + cw * (64 * 128) + within, 16u, 1024u);
-        const u64 db = descriptor(k_tile + seg * (BC * 128) + within, 16u, 1024u);
-        wgmma_ss_n128(s, da, db, t > 0 ? 1u : 0u);
-    }
+    issue_kmajor<BR, BC>(s, sq + cw * (64u * 128u), k_tile);
 }
 
 // Issues O += P V for the BC keys of `v_tile` (MN-major: its 64-column segments are the leading

@@ -42,12 +42,23 @@ pub(crate) fn calls() -> (usize, usize, usize) {
     (load(&FORWARD_RUNS), load(&BACKWARD_RUNS), load(&REFUSALS))
 }
 
-/// A Hopper kernel (`what`: "forward" or "backward") could not run a call it applies to (the
-/// driver refused a tensor map), so the CubeCL kernels run it: counted, and said once per process.
-pub(crate) fn refused(what: &str, why: &str) {
-    static WARNED: AtomicBool = AtomicBool::new(false);
+/// The two Hopper kernels, as a refusal names them.
+#[derive(Clone, Copy)]
+pub(crate) enum Kernel {
+    Forward,
+    Backward,
+}
+
+/// A Hopper kernel could not run a call it applies to (the driver refused a tensor map), so the
+/// CubeCL kernels run it: counted, and said once per process and kernel.
+pub(crate) fn refused(kernel: Kernel, why: &str) {
+    static WARNED: [AtomicBool; 2] = [AtomicBool::new(false), AtomicBool::new(false)];
     REFUSALS.fetch_add(1, Ordering::Relaxed);
-    if !WARNED.swap(true, Ordering::Relaxed) {
+    let what = match kernel {
+        Kernel::Forward => "forward",
+        Kernel::Backward => "backward",
+    };
+    if !WARNED[kernel as usize].swap(true, Ordering::Relaxed) {
         eprintln!(
             "warning: kernels::attention: the Hopper {what} cannot run ({why}); the CubeCL kernels run instead"
         );
