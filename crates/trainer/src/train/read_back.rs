@@ -204,12 +204,16 @@ impl<B: crate::TrainBackend> Session<'_, B> {
         };
         drop(q.watch);
         // A step read late began while the one before it was still being read: its time runs from
-        // that read, so that steps in a row add up to the wall time.
+        // that read, so that steps in a row add up to the wall time. But a step takes at least the
+        // host's time to queue it: a step read at once after a late read was queued before that
+        // read, and where the host sets the pace the device has nearly finished it by then (its
+        // time from the read would be only its last kernels).
         let began = match self.last_read_back {
             Some(read) if read > q.t0 => read,
             _ => q.t0,
         };
-        self.group.timed(began.elapsed());
+        let took = began.elapsed().max(q.queuing);
+        self.group.timed(took);
         let memory = self.group.memory(others);
         let outcome = StepOutcome {
             stop: stats.stop,
@@ -218,7 +222,7 @@ impl<B: crate::TrainBackend> Session<'_, B> {
             lr: plan.lr,
             scale: plan.scale,
             skipped,
-            seconds: began.elapsed().as_secs_f64(),
+            seconds: took.as_secs_f64(),
             host_seconds: q.queuing.as_secs_f64(),
             memory_reserved: memory[0],
             memory_per_rank: memory,
