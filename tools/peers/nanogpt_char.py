@@ -20,6 +20,11 @@ autograd function that scales each operand per tensor or per row along its reduc
 (`--fp8-impl scaled_mm`), compiled with the rest of the model.
 
 Prints the median tokens/s over the steps after --warmup (each step timed with CUDA events).
+
+`--profile-steps N` runs the N steps after --warmup inside the CUDA profiler's capture range
+(`cudaProfilerStart` / `cudaProfilerStop`) and stops there, for a profiler told to wait for it
+(`ncu --profile-from-start off`, `nsys profile --capture-range=cudaProfilerApi`): as
+`BURNMIX_PROFILE_STEPS` does for ours.
 """
 import argparse
 import statistics
@@ -153,6 +158,8 @@ def main():
     ap.add_argument("--n-layer", type=int, default=None, help="override the preset's layers")
     ap.add_argument("--n-head", type=int, default=None, help="override the preset's heads")
     ap.add_argument("--d-model", type=int, default=None, help="override the preset's width")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="capture the N steps after --warmup for a CUDA profiler, then stop")
     a = ap.parse_args()
     if a.preset == "gpt2_small":
         shape = dict(vocab=50304, n_layer=12, n_head=12, d=768, t=1024, p=0.0)
@@ -180,6 +187,9 @@ def main():
     t0 = time.time()
     times = []
     for step in range(a.steps):
+        if a.profile_steps and step == a.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
         x = torch.randint(0, vocab, (batch, ctx), device="cuda")
         y = torch.randint(0, vocab, (batch, ctx), device="cuda")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -196,6 +206,10 @@ def main():
             print(f"first step (compile) {time.time() - t0:.1f} s")
         if step >= a.warmup:
             times.append(start.elapsed_time(end) / 1e3)
+        if a.profile_steps and step + 1 == a.warmup + a.profile_steps:
+            torch.cuda.profiler.stop()
+            print(f"captured steps {a.warmup + 1}-{step + 1} for the CUDA profiler")
+            break
     med = statistics.median(times)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     label = a.preset + f" ({shape['n_layer']} layers, width {shape['d']}, {shape['n_head']} heads)"

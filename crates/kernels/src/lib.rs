@@ -61,6 +61,8 @@ pub mod attention;
 mod check;
 pub mod collective;
 pub mod cross_entropy;
+mod cuda_context;
+pub mod cuda_profiler;
 mod cuda_source;
 mod cuda_stream;
 mod device_thread;

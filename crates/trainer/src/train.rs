@@ -19,6 +19,7 @@ use burn::tensor::{FloatDType, Tensor};
 use model::Gpt;
 use serde::Serialize;
 
+mod capture;
 mod log;
 mod read_back;
 mod start;

@@ -23,6 +23,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use model::Gpt;
 
+use super::capture::Capture;
 use super::{Session, StepOutcome};
 use crate::numerics::{self, Probes};
 use crate::parallel::watchdog::Watch;
@@ -54,7 +55,12 @@ impl<B: crate::TrainBackend> Session<'_, B> {
     /// late. Returns when the run reaches `end` or was asked to stop.
     pub(super) fn run_steps(&mut self, mut model: Gpt<B>, end: u64) -> Result<()> {
         let mut behind: Option<Queued<B>> = None;
+        let device = self.group.device.clone();
+        let mut capture = Capture::from_env::<B::InnerBackend>(&device, self.steps, &self.log)?;
         for step in self.start_step..end {
+            if let Some(c) = &mut capture {
+                c.before::<B>(step, &device, &self.log)?;
+            }
             if step == self.start_step && !self.opts.device_name.starts_with("CPU") {
                 self.log.line(&format!(
                     "step {}: compiling the GPU kernels at this model's shapes (once per shape)...",
@@ -72,13 +78,17 @@ impl<B: crate::TrainBackend> Session<'_, B> {
                 stop_seen = std::mem::take(&mut outcome.stop);
                 self.finish_step(&model, done, end, outcome)?;
             }
-            if !stop_seen && self.reads_late(&queued, end) {
+            let read_now = capture.as_ref().is_some_and(|c| c.reads_at_once(step));
+            if !stop_seen && !read_now && self.reads_late(&queued, end) {
                 self.progress.read_late += 1;
                 behind = Some(queued);
                 continue;
             }
             let outcome;
             (model, outcome) = self.settle(queued, model)?;
+            if let Some(c) = &mut capture {
+                c.after::<B>(step, &device, &self.log)?;
+            }
             if self.finish_step(&model, step, end, outcome)? {
                 self.log.line(&format!(
                     "stopped after step {} as asked (SIGINT or SIGTERM), with its checkpoint; continue with --resume {}",
@@ -89,6 +99,9 @@ impl<B: crate::TrainBackend> Session<'_, B> {
             }
         }
         debug_assert!(behind.is_none(), "the last step is read at once");
+        if let Some(c) = &mut capture {
+            c.close::<B>(&device, &self.log)?;
+        }
         Ok(())
     }
 

@@ -2,10 +2,9 @@
 //! Hopper kernels: the 128 bytes from which a kernel's bulk copies read a tensor's address, shape,
 //! strides and box, encoded on the host by the driver and passed to the kernel by value.
 
-use std::collections::BTreeMap;
-use std::sync::Mutex;
-
 use cudarc::driver::sys;
+
+use crate::cuda_context::with_primary_context;
 
 /// A device address as aligned as any the Hopper kernels pass (CubeCL's allocations start at
 /// 256-byte multiples): the caller encodes each map at it first, so that the driver's checks of
@@ -33,45 +32,6 @@ impl MapOf {
             encode(ptr, self.shape, self.strides, self.rows, self.bf16)
         })?
     }
-}
-
-/// Runs `f` with the device's primary context (the one CubeCL uses) current on this thread, then
-/// makes the thread's earlier context (or none) current again: the driver refuses to encode a
-/// tensor map without a current context, a caller's thread has none of its own (CubeCL's calls
-/// run on its device thread), and a context left current would change what the caller's own
-/// CUDA calls act on.
-fn with_primary_context<T>(device: usize, f: impl FnOnce() -> T) -> Result<T, String> {
-    use cudarc::driver::result as drv;
-    let earlier = drv::ctx::get_current().map_err(|e| format!("cuCtxGetCurrent: {e:?}"))?;
-    let primary = primary_context(device)?;
-    // SAFETY: both contexts are live: the primary one is retained for the process's life, the
-    // earlier one was current on this thread a moment ago (null: none).
-    unsafe {
-        drv::ctx::set_current(primary).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
-        let result = f();
-        drv::ctx::set_current(earlier.unwrap_or(std::ptr::null_mut()))
-            .map_err(|e| format!("cuCtxSetCurrent (restoring the caller's context): {e:?}"))?;
-        Ok(result)
-    }
-}
-
-/// The device's primary context, retained once per device for the process's life.
-fn primary_context(device: usize) -> Result<sys::CUcontext, String> {
-    use cudarc::driver::result as drv;
-    static CONTEXTS: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
-    let mut contexts = CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(&ctx) = contexts.get(&device) {
-        return Ok(ctx as sys::CUcontext);
-    }
-    // SAFETY: the driver was initialised by CubeCL's client (the tensor exists); the retained
-    // context is never released.
-    let ctx = unsafe {
-        let dev =
-            drv::device::get(device as i32).map_err(|e| format!("cuDeviceGet({device}): {e:?}"))?;
-        drv::primary_ctx::retain(dev).map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?
-    };
-    contexts.insert(device, ctx as usize);
-    Ok(ctx)
 }
 
 fn encode(
