@@ -40,7 +40,8 @@ KINDS = [
     ("token embedding", r"embedding|embed|scatter|index_put|gather"),
 ]
 OTHER = "the rest (copies, casts, elementwise, random)"
-UNITS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+UNITS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
+         "second": 1e3, "s": 1e3}
 
 
 def kind_of(name):
