@@ -195,7 +195,8 @@ def main():
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--kernel", help="another version of backward.cu to build instead (to compare versions; "
-                    "give each its own --build-dir)")
+                    "give each its own --build-dir). It is built after dq_cast.cu, so it must not "
+                    "define the dQ cast itself, as versions before dq_cast.cu did")
     a = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if torch.cuda.get_device_capability() != (9, 0):

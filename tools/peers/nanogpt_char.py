@@ -161,6 +161,11 @@ def main():
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="capture the N steps after --warmup for a CUDA profiler, then stop")
     a = ap.parse_args()
+    if a.profile_steps and a.warmup + a.profile_steps > a.steps:
+        ap.error(f"--profile-steps {a.profile_steps} after --warmup {a.warmup} needs --steps "
+                 f"{a.warmup + a.profile_steps} or more")
+    if a.steps <= a.warmup:
+        ap.error(f"--steps {a.steps} leaves no step after --warmup {a.warmup} to time")
     if a.preset == "gpt2_small":
         shape = dict(vocab=50304, n_layer=12, n_head=12, d=768, t=1024, p=0.0)
         batch, lr, betas = a.batch or 16, 6e-4, (0.9, 0.95)
@@ -215,7 +220,7 @@ def main():
     label = a.preset + f" ({shape['n_layer']} layers, width {shape['d']}, {shape['n_head']} heads)"
     label += f" fp8 {a.fp8}" if a.fp8 else ""
     print(f"{label}: median step {med * 1e3:.2f} ms, {batch * ctx / med:.0f} tokens/s "
-          f"(steps {a.warmup + 1}-{a.steps}), final loss {loss.item():.4f}")
+          f"(steps {a.warmup + 1}-{a.warmup + len(times)}), final loss {loss.item():.4f}")
 
 
 if __name__ == "__main__":

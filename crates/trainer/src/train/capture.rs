@@ -1,12 +1,13 @@
 //! `BURNMIX_PROFILE_STEPS=FROM-TO`: steps FROM to TO (counted from 1, as the log counts them) run
 //! inside the CUDA profiler's capture range ([`kernels::cuda_profiler`]), so that a profiler told
 //! to wait for it (`ncu --profile-from-start off`, `nsys profile --capture-range=cudaProfilerApi`)
-//! records those steps' kernels and nothing else: not the first step's compilation, not the
-//! evaluations and checkpoints after TO. The device is drained at both ends of the range, and
-//! step TO is read at once rather than one step late, so that no kernel of another step falls
-//! inside it. On a data-parallel run of threads, rank 0's device is captured; each process of a
-//! run of processes captures its own. Elsewhere than on CUDA the variable is ignored, with a
-//! line that says so.
+//! records those steps' kernels: not the first step's compilation, not what runs after TO (the
+//! last evaluation and checkpoint), but an evaluation or checkpoint due at a step before TO is
+//! inside. The device is drained at both ends of the range, and step TO is read at once rather
+//! than one step late, so that no kernel of another step falls inside it. A range reaching past
+//! the session's steps (a resumed run, `--stop-at`) is cut to them. On a data-parallel run of
+//! threads, rank 0's device is captured; each process of a run of processes captures its own.
+//! Elsewhere than on CUDA the variable is ignored, with a line that says so.
 
 use anyhow::{anyhow, Result};
 use burn::tensor::backend::Backend;
@@ -28,12 +29,13 @@ pub(super) struct Capture {
 }
 
 impl Capture {
-    /// The range the environment asks for on `device`, or `None` (unset or empty, or not a CUDA
-    /// device). A value that is not `FROM-TO` (or a single step `N`) with 1 <= FROM <= TO is an
-    /// error that names the variable.
+    /// The range the environment asks for on `device`, within this session's steps `first..end`
+    /// (counted from 0), or `None` (unset or empty, not a CUDA device, or no step of the range in
+    /// the session; each said in a line). A value that is not `FROM-TO` (or a single step `N`)
+    /// with 1 <= FROM <= TO is an error that names the variable.
     pub fn from_env<B: Backend + CollectiveBackend>(
         device: &B::Device,
-        last_step: u64,
+        (first, end): (u64, u64),
         log: &Logger,
     ) -> Result<Option<Capture>> {
         let Some(value) = std::env::var(ENV).ok().filter(|v| !v.trim().is_empty()) else {
@@ -46,14 +48,24 @@ impl Capture {
             ));
             return Ok(None);
         };
-        if from > last_step {
+        // This session runs steps first + 1 ..= end, counted from 1.
+        let (kept_from, kept_to) = (from.max(first + 1), to.min(end));
+        if kept_from > kept_to {
             log.line(&format!(
-                "{ENV}: steps {from}-{to} come after this run's last step ({last_step}): nothing will be captured"
+                "{ENV}: steps {from}-{to} are outside this session's steps {}-{end}: nothing will be captured",
+                first + 1
+            ));
+            return Ok(None);
+        }
+        if (kept_from, kept_to) != (from, to) {
+            log.line(&format!(
+                "{ENV}: this session runs steps {}-{end}: capturing steps {kept_from}-{kept_to} of {from}-{to}",
+                first + 1
             ));
         }
         Ok(Some(Capture {
-            from,
-            to,
+            from: kept_from,
+            to: kept_to,
             device,
             open: false,
         }))

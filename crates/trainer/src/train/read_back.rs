@@ -56,7 +56,8 @@ impl<B: crate::TrainBackend> Session<'_, B> {
     pub(super) fn run_steps(&mut self, mut model: Gpt<B>, end: u64) -> Result<()> {
         let mut behind: Option<Queued<B>> = None;
         let device = self.group.device.clone();
-        let mut capture = Capture::from_env::<B::InnerBackend>(&device, self.steps, &self.log)?;
+        let mut capture =
+            Capture::from_env::<B::InnerBackend>(&device, (self.start_step, end), &self.log)?;
         for step in self.start_step..end {
             if let Some(c) = &mut capture {
                 c.before::<B>(step, &device, &self.log)?;
@@ -217,10 +218,10 @@ impl<B: crate::TrainBackend> Session<'_, B> {
         };
         drop(q.watch);
         // A step read late began while the one before it was still being read: its time runs from
-        // that read, so that steps in a row add up to the wall time. But a step takes at least the
-        // host's time to queue it: a step read at once after a late read was queued before that
-        // read, and where the host sets the pace the device has nearly finished it by then (its
-        // time from the read would be only its last kernels).
+        // that read, so that steps in a row add up to about the wall time. But a step takes at
+        // least the host's time to queue it: a step read at once after a late read was queued
+        // before that read, and where the host sets the pace the device has nearly finished it by
+        // then (its time from the read would be only its last kernels).
         let began = match self.last_read_back {
             Some(read) if read > q.t0 => read,
             _ => q.t0,
