@@ -282,8 +282,8 @@ const SUM_DEPTH: usize = 32;
 /// `[528, 768]` RMSNorm gain partials on an H200.)
 #[cube(launch)]
 fn column_sum<N: Size>(
-    input: &Tensor<Vector<f32, N>>,
-    output: &mut Tensor<Vector<f32, N>>,
+    input: &Array<Vector<f32, N>>,
+    output: &mut Array<Vector<f32, N>>,
     rows: usize,
     row_vecs: usize,
     #[comptime] lanes: usize,
@@ -329,8 +329,8 @@ pub(crate) fn sum_rows<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
         CubeCount::Static(cubes as u32, 1, 1),
         CubeDim::new_2d(SUM_LANES as u32, SUM_DEPTH as u32),
         n,
-        t.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
+        t.into_array_arg(),
+        out.clone().into_array_arg(),
         rows,
         row_vecs,
         SUM_LANES,

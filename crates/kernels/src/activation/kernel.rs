@@ -14,9 +14,9 @@ fn sigmoid<N: Size>(g: Vector<f32, N>) -> Vector<f32, N> {
 /// packed `[rows, 2 * cols]` tensor; `out` is dense.
 #[cube(launch)]
 pub(crate) fn swiglu_fwd<F: Float, N: Size>(
-    gate: &Tensor<Vector<F, N>>,
-    up: &Tensor<Vector<F, N>>,
-    out: &mut Tensor<Vector<F, N>>,
+    gate: &Array<Vector<F, N>>,
+    up: &Array<Vector<F, N>>,
+    out: &mut Array<Vector<F, N>>,
     cols: usize,
     gate_offset: usize,
     up_offset: usize,
@@ -38,10 +38,10 @@ pub(crate) fn swiglu_fwd<F: Float, N: Size>(
 /// `d_gate = dy * u * s * (1 + g * (1 - s))`, `d_up = dy * g * s` with `s = sigmoid(g)`.
 #[cube(launch)]
 pub(crate) fn swiglu_bwd<F: Float, N: Size>(
-    gate: &Tensor<Vector<F, N>>,
-    up: &Tensor<Vector<F, N>>,
-    dy: &Tensor<Vector<F, N>>,
-    d_packed: &mut Tensor<Vector<F, N>>,
+    gate: &Array<Vector<F, N>>,
+    up: &Array<Vector<F, N>>,
+    dy: &Array<Vector<F, N>>,
+    d_packed: &mut Array<Vector<F, N>>,
     cols: usize,
     gate_offset: usize,
     up_offset: usize,
@@ -69,9 +69,9 @@ pub(crate) fn swiglu_bwd<F: Float, N: Size>(
 /// The forward ignores `dy`.
 #[cube(launch)]
 pub(crate) fn gelu_exact<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    dy: &Tensor<Vector<F, N>>,
-    out: &mut Tensor<Vector<F, N>>,
+    x: &Array<Vector<F, N>>,
+    dy: &Array<Vector<F, N>>,
+    out: &mut Array<Vector<F, N>>,
     total: usize,
     #[comptime] backward: bool,
     #[define(F)] _dtype: StorageType,
@@ -120,9 +120,9 @@ fn normal_cdf_and_gauss<N: Size>(v: Vector<f32, N>) -> (Vector<f32, N>, Vector<f
 /// forward of [16384, 4096] bf16, against 88-89 µs for PyTorch's eager GELU).
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 pub(crate) fn gelu_narrow<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    dy: &Tensor<Vector<F, N>>,
-    out: &mut Tensor<Vector<F, N>>,
+    x: &Array<Vector<F, N>>,
+    dy: &Array<Vector<F, N>>,
+    out: &mut Array<Vector<F, N>>,
     total: usize,
     #[comptime] per_unit: usize,
     #[comptime] backward: bool,

@@ -9,10 +9,10 @@ use crate::launch::{cube_max, cube_sum};
 /// target is negative are ignored (loss 0). Rows of `logits` are `row_stride` vectors apart.
 #[cube(launch)]
 pub(crate) fn ce_fwd<F: Float, I: Int, N: Size>(
-    logits: &Tensor<Vector<F, N>>,
-    targets: &Tensor<I>,
-    loss: &mut Tensor<f32>,
-    lse: &mut Tensor<f32>,
+    logits: &Array<Vector<F, N>>,
+    targets: &Array<I>,
+    loss: &mut Array<f32>,
+    lse: &mut Array<f32>,
     rows: usize,
     row_vecs: usize,
     row_stride: usize,
@@ -78,11 +78,11 @@ pub(crate) fn ce_fwd<F: Float, I: Int, N: Size>(
 /// `row_stride` vectors apart (CUDA pads the rows of large allocations).
 #[cube(launch)]
 pub(crate) fn ce_bwd<F: Float, I: Int, N: Size>(
-    logits: &Tensor<Vector<F, N>>,
-    targets: &Tensor<I>,
-    lse: &Tensor<f32>,
-    dloss: &Tensor<f32>,
-    dlogits: &mut Tensor<Vector<F, N>>,
+    logits: &Array<Vector<F, N>>,
+    targets: &Array<I>,
+    lse: &Array<f32>,
+    dloss: &Array<f32>,
+    dlogits: &mut Array<Vector<F, N>>,
     row_vecs: usize,
     row_stride: usize,
     total: usize,

@@ -7,9 +7,9 @@ use cubecl::prelude::*;
 /// same pass.
 #[cube(launch)]
 pub(crate) fn add_as_f32_kernel<A: Float, G: Float, N: Size>(
-    a: &Tensor<Vector<A, N>>,
-    b: &Tensor<Vector<G, N>>,
-    out: &mut Tensor<Vector<f32, N>>,
+    a: &Array<Vector<A, N>>,
+    b: &Array<Vector<G, N>>,
+    out: &mut Array<Vector<f32, N>>,
     total: usize,
     #[define(A, G)] _dtypes: [StorageType; 2],
 ) {
@@ -23,9 +23,9 @@ pub(crate) fn add_as_f32_kernel<A: Float, G: Float, N: Size>(
 /// one pass.
 #[cube(launch)]
 pub(crate) fn scale_kernel<I: Float, O: Float, N: Size>(
-    x: &Tensor<Vector<I, N>>,
-    factor: &Tensor<f32>,
-    out: &mut Tensor<Vector<O, N>>,
+    x: &Array<Vector<I, N>>,
+    factor: &Array<f32>,
+    out: &mut Array<Vector<O, N>>,
     total: usize,
     #[define(I, O)] _dtypes: [StorageType; 2],
 ) {
@@ -44,8 +44,8 @@ pub(crate) fn scale_kernel<I: Float, O: Float, N: Size>(
 /// grid's size, then the cube sums its units' partial sums.
 #[cube(launch)]
 pub(crate) fn sum_squares_kernel<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    partials: &mut Tensor<f32>,
+    x: &Array<Vector<F, N>>,
+    partials: &mut Array<f32>,
     total: usize,
     cols: usize,
     row_stride: usize,

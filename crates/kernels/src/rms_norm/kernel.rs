@@ -13,12 +13,12 @@ use crate::launch::{cube_sum, lanes_sum};
 /// `sum`; otherwise `r` and `sum` are not touched.
 #[cube(launch)]
 pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    r: &Tensor<Vector<F, N>>,
-    w: &Tensor<Vector<W, N>>,
-    y: &mut Tensor<Vector<F, N>>,
-    sum: &mut Tensor<Vector<F, N>>,
-    rstd: &mut Tensor<f32>,
+    x: &Array<Vector<F, N>>,
+    r: &Array<Vector<F, N>>,
+    w: &Array<Vector<W, N>>,
+    y: &mut Array<Vector<F, N>>,
+    sum: &mut Array<Vector<F, N>>,
+    rstd: &mut Array<f32>,
     rows: usize,
     row_vecs: usize,
     eps: f32,
@@ -83,13 +83,13 @@ pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
 /// f32 before the one rounding to `F`; otherwise `dres` is never read.
 #[cube(launch)]
 pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    w: &Tensor<Vector<W, N>>,
-    rstd: &Tensor<f32>,
-    dy: &Tensor<Vector<F, N>>,
-    dres: &Tensor<Vector<F, N>>,
-    dx: &mut Tensor<Vector<F, N>>,
-    dw_part: &mut Tensor<Vector<f32, N>>,
+    x: &Array<Vector<F, N>>,
+    w: &Array<Vector<W, N>>,
+    rstd: &Array<f32>,
+    dy: &Array<Vector<F, N>>,
+    dres: &Array<Vector<F, N>>,
+    dx: &mut Array<Vector<F, N>>,
+    dw_part: &mut Array<Vector<f32, N>>,
     rows: usize,
     row_vecs: usize,
     #[comptime] per_unit: usize,

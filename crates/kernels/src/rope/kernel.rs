@@ -9,10 +9,10 @@ use cubecl::prelude::*;
 /// which is the backward (the rotation is orthogonal).
 #[cube(launch)]
 pub(crate) fn rope_kernel<F: Float, W: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    cos: &Tensor<Vector<W, N>>,
-    sin: &Tensor<Vector<W, N>>,
-    out: &mut Tensor<Vector<F, N>>,
+    x: &Array<Vector<F, N>>,
+    cos: &Array<Vector<W, N>>,
+    sin: &Array<Vector<W, N>>,
+    out: &mut Array<Vector<F, N>>,
     heads: usize,
     seq: usize,
     half: usize,
