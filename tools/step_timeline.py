@@ -34,6 +34,7 @@ import argparse
 import bisect
 import collections
 import csv
+import gzip
 import re
 import sys
 
@@ -42,9 +43,10 @@ API = ("driver", "runtime")
 
 
 def read(path):
-    """(gpu ops, api calls, capture window) from a cupti-trace CSV."""
+    """(gpu ops, api calls, capture window) from a cupti-trace CSV (gzipped if it ends in .gz)."""
     gpu, api = [], []
-    with open(path, newline="", errors="replace") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="", errors="replace") as f:
         for row in csv.DictReader(f):
             rec = (int(row["start_ns"]), int(row["end_ns"]), int(row["correlation"]),
                    int(row["stream_or_thread"]), row["name"], row["what"], int(row["bytes"]))

@@ -19,7 +19,8 @@ float8 training when torchao is installed (`--fp8-impl torchao`), else `torch._s
 autograd function that scales each operand per tensor or per row along its reduction axis
 (`--fp8-impl scaled_mm`), compiled with the rest of the model.
 
-Prints the median tokens/s over the steps after --warmup (each step timed with CUDA events).
+Prints the median tokens/s over the steps after --warmup: each step timed with CUDA events from
+its start to the next step's start, the host never waiting for the GPU inside the loop.
 
 `--profile-steps N` runs the N steps after --warmup inside the CUDA profiler's capture range
 (`cudaProfilerStart` / `cudaProfilerStop`) and stops there, for a profiler told to wait for it
@@ -190,31 +191,39 @@ def main():
                             lr=lr, betas=betas, fused=True)
     step_fn = model if a.no_compile else torch.compile(model)
     t0 = time.time()
-    times = []
+    # One CUDA event at each step's start and one after the last: a step's time runs from its
+    # start to the next step's, so time the GPU waits between steps counts. No synchronization
+    # inside the loop after the first step, so the host runs ahead as in nanoGPT's train.py
+    # (which reads the loss only every log_interval steps).
+    starts, end = [], torch.cuda.Event(enable_timing=True)
     for step in range(a.steps):
         if a.profile_steps and step == a.warmup:
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
         x = torch.randint(0, vocab, (batch, ctx), device="cuda")
         y = torch.randint(0, vocab, (batch, ctx), device="cuda")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        starts.append(torch.cuda.Event(enable_timing=True))
+        starts[-1].record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        end.record()
-        torch.cuda.synchronize()
         if step == 0:
+            torch.cuda.synchronize()
             print(f"first step (compile) {time.time() - t0:.1f} s")
-        if step >= a.warmup:
-            times.append(start.elapsed_time(end) / 1e3)
         if a.profile_steps and step + 1 == a.warmup + a.profile_steps:
+            end.record()
+            torch.cuda.synchronize()
             torch.cuda.profiler.stop()
             print(f"captured steps {a.warmup + 1}-{step + 1} for the CUDA profiler")
             break
+    else:
+        end.record()
+    torch.cuda.synchronize()
+    marks = starts[a.warmup:] + [end]
+    times = [b.elapsed_time(e) / 1e3 for b, e in zip(marks, marks[1:])]
     med = statistics.median(times)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     label = a.preset + f" ({shape['n_layer']} layers, width {shape['d']}, {shape['n_head']} heads)"

@@ -9,8 +9,8 @@ use crate::philox::{factor, half_word, philox, DropScalars};
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dropout_fwd<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    out: &mut Tensor<Vector<F, N>>,
+    x: &Array<Vector<F, N>>,
+    out: &mut Array<Vector<F, N>>,
     vectors: usize,
     drop: DropScalars,
     #[comptime] width: usize,

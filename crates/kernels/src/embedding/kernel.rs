@@ -8,9 +8,9 @@ use cubecl::prelude::*;
 /// order that varies between runs (f32 sums, so the last bits may differ).
 #[cube(launch)]
 pub(crate) fn embedding_grad_kernel<F: Float, I: Int>(
-    dy: &Tensor<F>,
-    ids: &Tensor<I>,
-    out: &mut Tensor<Atomic<f32>>,
+    dy: &Array<F>,
+    ids: &Array<I>,
+    out: &mut Array<Atomic<f32>>,
     d: usize,
     dy_row: usize,
     out_row: usize,

@@ -10,8 +10,8 @@ use crate::launch::{cube_max, cube_sum, flat_index};
 /// cube.
 #[cube(launch)]
 pub(crate) fn format_stats_kernel<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    partials: &mut Tensor<f32>,
+    x: &Array<Vector<F, N>>,
+    partials: &mut Array<f32>,
     total: usize,
     cols: usize,
     row_stride: usize,

@@ -162,7 +162,7 @@ fn dequant_scale(s: f32, #[comptime] pow2: bool) -> f32 {
 /// 128x128 block, 2 one per tensor.
 #[cube]
 fn tile_scale(
-    scales: &Tensor<f32>,
+    scales: &Array<f32>,
     i: usize,
     kt: usize,
     k_tiles: usize,
@@ -189,7 +189,7 @@ pub(crate) fn max_value(f: FormatConsts) -> f32 {
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load4<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
+    x: &Array<Vector<F, N>>,
     vals: &mut Array<f32>,
     at: usize,
     i: usize,
@@ -286,10 +286,10 @@ fn tile_max(local: f32, #[comptime] block: bool, #[comptime] plane: bool) -> f32
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, unused_assignments)]
 pub(crate) fn quantize<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    amax: &Tensor<f32>,
-    payload: &mut Tensor<u32>,
-    scales: &mut Tensor<f32>,
+    x: &Array<Vector<F, N>>,
+    amax: &Array<f32>,
+    payload: &mut Array<u32>,
+    scales: &mut Array<f32>,
     rows: usize,
     k: usize,
     stride_i: usize,
@@ -377,10 +377,10 @@ pub(crate) fn quantize<F: Float, N: Size>(
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, unused_assignments)]
 pub(crate) fn quantize_cols<F: Float>(
-    x: &Tensor<F>,
-    amax: &Tensor<f32>,
-    payload: &mut Tensor<u32>,
-    scales: &mut Tensor<f32>,
+    x: &Array<F>,
+    amax: &Array<f32>,
+    payload: &mut Array<u32>,
+    scales: &mut Array<f32>,
     rows: usize,
     k: usize,
     stride_j: usize,
@@ -472,12 +472,12 @@ pub(crate) fn quantize_cols<F: Float>(
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    amax: &Tensor<f32>,
-    payload: &mut Tensor<u32>,
-    scales: &mut Tensor<f32>,
-    payload_t: &mut Tensor<u32>,
-    scales_t: &mut Tensor<f32>,
+    x: &Array<Vector<F, N>>,
+    amax: &Array<f32>,
+    payload: &mut Array<u32>,
+    scales: &mut Array<f32>,
+    payload_t: &mut Array<u32>,
+    scales_t: &mut Array<f32>,
     rows: usize,
     cols: usize,
     stride_i: usize,
@@ -660,8 +660,8 @@ pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tensor_amax<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    partials: &mut Tensor<f32>,
+    x: &Array<Vector<F, N>>,
+    partials: &mut Array<f32>,
     total: usize,
     cols: usize,
     row_stride: usize,
@@ -705,10 +705,10 @@ pub(crate) fn tensor_amax<F: Float, N: Size>(
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn health<F: Float>(
-    x: &Tensor<F>,
-    payload: &Tensor<u32>,
-    scales: &Tensor<f32>,
-    partials: &mut Tensor<f32>,
+    x: &Array<F>,
+    payload: &Array<u32>,
+    scales: &Array<f32>,
+    partials: &mut Array<f32>,
     rows: usize,
     k: usize,
     stride_i: usize,
@@ -772,9 +772,9 @@ pub(crate) fn health<F: Float>(
 /// width): one unit per word.
 #[cube(launch)]
 pub(crate) fn dequantize<F: Float>(
-    payload: &Tensor<u32>,
-    scales: &Tensor<f32>,
-    out: &mut Tensor<F>,
+    payload: &Array<u32>,
+    scales: &Array<f32>,
+    out: &mut Array<F>,
     rows: usize,
     k_out: usize,
     words: usize,

@@ -142,7 +142,7 @@ impl MmaShape {
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage<NV: Size>(
-    t: &Tensor<Vector<f16, NV>>,
+    t: &Array<Vector<f16, NV>>,
     tile: &mut SharedMemory<Vector<f16, NV>>,
     off: usize,
     row0: usize,
@@ -177,11 +177,11 @@ fn stage<NV: Size>(
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_mma<O: Float, NV: Size>(
-    a: &Tensor<Vector<f16, NV>>,
-    b: &Tensor<Vector<f16, NV>>,
-    sa: &Tensor<f32>,
-    sb: &Tensor<f32>,
-    out: &mut Tensor<O>,
+    a: &Array<Vector<f16, NV>>,
+    b: &Array<Vector<f16, NV>>,
+    sa: &Array<f32>,
+    sb: &Array<f32>,
+    out: &mut Array<O>,
     m: usize,
     n: usize,
     k_tiles: usize,
