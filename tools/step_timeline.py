@@ -23,8 +23,8 @@ ends when the next GPU operation starts. It is either
     idle, so the GPU waited for the host; the gap is split by what the launching thread was doing
     from the start of the gap until that call (inside which API call, or in its own code between
     calls: "host code"), then the call itself ("the launching call");
-  - "queued": the operation was already queued when the GPU went idle; the gap is the GPU's own
-    time between operations (launch latency, a wait on an event or another stream).
+  - "queued": the call that queued the operation had returned when the GPU went idle; the gap is
+    the GPU's own time between operations (launch latency, a wait on an event or another stream).
 Then each side's longest gaps with their neighbours, and its API calls per step.
 
 CUPTI's tracing of every API call costs the host a little time per call, on both sides alike, so
@@ -108,14 +108,19 @@ def analyse(path, steps):
 
     for a, b, before, op in gaps:
         call = launch.get(op[2])
-        if call is None or call[0] <= a:
+        if call is None or call[1] <= a:
             idle_by["queued (GPU time between operations)"] += b - a
             continue
         thread = call[3]
-        host_until = min(call[0], b)
-        # what the launching thread was doing from the gap's start until it called
+        # A call that began before the gap and returned after its start was still queuing the
+        # operation: the whole gap is the launching call's.
+        host_until = max(a, min(call[0], b))
+        # what the launching thread was doing from the gap's start until it called: step back
+        # from the first call that starts after `a` over every call still running at `a`
         calls = by_thread.get(thread, [])
-        lo = max(0, bisect.bisect_left(thread_starts.get(thread, []), a) - 8)
+        lo = bisect.bisect_left(thread_starts.get(thread, []), a)
+        while lo > 0 and max(c[1] for c in calls[max(0, lo - 64):lo]) > a:
+            lo -= 1
         inside, covered = 0, a  # outermost calls only: a nested call's time is its caller's
         for c in calls[lo:]:
             if c[0] >= host_until:

@@ -39,10 +39,13 @@
 
 #define BUFFER_BYTES (8u << 20)
 
+static void give_up(void);
+
 static FILE *out;
 static pthread_mutex_t out_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned long long dropped;
 
+/* On a failed CUPTI call: say which, turn off what was enabled, close the file, give up. */
 #define CHECK(call)                                                                  \
     do {                                                                             \
         CUptiResult status_ = (call);                                                \
@@ -50,6 +53,7 @@ static unsigned long long dropped;
             const char *why_ = "?";                                                  \
             cuptiGetResultString(status_, &why_);                                    \
             fprintf(stderr, "cupti-trace: %s failed: %s\n", #call, why_);            \
+            give_up();                                                               \
             return 0;                                                                \
         }                                                                            \
     } while (0)
@@ -147,6 +151,18 @@ static void finish(void) {
     pthread_mutex_unlock(&out_lock);
 }
 
+static const CUpti_ActivityKind KINDS[] = {
+    CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY, CUPTI_ACTIVITY_KIND_MEMSET,
+    CUPTI_ACTIVITY_KIND_DRIVER, CUPTI_ACTIVITY_KIND_RUNTIME};
+
+static void give_up(void) {
+    for (size_t i = 0; i < sizeof KINDS / sizeof *KINDS; i++) cuptiActivityDisable(KINDS[i]);
+    pthread_mutex_lock(&out_lock);
+    if (out) fclose(out);
+    out = NULL;
+    pthread_mutex_unlock(&out_lock);
+}
+
 int InitializeInjection(void) {
     const char *path = getenv("CUPTI_TRACE_OUT");
     if (!path || !*path) path = "cupti-trace.csv";
@@ -155,13 +171,13 @@ int InitializeInjection(void) {
         fprintf(stderr, "cupti-trace: cannot write %s\n", path);
         return 0;
     }
+    /* Processes this one starts (compiler workers) would truncate the file: they load no tracer. */
+    unsetenv("CUDA_INJECTION64_PATH");
     fputs("what,start_ns,end_ns,correlation,stream_or_thread,bytes,name\n", out);
     CHECK(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed));
-    CHECK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
-    CHECK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY));
-    CHECK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET));
-    CHECK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER));
-    CHECK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME));
+    for (size_t i = 0; i < sizeof KINDS / sizeof *KINDS; i++) CHECK(cuptiActivityEnable(KINDS[i]));
+    /* Buffers handed back at least every second, so a run killed early keeps most of its trace. */
+    CHECK(cuptiActivityFlushPeriod(1000));
     atexit(finish);
     fprintf(stderr, "cupti-trace: recording to %s\n", path);
     return 1;
