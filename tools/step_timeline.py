@@ -35,6 +35,7 @@ import bisect
 import collections
 import csv
 import gzip
+import itertools
 import re
 import sys
 
@@ -89,6 +90,10 @@ def analyse(path, steps):
     for calls in by_thread.values():  # a runtime call before the driver calls nested in it
         calls.sort(key=lambda c: (c[0], -c[1]))
     thread_starts = {t: [a[0] for a in calls] for t, calls in by_thread.items()}
+    # per thread, the latest end among its calls up to each one: calls[:i] reach past time x
+    # exactly when reach[t][i - 1] > x
+    reach = {t: list(itertools.accumulate((a[1] for a in calls), max))
+             for t, calls in by_thread.items()}
 
     busy, idle_by = 0, collections.Counter()
     gaps = []
@@ -119,7 +124,7 @@ def analyse(path, steps):
         # from the first call that starts after `a` over every call still running at `a`
         calls = by_thread.get(thread, [])
         lo = bisect.bisect_left(thread_starts.get(thread, []), a)
-        while lo > 0 and max(c[1] for c in calls[max(0, lo - 64):lo]) > a:
+        while lo > 0 and reach[thread][lo - 1] > a:
             lo -= 1
         inside, covered = 0, a  # outermost calls only: a nested call's time is its caller's
         for c in calls[lo:]:

@@ -80,43 +80,44 @@ static const char *api_name(CUpti_CallbackDomain domain, uint32_t cbid) {
     return name;
 }
 
+/* One CSV row; `id` is the stream of GPU work, the thread of an API call. */
+static void write_row(const char *what, uint64_t start, uint64_t end, uint32_t correlation,
+                      uint32_t id, uint64_t bytes, const char *name) {
+    fprintf(out, "%s,%llu,%llu,%u,%u,%llu,", what, (unsigned long long)start,
+            (unsigned long long)end, correlation, id, (unsigned long long)bytes);
+    write_name(name);
+}
+
 static void write_record(CUpti_Activity *record) {
+    static const char *copy_kinds[] = {"unknown", "HtoD", "DtoH", "HtoA", "AtoH", "AtoA",
+                                       "AtoD",    "DtoA", "DtoD", "HtoH", "PtoP"};
     switch (record->kind) {
     case CUPTI_ACTIVITY_KIND_KERNEL:
     case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
         KERNEL_RECORD *k = (KERNEL_RECORD *)record;
-        fprintf(out, "kernel,%llu,%llu,%u,%u,0,", (unsigned long long)k->start,
-                (unsigned long long)k->end, k->correlationId, k->streamId);
-        write_name(k->name);
+        write_row("kernel", k->start, k->end, k->correlationId, k->streamId, 0, k->name);
         break;
     }
     case CUPTI_ACTIVITY_KIND_MEMCPY: {
         MEMCPY_RECORD *m = (MEMCPY_RECORD *)record;
-        fprintf(out, "copy,%llu,%llu,%u,%u,%llu,", (unsigned long long)m->start,
-                (unsigned long long)m->end, m->correlationId, m->streamId,
-                (unsigned long long)m->bytes);
-        const char *kinds[] = {"unknown", "HtoD", "DtoH", "HtoA", "AtoH", "AtoA", "AtoD",
-                               "DtoA", "DtoD", "HtoH", "PtoP"};
-        write_name(m->copyKind < sizeof kinds / sizeof *kinds ? kinds[m->copyKind] : "other");
+        const char *kind = m->copyKind < sizeof copy_kinds / sizeof *copy_kinds
+                               ? copy_kinds[m->copyKind]
+                               : "other";
+        write_row("copy", m->start, m->end, m->correlationId, m->streamId, m->bytes, kind);
         break;
     }
     case CUPTI_ACTIVITY_KIND_MEMSET: {
         MEMSET_RECORD *m = (MEMSET_RECORD *)record;
-        fprintf(out, "memset,%llu,%llu,%u,%u,%llu,", (unsigned long long)m->start,
-                (unsigned long long)m->end, m->correlationId, m->streamId,
-                (unsigned long long)m->bytes);
-        write_name("memset");
+        write_row("memset", m->start, m->end, m->correlationId, m->streamId, m->bytes, "memset");
         break;
     }
     case CUPTI_ACTIVITY_KIND_DRIVER:
     case CUPTI_ACTIVITY_KIND_RUNTIME: {
         CUpti_ActivityAPI *a = (CUpti_ActivityAPI *)record;
         int driver = record->kind == CUPTI_ACTIVITY_KIND_DRIVER;
-        fprintf(out, "%s,%llu,%llu,%u,%u,0,", driver ? "driver" : "runtime",
-                (unsigned long long)a->start, (unsigned long long)a->end, a->correlationId,
-                a->threadId);
-        write_name(api_name(driver ? CUPTI_CB_DOMAIN_DRIVER_API : CUPTI_CB_DOMAIN_RUNTIME_API,
-                            a->cbid));
+        write_row(driver ? "driver" : "runtime", a->start, a->end, a->correlationId, a->threadId,
+                  0, api_name(driver ? CUPTI_CB_DOMAIN_DRIVER_API : CUPTI_CB_DOMAIN_RUNTIME_API,
+                              a->cbid));
         break;
     }
     default:
