@@ -248,7 +248,15 @@ pub fn flash_attention_qkv_gqa<B: AutodiffBackend + kernels::Backend>(
                     Input::constant(sin.clone()),
                 ],
                 |v| {
-                    let qkv = v[0].clone().reshape([b, t, width]);
+                    // q and k are rotated in the projection's own buffer when nothing else holds
+                    // it: in the causal cases a fresh tensor (the product by 1), else the input,
+                    // which the check holds, so that it is rotated in a copy.
+                    let qkv = if causal {
+                        v[0].clone().mul_scalar(1.0)
+                    } else {
+                        v[0].clone()
+                    };
+                    let qkv = qkv.reshape([b, t, width]);
                     let (c, s) = (v[1].clone(), v[2].clone());
                     kernels::flash_attention_qkv(qkv, h, hkv, c, s, causal, scale, dropout)
                         .reshape([b * t, h * hd])

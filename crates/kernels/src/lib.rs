@@ -491,10 +491,10 @@ fn attend<B: Backend>(
 /// it, see [`flash_attention`]), q and k are rotated by `cos`, `sin` ([`rope`]'s tables), then
 /// [`flash_attention`] (or
 /// [`flash_attention_dropout`] with `dropout`); returns `[batch, seq, heads x head_dim]`. The same
-/// result as slicing q, k, v, rotating and attending, at a lower cost under autodiff: it keeps only
-/// the projection (q and k are rotated again in the backward) and writes the projection's
-/// gradient packed in one pass, where Burn's slice backward zero-fills and sums a whole-projection
-/// gradient per slice. `scale` defaults to `1 / sqrt(head_dim)`. The tables are constants: they
+/// result as slicing q, k, v, rotating and attending, at a lower cost under autodiff: q and k are
+/// rotated inside the projection (in its own buffer when nothing else holds it), only that is
+/// kept for the backward, and the projection's gradient is written packed in one pass, where
+/// Burn's slice backward zero-fills and sums a whole-projection gradient per slice. `scale` defaults to `1 / sqrt(head_dim)`. The tables are constants: they
 /// get no gradient.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_qkv<B: Backend>(

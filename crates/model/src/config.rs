@@ -279,6 +279,11 @@ pub struct GptConfig {
     /// time, never all at once: GPT-2's [16 x 1024, 50304] bf16 logits are 1.65 GB, and as much
     /// again for their gradient) or "logits" (all at once).
     pub head_loss: HeadLossKind,
+    /// With `head_loss = "chunked"`: rows (tokens) of logits per chunk; 0 takes as many as fit
+    /// 256 MiB of logits (2668 rows of GPT-2's 50304 classes in bf16, evened out over the step's
+    /// tokens: 7 chunks of 2368 for 16 x 1024). Larger chunks run the head's
+    /// GEMMs longer and read and write the f32 weight gradient fewer times, for more memory.
+    pub head_chunk_rows: usize,
     /// A Hugging Face `LlamaForCausalLM` directory (safetensors and `config.json`) that a fresh
     /// run's weights are read from instead of drawn; empty: drawn from the seed. The trainer
     /// reads it (`trainer::interop::init_from`); the model ignores it.
@@ -309,6 +314,7 @@ impl Default for GptConfig {
             z_loss: 0.0,
             gemm: GemmKind::Auto,
             head_loss: HeadLossKind::Chunked,
+            head_chunk_rows: 0,
             init_from: String::new(),
             recompute: RecomputeKind::None,
             recompute_every: 1,

@@ -86,7 +86,7 @@ pub(crate) fn flash_attention<B: AttentionKernels, C: CheckpointStrategy>(
 #[derive(Debug)]
 struct FlashQkvBackward;
 
-/// (qkv, cos, sin, out, lse, (heads, kv_heads), causal, scale, dropout)
+/// (rotated projection, cos, sin, out, lse, (heads, kv_heads), causal, scale, dropout)
 type QkvState<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
@@ -105,18 +105,18 @@ impl<B: AttentionKernels> Backward<B, 1> for FlashQkvBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (qkv, cos, sin, out, lse, (heads, kv_heads), causal, scale, dropout) = ops.state;
+        let (rotated, cos, sin, out, lse, (heads, kv_heads), causal, scale, dropout) = ops.state;
         let Some(node) = node else { return };
         // [B, T, H hd] -> [B, H, T, hd], as views.
         let s = out.shape();
         let (b, h, t, hd) = (s[0], s[1], s[2], s[3]);
-        let grad = B::float_cast(grad, qkv.dtype().into());
+        let grad = B::float_cast(grad, rotated.dtype().into());
         let grad = B::float_permute(
             B::float_reshape(grad, Shape::new([b, t, h, hd])),
             &[0, 2, 1, 3],
         );
         let dqkv = B::flash_attention_qkv_backward(
-            qkv, heads, kv_heads, cos, sin, out, lse, grad, causal, scale, dropout,
+            rotated, heads, kv_heads, cos, sin, out, lse, grad, causal, scale, dropout,
         );
         grads.register::<B>(node.id, dqkv);
     }
@@ -133,8 +133,9 @@ pub(crate) fn flash_attention_qkv<B: AttentionKernels, C: CheckpointStrategy>(
     scale: f32,
     dropout: Option<Dropout>,
 ) -> FloatTensor<Autodiff<B, C>> {
-    let (out, lse) = B::flash_attention_qkv_forward(
-        qkv.primitive.clone(),
+    // The projection itself goes to the forward, so that q and k can be rotated in its buffer.
+    let (out, lse, rotated) = B::flash_attention_qkv_forward(
+        qkv.primitive,
         heads,
         kv_heads,
         cos.primitive.clone(),
@@ -157,7 +158,7 @@ pub(crate) fn flash_attention_qkv<B: AttentionKernels, C: CheckpointStrategy>(
     {
         OpsKind::Tracked(prep) => prep.finish(
             (
-                qkv.primitive,
+                rotated,
                 cos.primitive,
                 sin.primitive,
                 out,

@@ -49,11 +49,11 @@ where
         causal: bool,
         scale: f32,
         dropout: Option<Dropout>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         super::packed::forward(qkv, heads, kv_heads, cos, sin, causal, scale, dropout)
     }
     fn flash_attention_qkv_backward(
-        qkv: FloatTensor<Self>,
+        rotated: FloatTensor<Self>,
         heads: usize,
         kv_heads: usize,
         cos: FloatTensor<Self>,
@@ -66,7 +66,7 @@ where
         dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
         super::packed::backward(
-            qkv, heads, kv_heads, cos, sin, out, lse, grad, causal, scale, dropout,
+            rotated, heads, kv_heads, cos, sin, out, lse, grad, causal, scale, dropout,
         )
     }
 }
@@ -98,7 +98,7 @@ where
         scale: f64,
         dropout: Option<Dropout>,
     ) -> FloatTensor<Self> {
-        let (out, _) = super::packed::forward(
+        let (out, _, _) = super::packed::forward(
             qkv,
             heads,
             kv_heads,

@@ -247,17 +247,27 @@ fn launch_delta<R: CubeRuntime>(
     } else {
         1
     };
+    // Strides in vectors: `row_width` divides each of them.
+    let (so, sg) = (out.meta.strides().to_vec(), grad.meta.strides().to_vec());
     unsafe {
         flash_delta::launch_unchecked::<R>(
             &client,
             CubeCount::Static((rows * split).div_ceil(256) as u32, 1, 1),
             CubeDim::new_1d(256),
             width,
-            out.into_tensor_arg(),
-            grad.clone().into_tensor_arg(),
-            delta.clone().into_tensor_arg(),
-            dq_acc.clone().into_tensor_arg(),
+            out.into_array_arg(),
+            grad.clone().into_array_arg(),
+            delta.clone().into_array_arg(),
+            dq_acc.clone().into_array_arg(),
             rows,
+            d.heads,
+            d.seq_q,
+            so[0] / width,
+            so[1] / width,
+            so[2] / width,
+            sg[0] / width,
+            sg[1] / width,
+            sg[2] / width,
             per_row,
             split,
             fused_dq,

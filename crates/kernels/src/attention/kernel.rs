@@ -237,15 +237,25 @@ pub(crate) fn flash_forward<F: Float>(
 /// row, `split` units per row (adjacent lanes of a plane, summed with shuffles; 1 without plane
 /// operations), each taking every `split`-th vector of the row's `per_row`. `zero`: the same
 /// units also clear the row of the f32 dQ accumulator `dq_acc` (contiguous `[B, H, S, hd]`) that
-/// the fused-dQ kernel then adds to, which saves a fill pass.
+/// the fused-dQ kernel then adds to, which saves a fill pass. `o` and `grad` `[B, heads, seq, hd]`
+/// are read through their batch, head and position strides (`o_*`, `g_*`, in vectors).
 #[cube(launch_unchecked)]
 #[allow(arithmetic_overflow)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_delta<F: Float, N: Size>(
-    o: &Tensor<Vector<F, N>>,
-    grad: &Tensor<Vector<F, N>>,
-    delta: &mut Tensor<f32>,
-    dq_acc: &mut Tensor<Vector<f32, N>>,
+    o: &Array<Vector<F, N>>,
+    grad: &Array<Vector<F, N>>,
+    delta: &mut Array<f32>,
+    dq_acc: &mut Array<Vector<f32, N>>,
     rows: usize,
+    heads: usize,
+    seq: usize,
+    o_b: usize,
+    o_h: usize,
+    o_t: usize,
+    g_b: usize,
+    g_h: usize,
+    g_t: usize,
     #[comptime] per_row: usize,
     #[comptime] split: usize,
     #[comptime] zero: bool,
@@ -257,14 +267,11 @@ pub(crate) fn flash_delta<F: Float, N: Size>(
     let active = row < rows;
     let mut sum = 0.0f32;
     if active {
-        let width = o.vector_size();
-        let heads = o.shape(1);
-        let seq = o.shape(2);
         let i = row % seq;
         let bh = row / seq;
         let (b, h) = (bh / heads, bh % heads);
-        let ob = (b * o.stride(0) + h * o.stride(1) + i * o.stride(2)) / width;
-        let gb = (b * grad.stride(0) + h * grad.stride(1) + i * grad.stride(2)) / width;
+        let ob = b * o_b + h * o_h + i * o_t;
+        let gb = b * g_b + h * g_h + i * g_t;
         #[unroll]
         for c in 0..comptime!(per_row / split) {
             let at = c * split + part;

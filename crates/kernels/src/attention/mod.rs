@@ -329,8 +329,9 @@ pub trait AttentionKernels: AttentionOps {
         scale: f32,
         dropout: Option<Dropout>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
-    /// `(out, lse)` of [`crate::flash_attention_qkv`]: `out` `[batch, heads, seq, head_dim]`
-    /// (laid out as `[batch, seq, heads, head_dim]`).
+    /// `(out, lse, rotated)` of [`crate::flash_attention_qkv`]: `out` `[batch, heads, seq,
+    /// head_dim]` (laid out as `[batch, seq, heads, head_dim]`), and the projection with q and k
+    /// rotated (in `qkv`'s buffer when nothing else holds it), which the backward takes.
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_qkv_forward(
         qkv: FloatTensor<Self>,
@@ -341,13 +342,13 @@ pub trait AttentionKernels: AttentionOps {
         causal: bool,
         scale: f32,
         dropout: Option<Dropout>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
     /// The packed projection's gradient `[batch, seq, (heads + 2 x kv_heads) x head_dim]` from
-    /// the forward's output and log-sum-exp and the output gradient `[batch, heads, seq,
-    /// head_dim]`.
+    /// the forward's rotated projection, output and log-sum-exp and the output gradient `[batch,
+    /// heads, seq, head_dim]`.
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_qkv_backward(
-        qkv: FloatTensor<Self>,
+        rotated: FloatTensor<Self>,
         heads: usize,
         kv_heads: usize,
         cos: FloatTensor<Self>,

@@ -6,10 +6,11 @@
 //! projection, the slice's gradient assigned into it, and the three summed (about 30 passes over
 //! a `[tokens, head_dim x heads]` tensor where 3 would do, in 8 launches); and the rotated q and k
 //! are kept beside the projection, which the v view keeps alive (5 such tensors where 3 would
-//! do). This op
-//! keeps only the projection (plus the output and log-sum-exp), rotates q and k again in the
-//! backward, and writes the projection's gradient in its packed layout in one launch: the inverse
-//! rotation of dQ and dK and a copy of dV.
+//! do). This op rotates q and k inside the projection (in its own buffer when nothing else holds
+//! it: one pass, no new tensor), attends over views of it, keeps only it (plus the output and
+//! log-sum-exp) for the backward, which rotates nothing again, and writes the projection's
+//! gradient in its packed layout in one launch: the inverse rotation of dQ and dK and a copy of
+//! dV.
 //!
 //! The projection holds `heads` query heads, then `kv_heads` key heads, then `kv_heads` value
 //! heads (grouped-query attention where `kv_heads < heads`; see [`super`]).
@@ -90,26 +91,65 @@ pub(crate) fn part<R: CubeRuntime>(
     burn_cubecl::kernel::slice(x, &[0..b, first..first + n, 0..t, 0..hd])
 }
 
-/// Rotated q and k and the v view of a packed projection (made contiguous first if it is not).
-#[allow(clippy::type_complexity)]
-pub(crate) fn unpack<R: CubeRuntime>(
+/// The packed projection with RoPE applied to its query and key heads, its value heads as they
+/// are: rotated in `qkv`'s own buffer when nothing else holds it (the projection is consumed),
+/// else in a copy. One pass over q and k; the backward takes this tensor and rotates nothing
+/// again.
+pub(crate) fn rotate<R: CubeRuntime>(
     op: &str,
     qkv: CubeTensor<R>,
-    heads: usize,
-    kv_heads: usize,
+    p: Packed,
     cos: CubeTensor<R>,
     sin: CubeTensor<R>,
-) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-    let p = packed_dims(op, &qkv, heads, kv_heads);
+) -> CubeTensor<R> {
+    let half = p.hd / 2;
+    crate::rope::forward::check_tables(op, &cos, &sin, p.seq, half);
     let qkv = contiguous(qkv);
-    let q = crate::rope::forward::rope(part(&qkv, p, 0, heads), cos.clone(), sin.clone(), false);
-    let k = crate::rope::forward::rope(part(&qkv, p, heads, kv_heads), cos, sin, false);
-    let v = part(&qkv, p, heads + kv_heads, kv_heads);
-    (qkv, q, k, v)
+    let qkv = if qkv.can_mut() { qkv } else { qkv.copy() };
+    let (cos, sin) = (contiguous(cos), contiguous(sin));
+    let rotated_heads = p.heads + p.kv_heads;
+    let n = vector_width(&qkv, &[qkv.dtype, cos.dtype], &[half]);
+    let total = p.batch * p.seq * rotated_heads * (half / n);
+    if total == 0 {
+        return qkv;
+    }
+    let dim = CubeDim::new_1d(256);
+    let count = calculate_cube_count_elemwise(&qkv.client, total, dim);
+    let dtypes = [qkv.dtype.into(), cos.dtype.into()];
+    rotate_packed::launch::<R>(
+        &qkv.client.clone(),
+        count,
+        dim,
+        n,
+        qkv.clone().into_array_arg(),
+        cos.into_array_arg(),
+        sin.into_array_arg(),
+        rotated_heads,
+        p.all_heads(),
+        p.seq,
+        half / n,
+        total,
+        dtypes,
+    );
+    qkv
 }
 
-/// `(out, lse)`: FlashAttention of the packed projection's rotated q, k and its v; `out` is
-/// `[B, H, T, hd]` laid out as `[B, T, H, hd]`.
+/// The q, k and v views `[B, heads, T, hd]` (k and v with `kv_heads`) of a contiguous packed
+/// projection.
+fn views<R: CubeRuntime>(
+    qkv: &CubeTensor<R>,
+    p: Packed,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    (
+        part(qkv, p, 0, p.heads),
+        part(qkv, p, p.heads, p.kv_heads),
+        part(qkv, p, p.heads + p.kv_heads, p.kv_heads),
+    )
+}
+
+/// `(out, lse, rotated)`: FlashAttention of the packed projection's rotated q, k and its v; `out`
+/// is `[B, H, T, hd]` laid out as `[B, T, H, hd]`; `rotated` is the projection with q and k
+/// rotated ([`rotate`]), which the backward takes.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<R: CubeRuntime>(
     qkv: CubeTensor<R>,
@@ -120,16 +160,21 @@ pub(crate) fn forward<R: CubeRuntime>(
     causal: bool,
     scale: f32,
     dropout: Option<Dropout>,
-) -> (CubeTensor<R>, CubeTensor<R>) {
-    let (_, q, k, v) = unpack("flash_attention_qkv", qkv, heads, kv_heads, cos, sin);
-    super::forward::forward(q, k, v, causal, scale, dropout)
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let op = "flash_attention_qkv";
+    let p = packed_dims(op, &qkv, heads, kv_heads);
+    let rotated = rotate(op, qkv, p, cos, sin);
+    let (q, k, v) = views(&rotated, p);
+    let (out, lse) = super::forward::forward(q, k, v, causal, scale, dropout);
+    (out, lse, rotated)
 }
 
-/// The gradient of the packed projection, `[B, T, (H + 2 Hkv) hd]` (contiguous), from the output's
-/// gradient `grad` `[B, H, T, hd]` (any strides).
+/// The gradient of the packed projection, `[B, T, (H + 2 Hkv) hd]` (contiguous), from the
+/// forward's `rotated` projection, output and log-sum-exp and the output's gradient `grad`
+/// `[B, H, T, hd]` (any strides).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<R: CubeRuntime>(
-    qkv: CubeTensor<R>,
+    rotated: CubeTensor<R>,
     heads: usize,
     kv_heads: usize,
     cos: CubeTensor<R>,
@@ -142,9 +187,11 @@ pub(crate) fn backward<R: CubeRuntime>(
     dropout: Option<Dropout>,
 ) -> CubeTensor<R> {
     let op = "flash_attention_qkv backward";
-    let p = packed_dims(op, &qkv, heads, kv_heads);
+    let p = packed_dims(op, &rotated, heads, kv_heads);
     let (b, t, hd) = (p.batch, p.seq, p.hd);
-    let (qkv, q, k, v) = unpack(op, qkv, heads, kv_heads, cos.clone(), sin.clone());
+    crate::rope::forward::check_tables(op, &cos, &sin, t, hd / 2);
+    let qkv = contiguous(rotated);
+    let (q, k, v) = views(&qkv, p);
     let (dq, dk, dv) = super::gradients::backward(q, k, v, out, lse, grad, causal, scale, dropout);
     let dqkv = empty(&qkv, vec![b, t, p.all_heads() * hd], qkv.dtype);
     if b * t * heads == 0 {
@@ -254,5 +301,38 @@ fn pack_grad<F: Float, W: Float, N: Size>(
             dqkv[dst] = Vector::cast_from(x1 * cv + x2 * sv);
             dqkv[dst + half] = Vector::cast_from(x2 * cv - x1 * sv);
         }
+    }
+}
+
+/// RoPE on the query and key heads of a packed projection `[B, T, all_heads hd]`, in place: one
+/// unit per vector of `N` pairs (i, i + half) of rotated head `c` (the first `rotated_heads`: q's,
+/// then k's) at token (b, t). `half` is in vectors.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn rotate_packed<F: Float, W: Float, N: Size>(
+    qkv: &mut Array<Vector<F, N>>,
+    cos: &Array<Vector<W, N>>,
+    sin: &Array<Vector<W, N>>,
+    rotated_heads: usize,
+    all_heads: usize,
+    seq: usize,
+    half: usize,
+    total: usize,
+    #[define(F, W)] _dtypes: [StorageType; 2],
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        let j = i % half;
+        let rest = i / half;
+        let c = rest % rotated_heads;
+        let bt = rest / rotated_heads;
+        let t = bt % seq;
+        let at = (bt * all_heads + c) * 2 * half + j;
+        let x1 = Vector::<f32, N>::cast_from(qkv[at]);
+        let x2 = Vector::<f32, N>::cast_from(qkv[at + half]);
+        let cv = Vector::<f32, N>::cast_from(cos[t * half + j]);
+        let sv = Vector::<f32, N>::cast_from(sin[t * half + j]);
+        qkv[at] = Vector::cast_from(x1 * cv - x2 * sv);
+        qkv[at + half] = Vector::cast_from(x1 * sv + x2 * cv);
     }
 }

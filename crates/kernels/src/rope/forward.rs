@@ -22,8 +22,6 @@ pub(crate) fn rope<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     let op = "rope";
     check_float(op, "x", x.dtype);
-    check_float(op, "cos", cos.dtype);
-    check_same_dtype(op, "cos", cos.dtype, "sin", sin.dtype);
     let shape = x.shape();
     let dims = shape.as_slice();
     if dims.len() != 4 {
@@ -40,13 +38,7 @@ pub(crate) fn rope<R: CubeRuntime>(
         );
     }
     let half = hd / 2;
-    for (name, table) in [("cos", &cos), ("sin", &sin)] {
-        let td = table.shape();
-        let td = td.as_slice();
-        if td.len() != 2 || td[1] != half || td[0] < t {
-            fail(op, format!("{name} has shape {td:?}; expected [positions >= {t}, {half}] for x of shape {dims:?}"));
-        }
-    }
+    check_tables(op, &cos, &sin, t, half);
     // Strided reads need a unit last stride; anything else is copied to dense first.
     let x = if x.meta.strides()[3] == 1 {
         x
@@ -89,6 +81,28 @@ pub(crate) fn rope<R: CubeRuntime>(
         dtypes,
     );
     out
+}
+
+/// Checks that `cos` and `sin` are float tables `[positions >= seq, half]` of one dtype.
+pub(crate) fn check_tables<R: CubeRuntime>(
+    op: &str,
+    cos: &CubeTensor<R>,
+    sin: &CubeTensor<R>,
+    seq: usize,
+    half: usize,
+) {
+    check_float(op, "cos", cos.dtype);
+    check_same_dtype(op, "cos", cos.dtype, "sin", sin.dtype);
+    for (name, table) in [("cos", cos), ("sin", sin)] {
+        let td = table.shape();
+        let td = td.as_slice();
+        if td.len() != 2 || td[1] != half || td[0] < seq {
+            fail(
+                op,
+                format!("{name} has shape {td:?}; expected [positions >= {seq}, {half}] for {seq} positions of head_dim {}", 2 * half),
+            );
+        }
+    }
 }
 
 impl<R, F, I, BT> super::RopeKernels for CubeBackend<R, F, I, BT>
