@@ -6,7 +6,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here}
 cuda=${CUDA_PATH:-/usr/local/cuda}
-roots=(); for d in "$cuda/extras/CUPTI" "$cuda"; do [ -d "$d" ] && roots+=("$d"); done
+# Each root ends in "/": the toolkit's path is often a symbolic link, which find does not enter
+# otherwise.
+roots=(); for d in "$cuda/extras/CUPTI" "$cuda"; do [ -d "$d" ] && roots+=("$d/"); done
 [ ${#roots[@]} -gt 0 ] || { echo "no CUDA toolkit at $cuda (set CUDA_PATH)" >&2; exit 1; }
 header=$({ find "${roots[@]}" -name cupti_activity.h 2>/dev/null || true; } | head -1)
 [ -n "$header" ] || { echo "no cupti_activity.h under $cuda" >&2; exit 1; }

@@ -279,10 +279,10 @@ pub struct GptConfig {
     /// time, never all at once: GPT-2's [16 x 1024, 50304] bf16 logits are 1.65 GB, and as much
     /// again for their gradient) or "logits" (all at once).
     pub head_loss: HeadLossKind,
-    /// With `head_loss = "chunked"`: rows (tokens) of logits per chunk; 0 takes as many as fit
-    /// 256 MiB of logits (2668 rows of GPT-2's 50304 classes in bf16, evened out over the step's
-    /// tokens: 7 chunks of 2368 for 16 x 1024). Larger chunks run the head's
-    /// GEMMs longer and read and write the f32 weight gradient fewer times, for more memory.
+    /// With `head_loss = "chunked"`: rows (tokens) of logits per chunk; 0 lets the kernels pick
+    /// (`kernels::cross_entropy::linear::pooled_chunk_bytes`: a 256th of the GPU's memory, at
+    /// least 256 MiB of logits). Larger chunks run the head's GEMMs longer and read and write the
+    /// f32 weight gradient fewer times, for more memory.
     pub head_chunk_rows: usize,
     /// A Hugging Face `LlamaForCausalLM` directory (safetensors and `config.json`) that a fresh
     /// run's weights are read from instead of drawn; empty: drawn from the seed. The trainer

@@ -875,7 +875,8 @@ impl<B: kernels::Backend> Gpt<B> {
             let opts = kernels::cross_entropy::LinearCrossEntropy {
                 z_loss: z,
                 gemm: precision.gemm,
-                chunk_rows: (self.config.head_chunk_rows > 0).then_some(self.config.head_chunk_rows),
+                chunk_rows: (self.config.head_chunk_rows > 0)
+                    .then_some(self.config.head_chunk_rows),
             };
             return kernels::linear_cross_entropy(
                 x.reshape([b * t, d]),

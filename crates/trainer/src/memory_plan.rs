@@ -17,8 +17,8 @@
 //!   keeps neither norm's output nor the activation's (2 x width + d_ff less); one that
 //!   `"full"` recomputes keeps only its input (width), plus one block's activations while its
 //!   gradients are taken;
-//! - the LM head's logits and their gradient (one chunk's each with `head_loss = "chunked"`: at most
-//!   256 MiB, or `head_chunk_rows` rows);
+//! - the LM head's logits and their gradient (one chunk's each with `head_loss = "chunked"`: 256
+//!   MiB, or `head_chunk_rows` rows);
 //! - 1 GiB for the CUDA context, cuBLASLt's workspace and kernel modules.
 //!
 //! The estimate is a lower bound: it leaves out the allocator's pools and fragmentation (CubeCL
@@ -93,12 +93,15 @@ impl MemoryPlan {
         let all_logits = tokens * vocab as u64 * compute_bytes;
         let logits = 2 * match m.head_loss {
             HeadLossKind::Chunked => {
+                // The kernels' chunk on a GPU of 64 GiB or more is larger (a 256th of its
+                // memory); the estimate counts the smallest.
                 let given = (m.head_chunk_rows > 0).then_some(m.head_chunk_rows);
                 let rows = kernels::cross_entropy::linear::chunk_rows(
                     tokens as usize,
                     vocab,
                     compute_bytes as usize,
                     given,
+                    kernels::cross_entropy::linear::DEFAULT_CHUNK_BYTES,
                 );
                 all_logits.min(rows as u64 * vocab as u64 * compute_bytes)
             }

@@ -186,6 +186,9 @@ where
     ) -> FloatTensor<Self> {
         backward(logits, targets, lse, dloss, z_loss)
     }
+    fn logits_chunk_bytes(x: &FloatTensor<Self>) -> usize {
+        super::linear::pooled_chunk_bytes(x.client.properties().memory.max_page_size)
+    }
 }
 
 impl<R, F, I, BT> super::CrossEntropyOps for CubeBackend<R, F, I, BT>

@@ -102,4 +102,10 @@ pub trait CrossEntropyKernels: CrossEntropyOps {
         dloss: FloatTensor<Self>,
         z_loss: f64,
     ) -> FloatTensor<Self>;
+    /// Bytes of logits a chunk of [`crate::linear_cross_entropy`] may take on `x`'s device when
+    /// its options give no row count ([`linear::DEFAULT_CHUNK_BYTES`] unless the backend knows
+    /// better).
+    fn logits_chunk_bytes(_x: &FloatTensor<Self>) -> usize {
+        linear::DEFAULT_CHUNK_BYTES
+    }
 }
