@@ -93,8 +93,8 @@ pub(crate) fn part<R: CubeRuntime>(
 
 /// The packed projection with RoPE applied to its query and key heads, its value heads as they
 /// are: rotated in `qkv`'s own buffer when nothing else holds it (the projection is consumed),
-/// else in a copy. One pass over q and k; the backward takes this tensor and rotates nothing
-/// again.
+/// else written to a new contiguous tensor in one pass (q and k rotated, v copied). The backward
+/// takes this tensor and rotates nothing again.
 pub(crate) fn rotate<R: CubeRuntime>(
     op: &str,
     qkv: CubeTensor<R>,
@@ -105,33 +105,66 @@ pub(crate) fn rotate<R: CubeRuntime>(
     let half = p.hd / 2;
     crate::rope::forward::check_tables(op, &cos, &sin, p.seq, half);
     let qkv = contiguous(qkv);
-    let qkv = if qkv.can_mut() { qkv } else { qkv.copy() };
     let (cos, sin) = (contiguous(cos), contiguous(sin));
+    let in_place = qkv.can_mut();
+    // A new tensor's rows are dense (`empty`): a CUDA allocation of the runtime's own choosing may
+    // pitch them, which the kernels' flat indices do not follow.
+    let out = if in_place {
+        qkv.clone()
+    } else {
+        empty(&qkv, qkv.shape().as_slice().to_vec(), qkv.dtype)
+    };
+    // In place only the rotated heads are visited; into a new tensor every head (v's copied).
     let rotated_heads = p.heads + p.kv_heads;
+    let visited = if in_place {
+        rotated_heads
+    } else {
+        p.all_heads()
+    };
     let n = vector_width(&qkv, &[qkv.dtype, cos.dtype], &[half]);
-    let total = p.batch * p.seq * rotated_heads * (half / n);
+    let total = p.batch * p.seq * visited * (half / n);
     if total == 0 {
-        return qkv;
+        return out;
     }
     let dim = CubeDim::new_1d(256);
     let count = calculate_cube_count_elemwise(&qkv.client, total, dim);
     let dtypes = [qkv.dtype.into(), cos.dtype.into()];
-    rotate_packed::launch::<R>(
-        &qkv.client.clone(),
-        count,
-        dim,
-        n,
-        qkv.clone().into_array_arg(),
-        cos.into_array_arg(),
-        sin.into_array_arg(),
-        rotated_heads,
-        p.all_heads(),
-        p.seq,
-        half / n,
-        total,
-        dtypes,
-    );
-    qkv
+    let client = qkv.client.clone();
+    if in_place {
+        rotate_packed_in_place::launch::<R>(
+            &client,
+            count,
+            dim,
+            n,
+            out.clone().into_array_arg(),
+            cos.into_array_arg(),
+            sin.into_array_arg(),
+            rotated_heads,
+            p.all_heads(),
+            p.seq,
+            half / n,
+            total,
+            dtypes,
+        );
+    } else {
+        rotate_packed::launch::<R>(
+            &client,
+            count,
+            dim,
+            n,
+            qkv.into_array_arg(),
+            out.clone().into_array_arg(),
+            cos.into_array_arg(),
+            sin.into_array_arg(),
+            rotated_heads,
+            p.all_heads(),
+            p.seq,
+            half / n,
+            total,
+            dtypes,
+        );
+    }
+    out
 }
 
 /// The q, k and v views `[B, heads, T, hd]` (k and v with `kv_heads`) of a contiguous packed
@@ -309,7 +342,7 @@ fn pack_grad<F: Float, W: Float, N: Size>(
 /// then k's) at token (b, t). `half` is in vectors.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn rotate_packed<F: Float, W: Float, N: Size>(
+fn rotate_packed_in_place<F: Float, W: Float, N: Size>(
     qkv: &mut Array<Vector<F, N>>,
     cos: &Array<Vector<W, N>>,
     sin: &Array<Vector<W, N>>,
@@ -334,5 +367,42 @@ fn rotate_packed<F: Float, W: Float, N: Size>(
         let sv = Vector::<f32, N>::cast_from(sin[t * half + j]);
         qkv[at] = Vector::cast_from(x1 * cv - x2 * sv);
         qkv[at + half] = Vector::cast_from(x1 * sv + x2 * cv);
+    }
+}
+
+/// [`rotate_packed_in_place`] into a new dense tensor `out`: every head `c` of `all_heads` at token
+/// (b, t), the first `rotated_heads` rotated, the others (v's) copied.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn rotate_packed<F: Float, W: Float, N: Size>(
+    qkv: &Array<Vector<F, N>>,
+    out: &mut Array<Vector<F, N>>,
+    cos: &Array<Vector<W, N>>,
+    sin: &Array<Vector<W, N>>,
+    rotated_heads: usize,
+    all_heads: usize,
+    seq: usize,
+    half: usize,
+    total: usize,
+    #[define(F, W)] _dtypes: [StorageType; 2],
+) {
+    let i = ABSOLUTE_POS;
+    if i < total {
+        let j = i % half;
+        let rest = i / half;
+        let c = rest % all_heads;
+        let t = (rest / all_heads) % seq;
+        let at = rest * 2 * half + j;
+        if c < rotated_heads {
+            let x1 = Vector::<f32, N>::cast_from(qkv[at]);
+            let x2 = Vector::<f32, N>::cast_from(qkv[at + half]);
+            let cv = Vector::<f32, N>::cast_from(cos[t * half + j]);
+            let sv = Vector::<f32, N>::cast_from(sin[t * half + j]);
+            out[at] = Vector::cast_from(x1 * cv - x2 * sv);
+            out[at + half] = Vector::cast_from(x1 * sv + x2 * cv);
+        } else {
+            out[at] = qkv[at];
+            out[at + half] = qkv[at + half];
+        }
     }
 }
