@@ -24,6 +24,7 @@ use cubecl::prelude::*;
 use crate::check::{check_float, fail};
 use crate::dropout::Dropout;
 use crate::launch::{contiguous, empty, vector_width};
+use crate::rope::kernel::{angle, rotate_pair};
 
 /// The sizes of a packed projection `[batch, seq, (heads + 2 kv_heads) hd]`.
 #[derive(Clone, Copy)]
@@ -329,10 +330,10 @@ fn pack_grad<F: Float, W: Float, N: Size>(
                 x2 = Vector::cast_from(dk[src + half]);
             }
             // The inverse rotation: by -angle.
-            let cv = Vector::<f32, N>::cast_from(cos[t * half + j]);
-            let sv = Vector::<f32, N>::cast_from(sin[t * half + j]);
-            dqkv[dst] = Vector::cast_from(x1 * cv + x2 * sv);
-            dqkv[dst + half] = Vector::cast_from(x2 * cv - x1 * sv);
+            let (cv, sv) = angle(cos, sin, t * half + j, true);
+            let (y1, y2) = rotate_pair(x1, x2, cv, sv);
+            dqkv[dst] = Vector::cast_from(y1);
+            dqkv[dst + half] = Vector::cast_from(y2);
         }
     }
 }
@@ -363,10 +364,10 @@ fn rotate_packed_in_place<F: Float, W: Float, N: Size>(
         let at = (bt * all_heads + c) * 2 * half + j;
         let x1 = Vector::<f32, N>::cast_from(qkv[at]);
         let x2 = Vector::<f32, N>::cast_from(qkv[at + half]);
-        let cv = Vector::<f32, N>::cast_from(cos[t * half + j]);
-        let sv = Vector::<f32, N>::cast_from(sin[t * half + j]);
-        qkv[at] = Vector::cast_from(x1 * cv - x2 * sv);
-        qkv[at + half] = Vector::cast_from(x1 * sv + x2 * cv);
+        let (cv, sv) = angle(cos, sin, t * half + j, false);
+        let (y1, y2) = rotate_pair(x1, x2, cv, sv);
+        qkv[at] = Vector::cast_from(y1);
+        qkv[at + half] = Vector::cast_from(y2);
     }
 }
 
@@ -396,10 +397,10 @@ fn rotate_packed<F: Float, W: Float, N: Size>(
         if c < rotated_heads {
             let x1 = Vector::<f32, N>::cast_from(qkv[at]);
             let x2 = Vector::<f32, N>::cast_from(qkv[at + half]);
-            let cv = Vector::<f32, N>::cast_from(cos[t * half + j]);
-            let sv = Vector::<f32, N>::cast_from(sin[t * half + j]);
-            out[at] = Vector::cast_from(x1 * cv - x2 * sv);
-            out[at + half] = Vector::cast_from(x1 * sv + x2 * cv);
+            let (cv, sv) = angle(cos, sin, t * half + j, false);
+            let (y1, y2) = rotate_pair(x1, x2, cv, sv);
+            out[at] = Vector::cast_from(y1);
+            out[at + half] = Vector::cast_from(y2);
         } else {
             out[at] = qkv[at];
             out[at + half] = qkv[at + half];
