@@ -808,6 +808,73 @@ fn cuda_gemm_queued_fallback() {
     }
 }
 
+/// A queued FP8 GEMM (a problem that has run on cuBLASLt before, sent to the device thread
+/// without the caller waiting) that fails there is computed on that thread from the dequantized
+/// operands, into the output the caller already holds, and counted as a fallback. The failure is
+/// forced with a test hook; both results must match the product of the operands' values.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_gemm_queued_fallback() {
+    use burn::tensor::{Distribution, Tensor};
+    use kernels::{Fp8Format, Fp8GemmPath, Fp8Granularity, QuantSpec};
+    drop(gemms_in_order(kernels::settings::GemmOrder::Same));
+    let dev = CudaDevice::default();
+    // Integers in -2..=2: their codes and power-of-two scales are exact, so the product is known.
+    let ints = |shape: [usize; 2]| {
+        Tensor::<Cuda, 2>::random(shape, Distribution::Uniform(-2.0, 3.0), &dev).floor()
+    };
+    let (m, n, k) = (256, 384, 640);
+    let (a, b) = (ints([m, k]), ints([n, k]));
+    let expected = a
+        .clone()
+        .matmul(b.clone().transpose())
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let qa = kernels::fp8_quantize(
+        a,
+        QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Tile1x128),
+    );
+    let qb = kernels::fp8_quantize(b, QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Block128));
+    let run = || {
+        kernels::fp8_gemm_on(&qa, &qb, FloatDType::F32, Fp8GemmPath::CublasLt)
+            .expect("cuBLASLt takes a 256 x 384 x 640 E4M3 GEMM")
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let check = |who: &str, got: &[f32]| {
+        let wrong = got
+            .iter()
+            .zip(&expected)
+            .filter(|(g, e)| (*g - *e).abs() > 1e-3 * e.abs().max(1.0))
+            .count();
+        assert_eq!(
+            wrong,
+            0,
+            "{who}: {wrong} of {} values differ from the product",
+            got.len()
+        );
+    };
+    assert!(
+        expected.iter().any(|&v| v != 0.0),
+        "the product is all zeros"
+    );
+    // The first call waits for cuBLASLt (a new problem); the second is queued.
+    check("cuBLASLt", &run());
+    let before = kernels::gemm::cublaslt_fallbacks_on_this_thread();
+    let refused = {
+        let _refuse = kernels::settings::scoped(|s| s.gemm_refuse_queued = true);
+        run()
+    };
+    assert_eq!(
+        kernels::gemm::cublaslt_fallbacks_on_this_thread(),
+        before + 1,
+        "the queued FP8 GEMM should have been refused and fallen back once"
+    );
+    check("the queued GEMM's fallback", &refused);
+}
+
 /// A chain of `steps` GEMMs `x <- |x w + i| mod 4` on small integers (`x` [m, k] in {0..3}, `w`
 /// [k, k] in {-1, 0, 1}), each output read at once by CubeCL's element-wise kernels: exact in
 /// every dtype while `3 k` is, so two engines must agree bit for bit.

@@ -120,6 +120,78 @@ fn check_given<R: CubeRuntime>(op: &str, spec: &QuantSpec, amax: &CubeTensor<R>)
     }
 }
 
+/// The f32 scales of a `[rows, k]` matrix quantized along `k` under `spec`, as the quantizers
+/// write them: a buffer in the layout cuBLASLt's FP8 GEMM reads (see [`scale_at`]), returned as a
+/// `[spec.scale_rows(rows), spec.scale_cols(k)]` view of it. 1x128 scales are the transposed view
+/// of a dense `[k_tiles, rows]` buffer; 128x128 scales the first `k_tiles` columns of a dense
+/// `[row_blocks, k_tiles4]` one. [`cublaslt_scales`] gives back the buffer.
+///
+/// [`scale_at`]: super::kernel::scale_at
+fn scales_output<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    spec: &QuantSpec,
+    rows: usize,
+    k: usize,
+) -> CubeTensor<R> {
+    let (scale_rows, k_tiles) = (spec.scale_rows(rows), spec.scale_cols(k));
+    match spec.granularity {
+        Fp8Granularity::Tensor => empty(like, vec![scale_rows, k_tiles], DType::F32),
+        Fp8Granularity::Tile1x128 => {
+            let mut scales = empty(like, vec![k_tiles, scale_rows], DType::F32);
+            scales.meta.swap(0, 1);
+            scales
+        }
+        Fp8Granularity::Block128 => {
+            let mut scales = empty(like, vec![scale_rows, k_tiles.div_ceil(4) * 4], DType::F32);
+            scales.meta.shape_mut()[1] = k_tiles;
+            scales
+        }
+    }
+}
+
+/// The buffer behind `scales` (f32, `[rows or row_blocks, k_tiles]`) in the layout cuBLASLt
+/// reads for `layout`, when `scales` is a view of one as [`scales_output`] makes them: the
+/// quantizers' scales, taken by the GEMM as they are. `None` for scales in another layout (the
+/// CPU reference's dense rows, a user's tensor).
+fn cublaslt_scales<R: CubeRuntime>(
+    scales: &CubeTensor<R>,
+    layout: crate::gemm::cublaslt::Fp8Scales,
+) -> Option<CubeTensor<R>> {
+    use crate::gemm::cublaslt::Fp8Scales;
+    if scales.dtype != DType::F32 || scales.meta.num_dims() != 2 {
+        return None;
+    }
+    let [rows, k_tiles] = [scales.meta.shape()[0], scales.meta.shape()[1]];
+    let strides = [scales.meta.strides()[0], scales.meta.strides()[1]];
+    let mut buffer = scales.clone();
+    match layout {
+        Fp8Scales::Tensor => (rows * k_tiles == 1).then_some(buffer),
+        Fp8Scales::Vec128 => {
+            // The transpose of a dense [k_tiles, rows] (a stride of a length-1 axis is unused).
+            let dense = (rows == 1 || strides[0] == 1) && (k_tiles == 1 || strides[1] == rows);
+            buffer.meta = Box::new(cubecl::zspace::metadata::Metadata::new(
+                [k_tiles, rows],
+                [rows, 1],
+            ));
+            dense.then_some(buffer)
+        }
+        Fp8Scales::Blk128 => {
+            // The first k_tiles columns of a dense [row_blocks, k_tiles4].
+            let row_len = k_tiles.div_ceil(4) * 4;
+            let dense = (rows == 1 || strides[0] == row_len) && (k_tiles == 1 || strides[1] == 1);
+            let bytes = (rows * row_len * 4) as u64;
+            if !dense || buffer.handle.size_in_used() < bytes {
+                return None;
+            }
+            buffer.meta = Box::new(cubecl::zspace::metadata::Metadata::new(
+                [rows, row_len],
+                [row_len, 1],
+            ));
+            Some(buffer)
+        }
+    }
+}
+
 /// `(payload [rows, k_pad / 4] as I32 words, f32 dequantization scales)`.
 pub(crate) fn quantize<R: CubeRuntime>(
     x: CubeTensor<R>,
@@ -143,11 +215,7 @@ pub(crate) fn quantize_given<R: CubeRuntime>(
     let k_tiles = k.div_ceil(TILE);
     let words = k_tiles * TILE / 4;
     let payload = empty(&x, vec![rows, words], DType::I32);
-    let scales = empty(
-        &x,
-        vec![spec.scale_rows(rows), spec.scale_cols(k)],
-        DType::F32,
-    );
+    let scales = scales_output(&x, spec, rows, k);
     if rows == 0 || k == 0 {
         // Nothing to scale: the per-tensor scale is 1, as for an all-zero tensor.
         let ones = burn::tensor::Tensor::<CubeBackend<R, f32, i32, u32>, 2>::ones(
@@ -279,17 +347,9 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
     }
     let transposed = spec.transposed(true);
     let payload = empty(&x, vec![rows, col_tiles * TILE / 4], DType::I32);
-    let scales = empty(
-        &x,
-        vec![spec.scale_rows(rows), spec.scale_cols(cols)],
-        DType::F32,
-    );
+    let scales = scales_output(&x, &spec, rows, cols);
     let payload_t = empty(&x, vec![cols, row_tiles * TILE / 4], DType::I32);
-    let scales_t = empty(
-        &x,
-        vec![transposed.scale_rows(cols), transposed.scale_cols(rows)],
-        DType::F32,
-    );
+    let scales_t = scales_output(&x, &transposed, cols, rows);
     let width = if args.stride_j == 1 {
         crate::launch::vector_width(&x, &[x.dtype], &[8, cols, args.stride_i])
     } else {
@@ -605,7 +665,8 @@ where
     let k_pad = a.shape().as_slice()[1] * 4;
     let device = a.device.clone();
     // Scales in the layout cuBLASLt reads (see `Fp8Scales`): 1x128 tiles transposed so that rows
-    // are contiguous; 128x128 blocks with the tile count padded to a multiple of 4.
+    // are contiguous; 128x128 blocks with the tile count padded to a multiple of 4. The
+    // quantizers write them so ([`scales_output`]); scales from elsewhere are rearranged here.
     let operand = |payload: CubeTensor<cubecl::cuda::CudaRuntime>,
                    scales: CubeTensor<R>,
                    spec: &QuantSpec,
@@ -616,6 +677,16 @@ where
             Fp8Granularity::Tile1x128 => Fp8Scales::Vec128,
             Fp8Granularity::Block128 => Fp8Scales::Blk128,
         };
+        let e5m2 = spec.format == super::Fp8Format::E5M2;
+        if let Some(buffer) = cublaslt_scales(&scales, layout) {
+            return Some(Fp8Operand {
+                payload,
+                scales: as_cuda(&buffer)?.clone(),
+                e5m2,
+                layout,
+                rows,
+            });
+        }
         let s = Tensor::<Cb<R, F, I, BT>, 2>::from_primitive(TensorPrimitive::Float(scales))
             .cast(FloatDType::F32);
         let s = match layout {
@@ -638,14 +709,33 @@ where
         Some(Fp8Operand {
             payload,
             scales: as_cuda(&s)?.clone(),
-            e5m2: spec.format == super::Fp8Format::E5M2,
+            e5m2,
             layout,
             rows,
         })
     };
+    // What computes the product if the GEMM is queued and cuBLASLt fails it there after all: the
+    // operands dequantized (into the output's dtype) and Burn's matmul, on the device thread.
+    let fallback = {
+        let (a, sa, b, sb) = (a.clone(), sa.clone(), b.clone(), sb.clone());
+        let (a_spec, b_spec) = (*a_spec, *b_spec);
+        move |c: CubeTensor<cubecl::cuda::CudaRuntime>| -> Result<(), String> {
+            let a = dequantize(a, sa, m, k_pad, &a_spec, out);
+            let b = dequantize(b, sb, n, k_pad, &b_spec, out);
+            burn_cubecl::kernel::matmul::matmul(
+                a,
+                burn_cubecl::ops::permute(b, &[1, 0]),
+                Some(from_cuda::<R>(c)),
+                burn_cubecl::kernel::matmul::MatmulStrategy::Cube,
+                out.into(),
+            )
+            .map(|_| ())
+            .map_err(|e| format!("{e:?}"))
+        }
+    };
     let oa = operand(ca, sa, a_spec, m)?;
     let ob = operand(cb, sb, b_spec, n)?;
-    match fp8_gemm(oa, ob, k_pad, out.into()) {
+    match fp8_gemm(oa, ob, k_pad, out.into(), Box::new(fallback)) {
         Ok(c) => Some(from_cuda(c)),
         Err(Refused::Unsupported(why)) => {
             fell_back(format!(

@@ -9,11 +9,12 @@
 //! scaling first takes the tensor's amax in a separate grid-stride pass over its stored layout.
 
 // `#[cube]` code: CubeCL expands plain comparisons and arithmetic, not the std helpers clippy
-// suggests (`is_multiple_of`, `clamp`, `RangeInclusive::contains`).
+// suggests (`is_multiple_of`, `clamp`, `RangeInclusive::contains`, `div_ceil`).
 #![allow(
     clippy::manual_is_multiple_of,
     clippy::manual_clamp,
-    clippy::manual_range_contains
+    clippy::manual_range_contains,
+    clippy::manual_div_ceil
 )]
 
 use cubecl::prelude::*;
@@ -177,6 +178,44 @@ fn tile_scale(
     d
 }
 
+/// Where the quantizers write the scale of row (1x128) or row block (128x128) `r` in K tile `kt`
+/// of a matrix of `rows` rows and `k_tiles` K tiles: the layout cuBLASLt's block-scaled FP8 GEMM
+/// reads (`gemm::cublaslt::Fp8Scales`), so that the GEMM takes the quantizer's buffer as it is.
+/// 1x128: `[k_tiles, rows]`, rows contiguous; 128x128 (`block`): `[row_blocks, k_tiles4]`, K
+/// contiguous, `k_tiles4` the tile count rounded up to a multiple of 4 (see [`zero_block_pad`]).
+/// The launchers hand the buffer on as a `[rows or row_blocks, k_tiles]` view of it
+/// (`forward::scales_output`).
+#[cube]
+pub(crate) fn scale_at(
+    r: usize,
+    kt: usize,
+    rows: usize,
+    k_tiles: usize,
+    #[comptime] block: bool,
+) -> usize {
+    let mut at = kt * rows + r;
+    if comptime!(block) {
+        at = r * block_pad(k_tiles) + kt;
+    }
+    at
+}
+
+/// `k_tiles` rounded up to a multiple of 4: the row length of 128x128 block scales.
+#[cube]
+fn block_pad(k_tiles: usize) -> usize {
+    (k_tiles + 3) / 4 * 4
+}
+
+/// Zeroes the padding after the last K tile of row block `rb`'s 128x128 scales (see
+/// [`scale_at`]); the unit that writes that row's last scale calls it.
+#[cube]
+fn zero_block_pad(scales: &mut Array<f32>, rb: usize, k_tiles: usize) {
+    let row_len = block_pad(k_tiles);
+    for c in k_tiles..row_len {
+        scales[rb * row_len + c] = 0.0f32;
+    }
+}
+
 /// The largest finite value of the format.
 pub(crate) fn max_value(f: FormatConsts) -> f32 {
     (1.0 + ((f.max_code & ((1 << f.mant) - 1)) as f32) / (1 << f.mant) as f32)
@@ -275,9 +314,9 @@ fn tile_max(local: f32, #[comptime] block: bool, #[comptime] plane: bool) -> f32
 }
 
 /// Quantizes the logical `[rows, k]` view `x[i * stride_i + j * stride_j]` (strides select the
-/// matrix or its transpose) into `payload` `[rows, words]` and dequantization `scales`
-/// (1x128: `[rows, k_tiles]`; 128x128: `[ceil(rows / 128), k_tiles]`; given amax: `[1]`).
-/// With `given_amax` every tile uses `amax[0]` (per-tensor scaling).
+/// matrix or its transpose) into `payload` `[rows, words]` and dequantization `scales` in the
+/// layout [`scale_at`] gives (the one cuBLASLt reads). With `given_amax` every tile uses
+/// `amax[0]` (per-tensor scaling).
 ///
 /// A 32 x 8 cube: unit (x, y) holds codes `4x .. 4x + 4` of a 128-wide K tile of row `y` (1x128)
 /// or of rows `y, y + 8, ..., y + 120` (128x128 `block`). Each value is loaded once (`vec4`: as
@@ -352,13 +391,18 @@ pub(crate) fn quantize<F: Float, N: Size>(
                 encode_word(vals[v], vals[v + 1], vals[v + 2], vals[v + 3], s, f);
         }
     }
+    let k_tiles = CUBE_COUNT_X as usize;
     if !comptime!(given_amax) && x_unit == 0 {
         if comptime!(block) {
             if y_unit == 0 {
-                scales[CUBE_POS_Y as usize * CUBE_COUNT_X as usize + kt] = d;
+                let rb = CUBE_POS_Y as usize;
+                scales[scale_at(rb, kt, rows, k_tiles, true)] = d;
+                if kt + 1 == k_tiles {
+                    zero_block_pad(scales, rb, k_tiles);
+                }
             }
         } else if row0 < rows {
-            scales[row0 * CUBE_COUNT_X as usize + kt] = d;
+            scales[scale_at(row0, kt, rows, k_tiles, false)] = d;
         }
     }
     if comptime!(given_amax) && CUBE_POS_X == 0 && CUBE_POS_Y == 0 && UNIT_POS == 0 {
@@ -434,7 +478,7 @@ pub(crate) fn quantize_cols<F: Float>(
             encode_word(vals[v], vals[v + 1], vals[v + 2], vals[v + 3], s, f);
     }
     if !comptime!(given_amax) && part == 0 && i < rows {
-        scales[i * k_tiles + kt] = d;
+        scales[scale_at(i, kt, rows, k_tiles, false)] = d;
     }
     sync_cube();
     #[unroll]
@@ -606,7 +650,7 @@ pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
             payload[at] = encode_word(vals[v], vals[v + 1], vals[v + 2], vals[v + 3], s, f);
             payload[at + 1] = encode_word(vals[v + 4], vals[v + 5], vals[v + 6], vals[v + 7], s, f);
             if comptime!(!given_amax && !block) && cu == 0 {
-                scales[row * col_tiles + ct] = dequant_scale(s, pow2);
+                scales[scale_at(row, ct, rows, col_tiles, false)] = dequant_scale(s, pow2);
             }
         }
     }
@@ -639,13 +683,20 @@ pub(crate) fn quantize_pair_tiles<F: Float, N: Size>(
     if comptime!(!given_amax && !block) && unit >= 128 {
         let col = ct * 128 + unit - 128;
         if col < cols {
-            scales_t[col * row_tiles + rt] = dequant_scale(multiplier(m, f, pow2), pow2);
+            scales_t[scale_at(col, rt, cols, row_tiles, false)] =
+                dequant_scale(multiplier(m, f, pow2), pow2);
         }
     }
     if comptime!(block) && unit == 0 {
         let d = dequant_scale(multiplier(m, f, pow2), pow2);
-        scales[rt * col_tiles + ct] = d;
-        scales_t[ct * row_tiles + rt] = d;
+        scales[scale_at(rt, ct, rows, col_tiles, true)] = d;
+        scales_t[scale_at(ct, rt, cols, row_tiles, true)] = d;
+        if ct + 1 == col_tiles {
+            zero_block_pad(scales, rt, col_tiles);
+        }
+        if rt + 1 == row_tiles {
+            zero_block_pad(scales_t, ct, row_tiles);
+        }
     }
     if comptime!(given_amax) && ct == 0 && rt == 0 && unit == 0 {
         let d = dequant_scale(multiplier(m, f, pow2), pow2);

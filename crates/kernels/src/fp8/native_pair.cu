@@ -19,7 +19,8 @@
 // Layout (as the CubeCL kernel): the stored matrix is [rows, cols], element (i, j) at
 // x[i * stride_i + j * stride_j]. `payload` [rows, col_tiles * 32] holds it quantized along cols,
 // `payload_t` [cols, row_tiles * 32] its transpose quantized along rows, four codes per
-// little-endian word, zero codes past the matrix. Scales are dequantization factors (1 / s).
+// little-endian word, zero codes past the matrix. Scales are dequantization factors (1 / s),
+// laid out as cuBLASLt reads them (see block_pad below).
 //
 // A block of 256 threads covers a 128 x 128 tile, thread t the 8 x 8 values of rows
 // 8 (t / 16) .. and columns 8 (t % 16) .., kept in registers as loaded (16-bit inputs two to a
@@ -249,14 +250,28 @@ __device__ __forceinline__ void write_transposed(u32* __restrict__ payload_t, co
     }
 }
 
+// The scales are laid out as cuBLASLt's block-scaled FP8 GEMM reads them (as the CubeCL
+// kernels write them, see scale_at in fp8/kernel.rs). 1x128: the scale of row r in K tile kt at
+// kt * rows + r. 128x128: row block rb's scales contiguous, rows of block_pad(k_tiles), the
+// padding zeroed.
+__device__ __forceinline__ u64 block_pad(u64 k_tiles) { return (k_tiles + 3u) / 4u * 4u; }
+
 // The scale of a tile quantized with one multiplier s: its 128x128 block's, or the tensor's
 // (written once).
 __device__ __forceinline__ void write_tile_scale(float* __restrict__ scales, float* __restrict__ scales_t, float s) {
 #if BLOCK
     if (threadIdx.x == 0u) {
         const float d = dequant_scale(s);
-        scales[(u64)blockIdx.y * gridDim.x + blockIdx.x] = d;
-        scales_t[(u64)blockIdx.x * gridDim.y + blockIdx.y] = d;
+        const u64 row_len = block_pad(gridDim.x);
+        const u64 row_len_t = block_pad(gridDim.y);
+        scales[(u64)blockIdx.y * row_len + blockIdx.x] = d;
+        scales_t[(u64)blockIdx.x * row_len_t + blockIdx.y] = d;
+        if (blockIdx.x + 1u == gridDim.x) {
+            for (u64 c = gridDim.x; c < row_len; c++) scales[(u64)blockIdx.y * row_len + c] = 0.0f;
+        }
+        if (blockIdx.y + 1u == gridDim.y) {
+            for (u64 c = gridDim.y; c < row_len_t; c++) scales_t[(u64)blockIdx.x * row_len_t + c] = 0.0f;
+        }
     }
 #elif GIVEN_AMAX
     if (blockIdx.x == 0u && blockIdx.y == 0u && threadIdx.x == 0u) {
@@ -352,7 +367,7 @@ __device__ __noinline__ void slow_tile(
             w.x = word_of_any(r[0], r[1], r[2], r[3], s);
             w.y = word_of_any(r[4], r[5], r[6], r[7], s);
             *reinterpret_cast<uint2*>(&payload[row * words + ct * 32u + cu * 2u]) = w;
-            if (per_tile && cu == 0u) scales[row * col_tiles + ct] = dequant_scale(s);
+            if (per_tile && cu == 0u) scales[(u64)ct * info.rows + row] = dequant_scale(s);
         }
     }
     // Every read of the partial maxima in `stage` came before the last barrier.
@@ -370,7 +385,7 @@ __device__ __noinline__ void slow_tile(
     write_transposed(payload_t, info);
     if (per_tile && unit >= 128u) {
         const u64 col = (u64)ct * 128u + unit - 128u;
-        if (col < info.cols) scales_t[col * gridDim.y + blockIdx.y] = dequant_scale(multiplier(__uint_as_float(m)));
+        if (col < info.cols) scales_t[(u64)blockIdx.y * info.cols + col] = dequant_scale(multiplier(__uint_as_float(m)));
     }
     write_tile_scale(scales, scales_t, s_all);
 }
@@ -543,11 +558,11 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
             if (is_row) {
                 row_mult[k] = s;
                 const u64 row = (u64)rt * 128u + k;
-                if (row < rows) scales[row * col_tiles + ct] = dequant_scale(s);
+                if (row < rows) scales[(u64)ct * rows + row] = dequant_scale(s);
             } else {
                 col_mult[k] = s;
                 const u64 col = (u64)ct * 128u + k;
-                if (col < cols) scales_t[col * row_tiles + rt] = dequant_scale(s);
+                if (col < cols) scales_t[(u64)rt * cols + col] = dequant_scale(s);
             }
         }
     }

@@ -8,7 +8,7 @@ use cubecl::cuda::CudaRuntime;
 use cudarc::cublaslt::sys;
 
 use super::device::device;
-use super::job::Job;
+use super::job::{Job, QueuedFallback};
 use super::order::fp8_order;
 use super::problem::{data_type, dims2, Layout, Problem};
 use super::queue::execute;
@@ -59,11 +59,16 @@ pub(crate) fn fp8_block_scaling_supported(t: &CubeTensor<CudaRuntime>) -> bool {
 /// `a`) not, both with k contiguous, which is how the payloads are stored. Its requirements,
 /// checked here: not both operands E5M2; not both 128x128 blocks; either both scaled per tensor or
 /// both by tiles/blocks (cuBLASLt >= 12.9); m and n multiples of 8; rows of 16-byte multiples.
+///
+/// `fallback` computes the product into the output it is given another way: a problem that has
+/// run here before is queued without waiting (see `queue::execute`), and if cuBLASLt fails it
+/// after all, `fallback` runs on the device thread in its place.
 pub(crate) fn fp8_gemm(
     a: Fp8Operand,
     b: Fp8Operand,
     k_pad: usize,
     out: DType,
+    fallback: Box<dyn FnOnce(CubeTensor<CudaRuntime>) -> Result<(), String> + Send>,
 ) -> Result<CubeTensor<CudaRuntime>, Refused> {
     use sys::cublasLtMatmulMatrixScale_t::*;
     use sys::cudaDataType::*;
@@ -175,7 +180,7 @@ pub(crate) fn fp8_gemm(
         out: c.clone(),
         scales: Some((a.scales.clone(), b.scales.clone())),
         problem,
-        views: None,
+        fallback: QueuedFallback::Compute(fallback),
         beta: 0.0,
         order: fp8_order(),
         caller: std::thread::current().id(),

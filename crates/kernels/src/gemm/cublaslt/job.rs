@@ -26,13 +26,25 @@ pub(super) struct Job {
     pub(super) scales: Option<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
     /// The call; `align` is filled in from the buffers' addresses.
     pub(super) problem: Problem,
-    /// bf16/f16/f32: `op(a) op(b)`'s transpose flags, for Burn's matmul if a queued call fails.
-    pub(super) views: Option<(bool, bool)>,
+    /// What computes the product if the call is queued and fails there; whether it may be queued.
+    pub(super) fallback: QueuedFallback,
     /// cuBLASLt's beta: 1 adds the product into `out`.
     pub(super) beta: f32,
     pub(super) order: Order,
     /// The host thread that asked for the GEMM (its CubeCL stream is the one ordered with).
     pub(super) caller: std::thread::ThreadId,
+}
+
+/// What computes a queued call's product if cuBLASLt fails it on the device thread: nobody waits
+/// for a queued call, so it cannot hand the failure back to its caller.
+pub(crate) enum QueuedFallback {
+    /// Never queued: the caller waits for the answer and falls back itself.
+    NotQueued,
+    /// bf16/f16/f32: Burn's matmul of `op(a) op(b)`, with these transpose flags.
+    Matmul(bool, bool),
+    /// FP8: the caller's own computation of the product into the output it is given (the
+    /// operands dequantized, then Burn's matmul); `Err` says why it failed.
+    Compute(Box<dyn FnOnce(CubeTensor<CudaRuntime>) -> Result<(), String> + Send>),
 }
 
 impl Job {

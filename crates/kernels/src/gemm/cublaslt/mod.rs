@@ -15,8 +15,9 @@
 //! queued before and after it. On that thread the buffers' addresses and the hand-over kernels cost
 //! no round trips, and a problem that has run on cuBLASLt before is queued without the caller
 //! waiting (the host keeps running ahead of the GPU as it does for CubeCL's kernels); a new
-//! problem, an FP8 call or the host order waits for the answer, so that a refusal falls back on the
-//! caller's side.
+//! problem, a GEMM accumulating into the caller's tensor or the host order waits for the answer,
+//! so that a refusal falls back on the caller's side (a queued call that fails after all runs its
+//! job's [`QueuedFallback`] on the device thread).
 //!
 //! Ordering with CubeCL's work ([`Order`]):
 //! - `Same` (the default; `BURNMIX_GEMM_ORDER=same`): the GEMM is issued on CubeCL's own CUDA
@@ -76,6 +77,7 @@ use cudarc::cublaslt::sys;
 pub use diagnose::diagnose_wait;
 pub(crate) use fallback::fell_back;
 pub(crate) use fp8::{fp8_block_scaling_supported, fp8_gemm, Fp8Operand, Fp8Scales};
+pub(crate) use job::QueuedFallback;
 pub(crate) use order::{effective_order, Order};
 
 use fallback::{FALLBACKS, QUEUED_FALLBACKS};
@@ -173,7 +175,7 @@ pub(crate) fn gemm(
         out: out.clone(),
         scales: None,
         problem,
-        views: Some((trans_a, trans_b)),
+        fallback: QueuedFallback::Matmul(trans_a, trans_b),
         beta: 0.0,
         order: order(),
         caller: std::thread::current().id(),
@@ -239,7 +241,7 @@ pub(crate) fn gemm_f32(
         scales: None,
         problem,
         // Not queued: a refused call hands `acc` back unchanged, for the caller's fallback.
-        views: None,
+        fallback: QueuedFallback::NotQueued,
         beta,
         order: order(),
         caller: std::thread::current().id(),

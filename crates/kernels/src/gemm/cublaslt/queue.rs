@@ -8,7 +8,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 
 use super::fallback::{warn_once, QUEUED_FALLBACKS};
-use super::job::Job;
+use super::job::{Job, QueuedFallback};
 use super::problem::{alignment, describe, Problem};
 use super::Refused;
 
@@ -68,15 +68,18 @@ fn offset_alignment(t: &CubeTensor<CudaRuntime>) -> u32 {
 
 /// Runs `job` (one cuBLASLt call on the buffers of its tensors) on CubeCL's device thread.
 ///
-/// A bf16/f16/f32 problem that has run on cuBLASLt before, in the GPU order, is queued and this
-/// returns at once: if it fails there after all (its buffers less aligned than their offsets
-/// imply and no algorithm for that), the device thread computes it with Burn's matmul into the
-/// same output, with the warning, before any later CubeCL work. Every other call (a new problem,
-/// FP8, the host order) waits for the device thread's answer, so the caller can fall back.
+/// A problem that has run on cuBLASLt before, in the GPU order, with a fallback for a queued call
+/// (bf16/f16/f32 products, FP8) is queued and this returns at once: if it fails there after all
+/// (its buffers less aligned than their offsets imply and no algorithm for that), the device
+/// thread computes it with the job's fallback (Burn's matmul; FP8: the dequantized operands) into
+/// the same output, with the warning, before any later CubeCL work. Every other call (a new
+/// problem, a GEMM accumulating into its caller's tensor, the host order) waits for the device
+/// thread's answer, so the caller can fall back.
 pub(super) fn execute(job: Job) -> Result<(), Refused> {
     let runner = runner(&job.a.device);
-    let queue =
-        job.views.is_some() && job.order.on_gpu() && crate::settings::read(|s| s.gemm_queue);
+    let queue = !matches!(job.fallback, QueuedFallback::NotQueued)
+        && job.order.on_gpu()
+        && crate::settings::read(|s| s.gemm_queue);
     let key = {
         let mut p = job.problem;
         p.align = [
@@ -113,12 +116,13 @@ pub(super) fn execute(job: Job) -> Result<(), Refused> {
 }
 
 impl Job {
-    /// [`Job::run`] for a queued call, which nobody waits for: if it fails, Burn's matmul computes
-    /// `out` here, on the device thread, before CubeCL's later work.
-    pub(super) fn run_queued(self) {
+    /// [`Job::run`] for a queued call, which nobody waits for: if it fails, the job's fallback
+    /// computes `out` here, on the device thread, before CubeCL's later work.
+    pub(super) fn run_queued(mut self) {
         let forced = crate::settings::read(|s| s.gemm_refuse_queued);
         let (a, b, out) = (self.a.clone(), self.b.clone(), self.out.clone());
-        let (views, caller, problem) = (self.views, self.caller, self.problem);
+        let fallback = std::mem::replace(&mut self.fallback, QueuedFallback::NotQueued);
+        let (caller, problem) = (self.caller, self.problem);
         let result = if forced {
             Err(Refused::Unsupported(format!(
                 "{}: refused on purpose (kernels::settings::Settings::gemm_refuse_queued)",
@@ -132,7 +136,6 @@ impl Job {
             Refused::Unsupported(why) => why,
             Refused::NotApplicable => format!("{}: not applicable", describe(&problem)),
         };
-        let (ta, tb) = views.expect("only bf16/f16/f32 GEMMs are queued");
         let view = |t: CubeTensor<CudaRuntime>, trans: bool| {
             if trans {
                 burn_cubecl::ops::permute(t, &[1, 0])
@@ -140,14 +143,29 @@ impl Job {
                 t
             }
         };
-        let dtype = out.dtype;
-        let done = burn_cubecl::kernel::matmul::matmul(
-            view(a, ta),
-            view(b, tb),
-            Some(out),
-            burn_cubecl::kernel::matmul::MatmulStrategy::Cube,
-            dtype,
-        );
+        let (done, instead) = match fallback {
+            QueuedFallback::Matmul(ta, tb) => {
+                let dtype = out.dtype;
+                let done = burn_cubecl::kernel::matmul::matmul(
+                    view(a, ta),
+                    view(b, tb),
+                    Some(out),
+                    burn_cubecl::kernel::matmul::MatmulStrategy::Cube,
+                    dtype,
+                );
+                (
+                    done.map(|_| ()).map_err(|e| format!("{e:?}")),
+                    "Burn's matmul",
+                )
+            }
+            QueuedFallback::Compute(compute) => {
+                (compute(out), "its operands dequantized and Burn's matmul")
+            }
+            QueuedFallback::NotQueued => (
+                Err("nothing was given to compute it".to_string()),
+                "nothing",
+            ),
+        };
         *QUEUED_FALLBACKS
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -155,12 +173,12 @@ impl Job {
             .entry(caller)
             .or_default() += 1;
         match done {
-            Ok(_) => warn_once(format!(
-                "kernels::gemm: {why}; this GEMM runs on Burn's matmul instead"
+            Ok(()) => warn_once(format!(
+                "kernels::gemm: {why}; this GEMM runs on {instead} instead"
             )),
             // Nothing can compute this product: stop rather than train on a wrong one.
             Err(e) => {
-                eprintln!("error: kernels::gemm: {why}, and Burn's matmul failed too: {e:?}");
+                eprintln!("error: kernels::gemm: {why}, and {instead} failed too: {e}");
                 std::process::abort();
             }
         }
