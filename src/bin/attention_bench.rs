@@ -283,6 +283,7 @@ fn mib(b: u64) -> f64 {
 
 fn main() {
     let args = Args::parse();
+    kernels::kernel_cache::cache_per_build();
     let dev = CudaDevice::default();
     let dt = FloatDType::from(args.dtype);
     if args.memory {

@@ -257,6 +257,7 @@ fn quantizers<Bk: kernels::Backend>(dev: &Bk::Device, args: &Args, compute: Floa
 
 fn main() {
     let args = Args::parse();
+    kernels::kernel_cache::cache_per_build();
     let shapes = if !args.shapes.is_empty() {
         args.shapes
             .iter()

@@ -123,6 +123,7 @@ fn run<Bk: kernels::Backend>(
 
 fn main() {
     let args = Args::parse();
+    kernels::kernel_cache::cache_per_build();
     let shapes: Vec<[usize; 3]> = if args.shapes.is_empty() {
         CUBLASLT_BF16.iter().map(|(s, _)| *s).collect()
     } else {

@@ -140,6 +140,7 @@ fn fwd_bwd<const N: usize>(
 
 fn main() {
     let args = Args::parse();
+    kernels::kernel_cache::cache_per_build();
     let dev = CudaDevice::default();
     println!(
         "| op | shape | dtype | pass | fused µs | Burn µs | fused GB/s | of 3.0 TB/s | speed-up |"

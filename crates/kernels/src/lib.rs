@@ -71,6 +71,7 @@ pub mod embedding;
 pub mod format_stats;
 pub mod fp8;
 pub mod gemm;
+pub mod kernel_cache;
 mod launch;
 pub mod memory;
 pub mod philox;

@@ -170,6 +170,8 @@ fn train_process(
 /// with exit code 1.
 pub fn cli_main(body: impl FnOnce() -> Result<()>) -> std::process::ExitCode {
     use std::process::ExitCode;
+    // Before any CubeCL work: this build's kernels in a cache directory of its own.
+    kernels::kernel_cache::cache_per_build();
     if std::env::var_os(device::CUDA_PROBE_ENV).is_some() {
         return ExitCode::from(cuda_probe() as u8);
     }
