@@ -3,8 +3,9 @@
 //! CubeCL 0.10 keys that cache by kernel name and compile-time arguments, not by the kernel's
 //! code: a program rebuilt with a changed kernel (a new version, a local edit) would be served the
 //! old kernel from a cache the previous build filled, without an error, and compute something else.
-//! [`cache_per_build`] moves the cache of the running program into a directory named by a hash of
-//! its executable, so that every build compiles its own kernels once and never reads another's.
+//! [`cache_per_build`] moves the cache of the running program into a directory named by its
+//! executable's size and modification time, so that every build compiles its own kernels once and
+//! never reads another's.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -21,7 +22,8 @@ const LAST_USED: &str = "last-used";
 /// How long a build's directory is kept after that build last started.
 const KEEP_UNUSED: Duration = Duration::from_secs(14 * 24 * 3600);
 
-/// Points CubeCL's compiled-kernel cache at `<root>/burnmix-kernels/<hash of this executable>`,
+/// Points CubeCL's compiled-kernel cache at `<root>/burnmix-kernels/<this executable's identity>`
+/// (its size and modification time: a build writes a new executable),
 /// `<root>` being where CubeCL's configuration (`cubecl.toml`, `burn.toml`, the environment) puts
 /// it, and removes the directories of builds that have not started for 14 days. Call it first in
 /// `main`, before any CubeCL work: the configuration is fixed at CubeCL's first use.
@@ -35,7 +37,7 @@ pub fn cache_per_build() -> Option<PathBuf> {
     let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
     let root = config.compilation.cache.as_ref()?.root();
     let builds = root.join(BUILDS_DIR);
-    let dir = builds.join(format!("{:016x}", executable_hash()?));
+    let dir = builds.join(executable_identity()?);
     config.compilation.cache = Some(CacheConfig::File(dir.clone()));
     CubeClRuntimeConfig::set(config);
     if std::fs::create_dir_all(&dir).is_ok() {
@@ -45,21 +47,18 @@ pub fn cache_per_build() -> Option<PathBuf> {
     Some(dir)
 }
 
-/// FNV-1a (64 bits) of the running executable's bytes.
-fn executable_hash() -> Option<u64> {
-    use std::io::Read;
-    let mut file = std::fs::File::open(std::env::current_exe().ok()?).ok()?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut hash = 0xcbf2_9ce4_8422_2325u64;
-    loop {
-        let n = file.read(&mut buf).ok()?;
-        if n == 0 {
-            return Some(hash);
-        }
-        for &b in &buf[..n] {
-            hash = (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
+/// `<size>-<modification time in ns since 1970>` of the running executable: two builds that
+/// differ in any byte are two files written at different times. (Hashing the bytes instead costs
+/// seconds for an unoptimised build at every start, and the device probes start the executable
+/// again.)
+fn executable_identity() -> Option<String> {
+    let meta = std::fs::metadata(std::env::current_exe().ok()?).ok()?;
+    let modified = meta
+        .modified()
+        .ok()?
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .ok()?;
+    Some(format!("{}-{}", meta.len(), modified.as_nanos()))
 }
 
 /// Removes the build directories under `builds`, other than `current`, whose build last started
