@@ -15,6 +15,7 @@ mod kernel_cases;
 #[path = "../model_cases/mod.rs"]
 mod model_cases;
 
+mod fp8;
 mod kernels;
 mod model;
 mod recipes;
