@@ -284,3 +284,17 @@ fn fused_dropout_depends_only_on_the_model_dropout_seed() {
     assert!(ga.iter().all(|x| x.is_finite()));
     assert_ne!(a, c, "dropout seeds 5 and 6 gave the same logits");
 }
+
+/// With the fused kernels and FP8 projections, the GELU MLP as one op (`kernels::fp8_gelu_mlp`)
+/// gives the loss and gradients of the MLP composed of separate ops, bit for bit here (the GELU
+/// kernel runs in both on wgpu).
+#[test]
+fn fp8_gelu_mlp_in_the_model_is_the_composition() {
+    model_cases::fp8_mlp::fused_mlp_matches_composed::<common::B>(
+        burn::tensor::FloatDType::F32,
+        model_cases::AWKWARD,
+        true,
+        0.0,
+        &device(),
+    );
+}

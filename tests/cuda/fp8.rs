@@ -72,6 +72,51 @@ fn cuda_fp8_quantize_pair_native() {
     }
 }
 
+/// GELU and its gradient quantized inside the CUDA C++ pair kernel (the FP8 MLP's producer)
+/// against the GELU kernels' outputs quantized apart (f32, f16, bf16; every path of the kernel:
+/// 8-wide and element-wise reads, value-by-value tiles); fails on a GPU where it would not run.
+/// With `BURNMIX_FP8_PAIR=fused` the two run apart: exactly the composition.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_gelu_quantize_pair() {
+    use burn::tensor::Tensor;
+    use kernels::{fp8_pair_path_run, Fp8PairPath};
+    let dev = CudaDevice::default();
+    let probe = Tensor::<Cuda, 2>::zeros([8, 8], &dev);
+    assert_eq!(
+        fp8_pair_path_run(&probe, Fp8PairPath::Native),
+        Fp8PairPath::Native,
+        "the CUDA C++ FP8 quantizer does not run on this GPU (compute capability 8.9+ needed)"
+    );
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        fp8_cases::mlp::gelu_quantize_pair_matches::<Cuda>(dtype, &dev, &PAIR_SHAPES, false);
+    }
+    let _settings = kernels::settings::scoped(|s| s.fp8_pair = Some(Fp8PairPath::Fused));
+    fp8_cases::mlp::gelu_quantize_pair_matches::<Cuda>(FloatDType::BF16, &dev, &PAIR_SHAPES, true);
+}
+
+/// The FP8 MLP as one op (GELU's output and gradient quantized in GELU's kernels) against its
+/// composition of separate ops and against the MLP in f32, on the default GEMM path (cuBLASLt
+/// on Hopper; the dequantize path for the shapes it refuses).
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_gelu_mlp() {
+    let shapes = [
+        (64, 256, 512, 96),
+        (100, 130, 200, 72),
+        (512, 768, 3072, 768),
+    ];
+    for dtype in [FloatDType::F32, FloatDType::BF16] {
+        fp8_cases::mlp::gelu_mlp_matches_composition::<B>(
+            dtype,
+            &CudaDevice::default(),
+            &shapes,
+            false,
+        );
+    }
+    no_fallbacks("the FP8 MLP on its default path");
+}
+
 /// Delayed per-tensor FP8 scaling (amax histories) on the CUDA C++ pair kernel, which records
 /// the amax from its own read, and on the single quantizer, bit for bit against the CPU reference
 /// (f32 with NaN and infinities, f16, bf16).

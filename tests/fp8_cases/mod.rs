@@ -9,6 +9,8 @@ use kernels::{
     Fp8Granularity, Fp8LinearConfig, Fp8PairPath, QuantSpec,
 };
 
+pub mod mlp;
+
 /// Deterministic pseudo-random values, so that failures reproduce.
 pub use trainer::rng::SplitMix64 as Rng;
 

@@ -24,6 +24,7 @@
 #![allow(dead_code)]
 
 pub mod decode;
+pub mod fp8_mlp;
 pub mod recompute;
 
 use burn::module::{Module, ModuleVisitor, Param};

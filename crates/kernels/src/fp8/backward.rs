@@ -329,6 +329,16 @@ where
             spec,
         ))
     }
+    fn fp8_gelu_mlp(
+        x: FloatTensor<Self>,
+        w_fc: FloatTensor<Self>,
+        w_proj: FloatTensor<Self>,
+        cfg: &Fp8LinearConfig,
+    ) -> Option<FloatTensor<Self>> {
+        Some(super::mlp::autodiff::<CubeBackend<R, F, I, BT>, C>(
+            x, w_fc, w_proj, cfg,
+        ))
+    }
     fn fp8_native_supported(x: &FloatTensor<Self>) -> bool {
         CubeBackend::<R, F, I, BT>::fp8_native_supported(&x.primitive)
     }

@@ -127,7 +127,7 @@ fn check_given<R: CubeRuntime>(op: &str, spec: &QuantSpec, amax: &CubeTensor<R>)
 /// `[row_blocks, k_tiles4]` one. [`cublaslt_scales`] gives back the buffer.
 ///
 /// [`scale_at`]: super::kernel::scale_at
-fn scales_output<R: CubeRuntime>(
+pub(crate) fn scales_output<R: CubeRuntime>(
     like: &CubeTensor<R>,
     spec: &QuantSpec,
     rows: usize,
@@ -142,7 +142,8 @@ fn scales_output<R: CubeRuntime>(
             scales
         }
         Fp8Granularity::Block128 => {
-            let mut scales = empty(like, vec![scale_rows, k_tiles.div_ceil(4) * 4], DType::F32);
+            let row_len = crate::gemm::cublaslt::Fp8Scales::block_row_len(k_tiles);
+            let mut scales = empty(like, vec![scale_rows, row_len], DType::F32);
             scales.meta.shape_mut()[1] = k_tiles;
             scales
         }
@@ -177,7 +178,7 @@ fn cublaslt_scales<R: CubeRuntime>(
         }
         Fp8Scales::Blk128 => {
             // The first k_tiles columns of a dense [row_blocks, k_tiles4].
-            let row_len = k_tiles.div_ceil(4) * 4;
+            let row_len = Fp8Scales::block_row_len(k_tiles);
             let dense = (rows == 1 || strides[0] == row_len) && (k_tiles == 1 || strides[1] == 1);
             let bytes = (rows * row_len * 4) as u64;
             if !dense || buffer.handle.size_in_used() < bytes {
@@ -365,7 +366,8 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
         };
         let outputs = [&payload, &scales, &payload_t, &scales_t];
         let record = record.as_ref().map(|(buffer, slot)| (buffer, *slot));
-        if super::native::launch_pair(&x, &amax, outputs, &view, &spec, record) {
+        let none = super::native::Prologue::None;
+        if super::native::launch_pair(&x, none, &amax, outputs, &view, &spec, record) {
             return (((payload, scales), (payload_t, scales_t)), record.is_some());
         }
     }
@@ -677,39 +679,35 @@ where
             Fp8Granularity::Tile1x128 => Fp8Scales::Vec128,
             Fp8Granularity::Block128 => Fp8Scales::Blk128,
         };
-        let e5m2 = spec.format == super::Fp8Format::E5M2;
-        if let Some(buffer) = cublaslt_scales(&scales, layout) {
-            return Some(Fp8Operand {
-                payload,
-                scales: as_cuda(&buffer)?.clone(),
-                e5m2,
-                layout,
-                rows,
-            });
-        }
-        let s = Tensor::<Cb<R, F, I, BT>, 2>::from_primitive(TensorPrimitive::Float(scales))
-            .cast(FloatDType::F32);
-        let s = match layout {
-            Fp8Scales::Tensor => s,
-            Fp8Scales::Vec128 => s.transpose(),
-            Fp8Scales::Blk128 => {
-                let [r, l] = s.dims();
-                let l4 = l.div_ceil(4) * 4;
-                if l4 > l {
-                    Tensor::cat(
-                        vec![s, Tensor::zeros([r, l4 - l], (&device, DType::F32))],
-                        1,
-                    )
-                } else {
-                    s
-                }
+        let scales = match cublaslt_scales(&scales, layout) {
+            Some(buffer) => buffer,
+            None => {
+                let s =
+                    Tensor::<Cb<R, F, I, BT>, 2>::from_primitive(TensorPrimitive::Float(scales))
+                        .cast(FloatDType::F32);
+                let s = match layout {
+                    Fp8Scales::Tensor => s,
+                    Fp8Scales::Vec128 => s.transpose(),
+                    Fp8Scales::Blk128 => {
+                        let [r, l] = s.dims();
+                        let l4 = Fp8Scales::block_row_len(l);
+                        if l4 > l {
+                            Tensor::cat(
+                                vec![s, Tensor::zeros([r, l4 - l], (&device, DType::F32))],
+                                1,
+                            )
+                        } else {
+                            s
+                        }
+                    }
+                };
+                crate::launch::contiguous(s.into_primitive().tensor())
             }
         };
-        let s = crate::launch::contiguous(s.into_primitive().tensor());
         Some(Fp8Operand {
             payload,
-            scales: as_cuda(&s)?.clone(),
-            e5m2,
+            scales: as_cuda(&scales)?.clone(),
+            e5m2: spec.format == super::Fp8Format::E5M2,
             layout,
             rows,
         })
@@ -820,6 +818,23 @@ where
         spec: &QuantSpec,
     ) -> FloatTensor<Self> {
         health_partials(x, payload, scales, spec)
+    }
+    fn fp8_gelu_quantize_pair(
+        h: FloatTensor<Self>,
+        dy: Option<FloatTensor<Self>>,
+        spec: &QuantSpec,
+    ) -> Option<(Quantized<R>, Quantized<R>)> {
+        super::producer::gelu_quantize_pair_native(h, dy, spec)
+    }
+    fn fp8_gelu_mlp(
+        x: FloatTensor<Self>,
+        w_fc: FloatTensor<Self>,
+        w_proj: FloatTensor<Self>,
+        cfg: &super::Fp8LinearConfig,
+    ) -> Option<FloatTensor<Self>> {
+        use crate::primitive::{prim, tensor};
+        let (x, w_fc, w_proj) = (tensor(x), tensor(w_fc), tensor(w_proj));
+        Some(prim(super::mlp::fprop::<Self>(x, w_fc, w_proj, cfg)))
     }
     fn fp8_native_supported(x: &FloatTensor<Self>) -> bool {
         super::native::supported(x)

@@ -36,6 +36,10 @@
 //!
 //! **Linear** ([`fp8_linear`]): `x [t, in] w [in, out]` with the fprop, dgrad and wgrad GEMMs in
 //! FP8, each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
+//!
+//! **MLP** ([`fp8_gelu_mlp`]): `gelu(x w_fc) w_proj` with its four FP8 linear GEMMs, GELU's output
+//! and, in the backward, GELU's gradient quantized by the kernel that computes them
+//! (`producer.rs`) instead of written in the compute dtype and quantized by a separate pass.
 
 pub(crate) mod backward;
 mod delayed;
@@ -45,9 +49,11 @@ mod gemm;
 mod health;
 pub(crate) mod kernel;
 mod linear;
+mod mlp;
 pub(crate) mod mma;
 mod native;
 pub(crate) mod path;
+mod producer;
 pub mod reference;
 mod tensor;
 
@@ -57,8 +63,10 @@ pub(crate) use gemm::mma_shape;
 pub use gemm::{fp8_gemm, fp8_gemm_on, fp8_gemm_path};
 pub use health::{fp8_health, fp8_health_pending, fp8_health_pending_at, Fp8Health, PendingHealth};
 pub use linear::{fp8_linear, fp8_linear_probed, fp8_linear_scaled, Fp8LinearConfig, Fp8Probe};
+pub use mlp::fp8_gelu_mlp;
 pub use mma::MmaShape;
 pub use path::{Fp8GemmPath, Fp8PairPath};
+pub use producer::fp8_gelu_quantize_pair;
 pub(crate) use tensor::{f32_values, words_of};
 pub use tensor::{
     fp8_pair_path, fp8_pair_path_run, fp8_quantize, fp8_quantize_pair, fp8_quantize_pair_on,
@@ -195,6 +203,33 @@ pub trait Fp8Ops: BurnBackend {
             TensorData::new(rows, [n, 4]),
             (&device, DType::F32),
         ))
+    }
+
+    /// GELU of the 2-D `h` (with `dy`, its gradient `dy * GELU'(h)`), rounded to `h`'s dtype
+    /// and quantized in both orientations as [`Self::fp8_quantize_pair`] quantizes it under
+    /// `spec`, by one kernel that reads `h` (and `dy`) once; `None` where the backend has no such
+    /// kernel (the default), and the caller runs GELU and the quantizer pair.
+    #[allow(clippy::type_complexity)]
+    fn fp8_gelu_quantize_pair(
+        _h: FloatTensor<Self>,
+        _dy: Option<FloatTensor<Self>>,
+        _spec: &QuantSpec,
+    ) -> Option<(
+        (IntTensor<Self>, FloatTensor<Self>),
+        (IntTensor<Self>, FloatTensor<Self>),
+    )> {
+        None
+    }
+
+    /// [`fp8_gelu_mlp`] as one op, or `None` where the backend has none (the default): the
+    /// free function then composes [`fp8_linear`], [`crate::gelu`] and [`fp8_linear`].
+    fn fp8_gelu_mlp(
+        _x: FloatTensor<Self>,
+        _w_fc: FloatTensor<Self>,
+        _w_proj: FloatTensor<Self>,
+        _cfg: &Fp8LinearConfig,
+    ) -> Option<FloatTensor<Self>> {
+        None
     }
 
     /// Whether [`Fp8PairPath::Native`] runs its own kernel for the float tensor `x` (else it

@@ -51,9 +51,32 @@ fn aligned_16<R: CubeRuntime>(x: &CubeTensor<R>) -> bool {
     x.handle.offset_start.unwrap_or(0).is_multiple_of(16)
 }
 
+/// What the pair kernel quantizes (`native_pair.cu`'s `PROLOGUE`): its input as it is, or a
+/// function of it computed in f32 and rounded to the input's dtype, as the separate kernel that
+/// computes that function stores it.
+#[derive(Clone, Copy)]
+pub(crate) enum Prologue<'a, R: CubeRuntime> {
+    /// `x` itself.
+    None,
+    /// `GELU(x)` (exact, erf form: [`crate::gelu`]).
+    Gelu,
+    /// The GELU gradient `dy * GELU'(x)`, `dy` stored as `x` is (same dtype, shape and strides).
+    GeluGrad(&'a CubeTensor<R>),
+}
+
+impl<R: CubeRuntime> Prologue<'_, R> {
+    fn code(&self) -> u8 {
+        match self {
+            Prologue::None => 0,
+            Prologue::Gelu => 1,
+            Prologue::GeluGrad(_) => 2,
+        }
+    }
+}
+
 /// The `#define` lines that pick a variant of `native_pair.cu` (its header lists them): input
-/// kind, 8-wide loads, and the granularity, scale rounding and format of `spec`.
-fn defines(in_kind: u8, vec: bool, spec: &QuantSpec) -> String {
+/// kind, 8-wide loads, the granularity, scale rounding and format of `spec`, and the prologue.
+fn defines(in_kind: u8, vec: bool, spec: &QuantSpec, prologue: u8) -> String {
     let flags = [
         vec,
         spec.granularity == Fp8Granularity::Block128,
@@ -64,7 +87,8 @@ fn defines(in_kind: u8, vec: bool, spec: &QuantSpec) -> String {
     let [vec, block, given_amax, pow2, e5m2] = flags.map(u8::from);
     format!(
         "#define IN_KIND {in_kind}\n#define VEC {vec}\n#define BLOCK {block}\n\
-         #define GIVEN_AMAX {given_amax}\n#define POW2 {pow2}\n#define E5M2 {e5m2}\n"
+         #define GIVEN_AMAX {given_amax}\n#define POW2 {pow2}\n#define E5M2 {e5m2}\n\
+         #define PROLOGUE {prologue}\n"
     )
 }
 
@@ -83,8 +107,12 @@ pub(crate) struct PairView {
 /// where it does not apply: not CUDA, a GPU without FP8 conversions, an input other than f32,
 /// f16 or bf16. With per-tensor scaling and `record = Some((buffer, slot))`, the kernel also
 /// raises the f32 `buffer[slot]` to `x`'s amax (the largest finite normal `|x|`), in place.
+/// With a `prologue`, what it quantizes is that function of `x` (per-tensor scaling, whose amax
+/// would be the function's, is refused then: `false`; so is a `dy` stored otherwise than `x`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_pair<R: CubeRuntime>(
     x: &CubeTensor<R>,
+    prologue: Prologue<'_, R>,
     amax: &CubeTensor<R>,
     outputs: [&CubeTensor<R>; 4],
     view: &PairView,
@@ -94,6 +122,25 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
     if !supported(x) {
         return false;
     }
+    let given_amax = spec.granularity == Fp8Granularity::Tensor;
+    let dy = match prologue {
+        Prologue::None => x,
+        _ if given_amax => return false,
+        Prologue::Gelu => x,
+        Prologue::GeluGrad(dy) => {
+            let same = dy.dtype == x.dtype
+                && dy.meta.shape() == x.meta.shape()
+                && dy.meta.strides() == x.meta.strides()
+                && aligned_16(dy) == aligned_16(x);
+            if !same {
+                return false;
+            }
+            dy
+        }
+    };
+    let Some(dy) = cuda(dy) else {
+        return false;
+    };
     let (Some(in_kind), Some(xc), Some(amax)) = (in_kind(x.dtype), cuda(x), cuda(amax)) else {
         return false;
     };
@@ -118,9 +165,13 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
         && view.cols.is_multiple_of(8)
         && view.stride_i.is_multiple_of(8)
         && aligned_16(x);
-    let defines = defines(in_kind, vec, spec);
+    let defines = defines(in_kind, vec, spec, prologue.code());
     let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(256));
-    let mut buffers = vec![xc.handle.clone().binding(), amax.handle.clone().binding()];
+    let mut buffers = vec![
+        xc.handle.clone().binding(),
+        dy.handle.clone().binding(),
+        amax.handle.clone().binding(),
+    ];
     buffers.extend(outputs.iter().map(|t| t.handle.clone().binding()));
     buffers.push(record_buffer.handle.clone().binding());
     let mut info = [view.rows, view.cols, view.stride_i, view.stride_j]
@@ -157,7 +208,7 @@ pub(crate) fn tensor_amax_partials<R: CubeRuntime>(x: &CubeTensor<R>) -> Option<
     let partials_cuda = cuda(&partials)?;
     // Only IN_KIND matters to this entry point; the pair kernel's other macros must be defined.
     let per_tensor = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Tensor);
-    let defines = defines(in_kind, true, &per_tensor);
+    let defines = defines(in_kind, true, &per_tensor, 0);
     let kernel = CudaSource::new(AMAX_ENTRY, defines, SOURCE, CubeDim::new_1d(256));
     let buffers = vec![
         xc.handle.clone().binding(),

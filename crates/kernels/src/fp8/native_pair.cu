@@ -15,6 +15,11 @@
 //               the blocks: the slot only grows), for delayed scaling (fp8/delayed.rs)
 //   POW2        1: scales rounded down to powers of two
 //   E5M2        1: E5M2 codes, 0: E4M3
+//   PROLOGUE    what is quantized: 0: x itself; 1: GELU(x); 2: the GELU gradient dy * GELU'(x),
+//               dy read beside x (same view). 1 and 2 compute in f32 as the CubeCL kernel
+//               `gelu_narrow` (activation/kernel.rs) does and round to the input format, so
+//               the codes are those of the GELU kernel's output quantized (the GELU of the
+//               FP8 MLP, fp8/mlp.rs, whose producer writes FP8 directly)
 //
 // Layout (as the CubeCL kernel): the stored matrix is [rows, cols], element (i, j) at
 // x[i * stride_i + j * stride_j]. `payload` [rows, col_tiles * 32] holds it quantized along cols,
@@ -228,10 +233,76 @@ __device__ __forceinline__ u32 word_of_any(float a, float b, float c, float d, f
     return code_of(a, s) | (code_of(b, s) << 8) | (code_of(c, s) << 16) | (code_of(d, s) << 24);
 }
 
-// Element (row, col) of x, as f32, or 0 outside the matrix.
-__device__ __forceinline__ float element(const in_t* x, const Info& info, u64 row, u64 col) {
-    return row < info.rows && col < info.cols ? to_f32(x[row * info.stride_i + col * info.stride_j])
-                                              : 0.0f;
+// ---------------------------------------------------------------------------------------------
+// The prologue (PROLOGUE above): exact GELU in f32 with the normal tail by Abramowitz and Stegun
+// 7.1.26, as `normal_cdf_and_gauss` in activation/kernel.rs computes it.
+
+// (Phi(v), exp(-v^2 / 2)).
+__device__ __forceinline__ float2 normal_cdf_and_gauss(float v) {
+    const float a = fabsf(v) * 0.70710678f;
+    const float t = __frcp_rn(1.0f + 0.3275911f * a);
+    const float poly = ((((1.0614054f * t - 1.453152f) * t + 1.4214137f) * t - 0.28449674f) * t + 0.2548296f) * t;
+    const float gauss = __expf(-(a * a));
+    const float tail = 0.5f * poly * gauss;
+    return make_float2(v < 0.0f ? tail : 1.0f - tail, gauss);
+}
+
+// The f32 value rounded to nearest even in the input format, as bits in the low bits of a word.
+__device__ __forceinline__ u32 to_in_bits(float f) {
+#if IN_KIND == 0
+    return __float_as_uint(f);
+#else
+    unsigned short h;
+#if IN_KIND == 1
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+    return h;
+#endif
+}
+
+// What the kernel quantizes for an input value x (and gradient value d), before rounding to the
+// input format.
+__device__ __forceinline__ float prologue(float x, float d) {
+#if PROLOGUE == 1
+    return x * normal_cdf_and_gauss(x).x;
+#elif PROLOGUE == 2
+    const float2 cg = normal_cdf_and_gauss(x);
+    // 1 / sqrt(2 pi)
+    return d * (cg.x + x * (0.3989423f * cg.y));
+#else
+    return x;
+#endif
+}
+
+// The prologue on a word of input bits (WORD_VALUES values) and the gradient's word beside it.
+__device__ __forceinline__ u32 prologue_word(u32 xw, u32 dw) {
+#if PROLOGUE == 0
+    return xw;
+#elif WORD_VALUES == 2
+    const u32 lo = to_in_bits(prologue(half_bits_to_f32(xw & 0xFFFFu), half_bits_to_f32(dw & 0xFFFFu)));
+    const u32 hi = to_in_bits(prologue(half_bits_to_f32(xw >> 16), half_bits_to_f32(dw >> 16)));
+    return lo | (hi << 16);
+#else
+    return to_in_bits(prologue(__uint_as_float(xw), __uint_as_float(dw)));
+#endif
+}
+
+// Element (row, col) of what is quantized (x after the prologue), as f32, or 0 outside the matrix.
+__device__ __forceinline__ float element(const in_t* x, const in_t* dy, const Info& info, u64 row, u64 col) {
+    if (row >= info.rows || col >= info.cols) return 0.0f;
+    const u64 at = row * info.stride_i + col * info.stride_j;
+#if PROLOGUE == 0
+    return to_f32(x[at]);
+#else
+    const float p = prologue(to_f32(x[at]), PROLOGUE == 2 ? to_f32(dy[at]) : 0.0f);
+#if IN_KIND == 0
+    return p;
+#else
+    return half_bits_to_f32(to_in_bits(p));
+#endif
+#endif
 }
 
 // The transposed codes staged in `stage` (column c's words at c * 32 + (word ^ 2 (c / 8))) to
@@ -298,6 +369,7 @@ __device__ __forceinline__ void record_amax(u32* record, const Info& info) {
 // infinities and drops the sign of NaN). Called by every thread of the block; reads x again.
 __device__ __noinline__ void slow_tile(
     const in_t* __restrict__ x,
+    const in_t* __restrict__ dy,
     const float* __restrict__ amax,
     u32* __restrict__ payload,
     float* __restrict__ scales,
@@ -322,7 +394,7 @@ __device__ __noinline__ void slow_tile(
     // write of `warp_max` in the caller came before its last barrier).
     u32 t = 0u;
     for (int i = 0; i < 8; i++)
-        for (int e = 0; e < 8; e++) t = umax(t, amax_term(element(x, info, row0 + i, col0 + e)));
+        for (int e = 0; e < 8; e++) t = umax(t, amax_term(element(x, dy, info, row0 + i, col0 + e)));
     t = __reduce_max_sync(0xFFFFFFFFu, t);
     if (unit % 32u == 0u) warp_max[unit / 32u] = t;
     __syncthreads();
@@ -332,12 +404,12 @@ __device__ __noinline__ void slow_tile(
     // 2048 + ru * 128 + e * 16 + cu for column cu * 8 + e.
     for (int i = 0; i < 8; i++) {
         u32 rm = 0u;
-        for (int e = 0; e < 8; e++) rm = umax(rm, amax_term(element(x, info, row0 + i, col0 + e)));
+        for (int e = 0; e < 8; e++) rm = umax(rm, amax_term(element(x, dy, info, row0 + i, col0 + e)));
         stage[(ru * 8u + i) * 16u + cu] = rm;
     }
     for (int e = 0; e < 8; e++) {
         u32 cm = 0u;
-        for (int i = 0; i < 8; i++) cm = umax(cm, amax_term(element(x, info, row0 + i, col0 + e)));
+        for (int i = 0; i < 8; i++) cm = umax(cm, amax_term(element(x, dy, info, row0 + i, col0 + e)));
         stage[2048u + ru * 128u + e * 16u + cu] = cm;
     }
     __syncthreads();
@@ -362,7 +434,7 @@ __device__ __noinline__ void slow_tile(
         if (row < info.rows) {
             const float s = per_tile ? multiplier(__uint_as_float(maxima[ru * 8u + i])) : s_all;
             float r[8];
-            for (int e = 0; e < 8; e++) r[e] = element(x, info, row, col0 + e);
+            for (int e = 0; e < 8; e++) r[e] = element(x, dy, info, row, col0 + e);
             uint2 w;
             w.x = word_of_any(r[0], r[1], r[2], r[3], s);
             w.y = word_of_any(r[4], r[5], r[6], r[7], s);
@@ -375,7 +447,7 @@ __device__ __noinline__ void slow_tile(
         const u32 c = cu * 8u + e;
         const float s = per_tile ? multiplier(__uint_as_float(maxima[128u + c])) : s_all;
         float r[8];
-        for (int i = 0; i < 8; i++) r[i] = element(x, info, row0 + i, col0 + e);
+        for (int i = 0; i < 8; i++) r[i] = element(x, dy, info, row0 + i, col0 + e);
         uint2 w;
         w.x = word_of_any(r[0], r[1], r[2], r[3], s);
         w.y = word_of_any(r[4], r[5], r[6], r[7], s);
@@ -402,6 +474,7 @@ __device__ __noinline__ void slow_tile(
 
 extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_native(
     const in_t* __restrict__ x,
+    const in_t* __restrict__ dy,
     const float* __restrict__ amax,
     u32* __restrict__ payload,
     float* __restrict__ scales,
@@ -423,9 +496,9 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     const u64 col0 = (u64)ct * 128u + cu * 8u;
     const bool per_tile = !GIVEN_AMAX && !BLOCK;
 
-    // The thread's values as loaded: row row0 + i in words i * ROW_WORDS .. (for 16-bit inputs,
-    // column col0 + e in the low half of word e / 2 for even e, the high half for odd e); 0
-    // outside the matrix. V(k) is value k = i * 8 + e as f32.
+    // The thread's values as loaded (after the prologue): row row0 + i in words i * ROW_WORDS ..
+    // (for 16-bit inputs, column col0 + e in the low half of word e / 2 for even e, the high half
+    // for odd e); 0 outside the matrix. V(k) is value k = i * 8 + e as f32.
     u32 v[WORDS];
 #if IN_KIND == 0
 #define V(k) __uint_as_float(v[k])
@@ -441,7 +514,19 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
 #pragma unroll
         for (int h = 0; h < ROW_WORDS / 4; h++) {
             uint4 a = {0u, 0u, 0u, 0u};
-            if (inside) a = p[h];
+            if (inside) {
+                a = p[h];
+#if PROLOGUE != 0
+                uint4 d = {0u, 0u, 0u, 0u};
+#if PROLOGUE == 2
+                d = reinterpret_cast<const uint4*>(dy + row * info.stride_i + col0)[h];
+#endif
+                a.x = prologue_word(a.x, d.x);
+                a.y = prologue_word(a.y, d.y);
+                a.z = prologue_word(a.z, d.z);
+                a.w = prologue_word(a.w, d.w);
+#endif
+            }
             v[i * ROW_WORDS + h * 4 + 0] = a.x;
             v[i * ROW_WORDS + h * 4 + 1] = a.y;
             v[i * ROW_WORDS + h * 4 + 2] = a.z;
@@ -452,10 +537,19 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
         for (int e = 0; e < 8; e++) {
             const u64 col = col0 + e;
             const bool inside = row < rows && col < cols;
+#if PROLOGUE == 0
 #if IN_KIND == 0
-            v[i * 8 + e] = inside ? __float_as_uint(x[row * info.stride_i + col * info.stride_j]) : 0u;
+            const u32 bits = inside ? __float_as_uint(x[row * info.stride_i + col * info.stride_j]) : 0u;
 #else
-            const u32 h = inside ? (u32)x[row * info.stride_i + col * info.stride_j] : 0u;
+            const u32 bits = inside ? (u32)x[row * info.stride_i + col * info.stride_j] : 0u;
+#endif
+#else
+            const u32 bits = inside ? to_in_bits(element(x, dy, info, row, col)) : 0u;
+#endif
+#if IN_KIND == 0
+            v[i * 8 + e] = bits;
+#else
+            const u32 h = bits;
             if (e % 2 == 0) {
                 v[i * 4 + e / 2] = h;
             } else {
@@ -519,7 +613,7 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     }
 #endif
     if (__syncthreads_or(top >= NONFINITE)) {
-        slow_tile(x, amax, payload, scales, payload_t, scales_t, record, info);
+        slow_tile(x, dy, amax, payload, scales, payload_t, scales_t, record, info);
         return;
     }
 

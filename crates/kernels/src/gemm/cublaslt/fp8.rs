@@ -26,6 +26,14 @@ pub(crate) enum Fp8Scales {
     Blk128,
 }
 
+impl Fp8Scales {
+    /// The length of a row of 128 x 128 block scales ([`Fp8Scales::Blk128`]) for `k_tiles`
+    /// tiles of k: rounded up to a multiple of 4, the padding zeroed.
+    pub(crate) fn block_row_len(k_tiles: usize) -> usize {
+        k_tiles.div_ceil(4) * 4
+    }
+}
+
 /// One FP8 operand in cuBLASLt's terms: payload words `[rows, k_pad / 4]` (four E4M3 or E5M2
 /// codes each, little-endian, so the bytes are the row-major `[rows, k_pad]` codes) and its scales,
 /// already in the layout `scales` names.
@@ -98,7 +106,7 @@ pub(crate) fn fp8_gemm(
         let want = match t.layout {
             Fp8Scales::Tensor => [1, 1],
             Fp8Scales::Vec128 => [tiles, t.rows],
-            Fp8Scales::Blk128 => [t.rows.div_ceil(128), tiles.div_ceil(4) * 4],
+            Fp8Scales::Blk128 => [t.rows.div_ceil(128), Fp8Scales::block_row_len(tiles)],
         };
         let (shape, strides) = dims2(&t.scales);
         // (The stride of a length-1 axis is never used.)

@@ -1,0 +1,210 @@
+//! The FP8 MLP (`kernels::fp8_gelu_mlp`) and the quantizer inside GELU's kernels that it runs
+//! (`kernels::fp8::fp8_gelu_quantize_pair`), against their compositions of separate ops.
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
+use kernels::fp8::fp8_gelu_quantize_pair;
+use kernels::{
+    fp8_gelu_mlp, fp8_linear, fp8_quantize_pair, Fp8Format, Fp8Granularity, Fp8LinearConfig,
+    Fp8Tensor, QuantSpec,
+};
+
+use super::{host, rel_err};
+
+/// The values a quantized matrix stands for, f32 on the host.
+fn values<B: kernels::Backend>(q: &Fp8Tensor<B>) -> Vec<f32> {
+    host(q.dequantize(FloatDType::F32))
+}
+
+/// `(differing, relative RMS difference)` of two value lists: NaN matches NaN and an infinity
+/// itself (a mismatch there counts as differing); the RMS is over the finite values.
+fn compare(got: &[f32], want: &[f32]) -> (usize, f64) {
+    let mut differing = 0;
+    let (mut g, mut w) = (Vec::new(), Vec::new());
+    for (&a, &b) in got.iter().zip(want) {
+        let same = a == b || (a.is_nan() && b.is_nan());
+        if !same {
+            differing += 1;
+        }
+        if a.is_finite() && b.is_finite() {
+            g.push(a);
+            w.push(b);
+        }
+    }
+    (differing, rel_err(&g, &w))
+}
+
+/// `[rows, cols]` normal values with standard deviation `std`, in `dtype`; with `nonfinite`, NaN,
+/// +inf and -inf on the first three diagonal entries (the kernels' value-by-value tiles).
+fn input<B: kernels::Backend>(
+    [rows, cols]: [usize; 2],
+    std: f64,
+    nonfinite: bool,
+    dtype: FloatDType,
+    dev: &B::Device,
+) -> Tensor<B, 2> {
+    let t = Tensor::<B, 2>::random([rows, cols], Distribution::Normal(0.0, std), dev);
+    if !nonfinite || rows < 3 || cols < 3 {
+        return t.cast(dtype);
+    }
+    let mut v = t.into_data().to_vec::<f32>().unwrap();
+    for (i, x) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY]
+        .into_iter()
+        .enumerate()
+    {
+        v[i * cols + i] = x;
+    }
+    Tensor::<B, 2>::from_data(TensorData::new(v, [rows, cols]), dev).cast(dtype)
+}
+
+/// GELU and its gradient quantized by [`fp8_gelu_quantize_pair`] against the GELU kernels'
+/// outputs quantized by [`fp8_quantize_pair`], both orientations, 1x128 tiles (E4M3, and E5M2 for
+/// the gradient) and 128x128 blocks, with NaN and infinities in one case. With `exact` every value
+/// must be equal (the GELU kernel runs in both); otherwise (the CUDA C++ kernel computes GELU
+/// itself, rounding to `dtype` as the GELU kernel does, with its own `exp` and reciprocal) at
+/// most 1% of the values may differ, by a relative RMS of at most 1% over the matrix (one value
+/// in a hundred one code step off gives about 0.4%).
+pub fn gelu_quantize_pair_matches<B: kernels::KernelOps>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize)],
+    exact: bool,
+) {
+    let tile = |format| QuantSpec::new(format, Fp8Granularity::Tile1x128);
+    let block = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Block128);
+    for (n, &(rows, cols)) in shapes.iter().enumerate() {
+        let nonfinite = n == 1;
+        let h = input::<B>([rows, cols], 2.0, nonfinite, dtype, dev);
+        let dy = input::<B>([rows, cols], 1e-3, false, dtype, dev);
+        for backward in [false, true] {
+            let want_values = match backward {
+                true => B::gelu_erf_backward(
+                    h.clone().into_primitive().tensor(),
+                    dy.clone().into_primitive().tensor(),
+                ),
+                false => B::gelu_erf_forward(h.clone().into_primitive().tensor()),
+            };
+            let want_values =
+                Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(want_values));
+            let formats = if backward {
+                [tile(Fp8Format::E4M3), tile(Fp8Format::E5M2), block]
+            } else {
+                [tile(Fp8Format::E4M3), block, block]
+            };
+            for spec in formats {
+                let got = fp8_gelu_quantize_pair(h.clone(), backward.then(|| dy.clone()), spec);
+                let want = fp8_quantize_pair(want_values.clone(), spec);
+                for (side, g, w) in [("stored", &got.0, &want.0), ("transposed", &got.1, &want.1)] {
+                    let ctx = format!(
+                        "fp8_gelu_quantize_pair {dtype:?} [{rows}, {cols}] backward={backward} \
+                         {spec:?} ({side}, nonfinite={nonfinite})"
+                    );
+                    let (gv, wv) = (values(g), values(w));
+                    let (differing, diff) = compare(&gv, &wv);
+                    if exact {
+                        assert_eq!(differing, 0, "{ctx}: {differing} values differ");
+                        continue;
+                    }
+                    let share = differing as f64 / gv.len().max(1) as f64;
+                    assert!(
+                        share <= 0.01 && diff <= 0.01,
+                        "{ctx}: {differing} of {} values differ ({:.3}%), relative RMS \
+                         difference {diff:.5}; at most 1% and 0.01",
+                        gv.len(),
+                        100.0 * share
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The FP8 MLP under autodiff against `fp8_linear(gelu(fp8_linear(x, w_fc)), w_proj)`: the
+/// output and the gradients of `x`, `w_fc` and `w_proj`, bit for bit with `exact` (the GELU kernel
+/// runs in both), else within a relative RMS difference of 1% (see
+/// [`gelu_quantize_pair_matches`]), for E4M3 and hybrid (E5M2 gradient) settings; and with
+/// per-tensor scales (not fused) exactly the composition. Then against the same MLP in f32, within
+/// bounds 1.5x those of the FP8 linear layer (`super::linear`), as two FP8 layers compound.
+pub fn gelu_mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    shapes: &[(usize, usize, usize, usize)],
+    exact: bool,
+) where
+    B::InnerBackend: kernels::Backend,
+{
+    for &(t, d, ff, out) in shapes {
+        let x0 = Tensor::<B, 2>::random([t, d], Distribution::Normal(0.0, 1.0), dev);
+        let fc0 = Tensor::<B, 2>::random([d, ff], Distribution::Normal(0.0, 0.05), dev);
+        let proj0 = Tensor::<B, 2>::random([ff, out], Distribution::Normal(0.0, 0.05), dev);
+        let dy0 = Tensor::<B, 2>::random([t, out], Distribution::Normal(0.0, 1e-3), dev);
+        // [y, dx, dw_fc, dw_proj] of `f` on the inputs in `dtype`.
+        let run =
+            |dtype: FloatDType,
+             f: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>| {
+                let leaf = |t: &Tensor<B, 2>| t.clone().cast(dtype).detach().require_grad();
+                let (x, fc, proj) = (leaf(&x0), leaf(&fc0), leaf(&proj0));
+                let y = f(x.clone(), fc.clone(), proj.clone());
+                let g = (y.clone() * dy0.clone().cast(dtype).detach())
+                    .sum()
+                    .backward();
+                [
+                    host(y.inner()),
+                    host(x.grad(&g).unwrap()),
+                    host(fc.grad(&g).unwrap()),
+                    host(proj.grad(&g).unwrap()),
+                ]
+            };
+        let reference = run(FloatDType::F32, &|x, fc, proj| {
+            kernels::activation::gelu_reference(x.matmul(fc)).matmul(proj)
+        });
+        let names = ["y", "dx", "dw_fc", "dw_proj"];
+        for (hybrid, per_tensor) in [(false, false), (true, false), (false, true)] {
+            let cfg = Fp8LinearConfig {
+                grad_format: if hybrid {
+                    Fp8Format::E5M2
+                } else {
+                    Fp8Format::E4M3
+                },
+                per_tensor,
+                ..Default::default()
+            };
+            let fused = run(dtype, &|x, fc, proj| fp8_gelu_mlp(x, fc, proj, &cfg));
+            let composed = run(dtype, &|x, fc, proj| {
+                fp8_linear(kernels::gelu(fp8_linear(x, fc, &cfg)), proj, &cfg)
+            });
+            let ctx = format!(
+                "fp8_gelu_mlp {dtype:?} x [{t}, {d}], w_fc [{d}, {ff}], w_proj [{ff}, {out}], \
+                 hybrid={hybrid} per_tensor={per_tensor}"
+            );
+            for ((name, f), c) in names.iter().zip(&fused).zip(&composed) {
+                if exact || per_tensor {
+                    assert!(
+                        f == c,
+                        "{ctx}: {name} is not the composition's, bit for bit"
+                    );
+                    continue;
+                }
+                let diff = rel_err(f, c);
+                eprintln!("{ctx}: {name} relative RMS difference from the composition {diff:.5}");
+                assert!(
+                    diff <= 0.01,
+                    "{ctx}: {name} differs from the composition by {diff:.5} > 0.01"
+                );
+            }
+            let bound = |name: &str| match (name, hybrid) {
+                ("y", _) | (_, false) => 0.09,
+                _ => 0.18,
+            };
+            for ((name, f), r) in names.iter().zip(&fused).zip(&reference) {
+                let e = rel_err(f, r);
+                eprintln!("{ctx}: {name} relative RMS error vs f32 {e:.4}");
+                assert!(
+                    e <= bound(name),
+                    "{ctx}: {name} relative RMS error vs f32 {e:.4} > {}",
+                    bound(name)
+                );
+            }
+        }
+    }
+}

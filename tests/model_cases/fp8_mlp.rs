@@ -1,0 +1,72 @@
+//! The FP8 MLP inside the model: with the fused kernels, a GELU block whose two projections run
+//! in FP8 takes `kernels::fp8_gelu_mlp` (GELU's output and gradient quantized in GELU's kernels);
+//! with the FP8 health probes on, the projections and GELU run apart. Loss and every gradient of
+//! the two, compared.
+
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, FloatDType};
+use model::config::{AttentionKind, GemmKind, KernelsKind, MlpKind};
+use model::Gpt;
+
+use super::{ids, model_config, named_grads, with_combo, Combo, Shape};
+
+/// Loss and gradients of the GELU model of the cases at `shape` with the fused kernels and every
+/// block's projections in FP8, the MLP as one op against the MLP composed: equal bit for bit with
+/// `exact` (where the GELU kernel runs in both), else within a relative RMS difference of
+/// `tolerance` for each gradient and of the loss.
+pub fn fused_mlp_matches_composed<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    shape: Shape,
+    exact: bool,
+    tolerance: f64,
+    dev: &B::Device,
+) {
+    let cfg = model_config(MlpKind::Gelu, shape);
+    let fused = Combo {
+        kernels: KernelsKind::Fused,
+        attention: AttentionKind::Flash,
+        gemm: GemmKind::Auto,
+    };
+    let model = with_combo(&Gpt::<B>::new(&cfg, shape.vocab, dev), fused).compute_copy(dtype);
+    let (x, y) = (
+        ids::<B>(shape.batch, shape.seq, shape.vocab, 5, dev),
+        ids::<B>(shape.batch, shape.seq, shape.vocab, 6, dev),
+    );
+    let run = |probed: bool| {
+        let mut precision = model.precision();
+        precision.fp8 = Some(kernels::Fp8LinearConfig::default());
+        if probed {
+            precision.probes.fp8_health = Some(kernels::probe_sink());
+        }
+        let loss = model.forward_loss_in(x.clone(), y.clone(), &precision);
+        let value = loss.clone().into_scalar().elem::<f64>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        (value, named_grads(&model, &grads))
+    };
+    let ((one_op, one_op_grads), (composed, composed_grads)) = (run(false), run(true));
+    let ctx = format!("FP8 GELU model {dtype:?} at {shape:?}");
+    let loss_diff = (one_op - composed).abs() / composed.abs().max(1e-30);
+    eprintln!("{ctx}: loss {one_op} (MLP as one op) against {composed} (composed)");
+    assert!(
+        if exact {
+            one_op == composed
+        } else {
+            loss_diff <= tolerance
+        },
+        "{ctx}: loss {one_op} (MLP as one op) against {composed} (composed)"
+    );
+    for ((name, a), (_, b)) in one_op_grads.iter().zip(&composed_grads) {
+        if exact {
+            assert!(a == b, "{ctx}: gradient of {name} differs");
+            continue;
+        }
+        let num: f64 = a.iter().zip(b).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
+        let den: f64 = b.iter().map(|q| (*q as f64).powi(2)).sum();
+        let diff = (num / den.max(1e-30)).sqrt();
+        assert!(
+            diff <= tolerance,
+            "{ctx}: gradient of {name}: relative RMS difference {diff:.5} > {tolerance}"
+        );
+    }
+}
