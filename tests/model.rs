@@ -287,14 +287,17 @@ fn fused_dropout_depends_only_on_the_model_dropout_seed() {
 
 /// With the fused kernels and FP8 projections, the GELU MLP as one op (`kernels::fp8_gelu_mlp`)
 /// gives the loss and gradients of the MLP composed of separate ops, bit for bit here (the GELU
-/// kernel runs in both on wgpu).
+/// kernel runs in both on wgpu), with tile scales and with delayed per-tensor scaling.
 #[test]
 fn fp8_gelu_mlp_in_the_model_is_the_composition() {
-    model_cases::fp8_mlp::fused_mlp_matches_composed::<common::B>(
-        burn::tensor::FloatDType::F32,
-        model_cases::AWKWARD,
-        true,
-        0.0,
-        &device(),
-    );
+    for delayed in [false, true] {
+        model_cases::fp8_mlp::fused_mlp_matches_composed::<common::B>(
+            burn::tensor::FloatDType::F32,
+            model_cases::AWKWARD,
+            delayed,
+            true,
+            0.0,
+            &device(),
+        );
+    }
 }

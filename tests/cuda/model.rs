@@ -206,15 +206,20 @@ fn cuda_decode_matches_the_full_forward() {
 /// gradient quantized in the CUDA C++ kernel) against the MLP composed of separate ops, at
 /// `shakespeare_char`'s shape (every FP8 GEMM on cuBLASLt): loss and every gradient within a
 /// relative RMS difference of 2% (the two compute GELU with their own `exp` and reciprocal; a
-/// value one bf16 unit apart moves its FP8 code at most one step). With `BURNMIX_FP8_PAIR=fused`
-/// GELU's kernel runs in both: bit for bit.
+/// value one bf16 unit apart moves its FP8 code at most one step), with tile scales and with
+/// delayed per-tensor scaling (the kernel then also records GELU's amaxes). With
+/// `BURNMIX_FP8_PAIR=fused` GELU's kernel runs in both: bit for bit.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_gelu_mlp_in_the_model() {
     let _guard = common::serial();
     let dev = CudaDevice::default();
     let case = model_cases::fp8_mlp::fused_mlp_matches_composed::<B>;
-    case(FloatDType::BF16, SHAKESPEARE, false, 0.02, &dev);
+    for delayed in [false, true] {
+        case(FloatDType::BF16, SHAKESPEARE, delayed, false, 0.02, &dev);
+    }
     let _settings = kernels::settings::scoped(|s| s.fp8_pair = Some(kernels::Fp8PairPath::Fused));
-    case(FloatDType::BF16, SHAKESPEARE, true, 0.0, &dev);
+    for delayed in [false, true] {
+        case(FloatDType::BF16, SHAKESPEARE, delayed, true, 0.0, &dev);
+    }
 }

@@ -14,10 +14,12 @@ use super::{ids, model_config, named_grads, with_combo, Combo, Shape};
 /// Loss and gradients of the GELU model of the cases at `shape` with the fused kernels and every
 /// block's projections in FP8, the MLP as one op against the MLP composed: equal bit for bit with
 /// `exact` (where the GELU kernel runs in both), else within a relative RMS difference of
-/// `tolerance` for each gradient and of the loss.
+/// `tolerance` for each gradient and of the loss. With `delayed`, per-tensor scales from amax
+/// histories (each side its own): the second step's, scaled from the amaxes the first recorded.
 pub fn fused_mlp_matches_composed<B: AutodiffBackend + kernels::Backend>(
     dtype: FloatDType,
     shape: Shape,
+    delayed: bool,
     exact: bool,
     tolerance: f64,
     dev: &B::Device,
@@ -35,17 +37,30 @@ pub fn fused_mlp_matches_composed<B: AutodiffBackend + kernels::Backend>(
     );
     let run = |probed: bool| {
         let mut precision = model.precision();
-        precision.fp8 = Some(kernels::Fp8LinearConfig::default());
+        precision.fp8 = Some(kernels::Fp8LinearConfig {
+            per_tensor: delayed,
+            ..Default::default()
+        });
+        if delayed {
+            precision.fp8_history = Some(kernels::Fp8AmaxHistory::new(4));
+        }
         if probed {
             precision.probes.fp8_health = Some(kernels::probe_sink());
         }
-        let loss = model.forward_loss_in(x.clone(), y.clone(), &precision);
-        let value = loss.clone().into_scalar().elem::<f64>();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        (value, named_grads(&model, &grads))
+        let step = || {
+            let loss = model.forward_loss_in(x.clone(), y.clone(), &precision);
+            let value = loss.clone().into_scalar().elem::<f64>();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            (value, named_grads(&model, &grads))
+        };
+        if let Some(history) = &precision.fp8_history {
+            step();
+            history.advance();
+        }
+        step()
     };
     let ((one_op, one_op_grads), (composed, composed_grads)) = (run(false), run(true));
-    let ctx = format!("FP8 GELU model {dtype:?} at {shape:?}");
+    let ctx = format!("FP8 GELU model {dtype:?} at {shape:?}, delayed scaling {delayed}");
     let loss_diff = (one_op - composed).abs() / composed.abs().max(1e-30);
     eprintln!("{ctx}: loss {one_op} (MLP as one op) against {composed} (composed)");
     assert!(

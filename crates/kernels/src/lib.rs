@@ -135,11 +135,12 @@ pub use dropout::{Dropout, DropoutKernels, DropoutOps};
 pub use embedding::{EmbeddingKernels, EmbeddingOps};
 pub use format_stats::{FormatProbe, FormatStats, FormatStatsOps};
 pub use fp8::{
-    fp8_gelu_mlp, fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health, fp8_health_pending,
-    fp8_health_pending_at, fp8_linear, fp8_linear_probed, fp8_linear_scaled, fp8_pair_path,
-    fp8_pair_path_run, fp8_quantize, fp8_quantize_pair, fp8_quantize_pair_on, Fp8AmaxHistory,
-    Fp8AmaxHistoryState, Fp8Format, Fp8GemmPath, Fp8Granularity, Fp8Health, Fp8LinearConfig,
-    Fp8Ops, Fp8PairPath, Fp8Probe, Fp8Record, Fp8ScaleSite, Fp8Tensor, PendingHealth, QuantSpec,
+    fp8_gelu_mlp, fp8_gelu_mlp_scaled, fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health,
+    fp8_health_pending, fp8_health_pending_at, fp8_linear, fp8_linear_probed, fp8_linear_scaled,
+    fp8_pair_path, fp8_pair_path_run, fp8_quantize, fp8_quantize_pair, fp8_quantize_pair_on,
+    Fp8AmaxHistory, Fp8AmaxHistoryState, Fp8Format, Fp8GemmPath, Fp8Granularity, Fp8Health,
+    Fp8LinearConfig, Fp8Ops, Fp8PairPath, Fp8Probe, Fp8Record, Fp8ScaleSite, Fp8Tensor,
+    PendingHealth, QuantSpec,
 };
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
 pub use memory::{MemoryOps, MemoryUse};

@@ -250,29 +250,35 @@ impl<B: kernels::Backend> Mlp<B> {
             .forward_after_activation(h, activation, proj, recompute)
     }
 
-    /// The FP8 settings under which `fc`, GELU and `proj` run as one op
-    /// (`kernels::fp8_gelu_mlp`, which quantizes GELU's output and gradient in GELU's kernels):
-    /// a GELU block without biases whose two projections run in FP8 with the same settings and
-    /// measure nothing this step (FP8 health, gradient formats and delayed scaling belong to the
-    /// projections run apart).
-    fn fused_fp8(&self, fc: &Projection, proj: &Projection) -> Option<kernels::Fp8LinearConfig> {
-        let unprobed = |p: &Projection| {
-            p.fp8_site.is_none() && p.fp8_probe.is_none() && p.grad_probe.is_none()
-        };
-        let fused = self.kind == MlpKind::Gelu
+    /// Whether `fc`, GELU and `proj` run as one op (`kernels::fp8_gelu_mlp_scaled`, which
+    /// quantizes GELU's output and gradient in GELU's kernels): a GELU block without biases whose
+    /// two projections run in FP8 with the same settings (and both with or both without a
+    /// delayed-scaling site) and measure nothing this step (FP8 health and gradient formats are
+    /// measured on the projections run apart).
+    fn fused_fp8(&self, fc: &Projection, proj: &Projection) -> bool {
+        let unprobed = |p: &Projection| p.fp8_probe.is_none() && p.grad_probe.is_none();
+        self.kind == MlpKind::Gelu
             && self.fc.bias.is_none()
             && self.proj.bias.is_none()
+            && fc.fp8.is_some()
             && fc.fp8 == proj.fp8
+            && fc.fp8_site.is_some() == proj.fp8_site.is_some()
             && unprobed(fc)
-            && unprobed(proj);
-        fc.fp8.filter(|_| fused)
+            && unprobed(proj)
     }
 
     /// `gelu(n W_fc) W_proj` on the normed input `n` as one FP8 op (see [`Mlp::fused_fp8`]).
-    fn forward_fp8_gelu(&self, n: Tensor<B, 3>, cfg: &kernels::Fp8LinearConfig) -> Tensor<B, 3> {
+    fn forward_fp8_gelu(
+        &self,
+        n: Tensor<B, 3>,
+        fc: &Projection,
+        proj: &Projection,
+    ) -> Tensor<B, 3> {
+        let cfg = fc.fp8.expect("an FP8 projection");
         let [b, t, d] = n.dims();
         let (w_fc, w_proj) = (self.fc.weight.val(), self.proj.weight.val());
-        let y = kernels::fp8_gelu_mlp(n.reshape([b * t, d]), w_fc, w_proj, cfg);
+        let sites = fc.fp8_site.as_ref().zip(proj.fp8_site.as_ref());
+        let y = kernels::fp8_gelu_mlp_scaled(n.reshape([b * t, d]), w_fc, w_proj, &cfg, sites);
         let out = y.dims()[1];
         y.reshape([b, t, out])
     }
@@ -365,18 +371,15 @@ impl<B: kernels::Backend> Block<B> {
             .forward_after_norm(&self.norm1, x, pending, &qkv, selective);
         let a = self.attn.attend(qkv, ctx, layer);
         let (fc, proj) = ctx.mlp_projections(layer);
-        let (x, m) = match self.mlp.fused_fp8(&fc, &proj) {
-            Some(cfg) => {
-                let (x, n) = self.norm2.forward_add(a, x);
-                (x, self.mlp.forward_fp8_gelu(n, &cfg))
-            }
-            None => {
-                let (x, h) =
-                    self.mlp
-                        .fc
-                        .forward_after_norm(&self.norm2, x, Some(a), &fc, selective);
-                (x, self.mlp.activate_project(h, &proj, selective))
-            }
+        let (x, m) = if self.mlp.fused_fp8(&fc, &proj) {
+            let (x, n) = self.norm2.forward_add(a, x);
+            (x, self.mlp.forward_fp8_gelu(n, &fc, &proj))
+        } else {
+            let (x, h) = self
+                .mlp
+                .fc
+                .forward_after_norm(&self.norm2, x, Some(a), &fc, selective);
+            (x, self.mlp.activate_project(h, &proj, selective))
         };
         (x, ctx.dropout(&self.mlp.dropout, m, layer, Site::MlpOut))
     }

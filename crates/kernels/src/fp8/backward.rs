@@ -334,9 +334,10 @@ where
         w_fc: FloatTensor<Self>,
         w_proj: FloatTensor<Self>,
         cfg: &Fp8LinearConfig,
+        sites: Option<(Fp8ScaleSite, Fp8ScaleSite)>,
     ) -> Option<FloatTensor<Self>> {
         Some(super::mlp::autodiff::<CubeBackend<R, F, I, BT>, C>(
-            x, w_fc, w_proj, cfg,
+            x, w_fc, w_proj, cfg, sites,
         ))
     }
     fn fp8_native_supported(x: &FloatTensor<Self>) -> bool {

@@ -344,21 +344,10 @@ impl Fp8ScaleSite {
     /// The amax the quantization of `x` at `role` takes, and where to record its own (`seen`
     /// when `want_seen`).
     fn take<B: Fp8Ops>(&self, role: &str, x: &Tensor<B, 2>, want_seen: bool) -> Taken<B> {
-        let mut h = self.history.lock();
-        let key = format!("{}.{role}", self.name);
-        let next = h.slots.len();
-        let slot = *h.slots.entry(key).or_insert(next);
-        let seeded = slot < h.seeded;
-        let buffers = Self::buffers::<B>(&mut h, &x.device(), slot);
-        if seeded {
-            let amax = buffers.scale_amax.clone().slice(s![slot..slot + 1]);
-            return Taken {
-                amax,
-                own: None,
-                slot,
-                seen: want_seen.then(|| buffers.seen.clone()),
-            };
-        }
+        let slot = match self.take_seeded::<B>(role, &x.device(), want_seen) {
+            Ok(taken) => return taken,
+            Err(slot) => slot,
+        };
         let own =
             crate::primitive::tensor::<B, 1>(B::fp8_tensor_amax(crate::primitive::prim(x.clone())));
         Taken {
@@ -367,6 +356,31 @@ impl Fp8ScaleSite {
             slot,
             seen: None,
         }
+    }
+
+    /// [`Self::take`] where the site's history at `role` has an amax (every step after its
+    /// first); else its slot.
+    fn take_seeded<B: Fp8Ops>(
+        &self,
+        role: &str,
+        device: &B::Device,
+        want_seen: bool,
+    ) -> Result<Taken<B>, usize> {
+        let mut h = self.history.lock();
+        let key = format!("{}.{role}", self.name);
+        let next = h.slots.len();
+        let slot = *h.slots.entry(key).or_insert(next);
+        let seeded = slot < h.seeded;
+        let buffers = Self::buffers::<B>(&mut h, device, slot);
+        if !seeded {
+            return Err(slot);
+        }
+        Ok(Taken {
+            amax: buffers.scale_amax.clone().slice(s![slot..slot + 1]),
+            own: None,
+            slot,
+            seen: want_seen.then(|| buffers.seen.clone()),
+        })
     }
 
     /// Raises the site's amax of the step to `x`'s (`own` where already taken).
@@ -430,6 +444,46 @@ impl Fp8ScaleSite {
             self.record(taken.slot, x, taken.own);
         }
         Fp8Tensor::pair_from_parts(parts, dims, spec)
+    }
+}
+
+impl Fp8ScaleSite {
+    /// GELU of `h` (with `dy`, its gradient `dy * GELU'(h)`) quantized in both orientations as
+    /// [`Self::quantize_pair`] quantizes it: by the kernel that computes it
+    /// ([`super::fp8_gelu_quantize_pair`]'s), which records the amax from its own values, where
+    /// the history at `role` has an amax to scale by and that kernel runs; otherwise GELU's kernel
+    /// and then [`Self::quantize_pair`].
+    pub fn quantize_gelu_pair<B: Fp8Ops + GemmOps + crate::activation::ActivationKernels>(
+        &self,
+        role: &str,
+        h: Tensor<B, 2>,
+        dy: Option<Tensor<B, 2>>,
+        spec: QuantSpec,
+        record: Fp8Record,
+    ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+        check_spec(&spec);
+        let dims = h.dims();
+        if fp8_pair_path(&spec) == super::Fp8PairPath::Native {
+            if let Ok(taken) = self.take_seeded::<B>(role, &h.device(), record == Fp8Record::Yes) {
+                let in_kernel = taken
+                    .seen
+                    .map(|seen| (crate::primitive::prim(seen), taken.slot));
+                let fused = B::fp8_gelu_quantize_pair(
+                    crate::primitive::prim(h.clone()),
+                    dy.clone().map(crate::primitive::prim),
+                    &spec,
+                    Some((crate::primitive::prim(taken.amax), in_kernel)),
+                );
+                match fused {
+                    Some((parts, recorded)) if recorded || record == Fp8Record::No => {
+                        return Fp8Tensor::pair_from_parts(parts, dims, spec);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let values = super::producer::gelu_values(h, dy);
+        self.quantize_pair(role, values, spec, record)
     }
 }
 

@@ -819,22 +819,26 @@ where
     ) -> FloatTensor<Self> {
         health_partials(x, payload, scales, spec)
     }
+    #[allow(clippy::type_complexity)]
     fn fp8_gelu_quantize_pair(
         h: FloatTensor<Self>,
         dy: Option<FloatTensor<Self>>,
         spec: &QuantSpec,
-    ) -> Option<(Quantized<R>, Quantized<R>)> {
-        super::producer::gelu_quantize_pair_native(h, dy, spec)
+        given: Option<(FloatTensor<Self>, Option<(FloatTensor<Self>, usize)>)>,
+    ) -> Option<((Quantized<R>, Quantized<R>), bool)> {
+        super::producer::gelu_quantize_pair_native(h, dy, spec, given)
     }
     fn fp8_gelu_mlp(
         x: FloatTensor<Self>,
         w_fc: FloatTensor<Self>,
         w_proj: FloatTensor<Self>,
         cfg: &super::Fp8LinearConfig,
+        sites: Option<(super::Fp8ScaleSite, super::Fp8ScaleSite)>,
     ) -> Option<FloatTensor<Self>> {
         use crate::primitive::{prim, tensor};
         let (x, w_fc, w_proj) = (tensor(x), tensor(w_fc), tensor(w_proj));
-        Some(prim(super::mlp::fprop::<Self>(x, w_fc, w_proj, cfg)))
+        let sites = sites.as_ref().map(|(fc, proj)| (fc, proj));
+        Some(prim(super::mlp::fprop::<Self>(x, w_fc, w_proj, cfg, sites)))
     }
     fn fp8_native_supported(x: &FloatTensor<Self>) -> bool {
         super::native::supported(x)

@@ -7,6 +7,10 @@
 //! the compute dtype and a quantizer pair reads it back (forward), and GELU's backward writes the
 //! gradient that the first projection's quantizer pair reads back (backward).
 //!
+//! Under per-tensor scaling with delayed-scaling sites (one per projection, as the layers have),
+//! GELU's output and gradient are scaled from their histories (`proj`'s input, `fc`'s output
+//! gradient) and the GELU kernel records their amaxes from its own read.
+//!
 //! What the backward keeps: `x^T` and `gelu(h)^T` as FP8 codes (for the weight gradients), the
 //! weights as FP8 codes (for the input gradients) and `h = x w_fc` (for GELU's gradient), as the
 //! composition keeps them.
@@ -20,28 +24,42 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor};
 
 use super::backward::float_dtype;
-use super::producer::fp8_gelu_quantize_pair as gelu_quantize_pair;
-use super::Fp8Tensor;
-use super::{fp8_gemm, fp8_linear, fp8_quantize, fp8_quantize_pair, Fp8LinearConfig, Fp8Ops};
+use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
+use super::producer::fp8_gelu_quantize_pair;
+use super::{fp8_gemm, fp8_linear_scaled, fp8_quantize, fp8_quantize_pair, Fp8Granularity};
+use super::{Fp8LinearConfig, Fp8Ops, Fp8Record, Fp8ScaleSite, Fp8Tensor, QuantSpec};
 use crate::activation::ActivationKernels;
 use crate::gemm::GemmOps;
 use crate::primitive::{prim, tensor};
 
 /// `gelu(x w_fc) w_proj` for `x [t, d]`, `w_fc [d, ff]`, `w_proj [ff, out]` (one dtype), in
-/// `x`'s dtype, with exact (erf) GELU and the GEMMs in FP8 as `cfg` says. Under `Autodiff` the
-/// backward gives the gradients of all three.
-///
-/// With every GEMM in FP8 and tile scales (`cfg.fprop`, `dgrad`, `wgrad`, not `per_tensor`), on a
-/// backend with the fused op (`CubeBackend`, `Autodiff` over it), GELU's output and gradient are
-/// quantized by the kernel that computes them (see the module docs); otherwise, and on other
-/// backends, this is `fp8_linear(gelu(fp8_linear(x, w_fc)), w_proj)`. Either way the values are
-/// those of that composition: bit for bit where the GELU kernel runs in both, to a unit in the
-/// last place of `x`'s dtype before quantizing where the CUDA C++ kernel computes GELU.
+/// `x`'s dtype, with exact (erf) GELU and the GEMMs in FP8 as `cfg` says: [`fp8_gelu_mlp_scaled`]
+/// without delayed scaling.
 pub fn fp8_gelu_mlp<B: crate::Backend>(
     x: Tensor<B, 2>,
     w_fc: Tensor<B, 2>,
     w_proj: Tensor<B, 2>,
     cfg: &Fp8LinearConfig,
+) -> Tensor<B, 2> {
+    fp8_gelu_mlp_scaled(x, w_fc, w_proj, cfg, None)
+}
+
+/// [`fp8_gelu_mlp`]; with `cfg.per_tensor` and `sites` (`fc`'s and `proj`'s, as
+/// [`fp8_linear_scaled`] takes one), every operand is scaled from its site's amax history.
+/// Under `Autodiff` the backward gives the gradients of all three inputs.
+///
+/// With every GEMM in FP8 (`cfg.fprop`, `dgrad`, `wgrad`), on a backend with the fused op
+/// (`CubeBackend`, `Autodiff` over it), GELU's output and gradient are quantized by the kernel
+/// that computes them (see the module docs); otherwise, and on other backends, this is
+/// `fp8_linear_scaled(gelu(fp8_linear_scaled(x, w_fc)), w_proj)`. Either way the values are
+/// those of that composition: bit for bit where the GELU kernel runs in both, to a unit in the
+/// last place of `x`'s dtype before quantizing where the CUDA C++ kernel computes GELU.
+pub fn fp8_gelu_mlp_scaled<B: crate::Backend>(
+    x: Tensor<B, 2>,
+    w_fc: Tensor<B, 2>,
+    w_proj: Tensor<B, 2>,
+    cfg: &Fp8LinearConfig,
+    sites: Option<(&Fp8ScaleSite, &Fp8ScaleSite)>,
 ) -> Tensor<B, 2> {
     let ([t, d], [fc_in, ff], [proj_in, _]) = (x.dims(), w_fc.dims(), w_proj.dims());
     if fc_in != d || proj_in != ff {
@@ -60,22 +78,73 @@ pub fn fp8_gelu_mlp<B: crate::Backend>(
             w_proj.dtype()
         );
     }
-    if fused(cfg) {
-        if let Some(y) = B::fp8_gelu_mlp(
+    let sites = sites.filter(|_| cfg.per_tensor);
+    if cfg.fprop && cfg.dgrad && cfg.wgrad {
+        let owned = sites.map(|(fc, proj)| (fc.clone(), proj.clone()));
+        let fused = B::fp8_gelu_mlp(
             prim(x.clone()),
             prim(w_fc.clone()),
             prim(w_proj.clone()),
             cfg,
-        ) {
+            owned,
+        );
+        if let Some(y) = fused {
             return tensor(y);
         }
     }
-    fp8_linear(crate::gelu(fp8_linear(x, w_fc, cfg)), w_proj, cfg)
+    let (fc_site, proj_site) = (sites.map(|s| s.0), sites.map(|s| s.1));
+    let h = fp8_linear_scaled(x, w_fc, cfg, None, fc_site);
+    fp8_linear_scaled(crate::gelu(h), w_proj, cfg, None, proj_site)
 }
 
-/// Whether [`fp8_gelu_mlp`] runs as one op under `cfg`: every GEMM in FP8, scales per tile.
-fn fused(cfg: &Fp8LinearConfig) -> bool {
-    cfg.fprop && cfg.dgrad && cfg.wgrad && !cfg.per_tensor
+/// The delayed-scaling sites of `fc` and `proj`.
+type Sites = Option<(Fp8ScaleSite, Fp8ScaleSite)>;
+
+/// `t` quantized in both orientations under `spec`: from `site`'s history at `role` with
+/// per-tensor scales, else from its own amaxes (as the FP8 linear layer quantizes).
+fn pair<B: Fp8Ops + GemmOps>(
+    t: Tensor<B, 2>,
+    spec: QuantSpec,
+    site: Option<&Fp8ScaleSite>,
+    role: &str,
+) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    match site {
+        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
+            site.quantize_pair(role, t, spec, Fp8Record::Yes)
+        }
+        _ => fp8_quantize_pair(t, spec),
+    }
+}
+
+/// GELU of `h` (with `dy`, its gradient) quantized in both orientations, scaled as [`pair`].
+fn gelu_pair<B: Fp8Ops + GemmOps + ActivationKernels>(
+    h: Tensor<B, 2>,
+    dy: Option<Tensor<B, 2>>,
+    spec: QuantSpec,
+    site: Option<&Fp8ScaleSite>,
+    role: &str,
+) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    match site {
+        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
+            site.quantize_gelu_pair(role, h, dy, spec, Fp8Record::Yes)
+        }
+        _ => fp8_gelu_quantize_pair(h, dy, spec),
+    }
+}
+
+/// `t` quantized under `spec`, scaled as [`pair`] but recording nothing (an untracked forward).
+fn single<B: Fp8Ops + GemmOps>(
+    t: Tensor<B, 2>,
+    spec: QuantSpec,
+    site: Option<&Fp8ScaleSite>,
+    role: &str,
+) -> Fp8Tensor<B> {
+    match site {
+        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
+            site.quantize(role, t, spec, Fp8Record::No)
+        }
+        _ => fp8_quantize(t, spec),
+    }
 }
 
 /// What the backward keeps (see the module docs).
@@ -93,22 +162,25 @@ struct Saved<B: Fp8Ops + GemmOps> {
     w_proj: Fp8Tensor<B>,
     /// The dtypes of `x`, `w_fc` and `w_proj`.
     dtypes: [FloatDType; 3],
+    sites: Sites,
 }
 
-/// The forward with what the backward keeps (every GEMM in FP8, [`fused`]).
+/// The forward with what the backward keeps (every GEMM in FP8).
 fn forward<B: Fp8Ops + GemmOps + ActivationKernels>(
     x: Tensor<B, 2>,
     w_fc: Tensor<B, 2>,
     w_proj: Tensor<B, 2>,
     cfg: &Fp8LinearConfig,
+    sites: Sites,
 ) -> (Tensor<B, 2>, Saved<B>) {
     let out = float_dtype(x.dtype());
     let dtypes = [out, float_dtype(w_fc.dtype()), float_dtype(w_proj.dtype())];
-    let (x_q, x_t) = fp8_quantize_pair(x, cfg.act_spec(false));
-    let (w_fc_q, w_fc_t) = fp8_quantize_pair(w_fc, cfg.weight_spec(false));
+    let (fc, proj) = (sites.as_ref().map(|s| &s.0), sites.as_ref().map(|s| &s.1));
+    let (x_q, x_t) = pair(x, cfg.act_spec(false), fc, INPUT);
+    let (w_fc_q, w_fc_t) = pair(w_fc, cfg.weight_spec(false), fc, WEIGHT);
     let h = fp8_gemm(&x_q, &w_fc_t, out);
-    let (a_q, a_t) = gelu_quantize_pair(h.clone(), None, cfg.act_spec(false));
-    let (w_proj_q, w_proj_t) = fp8_quantize_pair(w_proj, cfg.weight_spec(false));
+    let (a_q, a_t) = gelu_pair(h.clone(), None, cfg.act_spec(false), proj, INPUT);
+    let (w_proj_q, w_proj_t) = pair(w_proj, cfg.weight_spec(false), proj, WEIGHT);
     let y = fp8_gemm(&a_q, &w_proj_t, out);
     let saved = Saved {
         x_t,
@@ -117,22 +189,36 @@ fn forward<B: Fp8Ops + GemmOps + ActivationKernels>(
         a_t,
         w_proj: w_proj_q,
         dtypes,
+        sites,
     };
     (y, saved)
 }
 
-/// The forward alone (nothing kept: evaluation, or a backend without autodiff).
+/// The forward alone (nothing kept or recorded: evaluation, or a backend without autodiff).
 pub(crate) fn fprop<B: Fp8Ops + GemmOps + ActivationKernels>(
     x: Tensor<B, 2>,
     w_fc: Tensor<B, 2>,
     w_proj: Tensor<B, 2>,
     cfg: &Fp8LinearConfig,
+    sites: Option<(&Fp8ScaleSite, &Fp8ScaleSite)>,
 ) -> Tensor<B, 2> {
     let out = float_dtype(x.dtype());
-    let x_q = fp8_quantize(x, cfg.act_spec(false));
-    let h = fp8_gemm(&x_q, &fp8_quantize(w_fc, cfg.weight_spec(true)), out);
-    let (a_q, _) = gelu_quantize_pair(h, None, cfg.act_spec(false));
-    fp8_gemm(&a_q, &fp8_quantize(w_proj, cfg.weight_spec(true)), out)
+    let (fc, proj) = (sites.map(|s| s.0), sites.map(|s| s.1));
+    let x_q = single(x, cfg.act_spec(false), fc, INPUT);
+    let h = fp8_gemm(&x_q, &single(w_fc, cfg.weight_spec(true), fc, WEIGHT), out);
+    let a_q = match proj {
+        // An evaluation forward records no amax; GELU's output then takes the quantizer.
+        Some(site) if cfg.per_tensor => {
+            let a = super::producer::gelu_values(h, None);
+            site.quantize(INPUT, a, cfg.act_spec(false), Fp8Record::No)
+        }
+        _ => fp8_gelu_quantize_pair(h, None, cfg.act_spec(false)).0,
+    };
+    fp8_gemm(
+        &a_q,
+        &single(w_proj, cfg.weight_spec(true), proj, WEIGHT),
+        out,
+    )
 }
 
 /// `[dx, dw_fc, dw_proj]` from the output gradient `dy`, each in its input's dtype.
@@ -142,10 +228,12 @@ fn backward<B: Fp8Ops + GemmOps + ActivationKernels>(
     cfg: &Fp8LinearConfig,
 ) -> [Tensor<B, 2>; 3] {
     let [x_dtype, fc_dtype, proj_dtype] = saved.dtypes;
-    let (dy_q, dy_t) = fp8_quantize_pair(dy.cast(x_dtype), cfg.grad_spec(false));
+    let sites = saved.sites.as_ref();
+    let (fc, proj) = (sites.map(|s| &s.0), sites.map(|s| &s.1));
+    let (dy_q, dy_t) = pair(dy.cast(x_dtype), cfg.grad_spec(false), proj, GRAD_OUTPUT);
     let da = fp8_gemm(&dy_q, &saved.w_proj, x_dtype);
     let dw_proj = fp8_gemm(&saved.a_t, &dy_t, proj_dtype);
-    let (dh_q, dh_t) = gelu_quantize_pair(saved.h, Some(da), cfg.grad_spec(false));
+    let (dh_q, dh_t) = gelu_pair(saved.h, Some(da), cfg.grad_spec(false), fc, GRAD_OUTPUT);
     let dx = fp8_gemm(&dh_q, &saved.w_fc, x_dtype);
     let dw_fc = fp8_gemm(&saved.x_t, &dh_t, fc_dtype);
     [dx, dw_fc, dw_proj]
@@ -169,12 +257,13 @@ impl<B: Fp8Ops + GemmOps + ActivationKernels> Backward<B, 3> for Fp8GeluMlpBackw
     }
 }
 
-/// [`fp8_gelu_mlp`] under `Autodiff` over `B` (every GEMM in FP8, [`fused`]).
+/// [`fp8_gelu_mlp_scaled`] under `Autodiff` over `B` (every GEMM in FP8).
 pub(crate) fn autodiff<B: Fp8Ops + GemmOps + ActivationKernels, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     w_fc: FloatTensor<Autodiff<B, C>>,
     w_proj: FloatTensor<Autodiff<B, C>>,
     cfg: &Fp8LinearConfig,
+    sites: Sites,
 ) -> FloatTensor<Autodiff<B, C>> {
     let nodes = [x.node.clone(), w_fc.node.clone(), w_proj.node.clone()];
     let (x, w_fc, w_proj) = (
@@ -188,9 +277,12 @@ pub(crate) fn autodiff<B: Fp8Ops + GemmOps + ActivationKernels, C: CheckpointStr
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let (y, saved) = forward::<B>(x, w_fc, w_proj, cfg);
+            let (y, saved) = forward::<B>(x, w_fc, w_proj, cfg, sites);
             prep.finish((saved, *cfg), prim(y))
         }
-        OpsKind::UnTracked(prep) => prep.finish(prim(fprop::<B>(x, w_fc, w_proj, cfg))),
+        OpsKind::UnTracked(prep) => {
+            let sites = sites.as_ref().map(|(fc, proj)| (fc, proj));
+            prep.finish(prim(fprop::<B>(x, w_fc, w_proj, cfg, sites)))
+        }
     }
 }

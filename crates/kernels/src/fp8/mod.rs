@@ -63,7 +63,7 @@ pub(crate) use gemm::mma_shape;
 pub use gemm::{fp8_gemm, fp8_gemm_on, fp8_gemm_path};
 pub use health::{fp8_health, fp8_health_pending, fp8_health_pending_at, Fp8Health, PendingHealth};
 pub use linear::{fp8_linear, fp8_linear_probed, fp8_linear_scaled, Fp8LinearConfig, Fp8Probe};
-pub use mlp::fp8_gelu_mlp;
+pub use mlp::{fp8_gelu_mlp, fp8_gelu_mlp_scaled};
 pub use mma::MmaShape;
 pub use path::{Fp8GemmPath, Fp8PairPath};
 pub use producer::fp8_gelu_quantize_pair;
@@ -208,26 +208,35 @@ pub trait Fp8Ops: BurnBackend {
     /// GELU of the 2-D `h` (with `dy`, its gradient `dy * GELU'(h)`), rounded to `h`'s dtype
     /// and quantized in both orientations as [`Self::fp8_quantize_pair`] quantizes it under
     /// `spec`, by one kernel that reads `h` (and `dy`) once; `None` where the backend has no such
-    /// kernel (the default), and the caller runs GELU and the quantizer pair.
+    /// kernel (the default), and the caller runs GELU and the quantizer pair. Per-tensor scaling
+    /// needs `given = Some((amax, record))`: the amax to scale by (`[1]` f32) and, as in
+    /// [`Self::fp8_quantize_pair_given`], where to record the values' own amax (`true` beside the
+    /// pair when it did).
     #[allow(clippy::type_complexity)]
     fn fp8_gelu_quantize_pair(
         _h: FloatTensor<Self>,
         _dy: Option<FloatTensor<Self>>,
         _spec: &QuantSpec,
+        _given: Option<(FloatTensor<Self>, Option<(FloatTensor<Self>, usize)>)>,
     ) -> Option<(
-        (IntTensor<Self>, FloatTensor<Self>),
-        (IntTensor<Self>, FloatTensor<Self>),
+        (
+            (IntTensor<Self>, FloatTensor<Self>),
+            (IntTensor<Self>, FloatTensor<Self>),
+        ),
+        bool,
     )> {
         None
     }
 
-    /// [`fp8_gelu_mlp`] as one op, or `None` where the backend has none (the default): the
-    /// free function then composes [`fp8_linear`], [`crate::gelu`] and [`fp8_linear`].
+    /// [`fp8_gelu_mlp_scaled`] as one op, or `None` where the backend has none (the default):
+    /// the free function then composes [`fp8_linear_scaled`], [`crate::gelu`] and
+    /// [`fp8_linear_scaled`].
     fn fp8_gelu_mlp(
         _x: FloatTensor<Self>,
         _w_fc: FloatTensor<Self>,
         _w_proj: FloatTensor<Self>,
         _cfg: &Fp8LinearConfig,
+        _sites: Option<(Fp8ScaleSite, Fp8ScaleSite)>,
     ) -> Option<FloatTensor<Self>> {
         None
     }

@@ -107,8 +107,8 @@ pub(crate) struct PairView {
 /// where it does not apply: not CUDA, a GPU without FP8 conversions, an input other than f32,
 /// f16 or bf16. With per-tensor scaling and `record = Some((buffer, slot))`, the kernel also
 /// raises the f32 `buffer[slot]` to `x`'s amax (the largest finite normal `|x|`), in place.
-/// With a `prologue`, what it quantizes is that function of `x` (per-tensor scaling, whose amax
-/// would be the function's, is refused then: `false`; so is a `dy` stored otherwise than `x`).
+/// With a `prologue`, what it quantizes is that function of `x` (a per-tensor `amax` must then be
+/// the function's; a `dy` stored otherwise than `x` is refused: `false`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_pair<R: CubeRuntime>(
     x: &CubeTensor<R>,
@@ -122,11 +122,8 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
     if !supported(x) {
         return false;
     }
-    let given_amax = spec.granularity == Fp8Granularity::Tensor;
     let dy = match prologue {
-        Prologue::None => x,
-        _ if given_amax => return false,
-        Prologue::Gelu => x,
+        Prologue::None | Prologue::Gelu => x,
         Prologue::GeluGrad(dy) => {
             let same = dy.dtype == x.dtype
                 && dy.meta.shape() == x.meta.shape()

@@ -235,12 +235,13 @@ __device__ __forceinline__ u32 word_of_any(float a, float b, float c, float d, f
 
 // ---------------------------------------------------------------------------------------------
 // The prologue (PROLOGUE above): exact GELU in f32 with the normal tail by Abramowitz and Stegun
-// 7.1.26, as `normal_cdf_and_gauss` in activation/kernel.rs computes it.
+// 7.1.26, as `normal_cdf_and_gauss` in activation/kernel.rs computes it (with the approximate
+// reciprocal and exponential that kernel's fast math allows).
 
 // (Phi(v), exp(-v^2 / 2)).
 __device__ __forceinline__ float2 normal_cdf_and_gauss(float v) {
     const float a = fabsf(v) * 0.70710678f;
-    const float t = __frcp_rn(1.0f + 0.3275911f * a);
+    const float t = __fdividef(1.0f, 1.0f + 0.3275911f * a);
     const float poly = ((((1.0614054f * t - 1.453152f) * t + 1.4214137f) * t - 0.28449674f) * t + 0.2548296f) * t;
     const float gauss = __expf(-(a * a));
     const float tail = 0.5f * poly * gauss;
@@ -281,9 +282,15 @@ __device__ __forceinline__ u32 prologue_word(u32 xw, u32 dw) {
 #if PROLOGUE == 0
     return xw;
 #elif WORD_VALUES == 2
-    const u32 lo = to_in_bits(prologue(half_bits_to_f32(xw & 0xFFFFu), half_bits_to_f32(dw & 0xFFFFu)));
-    const u32 hi = to_in_bits(prologue(half_bits_to_f32(xw >> 16), half_bits_to_f32(dw >> 16)));
-    return lo | (hi << 16);
+    const float lo = prologue(half_bits_to_f32(xw & 0xFFFFu), half_bits_to_f32(dw & 0xFFFFu));
+    const float hi = prologue(half_bits_to_f32(xw >> 16), half_bits_to_f32(dw >> 16));
+    u32 r;
+#if IN_KIND == 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
 #else
     return to_in_bits(prologue(__uint_as_float(xw), __uint_as_float(dw)));
 #endif
@@ -465,7 +472,8 @@ __device__ __noinline__ void slow_tile(
 // Where the column partial maxima start in `stage` (after the row partial maxima).
 #define COL_PART 2560u
 
-// Blocks a multiprocessor holds at least (64 registers a thread for 16-bit inputs).
+// Blocks a multiprocessor holds at least (64 registers a thread for 16-bit inputs; with the GELU
+// prologue, which makes the kernel compute-bound, two blocks a multiprocessor measured slower).
 #if IN_KIND == 0
 #define MIN_BLOCKS 2
 #else
