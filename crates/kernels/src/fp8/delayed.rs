@@ -87,6 +87,11 @@ pub struct Fp8AmaxHistoryState {
     pub sites: Vec<(String, Vec<f32>)>,
 }
 
+/// f32s from one site's amax to the next in [`Device::scale_amax`]: 512 bytes, the alignment of
+/// CubeCL's CUDA allocations, so that a site's slice starts and ends on it and is a view of the
+/// buffer rather than a copy (a copy is a kernel and an upload for every quantization).
+const SLOT_STRIDE: usize = 128;
+
 /// `rows` sites (rows of the buffers, more than are used: they grow by doubling).
 struct Device<B: BurnBackend> {
     rows: usize,
@@ -94,10 +99,18 @@ struct Device<B: BurnBackend> {
     /// oldest, overwritten by the next advance.
     history: Tensor<B, 2>,
     next: usize,
-    /// `[rows]`: the amax each site's quantizations take this step (its history's max).
-    scale_amax: Tensor<B, 1>,
+    /// `[rows, SLOT_STRIDE]`: in column 0 the amax each site's quantizations take this step (its
+    /// history's max), zeros after it.
+    scale_amax: Tensor<B, 2>,
     /// `[rows]` f32: the largest amax each site's tensors had this step so far.
     seen: Tensor<B, 1>,
+}
+
+/// `[rows, 1]` amaxes as [`Device::scale_amax`] holds them: `SLOT_STRIDE` f32s a site.
+fn strided<B: BurnBackend>(amax: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [rows, _] = amax.dims();
+    let zeros = Tensor::zeros([rows, SLOT_STRIDE - 1], (&amax.device(), DType::F32));
+    Tensor::cat(vec![amax, zeros], 1)
 }
 
 impl<B: BurnBackend> Device<B> {
@@ -110,7 +123,7 @@ impl<B: BurnBackend> Device<B> {
         let history = Tensor::from_data(TensorData::new(values, [rows, len]), opts);
         Self {
             rows,
-            scale_amax: history.clone().max_dim(1).reshape([rows]),
+            scale_amax: strided(history.clone().max_dim(1)),
             history,
             // The oldest step is column 0.
             next: 0,
@@ -133,7 +146,10 @@ impl<B: BurnBackend> Device<B> {
             0,
         );
         self.scale_amax = Tensor::cat(
-            vec![self.scale_amax.clone(), Tensor::zeros([extra], opts)],
+            vec![
+                self.scale_amax.clone(),
+                Tensor::zeros([extra, SLOT_STRIDE], opts),
+            ],
             0,
         );
         self.seen = Tensor::cat(vec![self.seen.clone(), Tensor::zeros([extra], opts)], 0);
@@ -156,7 +172,7 @@ impl<B: BurnBackend> Buffers for Device<B> {
             .clone()
             .slice_assign([0..self.rows, self.next..self.next + 1], column);
         self.next = (self.next + 1) % len;
-        self.scale_amax = self.history.clone().max_dim(1).reshape([self.rows]);
+        self.scale_amax = strided(self.history.clone().max_dim(1));
         self.seen = Tensor::zeros([self.rows], (&self.seen.device(), DType::F32));
     }
     fn read_rows(&mut self, slots: &[usize]) -> Vec<Vec<f32>> {
@@ -309,7 +325,8 @@ pub struct Fp8ScaleSite {
 
 /// What one quantization takes from its site: the amax to scale by, and where its own goes.
 struct Taken<B: BurnBackend> {
-    /// `[1]`: the amax the quantization scales by.
+    /// The amax the quantization scales by, in its first element: `[1]`, or a site's
+    /// `[SLOT_STRIDE]` row of the history's buffer.
     amax: Tensor<B, 1>,
     /// `[1]`: the tensor's own amax where it was already taken (a site without history).
     own: Option<Tensor<B, 1>>,
@@ -376,7 +393,11 @@ impl Fp8ScaleSite {
             return Err(slot);
         }
         Ok(Taken {
-            amax: buffers.scale_amax.clone().slice(s![slot..slot + 1]),
+            amax: buffers
+                .scale_amax
+                .clone()
+                .slice(s![slot..slot + 1, 0..SLOT_STRIDE])
+                .reshape([SLOT_STRIDE]),
             own: None,
             slot,
             seen: want_seen.then(|| buffers.seen.clone()),

@@ -99,8 +99,8 @@ impl TileArgs {
     }
 }
 
-/// Checks that a given per-tensor amax goes with a per-tensor spec and holds one f32 (else fails
-/// `op`).
+/// Checks that a given per-tensor amax goes with a per-tensor spec and is f32 with at least one
+/// element, the amax (else fails `op`).
 fn check_given<R: CubeRuntime>(op: &str, spec: &QuantSpec, amax: &CubeTensor<R>) {
     if spec.granularity != Fp8Granularity::Tensor {
         fail(
@@ -108,11 +108,11 @@ fn check_given<R: CubeRuntime>(op: &str, spec: &QuantSpec, amax: &CubeTensor<R>)
             "a given amax needs per-tensor scaling (Fp8Granularity::Tensor)".to_string(),
         );
     }
-    if amax.dtype != DType::F32 || amax.shape().num_elements() != 1 {
+    if amax.dtype != DType::F32 || amax.shape().num_elements() == 0 {
         fail(
             op,
             format!(
-                "the given amax is {:?} of shape {:?}; expected one f32",
+                "the given amax is {:?} of shape {:?}; expected f32, the amax first",
                 amax.dtype,
                 amax.shape().as_slice()
             ),
@@ -201,7 +201,8 @@ pub(crate) fn quantize<R: CubeRuntime>(
     quantize_given(x, spec, None)
 }
 
-/// [`quantize`], with per-tensor scaling taking `given_amax` (`[1]` f32) when given.
+/// [`quantize`], with per-tensor scaling taking `given_amax` (f32, the amax first)
+/// when given.
 pub(crate) fn quantize_given<R: CubeRuntime>(
     x: CubeTensor<R>,
     spec: &QuantSpec,
@@ -310,7 +311,7 @@ pub(crate) fn quantize_pair<R: CubeRuntime>(
 /// A per-tensor amax given to [`quantize_pair_given`] (delayed scaling), and where to record
 /// `x`'s own amax.
 pub(crate) struct GivenAmax<R: CubeRuntime> {
-    /// `[1]` f32: the amax the scale is taken from.
+    /// f32: the amax the scale is taken from, in its first element.
     pub amax: CubeTensor<R>,
     /// `(buffer, slot)`: the CUDA C++ kernel raises the f32 `buffer[slot]` to `x`'s amax in place.
     pub record: Option<(CubeTensor<R>, usize)>,

@@ -119,8 +119,9 @@ pub trait Fp8Ops: BurnBackend {
         ))
     }
 
-    /// [`Self::fp8_quantize`] under a per-tensor `spec`, scaled for the given `amax` (`[1]` f32)
-    /// instead of `x`'s own (delayed scaling; the CPU reference by default).
+    /// [`Self::fp8_quantize`] under a per-tensor `spec`, scaled for the given `amax` (f32, the
+    /// amax in its first element) instead of `x`'s own (delayed scaling; the CPU reference by
+    /// default).
     fn fp8_quantize_given(
         x: FloatTensor<Self>,
         spec: &QuantSpec,
@@ -130,8 +131,8 @@ pub trait Fp8Ops: BurnBackend {
         reference_quantize::<Self>(x, spec, Some(amax[0]))
     }
 
-    /// [`Self::fp8_quantize_pair`] under a per-tensor `spec`, scaled for the given `amax` (`[1]`
-    /// f32). With `record = Some((buffer, slot))` a backend may also raise the f32
+    /// [`Self::fp8_quantize_pair`] under a per-tensor `spec`, scaled for the given `amax` (f32,
+    /// the amax in its first element). With `record = Some((buffer, slot))` a backend may also raise the f32
     /// `buffer[slot]` to `x`'s amax in place, from the same read, and say so with `true` (the
     /// CUDA C++ kernel does); with `false` nothing was recorded (by default: two
     /// [`Self::fp8_quantize_given`] calls).
@@ -209,7 +210,7 @@ pub trait Fp8Ops: BurnBackend {
     /// and quantized in both orientations as [`Self::fp8_quantize_pair`] quantizes it under
     /// `spec`, by one kernel that reads `h` (and `dy`) once; `None` where the backend has no such
     /// kernel (the default), and the caller runs GELU and the quantizer pair. Per-tensor scaling
-    /// needs `given = Some((amax, record))`: the amax to scale by (`[1]` f32) and, as in
+    /// needs `given = Some((amax, record))`: the amax to scale by (f32, the amax first) and, as in
     /// [`Self::fp8_quantize_pair_given`], where to record the values' own amax (`true` beside the
     /// pair when it did).
     #[allow(clippy::type_complexity)]
