@@ -208,7 +208,8 @@ fn cuda_decode_matches_the_full_forward() {
 /// relative RMS difference of 2% (the two compute GELU with their own `exp` and reciprocal; a
 /// value one bf16 unit apart moves its FP8 code at most one step), with tile scales and with
 /// delayed per-tensor scaling (the kernel then also records GELU's amaxes). With
-/// `BURNMIX_FP8_PAIR=fused` GELU's kernel runs in both: bit for bit.
+/// `BURNMIX_FP8_PAIR=fused` GELU's kernel runs in both: the loss bit for bit, the gradients within
+/// 0.5% (the tied embedding's gradient sums with atomic additions, in an order that varies).
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_gelu_mlp_in_the_model() {
@@ -220,6 +221,6 @@ fn cuda_fp8_gelu_mlp_in_the_model() {
     }
     let _settings = kernels::settings::scoped(|s| s.fp8_pair = Some(kernels::Fp8PairPath::Fused));
     for delayed in [false, true] {
-        case(FloatDType::BF16, SHAKESPEARE, delayed, true, 0.0, &dev);
+        case(FloatDType::BF16, SHAKESPEARE, delayed, true, 0.005, &dev);
     }
 }

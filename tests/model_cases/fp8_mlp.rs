@@ -12,10 +12,13 @@ use model::Gpt;
 use super::{ids, model_config, named_grads, with_combo, Combo, Shape};
 
 /// Loss and gradients of the GELU model of the cases at `shape` with the fused kernels and every
-/// block's projections in FP8, the MLP as one op against the MLP composed: equal bit for bit with
-/// `exact` (where the GELU kernel runs in both), else within a relative RMS difference of
-/// `tolerance` for each gradient and of the loss. With `delayed`, per-tensor scales from amax
-/// histories (each side its own): the second step's, scaled from the amaxes the first recorded.
+/// block's projections in FP8, the MLP as one op against the MLP composed. With `exact` (where the
+/// GELU kernel runs in both) the loss must be equal bit for bit, else within a relative difference
+/// of `tolerance`; each gradient within a relative RMS difference of `tolerance` (0 asks for equal
+/// gradients; on CUDA the tied embedding's gradient is accumulated with atomic additions, whose
+/// order, and so the last bit of some sums, varies from run to run). With `delayed`, per-tensor
+/// scales from amax histories (each side its own): the second step's, scaled from the amaxes the
+/// first recorded.
 pub fn fused_mlp_matches_composed<B: AutodiffBackend + kernels::Backend>(
     dtype: FloatDType,
     shape: Shape,
@@ -72,15 +75,14 @@ pub fn fused_mlp_matches_composed<B: AutodiffBackend + kernels::Backend>(
         "{ctx}: loss {one_op} (MLP as one op) against {composed} (composed)"
     );
     for ((name, a), (_, b)) in one_op_grads.iter().zip(&composed_grads) {
-        if exact {
-            assert!(a == b, "{ctx}: gradient of {name} differs");
-            continue;
-        }
         let num: f64 = a.iter().zip(b).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
         let den: f64 = b.iter().map(|q| (*q as f64).powi(2)).sum();
         let diff = (num / den.max(1e-30)).sqrt();
+        if a != b {
+            eprintln!("{ctx}: gradient of {name}: relative RMS difference {diff:.2e}");
+        }
         assert!(
-            diff <= tolerance,
+            a == b || diff <= tolerance,
             "{ctx}: gradient of {name}: relative RMS difference {diff:.5} > {tolerance}"
         );
     }
