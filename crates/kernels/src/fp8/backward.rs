@@ -14,9 +14,10 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::ops::IntTensor;
-use burn::tensor::{DType, FloatDType, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{FloatDType, Tensor, TensorMetadata, TensorPrimitive};
 
 use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
+pub(crate) use super::format::float_dtype;
 use super::Fp8Ops;
 use super::{
     fp8_gemm, fp8_quantize, fp8_quantize_pair, Fp8Granularity, Fp8LinearConfig, Fp8Probe,
@@ -24,16 +25,6 @@ use super::{
 };
 use crate::gemm::GemmOps;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-
-/// The float dtype of a float tensor.
-pub(crate) fn float_dtype(d: DType) -> FloatDType {
-    match d {
-        DType::F64 => FloatDType::F64,
-        DType::F16 => FloatDType::F16,
-        DType::BF16 => FloatDType::BF16,
-        _ => FloatDType::F32,
-    }
-}
 
 /// `x` quantized as `spec` says: scaled from `site`'s history at `role` where a site is given
 /// and `spec` scales per tensor (delayed scaling), else from `x`'s own amaxes.

@@ -746,6 +746,67 @@ where
     }
 }
 
+/// [`Fp8Ops::fp8_gelu_quantize_pair`] on `CubeBackend`: the CUDA C++ pair kernel with its GELU
+/// prologue, or `None` where it does not run (see `producer.rs`; per-tensor scaling without a
+/// given amax).
+#[allow(clippy::type_complexity)]
+pub(crate) fn gelu_quantize_pair_native<R: CubeRuntime>(
+    h: CubeTensor<R>,
+    dy: Option<CubeTensor<R>>,
+    spec: &QuantSpec,
+    given: Option<(CubeTensor<R>, Option<(CubeTensor<R>, usize)>)>,
+) -> Option<((Quantized<R>, Quantized<R>), bool)> {
+    if !super::native::supported(&h) {
+        return None;
+    }
+    let spec = spec.transposed(false);
+    let dims = h.shape().as_slice().to_vec();
+    let per_tensor = spec.granularity == Fp8Granularity::Tensor;
+    if dims.len() != 2 || per_tensor != given.is_some() || !h.is_contiguous() {
+        return None;
+    }
+    let dy = match dy {
+        Some(dy) => {
+            let dy = crate::launch::contiguous(burn_cubecl::kernel::cast(dy, h.dtype));
+            if dy.shape().as_slice() != dims.as_slice() {
+                return None;
+            }
+            Some(dy)
+        }
+        None => None,
+    };
+    let (rows, cols) = (dims[0], dims[1]);
+    let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
+    if rows == 0 || cols == 0 || row_tiles > 65535 || col_tiles > crate::launch::max_cubes_x(&h) {
+        return None;
+    }
+    let transposed = spec.transposed(true);
+    let payload = empty(&h, vec![rows, col_tiles * TILE / 4], DType::I32);
+    let scales = scales_output(&h, &spec, rows, cols);
+    let payload_t = empty(&h, vec![cols, row_tiles * TILE / 4], DType::I32);
+    let scales_t = scales_output(&h, &transposed, cols, rows);
+    // Tiles and blocks take their own amax: the kernel reads it for per-tensor scaling only.
+    let (amax, record) = match given {
+        Some((amax, record)) => (crate::launch::contiguous(amax), record),
+        None => (empty(&h, vec![1], DType::F32), None),
+    };
+    let view = super::native::PairView {
+        rows,
+        cols,
+        stride_i: cols,
+        stride_j: 1,
+    };
+    let prologue = match &dy {
+        Some(dy) => super::native::Prologue::GeluGrad(dy),
+        None => super::native::Prologue::Gelu,
+    };
+    let outputs = [&payload, &scales, &payload_t, &scales_t];
+    let record = record.as_ref().map(|(buffer, slot)| (buffer, *slot));
+    let recorded = record.is_some();
+    super::native::launch_pair(&h, prologue, &amax, outputs, &view, &spec, record)
+        .then_some((((payload, scales), (payload_t, scales_t)), recorded))
+}
+
 impl<R, F, I, BT> super::Fp8Ops for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -827,7 +888,7 @@ where
         spec: &QuantSpec,
         given: Option<(FloatTensor<Self>, Option<(FloatTensor<Self>, usize)>)>,
     ) -> Option<((Quantized<R>, Quantized<R>), bool)> {
-        super::producer::gelu_quantize_pair_native(h, dy, spec, given)
+        gelu_quantize_pair_native(h, dy, spec, given)
     }
     fn fp8_gelu_mlp(
         x: FloatTensor<Self>,

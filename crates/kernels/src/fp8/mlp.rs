@@ -23,19 +23,19 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor};
 
-use super::backward::float_dtype;
 use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
+use super::format::float_dtype;
 use super::producer::fp8_gelu_quantize_pair;
 use super::{fp8_gemm, fp8_linear_scaled, fp8_quantize, fp8_quantize_pair, Fp8Granularity};
 use super::{Fp8LinearConfig, Fp8Ops, Fp8Record, Fp8ScaleSite, Fp8Tensor, QuantSpec};
-use crate::activation::ActivationKernels;
+use crate::activation::{ActivationKernels, ActivationOps};
 use crate::gemm::GemmOps;
 use crate::primitive::{prim, tensor};
 
 /// `gelu(x w_fc) w_proj` for `x [t, d]`, `w_fc [d, ff]`, `w_proj [ff, out]` (one dtype), in
 /// `x`'s dtype, with exact (erf) GELU and the GEMMs in FP8 as `cfg` says: [`fp8_gelu_mlp_scaled`]
 /// without delayed scaling.
-pub fn fp8_gelu_mlp<B: crate::Backend>(
+pub fn fp8_gelu_mlp<B: Fp8Ops + GemmOps + ActivationOps>(
     x: Tensor<B, 2>,
     w_fc: Tensor<B, 2>,
     w_proj: Tensor<B, 2>,
@@ -54,7 +54,7 @@ pub fn fp8_gelu_mlp<B: crate::Backend>(
 /// `fp8_linear_scaled(gelu(fp8_linear_scaled(x, w_fc)), w_proj)`. Either way the values are
 /// those of that composition: bit for bit where the GELU kernel runs in both, to a unit in the
 /// last place of `x`'s dtype before quantizing where the CUDA C++ kernel computes GELU.
-pub fn fp8_gelu_mlp_scaled<B: crate::Backend>(
+pub fn fp8_gelu_mlp_scaled<B: Fp8Ops + GemmOps + ActivationOps>(
     x: Tensor<B, 2>,
     w_fc: Tensor<B, 2>,
     w_proj: Tensor<B, 2>,
@@ -94,7 +94,8 @@ pub fn fp8_gelu_mlp_scaled<B: crate::Backend>(
     }
     let (fc_site, proj_site) = (sites.map(|s| s.0), sites.map(|s| s.1));
     let h = fp8_linear_scaled(x, w_fc, cfg, None, fc_site);
-    fp8_linear_scaled(crate::gelu(h), w_proj, cfg, None, proj_site)
+    let a = tensor(B::fused_gelu(prim(h)));
+    fp8_linear_scaled(a, w_proj, cfg, None, proj_site)
 }
 
 /// The delayed-scaling sites of `fc` and `proj`.
