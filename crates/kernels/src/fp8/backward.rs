@@ -17,47 +17,15 @@ use burn::tensor::ops::IntTensor;
 use burn::tensor::{FloatDType, Tensor, TensorMetadata, TensorPrimitive};
 
 use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
+use super::delayed::{quantize_at, quantize_pair_at};
 pub(crate) use super::format::float_dtype;
 use super::Fp8Ops;
 use super::{
-    fp8_gemm, fp8_quantize, fp8_quantize_pair, Fp8Granularity, Fp8LinearConfig, Fp8Probe,
-    Fp8Record, Fp8ScaleSite, Fp8Tensor, QuantSpec,
+    fp8_gemm, fp8_quantize, Fp8LinearConfig, Fp8Probe, Fp8Record, Fp8ScaleSite, Fp8Tensor,
+    QuantSpec,
 };
 use crate::gemm::GemmOps;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-
-/// `x` quantized as `spec` says: scaled from `site`'s history at `role` where a site is given
-/// and `spec` scales per tensor (delayed scaling), else from `x`'s own amaxes.
-fn quantize_at<B: Fp8Ops + GemmOps>(
-    x: Tensor<B, 2>,
-    spec: QuantSpec,
-    site: Option<&Fp8ScaleSite>,
-    role: &str,
-    record: Fp8Record,
-) -> Fp8Tensor<B> {
-    match site {
-        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
-            site.quantize(role, x, spec, record)
-        }
-        _ => fp8_quantize(x, spec),
-    }
-}
-
-/// [`fp8_quantize_pair`], scaled as [`quantize_at`] says.
-fn quantize_pair_at<B: Fp8Ops + GemmOps>(
-    x: Tensor<B, 2>,
-    spec: QuantSpec,
-    site: Option<&Fp8ScaleSite>,
-    role: &str,
-    record: Fp8Record,
-) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
-    match site {
-        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
-            site.quantize_pair(role, x, spec, record)
-        }
-        _ => fp8_quantize_pair(x, spec),
-    }
-}
 
 /// `y = x w` (fprop), in FP8 when `cfg.fprop`; an untracked forward, recording no amax.
 pub(crate) fn fprop<B: Fp8Ops + GemmOps>(

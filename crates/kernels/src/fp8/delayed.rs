@@ -25,7 +25,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{s, DType, Tensor, TensorData};
 
-use super::{fp8_pair_path, Fp8Granularity, Fp8Ops, Fp8Tensor, QuantSpec};
+use super::{
+    fp8_pair_path, fp8_quantize, fp8_quantize_pair, Fp8Granularity, Fp8Ops, Fp8Tensor, QuantSpec,
+};
 use crate::gemm::GemmOps;
 
 /// The roles of an FP8 linear layer's operands at its site: `{site}.{role}` names the history of
@@ -34,6 +36,39 @@ pub mod role {
     pub const INPUT: &str = "input";
     pub const WEIGHT: &str = "weight";
     pub const GRAD_OUTPUT: &str = "grad_output";
+}
+
+/// `x` quantized as `spec` says: scaled from `site`'s history at `role` where a site is given
+/// and `spec` scales per tensor (delayed scaling), else from `x`'s own amaxes.
+pub(crate) fn quantize_at<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    spec: QuantSpec,
+    site: Option<&Fp8ScaleSite>,
+    role: &str,
+    record: Fp8Record,
+) -> Fp8Tensor<B> {
+    match site {
+        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
+            site.quantize(role, x, spec, record)
+        }
+        _ => fp8_quantize(x, spec),
+    }
+}
+
+/// [`fp8_quantize_pair`], scaled as [`quantize_at`] says.
+pub(crate) fn quantize_pair_at<B: Fp8Ops + GemmOps>(
+    x: Tensor<B, 2>,
+    spec: QuantSpec,
+    site: Option<&Fp8ScaleSite>,
+    role: &str,
+    record: Fp8Record,
+) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    match site {
+        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
+            site.quantize_pair(role, x, spec, record)
+        }
+        _ => fp8_quantize_pair(x, spec),
+    }
 }
 
 /// The amax histories of a run's per-tensor FP8 quantizations (see the module docs). Clones share
@@ -495,11 +530,12 @@ impl Fp8ScaleSite {
                     &spec,
                     Some((crate::primitive::prim(taken.amax), in_kernel)),
                 );
-                match fused {
-                    Some((parts, recorded)) if recorded || record == Fp8Record::No => {
-                        return Fp8Tensor::pair_from_parts(parts, dims, spec);
+                if let Some((parts, recorded)) = fused {
+                    if record == Fp8Record::Yes && !recorded {
+                        let values = super::producer::gelu_values(h, dy);
+                        self.record(taken.slot, values, None);
                     }
-                    _ => {}
+                    return Fp8Tensor::pair_from_parts(parts, dims, spec);
                 }
             }
         }

@@ -337,21 +337,12 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
     let spec = spec.transposed(false);
     let args = TileArgs::new("fp8_quantize_pair", &x, &spec);
     let (rows, cols) = (args.rows, args.k);
-    let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
-    if !fused
-        || rows == 0
-        || cols == 0
-        || row_tiles > MAX_CUBES_Y
-        || col_tiles > crate::launch::max_cubes_x(&x)
-    {
+    if !fused || !pair_grid_fits(&x, rows, cols) {
         let t = quantize_given(x.clone(), &spec.transposed(true), given_amax.clone());
         return ((quantize_given(x, &spec, given_amax), t), false);
     }
-    let transposed = spec.transposed(true);
-    let payload = empty(&x, vec![rows, col_tiles * TILE / 4], DType::I32);
-    let scales = scales_output(&x, &spec, rows, cols);
-    let payload_t = empty(&x, vec![cols, row_tiles * TILE / 4], DType::I32);
-    let scales_t = scales_output(&x, &transposed, cols, rows);
+    let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
+    let out = PairOutputs::new(&x, &spec, rows, cols);
     let width = if args.stride_j == 1 {
         crate::launch::vector_width(&x, &[x.dtype], &[8, cols, args.stride_i])
     } else {
@@ -365,11 +356,10 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
             stride_i: args.stride_i,
             stride_j: args.stride_j,
         };
-        let outputs = [&payload, &scales, &payload_t, &scales_t];
         let record = record.as_ref().map(|(buffer, slot)| (buffer, *slot));
         let none = super::native::Prologue::None;
-        if super::native::launch_pair(&x, none, &amax, outputs, &view, &spec, record) {
-            return (((payload, scales), (payload_t, scales_t)), record.is_some());
+        if super::native::launch_pair(&x, none, &amax, out.refs(), &view, &spec, record) {
+            return (out.into_pair(), record.is_some());
         }
     }
     let (client, dtype) = (x.client.clone(), x.dtype);
@@ -380,10 +370,10 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
         width,
         x.into_array_arg(),
         amax.into_array_arg(),
-        payload.clone().into_array_arg(),
-        scales.clone().into_array_arg(),
-        payload_t.clone().into_array_arg(),
-        scales_t.clone().into_array_arg(),
+        out.payload.clone().into_array_arg(),
+        out.scales.clone().into_array_arg(),
+        out.payload_t.clone().into_array_arg(),
+        out.scales_t.clone().into_array_arg(),
         rows,
         cols,
         args.stride_i,
@@ -395,7 +385,44 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
         spec.format.consts(),
         dtype.into(),
     );
-    (((payload, scales), (payload_t, scales_t)), false)
+    (out.into_pair(), false)
+}
+
+/// Whether a pair quantization of a `[rows, cols]` matrix fits one launch's grid (a cube per
+/// 128 x 128 tile); an empty matrix does not.
+fn pair_grid_fits<R: CubeRuntime>(x: &CubeTensor<R>, rows: usize, cols: usize) -> bool {
+    let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
+    rows > 0 && cols > 0 && row_tiles <= MAX_CUBES_Y && col_tiles <= crate::launch::max_cubes_x(x)
+}
+
+/// The four outputs of a pair quantization of a `[rows, cols]` matrix under `spec` (quantized
+/// along `cols`): codes and scales as stored, and of the transpose.
+struct PairOutputs<R: CubeRuntime> {
+    payload: CubeTensor<R>,
+    scales: CubeTensor<R>,
+    payload_t: CubeTensor<R>,
+    scales_t: CubeTensor<R>,
+}
+
+impl<R: CubeRuntime> PairOutputs<R> {
+    fn new(x: &CubeTensor<R>, spec: &QuantSpec, rows: usize, cols: usize) -> Self {
+        let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
+        Self {
+            payload: empty(x, vec![rows, col_tiles * TILE / 4], DType::I32),
+            scales: scales_output(x, spec, rows, cols),
+            payload_t: empty(x, vec![cols, row_tiles * TILE / 4], DType::I32),
+            scales_t: scales_output(x, &spec.transposed(true), cols, rows),
+        }
+    }
+
+    /// In the order the CUDA C++ pair kernel takes them.
+    fn refs(&self) -> [&CubeTensor<R>; 4] {
+        [&self.payload, &self.scales, &self.payload_t, &self.scales_t]
+    }
+
+    fn into_pair(self) -> (Quantized<R>, Quantized<R>) {
+        ((self.payload, self.scales), (self.payload_t, self.scales_t))
+    }
 }
 
 /// `[1]`: the largest finite normal `|x|` of `x` (per-tensor scaling): one grid-stride pass over
@@ -776,15 +803,10 @@ pub(crate) fn gelu_quantize_pair_native<R: CubeRuntime>(
         None => None,
     };
     let (rows, cols) = (dims[0], dims[1]);
-    let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
-    if rows == 0 || cols == 0 || row_tiles > 65535 || col_tiles > crate::launch::max_cubes_x(&h) {
+    if !pair_grid_fits(&h, rows, cols) {
         return None;
     }
-    let transposed = spec.transposed(true);
-    let payload = empty(&h, vec![rows, col_tiles * TILE / 4], DType::I32);
-    let scales = scales_output(&h, &spec, rows, cols);
-    let payload_t = empty(&h, vec![cols, row_tiles * TILE / 4], DType::I32);
-    let scales_t = scales_output(&h, &transposed, cols, rows);
+    let out = PairOutputs::new(&h, &spec, rows, cols);
     // Tiles and blocks take their own amax: the kernel reads it for per-tensor scaling only.
     let (amax, record) = match given {
         Some((amax, record)) => (crate::launch::contiguous(amax), record),
@@ -800,11 +822,10 @@ pub(crate) fn gelu_quantize_pair_native<R: CubeRuntime>(
         Some(dy) => super::native::Prologue::GeluGrad(dy),
         None => super::native::Prologue::Gelu,
     };
-    let outputs = [&payload, &scales, &payload_t, &scales_t];
     let record = record.as_ref().map(|(buffer, slot)| (buffer, *slot));
     let recorded = record.is_some();
-    super::native::launch_pair(&h, prologue, &amax, outputs, &view, &spec, record)
-        .then_some((((payload, scales), (payload_t, scales_t)), recorded))
+    super::native::launch_pair(&h, prologue, &amax, out.refs(), &view, &spec, record)
+        .then(|| (out.into_pair(), recorded))
 }
 
 impl<R, F, I, BT> super::Fp8Ops for CubeBackend<R, F, I, BT>

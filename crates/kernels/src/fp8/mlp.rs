@@ -24,9 +24,10 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor};
 
 use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
+use super::delayed::{quantize_at, quantize_pair_at};
 use super::format::float_dtype;
 use super::producer::fp8_gelu_quantize_pair;
-use super::{fp8_gemm, fp8_linear_scaled, fp8_quantize, fp8_quantize_pair, Fp8Granularity};
+use super::{fp8_gemm, fp8_linear_scaled, Fp8Granularity};
 use super::{Fp8LinearConfig, Fp8Ops, Fp8Record, Fp8ScaleSite, Fp8Tensor, QuantSpec};
 use crate::activation::{ActivationKernels, ActivationOps};
 use crate::gemm::GemmOps;
@@ -101,23 +102,7 @@ pub fn fp8_gelu_mlp_scaled<B: Fp8Ops + GemmOps + ActivationOps>(
 /// The delayed-scaling sites of `fc` and `proj`.
 type Sites = Option<(Fp8ScaleSite, Fp8ScaleSite)>;
 
-/// `t` quantized in both orientations under `spec`: from `site`'s history at `role` with
-/// per-tensor scales, else from its own amaxes (as the FP8 linear layer quantizes).
-fn pair<B: Fp8Ops + GemmOps>(
-    t: Tensor<B, 2>,
-    spec: QuantSpec,
-    site: Option<&Fp8ScaleSite>,
-    role: &str,
-) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
-    match site {
-        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
-            site.quantize_pair(role, t, spec, Fp8Record::Yes)
-        }
-        _ => fp8_quantize_pair(t, spec),
-    }
-}
-
-/// GELU of `h` (with `dy`, its gradient) quantized in both orientations, scaled as [`pair`].
+/// GELU of `h` (with `dy`, its gradient) quantized in both orientations, scaled as [`quantize_pair_at`].
 fn gelu_pair<B: Fp8Ops + GemmOps + ActivationKernels>(
     h: Tensor<B, 2>,
     dy: Option<Tensor<B, 2>>,
@@ -130,21 +115,6 @@ fn gelu_pair<B: Fp8Ops + GemmOps + ActivationKernels>(
             site.quantize_gelu_pair(role, h, dy, spec, Fp8Record::Yes)
         }
         _ => fp8_gelu_quantize_pair(h, dy, spec),
-    }
-}
-
-/// `t` quantized under `spec`, scaled as [`pair`] but recording nothing (an untracked forward).
-fn single<B: Fp8Ops + GemmOps>(
-    t: Tensor<B, 2>,
-    spec: QuantSpec,
-    site: Option<&Fp8ScaleSite>,
-    role: &str,
-) -> Fp8Tensor<B> {
-    match site {
-        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
-            site.quantize(role, t, spec, Fp8Record::No)
-        }
-        _ => fp8_quantize(t, spec),
     }
 }
 
@@ -177,11 +147,13 @@ fn forward<B: Fp8Ops + GemmOps + ActivationKernels>(
     let out = float_dtype(x.dtype());
     let dtypes = [out, float_dtype(w_fc.dtype()), float_dtype(w_proj.dtype())];
     let (fc, proj) = (sites.as_ref().map(|s| &s.0), sites.as_ref().map(|s| &s.1));
-    let (x_q, x_t) = pair(x, cfg.act_spec(false), fc, INPUT);
-    let (w_fc_q, w_fc_t) = pair(w_fc, cfg.weight_spec(false), fc, WEIGHT);
+    let (x_q, x_t) = quantize_pair_at(x, cfg.act_spec(false), fc, INPUT, Fp8Record::Yes);
+    let (w_fc_q, w_fc_t) =
+        quantize_pair_at(w_fc, cfg.weight_spec(false), fc, WEIGHT, Fp8Record::Yes);
     let h = fp8_gemm(&x_q, &w_fc_t, out);
     let (a_q, a_t) = gelu_pair(h.clone(), None, cfg.act_spec(false), proj, INPUT);
-    let (w_proj_q, w_proj_t) = pair(w_proj, cfg.weight_spec(false), proj, WEIGHT);
+    let (w_proj_q, w_proj_t) =
+        quantize_pair_at(w_proj, cfg.weight_spec(false), proj, WEIGHT, Fp8Record::Yes);
     let y = fp8_gemm(&a_q, &w_proj_t, out);
     let saved = Saved {
         x_t,
@@ -205,8 +177,12 @@ pub(crate) fn fprop<B: Fp8Ops + GemmOps + ActivationKernels>(
 ) -> Tensor<B, 2> {
     let out = float_dtype(x.dtype());
     let (fc, proj) = (sites.map(|s| s.0), sites.map(|s| s.1));
-    let x_q = single(x, cfg.act_spec(false), fc, INPUT);
-    let h = fp8_gemm(&x_q, &single(w_fc, cfg.weight_spec(true), fc, WEIGHT), out);
+    let x_q = quantize_at(x, cfg.act_spec(false), fc, INPUT, Fp8Record::No);
+    let h = fp8_gemm(
+        &x_q,
+        &quantize_at(w_fc, cfg.weight_spec(true), fc, WEIGHT, Fp8Record::No),
+        out,
+    );
     let a_q = match proj {
         // An evaluation forward records no amax; GELU's output then takes the quantizer.
         Some(site) if cfg.per_tensor => {
@@ -217,7 +193,7 @@ pub(crate) fn fprop<B: Fp8Ops + GemmOps + ActivationKernels>(
     };
     fp8_gemm(
         &a_q,
-        &single(w_proj, cfg.weight_spec(true), proj, WEIGHT),
+        &quantize_at(w_proj, cfg.weight_spec(true), proj, WEIGHT, Fp8Record::No),
         out,
     )
 }
@@ -231,7 +207,13 @@ fn backward<B: Fp8Ops + GemmOps + ActivationKernels>(
     let [x_dtype, fc_dtype, proj_dtype] = saved.dtypes;
     let sites = saved.sites.as_ref();
     let (fc, proj) = (sites.map(|s| &s.0), sites.map(|s| &s.1));
-    let (dy_q, dy_t) = pair(dy.cast(x_dtype), cfg.grad_spec(false), proj, GRAD_OUTPUT);
+    let (dy_q, dy_t) = quantize_pair_at(
+        dy.cast(x_dtype),
+        cfg.grad_spec(false),
+        proj,
+        GRAD_OUTPUT,
+        Fp8Record::Yes,
+    );
     let da = fp8_gemm(&dy_q, &saved.w_proj, x_dtype);
     let dw_proj = fp8_gemm(&saved.a_t, &dy_t, proj_dtype);
     let (dh_q, dh_t) = gelu_pair(saved.h, Some(da), cfg.grad_spec(false), fc, GRAD_OUTPUT);
