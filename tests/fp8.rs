@@ -183,6 +183,25 @@ fn quantize_pair_bit_identical() {
     }
 }
 
+/// Row shards of a weight (multiples of 128 rows) quantize with 128 x 128 blocks to the whole
+/// weight's codes and scales, and its dequantized codes quantize again to the same values: what
+/// a ZeRO-3 all-gather of FP8 weight codes would rest on.
+#[test]
+fn weight_shards_gather_exactly() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    let shapes = [(300, 200), (256, 384), (1000, 130)];
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        fp8_cases::wire::weight_shards_gather_exactly::<Inner>(
+            dtype,
+            &device(),
+            &shapes,
+            &[1, 2, 3],
+        );
+    }
+}
+
 /// Delayed per-tensor scaling (amax histories) against the CPU reference.
 #[test]
 fn delayed_scaling() {

@@ -10,6 +10,7 @@ use kernels::{
 };
 
 pub mod mlp;
+pub mod wire;
 
 /// Deterministic pseudo-random values, so that failures reproduce.
 pub use trainer::rng::SplitMix64 as Rng;
