@@ -24,11 +24,12 @@ use burn::backend::{Autodiff, NdArray};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{FloatDType, Int, Tensor};
+use kernels::{fp8_quantize, QuantSpec};
 use model::config::{MlpKind, RecomputeKind};
 use model::Gpt;
 use model_cases::recompute::summed_recomputed;
 use model_cases::{ids, model_config, with_combo, Combo, AWKWARD, FUSED_CPU, REFERENCE};
-use trainer::parallel::fsdp::{share, GatherBlocks, RowExchange, RowShards};
+use trainer::parallel::fsdp::{fp8_wire, GatherBlocks, RowExchange, RowShards, Wire};
 
 type B = Autodiff<NdArray>;
 
@@ -38,6 +39,12 @@ struct Loopback {
     rank: usize,
     /// Each whole parameter, flat and padded with zero rows to `world` equal shares.
     whole: HashMap<ParamId, Tensor<NdArray, 1>>,
+    /// The shape `[padded rows, columns]` of each parameter gathered as FP8 codes, its elements
+    /// (unpadded), and the quantization of its shards.
+    fp8: HashMap<ParamId, ([usize; 2], usize, QuantSpec)>,
+    /// Bytes of the FP8 wires gathered so far, and of the parameters they stood for in bf16.
+    fp8_bytes: AtomicUsize,
+    bf16_bytes: AtomicUsize,
     /// Gathers started ahead and not yet waited for.
     pending: AtomicBool,
     /// Parameters gathered ahead so far.
@@ -47,25 +54,38 @@ struct Loopback {
 }
 
 impl Loopback {
-    fn new(model: &Gpt<B>, world: usize, rank: usize) -> Self {
-        struct Whole(usize, HashMap<ParamId, Tensor<NdArray, 1>>);
-        impl ModuleVisitor<B> for Whole {
+    /// The other ranks of `shards`' split of `model`.
+    fn new(model: &Gpt<B>, shards: &RowShards) -> Self {
+        struct Whole<'a>(&'a RowShards, HashMap<ParamId, Tensor<NdArray, 1>>);
+        impl ModuleVisitor<B> for Whole<'_> {
             fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
                 let t = p.val().inner();
                 let dims = t.dims();
                 let per_row: usize = dims[1..].iter().product();
-                let padded = share(dims[0], self.0) * self.0 * per_row;
+                let padded = self.0.shard_elements(&p.id) * self.0.world;
                 let flat = t.reshape([dims[0] * per_row]);
                 let zeros = Tensor::zeros([padded - dims[0] * per_row], &NdArrayDevice::Cpu);
                 self.1.insert(p.id, Tensor::cat(vec![flat, zeros], 0));
             }
         }
-        let mut w = Whole(world, HashMap::new());
+        let mut w = Whole(shards, HashMap::new());
         model.visit(&mut w);
+        let (world, rank) = (shards.world, shards.rank);
+        let fp8 =
+            w.1.iter()
+                .filter_map(|(id, t)| {
+                    let spec = shards.fp8_wire_spec(id)?;
+                    let rows = shards.share(id) * world;
+                    Some((*id, ([rows, t.dims()[0] / rows], shards.elements(id), spec)))
+                })
+                .collect();
         Self {
             world,
             rank,
             whole: w.1,
+            fp8,
+            fp8_bytes: AtomicUsize::new(0),
+            bf16_bytes: AtomicUsize::new(0),
             pending: AtomicBool::new(false),
             ahead: AtomicUsize::new(0),
             in_order_gathers: Mutex::new(HashMap::new()),
@@ -81,9 +101,53 @@ impl Loopback {
     }
 
     /// This rank's part of a flat tensor of `world` equal parts.
-    fn mine(&self, t: Tensor<NdArray, 1>) -> Tensor<NdArray, 1> {
+    fn mine<K: burn::tensor::BasicOps<NdArray>>(
+        &self,
+        t: Tensor<NdArray, 1, K>,
+    ) -> Tensor<NdArray, 1, K> {
         let n = t.dims()[0] / self.world;
         t.narrow(0, self.rank * n, n)
+    }
+
+    /// What the gather of `shard` brings: the whole padded parameter `id` as values, or its FP8
+    /// codes and scales, after checking that the shard is this rank's part of them.
+    fn gathered(&self, id: ParamId, shard: Wire<NdArray>) -> Wire<NdArray> {
+        match shard {
+            Wire::Values(t) => {
+                assert!(
+                    !self.fp8.contains_key(&id),
+                    "{id} travels as values, not as the FP8 codes its split says"
+                );
+                Wire::Values(self.whole_checked(id, t))
+            }
+            Wire::Fp8 { codes, scales } => {
+                let ([rows, cols], elements, spec) = *self.fp8.get(&id).expect("an FP8 wire");
+                let whole = fp8_quantize(self.whole[&id].clone().reshape([rows, cols]), spec);
+                let n = whole.payload.shape().num_elements();
+                let whole_codes = whole.payload.reshape([n]);
+                let n = whole.scales.shape().num_elements();
+                let whole_scales = whole.scales.reshape([n]);
+                assert_eq!(
+                    ints(codes.clone()),
+                    ints(self.mine(whole_codes.clone())),
+                    "the FP8 codes of {id}'s shard are rank {}'s rows of the whole's",
+                    self.rank
+                );
+                assert_eq!(
+                    values(scales.clone()),
+                    values(self.mine(whole_scales.clone())),
+                    "and its block scales"
+                );
+                let sent = Wire::Fp8 { codes, scales }.bytes();
+                self.fp8_bytes
+                    .fetch_add(sent * self.world, Ordering::SeqCst);
+                self.bf16_bytes.fetch_add(elements * 2, Ordering::SeqCst);
+                Wire::Fp8 {
+                    codes: whole_codes,
+                    scales: whole_scales,
+                }
+            }
+        }
     }
 }
 
@@ -106,10 +170,10 @@ impl RowExchange<NdArray> for Loopback {
         self.world
     }
 
-    fn all_gather(&self, id: ParamId, shard: Tensor<NdArray, 1>) -> Tensor<NdArray, 1> {
+    fn all_gather(&self, id: ParamId, shard: Wire<NdArray>) -> Wire<NdArray> {
         self.in_order("an all-gather");
         *self.in_order_gathers.lock().unwrap().entry(id).or_default() += 1;
-        self.whole_checked(id, shard)
+        self.gathered(id, shard)
     }
 
     fn reduce_scatter_mean(&self, _id: ParamId, whole: Tensor<NdArray, 1>) -> Tensor<NdArray, 1> {
@@ -117,15 +181,12 @@ impl RowExchange<NdArray> for Loopback {
         self.mine(whole)
     }
 
-    fn all_gather_ahead(
-        &self,
-        shards: Vec<(ParamId, Tensor<NdArray, 1>)>,
-    ) -> Vec<Tensor<NdArray, 1>> {
+    fn all_gather_ahead(&self, shards: Vec<(ParamId, Wire<NdArray>)>) -> Vec<Wire<NdArray>> {
         self.in_order("gathers started ahead");
         let n = shards.len();
         let gathered = shards
             .into_iter()
-            .map(|(id, shard)| self.whole_checked(id, shard))
+            .map(|(id, shard)| self.gathered(id, shard))
             .collect();
         self.pending.store(true, Ordering::SeqCst);
         self.ahead.fetch_add(n, Ordering::SeqCst);
@@ -140,6 +201,10 @@ impl RowExchange<NdArray> for Loopback {
 fn values<const D: usize>(t: Tensor<NdArray, D>) -> Vec<f32> {
     let t = t.cast(FloatDType::F32);
     t.into_data().convert::<f32>().into_vec().unwrap()
+}
+
+fn ints(t: Tensor<NdArray, 1, Int>) -> Vec<i64> {
+    t.into_data().convert::<i64>().into_vec().unwrap()
 }
 
 /// The ids of a module's parameters, in module order.
@@ -170,7 +235,18 @@ fn loss_and_grads(
     y: &Tensor<B, 2, Int>,
     hook: Option<&GatherBlocks<B>>,
 ) -> (f32, HashMap<ParamId, Vec<f32>>) {
-    let precision = copy.precision();
+    loss_and_grads_in(copy, &copy.precision(), x, y, hook)
+}
+
+/// [`loss_and_grads`] under `precision` (without recomputation).
+fn loss_and_grads_in(
+    copy: &Gpt<B>,
+    precision: &model::Precision,
+    x: &Tensor<B, 2, Int>,
+    y: &Tensor<B, 2, Int>,
+    hook: Option<&GatherBlocks<B>>,
+) -> (f32, HashMap<ParamId, Vec<f32>>) {
+    let precision = precision.clone();
     let (loss, grads) = if copy.config.recompute == RecomputeKind::Full {
         let hook = hook.map(|h| h as &dyn model::BlockHook<B>);
         let (loss, grads) = summed_recomputed(copy, x, y, hook);
@@ -225,7 +301,7 @@ fn a_sharded_model_gives_the_whole_models_loss_and_each_shard_its_rows_of_the_gr
             );
             let shards = Arc::new(RowShards::new(&copy, rank, world));
             let sharded = shards.shard(copy.clone());
-            let exchange = Arc::new(Loopback::new(&copy, world, rank));
+            let exchange = Arc::new(Loopback::new(&copy, &shards));
             let hook = GatherBlocks::<B>::new(shards.clone(), exchange.clone());
             let (loss, grads) = loss_and_grads(&sharded, &x, &y, Some(&hook));
             assert_eq!(loss, plain_loss, "{what}: the loss");
@@ -270,6 +346,80 @@ fn a_sharded_model_gives_the_whole_models_loss_and_each_shard_its_rows_of_the_gr
                 assert!(
                     worst <= atol,
                     "{what}: {id}'s gradient is off by {worst:e} (largest {big:e})"
+                );
+            }
+        }
+    }
+}
+
+/// ZeRO-3 with FP8 weights on the wire: under an FP8 recipe with block scales, the projection
+/// weights travel as their shards' FP8 codes and 128 x 128 block scales (each shard a multiple of
+/// 128 rows, padding rows included), and the sharded model still gives the whole FP8 model's loss
+/// and each shard its rows of its gradients, bit for bit on the reference ops: the gathered codes
+/// dequantize to values that the FP8 linear layer quantizes to the same FP8 values as the weight.
+/// The shards' codes and scales are checked to be the rank's rows of the whole weight's (by the
+/// stand-in exchange), and fewer bytes than the weights' bf16 values travel (at these small,
+/// awkward shapes the padding to 128 rows and columns keeps it above a half).
+#[test]
+fn fp8_weights_travel_as_codes_and_train_as_the_whole_fp8_model() {
+    let _guard = common::serial();
+    let dev = NdArrayDevice::Cpu;
+    for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
+        let mut cfg = model_config(mlp, AWKWARD);
+        cfg.n_layer = 3;
+        let whole = with_combo(&Gpt::<B>::new(&cfg, AWKWARD.vocab, &dev), REFERENCE);
+        let copy = whole.compute_copy(FloatDType::F32);
+        let mut precision = copy.precision();
+        precision.fp8 = Some(kernels::Fp8LinearConfig::default());
+        // The attention's output projection computes in the compute dtype: its weight travels
+        // as values.
+        precision.fp8_compute_paths = vec!["attn.proj".into()];
+        let (x, y) = (
+            ids::<B>(AWKWARD.batch, AWKWARD.seq, AWKWARD.vocab, 5, &dev),
+            ids::<B>(AWKWARD.batch, AWKWARD.seq, AWKWARD.vocab, 6, &dev),
+        );
+        let (plain_loss, plain) = loss_and_grads_in(&copy, &precision, &x, &y, None);
+        let wire = fp8_wire(&copy, &precision);
+        assert_eq!(
+            wire.len(),
+            3 * cfg.n_layer,
+            "{mlp:?}: three FP8 projections a block"
+        );
+        // Two ranks: the blocks' 192 rows become shards of 128 (rank 1: 64 rows and 64 of
+        // padding); the MLP's wider projection splits into whole blocks.
+        for rank in [0, 1] {
+            let what = format!("{mlp:?}, FP8 wire, rank {rank} of 2");
+            let shards = Arc::new(RowShards::new(&copy, rank, 2).with_fp8_wire(wire.clone()));
+            assert_eq!(
+                shards.fp8_wire_len(),
+                wire.len(),
+                "{what}: every FP8 weight saves bytes on the wire"
+            );
+            let sharded = shards.shard(copy.clone());
+            let exchange = Arc::new(Loopback::new(&copy, &shards));
+            let hook = GatherBlocks::<B>::new(shards.clone(), exchange.clone());
+            let (loss, grads) = loss_and_grads_in(&sharded, &precision, &x, &y, Some(&hook));
+            assert_eq!(loss, plain_loss, "{what}: the loss");
+            let (fp8, bf16) = (
+                exchange.fp8_bytes.load(Ordering::SeqCst),
+                exchange.bf16_bytes.load(Ordering::SeqCst),
+            );
+            assert!(
+                fp8 > 0 && fp8 * 10 < bf16 * 8,
+                "{what}: {fp8} bytes of FP8 codes and scales against {bf16} of bf16"
+            );
+            assert_eq!(
+                grads.len(),
+                plain.len(),
+                "{what}: every parameter has a gradient"
+            );
+            for (id, g) in &plain {
+                let want = rows_of(g, shards.rows(id), shards.range(id));
+                let got = grads.get(id).expect("a gradient");
+                assert!(
+                    got == &want,
+                    "{what}: {id}'s gradient (FP8 wire: {})",
+                    wire.contains_key(id)
                 );
             }
         }

@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::Cuda;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData};
-use kernels::collective::{ProcessGroup, ReduceOp};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+use kernels::collective::{Flat, ProcessGroup, ReduceOp};
 use trainer::parallel::place::Place;
 
 /// The variable that makes a `*_worker` test a worker (its value: what the worker needs).
@@ -292,16 +292,54 @@ fn check_calls(group: &ProcessGroup, device: &CudaDevice, dtype: FloatDType) {
         .enumerate()
         .map(|(k, &n)| {
             let d = if k == 1 { FloatDType::F32 } else { dtype };
-            tensor(all[k][rank].clone(), [n], device, d)
+            Flat::Float(tensor(all[k][rank].clone(), [n], device, d))
         })
         .collect();
     let outs = group.all_gather_overlapped(inputs);
     group.wait_overlapped::<Cuda>(device);
     for (k, out) in outs.into_iter().enumerate() {
         assert_eq!(
-            read(out),
+            read(out.float()),
             all[k].concat(),
             "rank {rank}: overlapped all_gather {k} of a group, {dtype:?}"
+        );
+    }
+    // Integers (FP8 codes, four to an element) gather bytes for bytes, beside floats in one
+    // group, in order and overlapped, with every bit pattern (a NaN's among them) intact; the
+    // group counts the bytes its gathers receive.
+    let words = |r: usize| -> Vec<i32> {
+        (0..1027)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ (r as u32 * 0x7fc0_0001)) as i32)
+            .collect()
+    };
+    let every_words: Vec<i32> = (0..world).flat_map(words).collect();
+    let scales = every(9, 21);
+    for overlapped in [false, true] {
+        let before = group.gathered_bytes();
+        let codes = Tensor::<Cuda, 1, Int>::from_data(TensorData::new(words(rank), [1027]), device);
+        let parts = vec![
+            Flat::Int(codes),
+            Flat::Float(tensor(scales[rank].clone(), [9], device, FloatDType::F32)),
+        ];
+        let mut outs = if overlapped {
+            let outs = group.all_gather_overlapped(parts);
+            group.wait_overlapped::<Cuda>(device);
+            outs
+        } else {
+            group.all_gather_group(parts)
+        };
+        let got_scales = read(outs.pop().unwrap().float());
+        let got_words = outs.pop().unwrap().int().into_data().convert::<i32>();
+        assert_eq!(
+            got_words.to_vec::<i32>().unwrap(),
+            every_words,
+            "rank {rank}: all-gathered i32 words (overlapped: {overlapped})"
+        );
+        assert_eq!(got_scales, scales.concat(), "rank {rank}: and their scales");
+        assert_eq!(
+            group.gathered_bytes() - before,
+            (world * (1027 + 9) * 4) as u64,
+            "rank {rank}: the bytes counted"
         );
     }
     // Reduce (mean) to each rank in turn, of a pitched 2-D tensor: the result on that rank only.
@@ -427,8 +465,8 @@ fn train_config(
 }
 
 /// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS`, then any of `zero=N`,
-/// `bucket_mb=X`, `grad_accum=N`, `stop_at=STEP`, `recompute=MODE` and `resume=1`, separated by
-/// `;`.
+/// `bucket_mb=X`, `grad_accum=N`, `stop_at=STEP`, `recompute=MODE`, `d_model=N` and `resume=1`,
+/// separated by `;`.
 #[test]
 #[ignore = "a worker of the training tests"]
 fn train_worker() {
@@ -452,6 +490,7 @@ fn train_worker() {
                 cfg.model.recompute = serde_json::from_str(&format!("\"{value}\"")).unwrap()
             }
             "resume" => resume = value == "1",
+            "d_model" => cfg.model.d_model = value.parse().unwrap(),
             _ => panic!("unknown worker setting {setting}"),
         }
     }
@@ -748,26 +787,52 @@ fn zero_3_between_processes_trains_like_one_gpu() {
     assert_trains_like(&what, &one, &dir, steps, tolerances(precision), lr);
 
     // fp16 with its loss scaling, against one GPU; FP8, whose scales follow each GPU's own rows of
-    // the batch, against two processes without ZeRO.
+    // the batch, against two processes without ZeRO, at width 256 so that its projection weights
+    // travel as FP8 codes (shards of 128 rows), with at most 0.55x the bytes of bf16's gathers.
     let fp16 = PrecisionKind::Fp16;
     let one = one_gpu_run("mp_zero3_one_fp16", fp16, steps);
-    for (precision, one) in [(fp16, Some(one)), (PrecisionKind::Fp8, None)] {
-        let run = |zero: usize| {
-            let dir = common::scratch(&format!("mp_zero{zero}_{precision}"));
-            let arg = format!("{};{precision};{steps};zero={zero}", dir.display());
-            expect_success(
-                start_workers("train_worker", &arg, Layout::default_here()),
-                Duration::from_secs(300),
-            );
-            dir
-        };
+    let run = |precision: PrecisionKind, zero: usize, more: &str| {
+        let dir = common::scratch(&format!("mp_zero{zero}_{precision}"));
+        let arg = format!("{};{precision};{steps};zero={zero}{more}", dir.display());
+        let out = expect_success(
+            start_workers("train_worker", &arg, Layout::default_here()),
+            Duration::from_secs(300),
+        );
+        (dir, out.concat())
+    };
+    let gathered = |dir: &Path| -> u64 {
+        let summary: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+        summary["gathered_bytes_per_step"]
+            .as_u64()
+            .expect("a run of processes reports its gathered bytes")
+    };
+    let wide = ";d_model=256";
+    for (precision, one, width) in [(fp16, Some(one), ""), (PrecisionKind::Fp8, None, wide)] {
         let (against, one) = match one {
             Some(one) => ("one GPU", one),
-            None => ("two processes without ZeRO", run(0)),
+            None => ("two processes without ZeRO", run(precision, 0, width).0),
         };
+        let (zero3, out) = run(precision, 3, width);
         let what = format!("{precision}, {against} against two processes with ZeRO-3");
         let lr = train_config(precision, 8, steps).optimizer.lr;
-        assert_trains_like(&what, &one, &run(3), steps, tolerances(precision), lr);
+        assert_trains_like(&what, &one, &zero3, steps, tolerances(precision), lr);
+        if precision == PrecisionKind::Fp8 {
+            assert!(
+                out.contains("travel as FP8 codes"),
+                "{what}: the projection weights travel as FP8 codes:\n{out}"
+            );
+            let (bf16, _) = run(PrecisionKind::Bf16, 3, wide);
+            let (fp8_bytes, bf16_bytes) = (gathered(&zero3), gathered(&bf16));
+            println!(
+                "ZeRO-3 gathers a step at width 256: FP8 {fp8_bytes} bytes, bf16 {bf16_bytes} ({:.3}x)",
+                fp8_bytes as f64 / bf16_bytes as f64
+            );
+            assert!(
+                fp8_bytes as f64 <= 0.55 * bf16_bytes as f64,
+                "{what}: FP8 gathers move {fp8_bytes} bytes a step against bf16's {bf16_bytes}"
+            );
+        }
     }
 }
 

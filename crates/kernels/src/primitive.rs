@@ -3,7 +3,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 /// The float primitive inside `t`.
 pub(crate) fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
@@ -32,4 +32,14 @@ pub(crate) fn as_2d<B: Backend>(p: FloatTensor<B>) -> (Tensor<B, 2>, Shape) {
 /// The inverse of [`as_2d`]: `t` reshaped back to `shape`.
 pub(crate) fn from_2d<B: Backend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
     B::float_reshape(prim(t), shape)
+}
+
+/// The float dtype of a float tensor's `dtype` (f32 for any dtype that is not a float one).
+pub(crate) fn float_dtype(dtype: DType) -> FloatDType {
+    match dtype {
+        DType::F64 => FloatDType::F64,
+        DType::F16 => FloatDType::F16,
+        DType::BF16 => FloatDType::BF16,
+        _ => FloatDType::F32,
+    }
 }

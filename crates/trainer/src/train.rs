@@ -95,6 +95,10 @@ pub struct Summary {
     /// Steps of this session whose statistics were read one step late, while the next step was
     /// already queued (`training.read_back_late`).
     pub steps_read_late: u64,
+    /// In a run of processes: the bytes this rank's all-gathers received in the session's last
+    /// step (ZeRO's gathers of weights; evaluation's excluded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gathered_bytes_per_step: Option<u64>,
 }
 
 /// Rank 0's FP8 amax histories for delayed scaling (`fp8.amax_history` with an FP8 recipe), holding
@@ -222,6 +226,9 @@ struct Progress {
     /// Steps of this session read one step late ([`read_back`]).
     read_late: u64,
     peak_memory: Option<u64>,
+    /// Bytes this rank's all-gathers received while the last step was queued (a run of
+    /// processes).
+    gathered_last_step: Option<u64>,
 }
 
 impl Progress {
@@ -239,6 +246,7 @@ impl Progress {
             tok_rates: Vec::new(),
             read_late: 0,
             peak_memory: None,
+            gathered_last_step: None,
         }
     }
 }
@@ -309,8 +317,19 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         };
         // ZeRO-3 keeps each rank's rows from here on: a checkpoint's rows are read into the cut
         // model, so that no whole state but the freshly built f32 weights is ever on the GPU.
+        // The projection weights that compute in FP8 with block scales travel as FP8 codes.
         let row_split = match (&process, cfg.training.zero) {
-            (Some(p), 3) => Some(Arc::new(RowShards::new(&model, p.rank(), p.world()))),
+            (Some(p), 3) => {
+                let precision = model::Precision {
+                    fp8: recipe.fp8_linear(),
+                    fp8_edge_blocks: cfg.fp8.bf16_edge_blocks,
+                    fp8_compute_paths: cfg.fp8.projections.compute_paths(),
+                    ..model::Precision::new(compute_dtype, run.precision.gemm)
+                };
+                let wire = crate::parallel::fsdp::fp8_wire(&model, &precision);
+                let rows = RowShards::new(&model, p.rank(), p.world()).with_fp8_wire(wire);
+                Some(Arc::new(rows))
+            }
             _ => None,
         };
         let model = match &row_split {
@@ -771,6 +790,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             final_loss_scale: self.scaler.scale(),
             peak_memory_reserved: p.peak_memory,
             steps_read_late: p.read_late,
+            gathered_bytes_per_step: p.gathered_last_step,
         };
         if self.group.writes() {
             write_atomic(

@@ -88,6 +88,12 @@ pub(super) fn issue_group(comm: &Arc<Comm>, calls: Vec<Call>) {
         return;
     }
     debug_assert!(calls.iter().all(|c| c.overlapped == first.overlapped));
+    let gathered: u64 = calls
+        .iter()
+        .filter(|c| matches!(c.kind, Kind::AllGather))
+        .map(|c| (c.recv.meta.shape().num_elements() * c.recv.dtype.size()) as u64)
+        .sum();
+    comm.gathered_bytes.fetch_add(gathered, Ordering::Relaxed);
     let runner = crate::device_thread::runner(&RUNNERS, &first.send.device);
     let comm = comm.clone();
     runner.submit(move |_| {
@@ -378,9 +384,13 @@ fn nccl_type(dtype: burn::tensor::DType) -> Result<(nsys::ncclDataType_t, usize)
         DType::F16 => (N::ncclFloat16, 2),
         DType::BF16 => (N::ncclBfloat16, 2),
         DType::F64 => (N::ncclFloat64, 8),
+        // Integers travel in all-gathers and broadcasts (NCCL refuses none of the calls on them).
+        DType::I32 => (N::ncclInt32, 4),
+        DType::U32 => (N::ncclUint32, 4),
+        DType::I64 => (N::ncclInt64, 8),
         other => {
             return Err(format!(
-                "kernels::collective: {other:?} tensors are not supported (f32, f16, bf16, f64)"
+                "kernels::collective: {other:?} tensors are not supported (f32, f16, bf16, f64, i32, u32, i64)"
             ))
         }
     })

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, CStr};
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::{result as drv, sys as dsys};
@@ -86,6 +86,8 @@ pub(super) struct Comm {
     pub(super) streams: Mutex<HashMap<usize, Result<dsys::CUstream, String>>>,
     /// The slots of CubeCL's stream pool, once read.
     pub(super) pool_slots: Mutex<Option<Result<usize, String>>>,
+    /// Bytes received by this rank's all-gathers, counted as they are issued.
+    pub(super) gathered_bytes: AtomicU64,
     /// The first error; once set, no call is issued.
     first_error: Mutex<Option<String>>,
     aborted: AtomicBool,
@@ -147,6 +149,7 @@ impl Comm {
                 streams: Mutex::new(HashMap::new()),
                 pool_slots: Mutex::new(None),
                 first_error: Mutex::new(None),
+                gathered_bytes: AtomicU64::new(0),
                 aborted: AtomicBool::new(false),
             })
         }

@@ -8,6 +8,10 @@
 //! that stream cannot be found, a call synchronises CubeCL's stream, runs on the communicator's
 //! own stream and waits for it (warned once).
 //!
+//! All-gathers also carry integer tensors ([`Flat::Int`]: FP8 codes packed four to an element, say),
+//! bytes for bytes; the reductions take float tensors only. [`ProcessGroup::all_gather_group`]
+//! gathers several tensors, of either kind, as one NCCL launch.
+//!
 //! [`ProcessGroup::all_reduce_overlapped`] and [`ProcessGroup::all_gather_overlapped`] run instead
 //! on the group's own stream, behind an event that CubeCL's stream records, so that the kernels
 //! queued after them run meanwhile (a gradient bucket's reduction beside the rest of the backward,
@@ -42,7 +46,9 @@ mod comm;
 use std::any::Any;
 use std::sync::Arc;
 
-use burn::tensor::{Tensor, TensorPrimitive};
+use std::sync::atomic::Ordering;
+
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::cuda::CudaRuntime;
@@ -69,9 +75,59 @@ pub trait CollectiveBackend: burn::tensor::backend::Backend {
     /// The inverse of [`CollectiveBackend::as_cuda`].
     #[doc(hidden)]
     fn from_cuda(t: CubeTensor<CudaRuntime>) -> burn::tensor::ops::FloatTensor<Self>;
+    /// The integer tensor as CubeCL's CUDA tensor, or `None` on another runtime.
+    #[doc(hidden)]
+    fn int_as_cuda(t: burn::tensor::ops::IntTensor<Self>) -> Option<CubeTensor<CudaRuntime>>;
+    /// The inverse of [`CollectiveBackend::int_as_cuda`].
+    #[doc(hidden)]
+    fn int_from_cuda(t: CubeTensor<CudaRuntime>) -> burn::tensor::ops::IntTensor<Self>;
     /// The CUDA device's index, or `None` for a device of another runtime.
     #[doc(hidden)]
     fn cuda_index(device: &Self::Device) -> Option<usize>;
+}
+
+/// A flat tensor that an all-gather carries: float values, or integers (which the gather moves
+/// as they are, bytes for bytes).
+pub enum Flat<B: burn::tensor::backend::Backend> {
+    Float(Tensor<B, 1>),
+    Int(Tensor<B, 1, Int>),
+}
+
+impl<B: burn::tensor::backend::Backend> Flat<B> {
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        match self {
+            Flat::Float(t) => t.dims()[0],
+            Flat::Int(t) => t.dims()[0],
+        }
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The float tensor.
+    ///
+    /// # Panics
+    /// If it holds integers.
+    pub fn float(self) -> Tensor<B, 1> {
+        match self {
+            Flat::Float(t) => t,
+            Flat::Int(_) => panic!("an integer tensor where a float one was expected"),
+        }
+    }
+
+    /// The integer tensor.
+    ///
+    /// # Panics
+    /// If it holds floats.
+    pub fn int(self) -> Tensor<B, 1, Int> {
+        match self {
+            Flat::Int(t) => t,
+            Flat::Float(_) => panic!("a float tensor where an integer one was expected"),
+        }
+    }
 }
 
 impl<R, F, I, BT> CollectiveBackend for CubeBackend<R, F, I, BT>
@@ -92,6 +148,12 @@ where
             .downcast::<CubeTensor<R>>()
             .expect("a CUDA tensor came from this backend")
     }
+    fn int_as_cuda(t: CubeTensor<R>) -> Option<CubeTensor<CudaRuntime>> {
+        Self::as_cuda(t)
+    }
+    fn int_from_cuda(t: CubeTensor<CudaRuntime>) -> CubeTensor<R> {
+        Self::from_cuda(t)
+    }
     fn cuda_index(device: &R::Device) -> Option<usize> {
         (device as &dyn Any)
             .downcast_ref::<cubecl::cuda::CudaDevice>()
@@ -106,6 +168,12 @@ impl CollectiveBackend for burn::backend::NdArray {
         None
     }
     fn from_cuda(_: CubeTensor<CudaRuntime>) -> burn::tensor::ops::FloatTensor<Self> {
+        unreachable!("no NdArray tensor is on CUDA")
+    }
+    fn int_as_cuda(_: burn::tensor::ops::IntTensor<Self>) -> Option<CubeTensor<CudaRuntime>> {
+        None
+    }
+    fn int_from_cuda(_: CubeTensor<CudaRuntime>) -> burn::tensor::ops::IntTensor<Self> {
         unreachable!("no NdArray tensor is on CUDA")
     }
     fn cuda_index(_: &Self::Device) -> Option<usize> {
@@ -297,36 +365,69 @@ impl ProcessGroup {
     }
 
     /// [`ProcessGroup::all_gather`] of every tensor of `ts` (each gathered on its own, in its
-    /// dtype), as one NCCL launch beside CubeCL's later work: the calls run on the group's own
-    /// stream once CubeCL's stream has produced the inputs. The results may be read only after
-    /// [`ProcessGroup::wait_overlapped`]. For gathering the next layer's weights while this one
-    /// computes.
+    /// dtype, floats and integers alike) as one NCCL launch, in CubeCL's order: for the parts of
+    /// one value that travel apart (FP8 codes and their scales).
     ///
     /// # Panics
     /// If a tensor is not a CUDA tensor.
-    pub fn all_gather_overlapped<B: CollectiveBackend>(
+    pub fn all_gather_group<B: CollectiveBackend>(&self, ts: Vec<Flat<B>>) -> Vec<Flat<B>> {
+        let (outs, calls) = self.gather_calls(ts, false, "all_gather_group");
+        call::issue_group(&self.comm, calls);
+        outs
+    }
+
+    /// [`ProcessGroup::all_gather_group`] beside CubeCL's later work: the calls run on the
+    /// group's own stream once CubeCL's stream has produced the inputs. The results may be read
+    /// only after [`ProcessGroup::wait_overlapped`]. For gathering the next layer's weights while
+    /// this one computes.
+    ///
+    /// # Panics
+    /// If a tensor is not a CUDA tensor.
+    pub fn all_gather_overlapped<B: CollectiveBackend>(&self, ts: Vec<Flat<B>>) -> Vec<Flat<B>> {
+        let (outs, calls) = self.gather_calls(ts, true, "all_gather_overlapped");
+        call::issue_group(&self.comm, calls);
+        outs
+    }
+
+    /// Bytes that this rank's all-gathers have received so far (every rank's shares, its own
+    /// included), counted as they are issued.
+    pub fn gathered_bytes(&self) -> u64 {
+        self.comm.gathered_bytes.load(Ordering::Relaxed)
+    }
+
+    /// The outputs and calls of an all-gather of each of `ts`.
+    fn gather_calls<B: CollectiveBackend>(
         &self,
-        ts: Vec<Tensor<B, 1>>,
-    ) -> Vec<Tensor<B, 1>> {
+        ts: Vec<Flat<B>>,
+        overlapped: bool,
+        what: &str,
+    ) -> (Vec<Flat<B>>, Vec<Call>) {
         let world = self.world();
         let mut outs = Vec::with_capacity(ts.len());
         let mut calls = Vec::with_capacity(ts.len());
         for t in ts {
-            let n = t.shape().num_elements();
-            let out = Tensor::<B, 1>::empty([n * world], (&t.device(), t.dtype()));
+            let n = t.len();
+            let (send, recv, out) = match t {
+                Flat::Float(t) => {
+                    let out = Tensor::<B, 1>::empty([n * world], (&t.device(), t.dtype()));
+                    let recv = cuda::<B>(out.clone().into_primitive().tensor(), what);
+                    (dense::<B, 1>(t, what), recv, Flat::Float(out))
+                }
+                Flat::Int(t) => {
+                    let out = Tensor::<B, 1, Int>::empty([n * world], (&t.device(), t.dtype()));
+                    let recv = int_cuda::<B>(out.clone().into_primitive(), what);
+                    (dense_int::<B>(t, what), recv, Flat::Int(out))
+                }
+            };
             calls.push(Call {
                 kind: Kind::AllGather,
-                send: dense::<B, 1>(t, "all_gather_overlapped"),
-                recv: cuda::<B>(
-                    out.clone().into_primitive().tensor(),
-                    "all_gather_overlapped",
-                ),
-                overlapped: true,
+                send,
+                recv,
+                overlapped,
             });
             outs.push(out);
         }
-        call::issue_group(&self.comm, calls);
-        outs
+        (outs, calls)
     }
 
     /// Makes CubeCL's stream on `device` wait for the overlapped calls issued so far: work queued
@@ -368,15 +469,37 @@ fn cuda<B: CollectiveBackend>(
     })
 }
 
+/// The integer tensor `t` as CubeCL's CUDA tensor.
+///
+/// # Panics
+/// If it is on another runtime, naming the call (`what`).
+fn int_cuda<B: CollectiveBackend>(
+    t: burn::tensor::ops::IntTensor<B>,
+    what: &str,
+) -> CubeTensor<CudaRuntime> {
+    B::int_as_cuda(t).unwrap_or_else(|| {
+        panic!("kernels::collective::{what}: the tensor is not on CUDA; a process group's calls take CUDA tensors (NCCL)")
+    })
+}
+
+/// [`dense`] for a flat integer tensor.
+fn dense_int<B: CollectiveBackend>(t: Tensor<B, 1, Int>, what: &str) -> CubeTensor<CudaRuntime> {
+    unique_dense(int_cuda::<B>(t.into_primitive(), what))
+}
+
 /// `t`'s elements as a unique, dense, one-dimensional CUDA buffer of exactly those elements (a
 /// copy where `t` shares, pads or strides its buffer), which a call may write in place.
 fn dense<B: CollectiveBackend, const D: usize>(
     t: Tensor<B, D>,
     what: &str,
 ) -> CubeTensor<CudaRuntime> {
-    let n = t.shape().num_elements();
+    unique_dense(cuda::<B>(t.into_primitive().tensor(), what))
+}
+
+/// CubeCL's tensor `t` as a unique, dense, one-dimensional buffer of its elements.
+fn unique_dense(t: CubeTensor<CudaRuntime>) -> CubeTensor<CudaRuntime> {
+    let n = t.meta.shape().num_elements();
     // Row-major first (a copy of a pitched or strided tensor), so that the reshape is a view.
-    let t = cuda::<B>(t.into_primitive().tensor(), what);
     let t = burn_cubecl::kernel::into_contiguous(t);
     let flat = burn_cubecl::ops::reshape(t, burn::tensor::Shape::new([n]));
     if flat.can_mut() {

@@ -9,9 +9,10 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
-use super::linear::{chunked, float_dtype, LinearCrossEntropy};
+use super::linear::{chunked, LinearCrossEntropy};
 use super::CrossEntropyKernels;
 use crate::gemm::GemmOps;
+use crate::primitive::float_dtype;
 use crate::reduce::ReduceOps;
 
 #[derive(Debug)]

@@ -16,10 +16,11 @@
 
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, FloatDType, Int, Tensor, TensorMetadata};
+use burn::tensor::{FloatDType, Int, Tensor, TensorMetadata};
 
 use super::CrossEntropyKernels;
 use crate::gemm::{Gemm, GemmOps};
+use crate::primitive::float_dtype;
 use crate::reduce::ReduceOps;
 
 /// The fewest bytes of logits one chunk may take when [`LinearCrossEntropy::chunk_rows`] is
@@ -94,16 +95,6 @@ pub fn reference<B: BurnBackend>(
     let w = w.cast(float_dtype(x.dtype()));
     let logits = crate::gemm::reference(x, w, false, true);
     super::reference(logits, targets, z_loss).mean()
-}
-
-/// `dtype` as a float dtype, for casts.
-pub(crate) fn float_dtype(dtype: DType) -> FloatDType {
-    match dtype {
-        DType::F64 => FloatDType::F64,
-        DType::F16 => FloatDType::F16,
-        DType::BF16 => FloatDType::BF16,
-        _ => FloatDType::F32,
-    }
 }
 
 /// The chunked loss on a kernels backend: the mean loss (`[1]` f32) and, for the gradients asked

@@ -18,13 +18,13 @@ use burn::tensor::{FloatDType, Tensor, TensorMetadata, TensorPrimitive};
 
 use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
 use super::delayed::{quantize_at, quantize_pair_at};
-pub(crate) use super::format::float_dtype;
 use super::Fp8Ops;
 use super::{
     fp8_gemm, fp8_quantize, Fp8LinearConfig, Fp8Probe, Fp8Record, Fp8ScaleSite, Fp8Tensor,
     QuantSpec,
 };
 use crate::gemm::GemmOps;
+use crate::primitive::float_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 /// `y = x w` (fprop), in FP8 when `cfg.fprop`; an untracked forward, recording no amax.

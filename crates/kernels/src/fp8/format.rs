@@ -1,7 +1,5 @@
 //! FP8 formats, how elements share a scale, and a quantization spec.
 
-use burn::tensor::{DType, FloatDType};
-
 use super::kernel;
 
 /// Scales cover 128 elements of the reduction axis (and 128 rows for blocks).
@@ -130,15 +128,5 @@ impl QuantSpec {
             Fp8Granularity::Tensor => 1,
             _ => k.div_ceil(TILE),
         }
-    }
-}
-
-/// The float dtype of a float tensor.
-pub(crate) fn float_dtype(d: DType) -> FloatDType {
-    match d {
-        DType::F64 => FloatDType::F64,
-        DType::F16 => FloatDType::F16,
-        DType::BF16 => FloatDType::BF16,
-        _ => FloatDType::F32,
     }
 }

@@ -25,12 +25,12 @@ use burn::tensor::{FloatDType, Tensor};
 
 use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
 use super::delayed::{quantize_at, quantize_pair_at};
-use super::format::float_dtype;
 use super::producer::fp8_gelu_quantize_pair;
 use super::{fp8_gemm, fp8_linear_scaled, Fp8Granularity};
 use super::{Fp8LinearConfig, Fp8Ops, Fp8Record, Fp8ScaleSite, Fp8Tensor, QuantSpec};
 use crate::activation::{ActivationKernels, ActivationOps};
 use crate::gemm::GemmOps;
+use crate::primitive::float_dtype;
 use crate::primitive::{prim, tensor};
 
 /// `gelu(x w_fc) w_proj` for `x [t, d]`, `w_fc [d, ff]`, `w_proj [ff, out]` (one dtype), in

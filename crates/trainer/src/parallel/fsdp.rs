@@ -28,6 +28,19 @@
 //! Burn's backward keeps what the block's ops saved, the gathered weights among them, until the
 //! block's backward.
 //!
+//! **FP8 on the wire** ([`RowShards::with_fp8_wire`]): the weight of a projection that computes in
+//! FP8 with 128 x 128 block scales (powers of two) is gathered as FP8 codes and block scales: each
+//! rank quantizes its row shard as the FP8 linear layer quantizes a weight, the codes (four to an
+//! i32) and the f32 scales of every rank travel in one NCCL group, and the gathered codes are
+//! dequantized to the shard's dtype (exactly: an E4M3 code times a power of two is a bf16 or f32
+//! value). Such a parameter's shards are a multiple of 128 rows, so that no block straddles two
+//! ranks: the shards' codes and scales, concatenated, are the whole weight's, and no rank needs
+//! another's amax. The FP8 linear layer's own quantization of the gathered weight then gives the
+//! values it would give the whole weight (the same scale, or half of it where a block's largest
+//! code rounded down), so the forward and its gradients are those of one GPU's FP8 step; about half
+//! the bytes of a bf16 gather travel (one per element, four per 128 x 128 block). The gradient
+//! travels as before, in f32.
+//!
 //! The collectives run in the order of the forward and of Burn's backward, which are the same on
 //! every rank: the graph is built by the same code over tensors of the same shapes.
 
@@ -42,8 +55,10 @@ use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::Int;
 use burn::tensor::{FloatDType, Shape, Tensor, TensorPrimitive};
-use kernels::collective::{CollectiveBackend, ProcessGroup, ReduceOp};
+use kernels::collective::{CollectiveBackend, Flat, ProcessGroup, ReduceOp};
+use kernels::{Fp8Tensor, QuantSpec};
 use model::gpt::Block;
 use model::{BlockHook, Gpt, Outside};
 
@@ -64,6 +79,9 @@ pub struct RowShards {
     pub world: usize,
     /// Rows (dimension 0) of each whole parameter, and the elements of one row.
     rows: HashMap<ParamId, (usize, usize)>,
+    /// The 2-D parameters gathered as FP8 codes, with the quantization of their shards (128 x 128
+    /// blocks): their shards are a multiple of 128 rows.
+    fp8_wire: HashMap<ParamId, QuantSpec>,
 }
 
 impl RowShards {
@@ -85,6 +103,54 @@ impl RowShards {
             rank,
             world,
             rows: r.0,
+            fp8_wire: HashMap::new(),
+        }
+    }
+
+    /// The split with the 2-D parameters of `wire` gathered as FP8 codes quantized by their spec
+    /// (128 x 128 blocks with power-of-two scales, along the columns), their shards rounded up to
+    /// a multiple of 128 rows; those whose codes, so padded, would move as many bytes as their
+    /// bf16 values or more (small weights over many ranks) keep travelling as values. Made
+    /// before the model is cut ([`RowShards::shard`]).
+    ///
+    /// # Panics
+    /// If a spec is not of 128 x 128 blocks with power-of-two scales along the columns, or an id
+    /// is not a 2-D parameter of the split.
+    pub fn with_fp8_wire(mut self, wire: HashMap<ParamId, QuantSpec>) -> Self {
+        for (id, spec) in &wire {
+            assert!(
+                spec.granularity == kernels::Fp8Granularity::Block128 && spec.pow2 && !spec.transpose,
+                "the FP8 wire takes 128 x 128 blocks with power-of-two scales along the columns ({id}: {spec:?})"
+            );
+            self.entry(id);
+        }
+        let world = self.world;
+        self.fp8_wire = wire
+            .into_iter()
+            .filter(|(id, _)| {
+                let (rows, cols) = self.entry(id);
+                fp8_wire_bytes(rows, cols, world) < share(rows, world) * cols * 2
+            })
+            .collect();
+        self
+    }
+
+    /// How many parameters are gathered as FP8 codes.
+    pub fn fp8_wire_len(&self) -> usize {
+        self.fp8_wire.len()
+    }
+
+    /// The quantization of `id`'s shards where it is gathered as FP8 codes.
+    pub fn fp8_wire_spec(&self, id: &ParamId) -> Option<QuantSpec> {
+        self.fp8_wire.get(id).copied()
+    }
+
+    /// Rows of each rank's shard of `id` (padding rows included).
+    pub fn share(&self, id: &ParamId) -> usize {
+        let rows = share(self.rows(id), self.world);
+        match self.fp8_wire.contains_key(id) {
+            true => rows.div_ceil(kernels::fp8::TILE) * kernels::fp8::TILE,
+            false => rows,
         }
     }
 
@@ -104,8 +170,7 @@ impl RowShards {
 
     /// Elements of each rank's shard of `id`, padding rows included.
     pub fn shard_elements(&self, id: &ParamId) -> usize {
-        let (rows, per_row) = self.entry(id);
-        share(rows, self.world) * per_row
+        self.share(id) * self.entry(id).1
     }
 
     /// Every parameter of the split.
@@ -122,8 +187,61 @@ impl RowShards {
 
     /// The first row of this rank's shard of `id` in the padded parameter, and the shard's rows.
     pub fn range(&self, id: &ParamId) -> (usize, usize) {
-        let n = share(self.rows(id), self.world);
+        let n = self.share(id);
         (self.rank * n, n)
+    }
+
+    /// What an all-gather of `id`'s row shard `shard` (flat) carries: its FP8 codes and scales
+    /// where `id` travels in FP8 and the shard is in bf16 or f32, else its values.
+    pub fn wire<B: kernels::Backend>(&self, id: &ParamId, shard: Tensor<B, 1>) -> Wire<B> {
+        let dtype = shard.dtype();
+        let fits = matches!(dtype, burn::tensor::DType::BF16 | burn::tensor::DType::F32);
+        match self.fp8_wire.get(id) {
+            Some(spec) if fits => {
+                let (rows, cols) = (self.share(id), self.entry(id).1);
+                let q = kernels::fp8_quantize(shard.reshape([rows, cols]), *spec);
+                let flat = |t: Tensor<B, 2>| {
+                    let n = t.shape().num_elements();
+                    t.reshape([n])
+                };
+                let n = q.payload.shape().num_elements();
+                Wire::Fp8 {
+                    codes: q.payload.reshape([n]),
+                    scales: flat(q.scales),
+                }
+            }
+            _ => Wire::Values(shard),
+        }
+    }
+
+    /// The padded whole parameter `id` (flat, in `dtype`, the shards' dtype) from what its
+    /// all-gather brought: the values, or the FP8 codes dequantized.
+    pub fn unwire<B: kernels::Backend>(
+        &self,
+        id: &ParamId,
+        gathered: Wire<B>,
+        dtype: burn::tensor::DType,
+    ) -> Tensor<B, 1> {
+        match gathered {
+            Wire::Values(t) => t,
+            Wire::Fp8 { codes, scales } => {
+                let spec = self.fp8_wire[id];
+                let (rows, cols) = (self.share(id) * self.world, self.entry(id).1);
+                let words = codes.dims()[0] / rows;
+                let q = Fp8Tensor {
+                    payload: codes.reshape([rows, words]),
+                    scales: scales.reshape([spec.scale_rows(rows), spec.scale_cols(cols)]),
+                    rows,
+                    k: cols,
+                    spec,
+                };
+                let dtype = match dtype {
+                    burn::tensor::DType::BF16 => FloatDType::BF16,
+                    _ => FloatDType::F32,
+                };
+                q.dequantize(dtype).reshape([rows * cols])
+            }
+        }
     }
 
     /// The rows of every parameter this rank keeps, as a checkpoint shard records them.
@@ -172,6 +290,35 @@ impl RowShards {
     }
 }
 
+/// The projection weights of `model` that a ZeRO-3 run gathers as FP8 codes under `precision`
+/// ([`RowShards::with_fp8_wire`]), with the quantization of their shards: those of the projections
+/// whose forward and input-gradient GEMMs both take the weight in FP8 with 128 x 128 block scales
+/// that are powers of two (the weight is used nowhere else, so the codes lose nothing it would
+/// keep). Per-tensor scaling would need the ranks to agree on one amax first: those weights
+/// travel as values.
+pub fn fp8_wire<B: Backend>(
+    model: &Gpt<B>,
+    precision: &model::Precision,
+) -> HashMap<ParamId, QuantSpec> {
+    model
+        .fp8_projections(precision)
+        .into_iter()
+        .filter(|(_, _, cfg)| !cfg.per_tensor && cfg.pow2 && cfg.fprop && cfg.dgrad)
+        .map(|(_, linear, cfg)| (linear.weight.id, cfg.weight_spec(false)))
+        .collect()
+}
+
+/// Bytes of one rank's shard of a `[rows, cols]` weight on the FP8 wire: its rows rounded up to a
+/// multiple of 128, a byte per code (the columns padded to 128) and an f32 scale per block.
+fn fp8_wire_bytes(rows: usize, cols: usize, world: usize) -> usize {
+    let tile = kernels::fp8::TILE;
+    let (share, blocks) = (
+        share(rows, world).div_ceil(tile) * tile,
+        cols.div_ceil(tile),
+    );
+    share * blocks * tile + (share / tile) * blocks * 4
+}
+
 /// Cuts parameters (and their moments, where given) to a rank's rows.
 struct Cut<'a, B: Backend> {
     shards: &'a RowShards,
@@ -214,21 +361,81 @@ fn rows_of<B: Backend, const D: usize>(t: Tensor<B, D>, start: usize, n: usize) 
     out.slice_assign(kept, t.narrow(0, start, have))
 }
 
+/// What an all-gather of one parameter's row shard carries ([`RowShards::wire`]).
+pub enum Wire<B: Backend> {
+    /// The shard's values, flat, in their dtype.
+    Values(Tensor<B, 1>),
+    /// The shard's FP8 codes (four to an element, row by row) and their f32 block scales, both
+    /// flat: concatenated over the ranks, they are the whole padded weight's.
+    Fp8 {
+        codes: Tensor<B, 1, Int>,
+        scales: Tensor<B, 1>,
+    },
+}
+
+impl<B: Backend> Wire<B> {
+    /// The device its tensors are on.
+    fn device(&self) -> B::Device {
+        match self {
+            Wire::Values(t) => t.device(),
+            Wire::Fp8 { scales, .. } => scales.device(),
+        }
+    }
+
+    /// Bytes it carries: a byte per FP8 code (four an element of `codes`, which are i32 words
+    /// on CUDA) and four per scale.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Wire::Values(t) => t.shape().num_elements() * t.dtype().size(),
+            Wire::Fp8 { codes, scales } => {
+                (codes.shape().num_elements() + scales.shape().num_elements()) * 4
+            }
+        }
+    }
+
+    /// Its tensors, in order, as an all-gather takes them.
+    fn into_flats(self, out: &mut Vec<Flat<B>>) {
+        match self {
+            Wire::Values(t) => out.push(Flat::Float(t)),
+            Wire::Fp8 { codes, scales } => {
+                out.push(Flat::Int(codes));
+                out.push(Flat::Float(scales));
+            }
+        }
+    }
+
+    /// The wires of the kinds of `like` from their tensors, in order ([`Wire::into_flats`]).
+    fn from_flats(like: &[bool], flats: Vec<Flat<B>>) -> Vec<Self> {
+        let mut flats = flats.into_iter();
+        let mut next = || flats.next().expect("a gathered tensor for every one sent");
+        like.iter()
+            .map(|&fp8| match fp8 {
+                true => Wire::Fp8 {
+                    codes: next().int(),
+                    scales: next().float(),
+                },
+                false => Wire::Values(next().float()),
+            })
+            .collect()
+    }
+}
+
 /// How row shards travel between the ranks: NCCL's all-gather and reduce-scatter in a run of
 /// processes ([`ProcessGroup`]). Every tensor is flat; `id` names the parameter, for an exchange
 /// that needs it (the CPU tests' stand-in for other ranks).
 pub trait RowExchange<B: Backend>: Send + Sync {
     /// How many ranks hold shards.
     fn world(&self) -> usize;
-    /// Every rank's `shard` (the same number of elements on every rank), rank 0's first.
-    fn all_gather(&self, id: ParamId, shard: Tensor<B, 1>) -> Tensor<B, 1>;
+    /// Every rank's `shard` (the same number of elements on every rank, the same kind of wire),
+    /// rank 0's first.
+    fn all_gather(&self, id: ParamId, shard: Wire<B>) -> Wire<B>;
     /// The mean over the ranks of `whole` (a multiple of the world size in elements), this
     /// rank's equal part of it.
     fn reduce_scatter_mean(&self, id: ParamId, whole: Tensor<B, 1>) -> Tensor<B, 1>;
     /// [`RowExchange::all_gather`] of each shard, started now beside the device's later work; the
     /// results may be read only after [`RowExchange::wait_ahead`], which also comes before any
     /// other call of the exchange. By default they are gathered at once, in order.
-    fn all_gather_ahead(&self, shards: Vec<(ParamId, Tensor<B, 1>)>) -> Vec<Tensor<B, 1>> {
+    fn all_gather_ahead(&self, shards: Vec<(ParamId, Wire<B>)>) -> Vec<Wire<B>> {
         shards
             .into_iter()
             .map(|(id, shard)| self.all_gather(id, shard))
@@ -242,30 +449,49 @@ impl<B: CollectiveBackend> RowExchange<B> for ProcessGroup {
     fn world(&self) -> usize {
         ProcessGroup::world(self)
     }
-    fn all_gather(&self, _id: ParamId, shard: Tensor<B, 1>) -> Tensor<B, 1> {
-        ProcessGroup::all_gather(self, shard)
+    fn all_gather(&self, _id: ParamId, shard: Wire<B>) -> Wire<B> {
+        match shard {
+            Wire::Values(t) => Wire::Values(ProcessGroup::all_gather(self, t)),
+            fp8 => {
+                let mut flats = Vec::new();
+                fp8.into_flats(&mut flats);
+                let mut gathered = Wire::from_flats(&[true], self.all_gather_group(flats));
+                gathered.pop().expect("one wire")
+            }
+        }
     }
     fn reduce_scatter_mean(&self, _id: ParamId, whole: Tensor<B, 1>) -> Tensor<B, 1> {
         self.reduce_scatter(whole, ReduceOp::Mean)
     }
-    fn all_gather_ahead(&self, shards: Vec<(ParamId, Tensor<B, 1>)>) -> Vec<Tensor<B, 1>> {
-        self.all_gather_overlapped(shards.into_iter().map(|(_, s)| s).collect())
+    fn all_gather_ahead(&self, shards: Vec<(ParamId, Wire<B>)>) -> Vec<Wire<B>> {
+        let kinds: Vec<bool> = shards
+            .iter()
+            .map(|(_, w)| matches!(w, Wire::Fp8 { .. }))
+            .collect();
+        let mut flats = Vec::new();
+        for (_, wire) in shards {
+            wire.into_flats(&mut flats);
+        }
+        Wire::from_flats(&kinds, self.all_gather_overlapped(flats))
     }
     fn wait_ahead(&self, device: &B::Device) {
         self.wait_overlapped::<B>(device);
     }
 }
 
-/// The whole parameter of `rows` rows from the ranks' shards, `shard` this rank's.
-pub fn gather<B: Backend, const D: usize>(
+/// The whole parameter `id` from the ranks' shards, `shard` this rank's, gathered in the wire
+/// `shards` gives it.
+pub fn gather<B: kernels::Backend, const D: usize>(
     shard: Tensor<B, D>,
-    rows: usize,
+    shards: &RowShards,
     id: ParamId,
     exchange: &dyn RowExchange<B>,
 ) -> Tensor<B, D> {
-    let dims = shard.dims();
+    let (dims, dtype) = (shard.dims(), shard.dtype());
     let n = shard.shape().num_elements();
-    trimmed(exchange.all_gather(id, shard.reshape([n])), dims, rows)
+    let gathered = exchange.all_gather(id, shards.wire(&id, shard.reshape([n])));
+    let padded = shards.unwire(&id, gathered, dtype);
+    trimmed(padded, dims, shards.rows(&id))
 }
 
 /// The whole parameter of `rows` rows from `padded`, the all-gather of shards shaped `shard`.
@@ -304,7 +530,7 @@ fn scatter_grad<B: Backend>(
 }
 
 /// An autodiff backend that gathers row shards as an op of its graph.
-pub trait RowGather: AutodiffBackend {
+pub trait RowGather: AutodiffBackend<InnerBackend: kernels::Backend> {
     /// The whole parameter `id`, `whole` (gathered from this rank's `shard` and the others'),
     /// as an op of the graph: in the backward, the shard receives its rows of the whole gradient
     /// averaged over the ranks (through `exchange`), in f32. `anchor` only places the op in the
@@ -351,7 +577,7 @@ impl<B: Backend> Backward<B, 2> for GatherBackward {
     }
 }
 
-impl<B: Backend, C: CheckpointStrategy> RowGather for Autodiff<B, C> {
+impl<B: kernels::Backend, C: CheckpointStrategy> RowGather for Autodiff<B, C> {
     fn gather_rows<const D: usize>(
         shard: Tensor<Self, D>,
         whole: Tensor<B, D>,
@@ -396,7 +622,7 @@ struct GatherMapper<'a, AB: RowGather> {
     exchange: &'a Arc<dyn RowExchange<AB::InnerBackend>>,
     anchor: Option<&'a Tensor<AB, 3>>,
     tracked: bool,
-    ahead: HashMap<ParamId, Tensor<AB::InnerBackend, 1>>,
+    ahead: HashMap<ParamId, Wire<AB::InnerBackend>>,
 }
 
 impl<AB: RowGather> ModuleMapper<AB> for GatherMapper<'_, AB> {
@@ -404,8 +630,16 @@ impl<AB: RowGather> ModuleMapper<AB> for GatherMapper<'_, AB> {
         let (id, tensor, mapper) = param.consume();
         let rows = self.shards.rows(&id);
         let whole = match self.ahead.remove(&id) {
-            Some(padded) => trimmed(padded, tensor.dims(), rows),
-            None => gather(tensor.clone().inner(), rows, id, self.exchange.as_ref()),
+            Some(gathered) => {
+                let padded = self.shards.unwire(&id, gathered, tensor.dtype());
+                trimmed(padded, tensor.dims(), rows)
+            }
+            None => gather(
+                tensor.clone().inner(),
+                self.shards,
+                id,
+                self.exchange.as_ref(),
+            ),
         };
         let tensor = match self.tracked {
             true => tensor,
@@ -435,7 +669,7 @@ pub struct GatherBlocks<AB: RowGather> {
 /// The forward's blocks while it runs, and the gathers started ahead for one of them.
 struct Ahead<AB: RowGather> {
     blocks: Vec<Block<AB>>,
-    next: Option<(usize, HashMap<ParamId, Tensor<AB::InnerBackend, 1>>)>,
+    next: Option<(usize, HashMap<ParamId, Wire<AB::InnerBackend>>)>,
 }
 
 impl<AB: RowGather> GatherBlocks<AB> {
@@ -454,7 +688,7 @@ impl<AB: RowGather> GatherBlocks<AB> {
         &'a self,
         anchor: Option<&'a Tensor<AB, 3>>,
         tracked: bool,
-        ahead: HashMap<ParamId, Tensor<AB::InnerBackend, 1>>,
+        ahead: HashMap<ParamId, Wire<AB::InnerBackend>>,
     ) -> GatherMapper<'a, AB> {
         GatherMapper {
             shards: &self.shards,
@@ -471,12 +705,12 @@ impl<AB: RowGather> GatherBlocks<AB> {
 
     /// Waits for the gathers started ahead, if any: block `layer`'s, or none if they were for
     /// another block (then they are dropped).
-    fn take_ahead(&self, layer: usize) -> HashMap<ParamId, Tensor<AB::InnerBackend, 1>> {
+    fn take_ahead(&self, layer: usize) -> HashMap<ParamId, Wire<AB::InnerBackend>> {
         let Some((of, gathered)) = self.lock().next.take() else {
             return HashMap::new();
         };
-        if let Some(t) = gathered.values().next() {
-            self.exchange.wait_ahead(&t.device());
+        if let Some(w) = gathered.values().next() {
+            self.exchange.wait_ahead(&w.device());
         }
         if of == layer {
             gathered
@@ -491,18 +725,21 @@ impl<AB: RowGather> GatherBlocks<AB> {
         let Some(block) = ahead.blocks.get(layer) else {
             return;
         };
-        struct Shards<B: Backend>(Vec<(ParamId, Tensor<B, 1>)>);
-        impl<AB: AutodiffBackend> ModuleVisitor<AB> for Shards<AB::InnerBackend> {
+        struct Shards<'a, B: Backend>(&'a RowShards, Vec<(ParamId, Wire<B>)>);
+        impl<AB: AutodiffBackend<InnerBackend: kernels::Backend>> ModuleVisitor<AB>
+            for Shards<'_, AB::InnerBackend>
+        {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
                 let t = param.val().inner();
                 let n = t.shape().num_elements();
-                self.0.push((param.id, t.reshape([n])));
+                self.1
+                    .push((param.id, self.0.wire(&param.id, t.reshape([n]))));
             }
         }
-        let mut shards = Shards(Vec::new());
+        let mut shards = Shards(&self.shards, Vec::new());
         block.visit(&mut shards);
-        let ids: Vec<ParamId> = shards.0.iter().map(|(id, _)| *id).collect();
-        let gathered = self.exchange.all_gather_ahead(shards.0);
+        let ids: Vec<ParamId> = shards.1.iter().map(|(id, _)| *id).collect();
+        let gathered = self.exchange.all_gather_ahead(shards.1);
         ahead.next = Some((layer, ids.into_iter().zip(gathered).collect()));
     }
 
@@ -558,24 +795,23 @@ impl<AB: RowGather> BlockHook<AB> for GatherBlocks<AB> {
 
 /// The forward's hook of a ZeRO-3 rank without autodiff (evaluation): each block, and the
 /// parameters outside the blocks, gathered just before they run.
-pub struct GatherBlocksPlain<B: Backend> {
+pub struct GatherBlocksPlain<B: kernels::Backend> {
     pub shards: Arc<RowShards>,
     pub exchange: Arc<dyn RowExchange<B>>,
 }
 
 /// [`GatherBlocksPlain`]'s gather of every parameter of a module.
-struct PlainMapper<'a, B: Backend>(&'a GatherBlocksPlain<B>);
+struct PlainMapper<'a, B: kernels::Backend>(&'a GatherBlocksPlain<B>);
 
-impl<B: Backend> ModuleMapper<B> for PlainMapper<'_, B> {
+impl<B: kernels::Backend> ModuleMapper<B> for PlainMapper<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        let rows = self.0.shards.rows(&id);
-        let whole = gather(tensor, rows, id, self.0.exchange.as_ref());
+        let whole = gather(tensor, &self.0.shards, id, self.0.exchange.as_ref());
         Param::from_mapped_value(id, whole, mapper)
     }
 }
 
-impl<B: Backend> BlockHook<B> for GatherBlocksPlain<B> {
+impl<B: kernels::Backend> BlockHook<B> for GatherBlocksPlain<B> {
     fn block(&self, _layer: usize, block: &Block<B>, _input: &Tensor<B, 3>) -> Block<B> {
         block.clone().map(&mut PlainMapper(self))
     }

@@ -195,7 +195,7 @@ impl Shard {
     }
 
     /// Stage 3: [`Shard::gathers`] without autodiff (evaluation).
-    pub fn plain_gathers<B: Collective>(&self) -> Option<GatherBlocksPlain<B>> {
+    pub fn plain_gathers<B: Collective + kernels::Backend>(&self) -> Option<GatherBlocksPlain<B>> {
         let (rows, Members::Processes(group)) = (self.rows.as_ref()?, &self.members) else {
             return None;
         };

@@ -134,11 +134,19 @@ pub(super) fn zero_line(
         .collect::<Vec<_>>()
         .join(", ");
     if shard.stage == 3 {
+        let fp8 = shard.row_shards().map_or(0, |r| r.fp8_wire_len());
+        let wire = match fp8 {
+            0 => String::new(),
+            n => format!(
+                "; the weights of the {n} projections computing in FP8 with block scales travel as FP8 codes \
+                 and 128 x 128 block scales (half the bytes of bf16)"
+            ),
+        };
         return format!(
             "ZeRO-3: each GPU keeps its rows of every one of the {} parameters ({shares}): f32 master weights, \
              AdamW moments, gradients and compute copy; each block's weights are gathered just before it runs \
              (again for its backward with model.recompute = \"full\") and its gradients reduce-scattered as the \
-             backward leaves it",
+             backward leaves it{wire}",
             human(split.total as f64),
         );
     }

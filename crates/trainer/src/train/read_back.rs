@@ -69,7 +69,11 @@ impl<B: crate::TrainBackend> Session<'_, B> {
                 ));
             }
             let queued;
+            let gathered_before = self.group.process().map(|p| p.gathered_bytes());
             (model, queued) = self.queue(model, step);
+            if let (Some(p), Some(before)) = (self.group.process(), gathered_before) {
+                self.progress.gathered_last_step = Some(p.gathered_bytes() - before);
+            }
             let mut stop_seen = false;
             if let Some(earlier) = behind.take() {
                 let done = earlier.step;
