@@ -185,7 +185,7 @@ fn quantize_pair_bit_identical() {
 
 /// Row shards of a weight (multiples of 128 rows) quantize with 128 x 128 blocks to the whole
 /// weight's codes and scales, and its dequantized codes quantize again to the same values: what
-/// a ZeRO-3 all-gather of FP8 weight codes would rest on.
+/// ZeRO-3's all-gather of FP8 weight codes rests on (`trainer::parallel::fsdp`).
 #[test]
 fn weight_shards_gather_exactly() {
     if !common::needs_wgpu() {

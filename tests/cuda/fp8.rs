@@ -1,6 +1,6 @@
 //! The FP8 kernels on CUDA: the quantizers bit for bit against the CPU reference, the GEMM paths
 //! (dequantize, `mma.sync`, cuBLASLt, a queued cuBLASLt call that fails) against the dequantized
-//! operands, and the FP8 linear layer.
+//! operands, the FP8 linear layer, and the exactness that ZeRO-3's FP8 wire rests on.
 
 use crate::fp8_cases;
 use crate::kernels::{gemms_in_order, no_fallbacks};
@@ -18,6 +18,23 @@ fn cuda_fp8_quantizer() {
     let shapes = [(1, 1), (37, 300), (130, 128), (257, 129), (1000, 768)];
     for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
         fp8_cases::quantizer_bit_identical::<Cuda>(dtype, &CudaDevice::default(), &shapes);
+    }
+}
+
+/// What ZeRO-3's FP8 wire rests on, with CUDA's quantizer and dequantizer (f32 and bf16 weights,
+/// one to four ranks): row shards of a multiple of 128 rows quantize with 128 x 128 blocks to the
+/// whole weight's codes and scales, and the dequantized codes quantize again to the same values.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_weight_shards_gather_exactly() {
+    let shapes = [(300, 200), (256, 384), (1000, 130), (2048, 768)];
+    for dtype in [FloatDType::F32, FloatDType::BF16] {
+        fp8_cases::wire::weight_shards_gather_exactly::<Cuda>(
+            dtype,
+            &CudaDevice::default(),
+            &shapes,
+            &[1, 2, 3, 4],
+        );
     }
 }
 

@@ -1,11 +1,11 @@
-//! What gathering a weight's FP8 codes between ranks would rest on (ZeRO-3 with FP8 weights on the
-//! wire, issue 54): with 128 x 128 block scales (powers of two), a weight cut into row shards of a
-//! multiple of 128 rows quantizes, shard by shard, to the whole weight's codes and scales, so the
-//! shards' codes and scales concatenated in rank order are the whole's and no rank needs another's
-//! amax; and the dequantized codes, quantized again as the FP8 linear layer quantizes its weight,
-//! stand for the same values (each block's scale the same, or half of it where the block's largest
-//! code rounded down to 224, the codes then doubled), so a layer computing from gathered codes
-//! computes what it would from the weight.
+//! What gathering a weight's FP8 codes between ranks rests on (ZeRO-3 with FP8 weights on the wire,
+//! `trainer::parallel::fsdp`): with 128 x 128 block scales (powers of two), a weight cut into row
+//! shards of a multiple of 128 rows quantizes, shard by shard, to the whole weight's codes and
+//! scales, so the shards' codes and scales concatenated in rank order are the whole's and no rank
+//! needs another's amax; and the dequantized codes, quantized again as the FP8 linear layer
+//! quantizes its weight, stand for the same values (each block's scale the same, or half of it
+//! where the block's largest code rounded down to 224, the codes then doubled), so a layer
+//! computing from gathered codes computes what it would from the weight.
 
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use kernels::fp8::TILE;
