@@ -358,6 +358,34 @@ fn fp8_edge_blocks_stay_out_of_fp8() {
     );
 }
 
+/// `fp8.gather_codes` is refused, naming what it needs, without ZeRO-3 and with scales the ranks
+/// would have to agree on (per-tensor) or that are not powers of two; accepted with ZeRO-3 and
+/// block scales.
+#[test]
+fn fp8_gather_codes_needs_zero_3_and_block_scales() {
+    let mut cfg = tiny_fp8_config(2, 1);
+    cfg.fp8.gather_codes = true;
+    let e = cfg.validate().unwrap_err();
+    assert!(
+        e.contains("fp8.gather_codes") && e.contains("training.zero = 3"),
+        "{e}"
+    );
+    cfg.training.zero = 3;
+    cfg.validate().expect("ZeRO-3 with block scales");
+    for tensor in [true, false] {
+        let mut bad = cfg.clone();
+        match tensor {
+            true => bad.fp8.scaling = trainer::config::Fp8ScalingKind::Tensor,
+            false => bad.fp8.pow2_scales = false,
+        }
+        let e = bad.validate().unwrap_err();
+        assert!(
+            e.contains("fp8.gather_codes") && e.contains("pow2_scales = true"),
+            "{e}"
+        );
+    }
+}
+
 /// `fp8.projections` as a list runs only those projections in FP8 (only they record FP8 health);
 /// `"auto"` times the projections when the run starts and records its decision in the run's
 /// config as such a list, which the run then follows.

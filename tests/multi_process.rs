@@ -465,8 +465,8 @@ fn train_config(
 }
 
 /// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS`, then any of `zero=N`,
-/// `bucket_mb=X`, `grad_accum=N`, `stop_at=STEP`, `recompute=MODE`, `d_model=N` and `resume=1`,
-/// separated by `;`.
+/// `bucket_mb=X`, `grad_accum=N`, `stop_at=STEP`, `recompute=MODE`, `d_model=N`,
+/// `gather_codes=1` and `resume=1`, separated by `;`.
 #[test]
 #[ignore = "a worker of the training tests"]
 fn train_worker() {
@@ -491,6 +491,7 @@ fn train_worker() {
             }
             "resume" => resume = value == "1",
             "d_model" => cfg.model.d_model = value.parse().unwrap(),
+            "gather_codes" => cfg.fp8.gather_codes = value == "1",
             _ => panic!("unknown worker setting {setting}"),
         }
     }
@@ -740,7 +741,7 @@ fn assert_consolidates(what: &str, dir: &Path) {
 /// [`assert_trains_like`]), in bf16: as it is; with every block recomputed (gathered again for its
 /// backward) and two micro-batches per step; and stopped halfway and resumed from its sharded
 /// checkpoint, whose row shards read as the whole checkpoint and consolidate into one file. Then
-/// in fp16 and FP8.
+/// in fp16, and in FP8 with its weights gathered in bf16 and as FP8 codes.
 #[test]
 #[ignore = "needs a GPU and NCCL"]
 fn zero_3_between_processes_trains_like_one_gpu() {
@@ -787,12 +788,14 @@ fn zero_3_between_processes_trains_like_one_gpu() {
     assert_trains_like(&what, &one, &dir, steps, tolerances(precision), lr);
 
     // fp16 with its loss scaling, against one GPU; FP8, whose scales follow each GPU's own rows of
-    // the batch, against two processes without ZeRO, at width 256 so that its projection weights
-    // travel as FP8 codes (shards of 128 rows), with at most 0.55x the bytes of bf16's gathers.
+    // the batch, against two processes without ZeRO, at width 256: with its weights gathered in
+    // bf16, and as FP8 codes (`fp8.gather_codes`, shards of 128 rows) with at most 0.55x the
+    // bytes a step.
     let fp16 = PrecisionKind::Fp16;
     let one = one_gpu_run("mp_zero3_one_fp16", fp16, steps);
     let run = |precision: PrecisionKind, zero: usize, more: &str| {
-        let dir = common::scratch(&format!("mp_zero{zero}_{precision}"));
+        let name = format!("mp_zero{zero}_{precision}{}", more.replace([';', '='], "_"));
+        let dir = common::scratch(&name);
         let arg = format!("{};{precision};{steps};zero={zero}{more}", dir.display());
         let out = expect_success(
             start_workers("train_worker", &arg, Layout::default_here()),
@@ -808,32 +811,32 @@ fn zero_3_between_processes_trains_like_one_gpu() {
             .expect("a run of processes reports its gathered bytes")
     };
     let wide = ";d_model=256";
-    for (precision, one, width) in [(fp16, Some(one), ""), (PrecisionKind::Fp8, None, wide)] {
-        let (against, one) = match one {
-            Some(one) => ("one GPU", one),
-            None => ("two processes without ZeRO", run(precision, 0, width).0),
-        };
-        let (zero3, out) = run(precision, 3, width);
-        let what = format!("{precision}, {against} against two processes with ZeRO-3");
-        let lr = train_config(precision, 8, steps).optimizer.lr;
-        assert_trains_like(&what, &one, &zero3, steps, tolerances(precision), lr);
-        if precision == PrecisionKind::Fp8 {
-            assert!(
-                out.contains("travel as FP8 codes"),
-                "{what}: the projection weights travel as FP8 codes:\n{out}"
-            );
-            let (bf16, _) = run(PrecisionKind::Bf16, 3, wide);
-            let (fp8_bytes, bf16_bytes) = (gathered(&zero3), gathered(&bf16));
-            println!(
-                "ZeRO-3 gathers a step at width 256: FP8 {fp8_bytes} bytes, bf16 {bf16_bytes} ({:.3}x)",
-                fp8_bytes as f64 / bf16_bytes as f64
-            );
-            assert!(
-                fp8_bytes as f64 <= 0.55 * bf16_bytes as f64,
-                "{what}: FP8 gathers move {fp8_bytes} bytes a step against bf16's {bf16_bytes}"
-            );
-        }
-    }
+    let lr = |precision| train_config(precision, 8, steps).optimizer.lr;
+    let what = format!("{fp16}, one GPU against two processes with ZeRO-3");
+    let (zero3, _) = run(fp16, 3, "");
+    assert_trains_like(&what, &one, &zero3, steps, tolerances(fp16), lr(fp16));
+
+    let fp8 = PrecisionKind::Fp8;
+    let (one, _) = run(fp8, 0, wide);
+    let (in_bf16, _) = run(fp8, 3, wide);
+    let what = format!("{fp8}, two processes without ZeRO against two with ZeRO-3");
+    assert_trains_like(&what, &one, &in_bf16, steps, tolerances(fp8), lr(fp8));
+    let (as_codes, out) = run(fp8, 3, &format!("{wide};gather_codes=1"));
+    let what = format!("{what}, its weights gathered as FP8 codes");
+    assert!(
+        out.contains("travel as FP8 codes"),
+        "{what}: the log says so:\n{out}"
+    );
+    assert_trains_like(&what, &one, &as_codes, steps, tolerances(fp8), lr(fp8));
+    let (codes, bf16) = (gathered(&as_codes), gathered(&in_bf16));
+    println!(
+        "ZeRO-3 gathers a step at width 256, FP8 recipe: as FP8 codes {codes} bytes, in bf16 {bf16} ({:.3}x)",
+        codes as f64 / bf16 as f64
+    );
+    assert!(
+        codes as f64 <= 0.55 * bf16 as f64,
+        "{what}: {codes} bytes gathered a step against {bf16} in bf16"
+    );
 }
 
 /// A ZeRO-2 run of two processes with 4 sequences each, stopped after 10 of 20 steps with its

@@ -599,6 +599,18 @@ impl Config {
                 (layers.max(1) - 1) / 2
             ));
         }
+        if self.fp8.gather_codes {
+            let f = &self.fp8;
+            if self.training.zero != 3 {
+                return Err(format!(
+                    "fp8.gather_codes = true all-gathers ZeRO-3's FP8 weights as FP8 codes; it needs training.zero = 3 (zero is {})",
+                    self.training.zero
+                ));
+            }
+            if f.scaling != Fp8ScalingKind::Tile || !f.pow2_scales {
+                return Err("fp8.gather_codes = true needs fp8.scaling = \"tile\" with fp8.pow2_scales = true (block scales that are powers of two, which no rank has to agree on); per-tensor or other scales gather the weights in the compute dtype".into());
+            }
+        }
         self.recipe()?;
         Ok(())
     }

@@ -124,6 +124,10 @@ pub struct Fp8Config {
     /// Log FP8 health (per projection weight, input and output gradient: amax, underflow and
     /// saturation shares) to `metrics.jsonl` on step 1 and every this many steps; 0 turns it off.
     pub health_interval: u64,
+    /// Under ZeRO-3 (`training.zero = 3`), all-gather the weights of the FP8 projections as FP8
+    /// codes and 128 x 128 block scales (about half of bf16's bytes; needs `scaling = "tile"` and
+    /// `pow2_scales`), instead of in the compute dtype (`trainer::parallel::fsdp`).
+    pub gather_codes: bool,
 }
 
 impl Default for Fp8Config {
@@ -141,6 +145,7 @@ impl Default for Fp8Config {
             projections: Fp8Projections::default(),
             amax_history: 0,
             health_interval: 100,
+            gather_codes: false,
         }
     }
 }

@@ -317,7 +317,8 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         };
         // ZeRO-3 keeps each rank's rows from here on: a checkpoint's rows are read into the cut
         // model, so that no whole state but the freshly built f32 weights is ever on the GPU.
-        // The projection weights that compute in FP8 with block scales travel as FP8 codes.
+        // With `fp8.gather_codes`, the projection weights that compute in FP8 with block scales
+        // travel as FP8 codes.
         let row_split = match (&process, cfg.training.zero) {
             (Some(p), 3) => {
                 let precision = model::Precision {
@@ -326,7 +327,10 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                     fp8_compute_paths: cfg.fp8.projections.compute_paths(),
                     ..model::Precision::new(compute_dtype, run.precision.gemm)
                 };
-                let wire = crate::parallel::fsdp::fp8_wire(&model, &precision);
+                let wire = match cfg.fp8.gather_codes {
+                    true => crate::parallel::fsdp::fp8_wire(&model, &precision),
+                    false => Default::default(),
+                };
                 let rows = RowShards::new(&model, p.rank(), p.world()).with_fp8_wire(wire);
                 Some(Arc::new(rows))
             }
