@@ -28,18 +28,18 @@
 //! Burn's backward keeps what the block's ops saved, the gathered weights among them, until the
 //! block's backward.
 //!
-//! **FP8 on the wire** ([`RowShards::with_fp8_wire`]): the weight of a projection that computes in
-//! FP8 with 128 x 128 block scales (powers of two) is gathered as FP8 codes and block scales: each
-//! rank quantizes its row shard as the FP8 linear layer quantizes a weight, the codes (four to an
-//! i32) and the f32 scales of every rank travel in one NCCL group, and the gathered codes are
-//! dequantized to the shard's dtype (exactly: an E4M3 code times a power of two is a bf16 or f32
-//! value). Such a parameter's shards are a multiple of 128 rows, so that no block straddles two
-//! ranks: the shards' codes and scales, concatenated, are the whole weight's, and no rank needs
-//! another's amax. The FP8 linear layer's own quantization of the gathered weight then gives the
-//! values it would give the whole weight (the same scale, or half of it where a block's largest
-//! code rounded down), so the forward and its gradients are those of one GPU's FP8 step; about half
-//! the bytes of a bf16 gather travel (one per element, four per 128 x 128 block). The gradient
-//! travels as before, in f32.
+//! **FP8 on the wire** (`fp8.gather_codes`, [`RowShards::with_fp8_wire`]): the weight of a
+//! projection that computes in FP8 with 128 x 128 block scales (powers of two) is then gathered as
+//! FP8 codes and block scales: each rank quantizes its row shard as the FP8 linear layer quantizes
+//! a weight, the codes (four to an i32) and the f32 scales of every rank travel in one NCCL group,
+//! and the gathered codes are dequantized to the shard's dtype (exactly: an E4M3 code times a power
+//! of two is a bf16 or f32 value). Such a parameter's shards are a multiple of 128 rows, so that no
+//! block straddles two ranks: the shards' codes and scales, concatenated, are the whole weight's,
+//! and no rank needs another's amax. The FP8 linear layer's own quantization of the gathered weight
+//! then gives the values it would give the whole weight (the same scale, or half of it where a
+//! block's largest code rounded down), so the forward and its gradients are those of one GPU's FP8
+//! step; about half the bytes of a bf16 gather travel (one per element, four per 128 x 128 block).
+//! The gradient travels as before, in f32.
 //!
 //! The collectives run in the order of the forward and of Burn's backward, which are the same on
 //! every rank: the graph is built by the same code over tensors of the same shapes.
