@@ -358,9 +358,9 @@ fn fp8_edge_blocks_stay_out_of_fp8() {
     );
 }
 
-/// `fp8.gather_codes` is refused, naming what it needs, without ZeRO-3 and with scales the ranks
-/// would have to agree on (per-tensor) or that are not powers of two; accepted with ZeRO-3 and
-/// block scales.
+/// `fp8.gather_codes` is refused, naming what it needs, without ZeRO-3, with scales the ranks
+/// would have to agree on (per-tensor) or that are not powers of two, and with a GEMM that takes
+/// the weight in the compute dtype; accepted with ZeRO-3 and block scales.
 #[test]
 fn fp8_gather_codes_needs_zero_3_and_block_scales() {
     let mut cfg = tiny_fp8_config(2, 1);
@@ -384,6 +384,13 @@ fn fp8_gather_codes_needs_zero_3_and_block_scales() {
             "{e}"
         );
     }
+    let mut bf16_fprop = cfg.clone();
+    bf16_fprop.fp8.fprop = false;
+    let e = bf16_fprop.validate().unwrap_err();
+    assert!(
+        e.contains("fp8.gather_codes") && e.contains("fp8.fprop and fp8.dgrad"),
+        "{e}"
+    );
 }
 
 /// `fp8.projections` as a list runs only those projections in FP8 (only they record FP8 health);

@@ -610,6 +610,9 @@ impl Config {
             if f.scaling != Fp8ScalingKind::Tile || !f.pow2_scales {
                 return Err("fp8.gather_codes = true needs fp8.scaling = \"tile\" with fp8.pow2_scales = true (block scales that are powers of two, which no rank has to agree on); per-tensor or other scales gather the weights in the compute dtype".into());
             }
+            if !(f.fprop && f.dgrad) {
+                return Err("fp8.gather_codes = true needs fp8.fprop and fp8.dgrad (the weight's two GEMMs in FP8): a weight that a GEMM takes in the compute dtype would lose what its FP8 codes drop".into());
+            }
         }
         self.recipe()?;
         Ok(())

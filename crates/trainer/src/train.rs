@@ -95,8 +95,8 @@ pub struct Summary {
     /// Steps of this session whose statistics were read one step late, while the next step was
     /// already queued (`training.read_back_late`).
     pub steps_read_late: u64,
-    /// In a run of processes: the bytes this rank's all-gathers received in the session's last
-    /// step (ZeRO's gathers of weights; evaluation's excluded).
+    /// Under ZeRO-3 (a run of processes): the bytes this rank's all-gathers of weights received
+    /// in the session's last step (evaluation's excluded).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gathered_bytes_per_step: Option<u64>,
 }

@@ -384,7 +384,7 @@ fn nccl_type(dtype: burn::tensor::DType) -> Result<(nsys::ncclDataType_t, usize)
         DType::F16 => (N::ncclFloat16, 2),
         DType::BF16 => (N::ncclBfloat16, 2),
         DType::F64 => (N::ncclFloat64, 8),
-        // Integers travel in all-gathers and broadcasts (NCCL refuses none of the calls on them).
+        // Integers travel in all-gathers (`Flat::Int`: FP8 codes), bytes for bytes.
         DType::I32 => (N::ncclInt32, 4),
         DType::U32 => (N::ncclUint32, 4),
         DType::I64 => (N::ncclInt64, 8),

@@ -2,7 +2,8 @@
 //! parameters are whole only while it runs.
 //!
 //! **Row shards**, as PyTorch's FSDP2 lays them out: a parameter of `rows` rows (dimension 0) is
-//! padded with zero rows to `world * share` rows, `share = ceil(rows / world)`, and rank `r`
+//! padded with zero rows to `world * share` rows, `share = ceil(rows / world)` (rounded up to a
+//! multiple of 128 for a weight gathered as FP8 codes, below), and rank `r`
 //! keeps rows `r * share .. (r + 1) * share`. The padding rows stay zero: their gradient is zero,
 //! and AdamW moves a zero weight with zero moments by nothing. Every rank holds the same number of
 //! elements of every parameter, so an all-gather of the shards, rank 0's first, is the padded
@@ -109,13 +110,14 @@ impl RowShards {
 
     /// The split with the 2-D parameters of `wire` gathered as FP8 codes quantized by their spec
     /// (128 x 128 blocks with power-of-two scales, along the columns), their shards rounded up to
-    /// a multiple of 128 rows; those whose codes, so padded, would move as many bytes as their
-    /// bf16 values or more (small weights over many ranks) keep travelling as values. Made
-    /// before the model is cut ([`RowShards::shard`]).
+    /// a multiple of 128 rows. Only where that rounding adds at most an eighth to a shard's rows
+    /// ([`fp8_wire_pays`]): more padding would cost more in the state each rank keeps and in the
+    /// f32 reduce-scatter of the gradient than the gather saves, and such weights (small ones over
+    /// many ranks) keep travelling as values. Made before the model is cut ([`RowShards::shard`]).
     ///
     /// # Panics
     /// If a spec is not of 128 x 128 blocks with power-of-two scales along the columns, or an id
-    /// is not a 2-D parameter of the split.
+    /// is not a parameter of the split.
     pub fn with_fp8_wire(mut self, wire: HashMap<ParamId, QuantSpec>) -> Self {
         for (id, spec) in &wire {
             assert!(
@@ -127,10 +129,7 @@ impl RowShards {
         let world = self.world;
         self.fp8_wire = wire
             .into_iter()
-            .filter(|(id, _)| {
-                let (rows, cols) = self.entry(id);
-                fp8_wire_bytes(rows, cols, world) < share(rows, world) * cols * 2
-            })
+            .filter(|(id, _)| fp8_wire_pays(self.entry(id).0, world))
             .collect();
         self
     }
@@ -308,15 +307,15 @@ pub fn fp8_wire<B: Backend>(
         .collect()
 }
 
-/// Bytes of one rank's shard of a `[rows, cols]` weight on the FP8 wire: its rows rounded up to a
-/// multiple of 128, a byte per code (the columns padded to 128) and an f32 scale per block.
-fn fp8_wire_bytes(rows: usize, cols: usize, world: usize) -> usize {
+/// Whether a weight of `rows` rows over `world` ranks is gathered as FP8 codes: where rounding
+/// its shard up to a multiple of 128 rows adds at most an eighth to the shard. Then, per column
+/// and rank, the gather saves at least `2 s - 9 s / 8` bytes of bf16's `2 s` (`s` the shard's
+/// rows), more than the f32 reduce-scatter of the gradient's padding costs (`4 s / 8`), and the
+/// state of such a weight grows by at most an eighth.
+pub fn fp8_wire_pays(rows: usize, world: usize) -> bool {
     let tile = kernels::fp8::TILE;
-    let (share, blocks) = (
-        share(rows, world).div_ceil(tile) * tile,
-        cols.div_ceil(tile),
-    );
-    share * blocks * tile + (share / tile) * blocks * 4
+    let s = share(rows, world);
+    s.div_ceil(tile) * tile * 8 <= s * 9
 }
 
 /// Cuts parameters (and their moments, where given) to a rank's rows.

@@ -69,7 +69,12 @@ impl<B: crate::TrainBackend> Session<'_, B> {
                 ));
             }
             let queued;
-            let gathered_before = self.group.process().map(|p| p.gathered_bytes());
+            let zero3 = self.group.zero().is_some_and(|z| z.stage == 3);
+            let gathered_before = self
+                .group
+                .process()
+                .filter(|_| zero3)
+                .map(|p| p.gathered_bytes());
             (model, queued) = self.queue(model, step);
             if let (Some(p), Some(before)) = (self.group.process(), gathered_before) {
                 self.progress.gathered_last_step = Some(p.gathered_bytes() - before);
