@@ -317,23 +317,8 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         };
         // ZeRO-3 keeps each rank's rows from here on: a checkpoint's rows are read into the cut
         // model, so that no whole state but the freshly built f32 weights is ever on the GPU.
-        // With `fp8.gather_codes`, the projection weights that compute in FP8 with block scales
-        // travel as FP8 codes.
         let row_split = match (&process, cfg.training.zero) {
-            (Some(p), 3) => {
-                let precision = model::Precision {
-                    fp8: recipe.fp8_linear(),
-                    fp8_edge_blocks: cfg.fp8.bf16_edge_blocks,
-                    fp8_compute_paths: cfg.fp8.projections.compute_paths(),
-                    ..model::Precision::new(compute_dtype, run.precision.gemm)
-                };
-                let wire = match cfg.fp8.gather_codes {
-                    true => crate::parallel::fsdp::fp8_wire(&model, &precision),
-                    false => Default::default(),
-                };
-                let rows = RowShards::new(&model, p.rank(), p.world()).with_fp8_wire(wire);
-                Some(Arc::new(rows))
-            }
+            (Some(p), 3) => Some(Arc::new(row_split(&model, p, cfg, &recipe, run))),
             _ => None,
         };
         let model = match &row_split {
@@ -804,6 +789,29 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         }
         Ok(summary)
     }
+}
+
+/// How ZeRO-3 splits `model`'s rows for rank `p`: with `fp8.gather_codes`, the weights of the
+/// projections that compute in FP8 with block scales are gathered as FP8 codes
+/// (`parallel::fsdp::fp8_wire`).
+fn row_split<B: Backend>(
+    model: &Gpt<B>,
+    p: &ProcessGroup,
+    cfg: &Config,
+    recipe: &Recipe,
+    run: &Resolved,
+) -> RowShards {
+    let precision = model::Precision {
+        fp8: recipe.fp8_linear(),
+        fp8_edge_blocks: cfg.fp8.bf16_edge_blocks,
+        fp8_compute_paths: cfg.fp8.projections.compute_paths(),
+        ..model::Precision::new(recipe.compute_dtype(), run.precision.gemm)
+    };
+    let wire = match cfg.fp8.gather_codes {
+        true => crate::parallel::fsdp::fp8_wire(model, &precision),
+        false => Default::default(),
+    };
+    RowShards::new(model, p.rank(), p.world()).with_fp8_wire(wire)
 }
 
 /// Mean validation loss over `training.eval_batches` fixed batches, without autodiff. Under
