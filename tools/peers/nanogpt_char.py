@@ -17,10 +17,15 @@ does for ours).
 wgrad; embedding, head, norms and attention stay bf16, as in our FP8 recipe): through torchao's
 float8 training when torchao is installed (`--fp8-impl torchao`), else `torch._scaled_mm` in an
 autograd function that scales each operand per tensor or per row along its reduction axis
-(`--fp8-impl scaled_mm`), compiled with the rest of the model.
+(`--fp8-impl scaled_mm`), compiled with the rest of the model. `--fp8 blockwise` runs them through
+torchao's prototype `Float8BlockwiseLinear` (1 x 128 activation and gradient scales, 128 x 128
+weight scales: the granularity of our `fp8.scaling = "tile"`), which has no `scaled_mm` fallback;
+`--fp8-blockwise-gemm triton` selects its Triton GEMMs where the installed torchao offers the
+choice (its default is `torch`'s block-scaled `scaled_mm`).
 
 Prints the median tokens/s over the steps after --warmup: each step timed with CUDA events from
-its start to the next step's start, the host never waiting for the GPU inside the loop.
+its start to the next step's start, the host never waiting for the GPU inside the loop; then the
+run's peak memory (PyTorch's caching allocator: the most allocated and the most reserved).
 
 `--profile-steps N` runs the N steps after --warmup inside the CUDA profiler's capture range
 (`cudaProfilerStart` / `cudaProfilerStop`) and stops there, for a profiler told to wait for it
@@ -83,8 +88,56 @@ class Fp8Linear(nn.Linear):
         return y.view(*lead, -1)
 
 
-def to_fp8(model, recipe, impl):
+PROJECTIONS = ("qkv", "proj", "fc", "out")
+
+
+class _Bf16Input(nn.Module):
+    """Runs `inner` on its input cast to bf16, as autocast casts a plain Linear's input (a
+    LayerNorm's output is f32 under autocast; torchao's blockwise layer is not autocast-aware)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.to(torch.bfloat16))
+
+
+def to_fp8_blockwise(model, impl, gemm):
+    """Swaps the blocks' projections for torchao's Float8BlockwiseLinear; returns its name."""
+    if impl == "scaled_mm":
+        raise SystemExit("--fp8 blockwise runs through torchao only; drop --fp8-impl scaled_mm")
+    try:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+    except ImportError as e:
+        raise SystemExit(f"--fp8 blockwise needs torchao's Float8BlockwiseLinear ({e})")
+    for blk in model.blocks:
+        for name in PROJECTIONS:
+            lin = getattr(blk, name)
+            if lin.in_features % 128 or lin.out_features % 128:
+                raise SystemExit(f"--fp8 blockwise: blocks' {name} is {lin.in_features} x "
+                                 f"{lin.out_features}; both must be multiples of 128")
+            if hasattr(Float8BlockwiseLinear, "from_float"):
+                new = Float8BlockwiseLinear.from_float(lin)
+            else:
+                new = Float8BlockwiseLinear(lin.in_features, lin.out_features, bias=False,
+                                            device=lin.weight.device)
+                new.weight = lin.weight
+            if gemm == "triton":
+                if not hasattr(new, "use_triton"):
+                    raise SystemExit("--fp8-blockwise-gemm triton: this torchao's "
+                                     "Float8BlockwiseLinear has no GEMM choice")
+                new.use_triton = True
+            setattr(blk, name, _Bf16Input(new))
+    chosen = getattr(new, "use_triton", None)
+    gemms = {None: "", True: ", Triton GEMMs", False: ", scaled_mm GEMMs"}[chosen]
+    return f"torchao Float8BlockwiseLinear{gemms}"
+
+
+def to_fp8(model, recipe, impl, blockwise_gemm="default"):
     """Swaps the blocks' projections for FP8 ones; returns the implementation used."""
+    if recipe == "blockwise":
+        return to_fp8_blockwise(model, impl, blockwise_gemm)
     if impl in ("auto", "torchao"):
         try:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -97,7 +150,7 @@ def to_fp8(model, recipe, impl):
                 module_filter_fn=lambda m, name: name.startswith("blocks."))
             return "torchao"
     for blk in model.blocks:
-        for name in ("qkv", "proj", "fc", "out"):
+        for name in PROJECTIONS:
             lin = getattr(blk, name)
             new = Fp8Linear(lin.in_features, lin.out_features, bias=False,
                             device=lin.weight.device)
@@ -154,8 +207,10 @@ def main():
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--preset", choices=["shakespeare_char", "gpt2_small"], default="shakespeare_char")
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None)
+    ap.add_argument("--fp8", choices=["tensorwise", "rowwise", "blockwise"], default=None)
     ap.add_argument("--fp8-impl", choices=["auto", "torchao", "scaled_mm"], default="auto")
+    ap.add_argument("--fp8-blockwise-gemm", choices=["default", "triton"], default="default",
+                    help="--fp8 blockwise: torchao's default GEMM or its Triton ones")
     ap.add_argument("--n-layer", type=int, default=None, help="override the preset's layers")
     ap.add_argument("--n-head", type=int, default=None, help="override the preset's heads")
     ap.add_argument("--d-model", type=int, default=None, help="override the preset's width")
@@ -165,6 +220,8 @@ def main():
     if a.profile_steps and a.warmup + a.profile_steps > a.steps:
         ap.error(f"--profile-steps {a.profile_steps} after --warmup {a.warmup} needs --steps "
                  f"{a.warmup + a.profile_steps} or more")
+    if a.fp8_blockwise_gemm != "default" and a.fp8 != "blockwise":
+        ap.error("--fp8-blockwise-gemm applies to --fp8 blockwise only")
     if a.steps <= a.warmup:
         ap.error(f"--steps {a.steps} leaves no step after --warmup {a.warmup} to time")
     if a.preset == "gpt2_small":
@@ -183,7 +240,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     model = GPT(**shape).cuda()
     if a.fp8:
-        print(f"fp8 {a.fp8} through {to_fp8(model, a.fp8, a.fp8_impl)}")
+        print(f"fp8 {a.fp8} through {to_fp8(model, a.fp8, a.fp8_impl, a.fp8_blockwise_gemm)}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -230,6 +287,9 @@ def main():
     label += f" fp8 {a.fp8}" if a.fp8 else ""
     print(f"{label}: median step {med * 1e3:.2f} ms, {batch * ctx / med:.0f} tokens/s "
           f"(steps {a.warmup + 1}-{a.warmup + len(times)}), final loss {loss.item():.4f}")
+    gib = 1024 ** 3
+    print(f"peak memory {torch.cuda.max_memory_allocated() / gib:.2f} GiB allocated, "
+          f"{torch.cuda.max_memory_reserved() / gib:.2f} GiB reserved")
 
 
 if __name__ == "__main__":

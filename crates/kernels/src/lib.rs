@@ -144,6 +144,7 @@ pub use fp8::{
 };
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
 pub use memory::{MemoryOps, MemoryUse};
+pub use primitive::float_dtype;
 pub use probe::{probe_sink, ProbeSink};
 pub use read_back::{ReadBackOps, StartedRead};
 pub use recompute::RecomputeOps;

@@ -35,7 +35,7 @@ pub(crate) fn from_2d<B: Backend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<
 }
 
 /// The float dtype of a float tensor's `dtype` (f32 for any dtype that is not a float one).
-pub(crate) fn float_dtype(dtype: DType) -> FloatDType {
+pub fn float_dtype(dtype: DType) -> FloatDType {
     match dtype {
         DType::F64 => FloatDType::F64,
         DType::F16 => FloatDType::F16,

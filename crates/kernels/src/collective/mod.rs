@@ -464,9 +464,7 @@ fn cuda<B: CollectiveBackend>(
     t: burn::tensor::ops::FloatTensor<B>,
     what: &str,
 ) -> CubeTensor<CudaRuntime> {
-    B::as_cuda(t).unwrap_or_else(|| {
-        panic!("kernels::collective::{what}: the tensor is not on CUDA; a process group's calls take CUDA tensors (NCCL)")
-    })
+    on_cuda(B::as_cuda(t), what)
 }
 
 /// The integer tensor `t` as CubeCL's CUDA tensor.
@@ -477,7 +475,12 @@ fn int_cuda<B: CollectiveBackend>(
     t: burn::tensor::ops::IntTensor<B>,
     what: &str,
 ) -> CubeTensor<CudaRuntime> {
-    B::int_as_cuda(t).unwrap_or_else(|| {
+    on_cuda(B::int_as_cuda(t), what)
+}
+
+/// A tensor's CUDA form, or a panic naming the call (`what`) where it has none.
+fn on_cuda(t: Option<CubeTensor<CudaRuntime>>, what: &str) -> CubeTensor<CudaRuntime> {
+    t.unwrap_or_else(|| {
         panic!("kernels::collective::{what}: the tensor is not on CUDA; a process group's calls take CUDA tensors (NCCL)")
     })
 }

@@ -234,11 +234,8 @@ impl RowShards {
                     k: cols,
                     spec,
                 };
-                let dtype = match dtype {
-                    burn::tensor::DType::BF16 => FloatDType::BF16,
-                    _ => FloatDType::F32,
-                };
-                q.dequantize(dtype).reshape([rows * cols])
+                q.dequantize(kernels::float_dtype(dtype))
+                    .reshape([rows * cols])
             }
         }
     }
@@ -381,6 +378,11 @@ impl<B: Backend> Wire<B> {
         }
     }
 
+    /// Whether it carries FP8 codes and scales rather than values.
+    fn is_fp8(&self) -> bool {
+        matches!(self, Wire::Fp8 { .. })
+    }
+
     /// Bytes it carries: a byte per FP8 code (four an element of `codes`, which are i32 words
     /// on CUDA) and four per scale.
     pub fn bytes(&self) -> usize {
@@ -449,24 +451,18 @@ impl<B: CollectiveBackend> RowExchange<B> for ProcessGroup {
         ProcessGroup::world(self)
     }
     fn all_gather(&self, _id: ParamId, shard: Wire<B>) -> Wire<B> {
-        match shard {
-            Wire::Values(t) => Wire::Values(ProcessGroup::all_gather(self, t)),
-            fp8 => {
-                let mut flats = Vec::new();
-                fp8.into_flats(&mut flats);
-                let mut gathered = Wire::from_flats(&[true], self.all_gather_group(flats));
-                gathered.pop().expect("one wire")
-            }
-        }
+        // One NCCL group: a value wire is one all-gather, an FP8 wire its codes' and scales'.
+        let kind = [shard.is_fp8()];
+        let mut flats = Vec::new();
+        shard.into_flats(&mut flats);
+        let mut gathered = Wire::from_flats(&kind, self.all_gather_group(flats));
+        gathered.pop().expect("one wire")
     }
     fn reduce_scatter_mean(&self, _id: ParamId, whole: Tensor<B, 1>) -> Tensor<B, 1> {
         self.reduce_scatter(whole, ReduceOp::Mean)
     }
     fn all_gather_ahead(&self, shards: Vec<(ParamId, Wire<B>)>) -> Vec<Wire<B>> {
-        let kinds: Vec<bool> = shards
-            .iter()
-            .map(|(_, w)| matches!(w, Wire::Fp8 { .. }))
-            .collect();
+        let kinds: Vec<bool> = shards.iter().map(|(_, w)| w.is_fp8()).collect();
         let mut flats = Vec::new();
         for (_, wire) in shards {
             wire.into_flats(&mut flats);
