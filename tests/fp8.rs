@@ -254,15 +254,26 @@ fn linear_forward_and_gradients() {
     }
 }
 
-/// The FP8 MLP as one op is its composition of separate ops bit for bit here (the GELU kernel
-/// runs in both on wgpu; the kernel that quantizes inside GELU is CUDA's), and GELU quantized
-/// through `fp8_gelu_quantize_pair` is GELU's output quantized.
+/// The FP8 MLP as one op (GELU, and SwiGLU of a packed gate and up) is its composition of
+/// separate ops bit for bit here (the activation's kernel runs in both on wgpu; the kernel that
+/// quantizes inside the activation is CUDA's), and the activation quantized through
+/// `fp8_act_quantize_pair` is the activation's output quantized.
 #[test]
-fn gelu_mlp_is_the_composition() {
-    let shapes = [(37, 300), (130, 128), (257, 129)];
-    fp8_cases::mlp::gelu_quantize_pair_matches::<Inner>(FloatDType::F32, &device(), &shapes, true);
-    let shapes = [(64, 128, 256, 96), (100, 130, 200, 72)];
-    fp8_cases::mlp::gelu_mlp_matches_composition::<B>(FloatDType::F32, &device(), &shapes, true);
+fn fp8_mlp_is_the_composition() {
+    use kernels::Fp8MlpActivation::{Gelu, SwigluPacked};
+    for act in [Gelu, SwigluPacked] {
+        let shapes = [(37, 300), (130, 128), (257, 129)];
+        let dev = device();
+        fp8_cases::mlp::act_quantize_pair_matches::<Inner>(
+            act,
+            FloatDType::F32,
+            &dev,
+            &shapes,
+            true,
+        );
+        let shapes = [(64, 128, 256, 96), (100, 130, 200, 72)];
+        fp8_cases::mlp::mlp_matches_composition::<B>(act, FloatDType::F32, &dev, &shapes, true);
+    }
 }
 
 /// `precision = "fp8"` (f32 elsewhere, as lavapipe has no bf16) trains a tiny model with every

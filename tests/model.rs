@@ -285,19 +285,23 @@ fn fused_dropout_depends_only_on_the_model_dropout_seed() {
     assert_ne!(a, c, "dropout seeds 5 and 6 gave the same logits");
 }
 
-/// With the fused kernels and FP8 projections, the GELU MLP as one op (`kernels::fp8_gelu_mlp`)
-/// gives the loss and gradients of the MLP composed of separate ops, bit for bit here (the GELU
-/// kernel runs in both on wgpu), with tile scales and with delayed per-tensor scaling.
+/// With the fused kernels and FP8 projections, the MLP as one op (`kernels::fp8_mlp_scaled`,
+/// GELU and SwiGLU) gives the loss and gradients of the MLP composed of separate ops, bit for bit
+/// here (the activation's kernel runs in both on wgpu), with tile scales and with delayed
+/// per-tensor scaling.
 #[test]
-fn fp8_gelu_mlp_in_the_model_is_the_composition() {
-    for delayed in [false, true] {
-        model_cases::fp8_mlp::fused_mlp_matches_composed::<common::B>(
-            burn::tensor::FloatDType::F32,
-            model_cases::AWKWARD,
-            delayed,
-            true,
-            0.0,
-            &device(),
-        );
+fn fp8_mlp_in_the_model_is_the_composition() {
+    for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
+        for delayed in [false, true] {
+            model_cases::fp8_mlp::fused_mlp_matches_composed::<common::B>(
+                mlp,
+                burn::tensor::FloatDType::F32,
+                model_cases::AWKWARD,
+                delayed,
+                true,
+                0.0,
+                &device(),
+            );
+        }
     }
 }

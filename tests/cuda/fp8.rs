@@ -89,13 +89,14 @@ fn cuda_fp8_quantize_pair_native() {
     }
 }
 
-/// GELU and its gradient quantized inside the CUDA C++ pair kernel (the FP8 MLP's producer)
-/// against the GELU kernels' outputs quantized apart (f32, f16, bf16; every path of the kernel:
-/// 8-wide and element-wise reads, value-by-value tiles); fails on a GPU where it would not run.
-/// With `BURNMIX_FP8_PAIR=fused` the two run apart: exactly the composition.
+/// GELU and packed SwiGLU, and their gradients, quantized inside the CUDA C++ pair kernel (the
+/// FP8 MLP's producer) against the activation kernels' outputs quantized apart (f32, f16, bf16;
+/// every path of the kernel: 8-wide and element-wise reads, value-by-value tiles); fails on a GPU
+/// where it would not run. With `BURNMIX_FP8_PAIR=fused` the two run apart: exactly the
+/// composition.
 #[test]
 #[ignore = "needs CUDA"]
-fn cuda_fp8_gelu_quantize_pair() {
+fn cuda_fp8_act_quantize_pair() {
     use burn::tensor::Tensor;
     use kernels::{fp8_pair_path_run, Fp8PairPath};
     let dev = CudaDevice::default();
@@ -105,31 +106,47 @@ fn cuda_fp8_gelu_quantize_pair() {
         Fp8PairPath::Native,
         "the CUDA C++ FP8 quantizer does not run on this GPU (compute capability 8.9+ needed)"
     );
-    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
-        fp8_cases::mlp::gelu_quantize_pair_matches::<Cuda>(dtype, &dev, &PAIR_SHAPES, false);
+    use fp8_cases::mlp::act_quantize_pair_matches;
+    use kernels::Fp8MlpActivation::{Gelu, SwigluPacked};
+    for act in [Gelu, SwigluPacked] {
+        for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+            act_quantize_pair_matches::<Cuda>(act, dtype, &dev, &PAIR_SHAPES, false);
+        }
     }
     let _settings = kernels::settings::scoped(|s| s.fp8_pair = Some(Fp8PairPath::Fused));
-    fp8_cases::mlp::gelu_quantize_pair_matches::<Cuda>(FloatDType::BF16, &dev, &PAIR_SHAPES, true);
+    for act in [Gelu, SwigluPacked] {
+        act_quantize_pair_matches::<Cuda>(act, FloatDType::BF16, &dev, &PAIR_SHAPES, true);
+    }
 }
 
-/// The FP8 MLP as one op (GELU's output and gradient quantized in GELU's kernels) against its
-/// composition of separate ops and against the MLP in f32, on the default GEMM path (cuBLASLt
-/// on Hopper; the dequantize path for the shapes it refuses).
+/// The FP8 MLP as one op (the activation's output and gradient quantized in its kernels; GELU
+/// and packed SwiGLU) against its composition of separate ops and against the MLP in f32, on the
+/// default GEMM path (cuBLASLt on Hopper; the dequantize path for the shapes it refuses).
 #[test]
 #[ignore = "needs CUDA"]
-fn cuda_fp8_gelu_mlp() {
-    let shapes = [
+fn cuda_fp8_mlp() {
+    use kernels::Fp8MlpActivation::{Gelu, SwigluPacked};
+    let gelu = [
         (64, 256, 512, 96),
         (100, 130, 200, 72),
         (512, 768, 3072, 768),
     ];
-    for dtype in [FloatDType::F32, FloatDType::BF16] {
-        fp8_cases::mlp::gelu_mlp_matches_composition::<B>(
-            dtype,
-            &CudaDevice::default(),
-            &shapes,
-            false,
-        );
+    // Llama's shapes scaled down (SwiGLU's ff of 8/3 the width, rounded), and an odd ff.
+    let swiglu = [
+        (64, 256, 384, 96),
+        (100, 130, 100, 72),
+        (512, 768, 2048, 768),
+    ];
+    for (act, shapes) in [(Gelu, &gelu), (SwigluPacked, &swiglu)] {
+        for dtype in [FloatDType::F32, FloatDType::BF16] {
+            fp8_cases::mlp::mlp_matches_composition::<B>(
+                act,
+                dtype,
+                &CudaDevice::default(),
+                shapes,
+                false,
+            );
+        }
     }
     no_fallbacks("the FP8 MLP on its default path");
 }

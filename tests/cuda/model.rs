@@ -202,25 +202,46 @@ fn cuda_decode_matches_the_full_forward() {
     );
 }
 
-/// With the fused kernels and FP8 projections, the GELU MLP as one op (GELU's output and
-/// gradient quantized in the CUDA C++ kernel) against the MLP composed of separate ops, at
-/// `shakespeare_char`'s shape (every FP8 GEMM on cuBLASLt): loss and every gradient within a
-/// relative RMS difference of 2% (the two compute GELU with their own `exp` and reciprocal; a
-/// value one bf16 unit apart moves its FP8 code at most one step), with tile scales and with
-/// delayed per-tensor scaling (the kernel then also records GELU's amaxes). With
-/// `BURNMIX_FP8_PAIR=fused` GELU's kernel runs in both: the loss bit for bit, the gradients within
-/// 0.5% (the tied embedding's gradient sums with atomic additions, in an order that varies).
+/// With the fused kernels and FP8 projections, the MLP as one op (the activation's output and
+/// gradient quantized in the CUDA C++ kernel; GELU and SwiGLU blocks) against the MLP composed of
+/// separate ops, at `shakespeare_char`'s shape (every FP8 GEMM on cuBLASLt): loss and every
+/// gradient within a relative RMS difference of 2% (the two compute the activation with their own
+/// `exp` and reciprocal or division; a value one bf16 unit apart moves its FP8 code at most one
+/// step), with tile scales and with delayed per-tensor scaling (the kernel then also records the
+/// activation's amaxes). With `BURNMIX_FP8_PAIR=fused` the activation's kernel runs in both: the
+/// loss bit for bit, the gradients within 0.5% (the tied embedding's gradient sums with atomic
+/// additions, in an order that varies).
 #[test]
 #[ignore = "needs CUDA"]
-fn cuda_fp8_gelu_mlp_in_the_model() {
+fn cuda_fp8_mlp_in_the_model() {
     let _guard = common::serial();
     let dev = CudaDevice::default();
     let case = model_cases::fp8_mlp::fused_mlp_matches_composed::<B>;
-    for delayed in [false, true] {
-        case(FloatDType::BF16, SHAKESPEARE, delayed, false, 0.02, &dev);
+    for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
+        for delayed in [false, true] {
+            case(
+                mlp,
+                FloatDType::BF16,
+                SHAKESPEARE,
+                delayed,
+                false,
+                0.02,
+                &dev,
+            );
+        }
     }
     let _settings = kernels::settings::scoped(|s| s.fp8_pair = Some(kernels::Fp8PairPath::Fused));
-    for delayed in [false, true] {
-        case(FloatDType::BF16, SHAKESPEARE, delayed, true, 0.005, &dev);
+    for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
+        for delayed in [false, true] {
+            case(
+                mlp,
+                FloatDType::BF16,
+                SHAKESPEARE,
+                delayed,
+                true,
+                0.005,
+                &dev,
+            );
+        }
     }
 }

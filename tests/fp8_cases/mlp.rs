@@ -1,12 +1,12 @@
-//! The FP8 MLP (`kernels::fp8_gelu_mlp`) and the quantizer inside GELU's kernels that it runs
-//! (`kernels::fp8::fp8_gelu_quantize_pair`), against their compositions of separate ops.
+//! The FP8 MLP (`kernels::fp8_mlp_scaled`, GELU and packed SwiGLU) and the quantizer inside the
+//! activation's kernels that it runs (`kernels::fp8_act_quantize_pair`), against their
+//! compositions of separate ops.
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
-use kernels::fp8::fp8_gelu_quantize_pair;
+use burn::tensor::{Distribution, FloatDType, Tensor, TensorData, TensorPrimitive};
 use kernels::{
-    fp8_gelu_mlp, fp8_linear, fp8_quantize_pair, Fp8Format, Fp8Granularity, Fp8LinearConfig,
-    Fp8Tensor, QuantSpec,
+    fp8_act_quantize_pair, fp8_linear, fp8_mlp_scaled, fp8_quantize_pair, Fp8Format,
+    Fp8Granularity, Fp8LinearConfig, Fp8MlpActivation, Fp8Tensor, QuantSpec,
 };
 
 use super::{host, rel_err};
@@ -57,14 +57,17 @@ fn input<B: kernels::Backend>(
     Tensor::<B, 2>::from_data(TensorData::new(v, [rows, cols]), dev).cast(dtype)
 }
 
-/// GELU and its gradient quantized by [`fp8_gelu_quantize_pair`] against the GELU kernels'
-/// outputs quantized by [`fp8_quantize_pair`], both orientations, 1x128 tiles (E4M3, and E5M2 for
-/// the gradient) and 128x128 blocks, with NaN and infinities in one case. With `exact` every value
-/// must be equal (the GELU kernel runs in both); otherwise (the CUDA C++ kernel computes GELU
-/// itself, rounding to `dtype` as the GELU kernel does, with its own `exp` and reciprocal) at
-/// most 1% of the values may differ, by a relative RMS of at most 1% over the matrix (one value
-/// in a hundred one code step off gives about 0.4%).
-pub fn gelu_quantize_pair_matches<B: kernels::KernelOps>(
+/// The activation's output and gradient quantized by [`fp8_act_quantize_pair`] against the
+/// activation kernels' outputs quantized by [`fp8_quantize_pair`], both orientations, 1x128 tiles
+/// (E4M3, and E5M2 for the gradient) and 128x128 blocks, with NaN and infinities in one case.
+/// `(rows, cols)` is the activation's output (GELU's input; SwiGLU's packed input has `2 * cols`
+/// columns). With `exact` every value must be equal (the activation's kernel runs in both);
+/// otherwise (the CUDA C++ kernel computes the activation itself, rounding to `dtype` as the
+/// activation's kernel does, with its own `exp` and reciprocal or division) at most 1% of the
+/// values may differ, by a relative RMS of at most 1% over the matrix (one value in a hundred
+/// one code step off gives about 0.4%).
+pub fn act_quantize_pair_matches<B: kernels::KernelOps>(
+    act: Fp8MlpActivation,
     dtype: FloatDType,
     dev: &B::Device,
     shapes: &[(usize, usize)],
@@ -72,32 +75,37 @@ pub fn gelu_quantize_pair_matches<B: kernels::KernelOps>(
 ) {
     let tile = |format| QuantSpec::new(format, Fp8Granularity::Tile1x128);
     let block = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Block128);
+    let prim = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
     for (n, &(rows, cols)) in shapes.iter().enumerate() {
         let nonfinite = n == 1;
-        let h = input::<B>([rows, cols], 2.0, nonfinite, dtype, dev);
+        let h_cols = match act {
+            Fp8MlpActivation::Gelu => cols,
+            Fp8MlpActivation::SwigluPacked => 2 * cols,
+        };
+        let h = input::<B>([rows, h_cols], 2.0, nonfinite, dtype, dev);
         let dy = input::<B>([rows, cols], 1e-3, false, dtype, dev);
         for backward in [false, true] {
-            let want_values = match backward {
-                true => B::gelu_erf_backward(
-                    h.clone().into_primitive().tensor(),
-                    dy.clone().into_primitive().tensor(),
-                ),
-                false => B::gelu_erf_forward(h.clone().into_primitive().tensor()),
+            let want_values = match (act, backward) {
+                (Fp8MlpActivation::Gelu, true) => B::gelu_erf_backward(prim(&h), prim(&dy)),
+                (Fp8MlpActivation::Gelu, false) => B::gelu_erf_forward(prim(&h)),
+                (Fp8MlpActivation::SwigluPacked, true) => {
+                    B::swiglu_backward(prim(&h), None, prim(&dy))
+                }
+                (Fp8MlpActivation::SwigluPacked, false) => B::swiglu_forward(prim(&h), None),
             };
-            let want_values =
-                Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(want_values));
+            let want_values = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(want_values));
             let formats = if backward {
                 [tile(Fp8Format::E4M3), tile(Fp8Format::E5M2), block]
             } else {
                 [tile(Fp8Format::E4M3), block, block]
             };
             for spec in formats {
-                let got = fp8_gelu_quantize_pair(h.clone(), backward.then(|| dy.clone()), spec);
+                let got = fp8_act_quantize_pair(h.clone(), backward.then(|| dy.clone()), act, spec);
                 let want = fp8_quantize_pair(want_values.clone(), spec);
                 for (side, g, w) in [("stored", &got.0, &want.0), ("transposed", &got.1, &want.1)] {
                     let ctx = format!(
-                        "fp8_gelu_quantize_pair {dtype:?} [{rows}, {cols}] backward={backward} \
-                         {spec:?} ({side}, nonfinite={nonfinite})"
+                        "fp8_act_quantize_pair {act:?} {dtype:?} [{rows}, {cols}] \
+                         backward={backward} {spec:?} ({side}, nonfinite={nonfinite})"
                     );
                     let (gv, wv) = (values(g), values(w));
                     let (differing, diff) = compare(&gv, &wv);
@@ -119,13 +127,15 @@ pub fn gelu_quantize_pair_matches<B: kernels::KernelOps>(
     }
 }
 
-/// The FP8 MLP under autodiff against `fp8_linear(gelu(fp8_linear(x, w_fc)), w_proj)`: the
-/// output and the gradients of `x`, `w_fc` and `w_proj`, bit for bit with `exact` (the GELU kernel
-/// runs in both), else within a relative RMS difference of 1% (see
-/// [`gelu_quantize_pair_matches`]), for E4M3 and hybrid (E5M2 gradient) settings; and with
+/// The FP8 MLP under autodiff against `fp8_linear(act(fp8_linear(x, w_fc)), w_proj)`: the
+/// output and the gradients of `x`, `w_fc` and `w_proj`, bit for bit with `exact` (the
+/// activation's kernel runs in both), else within a relative RMS difference of 1% (see
+/// [`act_quantize_pair_matches`]), for E4M3 and hybrid (E5M2 gradient) settings; and with
 /// per-tensor scales (not fused) exactly the composition. Then against the same MLP in f32, within
 /// bounds 1.5x those of the FP8 linear layer (`super::linear`), as two FP8 layers compound.
-pub fn gelu_mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
+/// `(t, d, ff, out)`: `w_fc` is `[d, ff]` for GELU and `[d, 2 * ff]` for SwiGLU.
+pub fn mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
+    act: Fp8MlpActivation,
     dtype: FloatDType,
     dev: &B::Device,
     shapes: &[(usize, usize, usize, usize)],
@@ -133,9 +143,21 @@ pub fn gelu_mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
 ) where
     B::InnerBackend: kernels::Backend,
 {
+    let activate = |h: Tensor<B, 2>| match act {
+        Fp8MlpActivation::Gelu => kernels::gelu(h),
+        Fp8MlpActivation::SwigluPacked => kernels::swiglu_packed(h),
+    };
+    let reference = |h: Tensor<B, 2>| match act {
+        Fp8MlpActivation::Gelu => kernels::activation::gelu_reference(h),
+        Fp8MlpActivation::SwigluPacked => kernels::activation::swiglu_packed_reference(h),
+    };
     for &(t, d, ff, out) in shapes {
+        let h_cols = match act {
+            Fp8MlpActivation::Gelu => ff,
+            Fp8MlpActivation::SwigluPacked => 2 * ff,
+        };
         let x0 = Tensor::<B, 2>::random([t, d], Distribution::Normal(0.0, 1.0), dev);
-        let fc0 = Tensor::<B, 2>::random([d, ff], Distribution::Normal(0.0, 0.05), dev);
+        let fc0 = Tensor::<B, 2>::random([d, h_cols], Distribution::Normal(0.0, 0.05), dev);
         let proj0 = Tensor::<B, 2>::random([ff, out], Distribution::Normal(0.0, 0.05), dev);
         let dy0 = Tensor::<B, 2>::random([t, out], Distribution::Normal(0.0, 1e-3), dev);
         // [y, dx, dw_fc, dw_proj] of `f` on the inputs in `dtype`.
@@ -156,7 +178,7 @@ pub fn gelu_mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
                 ]
             };
         let reference = run(FloatDType::F32, &|x, fc, proj| {
-            kernels::activation::gelu_reference(x.matmul(fc)).matmul(proj)
+            reference(x.matmul(fc)).matmul(proj)
         });
         let names = ["y", "dx", "dw_fc", "dw_proj"];
         for (hybrid, per_tensor) in [(false, false), (true, false), (false, true)] {
@@ -169,13 +191,15 @@ pub fn gelu_mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
                 per_tensor,
                 ..Default::default()
             };
-            let fused = run(dtype, &|x, fc, proj| fp8_gelu_mlp(x, fc, proj, &cfg));
+            let fused = run(dtype, &|x, fc, proj| {
+                fp8_mlp_scaled(x, fc, proj, act, &cfg, None)
+            });
             let composed = run(dtype, &|x, fc, proj| {
-                fp8_linear(kernels::gelu(fp8_linear(x, fc, &cfg)), proj, &cfg)
+                fp8_linear(activate(fp8_linear(x, fc, &cfg)), proj, &cfg)
             });
             let ctx = format!(
-                "fp8_gelu_mlp {dtype:?} x [{t}, {d}], w_fc [{d}, {ff}], w_proj [{ff}, {out}], \
-                 hybrid={hybrid} per_tensor={per_tensor}"
+                "fp8_mlp {act:?} {dtype:?} x [{t}, {d}], w_fc [{d}, {h_cols}], w_proj [{ff}, \
+                 {out}], hybrid={hybrid} per_tensor={per_tensor}"
             );
             for ((name, f), c) in names.iter().zip(&fused).zip(&composed) {
                 if exact || per_tensor {

@@ -1,7 +1,7 @@
-//! The FP8 MLP inside the model: with the fused kernels, a GELU block whose two projections run
-//! in FP8 takes `kernels::fp8_gelu_mlp` (GELU's output and gradient quantized in GELU's kernels);
-//! with the FP8 health probes on, the projections and GELU run apart. Loss and every gradient of
-//! the two, compared.
+//! The FP8 MLP inside the model: with the fused kernels, a block (GELU or SwiGLU) whose two
+//! projections run in FP8 takes `kernels::fp8_mlp_scaled` (the activation's output and gradient
+//! quantized in the kernels that compute them); with the FP8 health probes on, the projections
+//! and the activation run apart. Loss and every gradient of the two, compared.
 
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
@@ -11,15 +11,17 @@ use model::Gpt;
 
 use super::{ids, model_config, named_grads, with_combo, Combo, Shape};
 
-/// Loss and gradients of the GELU model of the cases at `shape` with the fused kernels and every
-/// block's projections in FP8, the MLP as one op against the MLP composed. With `exact` (where the
-/// GELU kernel runs in both) the loss must be equal bit for bit, else within a relative difference
+/// Loss and gradients of the model of the cases (its MLP `mlp`) at `shape` with the fused kernels
+/// and every block's projections in FP8, the MLP as one op against the MLP composed. With `exact`
+/// (where the activation's kernel runs in both) the loss must be equal bit for bit, else within a
+/// relative difference
 /// of `tolerance`; each gradient within a relative RMS difference of `tolerance` (0 asks for equal
 /// gradients; on CUDA the tied embedding's gradient is accumulated with atomic additions, whose
 /// order, and so the last bit of some sums, varies from run to run). With `delayed`, per-tensor
 /// scales from amax histories (each side its own): the second step's, scaled from the amaxes the
 /// first recorded.
 pub fn fused_mlp_matches_composed<B: AutodiffBackend + kernels::Backend>(
+    mlp: MlpKind,
     dtype: FloatDType,
     shape: Shape,
     delayed: bool,
@@ -27,7 +29,7 @@ pub fn fused_mlp_matches_composed<B: AutodiffBackend + kernels::Backend>(
     tolerance: f64,
     dev: &B::Device,
 ) {
-    let cfg = model_config(MlpKind::Gelu, shape);
+    let cfg = model_config(mlp, shape);
     let fused = Combo {
         kernels: KernelsKind::Fused,
         attention: AttentionKind::Flash,
@@ -63,7 +65,7 @@ pub fn fused_mlp_matches_composed<B: AutodiffBackend + kernels::Backend>(
         step()
     };
     let ((one_op, one_op_grads), (composed, composed_grads)) = (run(false), run(true));
-    let ctx = format!("FP8 GELU model {dtype:?} at {shape:?}, delayed scaling {delayed}");
+    let ctx = format!("FP8 {mlp:?} model {dtype:?} at {shape:?}, delayed scaling {delayed}");
     let loss_diff = (one_op - composed).abs() / composed.abs().max(1e-30);
     eprintln!("{ctx}: loss {one_op} (MLP as one op) against {composed} (composed)");
     assert!(

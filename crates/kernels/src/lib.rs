@@ -25,6 +25,7 @@
 //! | GEMM with transpose flags, linear layer (cuBLASLt on CUDA) | [`gemm()`], [`linear`] | [`gemm::reference`] (Burn's matmul) |
 //! | RMSNorm (+ residual add) or activation, then a linear layer, the norm's or activation's output recomputed in the backward | [`recompute::rms_norm_linear`], [`recompute::add_rms_norm_linear`], [`recompute::activation_linear`] | the composition of the ops |
 //! | FP8 GEMM and linear layer (experimental) | [`fp8_gemm`], [`fp8_linear`] | dequantize, then matmul |
+//! | FP8 MLP, the activation (GELU, packed SwiGLU) quantized where it is computed | [`fp8_mlp_scaled`], [`fp8_gelu_mlp`] | [`fp8_linear`], the activation, [`fp8_linear`] |
 //!
 //! Beside the ops, [`collective`] joins processes (one GPU each) in an NCCL communicator and runs
 //! all-reduce, reduce-scatter and all-gather on CubeCL's CUDA stream, for data parallelism across
@@ -135,12 +136,12 @@ pub use dropout::{Dropout, DropoutKernels, DropoutOps};
 pub use embedding::{EmbeddingKernels, EmbeddingOps};
 pub use format_stats::{FormatProbe, FormatStats, FormatStatsOps};
 pub use fp8::{
-    fp8_gelu_mlp, fp8_gelu_mlp_scaled, fp8_gemm, fp8_gemm_on, fp8_gemm_path, fp8_health,
-    fp8_health_pending, fp8_health_pending_at, fp8_linear, fp8_linear_probed, fp8_linear_scaled,
-    fp8_pair_path, fp8_pair_path_run, fp8_quantize, fp8_quantize_pair, fp8_quantize_pair_on,
-    Fp8AmaxHistory, Fp8AmaxHistoryState, Fp8Format, Fp8GemmPath, Fp8Granularity, Fp8Health,
-    Fp8LinearConfig, Fp8Ops, Fp8PairPath, Fp8Probe, Fp8Record, Fp8ScaleSite, Fp8Tensor,
-    PendingHealth, QuantSpec,
+    fp8_act_quantize_pair, fp8_gelu_mlp, fp8_gelu_mlp_scaled, fp8_gemm, fp8_gemm_on, fp8_gemm_path,
+    fp8_health, fp8_health_pending, fp8_health_pending_at, fp8_linear, fp8_linear_probed,
+    fp8_linear_scaled, fp8_mlp_scaled, fp8_pair_path, fp8_pair_path_run, fp8_quantize,
+    fp8_quantize_pair, fp8_quantize_pair_on, Fp8AmaxHistory, Fp8AmaxHistoryState, Fp8Format,
+    Fp8GemmPath, Fp8Granularity, Fp8Health, Fp8LinearConfig, Fp8MlpActivation, Fp8Ops, Fp8PairPath,
+    Fp8Probe, Fp8Record, Fp8ScaleSite, Fp8Tensor, PendingHealth, QuantSpec,
 };
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
 pub use memory::{MemoryOps, MemoryUse};

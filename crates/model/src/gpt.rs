@@ -250,15 +250,14 @@ impl<B: kernels::Backend> Mlp<B> {
             .forward_after_activation(h, activation, proj, recompute)
     }
 
-    /// Whether `fc`, GELU and `proj` run as one op (`kernels::fp8_gelu_mlp_scaled`, which
-    /// quantizes GELU's output and gradient in GELU's kernels): a GELU block without biases whose
-    /// two projections run in FP8 with the same settings (and both with or both without a
-    /// delayed-scaling site) and measure nothing this step (FP8 health and gradient formats are
-    /// measured on the projections run apart).
+    /// Whether `fc`, the activation and `proj` run as one op (`kernels::fp8_mlp_scaled`, which
+    /// quantizes the activation's output and gradient in the kernels that compute them): a block
+    /// (GELU or SwiGLU) without biases whose two projections run in FP8 with the same settings
+    /// (and both with or both without a delayed-scaling site) and measure nothing this step (FP8
+    /// health and gradient formats are measured on the projections run apart).
     fn fused_fp8(&self, fc: &Projection, proj: &Projection) -> bool {
         let unprobed = |p: &Projection| p.fp8_probe.is_none() && p.grad_probe.is_none();
-        self.kind == MlpKind::Gelu
-            && self.fc.bias.is_none()
+        self.fc.bias.is_none()
             && self.proj.bias.is_none()
             && fc.fp8.is_some()
             && fc.fp8 == proj.fp8
@@ -267,18 +266,18 @@ impl<B: kernels::Backend> Mlp<B> {
             && unprobed(proj)
     }
 
-    /// `gelu(n W_fc) W_proj` on the normed input `n` as one FP8 op (see [`Mlp::fused_fp8`]).
-    fn forward_fp8_gelu(
-        &self,
-        n: Tensor<B, 3>,
-        fc: &Projection,
-        proj: &Projection,
-    ) -> Tensor<B, 3> {
+    /// `act(n W_fc) W_proj` on the normed input `n` as one FP8 op (see [`Mlp::fused_fp8`]).
+    fn forward_fp8(&self, n: Tensor<B, 3>, fc: &Projection, proj: &Projection) -> Tensor<B, 3> {
         let cfg = fc.fp8.expect("an FP8 projection");
         let [b, t, d] = n.dims();
         let (w_fc, w_proj) = (self.fc.weight.val(), self.proj.weight.val());
         let sites = fc.fp8_site.as_ref().zip(proj.fp8_site.as_ref());
-        let y = kernels::fp8_gelu_mlp_scaled(n.reshape([b * t, d]), w_fc, w_proj, &cfg, sites);
+        let act = match self.kind {
+            MlpKind::Gelu => kernels::Fp8MlpActivation::Gelu,
+            MlpKind::Swiglu => kernels::Fp8MlpActivation::SwigluPacked,
+        };
+        let n = n.reshape([b * t, d]);
+        let y = kernels::fp8_mlp_scaled(n, w_fc, w_proj, act, &cfg, sites);
         let out = y.dims()[1];
         y.reshape([b, t, out])
     }
@@ -373,7 +372,7 @@ impl<B: kernels::Backend> Block<B> {
         let (fc, proj) = ctx.mlp_projections(layer);
         let (x, m) = if self.mlp.fused_fp8(&fc, &proj) {
             let (x, n) = self.norm2.forward_add(a, x);
-            (x, self.mlp.forward_fp8_gelu(n, &fc, &proj))
+            (x, self.mlp.forward_fp8(n, &fc, &proj))
         } else {
             let (x, h) = self
                 .mlp

@@ -288,15 +288,16 @@ where
             spec,
         ))
     }
-    fn fp8_gelu_mlp(
+    fn fp8_mlp(
         x: FloatTensor<Self>,
         w_fc: FloatTensor<Self>,
         w_proj: FloatTensor<Self>,
+        act: super::Fp8MlpActivation,
         cfg: &Fp8LinearConfig,
         sites: Option<(Fp8ScaleSite, Fp8ScaleSite)>,
     ) -> Option<FloatTensor<Self>> {
         Some(super::mlp::autodiff::<CubeBackend<R, F, I, BT>, C>(
-            x, w_fc, w_proj, cfg, sites,
+            x, w_fc, w_proj, act, cfg, sites,
         ))
     }
     fn fp8_native_supported(x: &FloatTensor<Self>) -> bool {

@@ -504,42 +504,44 @@ impl Fp8ScaleSite {
 }
 
 impl Fp8ScaleSite {
-    /// GELU of `h` (with `dy`, its gradient `dy * GELU'(h)`) quantized in both orientations as
-    /// [`Self::quantize_pair`] quantizes it: by the kernel that computes it
-    /// ([`super::fp8_gelu_quantize_pair`]'s), which records the amax from its own values, where
-    /// the history at `role` has an amax to scale by and that kernel runs; otherwise GELU's kernel
-    /// and then [`Self::quantize_pair`].
-    pub fn quantize_gelu_pair<B: Fp8Ops + GemmOps + crate::activation::ActivationKernels>(
+    /// `act` of `h` (with `dy`, its gradient with respect to `h`) quantized in both orientations
+    /// as [`Self::quantize_pair`] quantizes it: by the kernel that computes it
+    /// ([`super::fp8_act_quantize_pair`]'s), which records the amax from its own values, where
+    /// the history at `role` has an amax to scale by and that kernel runs; otherwise the
+    /// activation's kernel and then [`Self::quantize_pair`].
+    pub fn quantize_act_pair<B: Fp8Ops + GemmOps + crate::activation::ActivationKernels>(
         &self,
         role: &str,
         h: Tensor<B, 2>,
         dy: Option<Tensor<B, 2>>,
+        act: super::Fp8MlpActivation,
         spec: QuantSpec,
         record: Fp8Record,
     ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
         check_spec(&spec);
-        let dims = h.dims();
+        let dims = act.out_dims(h.dims(), dy.is_some());
         if fp8_pair_path(&spec) == super::Fp8PairPath::Native {
             if let Ok(taken) = self.take_seeded::<B>(role, &h.device(), record == Fp8Record::Yes) {
                 let in_kernel = taken
                     .seen
                     .map(|seen| (crate::primitive::prim(seen), taken.slot));
-                let fused = B::fp8_gelu_quantize_pair(
+                let fused = B::fp8_act_quantize_pair(
                     crate::primitive::prim(h.clone()),
                     dy.clone().map(crate::primitive::prim),
+                    act,
                     &spec,
                     Some((crate::primitive::prim(taken.amax), in_kernel)),
                 );
                 if let Some((parts, recorded)) = fused {
                     if record == Fp8Record::Yes && !recorded {
-                        let values = super::producer::gelu_values(h, dy);
+                        let values = super::producer::act_values(h, dy, act);
                         self.record(taken.slot, values, None);
                     }
                     return Fp8Tensor::pair_from_parts(parts, dims, spec);
                 }
             }
         }
-        let values = super::producer::gelu_values(h, dy);
+        let values = super::producer::act_values(h, dy, act);
         self.quantize_pair(role, values, spec, record)
     }
 }

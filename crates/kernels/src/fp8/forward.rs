@@ -773,16 +773,18 @@ where
     }
 }
 
-/// [`Fp8Ops::fp8_gelu_quantize_pair`] on `CubeBackend`: the CUDA C++ pair kernel with its GELU
-/// prologue, or `None` where it does not run (see `producer.rs`; per-tensor scaling without a
-/// given amax).
+/// [`Fp8Ops::fp8_act_quantize_pair`] on `CubeBackend`: the CUDA C++ pair kernel with the
+/// activation's prologue, or `None` where it does not run (see `producer.rs`; per-tensor scaling
+/// without a given amax).
 #[allow(clippy::type_complexity)]
-pub(crate) fn gelu_quantize_pair_native<R: CubeRuntime>(
+pub(crate) fn act_quantize_pair_native<R: CubeRuntime>(
     h: CubeTensor<R>,
     dy: Option<CubeTensor<R>>,
+    act: super::Fp8MlpActivation,
     spec: &QuantSpec,
     given: Option<(CubeTensor<R>, Option<(CubeTensor<R>, usize)>)>,
 ) -> Option<((Quantized<R>, Quantized<R>), bool)> {
+    use super::Fp8MlpActivation::{Gelu, SwigluPacked};
     if !super::native::supported(&h) {
         return None;
     }
@@ -792,17 +794,27 @@ pub(crate) fn gelu_quantize_pair_native<R: CubeRuntime>(
     if dims.len() != 2 || per_tensor != given.is_some() || !h.is_contiguous() {
         return None;
     }
+    let (rows, h_cols) = (dims[0], dims[1]);
+    if act == SwigluPacked && !h_cols.is_multiple_of(2) {
+        return None;
+    }
+    // What `dy` must be: the activation's output's shape.
+    let dy_cols = match act {
+        Gelu => h_cols,
+        SwigluPacked => h_cols / 2,
+    };
     let dy = match dy {
         Some(dy) => {
             let dy = crate::launch::contiguous(burn_cubecl::kernel::cast(dy, h.dtype));
-            if dy.shape().as_slice() != dims.as_slice() {
+            if dy.shape().as_slice() != [rows, dy_cols] {
                 return None;
             }
             Some(dy)
         }
         None => None,
     };
-    let (rows, cols) = (dims[0], dims[1]);
+    // The quantized matrix: the output, or the gradient with respect to `h`.
+    let [_, cols] = act.out_dims([rows, h_cols], dy.is_some());
     if !pair_grid_fits(&h, rows, cols) {
         return None;
     }
@@ -815,12 +827,14 @@ pub(crate) fn gelu_quantize_pair_native<R: CubeRuntime>(
     let view = super::native::PairView {
         rows,
         cols,
-        stride_i: cols,
+        stride_i: h_cols,
         stride_j: 1,
     };
-    let prologue = match &dy {
-        Some(dy) => super::native::Prologue::GeluGrad(dy),
-        None => super::native::Prologue::Gelu,
+    let prologue = match (act, &dy) {
+        (Gelu, Some(dy)) => super::native::Prologue::GeluGrad(dy),
+        (Gelu, None) => super::native::Prologue::Gelu,
+        (SwigluPacked, Some(dy)) => super::native::Prologue::SwigluGrad(dy),
+        (SwigluPacked, None) => super::native::Prologue::Swiglu,
     };
     let record = record.as_ref().map(|(buffer, slot)| (buffer, *slot));
     let recorded = record.is_some();
@@ -903,25 +917,29 @@ where
         health_partials(x, payload, scales, spec)
     }
     #[allow(clippy::type_complexity)]
-    fn fp8_gelu_quantize_pair(
+    fn fp8_act_quantize_pair(
         h: FloatTensor<Self>,
         dy: Option<FloatTensor<Self>>,
+        act: super::Fp8MlpActivation,
         spec: &QuantSpec,
         given: Option<(FloatTensor<Self>, Option<(FloatTensor<Self>, usize)>)>,
     ) -> Option<((Quantized<R>, Quantized<R>), bool)> {
-        gelu_quantize_pair_native(h, dy, spec, given)
+        act_quantize_pair_native(h, dy, act, spec, given)
     }
-    fn fp8_gelu_mlp(
+    fn fp8_mlp(
         x: FloatTensor<Self>,
         w_fc: FloatTensor<Self>,
         w_proj: FloatTensor<Self>,
+        act: super::Fp8MlpActivation,
         cfg: &super::Fp8LinearConfig,
         sites: Option<(super::Fp8ScaleSite, super::Fp8ScaleSite)>,
     ) -> Option<FloatTensor<Self>> {
         use crate::primitive::{prim, tensor};
         let (x, w_fc, w_proj) = (tensor(x), tensor(w_fc), tensor(w_proj));
         let sites = sites.as_ref().map(|(fc, proj)| (fc, proj));
-        Some(prim(super::mlp::fprop::<Self>(x, w_fc, w_proj, cfg, sites)))
+        Some(prim(super::mlp::fprop::<Self>(
+            x, w_fc, w_proj, act, cfg, sites,
+        )))
     }
     fn fp8_native_supported(x: &FloatTensor<Self>) -> bool {
         super::native::supported(x)

@@ -1,19 +1,21 @@
-//! The FP8 MLP, `gelu(x w_fc) w_proj`, as one op: the four GEMMs of its two projections in FP8
-//! as [`fp8_linear`] runs them, with GELU's output quantized by the kernel that computes it and,
-//! in the backward, GELU's gradient quantized by the kernel that computes it (`producer.rs`).
+//! The FP8 MLP, `act(x w_fc) w_proj` (GELU, or SwiGLU of a packed gate and up), as one op: the
+//! four GEMMs of its two projections in FP8 as [`fp8_linear`] runs them, with the activation's
+//! output quantized by the kernel that computes it and, in the backward, the activation's gradient
+//! quantized by the kernel that computes it (`producer.rs`).
 //!
-//! Composed of [`fp8_linear`], [`crate::gelu`] and [`fp8_linear`], the same values take two more
-//! passes over the largest activation of the block, `[t, ff]`, each way: GELU writes its output in
-//! the compute dtype and a quantizer pair reads it back (forward), and GELU's backward writes the
-//! gradient that the first projection's quantizer pair reads back (backward).
+//! Composed of [`fp8_linear`], the activation ([`crate::gelu`], [`crate::swiglu_packed`]) and
+//! [`fp8_linear`], the same values take two more passes over the block's largest activations each
+//! way: the activation writes its output (`[t, ff]`) in the compute dtype and a quantizer pair
+//! reads it back (forward), and the activation's backward writes the gradient (`[t, ff]`, SwiGLU's
+//! `[t, 2 * ff]`) that the first projection's quantizer pair reads back (backward).
 //!
 //! Under per-tensor scaling with delayed-scaling sites (one per projection, as the layers have),
-//! GELU's output and gradient are scaled from their histories (`proj`'s input, `fc`'s output
-//! gradient) and the GELU kernel records their amaxes from its own read.
+//! the activation's output and gradient are scaled from their histories (`proj`'s input, `fc`'s
+//! output gradient) and the producing kernel records their amaxes from its own read.
 //!
-//! What the backward keeps: `x^T` and `gelu(h)^T` as FP8 codes (for the weight gradients), the
-//! weights as FP8 codes (for the input gradients) and `h = x w_fc` (for GELU's gradient), as the
-//! composition keeps them.
+//! What the backward keeps: `x^T` and `act(h)^T` as FP8 codes (for the weight gradients), the
+//! weights as FP8 codes (for the input gradients) and `h = x w_fc` (for the activation's
+//! gradient), as the composition keeps them.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -25,7 +27,7 @@ use burn::tensor::{FloatDType, Tensor};
 
 use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
 use super::delayed::{quantize_at, quantize_pair_at};
-use super::producer::fp8_gelu_quantize_pair;
+use super::producer::{act_values, fp8_act_quantize_pair, Fp8MlpActivation};
 use super::{fp8_gemm, fp8_linear_scaled, Fp8Granularity};
 use super::{Fp8LinearConfig, Fp8Ops, Fp8Record, Fp8ScaleSite, Fp8Tensor, QuantSpec};
 use crate::activation::{ActivationKernels, ActivationOps};
@@ -46,15 +48,8 @@ pub fn fp8_gelu_mlp<B: Fp8Ops + GemmOps + ActivationOps>(
 }
 
 /// [`fp8_gelu_mlp`]; with `cfg.per_tensor` and `sites` (`fc`'s and `proj`'s, as
-/// [`fp8_linear_scaled`] takes one), every operand is scaled from its site's amax history.
-/// Under `Autodiff` the backward gives the gradients of all three inputs.
-///
-/// With every GEMM in FP8 (`cfg.fprop`, `dgrad`, `wgrad`), on a backend with the fused op
-/// (`CubeBackend`, `Autodiff` over it), GELU's output and gradient are quantized by the kernel
-/// that computes them (see the module docs); otherwise, and on other backends, this is
-/// `fp8_linear_scaled(gelu(fp8_linear_scaled(x, w_fc)), w_proj)`. Either way the values are
-/// those of that composition: bit for bit where the GELU kernel runs in both, to a unit in the
-/// last place of `x`'s dtype before quantizing where the CUDA C++ kernel computes GELU.
+/// [`fp8_linear_scaled`] takes one), every operand is scaled from its site's amax history:
+/// [`fp8_mlp_scaled`] with GELU.
 pub fn fp8_gelu_mlp_scaled<B: Fp8Ops + GemmOps + ActivationOps>(
     x: Tensor<B, 2>,
     w_fc: Tensor<B, 2>,
@@ -62,18 +57,49 @@ pub fn fp8_gelu_mlp_scaled<B: Fp8Ops + GemmOps + ActivationOps>(
     cfg: &Fp8LinearConfig,
     sites: Option<(&Fp8ScaleSite, &Fp8ScaleSite)>,
 ) -> Tensor<B, 2> {
-    let ([t, d], [fc_in, ff], [proj_in, _]) = (x.dims(), w_fc.dims(), w_proj.dims());
-    if fc_in != d || proj_in != ff {
+    fp8_mlp_scaled(x, w_fc, w_proj, Fp8MlpActivation::Gelu, cfg, sites)
+}
+
+/// `act(x w_fc) w_proj` for `x [t, d]`, `w_fc [d, h]`, `w_proj [ff, out]` (one dtype; `h = ff`
+/// for GELU, `2 * ff` for SwiGLU's packed gate and up), in `x`'s dtype, with the GEMMs in FP8 as
+/// `cfg` says; with `cfg.per_tensor` and `sites` (`fc`'s and `proj`'s, as [`fp8_linear_scaled`]
+/// takes one), every operand is scaled from its site's amax history. Under `Autodiff` the
+/// backward gives the gradients of all three inputs.
+///
+/// With every GEMM in FP8 (`cfg.fprop`, `dgrad`, `wgrad`), on a backend with the fused op
+/// (`CubeBackend`, `Autodiff` over it), the activation's output and gradient are quantized by the
+/// kernel that computes them (see the module docs); otherwise, and on other backends, this is
+/// `fp8_linear_scaled(act(fp8_linear_scaled(x, w_fc)), w_proj)`. Either way the values are those
+/// of that composition: bit for bit where the activation's kernel runs in both, to a unit in the
+/// last place of `x`'s dtype before quantizing where the CUDA C++ kernel computes the activation.
+///
+/// # Panics
+/// If the shapes do not chain (naming them) or the three dtypes differ.
+pub fn fp8_mlp_scaled<B: Fp8Ops + GemmOps + ActivationOps>(
+    x: Tensor<B, 2>,
+    w_fc: Tensor<B, 2>,
+    w_proj: Tensor<B, 2>,
+    act: Fp8MlpActivation,
+    cfg: &Fp8LinearConfig,
+    sites: Option<(&Fp8ScaleSite, &Fp8ScaleSite)>,
+) -> Tensor<B, 2> {
+    let ([t, d], [fc_in, h], [proj_in, _]) = (x.dims(), w_fc.dims(), w_proj.dims());
+    let [_, ff] = act.out_dims([t, h], false);
+    let packed = act == Fp8MlpActivation::SwigluPacked;
+    if fc_in != d || proj_in != ff || (packed && !h.is_multiple_of(2)) {
+        let want = match packed {
+            true => "w_fc [d, 2 * ff] (gate, then up) and w_proj [ff, out]",
+            false => "w_fc [d, ff] and w_proj [ff, out]",
+        };
         panic!(
-            "kernels::fp8_gelu_mlp: x is [{t}, {d}], w_fc {:?} and w_proj {:?}; expected \
-             w_fc [{d}, ff] and w_proj [ff, out]",
+            "kernels::fp8_mlp ({act:?}): x is [{t}, {d}], w_fc {:?} and w_proj {:?}; expected {want}",
             w_fc.dims(),
             w_proj.dims()
         );
     }
     if x.dtype() != w_fc.dtype() || x.dtype() != w_proj.dtype() {
         panic!(
-            "kernels::fp8_gelu_mlp: x is {:?}, w_fc {:?} and w_proj {:?}; cast them to one dtype",
+            "kernels::fp8_mlp: x is {:?}, w_fc {:?} and w_proj {:?}; cast them to one dtype",
             x.dtype(),
             w_fc.dtype(),
             w_proj.dtype()
@@ -82,10 +108,11 @@ pub fn fp8_gelu_mlp_scaled<B: Fp8Ops + GemmOps + ActivationOps>(
     let sites = sites.filter(|_| cfg.per_tensor);
     if cfg.fprop && cfg.dgrad && cfg.wgrad {
         let owned = sites.map(|(fc, proj)| (fc.clone(), proj.clone()));
-        let fused = B::fp8_gelu_mlp(
+        let fused = B::fp8_mlp(
             prim(x.clone()),
             prim(w_fc.clone()),
             prim(w_proj.clone()),
+            act,
             cfg,
             owned,
         );
@@ -95,26 +122,31 @@ pub fn fp8_gelu_mlp_scaled<B: Fp8Ops + GemmOps + ActivationOps>(
     }
     let (fc_site, proj_site) = (sites.map(|s| s.0), sites.map(|s| s.1));
     let h = fp8_linear_scaled(x, w_fc, cfg, None, fc_site);
-    let a = tensor(B::fused_gelu(prim(h)));
+    let a = tensor(match act {
+        Fp8MlpActivation::Gelu => B::fused_gelu(prim(h)),
+        Fp8MlpActivation::SwigluPacked => B::fused_swiglu_packed(prim(h)),
+    });
     fp8_linear_scaled(a, w_proj, cfg, None, proj_site)
 }
 
 /// The delayed-scaling sites of `fc` and `proj`.
 type Sites = Option<(Fp8ScaleSite, Fp8ScaleSite)>;
 
-/// GELU of `h` (with `dy`, its gradient) quantized in both orientations, scaled as [`quantize_pair_at`].
-fn gelu_pair<B: Fp8Ops + GemmOps + ActivationKernels>(
+/// `act` of `h` (with `dy`, its gradient) quantized in both orientations, scaled as
+/// [`quantize_pair_at`].
+fn act_pair<B: Fp8Ops + GemmOps + ActivationKernels>(
     h: Tensor<B, 2>,
     dy: Option<Tensor<B, 2>>,
+    act: Fp8MlpActivation,
     spec: QuantSpec,
     site: Option<&Fp8ScaleSite>,
     role: &str,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
     match site {
         Some(site) if spec.granularity == Fp8Granularity::Tensor => {
-            site.quantize_gelu_pair(role, h, dy, spec, Fp8Record::Yes)
+            site.quantize_act_pair(role, h, dy, act, spec, Fp8Record::Yes)
         }
-        _ => fp8_gelu_quantize_pair(h, dy, spec),
+        _ => fp8_act_quantize_pair(h, dy, act, spec),
     }
 }
 
@@ -125,14 +157,15 @@ struct Saved<B: Fp8Ops + GemmOps> {
     x_t: Fp8Tensor<B>,
     /// `w_fc` quantized along `ff` (128 x 128 blocks).
     w_fc: Fp8Tensor<B>,
-    /// `x w_fc`, GELU's input.
+    /// `x w_fc`, the activation's input.
     h: Tensor<B, 2>,
-    /// `gelu(h)^T` quantized along `t`.
+    /// `act(h)^T` quantized along `t`.
     a_t: Fp8Tensor<B>,
     /// `w_proj` quantized along `out`.
     w_proj: Fp8Tensor<B>,
     /// The dtypes of `x`, `w_fc` and `w_proj`.
     dtypes: [FloatDType; 3],
+    act: Fp8MlpActivation,
     sites: Sites,
 }
 
@@ -141,6 +174,7 @@ fn forward<B: Fp8Ops + GemmOps + ActivationKernels>(
     x: Tensor<B, 2>,
     w_fc: Tensor<B, 2>,
     w_proj: Tensor<B, 2>,
+    act: Fp8MlpActivation,
     cfg: &Fp8LinearConfig,
     sites: Sites,
 ) -> (Tensor<B, 2>, Saved<B>) {
@@ -151,7 +185,7 @@ fn forward<B: Fp8Ops + GemmOps + ActivationKernels>(
     let (w_fc_q, w_fc_t) =
         quantize_pair_at(w_fc, cfg.weight_spec(false), fc, WEIGHT, Fp8Record::Yes);
     let h = fp8_gemm(&x_q, &w_fc_t, out);
-    let (a_q, a_t) = gelu_pair(h.clone(), None, cfg.act_spec(false), proj, INPUT);
+    let (a_q, a_t) = act_pair(h.clone(), None, act, cfg.act_spec(false), proj, INPUT);
     let (w_proj_q, w_proj_t) =
         quantize_pair_at(w_proj, cfg.weight_spec(false), proj, WEIGHT, Fp8Record::Yes);
     let y = fp8_gemm(&a_q, &w_proj_t, out);
@@ -162,6 +196,7 @@ fn forward<B: Fp8Ops + GemmOps + ActivationKernels>(
         a_t,
         w_proj: w_proj_q,
         dtypes,
+        act,
         sites,
     };
     (y, saved)
@@ -172,6 +207,7 @@ pub(crate) fn fprop<B: Fp8Ops + GemmOps + ActivationKernels>(
     x: Tensor<B, 2>,
     w_fc: Tensor<B, 2>,
     w_proj: Tensor<B, 2>,
+    act: Fp8MlpActivation,
     cfg: &Fp8LinearConfig,
     sites: Option<(&Fp8ScaleSite, &Fp8ScaleSite)>,
 ) -> Tensor<B, 2> {
@@ -184,12 +220,13 @@ pub(crate) fn fprop<B: Fp8Ops + GemmOps + ActivationKernels>(
         out,
     );
     let a_q = match proj {
-        // An evaluation forward records no amax; GELU's output then takes the quantizer.
+        // An evaluation forward records no amax; the activation's output then takes the
+        // quantizer.
         Some(site) if cfg.per_tensor => {
-            let a = super::producer::gelu_values(h, None);
+            let a = act_values(h, None, act);
             site.quantize(INPUT, a, cfg.act_spec(false), Fp8Record::No)
         }
-        _ => fp8_gelu_quantize_pair(h, None, cfg.act_spec(false)).0,
+        _ => fp8_act_quantize_pair(h, None, act, cfg.act_spec(false)).0,
     };
     fp8_gemm(
         &a_q,
@@ -216,16 +253,23 @@ fn backward<B: Fp8Ops + GemmOps + ActivationKernels>(
     );
     let da = fp8_gemm(&dy_q, &saved.w_proj, x_dtype);
     let dw_proj = fp8_gemm(&saved.a_t, &dy_t, proj_dtype);
-    let (dh_q, dh_t) = gelu_pair(saved.h, Some(da), cfg.grad_spec(false), fc, GRAD_OUTPUT);
+    let (dh_q, dh_t) = act_pair(
+        saved.h,
+        Some(da),
+        saved.act,
+        cfg.grad_spec(false),
+        fc,
+        GRAD_OUTPUT,
+    );
     let dx = fp8_gemm(&dh_q, &saved.w_fc, x_dtype);
     let dw_fc = fp8_gemm(&saved.x_t, &dh_t, fc_dtype);
     [dx, dw_fc, dw_proj]
 }
 
 #[derive(Debug)]
-struct Fp8GeluMlpBackward;
+struct Fp8MlpBackward;
 
-impl<B: Fp8Ops + GemmOps + ActivationKernels> Backward<B, 3> for Fp8GeluMlpBackward {
+impl<B: Fp8Ops + GemmOps + ActivationKernels> Backward<B, 3> for Fp8MlpBackward {
     type State = (Saved<B>, Fp8LinearConfig);
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -240,11 +284,12 @@ impl<B: Fp8Ops + GemmOps + ActivationKernels> Backward<B, 3> for Fp8GeluMlpBackw
     }
 }
 
-/// [`fp8_gelu_mlp_scaled`] under `Autodiff` over `B` (every GEMM in FP8).
+/// [`fp8_mlp_scaled`] under `Autodiff` over `B` (every GEMM in FP8).
 pub(crate) fn autodiff<B: Fp8Ops + GemmOps + ActivationKernels, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     w_fc: FloatTensor<Autodiff<B, C>>,
     w_proj: FloatTensor<Autodiff<B, C>>,
+    act: Fp8MlpActivation,
     cfg: &Fp8LinearConfig,
     sites: Sites,
 ) -> FloatTensor<Autodiff<B, C>> {
@@ -254,18 +299,18 @@ pub(crate) fn autodiff<B: Fp8Ops + GemmOps + ActivationKernels, C: CheckpointStr
         tensor(w_fc.primitive),
         tensor(w_proj.primitive),
     );
-    match Fp8GeluMlpBackward
+    match Fp8MlpBackward
         .prepare::<C>(nodes)
         .compute_bound()
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let (y, saved) = forward::<B>(x, w_fc, w_proj, cfg, sites);
+            let (y, saved) = forward::<B>(x, w_fc, w_proj, act, cfg, sites);
             prep.finish((saved, *cfg), prim(y))
         }
         OpsKind::UnTracked(prep) => {
             let sites = sites.as_ref().map(|(fc, proj)| (fc, proj));
-            prep.finish(prim(fprop::<B>(x, w_fc, w_proj, cfg, sites)))
+            prep.finish(prim(fprop::<B>(x, w_fc, w_proj, act, cfg, sites)))
         }
     }
 }

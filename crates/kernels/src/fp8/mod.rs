@@ -37,9 +37,10 @@
 //! **Linear** ([`fp8_linear`]): `x [t, in] w [in, out]` with the fprop, dgrad and wgrad GEMMs in
 //! FP8, each operand quantized along its own reduction axis (see [`Fp8LinearConfig`]).
 //!
-//! **MLP** ([`fp8_gelu_mlp`]): `gelu(x w_fc) w_proj` with its four FP8 linear GEMMs, GELU's output
-//! and, in the backward, GELU's gradient quantized by the kernel that computes them
-//! (`producer.rs`) instead of written in the compute dtype and quantized by a separate pass.
+//! **MLP** ([`fp8_mlp_scaled`], [`fp8_gelu_mlp`]): `act(x w_fc) w_proj` (GELU, or SwiGLU of a
+//! packed gate and up) with its four FP8 linear GEMMs, the activation's output and, in the
+//! backward, its gradient quantized by the kernel that computes them (`producer.rs`) instead of
+//! written in the compute dtype and quantized by a separate pass.
 
 pub(crate) mod backward;
 mod delayed;
@@ -63,10 +64,10 @@ pub(crate) use gemm::mma_shape;
 pub use gemm::{fp8_gemm, fp8_gemm_on, fp8_gemm_path};
 pub use health::{fp8_health, fp8_health_pending, fp8_health_pending_at, Fp8Health, PendingHealth};
 pub use linear::{fp8_linear, fp8_linear_probed, fp8_linear_scaled, Fp8LinearConfig, Fp8Probe};
-pub use mlp::{fp8_gelu_mlp, fp8_gelu_mlp_scaled};
+pub use mlp::{fp8_gelu_mlp, fp8_gelu_mlp_scaled, fp8_mlp_scaled};
 pub use mma::MmaShape;
 pub use path::{Fp8GemmPath, Fp8PairPath};
-pub use producer::fp8_gelu_quantize_pair;
+pub use producer::{fp8_act_quantize_pair, fp8_gelu_quantize_pair, Fp8MlpActivation};
 pub(crate) use tensor::{f32_values, words_of};
 pub use tensor::{
     fp8_pair_path, fp8_pair_path_run, fp8_quantize, fp8_quantize_pair, fp8_quantize_pair_on,
@@ -206,17 +207,19 @@ pub trait Fp8Ops: BurnBackend {
         ))
     }
 
-    /// GELU of the 2-D `h` (with `dy`, its gradient `dy * GELU'(h)`), rounded to `h`'s dtype
-    /// and quantized in both orientations as [`Self::fp8_quantize_pair`] quantizes it under
-    /// `spec`, by one kernel that reads `h` (and `dy`) once; `None` where the backend has no such
-    /// kernel (the default), and the caller runs GELU and the quantizer pair. Per-tensor scaling
-    /// needs `given = Some((amax, record))`: the amax to scale by (f32, the amax first) and, as in
+    /// `act` of the 2-D `h` (with `dy`, its gradient with respect to `h`; for SwiGLU `h` is the
+    /// packed `[t, 2 * ff]` and `dy` `[t, ff]`), rounded to `h`'s dtype and quantized in both
+    /// orientations as [`Self::fp8_quantize_pair`] quantizes it under `spec`, by one kernel that
+    /// reads `h` (and `dy`) once; `None` where the backend has no such kernel (the default), and
+    /// the caller runs the activation and the quantizer pair. Per-tensor scaling needs
+    /// `given = Some((amax, record))`: the amax to scale by (f32, the amax first) and, as in
     /// [`Self::fp8_quantize_pair_given`], where to record the values' own amax (`true` beside the
     /// pair when it did).
     #[allow(clippy::type_complexity)]
-    fn fp8_gelu_quantize_pair(
+    fn fp8_act_quantize_pair(
         _h: FloatTensor<Self>,
         _dy: Option<FloatTensor<Self>>,
+        _act: Fp8MlpActivation,
         _spec: &QuantSpec,
         _given: Option<(FloatTensor<Self>, Option<(FloatTensor<Self>, usize)>)>,
     ) -> Option<(
@@ -229,13 +232,14 @@ pub trait Fp8Ops: BurnBackend {
         None
     }
 
-    /// [`fp8_gelu_mlp_scaled`] as one op, or `None` where the backend has none (the default):
-    /// the free function then composes [`fp8_linear_scaled`], [`crate::gelu`] and
-    /// [`fp8_linear_scaled`].
-    fn fp8_gelu_mlp(
+    /// [`fp8_mlp_scaled`] as one op, or `None` where the backend has none (the default): the
+    /// free function then composes [`fp8_linear_scaled`], the activation ([`crate::gelu`] or
+    /// [`crate::swiglu_packed`]) and [`fp8_linear_scaled`].
+    fn fp8_mlp(
         _x: FloatTensor<Self>,
         _w_fc: FloatTensor<Self>,
         _w_proj: FloatTensor<Self>,
+        _act: Fp8MlpActivation,
         _cfg: &Fp8LinearConfig,
         _sites: Option<(Fp8ScaleSite, Fp8ScaleSite)>,
     ) -> Option<FloatTensor<Self>> {

@@ -62,6 +62,12 @@ pub(crate) enum Prologue<'a, R: CubeRuntime> {
     Gelu,
     /// The GELU gradient `dy * GELU'(x)`, `dy` stored as `x` is (same dtype, shape and strides).
     GeluGrad(&'a CubeTensor<R>),
+    /// SwiGLU of the packed `x` `[rows, 2 * ff]` (gate, then up): `silu(gate) * up`, the stored
+    /// matrix `[rows, ff]` of the view (`stride_j` 1, `stride_i` `x`'s row stride).
+    Swiglu,
+    /// SwiGLU's packed gradient `[rows, 2 * ff]` (gate half, up half) from the packed `x` (the
+    /// view: `[rows, 2 * ff]`, `stride_j` 1) and `dy`, dense `[rows, ff]` in `x`'s dtype.
+    SwigluGrad(&'a CubeTensor<R>),
 }
 
 impl<R: CubeRuntime> Prologue<'_, R> {
@@ -70,7 +76,14 @@ impl<R: CubeRuntime> Prologue<'_, R> {
             Prologue::None => 0,
             Prologue::Gelu => 1,
             Prologue::GeluGrad(_) => 2,
+            Prologue::Swiglu => 3,
+            Prologue::SwigluGrad(_) => 4,
         }
+    }
+
+    /// Whether it is SwiGLU's, which reads the gate and up halves of a packed input.
+    fn swiglu(&self) -> bool {
+        matches!(self, Prologue::Swiglu | Prologue::SwigluGrad(_))
     }
 }
 
@@ -108,7 +121,9 @@ pub(crate) struct PairView {
 /// f16 or bf16. With per-tensor scaling and `record = Some((buffer, slot))`, the kernel also
 /// raises the f32 `buffer[slot]` to `x`'s amax (the largest finite normal `|x|`), in place.
 /// With a `prologue`, what it quantizes is that function of `x` (a per-tensor `amax` must then be
-/// the function's; a `dy` stored otherwise than `x` is refused: `false`).
+/// the function's; a GELU `dy` stored otherwise than `x`, a SwiGLU `dy` other than dense
+/// `[rows, ff]` in `x`'s dtype, or a SwiGLU view with `stride_j` other than 1 or an odd number of
+/// gradient columns is refused: `false`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_pair<R: CubeRuntime>(
     x: &CubeTensor<R>,
@@ -122,14 +137,32 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
     if !supported(x) {
         return false;
     }
+    // SwiGLU's gate and up columns: the output's, or half the gradient's.
+    let ff = match prologue {
+        Prologue::SwigluGrad(_) => view.cols / 2,
+        _ => view.cols,
+    };
+    if prologue.swiglu() && (view.stride_j != 1 || view.stride_i < 2 * ff) {
+        return false;
+    }
     let dy = match prologue {
-        Prologue::None | Prologue::Gelu => x,
+        Prologue::None | Prologue::Gelu | Prologue::Swiglu => x,
         Prologue::GeluGrad(dy) => {
             let same = dy.dtype == x.dtype
                 && dy.meta.shape() == x.meta.shape()
                 && dy.meta.strides() == x.meta.strides()
                 && aligned_16(dy) == aligned_16(x);
             if !same {
+                return false;
+            }
+            dy
+        }
+        Prologue::SwigluGrad(dy) => {
+            let dense = dy.dtype == x.dtype
+                && view.cols.is_multiple_of(2)
+                && dy.meta.shape().as_slice() == [view.rows, ff]
+                && dy.is_contiguous();
+            if !dense {
                 return false;
             }
             dy
@@ -157,11 +190,13 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
     else {
         return false;
     };
-    // 8 values per row at once: 16-byte loads (two for f32) from 16-byte aligned addresses.
+    // 8 values per row at once: 16-byte loads (two for f32) from 16-byte aligned addresses;
+    // under SwiGLU's prologues, 8 columns of the gate or up half (and of `dy`) at once.
     let vec = view.stride_j == 1
         && view.cols.is_multiple_of(8)
         && view.stride_i.is_multiple_of(8)
-        && aligned_16(x);
+        && aligned_16(x)
+        && (!prologue.swiglu() || (ff.is_multiple_of(8) && aligned_16(dy)));
     let defines = defines(in_kind, vec, spec, prologue.code());
     let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(256));
     let mut buffers = vec![

@@ -19,7 +19,13 @@
 //               dy read beside x (same view). 1 and 2 compute in f32 as the CubeCL kernel
 //               `gelu_narrow` (activation/kernel.rs) does and round to the input format, so
 //               the codes are those of the GELU kernel's output quantized (the GELU of the
-//               FP8 MLP, fp8/mlp.rs, whose producer writes FP8 directly)
+//               FP8 MLP, fp8/mlp.rs, whose producer writes FP8 directly); 3: SwiGLU of a
+//               packed input, silu(gate) * up, where the stored matrix [rows, cols] is the output
+//               and x holds gate at x[i * stride_i + j] and up at x[i * stride_i + cols + j];
+//               4: SwiGLU's gradient, the stored matrix [rows, cols] the packed gradient (gate
+//               half, then up half, ff = cols / 2 columns each), from x as for 3 (gate and up,
+//               ff columns each) and dy dense [rows, ff]. 3 and 4 take stride_j = 1 and compute
+//               in f32 as the CubeCL kernels `swiglu_fwd` / `swiglu_bwd` do (without fast math)
 //
 // Layout (as the CubeCL kernel): the stored matrix is [rows, cols], element (i, j) at
 // x[i * stride_i + j * stride_j]. `payload` [rows, col_tiles * 32] holds it quantized along cols,
@@ -277,13 +283,9 @@ __device__ __forceinline__ float prologue(float x, float d) {
 #endif
 }
 
-// The prologue on a word of input bits (WORD_VALUES values) and the gradient's word beside it.
-__device__ __forceinline__ u32 prologue_word(u32 xw, u32 dw) {
-#if PROLOGUE == 0
-    return xw;
-#elif WORD_VALUES == 2
-    const float lo = prologue(half_bits_to_f32(xw & 0xFFFFu), half_bits_to_f32(dw & 0xFFFFu));
-    const float hi = prologue(half_bits_to_f32(xw >> 16), half_bits_to_f32(dw >> 16));
+#if WORD_VALUES == 2
+// Two f32 values rounded to nearest even in the 16-bit input format, `lo` in the low half.
+__device__ __forceinline__ u32 pack_in_bits(float lo, float hi) {
     u32 r;
 #if IN_KIND == 1
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -291,14 +293,76 @@ __device__ __forceinline__ u32 prologue_word(u32 xw, u32 dw) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #endif
     return r;
+}
+#endif
+
+// The prologue on a word of input bits (WORD_VALUES values) and the gradient's word beside it.
+__device__ __forceinline__ u32 prologue_word(u32 xw, u32 dw) {
+#if PROLOGUE == 0
+    return xw;
+#elif WORD_VALUES == 2
+    const float lo = prologue(half_bits_to_f32(xw & 0xFFFFu), half_bits_to_f32(dw & 0xFFFFu));
+    const float hi = prologue(half_bits_to_f32(xw >> 16), half_bits_to_f32(dw >> 16));
+    return pack_in_bits(lo, hi);
 #else
     return to_in_bits(prologue(__uint_as_float(xw), __uint_as_float(dw)));
 #endif
 }
 
+#if PROLOGUE >= 3
+// SwiGLU (PROLOGUE 3 and 4), as `swiglu_fwd` and `swiglu_bwd` (activation/kernel.rs) compute it:
+// s = sigmoid(g) = 1 / (1 + exp(0 - g)); silu(g) * u = g * s * u; the gate's gradient
+// d * u * s * (1 + g * (1 - s)); the up half's d * g * s.
+__device__ __forceinline__ float sigmoid_of(float g) { return 1.0f / (1.0f + expf(0.0f - g)); }
+
+// What is quantized from gate g, up u and gradient d; `up_half`: a column of the up half of the
+// gradient (PROLOGUE 4), which reads no u.
+__device__ __forceinline__ float swiglu_prologue(float g, float u, float d, bool up_half) {
+    const float s = sigmoid_of(g);
+#if PROLOGUE == 3
+    return g * s * u;
+#else
+    return up_half ? d * g * s : d * u * s * (1.0f + g * (1.0f - s));
+#endif
+}
+
+// The SwiGLU prologue on the words of gate, up and gradient at the same columns.
+__device__ __forceinline__ u32 swiglu_word(u32 gw, u32 uw, u32 dw, bool up_half) {
+#if WORD_VALUES == 2
+    const float lo = swiglu_prologue(half_bits_to_f32(gw & 0xFFFFu), half_bits_to_f32(uw & 0xFFFFu),
+                                     half_bits_to_f32(dw & 0xFFFFu), up_half);
+    const float hi = swiglu_prologue(half_bits_to_f32(gw >> 16), half_bits_to_f32(uw >> 16),
+                                     half_bits_to_f32(dw >> 16), up_half);
+    return pack_in_bits(lo, hi);
+#else
+    return to_in_bits(swiglu_prologue(__uint_as_float(gw), __uint_as_float(uw), __uint_as_float(dw), up_half));
+#endif
+}
+
+// Columns of the gate (and of the up) half of x: the output's for 3, half the gradient's for 4.
+__device__ __forceinline__ u64 swiglu_ff(const Info& info) {
+    return PROLOGUE == 3 ? info.cols : info.cols / 2u;
+}
+#endif
+
 // Element (row, col) of what is quantized (x after the prologue), as f32, or 0 outside the matrix.
 __device__ __forceinline__ float element(const in_t* x, const in_t* dy, const Info& info, u64 row, u64 col) {
     if (row >= info.rows || col >= info.cols) return 0.0f;
+#if PROLOGUE >= 3
+    const u64 ff = swiglu_ff(info);
+    const bool up_half = PROLOGUE == 4 && col >= ff;
+    const u64 c = up_half ? col - ff : col;
+    const u64 at = row * info.stride_i + c;
+    const float g = to_f32(x[at]);
+    const float u = up_half ? 0.0f : to_f32(x[at + ff]);
+    const float d = PROLOGUE == 4 ? to_f32(dy[row * ff + c]) : 0.0f;
+    const float p = swiglu_prologue(g, u, d, up_half);
+#if IN_KIND == 0
+    return p;
+#else
+    return half_bits_to_f32(to_in_bits(p));
+#endif
+#else
     const u64 at = row * info.stride_i + col * info.stride_j;
 #if PROLOGUE == 0
     return to_f32(x[at]);
@@ -308,6 +372,7 @@ __device__ __forceinline__ float element(const in_t* x, const in_t* dy, const In
     return p;
 #else
     return half_bits_to_f32(to_in_bits(p));
+#endif
 #endif
 #endif
 }
@@ -516,7 +581,36 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const u64 row = row0 + i;
-#if VEC
+#if VEC && PROLOGUE >= 3
+        // SwiGLU: the chunk's 8 columns lie in one half (ff is a multiple of 8 where VEC is set).
+        const bool inside = row < rows && col0 < cols;
+        const u64 ff = swiglu_ff(info);
+        const bool up_half = PROLOGUE == 4 && col0 >= ff;
+        const u64 c = up_half ? col0 - ff : col0;
+        const uint4* gp = reinterpret_cast<const uint4*>(x + row * info.stride_i + c);
+        const uint4* upp = reinterpret_cast<const uint4*>(x + row * info.stride_i + ff + c);
+        const uint4* dp = reinterpret_cast<const uint4*>(dy + row * ff + c);
+#pragma unroll
+        for (int h = 0; h < ROW_WORDS / 4; h++) {
+            uint4 a = {0u, 0u, 0u, 0u};
+            if (inside) {
+                const uint4 g = gp[h];
+                const uint4 u = up_half ? g : upp[h];
+                uint4 d = {0u, 0u, 0u, 0u};
+#if PROLOGUE == 4
+                d = dp[h];
+#endif
+                a.x = swiglu_word(g.x, u.x, d.x, up_half);
+                a.y = swiglu_word(g.y, u.y, d.y, up_half);
+                a.z = swiglu_word(g.z, u.z, d.z, up_half);
+                a.w = swiglu_word(g.w, u.w, d.w, up_half);
+            }
+            v[i * ROW_WORDS + h * 4 + 0] = a.x;
+            v[i * ROW_WORDS + h * 4 + 1] = a.y;
+            v[i * ROW_WORDS + h * 4 + 2] = a.z;
+            v[i * ROW_WORDS + h * 4 + 3] = a.w;
+        }
+#elif VEC
         const uint4* p = reinterpret_cast<const uint4*>(x + row * info.stride_i + col0);
         const bool inside = row < rows && col0 < cols;
 #pragma unroll
