@@ -108,11 +108,13 @@ fn cuda_fp8_act_quantize_pair() {
     );
     use fp8_cases::mlp::act_quantize_pair_matches;
     use kernels::Fp8MlpActivation::{Gelu, SwigluPacked};
+    let producer = kernels::settings::scoped(|s| s.fp8_swiglu_producer = true);
     for act in [Gelu, SwigluPacked] {
         for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
             act_quantize_pair_matches::<Cuda>(act, dtype, &dev, &PAIR_SHAPES, false);
         }
     }
+    drop(producer);
     let _settings = kernels::settings::scoped(|s| s.fp8_pair = Some(Fp8PairPath::Fused));
     for act in [Gelu, SwigluPacked] {
         act_quantize_pair_matches::<Cuda>(act, FloatDType::BF16, &dev, &PAIR_SHAPES, true);
@@ -126,6 +128,7 @@ fn cuda_fp8_act_quantize_pair() {
 #[ignore = "needs CUDA"]
 fn cuda_fp8_mlp() {
     use kernels::Fp8MlpActivation::{Gelu, SwigluPacked};
+    let _producer = kernels::settings::scoped(|s| s.fp8_swiglu_producer = true);
     let gelu = [
         (64, 256, 512, 96),
         (100, 130, 200, 72),

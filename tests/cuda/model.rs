@@ -217,6 +217,7 @@ fn cuda_fp8_mlp_in_the_model() {
     let _guard = common::serial();
     let dev = CudaDevice::default();
     let case = model_cases::fp8_mlp::fused_mlp_matches_composed::<B>;
+    let producer = kernels::settings::scoped(|s| s.fp8_swiglu_producer = true);
     for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
         for delayed in [false, true] {
             case(
@@ -230,6 +231,7 @@ fn cuda_fp8_mlp_in_the_model() {
             );
         }
     }
+    drop(producer);
     let _settings = kernels::settings::scoped(|s| s.fp8_pair = Some(kernels::Fp8PairPath::Fused));
     for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
         for delayed in [false, true] {

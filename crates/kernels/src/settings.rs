@@ -18,6 +18,7 @@
 //! | [`Settings::fp8_gemm`] | `BURNMIX_FP8_GEMM` | `auto` (default), `cublaslt`, `mma`, `dequantize` |
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
 //! | [`Settings::fp8_pair`] | `BURNMIX_FP8_PAIR` | `auto` (default), `native`, `fused`, `separate` |
+//! | [`Settings::fp8_swiglu_producer`] | `BURNMIX_FP8_SWIGLU_PRODUCER` | `off` (default), `on` |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
 //! | [`Settings::flash_hopper`] | `BURNMIX_FLASH_HOPPER` | `on` (default), `off` (the CubeCL forward and backward on Hopper too) |
 //! | [`Settings::embedding_atomic`] | `BURNMIX_EMBEDDING_GRAD` | `atomic` (default), `reference` |
@@ -44,6 +45,8 @@ pub const FP8_GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
 pub const FP8_MMA_SHAPE_ENV: &str = "BURNMIX_FP8_MMA_SHAPE";
 /// `BURNMIX_FP8_PAIR`: [`Settings::fp8_pair`].
 pub const FP8_PAIR_ENV: &str = "BURNMIX_FP8_PAIR";
+/// `BURNMIX_FP8_SWIGLU_PRODUCER`: [`Settings::fp8_swiglu_producer`].
+pub const FP8_SWIGLU_PRODUCER_ENV: &str = "BURNMIX_FP8_SWIGLU_PRODUCER";
 /// `BURNMIX_FLASH_TILES`: [`Settings::flash_tiles`].
 pub const FLASH_TILES_ENV: &str = "BURNMIX_FLASH_TILES";
 /// `BURNMIX_FLASH_HOPPER`: [`Settings::flash_hopper`].
@@ -163,6 +166,10 @@ pub struct Settings {
     /// ([`crate::fp8::fp8_quantize_pair`]); `None`: native where it applies
     /// ([`crate::fp8::fp8_pair_path`]).
     pub fp8_pair: Option<Fp8PairPath>,
+    /// SwiGLU's output and gradient quantized inside the CUDA C++ pair kernel that computes them
+    /// (`fp8/producer.rs`) in the FP8 MLP. Off by default until the CUDA suite has run that
+    /// kernel: SwiGLU's CubeCL kernel then writes the values and the pair quantizer reads them.
+    pub fp8_swiglu_producer: bool,
     /// FlashAttention tile overrides; `None`: the defaults.
     pub flash_tiles: Option<FlashTiles>,
     /// FlashAttention's forward and backward on Hopper GPUs run the CUDA C++ kernels on TMA and
@@ -189,6 +196,7 @@ impl Default for Settings {
             fp8_gemm: Fp8GemmChoice::Auto,
             fp8_mma_shape: None,
             fp8_pair: None,
+            fp8_swiglu_producer: false,
             flash_tiles: None,
             flash_hopper: true,
             embedding_atomic: true,
@@ -256,6 +264,15 @@ impl Settings {
                 ))
             }
         };
+        match var(FP8_SWIGLU_PRODUCER_ENV).as_deref().map(str::trim) {
+            None | Some("") | Some("off") => {}
+            Some("on") => s.fp8_swiglu_producer = true,
+            Some(v) => {
+                return Err(format!(
+                    "{FP8_SWIGLU_PRODUCER_ENV}: `{v}` is not `on` or `off`"
+                ))
+            }
+        }
         s.flash_tiles = parse(&var, FLASH_TILES_ENV)?;
         match var(FLASH_HOPPER_ENV).as_deref().map(str::trim) {
             None | Some("") | Some("on") => {}
@@ -439,6 +456,7 @@ mod tests {
             (FP8_GEMM_ENV, "cublaslt"),
             (FP8_MMA_SHAPE_ENV, "4,2,2,8"),
             (FP8_PAIR_ENV, "fused"),
+            (FP8_SWIGLU_PRODUCER_ENV, "on"),
             (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
             (FLASH_HOPPER_ENV, "off"),
             (EMBEDDING_GRAD_ENV, "reference"),
@@ -453,6 +471,7 @@ mod tests {
         assert_eq!(s.fp8_gemm, Fp8GemmChoice::Path(Fp8GemmPath::CublasLt));
         assert_eq!(s.fp8_mma_shape, Some(MmaShape::parse("4,2,2,8").unwrap()));
         assert_eq!(s.fp8_pair, Some(Fp8PairPath::Fused));
+        assert!(s.fp8_swiglu_producer);
         assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
         assert!(!s.flash_hopper);
         assert!(!s.embedding_atomic);
@@ -473,6 +492,7 @@ mod tests {
             (FP8_GEMM_ENV, "fast", "auto, cublaslt, mma, dequantize"),
             (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
             (FP8_PAIR_ENV, "one", "auto, native, fused, separate"),
+            (FP8_SWIGLU_PRODUCER_ENV, "yes", "`on` or `off`"),
             (FLASH_TILES_ENV, "fwd=3x64", "row tiles must be 1, 2 or 4"),
             (FLASH_HOPPER_ENV, "yes", "`on` or `off`"),
             (FLASH_TILES_ENV, "attn=2x64", "expected fwd, dq, dkdv"),

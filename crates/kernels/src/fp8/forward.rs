@@ -785,7 +785,9 @@ pub(crate) fn act_quantize_pair_native<R: CubeRuntime>(
     given: Option<(CubeTensor<R>, Option<(CubeTensor<R>, usize)>)>,
 ) -> Option<((Quantized<R>, Quantized<R>), bool)> {
     use super::Fp8MlpActivation::{Gelu, SwigluPacked};
-    if !super::native::supported(&h) {
+    if !super::native::supported(&h)
+        || (act == SwigluPacked && !crate::settings::get().fp8_swiglu_producer)
+    {
         return None;
     }
     let spec = spec.transposed(false);
