@@ -466,7 +466,7 @@ fn train_config(
 
 /// One rank of a training run: `WORKER` holds `DIR;PRECISION;STEPS`, then any of `zero=N`,
 /// `bucket_mb=X`, `grad_accum=N`, `stop_at=STEP`, `recompute=MODE`, `d_model=N`,
-/// `gather_codes=1` and `resume=1`, separated by `;`.
+/// `gather_codes=1`, `fp8_projections=RULE` and `resume=1`, separated by `;`.
 #[test]
 #[ignore = "a worker of the training tests"]
 fn train_worker() {
@@ -492,6 +492,9 @@ fn train_worker() {
             "resume" => resume = value == "1",
             "d_model" => cfg.model.d_model = value.parse().unwrap(),
             "gather_codes" => cfg.fp8.gather_codes = value == "1",
+            "fp8_projections" => {
+                cfg.fp8.projections = trainer::precision::Fp8Projections::Rule(value.into())
+            }
             _ => panic!("unknown worker setting {setting}"),
         }
     }
@@ -836,6 +839,52 @@ fn zero_3_between_processes_trains_like_one_gpu() {
     assert!(
         codes as f64 <= 0.55 * bf16 as f64,
         "{what}: {codes} bytes gathered a step against {bf16} in bf16"
+    );
+}
+
+/// `fp8.projections = "auto"` on two processes: each times the projections on its own GPU and
+/// both decide from the mean timings, so their logs give the same timings and the same decision,
+/// which rank 0's `config.toml` records as the list of FP8 projections.
+#[test]
+#[ignore = "needs a GPU and NCCL"]
+fn fp8_auto_projections_agree_between_processes() {
+    let _guard = common::serial();
+    let fp8 = trainer::config::PrecisionKind::Fp8;
+    let dir = common::scratch("mp_fp8_auto");
+    let arg = format!("{};{fp8};4;d_model=256;fp8_projections=auto", dir.display());
+    let outs = expect_success(
+        start_workers("train_worker", &arg, Layout::default_here()),
+        Duration::from_secs(300),
+    );
+    // The heading, a line per projection of a block, and the decision.
+    let lines = 2 + model::PROJECTION_PATHS.len();
+    let decision = |out: &str| -> Vec<String> {
+        out.lines()
+            .skip_while(|l| !l.contains("fp8.projections = \"auto\""))
+            .take(lines)
+            .map(str::to_string)
+            .collect()
+    };
+    let first = decision(&outs[0]);
+    assert_eq!(
+        first.len(),
+        lines,
+        "rank 0 logs the timings and the decision:\n{}",
+        outs[0]
+    );
+    assert!(
+        first[0].contains("the mean over 2 processes"),
+        "{}",
+        first[0]
+    );
+    for (rank, out) in outs.iter().enumerate().skip(1) {
+        assert_eq!(decision(out), first, "rank {rank} against rank 0");
+    }
+    let config = trainer::config::Config::load(&dir.join("config.toml"), &[]).unwrap();
+    assert!(
+        !config.fp8.projections.is_auto(),
+        "config.toml records the decision as a list: {:?}",
+        config.fp8.projections
     );
 }
 

@@ -7,12 +7,14 @@
 //! timed with current scaling, which reads each tensor once more than delayed scaling does). A
 //! projection runs in FP8 where FP8 was faster. The timings and the decision are logged, and the
 //! run's `config.toml` records the decision as the list of FP8 projections, so a resumed run keeps
-//! it.
+//! it. In a run of several processes every process times on its own GPU and the decision is taken
+//! from the processes' mean timings (an NCCL all-reduce), so that all of them decide alike.
 
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Result};
-use burn::tensor::{Distribution, Tensor};
+use anyhow::{anyhow, Result};
+use burn::tensor::{DType, Distribution, Tensor, TensorData};
+use kernels::collective::{ProcessGroup, ReduceOp};
 use model::{Gpt, Precision, PROJECTION_PATHS};
 
 use crate::config::Resolved;
@@ -42,28 +44,30 @@ pub fn choose(timings: &[Timing]) -> Vec<String> {
 }
 
 /// `run` with `fp8.projections = "auto"` decided by timing on `device`, or `None` when the run
-/// has nothing to decide. `processes`: the run is one of several processes, which would each
-/// measure and could decide differently, so it is refused.
+/// has nothing to decide. With `group` (the run is one of several processes) every process
+/// times on its own GPU and all of them decide from the processes' mean timings.
 pub fn resolve<B: crate::TrainBackend>(
     run: &Resolved,
     device: &B::Device,
-    processes: bool,
+    group: Option<&ProcessGroup>,
     log: &dyn Fn(&str),
 ) -> Result<Option<Resolved>> {
     let cfg = &run.config;
     if cfg.precision != PrecisionKind::Fp8 || !cfg.fp8.projections.is_auto() {
         return Ok(None);
     }
-    if processes {
-        bail!(
-            "fp8.projections = \"auto\" times the projections on one GPU when a run starts, which the processes of a run could decide differently; run it once on one GPU (its log and config.toml give the list) and set fp8.projections to that list"
-        );
-    }
     let tokens = cfg.training.batch_size * cfg.model.context;
+    let over = match group {
+        Some(g) => format!(", the mean over {} processes", g.world()),
+        None => String::new(),
+    };
     log(&format!(
-        "fp8.projections = \"auto\": timing each projection alone (forward and backward, {tokens} tokens, median of {REPS})"
+        "fp8.projections = \"auto\": timing each projection alone (forward and backward, {tokens} tokens, median of {REPS}{over})"
     ));
-    let timings = measure::<B>(run, device, tokens)?;
+    let mut timings = measure::<B>(run, device, tokens)?;
+    if let Some(group) = group {
+        agree::<B>(&mut timings, group, device)?;
+    }
     for t in &timings {
         log(&describe(t));
     }
@@ -79,6 +83,42 @@ pub fn resolve<B: crate::TrainBackend>(
     out.config.fp8.projections = Fp8Projections::Paths(chosen);
     out.precision.fp8_compute_paths = out.config.fp8.projections.compute_paths();
     Ok(Some(out))
+}
+
+/// Replaces each timing by its mean over the processes of `group` (every process calls this with
+/// its own timings of the same projections, in the same order), so that [`choose`] decides alike
+/// on every process: NCCL's all-reduce gives every rank the same values.
+fn agree<B: crate::TrainBackend>(
+    timings: &mut [Timing],
+    group: &ProcessGroup,
+    device: &B::Device,
+) -> Result<()> {
+    let ms: Vec<f32> = timings
+        .iter()
+        .flat_map(|t| [t.compute_ms as f32, t.fp8_ms as f32])
+        .collect();
+    let n = ms.len();
+    let local = Tensor::<B, 1>::from_data(TensorData::new(ms, [n]), (device, DType::F32)).inner();
+    let mean = group.all_reduce::<B::InnerBackend, 1>(local, ReduceOp::Mean);
+    let data = mean.into_data();
+    group.check().map_err(|e| {
+        anyhow!("fp8.projections = \"auto\": the processes could not share their timings: {e}")
+    })?;
+    let mean = data
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|e| anyhow!("fp8.projections = \"auto\": reading the mean timings: {e:?}"))?;
+    apply_means(timings, &mean);
+    Ok(())
+}
+
+/// `timings` with their `(compute, fp8)` milliseconds replaced by `means`, two per timing in
+/// order.
+fn apply_means(timings: &mut [Timing], means: &[f32]) {
+    for (t, m) in timings.iter_mut().zip(means.chunks_exact(2)) {
+        t.compute_ms = f64::from(m[0]);
+        t.fp8_ms = f64::from(m[1]);
+    }
 }
 
 /// One log line: `  mlp.fc   768 -> 3072   bf16 1.234 ms   fp8 0.987 ms (0.80x)   fp8`.
@@ -185,5 +225,27 @@ mod tests {
         assert!(choose(&timings[..1]).is_empty());
         assert!(describe(&timings[1]).contains("0.90x"));
         assert!(describe(&timings[0]).ends_with("compute dtype"));
+    }
+
+    #[test]
+    fn processes_decide_from_the_mean_timings() {
+        // This process found qkv faster in FP8, another slower by more: the mean keeps qkv in
+        // the compute dtype on both.
+        let mut mine = vec![t("attn.qkv", 1.0, 0.9), t("mlp.fc", 2.0, 1.5)];
+        let other = [t("attn.qkv", 1.0, 1.3), t("mlp.fc", 2.0, 1.7)];
+        assert_eq!(choose(&mine), vec!["attn.qkv", "mlp.fc"]);
+        let means: Vec<f32> = mine
+            .iter()
+            .zip(&other)
+            .flat_map(|(a, b)| {
+                [
+                    ((a.compute_ms + b.compute_ms) / 2.0) as f32,
+                    ((a.fp8_ms + b.fp8_ms) / 2.0) as f32,
+                ]
+            })
+            .collect();
+        apply_means(&mut mine, &means);
+        assert_eq!(choose(&mine), vec!["mlp.fc"]);
+        assert!((mine[0].fp8_ms - 1.1).abs() < 1e-6);
     }
 }

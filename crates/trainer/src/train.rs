@@ -165,12 +165,13 @@ fn train_members<B: crate::TrainBackend>(
         .iter()
         .map(|(d, _)| crate::DrainOnDrop::<B>(d.clone()))
         .collect();
-    // `fp8.projections = "auto"` is timed on rank 0's device before anything else is built.
+    // `fp8.projections = "auto"` is timed on rank 0's device (on every process's own, in a run of
+    // several processes) before anything else is built.
     let console = Console {
         bar: None,
         verbose: opts.verbose,
     };
-    let timed = crate::fp8_policy::resolve::<B>(run, &devices[0].0, process.is_some(), &|s| {
+    let timed = crate::fp8_policy::resolve::<B>(run, &devices[0].0, process.as_ref(), &|s| {
         console.line(s)
     })?;
     let run = timed.as_ref().unwrap_or(run);
