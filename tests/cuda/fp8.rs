@@ -134,7 +134,8 @@ fn cuda_fp8_mlp() {
         (100, 130, 200, 72),
         (512, 768, 3072, 768),
     ];
-    // Llama's shapes scaled down (SwiGLU's ff of 8/3 the width, rounded), and an odd ff.
+    // Llama's shapes scaled down (SwiGLU's ff of 8/3 the width, rounded), and an ff that is not
+    // a multiple of 8 (the producer's element-wise reads).
     let swiglu = [
         (64, 256, 384, 96),
         (100, 130, 100, 72),

@@ -210,13 +210,27 @@ fn cuda_decode_matches_the_full_forward() {
 /// step), with tile scales and with delayed per-tensor scaling (the kernel then also records the
 /// activation's amaxes). With `BURNMIX_FP8_PAIR=fused` the activation's kernel runs in both: the
 /// loss bit for bit, the gradients within 0.5% (the tied embedding's gradient sums with atomic
-/// additions, in an order that varies).
+/// additions, in an order that varies). SwiGLU blocks also as they run by default (the producer
+/// off): the same bounds as with `fused`.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_mlp_in_the_model() {
     let _guard = common::serial();
     let dev = CudaDevice::default();
     let case = model_cases::fp8_mlp::fused_mlp_matches_composed::<B>;
+    // As SwiGLU blocks run by default (the producer off): SwiGLU's kernel and the native pair
+    // quantizer in both, so the loss bit for bit.
+    for delayed in [false, true] {
+        case(
+            MlpKind::Swiglu,
+            FloatDType::BF16,
+            SHAKESPEARE,
+            delayed,
+            true,
+            0.005,
+            &dev,
+        );
+    }
     let producer = kernels::settings::scoped(|s| s.fp8_swiglu_producer = true);
     for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
         for delayed in [false, true] {

@@ -59,7 +59,7 @@ fn input<B: kernels::Backend>(
 
 /// The activation's output and gradient quantized by [`fp8_act_quantize_pair`] against the
 /// activation kernels' outputs quantized by [`fp8_quantize_pair`], both orientations, 1x128 tiles
-/// (E4M3, and E5M2 for the gradient) and 128x128 blocks, with NaN and infinities in one case.
+/// (E4M3, and E5M2 for the gradient) and 128x128 blocks, with NaN and infinities in two cases.
 /// `(rows, cols)` is the activation's output (GELU's input; SwiGLU's packed input has `2 * cols`
 /// columns). With `exact` every value must be equal (the activation's kernel runs in both);
 /// otherwise (the CUDA C++ kernel computes the activation itself, rounding to `dtype` as the
@@ -77,7 +77,9 @@ pub fn act_quantize_pair_matches<B: kernels::KernelOps>(
     let block = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Block128);
     let prim = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
     for (n, &(rows, cols)) in shapes.iter().enumerate() {
-        let nonfinite = n == 1;
+        // NaN and infinities in the second shape and the sixth (the CUDA shapes' widest, read
+        // 8 values at a time): the value-by-value tiles of both read paths.
+        let nonfinite = n == 1 || n == 5;
         let h_cols = match act {
             Fp8MlpActivation::Gelu => cols,
             Fp8MlpActivation::SwigluPacked => 2 * cols,
