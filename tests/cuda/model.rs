@@ -217,47 +217,28 @@ fn cuda_decode_matches_the_full_forward() {
 fn cuda_fp8_mlp_in_the_model() {
     let _guard = common::serial();
     let dev = CudaDevice::default();
-    let case = model_cases::fp8_mlp::fused_mlp_matches_composed::<B>;
+    // Each of `mlps` with tile and delayed scaling, the loss `exact` or within `tolerance`.
+    let each = |mlps: &[MlpKind], exact: bool, tolerance: f64| {
+        for &mlp in mlps {
+            for delayed in [false, true] {
+                model_cases::fp8_mlp::fused_mlp_matches_composed::<B>(
+                    mlp,
+                    FloatDType::BF16,
+                    SHAKESPEARE,
+                    delayed,
+                    exact,
+                    tolerance,
+                    &dev,
+                );
+            }
+        }
+    };
     // As SwiGLU blocks run by default (the producer off): SwiGLU's kernel and the native pair
     // quantizer in both, so the loss bit for bit.
-    for delayed in [false, true] {
-        case(
-            MlpKind::Swiglu,
-            FloatDType::BF16,
-            SHAKESPEARE,
-            delayed,
-            true,
-            0.005,
-            &dev,
-        );
-    }
+    each(&[MlpKind::Swiglu], true, 0.005);
     let producer = kernels::settings::scoped(|s| s.fp8_swiglu_producer = true);
-    for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
-        for delayed in [false, true] {
-            case(
-                mlp,
-                FloatDType::BF16,
-                SHAKESPEARE,
-                delayed,
-                false,
-                0.02,
-                &dev,
-            );
-        }
-    }
+    each(&[MlpKind::Gelu, MlpKind::Swiglu], false, 0.02);
     drop(producer);
     let _settings = kernels::settings::scoped(|s| s.fp8_pair = Some(kernels::Fp8PairPath::Fused));
-    for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
-        for delayed in [false, true] {
-            case(
-                mlp,
-                FloatDType::BF16,
-                SHAKESPEARE,
-                delayed,
-                true,
-                0.005,
-                &dev,
-            );
-        }
-    }
+    each(&[MlpKind::Gelu, MlpKind::Swiglu], true, 0.005);
 }

@@ -226,6 +226,19 @@ impl Settings {
                     .map_err(|e| format!("{name}: {e}")),
             }
         }
+        // An `on` / `off` variable: `default` where unset or empty.
+        fn on_off(
+            var: &impl Fn(&str) -> Option<String>,
+            name: &str,
+            default: bool,
+        ) -> Result<bool, String> {
+            match var(name).as_deref().map(str::trim) {
+                None | Some("") => Ok(default),
+                Some("on") => Ok(true),
+                Some("off") => Ok(false),
+                Some(v) => Err(format!("{name}: `{v}` is not `on` or `off`")),
+            }
+        }
         let mut s = Settings::default();
         if let Some(o) = parse(&var, GEMM_ORDER_ENV)? {
             s.gemm_order = o;
@@ -236,16 +249,8 @@ impl Settings {
             Some("none") => s.gemm_hold = false,
             Some(v) => return Err(format!("{GEMM_HOLD_ENV}: `{v}` is not `none`")),
         }
-        match var(GEMM_QUEUE_ENV).as_deref().map(str::trim) {
-            None | Some("") | Some("on") => {}
-            Some("off") => s.gemm_queue = false,
-            Some(v) => return Err(format!("{GEMM_QUEUE_ENV}: `{v}` is not `on` or `off`")),
-        }
-        match var(GEMM_SPARE_SM_ENV).as_deref().map(str::trim) {
-            None | Some("") | Some("on") => {}
-            Some("off") => s.gemm_spare_sm = false,
-            Some(v) => return Err(format!("{GEMM_SPARE_SM_ENV}: `{v}` is not `on` or `off`")),
-        }
+        s.gemm_queue = on_off(&var, GEMM_QUEUE_ENV, true)?;
+        s.gemm_spare_sm = on_off(&var, GEMM_SPARE_SM_ENV, true)?;
         if let Some(c) = parse(&var, FP8_GEMM_ENV)? {
             s.fp8_gemm = c;
         }
@@ -264,21 +269,9 @@ impl Settings {
                 ))
             }
         };
-        match var(FP8_SWIGLU_PRODUCER_ENV).as_deref().map(str::trim) {
-            None | Some("") | Some("off") => {}
-            Some("on") => s.fp8_swiglu_producer = true,
-            Some(v) => {
-                return Err(format!(
-                    "{FP8_SWIGLU_PRODUCER_ENV}: `{v}` is not `on` or `off`"
-                ))
-            }
-        }
+        s.fp8_swiglu_producer = on_off(&var, FP8_SWIGLU_PRODUCER_ENV, false)?;
         s.flash_tiles = parse(&var, FLASH_TILES_ENV)?;
-        match var(FLASH_HOPPER_ENV).as_deref().map(str::trim) {
-            None | Some("") | Some("on") => {}
-            Some("off") => s.flash_hopper = false,
-            Some(v) => return Err(format!("{FLASH_HOPPER_ENV}: `{v}` is not `on` or `off`")),
-        }
+        s.flash_hopper = on_off(&var, FLASH_HOPPER_ENV, true)?;
         match var(EMBEDDING_GRAD_ENV).as_deref().map(str::trim) {
             None | Some("") | Some("atomic") => {}
             Some("reference") => s.embedding_atomic = false,

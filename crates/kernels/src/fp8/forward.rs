@@ -801,10 +801,7 @@ pub(crate) fn act_quantize_pair_native<R: CubeRuntime>(
         return None;
     }
     // What `dy` must be: the activation's output's shape.
-    let dy_cols = match act {
-        Gelu => h_cols,
-        SwigluPacked => h_cols / 2,
-    };
+    let [_, dy_cols] = act.out_dims([rows, h_cols], false);
     let dy = match dy {
         Some(dy) => {
             let dy = crate::launch::contiguous(burn_cubecl::kernel::cast(dy, h.dtype));

@@ -348,6 +348,9 @@ __device__ __forceinline__ u64 swiglu_ff(const Info& info) {
 // Element (row, col) of what is quantized (x after the prologue), as f32, or 0 outside the matrix.
 __device__ __forceinline__ float element(const in_t* x, const in_t* dy, const Info& info, u64 row, u64 col) {
     if (row >= info.rows || col >= info.cols) return 0.0f;
+#if PROLOGUE == 0
+    return to_f32(x[row * info.stride_i + col * info.stride_j]);
+#else
 #if PROLOGUE >= 3
     const u64 ff = swiglu_ff(info);
     const bool up_half = PROLOGUE == 4 && col >= ff;
@@ -357,22 +360,14 @@ __device__ __forceinline__ float element(const in_t* x, const in_t* dy, const In
     const float u = up_half ? 0.0f : to_f32(x[at + ff]);
     const float d = PROLOGUE == 4 ? to_f32(dy[row * ff + c]) : 0.0f;
     const float p = swiglu_prologue(g, u, d, up_half);
-#if IN_KIND == 0
-    return p;
-#else
-    return half_bits_to_f32(to_in_bits(p));
-#endif
 #else
     const u64 at = row * info.stride_i + col * info.stride_j;
-#if PROLOGUE == 0
-    return to_f32(x[at]);
-#else
     const float p = prologue(to_f32(x[at]), PROLOGUE == 2 ? to_f32(dy[at]) : 0.0f);
+#endif
 #if IN_KIND == 0
     return p;
 #else
     return half_bits_to_f32(to_in_bits(p));
-#endif
 #endif
 #endif
 }
