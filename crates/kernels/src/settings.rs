@@ -226,7 +226,7 @@ impl Settings {
                     .map_err(|e| format!("{name}: {e}")),
             }
         }
-        // An `on` / `off` variable: `default` where unset or empty.
+        // An `on` / `off` variable: `default` (the setting's default) where unset or empty.
         fn on_off(
             var: &impl Fn(&str) -> Option<String>,
             name: &str,
@@ -249,8 +249,8 @@ impl Settings {
             Some("none") => s.gemm_hold = false,
             Some(v) => return Err(format!("{GEMM_HOLD_ENV}: `{v}` is not `none`")),
         }
-        s.gemm_queue = on_off(&var, GEMM_QUEUE_ENV, true)?;
-        s.gemm_spare_sm = on_off(&var, GEMM_SPARE_SM_ENV, true)?;
+        s.gemm_queue = on_off(&var, GEMM_QUEUE_ENV, s.gemm_queue)?;
+        s.gemm_spare_sm = on_off(&var, GEMM_SPARE_SM_ENV, s.gemm_spare_sm)?;
         if let Some(c) = parse(&var, FP8_GEMM_ENV)? {
             s.fp8_gemm = c;
         }
@@ -269,9 +269,9 @@ impl Settings {
                 ))
             }
         };
-        s.fp8_swiglu_producer = on_off(&var, FP8_SWIGLU_PRODUCER_ENV, false)?;
+        s.fp8_swiglu_producer = on_off(&var, FP8_SWIGLU_PRODUCER_ENV, s.fp8_swiglu_producer)?;
         s.flash_tiles = parse(&var, FLASH_TILES_ENV)?;
-        s.flash_hopper = on_off(&var, FLASH_HOPPER_ENV, true)?;
+        s.flash_hopper = on_off(&var, FLASH_HOPPER_ENV, s.flash_hopper)?;
         match var(EMBEDDING_GRAD_ENV).as_deref().map(str::trim) {
             None | Some("") | Some("atomic") => {}
             Some("reference") => s.embedding_atomic = false,

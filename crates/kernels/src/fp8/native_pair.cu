@@ -558,7 +558,6 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     const u32 ct = blockIdx.x;
     const u32 rt = blockIdx.y;
     const u32 col_tiles = gridDim.x;
-    const u32 row_tiles = gridDim.y;
     const u64 words = (u64)col_tiles * 32u;
     const u64 row0 = (u64)rt * 128u + ru * 8u;
     const u64 col0 = (u64)ct * 128u + cu * 8u;
@@ -584,7 +583,9 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
         const u64 c = up_half ? col0 - ff : col0;
         const uint4* gp = reinterpret_cast<const uint4*>(x + row * info.stride_i + c);
         const uint4* upp = reinterpret_cast<const uint4*>(x + row * info.stride_i + ff + c);
+#if PROLOGUE == 4
         const uint4* dp = reinterpret_cast<const uint4*>(dy + row * ff + c);
+#endif
 #pragma unroll
         for (int h = 0; h < ROW_WORDS / 4; h++) {
             uint4 a = {0u, 0u, 0u, 0u};
