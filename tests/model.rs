@@ -291,6 +291,8 @@ fn fused_dropout_depends_only_on_the_model_dropout_seed() {
 /// per-tensor scaling.
 #[test]
 fn fp8_mlp_in_the_model_is_the_composition() {
+    // Its models' initialisation draws from Burn's generator.
+    let _guard = common::serial();
     for mlp in [MlpKind::Gelu, MlpKind::Swiglu] {
         for delayed in [false, true] {
             model_cases::fp8_mlp::fused_mlp_matches_composed::<common::B>(
