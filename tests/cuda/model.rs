@@ -210,8 +210,8 @@ fn cuda_decode_matches_the_full_forward() {
 /// step), with tile scales and with delayed per-tensor scaling (the kernel then also records the
 /// activation's amaxes). With `BURNMIX_FP8_PAIR=fused` the activation's kernel runs in both: the
 /// loss bit for bit, the gradients within 0.5% (the tied embedding's gradient sums with atomic
-/// additions, in an order that varies). SwiGLU blocks also as they run by default (the producer
-/// off): the same bounds as with `fused`.
+/// additions, in an order that varies). SwiGLU blocks also with `BURNMIX_FP8_SWIGLU_PRODUCER=off`
+/// (SwiGLU's kernel, then the pair quantizer): the same bounds as with `fused`.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_fp8_mlp_in_the_model() {
@@ -233,12 +233,13 @@ fn cuda_fp8_mlp_in_the_model() {
             }
         }
     };
-    // As SwiGLU blocks run by default (the producer off): SwiGLU's kernel and the native pair
-    // quantizer in both, so the loss bit for bit.
+    // The SwiGLU producer off: SwiGLU's kernel and the native pair quantizer in both, so the
+    // loss bit for bit.
+    let producer_off = kernels::settings::scoped(|s| s.fp8_swiglu_producer = false);
     each(&[MlpKind::Swiglu], true, 0.005);
-    let producer = kernels::settings::scoped(|s| s.fp8_swiglu_producer = true);
+    drop(producer_off);
+    // As blocks run by default (GELU's and SwiGLU's producers on).
     each(&[MlpKind::Gelu, MlpKind::Swiglu], false, 0.02);
-    drop(producer);
     let _settings = kernels::settings::scoped(|s| s.fp8_pair = Some(kernels::Fp8PairPath::Fused));
     each(&[MlpKind::Gelu, MlpKind::Swiglu], true, 0.005);
 }

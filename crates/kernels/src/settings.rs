@@ -18,7 +18,7 @@
 //! | [`Settings::fp8_gemm`] | `BURNMIX_FP8_GEMM` | `auto` (default), `cublaslt`, `mma`, `dequantize` |
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
 //! | [`Settings::fp8_pair`] | `BURNMIX_FP8_PAIR` | `auto` (default), `native`, `fused`, `separate` |
-//! | [`Settings::fp8_swiglu_producer`] | `BURNMIX_FP8_SWIGLU_PRODUCER` | `off` (default), `on` |
+//! | [`Settings::fp8_swiglu_producer`] | `BURNMIX_FP8_SWIGLU_PRODUCER` | `on` (default), `off` (a comparison) |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
 //! | [`Settings::flash_hopper`] | `BURNMIX_FLASH_HOPPER` | `on` (default), `off` (the CubeCL forward and backward on Hopper too) |
 //! | [`Settings::embedding_atomic`] | `BURNMIX_EMBEDDING_GRAD` | `atomic` (default), `reference` |
@@ -167,8 +167,8 @@ pub struct Settings {
     /// ([`crate::fp8::fp8_pair_path`]).
     pub fp8_pair: Option<Fp8PairPath>,
     /// SwiGLU's output and gradient quantized inside the CUDA C++ pair kernel that computes them
-    /// (`fp8/producer.rs`) in the FP8 MLP. Off by default until the CUDA suite has run that
-    /// kernel: SwiGLU's CubeCL kernel then writes the values and the pair quantizer reads them.
+    /// (`fp8/producer.rs`) in the FP8 MLP (default); off: SwiGLU's CubeCL kernel writes the
+    /// values and the pair quantizer reads them, for comparison.
     pub fp8_swiglu_producer: bool,
     /// FlashAttention tile overrides; `None`: the defaults.
     pub flash_tiles: Option<FlashTiles>,
@@ -196,7 +196,7 @@ impl Default for Settings {
             fp8_gemm: Fp8GemmChoice::Auto,
             fp8_mma_shape: None,
             fp8_pair: None,
-            fp8_swiglu_producer: false,
+            fp8_swiglu_producer: true,
             flash_tiles: None,
             flash_hopper: true,
             embedding_atomic: true,
@@ -449,7 +449,7 @@ mod tests {
             (FP8_GEMM_ENV, "cublaslt"),
             (FP8_MMA_SHAPE_ENV, "4,2,2,8"),
             (FP8_PAIR_ENV, "fused"),
-            (FP8_SWIGLU_PRODUCER_ENV, "on"),
+            (FP8_SWIGLU_PRODUCER_ENV, "off"),
             (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
             (FLASH_HOPPER_ENV, "off"),
             (EMBEDDING_GRAD_ENV, "reference"),
@@ -464,7 +464,7 @@ mod tests {
         assert_eq!(s.fp8_gemm, Fp8GemmChoice::Path(Fp8GemmPath::CublasLt));
         assert_eq!(s.fp8_mma_shape, Some(MmaShape::parse("4,2,2,8").unwrap()));
         assert_eq!(s.fp8_pair, Some(Fp8PairPath::Fused));
-        assert!(s.fp8_swiglu_producer);
+        assert!(!s.fp8_swiglu_producer);
         assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
         assert!(!s.flash_hopper);
         assert!(!s.embedding_atomic);
