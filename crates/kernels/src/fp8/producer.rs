@@ -12,8 +12,9 @@
 //! Per-tensor scaling takes the amax of a delayed-scaling history
 //! (`Fp8ScaleSite::quantize_act_pair`), and the kernel records the values' own from its read.
 //! Where the fused kernel does not run (not CUDA, a GPU without FP8 conversions, per-tensor
-//! scaling without a history, a strided input, `BURNMIX_FP8_PAIR` other than `native`),
-//! [`fp8_act_quantize_pair`] runs the activation's kernel and the quantizer pair.
+//! scaling without a history, a strided input, `BURNMIX_FP8_PAIR` other than `native`, and for
+//! SwiGLU `BURNMIX_FP8_SWIGLU_PRODUCER=off`), [`fp8_act_quantize_pair`] runs the activation's
+//! kernel and the quantizer pair.
 
 use burn::tensor::Tensor;
 
