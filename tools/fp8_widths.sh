@@ -19,8 +19,10 @@
 #
 # Environment: TRAIN (the release `train` binary; default target/release/train), WORK (scratch;
 # default /tmp/fp8_widths), OUT (where logs and the table go; default $WORK), PEER=0 to skip the
-# PyTorch runs, TRACE=0 to skip the traced runs, STEPS (ours; default 30), PEER_STEPS (default 60,
-# the first 20 not timed). torchao must be importable for the peer's FP8 rows (the device
+# PyTorch runs, TRACE=0 to skip the traced runs, RUNS to run only the runs it names (of ours_bf16,
+# ours_fp8_tile, ours_fp8_tensor_delayed, torch_bf16, torchao_tensorwise, torchao_rowwise,
+# torchao_blockwise; space-separated; ratios need ours_bf16), STEPS (ours; default 30), PEER_STEPS
+# (default 60, the first 20 not timed). torchao must be importable for the peer's FP8 rows (the device
 # machines have no torchao: install its wheel first, as the device notes describe).
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -107,15 +109,18 @@ peer() { # name nanogpt-flags...
   echo "$name: ${tps:-failed} tokens/s, peak ${mem:-?}"
 }
 
+# Whether RUNS (if set) names this run.
+want() { [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $1 "* ]]; }
+
 echo "width $width ($layers layers, $heads heads), $train"
-ours bf16 --set precision=bf16
-ours fp8_tile --set precision=fp8
-ours fp8_tensor_delayed --set precision=fp8 $tensor
+want ours_bf16 && ours bf16 --set precision=bf16
+want ours_fp8_tile && ours fp8_tile --set precision=fp8
+want ours_fp8_tensor_delayed && ours fp8_tensor_delayed --set precision=fp8 $tensor
 if [ "${PEER:-1}" != 0 ]; then
-  peer torch_bf16
-  peer torchao_tensorwise --fp8 tensorwise --fp8-impl torchao
-  peer torchao_rowwise --fp8 rowwise --fp8-impl torchao
-  peer torchao_blockwise --fp8 blockwise --fp8-impl torchao
+  want torch_bf16 && peer torch_bf16
+  want torchao_tensorwise && peer torchao_tensorwise --fp8 tensorwise --fp8-impl torchao
+  want torchao_rowwise && peer torchao_rowwise --fp8 rowwise --fp8-impl torchao
+  want torchao_blockwise && peer torchao_blockwise --fp8 blockwise --fp8-impl torchao
 fi
 rm -rf "$work/runs"
 {
