@@ -22,8 +22,8 @@
 # PyTorch runs, TRACE=0 to skip the traced runs, RUNS to run only the runs it names (of ours_bf16,
 # ours_fp8_tile, ours_fp8_tensor_delayed, torch_bf16, torchao_tensorwise, torchao_rowwise,
 # torchao_blockwise; space-separated; ratios need ours_bf16), STEPS (ours; default 30), PEER_STEPS
-# (default 60, the first 20 not timed). torchao must be importable for the peer's FP8 rows (the device
-# machines have no torchao: install its wheel first, as the device notes describe).
+# (default 60, the first 20 not timed). torchao must be importable for the peer's FP8 rows (the
+# device machines have no torchao: install its wheel first, as the device notes describe).
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
@@ -63,6 +63,9 @@ quant_share() {
     awk -F'|' '/FP8 quantization/ { gsub(/ /, "", $4); print $4; found = 1 } END { if (!found) print "0%" }'
 }
 
+# Whether RUNS (if set) names this run.
+want() { [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $1 "* ]]; }
+
 rows=()
 bf16_tps=""
 row() { # name tokens/s memory share
@@ -73,6 +76,7 @@ row() { # name tokens/s memory share
 
 ours() { # name precision-settings...
   local name=ours_$1; shift
+  want "$name" || return 0
   rm -rf "$work/runs"
   timeout 400 "$train" configs/gpt2_small.toml $shape $quiet --set training.steps=$steps "$@" \
     --out "$work/runs/$name" > "$out/$name.log" 2>&1
@@ -97,6 +101,7 @@ ours() { # name precision-settings...
 
 peer() { # name nanogpt-flags...
   local name=$1; shift
+  want "$name" || return 0
   PYTHONUNBUFFERED=1 timeout 500 python3 tools/peers/nanogpt_char.py $peer_shape \
     --steps "$peer_steps" --warmup 20 "$@" > "$out/$name.log" 2>&1
   local rc=$?
@@ -109,18 +114,15 @@ peer() { # name nanogpt-flags...
   echo "$name: ${tps:-failed} tokens/s, peak ${mem:-?}"
 }
 
-# Whether RUNS (if set) names this run.
-want() { [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $1 "* ]]; }
-
 echo "width $width ($layers layers, $heads heads), $train"
-want ours_bf16 && ours bf16 --set precision=bf16
-want ours_fp8_tile && ours fp8_tile --set precision=fp8
-want ours_fp8_tensor_delayed && ours fp8_tensor_delayed --set precision=fp8 $tensor
+ours bf16 --set precision=bf16
+ours fp8_tile --set precision=fp8
+ours fp8_tensor_delayed --set precision=fp8 $tensor
 if [ "${PEER:-1}" != 0 ]; then
-  want torch_bf16 && peer torch_bf16
-  want torchao_tensorwise && peer torchao_tensorwise --fp8 tensorwise --fp8-impl torchao
-  want torchao_rowwise && peer torchao_rowwise --fp8 rowwise --fp8-impl torchao
-  want torchao_blockwise && peer torchao_blockwise --fp8 blockwise --fp8-impl torchao
+  peer torch_bf16
+  peer torchao_tensorwise --fp8 tensorwise --fp8-impl torchao
+  peer torchao_rowwise --fp8 rowwise --fp8-impl torchao
+  peer torchao_blockwise --fp8 blockwise --fp8-impl torchao
 fi
 rm -rf "$work/runs"
 {
