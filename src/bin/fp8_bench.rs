@@ -2,7 +2,8 @@
 //!
 //! For each `m x n x k` it prints TFLOP/s (2mnk / time) of:
 //! - `fp8 gemm`: the FP8 GEMM on operands already quantized (E4M3, 1x128 tiles for `a`, 128x128
-//!   blocks for `b`; with `--scaling tensor`, one scale per operand), bf16 output, on each path
+//!   blocks for `b`; `--scaling` picks others: the wgrad GEMM's `tile-tile` and `block-tile`, or
+//!   one scale per operand), bf16 output, on each path
 //!   the device has: `Dequantize`, `CublasLt`
 //!   (cuBLASLt's block-scaled FP8 GEMM, CUDA with cuBLASLt >= 12.9), and `TensorCores` (the opt-in
 //!   `mma.sync` kernel) where E4M3 MMA exists;
@@ -24,7 +25,7 @@
 //! layer runs: the CUDA C++ kernel, the CubeCL kernel, or two passes), the time per call and GB/s of the bytes one read
 //! of the input and the codes and scales written come to.
 //!
-//! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--scaling block|tensor] [--shapes 4096x4096x4096,...] [--quantizers]`
+//! `cargo run --release --bin fp8_bench -- [--device cuda|wgpu] [--scaling block|tile-tile|block-tile|tensor] [--shapes 4096x4096x4096,...] [--quantizers]`
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::wgpu::WgpuDevice;
@@ -46,8 +47,9 @@ struct Args {
     /// The backend.
     #[arg(long, value_enum, default_value = "cuda")]
     device: DeviceArg,
-    /// FP8 scales: `block` (1x128 tiles for `a`, 128x128 blocks for `b`, as `fp8.scaling =
-    /// "block"`) or `tensor` (one per operand).
+    /// FP8 scales: `block` (1x128 tiles for `a`, 128x128 blocks for `b`, as fprop and dgrad
+    /// under `fp8.scaling = "tile"`), `tile-tile` and `block-tile` (the wgrad GEMM's operands
+    /// under `fp8.wgrad_blocks = "none"` and `"input"`), or `tensor` (one per operand).
     #[arg(long, value_enum, default_value = "block")]
     scaling: Scaling,
     /// Comma-separated MxNxK shapes (default: 4096^3, 8192^3 and the GPT-2 small projections).
@@ -70,7 +72,14 @@ struct Args {
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum Scaling {
+    /// `a` per 1x128 tile, `b` per 128x128 block: fprop and dgrad under `fp8.scaling = "tile"`
+    /// (and wgrad with `fp8.wgrad_blocks = "grad_output"`).
     Block,
+    /// Both per 1x128 tile: wgrad with `fp8.wgrad_blocks = "none"`.
+    TileTile,
+    /// `a` per 128x128 block, `b` per 1x128 tile: wgrad with `fp8.wgrad_blocks = "input"`
+    /// (`a` is `x^T`).
+    BlockTile,
     Tensor,
 }
 
@@ -93,6 +102,8 @@ fn run<Bk: kernels::Backend>(
         let b = Tensor::<Bk, 2>::random([n, k], Distribution::Normal(0.0, 1.0), dev).cast(compute);
         let (ga, gb) = match args.scaling {
             Scaling::Block => (Fp8Granularity::Tile1x128, Fp8Granularity::Block128),
+            Scaling::TileTile => (Fp8Granularity::Tile1x128, Fp8Granularity::Tile1x128),
+            Scaling::BlockTile => (Fp8Granularity::Block128, Fp8Granularity::Tile1x128),
             Scaling::Tensor => (Fp8Granularity::Tensor, Fp8Granularity::Tensor),
         };
         let sa = QuantSpec::new(Fp8Format::E4M3, ga);

@@ -6,7 +6,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, FloatDType, Tensor, TensorData, TensorPrimitive};
 use kernels::{
     fp8_act_quantize_pair, fp8_linear, fp8_mlp_scaled, fp8_quantize_pair, Fp8Format,
-    Fp8Granularity, Fp8LinearConfig, Fp8MlpActivation, Fp8Tensor, QuantSpec,
+    Fp8Granularity, Fp8LinearConfig, Fp8MlpActivation, Fp8Tensor, Fp8WgradBlocks, PairSpec,
+    QuantSpec,
 };
 
 use super::{host, rel_err};
@@ -59,7 +60,8 @@ fn input<B: kernels::Backend>(
 
 /// The activation's output and gradient quantized by [`fp8_act_quantize_pair`] against the
 /// activation kernels' outputs quantized by [`fp8_quantize_pair`], both orientations, 1x128 tiles
-/// (E4M3, and E5M2 for the gradient) and 128x128 blocks, with NaN and infinities in two cases.
+/// (E4M3, and E5M2 for the gradient; with the transpose per 128x128 block too) and 128x128
+/// blocks, with NaN and infinities in two cases.
 /// `(rows, cols)` is the activation's output (GELU's input; SwiGLU's packed input has `2 * cols`
 /// columns). With `exact` every value must be equal (the activation's kernel runs in both);
 /// otherwise (the CUDA C++ kernel computes the activation itself, rounding to `dtype` as the
@@ -96,12 +98,21 @@ pub fn act_quantize_pair_matches<B: kernels::KernelOps>(
                 (Fp8MlpActivation::SwigluPacked, false) => B::swiglu_forward(prim(&h), None),
             };
             let want_values = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(want_values));
+            // 1x128 tiles, with the transpose per 128 x 128 block too (a wgrad operand's pair).
             let formats = if backward {
                 [tile(Fp8Format::E4M3), tile(Fp8Format::E5M2), block]
             } else {
                 [tile(Fp8Format::E4M3), block, block]
             };
-            for spec in formats {
+            let transposed_blocks = |spec| PairSpec {
+                spec,
+                transposed_blocks: true,
+            };
+            let pairs = formats
+                .map(PairSpec::from)
+                .into_iter()
+                .chain([transposed_blocks(formats[if backward { 1 } else { 0 }])]);
+            for spec in pairs {
                 let got = fp8_act_quantize_pair(h.clone(), backward.then(|| dy.clone()), act, spec);
                 let want = fp8_quantize_pair(want_values.clone(), spec);
                 for (side, g, w) in [("stored", &got.0, &want.0), ("transposed", &got.1, &want.1)] {
@@ -183,7 +194,14 @@ pub fn mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
             reference(x.matmul(fc)).matmul(proj)
         });
         let names = ["y", "dx", "dw_fc", "dw_proj"];
-        for (hybrid, per_tensor) in [(false, false), (true, false), (false, true)] {
+        let cases = [
+            (false, false, Fp8WgradBlocks::Neither),
+            (true, false, Fp8WgradBlocks::Neither),
+            (false, true, Fp8WgradBlocks::Neither),
+            (false, false, Fp8WgradBlocks::Input),
+            (true, false, Fp8WgradBlocks::GradOutput),
+        ];
+        for (hybrid, per_tensor, wgrad_blocks) in cases {
             let cfg = Fp8LinearConfig {
                 grad_format: if hybrid {
                     Fp8Format::E5M2
@@ -191,6 +209,7 @@ pub fn mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
                     Fp8Format::E4M3
                 },
                 per_tensor,
+                wgrad_blocks,
                 ..Default::default()
             };
             let fused = run(dtype, &|x, fc, proj| {
@@ -201,7 +220,7 @@ pub fn mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
             });
             let ctx = format!(
                 "fp8_mlp {act:?} {dtype:?} x [{t}, {d}], w_fc [{d}, {h_cols}], w_proj [{ff}, \
-                 {out}], hybrid={hybrid} per_tensor={per_tensor}"
+                 {out}], hybrid={hybrid} per_tensor={per_tensor} {wgrad_blocks:?}"
             );
             for ((name, f), c) in names.iter().zip(&fused).zip(&composed) {
                 if exact || per_tensor {

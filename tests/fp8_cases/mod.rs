@@ -6,7 +6,7 @@ use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
 use kernels::fp8::reference;
 use kernels::{
     fp8_gemm, fp8_gemm_on, fp8_linear, fp8_quantize, fp8_quantize_pair_on, Fp8Format, Fp8GemmPath,
-    Fp8Granularity, Fp8LinearConfig, Fp8PairPath, QuantSpec,
+    Fp8Granularity, Fp8LinearConfig, Fp8PairPath, Fp8Tensor, Fp8WgradBlocks, PairSpec, QuantSpec,
 };
 
 pub mod mlp;
@@ -141,52 +141,51 @@ pub fn quantizer_bit_identical<B: kernels::Backend>(
 
 /// A one-read [`kernels::fp8_quantize_pair`] kernel (`path`: `Native` or `Fused`), bit for bit
 /// against the CPU reference in both orientations, for every format, granularity and scale
-/// rounding, of the matrix and of its transposed view (strided reads); input in `dtype`.
+/// rounding, and 1x128 tiles with the transpose per 128 x 128 block ([`PairSpec::mixed`]), of the
+/// matrix and of its transposed view (strided reads); input in `dtype`.
 pub fn quantize_pair_bit_identical<B: kernels::Backend>(
     dtype: FloatDType,
     dev: &B::Device,
     shapes: &[(usize, usize)],
     path: Fp8PairPath,
 ) {
+    let pairs = specs()
+        .into_iter()
+        .filter(|s| !s.transpose)
+        .flat_map(|spec| {
+            let mixed = PairSpec {
+                spec,
+                transposed_blocks: true,
+            };
+            let alike = PairSpec::from(spec);
+            if mixed.mixed() {
+                vec![alike, mixed]
+            } else {
+                vec![alike]
+            }
+        });
+    let pairs: Vec<PairSpec> = pairs.collect();
     for (n, &(rows, cols)) in shapes.iter().enumerate() {
         let (x, rounded) = adversarial_tensor::<B>(rows, cols, 11 + n as u64, dtype, dev);
-        for spec in specs().into_iter().filter(|s| !s.transpose) {
-            let ctx = format!("fp8_quantize_pair {path:?} {dtype:?} [{rows}, {cols}] {spec:?}");
-            let (stored, transposed) = fp8_quantize_pair_on(x.clone(), spec, path);
-            assert_matches_reference(
+        for &pair in &pairs {
+            let ctx = format!("fp8_quantize_pair {path:?} {dtype:?} [{rows}, {cols}] {pair:?}");
+            let check = |q: &Fp8Tensor<B>, spec: QuantSpec, what: &str| {
+                assert_matches_reference(q, &rounded, rows, cols, &spec, &format!("{ctx}{what}"));
+            };
+            let (stored, transposed) = fp8_quantize_pair_on(x.clone(), pair, path);
+            check(&stored, pair.stored(), ", as stored");
+            check(&transposed, pair.transposed(), ", transposed");
+            let (stored, transposed) = fp8_quantize_pair_on(x.clone().transpose(), pair, path);
+            let of_view = " of the transposed view";
+            check(
                 &stored,
-                &rounded,
-                rows,
-                cols,
-                &spec,
-                &format!("{ctx}, as stored"),
+                pair.stored().transposed(true),
+                &format!("{of_view}, as stored"),
             );
-            let spec_t = spec.transposed(true);
-            assert_matches_reference(
+            check(
                 &transposed,
-                &rounded,
-                rows,
-                cols,
-                &spec_t,
-                &format!("{ctx}, transposed"),
-            );
-            let (stored, transposed) = fp8_quantize_pair_on(x.clone().transpose(), spec, path);
-            let ctx = format!("{ctx} of the transposed view");
-            assert_matches_reference(
-                &stored,
-                &rounded,
-                rows,
-                cols,
-                &spec_t,
-                &format!("{ctx}, as stored"),
-            );
-            assert_matches_reference(
-                &transposed,
-                &rounded,
-                rows,
-                cols,
-                &spec,
-                &format!("{ctx}, transposed"),
+                pair.transposed().transposed(false),
+                &format!("{of_view}, transposed"),
             );
         }
     }
@@ -553,13 +552,21 @@ pub fn linear<B: AutodiffBackend + kernels::Backend>(
             host(xf.grad(&gf).unwrap()),
             host(wf.grad(&gf).unwrap()),
         );
-        for hybrid in [false, true] {
+        // Each wgrad operand with block scales too (1D x 2D wgrad GEMMs).
+        let cases = [
+            (false, Fp8WgradBlocks::Neither),
+            (true, Fp8WgradBlocks::Neither),
+            (false, Fp8WgradBlocks::Input),
+            (true, Fp8WgradBlocks::GradOutput),
+        ];
+        for (hybrid, wgrad_blocks) in cases {
             let cfg = Fp8LinearConfig {
                 grad_format: if hybrid {
                     Fp8Format::E5M2
                 } else {
                     Fp8Format::E4M3
                 },
+                wgrad_blocks,
                 ..Default::default()
             };
             let x = x0.clone().cast(dtype).detach().require_grad();
@@ -568,8 +575,9 @@ pub fn linear<B: AutodiffBackend + kernels::Backend>(
             let dy = Tensor::<B, 2>::from_inner(dy0.clone().cast(dtype));
             let g = (y.clone() * dy).sum().backward();
             let (dx, dw) = (x.grad(&g).unwrap(), w.grad(&g).unwrap());
-            let ctx =
-                format!("fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] hybrid={hybrid}");
+            let ctx = format!(
+                "fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] hybrid={hybrid} {wgrad_blocks:?}"
+            );
             // 1. wiring, on the inner backend
             let (xi, wi, dyi) = (
                 x.clone().inner(),

@@ -141,7 +141,8 @@ pub use fp8::{
     fp8_linear_scaled, fp8_mlp_scaled, fp8_pair_path, fp8_pair_path_run, fp8_quantize,
     fp8_quantize_pair, fp8_quantize_pair_on, Fp8AmaxHistory, Fp8AmaxHistoryState, Fp8Format,
     Fp8GemmPath, Fp8Granularity, Fp8Health, Fp8LinearConfig, Fp8MlpActivation, Fp8Ops, Fp8PairPath,
-    Fp8Probe, Fp8Record, Fp8ScaleSite, Fp8Tensor, PendingHealth, QuantSpec,
+    Fp8Probe, Fp8Record, Fp8ScaleSite, Fp8Tensor, Fp8WgradBlocks, PairSpec, PendingHealth,
+    QuantSpec,
 };
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
 pub use memory::{MemoryOps, MemoryUse};

@@ -357,8 +357,8 @@ impl Default for TrainingConfig {
 
 // The `precision`, `[loss_scale]` and `[fp8]` sections belong to the precision module.
 pub use crate::precision::{
-    Fp8ComputeKind, Fp8Config, Fp8FormatKind, Fp8Projections, Fp8ScalingKind, LossScaleConfig,
-    LossScaleMode, PrecisionKind,
+    Fp8ComputeKind, Fp8Config, Fp8FormatKind, Fp8Projections, Fp8ScalingKind, Fp8WgradBlocksKind,
+    LossScaleConfig, LossScaleMode, PrecisionKind,
 };
 
 /// A whole training run.

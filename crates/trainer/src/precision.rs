@@ -61,7 +61,8 @@ model::display_as_config_value!(
     LossScaleMode,
     Fp8FormatKind,
     Fp8ScalingKind,
-    Fp8ComputeKind
+    Fp8ComputeKind,
+    Fp8WgradBlocksKind
 );
 
 /// `fp8.format`
@@ -85,6 +86,21 @@ pub enum Fp8ScalingKind {
     Tensor,
 }
 
+/// `fp8.wgrad_blocks`: with `scaling = "tile"`, which operand of each weight-gradient GEMM
+/// `dW = x^T dy` takes one scale per `tile` x `tile` block instead of one per `tile` tokens of
+/// each feature (cuBLASLt's block-scaled GEMM with two per-tile operands runs at about 0.7x the
+/// speed of one with a block-scaled operand on Hopper).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8WgradBlocksKind {
+    /// Both per tile, as fprop's activations and dgrad's output gradients.
+    None,
+    /// The layer input `x^T`, quantized per block in the same pass as `x` for fprop.
+    Input,
+    /// The output gradient `dy^T`.
+    GradOutput,
+}
+
 /// `fp8.compute`: the dtype of everything that is not an FP8 GEMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -104,6 +120,7 @@ pub struct Fp8Config {
     pub tile: usize,
     /// Round scales down to powers of two (exact scaling).
     pub pow2_scales: bool,
+    pub wgrad_blocks: Fp8WgradBlocksKind,
     /// Which GEMMs of each projection run in FP8: y = x W, dx = dy W^T, dW = x^T dy.
     pub fprop: bool,
     pub dgrad: bool,
@@ -137,6 +154,7 @@ impl Default for Fp8Config {
             scaling: Fp8ScalingKind::Tile,
             tile: 128,
             pow2_scales: true,
+            wgrad_blocks: Fp8WgradBlocksKind::Input,
             fprop: true,
             dgrad: true,
             wgrad: true,
@@ -263,6 +281,11 @@ impl Fp8Config {
             },
             per_tensor: self.scaling == Fp8ScalingKind::Tensor,
             pow2: self.pow2_scales,
+            wgrad_blocks: match self.wgrad_blocks {
+                Fp8WgradBlocksKind::None => kernels::Fp8WgradBlocks::Neither,
+                Fp8WgradBlocksKind::Input => kernels::Fp8WgradBlocks::Input,
+                Fp8WgradBlocksKind::GradOutput => kernels::Fp8WgradBlocks::GradOutput,
+            },
         }
     }
 }

@@ -5,7 +5,8 @@
 //! - fprop `y = x w`: `x` per row per 128 of `in`, `w^T` per 128 x 128 block;
 //! - dgrad `dx = dy w^T`: `dy` per row per 128 of `out`, `w` per block (the same codes as fprop's,
 //!   transposed);
-//! - wgrad `dw = x^T dy`: `x^T` and `dy^T` per row per 128 tokens.
+//! - wgrad `dw = x^T dy`: `x^T` and `dy^T` per row per 128 tokens, or one of them per 128 x 128
+//!   block ([`super::Fp8WgradBlocks`]).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -91,14 +92,14 @@ pub(crate) fn fprop_saved<B: Fp8Ops + GemmOps>(
     }
     let out = float_dtype(x.dtype());
     let (a, x_saved) = if cfg.wgrad {
-        let (a, a_t) = quantize_pair_at(x, cfg.act_spec(false), site, INPUT, rec);
+        let (a, a_t) = quantize_pair_at(x, cfg.act_pair(), site, INPUT, rec);
         (a, Saved::Fp8(a_t))
     } else {
         let a = quantize_at(x.clone(), cfg.act_spec(false), site, INPUT, rec);
         (a, Saved::Plain(x))
     };
     let (b, w_saved) = if cfg.dgrad {
-        let (w_q, w_t) = quantize_pair_at(w, cfg.weight_spec(false), site, WEIGHT, rec);
+        let (w_q, w_t) = quantize_pair_at(w, cfg.weight_spec(false).into(), site, WEIGHT, rec);
         (w_t, Saved::Fp8(w_q))
     } else {
         let b = quantize_at(w.clone(), cfg.weight_spec(true), site, WEIGHT, rec);
@@ -123,7 +124,7 @@ pub(crate) fn backward<B: Fp8Ops + GemmOps>(
     let rec = Fp8Record::Yes;
     let (dy_a, dy_b) = match (cfg.dgrad, cfg.wgrad) {
         (true, true) => {
-            let (a, b) = quantize_pair_at(dy.clone(), cfg.grad_spec(false), site, GRAD_OUTPUT, rec);
+            let (a, b) = quantize_pair_at(dy.clone(), cfg.grad_pair(), site, GRAD_OUTPUT, rec);
             (Some(a), Some(b))
         }
         (true, false) => {
@@ -236,7 +237,7 @@ where
     }
     fn fp8_quantize_pair(
         x: FloatTensor<Self>,
-        spec: &super::QuantSpec,
+        spec: &super::PairSpec,
         path: super::Fp8PairPath,
     ) -> (
         (IntTensor<Self>, FloatTensor<Self>),

@@ -26,7 +26,8 @@ use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{s, DType, Tensor, TensorData};
 
 use super::{
-    fp8_pair_path, fp8_quantize, fp8_quantize_pair, Fp8Granularity, Fp8Ops, Fp8Tensor, QuantSpec,
+    fp8_pair_path, fp8_quantize, fp8_quantize_pair, Fp8Granularity, Fp8Ops, Fp8Tensor, PairSpec,
+    QuantSpec,
 };
 use crate::gemm::GemmOps;
 
@@ -58,14 +59,14 @@ pub(crate) fn quantize_at<B: Fp8Ops + GemmOps>(
 /// [`fp8_quantize_pair`], scaled as [`quantize_at`] says.
 pub(crate) fn quantize_pair_at<B: Fp8Ops + GemmOps>(
     x: Tensor<B, 2>,
-    spec: QuantSpec,
+    spec: PairSpec,
     site: Option<&Fp8ScaleSite>,
     role: &str,
     record: Fp8Record,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
     match site {
-        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
-            site.quantize_pair(role, x, spec, record)
+        Some(site) if spec.spec.granularity == Fp8Granularity::Tensor => {
+            site.quantize_pair(role, x, spec.spec, record)
         }
         _ => fp8_quantize_pair(x, spec),
     }
@@ -499,7 +500,7 @@ impl Fp8ScaleSite {
         if record == Fp8Record::Yes && !recorded {
             self.record(taken.slot, x, taken.own);
         }
-        Fp8Tensor::pair_from_parts(parts, dims, spec)
+        Fp8Tensor::pair_from_parts(parts, dims, spec.into())
     }
 }
 
@@ -529,7 +530,7 @@ impl Fp8ScaleSite {
                     crate::primitive::prim(h.clone()),
                     dy.clone().map(crate::primitive::prim),
                     act,
-                    &spec,
+                    &spec.into(),
                     Some((crate::primitive::prim(taken.amax), in_kernel)),
                 );
                 if let Some((parts, recorded)) = fused {
@@ -537,7 +538,7 @@ impl Fp8ScaleSite {
                         let values = super::producer::act_values(h, dy, act);
                         self.record(taken.slot, values, None);
                     }
-                    return Fp8Tensor::pair_from_parts(parts, dims, spec);
+                    return Fp8Tensor::pair_from_parts(parts, dims, spec.into());
                 }
             }
         }

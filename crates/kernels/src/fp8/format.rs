@@ -130,3 +130,52 @@ impl QuantSpec {
         }
     }
 }
+
+/// How a pair quantizer ([`crate::fp8_quantize_pair`]) scales the two orientations of an `[r, c]`
+/// matrix: as `spec` says for the matrix as stored (quantized along `c`), and for its transpose
+/// (along `r`) with `spec`'s format and rounding, per 128 x 128 block instead of per 1x128 tile
+/// where `transposed_blocks` is set and `spec` has 1x128 tiles (the wgrad operand quantized per
+/// block, [`crate::Fp8WgradBlocks`]). `spec.transpose` is ignored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PairSpec {
+    pub spec: QuantSpec,
+    pub transposed_blocks: bool,
+}
+
+impl PairSpec {
+    /// The spec of the matrix as stored.
+    pub fn stored(&self) -> QuantSpec {
+        self.spec.transposed(false)
+    }
+    /// The spec of the transpose.
+    pub fn transposed(&self) -> QuantSpec {
+        let mut t = self.spec.transposed(true);
+        if self.mixed() {
+            t.granularity = Fp8Granularity::Block128;
+        }
+        t
+    }
+    /// The spec of one orientation: [`Self::transposed`] if `transpose`, else [`Self::stored`].
+    pub fn oriented(&self, transpose: bool) -> QuantSpec {
+        if transpose {
+            self.transposed()
+        } else {
+            self.stored()
+        }
+    }
+    /// Whether the two orientations differ in granularity (1x128 tiles as stored, 128 x 128
+    /// blocks transposed).
+    pub fn mixed(&self) -> bool {
+        self.transposed_blocks && self.spec.granularity == Fp8Granularity::Tile1x128
+    }
+}
+
+impl From<QuantSpec> for PairSpec {
+    /// Both orientations scaled alike.
+    fn from(spec: QuantSpec) -> Self {
+        Self {
+            spec,
+            transposed_blocks: false,
+        }
+    }
+}

@@ -11,7 +11,7 @@ use super::kernel::{
     dequantize as dequantize_kernel, health as health_kernel, quantize as quantize_kernel,
     quantize_cols, quantize_pair_tiles, tensor_amax,
 };
-use super::{Fp8Granularity, Fp8PairPath, QuantSpec, TILE};
+use super::{Fp8Granularity, Fp8PairPath, PairSpec, QuantSpec, TILE};
 use crate::check::{check_float, fail};
 use crate::launch::empty;
 
@@ -295,14 +295,14 @@ pub(crate) fn quantize_given<R: CubeRuntime>(
 /// `(payload, scales)` of a quantized matrix.
 pub(crate) type Quantized<R> = (CubeTensor<R>, CubeTensor<R>);
 
-/// `x` quantized as `spec` says along its columns (as stored) and along its rows (its transpose)
-/// (`spec.transpose` is ignored), on `path`: from one read of `x` by the CUDA C++ kernel
-/// ([`super::native`], where it applies) or by [`quantize_pair_tiles`] when the grid allows, else
-/// in two passes. The transposed view of a row-major matrix is read element by element (correct,
-/// not fast).
+/// `x` quantized as `spec` says along its columns (as stored) and along its rows (its transpose),
+/// on `path`: from one read of `x` by the CUDA C++ kernel ([`super::native`], where it applies)
+/// or by [`quantize_pair_tiles`] when the grid allows and both orientations share a granularity,
+/// else in two passes. The transposed view of a row-major matrix is read element by element
+/// (correct, not fast).
 pub(crate) fn quantize_pair<R: CubeRuntime>(
     x: CubeTensor<R>,
-    spec: &QuantSpec,
+    spec: &PairSpec,
     path: Fp8PairPath,
 ) -> (Quantized<R>, Quantized<R>) {
     quantize_pair_given(x, spec, path, None).0
@@ -322,27 +322,26 @@ pub(crate) struct GivenAmax<R: CubeRuntime> {
 /// the other paths record nothing).
 pub(crate) fn quantize_pair_given<R: CubeRuntime>(
     x: CubeTensor<R>,
-    spec: &QuantSpec,
+    pair: &PairSpec,
     path: Fp8PairPath,
     given: Option<GivenAmax<R>>,
 ) -> ((Quantized<R>, Quantized<R>), bool) {
+    let spec = pair.stored();
     let (given_amax, record) = match given {
         Some(g) => {
-            check_given("fp8_quantize_pair", spec, &g.amax);
+            check_given("fp8_quantize_pair", &spec, &g.amax);
             (Some(g.amax), g.record)
         }
         None => (None, None),
     };
     let fused = path != Fp8PairPath::Separate;
-    let spec = spec.transposed(false);
     let args = TileArgs::new("fp8_quantize_pair", &x, &spec);
     let (rows, cols) = (args.rows, args.k);
     if !fused || !pair_grid_fits(&x, rows, cols) {
-        let t = quantize_given(x.clone(), &spec.transposed(true), given_amax.clone());
-        return ((quantize_given(x, &spec, given_amax), t), false);
+        return (quantize_separately(x, pair, given_amax), false);
     }
     let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
-    let out = PairOutputs::new(&x, &spec, rows, cols);
+    let out = PairOutputs::new(&x, pair, rows, cols);
     let width = if args.stride_j == 1 {
         crate::launch::vector_width(&x, &[x.dtype], &[8, cols, args.stride_i])
     } else {
@@ -358,9 +357,14 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
         };
         let record = record.as_ref().map(|(buffer, slot)| (buffer, *slot));
         let none = super::native::Prologue::None;
-        if super::native::launch_pair(&x, none, &amax, out.refs(), &view, &spec, record) {
+        if super::native::launch_pair(&x, none, &amax, out.refs(), &view, pair, record) {
             return (out.into_pair(), record.is_some());
         }
+    }
+    // The CubeCL kernel scales both orientations alike (and a mixed pair has 1x128 tiles, no
+    // given amax).
+    if pair.mixed() {
+        return (quantize_separately(x, pair, None), false);
     }
     let (client, dtype) = (x.client.clone(), x.dtype);
     quantize_pair_tiles::launch::<R>(
@@ -388,6 +392,16 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
     (out.into_pair(), false)
 }
 
+/// Both orientations of `x` as `pair` says, in two passes.
+fn quantize_separately<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    pair: &PairSpec,
+    given_amax: Option<CubeTensor<R>>,
+) -> (Quantized<R>, Quantized<R>) {
+    let t = quantize_given(x.clone(), &pair.transposed(), given_amax.clone());
+    (quantize_given(x, &pair.stored(), given_amax), t)
+}
+
 /// Whether a pair quantization of a `[rows, cols]` matrix fits one launch's grid (a cube per
 /// 128 x 128 tile); an empty matrix does not.
 fn pair_grid_fits<R: CubeRuntime>(x: &CubeTensor<R>, rows: usize, cols: usize) -> bool {
@@ -405,13 +419,13 @@ struct PairOutputs<R: CubeRuntime> {
 }
 
 impl<R: CubeRuntime> PairOutputs<R> {
-    fn new(x: &CubeTensor<R>, spec: &QuantSpec, rows: usize, cols: usize) -> Self {
+    fn new(x: &CubeTensor<R>, spec: &PairSpec, rows: usize, cols: usize) -> Self {
         let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
         Self {
             payload: empty(x, vec![rows, col_tiles * TILE / 4], DType::I32),
-            scales: scales_output(x, spec, rows, cols),
+            scales: scales_output(x, &spec.stored(), rows, cols),
             payload_t: empty(x, vec![cols, row_tiles * TILE / 4], DType::I32),
-            scales_t: scales_output(x, &spec.transposed(true), cols, rows),
+            scales_t: scales_output(x, &spec.transposed(), cols, rows),
         }
     }
 
@@ -781,7 +795,7 @@ pub(crate) fn act_quantize_pair_native<R: CubeRuntime>(
     h: CubeTensor<R>,
     dy: Option<CubeTensor<R>>,
     act: super::Fp8MlpActivation,
-    spec: &QuantSpec,
+    spec: &PairSpec,
     given: Option<(CubeTensor<R>, Option<(CubeTensor<R>, usize)>)>,
 ) -> Option<((Quantized<R>, Quantized<R>), bool)> {
     use super::Fp8MlpActivation::{Gelu, SwigluPacked};
@@ -790,9 +804,8 @@ pub(crate) fn act_quantize_pair_native<R: CubeRuntime>(
     {
         return None;
     }
-    let spec = spec.transposed(false);
     let dims = h.shape().as_slice().to_vec();
-    let per_tensor = spec.granularity == Fp8Granularity::Tensor;
+    let per_tensor = spec.spec.granularity == Fp8Granularity::Tensor;
     if dims.len() != 2 || per_tensor != given.is_some() || !h.is_contiguous() {
         return None;
     }
@@ -817,7 +830,7 @@ pub(crate) fn act_quantize_pair_native<R: CubeRuntime>(
     if !pair_grid_fits(&h, rows, cols) {
         return None;
     }
-    let out = PairOutputs::new(&h, &spec, rows, cols);
+    let out = PairOutputs::new(&h, spec, rows, cols);
     // Tiles and blocks take their own amax: the kernel reads it for per-tensor scaling only.
     let (amax, record) = match given {
         Some((amax, record)) => (crate::launch::contiguous(amax), record),
@@ -837,7 +850,7 @@ pub(crate) fn act_quantize_pair_native<R: CubeRuntime>(
     };
     let record = record.as_ref().map(|(buffer, slot)| (buffer, *slot));
     let recorded = record.is_some();
-    super::native::launch_pair(&h, prologue, &amax, out.refs(), &view, &spec, record)
+    super::native::launch_pair(&h, prologue, &amax, out.refs(), &view, spec, record)
         .then(|| (out.into_pair(), recorded))
 }
 
@@ -856,7 +869,7 @@ where
     }
     fn fp8_quantize_pair(
         x: FloatTensor<Self>,
-        spec: &QuantSpec,
+        spec: &PairSpec,
         path: Fp8PairPath,
     ) -> (
         (IntTensor<Self>, FloatTensor<Self>),
@@ -895,7 +908,8 @@ where
         ),
         bool,
     ) {
-        quantize_pair_given(x, spec, path, Some(GivenAmax { amax, record }))
+        let pair = PairSpec::from(*spec);
+        quantize_pair_given(x, &pair, path, Some(GivenAmax { amax, record }))
     }
     fn fp8_dequantize(
         payload: IntTensor<Self>,
@@ -920,7 +934,7 @@ where
         h: FloatTensor<Self>,
         dy: Option<FloatTensor<Self>>,
         act: super::Fp8MlpActivation,
-        spec: &QuantSpec,
+        spec: &PairSpec,
         given: Option<(FloatTensor<Self>, Option<(FloatTensor<Self>, usize)>)>,
     ) -> Option<((Quantized<R>, Quantized<R>), bool)> {
         act_quantize_pair_native(h, dy, act, spec, given)

@@ -22,6 +22,24 @@ pub struct Fp8LinearConfig {
     pub per_tensor: bool,
     /// Power-of-two scales.
     pub pow2: bool,
+    /// Which wgrad operand (with 1x128 tiles) takes 128 x 128 block scales instead of 1x128 tiles
+    /// along the tokens.
+    pub wgrad_blocks: Fp8WgradBlocks,
+}
+
+/// The wgrad GEMM `dw = x^T dy` reads `x` and `dy` along the tokens. With 1x128 tiles both are
+/// scaled per 128 tokens of each feature (cuBLASLt's "1D x 1D" block-scaled GEMM); one of them
+/// may instead take one scale per 128 x 128 block ("1D x 2D", the kind fprop and dgrad run),
+/// quantized in the same pass as the other orientation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Fp8WgradBlocks {
+    /// Both per 1x128 tile.
+    #[default]
+    Neither,
+    /// `x^T` per 128 x 128 block.
+    Input,
+    /// `dy^T` per 128 x 128 block.
+    GradOutput,
 }
 
 impl Default for Fp8LinearConfig {
@@ -34,22 +52,37 @@ impl Default for Fp8LinearConfig {
             grad_format: Fp8Format::E4M3,
             per_tensor: false,
             pow2: true,
+            wgrad_blocks: Fp8WgradBlocks::Neither,
         }
     }
 }
 
 impl Fp8LinearConfig {
-    /// Spec of an activation (`x`) operand.
+    /// Spec of an activation (`x`) operand: as stored for fprop, transposed for wgrad.
     pub fn act_spec(&self, transpose: bool) -> QuantSpec {
-        self.spec(self.forward_format, Fp8Granularity::Tile1x128, transpose)
+        self.act_pair().oriented(transpose)
     }
     /// Spec of the weight operand.
     pub fn weight_spec(&self, transpose: bool) -> QuantSpec {
         self.spec(self.forward_format, Fp8Granularity::Block128, transpose)
     }
-    /// Spec of an output-gradient (`dy`) operand.
+    /// Spec of an output-gradient (`dy`) operand: as stored for dgrad, transposed for wgrad.
     pub fn grad_spec(&self, transpose: bool) -> QuantSpec {
-        self.spec(self.grad_format, Fp8Granularity::Tile1x128, transpose)
+        self.grad_pair().oriented(transpose)
+    }
+    /// Both orientations of an activation, quantized in one pass.
+    pub fn act_pair(&self) -> PairSpec {
+        PairSpec {
+            spec: self.spec(self.forward_format, Fp8Granularity::Tile1x128, false),
+            transposed_blocks: self.wgrad_blocks == Fp8WgradBlocks::Input,
+        }
+    }
+    /// Both orientations of an output gradient, quantized in one pass.
+    pub fn grad_pair(&self) -> PairSpec {
+        PairSpec {
+            spec: self.spec(self.grad_format, Fp8Granularity::Tile1x128, false),
+            transposed_blocks: self.wgrad_blocks == Fp8WgradBlocks::GradOutput,
+        }
     }
     fn spec(&self, format: Fp8Format, tiles: Fp8Granularity, transpose: bool) -> QuantSpec {
         let granularity = if self.per_tensor {

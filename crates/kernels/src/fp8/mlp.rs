@@ -29,7 +29,7 @@ use super::delayed::role::{GRAD_OUTPUT, INPUT, WEIGHT};
 use super::delayed::{quantize_at, quantize_pair_at};
 use super::producer::{act_values, fp8_act_quantize_pair, Fp8MlpActivation};
 use super::{fp8_gemm, fp8_linear_scaled, Fp8Granularity};
-use super::{Fp8LinearConfig, Fp8Ops, Fp8Record, Fp8ScaleSite, Fp8Tensor, QuantSpec};
+use super::{Fp8LinearConfig, Fp8Ops, Fp8Record, Fp8ScaleSite, Fp8Tensor, PairSpec};
 use crate::activation::{ActivationKernels, ActivationOps};
 use crate::gemm::GemmOps;
 use crate::primitive::float_dtype;
@@ -138,13 +138,13 @@ fn act_pair<B: Fp8Ops + GemmOps + ActivationKernels>(
     h: Tensor<B, 2>,
     dy: Option<Tensor<B, 2>>,
     act: Fp8MlpActivation,
-    spec: QuantSpec,
+    spec: PairSpec,
     site: Option<&Fp8ScaleSite>,
     role: &str,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
     match site {
-        Some(site) if spec.granularity == Fp8Granularity::Tensor => {
-            site.quantize_act_pair(role, h, dy, act, spec, Fp8Record::Yes)
+        Some(site) if spec.spec.granularity == Fp8Granularity::Tensor => {
+            site.quantize_act_pair(role, h, dy, act, spec.spec, Fp8Record::Yes)
         }
         _ => fp8_act_quantize_pair(h, dy, act, spec),
     }
@@ -181,13 +181,23 @@ fn forward<B: Fp8Ops + GemmOps + ActivationKernels>(
     let out = float_dtype(x.dtype());
     let dtypes = [out, float_dtype(w_fc.dtype()), float_dtype(w_proj.dtype())];
     let (fc, proj) = (sites.as_ref().map(|s| &s.0), sites.as_ref().map(|s| &s.1));
-    let (x_q, x_t) = quantize_pair_at(x, cfg.act_spec(false), fc, INPUT, Fp8Record::Yes);
-    let (w_fc_q, w_fc_t) =
-        quantize_pair_at(w_fc, cfg.weight_spec(false), fc, WEIGHT, Fp8Record::Yes);
+    let (x_q, x_t) = quantize_pair_at(x, cfg.act_pair(), fc, INPUT, Fp8Record::Yes);
+    let (w_fc_q, w_fc_t) = quantize_pair_at(
+        w_fc,
+        cfg.weight_spec(false).into(),
+        fc,
+        WEIGHT,
+        Fp8Record::Yes,
+    );
     let h = fp8_gemm(&x_q, &w_fc_t, out);
-    let (a_q, a_t) = act_pair(h.clone(), None, act, cfg.act_spec(false), proj, INPUT);
-    let (w_proj_q, w_proj_t) =
-        quantize_pair_at(w_proj, cfg.weight_spec(false), proj, WEIGHT, Fp8Record::Yes);
+    let (a_q, a_t) = act_pair(h.clone(), None, act, cfg.act_pair(), proj, INPUT);
+    let (w_proj_q, w_proj_t) = quantize_pair_at(
+        w_proj,
+        cfg.weight_spec(false).into(),
+        proj,
+        WEIGHT,
+        Fp8Record::Yes,
+    );
     let y = fp8_gemm(&a_q, &w_proj_t, out);
     let saved = Saved {
         x_t,
@@ -246,7 +256,7 @@ fn backward<B: Fp8Ops + GemmOps + ActivationKernels>(
     let (fc, proj) = (sites.map(|s| &s.0), sites.map(|s| &s.1));
     let (dy_q, dy_t) = quantize_pair_at(
         dy.cast(x_dtype),
-        cfg.grad_spec(false),
+        cfg.grad_pair(),
         proj,
         GRAD_OUTPUT,
         Fp8Record::Yes,
@@ -257,7 +267,7 @@ fn backward<B: Fp8Ops + GemmOps + ActivationKernels>(
         saved.h,
         Some(da),
         saved.act,
-        cfg.grad_spec(false),
+        cfg.grad_pair(),
         fc,
         GRAD_OUTPUT,
     );

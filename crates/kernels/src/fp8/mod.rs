@@ -59,11 +59,13 @@ pub mod reference;
 mod tensor;
 
 pub use delayed::{role, Fp8AmaxHistory, Fp8AmaxHistoryState, Fp8Record, Fp8ScaleSite};
-pub use format::{Fp8Format, Fp8Granularity, QuantSpec, TILE};
+pub use format::{Fp8Format, Fp8Granularity, PairSpec, QuantSpec, TILE};
 pub(crate) use gemm::mma_shape;
 pub use gemm::{fp8_gemm, fp8_gemm_on, fp8_gemm_path};
 pub use health::{fp8_health, fp8_health_pending, fp8_health_pending_at, Fp8Health, PendingHealth};
-pub use linear::{fp8_linear, fp8_linear_probed, fp8_linear_scaled, Fp8LinearConfig, Fp8Probe};
+pub use linear::{
+    fp8_linear, fp8_linear_probed, fp8_linear_scaled, Fp8LinearConfig, Fp8Probe, Fp8WgradBlocks,
+};
 pub use mlp::{fp8_gelu_mlp, fp8_gelu_mlp_scaled, fp8_mlp_scaled};
 pub use mma::MmaShape;
 pub use path::{Fp8GemmPath, Fp8PairPath};
@@ -98,14 +100,14 @@ pub trait Fp8Ops: BurnBackend {
     #[allow(clippy::type_complexity)]
     fn fp8_quantize_pair(
         x: FloatTensor<Self>,
-        spec: &QuantSpec,
+        spec: &PairSpec,
         _path: Fp8PairPath,
     ) -> (
         (IntTensor<Self>, FloatTensor<Self>),
         (IntTensor<Self>, FloatTensor<Self>),
     ) {
-        let stored = Self::fp8_quantize(x.clone(), &spec.transposed(false));
-        (stored, Self::fp8_quantize(x, &spec.transposed(true)))
+        let stored = Self::fp8_quantize(x.clone(), &spec.stored());
+        (stored, Self::fp8_quantize(x, &spec.transposed()))
     }
 
     /// `[1]` f32: the amax per-tensor scaling takes of the float `x`, its largest finite normal
@@ -220,7 +222,7 @@ pub trait Fp8Ops: BurnBackend {
         _h: FloatTensor<Self>,
         _dy: Option<FloatTensor<Self>>,
         _act: Fp8MlpActivation,
-        _spec: &QuantSpec,
+        _spec: &PairSpec,
         _given: Option<(FloatTensor<Self>, Option<(FloatTensor<Self>, usize)>)>,
     ) -> Option<(
         (

@@ -13,7 +13,7 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::ir::{ElemType, FloatKind, StorageType};
 use cubecl::prelude::*;
 
-use super::{Fp8Format, Fp8Granularity, QuantSpec};
+use super::{Fp8Format, Fp8Granularity, PairSpec, QuantSpec};
 use crate::cuda_source::{launch, CudaSource};
 use crate::gemm::cublaslt::as_cuda as cuda;
 
@@ -88,20 +88,22 @@ impl<R: CubeRuntime> Prologue<'_, R> {
 }
 
 /// The `#define` lines that pick a variant of `native_pair.cu` (its header lists them): input
-/// kind, 8-wide loads, the granularity, scale rounding and format of `spec`, and the prologue.
-fn defines(in_kind: u8, vec: bool, spec: &QuantSpec, prologue: u8) -> String {
+/// kind, 8-wide loads, the granularities, scale rounding and format of `pair`, and the prologue.
+fn defines(in_kind: u8, vec: bool, pair: &PairSpec, prologue: u8) -> String {
+    let spec = pair.stored();
     let flags = [
         vec,
         spec.granularity == Fp8Granularity::Block128,
+        pair.mixed(),
         spec.granularity == Fp8Granularity::Tensor,
         spec.pow2,
         spec.format == Fp8Format::E5M2,
     ];
-    let [vec, block, given_amax, pow2, e5m2] = flags.map(u8::from);
+    let [vec, block, t_block, given_amax, pow2, e5m2] = flags.map(u8::from);
     format!(
         "#define IN_KIND {in_kind}\n#define VEC {vec}\n#define BLOCK {block}\n\
-         #define GIVEN_AMAX {given_amax}\n#define POW2 {pow2}\n#define E5M2 {e5m2}\n\
-         #define PROLOGUE {prologue}\n"
+         #define T_BLOCK {t_block}\n#define GIVEN_AMAX {given_amax}\n#define POW2 {pow2}\n\
+         #define E5M2 {e5m2}\n#define PROLOGUE {prologue}\n"
     )
 }
 
@@ -114,9 +116,10 @@ pub(crate) struct PairView {
     pub stride_j: usize,
 }
 
-/// Quantizes `x` in both orientations into `payload`, `scales`, `payload_t`, `scales_t` (shaped
-/// and laid out as for the CubeCL kernel `quantize_pair_tiles`; `amax` holds the tensor's amax for
-/// per-tensor scaling) with the CUDA C++ kernel, or returns `false` without launching anything
+/// Quantizes `x` in both orientations as `spec` says into `payload`, `scales`, `payload_t`,
+/// `scales_t` (shaped and laid out as for the CubeCL kernel `quantize_pair_tiles`, the transpose's
+/// scales as for a 128 x 128 block matrix where `spec` mixes granularities; `amax` holds the
+/// tensor's amax for per-tensor scaling) with the CUDA C++ kernel, or returns `false` without launching anything
 /// where it does not apply: not CUDA, a GPU without FP8 conversions, an input other than f32,
 /// f16 or bf16. With per-tensor scaling and `record = Some((buffer, slot))`, the kernel also
 /// raises the f32 `buffer[slot]` to `x`'s amax (the largest finite normal `|x|`), in place.
@@ -131,7 +134,7 @@ pub(crate) fn launch_pair<R: CubeRuntime>(
     amax: &CubeTensor<R>,
     outputs: [&CubeTensor<R>; 4],
     view: &PairView,
-    spec: &QuantSpec,
+    spec: &PairSpec,
     record: Option<(&CubeTensor<R>, usize)>,
 ) -> bool {
     if !supported(x) {
@@ -240,7 +243,7 @@ pub(crate) fn tensor_amax_partials<R: CubeRuntime>(x: &CubeTensor<R>) -> Option<
     let partials_cuda = cuda(&partials)?;
     // Only IN_KIND matters to this entry point; the pair kernel's other macros must be defined.
     let per_tensor = QuantSpec::new(Fp8Format::E4M3, Fp8Granularity::Tensor);
-    let defines = defines(in_kind, true, &per_tensor, 0);
+    let defines = defines(in_kind, true, &per_tensor.into(), 0);
     let kernel = CudaSource::new(AMAX_ENTRY, defines, SOURCE, CubeDim::new_1d(256));
     let buffers = vec![
         xc.handle.clone().binding(),

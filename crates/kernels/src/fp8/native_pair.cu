@@ -9,6 +9,9 @@
 //   VEC         1: rows contiguous and 16-byte aligned, a thread's 8 elements of a row read
 //               with 16-byte loads (one for 16-bit inputs, two for f32)
 //   BLOCK       1: one amax per 128x128 block, shared by both orientations
+//   T_BLOCK     1 (with 1x128 tiles: BLOCK and GIVEN_AMAX 0): the transpose takes one scale per
+//               128x128 block, the tile's amax, laid out as with BLOCK; the matrix as stored keeps
+//               its 1x128 scales (a wgrad operand quantized per block, see fp8/format.rs PairSpec)
 //   GIVEN_AMAX  1: per-tensor scaling, every tile takes amax[0]; unless info.record_slot is
 //               NO_SLOT, the kernel also records x's amax (its largest finite normal |x|, as
 //               the reference takes it) into record[info.record_slot] (f32 bits, atomic max over
@@ -42,7 +45,8 @@
 //      partial maxima through shared memory;
 //   2. multipliers: with 1x128 tiles, each row's and column's multiplier is computed once (by
 //      one of 128 threads, for two rows or columns with 16-bit inputs) into shared memory, with
-//      its scale; with one amax a block or a tensor, every thread computes the one multiplier;
+//      its scale (under T_BLOCK the columns take the tile's one multiplier instead); with one
+//      amax a block or a tensor, every thread computes the one multiplier;
 //   3. codes: x * s (flushing f32 subnormals to zero, as the reference does) converted two at a
 //      time; rows written directly, the transpose staged in shared memory and written by rows.
 // A tile with NaN or an infinity (which the conversion instruction encodes differently from the
@@ -394,22 +398,25 @@ __device__ __forceinline__ void write_transposed(u32* __restrict__ payload_t, co
 // padding zeroed.
 __device__ __forceinline__ u64 block_pad(u64 k_tiles) { return (k_tiles + 3u) / 4u * 4u; }
 
+// Dequantization scale d of this block's tile in a 128x128 block layout for a matrix of `tiles`
+// K tiles a row block, at row block `rb` and K tile `kt`: the padding of the row (from `tiles`
+// to block_pad(tiles)) is zeroed by the block of the last K tile. One thread calls it.
+__device__ __forceinline__ void write_block_scale(float* __restrict__ scales, u64 tiles, u64 rb, u64 kt, float d) {
+    const u64 row_len = block_pad(tiles);
+    scales[rb * row_len + kt] = d;
+    if (kt + 1u == tiles) {
+        for (u64 c = tiles; c < row_len; c++) scales[rb * row_len + c] = 0.0f;
+    }
+}
+
 // The scale of a tile quantized with one multiplier s: its 128x128 block's, or the tensor's
 // (written once).
 __device__ __forceinline__ void write_tile_scale(float* __restrict__ scales, float* __restrict__ scales_t, float s) {
 #if BLOCK
     if (threadIdx.x == 0u) {
         const float d = dequant_scale(s);
-        const u64 row_len = block_pad(gridDim.x);
-        const u64 row_len_t = block_pad(gridDim.y);
-        scales[(u64)blockIdx.y * row_len + blockIdx.x] = d;
-        scales_t[(u64)blockIdx.x * row_len_t + blockIdx.y] = d;
-        if (blockIdx.x + 1u == gridDim.x) {
-            for (u64 c = gridDim.x; c < row_len; c++) scales[(u64)blockIdx.y * row_len + c] = 0.0f;
-        }
-        if (blockIdx.y + 1u == gridDim.y) {
-            for (u64 c = gridDim.y; c < row_len_t; c++) scales_t[(u64)blockIdx.x * row_len_t + c] = 0.0f;
-        }
+        write_block_scale(scales, gridDim.x, blockIdx.y, blockIdx.x, d);
+        write_block_scale(scales_t, gridDim.y, blockIdx.x, blockIdx.y, d);
     }
 #elif GIVEN_AMAX
     if (blockIdx.x == 0u && blockIdx.y == 0u && threadIdx.x == 0u) {
@@ -453,6 +460,8 @@ __device__ __noinline__ void slow_tile(
     const u64 row0 = (u64)blockIdx.y * 128u + ru * 8u;
     const u64 col0 = (u64)ct * 128u + cu * 8u;
     const bool per_tile = !GIVEN_AMAX && !BLOCK;
+    // The transpose's multiplier under T_BLOCK.
+    float s_t = 1.0f;
 
     u32 m = 0u;
 #if GIVEN_AMAX
@@ -489,9 +498,15 @@ __device__ __noinline__ void slow_tile(
     }
     maxima[unit] = m;
     __syncthreads();
+#if BLOCK || T_BLOCK
+    // The tile's amax: the largest row amax.
+    u32 tile_m = 0u;
+    for (u32 r = 0; r < 128u; r++) tile_m = umax(tile_m, maxima[r]);
+#endif
 #if BLOCK
-    m = 0u;
-    for (u32 r = 0; r < 128u; r++) m = umax(m, maxima[r]);
+    m = tile_m;
+#elif T_BLOCK
+    s_t = multiplier(__uint_as_float(tile_m));
 #endif
 #endif
     const float s_all = multiplier(__uint_as_float(m));
@@ -512,7 +527,7 @@ __device__ __noinline__ void slow_tile(
     // Every read of the partial maxima in `stage` came before the last barrier.
     for (int e = 0; e < 8; e++) {
         const u32 c = cu * 8u + e;
-        const float s = per_tile ? multiplier(__uint_as_float(maxima[128u + c])) : s_all;
+        const float s = !per_tile ? s_all : T_BLOCK ? s_t : multiplier(__uint_as_float(maxima[128u + c]));
         float r[8];
         for (int i = 0; i < 8; i++) r[i] = element(x, dy, info, row0 + i, col0 + e);
         uint2 w;
@@ -522,10 +537,13 @@ __device__ __noinline__ void slow_tile(
     }
     __syncthreads();
     write_transposed(payload_t, info);
-    if (per_tile && unit >= 128u) {
+    if (per_tile && !T_BLOCK && unit >= 128u) {
         const u64 col = (u64)ct * 128u + unit - 128u;
         if (col < info.cols) scales_t[(u64)blockIdx.y * info.cols + col] = dequant_scale(multiplier(__uint_as_float(m)));
     }
+#if T_BLOCK
+    if (unit == 0u) write_block_scale(scales_t, gridDim.y, blockIdx.x, blockIdx.y, dequant_scale(s_t));
+#endif
     write_tile_scale(scales, scales_t, s_all);
 }
 
@@ -709,6 +727,10 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
         a.w = col_max[h * 4 + 3];
         col_part[h] = a;
     }
+#if T_BLOCK
+    const u32 warp_top = __reduce_max_sync(0xFFFFFFFFu, top);
+    if (unit % 32u == 0u) warp_max[unit / 32u] = warp_top;
+#endif
 #endif
     if (__syncthreads_or(top >= NONFINITE)) {
         slow_tile(x, dy, amax, payload, scales, payload_t, scales_t, record, info);
@@ -726,9 +748,10 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     for (int w = 0; w < 8; w++) m = umax(m, warp_max[w]);
     s_all = multiplier(amax_of_bits(m));
 #else
-    // Thread w < 16 ROW_WORDS reduces row word w, the next 16 ROW_WORDS threads column word w.
+    // Thread w < 16 ROW_WORDS reduces row word w, the next 16 ROW_WORDS threads column word w
+    // (none under T_BLOCK, where every column takes the tile's multiplier).
     const u32 lines = 16u * ROW_WORDS;
-    if (unit < 2u * lines) {
+    if (unit < (T_BLOCK ? 1u : 2u) * lines) {
         const bool is_row = unit < lines;
         const u32 w = is_row ? unit : unit - lines;
         u32 m = 0u;
@@ -759,6 +782,12 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
         }
     }
     __syncthreads();
+#if T_BLOCK
+    u32 tile_top = 0u;
+#pragma unroll
+    for (int w = 0; w < 8; w++) tile_top = umax(tile_top, warp_max[w]);
+    const float s_t = multiplier(amax_of_bits(tile_top));
+#endif
 #endif
 
     // 3. The codes. As stored: words 2 cu, 2 cu + 1 of each of the thread's rows.
@@ -780,7 +809,11 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
 #pragma unroll
     for (int e = 0; e < 8; e++) {
         const u32 c = cu * 8u + e;
+#if T_BLOCK
+        const float s = s_t;
+#else
         const float s = per_tile ? col_mult[c] : s_all;
+#endif
         uint2 w;
         w.x = word_of(V(e), V(8 + e), V(16 + e), V(24 + e), s);
         w.y = word_of(V(32 + e), V(40 + e), V(48 + e), V(56 + e), s);
@@ -788,6 +821,9 @@ extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) fp8_quantize_pair_
     }
     __syncthreads();
     write_transposed(payload_t, info);
+#if T_BLOCK
+    if (unit == 0u) write_block_scale(scales_t, gridDim.y, ct, rt, dequant_scale(s_t));
+#endif
     write_tile_scale(scales, scales_t, s_all);
 }
 

@@ -18,7 +18,7 @@
 
 use burn::tensor::Tensor;
 
-use super::{fp8_pair_path, fp8_quantize_pair, Fp8Ops, Fp8PairPath, Fp8Tensor, QuantSpec};
+use super::{fp8_pair_path, fp8_quantize_pair, Fp8Ops, Fp8PairPath, Fp8Tensor, PairSpec};
 use crate::activation::ActivationKernels;
 use crate::gemm::GemmOps;
 use crate::primitive::{prim, tensor};
@@ -51,7 +51,7 @@ impl Fp8MlpActivation {
 pub fn fp8_gelu_quantize_pair<B: Fp8Ops + GemmOps + ActivationKernels>(
     h: Tensor<B, 2>,
     dy: Option<Tensor<B, 2>>,
-    spec: QuantSpec,
+    spec: impl Into<PairSpec>,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
     fp8_act_quantize_pair(h, dy, Fp8MlpActivation::Gelu, spec)
 }
@@ -65,10 +65,11 @@ pub fn fp8_act_quantize_pair<B: Fp8Ops + GemmOps + ActivationKernels>(
     h: Tensor<B, 2>,
     dy: Option<Tensor<B, 2>>,
     act: Fp8MlpActivation,
-    spec: QuantSpec,
+    spec: impl Into<PairSpec>,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    let spec = spec.into();
     let dims = act.out_dims(h.dims(), dy.is_some());
-    if fp8_pair_path(&spec) == Fp8PairPath::Native {
+    if fp8_pair_path(&spec.spec) == Fp8PairPath::Native {
         let fused =
             B::fp8_act_quantize_pair(prim(h.clone()), dy.clone().map(prim), act, &spec, None);
         if let Some((parts, _)) = fused {

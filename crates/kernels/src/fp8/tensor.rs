@@ -43,11 +43,11 @@ impl<B: Fp8Ops + GemmOps> Fp8Tensor<B> {
     pub(crate) fn pair_from_parts(
         (stored, transposed): (Parts<B>, Parts<B>),
         dims: [usize; 2],
-        spec: QuantSpec,
+        spec: PairSpec,
     ) -> (Self, Self) {
         (
-            Self::from_parts(stored, dims, spec.transposed(false)),
-            Self::from_parts(transposed, dims, spec.transposed(true)),
+            Self::from_parts(stored, dims, spec.stored()),
+            Self::from_parts(transposed, dims, spec.transposed()),
         )
     }
 
@@ -148,24 +148,27 @@ pub fn fp8_pair_path_run<B: Fp8Ops>(x: &Tensor<B, 2>, path: Fp8PairPath) -> Fp8P
 }
 
 /// Quantizes the 2-D `x` `[r, c]` in both orientations: `(as stored, transposed)`, the first
-/// `[r, c]` quantized along `c` as `spec.transposed(false)` says, the second `[c, r]` along `r` as
-/// `spec.transposed(true)` says (`spec.transpose` itself is ignored). Each equals the matching
-/// [`fp8_quantize`] bit for bit, on the path [`fp8_pair_path`] names. The FP8 linear layer uses it
-/// for the operands that two of its GEMMs read along different axes (`x`, `dy` and the weight).
+/// `[r, c]` quantized along `c` as `spec.stored()` says, the second `[c, r]` along `r` as
+/// `spec.transposed()` says (a [`QuantSpec`] scales both alike; its `transpose` is ignored). Each
+/// equals the matching [`fp8_quantize`] bit for bit, on the path [`fp8_pair_path`] names. The FP8
+/// linear layer uses it for the operands that two of its GEMMs read along different axes (`x`,
+/// `dy` and the weight).
 pub fn fp8_quantize_pair<B: Fp8Ops + GemmOps>(
     x: Tensor<B, 2>,
-    spec: QuantSpec,
+    spec: impl Into<PairSpec>,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
-    let path = fp8_pair_path(&spec);
+    let spec = spec.into();
+    let path = fp8_pair_path(&spec.spec);
     fp8_quantize_pair_on(x, spec, path)
 }
 
 /// [`fp8_quantize_pair`] on a given path.
 pub fn fp8_quantize_pair_on<B: Fp8Ops + GemmOps>(
     x: Tensor<B, 2>,
-    spec: QuantSpec,
+    spec: impl Into<PairSpec>,
     path: Fp8PairPath,
 ) -> (Fp8Tensor<B>, Fp8Tensor<B>) {
+    let spec = spec.into();
     let dims = x.dims();
     let parts = B::fp8_quantize_pair(x.into_primitive().tensor(), &spec, path);
     Fp8Tensor::pair_from_parts(parts, dims, spec)
