@@ -199,6 +199,7 @@ pub fn mlp_matches_composition<B: AutodiffBackend + kernels::Backend>(
             (true, false, Fp8WgradBlocks::Neither),
             (false, true, Fp8WgradBlocks::Neither),
             (false, false, Fp8WgradBlocks::Input),
+            (true, false, Fp8WgradBlocks::Input),
             (true, false, Fp8WgradBlocks::GradOutput),
         ];
         for (hybrid, per_tensor, wgrad_blocks) in cases {

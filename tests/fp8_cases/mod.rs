@@ -557,6 +557,7 @@ pub fn linear<B: AutodiffBackend + kernels::Backend>(
             (false, Fp8WgradBlocks::Neither),
             (true, Fp8WgradBlocks::Neither),
             (false, Fp8WgradBlocks::Input),
+            (true, Fp8WgradBlocks::Input),
             (true, Fp8WgradBlocks::GradOutput),
         ];
         for (hybrid, wgrad_blocks) in cases {
@@ -632,11 +633,19 @@ pub fn linear<B: AutodiffBackend + kernels::Backend>(
                 "{ctx}: dw relative RMS error {edw:.4} > {bound_g}"
             );
         }
-        // 3. one backward pass off: that pass is the plain matmul, the other the FP8 GEMM.
-        for (dgrad, wgrad) in [(false, true), (true, false)] {
+        // 3. one backward pass off: that pass is the plain matmul, the other the FP8 GEMM (wgrad
+        // alone quantizes `dy` for its transposed use only).
+        let cases = [
+            (false, true, Fp8WgradBlocks::Neither),
+            (false, true, Fp8WgradBlocks::Input),
+            (false, true, Fp8WgradBlocks::GradOutput),
+            (true, false, Fp8WgradBlocks::Neither),
+        ];
+        for (dgrad, wgrad, wgrad_blocks) in cases {
             let cfg = Fp8LinearConfig {
                 dgrad,
                 wgrad,
+                wgrad_blocks,
                 ..Default::default()
             };
             let x = x0.clone().cast(dtype).detach().require_grad();
@@ -664,7 +673,7 @@ pub fn linear<B: AutodiffBackend + kernels::Backend>(
             } else {
                 xi.transpose().matmul(dyi).cast(dtype)
             };
-            let ctx = format!("fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] dgrad={dgrad} wgrad={wgrad}");
+            let ctx = format!("fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] dgrad={dgrad} wgrad={wgrad} {wgrad_blocks:?}");
             assert_eq!(host(dx), host(want_dx), "{ctx}: dx");
             assert_eq!(host(dw), host(want_dw), "{ctx}: dw");
         }

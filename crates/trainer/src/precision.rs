@@ -120,6 +120,7 @@ pub struct Fp8Config {
     pub tile: usize,
     /// Round scales down to powers of two (exact scaling).
     pub pow2_scales: bool,
+    /// With `scaling = "tile"`: which wgrad operand takes 128 x 128 block scales.
     pub wgrad_blocks: Fp8WgradBlocksKind,
     /// Which GEMMs of each projection run in FP8: y = x W, dx = dy W^T, dW = x^T dy.
     pub fprop: bool,
@@ -658,9 +659,15 @@ impl Recipe {
                         Fp8FormatKind::E4m3 => "E4M3",
                         Fp8FormatKind::Hybrid => "hybrid (E4M3, E5M2 output gradients)",
                     },
-                    match r.fp8.scaling {
-                        Fp8ScalingKind::Tile => "1x128 / 128x128 tile",
-                        Fp8ScalingKind::Tensor => "per-tensor",
+                    match (r.fp8.scaling, r.fp8.wgrad_blocks) {
+                        (Fp8ScalingKind::Tile, Fp8WgradBlocksKind::None) => "1x128 / 128x128 tile",
+                        (Fp8ScalingKind::Tile, Fp8WgradBlocksKind::Input) => {
+                            "1x128 / 128x128 tile (wgrad's x^T per block)"
+                        }
+                        (Fp8ScalingKind::Tile, Fp8WgradBlocksKind::GradOutput) => {
+                            "1x128 / 128x128 tile (wgrad's dy^T per block)"
+                        }
+                        (Fp8ScalingKind::Tensor, _) => "per-tensor",
                     },
                     if r.fp8.pow2_scales { " (powers of two)" } else { "" },
                     model::dtype::name(self.compute_dtype()),

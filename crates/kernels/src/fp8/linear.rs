@@ -18,7 +18,8 @@ pub struct Fp8LinearConfig {
     pub forward_format: Fp8Format,
     /// Format of `dy` (E5M2 in the "hybrid" setting).
     pub grad_format: Fp8Format,
-    /// Tiles (1x128 activations and gradients, 128x128 weights) or one scale per tensor.
+    /// Tiles (1x128 activations and gradients, 128x128 weights; see `wgrad_blocks`) or one scale
+    /// per tensor.
     pub per_tensor: bool,
     /// Power-of-two scales.
     pub pow2: bool,
@@ -42,6 +43,8 @@ pub enum Fp8WgradBlocks {
     GradOutput,
 }
 
+/// Every GEMM in FP8, E4M3, 1x128 / 128x128 tiles with power-of-two scales, both wgrad operands
+/// per tile ([`Fp8WgradBlocks::Neither`]; the trainer's `fp8.wgrad_blocks` defaults to `Input`).
 impl Default for Fp8LinearConfig {
     fn default() -> Self {
         Self {

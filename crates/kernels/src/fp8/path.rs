@@ -11,8 +11,9 @@ pub enum Fp8PairPath {
     /// Elsewhere the [`Fp8PairPath::Fused`] kernel runs.
     Native,
     /// One CubeCL kernel reads `x` once and writes both orientations, encoding with integer
-    /// operations (`CubeBackend` on every GPU; elsewhere, and for matrices beyond its launch grid,
-    /// two passes).
+    /// operations (`CubeBackend` on every GPU; elsewhere, for matrices beyond its launch grid and
+    /// for a pair whose orientations differ in granularity ([`super::PairSpec::mixed`]), two
+    /// passes).
     Fused,
     /// Two quantizer passes, one per orientation.
     Separate,
