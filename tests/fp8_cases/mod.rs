@@ -633,50 +633,7 @@ pub fn linear<B: AutodiffBackend + kernels::Backend>(
                 "{ctx}: dw relative RMS error {edw:.4} > {bound_g}"
             );
         }
-        // 3. one backward pass off: that pass is the plain matmul, the other the FP8 GEMM (wgrad
-        // alone quantizes `dy` for its transposed use only).
-        let cases = [
-            (false, true, Fp8WgradBlocks::Neither),
-            (false, true, Fp8WgradBlocks::Input),
-            (false, true, Fp8WgradBlocks::GradOutput),
-            (true, false, Fp8WgradBlocks::Neither),
-        ];
-        for (dgrad, wgrad, wgrad_blocks) in cases {
-            let cfg = Fp8LinearConfig {
-                dgrad,
-                wgrad,
-                wgrad_blocks,
-                ..Default::default()
-            };
-            let x = x0.clone().cast(dtype).detach().require_grad();
-            let w = w0.clone().cast(dtype).detach().require_grad();
-            let y = fp8_linear(x.clone(), w.clone(), &cfg);
-            let dy = Tensor::<B, 2>::from_inner(dy0.clone().cast(dtype));
-            let g = (y * dy).sum().backward();
-            let (dx, dw) = (x.grad(&g).unwrap(), w.grad(&g).unwrap());
-            let (xi, wi, dyi) = (x.inner(), w.inner(), dy0.clone().cast(dtype));
-            let want_dx = if dgrad {
-                fp8_gemm(
-                    &fp8_quantize(dyi.clone(), cfg.grad_spec(false)),
-                    &fp8_quantize(wi.clone(), cfg.weight_spec(false)),
-                    dtype,
-                )
-            } else {
-                dyi.clone().matmul(wi.clone().transpose())
-            };
-            let want_dw = if wgrad {
-                fp8_gemm(
-                    &fp8_quantize(xi.clone(), cfg.act_spec(true)),
-                    &fp8_quantize(dyi.clone(), cfg.grad_spec(true)),
-                    dtype,
-                )
-            } else {
-                xi.transpose().matmul(dyi).cast(dtype)
-            };
-            let ctx = format!("fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] dgrad={dgrad} wgrad={wgrad} {wgrad_blocks:?}");
-            assert_eq!(host(dx), host(want_dx), "{ctx}: dx");
-            assert_eq!(host(dw), host(want_dw), "{ctx}: dw");
-        }
+        linear_one_pass_off::<B>(dtype, &x0, &w0, &dy0);
         // 4. all passes off: plain matmuls
         let off = Fp8LinearConfig {
             fprop: false,
@@ -693,5 +650,60 @@ pub fn linear<B: AutodiffBackend + kernels::Backend>(
             host(plain),
             "fp8_linear with every pass off must be the plain matmul"
         );
+    }
+}
+
+/// Case 3 of [`linear`]: with one backward pass off, that pass is the plain matmul and the other
+/// the FP8 GEMM, exactly (wgrad alone quantizes `dy` for its transposed use only).
+fn linear_one_pass_off<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    x0: &Tensor<B, 2>,
+    w0: &Tensor<B, 2>,
+    dy0: &Tensor<B::InnerBackend, 2>,
+) where
+    B::InnerBackend: kernels::Backend,
+{
+    let ([t, d_in], d_out) = (x0.dims(), w0.dims()[1]);
+    let cases = [
+        (false, true, Fp8WgradBlocks::Neither),
+        (false, true, Fp8WgradBlocks::Input),
+        (false, true, Fp8WgradBlocks::GradOutput),
+        (true, false, Fp8WgradBlocks::Neither),
+    ];
+    for (dgrad, wgrad, wgrad_blocks) in cases {
+        let cfg = Fp8LinearConfig {
+            dgrad,
+            wgrad,
+            wgrad_blocks,
+            ..Default::default()
+        };
+        let x = x0.clone().cast(dtype).detach().require_grad();
+        let w = w0.clone().cast(dtype).detach().require_grad();
+        let y = fp8_linear(x.clone(), w.clone(), &cfg);
+        let dy = Tensor::<B, 2>::from_inner(dy0.clone().cast(dtype));
+        let g = (y * dy).sum().backward();
+        let (dx, dw) = (x.grad(&g).unwrap(), w.grad(&g).unwrap());
+        let (xi, wi, dyi) = (x.inner(), w.inner(), dy0.clone().cast(dtype));
+        let want_dx = if dgrad {
+            fp8_gemm(
+                &fp8_quantize(dyi.clone(), cfg.grad_spec(false)),
+                &fp8_quantize(wi.clone(), cfg.weight_spec(false)),
+                dtype,
+            )
+        } else {
+            dyi.clone().matmul(wi.clone().transpose())
+        };
+        let want_dw = if wgrad {
+            fp8_gemm(
+                &fp8_quantize(xi.clone(), cfg.act_spec(true)),
+                &fp8_quantize(dyi.clone(), cfg.grad_spec(true)),
+                dtype,
+            )
+        } else {
+            xi.transpose().matmul(dyi).cast(dtype)
+        };
+        let ctx = format!("fp8_linear {dtype:?} [{t}, {d_in}] x [{d_in}, {d_out}] dgrad={dgrad} wgrad={wgrad} {wgrad_blocks:?}");
+        assert_eq!(host(dx), host(want_dx), "{ctx}: dx");
+        assert_eq!(host(dw), host(want_dw), "{ctx}: dw");
     }
 }

@@ -300,8 +300,16 @@ pub fn attention_by_sums<B: burn::tensor::backend::Backend>(
     attention_by_sums_dropout(q, k, v, causal, scale, None)
 }
 
+/// The most elements a broadcast product of [`attention_by_sums_dropout`] holds (1 GiB in f32):
+/// far below 2^32, so that Burn's kernels index it with 32-bit offsets (with 64-bit offsets
+/// CubeCL 0.10 panics while expanding a broadcast kernel over some dimension lengths, such as
+/// 2100: its fast division's multiplier does not fit an i64), and small beside the GPU's memory
+/// when the CUDA suite runs many tests at once.
+const MAX_PRODUCT_ELEMENTS: usize = 1 << 28;
+
 /// [`attention_by_sums`] with the probabilities multiplied by the host's dropout mask. k and v may
-/// have fewer heads than q (repeated over the group).
+/// have fewer heads than q (repeated over the group). Computed in blocks of query rows, each
+/// broadcast product at most [`MAX_PRODUCT_ELEMENTS`].
 pub fn attention_by_sums_dropout<B: burn::tensor::backend::Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -317,30 +325,41 @@ pub fn attention_by_sums_dropout<B: burn::tensor::backend::Backend>(
     );
     let sk = k.dims()[2];
     let scale = scale.unwrap_or_else(|| kernels::attention::default_scale(hd));
-    let scores: Tensor<B, 4> = (q.unsqueeze_dim::<5>(3) * k.unsqueeze_dim::<5>(2))
-        .sum_dim(4)
-        .reshape([b, h, sq, sk])
-        * scale;
-    let scores = if causal {
-        let dev = scores.device();
-        let rows = Tensor::<B, 1, Int>::arange(0..sq as i64, &dev).reshape([sq, 1]);
-        let cols = Tensor::<B, 1, Int>::arange(0..sk as i64, &dev).reshape([1, sk]);
-        scores.mask_fill(
-            cols.greater(rows).reshape([1, 1, sq, sk]),
-            f32::NEG_INFINITY,
-        )
-    } else {
-        scores
-    };
-    let mut p = burn::tensor::activation::softmax(scores, 3);
-    if let Some(d) = dropout {
-        let mask = kernels::attention::dropout::keep_mask::<B>(d, [b, h, sq, sk], &p.device());
-        let mask = mask.cast(p.dtype());
-        p = p * mask;
+    let dev = q.device();
+    let mask =
+        dropout.map(|d| kernels::attention::dropout::keep_mask::<B>(d, [b, h, sq, sk], &dev));
+    let rows = (MAX_PRODUCT_ELEMENTS / (b * h * sk * hd).max(1)).clamp(1, sq.max(1));
+    let blocks: Vec<Tensor<B, 4>> = (0..sq)
+        .step_by(rows)
+        .map(|r0| {
+            let r1 = (r0 + rows).min(sq);
+            let q = q.clone().slice([0..b, 0..h, r0..r1, 0..hd]);
+            let n = r1 - r0;
+            let scores: Tensor<B, 4> = (q.unsqueeze_dim::<5>(3) * k.clone().unsqueeze_dim::<5>(2))
+                .sum_dim(4)
+                .reshape([b, h, n, sk])
+                * scale;
+            let scores = if causal {
+                let rows = Tensor::<B, 1, Int>::arange(r0 as i64..r1 as i64, &dev).reshape([n, 1]);
+                let cols = Tensor::<B, 1, Int>::arange(0..sk as i64, &dev).reshape([1, sk]);
+                scores.mask_fill(cols.greater(rows).reshape([1, 1, n, sk]), f32::NEG_INFINITY)
+            } else {
+                scores
+            };
+            let mut p = burn::tensor::activation::softmax(scores, 3);
+            if let Some(mask) = &mask {
+                let keep = mask.clone().slice([0..b, 0..h, r0..r1, 0..sk]);
+                p = p.clone() * keep.cast(p.dtype());
+            }
+            (p.unsqueeze_dim::<5>(4) * v.clone().unsqueeze_dim::<5>(2))
+                .sum_dim(3)
+                .reshape([b, h, n, hd])
+        })
+        .collect();
+    if blocks.is_empty() {
+        return Tensor::zeros([b, h, sq, hd], (&dev, q.dtype()));
     }
-    (p.unsqueeze_dim::<5>(4) * v.unsqueeze_dim::<5>(2))
-        .sum_dim(3)
-        .reshape([b, h, sq, hd])
+    Tensor::cat(blocks, 2)
 }
 
 /// FlashAttention on q, k, v sliced out of one packed `[B, S, 3H, hd]` projection (strided views,
