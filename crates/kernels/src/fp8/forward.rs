@@ -337,7 +337,9 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
     let fused = path != Fp8PairPath::Separate;
     let args = TileArgs::new("fp8_quantize_pair", &x, &spec);
     let (rows, cols) = (args.rows, args.k);
-    if !fused || !pair_grid_fits(&x, rows, cols) {
+    // The CubeCL kernel scales both orientations alike: a mixed pair it would run takes two passes.
+    let cubecl = path != Fp8PairPath::Native || !super::native::supported(&x);
+    if !fused || !pair_grid_fits(&x, rows, cols) || (pair.mixed() && cubecl) {
         return (quantize_separately(x, pair, given_amax), false);
     }
     let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
@@ -361,11 +363,10 @@ pub(crate) fn quantize_pair_given<R: CubeRuntime>(
             return (out.into_pair(), record.is_some());
         }
     }
-    // The CubeCL kernel scales both orientations alike (and a mixed pair has 1x128 tiles, no
-    // given amax).
-    if pair.mixed() {
-        return (quantize_separately(x, pair, None), false);
-    }
+    assert!(
+        !pair.mixed(),
+        "kernels::fp8_quantize_pair: the CUDA C++ kernel refused a mixed pair it supports"
+    );
     let (client, dtype) = (x.client.clone(), x.dtype);
     quantize_pair_tiles::launch::<R>(
         &client,
