@@ -98,19 +98,23 @@ struct Tile {
         return t < tiles ? t : tiles;
     }
 
-    __device__ __forceinline__ Tile(u64 t, const Info& info) {
+    // In 32 bits: the launcher refuses 2^32 tiles or more, and a 64-bit division takes many
+    // times the instructions of a 32-bit one (six of them at every tile's start).
+    __device__ __forceinline__ Tile(u64 tile, const Info& info) {
+        const u32 t = (u32)tile, q_blocks = (u32)info.q_blocks, heads = (u32)info.heads;
 #if CAUSAL
-        const u64 per_section = info.section * info.q_blocks;
-        const u64 sec = t / per_section, r = t % per_section;
-        const u64 first = sec * info.section;
-        const u64 len = info.bh_count - first < info.section ? info.bh_count - first : info.section;
-        const u64 qi = r / len, bh = first + r % len;
+        const u32 section = (u32)info.section, bh_count = (u32)info.bh_count;
+        const u32 per_section = section * q_blocks;
+        const u32 sec = t / per_section, r = t - sec * per_section;
+        const u32 first = sec * section;
+        const u32 len = bh_count - first < section ? bh_count - first : section;
+        const u32 qi = r / len, bh = first + (r - qi * len);
 #else
-        const u64 qi = t % info.q_blocks, bh = t / info.q_blocks;
+        const u32 bh = t / q_blocks, qi = t - bh * q_blocks;
 #endif
-        const u64 qb = CAUSAL ? info.q_blocks - 1 - qi : qi;
-        h = bh % info.heads;
-        b = bh / info.heads;
+        const u32 qb = CAUSAL ? q_blocks - 1 - qi : qi;
+        b = bh / heads;
+        h = bh - (u32)b * heads;
         q0 = (long long)qb * BR;
         const long long seq_k = (long long)info.seq_k;
         blocks = (seq_k + BC - 1) / BC;
@@ -157,16 +161,24 @@ __device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const u32 (&p)[BC /
 }
 
 // The scores of keys at or past seq_k, and under the causal mask of keys after their query row,
-// to -inf (a block that needs it: at the end of the keys or on the diagonal).
+// to -inf (a block that needs it: at the end of the keys or on the diagonal). This thread's score
+// s[4i + e] is key kv0 + col_in + 8i + (e & 1) of row e < 2 ? row0 : row1; each row's first key
+// it must not see, less kv0 + col_in and clamped to 0 ..= BC, makes every test one 32-bit compare
+// against a constant (64-bit tests take several instructions a score).
 __device__ __forceinline__ void mask_scores(float (&s)[BC / 2], long long kv0, long long seq_k, long long row0,
                                             long long row1, u32 col_in) {
+    int limit[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        long long end = seq_k;
+        if (CAUSAL) end = min(end, (r == 0 ? row0 : row1) + 1);
+        limit[r] = (int)max(0ll, min((long long)BC, end - kv0 - (long long)col_in));
+    }
 #pragma unroll
     for (int i = 0; i < BC / 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const long long col = kv0 + i * 8 + col_in + (e & 1);
-            const long long row = e < 2 ? row0 : row1;
-            if (col >= seq_k || (CAUSAL && col > row)) s[i * 4 + e] = __int_as_float(0xff800000);
+            if (i * 8 + (e & 1) >= limit[e >> 1]) s[i * 4 + e] = __int_as_float(0xff800000);
         }
     }
 }
@@ -398,16 +410,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
             l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
             inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
         }
-        unsigned short* op = out + tile.b * info.o_b + tile.h * info.o_h;
+        // Each row's address once: its stores (columns 8i + col_in) then take constant offsets.
+        unsigned short* op = out + tile.b * info.o_b + tile.h * info.o_h + col_in;
+        if (row0 < seq_q) {
+            u32* dst = reinterpret_cast<u32*>(op + (u64)row0 * info.o_s);
 #pragma unroll
-        for (int i = 0; i < HD / 8; ++i) {
-            const u32 col = (u32)i * 8u + col_in;
-            if (row0 < seq_q)
-                *reinterpret_cast<u32*>(op + (u64)row0 * info.o_s + col) =
-                    pack(o[i * 4] * inv[0], o[i * 4 + 1] * inv[0]);
-            if (row1 < seq_q)
-                *reinterpret_cast<u32*>(op + (u64)row1 * info.o_s + col) =
-                    pack(o[i * 4 + 2] * inv[1], o[i * 4 + 3] * inv[1]);
+            for (int i = 0; i < HD / 8; ++i) dst[i * 4] = pack(o[i * 4] * inv[0], o[i * 4 + 1] * inv[0]);
+        }
+        if (row1 < seq_q) {
+            u32* dst = reinterpret_cast<u32*>(op + (u64)row1 * info.o_s);
+#pragma unroll
+            for (int i = 0; i < HD / 8; ++i) dst[i * 4] = pack(o[i * 4 + 2] * inv[1], o[i * 4 + 3] * inv[1]);
         }
         if (lane % 4u == 0u) {
             const float ln2 = 0.6931471805599453f;

@@ -207,6 +207,14 @@ pub(crate) fn forward<R: CubeRuntime>(
         [q, k, v, out, lse].into_iter().map(cuda).collect();
     let tensors = tensors.expect("hopper::forward runs only where `applies` said yes (CUDA)");
     let shape = Shape::at(d.hd, causal, d.seq_q);
+    let q_blocks = d.seq_q.div_ceil(shape.block_q());
+    let pairs = d.batch * d.heads;
+    // forward.cu numbers its tiles in 32 bits.
+    if q_blocks.saturating_mul(pairs) > u32::MAX as usize {
+        return Err(format!(
+            "{q_blocks} query blocks x {pairs} (batch, head) pairs: at most 2^32 - 1 tiles"
+        ));
+    }
     let bf16 = q.dtype == DType::BF16;
     // The tensor maps: q in boxes of a block's query rows, k and v in blocks of keys.
     let maps: Vec<MapOf> = tensors[..3]
@@ -223,8 +231,6 @@ pub(crate) fn forward<R: CubeRuntime>(
     // Persistent blocks, one per SM, over q_blocks x (batch x heads) tiles; under the causal mask
     // the tiles go through sections of (batch, head) pairs whose keys and values fill half of L2.
     let facts = device_facts(tensors[0]).ok_or("the driver did not give the GPU's attributes")?;
-    let q_blocks = d.seq_q.div_ceil(shape.block_q());
-    let pairs = d.batch * d.heads;
     // A k/v head's keys and values serve `group` consecutive pairs.
     let kv_bytes = (2 * d.seq_k * d.hd * 2).div_ceil(d.group.max(1));
     let section = (facts.l2_bytes as usize / 2 / kv_bytes.max(1)).clamp(1, pairs.max(1));
