@@ -191,7 +191,8 @@ fn check_maps(maps: &[MapOf]) -> Result<(), String> {
 /// Writes `out` (`[batch, heads, seq_q, hd]`, any strides with a unit last one and even others)
 /// and `lse` (`[batch, heads, seq_q]` f32, contiguous) from q, k, v, where [`applies`] said yes.
 /// The launch is queued on CubeCL's device thread (see `launch.rs`) and this returns at once;
-/// where the driver refuses a tensor map, nothing is queued and the error says why.
+/// where the driver refuses a tensor map or the call has 2^32 tiles or more, nothing is queued
+/// and the error says why.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<R: CubeRuntime>(
     q: &CubeTensor<R>,
