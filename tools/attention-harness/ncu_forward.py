@@ -3,6 +3,7 @@
 a GPU machine with nvcc, ncu and PyTorch (no Rust):
 
     python3 tools/attention-harness/ncu_forward.py [--shapes 128:causal:1024,64:causal:1024] [--out DIR]
+        [--build-dir DIR]
 
 For each shape (head_dim:mask:seq, bf16, batch x seq = 16384, heads x head_dim = 2048, as the
 harness's benchmark), it runs `ncu --set full` (ncu's default clock control: base clocks for both)
@@ -40,7 +41,7 @@ METRICS = [
 ]
 
 
-def inner(shape):
+def inner(shape, build_dir):
     """One call of ours and of cuDNN's after two warm-up calls of each (run under ncu)."""
     import torch
     import torch.nn.functional as F
@@ -48,7 +49,7 @@ def inner(shape):
     import harness
     hd, mask, s = shape.split(":")
     hd, causal, s = int(hd), mask == "causal", int(s)
-    kernel = harness.Kernel(build_dir())
+    kernel = harness.Kernel(build_dir)
     b, h = 16384 // s, 2048 // hd
     q, k, v = (torch.randn(b, h, s, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for _ in range(3):
@@ -56,10 +57,6 @@ def inner(shape):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     torch.cuda.synchronize()
-
-
-def build_dir():
-    return os.environ.get("ATTENTION_PROFILE_BUILD", "/tmp/attention-harness")
 
 
 def table(details_csv):
@@ -84,15 +81,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="128:causal:1024,64:causal:1024")
     ap.add_argument("--out", default="/tmp/attention-profile")
+    ap.add_argument("--build-dir", default="/tmp/attention-harness")
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.inner:
-        inner(a.inner)
+        inner(a.inner, a.build_dir)
         return
     import harness
-    if not harness.build(build_dir(), a.nvcc):
+    if not harness.build(a.build_dir, a.nvcc):
         sys.exit(1)
     os.makedirs(a.out, exist_ok=True)
     for shape in a.shapes.split(","):
@@ -100,7 +98,7 @@ def main():
         # Two warm-up calls of each kernel, then one of each profiled.
         cmd = [a.ncu, "--set", "full", "-f", "-o", rep, "-k", "regex:flash_forward_hopper|cudnn",
                "--launch-skip", "4", "--launch-count", "2", sys.executable, os.path.abspath(__file__),
-               "--inner", shape]
+               "--inner", shape, "--build-dir", a.build_dir]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             print(f"ncu failed for {shape}:\n{(run.stdout + run.stderr)[-3000:]}")
