@@ -11,7 +11,9 @@ GPU machine. For an H100 or H200 with nvcc and PyTorch:
 2. The forward against an f64 reference at awkward shapes, grouped-query layouts included: the
    output's largest error must be within 2x SDPA's (+1e-3), the log-sum-exp within 1e-3.
 3. Forward TFLOP/s beside SDPA's FlashAttention-2 and cuDNN backends at attention_bench's shapes
-   (batch x seq = 16384, heads x head_dim = 2048; FLOPs 4 b h s^2 d, halved when causal).
+   (batch x seq = 16384, heads x head_dim = 2048; FLOPs 4 b h s^2 d, halved when causal). Under the
+   causal mask the tiles go by sections of the size the launcher picks (schedule.py); the table
+   also times the largest sections that fit in L2 (the rule before), in the same run.
 
 Exits with 1 if a check fails. What the Rust side runs is tested by the CUDA suite
 (tests/cuda/kernels.rs); this harness does not replace it.
@@ -33,6 +35,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "peers"))
 from sdpa_bench import timed  # noqa: E402
 
 from nvcc_build import build_variants  # noqa: E402
+import schedule  # noqa: E402
 STAGES = 2
 
 
@@ -68,8 +71,13 @@ def build(out_dir, nvcc):
 
 
 class Kernel:
-    def __init__(self, out_dir):
-        self.out_dir, self.libs = out_dir, {}
+    """The built variants. `sections`: "model" (the launcher's choice, schedule.py) or "fits" (the
+    largest sections whose keys and values fit in half of L2)."""
+
+    def __init__(self, out_dir, sections="model"):
+        self.out_dir, self.libs, self.sections, self.chosen = out_dir, {}, sections, {}
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.sms, self.l2 = props.multi_processor_count, props.L2_cache_size
 
     def lib(self, hd, bf16, causal, seq_q):
         key = (hd, int(bf16), int(causal), consumers(hd, causal, seq_q))
@@ -77,9 +85,22 @@ class Kernel:
             self.libs[key] = ctypes.CDLL(os.path.join(self.out_dir, lib_name(*key)))
         return self.libs[key]
 
+    def section(self, b, h, hkv, s, sk, d, causal):
+        """The (batch, head) pairs of a section, as the Rust launcher picks them."""
+        pairs, block_q = b * h, 64 * consumers(d, causal, s)
+        bound = schedule.fits(sk, d, h // hkv, pairs, self.l2)
+        if not causal or self.sections == "fits":
+            return bound
+        key = (s, sk, block_q, pairs, bound)
+        if key not in self.chosen:
+            grid = min(-(-s // block_q) * pairs, self.sms)
+            self.chosen[key] = schedule.causal_section(s, sk, block_q, pairs, grid, bound)
+        return self.chosen[key]
+
     def forward(self, q, k, v, causal):
         """out [B, H, S, D] (laid out [B, S, H, D], as the Rust side allocates it) and lse [B, H, S]."""
         b, h, s, d = q.shape
+        section = self.section(b, h, k.shape[1], s, k.shape[2], d, causal)
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
         lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
         scale_log2 = torch.tensor([math.log2(math.e) / math.sqrt(d)], dtype=torch.float32)
@@ -87,7 +108,7 @@ class Kernel:
         strides = (ctypes.c_uint64 * 12)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
         rc = self.lib(d, q.dtype == torch.bfloat16, causal, s).launch(
             *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, out, lse)), dims, strides,
-            ctypes.c_uint64(scale_log2.view(torch.int32).item() & 0xFFFFFFFF),
+            ctypes.c_uint64(scale_log2.view(torch.int32).item() & 0xFFFFFFFF), ctypes.c_uint64(section),
             ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
         if rc != 0:
             raise RuntimeError(f"launch failed with CUDA error {rc}")
@@ -105,51 +126,62 @@ def reference(q, k, v, causal):
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def check_forward(kernel):
+def check_forward(kernel, fits_kernel):
+    """Every case through `kernel`; the causal ones with more tiles than SMs also through
+    `fits_kernel` (the other section rule: any section size must give the same result)."""
     failures = 0
     # The last three have more tiles than the GPU has SMs: each persistent block takes several.
     shapes = [(2, 4, 2, 1000), (1, 3, 3, 128), (1, 2, 1, 1), (3, 2, 2, 333), (1, 1, 1, 4096), (2, 8, 1, 77),
               (1, 2, 1, 2500), (4, 24, 6, 700), (4, 16, 16, 1000), (1, 24, 8, 2100)]
-    for hd in (64, 128):
-        for dtype in (torch.bfloat16, torch.float16):
-            for causal in (False, True):
-                for b, h, hkv, s in shapes:
-                    q = torch.randn(b, h, s, hd, device="cuda", dtype=dtype)
-                    k, v = (torch.randn(b, hkv, s, hd, device="cuda", dtype=dtype) for _ in range(2))
-                    out, lse = kernel.forward(q, k, v, causal)
-                    ref, ref_lse = reference(q, k, v, causal)
-                    g = h // hkv
-                    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                                                          is_causal=causal)
-                    err = (out.double() - ref).abs().max().item()
-                    err_sdpa = (sdpa.double() - ref).abs().max().item()
-                    err_lse = (lse.double() - ref_lse).abs().max().item()
-                    ok = err <= 2 * err_sdpa + 1e-3 and err_lse < 1e-3
-                    failures += not ok
-                    if not ok:
-                        print(f"FAIL hd {hd} {dtype} causal {causal} {b}x{h}/{hkv}x{s}: error {err:.2e} "
-                              f"(SDPA {err_sdpa:.2e}), lse {err_lse:.2e}")
+    cases = [(hd, dtype, causal, shape, kernel) for hd in (64, 128) for dtype in (torch.bfloat16, torch.float16)
+             for causal in (False, True) for shape in shapes]
+    cases += [(hd, dtype, True, shape, fits_kernel) for hd in (64, 128) for dtype in (torch.bfloat16, torch.float16)
+              for shape in shapes[-3:]]
+    for hd, dtype, causal, (b, h, hkv, s), kern in cases:
+        q = torch.randn(b, h, s, hd, device="cuda", dtype=dtype)
+        k, v = (torch.randn(b, hkv, s, hd, device="cuda", dtype=dtype) for _ in range(2))
+        out, lse = kern.forward(q, k, v, causal)
+        ref, ref_lse = reference(q, k, v, causal)
+        g = h // hkv
+        sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                              is_causal=causal)
+        err = (out.double() - ref).abs().max().item()
+        err_sdpa = (sdpa.double() - ref).abs().max().item()
+        err_lse = (lse.double() - ref_lse).abs().max().item()
+        ok = err <= 2 * err_sdpa + 1e-3 and err_lse < 1e-3
+        failures += not ok
+        if not ok:
+            print(f"FAIL hd {hd} {dtype} causal {causal} {b}x{h}/{hkv}x{s} sections {kern.sections}: error {err:.2e} "
+                  f"(SDPA {err_sdpa:.2e}), lse {err_lse:.2e}")
     print(f"forward against f64: {failures} failures")
     return failures
 
 
-def bench(kernel):
-    print("| hd | mask | S | ours fwd | SDPA FlashAttention-2 | SDPA cuDNN | ours / cuDNN |")
-    print("|---|---|---|---|---|---|---|")
+def bench(kernel, fits_kernel):
+    """TFLOP/s; under the causal mask also with the largest sections that fit in L2 (`fits_kernel`),
+    and the section sizes of both."""
+    print("| hd | mask | S | ours fwd | ours, sections that fit | sections (chosen / fit) | "
+          "SDPA FlashAttention-2 | SDPA cuDNN | ours / cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for hd in (64, 128):
         for causal in (False, True):
             for s in (1024, 4096):
                 b, h = 16384 // s, 2048 // hd
                 q, k, v = (torch.randn(b, h, s, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 flops = 4 * b * h * s * s * hd * (0.5 if causal else 1.0)
+                tf = lambda t: flops / t / 1e12
                 ours = timed(lambda: kernel.forward(q, k, v, causal), 20, 5)
+                fits, sections = "", ""
+                if causal:
+                    fits = f"{tf(timed(lambda: fits_kernel.forward(q, k, v, causal), 20, 5)):.1f}"
+                    sections = (f"{kernel.section(b, h, h, s, s, hd, causal)} / "
+                                f"{fits_kernel.section(b, h, h, s, s, hd, causal)}")
                 peers = []
                 for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
                     with sdpa_kernel(backend):
                         peers.append(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), 20, 5))
-                tf = lambda t: flops / t / 1e12
-                print(f"| {hd} | {'causal' if causal else 'full'} | {s} | {tf(ours):.1f} | {tf(peers[0]):.1f} | "
-                      f"{tf(peers[1]):.1f} | {peers[1] / ours:.2f}x |")
+                print(f"| {hd} | {'causal' if causal else 'full'} | {s} | {tf(ours):.1f} | {fits} | {sections} | "
+                      f"{tf(peers[0]):.1f} | {tf(peers[1]):.1f} | {peers[1] / ours:.2f}x |")
 
 
 def main():
@@ -163,11 +195,11 @@ def main():
         sys.exit("the kernel needs a compute capability 9.0 GPU (H100, H200)")
     if not build(a.build_dir, a.nvcc):
         sys.exit(1)
-    kernel = Kernel(a.build_dir)
+    kernel, fits_kernel = Kernel(a.build_dir), Kernel(a.build_dir, sections="fits")
     torch.manual_seed(0)
-    failures = check_forward(kernel)
+    failures = check_forward(kernel, fits_kernel)
     if not a.no_bench:
-        bench(kernel)
+        bench(kernel, fits_kernel)
     sys.exit(1 if failures else 0)
 
 

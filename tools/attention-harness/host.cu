@@ -9,9 +9,10 @@
 
 #include "tensor_map.h"
 
-// dims: batch, heads, kv_heads, seq_q, seq_k; strides: q, k, v, out (b, h, s each).
+// dims: batch, heads, kv_heads, seq_q, seq_k; strides: q, k, v, out (b, h, s each); section: the
+// (batch, head) pairs of a section of the causal tile order (schedule.py computes the launcher's).
 extern "C" int launch(const void* q, const void* k, const void* v, void* o, float* lse, const u64* dims,
-                      const u64* st, u64 scale_bits, void* stream) {
+                      const u64* st, u64 scale_bits, u64 section, void* stream) {
     Info info;
     const u64 batch = dims[0], heads = dims[1], kv_heads = dims[2], seq_q = dims[3], seq_k = dims[4];
     int r = encode(&info.q_map, q, heads, seq_q, batch, st[0], st[1], st[2], BR);
@@ -26,16 +27,12 @@ extern "C" int launch(const void* q, const void* k, const void* v, void* o, floa
     info.o_h = st[10];
     info.o_s = st[11];
     info.scale_log2 = scale_bits;
-    // Persistent blocks, one per SM; sections of (batch, head) pairs whose keys and values fill
-    // half of L2 (as the Rust launcher computes them).
-    int dev = 0, sms = 0, l2 = 0;
+    // Persistent blocks, one per SM.
+    int dev = 0, sms = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
     info.q_blocks = (seq_q + BR - 1) / BR;
     info.bh_count = batch * heads;
-    const u64 kv_bytes = 2 * seq_k * HD * 2;
-    u64 section = (u64)l2 / 2 / kv_bytes;
     info.section = section < 1 ? 1 : (section > info.bh_count ? info.bh_count : section);
     const u64 tiles = info.q_blocks * info.bh_count;
     const int grid = tiles < (u64)sms ? (int)tiles : sms;

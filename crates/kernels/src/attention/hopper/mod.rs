@@ -13,6 +13,7 @@
 
 mod backward;
 mod launch;
+mod schedule;
 mod tensor_map;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -230,11 +231,25 @@ pub(crate) fn forward<R: CubeRuntime>(
         .to_vec();
     words.push(u64::from((scale * std::f32::consts::LOG2_E).to_bits()));
     // Persistent blocks, one per SM, over q_blocks x (batch x heads) tiles; under the causal mask
-    // the tiles go through sections of (batch, head) pairs whose keys and values fill half of L2.
+    // the tiles go through sections of (batch, head) pairs whose keys and values fit in half of
+    // L2, of the size that evens out the blocks' loads (`schedule.rs`).
     let facts = device_facts(tensors[0]).ok_or("the driver did not give the GPU's attributes")?;
     // A k/v head's keys and values serve `group` consecutive pairs.
     let kv_bytes = (2 * d.seq_k * d.hd * 2).div_ceil(d.group.max(1));
-    let section = (facts.l2_bytes as usize / 2 / kv_bytes.max(1)).clamp(1, pairs.max(1));
+    let fits = (facts.l2_bytes as usize / 2 / kv_bytes.max(1)).clamp(1, pairs.max(1));
+    let grid = (q_blocks * pairs).min(facts.multiprocessors as usize);
+    let section = if causal {
+        let tiles = schedule::CausalTiles {
+            seq_q: d.seq_q,
+            seq_k: d.seq_k,
+            block_q: shape.block_q(),
+            pairs,
+            grid,
+        };
+        schedule::causal_section(tiles, fits)
+    } else {
+        fits
+    };
     words.extend([q_blocks, pairs, section].map(|x| x as u64));
     // `Info` in forward.cu: the three maps, then these words, in this order.
     debug_assert_eq!(
@@ -252,11 +267,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     );
     let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(shape.threads()))
         .with_shared(shape.shared_bytes(d.hd));
-    let cubes = (
-        (q_blocks * pairs).min(facts.multiprocessors as usize) as u32,
-        1,
-        1,
-    );
+    let cubes = (grid as u32, 1, 1);
     launch::queue(Launch {
         tensors: tensors.into_iter().cloned().collect(),
         maps,
