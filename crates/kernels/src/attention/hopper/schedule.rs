@@ -7,10 +7,10 @@
 //! head) pairs: within a section by query block, the ones with the most keys first, then by pair.
 //! A section's pairs' keys and values should fit in L2 together (that bounds `section`), but where
 //! the rounds of `grid` tiles fall across the sections decides how even the blocks' loads come
-//! out: with the largest section that fits, the busiest block of an H100 (132 SMs) had 1.06-1.25x
-//! the mean load at `attention_bench`'s causal shapes, and as the blocks never trade tiles, the
-//! kernel takes as long as its busiest block. [`causal_section`] models the blocks' loads for every
-//! section size up to the bound and takes the most even one (1.01-1.02x at those shapes).
+//! out, and as the blocks never trade tiles, the kernel takes as long as its busiest block. With
+//! the largest section that fits, the model below puts the busiest block of a 132-SM GPU at
+//! 1.06-1.24x the mean load at `attention_bench`'s causal shapes; [`causal_section`] tries every
+//! section size up to the bound and takes the most even (1.01x at those shapes).
 //!
 //! The model counts a tile's work in key blocks, plus a fixed cost a tile (its start, its first
 //! scores without overlap, its output) and an extra cost a block that needs the mask; as neither
