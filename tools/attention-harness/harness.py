@@ -71,8 +71,9 @@ def build(out_dir, nvcc):
 
 
 class Kernel:
-    """The built variants. `sections`: "model" (the launcher's choice, schedule.py) or "fits" (the
-    largest sections whose keys and values fit in half of L2)."""
+    """The built variants. `sections`: "model" (the launcher's choice, schedule.py), "fits" (the
+    largest sections whose keys and values fit in half of L2) or a number of pairs (clamped to the
+    pairs there are)."""
 
     def __init__(self, out_dir, sections="model"):
         self.out_dir, self.libs, self.sections, self.chosen = out_dir, {}, sections, {}
@@ -91,6 +92,8 @@ class Kernel:
         bound = schedule.fits(sk, d, h // hkv, pairs, self.l2)
         if not causal or self.sections == "fits":
             return bound
+        if isinstance(self.sections, int):
+            return max(1, min(self.sections, pairs))
         key = (s, sk, block_q, pairs, bound)
         if key not in self.chosen:
             grid = min(-(-s // block_q) * pairs, self.sms)
@@ -127,16 +130,18 @@ def reference(q, k, v, causal):
 
 
 def check_forward(kernel, fits_kernel):
-    """Every case through `kernel`; the causal ones with more tiles than SMs also through
-    `fits_kernel` (the other section rule: any section size must give the same result)."""
+    """Every case through `kernel`; the causal ones also with sections of 5 pairs (a short last
+    section), and the ones with more tiles than SMs through `fits_kernel` (the other rule): any
+    section size must give the same result."""
     failures = 0
     # The last three have more tiles than the GPU has SMs: each persistent block takes several.
     shapes = [(2, 4, 2, 1000), (1, 3, 3, 128), (1, 2, 1, 1), (3, 2, 2, 333), (1, 1, 1, 4096), (2, 8, 1, 77),
               (1, 2, 1, 2500), (4, 24, 6, 700), (4, 16, 16, 1000), (1, 24, 8, 2100)]
     cases = [(hd, dtype, causal, shape, kernel) for hd in (64, 128) for dtype in (torch.bfloat16, torch.float16)
              for causal in (False, True) for shape in shapes]
-    cases += [(hd, dtype, True, shape, fits_kernel) for hd in (64, 128) for dtype in (torch.bfloat16, torch.float16)
-              for shape in shapes[-3:]]
+    fives = Kernel(kernel.out_dir, sections=5)
+    cases += [(hd, dtype, True, shape, kern) for hd in (64, 128) for dtype in (torch.bfloat16, torch.float16)
+              for shape, kern in [(x, fives) for x in shapes] + [(x, fits_kernel) for x in shapes[-3:]]]
     for hd, dtype, causal, (b, h, hkv, s), kern in cases:
         q = torch.randn(b, h, s, hd, device="cuda", dtype=dtype)
         k, v = (torch.randn(b, hkv, s, hd, device="cuda", dtype=dtype) for _ in range(2))

@@ -7,6 +7,7 @@ kernel as the Rust side does. See that file for why.
 prints the section sizes and the modeled loads at attention_bench's causal shapes (no GPU needed).
 """
 import argparse
+import math
 
 BLOCK_K = 128
 # (extra cost a tile, extra cost a masked key block), in key blocks.
@@ -27,10 +28,14 @@ def work(seq_k, block_q, qb):
     return blocks, masked
 
 
-def imbalance(seq_q, seq_k, block_q, pairs, grid, section):
+def works(seq_q, seq_k, block_q):
+    return [work(seq_k, block_q, qb) for qb in range(-(-seq_q // block_q))]
+
+
+def imbalance(seq_q, seq_k, block_q, pairs, grid, section, w=None):
     """The busiest block's load over the mean, for each guess of COSTS."""
     q_blocks = -(-seq_q // block_q)
-    w = [work(seq_k, block_q, qb) for qb in range(q_blocks)]
+    w = w or works(seq_q, seq_k, block_q)
     load = [[0, 0, 0] for _ in range(grid)]
     per_section = section * q_blocks
     for t in range(q_blocks * pairs):
@@ -53,11 +58,13 @@ def imbalance(seq_q, seq_k, block_q, pairs, grid, section):
 def causal_section(seq_q, seq_k, block_q, pairs, grid, bound):
     bound = min(max(bound, 1), max(pairs, 1))
     tiles = -(-seq_q // block_q) * pairs
-    if grid == 0 or tiles == 0:
+    if grid == 0 or tiles == 0 or tiles > WORK:
         return bound
+    per_block = works(seq_q, seq_k, block_q)
 
     def worst(s):
-        return round(max(imbalance(seq_q, seq_k, block_q, pairs, grid, s)) * 1000.0)
+        # Halves away from zero, as Rust's f64::round (Python's round() takes them to even).
+        return math.floor(max(imbalance(seq_q, seq_k, block_q, pairs, grid, s, per_block)) * 1000.0 + 0.5)
 
     sizes = min(max(WORK // tiles, 1), bound)
     best = (worst(bound), bound)

@@ -30,6 +30,9 @@ const COSTS: [(f64, f64); 3] = [(0.5, 0.0), (1.0, 0.3), (2.0, 0.0)];
 /// At most this many tile visits (tiles x sizes tried) a call shape: a few milliseconds, once.
 const WORK: usize = 1 << 23;
 
+/// Call shapes remembered at once (a run with ever new sequence lengths starts over past this).
+const SHAPES: usize = 1024;
+
 /// A causal forward call's tiles: what the order and the loads depend on.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(super) struct CausalTiles {
@@ -86,9 +89,14 @@ impl CausalTiles {
         }
     }
 
-    /// The busiest block's load over the mean, at `section`, for each guess of [`COSTS`].
-    pub(super) fn imbalance(&self, section: usize) -> [f64; COSTS.len()] {
-        let work: Vec<(usize, usize)> = (0..self.q_blocks()).map(|qb| self.work(qb)).collect();
+    /// (key blocks, masked key blocks) of each query block's tiles.
+    fn works(&self) -> Vec<(usize, usize)> {
+        (0..self.q_blocks()).map(|qb| self.work(qb)).collect()
+    }
+
+    /// The busiest block's load over the mean, at `section`, for each guess of [`COSTS`]; `work`
+    /// from [`Self::works`].
+    fn imbalance(&self, section: usize, work: &[(usize, usize)]) -> [f64; COSTS.len()] {
         // Per block: key blocks, tiles, masked key blocks.
         let mut load = vec![[0usize; 3]; self.grid];
         for t in 0..self.tiles() {
@@ -113,12 +121,13 @@ impl CausalTiles {
 
 /// The section size, at most `bound` pairs (what fits in L2), that evens out the blocks' loads
 /// best under every guess of the costs; between sizes that do equally well (to 0.1%), the
-/// largest. Sizes are tried from `bound` down as far as [`WORK`] allows. Remembered per call
-/// shape: the model runs once per shape and process.
+/// largest. Sizes are tried from `bound` down as far as [`WORK`] allows; a call of more tiles
+/// than that keeps `bound`. Remembered per call shape (up to [`SHAPES`] of them): the model runs
+/// once per shape and process.
 pub(super) fn causal_section(tiles: CausalTiles, bound: usize) -> usize {
     static CHOSEN: Mutex<Option<HashMap<(CausalTiles, usize), usize>>> = Mutex::new(None);
     let bound = bound.clamp(1, tiles.pairs.max(1));
-    if tiles.grid == 0 || tiles.tiles() == 0 {
+    if tiles.grid == 0 || tiles.tiles() == 0 || tiles.tiles() > WORK {
         return bound;
     }
     let key = (tiles, bound);
@@ -131,8 +140,9 @@ pub(super) fn causal_section(tiles: CausalTiles, bound: usize) -> usize {
         return s;
     }
     let sizes = (WORK / tiles.tiles()).clamp(1, bound);
+    let work = tiles.works();
     let worst = |s: usize| {
-        let w = tiles.imbalance(s).into_iter().fold(0.0, f64::max);
+        let w = tiles.imbalance(s, &work).into_iter().fold(0.0, f64::max);
         (w * 1000.0).round() as u64
     };
     let mut best = (worst(bound), bound);
@@ -142,11 +152,12 @@ pub(super) fn causal_section(tiles: CausalTiles, bound: usize) -> usize {
             best = (w, s);
         }
     }
-    CHOSEN
-        .lock()
-        .unwrap()
-        .get_or_insert_with(HashMap::new)
-        .insert(key, best.1);
+    let mut chosen = CHOSEN.lock().unwrap();
+    let chosen = chosen.get_or_insert_with(HashMap::new);
+    if chosen.len() >= SHAPES {
+        chosen.clear();
+    }
+    chosen.insert(key, best.1);
     best.1
 }
 
@@ -171,7 +182,7 @@ mod tests {
     }
 
     fn worst(t: &CausalTiles, s: usize) -> f64 {
-        t.imbalance(s).into_iter().fold(0.0, f64::max)
+        t.imbalance(s, &t.works()).into_iter().fold(0.0, f64::max)
     }
 
     #[test]
