@@ -36,13 +36,16 @@ struct Args {
     #[arg(long, value_enum, value_delimiter = ',', default_value = "bf16,f32")]
     dtypes: Vec<DTypeArg>,
     /// Comma-separated ops (default: all): rms_norm, add_rms_norm, swiglu, gelu, dropout, rope,
-    /// cross_entropy, adamw. The reference of dropout is what Burn's `Dropout` module computes (a
+    /// cross_entropy, adamw, embedding, linear_cross_entropy, sum_squares, sum_f32, add_as_f32,
+    /// scale, format_stats. The reference of dropout is what Burn's `Dropout` module computes (a
     /// Bernoulli tensor, then two multiplies), at p = 0.1.
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "rms_norm,add_rms_norm,swiglu,gelu,dropout,rope,cross_entropy,adamw"
+        default_value = "rms_norm,add_rms_norm,swiglu,gelu,dropout,rope,cross_entropy,adamw,\
+                         embedding,linear_cross_entropy,sum_squares,sum_f32,add_as_f32,scale,\
+                         format_stats"
     )]
     ops: Vec<Op>,
     /// Calls per timed batch.
@@ -65,6 +68,13 @@ enum Op {
     Rope,
     CrossEntropy,
     Adamw,
+    Embedding,
+    LinearCrossEntropy,
+    SumSquares,
+    SumF32,
+    AddAsF32,
+    Scale,
+    FormatStats,
 }
 
 fn bytes_of(dt: FloatDType) -> f64 {
@@ -243,6 +253,12 @@ fn main() {
                 Op::Rope => rope(&args, &dev, dt),
                 Op::CrossEntropy => cross_entropy(&args, &dev, dt),
                 Op::Adamw => adamw(&args, &dev, dt),
+                Op::Embedding => embedding(&args, &dev, dt),
+                Op::LinearCrossEntropy => linear_cross_entropy(&args, &dev, dt),
+                Op::SumSquares | Op::SumF32 => sums(&args, &dev, dt, op),
+                Op::AddAsF32 => add_as_f32(&args, &dev, dt),
+                Op::Scale => scale(&args, &dev, dt),
+                Op::FormatStats => format_stats(&args, &dev, dt),
             }
         }
     }
@@ -448,6 +464,203 @@ fn adamw(args: &Args, dev: &CudaDevice, dt: FloatDType) {
     });
     let bytes = n * (4.0 * 3.0 + bytes_of(dt) + 4.0 * 3.0 + copy.map_or(0.0, bytes_of));
     row("adamw (+copy)", "64M params", dt, "step", bytes, tf, tr);
+}
+
+/// The token embedding of `gpt2_small` (`[50304, 768]`, ids `[16, 1024]`): the forward gathers
+/// rows (read and write 16384 x 768); the backward adds them into an f32 table gradient (clear
+/// it, read the output gradient, add to it), where Burn's reference scatters with select-assign.
+fn embedding(args: &Args, dev: &CudaDevice, dt: FloatDType) {
+    let (vocab, d, b, t) = (50304, 768, 16, 1024);
+    let n = (b * t * d) as f64;
+    let eb = bytes_of(dt);
+    let ids = || {
+        let v: Vec<i64> = (0..b * t).map(|i| ((i * 7919) % vocab) as i64).collect();
+        TensorData::new(v, [b, t])
+    };
+    let (ic, ia) = (
+        Tensor::<C, 2, Int>::from_data(ids(), dev),
+        Tensor::<A, 2, Int>::from_data(ids(), dev),
+    );
+    let (ic1, ic2, ia1, ia2) = (ic.clone(), ic, ia.clone(), ia);
+    fwd_bwd::<1>(
+        args,
+        dev,
+        "embedding",
+        "50304x768[16x1024]",
+        dt,
+        (2.0 * n * eb, (vocab * d) as f64 * 4.0 + n * (eb + 4.0)),
+        &|| [randn([vocab, d], dt, dev)],
+        &|| [randn::<A, 2>([vocab, d], dt, dev).require_grad()],
+        &move |[w]| kernels::embedding(w, ic1.clone()).reshape([b * t, d]),
+        &move |[w]| kernels::embedding::reference(w, ic2.clone()).reshape([b * t, d]),
+        &move |[w]| kernels::embedding(w, ia1.clone()).reshape([b * t, d]),
+        &move |[w]| kernels::embedding::reference(w, ia2.clone()).reshape([b * t, d]),
+    );
+}
+
+/// The LM head and its loss at `gpt2_small`'s shapes (16384 rows of width 768, 50304 classes),
+/// forward and backward: the chunked kernel against all logits at once (Burn's matmul and the
+/// reference cross-entropy). Compute-bound: TFLOP/s of the three GEMMs (logits, dx, dw: 6 r v d)
+/// in the bandwidth column.
+fn linear_cross_entropy(args: &Args, dev: &CudaDevice, dt: FloatDType) {
+    use kernels::cross_entropy::LinearCrossEntropy;
+    let (r, d, v) = (16384, 768, 50304);
+    let ta = targets::<A>(r, v, dev);
+    let x = randn::<A, 2>([r, d], dt, dev).require_grad();
+    let w = randn::<A, 2>([v, d], dt, dev)
+        .mul_scalar(0.02)
+        .require_grad();
+    let tf = time::<A>(dev, args, &mut || {
+        let loss = kernels::linear_cross_entropy(
+            x.clone(),
+            w.clone(),
+            ta.clone(),
+            LinearCrossEntropy::default(),
+        );
+        drop(loss.backward())
+    });
+    let tr = time::<A>(dev, args, &mut || {
+        let loss = kernels::cross_entropy::linear::reference(x.clone(), w.clone(), ta.clone(), 0.0);
+        drop(loss.backward())
+    });
+    let flops = 6.0 * (r * v * d) as f64;
+    println!(
+        "| linear_cross_entropy | 16384x768, 50304 classes | {} | fwd+bwd | {:.1} | {:.1} | {:.0} TFLOP/s | | {:.2}x |",
+        model::dtype::name(dt),
+        tf * 1e6,
+        tr * 1e6,
+        flops / tf / 1e12,
+        tr / tf
+    );
+}
+
+/// A model's worth of tensors (12 of [768, 3072], 12 of [3072, 768], 24 of [768, 768] and one of
+/// [50304, 768]: 124M elements in 49 tensors, GPT-2 small's weights) for the sums over many tensors.
+fn model_tensors(dt: FloatDType, dev: &CudaDevice) -> Vec<Tensor<C, 2>> {
+    let mut shapes = vec![[50304, 768]];
+    shapes.extend([[768, 3072], [3072, 768], [768, 768], [768, 768]].repeat(12));
+    shapes
+        .into_iter()
+        .map(|s| randn::<C, 2>(s, dt, dev))
+        .collect()
+}
+
+/// The sum of squares (the gradient norm of clipping) or the plain sum of every element of
+/// GPT-2 small's tensors, into one f32 value: each tensor read once.
+fn sums(args: &Args, dev: &CudaDevice, dt: FloatDType, op: Op) {
+    let tensors = model_tensors(dt, dev);
+    let n: usize = tensors.iter().map(|t| t.shape().num_elements()).sum();
+    let prims = || -> Vec<_> {
+        tensors
+            .iter()
+            .map(|t| t.clone().into_primitive().tensor())
+            .collect()
+    };
+    let (name, tf, tr) = if op == Op::SumSquares {
+        let tf = time::<C>(dev, args, &mut || {
+            let mut sq = kernels::SumSquares::new(dev);
+            tensors.iter().for_each(|t| sq.add(t.clone()));
+            drop(sq.finish())
+        });
+        let tr = time::<C>(dev, args, &mut || {
+            drop(kernels::reduce::sum_squares_reference::<C>(prims(), dev))
+        });
+        ("sum_squares", tf, tr)
+    } else {
+        let tf = time::<C>(dev, args, &mut || {
+            drop(kernels::sum_f32(tensors.clone(), dev))
+        });
+        let tr = time::<C>(dev, args, &mut || {
+            drop(kernels::reduce::sum_f32_reference::<C>(prims(), dev))
+        });
+        ("sum_f32", tf, tr)
+    };
+    row(
+        name,
+        "49 tensors, 124M",
+        dt,
+        "fwd",
+        n as f64 * bytes_of(dt),
+        tf,
+        tr,
+    );
+}
+
+/// Gradient accumulation: `f32(a) + f32(b)` with both in `dt` (the first micro-batch's sum),
+/// written in f32.
+fn add_as_f32(args: &Args, dev: &CudaDevice, dt: FloatDType) {
+    let (r, c) = (16384, 4096);
+    let n = (r * c) as f64;
+    let (a, b) = (
+        randn::<C, 2>([r, c], dt, dev),
+        randn::<C, 2>([r, c], dt, dev),
+    );
+    let tf = time::<C>(dev, args, &mut || {
+        drop(kernels::add_as_f32(a.clone(), b.clone()))
+    });
+    let tr = time::<C>(dev, args, &mut || {
+        drop(kernels::reduce::add_as_f32_reference(a.clone(), b.clone()))
+    });
+    row(
+        "add_as_f32",
+        "16384x4096",
+        dt,
+        "fwd",
+        n * (2.0 * bytes_of(dt) + 4.0),
+        tf,
+        tr,
+    );
+}
+
+/// An f32 gradient times a device factor, stored in `dt` (unscaling and casting in one pass).
+fn scale(args: &Args, dev: &CudaDevice, dt: FloatDType) {
+    let (r, c) = (16384, 4096);
+    let n = (r * c) as f64;
+    let x = randn::<C, 2>([r, c], FloatDType::F32, dev);
+    let factor = Tensor::<C, 1>::from_floats([0.5], dev);
+    let tf = time::<C>(dev, args, &mut || {
+        drop(kernels::scale(x.clone(), factor.clone(), dt))
+    });
+    let tr = time::<C>(dev, args, &mut || {
+        drop(kernels::reduce::scale_reference(
+            x.clone(),
+            factor.clone(),
+            dt,
+        ))
+    });
+    row(
+        "scale (f32 in)",
+        "16384x4096",
+        dt,
+        "fwd",
+        n * (4.0 + bytes_of(dt)),
+        tf,
+        tr,
+    );
+}
+
+/// The format statistics of a tensor (largest magnitude, values below f16's smallest normal,
+/// nonzero and non-finite counts) as partial rows: one read.
+fn format_stats(args: &Args, dev: &CudaDevice, dt: FloatDType) {
+    let (r, c) = (16384, 4096);
+    let n = (r * c) as f64;
+    let x = randn::<C, 2>([r, c], dt, dev).mul_scalar(1e-4);
+    let min_normal = 2f64.powi(-14);
+    let tf = time::<C>(dev, args, &mut || {
+        drop(kernels::format_stats(x.clone(), min_normal))
+    });
+    let tr = time::<C>(dev, args, &mut || {
+        drop(kernels::format_stats::reference(x.clone(), min_normal))
+    });
+    row(
+        "format_stats",
+        "16384x4096",
+        dt,
+        "fwd",
+        n * bytes_of(dt),
+        tf,
+        tr,
+    );
 }
 
 #[cfg(test)]
