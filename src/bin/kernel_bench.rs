@@ -473,13 +473,9 @@ fn embedding(args: &Args, dev: &CudaDevice, dt: FloatDType) {
     let (vocab, d, b, t) = (50304, 768, 16, 1024);
     let n = (b * t * d) as f64;
     let eb = bytes_of(dt);
-    let ids = || {
-        let v: Vec<i64> = (0..b * t).map(|i| ((i * 7919) % vocab) as i64).collect();
-        TensorData::new(v, [b, t])
-    };
     let (ic, ia) = (
-        Tensor::<C, 2, Int>::from_data(ids(), dev),
-        Tensor::<A, 2, Int>::from_data(ids(), dev),
+        targets::<C>(b * t, vocab, dev).reshape([b, t]),
+        targets::<A>(b * t, vocab, dev).reshape([b, t]),
     );
     let (ic1, ic2, ia1, ia2) = (ic.clone(), ic, ia.clone(), ia);
     fwd_bwd::<1>(
