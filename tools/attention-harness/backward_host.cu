@@ -43,10 +43,14 @@ extern "C" int launch(const void* q, const void* k, const void* v, const void* d
     info.scale_log2 = scale_log2_bits;
     info.scale = scale_bits;
     info.rows_pad = rows_pad(seq_q);
+    info.k_blocks = (seq_k + BN - 1) / BN;
+    // The kernel numbers its blocks in 32 bits on a one-dimensional grid (the Rust launcher refuses
+    // more too).
+    if (info.k_blocks * batch * heads > 0x7fffffffull) return 2000;
     const int smem = SMEM_BYTES + 1024;
     cudaError_t e = cudaFuncSetAttribute(flash_backward_hopper, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return (int)e;
-    dim3 grid((unsigned)((seq_k + BN - 1) / BN), (unsigned)(batch * heads));
+    dim3 grid((unsigned)(info.k_blocks * batch * heads));
     flash_backward_hopper<<<grid, THREADS, smem, (cudaStream_t)stream>>>(
         (const unsigned short*)q, (const unsigned short*)k, (const unsigned short*)v, (const unsigned short*)dout,
         lse, delta, dk, dv, dq_acc, info);

@@ -12,6 +12,8 @@
 //   DKV_F32   1: dK and dV are written in f32, one row block per query head (grouped-query
 //             attention: the launcher sums each group's heads); 0: in the inputs' dtype
 //
+// Blocks are numbered on a one-dimensional grid, by (batch, head) pair, then key block.
+//
 // Tensors: q and dout [batch, heads, seq_q, HD], k and v [batch, kv_heads, seq_k, HD] (query head
 // h reads k/v head h / group), read through TMA tensor maps (innermost first: HD, seq, heads,
 // batch; boxes of 64 columns by a tile's rows, 128-byte swizzle; rows past the end read as zeros);
@@ -32,6 +34,8 @@
 //      keys: each warpgroup one 64 x 64 part (at head_dim 64 its 64 of the 128 queries, at 128 its
 //      64 of the 128 columns), from shared memory read transposed on both sides (`wgmma` m64n64k16);
 //   5. the part to shared memory, added to dq_acc by one bulk reduction.
+// At head_dim 128 (DQ_FIRST) dK is issued after the dQ part instead, so that step 5 runs while dK
+// is on the tensor cores.
 // At the end dK (times the scale) and dV go to global memory.
 
 #define BN 128
@@ -59,6 +63,14 @@
 #define SMEM_BYTES (BARRIERS_AT + 8 * 5)
 #define PRODUCER_REGS 24
 #define CONSUMER_REGS 240
+// Whether a query block's log-sum-exp and delta rows are loaded a block ahead (two registers
+// held across the step: at head_dim 64 ptxas then spills, so there they are loaded at the step's
+// start).
+#define ROWS_AHEAD (HD == 128)
+// Whether dK is issued after the dQ part, so that the part's stores overlap dK's products. Not at
+// head_dim 64: there dK's A fragments (dS^T, 32 registers) would stay live across those stores,
+// and ptxas spills.
+#define DQ_FIRST (HD == 128)
 
 struct Info {
     TensorMap q_map, k_map, v_map, do_map;
@@ -74,6 +86,8 @@ struct Info {
     u64 scale;
     // Rows of dq_acc per (batch, head) and column segment: the query blocks times BM.
     u64 rows_pad;
+    // Key blocks per (batch, head).
+    u64 k_blocks;
 };
 
 __device__ __forceinline__ void wg_sync(u32 w) { asm volatile("bar.sync %0, 128;\n" ::"r"(1u + w) : "memory"); }
@@ -196,8 +210,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
     const u32 tid = threadIdx.x, wg = tid / 128u;
 
     const long long seq_q = (long long)info.seq_q, seq_k = (long long)info.seq_k;
-    const u64 bh = blockIdx.y, h = bh % info.heads, b = bh / info.heads, hk = h / info.group;
-    const long long k0 = (long long)blockIdx.x * BN;
+    // This block's pair and key block (in 32 bits: the launcher's grid is at most 2^31 - 1 blocks).
+    const u32 kb = blockIdx.x % (u32)info.k_blocks;
+    const u64 bh = blockIdx.x / (u32)info.k_blocks;
+    const long long k0 = (long long)kb * BN;
+    const u64 h = bh % info.heads, b = bh / info.heads, hk = h / info.group;
     // The query blocks that see this block's keys: under the causal mask, from the one holding
     // query k0 on.
     const long long m_begin = CAUSAL ? k0 / BM : 0, m_end = (seq_q + BM - 1) / BM;
@@ -256,17 +273,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
         dkr[i] = 0.f;
         dvr[i] = 0.f;
     }
+    const float* lse_rows = lse + bh * info.seq_q;
+    const float* delta_rows = delta + bh * info.seq_q;
+    // Row t of a query block's log-sum-exp (times log2(e)) and delta (rows past the end take +inf,
+    // P = 0, and 0): with ROWS_AHEAD loaded a block ahead, so that the loads' latency passes while
+    // the block before is multiplied.
+    float lse_next = 0.f, delta_next = 0.f;
+    auto load_rows = [&](long long m) {
+        const long long row = m * BM + t;
+        if (t < BM) {
+            lse_next = row < seq_q ? lse_rows[row] * log2e : __int_as_float(0x7f800000);
+            delta_next = row < seq_q ? delta_rows[row] : 0.f;
+        }
+    };
+    if (ROWS_AHEAD && m_begin < m_end) load_rows(m_begin);
     if (m_begin < m_end) bar_wait(kv_full, 0);
-    const u64 row_base = bh * info.seq_q;
     for (long long m = m_begin, i = 0; m < m_end; ++m, ++i) {
         const u32 st = (u32)(i & 1), parity = (u32)((i >> 1) & 1);
         const long long q0 = m * BM;
-        // The block's log-sum-exp (times log2(e)) and delta; rows past the end take +inf (P = 0).
+        // This block's rows (every thread of the warpgroup is past the previous block's reads:
+        // the two warpgroup barriers of its dQ part), then the next block's loads.
+        if (!ROWS_AHEAD) load_rows(m);
         if (t < BM) {
-            const long long row = q0 + t;
-            lse_s[t] = row < seq_q ? lse[row_base + row] * log2e : __int_as_float(0x7f800000);
-            delta_s[t] = row < seq_q ? delta[row_base + row] : 0.f;
+            lse_s[t] = lse_next;
+            delta_s[t] = delta_next;
         }
+        if (ROWS_AHEAD && m + 1 < m_end) load_rows(m + 1);
         wg_sync(w);
         bar_wait(full(st), parity);
         float s[BM / 2], dp[BM / 2];
@@ -311,6 +343,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
         to_fragments(s, pf);
         to_fragments(dp, df);
         issue_cols(dvr, pf, sdo(st));
+#if DQ_FIRST
+        wgmma_commit();
+#endif
         // dS^T to its stage (read from df before a `wgmma` takes df as its A operand: registers of
         // an uncompleted `wgmma` must not be read).
         // Key row r, query c at segment c / 64, line r, chunk (c % 64) / 8 ^ r % 8.
@@ -328,13 +363,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
                 }
             }
         }
+#if !DQ_FIRST
         issue_cols(dkr, df, sq(st));
         wgmma_commit();
+#endif
         fence_async_shared();
         consumers_sync();
         float dq[32];
         issue_dq(dq, sds((u32)(i & 1)), sk, w);
         wgmma_commit();
+#if DQ_FIRST
+        // dK after the dQ part: once the part is done, it goes out while dK is on the tensor cores.
+        issue_cols(dkr, df, sq(st));
+        wgmma_commit();
+        // dV and the dQ part are done (groups complete in order); dK may still run.
+        wgmma_wait<1>();
+        fence_regs(dvr);
+        fence_regs(dq);
+        fence_fragments(pf);
+#else
         wgmma_wait<0>();
         fence_regs(dkr);
         fence_regs(dvr);
@@ -342,6 +389,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
         fence_fragments(pf);
         fence_fragments(df);
         if (lane == 0) bar_arrive(empty(st));
+#endif
         // The part to shared memory (once the previous reduction has read it), then to dq_acc.
         if (t == 0) bulk_wait_read();
         wg_sync(w);
@@ -369,6 +417,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
 #endif
             bulk_add(dq_acc + dq_at(bh, row, col, info.rows_pad), sdq(w), DQ_BYTES);
         }
+#if DQ_FIRST
+        wgmma_wait<0>();
+        fence_regs(dkr);
+        fence_fragments(df);
+        // This step's Q and dO are read (dV and dK done).
+        if (lane == 0) bar_arrive(empty(st));
+#endif
     }
     if (t == 0) bulk_wait_all();
 

@@ -38,7 +38,7 @@ const BLOCK_K: usize = 128;
 /// Threads per block: a producer warpgroup and two consumer warpgroups.
 const THREADS: u32 = 384;
 /// `Info` in backward.cu: four tensor maps of 16 words, then this many words.
-const INFO_WORDS: usize = 13;
+const INFO_WORDS: usize = 14;
 
 /// Query rows per step: 128 at head_dim 64, 64 at 128 (where each consumer thread keeps 128 f32
 /// accumulators of dK and dV).
@@ -107,6 +107,13 @@ pub(crate) fn backward<R: CubeRuntime>(
         .collect::<Option<_>>()
         .expect("hopper::backward runs only where `applies_backward` said yes (CUDA)");
     check_maps(&maps)?;
+    let (k_blocks, pairs) = (d.seq_k.div_ceil(BLOCK_K), d.batch * d.heads);
+    // backward.cu numbers its blocks in 32 bits, on a one-dimensional grid.
+    if k_blocks.saturating_mul(pairs) > i32::MAX as usize {
+        return Err(format!(
+            "{k_blocks} key blocks x {pairs} (batch, head) pairs: at most 2^31 - 1 blocks"
+        ));
+    }
     let delta = delta();
     // dQ's f32 sums: per (batch, head), head_dim / 64 column segments of the query rows rounded
     // up to whole blocks, cleared.
@@ -129,6 +136,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     words.push(u64::from((scale * std::f32::consts::LOG2_E).to_bits()));
     words.push(u64::from(scale.to_bits()));
     words.push(rows_pad as u64);
+    words.push(k_blocks as u64);
     debug_assert_eq!(words.len(), INFO_WORDS, "backward.cu's Info words");
     let cast_defines = format!(
         "#define HD {}\n#define IS_BF16 {}\n",
@@ -142,11 +150,8 @@ pub(crate) fn backward<R: CubeRuntime>(
     );
     let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(THREADS))
         .with_shared(shared_bytes(d.hd));
-    let cubes = (
-        d.seq_k.div_ceil(BLOCK_K) as u32,
-        (d.batch * d.heads) as u32,
-        1,
-    );
+    // By pair, then key block.
+    let cubes = ((k_blocks * pairs) as u32, 1, 1);
     launch::queue(Launch {
         tensors,
         maps,
