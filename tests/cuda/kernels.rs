@@ -741,3 +741,95 @@ pub fn gemms_in_order(order: kernels::settings::GemmOrder) -> kernels::settings:
     );
     settings
 }
+
+/// The FP8 Hopper forward (`BURNMIX_FLASH_FP8=on`, experimental) against its recipe's reference
+/// ([`kernels::attention::reference_fp8`]: block-scaled e4m3 inputs, P rounded to e4m3): its
+/// output's error against exact attention of the 16-bit inputs must be within 2x the recipe's own
+/// (plus the output dtype's rounding), and its log-sum-exp within 2e-3 of the recipe's, at
+/// awkward shapes and grouped-query layouts, both masks, head_dim 64 and 128, bf16 and f16. On a
+/// GPU where the 16-bit Hopper forward does not run (not compute capability 9.0), the FP8 one
+/// cannot either: the test says so and stops.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_flash_attention_fp8_forward() {
+    use burn::tensor::{Distribution, Tensor};
+    type C = Cuda;
+    let dev = CudaDevice::default();
+    let random = |shape: [usize; 4], dtype: FloatDType| {
+        Tensor::<C, 4>::random(shape, Distribution::Normal(0.0, 1.0), &dev).cast(dtype)
+    };
+    let probe = random([1, 1, 64, 64], FloatDType::BF16);
+    let hopper = {
+        let _settings = kernels::settings::scoped(|s| s.flash_hopper = true);
+        let before = kernels::attention::hopper_calls().forward;
+        let _ = kernels::flash_attention_with_lse(probe.clone(), probe.clone(), probe, false, None);
+        kernels::attention::hopper_calls().forward > before
+    };
+    if !hopper {
+        eprintln!("the Hopper forward does not run on this GPU: the FP8 forward is not tested");
+        return;
+    }
+    let _settings = kernels::settings::scoped(|s| {
+        s.flash_hopper = true;
+        s.flash_fp8 = true;
+    });
+    // (batch, heads, kv_heads, seq_q, seq_k)
+    let shapes = [
+        (2, 4, 2, 1000, 1000),
+        (1, 3, 3, 128, 128),
+        (1, 2, 1, 1, 1),
+        (3, 2, 2, 333, 333),
+        (2, 8, 1, 77, 77),
+        (1, 2, 2, 17, 300),
+        (1, 4, 4, 2100, 2100),
+    ];
+    for dtype in [FloatDType::BF16, FloatDType::F16] {
+        // Half an ulp of the output dtype at 1.
+        let rounding = if dtype == FloatDType::BF16 {
+            2f32.powi(-8)
+        } else {
+            2f32.powi(-11)
+        };
+        for hd in [64, 128] {
+            for causal in [false, true] {
+                for &(b, h, hkv, sq, sk) in &shapes {
+                    let q = random([b, h, sq, hd], dtype);
+                    let k = random([b, hkv, sk, hd], dtype);
+                    let v = random([b, hkv, sk, hd], dtype);
+                    let before = kernels::attention::hopper_calls();
+                    let (out, lse) = kernels::flash_attention_with_lse(
+                        q.clone(),
+                        k.clone(),
+                        v.clone(),
+                        causal,
+                        None,
+                    );
+                    let after = kernels::attention::hopper_calls();
+                    let what = format!(
+                        "FP8 forward {dtype:?} q [{b}, {h}, {sq}, {hd}] k/v [{b}, {hkv}, {sk}, {hd}] causal {causal}"
+                    );
+                    assert_eq!(
+                        after.forward_fp8,
+                        before.forward_fp8 + 1,
+                        "{what}: the FP8 forward did not run ({before:?} -> {after:?})"
+                    );
+                    let f32s = |t: &Tensor<C, 4>| t.clone().cast(FloatDType::F32);
+                    let exact =
+                        kernels::attention::reference(f32s(&q), f32s(&k), f32s(&v), causal, None);
+                    let (recipe, recipe_lse) =
+                        kernels::attention::reference_fp8(q, k, v, causal, None);
+                    let max_abs = |t: Tensor<C, 4>| t.abs().max().into_scalar();
+                    let err: f32 = max_abs(out.cast(FloatDType::F32) - exact.clone());
+                    let err_recipe: f32 = max_abs(recipe - exact.clone());
+                    let bound = 2.0 * err_recipe + rounding * max_abs(exact);
+                    let err_lse: f32 = (lse - recipe_lse).abs().max().into_scalar();
+                    eprintln!(
+                        "{what}: error {err:.2e}, the recipe's {err_recipe:.2e}, lse {err_lse:.1e}"
+                    );
+                    assert!(err <= bound, "{what}: error {err} above {bound}");
+                    assert!(err_lse < 2e-3, "{what}: log-sum-exp off by {err_lse}");
+                }
+            }
+        }
+    }
+}

@@ -21,6 +21,7 @@
 //! | [`Settings::fp8_swiglu_producer`] | `BURNMIX_FP8_SWIGLU_PRODUCER` | `on` (default), `off` (a comparison) |
 //! | [`Settings::flash_tiles`] | `BURNMIX_FLASH_TILES` | [`FlashTiles`] |
 //! | [`Settings::flash_hopper`] | `BURNMIX_FLASH_HOPPER` | `on` (default), `off` (the CubeCL forward and backward on Hopper too) |
+//! | [`Settings::flash_fp8`] | `BURNMIX_FLASH_FP8` | `off` (default), `on` (the Hopper forward in FP8: experimental) |
 //! | [`Settings::embedding_atomic`] | `BURNMIX_EMBEDDING_GRAD` | `atomic` (default), `reference` |
 //! | [`Settings::memory_trace`] | `BURNMIX_MEMORY_TRACE` | `0` / `off` (default), `1` / `on` |
 
@@ -51,6 +52,8 @@ pub const FP8_SWIGLU_PRODUCER_ENV: &str = "BURNMIX_FP8_SWIGLU_PRODUCER";
 pub const FLASH_TILES_ENV: &str = "BURNMIX_FLASH_TILES";
 /// `BURNMIX_FLASH_HOPPER`: [`Settings::flash_hopper`].
 pub const FLASH_HOPPER_ENV: &str = "BURNMIX_FLASH_HOPPER";
+/// `BURNMIX_FLASH_FP8`: [`Settings::flash_fp8`].
+pub const FLASH_FP8_ENV: &str = "BURNMIX_FLASH_FP8";
 /// `BURNMIX_EMBEDDING_GRAD`: [`Settings::embedding_atomic`].
 pub const EMBEDDING_GRAD_ENV: &str = "BURNMIX_EMBEDDING_GRAD";
 /// `BURNMIX_MEMORY_TRACE`: [`Settings::memory_trace`].
@@ -176,6 +179,10 @@ pub struct Settings {
     /// warpgroup MMA where they apply (default; see `attention::hopper`); off: the CubeCL
     /// tensor-core kernels, for comparison.
     pub flash_hopper: bool,
+    /// Experimental: FlashAttention's forward on Hopper GPUs in FP8 (e4m3 q, k, v with block
+    /// scales, FlashAttention-3's recipe; see `attention::hopper::fp8`) where the Hopper forward
+    /// applies; the backward stays in 16 bits. Off by default.
+    pub flash_fp8: bool,
     /// The embedding backward's scatter with f32 atomic adds on CUDA (default); off: Burn's
     /// select-assign, the reference, for comparison.
     pub embedding_atomic: bool,
@@ -199,6 +206,7 @@ impl Default for Settings {
             fp8_swiglu_producer: true,
             flash_tiles: None,
             flash_hopper: true,
+            flash_fp8: false,
             embedding_atomic: true,
             memory_trace: false,
         }
@@ -272,6 +280,7 @@ impl Settings {
         s.fp8_swiglu_producer = on_off(&var, FP8_SWIGLU_PRODUCER_ENV, s.fp8_swiglu_producer)?;
         s.flash_tiles = parse(&var, FLASH_TILES_ENV)?;
         s.flash_hopper = on_off(&var, FLASH_HOPPER_ENV, s.flash_hopper)?;
+        s.flash_fp8 = on_off(&var, FLASH_FP8_ENV, s.flash_fp8)?;
         match var(EMBEDDING_GRAD_ENV).as_deref().map(str::trim) {
             None | Some("") | Some("atomic") => {}
             Some("reference") => s.embedding_atomic = false,
@@ -453,6 +462,7 @@ mod tests {
             (FLASH_TILES_ENV, "fwd=2x64,dq=separate"),
             (FLASH_HOPPER_ENV, "off"),
             (EMBEDDING_GRAD_ENV, "reference"),
+            (FLASH_FP8_ENV, "on"),
             (MEMORY_TRACE_ENV, "1"),
         ]))
         .unwrap();
@@ -467,6 +477,7 @@ mod tests {
         assert!(!s.fp8_swiglu_producer);
         assert_eq!(s.flash_tiles.unwrap().spec(), "fwd=2x64,dq=separate");
         assert!(!s.flash_hopper);
+        assert!(s.flash_fp8);
         assert!(!s.embedding_atomic);
         assert!(s.memory_trace);
         // The FP8 order follows the other GEMMs' unless set.

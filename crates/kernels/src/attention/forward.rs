@@ -144,6 +144,18 @@ pub(crate) fn forward<R: CubeRuntime>(
     let dtype: StorageType = q.dtype.into();
     let bh = (d.batch * d.heads) as u32;
     let flash_path = path(&q);
+    if crate::settings::read(|s| s.flash_fp8) {
+        if flash_path == FlashPath::TensorCores
+            && super::hopper::applies_fp8(&q, &k, &v, &d, drop.on)
+        {
+            match super::hopper::forward_fp8(&q, &k, &v, &out, &lse, &d, causal, scale) {
+                Ok(()) => return (out, lse),
+                Err(why) => super::hopper::refused(super::hopper::Kernel::ForwardFp8, &why),
+            }
+        } else {
+            super::hopper::fp8_not_applicable();
+        }
+    }
     if flash_path == FlashPath::TensorCores && super::hopper::applies(&q, &k, &v, &d, drop.on) {
         match super::hopper::forward(&q, &k, &v, &out, &lse, &d, causal, scale) {
             Ok(()) => return (out, lse),

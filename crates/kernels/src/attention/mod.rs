@@ -64,6 +64,7 @@ mod cube;
 mod dims;
 pub mod dropout;
 pub(crate) mod forward;
+mod fp8_reference;
 pub(crate) mod gradients;
 mod hopper;
 pub(crate) mod kernel;
@@ -72,6 +73,7 @@ pub(crate) mod packed;
 pub(crate) mod tiles;
 
 use crate::dropout::Dropout;
+pub use fp8_reference::{fp8_blocks, reference_fp8};
 pub(crate) use tiles::check_tiles;
 pub use tiles::{FlashPath, MAX_HEAD_DIM};
 
@@ -83,8 +85,10 @@ use burn::tensor::{Bool, Int, Tensor};
 /// head_dim 64 or 128, no dropout; see `hopper/`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HopperCalls {
-    /// Forwards the Hopper kernel ran.
+    /// Forwards the Hopper kernel ran in 16 bits.
     pub forward: usize,
+    /// Forwards the Hopper kernel ran in FP8 (`BURNMIX_FLASH_FP8=on`, experimental).
+    pub forward_fp8: usize,
     /// Backwards the Hopper kernel ran.
     pub backward: usize,
     /// Calls a Hopper kernel applied to but could not run, which the CubeCL kernels ran instead
@@ -94,9 +98,10 @@ pub struct HopperCalls {
 
 /// The counts of [`HopperCalls`] so far.
 pub fn hopper_calls() -> HopperCalls {
-    let (forward, backward, refused) = hopper::calls();
+    let (forward, forward_fp8, backward, refused) = hopper::calls();
     HopperCalls {
         forward,
+        forward_fp8,
         backward,
         refused,
     }

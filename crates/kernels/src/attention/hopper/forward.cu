@@ -13,6 +13,8 @@
 //             `is_causal`); 0: every key
 //   CONSUMERS consumer warpgroups, each of 64 query rows (2 or 3)
 //   STAGES    key/value blocks in shared memory at once (the launcher takes 2)
+//   FP8       1: e4m3 inputs with block scales (see "FP8" below), bf16 output (IS_BF16 1);
+//             0 or undefined: 16-bit inputs
 //
 // Tensors: q [batch, heads, seq_q, HD], k and v [batch, kv_heads, seq_k, HD] (query head h reads
 // k/v head h / group), each read through a TMA tensor map the launcher encodes (innermost first:
@@ -41,14 +43,39 @@
 // j's P V are issued together, and block j + 1's softmax runs while P V is still on the tensor
 // cores), and the warpgroups issue their products in turn (named barriers), so the tensor cores
 // take one warpgroup's products while the others compute their softmax.
+//
+// FP8 (FlashAttention-3's recipe, block scales): q, k [.., seq, HD] and vt [batch, kv_heads, HD,
+// keys] in e4m3, vt being V transposed with its keys padded to a multiple of 32 (zeros) and put in
+// the order `to_fragments` gives P in: within each 32 keys, position 16h + 4t + e (h < 2, t < 4,
+// e < 4) holds key 16h + 8(e / 2) + 2t + e % 2. Each tensor has an f32 scale (the value of a code
+// of 1) per block: q per 64 rows, k and vt per 128 keys, of each (batch, head), laid out [batch,
+// heads, blocks]. Both products take e4m3 operands K-major (`wgmma` m64nNk32): S = Q K^T, its
+// scale q_scale * k_scale folded into the softmax's; P = exp2(. - max + 8), in [0, 256] so that
+// small terms keep e4m3's precision, converted to e4m3 in registers; O += P V^T's keys. The
+// accumulator O is kept in units of the current key block's v scale: the rescale by the softmax's
+// alpha also takes the ratio of consecutive blocks' v scales, and the end multiplies by the last.
 
 // This text follows common.cuh (the shared helpers) in one source.
+
+#ifndef FP8
+#define FP8 0
+#endif
 
 #define BR (64 * CONSUMERS)
 #define BC 128
 #define THREADS (128 * (CONSUMERS + 1))
-#define Q_BYTES (BR * HD * 2)
-#define KV_BYTES (BC * HD * 2)
+#if FP8
+// One segment of HD-byte rows (Q, K) or of BC-byte rows (V^T); P's fragments cover 32 keys.
+#define ELT_BYTES 1
+#define SEGMENTS 1
+#define P_STEPS (BC / 32)
+#else
+#define ELT_BYTES 2
+#define SEGMENTS (HD / 64)
+#define P_STEPS (BC / 16)
+#endif
+#define Q_BYTES (BR * HD * ELT_BYTES)
+#define KV_BYTES (BC * HD * ELT_BYTES)
 // Shared memory from a 1024-byte aligned base: two Q buffers (a block's next tile is copied while
 // it finishes the current one), the K stages, the V stages, then the barriers (per Q buffer full
 // and empty; per stage k full, k empty, v full, v empty), 8 bytes each.
@@ -135,7 +162,11 @@ __device__ __forceinline__ void turn_grant(u32 consumer) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(1u + consumer) : "memory");
 }
 
-#if HD == 64
+#if HD == 64 && FP8
+#define wgmma_pv wgmma_rs_e4m3_n64
+#elif FP8
+#define wgmma_pv wgmma_rs_e4m3_n128
+#elif HD == 64
 #define wgmma_pv wgmma_rs_n64
 #else
 #define wgmma_pv wgmma_rs_n128
@@ -146,18 +177,42 @@ __device__ __forceinline__ void turn_grant(u32 consumer) {
 __device__ __forceinline__ void issue_scores(float (&s)[BC / 2], u32 sq, u32 k_tile, u32 cw) {
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
+#if FP8
+    // Rows of HD bytes, k steps of 32 of them; the 64-byte swizzle at head_dim 64.
+    fence_regs(s);
+    wgmma_fence();
+    const u32 a = sq + cw * (64u * HD);
+#pragma unroll
+    for (int t = 0; t < HD / 32; ++t) {
+        const u32 within = (u32)t * 32u;
+#if HD == 128
+        wgmma_ss_e4m3_n128(s, descriptor(a + within, 16u, 1024u), descriptor(k_tile + within, 16u, 1024u),
+                           t > 0 ? 1u : 0u);
+#else
+        wgmma_ss_e4m3_n128(s, descriptor_64b(a + within, 16u, 512u), descriptor_64b(k_tile + within, 16u, 512u),
+                           t > 0 ? 1u : 0u);
+#endif
+    }
+#else
     issue_kmajor<BR, BC>(s, sq + cw * (64u * 128u), k_tile);
+#endif
 }
 
-// Issues O += P V for the BC keys of `v_tile` (MN-major: its 64-column segments are the leading
-// offset apart), P from registers (not committed).
-__device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const u32 (&p)[BC / 16][4], u32 v_tile) {
+// Issues O += P V for the BC keys of `v_tile`, P from registers (not committed). 16-bit: V
+// MN-major (its 64-column segments the leading offset apart); FP8: V^T, K-major (HD rows of BC
+// bytes).
+__device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const u32 (&p)[P_STEPS][4], u32 v_tile) {
     fence_regs(o);
     wgmma_fence();
 #pragma unroll
-    for (int t = 0; t < BC / 16; ++t) {
+    for (int t = 0; t < P_STEPS; ++t) {
+#if FP8
+        // Keys 32t .. 32t + 31: 32 bytes into each row.
+        wgmma_pv(o, p[t], descriptor(v_tile + (u32)t * 32u, 16u, 1024u));
+#else
         // Keys 16t .. 16t + 15: two 8-row groups of 1024 bytes.
         wgmma_pv(o, p[t], descriptor(v_tile + (u32)t * 2048u, BC * 128, 1024u));
+#endif
     }
 }
 
@@ -186,8 +241,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[BC / 2], long long kv0, l
 
 // The online softmax's step over one block of scores, for this thread's two rows: the new
 // maxima (of the scores times scale * log2(e), over the row's four lanes) into m, s turned into
-// exp2(s * scale_log2 - m), the factors that rescale what the old maxima weighted into alpha, and
-// this thread's share of the new terms into sum.
+// exp2(s * scale_log2 - m) (FP8: exp2(. - m + 8)), the factors that rescale what the old maxima
+// weighted into alpha, and this thread's share of the new terms into sum.
 __device__ __forceinline__ void softmax_step(float (&s)[BC / 2], float scale_log2, float (&m)[2], float (&alpha)[2],
                                              float (&sum)[2]) {
     const float neg_inf = __int_as_float(0xff800000);
@@ -208,6 +263,9 @@ __device__ __forceinline__ void softmax_step(float (&s)[BC / 2], float scale_log
         alpha[r] = ex2(m[r] - u[r]);
         m[r] = n;
         sum[r] = 0.f;
+#if FP8
+        u[r] -= 8.f;
+#endif
     }
 #pragma unroll
     for (int i = 0; i < BC / 8; ++i) {
@@ -219,16 +277,33 @@ __device__ __forceinline__ void softmax_step(float (&s)[BC / 2], float scale_log
     }
 }
 
-// P in 16 bits as `wgmma`'s A fragments: keys 16t .. 16t + 15 are accumulator groups 2t, 2t + 1.
-__device__ __forceinline__ void to_fragments(const float (&s)[BC / 2], u32 (&p)[BC / 16][4]) {
+#if FP8
+// P in e4m3 as `wgmma`'s A fragments: keys 32t .. 32t + 31 are accumulator groups 4t .. 4t + 3.
+// A register holds four keys of one row: row0's keys 2c, 2c + 1, 8 + 2c, 9 + 2c (c = lane % 4),
+// then row1's, then row0's 16 keys on, then row1's; the fragment takes them as keys 4c .. 4c + 3
+// (16 on), which is the order vt's keys are stored in.
+__device__ __forceinline__ void to_fragments(const float (&s)[BC / 2], u32 (&p)[P_STEPS][4]) {
 #pragma unroll
-    for (int t = 0; t < BC / 16; ++t) {
+    for (int t = 0; t < P_STEPS; ++t) {
+        const float* g = s + 16 * t;
+        p[t][0] = pack_e4m3(g[0], g[1], g[4], g[5]);
+        p[t][1] = pack_e4m3(g[2], g[3], g[6], g[7]);
+        p[t][2] = pack_e4m3(g[8], g[9], g[12], g[13]);
+        p[t][3] = pack_e4m3(g[10], g[11], g[14], g[15]);
+    }
+}
+#else
+// P in 16 bits as `wgmma`'s A fragments: keys 16t .. 16t + 15 are accumulator groups 2t, 2t + 1.
+__device__ __forceinline__ void to_fragments(const float (&s)[BC / 2], u32 (&p)[P_STEPS][4]) {
+#pragma unroll
+    for (int t = 0; t < P_STEPS; ++t) {
         p[t][0] = pack(s[8 * t], s[8 * t + 1]);
         p[t][1] = pack(s[8 * t + 2], s[8 * t + 3]);
         p[t][2] = pack(s[8 * t + 4], s[8 * t + 5]);
         p[t][3] = pack(s[8 * t + 6], s[8 * t + 7]);
     }
 }
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
     const unsigned short* __restrict__ q,
@@ -236,6 +311,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
     const unsigned short* __restrict__ v,
     unsigned short* __restrict__ out,
     float* __restrict__ lse,
+#if FP8
+    const float* __restrict__ q_scale,
+    const float* __restrict__ k_scale,
+    const float* __restrict__ v_scale,
+#endif
     const __grid_constant__ Info info) {
     extern __shared__ unsigned char smem_raw[];
     // The swizzle is a function of the address bits: tiles start on 1024-byte boundaries.
@@ -281,22 +361,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
                 bar_wait(q_empty(buf), ((n / 2u) & 1u) ^ 1u);
                 bar_expect(q_full(buf), Q_BYTES);
 #pragma unroll
-                for (int seg = 0; seg < HD / 64; ++seg)
+                for (int seg = 0; seg < SEGMENTS; ++seg)
                     tma_load(sq(buf) + seg * (BR * 128), &info.q_map, q_full(buf), seg * 64, (int)tile.q0, hq, bb);
                 for (long long j = 0; j < tile.blocks; ++j, ++kv) {
                     const u32 st = (u32)(kv % STAGES), parity = (u32)((kv / STAGES) & 1);
                     bar_wait(k_empty(st), parity ^ 1u);
                     bar_expect(k_full(st), KV_BYTES);
 #pragma unroll
-                    for (int seg = 0; seg < HD / 64; ++seg)
+                    for (int seg = 0; seg < SEGMENTS; ++seg)
                         tma_load(sk + st * KV_BYTES + seg * (BC * 128), &info.k_map, k_full(st), seg * 64,
                                  (int)(j * BC), hk, bb);
                     bar_wait(v_empty(st), parity ^ 1u);
                     bar_expect(v_full(st), KV_BYTES);
+#if FP8
+                    // V^T: the block's BC keys of all HD rows.
+                    tma_load(sv + st * KV_BYTES, &info.v_map, v_full(st), (int)(j * BC), 0, hk, bb);
+#else
 #pragma unroll
                     for (int seg = 0; seg < HD / 64; ++seg)
                         tma_load(sv + st * KV_BYTES + seg * (BC * 128), &info.v_map, v_full(st), seg * 64,
                                  (int)(j * BC), hk, bb);
+#endif
                 }
             }
         }
@@ -336,7 +421,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
         float o[HD / 2];
 #pragma unroll
         for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
-        u32 p[BC / 16][4];
+        u32 p[P_STEPS][4];
+#if FP8
+        // This warpgroup's q scale (its 64 rows are one scale block; a warpgroup past the end
+        // takes the last) and its (batch, kv head)'s k and v scales; `v_now` is the one O is
+        // kept in units of.
+        const u64 kv_heads = info.heads / info.group, k_scale_blocks = (info.seq_k + BC - 1) / BC;
+        const u64 q_scale_blocks = (info.seq_q + 63) / 64;
+        const u64 q_block = min((u64)q0 / 64u + cw, q_scale_blocks - 1);
+        const float q_scaled = scale_log2 * q_scale[(tile.b * info.heads + tile.h) * q_scale_blocks + q_block];
+        const float* ks = k_scale + (tile.b * kv_heads + tile.h / info.group) * k_scale_blocks;
+        const float* vs = v_scale + (tile.b * kv_heads + tile.h / info.group) * k_scale_blocks;
+        float v_now = vs[0];
+        // Block j's factor from scores to the softmax's exponent.
+        auto block_scale = [&](long long j) { return q_scaled * ks[j]; };
+#else
+        auto block_scale = [&](long long) { return scale_log2; };
+#endif
         // Running maxima (of the scores times scale * log2(e)) and this thread's partial sums.
         float m[2] = {neg_inf, neg_inf}, l[2] = {0.f, 0.f}, alpha[2], sum[2];
 
@@ -351,7 +452,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
         release(k_empty(stage(0)));
         if (blocks == 1) release(q_empty(buf));
         if (masked(0)) mask_scores(s, 0, seq_k, row0, row1, col_in);
-        softmax_step(s, scale_log2, m, alpha, sum);
+        softmax_step(s, block_scale(0), m, alpha, sum);
         l[0] = sum[0];
         l[1] = sum[1];
         to_fragments(s, p);
@@ -362,6 +463,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
             const u32 st = stage(j);
             if (j + 1 < blocks) {
                 const u32 st1 = stage(j + 1);
+                // Read while the products run.
+                const float next_scale = block_scale(j + 1);
+#if FP8
+                const float v_next = vs[j + 1];
+#endif
                 bar_wait(k_full(st1), parity(j + 1));
                 bar_wait(v_full(st), parity(j));
                 turn_wait(cw);
@@ -376,10 +482,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
                 // The tile's last scores are done: its Q buffer takes the tile after next.
                 if (j + 2 == blocks) release(q_empty(buf));
                 if (masked(j + 1)) mask_scores(s, (j + 1) * BC, seq_k, row0, row1, col_in);
-                softmax_step(s, scale_log2, m, alpha, sum);
+                softmax_step(s, next_scale, m, alpha, sum);
                 wgmma_wait<0>();
                 fence_regs(o);
                 release(v_empty(st));
+#if FP8
+                // O from block j's v units to block j + 1's.
+                const float v_ratio = v_now / v_next;
+                v_now = v_next;
+                l[0] = l[0] * alpha[0] + sum[0];
+                l[1] = l[1] * alpha[1] + sum[1];
+                alpha[0] *= v_ratio;
+                alpha[1] *= v_ratio;
+#endif
 #pragma unroll
                 for (int i = 0; i < HD / 8; ++i) {
                     o[i * 4] *= alpha[0];
@@ -387,8 +502,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
                     o[i * 4 + 2] *= alpha[1];
                     o[i * 4 + 3] *= alpha[1];
                 }
+#if !FP8
                 l[0] = l[0] * alpha[0] + sum[0];
                 l[1] = l[1] * alpha[1] + sum[1];
+#endif
                 to_fragments(s, p);
             } else {
                 bar_wait(v_full(st), parity(j));
@@ -409,7 +526,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
         for (int r = 0; r < 2; ++r) {
             l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
             l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+#if FP8
+            inv[r] = l[r] > 0.f ? v_now / l[r] : 0.f;
+#else
             inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+#endif
         }
         // Each row's address once: its stores (columns 8i + col_in) then take constant offsets.
         unsigned short* op = out + tile.b * info.o_b + tile.h * info.o_h + col_in;
@@ -426,8 +547,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
         if (lane % 4u == 0u) {
             const float ln2 = 0.6931471805599453f;
             float* lp = lse + (tile.b * info.heads + tile.h) * info.seq_q;
+#if FP8
+            // P carried a factor 2^8.
+            if (row0 < seq_q) lp[row0] = (m[0] + lg2(l[0]) - 8.f) * ln2;
+            if (row1 < seq_q) lp[row1] = (m[1] + lg2(l[1]) - 8.f) * ln2;
+#else
             if (row0 < seq_q) lp[row0] = (m[0] + lg2(l[0])) * ln2;
             if (row1 < seq_q) lp[row1] = (m[1] + lg2(l[1])) * ln2;
+#endif
         }
     }
 }

@@ -12,6 +12,7 @@
 //! ([`crate::settings::Settings::flash_hopper`]) turns both kernels off.
 
 mod backward;
+mod fp8;
 mod launch;
 mod schedule;
 mod tensor_map;
@@ -28,19 +29,26 @@ use super::dims::Dims;
 use crate::cuda_source::{device_facts, CudaSource};
 use crate::gemm::cublaslt::as_cuda as cuda;
 pub(crate) use backward::{applies_backward, backward};
+pub(crate) use fp8::{applies_fp8, forward_fp8};
 use launch::Launch;
-use tensor_map::{MapOf, STAND_IN_ADDRESS};
+use tensor_map::{MapElement, MapOf, STAND_IN_ADDRESS};
 
 // How often the Hopper kernels ran, and how often one applied but could not run, in this process
 // (see `crate::attention::hopper_calls`).
 static FORWARD_RUNS: AtomicUsize = AtomicUsize::new(0);
+static FORWARD_FP8_RUNS: AtomicUsize = AtomicUsize::new(0);
 static BACKWARD_RUNS: AtomicUsize = AtomicUsize::new(0);
 static REFUSALS: AtomicUsize = AtomicUsize::new(0);
 
-/// `(forward runs, backward runs, refusals)`.
-pub(crate) fn calls() -> (usize, usize, usize) {
+/// `(forward runs, FP8 forward runs, backward runs, refusals)`.
+pub(crate) fn calls() -> (usize, usize, usize, usize) {
     let load = |c: &AtomicUsize| c.load(Ordering::Relaxed);
-    (load(&FORWARD_RUNS), load(&BACKWARD_RUNS), load(&REFUSALS))
+    (
+        load(&FORWARD_RUNS),
+        load(&FORWARD_FP8_RUNS),
+        load(&BACKWARD_RUNS),
+        load(&REFUSALS),
+    )
 }
 
 /// The two Hopper kernels, as a refusal names them.
@@ -48,20 +56,41 @@ pub(crate) fn calls() -> (usize, usize, usize) {
 pub(crate) enum Kernel {
     Forward,
     Backward,
+    ForwardFp8,
 }
 
 /// A Hopper kernel could not run a call it applies to (the driver refused a tensor map), so the
-/// CubeCL kernels run it: counted, and said once per process and kernel.
+/// CubeCL kernels run it (the 16-bit forward, for the FP8 one): counted, and said once per
+/// process and kernel.
 pub(crate) fn refused(kernel: Kernel, why: &str) {
-    static WARNED: [AtomicBool; 2] = [AtomicBool::new(false), AtomicBool::new(false)];
+    static WARNED: [AtomicBool; 3] = [
+        AtomicBool::new(false),
+        AtomicBool::new(false),
+        AtomicBool::new(false),
+    ];
     REFUSALS.fetch_add(1, Ordering::Relaxed);
-    let what = match kernel {
-        Kernel::Forward => "forward",
-        Kernel::Backward => "backward",
+    let (what, instead) = match kernel {
+        Kernel::Forward => ("forward", "the CubeCL kernels run"),
+        Kernel::Backward => ("backward", "the CubeCL kernels run"),
+        Kernel::ForwardFp8 => ("FP8 forward", "the 16-bit forward runs"),
     };
     if !WARNED[kernel as usize].swap(true, Ordering::Relaxed) {
         eprintln!(
-            "warning: kernels::attention: the Hopper {what} cannot run ({why}); the CubeCL kernels run instead"
+            "warning: kernels::attention: the Hopper {what} cannot run ({why}); {instead} instead"
+        );
+    }
+}
+
+/// `BURNMIX_FLASH_FP8` is on but a forward does not meet what the FP8 kernel takes (a Hopper GPU,
+/// f16 or bf16, head_dim 64 or 128, no dropout; see `runs_on`): it runs in 16 bits, said once per
+/// process, and counted in neither the FP8 runs nor the refusals.
+pub(crate) fn fp8_not_applicable() {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "warning: kernels::attention: BURNMIX_FLASH_FP8 is on, but a forward is not one the \
+             FP8 kernel takes (f16/bf16 at head_dim 64 or 128, no dropout, a compute capability \
+             9.0 GPU, the Hopper kernels on): such calls run in 16 bits"
         );
     }
 }
@@ -105,12 +134,15 @@ impl Shape {
         128 * (self.consumers as u32 + 1)
     }
 
-    /// Dynamic shared memory a block takes: two Q buffers and the stages of K and V (16-bit),
-    /// their barriers (8 bytes each), plus 1 KB so that the kernel can start its tiles on
-    /// 1024-byte boundaries (its swizzle is a function of the address). 193 KB at head_dim 128,
-    /// within the 227 KB a Hopper block may have; 113 KB at most at head_dim 64.
-    fn shared_bytes(&self, hd: usize) -> usize {
-        (2 * self.block_q() + 2 * self.stages * BLOCK_K) * hd * 2 + 8 * (4 + 4 * self.stages) + 1024
+    /// Dynamic shared memory a block takes: two Q buffers and the stages of K and V (elements
+    /// of `size` bytes), their barriers (8 bytes each), plus 1 KB so that the kernel can start
+    /// its tiles on 1024-byte boundaries (its swizzle is a function of the address). 193 KB at
+    /// head_dim 128 in 16 bits, within the 227 KB a Hopper block may have; 113 KB at most at
+    /// head_dim 64; half of the tiles' bytes in FP8.
+    fn shared_bytes(&self, hd: usize, size: usize) -> usize {
+        (2 * self.block_q() + 2 * self.stages * BLOCK_K) * hd * size
+            + 8 * (4 + 4 * self.stages)
+            + 1024
     }
 }
 
@@ -127,7 +159,7 @@ pub(crate) fn applies<R: CubeRuntime>(
         &[q, k, v],
         d,
         dropout,
-        Shape::at(d.hd, false, d.seq_q).shared_bytes(d.hd),
+        Shape::at(d.hd, false, d.seq_q).shared_bytes(d.hd, 2),
     )
 }
 
@@ -171,13 +203,30 @@ fn runs_on<R: CubeRuntime>(
 /// The TMA tensor map (but for its address) over a `[batch, heads, seq, hd]` tensor, in boxes of
 /// `rows` rows.
 fn map_of(t: &CubeTensor<CudaRuntime>, rows: usize) -> MapOf {
+    let element = if t.dtype == DType::BF16 {
+        MapElement::Bf16
+    } else {
+        MapElement::F16
+    };
+    map_in_boxes(t, rows, 64, element)
+}
+
+/// The TMA tensor map (but for its address) over a `[batch, heads, rows, cols]` tensor, in boxes
+/// of `box_cols` columns by `rows` rows.
+fn map_in_boxes(
+    t: &CubeTensor<CudaRuntime>,
+    rows: usize,
+    box_cols: usize,
+    element: MapElement,
+) -> MapOf {
     let (dims, s) = (t.meta.shape(), t.meta.strides());
     MapOf {
         device: t.device.index,
         shape: [dims[0], dims[1], dims[2], dims[3]],
         strides: [s[0], s[1], s[2]],
         rows: rows as u32,
-        bf16: t.dtype == DType::BF16,
+        box_cols: box_cols as u32,
+        element,
     }
 }
 
@@ -209,15 +258,6 @@ pub(crate) fn forward<R: CubeRuntime>(
         [q, k, v, out, lse].into_iter().map(cuda).collect();
     let tensors = tensors.expect("hopper::forward runs only where `applies` said yes (CUDA)");
     let shape = Shape::at(d.hd, causal, d.seq_q);
-    let q_blocks = d.seq_q.div_ceil(shape.block_q());
-    let pairs = d.batch * d.heads;
-    // forward.cu numbers its tiles in 32 bits.
-    if q_blocks.saturating_mul(pairs) > u32::MAX as usize {
-        return Err(format!(
-            "{q_blocks} query blocks x {pairs} (batch, head) pairs: at most 2^32 - 1 tiles"
-        ));
-    }
-    let bf16 = q.dtype == DType::BF16;
     // The tensor maps: q in boxes of a block's query rows, k and v in blocks of keys.
     let maps: Vec<MapOf> = tensors[..3]
         .iter()
@@ -225,56 +265,94 @@ pub(crate) fn forward<R: CubeRuntime>(
         .map(|(t, rows)| map_of(t, rows))
         .collect();
     check_maps(&maps)?;
-    let so = tensors[3].meta.strides();
-    let mut words: Vec<u64> = [d.heads, d.group, d.seq_q, d.seq_k, so[0], so[1], so[2]]
-        .map(|x| x as u64)
-        .to_vec();
-    words.push(u64::from((scale * std::f32::consts::LOG2_E).to_bits()));
-    // Persistent blocks, one per SM, over q_blocks x (batch x heads) tiles; under the causal mask
-    // the tiles go through sections of (batch, head) pairs whose keys and values fit in half of
-    // L2, of the size that evens out the blocks' loads (`schedule.rs`).
-    let facts = device_facts(tensors[0]).ok_or("the driver did not give the GPU's attributes")?;
-    // A k/v head's keys and values serve `group` consecutive pairs.
-    let kv_bytes = (2 * d.seq_k * d.hd * 2).div_ceil(d.group.max(1));
-    let fits = (facts.l2_bytes as usize / 2 / kv_bytes.max(1)).clamp(1, pairs.max(1));
-    let grid = (q_blocks * pairs).min(facts.multiprocessors as usize);
-    let section = if causal {
-        let tiles = schedule::CausalTiles {
-            seq_q: d.seq_q,
-            seq_k: d.seq_k,
-            block_q: shape.block_q(),
-            pairs,
-            grid,
-        };
-        schedule::causal_section(tiles, fits)
-    } else {
-        fits
-    };
-    words.extend([q_blocks, pairs, section].map(|x| x as u64));
-    // `Info` in forward.cu: the three maps, then these words, in this order.
-    debug_assert_eq!(
-        words.len(),
-        11,
-        "forward.cu's Info has 11 words after its maps"
-    );
-    let defines = format!(
-        "#define HD {}\n#define IS_BF16 {}\n#define CAUSAL {}\n#define CONSUMERS {}\n#define STAGES {}\n",
-        d.hd,
-        u8::from(bf16),
-        u8::from(causal),
-        shape.consumers,
-        shape.stages
-    );
-    let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(shape.threads()))
-        .with_shared(shape.shared_bytes(d.hd));
-    let cubes = (grid as u32, 1, 1);
-    launch::queue(Launch {
+    let bf16 = q.dtype == DType::BF16;
+    let job = ForwardJob {
         tensors: tensors.into_iter().cloned().collect(),
         maps,
-        words,
-        kernel,
-        cubes,
-    });
+        fp8: false,
+        bf16,
+    };
+    job.queue(d, causal, scale)?;
     FORWARD_RUNS.fetch_add(1, Ordering::Relaxed);
     Ok(())
+}
+
+/// A forward launch but for its `Info` words and grid: the kernel's tensors in its parameters'
+/// order (the three mapped ones first), their maps, and the variant.
+struct ForwardJob {
+    tensors: Vec<CubeTensor<CudaRuntime>>,
+    maps: Vec<MapOf>,
+    /// e4m3 inputs with block scales (`forward.cu`'s FP8), else 16-bit.
+    fp8: bool,
+    /// bf16 output (and inputs, when 16-bit), else f16.
+    bf16: bool,
+}
+
+impl ForwardJob {
+    /// Completes the `Info` words (the tile order's section size among them) and queues the
+    /// launch; refuses 2^32 tiles or more before anything is queued.
+    fn queue(self, d: &Dims, causal: bool, scale: f32) -> Result<(), String> {
+        let shape = Shape::at(d.hd, causal, d.seq_q);
+        let q_blocks = d.seq_q.div_ceil(shape.block_q());
+        let pairs = d.batch * d.heads;
+        // forward.cu numbers its tiles in 32 bits.
+        if q_blocks.saturating_mul(pairs) > u32::MAX as usize {
+            return Err(format!(
+                "{q_blocks} query blocks x {pairs} (batch, head) pairs: at most 2^32 - 1 tiles"
+            ));
+        }
+        let so = self.tensors[3].meta.strides();
+        let mut words: Vec<u64> = [d.heads, d.group, d.seq_q, d.seq_k, so[0], so[1], so[2]]
+            .map(|x| x as u64)
+            .to_vec();
+        words.push(u64::from((scale * std::f32::consts::LOG2_E).to_bits()));
+        // Persistent blocks, one per SM, over q_blocks x (batch x heads) tiles; under the causal
+        // mask the tiles go through sections of (batch, head) pairs whose keys and values fit in
+        // half of L2, of the size that evens out the blocks' loads (`schedule.rs`).
+        let facts =
+            device_facts(&self.tensors[0]).ok_or("the driver did not give the GPU's attributes")?;
+        // A k/v head's keys and values serve `group` consecutive pairs.
+        let size = if self.fp8 { 1 } else { 2 };
+        let kv_bytes = (2 * d.seq_k * d.hd * size).div_ceil(d.group.max(1));
+        let fits = (facts.l2_bytes as usize / 2 / kv_bytes.max(1)).clamp(1, pairs.max(1));
+        let grid = (q_blocks * pairs).min(facts.multiprocessors as usize);
+        let section = if causal {
+            let tiles = schedule::CausalTiles {
+                seq_q: d.seq_q,
+                seq_k: d.seq_k,
+                block_q: shape.block_q(),
+                pairs,
+                grid,
+            };
+            schedule::causal_section(tiles, fits)
+        } else {
+            fits
+        };
+        words.extend([q_blocks, pairs, section].map(|x| x as u64));
+        // `Info` in forward.cu: the three maps, then these words, in this order.
+        debug_assert_eq!(
+            words.len(),
+            11,
+            "forward.cu's Info has 11 words after its maps"
+        );
+        let defines = format!(
+            "#define HD {}\n#define IS_BF16 {}\n#define CAUSAL {}\n#define CONSUMERS {}\n#define STAGES {}\n#define FP8 {}\n",
+            d.hd,
+            u8::from(self.bf16),
+            u8::from(causal),
+            shape.consumers,
+            shape.stages,
+            u8::from(self.fp8)
+        );
+        let kernel = CudaSource::new(ENTRY, defines, SOURCE, CubeDim::new_1d(shape.threads()))
+            .with_shared(shape.shared_bytes(d.hd, size));
+        launch::queue(Launch {
+            tensors: self.tensors,
+            maps: self.maps,
+            words,
+            kernel,
+            cubes: (grid as u32, 1, 1),
+        });
+        Ok(())
+    }
 }

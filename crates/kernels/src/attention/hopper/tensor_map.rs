@@ -11,58 +11,78 @@ use crate::cuda_context::with_primary_context;
 /// shapes, strides and boxes are answered before the launch is queued.
 pub(super) const STAND_IN_ADDRESS: u64 = 1 << 20;
 
-/// A tensor map but for its address: over a 16-bit `[batch, heads, seq, hd]` tensor with element
-/// strides `strides` (batch, heads, seq; the last dimension contiguous), copied in boxes of 64
-/// columns by `rows` rows with the 128-byte swizzle (the layout `wgmma` reads); rows past `seq`
-/// read as zeros.
+/// The element type of a mapped tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum MapElement {
+    F16,
+    Bf16,
+    /// FP8 e4m3 codes, mapped as bytes.
+    E4m3,
+}
+
+impl MapElement {
+    fn bytes(self) -> u64 {
+        match self {
+            MapElement::F16 | MapElement::Bf16 => 2,
+            MapElement::E4m3 => 1,
+        }
+    }
+}
+
+/// A tensor map but for its address: over a `[batch, heads, seq, cols]` tensor with element
+/// strides `strides` (batch, heads, seq; the last dimension contiguous), copied in boxes of
+/// `box_cols` columns by `rows` rows with the swizzle of the box's row width (128 or 64 bytes:
+/// the layout `wgmma` reads); rows past `seq` and columns past `cols` read as zeros. The 16-bit
+/// kernels take boxes of 64 columns; the FP8 forward's byte boxes are head_dim (q, k) or 128 keys
+/// (v transposed) wide.
 pub(super) struct MapOf {
     /// The CUDA device (index) that holds the tensor.
     pub(super) device: usize,
     pub(super) shape: [usize; 4],
     pub(super) strides: [usize; 3],
     pub(super) rows: u32,
-    pub(super) bf16: bool,
+    pub(super) box_cols: u32,
+    pub(super) element: MapElement,
 }
 
 impl MapOf {
     /// The map at device address `ptr`: its 16 words, as the kernel's `TensorMap`, or the
     /// driver's refusal.
     pub(super) fn encode(&self, ptr: u64) -> Result<[u64; 16], String> {
-        with_primary_context(self.device, || {
-            encode(ptr, self.shape, self.strides, self.rows, self.bf16)
-        })?
+        with_primary_context(self.device, || encode(ptr, self))?
     }
 }
 
-fn encode(
-    ptr: u64,
-    shape: [usize; 4],
-    strides: [usize; 3],
-    rows: u32,
-    bf16: bool,
-) -> Result<[u64; 16], String> {
+fn encode(ptr: u64, map: &MapOf) -> Result<[u64; 16], String> {
+    let (shape, strides, rows, cols) = (map.shape, map.strides, map.rows, map.box_cols);
+    let size = map.element.bytes();
     let [batch, heads, seq, hd] = shape;
     // Innermost first: hd, seq, heads, batch. A dimension of size 1 is never stepped, so its
     // stride may be anything the driver accepts: the extent of the ones inside it.
     let dims = [hd as u64, seq as u64, heads as u64, batch as u64];
     let mut bytes = [
-        strides[2] as u64 * 2,
-        strides[1] as u64 * 2,
-        strides[0] as u64 * 2,
+        strides[2] as u64 * size,
+        strides[1] as u64 * size,
+        strides[0] as u64 * size,
     ];
-    let mut extent = hd as u64 * 2;
+    let mut extent = hd as u64 * size;
     for (i, stride) in bytes.iter_mut().enumerate() {
         if dims[i + 1] == 1 {
             *stride = extent.next_multiple_of(16);
         }
         extent = extent.max(*stride * dims[i + 1]);
     }
-    let boxes = [64u32, rows, 1, 1];
+    let boxes = [cols, rows, 1, 1];
     let unit = [1u32; 4];
-    let data = if bf16 {
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    let data = match map.element {
+        MapElement::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        MapElement::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        MapElement::E4m3 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+    };
+    let swizzle = if u64::from(cols) * size == 64 {
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B
     } else {
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
     };
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     // SAFETY: every array holds the rank's (4, or 3 for the strides) entries the driver reads;
@@ -78,14 +98,14 @@ fn encode(
             boxes.as_ptr(),
             unit.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };
     if result != sys::CUresult::CUDA_SUCCESS {
         return Err(format!(
-            "cuTensorMapEncodeTiled refused shape {shape:?}, element strides {strides:?}, box 64 x {rows}: {result:?}"
+            "cuTensorMapEncodeTiled refused shape {shape:?}, element strides {strides:?}, box {cols} x {rows}: {result:?}"
         ));
     }
     Ok(map.opaque)
