@@ -24,6 +24,9 @@
 //!
 //! `--gqa` instead compares grouped-query with multi-head attention at Llama 3.2 1B's shape.
 //!
+//! `BURNMIX_FLASH_FP8=on` times the Hopper forward in FP8 (its quantization of q, k and v
+//! included); the path column then says `hopper fp8` (`hopper` for the 16-bit Hopper forward).
+//!
 //! `cargo run --release --bin attention_bench -- [--dtype bf16] [--seqs 1024,2048,4096,8192]
 //!  [--head-dims 64,128] [--no-burn] [--memory] [--qkv] [--gqa]`
 
@@ -327,7 +330,17 @@ fn main() {
                         dropout,
                     )
                 };
+                let before = kernels::attention::hopper_calls();
                 let t_fwd = time::<C>(&dev, args.iters, args.reps, &mut || drop(forward()));
+                let after = kernels::attention::hopper_calls();
+                // Which forward the timing took, where it was a Hopper kernel.
+                let path = if after.forward_fp8 > before.forward_fp8 {
+                    "hopper fp8".to_string()
+                } else if after.forward > before.forward {
+                    "hopper".to_string()
+                } else {
+                    path
+                };
                 let (o, lse) = forward();
                 let g = randn::<C>(shape, dt, &dev);
                 let t_bwd = time::<C>(&dev, args.iters, args.reps, &mut || {

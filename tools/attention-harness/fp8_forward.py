@@ -50,11 +50,14 @@ def lib_name(hd, causal, cons):
 
 def build(out_dir, nvcc):
     os.makedirs(out_dir, exist_ok=True)
-    jobs = {}
+    quantizers = {}
     for hd in (64, 128):
         for rows in (Q_ROWS, K_ROWS):
-            jobs[f"quantizer hd {hd} rows {rows}"] = (os.path.join(out_dir, f"fq_{hd}_{rows}.so"),
-                                                      [f"-DHD={hd}", "-DIS_BF16=1", f"-DROWS={rows}"])
+            quantizers[f"quantizer hd {hd} rows {rows}"] = (os.path.join(out_dir, f"fq_{hd}_{rows}.so"),
+                                                            [f"-DHD={hd}", "-DIS_BF16=1", f"-DROWS={rows}"])
+    if not build_variants(nvcc, os.path.join(HERE, "host_quant.cu"), "attention_fp8_vt", quantizers):
+        return False
+    jobs = {}
     for hd, causal, cons in fp8_variants():
         jobs[f"fp8 hd {hd} {'causal' if causal else 'full'} {cons} consumers"] = (
             os.path.join(out_dir, lib_name(hd, causal, cons)),
@@ -75,8 +78,9 @@ def block_scales(x, rows):
     """f32 [b, h, blocks]: amax / 448 of each block of `rows` rows (1 where the block is zero)."""
     b, h, s, d = x.shape
     n = -(-s // rows)
-    amax = F.pad(x.float().abs(), (0, 0, 0, n * rows - s)).view(b, h, n, rows * d).amax(-1)
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    amax = F.pad(x.float().abs(), (0, 0, 0, n * rows - s)).reshape(b, h, n, rows * d).amax(-1)
+    # A true division, as the kernel's (PyTorch multiplies by the reciprocal of a Python scalar).
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 def per_row(scale, rows, s):
