@@ -84,6 +84,17 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
     // named, rather than at the first kernel.
     kernels::settings::init_from_env().map_err(|e| anyhow::anyhow!("{e}"))?;
     let run = cfg.resolve(device)?;
+    // `fp8.attention`: the kernels' FP8 attention forward for this run (Hopper GPUs; elsewhere
+    // the kernels say once that it does not apply and attention runs in the compute dtype).
+    let _fp8_attention = (run.config.precision == precision::PrecisionKind::Fp8
+        && run.config.fp8.attention)
+        .then(|| kernels::settings::scoped(|s| s.flash_fp8 = true));
+    if _fp8_attention.is_some() && !matches!(device, device::Selected::Cuda { .. }) {
+        eprintln!(
+            "note: fp8.attention = true runs the attention forward in FP8 on Hopper GPUs only; on {} it stays in the compute dtype",
+            device.describe()
+        );
+    }
     let (world, processes) = match &opts.place {
         Some(place) => (place.world_size, true),
         None => (run.ranks.len().max(1), false),

@@ -146,6 +146,10 @@ pub struct Fp8Config {
     /// codes and 128 x 128 block scales (about half of bf16's bytes; needs `scaling = "tile"` and
     /// `pow2_scales`), instead of in the compute dtype (`trainer::parallel::fsdp`).
     pub gather_codes: bool,
+    /// Experimental: the attention forward in FP8 too, on Hopper GPUs (e4m3 q, k, v with block
+    /// scales, FlashAttention-3's recipe; the backward in the compute dtype): the kernels' setting
+    /// `flash_fp8` (`BURNMIX_FLASH_FP8`) for the run.
+    pub attention: bool,
 }
 
 impl Default for Fp8Config {
@@ -165,6 +169,7 @@ impl Default for Fp8Config {
             amax_history: 0,
             health_interval: 100,
             gather_codes: false,
+            attention: false,
         }
     }
 }

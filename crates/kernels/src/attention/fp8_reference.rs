@@ -3,8 +3,10 @@
 //! from what FP8 itself costs. q is quantized with one scale per 64 rows, k and v per 128 rows, of
 //! each (batch, head) (scale = amax / 448, 1 for a block of zeros; values rounded to e4m3 by
 //! [`crate::fp8::reference::encode`]); then attention on the dequantized values with P rounded to
-//! e4m3 as the kernel rounds it: `exp(s - row max) * 256` rounded, divided by the sum of the
-//! unrounded terms. The rounding runs on the host (it materialises the scores there too).
+//! e4m3: `exp(s - row max) * 256` rounded, divided by the sum of the unrounded terms. The kernel
+//! rounds against the running maximum of the key blocks it has seen, this against the row's
+//! final one, so the two round the terms of a row whose maximum grows a little differently. The
+//! rounding runs on the host (it materialises the scores there too).
 
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::{Tensor, TensorData};
@@ -22,13 +24,14 @@ const P_FACTOR: f32 = 256.0;
 /// `x` `[batch, heads, seq, head_dim]` quantized to e4m3 with one scale per `rows` rows of each
 /// (batch, head), and dequantized (in f32).
 pub fn fp8_blocks<B: BurnBackend>(x: Tensor<B, 4>, rows: usize) -> Tensor<B, 4> {
+    assert!(rows > 0, "fp8_blocks: rows must be at least 1");
     let dims = x.dims();
     let dev = x.device();
     let row_len = dims[2] * dims[3];
     let block_len = rows * dims[3];
     let mut data = to_f32(x);
     for pair in data.chunks_mut(row_len.max(1)) {
-        for block in pair.chunks_mut(block_len) {
+        for block in pair.chunks_mut(block_len.max(1)) {
             let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
             let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
             for v in block.iter_mut() {

@@ -4,17 +4,18 @@
 // tensor cores from registers, and the consumers' GEMMs issued in turn so that one warpgroup's
 // softmax runs while another's products are on the tensor cores. The CUDA C++ counterpart of the
 // CubeCL kernel `flash_forward_mma` (attention/mma/forward.rs): the same inputs, output and
-// log-sum-exp, for 16-bit inputs at head_dim 64 and 128 without dropout. Compiled at run time by
+// log-sum-exp, for 16-bit inputs (or, with FP8, their e4m3 copies) at head_dim 64 and 128 without
+// dropout. Compiled at run time by
 // NVRTC for sm_90a (through CubeCL, see cuda_source.rs) with these macros defined before this
 // text:
 //   HD        head_dim: 64 or 128
-//   IS_BF16   1: bf16 inputs and output, 0: f16
+//   IS_BF16   1: bf16 output (and inputs, without FP8), 0: f16
 //   CAUSAL    1: query i sees keys j <= i (aligned at the first position, as PyTorch's
 //             `is_causal`); 0: every key
 //   CONSUMERS consumer warpgroups, each of 64 query rows (2 or 3)
 //   STAGES    key/value blocks in shared memory at once (the launcher takes 2)
-//   FP8       1: e4m3 inputs with block scales (see "FP8" below), bf16 output (IS_BF16 1);
-//             0 or undefined: 16-bit inputs
+//   FP8       1: e4m3 inputs with block scales (see "FP8" below; its tiles, boxes, swizzle and
+//             products differ from the 16-bit ones described next); 0 or undefined: 16-bit
 //
 // Tensors: q [batch, heads, seq_q, HD], k and v [batch, kv_heads, seq_k, HD] (query head h reads
 // k/v head h / group), each read through a TMA tensor map the launcher encodes (innermost first:

@@ -16,8 +16,8 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 
 use super::{
-    check_maps, cuda, map_in_boxes, runs_on, Dims, ForwardJob, MapElement, Shape, BLOCK_K,
-    FORWARD_FP8_RUNS,
+    check_maps, check_tiles, cuda, map_in_boxes, runs_on, Dims, ForwardJob, MapElement, Shape,
+    BLOCK_K, FORWARD_FP8_RUNS,
 };
 use crate::cuda_source::{launch as launch_cuda, CudaSource};
 
@@ -101,6 +101,8 @@ pub(crate) fn forward_fp8<R: CubeRuntime>(
         map_in_boxes(&vt8, d.hd, BLOCK_K, e4m3),
     ];
     check_maps(&maps)?;
+    // Refused before anything is launched (`ForwardJob::queue` checks again).
+    check_tiles(d, causal)?;
     let bf16 = q.dtype == DType::BF16;
     quantize(q, &q8, &q_scale, Q_ROWS, false, bf16);
     quantize(k, &k8, &k_scale, KEY_ROWS, false, bf16);

@@ -1,15 +1,16 @@
-//! FlashAttention's forward (`forward.cu`, launched here) and backward (`backward.cu`, see
-//! `backward.rs`) on Hopper GPUs (compute capability 9.0) in CUDA C++, sharing the device helpers
-//! of `common.cuh`. The forward is built as FlashAttention-3 builds it: TMA copies from a
-//! producer warp (through the tensor maps of `tensor_map.rs`), warpgroup MMA (`wgmma`) from
-//! 128-byte-swizzled shared memory in consumer warpgroups that take turns at the tensor cores.
+//! FlashAttention's forward (`forward.cu`, launched here; in FP8 through `fp8.rs`, experimental)
+//! and backward (`backward.cu`, see `backward.rs`) on Hopper GPUs (compute capability 9.0) in
+//! CUDA C++, sharing the device helpers of `common.cuh`. The forward is built as FlashAttention-3
+//! builds it: TMA copies from a producer warp (through the tensor maps of `tensor_map.rs`),
+//! warpgroup MMA (`wgmma`) from swizzled shared memory in consumer warpgroups that take turns at
+//! the tensor cores.
 //! CubeCL 0.10 can express none of these; the kernels are compiled by NVRTC for sm_90a and
 //! launched on CubeCL's stream with CubeCL's buffers (see `cuda_source.rs`). The forward computes
 //! what the CubeCL kernel `flash_forward_mma` computes (the output and the f32 log-sum-exp the
 //! backward recomputes P from) for f16 and bf16 inputs at head_dim 64 and 128 without dropout;
 //! every other call, and every GPU other than sm_90, takes the CubeCL kernels, which stay the
 //! reference. `BURNMIX_FLASH_HOPPER=off`
-//! ([`crate::settings::Settings::flash_hopper`]) turns both kernels off.
+//! ([`crate::settings::Settings::flash_hopper`]) turns them all off.
 
 mod backward;
 mod fp8;
@@ -51,7 +52,7 @@ pub(crate) fn calls() -> (usize, usize, usize, usize) {
     )
 }
 
-/// The two Hopper kernels, as a refusal names them.
+/// The Hopper kernels, as a refusal names them.
 #[derive(Clone, Copy)]
 pub(crate) enum Kernel {
     Forward,
@@ -59,9 +60,9 @@ pub(crate) enum Kernel {
     ForwardFp8,
 }
 
-/// A Hopper kernel could not run a call it applies to (the driver refused a tensor map), so the
-/// CubeCL kernels run it (the 16-bit forward, for the FP8 one): counted, and said once per
-/// process and kernel.
+/// A Hopper kernel could not run a call it applies to (the driver refused a tensor map, or the
+/// call has more tiles or blocks than the kernel numbers), so the CubeCL kernels run it (the
+/// 16-bit forward, for the FP8 one): counted, and said once per process and kernel.
 pub(crate) fn refused(kernel: Kernel, why: &str) {
     static WARNED: [AtomicBool; 3] = [
         AtomicBool::new(false),
@@ -81,16 +82,17 @@ pub(crate) fn refused(kernel: Kernel, why: &str) {
     }
 }
 
-/// `BURNMIX_FLASH_FP8` is on but a forward does not meet what the FP8 kernel takes (a Hopper GPU,
-/// f16 or bf16, head_dim 64 or 128, no dropout; see `runs_on`): it runs in 16 bits, said once per
+/// The FP8 forward is on (`BURNMIX_FLASH_FP8`, or the trainer's `fp8.attention`) but a forward
+/// does not meet what the FP8 kernel takes (see `runs_on`): it runs without FP8, said once per
 /// process, and counted in neither the FP8 runs nor the refusals.
 pub(crate) fn fp8_not_applicable() {
     static WARNED: AtomicBool = AtomicBool::new(false);
     if !WARNED.swap(true, Ordering::Relaxed) {
         eprintln!(
-            "warning: kernels::attention: BURNMIX_FLASH_FP8 is on, but a forward is not one the \
-             FP8 kernel takes (f16/bf16 at head_dim 64 or 128, no dropout, a compute capability \
-             9.0 GPU, the Hopper kernels on): such calls run in 16 bits"
+            "warning: kernels::attention: the FP8 attention forward is on (BURNMIX_FLASH_FP8 or \
+             fp8.attention), but a forward is not one the FP8 kernel takes (f16/bf16, head_dim \
+             64 or 128, no dropout, strides TMA can copy, a compute capability 9.0 GPU, the \
+             Hopper kernels on): such calls run without FP8"
         );
     }
 }
@@ -277,6 +279,18 @@ pub(crate) fn forward<R: CubeRuntime>(
     Ok(())
 }
 
+/// forward.cu numbers its tiles in 32 bits: calls of 2^32 tiles or more are refused.
+fn check_tiles(d: &Dims, causal: bool) -> Result<(), String> {
+    let q_blocks = d.seq_q.div_ceil(Shape::at(d.hd, causal, d.seq_q).block_q());
+    let pairs = d.batch * d.heads;
+    if q_blocks.saturating_mul(pairs) > u32::MAX as usize {
+        return Err(format!(
+            "{q_blocks} query blocks x {pairs} (batch, head) pairs: at most 2^32 - 1 tiles"
+        ));
+    }
+    Ok(())
+}
+
 /// A forward launch but for its `Info` words and grid: the kernel's tensors in its parameters'
 /// order (the three mapped ones first), their maps, and the variant.
 struct ForwardJob {
@@ -295,12 +309,7 @@ impl ForwardJob {
         let shape = Shape::at(d.hd, causal, d.seq_q);
         let q_blocks = d.seq_q.div_ceil(shape.block_q());
         let pairs = d.batch * d.heads;
-        // forward.cu numbers its tiles in 32 bits.
-        if q_blocks.saturating_mul(pairs) > u32::MAX as usize {
-            return Err(format!(
-                "{q_blocks} query blocks x {pairs} (batch, head) pairs: at most 2^32 - 1 tiles"
-            ));
-        }
+        check_tiles(d, causal)?;
         let so = self.tensors[3].meta.strides();
         let mut words: Vec<u64> = [d.heads, d.group, d.seq_q, d.seq_k, so[0], so[1], so[2]]
             .map(|x| x as u64)

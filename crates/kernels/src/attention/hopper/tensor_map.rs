@@ -79,10 +79,14 @@ fn encode(ptr: u64, map: &MapOf) -> Result<[u64; 16], String> {
         MapElement::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         MapElement::E4m3 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
     };
-    let swizzle = if u64::from(cols) * size == 64 {
-        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B
-    } else {
-        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+    let swizzle = match u64::from(cols) * size {
+        64 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        bytes => {
+            return Err(format!(
+            "a box row of {bytes} bytes ({cols} columns): the kernels take rows of 64 or 128 bytes"
+        ))
+        }
     };
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     // SAFETY: every array holds the rank's (4, or 3 for the strides) entries the driver reads;
