@@ -15,7 +15,9 @@ PyTorch, without Rust. For an H100 or H200 with nvcc and PyTorch:
    emulation's (plus the bf16 output's rounding) or the log-sum-exp is off the dequantized
    inputs' by 2e-3 or more. The quantizer kernels (fp8_quantize.cu) must match `quantize` bit
    for bit.
-3. Forward TFLOP/s at attention_bench's shapes: FP8, our bf16 kernel, SDPA's cuDNN backend.
+3. Forward TFLOP/s at attention_bench's shapes: FP8 (the kernel alone, and with the quantizer
+   kernels that the Rust side runs before it), our bf16 kernel, SDPA's cuDNN backend; with
+   `--stages 2,3` the FP8 kernel also at other stage counts (the launcher takes 2).
 
 Exits with 1 if a check fails.
 """
@@ -44,11 +46,11 @@ def fp8_variants():
     return sorted({(hd, causal, cons) for hd, bf16, causal, cons in harness.variants()})
 
 
-def lib_name(hd, causal, cons):
-    return f"fa8_{hd}_{causal}_{cons}.so"
+def lib_name(hd, causal, cons, stages):
+    return f"fa8_{hd}_{causal}_{cons}_{stages}.so"
 
 
-def build(out_dir, nvcc):
+def build(out_dir, nvcc, stage_counts):
     os.makedirs(out_dir, exist_ok=True)
     quantizers = {}
     for hd in (64, 128):
@@ -59,10 +61,11 @@ def build(out_dir, nvcc):
         return False
     jobs = {}
     for hd, causal, cons in fp8_variants():
-        jobs[f"fp8 hd {hd} {'causal' if causal else 'full'} {cons} consumers"] = (
-            os.path.join(out_dir, lib_name(hd, causal, cons)),
-            [f"-DHD={hd}", "-DIS_BF16=1", "-DFP8=1", f"-DCAUSAL={causal}", f"-DCONSUMERS={cons}",
-             f"-DSTAGES={harness.STAGES}"])
+        for stages in stage_counts:
+            jobs[f"fp8 hd {hd} {'causal' if causal else 'full'} {cons} consumers {stages} stages"] = (
+                os.path.join(out_dir, lib_name(hd, causal, cons, stages)),
+                [f"-DHD={hd}", "-DIS_BF16=1", "-DFP8=1", f"-DCAUSAL={causal}", f"-DCONSUMERS={cons}",
+                 f"-DSTAGES={stages}"])
     return build_variants(nvcc, os.path.join(HERE, "host_fp8.cu"), "flash_forward_hopper", jobs)
 
 
@@ -155,8 +158,12 @@ def check_quantizer(quantizer):
 
 
 class Fp8Kernel(harness.Kernel):
+    def __init__(self, out_dir, stages=harness.STAGES):
+        super().__init__(out_dir)
+        self.stages = stages
+
     def lib(self, hd, causal, seq_q):
-        key = (hd, int(causal), harness.consumers(hd, causal, seq_q))
+        key = (hd, int(causal), harness.consumers(hd, causal, seq_q), self.stages)
         if key not in self.libs:
             self.libs[key] = ctypes.CDLL(os.path.join(self.out_dir, lib_name(*key)))
         return self.libs[key]
@@ -228,9 +235,12 @@ def check(kernel):
     return failures
 
 
-def bench(kernel, kernel16):
-    print("| hd | mask | S | FP8 (ours) | bf16 (ours) | SDPA cuDNN bf16 | FP8 / our bf16 | FP8 / cuDNN |")
-    print("|---|---|---|---|---|---|---|---|")
+def bench(kernels, quantizer, kernel16):
+    """`kernels`: {stage count: Fp8Kernel}, the launcher's (harness.STAGES) among them."""
+    others = [n for n in sorted(kernels) if n != harness.STAGES]
+    print("| hd | mask | S | FP8 (ours) | FP8 with quantizing | " + "".join(f"FP8, {n} stages | " for n in others)
+          + "bf16 (ours) | SDPA cuDNN bf16 | FP8 / our bf16 | FP8 with quantizing / our bf16 | FP8 / cuDNN |")
+    print("|---" * (10 + len(others)) + "|")
     for hd in (64, 128):
         for causal in (False, True):
             for s in (1024, 4096):
@@ -239,12 +249,17 @@ def bench(kernel, kernel16):
                 quantized = quantize(q, k, v)
                 flops = 4 * b * h * s * s * hd * (0.5 if causal else 1.0)
                 tf = lambda t: flops / t / 1e12
-                t8 = timed(lambda: kernel.forward8(quantized, (b, h, s, hd), causal), 20, 5)
+                t8 = {n: timed(lambda: kern.forward8(quantized, (b, h, s, hd), causal), 20, 5)
+                      for n, kern in kernels.items()}
+                t8q = timed(lambda: kernels[harness.STAGES].forward8(quantizer.quantize(q, k, v), (b, h, s, hd), causal),
+                            20, 5)
                 t16 = timed(lambda: kernel16.forward(q, k, v, causal), 20, 5)
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     tc = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), 20, 5)
-                print(f"| {hd} | {'causal' if causal else 'full'} | {s} | {tf(t8):.1f} | {tf(t16):.1f} | {tf(tc):.1f} | "
-                      f"{t16 / t8:.2f}x | {tc / t8:.2f}x |")
+                t = t8[harness.STAGES]
+                print(f"| {hd} | {'causal' if causal else 'full'} | {s} | {tf(t):.1f} | {tf(t8q):.1f} | "
+                      + "".join(f"{tf(t8[n]):.1f} | " for n in others)
+                      + f"{tf(t16):.1f} | {tf(tc):.1f} | {t16 / t:.2f}x | {t16 / t8q:.2f}x | {tc / t:.2f}x |")
 
 
 def main():
@@ -252,17 +267,20 @@ def main():
     ap.add_argument("--build-dir", default="/tmp/attention-harness")
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--stages", default=str(harness.STAGES),
+                    help="stage counts to time the FP8 kernel at, comma-separated (the checks use the launcher's)")
     a = ap.parse_args()
+    stage_counts = sorted({harness.STAGES, *(int(x) for x in a.stages.split(","))})
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if torch.cuda.get_device_capability() != (9, 0):
         sys.exit("the kernel needs a compute capability 9.0 GPU (H100, H200)")
-    if not build(a.build_dir, a.nvcc) or (not a.no_bench and not harness.build(a.build_dir, a.nvcc)):
+    if not build(a.build_dir, a.nvcc, stage_counts) or (not a.no_bench and not harness.build(a.build_dir, a.nvcc)):
         sys.exit(1)
     torch.manual_seed(0)
     failures = check_quantizer(Quantizer(a.build_dir))
     failures += check(Fp8Kernel(a.build_dir))
     if not a.no_bench:
-        bench(Fp8Kernel(a.build_dir), harness.Kernel(a.build_dir))
+        bench({n: Fp8Kernel(a.build_dir, n) for n in stage_counts}, Quantizer(a.build_dir), harness.Kernel(a.build_dir))
     sys.exit(1 if failures else 0)
 
 
