@@ -406,3 +406,96 @@ fn cross_entropy_refuses_mismatched_targets() {
         },
     );
 }
+
+/// Values from a fixed linear congruential sequence: `n` integers in -7..=7 over 4 (each exact in
+/// e4m3 under the scale 1.75 / 448 = 2^-8), every `block`-th row of `cols` starting with 1.75 so
+/// that each block of rows has that scale.
+fn fp8_exact_values(n: usize, cols: usize, block: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|i| {
+            if i % (block * cols) == 0 {
+                return 1.75;
+            }
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % 15) as f32 / 4.0 - 1.75
+        })
+        .collect()
+}
+
+/// The FP8 attention forward's reference (`kernels::attention::reference_fp8`, what the CUDA suite
+/// holds the FP8 kernel to) on Burn's CPU backend: `fp8_blocks` keeps each value within e4m3's
+/// rounding under its own block's scale, and on inputs that quantize exactly the output differs
+/// from exact attention by P's e4m3 rounding only (and does differ), the log-sum-exp not at all.
+#[test]
+fn fp8_attention_reference_on_the_cpu() {
+    use burn::tensor::{Distribution, Tensor, TensorData};
+    type Cpu = burn::backend::NdArray;
+    let dev = Default::default();
+    let to_vec = |t: Tensor<Cpu, 4>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+
+    // [1, 2, 200, 16] in blocks of 64 rows: the second block 1000x smaller than the others, the
+    // third of head 1 zeros, the fourth partial.
+    let (heads, seq, hd, rows) = (2, 200, 16, 64);
+    let mut factor = vec![1f32; heads * seq];
+    for h in 0..heads {
+        for r in 0..seq {
+            factor[h * seq + r] = match r / rows {
+                1 => 1e-3,
+                2 if h == 1 => 0.0,
+                _ => 1.0,
+            };
+        }
+    }
+    let factor = Tensor::<Cpu, 4>::from_data(TensorData::new(factor, [1, heads, seq, 1]), &dev);
+    let x = Tensor::<Cpu, 4>::random([1, heads, seq, hd], Distribution::Normal(0.0, 1.0), &dev)
+        * factor;
+    let y = to_vec(kernels::attention::fp8_blocks(x.clone(), rows));
+    let x = to_vec(x);
+    let mut changed = 0;
+    for (p, pair) in x.chunks(seq * hd).enumerate() {
+        for (b, block) in pair.chunks(rows * hd).enumerate() {
+            let scale = block.iter().fold(0f32, |m, v| m.max(v.abs())) / 448.0;
+            for (i, &v) in block.iter().enumerate() {
+                let got = y[p * seq * hd + b * rows * hd + i];
+                // Half an ulp: 2^-4 relative among e4m3's normals, 2^-10 of the scale below them.
+                let bound = (v.abs() * 2f32.powi(-4)).max(scale * 2f32.powi(-10)) * 1.0001;
+                assert!(
+                    (got - v).abs() <= bound,
+                    "fp8_blocks: pair {p}, block {b}, element {i}: {v} became {got} (bound {bound:e})"
+                );
+                changed += usize::from(got != v);
+            }
+        }
+    }
+    assert!(changed > 0, "fp8_blocks changed no value of normal inputs");
+
+    for causal in [false, true] {
+        let (b, h, kv_heads, s) = (2, 4, 2, 100);
+        let q = fp8_exact_values(b * h * s * hd, hd, 64, 1 + causal as u64);
+        let k = fp8_exact_values(b * kv_heads * s * hd, hd, 128, 3);
+        let v = fp8_exact_values(b * kv_heads * s * hd, hd, 128, 4);
+        let q = Tensor::<Cpu, 4>::from_data(TensorData::new(q, [b, h, s, hd]), &dev);
+        let k = Tensor::<Cpu, 4>::from_data(TensorData::new(k, [b, kv_heads, s, hd]), &dev);
+        let v = Tensor::<Cpu, 4>::from_data(TensorData::new(v, [b, kv_heads, s, hd]), &dev);
+        let (out, lse) =
+            kernels::attention::reference_fp8(q.clone(), k.clone(), v.clone(), causal, None);
+        let exact = kernels::attention::reference(q.clone(), k.clone(), v, causal, None);
+        let exact_lse = kernels::attention::reference_lse(q, k, causal, None);
+        let diff = to_vec(out - exact).iter().fold(0f32, |m, d| m.max(d.abs()));
+        // Each term of P off by at most 2^-4 of itself, the values at most 1.75.
+        assert!(
+            diff > 0.0 && diff <= 1.75 * 2f32.powi(-4),
+            "reference_fp8 (causal {causal}) differs from exact attention by {diff}: expected P's \
+             e4m3 rounding only, (0, {}]",
+            1.75 * 2f32.powi(-4)
+        );
+        let lse_diff = (lse - exact_lse).abs().max().into_scalar();
+        assert!(
+            lse_diff <= 1e-5,
+            "reference_fp8 (causal {causal}): its lse is off by {lse_diff}"
+        );
+    }
+}

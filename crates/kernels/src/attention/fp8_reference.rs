@@ -15,8 +15,10 @@ use super::{masked_scores, repeat_kv};
 use crate::fp8::reference::{decode, encode};
 use crate::fp8::Fp8Format;
 
-/// The largest finite e4m3 value.
-const E4M3_MAX: f32 = 448.0;
+/// Query rows and keys of each (batch, head) that share a scale: the FP8 Hopper forward's (one
+/// consumer warpgroup's rows, one key block), which `hopper/fp8.rs` quantizes with.
+pub(crate) const Q_SCALE_ROWS: usize = 64;
+pub(crate) const KEY_SCALE_ROWS: usize = 128;
 /// P's factor before rounding (the kernel's exp2(. - max + 8)), so that small terms keep e4m3's
 /// precision instead of falling among its subnormals.
 const P_FACTOR: f32 = 256.0;
@@ -33,7 +35,11 @@ pub fn fp8_blocks<B: BurnBackend>(x: Tensor<B, 4>, rows: usize) -> Tensor<B, 4> 
     for pair in data.chunks_mut(row_len.max(1)) {
         for block in pair.chunks_mut(block_len.max(1)) {
             let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+            let scale = if amax > 0.0 {
+                amax / Fp8Format::E4M3.max()
+            } else {
+                1.0
+            };
             for v in block.iter_mut() {
                 *v = decode(encode(*v / scale, 1.0, Fp8Format::E4M3), Fp8Format::E4M3) * scale;
             }
@@ -52,16 +58,12 @@ pub fn reference_fp8<B: BurnBackend>(
     causal: bool,
     scale: Option<f64>,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
-    let f32_of = |t: Tensor<B, 4>| {
-        let dev = t.device();
-        let dims = t.dims();
-        Tensor::<B, 4>::from_data(TensorData::new(to_f32(t), dims), &dev)
-    };
     let [_, h, _, hd] = q.dims();
     let scale = scale.unwrap_or_else(|| super::default_scale(hd));
-    let q = fp8_blocks(f32_of(q), 64);
-    let k = fp8_blocks(f32_of(k), 128);
-    let v = fp8_blocks(f32_of(v), 128);
+    // In f32 from here: `fp8_blocks` returns its values as f32 data.
+    let q = fp8_blocks(q, Q_SCALE_ROWS);
+    let k = fp8_blocks(k, KEY_SCALE_ROWS);
+    let v = fp8_blocks(v, KEY_SCALE_ROWS);
     let s = masked_scores(q, k, causal, scale);
     let m = s.clone().max_dim(3);
     let p = (s - m.clone()).exp().mul_scalar(P_FACTOR);

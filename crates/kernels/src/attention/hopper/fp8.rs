@@ -19,14 +19,13 @@ use super::{
     check_maps, check_tiles, cuda, map_in_boxes, runs_on, Dims, ForwardJob, MapElement, Shape,
     BLOCK_K, FORWARD_FP8_RUNS,
 };
+use crate::attention::fp8_reference::{KEY_SCALE_ROWS as KEY_ROWS, Q_SCALE_ROWS as Q_ROWS};
 use crate::cuda_source::{launch as launch_cuda, CudaSource};
 
 /// The quantizer's NVRTC source: the shared helpers, then its two kernels.
 const QUANTIZE_SOURCE: &str = concat!(include_str!("common.cuh"), include_str!("fp8_quantize.cu"));
-/// Query rows and keys a scale covers (`forward.cu`'s FP8 blocks: one consumer warpgroup's rows,
-/// one key block).
-const Q_ROWS: usize = 64;
-const KEY_ROWS: usize = BLOCK_K;
+// A k or v scale covers one key block of `forward.cu` (a q scale one consumer warpgroup's rows).
+const _: () = assert!(KEY_ROWS == BLOCK_K);
 /// Threads of a quantizer block (`QUANT_THREADS`).
 const QUANT_THREADS: u32 = 256;
 

@@ -203,21 +203,21 @@ fn runs_on<R: CubeRuntime>(
 }
 
 /// The TMA tensor map (but for its address) over a `[batch, heads, seq, hd]` tensor, in boxes of
-/// `rows` rows.
-fn map_of(t: &CubeTensor<CudaRuntime>, rows: usize) -> MapOf {
+/// `box_rows` rows.
+fn map_of(t: &CubeTensor<CudaRuntime>, box_rows: usize) -> MapOf {
     let element = if t.dtype == DType::BF16 {
         MapElement::Bf16
     } else {
         MapElement::F16
     };
-    map_in_boxes(t, rows, 64, element)
+    map_in_boxes(t, box_rows, 64, element)
 }
 
 /// The TMA tensor map (but for its address) over a `[batch, heads, rows, cols]` tensor, in boxes
-/// of `box_cols` columns by `rows` rows.
+/// of `box_cols` columns by `box_rows` rows.
 fn map_in_boxes(
     t: &CubeTensor<CudaRuntime>,
-    rows: usize,
+    box_rows: usize,
     box_cols: usize,
     element: MapElement,
 ) -> MapOf {
@@ -226,7 +226,7 @@ fn map_in_boxes(
         device: t.device.index,
         shape: [dims[0], dims[1], dims[2], dims[3]],
         strides: [s[0], s[1], s[2]],
-        rows: rows as u32,
+        box_rows: box_rows as u32,
         box_cols: box_cols as u32,
         element,
     }

@@ -31,7 +31,7 @@ impl MapElement {
 
 /// A tensor map but for its address: over a `[batch, heads, seq, cols]` tensor with element
 /// strides `strides` (batch, heads, seq; the last dimension contiguous), copied in boxes of
-/// `box_cols` columns by `rows` rows with the swizzle of the box's row width (128 or 64 bytes:
+/// `box_cols` columns by `box_rows` rows with the swizzle of the box's row width (128 or 64 bytes:
 /// the layout `wgmma` reads); rows past `seq` and columns past `cols` read as zeros. The 16-bit
 /// kernels take boxes of 64 columns; the FP8 forward's byte boxes are head_dim (q, k) or 128 keys
 /// (v transposed) wide.
@@ -40,7 +40,7 @@ pub(super) struct MapOf {
     pub(super) device: usize,
     pub(super) shape: [usize; 4],
     pub(super) strides: [usize; 3],
-    pub(super) rows: u32,
+    pub(super) box_rows: u32,
     pub(super) box_cols: u32,
     pub(super) element: MapElement,
 }
@@ -54,7 +54,7 @@ impl MapOf {
 }
 
 fn encode(ptr: u64, map: &MapOf) -> Result<[u64; 16], String> {
-    let (shape, strides, rows, cols) = (map.shape, map.strides, map.rows, map.box_cols);
+    let (shape, strides, rows, cols) = (map.shape, map.strides, map.box_rows, map.box_cols);
     let size = map.element.bytes();
     let [batch, heads, seq, hd] = shape;
     // Innermost first: hd, seq, heads, batch. A dimension of size 1 is never stepped, so its
