@@ -17,7 +17,7 @@ PyTorch, without Rust. For an H100 or H200 with nvcc and PyTorch:
    for bit.
 3. Forward TFLOP/s at attention_bench's shapes: FP8 (the kernel alone, and with the quantizer
    kernels that the Rust side runs before it), our bf16 kernel, SDPA's cuDNN backend; with
-   `--stages 2,3` the FP8 kernel also at other stage counts (the launcher takes 2).
+   `--stages 2,3` the FP8 kernel also at other stage counts (the launcher takes FP8_STAGES).
 
 Exits with 1 if a check fails.
 """
@@ -40,6 +40,8 @@ from nvcc_build import build_variants  # noqa: E402
 
 E4M3_MAX = 448.0
 Q_ROWS, K_ROWS = 64, 128
+# Key/value stages of the FP8 forward (FP8_STAGES in hopper/mod.rs).
+FP8_STAGES = 4
 
 
 def fp8_variants():
@@ -94,9 +96,10 @@ def quantize(q, k, v):
     """(q8, k8, vt8, keys, q_scale, k_scale, v_scale, dequantized q, k, v)."""
     s_q, s_k, d = q.shape[2], k.shape[2], q.shape[3]
     qs, ks, vs = block_scales(q, Q_ROWS), block_scales(k, K_ROWS), block_scales(v, K_ROWS)
-    q8 = (q.float() / per_row(qs, Q_ROWS, s_q)).to(torch.float8_e4m3fn)
-    k8 = (k.float() / per_row(ks, K_ROWS, s_k)).to(torch.float8_e4m3fn)
-    v8 = (v.float() / per_row(vs, K_ROWS, s_k)).to(torch.float8_e4m3fn)
+    # Times the scale's reciprocal, each rounded once, as the quantizer kernels.
+    q8 = (q.float() * per_row(torch.reciprocal(qs), Q_ROWS, s_q)).to(torch.float8_e4m3fn)
+    k8 = (k.float() * per_row(torch.reciprocal(ks), K_ROWS, s_k)).to(torch.float8_e4m3fn)
+    v8 = (v.float() * per_row(torch.reciprocal(vs), K_ROWS, s_k)).to(torch.float8_e4m3fn)
     keys = -(-s_k // 32) * 32
     vt = F.pad(v8.float(), (0, 0, 0, keys - s_k)).transpose(-1, -2)
     vt8 = vt[..., key_order(keys).to(vt.device)].to(torch.float8_e4m3fn).contiguous()
@@ -158,7 +161,7 @@ def check_quantizer(quantizer):
 
 
 class Fp8Kernel(harness.Kernel):
-    def __init__(self, out_dir, stages=harness.STAGES):
+    def __init__(self, out_dir, stages=FP8_STAGES):
         super().__init__(out_dir)
         self.stages = stages
 
@@ -236,8 +239,8 @@ def check(kernel):
 
 
 def bench(kernels, quantizer, kernel16):
-    """`kernels`: {stage count: Fp8Kernel}, the launcher's (harness.STAGES) among them."""
-    others = [n for n in sorted(kernels) if n != harness.STAGES]
+    """`kernels`: {stage count: Fp8Kernel}, the launcher's (FP8_STAGES) among them."""
+    others = [n for n in sorted(kernels) if n != FP8_STAGES]
     print("| hd | mask | S | FP8 (ours) | FP8 with quantizing | " + "".join(f"FP8, {n} stages | " for n in others)
           + "bf16 (ours) | SDPA cuDNN bf16 | FP8 / our bf16 | FP8 with quantizing / our bf16 | FP8 / cuDNN |")
     print("|---" * (10 + len(others)) + "|")
@@ -251,12 +254,12 @@ def bench(kernels, quantizer, kernel16):
                 tf = lambda t: flops / t / 1e12
                 t8 = {n: timed(lambda: kern.forward8(quantized, (b, h, s, hd), causal), 20, 5)
                       for n, kern in kernels.items()}
-                t8q = timed(lambda: kernels[harness.STAGES].forward8(quantizer.quantize(q, k, v), (b, h, s, hd), causal),
+                t8q = timed(lambda: kernels[FP8_STAGES].forward8(quantizer.quantize(q, k, v), (b, h, s, hd), causal),
                             20, 5)
                 t16 = timed(lambda: kernel16.forward(q, k, v, causal), 20, 5)
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     tc = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), 20, 5)
-                t = t8[harness.STAGES]
+                t = t8[FP8_STAGES]
                 print(f"| {hd} | {'causal' if causal else 'full'} | {s} | {tf(t):.1f} | {tf(t8q):.1f} | "
                       + "".join(f"{tf(t8[n]):.1f} | " for n in others)
                       + f"{tf(t16):.1f} | {tf(tc):.1f} | {t16 / t:.2f}x | {t16 / t8q:.2f}x | {tc / t:.2f}x |")
@@ -267,10 +270,10 @@ def main():
     ap.add_argument("--build-dir", default="/tmp/attention-harness")
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--no-bench", action="store_true")
-    ap.add_argument("--stages", default=str(harness.STAGES),
+    ap.add_argument("--stages", default=str(FP8_STAGES),
                     help="stage counts to time the FP8 kernel at, comma-separated (the checks use the launcher's)")
     a = ap.parse_args()
-    stage_counts = sorted({harness.STAGES, *(int(x) for x in a.stages.split(","))})
+    stage_counts = sorted({FP8_STAGES, *(int(x) for x in a.stages.split(","))})
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if torch.cuda.get_device_capability() != (9, 0):
         sys.exit("the kernel needs a compute capability 9.0 GPU (H100, H200)")

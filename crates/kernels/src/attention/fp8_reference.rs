@@ -1,8 +1,8 @@
 //! The reference of the FP8 Hopper forward (`hopper/fp8.rs`, `BURNMIX_FLASH_FP8=on`): what its
 //! recipe computes, in f32 with exact FP8 rounding, so that a test can tell the kernel's error
 //! from what FP8 itself costs. q is quantized with one scale per 64 rows, k and v per 128 rows, of
-//! each (batch, head) (scale = amax / 448, 1 for a block of zeros; values rounded to e4m3 by
-//! [`crate::fp8::reference::encode`]); then attention on the dequantized values with P rounded to
+//! each (batch, head) (scale = amax / 448, 1 for a block of zeros; values times 1 / scale rounded
+//! to e4m3 by [`crate::fp8::reference::encode`]); then attention on the dequantized values with P rounded to
 //! e4m3: `exp(s - row max) * 256` rounded, divided by the sum of the unrounded terms. The kernel
 //! rounds against the running maximum of the key blocks it has seen, this against the row's
 //! final one, so the two round the terms of a row whose maximum grows a little differently. The
@@ -40,8 +40,10 @@ pub fn fp8_blocks<B: BurnBackend>(x: Tensor<B, 4>, rows: usize) -> Tensor<B, 4> 
             } else {
                 1.0
             };
+            // As the quantizer kernel: times the reciprocal, each rounded once.
+            let inv = 1.0 / scale;
             for v in block.iter_mut() {
-                *v = decode(encode(*v / scale, 1.0, Fp8Format::E4M3), Fp8Format::E4M3) * scale;
+                *v = decode(encode(*v * inv, 1.0, Fp8Format::E4M3), Fp8Format::E4M3) * scale;
             }
         }
     }

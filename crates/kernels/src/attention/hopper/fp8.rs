@@ -43,7 +43,7 @@ pub(crate) fn applies_fp8<R: CubeRuntime>(
             &[q, k, v],
             d,
             dropout,
-            Shape::at(d.hd, false, d.seq_q).shared_bytes(d.hd, 1),
+            Shape::at(d.hd, false, d.seq_q).fp8().shared_bytes(d.hd, 1),
         )
 }
 

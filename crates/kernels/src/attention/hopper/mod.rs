@@ -102,6 +102,9 @@ const SOURCE: &str = concat!(include_str!("common.cuh"), include_str!("forward.c
 const ENTRY: &str = "flash_forward_hopper";
 /// Keys per step.
 const BLOCK_K: usize = 128;
+/// Key/value blocks in shared memory at once in the FP8 forward, whose tiles take half the bytes:
+/// four ran 0.99-1.13x as fast as two on an H100 (docs/results/2026-12-06-fp8-quantizer.md).
+const FP8_STAGES: usize = 4;
 
 /// A block's shape at one head_dim: its consumer warpgroups (64 query rows each; one producer
 /// warpgroup more) and the key/value blocks in shared memory at once.
@@ -128,6 +131,14 @@ impl Shape {
         }
     }
 
+    /// The same block in the FP8 forward: [`FP8_STAGES`] stages.
+    fn fp8(self) -> Self {
+        Shape {
+            stages: FP8_STAGES,
+            ..self
+        }
+    }
+
     fn block_q(&self) -> usize {
         64 * self.consumers
     }
@@ -140,7 +151,7 @@ impl Shape {
     /// of `size` bytes), their barriers (8 bytes each), plus 1 KB so that the kernel can start
     /// its tiles on 1024-byte boundaries (its swizzle is a function of the address). 193 KB at
     /// head_dim 128 in 16 bits, within the 227 KB a Hopper block may have; 113 KB at most at
-    /// head_dim 64; half of the tiles' bytes in FP8.
+    /// head_dim 64; 161 KB at most in FP8 (one-byte elements, [`FP8_STAGES`] stages).
     fn shared_bytes(&self, hd: usize, size: usize) -> usize {
         (2 * self.block_q() + 2 * self.stages * BLOCK_K) * hd * size
             + 8 * (4 + 4 * self.stages)
@@ -307,6 +318,7 @@ impl ForwardJob {
     /// launch; refuses 2^32 tiles or more before anything is queued.
     fn queue(self, d: &Dims, causal: bool, scale: f32) -> Result<(), String> {
         let shape = Shape::at(d.hd, causal, d.seq_q);
+        let shape = if self.fp8 { shape.fp8() } else { shape };
         let q_blocks = d.seq_q.div_ceil(shape.block_q());
         let pairs = d.batch * d.heads;
         check_tiles(d, causal)?;
