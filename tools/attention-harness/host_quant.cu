@@ -1,11 +1,17 @@
 // Host entry points around the FP8 forward's quantizer (crates/kernels/src/attention/hopper/
 // fp8_quantize.cu), built by nvcc into a shared library that fp8_forward.py calls from PyTorch.
-// The variant's macros (HD, IS_BF16, ROWS) come from the nvcc command line.
+// The variant's macros (HD, IS_BF16, ROWS) come from the nvcc command line; QUANT_SOURCE, when
+// defined (a quoted path), names another version of fp8_quantize.cu to build instead
+// (quantizer_bench.py --against).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "../../crates/kernels/src/attention/hopper/common.cuh"
+#ifdef QUANT_SOURCE
+#include QUANT_SOURCE
+#else
 #include "../../crates/kernels/src/attention/hopper/fp8_quantize.cu"
+#endif
 
 // x [batch, heads, seq, HD] at element strides st (b, h, s); `transposed`: vt (keys = seq rounded
 // up to 32) instead of row codes.
