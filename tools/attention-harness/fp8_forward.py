@@ -52,14 +52,21 @@ def lib_name(hd, causal, cons, stages):
     return f"fa8_{hd}_{causal}_{cons}_{stages}.so"
 
 
-def build(out_dir, nvcc, stage_counts):
+def build_quantizers(out_dir, nvcc, source=None):
+    """The quantizer kernels (bf16 inputs) into out_dir as `Quantizer` loads them: this tree's
+    fp8_quantize.cu, or `source`, another version of it. Returns whether every variant built."""
     os.makedirs(out_dir, exist_ok=True)
-    quantizers = {}
+    extra = [f'-DQUANT_SOURCE="{os.path.abspath(source)}"'] if source else []
+    jobs = {}
     for hd in (64, 128):
         for rows in (Q_ROWS, K_ROWS):
-            quantizers[f"quantizer hd {hd} rows {rows}"] = (os.path.join(out_dir, f"fq_{hd}_{rows}.so"),
-                                                            [f"-DHD={hd}", "-DIS_BF16=1", f"-DROWS={rows}"])
-    if not build_variants(nvcc, os.path.join(HERE, "host_quant.cu"), "attention_fp8_vt", quantizers):
+            jobs[f"quantizer hd {hd} rows {rows}"] = (os.path.join(out_dir, f"fq_{hd}_{rows}.so"),
+                                                      [f"-DHD={hd}", "-DIS_BF16=1", f"-DROWS={rows}", *extra])
+    return build_variants(nvcc, os.path.join(HERE, "host_quant.cu"), "attention_fp8_vt", jobs)
+
+
+def build(out_dir, nvcc, stage_counts):
+    if not build_quantizers(out_dir, nvcc):
         return False
     jobs = {}
     for hd, causal, cons in fp8_variants():
@@ -114,21 +121,31 @@ class Quantizer:
     def __init__(self, out_dir):
         self.out_dir, self.libs = out_dir, {}
 
-    def run(self, x, rows, transposed):
+    def launcher(self, x, rows, transposed):
+        """(call, codes, scales): `call()` runs the kernel on x [b, h, s, d] (`transposed`: v's)
+        into the codes and scales, allocated here once."""
         b, h, s, d = x.shape
         key = (d, rows)
         if key not in self.libs:
             self.libs[key] = ctypes.CDLL(os.path.join(self.out_dir, f"fq_{d}_{rows}.so"))
+        lib = self.libs[key]
         keys = -(-s // 32) * 32
         out = torch.empty((b, h, d, keys) if transposed else (b, h, s, d), dtype=torch.uint8, device=x.device)
         scale = torch.empty(b, h, -(-s // rows), dtype=torch.float32, device=x.device)
-        st = (ctypes.c_uint64 * 3)(*x.stride()[:3])
-        rc = self.libs[key].quantize(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-                                     ctypes.c_void_p(scale.data_ptr()), ctypes.c_uint64(b), ctypes.c_uint64(h),
-                                     ctypes.c_uint64(s), st, ctypes.c_int(int(transposed)),
-                                     ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-        if rc != 0:
-            raise RuntimeError(f"quantizer launch failed with CUDA error {rc}")
+        args = (ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(scale.data_ptr()),
+                ctypes.c_uint64(b), ctypes.c_uint64(h), ctypes.c_uint64(s),
+                (ctypes.c_uint64 * 3)(*x.stride()[:3]), ctypes.c_int(int(transposed)))
+
+        def call():
+            rc = lib.quantize(*args, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+            if rc != 0:
+                raise RuntimeError(f"quantizer launch failed with CUDA error {rc}")
+
+        return call, out, scale
+
+    def run(self, x, rows, transposed):
+        call, out, scale = self.launcher(x, rows, transposed)
+        call()
         return out.view(torch.float8_e4m3fn), scale
 
     def quantize(self, q, k, v):

@@ -85,11 +85,12 @@ pub fn run(cfg: &Config, device: &device::Selected, opts: &RunOptions) -> Result
     kernels::settings::init_from_env().map_err(|e| anyhow::anyhow!("{e}"))?;
     let run = cfg.resolve(device)?;
     // `fp8.attention`: the kernels' FP8 attention forward for this run (Hopper GPUs; elsewhere
-    // the kernels say once that it does not apply and attention runs in the compute dtype).
-    let _fp8_attention = (run.config.precision == precision::PrecisionKind::Fp8
+    // the kernels say once that it does not apply and attention runs in the compute dtype), held
+    // until the run returns.
+    let fp8_attention = (run.config.precision == precision::PrecisionKind::Fp8
         && run.config.fp8.attention)
         .then(|| kernels::settings::scoped(|s| s.flash_fp8 = true));
-    if _fp8_attention.is_some() && !matches!(device, device::Selected::Cuda { .. }) {
+    if fp8_attention.is_some() && !matches!(device, device::Selected::Cuda { .. }) {
         eprintln!(
             "note: fp8.attention = true runs the attention forward in FP8 on Hopper GPUs only; on {} it stays in the compute dtype",
             device.describe()

@@ -13,7 +13,7 @@
 //   CAUSAL    1: query i sees keys j <= i (aligned at the first position, as PyTorch's
 //             `is_causal`); 0: every key
 //   CONSUMERS consumer warpgroups, each of 64 query rows (2 or 3)
-//   STAGES    key/value blocks in shared memory at once (the launcher takes 2)
+//   STAGES    key/value blocks in shared memory at once (the launcher takes 2; 4 with FP8)
 //   FP8       1: e4m3 inputs with block scales (see "FP8" below; its tiles, boxes, swizzle and
 //             products differ from the 16-bit ones described next); 0 or undefined: 16-bit
 //

@@ -19,13 +19,13 @@ use super::{
     check_maps, check_tiles, cuda, map_in_boxes, runs_on, Dims, ForwardJob, MapElement, Shape,
     BLOCK_K, FORWARD_FP8_RUNS,
 };
-use crate::attention::fp8_reference::{KEY_SCALE_ROWS as KEY_ROWS, Q_SCALE_ROWS as Q_ROWS};
+use crate::attention::fp8_reference::{KEY_SCALE_ROWS, Q_SCALE_ROWS};
 use crate::cuda_source::{launch as launch_cuda, CudaSource};
 
 /// The quantizer's NVRTC source: the shared helpers, then its two kernels.
 const QUANTIZE_SOURCE: &str = concat!(include_str!("common.cuh"), include_str!("fp8_quantize.cu"));
 // A k or v scale covers one key block of `forward.cu` (a q scale one consumer warpgroup's rows).
-const _: () = assert!(KEY_ROWS == BLOCK_K);
+const _: () = assert!(KEY_SCALE_ROWS == BLOCK_K);
 /// Threads of a quantizer block (`QUANT_THREADS`).
 const QUANT_THREADS: u32 = 256;
 
@@ -72,8 +72,8 @@ pub(crate) fn forward_fp8<R: CubeRuntime>(
         on_cuda(lse),
     );
     let kv_heads = d.heads / d.group;
-    let q_blocks = d.seq_q.div_ceil(Q_ROWS);
-    let k_blocks = d.seq_k.div_ceil(KEY_ROWS);
+    let q_blocks = d.seq_q.div_ceil(Q_SCALE_ROWS);
+    let k_blocks = d.seq_k.div_ceil(KEY_SCALE_ROWS);
     // The quantizer's grids: one block per (batch, head) pair and block of rows.
     let quantizer_blocks = d.batch * d.heads * q_blocks.max(k_blocks);
     if quantizer_blocks > i32::MAX as usize {
@@ -103,9 +103,9 @@ pub(crate) fn forward_fp8<R: CubeRuntime>(
     // Refused before anything is launched (`ForwardJob::queue` checks again).
     check_tiles(d, causal)?;
     let bf16 = q.dtype == DType::BF16;
-    quantize(q, &q8, &q_scale, Q_ROWS, false, bf16);
-    quantize(k, &k8, &k_scale, KEY_ROWS, false, bf16);
-    quantize(v, &vt8, &v_scale, KEY_ROWS, true, bf16);
+    quantize(q, &q8, &q_scale, Q_SCALE_ROWS, false, bf16);
+    quantize(k, &k8, &k_scale, KEY_SCALE_ROWS, false, bf16);
+    quantize(v, &vt8, &v_scale, KEY_SCALE_ROWS, true, bf16);
     let job = ForwardJob {
         tensors: vec![
             q8,
