@@ -285,3 +285,42 @@ fn cuda_bf16_overflow_skips_and_scaler_round_trips() {
         );
     }
 }
+
+/// `fp8.attention` runs the attention forward in FP8 on a Hopper GPU, and the run's summary counts
+/// the Hopper kernels' calls: without it, 16-bit forwards only; with it, every forward in FP8, the
+/// backward in 16 bits, nothing refused.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_fp8_attention_in_training() {
+    let _guard = common::serial();
+    let run = |fp8_attention: bool| {
+        let mut cfg = tiny_config(6);
+        cfg.device = DeviceKind::Cuda;
+        cfg.precision = PrecisionKind::Fp8;
+        cfg.fp8.attention = fp8_attention;
+        cfg.model.kernels = model::KernelsKind::Fused;
+        cfg.model.attention = model::AttentionKind::Flash;
+        // head_dim 64, as the Hopper kernels take.
+        cfg.model.d_model = 128;
+        cfg.model.context = 64;
+        let dir = scratch(&format!("cuda_fp8_attention_{fp8_attention}"));
+        trainer::run(&cfg, &cuda(), &opts(dir, false)).unwrap()
+    };
+    let Some(off) = run(false).hopper_attention else {
+        eprintln!(
+            "the Hopper attention kernels do not run on this GPU: fp8.attention is not tested"
+        );
+        return;
+    };
+    assert!(
+        off.forward > 0 && off.backward > 0 && off.forward_fp8 == 0 && off.refused == 0,
+        "without fp8.attention: {off:?}"
+    );
+    let on = run(true)
+        .hopper_attention
+        .expect("the Hopper kernels ran without fp8.attention, so with it too");
+    assert!(
+        on.forward == 0 && on.forward_fp8 >= on.backward && on.backward > 0 && on.refused == 0,
+        "with fp8.attention: {on:?}"
+    );
+}

@@ -48,7 +48,7 @@ impl<B: burn::tensor::backend::Backend> Drop for DrainOnDrop<B> {
         let _ = B::sync(&self.0);
     }
 }
-pub use train::{RunOptions, Summary};
+pub use train::{HopperAttention, RunOptions, Summary};
 
 /// Training backend on NVIDIA GPUs: f32 by default, kernels compiled at run time by NVRTC.
 pub type CudaBackend = Autodiff<Cuda>;

@@ -308,14 +308,15 @@ fn real_main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "done: {} steps in {:.1}s (first step {:.1}s) | final loss {:.4} | best val_loss {} | median {} tokens/s{}",
+        "done: {} steps in {:.1}s (first step {:.1}s) | final loss {:.4} | best val_loss {} | median {} tokens/s{}{}",
         s.steps,
         s.wall_s,
         s.first_step_s,
         s.final_loss,
         s.best_val_loss.map_or("-".into(), |v| format!("{v:.4}")),
         if s.median_tokens_per_s.is_finite() { format!("{:.0}", s.median_tokens_per_s) } else { "-".into() },
-        s.peak_memory_reserved.map_or(String::new(), |b| format!(" | peak memory {:.2} GiB", b as f64 / (1u64 << 30) as f64))
+        s.peak_memory_reserved.map_or(String::new(), |b| format!(" | peak memory {:.2} GiB", b as f64 / (1u64 << 30) as f64)),
+        s.hopper_attention.map_or(String::new(), |h| format!(" | {h}"))
     );
     println!(
         "metrics: {0}/metrics.jsonl, plot: {0}/loss.svg, checkpoints: {0}/checkpoints/",

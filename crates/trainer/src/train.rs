@@ -99,6 +99,54 @@ pub struct Summary {
     /// in the session's last step (evaluation's excluded).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gathered_bytes_per_step: Option<u64>,
+    /// How often the Hopper attention kernels ran while this session trained and evaluated
+    /// (CUDA on a compute capability 9.0 GPU); `None` where none ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hopper_attention: Option<HopperAttention>,
+}
+
+/// The Hopper attention kernels' calls of a session (`kernels::attention::HopperCalls`), counted
+/// over the process: with a thread per GPU, over every rank's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct HopperAttention {
+    /// Forwards in 16 bits.
+    pub forward: usize,
+    /// Forwards in FP8 (`fp8.attention`).
+    pub forward_fp8: usize,
+    pub backward: usize,
+    /// Calls the Hopper kernels applied to but could not run (the CubeCL kernels ran them; a
+    /// warning said why).
+    pub refused: usize,
+}
+
+impl HopperAttention {
+    /// The calls since `start`, or `None` if there were none.
+    fn since(start: kernels::attention::HopperCalls) -> Option<Self> {
+        let c = kernels::attention::hopper_calls().since(start);
+        (!c.is_empty()).then_some(HopperAttention {
+            forward: c.forward,
+            forward_fp8: c.forward_fp8,
+            backward: c.backward,
+            refused: c.refused,
+        })
+    }
+}
+
+impl std::fmt::Display for HopperAttention {
+    /// `Hopper attention: 48 forwards (24 in FP8), 24 backwards[, 2 refused]`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Hopper attention: {} forwards ({} in FP8), {} backwards",
+            self.forward + self.forward_fp8,
+            self.forward_fp8,
+            self.backward
+        )?;
+        if self.refused > 0 {
+            write!(f, ", {} refused", self.refused)?;
+        }
+        Ok(())
+    }
 }
 
 /// Rank 0's FP8 amax histories for delayed scaling (`fp8.amax_history` with an FP8 recipe), holding
@@ -221,6 +269,8 @@ struct Progress {
     resumed_from: Option<u64>,
     elapsed_before: f64,
     session_start: Instant,
+    /// The Hopper attention kernels' calls when this session started.
+    hopper_at_start: kernels::attention::HopperCalls,
     first_step_s: f64,
     /// Tokens/s of this session's steps after the first three.
     tok_rates: Vec<f64>,
@@ -243,6 +293,7 @@ impl Progress {
             resumed_from: None,
             elapsed_before: 0.0,
             session_start: Instant::now(),
+            hopper_at_start: kernels::attention::hopper_calls(),
             first_step_s: f64::NAN,
             tok_rates: Vec::new(),
             read_late: 0,
@@ -781,6 +832,7 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             peak_memory_reserved: p.peak_memory,
             steps_read_late: p.read_late,
             gathered_bytes_per_step: p.gathered_last_step,
+            hopper_attention: HopperAttention::since(p.hopper_at_start),
         };
         if self.group.writes() {
             write_atomic(

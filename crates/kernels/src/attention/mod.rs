@@ -96,7 +96,24 @@ pub struct HopperCalls {
     pub refused: usize,
 }
 
-/// The counts of [`HopperCalls`] so far.
+impl HopperCalls {
+    /// The calls made since `earlier` was read (the counts are the process's, every thread's).
+    pub fn since(self, earlier: HopperCalls) -> HopperCalls {
+        HopperCalls {
+            forward: self.forward.saturating_sub(earlier.forward),
+            forward_fp8: self.forward_fp8.saturating_sub(earlier.forward_fp8),
+            backward: self.backward.saturating_sub(earlier.backward),
+            refused: self.refused.saturating_sub(earlier.refused),
+        }
+    }
+
+    /// Whether no Hopper kernel ran (nor was refused).
+    pub fn is_empty(&self) -> bool {
+        self.forward + self.forward_fp8 + self.backward + self.refused == 0
+    }
+}
+
+/// The counts of [`HopperCalls`] so far, in this process.
 pub fn hopper_calls() -> HopperCalls {
     let (forward, forward_fp8, backward, refused) = hopper::calls();
     HopperCalls {
