@@ -1,7 +1,7 @@
 // FlashAttention backward for Hopper (compute capability 9.0), as FlashAttention-3 builds it: one
 // block per block of BN = 128 keys of one (batch, query head), walking the query blocks that see
-// them; a producer warp copies with TMA, two consumer warpgroups multiply with `wgmma`, and dQ is
-// added to an f32 buffer by bulk reductions (`cp.reduce.async.bulk`). The CUDA C++ counterpart of
+// them; a producer warp copies with TMA, two consumer warpgroups multiply with `wgmma`, and a
+// writer warp adds their dQ parts to an f32 buffer by bulk reductions (`cp.reduce.async.bulk`). The CUDA C++ counterpart of
 // the CubeCL dK/dV kernels with the fused dQ (attention/mma/): the same gradients, for 16-bit
 // inputs at head_dim 64 and 128 without dropout. Compiled at run time by NVRTC for sm_90a (through
 // CubeCL, see cuda_source.rs) after common.cuh and dq_cast.cu, with these macros defined before
@@ -22,7 +22,9 @@
 // the launcher, in the layout `dq_at` gives (dq_cast.cu), turned into dQ by `flash_dq_hopper`.
 //
 // Each block holds its keys' K and V (BN x HD each) and a ring of two stages of the query blocks'
-// Q and dO (BM x HD each: BM = 128 at head_dim 64, 64 at 128). Consumer warpgroup w owns keys
+// Q and dO (BM x HD each: BM = 128 at head_dim 64, 64 at 128) with their log-sum-exp (times
+// log2(e)) and delta rows, which the producer warp copies beside the TMA loads, so that no
+// consumer waits for a global load. Consumer warpgroup w owns keys
 // 64w .. 64w + 63 of the block and keeps their dK and dV in registers. For each query block:
 //   1. S^T = K Q^T and dP^T = V dO^T (`wgmma` m64nBMk16 from shared memory, K-major);
 //   2. P^T = exp2(S^T * scale * log2(e) - lse * log2(e)) and dS^T = P^T (dP^T - delta), in
@@ -33,7 +35,9 @@
 //   4. once both warpgroups' halves of dS^T are there, dQ_part = dS K over the block's 128
 //      keys: each warpgroup one 64 x 64 part (at head_dim 64 its 64 of the 128 queries, at 128 its
 //      64 of the 128 columns), from shared memory read transposed on both sides (`wgmma` m64n64k16);
-//   5. the part to shared memory, added to dq_acc by one bulk reduction.
+//   5. the part to shared memory; the writer warp (the producer warpgroup's second) adds it to
+//      dq_acc by one bulk reduction, so that the consumers only wait for the previous part's
+//      reduction to have read the buffer, and not at all for this one.
 // At head_dim 128 (DQ_FIRST) dK is issued after the dQ part instead, so that step 5 runs while dK
 // is on the tensor cores.
 // At the end dK (times the scale) and dV go to global memory.
@@ -52,7 +56,7 @@
 // One warpgroup's dQ part: 64 x 64 f32.
 #define DQ_BYTES (64 * 64 * 4)
 // Shared memory from a 1024-byte aligned base: K, V, two stages of Q, two of dO, two of dS^T, a
-// dQ part per warpgroup, lse and delta of a query block per warpgroup (BM f32 each), then the
+// dQ part per warpgroup, two stages of a query block's lse and delta rows (BM f32 each), then the
 // barriers (K/V full; per stage full and empty), 8 bytes each.
 #define SQ_AT (2 * KV_BYTES)
 #define SDO_AT (SQ_AT + 2 * Q_BYTES)
@@ -63,10 +67,14 @@
 #define SMEM_BYTES (BARRIERS_AT + 8 * 5)
 #define PRODUCER_REGS 24
 #define CONSUMER_REGS 240
-// Whether a query block's log-sum-exp and delta rows are loaded a block ahead (two registers
-// held across the step: at head_dim 64 ptxas then spills, so there they are loaded at the step's
-// start).
-#define ROWS_AHEAD (HD == 128)
+// Arrivals that complete a stage's full barrier: the producer's expected-bytes arrival and one per
+// producer lane once its lse and delta rows are in shared memory.
+#define FULL_ARRIVALS 33
+// Named barriers (0 is __syncthreads): 3 both consumer warpgroups, and between
+// consumer warpgroup w and the writer warp (160 threads) DQ_FULL + w (its part is in shared
+// memory) and DQ_EMPTY + w (the previous part's reduction has read it).
+#define DQ_FULL 4
+#define DQ_EMPTY 6
 // Whether dK is issued after the dQ part, so that the part's stores overlap dK's products. Not at
 // head_dim 64: there dK's A fragments (dS^T, 32 registers) would stay live across those stores,
 // and ptxas spills.
@@ -90,8 +98,11 @@ struct Info {
     u64 k_blocks;
 };
 
-__device__ __forceinline__ void wg_sync(u32 w) { asm volatile("bar.sync %0, 128;\n" ::"r"(1u + w) : "memory"); }
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, 256;\n" ::: "memory"); }
+// Named barrier `id` between a consumer warpgroup and the writer warp: waits, or arrives without
+// waiting.
+__device__ __forceinline__ void writer_sync(u32 id) { asm volatile("bar.sync %0, 160;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void writer_arrive(u32 id) { asm volatile("bar.arrive %0, 160;\n" ::"r"(id) : "memory"); }
 // Orders this thread's shared-memory writes before later reads by the async proxy (`wgmma`
 // operands, bulk copies).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -203,6 +214,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
     auto sdo = [&](u32 st) { return base + SDO_AT + st * Q_BYTES; };
     auto sds = [&](u32 st) { return base + SDS_AT + st * DS_BYTES; };
     auto sdq = [&](u32 w) { return base + SDQ_AT + w * DQ_BYTES; };
+    // Stage st's lse rows (times log2(e)), then its delta rows.
+    float* const rows_s = reinterpret_cast<float*>(smem_raw + (ROWS_AT + (base - smem_addr(smem_raw))));
     const u32 bars = base + BARRIERS_AT;
     const u32 kv_full = bars;
     auto full = [&](u32 st) { return bars + 8u * (1u + st); };
@@ -218,11 +231,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
     // The query blocks that see this block's keys: under the causal mask, from the one holding
     // query k0 on.
     const long long m_begin = CAUSAL ? k0 / BM : 0, m_end = (seq_q + BM - 1) / BM;
+    // The producer and writer warps count in 32 bits (24 registers a thread): query blocks
+    // m_begin + i for i below `steps`.
+    const u32 steps = m_begin < m_end ? (u32)(m_end - m_begin) : 0u;
 
     if (tid == 0) {
         bar_init(kv_full, 1);
         for (u32 st = 0; st < 2; ++st) {
-            bar_init(full(st), 1);
+            bar_init(full(st), FULL_ARRIVALS);
             // One arrival per consumer warp.
             bar_init(empty(st), 8);
         }
@@ -232,25 +248,70 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
-        if (tid == 0 && m_begin < m_end) {
-            bar_expect(kv_full, 2 * KV_BYTES);
-#pragma unroll
-            for (int seg = 0; seg < HD / 64; ++seg) {
-                tma_load(sk + seg * (BN * 128), &info.k_map, kv_full, seg * 64, (int)k0, (int)hk, (int)b);
-                tma_load(sv + seg * (BN * 128), &info.v_map, kv_full, seg * 64, (int)k0, (int)hk, (int)b);
-            }
-            for (long long m = m_begin, i = 0; m < m_end; ++m, ++i) {
-                const u32 st = (u32)(i & 1), parity = (u32)((i >> 1) & 1);
-                bar_wait(empty(st), parity ^ 1u);
-                bar_expect(full(st), 2 * Q_BYTES);
+        const u32 lane = tid % 32u;
+        if (tid < 32u && steps > 0) {
+            // The producer warp: lane 0 issues the copies, every lane copies rows.
+            if (lane == 0) {
+                bar_expect(kv_full, 2 * KV_BYTES);
 #pragma unroll
                 for (int seg = 0; seg < HD / 64; ++seg) {
-                    tma_load(sq(st) + seg * (BM * 128), &info.q_map, full(st), seg * 64, (int)(m * BM), (int)h,
-                             (int)b);
-                    tma_load(sdo(st) + seg * (BM * 128), &info.do_map, full(st), seg * 64, (int)(m * BM), (int)h,
-                             (int)b);
+                    tma_load(sk + seg * (BN * 128), &info.k_map, kv_full, seg * 64, (int)k0, (int)hk, (int)b);
+                    tma_load(sv + seg * (BN * 128), &info.v_map, kv_full, seg * 64, (int)k0, (int)hk, (int)b);
                 }
             }
+            const float* lse_rows = lse + bh * info.seq_q + m_begin * BM;
+            const float* delta_rows = delta + bh * info.seq_q + m_begin * BM;
+            int rows_left = (int)(seq_q - m_begin * BM);
+            for (u32 i = 0; i < steps; ++i, lse_rows += BM, delta_rows += BM, rows_left -= BM) {
+                const u32 st = i & 1u, parity = (i >> 1) & 1u;
+                const int m = (int)m_begin + (int)i;
+                bar_wait(empty(st), parity ^ 1u);
+                if (lane == 0) {
+                    bar_expect(full(st), 2 * Q_BYTES);
+#pragma unroll
+                    for (int seg = 0; seg < HD / 64; ++seg) {
+                        tma_load(sq(st) + seg * (BM * 128), &info.q_map, full(st), seg * 64, m * BM, (int)h, (int)b);
+                        tma_load(sdo(st) + seg * (BM * 128), &info.do_map, full(st), seg * 64, m * BM, (int)h,
+                                 (int)b);
+                    }
+                }
+                // Rows past the end take lse +inf (P = 0) and delta 0.
+                float* stage_rows = rows_s + st * (2 * BM);
+#pragma unroll
+                for (u32 j = 0; j < BM / 32; ++j) {
+                    const int r = (int)(lane + 32u * j);
+                    stage_rows[r] = r < rows_left ? lse_rows[r] * 1.4426950408889634f : __int_as_float(0x7f800000);
+                    stage_rows[BM + r] = r < rows_left ? delta_rows[r] : 0.f;
+                }
+                bar_arrive(full(st));
+            }
+        } else if (tid < 64u && steps > 0) {
+            // The writer warp: each step's two dQ parts to dq_acc. Warpgroup w's part of query
+            // block m is at `part0 + w * part_w + m * BM * 64` (row m * BM is a multiple of 8, so
+            // the swizzle leaves the part's first element in place).
+            float* part0 = dq_acc + dq_at(bh, (u64)m_begin * BM, 0, info.rows_pad);
+#if HD == 64
+            const u32 part_w = 64u * 64u;
+#else
+            const u64 part_w = info.rows_pad * 64u;
+#endif
+            writer_arrive(DQ_EMPTY);
+            writer_arrive(DQ_EMPTY + 1);
+            for (u32 i = 0; i < steps; ++i, part0 += BM * 64) {
+#pragma unroll
+                for (u32 w = 0; w < 2; ++w) {
+                    writer_sync(DQ_FULL + w);
+                    if (lane == 0) bulk_add(part0 + w * part_w, sdq(w), DQ_BYTES);
+                    __syncwarp();
+                }
+                if (i + 1 < steps) {
+                    if (lane == 0) bulk_wait_read();
+                    __syncwarp();
+                    writer_arrive(DQ_EMPTY);
+                    writer_arrive(DQ_EMPTY + 1);
+                }
+            }
+            if (lane == 0) bulk_wait_all();
         }
         return;
     }
@@ -259,9 +320,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
     const u32 w = wg - 1u, t = tid % 128u, warp = t / 32u, lane = tid % 32u;
     const u32 col_in = (lane % 4u) * 2u;
     const float scale_log2 = __uint_as_float((u32)info.scale_log2);
-    const float log2e = 1.4426950408889634f;
-    float* lse_s = reinterpret_cast<float*>(smem_raw + (ROWS_AT + (base - smem_addr(smem_raw)))) + w * 2 * BM;
-    float* delta_s = lse_s + BM;
     // This thread's two key rows (`wgmma`'s accumulator layout): r0 holds accumulator elements
     // 4i, 4i + 1, r0 + 8 holds 4i + 2, 4i + 3, at columns 8i + 2 (lane % 4) and the next.
     const u32 r0 = w * 64u + warp * 16u + lane / 4u;
@@ -273,34 +331,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
         dkr[i] = 0.f;
         dvr[i] = 0.f;
     }
-    const float* lse_rows = lse + bh * info.seq_q;
-    const float* delta_rows = delta + bh * info.seq_q;
-    // Row t of a query block's log-sum-exp (times log2(e)) and delta (rows past the end take +inf,
-    // P = 0, and 0): with ROWS_AHEAD loaded a block ahead, so that the loads' latency passes while
-    // the block before is multiplied.
-    float lse_next = 0.f, delta_next = 0.f;
-    auto load_rows = [&](long long m) {
-        const long long row = m * BM + t;
-        if (t < BM) {
-            lse_next = row < seq_q ? lse_rows[row] * log2e : __int_as_float(0x7f800000);
-            delta_next = row < seq_q ? delta_rows[row] : 0.f;
-        }
-    };
-    if (ROWS_AHEAD && m_begin < m_end) load_rows(m_begin);
     if (m_begin < m_end) bar_wait(kv_full, 0);
     for (long long m = m_begin, i = 0; m < m_end; ++m, ++i) {
         const u32 st = (u32)(i & 1), parity = (u32)((i >> 1) & 1);
         const long long q0 = m * BM;
-        // This block's rows (every thread of the warpgroup is past the previous block's reads:
-        // the two warpgroup barriers of its dQ part), then the next block's loads.
-        if (!ROWS_AHEAD) load_rows(m);
-        if (t < BM) {
-            lse_s[t] = lse_next;
-            delta_s[t] = delta_next;
-        }
-        if (ROWS_AHEAD && m + 1 < m_end) load_rows(m + 1);
-        wg_sync(w);
         bar_wait(full(st), parity);
+        const float* lse_s = rows_s + st * (2 * BM);
+        const float* delta_s = lse_s + BM;
         float s[BM / 2], dp[BM / 2];
         issue_rows(s, sk, sq(st), w);
         wgmma_commit();
@@ -390,9 +427,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
         fence_fragments(df);
         if (lane == 0) bar_arrive(empty(st));
 #endif
-        // The part to shared memory (once the previous reduction has read it), then to dq_acc.
-        if (t == 0) bulk_wait_read();
-        wg_sync(w);
+        // The part to shared memory once the previous part's reduction has read it; the writer
+        // warp adds it to dq_acc.
+        writer_sync(DQ_EMPTY + w);
         {
             float* part = reinterpret_cast<float*>(smem_raw + (SDQ_AT + (base - smem_addr(smem_raw)))) + w * 64 * 64;
 #pragma unroll
@@ -406,17 +443,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
             }
         }
         fence_async_shared();
-        wg_sync(w);
-        if (t == 0) {
-#if HD == 64
-            const u64 row = (u64)q0 + 64u * w;
-            const u32 col = 0;
-#else
-            const u64 row = (u64)q0;
-            const u32 col = 64u * w;
-#endif
-            bulk_add(dq_acc + dq_at(bh, row, col, info.rows_pad), sdq(w), DQ_BYTES);
-        }
+        writer_arrive(DQ_FULL + w);
 #if DQ_FIRST
         wgmma_wait<0>();
         fence_regs(dkr);
@@ -425,7 +452,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
         if (lane == 0) bar_arrive(empty(st));
 #endif
     }
-    if (t == 0) bulk_wait_all();
 
     const float scale = __uint_as_float((u32)info.scale);
     store_rows(dkr, (char*)dk + (b * info.dk_b + h * info.dk_h + (u64)k0 * info.dk_s) * (DKV_F32 ? 4 : 2), info.dk_s,

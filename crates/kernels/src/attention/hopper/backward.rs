@@ -52,7 +52,7 @@ fn block_q(hd: usize) -> usize {
 
 /// Dynamic shared memory a block takes (backward.cu's `SMEM_BYTES` plus 1 KB for the 1024-byte
 /// alignment of its tiles): K and V, two stages of Q and of dO, two stages of dS^T, two f32 dQ
-/// parts of 64 x 64, two warpgroups' lse and delta rows, five barriers. 195 KB at head_dim 64,
+/// parts of 64 x 64, two stages of lse and delta rows, five barriers. 195 KB at head_dim 64,
 /// 194 KB at 128.
 fn shared_bytes(hd: usize) -> usize {
     let bq = block_q(hd);
