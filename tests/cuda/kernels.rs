@@ -746,8 +746,12 @@ pub fn gemms_in_order(order: kernels::settings::GemmOrder) -> kernels::settings:
 /// The FP8 Hopper forward (`BURNMIX_FLASH_FP8=on`, experimental) against its recipe's reference
 /// ([`kernels::attention::reference_fp8`]: block-scaled e4m3 inputs, P rounded to e4m3): its
 /// output's error against exact attention of the 16-bit inputs must be within 2x the recipe's own
-/// (plus the output dtype's rounding), and its log-sum-exp within 2e-3 of the recipe's, at
-/// awkward shapes and grouped-query layouts, both masks, head_dim 64 and 128, bf16 and f16. On a
+/// (plus the output dtype's rounding), and its log-sum-exp within 2e-3 x (1 + |lse|) of the
+/// recipe's, at awkward shapes and grouped-query layouts, both masks, head_dim 64 and 128, bf16
+/// and f16. Relative, because Hopper's FP8 `wgmma` keeps fewer mantissa bits in its sums than f32
+/// (DeepSeek-V3's report measured about 14), so a score's error grows with its products, and a
+/// row's log-sum-exp is at least its largest score and weighted by the scores near it (a causal
+/// first row's is its one score: fixed at 2e-3, one run in many missed by 1%). On a
 /// GPU where the 16-bit Hopper forward does not run (not compute capability 9.0), the FP8 one
 /// cannot either: the test says so and stops.
 #[test]
@@ -826,12 +830,18 @@ fn cuda_flash_attention_fp8_forward() {
                     let err: f32 = max_abs(out.cast(FloatDType::F32) - exact.clone());
                     let err_recipe: f32 = max_abs(recipe - exact.clone());
                     let bound = 2.0 * err_recipe + rounding * max_abs(exact);
-                    let err_lse: f32 = (lse - recipe_lse).abs().max().into_scalar();
+                    let err_lse: f32 = ((lse - recipe_lse.clone()).abs()
+                        / (recipe_lse.abs() + 1.0))
+                        .max()
+                        .into_scalar();
                     eprintln!(
-                        "{what}: error {err:.2e}, the recipe's {err_recipe:.2e}, lse {err_lse:.1e}"
+                        "{what}: error {err:.2e}, the recipe's {err_recipe:.2e}, lse {err_lse:.1e} x (1 + |lse|)"
                     );
                     assert!(err <= bound, "{what}: error {err} above {bound}");
-                    assert!(err_lse < 2e-3, "{what}: log-sum-exp off by {err_lse}");
+                    assert!(
+                        err_lse < 2e-3,
+                        "{what}: log-sum-exp off by {err_lse} x (1 + |lse|)"
+                    );
                 }
             }
         }
