@@ -751,7 +751,7 @@ pub fn gemms_in_order(order: kernels::settings::GemmOrder) -> kernels::settings:
 /// and f16. Relative, because Hopper's FP8 `wgmma` keeps fewer mantissa bits in its sums than f32
 /// (DeepSeek-V3's report measured about 14), so a score's error grows with its products, and a
 /// row's log-sum-exp is at least its largest score and weighted by the scores near it (a causal
-/// first row's is its one score: fixed at 2e-3, one run in many missed by 1%). On a
+/// first row's is its one score; a bound fixed at 2e-3 was once missed by 1%). On a
 /// GPU where the 16-bit Hopper forward does not run (not compute capability 9.0), the FP8 one
 /// cannot either: the test says so and stops.
 #[test]

@@ -1,8 +1,9 @@
 // FlashAttention backward for Hopper (compute capability 9.0), as FlashAttention-3 builds it: one
 // block per block of BN = 128 keys of one (batch, query head), walking the query blocks that see
 // them; a producer warp copies with TMA, two consumer warpgroups multiply with `wgmma`, and a
-// writer warp adds their dQ parts to an f32 buffer by bulk reductions (`cp.reduce.async.bulk`). The CUDA C++ counterpart of
-// the CubeCL dK/dV kernels with the fused dQ (attention/mma/): the same gradients, for 16-bit
+// writer warp adds their dQ parts to an f32 buffer by bulk reductions (`cp.reduce.async.bulk`).
+// The CUDA C++ counterpart of the CubeCL dK/dV kernels with the fused dQ (attention/mma/): the
+// same gradients, for 16-bit
 // inputs at head_dim 64 and 128 without dropout. Compiled at run time by NVRTC for sm_90a (through
 // CubeCL, see cuda_source.rs) after common.cuh and dq_cast.cu, with these macros defined before
 // all three:
@@ -24,8 +25,8 @@
 // Each block holds its keys' K and V (BN x HD each) and a ring of two stages of the query blocks'
 // Q and dO (BM x HD each: BM = 128 at head_dim 64, 64 at 128) with their log-sum-exp (times
 // log2(e)) and delta rows, which the producer warp copies beside the TMA loads, so that no
-// consumer waits for a global load. Consumer warpgroup w owns keys
-// 64w .. 64w + 63 of the block and keeps their dK and dV in registers. For each query block:
+// consumer waits for a global load. Consumer warpgroup w owns keys 64w .. 64w + 63 of the block
+// and keeps their dK and dV in registers. For each query block:
 //   1. S^T = K Q^T and dP^T = V dO^T (`wgmma` m64nBMk16 from shared memory, K-major);
 //   2. P^T = exp2(S^T * scale * log2(e) - lse * log2(e)) and dS^T = P^T (dP^T - delta), in
 //      registers, the causal mask where the block crosses the diagonal;
@@ -70,14 +71,14 @@
 // Arrivals that complete a stage's full barrier: the producer's expected-bytes arrival and one per
 // producer lane once its lse and delta rows are in shared memory.
 #define FULL_ARRIVALS 33
-// Named barriers (0 is __syncthreads): 3 both consumer warpgroups, and between
-// consumer warpgroup w and the writer warp (160 threads) DQ_FULL + w (its part is in shared
-// memory) and DQ_EMPTY + w (the previous part's reduction has read it).
+// Named barriers (0 is __syncthreads): 3 between both consumer warpgroups; between consumer
+// warpgroup w and the writer warp (160 threads), DQ_FULL + w (its part is in shared memory) and
+// DQ_EMPTY + w (the previous part's reduction has read it).
 #define DQ_FULL 4
 #define DQ_EMPTY 6
 // Whether dK is issued after the dQ part, so that the part's stores overlap dK's products. Not at
 // head_dim 64: there dK's A fragments (dS^T, 32 registers) would stay live across those stores,
-// and ptxas spills.
+// and that order measured the same speed (2026-12-06).
 #define DQ_FIRST (HD == 128)
 
 struct Info {
