@@ -5,7 +5,12 @@
 #include <cuda_runtime.h>
 
 #include "../../crates/kernels/src/attention/hopper/common.cuh"
+// FORWARD_SOURCE (harness.py --kernel) builds another version of the kernel file, to compare.
+#ifdef FORWARD_SOURCE
+#include FORWARD_SOURCE
+#else
 #include "../../crates/kernels/src/attention/hopper/forward.cu"
+#endif
 
 #include "tensor_map.h"
 
