@@ -43,7 +43,9 @@
 // Steps 1 and 3 of consecutive blocks overlap within a warpgroup (block j + 1's scores and block
 // j's P V are issued together, and block j + 1's softmax runs while P V is still on the tensor
 // cores), and the warpgroups issue their products in turn (named barriers), so the tensor cores
-// take one warpgroup's products while the others compute their softmax.
+// take one warpgroup's products while the others compute their softmax. Across tiles too: a
+// tile's last P V and the next tile's first scores are issued together, and the tile's output is
+// written while those scores run.
 //
 // FP8 (FlashAttention-3's recipe, block scales): q, k [.., seq, HD] and vt [batch, kv_heads, HD,
 // keys] in e4m3, vt being V transposed with its keys padded to a multiple of 32 (zeros) and put in
@@ -174,10 +176,10 @@ __device__ __forceinline__ void turn_grant(u32 consumer) {
 #endif
 
 // Issues S = Q K^T for consumer warpgroup `cw`'s 64 query rows against the BC keys of `k_tile`
-// (both K-major), into `s` (not committed).
+// (both K-major), into `s` (not committed). The first product overwrites `s`: nothing writes it
+// before, as ptxas serializes the products where other instructions write a product's registers
+// while another's are in flight (the last step issues these after a P V).
 __device__ __forceinline__ void issue_scores(float (&s)[BC / 2], u32 sq, u32 k_tile, u32 cw) {
-#pragma unroll
-    for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
 #if FP8
     // Rows of HD bytes, k steps of 32 of them; the 64-byte swizzle at head_dim 64.
     fence_regs(s);
@@ -403,6 +405,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
     // The first turn is the first consumer's: the last one grants it.
     if (cw == CONSUMERS - 1) turn_grant(0);
 
+    // The scores of a tile's first key block are issued before the tile starts: by the previous
+    // tile's last step, beside its last P V, so that they run while that tile's output is
+    // written (see below); the first tile's here. Every block has a tile (the grid is at most
+    // the tiles).
+    float s[BC / 2] = {};
+    u32 p[P_STEPS][4];
+    bar_wait(q_full(0), 0);
+    bar_wait(k_full(0), 0);
+    turn_wait(cw);
+    issue_scores(s, sq(0), sk, cw);
+    wgmma_commit();
+    turn_grant(next);
+    wgmma_wait<0>();
+
     u64 kv = 0;
     for (u32 n = 0; Tile::index(n, tiles) < tiles; ++n) {
         const Tile tile(Tile::index(n, tiles), info);
@@ -418,11 +434,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
         auto stage = [&](long long j) { return (u32)((kv + (u64)j) % STAGES); };
         auto parity = [&](long long j) { return (u32)(((kv + (u64)j) / STAGES) & 1); };
 
-        float s[BC / 2];
         float o[HD / 2];
-#pragma unroll
-        for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
-        u32 p[P_STEPS][4];
 #if FP8
         // This warpgroup's q scale (its 64 rows are one scale block; a warpgroup past the end
         // takes the last) and its (batch, kv head)'s k and v scales; `v_now` is the one O is
@@ -442,14 +454,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
         // Running maxima (of the scores times scale * log2(e)) and this thread's partial sums.
         float m[2] = {neg_inf, neg_inf}, l[2] = {0.f, 0.f}, alpha[2], sum[2];
 
-        bar_wait(q_full(buf), (n / 2u) & 1u);
-        bar_wait(k_full(stage(0)), parity(0));
-        turn_wait(cw);
-        issue_scores(s, q_tile, sk + stage(0) * KV_BYTES, cw);
-        wgmma_commit();
-        turn_grant(next);
-        wgmma_wait<0>();
         fence_regs(s);
+#pragma unroll
+        for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
         release(k_empty(stage(0)));
         if (blocks == 1) release(q_empty(buf));
         if (masked(0)) mask_scores(s, 0, seq_k, row0, row1, col_in);
@@ -457,6 +464,45 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
         l[0] = sum[0];
         l[1] = sum[1];
         to_fragments(s, p);
+
+        // The tile's output and log-sum-exp, once its last P V is done.
+        auto write_tile = [&]() {
+            float inv[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+#if FP8
+                inv[r] = l[r] > 0.f ? v_now / l[r] : 0.f;
+#else
+                inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+#endif
+            }
+            // Each row's address once: its stores (columns 8i + col_in) then take constant offsets.
+            unsigned short* op = out + tile.b * info.o_b + tile.h * info.o_h + col_in;
+            if (row0 < seq_q) {
+                u32* dst = reinterpret_cast<u32*>(op + (u64)row0 * info.o_s);
+#pragma unroll
+                for (int i = 0; i < HD / 8; ++i) dst[i * 4] = pack(o[i * 4] * inv[0], o[i * 4 + 1] * inv[0]);
+            }
+            if (row1 < seq_q) {
+                u32* dst = reinterpret_cast<u32*>(op + (u64)row1 * info.o_s);
+#pragma unroll
+                for (int i = 0; i < HD / 8; ++i) dst[i * 4] = pack(o[i * 4 + 2] * inv[1], o[i * 4 + 3] * inv[1]);
+            }
+            if (lane % 4u == 0u) {
+                const float ln2 = 0.6931471805599453f;
+                float* lp = lse + (tile.b * info.heads + tile.h) * info.seq_q;
+#if FP8
+                // P carried a factor 2^8.
+                if (row0 < seq_q) lp[row0] = (m[0] + lg2(l[0]) - 8.f) * ln2;
+                if (row1 < seq_q) lp[row1] = (m[1] + lg2(l[1]) - 8.f) * ln2;
+#else
+                if (row0 < seq_q) lp[row0] = (m[0] + lg2(l[0])) * ln2;
+                if (row1 < seq_q) lp[row1] = (m[1] + lg2(l[1])) * ln2;
+#endif
+            }
+        };
 
         // Iteration j: block j + 1's scores and block j's P V on the tensor cores together,
         // then block j + 1's softmax while P V finishes.
@@ -509,53 +555,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
 #endif
                 to_fragments(s, p);
             } else {
+                // The next tile's first scores: its Q buffer and the stage after this one. After
+                // the last tile the products still run, on this tile's buffer and stage (which
+                // nothing writes any more), as a `wgmma` issued in a branch of its own would be
+                // serialized by ptxas; their scores are dropped.
+                const u32 next_buf = (n + 1u) % 2u, next_st = stage(j + 1);
+                if (!last_tile) {
+                    bar_wait(q_full(next_buf), ((n + 1u) / 2u) & 1u);
+                    bar_wait(k_full(next_st), parity(j + 1));
+                }
                 bar_wait(v_full(st), parity(j));
                 turn_wait(cw);
                 issue_pv(o, p, sv + st * KV_BYTES);
                 wgmma_commit();
+                issue_scores(s, last_tile ? q_tile : sq(next_buf), sk + (last_tile ? st : next_st) * KV_BYTES, cw);
+                wgmma_commit();
                 // The last consumer's very last grant would open a turn nobody takes.
                 if (!(last_tile && cw == CONSUMERS - 1)) turn_grant(next);
-                wgmma_wait<0>();
+                wgmma_wait<1>();
                 fence_regs(o);
                 release(v_empty(st));
+                write_tile();
+                wgmma_wait<0>();
+                fence_regs(s);
             }
         }
         kv += (u64)blocks;
 
-        float inv[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-#if FP8
-            inv[r] = l[r] > 0.f ? v_now / l[r] : 0.f;
-#else
-            inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
-#endif
-        }
-        // Each row's address once: its stores (columns 8i + col_in) then take constant offsets.
-        unsigned short* op = out + tile.b * info.o_b + tile.h * info.o_h + col_in;
-        if (row0 < seq_q) {
-            u32* dst = reinterpret_cast<u32*>(op + (u64)row0 * info.o_s);
-#pragma unroll
-            for (int i = 0; i < HD / 8; ++i) dst[i * 4] = pack(o[i * 4] * inv[0], o[i * 4 + 1] * inv[0]);
-        }
-        if (row1 < seq_q) {
-            u32* dst = reinterpret_cast<u32*>(op + (u64)row1 * info.o_s);
-#pragma unroll
-            for (int i = 0; i < HD / 8; ++i) dst[i * 4] = pack(o[i * 4 + 2] * inv[1], o[i * 4 + 3] * inv[1]);
-        }
-        if (lane % 4u == 0u) {
-            const float ln2 = 0.6931471805599453f;
-            float* lp = lse + (tile.b * info.heads + tile.h) * info.seq_q;
-#if FP8
-            // P carried a factor 2^8.
-            if (row0 < seq_q) lp[row0] = (m[0] + lg2(l[0]) - 8.f) * ln2;
-            if (row1 < seq_q) lp[row1] = (m[1] + lg2(l[1]) - 8.f) * ln2;
-#else
-            if (row0 < seq_q) lp[row0] = (m[0] + lg2(l[0])) * ln2;
-            if (row1 < seq_q) lp[row1] = (m[1] + lg2(l[1])) * ln2;
-#endif
-        }
     }
 }
