@@ -40,12 +40,13 @@
 //   3. O += P V: P converted to 16 bits in the registers `wgmma` takes its A operand from (the
 //      accumulator's fragment of S is the A fragment of P, element for element), V from shared
 //      memory read transposed (MN-major), BC / 16 `wgmma` m64nHDk16.
-// Steps 1 and 3 of consecutive blocks overlap within a warpgroup (block j + 1's scores and block
-// j's P V are issued together, and block j + 1's softmax runs while P V is still on the tensor
-// cores), and the warpgroups issue their products in turn (named barriers), so the tensor cores
-// take one warpgroup's products while the others compute their softmax. Across tiles too: a
-// tile's last P V and the next tile's first scores are issued together, and the tile's output is
-// written while those scores run.
+// Block j + 1's scores and block j's P V are issued together, and the warpgroups issue their
+// products in turn (named barriers), so the tensor cores take one warpgroup's products while the
+// others compute their softmax. (ptxas places the wait for P V before block j + 1's softmax, to
+// interleave the conversion to P with the exponentials, so a softmax does not overlap its own
+// warpgroup's P V; a wait kept after the softmax measured no faster.) Across tiles: a tile's last
+// P V and the next tile's first scores are issued together, and the tile's output is written
+// while those scores run.
 //
 // FP8 (FlashAttention-3's recipe, block scales): q, k [.., seq, HD] and vt [batch, kv_heads, HD,
 // keys] in e4m3, vt being V transposed with its keys padded to a multiple of 32 (zeros) and put in
@@ -505,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
         };
 
         // Iteration j: block j + 1's scores and block j's P V on the tensor cores together,
-        // then block j + 1's softmax while P V finishes.
+        // then block j + 1's softmax.
         for (long long j = 0; j < blocks; ++j) {
             const u32 st = stage(j);
             if (j + 1 < blocks) {
