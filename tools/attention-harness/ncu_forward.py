@@ -9,8 +9,10 @@ For each shape (head_dim:mask:seq, bf16, batch x seq = 16384, heads x head_dim =
 harness's benchmark), it runs `ncu --set full` (ncu's default clock control: base clocks for both)
 over one call of each kernel after two warm-up calls, keeps the report (DIR/fwd_HD_MASK_S.ncu-rep,
 for `ncu -i`) and prints the metrics where the two differ most: duration, cycles, instructions
-issued, issue slots, L2 and DRAM throughput, L2 write sectors, branches, shared memory. The
-kernel is built from crates/kernels/src/attention/hopper/forward.cu by harness.py's build.
+issued, issue slots, L2 and DRAM throughput, L2 write sectors, branches, shared memory, and how
+busy the tensor and shared-memory pipes were (raw metrics). The kernel is built from
+crates/kernels/src/attention/hopper/forward.cu by harness.py's build. The raw metrics' parsing was
+checked against a report of 2026-12-06 (not yet run on a GPU as part of this script).
 """
 import argparse
 import csv
@@ -59,8 +61,36 @@ def inner(shape, build_dir):
     torch.cuda.synchronize()
 
 
-def table(details_csv):
-    """Our last profiled launch and cuDNN's, side by side, from `ncu -i REP --page details --csv`."""
+# Raw metrics (`--page raw`) printed after the sections' ones, by the end of their names (ncu
+# prefixes some with the section that collects them): how busy the tensor and shared-memory pipes
+# were, of the elapsed cycles.
+RAW = [
+    ("tensor pipe active", "sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed"),
+    ("shared-memory pipe active", "sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active"),
+]
+
+
+def raw_rows(raw_csv):
+    """[(name, {"ours" / "cuDNN": value})] for RAW, from `ncu -i REP --page raw --csv` (a header
+    row, a units row, then one row a launch; the last launch of each kernel)."""
+    rows = list(csv.reader(io.StringIO(raw_csv)))
+    if len(rows) < 3:
+        return []
+    header, last = rows[0], {}
+    name_at = header.index("Kernel Name")
+    for r in rows[2:]:
+        last["ours" if r[name_at].startswith("flash_forward_hopper") else "cuDNN"] = r
+    out = []
+    for label, metric in RAW:
+        at = next((i for i, h in enumerate(header) if h.endswith(metric)), None)
+        if at is not None:
+            out.append((label, {k: f"{r[at]} %" for k, r in last.items()}))
+    return out
+
+
+def table(details_csv, raw_csv=""):
+    """Our last profiled launch and cuDNN's, side by side, from `ncu -i REP --page details --csv`
+    (and the RAW metrics from `--page raw --csv`)."""
     kernels = {}
     for r in csv.DictReader(io.StringIO(details_csv)):
         name = "ours" if r["Kernel Name"].startswith("flash_forward_hopper") else "cuDNN"
@@ -75,6 +105,8 @@ def table(details_csv):
             value, unit = last.get(name, {}).get(key, ("-", ""))
             cells.append(f"{value} {unit}".strip())
         print(f"| {key[1]} | {cells[0]} | {cells[1]} |")
+    for label, values in raw_rows(raw_csv):
+        print(f"| {label} | {values.get('ours', '-')} | {values.get('cuDNN', '-')} |")
 
 
 def main():
@@ -106,7 +138,9 @@ def main():
         print(f"\n{shape} (bf16, batch x seq = 16384, heads x head_dim = 2048): {rep}.ncu-rep")
         details = subprocess.run([a.ncu, "-i", rep + ".ncu-rep", "--page", "details", "--csv"],
                                  capture_output=True, text=True, check=True).stdout
-        table(details)
+        raw = subprocess.run([a.ncu, "-i", rep + ".ncu-rep", "--page", "raw", "--csv"],
+                             capture_output=True, text=True, check=True).stdout
+        table(details, raw)
 
 
 if __name__ == "__main__":
