@@ -44,6 +44,14 @@ fn resolved_config_round_trips() {
 }
 
 #[test]
+fn gelu_tanh_is_an_mlp_kind() {
+    let cfg = Config::from_toml_str(DEFAULT_TOML, &["model.mlp=gelu_tanh".into()], "x").unwrap();
+    assert_eq!(cfg.model.mlp, model::MlpKind::GeluTanh);
+    let again = Config::from_toml_str(&cfg.to_toml(), &[], "resolved").unwrap();
+    assert_eq!(again.model.mlp, model::MlpKind::GeluTanh);
+}
+
+#[test]
 fn overrides_take_toml_values_and_bare_strings() {
     let cfg = Config::from_toml_str(
         "",

@@ -36,6 +36,8 @@ equivalence! {
     model_equivalence_f32_swiglu => F32, Swiglu;
     model_equivalence_f16_gelu => F16, Gelu;
     model_equivalence_f16_swiglu => F16, Swiglu;
+    model_equivalence_f32_gelu_tanh => F32, GeluTanh;
+    model_equivalence_f16_gelu_tanh => F16, GeluTanh;
 }
 
 /// 50 steps of every combination against the reference run of the same precision; the drift of

@@ -35,7 +35,11 @@ fn small(mlp: MlpKind, tie: bool) -> GptConfig {
 fn logits_have_batch_time_vocab_shape() {
     let _guard = common::serial();
     common::on_test_backend!(|Inner, dev| {
-        for (mlp, tie) in [(MlpKind::Swiglu, true), (MlpKind::Gelu, false)] {
+        for (mlp, tie) in [
+            (MlpKind::Swiglu, true),
+            (MlpKind::Gelu, false),
+            (MlpKind::GeluTanh, false),
+        ] {
             let cfg = small(mlp, tie);
             let gpt = Gpt::<Inner>::new(&cfg, 37, &dev);
             let ids = Tensor::<Inner, 2, Int>::from_data(

@@ -39,6 +39,8 @@ equivalence! {
     cuda_model_equivalence_f16_gelu => F16, Gelu, AWKWARD;
     cuda_model_equivalence_f16_swiglu => F16, Swiglu, AWKWARD;
     cuda_model_equivalence_bf16_gelu_shakespeare_shape => BF16, Gelu, SHAKESPEARE;
+    cuda_model_equivalence_bf16_gelu_tanh => BF16, GeluTanh, AWKWARD;
+    cuda_model_equivalence_f16_gelu_tanh => F16, GeluTanh, AWKWARD;
 }
 
 macro_rules! equivalence_cublaslt {

@@ -90,8 +90,12 @@ pub fn act_quantize_pair_matches<B: kernels::KernelOps>(
         let dy = input::<B>([rows, cols], 1e-3, false, dtype, dev);
         for backward in [false, true] {
             let want_values = match (act, backward) {
-                (Fp8MlpActivation::Gelu, true) => B::gelu_erf_backward(prim(&h), prim(&dy)),
-                (Fp8MlpActivation::Gelu, false) => B::gelu_erf_forward(prim(&h)),
+                (Fp8MlpActivation::Gelu, true) => {
+                    B::gelu_form_backward(prim(&h), prim(&dy), kernels::activation::GeluForm::Exact)
+                }
+                (Fp8MlpActivation::Gelu, false) => {
+                    B::gelu_form_forward(prim(&h), kernels::activation::GeluForm::Exact)
+                }
                 (Fp8MlpActivation::SwigluPacked, true) => {
                     B::swiglu_backward(prim(&h), None, prim(&dy))
                 }

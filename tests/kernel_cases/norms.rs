@@ -164,6 +164,18 @@ pub fn gelu<B: AutodiffBackend + kernels::Backend>(dtype: FloatDType, dev: &B::D
             |v| kernels::gelu(v[0].clone() * 3.0),
             |v| kernels::activation::gelu_reference(v[0].clone() * 3.0),
         );
+        // The tanh approximation, also at inputs past the kernel's clamp of |x| to 10 (where a
+        // cube of x in a narrow dtype, or 0 * inf in the derivative, would give inf or NaN).
+        for scale in [3.0, 40.0] {
+            check::<B>(
+                &format!("gelu_tanh [{rows}, {c}] x {scale}"),
+                dtype,
+                FLOOR,
+                vec![Input::act([rows, c], dev)],
+                move |v| kernels::gelu_tanh(v[0].clone() * scale),
+                move |v| kernels::activation::gelu_tanh_reference(v[0].clone() * scale),
+            );
+        }
     }
 }
 

@@ -74,7 +74,11 @@ pub fn recomputed_linear<B: AutodiffBackend + kernels::Backend>(
             },
         );
         let w_half = randn::<B>([d / 2, n], dev).mul_scalar(0.2);
-        for (activation, w) in [(Activation::SwigluPacked, &w_half), (Activation::Gelu, &w)] {
+        for (activation, w) in [
+            (Activation::SwigluPacked, &w_half),
+            (Activation::Gelu, &w),
+            (Activation::GeluTanh, &w),
+        ] {
             same(
                 &format!("activation_linear {activation:?} [{rows}, {d}]"),
                 dtype,
@@ -92,6 +96,7 @@ pub fn recomputed_linear<B: AutodiffBackend + kernels::Backend>(
                     let a = match activation {
                         Activation::SwigluPacked => kernels::swiglu_packed(v[0].clone()),
                         Activation::Gelu => kernels::gelu(v[0].clone()),
+                        Activation::GeluTanh => kernels::gelu_tanh(v[0].clone()),
                     };
                     vec![gemm(a, v[1].clone())]
                 },

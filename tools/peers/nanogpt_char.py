@@ -11,7 +11,8 @@ gradient clipping at 1.0, as nanoGPT's train.py. Random character ids: the figur
 width 768, context 1024, batch 16, vocabulary 50304, no dropout, lr 6e-4 with betas 0.9 / 0.95
 (nanoGPT's GPT-2 124M; learned positions and LayerNorm where ours has RoPE and RMSNorm).
 `--n-layer`, `--n-head` and `--d-model` change the preset's shape (as `--set model.n_layer=...`
-does for ours).
+does for ours). `--gelu tanh` takes GELU's tanh approximation (`F.gelu(approximate="tanh")`), the
+peer of `--set model.mlp=gelu_tanh`; the default is the exact GELU, as ours (`"gelu"`).
 
 `--fp8 tensorwise|rowwise` runs the blocks' four projections with FP8 E4M3 GEMMs (fprop, dgrad and
 wgrad; embedding, head, norms and attention stay bf16, as in our FP8 recipe): through torchao's
@@ -161,9 +162,9 @@ def to_fp8(model, recipe, impl, blockwise_gemm="default"):
 
 
 class Block(nn.Module):
-    def __init__(self, d, h, p):
+    def __init__(self, d, h, p, gelu="none"):
         super().__init__()
-        self.h, self.p = h, p
+        self.h, self.p, self.gelu = h, p, gelu
         self.ln1, self.ln2 = nn.LayerNorm(d, bias=False), nn.LayerNorm(d, bias=False)
         self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
         self.fc, self.out = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
@@ -176,15 +177,15 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0,
                                            is_causal=True)
         x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)), approximate=self.gelu)))
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab=65, n_layer=6, n_head=6, d=384, t=256, p=0.2):
+    def __init__(self, vocab=65, n_layer=6, n_head=6, d=384, t=256, p=0.2, gelu="none"):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
         self.drop = nn.Dropout(p)
-        self.blocks = nn.ModuleList(Block(d, n_head, p) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d, n_head, p, gelu) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d, bias=False)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight
@@ -214,6 +215,8 @@ def main():
     ap.add_argument("--n-layer", type=int, default=None, help="override the preset's layers")
     ap.add_argument("--n-head", type=int, default=None, help="override the preset's heads")
     ap.add_argument("--d-model", type=int, default=None, help="override the preset's width")
+    ap.add_argument("--gelu", choices=["exact", "tanh"], default="exact",
+                    help="GELU exact (the default, as ours) or its tanh approximation (model.mlp = gelu_tanh)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="capture the N steps after --warmup for a CUDA profiler, then stop")
     a = ap.parse_args()
@@ -238,7 +241,7 @@ def main():
     vocab, ctx = shape["vocab"], shape["t"]
     torch.manual_seed(1337)
     torch.backends.cuda.matmul.allow_tf32 = True
-    model = GPT(**shape).cuda()
+    model = GPT(**shape, gelu="tanh" if a.gelu == "tanh" else "none").cuda()
     if a.fp8:
         print(f"fp8 {a.fp8} through {to_fp8(model, a.fp8, a.fp8_impl, a.fp8_blockwise_gemm)}")
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -7,6 +7,7 @@
 //! | residual add + RMSNorm | [`add_rms_norm`] | [`rms_norm::add_reference`] |
 //! | SwiGLU (two tensors / packed) | [`swiglu`], [`swiglu_packed`] | [`activation::swiglu_reference`], [`activation::swiglu_packed_reference`] |
 //! | exact GELU | [`gelu`] | [`activation::gelu_reference`] |
+//! | GELU, tanh approximation | [`gelu_tanh`] | [`activation::gelu_tanh_reference`] |
 //! | rotary embedding | [`rope`] (tables: [`rope::tables`]) | [`rope::reference`] |
 //! | softmax cross-entropy + z-loss | [`cross_entropy`] | [`cross_entropy::reference`] |
 //! | token embedding (atomic scatter backward on CUDA) | [`embedding()`] | [`embedding::reference`] |
@@ -202,7 +203,13 @@ pub fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, dropout: Dropout) ->
 
 /// Exact (erf) GELU, computed in f32 (safe in f16, unlike a GELU whose backward cubes `x` in f16).
 pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    tensor(B::fused_gelu(prim(x)))
+    tensor(B::fused_gelu(prim(x), activation::GeluForm::Exact))
+}
+
+/// GELU's tanh approximation, `x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) / 2` (GPT-2's, and
+/// PyTorch's `gelu(approximate="tanh")`), computed in f32.
+pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    tensor(B::fused_gelu(prim(x), activation::GeluForm::Tanh))
 }
 
 /// Rotary embedding of `x` [batch, heads, seq, head_dim] with tables `cos`, `sin`

@@ -42,6 +42,9 @@ pub enum MlpKind {
     Swiglu,
     /// `proj(gelu(x W_fc))` with the exact (erf) GELU.
     Gelu,
+    /// `proj(gelu(x W_fc))` with GELU's tanh approximation (GPT-2's own; `"gelu_tanh"`).
+    #[serde(rename = "gelu_tanh")]
+    GeluTanh,
 }
 
 /// How attention is computed.
@@ -234,7 +237,7 @@ pub struct GptConfig {
     pub d_model: usize,
     /// Longest sequence the model is trained on (tokens per window).
     pub context: usize,
-    /// Feed-forward block: "swiglu" or "gelu".
+    /// Feed-forward block: "swiglu", "gelu" (exact) or "gelu_tanh" (the tanh approximation).
     pub mlp: MlpKind,
     /// Hidden width of the feed-forward block; 0 picks 4 * d_model for GELU and 8/3 * d_model
     /// rounded up to a multiple of `multiple_of` for SwiGLU (the same parameter count).
@@ -379,7 +382,7 @@ impl GptConfig {
             return self.d_ff;
         }
         match self.mlp {
-            MlpKind::Gelu => 4 * self.d_model,
+            MlpKind::Gelu | MlpKind::GeluTanh => 4 * self.d_model,
             MlpKind::Swiglu => {
                 let m = self.multiple_of.max(1);
                 (8 * self.d_model / 3).div_ceil(m) * m
@@ -470,7 +473,7 @@ impl GptConfig {
         let qkv = self.qkv_width();
         let attn = d * qkv + qkv * b + d * d + d * b;
         let mlp = match self.mlp {
-            MlpKind::Gelu => d * ff + ff * b + ff * d + d * b,
+            MlpKind::Gelu | MlpKind::GeluTanh => d * ff + ff * b + ff * d + d * b,
             MlpKind::Swiglu => d * 2 * ff + 2 * ff * b + ff * d + d * b,
         };
         let block = attn + mlp + 2 * d;

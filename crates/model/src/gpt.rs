@@ -209,7 +209,7 @@ impl<B: Backend> Mlp<B> {
     fn new(cfg: &GptConfig, device: &B::Device) -> Self {
         let (d, ff) = (cfg.d_model, cfg.ff_width());
         let fc_out = match cfg.mlp {
-            MlpKind::Gelu => ff,
+            MlpKind::Gelu | MlpKind::GeluTanh => ff,
             MlpKind::Swiglu => 2 * ff,
         };
         let resid_std = cfg.init_std / (2.0 * cfg.n_layer as f64).sqrt();
@@ -229,6 +229,7 @@ impl<B: kernels::Backend> Mlp<B> {
         let h = self.fc.forward_projection(x, fc);
         let h = match self.kind {
             MlpKind::Gelu => kernels::activation::gelu_reference(h),
+            MlpKind::GeluTanh => kernels::activation::gelu_tanh_reference(h),
             MlpKind::Swiglu => kernels::activation::swiglu_packed_reference(h),
         };
         self.proj.forward_projection(h, proj)
@@ -244,6 +245,7 @@ impl<B: kernels::Backend> Mlp<B> {
     ) -> Tensor<B, 3> {
         let activation = match self.kind {
             MlpKind::Gelu => kernels::recompute::Activation::Gelu,
+            MlpKind::GeluTanh => kernels::recompute::Activation::GeluTanh,
             MlpKind::Swiglu => kernels::recompute::Activation::SwigluPacked,
         };
         self.proj
@@ -252,12 +254,14 @@ impl<B: kernels::Backend> Mlp<B> {
 
     /// Whether `fc`, the activation and `proj` run as one op (`kernels::fp8_mlp_scaled`, which
     /// quantizes the activation's output and gradient in the kernels that compute them): a block
-    /// (GELU or SwiGLU) without biases whose two projections run in FP8 with the same settings
+    /// (exact GELU or SwiGLU; with GELU's tanh approximation the projections run in FP8 apart and
+    /// the activation in its own kernel) without biases whose two projections run in FP8 with the same settings
     /// (and both with or both without a delayed-scaling site) and measure nothing this step (FP8
     /// health and gradient formats are measured on the projections run apart).
     fn fused_fp8(&self, fc: &Projection, proj: &Projection) -> bool {
         let unprobed = |p: &Projection| p.fp8_probe.is_none() && p.grad_probe.is_none();
-        self.fc.bias.is_none()
+        self.kind != MlpKind::GeluTanh
+            && self.fc.bias.is_none()
             && self.proj.bias.is_none()
             && fc.fp8.is_some()
             && fc.fp8 == proj.fp8
@@ -275,6 +279,7 @@ impl<B: kernels::Backend> Mlp<B> {
         let act = match self.kind {
             MlpKind::Gelu => kernels::Fp8MlpActivation::Gelu,
             MlpKind::Swiglu => kernels::Fp8MlpActivation::SwigluPacked,
+            MlpKind::GeluTanh => unreachable!("fused_fp8 refuses GELU's tanh approximation"),
         };
         let n = n.reshape([b * t, d]);
         let y = kernels::fp8_mlp_scaled(n, w_fc, w_proj, act, &cfg, sites);

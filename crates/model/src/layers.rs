@@ -178,6 +178,7 @@ impl<B: kernels::Backend> Linear<B> {
             let x = match activation {
                 Activation::SwigluPacked => kernels::swiglu_packed(h),
                 Activation::Gelu => kernels::gelu(h),
+                Activation::GeluTanh => kernels::gelu_tanh(h),
             };
             return self.forward_projection(x, p);
         }

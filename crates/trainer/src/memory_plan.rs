@@ -67,7 +67,7 @@ impl MemoryPlan {
         let (d, ff, t) = (m.d_model as u64, m.ff_width() as u64, m.context as u64);
         let mlp = match m.mlp {
             MlpKind::Swiglu => 3 * ff,
-            MlpKind::Gelu => 2 * ff,
+            MlpKind::Gelu | MlpKind::GeluTanh => 2 * ff,
         };
         let per_token_block = (5 * d + m.qkv_width() as u64 + mlp) * compute_bytes
             // the attention's f32 log-sum-exp of every query head

@@ -8,7 +8,7 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 
-use super::ActivationKernels;
+use super::{ActivationKernels, GeluForm};
 
 #[derive(Debug)]
 struct SwigluSplitBackward;
@@ -58,7 +58,9 @@ impl<B: ActivationKernels> Backward<B, 1> for SwigluPackedBackward {
 }
 
 #[derive(Debug)]
-struct GeluBackward;
+struct GeluBackward {
+    form: GeluForm,
+}
 
 impl<B: ActivationKernels> Backward<B, 1> for GeluBackward {
     type State = FloatTensor<B>;
@@ -67,7 +69,7 @@ impl<B: ActivationKernels> Backward<B, 1> for GeluBackward {
         let [node] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
         if let Some(node) = node {
-            grads.register::<B>(node.id, B::gelu_erf_backward(ops.state, dy));
+            grads.register::<B>(node.id, B::gelu_form_backward(ops.state, dy, self.form));
         }
     }
 }
@@ -103,9 +105,10 @@ pub(crate) fn swiglu_packed<B: ActivationKernels, C: CheckpointStrategy>(
 
 pub(crate) fn gelu<B: ActivationKernels, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
+    form: GeluForm,
 ) -> FloatTensor<Autodiff<B, C>> {
-    let out = B::gelu_erf_forward(x.primitive.clone());
-    match GeluBackward
+    let out = B::gelu_form_forward(x.primitive.clone(), form);
+    match (GeluBackward { form })
         .prepare::<C>([x.node.clone()])
         .compute_bound()
         .stateful()
@@ -122,7 +125,7 @@ impl<B: ActivationKernels, C: CheckpointStrategy> super::ActivationOps for Autod
     fn fused_swiglu_packed(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
         swiglu_packed::<B, C>(gate_up)
     }
-    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        gelu::<B, C>(x)
+    fn fused_gelu(x: FloatTensor<Self>, form: GeluForm) -> FloatTensor<Self> {
+        gelu::<B, C>(x, form)
     }
 }

@@ -10,6 +10,7 @@ use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
 use super::kernel::{gelu_exact, gelu_narrow, swiglu_bwd, swiglu_fwd};
+use super::GeluForm;
 use crate::check::{check_float, check_same_dtype, fail};
 use crate::launch::{contiguous, empty, vector_width};
 use crate::rms_norm::forward::rows_cols;
@@ -173,11 +174,16 @@ fn narrow(dtype: DType) -> bool {
     dtype.size() < 4
 }
 
-/// Exact GELU of `x`, or with `dy` its gradient `dy * GELU'(x)`, in `x`'s dtype.
-pub(crate) fn gelu<R: CubeRuntime>(x: CubeTensor<R>, dy: Option<CubeTensor<R>>) -> CubeTensor<R> {
+/// GELU of `x` in the given form, or with `dy` its gradient `dy * GELU'(x)`, in `x`'s dtype.
+pub(crate) fn gelu<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    dy: Option<CubeTensor<R>>,
+    form: GeluForm,
+) -> CubeTensor<R> {
     check_float("gelu", "x", x.dtype);
     let x = contiguous(x);
     let backward = dy.is_some();
+    let tanh = form == GeluForm::Tanh;
     // The forward reads no gradient: `x` stands in for it.
     let dy = match dy {
         Some(dy) => contiguous(burn_cubecl::kernel::cast(dy, x.dtype)),
@@ -206,6 +212,7 @@ pub(crate) fn gelu<R: CubeRuntime>(x: CubeTensor<R>, dy: Option<CubeTensor<R>>) 
                 total,
                 NARROW_PER_UNIT,
                 backward,
+                tanh,
                 dtype.into(),
             )
         };
@@ -221,6 +228,7 @@ pub(crate) fn gelu<R: CubeRuntime>(x: CubeTensor<R>, dy: Option<CubeTensor<R>>) 
             out.clone().into_array_arg(),
             total,
             backward,
+            tanh,
             dtype.into(),
         );
     }
@@ -251,11 +259,15 @@ where
     ) -> FloatTensor<Self> {
         swiglu_backward(gate_up(gate, up), dy)
     }
-    fn gelu_erf_forward(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        gelu(x, None)
+    fn gelu_form_forward(x: FloatTensor<Self>, form: GeluForm) -> FloatTensor<Self> {
+        gelu(x, None, form)
     }
-    fn gelu_erf_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
-        gelu(x, Some(dy))
+    fn gelu_form_backward(
+        x: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        form: GeluForm,
+    ) -> FloatTensor<Self> {
+        gelu(x, Some(dy), form)
     }
 }
 
@@ -272,7 +284,7 @@ where
     fn fused_swiglu_packed(gate_up_packed: FloatTensor<Self>) -> FloatTensor<Self> {
         swiglu_forward(gate_up(gate_up_packed, None))
     }
-    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        gelu(x, None)
+    fn fused_gelu(x: FloatTensor<Self>, form: GeluForm) -> FloatTensor<Self> {
+        gelu(x, None, form)
     }
 }

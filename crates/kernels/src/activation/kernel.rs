@@ -64,9 +64,9 @@ pub(crate) fn swiglu_bwd<F: Float, N: Size>(
     }
 }
 
-/// Exact (erf) GELU in f32 over `total` vectors: `out = x * Phi(x)`, or with `backward` the
-/// gradient `out = dy * (Phi(x) + x * phi(x))` (no `x^3` in a narrow dtype, so no f16 overflow).
-/// The forward ignores `dy`.
+/// GELU in f32 over `total` vectors: `out = x * Phi(x)`, or with `backward` the gradient
+/// `out = dy * (Phi(x) + x * phi(x))` (no `x^3` in a narrow dtype, so no f16 overflow); with
+/// `tanh`, the tanh approximation through [`gelu_tanh_terms`]. The forward ignores `dy`.
 #[cube(launch)]
 pub(crate) fn gelu_exact<F: Float, N: Size>(
     x: &Array<Vector<F, N>>,
@@ -74,21 +74,52 @@ pub(crate) fn gelu_exact<F: Float, N: Size>(
     out: &mut Array<Vector<F, N>>,
     total: usize,
     #[comptime] backward: bool,
+    #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
     if i < total {
         let v = Vector::<f32, N>::cast_from(x[i]);
-        let cdf = Vector::new(0.5)
-            * (Vector::new(1.0) + (v * Vector::new(core::f32::consts::FRAC_1_SQRT_2)).erf());
-        if comptime!(backward) {
-            // 1 / sqrt(2 pi)
-            let pdf = Vector::new(0.398_942_3) * (Vector::new(-0.5) * v * v).exp();
-            out[i] = Vector::cast_from(Vector::<f32, N>::cast_from(dy[i]) * (cdf + v * pdf));
+        if comptime!(tanh) {
+            let (sig, slope) = gelu_tanh_terms(v);
+            if comptime!(backward) {
+                out[i] = Vector::cast_from(Vector::<f32, N>::cast_from(dy[i]) * (sig + slope));
+            } else {
+                out[i] = Vector::cast_from(v * sig);
+            }
         } else {
-            out[i] = Vector::cast_from(v * cdf);
+            let cdf = Vector::new(0.5)
+                * (Vector::new(1.0) + (v * Vector::new(core::f32::consts::FRAC_1_SQRT_2)).erf());
+            if comptime!(backward) {
+                // 1 / sqrt(2 pi)
+                let pdf = Vector::new(0.398_942_3) * (Vector::new(-0.5) * v * v).exp();
+                out[i] = Vector::cast_from(Vector::<f32, N>::cast_from(dy[i]) * (cdf + v * pdf));
+            } else {
+                out[i] = Vector::cast_from(v * cdf);
+            }
         }
     }
+}
+
+/// The tanh approximation of GELU, `x (1 + t) / 2` with `t = tanh(u)`, `u = sqrt(2 / pi) (x +
+/// 0.044715 x^3)`: returns `(s, x s (1 - s) 2 u')` with `s = (1 + t) / 2 = sigmoid(2 u)`, so that
+/// the forward is `x * s` and the derivative the sum of the two. Through the sigmoid rather than
+/// `tanh`: CUDA's fast `tanh` (taken under fast math) has an absolute error near 5e-4, which is
+/// most of `(1 + t) / 2` in the negative tail, while `exp` keeps its relative precision there.
+/// `x` is clamped to [-10, 10] inside `u`: beyond it `s` is 0 or 1 in f32 and the second term 0,
+/// and a larger `x` (bf16 reaches 3e38) would overflow `x^3` and turn `0 * inf` into NaN.
+#[cube]
+fn gelu_tanh_terms<N: Size>(v: Vector<f32, N>) -> (Vector<f32, N>, Vector<f32, N>) {
+    let xc = v.clamp(Vector::new(-10.0), Vector::new(10.0));
+    let x2 = xc * xc;
+    // 2 sqrt(2 / pi)
+    let k2 = Vector::<f32, N>::new(1.595_769_2);
+    let one = Vector::<f32, N>::new(1.0);
+    let two_u = k2 * xc * (one + Vector::new(0.044_715) * x2);
+    let s = one / (one + (Vector::new(0.0) - two_u).exp());
+    // d(2u)/dx = 2 sqrt(2 / pi) (1 + 3 * 0.044715 x^2)
+    let slope = xc * s * (one - s) * k2 * (one + Vector::new(0.134_145) * x2);
+    (s, slope)
 }
 
 /// `(Phi(x), exp(-x^2 / 2))` in f32 without `erf`, for storage narrower than f32: the normal tail
@@ -114,10 +145,11 @@ fn normal_cdf_and_gauss<N: Size>(v: Vector<f32, N>) -> (Vector<f32, N>, Vector<f
     (cdf, gauss)
 }
 
-/// [`gelu_exact`] for f16 and bf16 storage, with [`normal_cdf_and_gauss`] in place of `erf`. Each
-/// unit takes `per_unit` vectors, `CUBE_DIM` apart within its cube's span, all loaded before any
-/// is computed (on an H200 this measured the same as one vector per unit: 95-107 µs for the
-/// forward of [16384, 4096] bf16, against 88-89 µs for PyTorch's eager GELU).
+/// [`gelu_exact`] for f16 and bf16 storage, with [`normal_cdf_and_gauss`] in place of `erf` (the
+/// tanh form as there). Each unit takes `per_unit` vectors, `CUBE_DIM` apart within its cube's
+/// span, all loaded before any is computed (on an H200 this measured the same as one vector per
+/// unit: 95-107 µs for the forward of [16384, 4096] bf16, against 88-89 µs for PyTorch's eager
+/// GELU).
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 pub(crate) fn gelu_narrow<F: Float, N: Size>(
     x: &Array<Vector<F, N>>,
@@ -126,6 +158,7 @@ pub(crate) fn gelu_narrow<F: Float, N: Size>(
     total: usize,
     #[comptime] per_unit: usize,
     #[comptime] backward: bool,
+    #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let dim = CUBE_DIM as usize;
@@ -147,13 +180,23 @@ pub(crate) fn gelu_narrow<F: Float, N: Size>(
         let i = base + k * dim;
         if i < total {
             let v = Vector::<f32, N>::cast_from(xs[k]);
-            let (cdf, gauss) = normal_cdf_and_gauss(v);
-            if comptime!(backward) {
-                // 1 / sqrt(2 pi)
-                let pdf = Vector::new(0.398_942_3) * gauss;
-                out[i] = Vector::cast_from(Vector::<f32, N>::cast_from(gs[k]) * (cdf + v * pdf));
+            if comptime!(tanh) {
+                let (sig, slope) = gelu_tanh_terms(v);
+                if comptime!(backward) {
+                    out[i] = Vector::cast_from(Vector::<f32, N>::cast_from(gs[k]) * (sig + slope));
+                } else {
+                    out[i] = Vector::cast_from(v * sig);
+                }
             } else {
-                out[i] = Vector::cast_from(v * cdf);
+                let (cdf, gauss) = normal_cdf_and_gauss(v);
+                if comptime!(backward) {
+                    // 1 / sqrt(2 pi)
+                    let pdf = Vector::new(0.398_942_3) * gauss;
+                    out[i] =
+                        Vector::cast_from(Vector::<f32, N>::cast_from(gs[k]) * (cdf + v * pdf));
+                } else {
+                    out[i] = Vector::cast_from(v * cdf);
+                }
             }
         }
     }

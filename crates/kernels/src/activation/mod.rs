@@ -1,5 +1,6 @@
-//! Activations: SwiGLU (`silu(gate) * up`, gate and up as two tensors or packed in one) and exact
-//! (erf) GELU. Computed in f32 whatever the storage dtype; outputs and gradients in the input's.
+//! Activations: SwiGLU (`silu(gate) * up`, gate and up as two tensors or packed in one) and GELU,
+//! exact (erf) or its tanh approximation. Computed in f32 whatever the storage dtype; outputs and
+//! gradients in the input's.
 
 pub(crate) mod backward;
 pub(crate) mod forward;
@@ -45,7 +46,45 @@ pub fn gelu_reference<B: BurnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor
     (x * cdf).cast(dt)
 }
 
-/// SwiGLU and GELU on a backend ([`crate::swiglu`], [`crate::swiglu_packed`], [`crate::gelu`]).
+/// Which GELU: the exact `x * Phi(x)` (PyTorch's `gelu`) or the tanh approximation
+/// `x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) / 2` (PyTorch's `gelu(approximate="tanh")`,
+/// GPT-2's own activation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum GeluForm {
+    /// `x * Phi(x)` with `erf`.
+    #[default]
+    Exact,
+    /// The tanh approximation.
+    Tanh,
+}
+
+/// Plain-Burn GELU, tanh approximation, computed in f32 and returned in `x`'s dtype (autodiff
+/// differentiates the function itself). `x^3` is taken in f32: finite for every f16 input and for
+/// bf16 inputs below about 7e12 in magnitude.
+pub fn gelu_tanh_reference<B: BurnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let dt = x.dtype();
+    let x = x.cast(FloatDType::F32);
+    // sqrt(2 / pi)
+    let k = (2.0 / core::f64::consts::PI).sqrt();
+    let cube = x.clone() * x.clone() * x.clone();
+    let inner = (x.clone() + cube.mul_scalar(0.044_715)).mul_scalar(k);
+    let half_one_plus_t = inner.tanh().add_scalar(1.0).mul_scalar(0.5);
+    (x * half_one_plus_t).cast(dt)
+}
+
+/// Plain-Burn GELU of the given form: [`gelu_reference`] or [`gelu_tanh_reference`].
+pub fn gelu_form_reference<B: BurnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    form: GeluForm,
+) -> Tensor<B, D> {
+    match form {
+        GeluForm::Exact => gelu_reference(x),
+        GeluForm::Tanh => gelu_tanh_reference(x),
+    }
+}
+
+/// SwiGLU and GELU on a backend ([`crate::swiglu`], [`crate::swiglu_packed`], [`crate::gelu`],
+/// [`crate::gelu_tanh`]).
 /// The defaults run the references; `CubeBackend` overrides them with the kernels and `Autodiff`
 /// with the kernels and their backward.
 pub trait ActivationOps: BurnBackend {
@@ -64,9 +103,9 @@ pub trait ActivationOps: BurnBackend {
         crate::primitive::from_2d(swiglu_packed_reference(gu), burn::tensor::Shape::from(dims))
     }
 
-    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn fused_gelu(x: FloatTensor<Self>, form: GeluForm) -> FloatTensor<Self> {
         let (x, shape) = crate::primitive::as_2d::<Self>(x);
-        crate::primitive::from_2d(gelu_reference(x), shape)
+        crate::primitive::from_2d(gelu_form_reference(x, form), shape)
     }
 }
 
@@ -81,6 +120,12 @@ pub trait ActivationKernels: ActivationOps {
         up: Option<FloatTensor<Self>>,
         dy: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
-    fn gelu_erf_forward(x: FloatTensor<Self>) -> FloatTensor<Self>;
-    fn gelu_erf_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// GELU of the given form.
+    fn gelu_form_forward(x: FloatTensor<Self>, form: GeluForm) -> FloatTensor<Self>;
+    /// `dy * GELU'(x)` of the given form.
+    fn gelu_form_backward(
+        x: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        form: GeluForm,
+    ) -> FloatTensor<Self>;
 }

@@ -123,7 +123,7 @@ pub fn fp8_mlp_scaled<B: Fp8Ops + GemmOps + ActivationOps>(
     let (fc_site, proj_site) = (sites.map(|s| s.0), sites.map(|s| s.1));
     let h = fp8_linear_scaled(x, w_fc, cfg, None, fc_site);
     let a = tensor(match act {
-        Fp8MlpActivation::Gelu => B::fused_gelu(prim(h)),
+        Fp8MlpActivation::Gelu => B::fused_gelu(prim(h), crate::activation::GeluForm::Exact),
         Fp8MlpActivation::SwigluPacked => B::fused_swiglu_packed(prim(h)),
     });
     fp8_linear_scaled(a, w_proj, cfg, None, proj_site)

@@ -19,7 +19,7 @@
 use burn::tensor::Tensor;
 
 use super::{fp8_pair_path, fp8_quantize_pair, Fp8Ops, Fp8PairPath, Fp8Tensor, PairSpec};
-use crate::activation::ActivationKernels;
+use crate::activation::{ActivationKernels, GeluForm};
 use crate::gemm::GemmOps;
 use crate::primitive::{prim, tensor};
 
@@ -88,8 +88,10 @@ pub(crate) fn act_values<B: ActivationKernels>(
 ) -> Tensor<B, 2> {
     let dtype = h.dtype();
     tensor(match (act, dy) {
-        (Fp8MlpActivation::Gelu, Some(dy)) => B::gelu_erf_backward(prim(h), prim(dy.cast(dtype))),
-        (Fp8MlpActivation::Gelu, None) => B::gelu_erf_forward(prim(h)),
+        (Fp8MlpActivation::Gelu, Some(dy)) => {
+            B::gelu_form_backward(prim(h), prim(dy.cast(dtype)), GeluForm::Exact)
+        }
+        (Fp8MlpActivation::Gelu, None) => B::gelu_form_forward(prim(h), GeluForm::Exact),
         (Fp8MlpActivation::SwigluPacked, Some(dy)) => {
             B::swiglu_backward(prim(h), None, prim(dy.cast(dtype)))
         }

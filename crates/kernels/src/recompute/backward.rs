@@ -12,7 +12,7 @@ use burn::tensor::ops::FloatTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use super::{Activation, RecomputeOps};
-use crate::activation::ActivationKernels;
+use crate::activation::{ActivationKernels, GeluForm};
 use crate::gemm::{Gemm, GemmOps};
 use crate::rms_norm::RmsNormKernels;
 
@@ -43,7 +43,11 @@ impl<B: RmsNormKernels + ActivationKernels> Source<B> {
             Source::Activation {
                 input,
                 activation: Activation::Gelu,
-            } => B::gelu_erf_forward(input),
+            } => B::gelu_form_forward(input, GeluForm::Exact),
+            Source::Activation {
+                input,
+                activation: Activation::GeluTanh,
+            } => B::gelu_form_forward(input, GeluForm::Tanh),
         }
     }
 }
@@ -168,7 +172,12 @@ where
             Activation::SwigluPacked => {
                 crate::activation::backward::swiglu_packed::<Inner<R, F, I, BT>, C>(h)
             }
-            Activation::Gelu => crate::activation::backward::gelu::<Inner<R, F, I, BT>, C>(h),
+            Activation::Gelu => {
+                crate::activation::backward::gelu::<Inner<R, F, I, BT>, C>(h, GeluForm::Exact)
+            }
+            Activation::GeluTanh => {
+                crate::activation::backward::gelu::<Inner<R, F, I, BT>, C>(h, GeluForm::Tanh)
+            }
         };
         recomputed_gemm::<Inner<R, F, I, BT>, C>(x, w, source, engine)
     }

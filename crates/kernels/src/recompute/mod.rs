@@ -21,7 +21,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::Tensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use crate::activation::ActivationOps;
+use crate::activation::{ActivationOps, GeluForm};
 use crate::check::fail;
 use crate::gemm::{Gemm, GemmOps};
 use crate::primitive::{prim, tensor};
@@ -34,6 +34,8 @@ pub enum Activation {
     SwigluPacked,
     /// Exact GELU: [`crate::gelu`].
     Gelu,
+    /// GELU's tanh approximation: [`crate::gelu_tanh`].
+    GeluTanh,
 }
 
 /// The ops of this module on a backend. The defaults run the plain composition of the fused ops;
@@ -68,7 +70,8 @@ pub trait RecomputeOps: RmsNormOps + ActivationOps + GemmOps {
     ) -> FloatTensor<Self> {
         let x = match activation {
             Activation::SwigluPacked => Self::fused_swiglu_packed(h),
-            Activation::Gelu => Self::fused_gelu(h),
+            Activation::Gelu => Self::fused_gelu(h, GeluForm::Exact),
+            Activation::GeluTanh => Self::fused_gelu(h, GeluForm::Tanh),
         };
         Self::gemm(x, w, false, false, engine)
     }
@@ -139,7 +142,7 @@ pub fn activation_linear<B: RecomputeOps>(
             format!("h is [{rows}, {width}]; packed SwiGLU needs an even width (gate, then up)"),
         ),
         Activation::SwigluPacked => width / 2,
-        Activation::Gelu => width,
+        Activation::Gelu | Activation::GeluTanh => width,
     };
     let [wk, n] = w.dims();
     if wk != f {
