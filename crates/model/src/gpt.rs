@@ -252,15 +252,26 @@ impl<B: kernels::Backend> Mlp<B> {
             .forward_after_activation(h, activation, proj, recompute)
     }
 
+    /// The activation of `kernels::fp8_mlp_scaled` for this block, if that op has it: the exact
+    /// GELU and packed SwiGLU; not GELU's tanh approximation, whose block runs its projections in
+    /// FP8 apart and the activation in its own kernel.
+    fn fp8_activation(&self) -> Option<kernels::Fp8MlpActivation> {
+        match self.kind {
+            MlpKind::Gelu => Some(kernels::Fp8MlpActivation::Gelu),
+            MlpKind::Swiglu => Some(kernels::Fp8MlpActivation::SwigluPacked),
+            MlpKind::GeluTanh => None,
+        }
+    }
+
     /// Whether `fc`, the activation and `proj` run as one op (`kernels::fp8_mlp_scaled`, which
     /// quantizes the activation's output and gradient in the kernels that compute them): a block
-    /// (exact GELU or SwiGLU; with GELU's tanh approximation the projections run in FP8 apart and
-    /// the activation in its own kernel) without biases whose two projections run in FP8 with the same settings
-    /// (and both with or both without a delayed-scaling site) and measure nothing this step (FP8
-    /// health and gradient formats are measured on the projections run apart).
+    /// whose activation that op has ([`Mlp::fp8_activation`]), without biases, whose two
+    /// projections run in FP8 with the same settings (and both with or both without a
+    /// delayed-scaling site) and measure nothing this step (FP8 health and gradient formats are
+    /// measured on the projections run apart).
     fn fused_fp8(&self, fc: &Projection, proj: &Projection) -> bool {
         let unprobed = |p: &Projection| p.fp8_probe.is_none() && p.grad_probe.is_none();
-        self.kind != MlpKind::GeluTanh
+        self.fp8_activation().is_some()
             && self.fc.bias.is_none()
             && self.proj.bias.is_none()
             && fc.fp8.is_some()
@@ -276,11 +287,9 @@ impl<B: kernels::Backend> Mlp<B> {
         let [b, t, d] = n.dims();
         let (w_fc, w_proj) = (self.fc.weight.val(), self.proj.weight.val());
         let sites = fc.fp8_site.as_ref().zip(proj.fp8_site.as_ref());
-        let act = match self.kind {
-            MlpKind::Gelu => kernels::Fp8MlpActivation::Gelu,
-            MlpKind::Swiglu => kernels::Fp8MlpActivation::SwigluPacked,
-            MlpKind::GeluTanh => unreachable!("fused_fp8 refuses GELU's tanh approximation"),
-        };
+        let act = self
+            .fp8_activation()
+            .expect("fused_fp8 takes only the activations fp8_mlp_scaled has");
         let n = n.reshape([b * t, d]);
         let y = kernels::fp8_mlp_scaled(n, w_fc, w_proj, act, &cfg, sites);
         let out = y.dims()[1];
