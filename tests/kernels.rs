@@ -125,6 +125,23 @@ fn recomputed_linear() {
     }
 }
 
+/// The GELU MLP op on the portable path (its composition) against the reference: two sizes, as
+/// for `gemm` (the CUDA suite runs the epilogues at every size).
+#[test]
+fn gelu_tanh_mlp() {
+    if !common::needs_wgpu() {
+        return;
+    }
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        kernel_cases::gelu_tanh_mlp::<B>(
+            dtype,
+            &device(),
+            kernels::Gemm::Auto,
+            &kernel_cases::MLP_SIZES[..2],
+        );
+    }
+}
+
 /// The portable GEMM path (`Gemm::Auto` resolves to Burn's matmul on wgpu) and its backward: the
 /// transpose flags and the gradient formulas. Few sizes, because Burn autotunes its matmul for
 /// every new shape and layout, which takes seconds each on lavapipe; the CUDA suite runs them all.

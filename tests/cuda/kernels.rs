@@ -57,6 +57,41 @@ fn cuda_recomputed_linear() {
     kernel_cases::recomputed_linear::<B>(FloatDType::F32, &dev, kernels::Gemm::Burn, sizes);
 }
 
+/// The GELU MLP with its activation and the activation's derivative in cuBLASLt's epilogues
+/// against its composition (every size; the one whose `ff` is not a multiple of 8 takes the
+/// composition's path); no call falls back.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gelu_tanh_mlp() {
+    let before = kernels::gemm::cublaslt_fallbacks_on_this_thread();
+    let epilogues = kernels::mlp::epilogue_calls_on_this_thread();
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        kernel_cases::gelu_tanh_mlp::<B>(
+            dtype,
+            &CudaDevice::default(),
+            kernels::Gemm::CublasLt,
+            &kernel_cases::MLP_SIZES,
+        );
+    }
+    assert_eq!(
+        kernels::gemm::cublaslt_fallbacks_on_this_thread(),
+        before,
+        "a GEMM of the GELU MLP fell back from cuBLASLt"
+    );
+    // The forward's and the backward's epilogue at each size whose `ff` is a multiple of 8, in
+    // each dtype.
+    let aligned = kernel_cases::MLP_SIZES
+        .iter()
+        .filter(|s| s[2] % 8 == 0)
+        .count();
+    assert!(
+        kernels::mlp::epilogue_calls_on_this_thread() - epilogues >= 2 * 3 * aligned,
+        "the GELU MLP ran its epilogues {} times; expected at least {}",
+        kernels::mlp::epilogue_calls_on_this_thread() - epilogues,
+        2 * 3 * aligned
+    );
+}
+
 /// The f32-output GEMM on cuBLASLt (in place into an accumulator nothing else holds, added to one
 /// that is held), every transpose combination, pitched and odd sizes; no call falls back.
 #[test]

@@ -429,3 +429,46 @@ pub fn gemm_f32<B: AutodiffBackend + kernels::Backend>(
         }
     }
 }
+
+/// Sizes `[t, d, ff, out]` of the GELU MLP cases: odd rows and widths, `ff` a multiple of 8
+/// (cuBLASLt's GELU epilogues take it) and one that is not (the composition's path).
+pub const MLP_SIZES: [[usize; 4]; 4] = [
+    [7, 13, 24, 5],
+    [37, 64, 40, 33],
+    [130, 96, 256, 80],
+    [9, 24, 30, 17],
+];
+
+/// [`kernels::gelu_tanh_mlp`] on `engine`, output and the gradients of `x`, `w_fc` and `w_proj`,
+/// against its composition in the dtype under test (the baseline) and the f32 products with the
+/// tanh GELU's reference (exact), at each of `sizes` ([`MLP_SIZES`]). The weights are drawn with
+/// standard deviation `1 / sqrt(fan-in)`, so that `x w_fc` is O(1), where GELU curves.
+pub fn gelu_tanh_mlp<B: AutodiffBackend + kernels::Backend>(
+    dtype: FloatDType,
+    dev: &B::Device,
+    engine: kernels::Gemm,
+    sizes: &[[usize; 4]],
+) {
+    use kernels::activation::gelu_tanh_reference;
+    let weight = |shape: [usize; 2]| Input {
+        values: randn::<B>(shape, dev) / (shape[0] as f64).sqrt(),
+        low_precision: true,
+        needs_grad: true,
+    };
+    for &[t, d, ff, out] in sizes {
+        check_reducing::<B>(
+            &format!("gelu_tanh_mlp [t, d, ff, out] = [{t}, {d}, {ff}, {out}], {engine:?}"),
+            dtype,
+            FLOOR,
+            // Terms summed into the output and into each gradient.
+            &[d + ff, ff + out, t + out, t],
+            vec![Input::act([t, d], dev), weight([d, ff]), weight([ff, out])],
+            |v| kernels::gelu_tanh_mlp(v[0].clone(), v[1].clone(), v[2].clone(), engine),
+            &|v| kernels::mlp::composed(v[0].clone(), v[1].clone(), v[2].clone(), engine),
+            &|v| {
+                let h = gemm_exact(v[0].clone(), v[1].clone(), false, false);
+                gemm_exact(gelu_tanh_reference(h), v[2].clone(), false, false)
+            },
+        );
+    }
+}

@@ -27,6 +27,7 @@
 //! | RMSNorm (+ residual add) or activation, then a linear layer, the norm's or activation's output recomputed in the backward | [`recompute::rms_norm_linear`], [`recompute::add_rms_norm_linear`], [`recompute::activation_linear`] | the composition of the ops |
 //! | FP8 GEMM and linear layer (experimental) | [`fp8_gemm`], [`fp8_linear`] | dequantize, then matmul |
 //! | FP8 MLP, the activation (GELU, packed SwiGLU) quantized where it is computed | [`fp8_mlp_scaled`], [`fp8_gelu_mlp`] | [`fp8_linear`], the activation, [`fp8_linear`] |
+//! | GELU (tanh) MLP without biases, the GELU and its derivative in cuBLASLt's GEMM epilogues | [`gelu_tanh_mlp`] | [`mlp::reference`]; equals [`mlp::composed`] |
 //!
 //! Beside the ops, [`collective`] joins processes (one GPU each) in an NCCL communicator and runs
 //! all-reduce, reduce-scatter and all-gather on CubeCL's CUDA stream, for data parallelism across
@@ -76,6 +77,7 @@ pub mod gemm;
 pub mod kernel_cache;
 mod launch;
 pub mod memory;
+pub mod mlp;
 pub mod philox;
 mod pipeline;
 mod primitive;
@@ -147,6 +149,7 @@ pub use fp8::{
 };
 pub use gemm::{gemm, linear, Gemm, GemmOps, GemmPath};
 pub use memory::{MemoryOps, MemoryUse};
+pub use mlp::{gelu_tanh_mlp, MlpOps};
 pub use primitive::float_dtype;
 pub use probe::{probe_sink, ProbeSink};
 pub use read_back::{ReadBackOps, StartedRead};
@@ -579,6 +582,7 @@ ops! {$
     dropout::DropoutOps / DropoutKernels,
     gemm::GemmOps,
     recompute::RecomputeOps,
+    mlp::MlpOps,
     fp8::Fp8Ops,
     adamw::AdamWOps,
     reduce::ReduceOps,

@@ -281,6 +281,33 @@ impl<B: kernels::Backend> Mlp<B> {
             && unprobed(proj)
     }
 
+    /// Whether `fc`, GELU's tanh approximation and `proj` run as one op
+    /// (`kernels::gelu_tanh_mlp`, which puts the GELU and its derivative into cuBLASLt's GEMM
+    /// epilogues): a tanh-GELU block without biases whose two projections run on the same GEMM
+    /// engine, not Burn's matmul, neither in FP8 nor measured this step, and whose activation is
+    /// kept (not `recompute`d).
+    fn fused_gelu_tanh(&self, fc: &Projection, proj: &Projection, recompute: bool) -> bool {
+        let plain = |p: &Projection| p.fp8.is_none() && p.grad_probe.is_none();
+        self.kind == MlpKind::GeluTanh
+            && !recompute
+            && self.fc.bias.is_none()
+            && self.proj.bias.is_none()
+            && plain(fc)
+            && plain(proj)
+            && fc.gemm == proj.gemm
+            && fc.gemm != kernels::Gemm::Burn
+    }
+
+    /// `gelu_tanh(n W_fc) W_proj` on the normed input `n` as one op (see
+    /// [`Mlp::fused_gelu_tanh`]).
+    fn forward_gelu_tanh(&self, n: Tensor<B, 3>, fc: &Projection) -> Tensor<B, 3> {
+        let [b, t, d] = n.dims();
+        let (w_fc, w_proj) = (self.fc.weight.val(), self.proj.weight.val());
+        let y = kernels::gelu_tanh_mlp(n.reshape([b * t, d]), w_fc, w_proj, fc.gemm);
+        let out = y.dims()[1];
+        y.reshape([b, t, out])
+    }
+
     /// `act(n W_fc) W_proj` on the normed input `n` as one FP8 op (see [`Mlp::fused_fp8`]).
     fn forward_fp8(&self, n: Tensor<B, 3>, fc: &Projection, proj: &Projection) -> Tensor<B, 3> {
         let cfg = fc.fp8.expect("an FP8 projection");
@@ -387,6 +414,9 @@ impl<B: kernels::Backend> Block<B> {
         let (x, m) = if self.mlp.fused_fp8(&fc, &proj) {
             let (x, n) = self.norm2.forward_add(a, x);
             (x, self.mlp.forward_fp8(n, &fc, &proj))
+        } else if self.mlp.fused_gelu_tanh(&fc, &proj, selective) {
+            let (x, n) = self.norm2.forward_add(a, x);
+            (x, self.mlp.forward_gelu_tanh(n, &fc))
         } else {
             let (x, h) = self
                 .mlp

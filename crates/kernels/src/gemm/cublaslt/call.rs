@@ -54,6 +54,22 @@ impl Call {
                 4,
             )?;
         }
+        if let Some(epilogue) = p.epilogue.cublaslt() {
+            // The auxiliary matrix (the pre-activation) has the output's layout: cuBLASLt's
+            // column-major [n, m] with leading dimension n. Its address is set per call
+            // ([`Call::set_aux`]).
+            let (epilogue, ld) = (epilogue as u32, p.n as i64);
+            set(
+                CUBLASLT_MATMUL_DESC_EPILOGUE,
+                &epilogue as *const u32 as *const c_void,
+                4,
+            )?;
+            set(
+                CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                &ld as *const i64 as *const c_void,
+                8,
+            )?;
+        }
         if let Some([mode_a, mode_b]) = p.scale_modes {
             // Per-tensor scales are the default mode (and older cuBLASLt has no mode attribute).
             let scalar = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
@@ -106,6 +122,21 @@ impl Call {
             )?;
         }
         Ok(())
+    }
+
+    /// Sets the device address of the epilogue's auxiliary matrix for the next call (and for the
+    /// heuristic, which reads its alignment from it).
+    ///
+    /// # Safety
+    /// The address must stay valid until the call queued with it has run.
+    pub(super) unsafe fn set_aux(&self, aux: u64) -> Result<(), lt::CublasError> {
+        let ptr = aux as *const c_void;
+        lt::set_matmul_desc_attribute(
+            self.desc,
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+            &ptr as *const *const c_void as *const c_void,
+            std::mem::size_of::<*const c_void>(),
+        )
     }
 
     /// cuBLASLt's first choice for this problem within the workspace and alignments.

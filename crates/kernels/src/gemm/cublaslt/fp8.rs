@@ -181,12 +181,14 @@ pub(crate) fn fp8_gemm(
         a: la,
         b: lb,
         align: [0; 3],
+        epilogue: super::Epilogue::None,
     };
     execute(Job {
         a: pa,
         b: pb,
         out: c.clone(),
         scales: Some((a.scales.clone(), b.scales.clone())),
+        aux: None,
         problem,
         fallback: QueuedFallback::Compute(fallback),
         beta: 0.0,

@@ -24,6 +24,9 @@ pub(super) struct Job {
     pub(super) out: CubeTensor<CudaRuntime>,
     /// FP8: the scales of `a` and `b`.
     pub(super) scales: Option<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
+    /// The epilogue's auxiliary matrix (contiguous, `out`'s shape and dtype): written by
+    /// [`Epilogue::GeluAux`](super::problem::Epilogue::GeluAux), read by `DGelu`.
+    pub(super) aux: Option<CubeTensor<CudaRuntime>>,
     /// The call; `align` is filled in from the buffers' addresses.
     pub(super) problem: Problem,
     /// What computes the product if the call is queued and fails there; whether it may be queued.
@@ -84,6 +87,9 @@ impl Job {
             let scale_ptrs = rs
                 .as_ref()
                 .map(|(sa, sb)| (sa.resource().ptr, sb.resource().ptr));
+            let raux = self.aux.as_ref().map(res).transpose()?;
+            // The epilogue's auxiliary matrix, live while `raux` is held.
+            let aux_ptr = raux.as_ref().map(|r| r.resource().ptr);
             let mut problem = self.problem;
             problem.align = [alignment(pa), alignment(pb), alignment(pc)];
             debug_assert_eq!(
@@ -94,7 +100,7 @@ impl Job {
             // The descriptors and the heuristic's algorithm, once per problem. A problem cuBLASLt
             // refuses is refused before anything is queued.
             if !dev.calls.contains_key(&problem) {
-                plan_call(dev, &problem, order, scale_ptrs)?;
+                plan_call(dev, &problem, order, scale_ptrs, aux_ptr)?;
             }
             let (call, algo) = &dev.calls[&problem];
             let Some(algo) = algo else {
@@ -108,6 +114,11 @@ impl Job {
                 // cuBLASLt's A scales are `b`'s, its B scales `a`'s.
                 call.set_scales(sb, sa)
                     .map_err(|e| Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}")))?;
+            }
+            if let Some(aux) = aux_ptr {
+                call.set_aux(aux).map_err(|e| {
+                    Refused::Unsupported(format!("cuBLASLt epilogue pointer: {e:?}"))
+                })?;
             }
             // What orders the GEMM with CubeCL's later work once it is issued.
             let after = self.order_before(order, &mut dev.flags, dev.stream)?;
@@ -123,7 +134,7 @@ impl Job {
             );
             self.order_after(after, dev)?;
             done?;
-            drop((ra, rb, rc, rs));
+            drop((ra, rb, rc, rs, raux));
         }
         Ok(())
     }
@@ -262,6 +273,7 @@ impl Job {
                     if let Some((sa, sb)) = &self.scales {
                         tensors.extend([sa.clone(), sb.clone()]);
                     }
+                    tensors.extend(self.aux.clone());
                     dev.hold(tensors);
                 }
             }
@@ -272,15 +284,16 @@ impl Job {
 
 /// Creates the descriptors of `problem` and asks the heuristic for its algorithm, remembered in
 /// `dev.calls` (`None` where cuBLASLt has none, so it is asked once). `scale_ptrs`: the addresses
-/// of `a`'s and `b`'s scales (FP8).
+/// of `a`'s and `b`'s scales (FP8); `aux_ptr`: the epilogue's auxiliary matrix.
 ///
 /// # Safety
-/// The device's context is current; `scale_ptrs` are live device addresses.
+/// The device's context is current; `scale_ptrs` and `aux_ptr` are live device addresses.
 unsafe fn plan_call(
     dev: &mut Device,
     problem: &Problem,
     order: Order,
     scale_ptrs: Option<(u64, u64)>,
+    aux_ptr: Option<u64>,
 ) -> Result<(), Refused> {
     // In the GPU order CubeCL's one-thread waiting kernel stays resident on one SM
     // while the GEMM runs; cuBLASLt is told to plan for the others.
@@ -294,6 +307,11 @@ unsafe fn plan_call(
         // address does: they are set again for each call in `Job::run`).
         call.set_scales(sb, sa)
             .map_err(|e| Refused::Unsupported(format!("cuBLASLt scale pointers: {e:?}")))?;
+    }
+    if let Some(aux) = aux_ptr {
+        // The heuristic reads the auxiliary matrix's alignment from its address.
+        call.set_aux(aux)
+            .map_err(|e| Refused::Unsupported(format!("cuBLASLt epilogue pointer: {e:?}")))?;
     }
     let algo = match call.heuristic(dev.handle, problem) {
         Ok(algo) => Some(algo),

@@ -84,6 +84,8 @@ use fallback::{FALLBACKS, QUEUED_FALLBACKS};
 use job::Job;
 use order::order;
 use problem::{data_type, dims2, operand, Problem};
+
+pub(crate) use problem::Epilogue;
 use queue::{drain_queues, execute};
 
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -141,6 +143,49 @@ pub(crate) fn gemm(
     trans_a: bool,
     trans_b: bool,
 ) -> Result<CubeTensor<CudaRuntime>, Refused> {
+    gemm_epilogue(a, b, trans_a, trans_b, Epilogue::None).map(|(out, _)| out)
+}
+
+/// `op(a) op(b)` on cuBLASLt with `epilogue` ([`Epilogue`]), or why not: `(out, aux)`.
+/// - [`Epilogue::None`]: the product, no auxiliary matrix;
+/// - [`Epilogue::GeluAux`]: `gelu(p)` and the product `p` itself (the pre-activation);
+/// - [`Epilogue::DGelu`] with `h`: `p * gelu'(h)` (`h` is handed back as `aux`).
+///
+/// An epilogue with an auxiliary matrix needs its rows (`n` elements) a multiple of 8 (cuBLASLt's
+/// rule for its leading dimension) and `h` a contiguous `[m, n]` of the operands' dtype; otherwise
+/// it is [`Refused::NotApplicable`]. Such calls are never queued without waiting
+/// ([`QueuedFallback::NotQueued`]): a refusal falls back on the caller's side.
+#[allow(clippy::type_complexity)]
+pub(crate) fn gemm_epilogue(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    trans_a: bool,
+    trans_b: bool,
+    epilogue: Epilogue,
+) -> Result<(CubeTensor<CudaRuntime>, Option<CubeTensor<CudaRuntime>>), Refused> {
+    gemm_aux(a, b, trans_a, trans_b, epilogue, None)
+}
+
+/// [`gemm_epilogue`] with [`Epilogue::DGelu`]: `op(a) op(b) * gelu'(h)`.
+pub(crate) fn gemm_dgelu(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    trans_a: bool,
+    trans_b: bool,
+    h: CubeTensor<CudaRuntime>,
+) -> Result<CubeTensor<CudaRuntime>, Refused> {
+    gemm_aux(a, b, trans_a, trans_b, Epilogue::DGelu, Some(h)).map(|(out, _)| out)
+}
+
+#[allow(clippy::type_complexity)]
+fn gemm_aux(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    trans_a: bool,
+    trans_b: bool,
+    epilogue: Epilogue,
+    h: Option<CubeTensor<CudaRuntime>>,
+) -> Result<(CubeTensor<CudaRuntime>, Option<CubeTensor<CudaRuntime>>), Refused> {
     let Some((dt, compute)) = data_type(a.dtype) else {
         return Err(Refused::NotApplicable);
     };
@@ -150,14 +195,30 @@ pub(crate) fn gemm(
     if m == 0 || n == 0 || k == 0 || library().is_err() || a.device != b.device {
         return Err(Refused::NotApplicable);
     }
+    let new = |t: &CubeTensor<CudaRuntime>| {
+        empty_device_contiguous_dtype(
+            t.client.clone(),
+            t.device.clone(),
+            Shape::new([m, n]),
+            t.dtype,
+        )
+    };
+    let aux = match (epilogue, h) {
+        (Epilogue::None, None) => None,
+        (Epilogue::GeluAux, None) if n.is_multiple_of(8) => Some(new(&a)),
+        (Epilogue::DGelu, Some(h))
+            if n.is_multiple_of(8)
+                && h.dtype == a.dtype
+                && h.device == a.device
+                && dims2(&h) == ([m, n], [n, 1]) =>
+        {
+            Some(h)
+        }
+        _ => return Err(Refused::NotApplicable),
+    };
     let (a, la) = operand(a, trans_a);
     let (b, lb) = operand(b, trans_b);
-    let out = empty_device_contiguous_dtype(
-        a.client.clone(),
-        a.device.clone(),
-        Shape::new([m, n]),
-        a.dtype,
-    );
+    let out = new(&a);
     let problem = Problem {
         types: [dt, dt, dt],
         compute,
@@ -168,19 +229,25 @@ pub(crate) fn gemm(
         a: la,
         b: lb,
         align: [0; 3],
+        epilogue,
     };
     execute(Job {
         a,
         b,
         out: out.clone(),
         scales: None,
+        aux: aux.clone(),
         problem,
-        fallback: QueuedFallback::Matmul(trans_a, trans_b),
+        fallback: match epilogue {
+            Epilogue::None => QueuedFallback::Matmul(trans_a, trans_b),
+            // Burn's matmul would not apply the epilogue: the caller falls back.
+            Epilogue::GeluAux | Epilogue::DGelu => QueuedFallback::NotQueued,
+        },
         beta: 0.0,
         order: order(),
         caller: std::thread::current().id(),
     })?;
-    Ok(out)
+    Ok((out, aux))
 }
 
 /// `op(a) op(b)` (+ `acc`) written in f32 on cuBLASLt (bf16/f16/f32 operands, f32 accumulation),
@@ -233,12 +300,14 @@ pub(crate) fn gemm_f32(
         a: la,
         b: lb,
         align: [0; 3],
+        epilogue: Epilogue::None,
     };
     let done = execute(Job {
         a,
         b,
         out: out.clone(),
         scales: None,
+        aux: None,
         problem,
         // Not queued: a refused call hands `acc` back unchanged, for the caller's fallback.
         fallback: QueuedFallback::NotQueued,

@@ -94,6 +94,35 @@ pub(super) struct Problem {
     pub(super) b: Layout,
     /// Largest power of two (<= 256 bytes) dividing each of the pointers of A, B and C.
     pub(super) align: [u32; 3],
+    /// What the call does to the product before writing it.
+    pub(super) epilogue: Epilogue,
+}
+
+/// What a call does to the product before writing it (cuBLASLt's epilogue). The GELU is
+/// cuBLASLt's, the tanh approximation: `x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`,
+/// computed from the f32 accumulator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Epilogue {
+    /// The product as it is.
+    None,
+    /// `gelu(p)` into the output and `p` itself into the auxiliary matrix (the pre-activation,
+    /// which the backward reads): `CUBLASLT_EPILOGUE_GELU_AUX`.
+    GeluAux,
+    /// `p * gelu'(h)` with `h` read from the auxiliary matrix (the pre-activation a
+    /// [`Epilogue::GeluAux`] call wrote): `CUBLASLT_EPILOGUE_DGELU`.
+    DGelu,
+}
+
+impl Epilogue {
+    /// cuBLASLt's epilogue, or `None` for its default.
+    pub(super) fn cublaslt(self) -> Option<sys::cublasLtEpilogue_t> {
+        use sys::cublasLtEpilogue_t::*;
+        match self {
+            Epilogue::None => None,
+            Epilogue::GeluAux => Some(CUBLASLT_EPILOGUE_GELU_AUX),
+            Epilogue::DGelu => Some(CUBLASLT_EPILOGUE_DGELU),
+        }
+    }
 }
 
 pub(super) fn data_type(dtype: DType) -> Option<(sys::cudaDataType, sys::cublasComputeType_t)> {
@@ -133,7 +162,12 @@ fn type_name(t: sys::cudaDataType) -> &'static str {
 /// A problem in one line, for messages.
 pub(super) fn describe(p: &Problem) -> String {
     let [tb, ta, tc] = p.types;
-    match p.scale_modes {
+    let epilogue = match p.epilogue {
+        Epilogue::None => "",
+        Epilogue::GeluAux => " with GELU (and its input) in the epilogue",
+        Epilogue::DGelu => " with GELU's derivative in the epilogue",
+    };
+    let call = match p.scale_modes {
         None => format!(
             "{}{} [m, k, n] = [{}, {}, {}] (leading dimensions {}, {})",
             type_name(ta),
@@ -157,5 +191,6 @@ pub(super) fn describe(p: &Problem) -> String {
             p.n,
             type_name(tc)
         ),
-    }
+    };
+    call + epilogue
 }

@@ -1,0 +1,163 @@
+//! The GELU MLP `gelu_tanh(x w_fc) w_proj` as one op, with GELU's tanh approximation inside the
+//! GEMMs on cuBLASLt.
+//!
+//! Composed of a GEMM, the activation kernel and a GEMM, the block's largest activations (`[t,
+//! ff]`) take extra passes: the activation reads the pre-activation `h = x w_fc` back and writes
+//! `gelu(h)` (forward), and its backward reads the gradient `dg = dy w_proj^T` back with `h` and
+//! writes `dh` (backward). On cuBLASLt both go into the GEMMs' epilogues, as Transformer Engine's
+//! `LayerNormMLP` does:
+//! - forward: `c_fc` writes `gelu(h)` and `h` from its f32 accumulator (`CUBLASLT_EPILOGUE_GELU_AUX`);
+//! - backward: `proj`'s input gradient writes `dg * gelu'(h)` from its f32 accumulator, reading
+//!   `h` (`CUBLASLT_EPILOGUE_DGELU`).
+//!
+//! The values are those of the composition up to where it rounds: the composition rounds `h`
+//! before the GELU and `dg` before the derivative's product, the epilogues take both from f32.
+//! cuBLASLt's GELU is the tanh form, so only [`crate::gelu_tanh`] has this op.
+//!
+//! What the backward keeps: `x`, `h` and `gelu(h)` (with the weights), as the composition keeps
+//! them. Where cuBLASLt refuses an epilogue (the rows of `h`, `ff` elements, not a multiple of 8;
+//! no algorithm), that step runs as the composition does: the GEMM, then the activation kernel
+//! (a refused algorithm with a one-line warning, counted in
+//! [`crate::gemm::cublaslt_fallbacks_on_this_thread`]). On other backends, and on `CubeBackend`
+//! where the GEMMs are not on cuBLASLt, the op is the composition.
+
+pub(crate) mod backward;
+mod epilogue;
+
+pub use epilogue::calls_on_this_thread as epilogue_calls_on_this_thread;
+
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::Tensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use crate::activation::{ActivationKernels, ActivationOps, GeluForm};
+use crate::check::{check_float, fail};
+use crate::gemm::{Gemm, GemmOps};
+use crate::primitive::{prim, tensor};
+
+/// The MLP op on a backend ([`gelu_tanh_mlp`]). The default runs the composition of the crate's
+/// GEMM and activation; `CubeBackend` and `Autodiff` over it put the activation into the GEMMs'
+/// epilogues on cuBLASLt.
+pub trait MlpOps: GemmOps + ActivationOps {
+    /// [`gelu_tanh_mlp`]; the composition by default.
+    fn fused_gelu_tanh_mlp(
+        x: FloatTensor<Self>,
+        w_fc: FloatTensor<Self>,
+        w_proj: FloatTensor<Self>,
+        engine: Gemm,
+    ) -> FloatTensor<Self> {
+        prim(composed::<Self>(
+            tensor(x),
+            tensor(w_fc),
+            tensor(w_proj),
+            engine,
+        ))
+    }
+}
+
+/// `gelu_tanh(x w_fc) w_proj` for `x [t, d]`, `w_fc [d, ff]`, `w_proj [ff, out]` (one float
+/// dtype), its GEMMs on `engine`: the GELU MLP without biases as one op (see the module docs).
+/// Differentiable; the gradients are those of [`composed`], to the roundings the module docs
+/// name.
+///
+/// # Panics
+/// If the shapes do not chain (naming them), or the dtypes differ.
+pub fn gelu_tanh_mlp<B: MlpOps>(
+    x: Tensor<B, 2>,
+    w_fc: Tensor<B, 2>,
+    w_proj: Tensor<B, 2>,
+    engine: Gemm,
+) -> Tensor<B, 2> {
+    let op = "gelu_tanh_mlp";
+    let ([t, d], [fc_in, ff], [proj_in, out]) = (x.dims(), w_fc.dims(), w_proj.dims());
+    if fc_in != d || proj_in != ff {
+        fail(
+            op,
+            format!(
+                "x is [{t}, {d}], w_fc [{fc_in}, {ff}] and w_proj [{proj_in}, {out}]; expected w_fc [{d}, ff] and w_proj [ff, out]"
+            ),
+        );
+    }
+    check_float(op, "x", x.dtype());
+    if x.dtype() != w_fc.dtype() || x.dtype() != w_proj.dtype() {
+        fail(
+            op,
+            format!(
+                "x is {:?}, w_fc {:?} and w_proj {:?}; cast them to one dtype",
+                x.dtype(),
+                w_fc.dtype(),
+                w_proj.dtype()
+            ),
+        );
+    }
+    tensor(B::fused_gelu_tanh_mlp(
+        prim(x),
+        prim(w_fc),
+        prim(w_proj),
+        engine,
+    ))
+}
+
+/// The composition the op equals: [`crate::gemm`], [`crate::gelu_tanh`], [`crate::gemm`].
+pub fn composed<B: GemmOps + ActivationOps>(
+    x: Tensor<B, 2>,
+    w_fc: Tensor<B, 2>,
+    w_proj: Tensor<B, 2>,
+    engine: Gemm,
+) -> Tensor<B, 2> {
+    let h = crate::gemm::gemm(x, w_fc, false, false, engine);
+    let g = tensor(B::fused_gelu(prim(h), GeluForm::Tanh));
+    crate::gemm::gemm(g, w_proj, false, false, engine)
+}
+
+/// The plain-Burn op: Burn's matmul and the tanh GELU's reference.
+pub fn reference<B: burn::tensor::backend::Backend>(
+    x: Tensor<B, 2>,
+    w_fc: Tensor<B, 2>,
+    w_proj: Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    crate::activation::gelu_tanh_reference(x.matmul(w_fc)).matmul(w_proj)
+}
+
+/// `(gelu_tanh(x w_fc), x w_fc)`: on cuBLASLt with the GELU in the epilogue where it takes it,
+/// otherwise the GEMM and the activation kernel.
+fn fc_forward<B: GemmOps + ActivationKernels>(
+    x: FloatTensor<B>,
+    w_fc: FloatTensor<B>,
+    engine: Gemm,
+    fused: impl FnOnce(&FloatTensor<B>, &FloatTensor<B>) -> Option<(FloatTensor<B>, FloatTensor<B>)>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    if let Some(gh) = fused(&x, &w_fc) {
+        return gh;
+    }
+    let h = B::gemm(x, w_fc, false, false, engine);
+    (B::gelu_form_forward(h.clone(), GeluForm::Tanh), h)
+}
+
+impl<R, F, I, BT> MlpOps for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn fused_gelu_tanh_mlp(
+        x: FloatTensor<Self>,
+        w_fc: FloatTensor<Self>,
+        w_proj: FloatTensor<Self>,
+        engine: Gemm,
+    ) -> FloatTensor<Self> {
+        if !epilogue::on_cublaslt(&x, engine) {
+            return prim(composed::<Self>(
+                tensor(x),
+                tensor(w_fc),
+                tensor(w_proj),
+                engine,
+            ));
+        }
+        let (g, _) = fc_forward::<Self>(x, w_fc, engine, |x, w| {
+            epilogue::gemm_gelu(x, w, engine)
+        });
+        Self::gemm(g, w_proj, false, false, engine)
+    }
+}
