@@ -52,6 +52,7 @@ macro_rules! equivalence_cublaslt {
             #[ignore = "needs CUDA"]
             fn $test() {
                 let _guard = common::serial();
+                let epilogues = kernels::mlp::epilogue_calls_on_this_thread();
                 model_cases::equivalence_of::<B>(
                     &model_cases::combos_on(GemmKind::Cublaslt),
                     FloatDType::$dtype,
@@ -61,6 +62,14 @@ macro_rules! equivalence_cublaslt {
                     &CudaDevice::default(),
                 );
                 crate::kernels::no_fallbacks("the models with their GEMMs on cuBLASLt");
+                // The tanh-GELU blocks (no biases) run their MLP with the GELU in the GEMMs'
+                // epilogues.
+                if MlpKind::$mlp == MlpKind::GeluTanh {
+                    assert!(
+                        kernels::mlp::epilogue_calls_on_this_thread() > epilogues,
+                        "the tanh-GELU models never ran the MLP's GEMM epilogues"
+                    );
+                }
             }
         )*
     };
@@ -71,6 +80,8 @@ equivalence_cublaslt! {
     cuda_model_equivalence_cublaslt_bf16_gelu => BF16, Gelu, AWKWARD;
     cuda_model_equivalence_cublaslt_bf16_swiglu => BF16, Swiglu, AWKWARD;
     cuda_model_equivalence_cublaslt_f16_gelu => F16, Gelu, AWKWARD;
+    cuda_model_equivalence_cublaslt_bf16_gelu_tanh => BF16, GeluTanh, AWKWARD;
+    cuda_model_equivalence_cublaslt_f16_gelu_tanh => F16, GeluTanh, AWKWARD;
 }
 
 macro_rules! tracks {
