@@ -54,9 +54,9 @@ where
         // The output gradient in the op's dtype (a loss may hand back another).
         let dy = match dy.dtype() == s.x.dtype() {
             true => dy,
-            false => prim(tensor::<B<R, F, I, BT>, 2>(dy).cast(crate::primitive::float_dtype(
-                s.x.dtype(),
-            ))),
+            false => prim(
+                tensor::<B<R, F, I, BT>, 2>(dy).cast(crate::primitive::float_dtype(s.x.dtype())),
+            ),
         };
         let [node_x, node_fc, node_proj] = ops.parents;
         if let Some(node) = node_proj {
@@ -106,8 +106,10 @@ where
         }
         let nodes = [x.node.clone(), w_fc.node.clone(), w_proj.node.clone()];
         let (x, w_fc, w_proj) = (x.primitive, w_fc.primitive, w_proj.primitive);
-        let fused = |x: &FloatTensor<B<R, F, I, BT>>, w: &FloatTensor<B<R, F, I, BT>>| {
-            epilogue::gemm_gelu(x, w, engine)
+        let fused = |keep_input: bool| {
+            move |x: &FloatTensor<B<R, F, I, BT>>, w: &FloatTensor<B<R, F, I, BT>>| {
+                epilogue::gemm_gelu(x, w, engine, keep_input)
+            }
         };
         match (GeluMlpBackward { engine })
             .prepare::<C>(nodes)
@@ -115,7 +117,8 @@ where
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let (g, h) = fc_forward::<B<R, F, I, BT>>(x.clone(), w_fc.clone(), engine, fused);
+                let (g, h) =
+                    fc_forward::<B<R, F, I, BT>>(x.clone(), w_fc.clone(), engine, fused(true));
                 let y = B::<R, F, I, BT>::gemm(g.clone(), w_proj.clone(), false, false, engine);
                 let saved = Saved {
                     x,
@@ -127,7 +130,8 @@ where
                 prep.finish(saved, y)
             }
             OpsKind::UnTracked(prep) => {
-                let (g, _) = fc_forward::<B<R, F, I, BT>>(x, w_fc, engine, fused);
+                // Nothing is kept: the pre-activation is not written.
+                let (g, _) = fc_forward::<B<R, F, I, BT>>(x, w_fc, engine, fused(false));
                 prep.finish(B::<R, F, I, BT>::gemm(g, w_proj, false, false, engine))
             }
         }

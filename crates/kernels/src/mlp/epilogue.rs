@@ -2,6 +2,7 @@
 
 use std::cell::Cell;
 
+use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
@@ -11,6 +12,12 @@ use crate::gemm::{Gemm, GemmPath};
 /// Whether `engine` runs GEMMs on tensors like `x` on cuBLASLt.
 pub(super) fn on_cublaslt<R: CubeRuntime>(x: &CubeTensor<R>, engine: Gemm) -> bool {
     !matches!(crate::gemm::forward::cube_path(x, engine), GemmPath::Burn)
+}
+
+/// Whether the GELU goes into the GEMMs' epilogues for tensors like `x`: on cuBLASLt, in f16 and
+/// bf16. f32, the accurate reference recipe, keeps the activation kernels' GELU.
+fn takes_epilogue<R: CubeRuntime>(x: &CubeTensor<R>, engine: Gemm) -> bool {
+    matches!(x.dtype, DType::F16 | DType::BF16) && on_cublaslt(x, engine)
 }
 
 thread_local! {
@@ -39,22 +46,30 @@ fn refused(why: Refused, what: &str) {
     }
 }
 
-/// `(gelu_tanh(x w), x w)` from one cuBLASLt call, or `None` where cuBLASLt does not take it.
+/// `(gelu_tanh(x w), x w)` from one cuBLASLt call, or `None` where cuBLASLt does not take it;
+/// without `keep_input` the call writes `gelu_tanh(x w)` alone (`(g, g)` is returned: a forward
+/// without a backward, which never reads the second).
 pub(super) fn gemm_gelu<R: CubeRuntime>(
     x: &CubeTensor<R>,
     w: &CubeTensor<R>,
     engine: Gemm,
+    keep_input: bool,
 ) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
-    if !on_cublaslt(x, engine) {
+    if !takes_epilogue(x, engine) {
         return None;
     }
     let (cx, cw) = (cublaslt::as_cuda(x)?, cublaslt::as_cuda(w)?);
-    match cublaslt::gemm_epilogue(cx.clone(), cw.clone(), false, false, Epilogue::GeluAux) {
-        Ok((g, Some(h))) => {
+    let epilogue = match keep_input {
+        true => Epilogue::GeluAux,
+        false => Epilogue::Gelu,
+    };
+    match cublaslt::gemm_epilogue(cx.clone(), cw.clone(), false, false, epilogue) {
+        Ok((g, h)) => {
             issued();
-            Some((cublaslt::from_cuda(g), cublaslt::from_cuda(h)))
+            let g = cublaslt::from_cuda::<R>(g);
+            let h = h.map(cublaslt::from_cuda).unwrap_or_else(|| g.clone());
+            Some((g, h))
         }
-        Ok((_, None)) => unreachable!("the GELU epilogue writes its input"),
         Err(why) => {
             refused(why, "the forward's first projection");
             None
@@ -69,7 +84,7 @@ pub(super) fn gemm_dgelu<R: CubeRuntime>(
     h: &CubeTensor<R>,
     engine: Gemm,
 ) -> Option<CubeTensor<R>> {
-    if !on_cublaslt(dy, engine) {
+    if !takes_epilogue(dy, engine) {
         return None;
     }
     let (cdy, cw, ch) = (

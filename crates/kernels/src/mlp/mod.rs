@@ -12,7 +12,9 @@
 //!
 //! The values are those of the composition up to where it rounds: the composition rounds `h`
 //! before the GELU and `dg` before the derivative's product, the epilogues take both from f32.
-//! cuBLASLt's GELU is the tanh form, so only [`crate::gelu_tanh`] has this op.
+//! cuBLASLt's GELU is the tanh form, so only [`crate::gelu_tanh`] has this op. The epilogues run
+//! in f16 and bf16; f32 (the accurate reference recipe) keeps the activation kernels' GELU, as
+//! the composition does.
 //!
 //! What the backward keeps: `x`, `h` and `gelu(h)` (with the weights), as the composition keeps
 //! them. Where cuBLASLt refuses an epilogue (the rows of `h`, `ff` elements, not a multiple of 8;
@@ -21,7 +23,7 @@
 //! [`crate::gemm::cublaslt_fallbacks_on_this_thread`]). On other backends, and on `CubeBackend`
 //! where the GEMMs are not on cuBLASLt, the op is the composition.
 
-pub(crate) mod backward;
+mod backward;
 mod epilogue;
 
 pub use epilogue::calls_on_this_thread as epilogue_calls_on_this_thread;
@@ -155,8 +157,9 @@ where
                 engine,
             ));
         }
+        // A forward without a backward: the pre-activation is not written.
         let (g, _) = fc_forward::<Self>(x, w_fc, engine, |x, w| {
-            epilogue::gemm_gelu(x, w, engine)
+            epilogue::gemm_gelu(x, w, engine, false)
         });
         Self::gemm(g, w_proj, false, false, engine)
     }

@@ -4,7 +4,7 @@ use std::ffi::c_void;
 
 use cudarc::cublaslt::{result as lt, sys};
 
-use super::problem::Problem;
+use super::problem::{Epilogue, Problem};
 use super::WORKSPACE_BYTES;
 
 /// The descriptors of one call, destroyed on drop.
@@ -55,15 +55,18 @@ impl Call {
             )?;
         }
         if let Some(epilogue) = p.epilogue.cublaslt() {
+            let code = epilogue as u32;
+            set(
+                CUBLASLT_MATMUL_DESC_EPILOGUE,
+                &code as *const u32 as *const c_void,
+                4,
+            )?;
+        }
+        if matches!(p.epilogue, Epilogue::GeluAux | Epilogue::DGelu) {
             // The auxiliary matrix (the pre-activation) has the output's layout: cuBLASLt's
             // column-major [n, m] with leading dimension n. Its address is set per call
             // ([`Call::set_aux`]).
-            let (epilogue, ld) = (epilogue as u32, p.n as i64);
-            set(
-                CUBLASLT_MATMUL_DESC_EPILOGUE,
-                &epilogue as *const u32 as *const c_void,
-                4,
-            )?;
+            let ld = p.n as i64;
             set(
                 CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                 &ld as *const i64 as *const c_void,

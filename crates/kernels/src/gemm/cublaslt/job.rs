@@ -92,6 +92,10 @@ impl Job {
             let aux_ptr = raux.as_ref().map(|r| r.resource().ptr);
             let mut problem = self.problem;
             problem.align = [alignment(pa), alignment(pb), alignment(pc)];
+            if let Some(aux) = aux_ptr {
+                // The heuristic reads the auxiliary matrix's alignment too.
+                problem.align[2] = problem.align[2].min(alignment(aux));
+            }
             debug_assert_eq!(
                 out.meta.strides()[0],
                 problem.n,

@@ -148,13 +148,14 @@ pub(crate) fn gemm(
 
 /// `op(a) op(b)` on cuBLASLt with `epilogue` ([`Epilogue`]), or why not: `(out, aux)`.
 /// - [`Epilogue::None`]: the product, no auxiliary matrix;
-/// - [`Epilogue::GeluAux`]: `gelu(p)` and the product `p` itself (the pre-activation);
-/// - [`Epilogue::DGelu`] with `h`: `p * gelu'(h)` (`h` is handed back as `aux`).
+/// - [`Epilogue::Gelu`]: `gelu(p)`, no auxiliary matrix;
+/// - [`Epilogue::GeluAux`]: `gelu(p)` and the product `p` itself (the pre-activation), which
+///   needs the rows (`n` elements) a multiple of 8 (cuBLASLt's rule for its leading dimension).
 ///
-/// An epilogue with an auxiliary matrix needs its rows (`n` elements) a multiple of 8 (cuBLASLt's
-/// rule for its leading dimension) and `h` a contiguous `[m, n]` of the operands' dtype; otherwise
-/// it is [`Refused::NotApplicable`]. Such calls are never queued without waiting
-/// ([`QueuedFallback::NotQueued`]): a refusal falls back on the caller's side.
+/// [`Epilogue::DGelu`] takes the pre-activation: [`gemm_dgelu`]. Otherwise it is
+/// [`Refused::NotApplicable`], as is `GeluAux` where `n` is not a multiple of 8. Calls with a GELU
+/// are never queued without waiting ([`QueuedFallback::NotQueued`]): a refusal falls back on the
+/// caller's side.
 #[allow(clippy::type_complexity)]
 pub(crate) fn gemm_epilogue(
     a: CubeTensor<CudaRuntime>,
@@ -166,7 +167,8 @@ pub(crate) fn gemm_epilogue(
     gemm_aux(a, b, trans_a, trans_b, epilogue, None)
 }
 
-/// [`gemm_epilogue`] with [`Epilogue::DGelu`]: `op(a) op(b) * gelu'(h)`.
+/// `op(a) op(b) * gelu'(h)` on cuBLASLt ([`Epilogue::DGelu`]), or why not: `h` a contiguous
+/// `[m, n]` of the operands' dtype and `n` a multiple of 8, otherwise [`Refused::NotApplicable`].
 pub(crate) fn gemm_dgelu(
     a: CubeTensor<CudaRuntime>,
     b: CubeTensor<CudaRuntime>,
@@ -204,7 +206,7 @@ fn gemm_aux(
         )
     };
     let aux = match (epilogue, h) {
-        (Epilogue::None, None) => None,
+        (Epilogue::None | Epilogue::Gelu, None) => None,
         (Epilogue::GeluAux, None) if n.is_multiple_of(8) => Some(new(&a)),
         (Epilogue::DGelu, Some(h))
             if n.is_multiple_of(8)
@@ -241,7 +243,7 @@ fn gemm_aux(
         fallback: match epilogue {
             Epilogue::None => QueuedFallback::Matmul(trans_a, trans_b),
             // Burn's matmul would not apply the epilogue: the caller falls back.
-            Epilogue::GeluAux | Epilogue::DGelu => QueuedFallback::NotQueued,
+            Epilogue::Gelu | Epilogue::GeluAux | Epilogue::DGelu => QueuedFallback::NotQueued,
         },
         beta: 0.0,
         order: order(),

@@ -92,7 +92,8 @@ pub(super) struct Problem {
     pub(super) k: usize,
     pub(super) a: Layout,
     pub(super) b: Layout,
-    /// Largest power of two (<= 256 bytes) dividing each of the pointers of A, B and C.
+    /// Largest power of two (<= 256 bytes) dividing each of the pointers of A, B and C (C's
+    /// entry also divides the epilogue's auxiliary matrix's, where it has one).
     pub(super) align: [u32; 3],
     /// What the call does to the product before writing it.
     pub(super) epilogue: Epilogue,
@@ -105,6 +106,8 @@ pub(super) struct Problem {
 pub(crate) enum Epilogue {
     /// The product as it is.
     None,
+    /// `gelu(p)`: `CUBLASLT_EPILOGUE_GELU`.
+    Gelu,
     /// `gelu(p)` into the output and `p` itself into the auxiliary matrix (the pre-activation,
     /// which the backward reads): `CUBLASLT_EPILOGUE_GELU_AUX`.
     GeluAux,
@@ -119,6 +122,7 @@ impl Epilogue {
         use sys::cublasLtEpilogue_t::*;
         match self {
             Epilogue::None => None,
+            Epilogue::Gelu => Some(CUBLASLT_EPILOGUE_GELU),
             Epilogue::GeluAux => Some(CUBLASLT_EPILOGUE_GELU_AUX),
             Epilogue::DGelu => Some(CUBLASLT_EPILOGUE_DGELU),
         }
@@ -164,6 +168,7 @@ pub(super) fn describe(p: &Problem) -> String {
     let [tb, ta, tc] = p.types;
     let epilogue = match p.epilogue {
         Epilogue::None => "",
+        Epilogue::Gelu => " with GELU in the epilogue",
         Epilogue::GeluAux => " with GELU (and its input) in the epilogue",
         Epilogue::DGelu => " with GELU's derivative in the epilogue",
     };
