@@ -15,7 +15,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use super::{composed, epilogue, fc_forward, MlpOps};
+use super::{composition, epilogue, fc_forward, fprop, MlpOps};
 use crate::activation::{ActivationKernels, GeluForm};
 use crate::gemm::{Gemm, GemmOps};
 use crate::primitive::{prim, tensor};
@@ -97,28 +97,18 @@ where
     ) -> FloatTensor<Self> {
         type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
         if !epilogue::on_cublaslt(&x.primitive, engine) {
-            return prim(composed::<Self>(
-                tensor(x),
-                tensor(w_fc),
-                tensor(w_proj),
-                engine,
-            ));
+            return composition::<Self>(x, w_fc, w_proj, engine);
         }
         let nodes = [x.node.clone(), w_fc.node.clone(), w_proj.node.clone()];
         let (x, w_fc, w_proj) = (x.primitive, w_fc.primitive, w_proj.primitive);
-        let fused = |keep_input: bool| {
-            move |x: &FloatTensor<B<R, F, I, BT>>, w: &FloatTensor<B<R, F, I, BT>>| {
-                epilogue::gemm_gelu(x, w, engine, keep_input)
-            }
-        };
         match (GeluMlpBackward { engine })
             .prepare::<C>(nodes)
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let (g, h) =
-                    fc_forward::<B<R, F, I, BT>>(x.clone(), w_fc.clone(), engine, fused(true));
+                let (g, h) = fc_forward::<R, F, I, BT>(x.clone(), w_fc.clone(), engine, true);
+                let h = h.expect("the pre-activation is kept when asked for");
                 let y = B::<R, F, I, BT>::gemm(g.clone(), w_proj.clone(), false, false, engine);
                 let saved = Saved {
                     x,
@@ -129,11 +119,7 @@ where
                 };
                 prep.finish(saved, y)
             }
-            OpsKind::UnTracked(prep) => {
-                // Nothing is kept: the pre-activation is not written.
-                let (g, _) = fc_forward::<B<R, F, I, BT>>(x, w_fc, engine, fused(false));
-                prep.finish(B::<R, F, I, BT>::gemm(g, w_proj, false, false, engine))
-            }
+            OpsKind::UnTracked(prep) => prep.finish(fprop::<R, F, I, BT>(x, w_fc, w_proj, engine)),
         }
     }
 }

@@ -46,15 +46,15 @@ fn refused(why: Refused, what: &str) {
     }
 }
 
-/// `(gelu_tanh(x w), x w)` from one cuBLASLt call, or `None` where cuBLASLt does not take it;
-/// without `keep_input` the call writes `gelu_tanh(x w)` alone (`(g, g)` is returned: a forward
-/// without a backward, which never reads the second).
+/// `gelu_tanh(x w)` and, with `keep_input`, `x w` from one cuBLASLt call, or `None` where cuBLASLt
+/// does not take it.
+#[allow(clippy::type_complexity)]
 pub(super) fn gemm_gelu<R: CubeRuntime>(
     x: &CubeTensor<R>,
     w: &CubeTensor<R>,
     engine: Gemm,
     keep_input: bool,
-) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+) -> Option<(CubeTensor<R>, Option<CubeTensor<R>>)> {
     if !takes_epilogue(x, engine) {
         return None;
     }
@@ -63,12 +63,10 @@ pub(super) fn gemm_gelu<R: CubeRuntime>(
         true => Epilogue::GeluAux,
         false => Epilogue::Gelu,
     };
-    match cublaslt::gemm_epilogue(cx.clone(), cw.clone(), false, false, epilogue) {
+    match cublaslt::gemm_epilogue(cx.clone(), cw.clone(), false, false, epilogue, None) {
         Ok((g, h)) => {
             issued();
-            let g = cublaslt::from_cuda::<R>(g);
-            let h = h.map(cublaslt::from_cuda).unwrap_or_else(|| g.clone());
-            Some((g, h))
+            Some((cublaslt::from_cuda(g), h.map(cublaslt::from_cuda)))
         }
         Err(why) => {
             refused(why, "the forward's first projection");
@@ -92,8 +90,15 @@ pub(super) fn gemm_dgelu<R: CubeRuntime>(
         cublaslt::as_cuda(w)?,
         cublaslt::as_cuda(h)?,
     );
-    match cublaslt::gemm_dgelu(cdy.clone(), cw.clone(), false, true, ch.clone()) {
-        Ok(dh) => {
+    match cublaslt::gemm_epilogue(
+        cdy.clone(),
+        cw.clone(),
+        false,
+        true,
+        Epilogue::DGelu,
+        Some(ch.clone()),
+    ) {
+        Ok((dh, _)) => {
             issued();
             Some(cublaslt::from_cuda(dh))
         }

@@ -30,6 +30,7 @@ pub use epilogue::calls_on_this_thread as epilogue_calls_on_this_thread;
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::Tensor;
+use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::activation::{ActivationKernels, ActivationOps, GeluForm};
@@ -48,12 +49,7 @@ pub trait MlpOps: GemmOps + ActivationOps {
         w_proj: FloatTensor<Self>,
         engine: Gemm,
     ) -> FloatTensor<Self> {
-        prim(composed::<Self>(
-            tensor(x),
-            tensor(w_fc),
-            tensor(w_proj),
-            engine,
-        ))
+        composition::<Self>(x, w_fc, w_proj, engine)
     }
 }
 
@@ -112,6 +108,21 @@ pub fn composed<B: GemmOps + ActivationOps>(
     crate::gemm::gemm(g, w_proj, false, false, engine)
 }
 
+/// [`composed`] on a backend's primitives.
+fn composition<B: GemmOps + ActivationOps>(
+    x: FloatTensor<B>,
+    w_fc: FloatTensor<B>,
+    w_proj: FloatTensor<B>,
+    engine: Gemm,
+) -> FloatTensor<B> {
+    prim(composed::<B>(
+        tensor(x),
+        tensor(w_fc),
+        tensor(w_proj),
+        engine,
+    ))
+}
+
 /// The plain-Burn op: Burn's matmul and the tanh GELU's reference.
 pub fn reference<B: burn::tensor::backend::Backend>(
     x: Tensor<B, 2>,
@@ -121,19 +132,45 @@ pub fn reference<B: burn::tensor::backend::Backend>(
     crate::activation::gelu_tanh_reference(x.matmul(w_fc)).matmul(w_proj)
 }
 
-/// `(gelu_tanh(x w_fc), x w_fc)`: on cuBLASLt with the GELU in the epilogue where it takes it,
-/// otherwise the GEMM and the activation kernel.
-fn fc_forward<B: GemmOps + ActivationKernels>(
-    x: FloatTensor<B>,
-    w_fc: FloatTensor<B>,
+/// `gelu_tanh(x w_fc)` and, with `keep_input`, `x w_fc`: on cuBLASLt with the GELU in the
+/// epilogue where it takes it, otherwise the GEMM and the activation kernel.
+fn fc_forward<R, F, I, BT>(
+    x: CubeTensor<R>,
+    w_fc: CubeTensor<R>,
     engine: Gemm,
-    fused: impl FnOnce(&FloatTensor<B>, &FloatTensor<B>) -> Option<(FloatTensor<B>, FloatTensor<B>)>,
-) -> (FloatTensor<B>, FloatTensor<B>) {
-    if let Some(gh) = fused(&x, &w_fc) {
+    keep_input: bool,
+) -> (CubeTensor<R>, Option<CubeTensor<R>>)
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    if let Some(gh) = epilogue::gemm_gelu(&x, &w_fc, engine, keep_input) {
         return gh;
     }
-    let h = B::gemm(x, w_fc, false, false, engine);
-    (B::gelu_form_forward(h.clone(), GeluForm::Tanh), h)
+    type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+    let h = B::<R, F, I, BT>::gemm(x, w_fc, false, false, engine);
+    let g = B::<R, F, I, BT>::gelu_form_forward(h.clone(), GeluForm::Tanh);
+    (g, keep_input.then_some(h))
+}
+
+/// The op's forward with nothing kept for a backward: on cuBLASLt the GELU alone in the first
+/// GEMM's epilogue (the pre-activation is not written).
+fn fprop<R, F, I, BT>(
+    x: CubeTensor<R>,
+    w_fc: CubeTensor<R>,
+    w_proj: CubeTensor<R>,
+    engine: Gemm,
+) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let (g, _) = fc_forward::<R, F, I, BT>(x, w_fc, engine, false);
+    CubeBackend::<R, F, I, BT>::gemm(g, w_proj, false, false, engine)
 }
 
 impl<R, F, I, BT> MlpOps for CubeBackend<R, F, I, BT>
@@ -150,17 +187,8 @@ where
         engine: Gemm,
     ) -> FloatTensor<Self> {
         if !epilogue::on_cublaslt(&x, engine) {
-            return prim(composed::<Self>(
-                tensor(x),
-                tensor(w_fc),
-                tensor(w_proj),
-                engine,
-            ));
+            return composition::<Self>(x, w_fc, w_proj, engine);
         }
-        // A forward without a backward: the pre-activation is not written.
-        let (g, _) = fc_forward::<Self>(x, w_fc, engine, |x, w| {
-            epilogue::gemm_gelu(x, w, engine, false)
-        });
-        Self::gemm(g, w_proj, false, false, engine)
+        fprop::<R, F, I, BT>(x, w_fc, w_proj, engine)
     }
 }

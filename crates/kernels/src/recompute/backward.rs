@@ -12,7 +12,7 @@ use burn::tensor::ops::FloatTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use super::{Activation, RecomputeOps};
-use crate::activation::{ActivationKernels, GeluForm};
+use crate::activation::ActivationKernels;
 use crate::gemm::{Gemm, GemmOps};
 use crate::rms_norm::RmsNormKernels;
 
@@ -36,18 +36,10 @@ impl<B: RmsNormKernels + ActivationKernels> Source<B> {
     fn recompute(self) -> FloatTensor<B> {
         match self {
             Source::RmsNorm { input, gain, eps } => B::rms_norm_forward(input, None, gain, eps).1,
-            Source::Activation {
-                input,
-                activation: Activation::SwigluPacked,
-            } => B::swiglu_forward(input, None),
-            Source::Activation {
-                input,
-                activation: Activation::Gelu,
-            } => B::gelu_form_forward(input, GeluForm::Exact),
-            Source::Activation {
-                input,
-                activation: Activation::GeluTanh,
-            } => B::gelu_form_forward(input, GeluForm::Tanh),
+            Source::Activation { input, activation } => match activation.gelu_form() {
+                None => B::swiglu_forward(input, None),
+                Some(form) => B::gelu_form_forward(input, form),
+            },
         }
     }
 }
@@ -168,16 +160,9 @@ where
             input: h.primitive.clone(),
             activation,
         };
-        let x = match activation {
-            Activation::SwigluPacked => {
-                crate::activation::backward::swiglu_packed::<Inner<R, F, I, BT>, C>(h)
-            }
-            Activation::Gelu => {
-                crate::activation::backward::gelu::<Inner<R, F, I, BT>, C>(h, GeluForm::Exact)
-            }
-            Activation::GeluTanh => {
-                crate::activation::backward::gelu::<Inner<R, F, I, BT>, C>(h, GeluForm::Tanh)
-            }
+        let x = match activation.gelu_form() {
+            None => crate::activation::backward::swiglu_packed::<Inner<R, F, I, BT>, C>(h),
+            Some(form) => crate::activation::backward::gelu::<Inner<R, F, I, BT>, C>(h, form),
         };
         recomputed_gemm::<Inner<R, F, I, BT>, C>(x, w, source, engine)
     }

@@ -38,6 +38,17 @@ pub enum Activation {
     GeluTanh,
 }
 
+impl Activation {
+    /// The GELU's form, or `None` for SwiGLU.
+    pub(crate) fn gelu_form(self) -> Option<GeluForm> {
+        match self {
+            Activation::SwigluPacked => None,
+            Activation::Gelu => Some(GeluForm::Exact),
+            Activation::GeluTanh => Some(GeluForm::Tanh),
+        }
+    }
+}
+
 /// The ops of this module on a backend. The defaults run the plain composition of the fused ops;
 /// `Autodiff` over `CubeBackend` overrides them to keep the producer's input only.
 pub trait RecomputeOps: RmsNormOps + ActivationOps + GemmOps {
@@ -68,10 +79,9 @@ pub trait RecomputeOps: RmsNormOps + ActivationOps + GemmOps {
         w: FloatTensor<Self>,
         engine: Gemm,
     ) -> FloatTensor<Self> {
-        let x = match activation {
-            Activation::SwigluPacked => Self::fused_swiglu_packed(h),
-            Activation::Gelu => Self::fused_gelu(h, GeluForm::Exact),
-            Activation::GeluTanh => Self::fused_gelu(h, GeluForm::Tanh),
+        let x = match activation.gelu_form() {
+            None => Self::fused_swiglu_packed(h),
+            Some(form) => Self::fused_gelu(h, form),
         };
         Self::gemm(x, w, false, false, engine)
     }

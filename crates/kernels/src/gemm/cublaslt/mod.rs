@@ -143,44 +143,22 @@ pub(crate) fn gemm(
     trans_a: bool,
     trans_b: bool,
 ) -> Result<CubeTensor<CudaRuntime>, Refused> {
-    gemm_epilogue(a, b, trans_a, trans_b, Epilogue::None).map(|(out, _)| out)
+    gemm_epilogue(a, b, trans_a, trans_b, Epilogue::None, None).map(|(out, _)| out)
 }
 
 /// `op(a) op(b)` on cuBLASLt with `epilogue` ([`Epilogue`]), or why not: `(out, aux)`.
 /// - [`Epilogue::None`]: the product, no auxiliary matrix;
 /// - [`Epilogue::Gelu`]: `gelu(p)`, no auxiliary matrix;
-/// - [`Epilogue::GeluAux`]: `gelu(p)` and the product `p` itself (the pre-activation), which
-///   needs the rows (`n` elements) a multiple of 8 (cuBLASLt's rule for its leading dimension).
+/// - [`Epilogue::GeluAux`]: `gelu(p)` and the product `p` itself (the pre-activation);
+/// - [`Epilogue::DGelu`] with `h` (the pre-activation, a contiguous `[m, n]` of the operands'
+///   dtype): `p * gelu'(h)`, `h` handed back as `aux`.
 ///
-/// [`Epilogue::DGelu`] takes the pre-activation: [`gemm_dgelu`]. Otherwise it is
-/// [`Refused::NotApplicable`], as is `GeluAux` where `n` is not a multiple of 8. Calls with a GELU
-/// are never queued without waiting ([`QueuedFallback::NotQueued`]): a refusal falls back on the
-/// caller's side.
+/// An auxiliary matrix needs the rows (`n` elements) a multiple of 8 (cuBLASLt's rule for its
+/// leading dimension); `h` goes with `DGelu` only. Otherwise it is [`Refused::NotApplicable`].
+/// Calls with a GELU are never queued without waiting ([`QueuedFallback::NotQueued`]): a refusal
+/// falls back on the caller's side.
 #[allow(clippy::type_complexity)]
 pub(crate) fn gemm_epilogue(
-    a: CubeTensor<CudaRuntime>,
-    b: CubeTensor<CudaRuntime>,
-    trans_a: bool,
-    trans_b: bool,
-    epilogue: Epilogue,
-) -> Result<(CubeTensor<CudaRuntime>, Option<CubeTensor<CudaRuntime>>), Refused> {
-    gemm_aux(a, b, trans_a, trans_b, epilogue, None)
-}
-
-/// `op(a) op(b) * gelu'(h)` on cuBLASLt ([`Epilogue::DGelu`]), or why not: `h` a contiguous
-/// `[m, n]` of the operands' dtype and `n` a multiple of 8, otherwise [`Refused::NotApplicable`].
-pub(crate) fn gemm_dgelu(
-    a: CubeTensor<CudaRuntime>,
-    b: CubeTensor<CudaRuntime>,
-    trans_a: bool,
-    trans_b: bool,
-    h: CubeTensor<CudaRuntime>,
-) -> Result<CubeTensor<CudaRuntime>, Refused> {
-    gemm_aux(a, b, trans_a, trans_b, Epilogue::DGelu, Some(h)).map(|(out, _)| out)
-}
-
-#[allow(clippy::type_complexity)]
-fn gemm_aux(
     a: CubeTensor<CudaRuntime>,
     b: CubeTensor<CudaRuntime>,
     trans_a: bool,
