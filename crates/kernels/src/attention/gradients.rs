@@ -107,11 +107,18 @@ pub(crate) fn backward<R: CubeRuntime>(
     if flash_path == FlashPath::TensorCores
         && super::hopper::applies_backward(&q, &k, &v, &grad, &d, drop.on)
     {
-        // The delta pre-pass, queued once the tensor maps are accepted; no fused CubeCL dQ, so
-        // its accumulator is a stand-in.
-        let delta = || {
-            let stand_in = empty(&q, vec![4], DType::F32);
-            launch_delta(&q, out.clone(), &grad, &d, &stand_in, false, dtype)
+        // The delta pre-pass, queued once the tensor maps are accepted; it clears the Hopper
+        // kernel's dQ sums where that kernel hands them over (a stand-in otherwise).
+        let delta = |dq_acc: Option<&CubeTensor<R>>| {
+            let stand_in;
+            let (acc, clear) = match dq_acc {
+                Some(acc) => (acc, true),
+                None => {
+                    stand_in = empty(&q, vec![4], DType::F32);
+                    (&stand_in, false)
+                }
+            };
+            launch_delta(&q, out.clone(), &grad, &d, acc, clear, dtype)
         };
         match super::hopper::backward(
             &q,
@@ -225,15 +232,16 @@ fn sum_over_groups<R: CubeRuntime>(
     out
 }
 
-/// The pre-pass: `delta = rowsum(dO * O)`, f32 `[batch, heads, seq_q]`; with the fused dQ it also
-/// clears dQ's f32 accumulator.
+/// The pre-pass: `delta = rowsum(dO * O)`, f32 `[batch, heads, seq_q]`; with `clear_dq_acc` it
+/// also clears `dq_acc` (a dQ accumulator of `batch x heads x seq_q x head_dim` f32 values, in
+/// whatever layout its kernel adds to it).
 fn launch_delta<R: CubeRuntime>(
     q: &CubeTensor<R>,
     out: CubeTensor<R>,
     grad: &CubeTensor<R>,
     d: &Dims,
     dq_acc: &CubeTensor<R>,
-    fused_dq: bool,
+    clear_dq_acc: bool,
     dtype: StorageType,
 ) -> CubeTensor<R> {
     let client = q.client.clone();
@@ -270,7 +278,7 @@ fn launch_delta<R: CubeRuntime>(
             sg[2] / width,
             per_row,
             split,
-            fused_dq,
+            clear_dq_acc,
             dtype,
         );
     }

@@ -83,9 +83,10 @@ pub(crate) fn applies_backward<R: CubeRuntime>(
 /// inputs' dtype, or under grouping f32 `[batch, heads, seq_k, hd]`, one row block per query
 /// head), each with a unit last stride, from the inputs, the output gradient `grad`, the
 /// forward's log-sum-exp and the pre-pass's `delta` (f32 `[batch, heads, seq_q]`, contiguous,
-/// queued by `delta` once the tensor maps are accepted), where [`applies_backward`] said yes. The
-/// launches are queued and this returns at once; where the driver refuses a tensor map, nothing is
-/// queued (`delta` is not called) and the error says why.
+/// queued by `delta` once the tensor maps are accepted; given dQ's f32 sums, it also clears
+/// them), where [`applies_backward`] said yes. The launches are queued and this returns at once;
+/// where the driver refuses a tensor map, or dQ's strides or address do not allow the cast's
+/// 16-byte stores, nothing is queued (`delta` is not called) and the error says why.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<R: CubeRuntime>(
     q: &CubeTensor<R>,
@@ -93,7 +94,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     v: &CubeTensor<R>,
     grad: &CubeTensor<R>,
     lse: &CubeTensor<R>,
-    delta: impl FnOnce() -> CubeTensor<R>,
+    delta: impl FnOnce(Option<&CubeTensor<R>>) -> CubeTensor<R>,
     grads: [&CubeTensor<R>; 3],
     d: &Dims,
     causal: bool,
@@ -107,6 +108,16 @@ pub(crate) fn backward<R: CubeRuntime>(
         .collect::<Option<_>>()
         .expect("hopper::backward runs only where `applies_backward` said yes (CUDA)");
     check_maps(&maps)?;
+    let (dq_shape, sq) = (dq.meta.shape(), dq.meta.strides());
+    let dq_offset = dq.handle.offset_start.unwrap_or(0);
+    if sq[3] != 1
+        || !(0..3).all(|i| dq_shape[i] == 1 || sq[i].is_multiple_of(8))
+        || !dq_offset.is_multiple_of(16)
+    {
+        return Err(format!(
+            "dQ's strides {sq:?} (offset {dq_offset} bytes) do not allow 16-byte stores of 8 columns"
+        ));
+    }
     let (k_blocks, pairs) = (d.seq_k.div_ceil(BLOCK_K), d.batch * d.heads);
     // backward.cu numbers its blocks in 32 bits, on a one-dimensional grid.
     if k_blocks.saturating_mul(pairs) > i32::MAX as usize {
@@ -114,15 +125,21 @@ pub(crate) fn backward<R: CubeRuntime>(
             "{k_blocks} key blocks x {pairs} (batch, head) pairs: at most 2^31 - 1 blocks"
         ));
     }
-    let delta = delta();
     // dQ's f32 sums: per (batch, head), head_dim / 64 column segments of the query rows rounded
-    // up to whole blocks, cleared.
+    // up to whole blocks, cleared. Without padded rows they are as many as the delta pre-pass's
+    // rows times head_dim, and the pre-pass clears them as it reads (a clear needs no layout);
+    // otherwise a fill does.
     let rows_pad = d.seq_q.div_ceil(bq) * bq;
-    let dq_acc = burn_cubecl::ops::numeric::zeros::<R>(
-        q.device.clone(),
-        [d.batch * d.heads * rows_pad * d.hd].into(),
-        DType::F32,
-    );
+    let acc_shape = [d.batch * d.heads * rows_pad * d.hd];
+    let (dq_acc, delta) = if rows_pad == d.seq_q {
+        let acc = crate::launch::empty(q, acc_shape.to_vec(), DType::F32);
+        let delta = delta(Some(&acc));
+        (acc, delta)
+    } else {
+        let acc =
+            burn_cubecl::ops::numeric::zeros::<R>(q.device.clone(), acc_shape.into(), DType::F32);
+        (acc, delta(None))
+    };
     let tensors: Vec<CubeTensor<CudaRuntime>> = [q, k, v, grad, lse, &delta, dk, dv, &dq_acc]
         .into_iter()
         .map(|t| cuda(t).cloned().expect("CUDA tensors"))
@@ -160,21 +177,20 @@ pub(crate) fn backward<R: CubeRuntime>(
         cubes,
     });
 
-    // dQ = scale * the sums, two columns a thread; queued after the kernel on the same stream.
+    // dQ = scale * the sums, eight columns a thread; queued after the kernel on the same stream.
     let dq_cuda = cuda(dq).expect("CUDA tensors");
     let acc_cuda = cuda(&dq_acc).expect("CUDA tensors");
-    let sq = dq.meta.strides();
-    let pairs = d.batch * d.heads * d.seq_q * d.hd / 2;
+    let chunks = d.batch * d.heads * d.seq_q * d.hd / 8;
     let info = [d.heads, d.seq_q, rows_pad, sq[0], sq[1], sq[2]]
         .map(|x| x as u64)
         .into_iter()
-        .chain([u64::from(scale.to_bits()), pairs as u64])
+        .chain([u64::from(scale.to_bits()), chunks as u64])
         .collect();
     let cast = CudaSource::new(CAST_ENTRY, cast_defines, CAST_SOURCE, CubeDim::new_1d(256));
     launch_cuda(
         &dq_cuda.client,
         cast,
-        (pairs.div_ceil(256) as u32, 1, 1),
+        (chunks.div_ceil(256) as u32, 1, 1),
         vec![
             acc_cuda.handle.clone().binding(),
             dq_cuda.handle.clone().binding(),

@@ -14,26 +14,33 @@ __device__ __forceinline__ u64 dq_at(u64 bh, u64 row, u32 col, u64 rows_pad) {
     return ((bh * (HD / 64) + seg) * rows_pad + row) * 64u + (c ^ ((row & 7u) << 3));
 }
 
-// dQ from dq_acc: dq [batch, heads, seq_q, HD] at element strides (b, h, s; the last one 1) =
-// scale * the f32 sums, two columns a thread.
+// dQ from dq_acc: dq [batch, heads, seq_q, HD] at element strides (b, h, s; the last one 1, each
+// a multiple of 8, the address 16-byte aligned: the launcher checks) = scale * the f32 sums, one
+// 8-column chunk a thread: two 16-byte loads (a chunk stays whole under dq_at's swizzle) and one
+// 16-byte store.
 struct CastInfo {
     u64 heads, seq_q, rows_pad;
     u64 dq_b, dq_h, dq_s;
     // The scale, f32 bits.
     u64 scale;
-    // batch * heads * seq_q * HD / 2.
-    u64 pairs;
+    // batch * heads * seq_q * HD / 8.
+    u64 chunks;
 };
 
 extern "C" __global__ void flash_dq_hopper(const float* __restrict__ dq_acc, unsigned short* __restrict__ dq,
                                            const __grid_constant__ CastInfo info) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= info.pairs) return;
-    const u32 col = (u32)(i % (HD / 2)) * 2u;
-    const u64 row = (i / (HD / 2)) % info.seq_q, bh = i / (HD / 2) / info.seq_q;
+    if (i >= info.chunks) return;
+    const u32 col = (u32)(i % (HD / 8)) * 8u;
+    const u64 row = (i / (HD / 8)) % info.seq_q, bh = i / (HD / 8) / info.seq_q;
     const u64 h = bh % info.heads, b = bh / info.heads;
     const float scale = __uint_as_float((u32)info.scale);
-    const float2 x = *reinterpret_cast<const float2*>(dq_acc + dq_at(bh, row, col, info.rows_pad));
-    *reinterpret_cast<u32*>(dq + b * info.dq_b + h * info.dq_h + row * info.dq_s + col) =
-        pack(x.x * scale, x.y * scale);
+    const float4* src = reinterpret_cast<const float4*>(dq_acc + dq_at(bh, row, col, info.rows_pad));
+    const float4 x = src[0], y = src[1];
+    uint4 out;
+    out.x = pack(x.x * scale, x.y * scale);
+    out.y = pack(x.z * scale, x.w * scale);
+    out.z = pack(y.x * scale, y.y * scale);
+    out.w = pack(y.z * scale, y.w * scale);
+    *reinterpret_cast<uint4*>(dq + b * info.dq_b + h * info.dq_h + row * info.dq_s + col) = out;
 }
