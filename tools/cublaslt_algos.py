@@ -19,11 +19,15 @@ difference from PyTorch's result relative to the largest magnitude. Prints a mar
 """
 import argparse
 import ctypes
-import statistics
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+from sdpa_bench import timed  # noqa: E402
 
 # cuBLASLt's enums (cublasLt.h, CUDA 13.0).
 COMPUTE_32F = 68
@@ -153,21 +157,6 @@ class Gemm:
                                       stream), "matmul")
 
 
-def median_ms(fn, iters, reps):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
-
 def kernel_names(calls):
     """The CUDA kernels each call launches, in order (a marker kernel between calls)."""
     marker = torch.zeros(1, device="cuda")
@@ -248,7 +237,7 @@ def main():
                 if epilogue == "GELU_AUX":
                     diffs.append((aux.float() - refs[1]).abs().max() / refs[1].abs().max())
                 diff = " / ".join(f"{d.item():.1e}" for d in diffs)
-                ms = median_ms(lambda: call(r.algo), args.iters, args.reps)
+                ms = timed(lambda: call(r.algo), args.iters, args.reps) * 1e3
                 kernels = names[rank] if rank < len(names) else "?"
                 print(f"| {name} | {gemm} | {epilogue} | {rank} | {call.config(r.algo)} | "
                       f"{r.waves:.2f} | {ms * 1e3:.1f} us | {flop / ms / 1e9:.0f} | {kernels} | "

@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// The factor the AdamW cases scale the gradient by.
+const FACTOR: f32 = 0.5;
+
 /// The fused AdamW step against the reference arithmetic (f32 master weights; gradient in f32
 /// and in `dtype`; compute copy in `dtype`).
 pub fn adamw<B: AutodiffBackend>(dtype: FloatDType, dev: &B::Device)
@@ -15,8 +18,7 @@ where
         let r = |s: f64| randn::<B>([3, n], dev).inner().mul_scalar(s);
         let (p, g, m) = (r(1.0), r(1e-2), r(1e-3));
         let v = r(1e-3).powi_scalar(2);
-        // The gradient factor, 0.5 (`g_max` below).
-        let factor = Tensor::<I<B>, 1>::from_floats([0.5], dev);
+        let factor = Tensor::<I<B>, 1>::from_floats([FACTOR], dev);
         for (wd, t) in [(0.0, 1u64), (0.1, 17)] {
             let hp = kernels::AdamWStep {
                 lr: 3e-3,
@@ -48,7 +50,7 @@ where
                 // Relative to the largest magnitude each result is summed from: the new moment
                 // `beta1 m + (1 - beta1) g factor` may cancel to far below its two terms, whose
                 // roundings bound its error (the parameter and the second moment do not cancel).
-                let g_max = max_abs::<B>(g.clone().cast(FloatDType::F32)) * 0.5;
+                let g_max = max_abs::<B>(g.clone().cast(FloatDType::F32)) * FACTOR;
                 let m_terms =
                     hp.beta1 as f32 * max_abs::<B>(m.clone()) + (1.0 - hp.beta1 as f32) * g_max;
                 for (what, a, b, terms) in [

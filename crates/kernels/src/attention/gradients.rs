@@ -108,17 +108,9 @@ pub(crate) fn backward<R: CubeRuntime>(
         && super::hopper::applies_backward(&q, &k, &v, &grad, &d, drop.on)
     {
         // The delta pre-pass, queued once the tensor maps are accepted; it clears the Hopper
-        // kernel's dQ sums where that kernel hands them over (a stand-in otherwise).
+        // kernel's dQ sums where that kernel hands them over.
         let delta = |dq_acc: Option<&CubeTensor<R>>| {
-            let stand_in;
-            let (acc, clear) = match dq_acc {
-                Some(acc) => (acc, true),
-                None => {
-                    stand_in = empty(&q, vec![4], DType::F32);
-                    (&stand_in, false)
-                }
-            };
-            launch_delta(&q, out.clone(), &grad, &d, acc, clear, dtype)
+            launch_delta(&q, out.clone(), &grad, &d, dq_acc, dtype)
         };
         match super::hopper::backward(
             &q,
@@ -146,7 +138,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         empty(&q, vec![4], DType::F32)
     };
 
-    let delta = launch_delta(&q, out, &grad, &d, &dq_acc, fused_dq, dtype);
+    let delta = launch_delta(&q, out, &grad, &d, fused_dq.then_some(&dq_acc), dtype);
     let call = Call {
         d,
         causal,
@@ -232,19 +224,22 @@ fn sum_over_groups<R: CubeRuntime>(
     out
 }
 
-/// The pre-pass: `delta = rowsum(dO * O)`, f32 `[batch, heads, seq_q]`; with `clear_dq_acc` it
-/// also clears `dq_acc` (a dQ accumulator of `batch x heads x seq_q x head_dim` f32 values, in
-/// whatever layout its kernel adds to it).
+/// The pre-pass: `delta = rowsum(dO * O)`, f32 `[batch, heads, seq_q]`; given `clear`, it also
+/// clears that dQ accumulator (`batch x heads x seq_q x head_dim` f32 values, in whatever layout
+/// its kernel adds to it).
 fn launch_delta<R: CubeRuntime>(
     q: &CubeTensor<R>,
     out: CubeTensor<R>,
     grad: &CubeTensor<R>,
     d: &Dims,
-    dq_acc: &CubeTensor<R>,
-    clear_dq_acc: bool,
+    clear: Option<&CubeTensor<R>>,
     dtype: StorageType,
 ) -> CubeTensor<R> {
     let client = q.client.clone();
+    // Without a clear the kernel never touches the accumulator: a stand-in.
+    let dq_acc = clear
+        .cloned()
+        .unwrap_or_else(|| empty(q, vec![4], DType::F32));
     let rows = d.batch * d.heads * d.seq_q;
     let delta = empty(q, vec![d.batch, d.heads, d.seq_q], DType::F32);
     let width = row_width(&[&out, grad], &[q.dtype, DType::F32], d.hd);
@@ -266,7 +261,7 @@ fn launch_delta<R: CubeRuntime>(
             out.into_array_arg(),
             grad.clone().into_array_arg(),
             delta.clone().into_array_arg(),
-            dq_acc.clone().into_array_arg(),
+            dq_acc.into_array_arg(),
             rows,
             d.heads,
             d.seq_q,
@@ -278,7 +273,7 @@ fn launch_delta<R: CubeRuntime>(
             sg[2] / width,
             per_row,
             split,
-            clear_dq_acc,
+            clear.is_some(),
             dtype,
         );
     }

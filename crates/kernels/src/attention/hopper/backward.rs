@@ -17,7 +17,7 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 
 use super::launch::{self, Launch};
-use super::{check_maps, map_of, runs_on, Dims, BACKWARD_RUNS};
+use super::{check_maps, map_of, rows_of_16_bytes, runs_on, Dims, BACKWARD_RUNS};
 use crate::cuda_source::{launch as launch_cuda, CudaSource};
 use crate::gemm::cublaslt::as_cuda as cuda;
 
@@ -108,14 +108,11 @@ pub(crate) fn backward<R: CubeRuntime>(
         .collect::<Option<_>>()
         .expect("hopper::backward runs only where `applies_backward` said yes (CUDA)");
     check_maps(&maps)?;
-    let (dq_shape, sq) = (dq.meta.shape(), dq.meta.strides());
-    let dq_offset = dq.handle.offset_start.unwrap_or(0);
-    if sq[3] != 1
-        || !(0..3).all(|i| dq_shape[i] == 1 || sq[i].is_multiple_of(8))
-        || !dq_offset.is_multiple_of(16)
-    {
+    let sq = dq.meta.strides();
+    if !rows_of_16_bytes(dq) {
         return Err(format!(
-            "dQ's strides {sq:?} (offset {dq_offset} bytes) do not allow 16-byte stores of 8 columns"
+            "dQ's strides {sq:?} (offset {} bytes) do not allow 16-byte stores of 8 columns",
+            dq.handle.offset_start.unwrap_or(0)
         ));
     }
     let (k_blocks, pairs) = (d.seq_k.div_ceil(BLOCK_K), d.batch * d.heads);

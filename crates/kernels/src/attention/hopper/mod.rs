@@ -205,12 +205,18 @@ fn runs_on<R: CubeRuntime>(
         return false;
     }
     q.client.properties().hardware.max_shared_memory_size >= shared
-        && tensors.iter().all(|t| {
-            let (shape, s) = (t.meta.shape(), t.meta.strides());
-            s[3] == 1
-                && (0..3).all(|i| shape[i] == 1 || (s[i] > 0 && s[i].is_multiple_of(8)))
-                && t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
-        })
+        && tensors.iter().all(|t| rows_of_16_bytes(t))
+}
+
+/// Whether a `[batch, heads, seq, hd]` tensor of 16-bit values is read and written 16 bytes (8
+/// values) at a time along its rows: a unit last stride, the others positive multiples of 8
+/// (where their dimension is not 1), and its address a multiple of 16 bytes. The TMA maps of the
+/// inputs need it, and so do the 16-byte stores of dQ's cast.
+fn rows_of_16_bytes<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
+    let (shape, s) = (t.meta.shape(), t.meta.strides());
+    s[3] == 1
+        && (0..3).all(|i| shape[i] == 1 || (s[i] > 0 && s[i].is_multiple_of(8)))
+        && t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
 }
 
 /// The TMA tensor map (but for its address) over a `[batch, heads, seq, hd]` tensor, in boxes of
