@@ -45,13 +45,28 @@ struct Plan {
 /// backward (three arrays of them) would spill.
 const MAX_PER_LANE: usize = 8;
 
-/// Units of a row-per-plane cube (several rows at once, so that many loads are in flight).
+/// Units of a row-per-plane cube (several rows at once, so that many loads are in flight): the
+/// forward's, and the backward's, whose units keep the weight gradient's sums beside the row
+/// (about twice the forward's registers), so that smaller cubes fill an SM more evenly.
 const ROW_PLANE_UNITS: usize = 256;
+const BWD_ROW_PLANE_UNITS: usize = 128;
+
+/// Cubes per SM the backward launches at most (each walks its rows and writes one row of partial
+/// weight gradients): row-per-plane cubes, and one-row cubes.
+const BWD_CUBES_PER_SM: usize = 8;
+const BWD_ROW_CUBES_PER_SM: usize = 4;
 
 /// Shared memory the backward's row-per-plane cube may use to sum its planes' weight gradients.
 const DW_SMEM_BYTES: usize = 32 << 10;
 
-fn plan<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>, cols: usize) -> Plan {
+/// `row_plane_units`: the units of a row-per-plane cube.
+fn plan<R: CubeRuntime>(
+    op: &str,
+    x: &CubeTensor<R>,
+    w: &CubeTensor<R>,
+    cols: usize,
+    row_plane_units: usize,
+) -> Plan {
     let n = vector_width(x, &[x.dtype, w.dtype], &[cols]);
     let row_vecs = cols / n;
     let plane_size = crate::launch::plane_size(x) as usize;
@@ -61,7 +76,7 @@ fn plan<R: CubeRuntime>(op: &str, x: &CubeTensor<R>, w: &CubeTensor<R>, cols: us
         return Plan {
             n,
             lanes: plane_size,
-            rows_per_cube: (ROW_PLANE_UNITS / plane_size)
+            rows_per_cube: (row_plane_units / plane_size)
                 .min(DW_SMEM_BYTES / plane_bytes)
                 .max(1),
             per_unit,
@@ -140,7 +155,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     if rows == 0 {
         return (sum, y, rstd);
     }
-    let p = plan(op, &x, &w, cols);
+    let p = plan(op, &x, &w, cols, ROW_PLANE_UNITS);
     let n = p.n;
     let cubes = rows.div_ceil(p.rows_per_cube).min(max_cubes_x(&x));
     let client = x.client.clone();
@@ -212,13 +227,18 @@ pub(crate) fn backward<R: CubeRuntime>(
         );
         return (dx, dw);
     }
-    let p = plan("rms_norm backward", &x, &w, cols);
+    let p = plan("rms_norm backward", &x, &w, cols, BWD_ROW_PLANE_UNITS);
     let n = p.n;
     // A few cubes per SM keep the partial weight gradients small ([cubes, cols] f32, summed
     // after).
+    let per_sm = if p.row_plane {
+        BWD_CUBES_PER_SM
+    } else {
+        BWD_ROW_CUBES_PER_SM
+    };
     let cubes = rows
         .div_ceil(p.rows_per_cube)
-        .min(4 * num_sms(&x))
+        .min(per_sm * num_sms(&x))
         .min(max_cubes_x(&x));
     let dw_part = empty(&x, vec![cubes, cols], DType::F32);
     let dw_slots = if p.row_plane {

@@ -81,6 +81,10 @@ pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
 /// `row_plane` the planes' shares are first summed in shared memory, `dw_slots` vectors).
 /// With `add_res`, `dres` (another gradient of `x`, from its other consumers) is added to `dx` in
 /// f32 before the one rounding to `F`; otherwise `dres` is never read.
+/// Between the row's two passes a unit keeps `x` and `dy` as stored (half the registers of f32
+/// for 16-bit rows) and computes `g` again from `w`, which the first pass brought into cache:
+/// the weight gradient's f32 sums already take a third of the registers, and registers bound how
+/// many of these cubes an SM holds.
 #[cube(launch)]
 pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     x: &Array<Vector<F, N>>,
@@ -103,8 +107,8 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     let unit = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;
     let mut smem = SharedMemory::<f32>::new(slots);
-    let mut xs = Array::<Vector<f32, N>>::new(per_unit);
-    let mut gs = Array::<Vector<f32, N>>::new(per_unit);
+    let mut xs = Array::<Vector<F, N>>::new(per_unit);
+    let mut dys = Array::<Vector<F, N>>::new(per_unit);
     let mut dws = Array::<Vector<f32, N>>::new(per_unit);
     #[unroll]
     for i in 0..per_unit {
@@ -120,17 +124,17 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
         #[unroll]
         for i in 0..per_unit {
             let c = unit + i * units;
-            let mut xv = Vector::<f32, N>::new(0.0);
-            let mut gv = Vector::<f32, N>::new(0.0);
             if c < row_vecs {
-                xv = Vector::cast_from(x[base + c]);
-                let d = Vector::<f32, N>::cast_from(dy[base + c]);
-                gv = d * Vector::cast_from(w[c]);
+                let xr = x[base + c];
+                let dr = dy[base + c];
+                let xv = Vector::<f32, N>::cast_from(xr);
+                let d = Vector::<f32, N>::cast_from(dr);
+                let gv = d * Vector::cast_from(w[c]);
                 dws[i] += d * xv * Vector::new(inv);
+                dot += lanes_sum(gv * xv);
+                xs[i] = xr;
+                dys[i] = dr;
             }
-            xs[i] = xv;
-            gs[i] = gv;
-            dot += lanes_sum(gv * xv);
         }
         let total = if comptime!(row_plane) {
             plane_sum(dot)
@@ -142,7 +146,9 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
         for i in 0..per_unit {
             let c = unit + i * units;
             if c < row_vecs {
-                let mut d = gs[i] * Vector::new(inv) - xs[i] * Vector::new(k);
+                let xv = Vector::<f32, N>::cast_from(xs[i]);
+                let gv = Vector::<f32, N>::cast_from(dys[i]) * Vector::cast_from(w[c]);
+                let mut d = gv * Vector::new(inv) - xv * Vector::new(k);
                 if comptime!(add_res) {
                     d += Vector::<f32, N>::cast_from(dres[base + c]);
                 }
