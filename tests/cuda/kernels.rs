@@ -525,6 +525,76 @@ fn cuda_gemm_split_k_rounding() {
     no_fallbacks("split-K GEMMs on cuBLASLt");
 }
 
+/// `BURNMIX_GEMM_ALGO=timed`: each problem's first call times the heuristic's results on its own
+/// operands and keeps the fastest. The products stay within the rounding bounds (split-K shapes
+/// and larger ones, the GELU MLP with its epilogues, whose auxiliary matrix the candidates write
+/// too); a first call that adds into its accumulator adds the product once (the candidates write a
+/// scratch buffer); every timed problem is recorded with the kept algorithm no slower than the
+/// heuristic's first choice; nothing falls back.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_gemm_timed_algorithms() {
+    use kernels::settings::GemmAlgo;
+    type I = <B as burn::tensor::backend::AutodiffBackend>::InnerBackend;
+    let _timed = kernels::settings::scoped(|s| s.gemm_algo = GemmAlgo::Timed);
+    let dev = CudaDevice::default();
+    // An accumulating call first: its candidates must leave the accumulator alone.
+    let (m, k, n) = (96, 640, 200);
+    let a = kernel_cases::randn::<B>([m, k], &dev)
+        .inner()
+        .cast(FloatDType::BF16);
+    let b = kernel_cases::randn::<B>([k, n], &dev)
+        .inner()
+        .cast(FloatDType::BF16);
+    let acc = kernel_cases::randn::<B>([m, n], &dev).inner();
+    let before = acc.clone();
+    let expected = before.clone()
+        + (a.clone().cast(FloatDType::F32).reshape([m, k, 1])
+            * b.clone().cast(FloatDType::F32).reshape([1, k, n]))
+        .sum_dim(1)
+        .reshape([m, n]);
+    // `acc` must be the only holder of its memory for the call to add into it.
+    let acc = acc.clone() * 1.0;
+    let got = kernels::gemm::gemm_f32::<I>(a, b, false, false, Some(acc), kernels::Gemm::CublasLt);
+    // f32 sums of 640 products of bf16 values near 1: a few units of 1e-5.
+    let err: f32 = (got - expected).abs().max().into_scalar();
+    assert!(
+        err <= 1e-3,
+        "the accumulating call's first run is off by {err} (its timing added into the accumulator?)"
+    );
+    for dtype in [FloatDType::BF16, FloatDType::F16] {
+        kernel_cases::gemm_rounding::<B>(
+            dtype,
+            &dev,
+            kernels::Gemm::CublasLt,
+            &[[64, 32, 301], [16, 4096, 24], [512, 768, 384]],
+        );
+    }
+    kernel_cases::gelu_tanh_mlp::<B>(
+        FloatDType::BF16,
+        &dev,
+        kernels::Gemm::CublasLt,
+        &[[512, 256, 1024, 256]],
+    );
+    no_fallbacks("timed GEMMs");
+    let timed = kernels::gemm::timed_gemms();
+    let described = format!("[m, k, n] = [{m}, {k}, {n}]");
+    assert!(
+        timed.iter().any(|t| t.problem.contains(&described)),
+        "the accumulating call {described} was not timed: {timed:#?}"
+    );
+    assert!(
+        timed.iter().any(|t| t.problem.contains("GELU")),
+        "no GELU epilogue was timed: {timed:#?}"
+    );
+    for t in &timed {
+        assert!(
+            t.candidates >= 2 && t.chosen_us > 0.0 && t.chosen_us <= t.first_us,
+            "{t:?}"
+        );
+    }
+}
+
 /// The GEMMs above do run on cuBLASLt (a fallback to Burn's matmul would pass the numeric checks),
 /// and so does `Gemm::Auto` on CUDA.
 #[test]

@@ -15,6 +15,7 @@
 //! | [`Settings::gemm_hold`] | `BURNMIX_GEMM_HOLD` | `none` turns it off (a diagnostic) |
 //! | [`Settings::gemm_queue`] | `BURNMIX_GEMM_QUEUE` | `on` (default), `off` (a comparison) |
 //! | [`Settings::gemm_spare_sm`] | `BURNMIX_GEMM_SPARE_SM` | `on` (default), `off` (a comparison) |
+//! | [`Settings::gemm_algo`] | `BURNMIX_GEMM_ALGO` | `heuristic` (default), `timed` |
 //! | [`Settings::fp8_gemm`] | `BURNMIX_FP8_GEMM` | `auto` (default), `cublaslt`, `mma`, `dequantize` |
 //! | [`Settings::fp8_mma_shape`] | `BURNMIX_FP8_MMA_SHAPE` | `wm,wn,mt,nt` ([`MmaShape`]) |
 //! | [`Settings::fp8_pair`] | `BURNMIX_FP8_PAIR` | `auto` (default), `native`, `fused`, `separate` |
@@ -40,6 +41,8 @@ pub const GEMM_HOLD_ENV: &str = "BURNMIX_GEMM_HOLD";
 pub const GEMM_QUEUE_ENV: &str = "BURNMIX_GEMM_QUEUE";
 /// `BURNMIX_GEMM_SPARE_SM`: [`Settings::gemm_spare_sm`].
 pub const GEMM_SPARE_SM_ENV: &str = "BURNMIX_GEMM_SPARE_SM";
+/// `BURNMIX_GEMM_ALGO`: [`Settings::gemm_algo`].
+pub const GEMM_ALGO_ENV: &str = "BURNMIX_GEMM_ALGO";
 /// `BURNMIX_FP8_GEMM`: [`Settings::fp8_gemm`].
 pub const FP8_GEMM_ENV: &str = "BURNMIX_FP8_GEMM";
 /// `BURNMIX_FP8_MMA_SHAPE`: [`Settings::fp8_mma_shape`].
@@ -80,6 +83,29 @@ impl std::str::FromStr for GemmOrder {
             "stream" => Ok(GemmOrder::Stream),
             "host" => Ok(GemmOrder::Host),
             _ => Err(format!("`{s}` is not one of same, stream, host")),
+        }
+    }
+}
+
+/// How a cuBLASLt GEMM's algorithm is chosen, once per problem (types, shape, layouts,
+/// alignments, epilogue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmAlgo {
+    /// cuBLASLt's heuristic's first choice (the default; what PyTorch's matmuls use).
+    Heuristic,
+    /// Each of the heuristic's first few results is timed on the problem's first call, on its
+    /// own buffers and stream, and the fastest is kept for the process. Runs in two processes may
+    /// then differ in rounding where their timings chose differently.
+    Timed,
+}
+
+impl std::str::FromStr for GemmAlgo {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "heuristic" => Ok(GemmAlgo::Heuristic),
+            "timed" => Ok(GemmAlgo::Timed),
+            _ => Err(format!("`{s}` is not one of heuristic, timed")),
         }
     }
 }
@@ -157,6 +183,8 @@ pub struct Settings {
     /// one SM while the GEMM runs (default). Off (`BURNMIX_GEMM_SPARE_SM=off`): every SM, for
     /// comparison.
     pub gemm_spare_sm: bool,
+    /// How each problem's cuBLASLt algorithm is chosen. Fixed for a problem at its first call.
+    pub gemm_algo: GemmAlgo,
     /// Test hook: a queued GEMM acts as if cuBLASLt refused it, so that its fallback (Burn's
     /// matmul on CubeCL's device thread) runs.
     #[doc(hidden)]
@@ -199,6 +227,7 @@ impl Default for Settings {
             gemm_hold: true,
             gemm_queue: true,
             gemm_spare_sm: true,
+            gemm_algo: GemmAlgo::Heuristic,
             gemm_refuse_queued: false,
             fp8_gemm: Fp8GemmChoice::Auto,
             fp8_mma_shape: None,
@@ -259,6 +288,9 @@ impl Settings {
         }
         s.gemm_queue = on_off(&var, GEMM_QUEUE_ENV, s.gemm_queue)?;
         s.gemm_spare_sm = on_off(&var, GEMM_SPARE_SM_ENV, s.gemm_spare_sm)?;
+        if let Some(a) = parse(&var, GEMM_ALGO_ENV)? {
+            s.gemm_algo = a;
+        }
         if let Some(c) = parse(&var, FP8_GEMM_ENV)? {
             s.fp8_gemm = c;
         }
@@ -455,6 +487,7 @@ mod tests {
             (GEMM_HOLD_ENV, "none"),
             (GEMM_QUEUE_ENV, "off"),
             (GEMM_SPARE_SM_ENV, "off"),
+            (GEMM_ALGO_ENV, "timed"),
             (FP8_GEMM_ENV, "cublaslt"),
             (FP8_MMA_SHAPE_ENV, "4,2,2,8"),
             (FP8_PAIR_ENV, "fused"),
@@ -471,6 +504,7 @@ mod tests {
         assert!(!s.gemm_hold);
         assert!(!s.gemm_queue);
         assert!(!s.gemm_spare_sm);
+        assert_eq!(s.gemm_algo, GemmAlgo::Timed);
         assert_eq!(s.fp8_gemm, Fp8GemmChoice::Path(Fp8GemmPath::CublasLt));
         assert_eq!(s.fp8_mma_shape, Some(MmaShape::parse("4,2,2,8").unwrap()));
         assert_eq!(s.fp8_pair, Some(Fp8PairPath::Fused));
@@ -493,6 +527,7 @@ mod tests {
             (GEMM_HOLD_ENV, "off", "`none`"),
             (GEMM_QUEUE_ENV, "no", "`on` or `off`"),
             (GEMM_SPARE_SM_ENV, "1", "`on` or `off`"),
+            (GEMM_ALGO_ENV, "fastest", "heuristic, timed"),
             (FP8_GEMM_ENV, "fast", "auto, cublaslt, mma, dequantize"),
             (FP8_MMA_SHAPE_ENV, "2,2", "wm,wn,mt,nt"),
             (FP8_PAIR_ENV, "one", "auto, native, fused, separate"),

@@ -657,6 +657,11 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
         if log_line {
             self.log_memory(done, &o.memory_per_rank);
         }
+        if done == self.start_step + 1 {
+            if let Some(line) = timed_gemms_line() {
+                self.log.line(&line);
+            }
+        }
 
         let ckpt_now = stop || self.checkpoints_at(done, end);
         if ckpt_now {
@@ -914,6 +919,25 @@ fn no_decay_ids<B: Backend>(model: &Gpt<B>, cfg: &Config) -> HashSet<burn::modul
         s.insert(model.wte.weight.id);
     }
     s
+}
+
+/// After the first step, where GEMM algorithms were chosen by timing (`BURNMIX_GEMM_ALGO=timed`):
+/// how many problems, how many kept another result than the heuristic's first choice, and one
+/// call of each with the kept and with the first algorithms.
+fn timed_gemms_line() -> Option<String> {
+    let timed = kernels::gemm::timed_gemms();
+    if timed.is_empty() {
+        return None;
+    }
+    let others = timed.iter().filter(|t| t.chosen_rank > 0).count();
+    let sum =
+        |f: fn(&kernels::gemm::TimedGemm) -> f32| timed.iter().map(|t| f(t) as f64).sum::<f64>();
+    Some(format!(
+        "GEMM algorithms timed (BURNMIX_GEMM_ALGO=timed): {} problems, {others} on another than cuBLASLt's first choice; one call of each takes {:.0} us, {:.0} us with the first choices",
+        timed.len(),
+        sum(|t| t.chosen_us),
+        sum(|t| t.first_us),
+    ))
 }
 
 /// The path the FP8 recipe's GEMMs take on `device` (see `kernels::fp8_gemm_path`), for the log.

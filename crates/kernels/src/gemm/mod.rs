@@ -16,7 +16,9 @@
 //!   accumulate in f32; f32 is true f32 (no TF32), as PyTorch's default. Each operand's
 //!   real leading dimension is passed (CUDA pitches rows that are not a multiple of 512 bytes);
 //!   transposed views are read as the other layout; other strides are copied once. The algorithm is
-//!   cuBLASLt's heuristic choice, cached per shape, layout and alignment: no autotuning. The call
+//!   cuBLASLt's heuristic choice, cached per shape, layout and alignment; with
+//!   `BURNMIX_GEMM_ALGO=timed` the fastest of the heuristic's first results, timed at the
+//!   problem's first call ([`timed_gemms`] lists them). The call
 //!   runs on CubeCL's own CUDA stream, between CubeCL's earlier and later work (CubeCL 0.10 has no
 //!   accessor for its `CUstream`: it is read once per stream from the server's description; see
 //!   `cuda_stream.rs`). With `BURNMIX_GEMM_ORDER=stream` (and where that stream cannot be found) it
@@ -32,6 +34,8 @@
 pub(crate) mod backward;
 pub(crate) mod cublaslt;
 pub(crate) mod forward;
+
+pub use cublaslt::TimedGemm;
 
 use burn::tensor::backend::Backend as BurnBackend;
 use burn::tensor::ops::FloatTensor;
@@ -254,6 +258,12 @@ pub fn cublaslt_status() -> Result<usize, String> {
 /// asked for ran on cuBLASLt. Burn's backward pass runs on the thread that calls `backward`.
 pub fn cublaslt_fallbacks_on_this_thread() -> usize {
     cublaslt::fallbacks_on_this_thread()
+}
+
+/// The GEMM problems whose cuBLASLt algorithm was chosen by timing (`BURNMIX_GEMM_ALGO=timed`)
+/// so far in this process, in the order they were timed.
+pub fn timed_gemms() -> Vec<TimedGemm> {
+    cublaslt::timed_gemms()
 }
 
 /// Diagnostic of the GPU hand-over (see `cublaslt::diagnose_wait`): how long a read behind

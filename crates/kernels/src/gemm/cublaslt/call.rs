@@ -1,4 +1,4 @@
-//! A problem's cuBLASLt descriptors and the heuristic's algorithm for it.
+//! A problem's cuBLASLt descriptors and the heuristic's algorithms for it.
 
 use std::ffi::c_void;
 
@@ -142,12 +142,14 @@ impl Call {
         )
     }
 
-    /// cuBLASLt's first choice for this problem within the workspace and alignments.
-    pub(super) unsafe fn heuristic(
+    /// cuBLASLt's heuristic's results for this problem within the workspace and alignments, at
+    /// most `count`, its first choice first; empty where it has none.
+    pub(super) unsafe fn heuristics(
         &self,
         handle: sys::cublasLtHandle_t,
         p: &Problem,
-    ) -> Result<sys::cublasLtMatmulAlgo_t, lt::CublasError> {
+        count: usize,
+    ) -> Result<Vec<sys::cublasLtMatmulAlgo_t>, lt::CublasError> {
         let pref = lt::create_matmul_pref()?;
         let result = (|| {
             use sys::cublasLtMatmulPreferenceAttributes_t::*;
@@ -189,7 +191,9 @@ impl Call {
                     4,
                 )?;
             }
-            lt::get_matmul_algo_heuristic(
+            let mut results = Vec::<sys::cublasLtMatmulHeuristicResult_t>::with_capacity(count);
+            let mut found = 0i32;
+            sys::cublasLtMatmulAlgoGetHeuristic(
                 handle,
                 self.desc,
                 self.first,
@@ -197,8 +201,18 @@ impl Call {
                 self.out,
                 self.out,
                 pref,
+                count as i32,
+                results.as_mut_ptr(),
+                &mut found,
             )
-            .map(|r| r.algo)
+            .result()?;
+            // cuBLASLt wrote the first `found` results.
+            results.set_len((found.max(0) as usize).min(count));
+            Ok(results
+                .into_iter()
+                .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                .map(|r| r.algo)
+                .collect())
         })();
         let _ = lt::destroy_matmul_pref(pref);
         result

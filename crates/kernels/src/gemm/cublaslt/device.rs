@@ -26,6 +26,17 @@ struct InFlight {
     _tensors: Vec<CubeTensor<CudaRuntime>>,
 }
 
+/// A problem's descriptors and the algorithm its calls use.
+pub(super) struct Planned {
+    pub(super) call: Call,
+    /// The heuristic's first choice, or the fastest of its results once they were timed
+    /// (`None`: cuBLASLt has no algorithm for the problem).
+    pub(super) algo: Option<sys::cublasLtMatmulAlgo_t>,
+    /// `BURNMIX_GEMM_ALGO=timed`: the heuristic's results, to be timed at the problem's next call
+    /// (then emptied; empty where there is one result or nothing to time).
+    pub(super) to_time: Vec<sys::cublasLtMatmulAlgo_t>,
+}
+
 /// Per-device state. The raw handles are only used with the device's lock held.
 pub(super) struct Device {
     pub(super) ctx: dsys::CUcontext,
@@ -37,8 +48,8 @@ pub(super) struct Device {
     /// The GEMMs' own stream and its workspace (`Stream` and `Host` orders).
     pub(super) stream: dsys::CUstream,
     pub(super) workspace: dsys::CUdeviceptr,
-    /// Per problem: its descriptors and the heuristic's algorithm (`None`: cuBLASLt has none).
-    pub(super) calls: HashMap<Problem, (Call, Option<sys::cublasLtMatmulAlgo_t>)>,
+    /// Per problem: its descriptors and algorithm.
+    pub(super) calls: HashMap<Problem, Planned>,
     /// `Order::Stream`: u32 flags in a CubeCL buffer ([0]: CubeCL to the GEMM, [1]: back), their
     /// device address, and the last sequence number.
     pub(super) flags: Option<Flags>,

@@ -9,12 +9,14 @@ use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::{result as drv, sys as dsys};
 
 use super::call::Call;
-use super::device::{device, Device};
+use super::device::{device, Device, Planned};
 use super::fallback::warn_once;
 use super::handover::{gemm_signal, gemm_wait, Flags};
 use super::order::{hold_tensors, Order, SAME_UNAVAILABLE};
 use super::problem::{alignment, describe, Problem};
+use super::timing::{fastest, CANDIDATES};
 use super::{Refused, WORKSPACE_BYTES};
+use crate::settings::GemmAlgo;
 
 /// One cuBLASLt call and what it needs, run on CubeCL's device thread
 /// ([`GemmService`](super::queue::GemmService)).
@@ -106,8 +108,9 @@ impl Job {
             if !dev.calls.contains_key(&problem) {
                 plan_call(dev, &problem, order, scale_ptrs, aux_ptr)?;
             }
-            let (call, algo) = &dev.calls[&problem];
-            let Some(algo) = algo else {
+            let planned = &dev.calls[&problem];
+            let call = &planned.call;
+            let Some(mut algo) = planned.algo else {
                 return Err(Refused::Unsupported(format!(
                     "cuBLASLt has no algorithm for {} (alignments {:?} bytes)",
                     describe(&problem),
@@ -126,16 +129,56 @@ impl Job {
             }
             // What orders the GEMM with CubeCL's later work once it is issued.
             let after = self.order_before(order, &mut dev.flags, dev.stream)?;
+            // `BURNMIX_GEMM_ALGO=timed`: the problem's first call times the heuristic's results
+            // here, where the call itself is ordered, and keeps the fastest.
+            let timed = (!planned.to_time.is_empty()).then(|| {
+                let out_bytes = problem.m * problem.n * out.dtype.size();
+                let run = |a: &sys::cublasLtMatmulAlgo_t, target: u64| {
+                    issue(
+                        dev.handle,
+                        call,
+                        a,
+                        self.beta,
+                        [pa, pb, target],
+                        stream,
+                        workspace,
+                        &problem,
+                    )
+                    .map_err(|e| format!("{e:?}"))
+                };
+                let chosen = fastest(
+                    &planned.to_time,
+                    &problem,
+                    self.beta,
+                    pc,
+                    out_bytes,
+                    stream,
+                    run,
+                );
+                match chosen {
+                    Ok(i) => algo = planned.to_time[i],
+                    Err(why) => warn_once(format!(
+                        "kernels::gemm: timing cuBLASLt's algorithms for {} failed ({why}); its heuristic's first choice is kept",
+                        describe(&problem)
+                    )),
+                }
+                algo
+            });
             let done = issue(
                 dev.handle,
                 call,
-                algo,
+                &algo,
                 self.beta,
                 [pa, pb, pc],
                 stream,
                 workspace,
                 &problem,
             );
+            if let Some(kept) = timed {
+                let planned = dev.calls.get_mut(&problem).expect("planned above");
+                planned.algo = Some(kept);
+                planned.to_time.clear();
+            }
             self.order_after(after, dev)?;
             done?;
             drop((ra, rb, rc, rs, raux));
@@ -286,7 +329,8 @@ impl Job {
     }
 }
 
-/// Creates the descriptors of `problem` and asks the heuristic for its algorithm, remembered in
+/// Creates the descriptors of `problem` and asks the heuristic for its algorithm (and, with
+/// `BURNMIX_GEMM_ALGO=timed`, for the results to time at the first call), remembered in
 /// `dev.calls` (`None` where cuBLASLt has none, so it is asked once). `scale_ptrs`: the addresses
 /// of `a`'s and `b`'s scales (FP8); `aux_ptr`: the epilogue's auxiliary matrix.
 ///
@@ -317,10 +361,12 @@ unsafe fn plan_call(
         call.set_aux(aux)
             .map_err(|e| Refused::Unsupported(format!("cuBLASLt epilogue pointer: {e:?}")))?;
     }
-    let algo = match call.heuristic(dev.handle, problem) {
-        Ok(algo) => Some(algo),
+    let timed = crate::settings::read(|s| s.gemm_algo) == GemmAlgo::Timed;
+    let mut results = match call.heuristics(dev.handle, problem, if timed { CANDIDATES } else { 1 })
+    {
+        Ok(results) => results,
         // No algorithm for this problem: remembered, so it is asked once.
-        Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => None,
+        Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => Vec::new(),
         Err(e) => {
             return Err(Refused::Unsupported(format!(
                 "cuBLASLt heuristic for {}: {e:?}",
@@ -328,7 +374,18 @@ unsafe fn plan_call(
             )))
         }
     };
-    dev.calls.insert(*problem, (call, algo));
+    let algo = results.first().copied();
+    if results.len() < 2 {
+        results.clear();
+    }
+    dev.calls.insert(
+        *problem,
+        Planned {
+            call,
+            algo,
+            to_time: results,
+        },
+    );
     Ok(())
 }
 

@@ -7,7 +7,8 @@
 //! Per device this keeps one cuBLASLt handle, a 32 MiB workspace (what cuBLAS uses on Hopper) per
 //! stream the GEMMs run on (CubeCL's streams in the `Same` order, a stream of its own otherwise)
 //! and, per problem (shape, layouts, alignments), the call's descriptors and the heuristic's
-//! algorithm; they live as long as the process.
+//! algorithm (or the fastest of its results, timed: [`timing`]); they live as long as the
+//! process.
 //!
 //! Every call runs on CubeCL's device thread ([`GemmService`](queue::GemmService)): CubeCL 0.10
 //! runs each device's CUDA server on one thread that takes every task (launches, allocations,
@@ -63,6 +64,7 @@ mod problem;
 mod queue;
 #[cfg(test)]
 mod tests;
+mod timing;
 
 use std::any::Any;
 use std::sync::OnceLock;
@@ -79,6 +81,7 @@ pub(crate) use fallback::fell_back;
 pub(crate) use fp8::{fp8_block_scaling_supported, fp8_gemm, Fp8Operand, Fp8Scales};
 pub(crate) use job::QueuedFallback;
 pub(crate) use order::{effective_order, Order};
+pub use timing::{timed_gemms, TimedGemm};
 
 use fallback::{FALLBACKS, QUEUED_FALLBACKS};
 use job::Job;
