@@ -602,6 +602,44 @@ fn cuda_gemm_timed_algorithms() {
             "{t:?}"
         );
     }
+
+    // The record of the kept algorithms, read back as a new process of the run would: the same
+    // products take the recorded algorithms instead of timing again, with the same results.
+    let record = kernels::gemm::gemm_algorithms_record().expect("a record of the timed problems");
+    let entries = record.lines().skip(2).count();
+    assert!(
+        entries >= timed.len(),
+        "{entries} entries for {} timed problems:\n{record}",
+        timed.len()
+    );
+    kernels::gemm::forget_gemm_algorithms();
+    assert_eq!(kernels::gemm::gemm_algorithms_record(), None);
+    assert_eq!(kernels::gemm::read_gemm_algorithms(&record), Ok(entries));
+    let used_before = kernels::gemm::gemm_algorithms_read_and_used();
+    kernel_cases::gemm_rounding::<B>(
+        FloatDType::BF16,
+        &dev,
+        kernels::Gemm::CublasLt,
+        &[[64, 32, 301], [16, 4096, 24], [512, 768, 384]],
+    );
+    kernel_cases::gelu_tanh_mlp::<B>(
+        FloatDType::BF16,
+        &dev,
+        kernels::Gemm::CublasLt,
+        &[[512, 256, 1024, 256]],
+    );
+    no_fallbacks("GEMMs on recorded algorithms");
+    let used = kernels::gemm::gemm_algorithms_read_and_used() - used_before;
+    let timed_again = kernels::gemm::timed_gemms().len() - timed.len();
+    assert!(
+        used >= 1,
+        "no problem took a recorded algorithm ({timed_again} timed again):\n{record}"
+    );
+    // Another cuBLASLt release's record is refused whole.
+    let version = kernels::gemm::cublaslt_status().expect("cuBLASLt loads");
+    let other = record.replacen(&format!("cublaslt {version}"), "cublaslt 1", 1);
+    let refused = kernels::gemm::read_gemm_algorithms(&other).unwrap_err();
+    assert!(refused.contains("cuBLASLt 1,"), "{refused}");
 }
 
 /// The GEMMs above do run on cuBLASLt (a fallback to Burn's matmul would pass the numeric checks),

@@ -98,14 +98,33 @@ fn cuda_training_loss_decreases_and_resume_matches() {
 }
 
 /// As above in bf16 with the fused ops and flash attention: every dropout mask is drawn in a kernel
-/// (the elementwise one and the tensor-core attention's, head_dim 16).
+/// (the elementwise one and the tensor-core attention's, head_dim 16). The GEMMs' algorithms are
+/// timed (`BURNMIX_GEMM_ALGO=timed`), and the run's directory keeps their record.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_training_with_flash_dropout_resume_matches() {
-    training_loss_decreases_and_resume_matches(model::AttentionKind::Flash, "cuda_flash");
+    let _timed = kernels::settings::scoped(|s| s.gemm_algo = kernels::settings::GemmAlgo::Timed);
+    let run_dir =
+        training_loss_decreases_and_resume_matches(model::AttentionKind::Flash, "cuda_flash");
+    let record = std::fs::read_to_string(run_dir.join("gemm_algorithms.txt"))
+        .expect("the run's record of timed GEMM algorithms");
+    let version = kernels::gemm::cublaslt_status().expect("cuBLASLt loads");
+    assert!(
+        record.starts_with("# burnmix GEMM algorithms")
+            && record.contains(&format!("\ncublaslt {version}\n")),
+        "{record}"
+    );
+    assert!(
+        record.lines().count() > 2,
+        "no algorithm recorded:\n{record}"
+    );
 }
 
-fn training_loss_decreases_and_resume_matches(attention: model::AttentionKind, tag: &str) {
+/// Returns the directory of the run stopped and resumed.
+fn training_loss_decreases_and_resume_matches(
+    attention: model::AttentionKind,
+    tag: &str,
+) -> std::path::PathBuf {
     let _guard = common::serial();
     let mut cfg = tiny_config(40);
     cfg.device = DeviceKind::Cuda;
@@ -143,6 +162,7 @@ fn training_loss_decreases_and_resume_matches(attention: model::AttentionKind, t
             y.loss
         );
     }
+    split
 }
 
 /// Mean loss of the last five steps of a run's metrics.

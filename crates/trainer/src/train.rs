@@ -20,6 +20,7 @@ use model::Gpt;
 use serde::Serialize;
 
 mod capture;
+mod gemm_algorithms;
 mod log;
 mod read_back;
 mod start;
@@ -390,6 +391,9 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             let into = (model, row_split.as_deref());
             let (model, restored) =
                 resume::<B>(opts, &existing, into, &mut opt, cfg, vocab, &console)?;
+            if let Some(line) = gemm_algorithms::read(run_dir) {
+                console.line(&line);
+            }
             if let Some(state) = restored.loss_scaler {
                 if let Some(note) = scaler.restore(state, restored.precision.as_ref()) {
                     console.line(&note);
@@ -658,8 +662,11 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
             self.log_memory(done, &o.memory_per_rank);
         }
         if done == self.start_step + 1 {
-            if let Some(line) = timed_gemms_line() {
+            if let Some(line) = gemm_algorithms::timed_line() {
                 self.log.line(&line);
+            }
+            if self.group.writes() {
+                gemm_algorithms::write(&self.opts.run_dir)?;
             }
         }
 
@@ -743,6 +750,10 @@ impl<'a, B: crate::TrainBackend> Session<'a, B> {
                 None => (model, &self.opt),
             };
             checkpoint::save::<B, _>(&self.opts.run_dir, model, opt, &info, keep)?;
+        }
+        if self.group.writes() {
+            // Problems first met after the first step (an evaluation's) join the record.
+            gemm_algorithms::write(&self.opts.run_dir)?;
         }
         // Rank 0 stops the run if the replicas differ (and the others then end with it).
         if let Some(r) = checksums
@@ -919,25 +930,6 @@ fn no_decay_ids<B: Backend>(model: &Gpt<B>, cfg: &Config) -> HashSet<burn::modul
         s.insert(model.wte.weight.id);
     }
     s
-}
-
-/// After the first step, where GEMM algorithms were chosen by timing (`BURNMIX_GEMM_ALGO=timed`):
-/// how many problems, how many kept another result than the heuristic's first choice, and one
-/// call of each with the kept and with the first algorithms.
-fn timed_gemms_line() -> Option<String> {
-    let timed = kernels::gemm::timed_gemms();
-    if timed.is_empty() {
-        return None;
-    }
-    let others = timed.iter().filter(|t| t.chosen_rank > 0).count();
-    let sum =
-        |f: fn(&kernels::gemm::TimedGemm) -> f32| timed.iter().map(|t| f(t) as f64).sum::<f64>();
-    Some(format!(
-        "GEMM algorithms timed (BURNMIX_GEMM_ALGO=timed): {} problems, {others} on another than cuBLASLt's first choice; one call of each takes {:.0} us, {:.0} us with the first choices",
-        timed.len(),
-        sum(|t| t.chosen_us),
-        sum(|t| t.first_us),
-    ))
 }
 
 /// The path the FP8 recipe's GEMMs take on `device` (see `kernels::fp8_gemm_path`), for the log.

@@ -266,6 +266,35 @@ pub fn timed_gemms() -> Vec<TimedGemm> {
     cublaslt::timed_gemms()
 }
 
+/// The cuBLASLt algorithms chosen by timing in this process (`BURNMIX_GEMM_ALGO=timed`), and any
+/// read with [`read_gemm_algorithms`] and used, as text for [`read_gemm_algorithms`] in a later
+/// process; `None` when there are none. A training run keeps it in its directory, so that the run
+/// resumed from there computes with the same algorithms (and rounds the same way).
+pub fn gemm_algorithms_record() -> Option<String> {
+    cublaslt::record()
+}
+
+/// Reads a record of [`gemm_algorithms_record`]: with `BURNMIX_GEMM_ALGO=timed`, a problem it
+/// names (on a GPU of the same name) takes the recorded algorithm, if cuBLASLt's check passes,
+/// instead of being timed. Returns how many algorithms it holds. Refused whole, with the reason,
+/// when it was written with another cuBLASLt release or is not such a record.
+pub fn read_gemm_algorithms(record: &str) -> Result<usize, String> {
+    cublaslt::read_record(record)
+}
+
+/// How many GEMM problems in this process took an algorithm read with [`read_gemm_algorithms`]
+/// instead of timing it.
+pub fn gemm_algorithms_read_and_used() -> usize {
+    cublaslt::record_used()
+}
+
+/// Forgets every cuBLASLt problem's plan and every algorithm timed or read, so that the next calls
+/// plan (and time) again as in a new process: for tests of [`read_gemm_algorithms`].
+#[doc(hidden)]
+pub fn forget_gemm_algorithms() {
+    cublaslt::forget_algorithms()
+}
+
 /// Diagnostic of the GPU hand-over (see `cublaslt::diagnose_wait`): how long a read behind
 /// CubeCL's waiting kernel took when the flag was written after `delay`.
 #[doc(hidden)]

@@ -217,6 +217,36 @@ impl Call {
         let _ = lt::destroy_matmul_pref(pref);
         result
     }
+
+    /// Whether `algo` can run this problem within the workspace (`cublasLtMatmulAlgoCheck`):
+    /// for an algorithm that did not come from this process's heuristic.
+    pub(super) unsafe fn check(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        algo: &sys::cublasLtMatmulAlgo_t,
+    ) -> Result<(), String> {
+        let mut result = std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::zeroed();
+        sys::cublasLtMatmulAlgoCheck(
+            handle,
+            self.desc,
+            self.first,
+            self.second,
+            self.out,
+            self.out,
+            algo,
+            result.as_mut_ptr(),
+        )
+        .result()
+        .map_err(|e| format!("cublasLtMatmulAlgoCheck: {e:?}"))?;
+        // cuBLASLt filled the result in.
+        let needs = result.assume_init().workspaceSize;
+        if needs > WORKSPACE_BYTES {
+            return Err(format!(
+                "needs {needs} bytes of workspace, more than the {WORKSPACE_BYTES} given"
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Drop for Call {

@@ -33,13 +33,18 @@ pub(super) struct Planned {
     /// (`None`: cuBLASLt has no algorithm for the problem).
     pub(super) algo: Option<sys::cublasLtMatmulAlgo_t>,
     /// `BURNMIX_GEMM_ALGO=timed`: the heuristic's results, to be timed at the problem's next call
-    /// (then emptied; empty where there is one result or nothing to time).
+    /// (then emptied; empty where there is one result or nothing to time, or where the algorithm
+    /// was read from a record).
     pub(super) to_time: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// With `to_time`: the problem's key in the record of timed algorithms ([`super::recorded`]).
+    pub(super) record_key: String,
 }
 
 /// Per-device state. The raw handles are only used with the device's lock held.
 pub(super) struct Device {
     pub(super) ctx: dsys::CUcontext,
+    /// The GPU's name (`cuDeviceGetName`), which keys the record of timed algorithms.
+    pub(super) name: String,
     /// Compute capability, major.
     pub(super) major: i32,
     /// Streaming multiprocessors.
@@ -82,6 +87,22 @@ pub(super) fn device(index: usize) -> Arc<Mutex<Result<Device, String>>> {
         .clone()
 }
 
+/// Forgets every device's plans (descriptors and algorithms), so that each problem is planned
+/// again at its next call, as in a new process.
+pub(super) fn forget_plans() {
+    let devices: Vec<_> = (DEVICES.lock().unwrap_or_else(|p| p.into_inner()).iter())
+        .flatten()
+        .cloned()
+        .collect();
+    for dev in &devices {
+        if let Ok(dev) = dev.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            // The descriptors are read when a call is queued, not when it runs: dropping them
+            // once the calls were issued is allowed.
+            dev.calls.clear();
+        }
+    }
+}
+
 impl Device {
     fn new(index: usize) -> Result<Self, String> {
         // SAFETY: the driver was initialised by CubeCL's client (the tensors exist); the primary
@@ -92,6 +113,7 @@ impl Device {
             let ctx = drv::primary_ctx::retain(dev)
                 .map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
             drv::ctx::set_current(ctx).map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+            let name = drv::device::get_name(dev).map_err(|e| format!("cuDeviceGetName: {e:?}"))?;
             let major = drv::device::get_attribute(
                 dev,
                 dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
@@ -109,6 +131,7 @@ impl Device {
                 .map_err(|e| format!("cuMemAlloc({WORKSPACE_BYTES}): {e:?}"))?;
             Ok(Self {
                 ctx,
+                name,
                 major,
                 sms,
                 handle,

@@ -14,6 +14,7 @@ use super::fallback::warn_once;
 use super::handover::{gemm_signal, gemm_wait, Flags};
 use super::order::{hold_tensors, Order, SAME_UNAVAILABLE};
 use super::problem::{alignment, describe, Problem};
+use super::recorded;
 use super::timing::{fastest, CANDIDATES};
 use super::{Refused, WORKSPACE_BYTES};
 use crate::settings::GemmAlgo;
@@ -156,7 +157,10 @@ impl Job {
                     run,
                 );
                 match chosen {
-                    Ok(i) => algo = planned.to_time[i],
+                    Ok(i) => {
+                        algo = planned.to_time[i];
+                        recorded::note(planned.record_key.clone(), &algo);
+                    }
                     Err(why) => warn_once(format!(
                         "kernels::gemm: timing cuBLASLt's algorithms for {} failed ({why}); its heuristic's first choice is kept",
                         describe(&problem)
@@ -362,6 +366,34 @@ unsafe fn plan_call(
             .map_err(|e| Refused::Unsupported(format!("cuBLASLt epilogue pointer: {e:?}")))?;
     }
     let timed = crate::settings::read(|s| s.gemm_algo) == GemmAlgo::Timed;
+    let record_key = if timed {
+        recorded::key(&dev.name, problem, sm_target)
+    } else {
+        String::new()
+    };
+    // An algorithm an earlier process of the run timed for this problem, if it still passes
+    // cuBLASLt's check, is taken as it is.
+    if let Some(algo) = timed.then(|| recorded::read_for(&record_key)).flatten() {
+        match call.check(dev.handle, &algo) {
+            Ok(()) => {
+                recorded::count_used();
+                dev.calls.insert(
+                    *problem,
+                    Planned {
+                        call,
+                        algo: Some(algo),
+                        to_time: Vec::new(),
+                        record_key,
+                    },
+                );
+                return Ok(());
+            }
+            Err(why) => warn_once(format!(
+                "kernels::gemm: the recorded algorithm for {} is not valid here ({why}); it is timed again",
+                describe(problem)
+            )),
+        }
+    }
     let mut results = match call.heuristics(dev.handle, problem, if timed { CANDIDATES } else { 1 })
     {
         Ok(results) => results,
@@ -384,6 +416,7 @@ unsafe fn plan_call(
             call,
             algo,
             to_time: results,
+            record_key,
         },
     );
     Ok(())

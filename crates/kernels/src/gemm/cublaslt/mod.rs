@@ -62,6 +62,7 @@ mod job;
 mod order;
 mod problem;
 mod queue;
+mod recorded;
 #[cfg(test)]
 mod tests;
 mod timing;
@@ -307,6 +308,31 @@ pub(crate) fn gemm_f32(
 /// GEMMs that were sent to cuBLASLt on this thread and ran on another path (a refused problem,
 /// a failed launch): the one-line warnings, counted. Tests read it to tell the fast path from a
 /// fallback that computes the same numbers.
+/// The record of the algorithms timed in this process (or read from a record and used), for
+/// [`read_record`] in a later process; `None` when there are none or cuBLASLt is not loaded.
+pub(crate) fn record() -> Option<String> {
+    recorded::text(library().ok()?)
+}
+
+/// Reads a record written by [`record`]: its problems then take the recorded algorithms instead
+/// of timing them. How many it holds, or why it was refused (another cuBLASLt release).
+pub(crate) fn read_record(text: &str) -> Result<usize, String> {
+    recorded::read(text, library()?)
+}
+
+/// How many problems in this process took an algorithm read with [`read_record`].
+pub(crate) fn record_used() -> usize {
+    recorded::used()
+}
+
+/// Forgets every plan and every algorithm timed or read, as in a new process (for tests of the
+/// record), once the GEMMs queued so far were issued.
+pub(crate) fn forget_algorithms() {
+    drain_queues();
+    device::forget_plans();
+    recorded::forget();
+}
+
 pub(crate) fn fallbacks_on_this_thread() -> usize {
     // Queued GEMMs that failed fell back on CubeCL's device thread; wait until every GEMM queued
     // so far has been issued, then add those this thread asked for.
