@@ -530,7 +530,8 @@ fn cuda_gemm_split_k_rounding() {
 /// and larger ones, the GELU MLP with its epilogues, whose auxiliary matrix the candidates write
 /// too); a first call that adds into its accumulator adds the product once (the candidates write a
 /// scratch buffer); every timed problem is recorded with the kept algorithm no slower than the
-/// heuristic's first choice; nothing falls back.
+/// heuristic's first choice; nothing falls back. Then the record of the kept algorithms is read
+/// back as a new process would ([`crate::gemm_record::reads_back`]).
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_gemm_timed_algorithms() {
@@ -603,43 +604,7 @@ fn cuda_gemm_timed_algorithms() {
         );
     }
 
-    // The record of the kept algorithms, read back as a new process of the run would: the same
-    // products take the recorded algorithms instead of timing again, with the same results.
-    let record = kernels::gemm::gemm_algorithms_record().expect("a record of the timed problems");
-    let entries = record.lines().skip(2).count();
-    assert!(
-        entries >= timed.len(),
-        "{entries} entries for {} timed problems:\n{record}",
-        timed.len()
-    );
-    kernels::gemm::forget_gemm_algorithms();
-    assert_eq!(kernels::gemm::gemm_algorithms_record(), None);
-    assert_eq!(kernels::gemm::read_gemm_algorithms(&record), Ok(entries));
-    let used_before = kernels::gemm::gemm_algorithms_read_and_used();
-    kernel_cases::gemm_rounding::<B>(
-        FloatDType::BF16,
-        &dev,
-        kernels::Gemm::CublasLt,
-        &[[64, 32, 301], [16, 4096, 24], [512, 768, 384]],
-    );
-    kernel_cases::gelu_tanh_mlp::<B>(
-        FloatDType::BF16,
-        &dev,
-        kernels::Gemm::CublasLt,
-        &[[512, 256, 1024, 256]],
-    );
-    no_fallbacks("GEMMs on recorded algorithms");
-    let used = kernels::gemm::gemm_algorithms_read_and_used() - used_before;
-    let timed_again = kernels::gemm::timed_gemms().len() - timed.len();
-    assert!(
-        used >= 1,
-        "no problem took a recorded algorithm ({timed_again} timed again):\n{record}"
-    );
-    // Another cuBLASLt release's record is refused whole.
-    let version = kernels::gemm::cublaslt_status().expect("cuBLASLt loads");
-    let other = record.replacen(&format!("cublaslt {version}"), "cublaslt 1", 1);
-    let refused = kernels::gemm::read_gemm_algorithms(&other).unwrap_err();
-    assert!(refused.contains("cuBLASLt 1,"), "{refused}");
+    crate::gemm_record::reads_back(timed.len(), &dev);
 }
 
 /// The GEMMs above do run on cuBLASLt (a fallback to Burn's matmul would pass the numeric checks),

@@ -3,6 +3,7 @@
 //! `cargo test --workspace` on a machine without CUDA skips them.
 //! - `kernels`: the fused kernels, FlashAttention and FP8 against their references in f32, f16
 //!   and bf16 (CUDA pitches odd row lengths and uses 128-bit vectors and tensor cores);
+//! - `gemm_record`: the record of timed GEMM algorithms read back (a part of a `kernels` test);
 //! - `model`: the model-equivalence matrix (every `kernels` x `attention` x MLP combination);
 //! - `recipes`: training, resume and the BF16/FP16 recipes end to end.
 
@@ -16,6 +17,7 @@ mod kernel_cases;
 mod model_cases;
 
 mod fp8;
+mod gemm_record;
 mod kernels;
 mod model;
 mod recipes;
