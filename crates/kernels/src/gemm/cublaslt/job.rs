@@ -371,55 +371,72 @@ unsafe fn plan_call(
     } else {
         String::new()
     };
-    // An algorithm an earlier process of the run timed for this problem, if it still passes
-    // cuBLASLt's check, is taken as it is.
-    if let Some(algo) = timed.then(|| recorded::read_for(&record_key)).flatten() {
-        match call.check(dev.handle, &algo) {
-            Ok(()) => {
-                recorded::count_used();
-                dev.calls.insert(
-                    *problem,
-                    Planned {
-                        call,
-                        algo: Some(algo),
-                        to_time: Vec::new(),
-                        record_key,
-                    },
-                );
-                return Ok(());
+    // An algorithm an earlier process of the run timed for this problem is taken as it is;
+    // otherwise the heuristic's results (all of them to be timed, with `timed`).
+    let recorded = timed
+        .then(|| recorded_algo(dev.handle, &call, problem, &record_key))
+        .flatten();
+    let (algo, to_time) = match recorded {
+        Some(algo) => (Some(algo), Vec::new()),
+        None => {
+            let count = if timed { CANDIDATES } else { 1 };
+            let mut results = match call.heuristics(dev.handle, problem, count) {
+                Ok(results) => results,
+                // No algorithm for this problem: remembered, so it is asked once.
+                Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => {
+                    Vec::new()
+                }
+                Err(e) => {
+                    return Err(Refused::Unsupported(format!(
+                        "cuBLASLt heuristic for {}: {e:?}",
+                        describe(problem)
+                    )))
+                }
+            };
+            let algo = results.first().copied();
+            if results.len() < 2 {
+                results.clear();
             }
-            Err(why) => warn_once(format!(
-                "kernels::gemm: the recorded algorithm for {} is not valid here ({why}); it is timed again",
-                describe(problem)
-            )),
-        }
-    }
-    let mut results = match call.heuristics(dev.handle, problem, if timed { CANDIDATES } else { 1 })
-    {
-        Ok(results) => results,
-        // No algorithm for this problem: remembered, so it is asked once.
-        Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => Vec::new(),
-        Err(e) => {
-            return Err(Refused::Unsupported(format!(
-                "cuBLASLt heuristic for {}: {e:?}",
-                describe(problem)
-            )))
+            (algo, results)
         }
     };
-    let algo = results.first().copied();
-    if results.len() < 2 {
-        results.clear();
-    }
     dev.calls.insert(
         *problem,
         Planned {
             call,
             algo,
-            to_time: results,
+            to_time,
             record_key,
         },
     );
     Ok(())
+}
+
+/// The algorithm an earlier process recorded for `key` ([`recorded::read`]), if cuBLASLt's check
+/// accepts it for `call` (then counted as used); one it refuses is warned about, once.
+///
+/// # Safety
+/// The device's context is current; `handle` and `call` are the device's.
+unsafe fn recorded_algo(
+    handle: sys::cublasLtHandle_t,
+    call: &Call,
+    problem: &Problem,
+    key: &str,
+) -> Option<sys::cublasLtMatmulAlgo_t> {
+    let algo = recorded::read_for(key)?;
+    match call.check(handle, &algo) {
+        Ok(()) => {
+            recorded::count_used();
+            Some(algo)
+        }
+        Err(why) => {
+            warn_once(format!(
+                "kernels::gemm: the recorded algorithm for {} is not valid here ({why}); it is timed again",
+                describe(problem)
+            ));
+            None
+        }
+    }
 }
 
 /// Queues the cuBLASLt call on `stream` with `workspace`: C = alpha op(A) op(B) + beta C with
