@@ -120,6 +120,7 @@ pub(crate) fn backward<R: CubeRuntime>(
             &lse,
             delta,
             [&dq, &dk, &dv],
+            None,
             &d,
             causal,
             scale,
@@ -165,6 +166,68 @@ pub(crate) fn backward<R: CubeRuntime>(
         FlashPath::Portable => backward_portable(saved, grads, &call),
     }
     finish(dq, dk, dv, &call.d, k_dtype, v_dtype)
+}
+
+/// The Hopper backward of a packed projection whose q and k the forward rotated with RoPE
+/// (`packed.rs`): dQ, dK and dV written straight into `parts` (the q, k and v views of the
+/// projection's gradient), dQ and dK rotated back by the angles of the `tables` (`cos`, `sin`) as
+/// they are stored, so that no pass packs and rotates them afterwards. `false`, with nothing
+/// written, where that kernel does not take the call (not a Hopper GPU, not f16/bf16 at head_dim
+/// 64 or 128, dropout, grouped-query attention, tables not in f32) or the driver refused it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_rotated_into<R: CubeRuntime>(
+    [q, k, v]: [&CubeTensor<R>; 3],
+    out: &CubeTensor<R>,
+    lse: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    parts: [&CubeTensor<R>; 3],
+    tables: [&CubeTensor<R>; 2],
+    causal: bool,
+    scale: f32,
+) -> bool {
+    let d = check_inputs("flash_attention_qkv backward", q, k, v);
+    let (q, k, v) = (
+        rows_readable(q.clone()),
+        rows_readable(k.clone()),
+        rows_readable(v.clone()),
+    );
+    let (out, grad, lse) = (
+        rows_readable(out.clone()),
+        rows_readable(grad.clone()),
+        contiguous(lse.clone()),
+    );
+    let applies = d.group == 1
+        && d.seq_q > 0
+        && d.batch * d.heads > 0
+        && grad.shape().as_slice() == q.shape().as_slice()
+        && tables.iter().all(|t| t.dtype == DType::F32)
+        && path(&q) == FlashPath::TensorCores
+        && super::hopper::applies_backward(&q, &k, &v, &grad, &d, false);
+    if !applies {
+        return false;
+    }
+    let dtype: StorageType = q.dtype.into();
+    let delta =
+        |dq_acc: Option<&CubeTensor<R>>| launch_delta(&q, out.clone(), &grad, &d, dq_acc, dtype);
+    match super::hopper::backward(
+        &q,
+        &k,
+        &v,
+        &grad,
+        &lse,
+        delta,
+        parts,
+        Some(tables),
+        &d,
+        causal,
+        scale,
+    ) {
+        Ok(()) => true,
+        Err(why) => {
+            super::hopper::refused(super::hopper::Kernel::Backward, &why);
+            false
+        }
+    }
 }
 
 /// The gradients as returned: under grouping, dK and dV summed over each group's query heads.

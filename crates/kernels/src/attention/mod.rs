@@ -91,6 +91,9 @@ pub struct HopperCalls {
     pub forward_fp8: usize,
     /// Backwards the Hopper kernel ran.
     pub backward: usize,
+    /// Of those, backwards of [`crate::flash_attention_qkv`] that wrote the packed projection's
+    /// gradient themselves, dQ and dK rotated back by RoPE as they were stored (no separate pass).
+    pub backward_rope: usize,
     /// Calls a Hopper kernel applied to but could not run, which the CubeCL kernels ran instead
     /// (a warning says why, once): 0 unless the driver refused a tensor map.
     pub refused: usize,
@@ -103,6 +106,7 @@ impl HopperCalls {
             forward: self.forward.saturating_sub(earlier.forward),
             forward_fp8: self.forward_fp8.saturating_sub(earlier.forward_fp8),
             backward: self.backward.saturating_sub(earlier.backward),
+            backward_rope: self.backward_rope.saturating_sub(earlier.backward_rope),
             refused: self.refused.saturating_sub(earlier.refused),
         }
     }
@@ -115,11 +119,12 @@ impl HopperCalls {
 
 /// The counts of [`HopperCalls`] so far, in this process.
 pub fn hopper_calls() -> HopperCalls {
-    let (forward, forward_fp8, backward, refused) = hopper::calls();
+    let (forward, forward_fp8, backward, backward_rope, refused) = hopper::calls();
     HopperCalls {
         forward,
         forward_fp8,
         backward,
+        backward_rope,
         refused,
     }
 }

@@ -9,8 +9,9 @@
 //! do). This op rotates q and k inside the projection (in its own buffer when nothing else holds
 //! it: one pass, no new tensor), attends over views of it, keeps only it (plus the output and
 //! log-sum-exp) for the backward, which rotates nothing again, and writes the projection's
-//! gradient in its packed layout in one launch: the inverse rotation of dQ and dK and a copy of
-//! dV.
+//! gradient in its packed layout: on Hopper GPUs the attention backward stores dQ, dK and dV into
+//! it directly, dQ and dK rotated back as they are stored; elsewhere one launch after the
+//! backward does the inverse rotation of dQ and dK and copies dV.
 //!
 //! The projection holds `heads` query heads, then `kv_heads` key heads, then `kv_heads` value
 //! heads (grouped-query attention where `kv_heads < heads`; see [`super`]).
@@ -181,6 +182,26 @@ fn views<R: CubeRuntime>(
     )
 }
 
+/// The q, k and v views of a new packed gradient `dqkv` that a kernel may write into: `None`
+/// where a part's byte offsets are not at the device's memory alignment, since a slice there
+/// would be a copy (see [`part`]).
+fn writable_parts<R: CubeRuntime>(dqkv: &CubeTensor<R>, p: Packed) -> Option<[CubeTensor<R>; 3]> {
+    let alignment = dqkv.client.properties().memory.alignment;
+    let head_bytes = (p.hd * dqkv.dtype.size()) as u64;
+    let all = p.all_heads() as u64;
+    let parts = [
+        (0, p.heads),
+        (p.heads, p.kv_heads),
+        (p.heads + p.kv_heads, p.kv_heads),
+    ];
+    let in_place = parts.iter().all(|&(first, n)| {
+        let (start, end) = (first as u64, all - (first + n) as u64);
+        (start * head_bytes).is_multiple_of(alignment)
+            && (end * head_bytes).is_multiple_of(alignment)
+    });
+    in_place.then(|| parts.map(|(first, n)| part(dqkv, p, first, n)))
+}
+
 /// `(out, lse, rotated)`: FlashAttention of the packed projection's rotated q, k and its v; `out`
 /// is `[B, H, T, hd]` laid out as `[B, T, H, hd]`; `rotated` is the projection with q and k
 /// rotated ([`rotate`]), which the backward takes.
@@ -226,8 +247,29 @@ pub(crate) fn backward<R: CubeRuntime>(
     crate::rope::forward::check_tables(op, &cos, &sin, t, hd / 2);
     let qkv = contiguous(rotated);
     let (q, k, v) = views(&qkv, p);
-    let (dq, dk, dv) = super::gradients::backward(q, k, v, out, lse, grad, causal, scale, dropout);
     let dqkv = empty(&qkv, vec![b, t, p.all_heads() * hd], qkv.dtype);
+    let (cos, sin) = (contiguous(cos), contiguous(sin));
+    // The Hopper backward writes the parts of dqkv itself, dQ and dK rotated back as it stores
+    // them, where it applies and the parts are views of dqkv's buffer.
+    if dropout.is_none() {
+        if let Some(parts) = writable_parts(&dqkv, p) {
+            let parts = [&parts[0], &parts[1], &parts[2]];
+            let into = super::gradients::backward_rotated_into(
+                [&q, &k, &v],
+                &out,
+                &lse,
+                &grad,
+                parts,
+                [&cos, &sin],
+                causal,
+                scale,
+            );
+            if into {
+                return dqkv;
+            }
+        }
+    }
+    let (dq, dk, dv) = super::gradients::backward(q, k, v, out, lse, grad, causal, scale, dropout);
     if b * t * heads == 0 {
         return dqkv;
     }
@@ -239,7 +281,6 @@ pub(crate) fn backward<R: CubeRuntime>(
     } else {
         (contiguous(dk), contiguous(dv))
     };
-    let (cos, sin) = (contiguous(cos), contiguous(sin));
     let (sq, skv) = (dq.meta.strides().to_vec(), dk.meta.strides().to_vec());
     let half = hd / 2;
     // Vectors of `n` along the head dim: every offset the kernel forms is a multiple of `n`.

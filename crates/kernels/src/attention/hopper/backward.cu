@@ -12,6 +12,10 @@
 //   CAUSAL    1: query i sees keys j <= i (aligned at the first position); 0: every key
 //   DKV_F32   1: dK and dV are written in f32, one row block per query head (grouped-query
 //             attention: the launcher sums each group's heads); 0: in the inputs' dtype
+//   ROPE      1: dK is rotated back by RoPE's angle of its key position as it is stored (the
+//             gradient of a key that the forward rotated; dQ likewise by the cast, dq_cast.cu),
+//             from `cos` and `sin` tables [positions, HD / 2] f32 after dq_acc; 0: as it is.
+//             Not with DKV_F32.
 //
 // Blocks are numbered on a one-dimensional grid, by (batch, head) pair, then key block.
 //
@@ -42,6 +46,10 @@
 // At head_dim 128 (DQ_FIRST) dK is issued after the dQ part instead, so that step 5 runs while dK
 // is on the tensor cores.
 // At the end dK (times the scale) and dV go to global memory.
+
+#if ROPE && DKV_F32
+#error "ROPE takes dK in the inputs' dtype"
+#endif
 
 #define BN 128
 #if HD == 64
@@ -197,6 +205,33 @@ __device__ __forceinline__ void store_rows(const float (&a)[HD / 2], void* out, 
     }
 }
 
+#if ROPE
+// store_rows for dK with RoPE's inverse rotation at the key positions `pos0 + r`: column c < HD / 2
+// pairs with c + HD / 2, both held by this thread (`a[i * 4 + ..]` and `a[(i + HD / 16) * 4 + ..]`
+// for c = i * 8 + col_in), rotated by the opposite angle: (x1 c + x2 s, x2 c - x1 s).
+__device__ __forceinline__ void store_rows_rotated(const float (&a)[HD / 2], void* out, u64 rs, long long r0,
+                                                   long long rows, u32 col_in, float mul, const float* cos_t,
+                                                   const float* sin_t, u64 pos0) {
+#pragma unroll
+    for (int i = 0; i < HD / 16; ++i) {
+        const u32 col = (u32)i * 8u + col_in;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const long long r = r0 + 8 * half;
+            if (r >= rows) continue;
+            const u64 at = (pos0 + (u64)r) * (HD / 2) + col;
+            const float2 c = *reinterpret_cast<const float2*>(cos_t + at);
+            const float2 s = *reinterpret_cast<const float2*>(sin_t + at);
+            const int lo = i * 4 + 2 * half, hi = (i + HD / 16) * 4 + 2 * half;
+            const float x1 = a[lo] * mul, y1 = a[lo + 1] * mul, x2 = a[hi] * mul, y2 = a[hi + 1] * mul;
+            unsigned short* row = (unsigned short*)out + (u64)r * rs;
+            *reinterpret_cast<u32*>(row + col) = pack(x1 * c.x + x2 * s.x, y1 * c.y + y2 * s.y);
+            *reinterpret_cast<u32*>(row + col + HD / 2) = pack(x2 * c.x - x1 * s.x, y2 * c.y - y1 * s.y);
+        }
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
     const unsigned short* __restrict__ q,
     const unsigned short* __restrict__ k,
@@ -207,6 +242,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
     void* __restrict__ dk,
     void* __restrict__ dv,
     float* __restrict__ dq_acc,
+#if ROPE
+    const float* __restrict__ cos_t,
+    const float* __restrict__ sin_t,
+#endif
     const __grid_constant__ Info info) {
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -455,8 +494,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_backward_hopper(
     }
 
     const float scale = __uint_as_float((u32)info.scale);
+#if ROPE
+    store_rows_rotated(dkr, (char*)dk + (b * info.dk_b + h * info.dk_h + (u64)k0 * info.dk_s) * 2, info.dk_s, r0,
+                       seq_k - k0, col_in, scale, cos_t, sin_t, (u64)k0);
+#else
     store_rows(dkr, (char*)dk + (b * info.dk_b + h * info.dk_h + (u64)k0 * info.dk_s) * (DKV_F32 ? 4 : 2), info.dk_s,
                r0, seq_k - k0, col_in, scale);
+#endif
     store_rows(dvr, (char*)dv + (b * info.dv_b + h * info.dv_h + (u64)k0 * info.dv_s) * (DKV_F32 ? 4 : 2), info.dv_s,
                r0, seq_k - k0, col_in, 1.f);
 }

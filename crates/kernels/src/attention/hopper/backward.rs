@@ -17,7 +17,9 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 
 use super::launch::{self, Launch};
-use super::{check_maps, map_of, rows_of_16_bytes, runs_on, Dims, BACKWARD_RUNS};
+use super::{
+    check_maps, map_of, rows_of_16_bytes, runs_on, Dims, BACKWARD_ROPE_RUNS, BACKWARD_RUNS,
+};
 use crate::cuda_source::{launch as launch_cuda, CudaSource};
 use crate::gemm::cublaslt::as_cuda as cuda;
 
@@ -84,9 +86,12 @@ pub(crate) fn applies_backward<R: CubeRuntime>(
 /// head), each with a unit last stride, from the inputs, the output gradient `grad`, the
 /// forward's log-sum-exp and the pre-pass's `delta` (f32 `[batch, heads, seq_q]`, contiguous,
 /// queued by `delta` once the tensor maps are accepted; given dQ's f32 sums, it also clears
-/// them), where [`applies_backward`] said yes. The launches are queued and this returns at once;
-/// where the driver refuses a tensor map, or dQ's strides or address do not allow the cast's
-/// 16-byte stores, nothing is queued (`delta` is not called) and the error says why.
+/// them), where [`applies_backward`] said yes. Given RoPE's `cos` and `sin` tables (`rope`: f32
+/// `[>= seq, hd / 2]`, contiguous; dK and dV in the inputs' dtype), dQ and dK are rotated back by
+/// the angles of their positions as they are stored: the gradients of the unrotated q and k. The
+/// launches are queued and this returns at once; where the driver refuses a tensor map, or dQ's
+/// strides or address do not allow the cast's 16-byte stores, nothing is queued (`delta` is not
+/// called) and the error says why.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<R: CubeRuntime>(
     q: &CubeTensor<R>,
@@ -96,6 +101,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     lse: &CubeTensor<R>,
     delta: impl FnOnce(Option<&CubeTensor<R>>) -> CubeTensor<R>,
     grads: [&CubeTensor<R>; 3],
+    rope: Option<[&CubeTensor<R>; 2]>,
     d: &Dims,
     causal: bool,
     scale: f32,
@@ -137,9 +143,16 @@ pub(crate) fn backward<R: CubeRuntime>(
             burn_cubecl::ops::numeric::zeros::<R>(q.device.clone(), acc_shape.into(), DType::F32);
         (acc, delta(None))
     };
+    // The tables follow dq_acc in both kernels' parameters (backward.cu's and the cast's `ROPE`).
+    let tables: Vec<CubeTensor<CudaRuntime>> = rope
+        .into_iter()
+        .flatten()
+        .map(|t| cuda(t).cloned().expect("CUDA tensors"))
+        .collect();
     let tensors: Vec<CubeTensor<CudaRuntime>> = [q, k, v, grad, lse, &delta, dk, dv, &dq_acc]
         .into_iter()
         .map(|t| cuda(t).cloned().expect("CUDA tensors"))
+        .chain(tables.iter().cloned())
         .collect();
     let (sk, sv) = (dk.meta.strides(), dv.meta.strides());
     let mut words: Vec<u64> = [d.heads, d.group, d.seq_q, d.seq_k]
@@ -153,9 +166,10 @@ pub(crate) fn backward<R: CubeRuntime>(
     words.push(k_blocks as u64);
     debug_assert_eq!(words.len(), INFO_WORDS, "backward.cu's Info words");
     let cast_defines = format!(
-        "#define HD {}\n#define IS_BF16 {}\n",
+        "#define HD {}\n#define IS_BF16 {}\n#define ROPE {}\n",
         d.hd,
-        u8::from(q.dtype == DType::BF16)
+        u8::from(q.dtype == DType::BF16),
+        u8::from(rope.is_some())
     );
     let defines = format!(
         "{cast_defines}#define CAUSAL {}\n#define DKV_F32 {}\n",
@@ -174,10 +188,12 @@ pub(crate) fn backward<R: CubeRuntime>(
         cubes,
     });
 
-    // dQ = scale * the sums, eight columns a thread; queued after the kernel on the same stream.
+    // dQ = scale * the sums, eight columns a thread (with RoPE, eight pairs of columns);
+    // queued after the kernel on the same stream.
     let dq_cuda = cuda(dq).expect("CUDA tensors");
     let acc_cuda = cuda(&dq_acc).expect("CUDA tensors");
-    let chunks = d.batch * d.heads * d.seq_q * d.hd / 8;
+    let columns_per_thread = if rope.is_some() { 16 } else { 8 };
+    let chunks = d.batch * d.heads * d.seq_q * d.hd / columns_per_thread;
     let info = [d.heads, d.seq_q, rows_pad, sq[0], sq[1], sq[2]]
         .map(|x| x as u64)
         .into_iter()
@@ -188,12 +204,16 @@ pub(crate) fn backward<R: CubeRuntime>(
         &dq_cuda.client,
         cast,
         (chunks.div_ceil(256) as u32, 1, 1),
-        vec![
-            acc_cuda.handle.clone().binding(),
-            dq_cuda.handle.clone().binding(),
-        ],
+        [acc_cuda, dq_cuda]
+            .into_iter()
+            .chain(&tables)
+            .map(|t| t.handle.clone().binding())
+            .collect(),
         info,
     );
     BACKWARD_RUNS.fetch_add(1, Ordering::Relaxed);
+    if rope.is_some() {
+        BACKWARD_ROPE_RUNS.fetch_add(1, Ordering::Relaxed);
+    }
     Ok(())
 }

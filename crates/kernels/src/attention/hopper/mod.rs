@@ -39,15 +39,18 @@ use tensor_map::{MapElement, MapOf, STAND_IN_ADDRESS};
 static FORWARD_RUNS: AtomicUsize = AtomicUsize::new(0);
 static FORWARD_FP8_RUNS: AtomicUsize = AtomicUsize::new(0);
 static BACKWARD_RUNS: AtomicUsize = AtomicUsize::new(0);
+static BACKWARD_ROPE_RUNS: AtomicUsize = AtomicUsize::new(0);
 static REFUSALS: AtomicUsize = AtomicUsize::new(0);
 
-/// `(forward runs, FP8 forward runs, backward runs, refusals)`.
-pub(crate) fn calls() -> (usize, usize, usize, usize) {
+/// `(forward runs, FP8 forward runs, backward runs, backward runs with RoPE's inverse rotation,
+/// refusals)`.
+pub(crate) fn calls() -> (usize, usize, usize, usize, usize) {
     let load = |c: &AtomicUsize| c.load(Ordering::Relaxed);
     (
         load(&FORWARD_RUNS),
         load(&FORWARD_FP8_RUNS),
         load(&BACKWARD_RUNS),
+        load(&BACKWARD_ROPE_RUNS),
         load(&REFUSALS),
     )
 }
