@@ -105,29 +105,18 @@ pub(crate) fn backward<R: CubeRuntime>(
 
     let flash_path = path(&q);
     if flash_path == FlashPath::TensorCores
-        && super::hopper::applies_backward(&q, &k, &v, &grad, &d, drop.on)
-    {
-        // The delta pre-pass, queued once the tensor maps are accepted; it clears the Hopper
-        // kernel's dQ sums where that kernel hands them over.
-        let delta = |dq_acc: Option<&CubeTensor<R>>| {
-            launch_delta(&q, out.clone(), &grad, &d, dq_acc, dtype)
-        };
-        match super::hopper::backward(
-            &q,
-            &k,
-            &v,
-            &grad,
+        && hopper_backward(
+            [&q, &k, &v],
+            &out,
             &lse,
-            delta,
+            &grad,
             [&dq, &dk, &dv],
             None,
             &d,
-            causal,
-            scale,
-        ) {
-            Ok(()) => return finish(dq, dk, dv, &d, k_dtype, v_dtype),
-            Err(why) => super::hopper::refused(super::hopper::Kernel::Backward, &why),
-        }
+            (causal, scale, drop.on),
+        )
+    {
+        return finish(dq, dk, dv, &d, k_dtype, v_dtype);
     }
     let tiles = MmaTiles::get(d.hd, causal);
     let fused_dq = flash_path == FlashPath::TensorCores && tiles.fused_dq;
@@ -196,32 +185,47 @@ pub(crate) fn backward_rotated_into<R: CubeRuntime>(
         rows_readable(grad.clone()),
         contiguous(lse.clone()),
     );
-    let applies = d.group == 1
+    d.group == 1
         && d.seq_q > 0
         && d.batch * d.heads > 0
         && grad.shape().as_slice() == q.shape().as_slice()
         && tables.iter().all(|t| t.dtype == DType::F32)
         && path(&q) == FlashPath::TensorCores
-        && super::hopper::applies_backward(&q, &k, &v, &grad, &d, false);
-    if !applies {
+        && hopper_backward(
+            [&q, &k, &v],
+            &out,
+            &lse,
+            &grad,
+            parts,
+            Some(tables),
+            &d,
+            (causal, scale, false),
+        )
+}
+
+/// The Hopper backward (`hopper/`) where it takes the call (`hopper::applies_backward`, given
+/// `(causal, scale, dropout)`), after the delta pre-pass, which it queues once the tensor maps are
+/// accepted and which clears the kernel's dQ sums where that kernel hands them over: dQ, dK and
+/// dV into `grads` (with RoPE's `tables`, dQ and dK rotated back as they are stored). `false` with
+/// nothing queued where it does not apply or the driver refused it (said once, counted).
+#[allow(clippy::too_many_arguments)]
+fn hopper_backward<R: CubeRuntime>(
+    [q, k, v]: [&CubeTensor<R>; 3],
+    out: &CubeTensor<R>,
+    lse: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    grads: [&CubeTensor<R>; 3],
+    tables: Option<[&CubeTensor<R>; 2]>,
+    d: &Dims,
+    (causal, scale, dropout): (bool, f32, bool),
+) -> bool {
+    if !super::hopper::applies_backward(q, k, v, grad, d, dropout) {
         return false;
     }
     let dtype: StorageType = q.dtype.into();
     let delta =
-        |dq_acc: Option<&CubeTensor<R>>| launch_delta(&q, out.clone(), &grad, &d, dq_acc, dtype);
-    match super::hopper::backward(
-        &q,
-        &k,
-        &v,
-        &grad,
-        &lse,
-        delta,
-        parts,
-        Some(tables),
-        &d,
-        causal,
-        scale,
-    ) {
+        |dq_acc: Option<&CubeTensor<R>>| launch_delta(q, out.clone(), grad, d, dq_acc, dtype);
+    match super::hopper::backward(q, k, v, grad, lse, delta, grads, tables, d, causal, scale) {
         Ok(()) => true,
         Err(why) => {
             super::hopper::refused(super::hopper::Kernel::Backward, &why);

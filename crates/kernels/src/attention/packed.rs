@@ -253,13 +253,12 @@ pub(crate) fn backward<R: CubeRuntime>(
     // them, where it applies and the parts are views of dqkv's buffer.
     if dropout.is_none() {
         if let Some(parts) = writable_parts(&dqkv, p) {
-            let parts = [&parts[0], &parts[1], &parts[2]];
             let into = super::gradients::backward_rotated_into(
                 [&q, &k, &v],
                 &out,
                 &lse,
                 &grad,
-                parts,
+                parts.each_ref(),
                 [&cos, &sin],
                 causal,
                 scale,
