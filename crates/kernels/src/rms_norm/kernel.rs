@@ -77,14 +77,14 @@ pub(crate) fn rms_norm_fwd<F: Float, W: Float, N: Size>(
 /// Gradients of `y = x * rstd * w` for the rows of one walker (a cube, or a plane of one with
 /// `row_plane`; walker `j` takes rows `j, j + walkers, ...`):
 /// `dx = rstd * (g - x * rstd^2 * mean(g * x))` with `g = dy * w`, in `F`; the cube's share of
-/// `dw = sum_rows dy * x * rstd` goes, in f32, to row `CUBE_POS` of `dw_part` [cubes, cols] (with
-/// `row_plane` the planes' shares are first summed in shared memory, `dw_slots` vectors).
+/// `dw = sum_rows dy * x * rstd` goes, in f32, to row `CUBE_POS` of `dw_part` [cubes, cols].
 /// With `add_res`, `dres` (another gradient of `x`, from its other consumers) is added to `dx` in
 /// f32 before the one rounding to `F`; otherwise `dres` is never read.
-/// Between the row's two passes a unit keeps `x` and `dy` as stored (half the registers of f32
-/// for 16-bit rows) and computes `g` again from `w`, which the first pass brought into cache:
-/// the weight gradient's f32 sums already take a third of the registers, and registers bound how
-/// many of these cubes an SM holds.
+/// The second pass reads the row again (the first brought it into cache) rather than keeping it,
+/// and with `row_plane` each unit keeps its weight-gradient sums in shared memory (`dw_slots`
+/// vectors, which then sum the planes' shares) rather than in registers: registers bound how many
+/// of these cubes an SM holds, and a unit's sums would take 24 of them at width 768. One-row cubes
+/// keep the sums in registers (their rows may be too long for shared memory).
 #[cube(launch)]
 pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     x: &Array<Vector<F, N>>,
@@ -106,16 +106,23 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
 ) {
     let unit = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;
+    let y = UNIT_POS_Y as usize;
     let mut smem = SharedMemory::<f32>::new(slots);
-    let mut xs = Array::<Vector<F, N>>::new(per_unit);
-    let mut dys = Array::<Vector<F, N>>::new(per_unit);
-    let mut dws = Array::<Vector<f32, N>>::new(per_unit);
+    // The sums of this unit's columns: slot `mine + i * units` of the shared ones (`row_plane`),
+    // else `regs[i]` (one stands in for the other).
+    let mut shared = SharedMemory::<Vector<f32, N>>::new(dw_slots);
+    let mut regs = Array::<Vector<f32, N>>::new(comptime!(if row_plane { 1 } else { per_unit }));
+    let mine = y * per_unit * units + unit;
     #[unroll]
     for i in 0..per_unit {
-        dws[i] = Vector::new(0.0);
+        if comptime!(row_plane) {
+            shared[mine + i * units] = Vector::new(0.0);
+        } else {
+            regs[i] = Vector::new(0.0);
+        }
     }
     let cols = (row_vecs * x.vector_size()) as f32;
-    let walker = CUBE_POS * CUBE_DIM_Y as usize + UNIT_POS_Y as usize;
+    let walker = CUBE_POS * CUBE_DIM_Y as usize + y;
     let mut row = walker;
     while row < rows {
         let base = row * row_vecs;
@@ -125,15 +132,15 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
         for i in 0..per_unit {
             let c = unit + i * units;
             if c < row_vecs {
-                let xr = x[base + c];
-                let dr = dy[base + c];
-                let xv = Vector::<f32, N>::cast_from(xr);
-                let d = Vector::<f32, N>::cast_from(dr);
-                let gv = d * Vector::cast_from(w[c]);
-                dws[i] += d * xv * Vector::new(inv);
-                dot += lanes_sum(gv * xv);
-                xs[i] = xr;
-                dys[i] = dr;
+                let xv = Vector::<f32, N>::cast_from(x[base + c]);
+                let d = Vector::<f32, N>::cast_from(dy[base + c]);
+                let part = d * xv * Vector::new(inv);
+                if comptime!(row_plane) {
+                    shared[mine + i * units] += part;
+                } else {
+                    regs[i] += part;
+                }
+                dot += lanes_sum(d * Vector::cast_from(w[c]) * xv);
             }
         }
         let total = if comptime!(row_plane) {
@@ -146,8 +153,8 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
         for i in 0..per_unit {
             let c = unit + i * units;
             if c < row_vecs {
-                let xv = Vector::<f32, N>::cast_from(xs[i]);
-                let gv = Vector::<f32, N>::cast_from(dys[i]) * Vector::cast_from(w[c]);
+                let xv = Vector::<f32, N>::cast_from(x[base + c]);
+                let gv = Vector::<f32, N>::cast_from(dy[base + c]) * Vector::cast_from(w[c]);
                 let mut d = gv * Vector::new(inv) - xv * Vector::new(k);
                 if comptime!(add_res) {
                     d += Vector::<f32, N>::cast_from(dres[base + c]);
@@ -159,13 +166,7 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     }
     let out = CUBE_POS * row_vecs;
     if comptime!(row_plane) {
-        // Each plane's share at [plane][i][lane]; then the cube's units sum over the planes.
-        let mut part = SharedMemory::<Vector<f32, N>>::new(dw_slots);
-        let y = UNIT_POS_Y as usize;
-        #[unroll]
-        for i in 0..per_unit {
-            part[(y * per_unit + i) * units + unit] = dws[i];
-        }
+        // Each plane's share is at [plane][i][lane]; the cube's units sum over the planes.
         sync_cube();
         let planes = CUBE_DIM_Y as usize;
         let mut j = y * units + unit;
@@ -175,7 +176,7 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
             if c < row_vecs {
                 let mut acc = Vector::<f32, N>::new(0.0);
                 for p in 0..planes {
-                    acc += part[p * per_unit * units + j];
+                    acc += shared[p * per_unit * units + j];
                 }
                 dw_part[out + c] = acc;
             }
@@ -186,7 +187,7 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
         for i in 0..per_unit {
             let c = unit + i * units;
             if c < row_vecs {
-                dw_part[out + c] = dws[i];
+                dw_part[out + c] = regs[i];
             }
         }
     }
