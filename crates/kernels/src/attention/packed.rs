@@ -94,8 +94,8 @@ pub(crate) fn part<R: CubeRuntime>(
 }
 
 /// The packed projection with RoPE applied to its query and key heads, its value heads as they
-/// are: rotated in `qkv`'s own buffer when nothing else holds it (the projection is consumed),
-/// else written to a new contiguous tensor in one pass (q and k rotated, v copied). The backward
+/// are: rotated in `qkv`'s own buffer when nothing else holds it (the projection is consumed; a
+/// GEMM still queued to write it is issued first, see `can_mut_once_issued`), else written to a new contiguous tensor in one pass (q and k rotated, v copied). The backward
 /// takes this tensor and rotates nothing again.
 pub(crate) fn rotate<R: CubeRuntime>(
     op: &str,
@@ -108,7 +108,7 @@ pub(crate) fn rotate<R: CubeRuntime>(
     crate::rope::forward::check_tables(op, &cos, &sin, p.seq, half);
     let qkv = contiguous(qkv);
     let (cos, sin) = (contiguous(cos), contiguous(sin));
-    let in_place = qkv.can_mut();
+    let in_place = crate::gemm::cublaslt::can_mut_once_issued(&qkv);
     // A new tensor's rows are dense (`empty`): a CUDA allocation of the runtime's own choosing may
     // pitch them, which the kernels' flat indices do not follow.
     let out = if in_place {

@@ -90,7 +90,7 @@ use order::order;
 use problem::{data_type, dims2, operand, Problem};
 
 pub(crate) use problem::Epilogue;
-use queue::{drain_queues, execute};
+use queue::{drain_queue, drain_queues, execute};
 
 const WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -305,9 +305,6 @@ pub(crate) fn gemm_f32(
     }
 }
 
-/// GEMMs that were sent to cuBLASLt on this thread and ran on another path (a refused problem,
-/// a failed launch): the one-line warnings, counted. Tests read it to tell the fast path from a
-/// fallback that computes the same numbers.
 /// The record of the algorithms timed in this process (or read from a record and used), for
 /// [`read_record`] in a later process; `None` when there are none or cuBLASLt is not loaded.
 pub(crate) fn record() -> Option<String> {
@@ -333,6 +330,26 @@ pub(crate) fn forget_algorithms() {
     recorded::forget();
 }
 
+/// Whether nothing else holds `t`'s buffer ([`CubeTensor::can_mut`]), asked again after the GEMMs
+/// queued on its device were issued if something does: a queued GEMM holds its operands and its
+/// output until CubeCL's device thread issues it, so the output of a GEMM queued a moment ago
+/// looks shared. Waits for the device thread only for a CUDA tensor that looks shared.
+pub(crate) fn can_mut_once_issued<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
+    if t.can_mut() {
+        return true;
+    }
+    match as_cuda(t) {
+        Some(cuda) => {
+            drain_queue(&cuda.device);
+            t.can_mut()
+        }
+        None => false,
+    }
+}
+
+/// GEMMs that were sent to cuBLASLt on this thread and ran on another path (a refused problem,
+/// a failed launch): the one-line warnings, counted. Tests read it to tell the fast path from a
+/// fallback that computes the same numbers.
 pub(crate) fn fallbacks_on_this_thread() -> usize {
     // Queued GEMMs that failed fell back on CubeCL's device thread; wait until every GEMM queued
     // so far has been issued, then add those this thread asked for.

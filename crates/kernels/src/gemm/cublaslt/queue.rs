@@ -56,6 +56,20 @@ pub(super) fn drain_queues() {
     }
 }
 
+/// Waits until every GEMM queued so far on `device` has been issued (not run), if any was queued
+/// there.
+pub(super) fn drain_queue(device: &cubecl::cuda::CudaDevice) {
+    let runner = RUNNERS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(device.index)
+        .cloned()
+        .flatten();
+    if let Some(r) = runner {
+        let _ = r.submit_blocking(|_| ());
+    }
+}
+
 /// Problems (per device, with the alignments their buffers' offsets imply) that have run on
 /// cuBLASLt: their later calls are queued without waiting.
 static PROVEN: Mutex<Option<HashSet<(usize, Problem)>>> = Mutex::new(None);
