@@ -4,6 +4,7 @@
 //! - `kernels`: the fused kernels, FlashAttention and FP8 against their references in f32, f16
 //!   and bf16 (CUDA pitches odd row lengths and uses 128-bit vectors and tensor cores);
 //! - `gemm_record`: the record of timed GEMM algorithms read back (a part of a `kernels` test);
+//! - `packed_rope`: where the packed projection's RoPE is applied (in its own buffer or a copy);
 //! - `model`: the model-equivalence matrix (every `kernels` x `attention` x MLP combination);
 //! - `recipes`: training, resume and the BF16/FP16 recipes end to end.
 
@@ -20,4 +21,5 @@ mod fp8;
 mod gemm_record;
 mod kernels;
 mod model;
+mod packed_rope;
 mod recipes;

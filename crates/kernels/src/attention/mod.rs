@@ -129,6 +129,33 @@ pub fn hopper_calls() -> HopperCalls {
     }
 }
 
+/// How [`crate::flash_attention_qkv`] rotated its packed projections by RoPE in this process
+/// (every thread's): in the projection's own buffer, when nothing else held it, or into a new
+/// tensor (one more pass over the value heads and a tensor the size of the projection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackedRotations {
+    /// Rotated in the projection's own buffer.
+    pub in_place: usize,
+    /// Rotated into a new tensor, the projection being held elsewhere.
+    pub copied: usize,
+}
+
+impl PackedRotations {
+    /// The rotations made since `earlier` was read.
+    pub fn since(self, earlier: PackedRotations) -> PackedRotations {
+        PackedRotations {
+            in_place: self.in_place.saturating_sub(earlier.in_place),
+            copied: self.copied.saturating_sub(earlier.copied),
+        }
+    }
+}
+
+/// The counts of [`PackedRotations`] so far, in this process.
+pub fn packed_rotations() -> PackedRotations {
+    let (in_place, copied) = packed::rotations();
+    PackedRotations { in_place, copied }
+}
+
 /// Query heads per key/value head, `heads / kv_heads`; refused (naming both counts) unless
 /// `kv_heads` divides `heads`.
 #[track_caller]

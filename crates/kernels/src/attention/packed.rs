@@ -16,6 +16,8 @@
 //! The projection holds `heads` query heads, then `kv_heads` key heads, then `kv_heads` value
 //! heads (grouped-query attention where `kv_heads < heads`; see [`super`]).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use burn::tensor::TensorMetadata;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
@@ -93,6 +95,19 @@ pub(crate) fn part<R: CubeRuntime>(
     burn_cubecl::kernel::slice(x, &[0..b, first..first + n, 0..t, 0..hd])
 }
 
+/// Rotations by [`rotate`] in the projection's own buffer, and into a new tensor, in this process.
+static ROTATED_IN_PLACE: AtomicUsize = AtomicUsize::new(0);
+static ROTATED_INTO_COPY: AtomicUsize = AtomicUsize::new(0);
+
+/// How many packed projections were rotated in their own buffer and how many into a new tensor,
+/// in this process (every thread's).
+pub(crate) fn rotations() -> (usize, usize) {
+    (
+        ROTATED_IN_PLACE.load(Ordering::Relaxed),
+        ROTATED_INTO_COPY.load(Ordering::Relaxed),
+    )
+}
+
 /// The packed projection with RoPE applied to its query and key heads, its value heads as they
 /// are: rotated in `qkv`'s own buffer when nothing else holds it (the projection is consumed; a
 /// GEMM still queued to write it is issued first, see `can_mut_once_issued`), else written to a new contiguous tensor in one pass (q and k rotated, v copied). The backward
@@ -133,6 +148,7 @@ pub(crate) fn rotate<R: CubeRuntime>(
     let dtypes = [qkv.dtype.into(), cos.dtype.into()];
     let client = qkv.client.clone();
     if in_place {
+        ROTATED_IN_PLACE.fetch_add(1, Ordering::Relaxed);
         rotate_packed_in_place::launch::<R>(
             &client,
             count,
@@ -149,6 +165,7 @@ pub(crate) fn rotate<R: CubeRuntime>(
             dtypes,
         );
     } else {
+        ROTATED_INTO_COPY.fetch_add(1, Ordering::Relaxed);
         rotate_packed::launch::<R>(
             &client,
             count,
