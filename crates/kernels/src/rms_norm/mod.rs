@@ -6,6 +6,8 @@
 //! dtype and `dw` in `w`'s, from the per-row `1 / rms` saved by the forward (f32, one per row).
 
 pub(crate) mod backward;
+#[cfg(test)]
+mod cuda_text;
 pub(crate) mod forward;
 pub(crate) mod kernel;
 
