@@ -13,11 +13,13 @@ use cubecl::prelude::*;
 use cubecl::Compiler;
 use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
 
+use super::forward::{BWD_ROW_PLANE_UNITS, ROW_PLANE_UNITS};
 use super::kernel::{rms_norm_bwd, rms_norm_fwd};
 
-/// The launch `gpt2_small` makes at width 768 with bf16 activations and an f32 gain: vectors of
-/// 4, a row to a plane of 32 lanes, 6 vectors a lane; the forward's cubes hold 8 rows, the
-/// backward's 4.
+// The launch `gpt2_small` makes at width 768 with bf16 activations and an f32 gain on CUDA, as
+// `forward::plan` chooses it there: vectors of 4, a row to a plane of 32 lanes, 6 vectors a lane,
+// as many rows a cube as its units have planes (the weight-gradient sums' shared memory allows
+// more at this width). A change to `plan` needs the same change here.
 const COLS: usize = 768;
 const VECTOR: usize = 4;
 const LANES: u32 = 32;
@@ -70,7 +72,7 @@ fn builder<Fe: 'static, We: 'static, Ne: 'static>(dtypes: [StorageType; 2]) -> K
 
 fn backward_text(dtypes: [StorageType; 2], add_res: bool) -> String {
     use rms_norm_bwd::{F, N, W};
-    let rows_per_cube = 4;
+    let rows_per_cube = BWD_ROW_PLANE_UNITS / LANES as usize;
     let per_unit = (COLS / VECTOR).div_ceil(LANES as usize);
     let mut b = builder::<F, W, N>(dtypes);
     let arg = ArrayCompilationArg { inplace: None };
@@ -108,7 +110,7 @@ fn backward_text(dtypes: [StorageType; 2], add_res: bool) -> String {
 
 fn forward_text(dtypes: [StorageType; 2], residual: bool) -> String {
     use rms_norm_fwd::{F, N, W};
-    let rows_per_cube = 8;
+    let rows_per_cube = ROW_PLANE_UNITS / LANES as usize;
     let per_unit = (COLS / VECTOR).div_ceil(LANES as usize);
     let mut b = builder::<F, W, N>(dtypes);
     let arg = ArrayCompilationArg { inplace: None };
@@ -143,6 +145,7 @@ fn forward_text(dtypes: [StorageType; 2], residual: bool) -> String {
     cuda_text(b.build(settings("rms_norm_fwd", rows_per_cube as u32)))
 }
 
+/// Not a check: writes the files (run on purpose, see the module's doc).
 #[test]
 #[ignore = "writes CUDA text for tools/kernel-compile --text"]
 fn rms_norm_cuda_text() {

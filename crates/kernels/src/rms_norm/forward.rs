@@ -41,22 +41,23 @@ struct Plan {
     plane: bool,
 }
 
-/// Vectors per unit up to which a row goes to one plane: beyond this the registers of the
-/// backward (three arrays of them) would spill.
+/// Vectors per unit up to which a row goes to one plane (each pass over a row is unrolled over a
+/// unit's vectors, so registers grow with them).
 const MAX_PER_LANE: usize = 8;
 
 /// Units of a row-per-plane cube (several rows at once, so that many loads are in flight): the
-/// forward's, and the backward's, whose units keep the weight gradient's sums beside the row
-/// (about twice the forward's registers), so that smaller cubes fill an SM more evenly.
-const ROW_PLANE_UNITS: usize = 256;
-const BWD_ROW_PLANE_UNITS: usize = 128;
+/// forward's, and the backward's, which takes more registers a unit than the forward (80 against
+/// 47 at width 768 in bf16), so that smaller cubes fill an SM more evenly.
+pub(super) const ROW_PLANE_UNITS: usize = 256;
+pub(super) const BWD_ROW_PLANE_UNITS: usize = 128;
 
 /// Cubes per SM the backward launches at most (each walks its rows and writes one row of partial
 /// weight gradients): row-per-plane cubes, and one-row cubes.
 const BWD_CUBES_PER_SM: usize = 8;
 const BWD_ROW_CUBES_PER_SM: usize = 4;
 
-/// Shared memory the backward's row-per-plane cube may use to sum its planes' weight gradients.
+/// Shared memory the backward's row-per-plane cube may use for its units' weight-gradient sums
+/// (summed over its planes at the end).
 const DW_SMEM_BYTES: usize = 32 << 10;
 
 /// `row_plane_units`: the units of a row-per-plane cube.

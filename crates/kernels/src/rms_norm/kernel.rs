@@ -1,5 +1,6 @@
-//! RMSNorm kernels: each row is held in registers so `x` is read once; statistics, gain and
-//! gradients in f32 whatever the storage dtypes. A row belongs either to one plane (`row_plane`:
+//! RMSNorm kernels: the forward holds each row in registers so that `x` is read once, the backward
+//! reads its row twice (the second time from cache); statistics, gain and gradients in f32 whatever
+//! the storage dtypes. A row belongs either to one plane (`row_plane`:
 //! the cube is `(plane size, rows per cube)`, a row's sums are one `plane_sum`, several rows per
 //! cube keep many loads in flight) or to a whole one-dimensional cube (long rows: the sums go
 //! through shared memory). Either way the rows are walked grid-stride.
@@ -108,8 +109,9 @@ pub(crate) fn rms_norm_bwd<F: Float, W: Float, N: Size>(
     let units = CUBE_DIM_X as usize;
     let y = UNIT_POS_Y as usize;
     let mut smem = SharedMemory::<f32>::new(slots);
-    // The sums of this unit's columns: slot `mine + i * units` of the shared ones (`row_plane`),
-    // else `regs[i]` (one stands in for the other).
+    // The weight-gradient sums of this unit's columns: with `row_plane` in shared memory, slot
+    // `mine + i * units`; otherwise in registers, `regs[i]`. The other array is declared with one
+    // element and never used.
     let mut shared = SharedMemory::<Vector<f32, N>>::new(dw_slots);
     let mut regs = Array::<Vector<f32, N>>::new(comptime!(if row_plane { 1 } else { per_unit }));
     let mine = y * per_unit * units + unit;

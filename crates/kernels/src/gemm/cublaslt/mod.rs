@@ -333,7 +333,9 @@ pub(crate) fn forget_algorithms() {
 /// Whether nothing else holds `t`'s buffer ([`CubeTensor::can_mut`]), asked again after the GEMMs
 /// queued on its device were issued if something does: a queued GEMM holds its operands and its
 /// output until CubeCL's device thread issues it, so the output of a GEMM queued a moment ago
-/// looks shared. Waits for the device thread only for a CUDA tensor that looks shared.
+/// looks shared. Waits for the device thread only for a CUDA tensor that looks shared. In the
+/// `stream` GEMM order (`BURNMIX_GEMM_ORDER`, or `same` where CubeCL's stream cannot be found) a
+/// GEMM keeps its tensors until the GPU has run it, so its output still looks shared after this.
 pub(crate) fn can_mut_once_issued<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
     if t.can_mut() {
         return true;
