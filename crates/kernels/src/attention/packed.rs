@@ -110,8 +110,9 @@ pub(crate) fn rotations() -> (usize, usize) {
 
 /// The packed projection with RoPE applied to its query and key heads, its value heads as they
 /// are: rotated in `qkv`'s own buffer when nothing else holds it (the projection is consumed; a
-/// GEMM still queued to write it is issued first, see `can_mut_once_issued`), else written to a new contiguous tensor in one pass (q and k rotated, v copied). The backward
-/// takes this tensor and rotates nothing again.
+/// GEMM still queued to write it is issued first, see `can_mut_once_issued`), else written to a
+/// new contiguous tensor in one pass (q and k rotated, v copied). The backward takes this tensor
+/// and rotates nothing again.
 pub(crate) fn rotate<R: CubeRuntime>(
     op: &str,
     qkv: CubeTensor<R>,
