@@ -46,14 +46,14 @@ struct Plan {
 const MAX_PER_LANE: usize = 8;
 
 /// Units of a row-per-plane cube (several rows at once, so that many loads are in flight): the
-/// forward's, and the backward's, which takes more registers a unit than the forward (80 against
-/// 47 at width 768 in bf16), so that smaller cubes fill an SM more evenly.
+/// forward's, and the backward's, smaller so that its cubes fill an SM more evenly.
 pub(super) const ROW_PLANE_UNITS: usize = 256;
 pub(super) const BWD_ROW_PLANE_UNITS: usize = 128;
 
 /// Cubes per SM the backward launches at most (each walks its rows and writes one row of partial
-/// weight gradients): row-per-plane cubes, and one-row cubes.
-const BWD_CUBES_PER_SM: usize = 8;
+/// weight gradients): row-per-plane cubes, and one-row cubes. At width 768 in bf16 a row-per-plane
+/// cube takes 40 registers a unit (128 units), so an SM holds twelve: the whole grid in one wave.
+const BWD_CUBES_PER_SM: usize = 12;
 const BWD_ROW_CUBES_PER_SM: usize = 4;
 
 /// Shared memory the backward's row-per-plane cube may use for its units' weight-gradient sums
