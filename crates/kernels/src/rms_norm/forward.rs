@@ -41,8 +41,8 @@ struct Plan {
     plane: bool,
 }
 
-/// Vectors per unit up to which a row goes to one plane (each pass over a row is unrolled over a
-/// unit's vectors, so registers grow with them).
+/// Vectors per unit up to which a row goes to one plane (the forward's passes and the backward's
+/// first are unrolled over a unit's vectors, so registers grow with them).
 const MAX_PER_LANE: usize = 8;
 
 /// Units of a row-per-plane cube (several rows at once, so that many loads are in flight): the
