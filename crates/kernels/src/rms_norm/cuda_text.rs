@@ -23,6 +23,7 @@ use super::kernel::{rms_norm_bwd, rms_norm_fwd};
 const COLS: usize = 768;
 const VECTOR: usize = 4;
 const LANES: u32 = 32;
+const PER_UNIT: usize = (COLS / VECTOR).div_ceil(LANES as usize);
 
 /// What the CUDA server of a compute capability 9.0 GPU with CUDA 13 gives the compiler.
 fn hopper_options() -> CompilationOptions {
@@ -73,7 +74,6 @@ fn builder<Fe: 'static, We: 'static, Ne: 'static>(dtypes: [StorageType; 2]) -> K
 fn backward_text(dtypes: [StorageType; 2], add_res: bool) -> String {
     use rms_norm_bwd::{F, N, W};
     let rows_per_cube = BWD_ROW_PLANE_UNITS / LANES as usize;
-    let per_unit = (COLS / VECTOR).div_ceil(LANES as usize);
     let mut b = builder::<F, W, N>(dtypes);
     let arg = ArrayCompilationArg { inplace: None };
     let x = <Array<Vector<F, N>> as LaunchArg>::expand(&arg, &mut b);
@@ -97,11 +97,11 @@ fn backward_text(dtypes: [StorageType; 2], add_res: bool) -> String {
         dw_part,
         rows,
         row_vecs,
-        per_unit,
+        PER_UNIT,
         crate::launch::reduce_slots(LANES as usize, true),
         true,
         true,
-        rows_per_cube * per_unit * LANES as usize,
+        rows_per_cube * PER_UNIT * LANES as usize,
         add_res,
         dtypes,
     );
@@ -111,7 +111,6 @@ fn backward_text(dtypes: [StorageType; 2], add_res: bool) -> String {
 fn forward_text(dtypes: [StorageType; 2], residual: bool) -> String {
     use rms_norm_fwd::{F, N, W};
     let rows_per_cube = ROW_PLANE_UNITS / LANES as usize;
-    let per_unit = (COLS / VECTOR).div_ceil(LANES as usize);
     let mut b = builder::<F, W, N>(dtypes);
     let arg = ArrayCompilationArg { inplace: None };
     let x = <Array<Vector<F, N>> as LaunchArg>::expand(&arg, &mut b);
@@ -135,7 +134,7 @@ fn forward_text(dtypes: [StorageType; 2], residual: bool) -> String {
         rows,
         row_vecs,
         eps,
-        per_unit,
+        PER_UNIT,
         crate::launch::reduce_slots(LANES as usize, true),
         residual,
         true,
