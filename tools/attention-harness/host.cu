@@ -23,6 +23,7 @@ extern "C" int launch(const void* q, const void* k, const void* v, void* o, floa
     int r = encode(&info.q_map, q, heads, seq_q, batch, st[0], st[1], st[2], BR);
     if (!r) r = encode(&info.k_map, k, kv_heads, seq_k, batch, st[3], st[4], st[5], BC);
     if (!r) r = encode(&info.v_map, v, kv_heads, seq_k, batch, st[6], st[7], st[8], BC);
+    if (!r) r = encode(&info.o_map, o, heads, seq_q, batch, st[9], st[10], st[11], 64);
     if (r) return 1000 + r;
     info.heads = heads;
     info.group = heads / kv_heads;

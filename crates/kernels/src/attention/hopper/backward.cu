@@ -112,18 +112,13 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, 256
 // waiting.
 __device__ __forceinline__ void writer_sync(u32 id) { asm volatile("bar.sync %0, 160;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void writer_arrive(u32 id) { asm volatile("bar.arrive %0, 160;\n" ::"r"(id) : "memory"); }
-// Orders this thread's shared-memory writes before later reads by the async proxy (`wgmma`
-// operands, bulk copies).
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Adds `bytes` of f32 at `src` to `dst` by one bulk reduction (committed).
 __device__ __forceinline__ void bulk_add(float* dst, u32 src, u32 bytes) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
                  "r"(src), "r"(bytes)
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// Waits until this thread's bulk reductions have read their shared memory.
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 #if HD == 64
 #define wgmma_cols wgmma_rs_n64

@@ -88,6 +88,22 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar,
         : "memory");
 }
 
+// One TMA store of a box of `map` at (column, row, head, batch) from shared memory at `src`, as
+// this thread's bulk group (committed).
+__device__ __forceinline__ void tma_store(const TensorMap* map, u32 src, int col, int row, int head, int batch) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                     (u64)map),
+                 "r"(src), "r"(col), "r"(row), "r"(head), "r"(batch)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Orders this thread's shared-memory writes before later reads by the async proxy (`wgmma`
+// operands, bulk copies).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have read their shared memory, or have completed.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>

@@ -20,7 +20,8 @@
 // Tensors: q [batch, heads, seq_q, HD], k and v [batch, kv_heads, seq_k, HD] (query head h reads
 // k/v head h / group), each read through a TMA tensor map the launcher encodes (innermost first:
 // HD, seq, heads, batch; boxes of 64 columns by a tile's rows, 128-byte swizzle; rows past the end
-// read as zeros); out [batch, heads, seq_q, HD] (element strides, the last one 1) and lse [batch,
+// read as zeros); out [batch, heads, seq_q, HD] (element strides, the last one 1; written through
+// its own map, boxes of 64 columns by 64 rows, rows past the end dropped) and lse [batch,
 // heads, seq_q] (f32, contiguous): the natural log-sum-exp of each query row's scaled scores,
 // which the backward recomputes P from.
 //
@@ -46,7 +47,11 @@
 // interleave the conversion to P with the exponentials, so a softmax does not overlap its own
 // warpgroup's P V; a wait kept after the softmax measured no faster.) Across tiles: a tile's last
 // P V and the next tile's first scores are issued together, and the tile's output is written
-// while those scores run.
+// while those scores run: in 16 bits, each consumer puts its rows in its share of the tile's Q
+// buffer (which its scores are done with; `stmatrix`, in the layout of the output's tensor map)
+// and one of its threads stores them by TMA, so that its warps go on at once; the buffer goes
+// back to the producer after the next tile's first softmax, once the store has read it. (FP8's
+// Q buffer is half the output's size: it stores its output from registers.)
 //
 // FP8 (FlashAttention-3's recipe, block scales): q, k [.., seq, HD] and vt [batch, kv_heads, HD,
 // keys] in e4m3, vt being V transposed with its keys padded to a multiple of 32 (zeros) and put in
@@ -96,7 +101,7 @@
 #endif
 
 struct Info {
-    TensorMap q_map, k_map, v_map;
+    TensorMap q_map, k_map, v_map, o_map;
     u64 heads;
     u64 group;
     u64 seq_q;
@@ -165,6 +170,9 @@ __device__ __forceinline__ void turn_wait(u32 consumer) {
 __device__ __forceinline__ void turn_grant(u32 consumer) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(1u + consumer) : "memory");
 }
+
+// Consumer `cw`'s own named barrier over its four warps (ids after the turns').
+__device__ __forceinline__ void group_sync(u32 cw) { asm volatile("bar.sync %0, 128;\n" ::"r"(8u + cw) : "memory"); }
 
 #if HD == 64 && FP8
 #define wgmma_pv wgmma_rs_e4m3_n64
@@ -459,9 +467,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
 #pragma unroll
         for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
         release(k_empty(stage(0)));
+#if FP8
         if (blocks == 1) release(q_empty(buf));
+#endif
         if (masked(0)) mask_scores(s, 0, seq_k, row0, row1, col_in);
         softmax_step(s, block_scale(0), m, alpha, sum);
+#if !FP8
+        // The previous tile's output left its Q buffer (staged there for the TMA store): the
+        // buffer takes the tile after this one.
+        if (n > 0) {
+            if (warp == 0 && lane == 0) bulk_wait_read();
+            __syncwarp();
+            release(q_empty(buf ^ 1u));
+        }
+#endif
         l[0] = sum[0];
         l[1] = sum[1];
         to_fragments(s, p);
@@ -479,6 +498,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
                 inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
 #endif
             }
+#if FP8
             // Each row's address once: its stores (columns 8i + col_in) then take constant offsets.
             unsigned short* op = out + tile.b * info.o_b + tile.h * info.o_h + col_in;
             if (row0 < seq_q) {
@@ -491,6 +511,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
 #pragma unroll
                 for (int i = 0; i < HD / 8; ++i) dst[i * 4] = pack(o[i * 4 + 2] * inv[1], o[i * 4 + 3] * inv[1]);
             }
+#else
+            // The output in 16 bits into this warpgroup's 64 rows of the tile's Q buffer (its
+            // scores are done), in the layout of the tensor map's boxes (128-byte swizzle), by
+            // `stmatrix`: a lane gives the row address of matrix lane / 8 (rows 0-7 or 8-15 of
+            // the warp's 16, columns 8i or 8(i + 1)), each register one matrix's pair. Then one
+            // thread stores the boxes by TMA, rows past seq_q dropped.
+            {
+                const u32 mat = lane / 8u, r = warp * 16u + (mat & 1u) * 8u + lane % 8u;
+                const u32 rows_at = q_tile + cw * (64u * 128u) + r * 128u;
+#pragma unroll
+                for (int i = 0; i < HD / 8; i += 2) {
+                    const u32 cb = (u32)i + (mat >> 1), seg = cb / 8u, chunk = cb % 8u;
+                    const u32 addr = rows_at + seg * (BR * 128u) + ((chunk ^ (r % 8u)) * 16u);
+                    const u32 x0 = pack(o[i * 4] * inv[0], o[i * 4 + 1] * inv[0]);
+                    const u32 x1 = pack(o[i * 4 + 2] * inv[1], o[i * 4 + 3] * inv[1]);
+                    const u32 x2 = pack(o[i * 4 + 4] * inv[0], o[i * 4 + 5] * inv[0]);
+                    const u32 x3 = pack(o[i * 4 + 6] * inv[1], o[i * 4 + 7] * inv[1]);
+                    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                                 "r"(x0), "r"(x1), "r"(x2), "r"(x3)
+                                 : "memory");
+                }
+                fence_async_shared();
+                group_sync(cw);
+                if (warp == 0 && lane == 0) {
+#pragma unroll
+                    for (int seg = 0; seg < HD / 64; ++seg)
+                        tma_store(&info.o_map, q_tile + seg * (BR * 128u) + cw * (64u * 128u), seg * 64,
+                                  (int)(q0 + cw * 64u), (int)tile.h, (int)tile.b);
+                }
+            }
+#endif
             if (lane % 4u == 0u) {
                 const float ln2 = 0.6931471805599453f;
                 float* lp = lse + (tile.b * info.heads + tile.h) * info.seq_q;
@@ -527,8 +578,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
                 wgmma_wait<1>();
                 fence_regs(s);
                 release(k_empty(st1));
+#if FP8
                 // The tile's last scores are done: its Q buffer takes the tile after next.
                 if (j + 2 == blocks) release(q_empty(buf));
+#endif
                 if (masked(j + 1)) mask_scores(s, (j + 1) * BC, seq_k, row0, row1, col_in);
                 softmax_step(s, next_scale, m, alpha, sum);
                 wgmma_wait<0>();
@@ -584,4 +637,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
         kv += (u64)blocks;
 
     }
+#if !FP8
+    if (warp == 0 && lane == 0) bulk_wait_all();
+#endif
 }

@@ -16,8 +16,8 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 
 use super::{
-    check_maps, check_tiles, cuda, map_in_boxes, runs_on, Dims, ForwardJob, MapElement, Shape,
-    BLOCK_K, FORWARD_FP8_RUNS,
+    check_maps, check_tiles, cuda, map_in_boxes, map_of, runs_on, Dims, ForwardJob, MapElement,
+    Shape, BLOCK_K, FORWARD_FP8_RUNS, OUT_BOX_ROWS,
 };
 use crate::attention::fp8_reference::{KEY_SCALE_ROWS, Q_SCALE_ROWS};
 use crate::cuda_source::{launch as launch_cuda, CudaSource};
@@ -98,6 +98,8 @@ pub(crate) fn forward_fp8<R: CubeRuntime>(
         map_in_boxes(&q8, shape.block_q(), d.hd, e4m3),
         map_in_boxes(&k8, BLOCK_K, d.hd, e4m3),
         map_in_boxes(&vt8, d.hd, BLOCK_K, e4m3),
+        // `Info` holds the output's map too; the FP8 forward stores its output directly.
+        map_of(out, OUT_BOX_ROWS),
     ];
     check_maps(&maps)?;
     // Refused before anything is launched (`ForwardJob::queue` checks again).

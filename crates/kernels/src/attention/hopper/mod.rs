@@ -105,6 +105,9 @@ const SOURCE: &str = concat!(include_str!("common.cuh"), include_str!("forward.c
 const ENTRY: &str = "flash_forward_hopper";
 /// Keys per step.
 const BLOCK_K: usize = 128;
+/// Rows of the output's TMA boxes: a consumer warpgroup's (the 16-bit forward stores each
+/// warpgroup's output from shared memory; the FP8 forward's map goes unused).
+const OUT_BOX_ROWS: usize = 64;
 /// Key/value blocks in shared memory at once in the FP8 forward, whose tiles take half the bytes:
 /// four ran 0.99-1.13x as fast as two on an H100 (docs/results/2026-12-06-fp8-quantizer.md).
 const FP8_STAGES: usize = 4;
@@ -260,8 +263,8 @@ fn check_maps(maps: &[MapOf]) -> Result<(), String> {
         .try_for_each(|m| m.encode(STAND_IN_ADDRESS).map(|_| ()))
 }
 
-/// Writes `out` (`[batch, heads, seq_q, hd]`, any strides with a unit last one and even others)
-/// and `lse` (`[batch, heads, seq_q]` f32, contiguous) from q, k, v, where [`applies`] said yes.
+/// Writes `out` (`[batch, heads, seq_q, hd]`, strides as TMA takes them, see [`runs_on`]: the
+/// 16-bit forward stores it by TMA) and `lse` (`[batch, heads, seq_q]` f32, contiguous) from q, k, v, where [`applies`] said yes.
 /// The launch is queued on CubeCL's device thread (see `launch.rs`) and this returns at once;
 /// where the driver refuses a tensor map or the call has 2^32 tiles or more, nothing is queued
 /// and the error says why.
@@ -280,10 +283,11 @@ pub(crate) fn forward<R: CubeRuntime>(
         [q, k, v, out, lse].into_iter().map(cuda).collect();
     let tensors = tensors.expect("hopper::forward runs only where `applies` said yes (CUDA)");
     let shape = Shape::at(d.hd, causal, d.seq_q);
-    // The tensor maps: q in boxes of a block's query rows, k and v in blocks of keys.
-    let maps: Vec<MapOf> = tensors[..3]
+    // The tensor maps: q in boxes of a block's query rows, k and v in blocks of keys, out in a
+    // consumer warpgroup's rows.
+    let maps: Vec<MapOf> = tensors[..4]
         .iter()
-        .zip([shape.block_q(), BLOCK_K, BLOCK_K])
+        .zip([shape.block_q(), BLOCK_K, BLOCK_K, OUT_BOX_ROWS])
         .map(|(t, rows)| map_of(t, rows))
         .collect();
     check_maps(&maps)?;
@@ -312,7 +316,7 @@ fn check_tiles(d: &Dims, causal: bool) -> Result<(), String> {
 }
 
 /// A forward launch but for its `Info` words and grid: the kernel's tensors in its parameters'
-/// order (the three mapped ones first), their maps, and the variant.
+/// order (the four mapped ones first: q, k, v, out), their maps, and the variant.
 struct ForwardJob {
     tensors: Vec<CubeTensor<CudaRuntime>>,
     maps: Vec<MapOf>,
@@ -359,7 +363,7 @@ impl ForwardJob {
             fits
         };
         words.extend([q_blocks, pairs, section].map(|x| x as u64));
-        // `Info` in forward.cu: the three maps, then these words, in this order.
+        // `Info` in forward.cu: the four maps, then these words, in this order.
         debug_assert_eq!(
             words.len(),
             11,
