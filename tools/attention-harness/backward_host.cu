@@ -64,8 +64,8 @@ extern "C" int launch(const void* q, const void* k, const void* v, const void* d
     cast.dq_h = st[19];
     cast.dq_s = st[20];
     cast.scale = scale_bits;
-    cast.pairs = batch * heads * seq_q * HD / 2;
-    flash_dq_hopper<<<(unsigned)((cast.pairs + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+    cast.chunks = batch * heads * seq_q * HD / 8;
+    flash_dq_hopper<<<(unsigned)((cast.chunks + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
         dq_acc, (unsigned short*)dq, cast);
     return (int)cudaGetLastError();
 }
