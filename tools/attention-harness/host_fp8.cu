@@ -30,6 +30,7 @@ static int encode_bytes(TensorMap* map, const void* t, const u64 (&dims)[4], con
 extern "C" int launch(const void* q, const void* k, const void* vt, void* o, float* lse, const float* q_scale,
                       const float* k_scale, const float* v_scale, const u64* dims, const u64* o_strides,
                       u64 scale_bits, u64 section, void* stream) {
+    // info.o_map stays unset: the FP8 forward stores its output from registers.
     Info info;
     const u64 batch = dims[0], heads = dims[1], kv_heads = dims[2], seq_q = dims[3], seq_k = dims[4], keys = dims[5];
     int r = encode_bytes(&info.q_map, q, {HD, seq_q, heads, batch}, {HD, seq_q * HD, heads * seq_q * HD}, HD, BR);

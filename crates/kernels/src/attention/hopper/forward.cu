@@ -20,10 +20,10 @@
 // Tensors: q [batch, heads, seq_q, HD], k and v [batch, kv_heads, seq_k, HD] (query head h reads
 // k/v head h / group), each read through a TMA tensor map the launcher encodes (innermost first:
 // HD, seq, heads, batch; boxes of 64 columns by a tile's rows, 128-byte swizzle; rows past the end
-// read as zeros); out [batch, heads, seq_q, HD] (element strides, the last one 1; written through
-// its own map, boxes of 64 columns by 64 rows, rows past the end dropped) and lse [batch,
-// heads, seq_q] (f32, contiguous): the natural log-sum-exp of each query row's scaled scores,
-// which the backward recomputes P from.
+// read as zeros); out [batch, heads, seq_q, HD] (element strides, the last one 1; in 16 bits
+// written through its own map, boxes of 64 columns by 64 rows, rows past the end dropped) and lse
+// [batch, heads, seq_q] (f32, contiguous): the natural log-sum-exp of each query row's scaled
+// scores, which the backward recomputes P from.
 //
 // The work is split into tiles of BR = 64 * CONSUMERS query rows of one (batch, head), each
 // walking the key/value blocks of BC = 128 keys; blocks are persistent (one per SM) and take the
@@ -86,8 +86,9 @@
 #define Q_BYTES (BR * HD * ELT_BYTES)
 #define KV_BYTES (BC * HD * ELT_BYTES)
 // Shared memory from a 1024-byte aligned base: two Q buffers (a block's next tile is copied while
-// it finishes the current one), the K stages, the V stages, then the barriers (per Q buffer full
-// and empty; per stage k full, k empty, v full, v empty), 8 bytes each.
+// it finishes the current one; in 16 bits a tile's buffer also holds its output on the way to the
+// TMA store), the K stages, the V stages, then the barriers (per Q buffer full and empty; per
+// stage k full, k empty, v full, v empty), 8 bytes each.
 #define BARRIERS_AT (2 * Q_BYTES + 2 * STAGES * KV_BYTES)
 #define SMEM_BYTES (BARRIERS_AT + 8 * (4 + 4 * STAGES))
 // Registers a thread keeps after the hand-over: the producer's few, the consumers' share of the
@@ -171,7 +172,8 @@ __device__ __forceinline__ void turn_grant(u32 consumer) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(1u + consumer) : "memory");
 }
 
-// Consumer `cw`'s own named barrier over its four warps (ids after the turns').
+// Consumer `cw`'s own named barrier over its four warps: id 8 + cw, clear of 0 (`__syncthreads`)
+// and the turns' 1 ..= CONSUMERS.
 __device__ __forceinline__ void group_sync(u32 cw) { asm volatile("bar.sync %0, 128;\n" ::"r"(8u + cw) : "memory"); }
 
 #if HD == 64 && FP8
@@ -610,9 +612,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
                 to_fragments(s, p);
             } else {
                 // The next tile's first scores: its Q buffer and the stage after this one. After
-                // the last tile the products still run, on this tile's buffer and stage (which
-                // nothing writes any more), as a `wgmma` issued in a branch of its own would be
-                // serialized by ptxas; their scores are dropped.
+                // the last tile the products still run, on this tile's buffer and stage, as a
+                // `wgmma` issued in a branch of its own would be serialized by ptxas; their scores
+                // are dropped. (In 16 bits the output's `stmatrix` writes below go to the rows of
+                // this buffer that these products read, while they may still run: that changes
+                // only the dropped scores.)
                 const u32 next_buf = (n + 1u) % 2u, next_st = stage(j + 1);
                 if (!last_tile) {
                     bar_wait(q_full(next_buf), ((n + 1u) / 2u) & 1u);

@@ -256,15 +256,17 @@ fn map_in_boxes(
 }
 
 /// The maps encoded at a stand-in address as aligned as the real ones (CubeCL's allocations
-/// start at 256-byte multiples, [`runs_on`] checked the offsets): the driver checks shapes,
-/// strides and boxes here, so that a refusal falls back before anything is queued.
+/// start at 256-byte multiples, [`runs_on`] checked the inputs' offsets and the output is a fresh
+/// allocation): the driver checks shapes, strides and boxes here, so that a refusal falls back
+/// before anything is queued.
 fn check_maps(maps: &[MapOf]) -> Result<(), String> {
     maps.iter()
         .try_for_each(|m| m.encode(STAND_IN_ADDRESS).map(|_| ()))
 }
 
-/// Writes `out` (`[batch, heads, seq_q, hd]`, strides as TMA takes them, see [`runs_on`]: the
-/// 16-bit forward stores it by TMA) and `lse` (`[batch, heads, seq_q]` f32, contiguous) from q, k, v, where [`applies`] said yes.
+/// Writes `out` (`[batch, heads, seq_q, hd]`, with the strides and start that [`runs_on`] asks of
+/// the inputs, as the caller's fresh tensor has them: the 16-bit forward stores it by TMA) and
+/// `lse` (`[batch, heads, seq_q]` f32, contiguous) from q, k, v, where [`applies`] said yes.
 /// The launch is queued on CubeCL's device thread (see `launch.rs`) and this returns at once;
 /// where the driver refuses a tensor map or the call has 2^32 tiles or more, nothing is queued
 /// and the error says why.
