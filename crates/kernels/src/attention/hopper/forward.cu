@@ -612,11 +612,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
                 to_fragments(s, p);
             } else {
                 // The next tile's first scores: its Q buffer and the stage after this one. After
-                // the last tile the products still run, on this tile's buffer and stage, as a
-                // `wgmma` issued in a branch of its own would be serialized by ptxas; their scores
-                // are dropped. (In 16 bits the output's `stmatrix` writes below go to the rows of
-                // this buffer that these products read, while they may still run: that changes
-                // only the dropped scores.)
+                // the last tile the products still run, on the other Q buffer (nothing writes it
+                // any more: the producer has no tile to load, and in 16 bits this tile's output
+                // goes to this tile's buffer while they may run) and this stage, as a `wgmma`
+                // issued in a branch of its own would be serialized by ptxas; their scores are
+                // dropped.
                 const u32 next_buf = (n + 1u) % 2u, next_st = stage(j + 1);
                 if (!last_tile) {
                     bar_wait(q_full(next_buf), ((n + 1u) / 2u) & 1u);
@@ -626,7 +626,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_forward_hopper(
                 turn_wait(cw);
                 issue_pv(o, p, sv + st * KV_BYTES);
                 wgmma_commit();
-                issue_scores(s, last_tile ? q_tile : sq(next_buf), sk + (last_tile ? st : next_st) * KV_BYTES, cw);
+                issue_scores(s, sq(next_buf), sk + (last_tile ? st : next_st) * KV_BYTES, cw);
                 wgmma_commit();
                 // The last consumer's very last grant would open a turn nobody takes.
                 if (!(last_tile && cw == CONSUMERS - 1)) turn_grant(next);
