@@ -4,6 +4,7 @@ nvcc and checks and times it from PyTorch, without Rust: the quick loop for chan
 GPU machine. For an H100 or H200 with nvcc and PyTorch:
 
     python3 tools/attention-harness/harness.py [--no-bench] [--no-check] [--kernel OTHER_FORWARD.cu]
+        [--hd64-consumers 2|3]
 
 1. Builds every variant the launcher picks (head_dim 64 / 128, bf16 / f16, full / causal, two or
    three consumer warpgroups) side by side into --build-dir and prints ptxas's register and spill
@@ -37,10 +38,14 @@ from sdpa_bench import timed  # noqa: E402
 from nvcc_build import build_variants  # noqa: E402
 import schedule  # noqa: E402
 STAGES = 2
+# --hd64-consumers: the consumer warpgroups every head_dim 64 block takes instead of the rule's.
+HD64_CONSUMERS = None
 
 
 def consumers(hd, causal, seq_q):
     """Consumer warpgroups a block has: the rule of `Shape::at` in hopper/mod.rs."""
+    if hd == 64 and HD64_CONSUMERS:
+        return HD64_CONSUMERS
     return 3 if hd == 64 and not (causal and seq_q < 2048) else 2
 
 
@@ -198,7 +203,12 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--kernel", help="another version of forward.cu to build instead (to compare versions; "
                     "give each its own --build-dir)")
+    ap.add_argument("--hd64-consumers", type=int, choices=(2, 3),
+                    help="the consumer warpgroups of every head_dim 64 block (64 query rows each), instead of "
+                    "the launcher's rule (three, but two under the causal mask below 2048 queries)")
     a = ap.parse_args()
+    global HD64_CONSUMERS
+    HD64_CONSUMERS = a.hd64_consumers
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if torch.cuda.get_device_capability() != (9, 0):
         sys.exit("the kernel needs a compute capability 9.0 GPU (H100, H200)")
